@@ -1,0 +1,38 @@
+// The interface both backends (CPU reference, CUDA engine) implement; the CLI drives it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "checkpoints/sink.hpp"
+#include "model/config.hpp"
+
+namespace diffrun {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string name() const = 0;       // "cpu", "cuda"
+  virtual std::string precision() const = 0;  // "f32", "f64", "f16"
+  virtual const ModelConfig& config() const = 0;
+
+  // Facts that change numerics, stored as dump root attributes (device name, TF32, math mode...).
+  virtual std::map<std::string, std::string> facts() const { return {}; }
+
+  // Runs step `step` on `tokens` (step 0: the whole prompt at positions 0..T-1; later steps: one
+  // token at position n_past). Appends to the KV cache, records checkpoints into `sink`, and
+  // returns the logits of the last token over the real vocabulary [V].
+  virtual std::vector<float> forward(int step, std::span<const int32_t> tokens, Sink& sink) = 0;
+
+  // Number of positions in the KV cache so far.
+  virtual int n_past() const = 0;
+
+  // Empties the KV cache.
+  virtual void reset() = 0;
+};
+
+}  // namespace diffrun

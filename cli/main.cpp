@@ -1,0 +1,66 @@
+// diffrun's entry point: builds the CLI from the registered subcommands and maps errors to exit codes.
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+
+#include <CLI/CLI.hpp>
+#include <fmt/core.h>
+
+#include "cli/command.hpp"
+#include "model/error.hpp"
+
+namespace diffrun::cli {
+
+std::vector<CommandSpec>& command_registry() {
+  static std::vector<CommandSpec> registry;
+  return registry;
+}
+
+std::string models_dir() {
+  if (const char* d = std::getenv("DIFFRUN_MODELS"); d && *d) return d;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return std::string(x) + "/diffrun/models";
+  const char* home = std::getenv("HOME");
+  return std::string(home ? home : ".") + "/.cache/diffrun/models";
+}
+
+std::string default_model_path() { return models_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf"; }
+
+}  // namespace diffrun::cli
+
+int main(int argc, char** argv) {
+  using namespace diffrun::cli;
+  CLI::App app{"diffrun: layer-by-layer differential debugging of LLM inference engines"};
+  app.set_version_flag("--version", std::string("diffrun ") + DIFFRUN_VERSION);
+  app.require_subcommand(0, 1);
+
+  std::function<int()> run;
+  std::function<int()> top_level;
+  for (auto& spec : command_registry()) {
+    if (spec.name.empty()) {
+      top_level = spec.setup(app);
+      continue;
+    }
+    CLI::App* sub = app.add_subcommand(spec.name, spec.help);
+    auto fn = spec.setup(*sub);
+    sub->callback([&run, fn] { run = fn; });
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  try {
+    if (run) return run();
+    if (top_level) return top_level();
+    std::fputs(app.help().c_str(), stdout);
+    return 2;
+  } catch (const diffrun::Error& e) {
+    fmt::print(stderr, "diffrun: error: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "diffrun: internal error: {}\n", e.what());
+    return 2;
+  }
+}

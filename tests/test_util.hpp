@@ -1,0 +1,30 @@
+// Paths to test inputs: generated fixtures and the fetched SmolLM2 model.
+#pragma once
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+namespace diffrun::test {
+
+inline std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::string(v) : fallback;
+}
+
+inline std::string source_dir() { return env_or("DIFFRUN_SOURCE_DIR", "."); }
+
+// A generated fixture, e.g. fixture_path("tiny-llama-q4_k.gguf").
+inline std::string fixture_path(const std::string& name) {
+  return env_or("DIFFRUN_FIXTURE_DIR", "build/fixtures") + "/" + name;
+}
+
+inline std::string models_dir() {
+  if (const char* d = std::getenv("DIFFRUN_MODELS"); d && *d) return d;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return std::string(x) + "/diffrun/models";
+  return env_or("HOME", ".") + "/.cache/diffrun/models";
+}
+
+inline std::string smollm2_path() { return models_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf"; }
+
+}  // namespace diffrun::test
