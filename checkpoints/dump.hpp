@@ -1,0 +1,85 @@
+// HDF5 dump writer (a Sink) and reader, in the format of DESIGN.md ("diffrun-dump").
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "checkpoints/sink.hpp"
+#include "model/config.hpp"
+
+namespace diffrun {
+
+inline constexpr const char* kDumpFormat = "diffrun-dump";
+inline constexpr int kDumpFormatVersion = 1;
+
+// Root attributes of a dump.
+struct DumpMeta {
+  std::string backend;    // "cpu", "cuda", or any other writer's name
+  std::string precision;  // "f32", "f64", "f16"
+  std::string model_path;
+  std::string model_fingerprint;
+  ModelConfig config;     // stored as arch, n_layer, n_embd, ... attributes
+  std::string prompt;
+  std::vector<int32_t> token_ids;  // the prompt's ids
+  std::string created_utc;         // filled by the writer when empty
+  std::string diffrun_version;     // filled by the writer when empty
+  std::map<std::string, std::string> facts;  // backend facts (device, tf32, math mode...)
+  int format_version = kDumpFormatVersion;
+};
+
+// Writes to "<path>.tmp-<pid>" and renames to `path` in finish(); destroying an unfinished writer
+// removes the temporary file, so an interrupted run never leaves a file that looks whole.
+class DumpWriter final : public Sink {
+ public:
+  DumpWriter(const std::string& path, const DumpMeta& meta, CheckpointFilter filter = {});
+  ~DumpWriter() override;
+  bool wants(std::string_view name) const override;
+  void record(int step, std::string_view name, int layer, std::string_view layout,
+              std::span<const int64_t> shape, NativeDType native, std::span<const float> data) override;
+  void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override;
+  // Root attributes known only at the end (e.g. all token ids, per-step argmax) can be set here.
+  void set_attribute(const std::string& key, const std::vector<int32_t>& values);
+  void finish();
+  uint64_t bytes_written() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+struct DatasetInfo {
+  int step;
+  std::string name;
+  int order;
+  int layer;
+  std::string layout;
+  std::string native_dtype;
+  std::vector<int64_t> shape;
+  bool is_int;
+};
+
+class DumpReader {
+ public:
+  // Throws DumpError naming the file (not HDF5, not a diffrun dump, unsupported version).
+  explicit DumpReader(const std::string& path);
+  ~DumpReader();
+  const std::string& path() const;
+  const DumpMeta& meta() const;
+  std::vector<int> steps() const;
+  // Datasets of one step, sorted by `order`.
+  std::vector<DatasetInfo> datasets(int step) const;
+  const DatasetInfo* find(int step, const std::string& name) const;
+  // Reads one dataset (throws DumpError naming file and dataset).
+  std::vector<float> read(int step, const std::string& name) const;
+  std::vector<int32_t> read_ids(int step, const std::string& name) const;
+  std::vector<int32_t> int_attribute(const std::string& key) const;  // empty when absent
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace diffrun
