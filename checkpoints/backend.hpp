@@ -31,6 +31,9 @@ class Backend {
   // Number of positions in the KV cache so far.
   virtual int n_past() const = 0;
 
+  // Positions the KV cache holds (prompt plus decode steps may not exceed it).
+  virtual int max_ctx() const { return config().n_ctx; }
+
   // Empties the KV cache.
   virtual void reset() = 0;
 };

@@ -1,0 +1,72 @@
+// Shared run orchestration for the CLI: prompt options, backend choice, the prefill+decode loop, dump metadata.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "checkpoints/backend.hpp"
+#include "checkpoints/dump.hpp"
+#include "checkpoints/sink.hpp"
+#include "model/gguf.hpp"
+#include "model/tokenizer.hpp"
+
+namespace diffrun::cli {
+
+// How the prompt is given: text (optionally through the chat template) or explicit ids.
+struct PromptOptions {
+  std::string prompt;
+  bool chat = false;
+  std::string system;
+  std::string tmpl;    // chat template name; empty: detected from the model
+  std::string tokens;  // "1,2,3"
+  bool no_parse_special = false;
+  void add_options(CLI::App& app);  // --prompt --chat --system --template --tokens --no-parse-special
+};
+
+// The prompt's ids. Throws InputError: empty prompt, both or neither of --prompt/--tokens, ids
+// outside the vocabulary.
+std::vector<int32_t> prompt_tokens(const GgufFile& file, const Tokenizer& tok, const PromptOptions& opt);
+
+// The text a run records as its prompt: the prompt as given (after the chat template), or the ids.
+std::string prompt_text(const GgufFile& file, const PromptOptions& opt);
+
+struct BackendOptions {
+  std::string backend = "cpu";
+  std::string precision = "f32";
+  void add_options(CLI::App& app);  // --backend --precision
+};
+
+// cpu → make_cpu_backend; cuda → make_cuda_backend when built with the CUDA engine, else
+// Error("diffrun was built without the CUDA engine").
+std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
+                                      int max_ctx);
+
+struct StepsResult {
+  std::vector<int32_t> tokens;  // prompt then the fed tokens
+  std::vector<int32_t> argmax;  // the backend's own argmax after each step [steps+1]
+  std::vector<std::vector<float>> last_logits;  // [steps+1][V], only when keep_logits
+};
+
+// Step 0 = prefill of `prompt`; then `steps` decode steps. forced empty: greedy (feeds its own
+// argmax). Otherwise teacher forcing: decode step i (1-based) is fed forced[i-1]. Records every
+// checkpoint into sink. Throws InputError if prompt + steps exceeds max_ctx (the backend's context)
+// or forced is shorter than steps.
+StepsResult run_steps(Backend& backend, std::span<const int32_t> prompt, int steps, std::span<const int32_t> forced,
+                      Sink& sink, bool keep_logits = false,
+                      const std::function<void(int step, int total)>& on_step = {});
+
+// Root attributes for a dump written by `backend` (model path and fingerprint, config, prompt, ids,
+// backend facts).
+DumpMeta dump_meta(const GgufFile& file, const Backend& backend, const std::string& prompt,
+                   std::span<const int32_t> prompt_ids);
+
+// Index of the largest value (the first one on ties).
+int32_t argmax(std::span<const float> logits);
+
+}  // namespace diffrun::cli
