@@ -1,0 +1,49 @@
+// Checkpoint recording for the reference: asks the sink first, converts f64 to float only when wanted.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "checkpoints/sink.hpp"
+#include "checkpoints/vocabulary.hpp"
+
+namespace diffrun::ref {
+
+template <typename T>
+class Recorder {
+ public:
+  Recorder(Sink& sink, int step) : sink_(sink), step_(step) {}
+
+  bool wants(const char* base, int layer = -1) const { return sink_.wants(checkpoint_name(base, layer)); }
+
+  // Records `data` (row-major, `shape` named by the vocabulary's layout of `base`) when the sink wants it.
+  void operator()(const char* base, int layer, std::initializer_list<int64_t> shape, const T* data) {
+    const std::string name = checkpoint_name(base, layer);
+    if (!sink_.wants(name)) return;
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    const CheckpointKind* kind = find_checkpoint_kind(base);
+    const char* layout = kind ? kind->layout : "";
+    const std::span<const int64_t> dims(shape.begin(), shape.size());
+    if constexpr (std::is_same_v<T, float>) {
+      sink_.record(step_, name, layer, layout, dims, NativeDType::f32, std::span<const float>(data, n));
+    } else {
+      const std::vector<float> narrowed(data, data + n);
+      sink_.record(step_, name, layer, layout, dims, NativeDType::f64, narrowed);
+    }
+  }
+
+  void ids(const char* base, std::span<const int32_t> ids) {
+    if (sink_.wants(base)) sink_.record_ids(step_, base, ids);
+  }
+
+ private:
+  Sink& sink_;
+  int step_;
+};
+
+}  // namespace diffrun::ref

@@ -1,0 +1,160 @@
+// The CPU reference backend: one readable forward pass (one line per op, then its checkpoint), f32 or f64.
+// T tokens of the step, S = n_past + T positions attended, D model width, H/Hkv heads, Dh head width,
+// F feed-forward width, V real vocabulary.
+#include "reference_cpu/reference.hpp"
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <omp.h>
+
+#include "model/error.hpp"
+#include "reference_cpu/kv_cache.hpp"
+#include "reference_cpu/ops/add.hpp"
+#include "reference_cpu/ops/attention.hpp"
+#include "reference_cpu/ops/embedding.hpp"
+#include "reference_cpu/ops/matmul.hpp"
+#include "reference_cpu/ops/rms_norm.hpp"
+#include "reference_cpu/ops/rope.hpp"
+#include "reference_cpu/ops/swiglu.hpp"
+#include "reference_cpu/recorder.hpp"
+#include "reference_cpu/weights.hpp"
+
+namespace diffrun {
+
+namespace {
+
+using namespace diffrun::ref;
+
+template <typename T>
+const T* bias_or_null(const Vector<T>& b /* [N] or empty */) {
+  return b.size() ? b.data() : nullptr;
+}
+
+template <typename T>
+class CpuBackend final : public Backend {
+  static constexpr const T* kNoBias = nullptr;
+
+ public:
+  CpuBackend(const GgufFile& file, const ModelConfig& cfg, int max_ctx)
+      : cfg_(cfg), max_ctx_(max_ctx), w_(Weights<T>::load(file, cfg)),
+        cache_(cfg.n_layer, max_ctx, cfg.n_head_kv * cfg.head_dim) {
+    if (w_.token_embd.rows() < cfg_.n_vocab || w_.lm_head().rows() < cfg_.n_vocab) {
+      throw ModelError("token_embd/output have fewer rows than the vocabulary of " + std::to_string(cfg_.n_vocab));
+    }
+  }
+
+  std::string name() const override { return "cpu"; }
+  std::string precision() const override { return std::is_same_v<T, float> ? "f32" : "f64"; }
+  const ModelConfig& config() const override { return cfg_; }
+  std::map<std::string, std::string> facts() const override {
+    return {{"cpu_threads", std::to_string(omp_get_max_threads())},
+            {"eigen_version", std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
+                                  std::to_string(EIGEN_MINOR_VERSION)},
+            {"eigen_simd", Eigen::SimdInstructionSetsInUse()}};
+  }
+  int n_past() const override { return n_past_; }
+  int max_ctx() const override { return max_ctx_; }
+  void reset() override { n_past_ = 0; }
+
+  std::vector<float> forward(int step, std::span<const int32_t> tokens, Sink& sink) override {
+    const int n = static_cast<int>(tokens.size());
+    const int D = cfg_.n_embd, V = cfg_.n_vocab;
+    if (n == 0) throw InputError("step " + std::to_string(step) + " has no tokens");
+    if (n_past_ + n > max_ctx_) {
+      throw InputError("step " + std::to_string(step) + ": " + std::to_string(n_past_) + " cached + " +
+                       std::to_string(n) + " new tokens exceed the context of " + std::to_string(max_ctx_));
+    }
+    Recorder<T> cp(sink, step);
+    cp.ids("tokens", tokens);
+
+    std::vector<T> x(static_cast<size_t>(n) * D);  // [T,D] residual stream
+    embedding(x.data(), tokens.data(), w_.token_embd.data(), n, D, V);           cp("embd", -1, {n, D}, x.data());
+    for (int l = 0; l < cfg_.n_layer; ++l) layer(l, x, n, cp);
+
+    std::vector<T> xn(x.size());                   // [T,D]
+    rms_norm(xn.data(), x.data(), w_.output_norm.data(), n, D, T(cfg_.rms_eps)); cp("result_norm", -1, {n, D}, xn.data());
+    const int rows = cp.wants("result_output") ? n : 1;  // every token's logits only when recorded
+    std::vector<T> logits(static_cast<size_t>(rows) * V);  // [rows,V]
+    const T* last_rows = xn.data() + static_cast<size_t>(n - rows) * D;  // [rows,D]
+    matmul(logits.data(), last_rows, w_.lm_head().data(), kNoBias, rows, D, V);
+    if (rows == n) cp("result_output", -1, {n, V}, logits.data());
+
+    n_past_ += n;
+    return std::vector<float>(logits.end() - V, logits.end());
+  }
+
+ private:
+  // One transformer block on x [T,D] in place.
+  void layer(int l, std::vector<T>& x /* [T,D] */, int n, Recorder<T>& cp) {
+    const LayerWeights<T>& w = w_.layers[l];
+    const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, F = cfg_.n_ff;
+    const int Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n, pos0 = n_past_;
+    const T eps = T(cfg_.rms_eps), theta = T(cfg_.rope_theta);
+    const auto rope = cfg_.rope_type == RopeType::norm ? rope_norm<T> : rope_neox<T>;
+    const size_t nD = static_cast<size_t>(n) * D;
+    T* cache_k = cache_.k[l].data();  // [C,Hkv*Dh]; rows 0..S-1 valid after this step
+    T* cache_v = cache_.v[l].data();  // [C,Hkv*Dh]
+
+    std::vector<T> xn(nD);                                 // [T,D]
+    rms_norm(xn.data(), x.data(), w.attn_norm.data(), n, D, eps);                 cp("attn_norm", l, {n, D}, xn.data());
+
+    std::vector<T> q(static_cast<size_t>(n) * Q);          // [T,H*Dh]
+    std::vector<T> k(static_cast<size_t>(n) * KV);         // [T,Hkv*Dh]
+    std::vector<T> v(static_cast<size_t>(n) * KV);         // [T,Hkv*Dh]
+    matmul(q.data(), xn.data(), w.wq.data(), bias_or_null(w.bq), n, D, Q);        cp("Qcur", l, {n, H, Dh}, q.data());
+    matmul(k.data(), xn.data(), w.wk.data(), bias_or_null(w.bk), n, D, KV);       cp("Kcur", l, {n, Hkv, Dh}, k.data());
+    matmul(v.data(), xn.data(), w.wv.data(), bias_or_null(w.bv), n, D, KV);       cp("Vcur", l, {n, Hkv, Dh}, v.data());
+    if (cfg_.qk_norm) {
+      rms_norm(q.data(), q.data(), w.q_norm.data(), n * H, Dh, eps);              cp("Qnorm", l, {n, H, Dh}, q.data());
+      rms_norm(k.data(), k.data(), w.k_norm.data(), n * Hkv, Dh, eps);            cp("Knorm", l, {n, Hkv, Dh}, k.data());
+    }
+    rope(q.data(), q.data(), n, H, Dh, pos0, theta);                              cp("Qrope", l, {n, H, Dh}, q.data());
+    rope(k.data(), k.data(), n, Hkv, Dh, pos0, theta);                            cp("Krope", l, {n, Hkv, Dh}, k.data());
+
+    std::copy(k.begin(), k.end(), cache_k + static_cast<size_t>(pos0) * KV);     cp("cache_k", l, {S, Hkv, Dh}, cache_k);
+    std::copy(v.begin(), v.end(), cache_v + static_cast<size_t>(pos0) * KV);     cp("cache_v", l, {S, Hkv, Dh}, cache_v);
+
+    std::vector<T> probs(static_cast<size_t>(H) * n * S);  // [H,T,S]
+    std::vector<T> kqv(static_cast<size_t>(n) * Q);        // [T,H*Dh]
+    attention(kqv.data(), probs.data(), q.data(), cache_k, cache_v, n, pos0, H, Hkv, Dh);
+    cp("kq_soft_max", l, {H, n, S}, probs.data());
+    cp("kqv_out", l, {n, H, Dh}, kqv.data());
+
+    std::vector<T> attn_out(nD);                           // [T,D]
+    matmul(attn_out.data(), kqv.data(), w.wo.data(), kNoBias, n, Q, D);           cp("attn_out", l, {n, D}, attn_out.data());
+    std::vector<T> ffn_inp(nD);                            // [T,D]
+    add(ffn_inp.data(), x.data(), attn_out.data(), static_cast<int64_t>(nD));     cp("ffn_inp", l, {n, D}, ffn_inp.data());
+    rms_norm(xn.data(), ffn_inp.data(), w.ffn_norm.data(), n, D, eps);            cp("ffn_norm", l, {n, D}, xn.data());
+
+    std::vector<T> gate(static_cast<size_t>(n) * F);       // [T,F]
+    std::vector<T> up(static_cast<size_t>(n) * F);         // [T,F]
+    matmul(gate.data(), xn.data(), w.w_gate.data(), kNoBias, n, D, F);            cp("ffn_gate", l, {n, F}, gate.data());
+    matmul(up.data(), xn.data(), w.w_up.data(), kNoBias, n, D, F);                cp("ffn_up", l, {n, F}, up.data());
+    swiglu(gate.data(), gate.data(), up.data(), static_cast<int64_t>(gate.size())); cp("ffn_swiglu", l, {n, F}, gate.data());
+    std::vector<T> ffn_out(nD);                            // [T,D]
+    matmul(ffn_out.data(), gate.data(), w.w_down.data(), kNoBias, n, F, D);       cp("ffn_out", l, {n, D}, ffn_out.data());
+    add(x.data(), ffn_inp.data(), ffn_out.data(), static_cast<int64_t>(nD));      cp("l_out", l, {n, D}, x.data());
+  }
+
+  ModelConfig cfg_;
+  int max_ctx_;
+  Weights<T> w_;
+  KvCache<T> cache_;
+  int n_past_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(const GgufFile& file, const ModelConfig& cfg, const std::string& precision,
+                                          int max_ctx) {
+  if (max_ctx < 1) throw InputError("the CPU reference needs a context of at least 1 position");
+  validate_tensors(file, cfg);
+  if (precision == "f32") return std::make_unique<CpuBackend<float>>(file, cfg, max_ctx);
+  if (precision == "f64") return std::make_unique<CpuBackend<double>>(file, cfg, max_ctx);
+  throw InputError("the cpu backend computes in f32 or f64, not '" + precision + "'");
+}
+
+}  // namespace diffrun

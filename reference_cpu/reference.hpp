@@ -1,0 +1,19 @@
+// The CPU reference backend: an Eigen forward pass in f32 or f64 for llama, qwen2 and qwen3.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "checkpoints/backend.hpp"
+#include "model/config.hpp"
+#include "model/gguf.hpp"
+
+namespace diffrun {
+
+// Validates the tensors and dequantizes every weight once into `precision` ("f32" | "f64"); the KV cache
+// holds max_ctx positions. Throws InputError for another precision or max_ctx < 1, ModelError for a
+// missing or malformed tensor.
+std::unique_ptr<Backend> make_cpu_backend(const GgufFile& file, const ModelConfig& cfg, const std::string& precision,
+                                          int max_ctx);
+
+}  // namespace diffrun

@@ -1,0 +1,70 @@
+// Loading the reference's weights: dequantize_tensor<T> per tensor, copied into Eigen row-major storage.
+#include "reference_cpu/weights.hpp"
+
+#include <string>
+
+#include "model/dequant.hpp"
+#include "model/error.hpp"
+
+namespace diffrun::ref {
+
+namespace {
+
+// A GGUF tensor as a row-major [ne1*ne2*..., ne0] matrix.
+template <typename T>
+Matrix<T> load_matrix(const GgufFile& file, const std::string& name) {
+  const TensorInfo& info = file.tensor(name);
+  const std::vector<T> values = dequantize_tensor<T>(file, info);
+  const int64_t cols = info.ne.empty() ? 1 : info.ne[0];
+  const int64_t rows = info.rows();
+  if (static_cast<int64_t>(values.size()) != rows * cols) {
+    throw ModelError(name + ": dequantized " + std::to_string(values.size()) + " values, expected " +
+                     std::to_string(rows * cols));
+  }
+  return Eigen::Map<const Matrix<T>>(values.data(), rows, cols);
+}
+
+template <typename T>
+Vector<T> load_vector(const GgufFile& file, const std::string& name) {
+  const TensorInfo& info = file.tensor(name);
+  const std::vector<T> values = dequantize_tensor<T>(file, info);
+  return Eigen::Map<const Vector<T>>(values.data(), static_cast<int64_t>(values.size()));
+}
+
+}  // namespace
+
+template <typename T>
+Weights<T> Weights<T>::load(const GgufFile& file, const ModelConfig& cfg) {
+  Weights<T> w;
+  w.token_embd = load_matrix<T>(file, "token_embd.weight");
+  w.output_norm = load_vector<T>(file, "output_norm.weight");
+  if (!cfg.tied_output) w.output = load_matrix<T>(file, "output.weight");
+  w.layers.resize(cfg.n_layer);
+  for (int l = 0; l < cfg.n_layer; ++l) {
+    LayerWeights<T>& lw = w.layers[l];
+    lw.attn_norm = load_vector<T>(file, layer_tensor(l, "attn_norm.weight"));
+    lw.wq = load_matrix<T>(file, layer_tensor(l, "attn_q.weight"));
+    lw.wk = load_matrix<T>(file, layer_tensor(l, "attn_k.weight"));
+    lw.wv = load_matrix<T>(file, layer_tensor(l, "attn_v.weight"));
+    if (cfg.qkv_bias) {
+      lw.bq = load_vector<T>(file, layer_tensor(l, "attn_q.bias"));
+      lw.bk = load_vector<T>(file, layer_tensor(l, "attn_k.bias"));
+      lw.bv = load_vector<T>(file, layer_tensor(l, "attn_v.bias"));
+    }
+    if (cfg.qk_norm) {
+      lw.q_norm = load_vector<T>(file, layer_tensor(l, "attn_q_norm.weight"));
+      lw.k_norm = load_vector<T>(file, layer_tensor(l, "attn_k_norm.weight"));
+    }
+    lw.wo = load_matrix<T>(file, layer_tensor(l, "attn_output.weight"));
+    lw.ffn_norm = load_vector<T>(file, layer_tensor(l, "ffn_norm.weight"));
+    lw.w_gate = load_matrix<T>(file, layer_tensor(l, "ffn_gate.weight"));
+    lw.w_up = load_matrix<T>(file, layer_tensor(l, "ffn_up.weight"));
+    lw.w_down = load_matrix<T>(file, layer_tensor(l, "ffn_down.weight"));
+  }
+  return w;
+}
+
+template struct Weights<float>;
+template struct Weights<double>;
+
+}  // namespace diffrun::ref

@@ -1,0 +1,3 @@
+# Tests of the CPU reference (reference_cpu/): ops against naive loops, the model end to end, goldens.
+diffrun_test(test_reference_ops SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_reference_ops.cpp
+             LIBS diffrun_reference)
