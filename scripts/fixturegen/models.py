@@ -1,0 +1,189 @@
+"""Model shapes, deterministic random weights and the GGUF writer for the fixtures.
+
+Dimension letters: D n_embd, H heads, Hkv KV heads, Dh head dim, F n_ff, V vocabulary.
+Every float weight is drawn from its own generator seeded by (seed, family, tensor name), so the
+same family gives the same float weights in every format (tiny-llama and tiny-llama-tied share
+them too) and a test can regenerate any tensor's float reference with `float_weights`.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from . import quants, vocab
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str          # file stem: <name>-<fmt>.gguf
+    family: str        # weight seed key
+    arch: str          # llama | qwen2 | qwen3
+    n_layer: int
+    n_embd: int        # D
+    n_head: int        # H
+    n_head_kv: int     # Hkv
+    head_dim: int      # Dh
+    n_ff: int          # F
+    n_ctx: int
+    rope_theta: float
+    rms_eps: float
+    tied: bool
+    vocab: str         # qwen2_bpe | llama_spm
+    n_vocab: int = 0   # 0: the vocabulary's own size, else padded to this
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+
+TINY = {s.name: s for s in [
+    Shape("tiny-llama", "tiny-llama", "llama", 2, 256, 4, 2, 64, 512, 256, 10000.0, 1e-5, False, "llama_spm"),
+    Shape("tiny-llama-tied", "tiny-llama", "llama", 2, 256, 4, 2, 64, 512, 256, 10000.0, 1e-5, True, "llama_spm"),
+    Shape("tiny-qwen2", "tiny-qwen2", "qwen2", 2, 256, 8, 2, 32, 512, 256, 1e6, 1e-6, True, "qwen2_bpe",
+          qkv_bias=True),
+    Shape("tiny-qwen3", "tiny-qwen3", "qwen3", 2, 256, 8, 4, 32, 512, 256, 1e6, 1e-6, True, "qwen2_bpe",
+          qk_norm=True),
+]}
+
+FULL = {s.name: s for s in [
+    Shape("qwen2.5-0.5b", "qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 64, 4864, 32768, 1e6, 1e-6, True,
+          "qwen2_bpe", n_vocab=151936, qkv_bias=True),
+    Shape("tinyllama-1.1b", "tinyllama-1.1b", "llama", 22, 2048, 32, 4, 64, 5632, 2048, 10000.0, 1e-5, False,
+          "llama_spm", n_vocab=32000),
+]}
+FULL_FORMAT = {"qwen2.5-0.5b": "f16", "tinyllama-1.1b": "q5_k_m"}
+
+TINY_FORMATS = list(quants.FORMATS) + ["kmix"]
+
+FILE_TYPES = {
+    "f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0, "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    "q2_k": gguf.LlamaFileType.MOSTLY_Q2_K, "q3_k": gguf.LlamaFileType.MOSTLY_Q3_K_S,
+    "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S, "q5_k": gguf.LlamaFileType.MOSTLY_Q5_K_S,
+    "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K, "kmix": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    "q5_k_m": gguf.LlamaFileType.MOSTLY_Q5_K_M,
+}
+
+
+def load_vocab(shape: Shape) -> vocab.Vocab:
+    v = vocab.qwen2_bpe() if shape.vocab == "qwen2_bpe" else vocab.llama_spm()
+    return v.padded(shape.n_vocab) if shape.n_vocab else v
+
+
+def tensor_shapes(shape: Shape, n_vocab: int) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name → numpy shape (rows, cols), i.e. GGUF dims reversed; in llama.cpp's file order."""
+    D, F, q_dim, kv_dim = shape.n_embd, shape.n_ff, shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
+    out: dict[str, tuple[int, ...]] = {"token_embd.weight": (n_vocab, D)}
+    for i in range(shape.n_layer):
+        b = f"blk.{i}."
+        out[b + "attn_norm.weight"] = (D,)
+        out[b + "attn_q.weight"] = (q_dim, D)
+        out[b + "attn_k.weight"] = (kv_dim, D)
+        out[b + "attn_v.weight"] = (kv_dim, D)
+        if shape.qkv_bias:
+            out[b + "attn_q.bias"] = (q_dim,)
+            out[b + "attn_k.bias"] = (kv_dim,)
+            out[b + "attn_v.bias"] = (kv_dim,)
+        if shape.qk_norm:
+            out[b + "attn_q_norm.weight"] = (shape.head_dim,)
+            out[b + "attn_k_norm.weight"] = (shape.head_dim,)
+        out[b + "attn_output.weight"] = (D, q_dim)
+        out[b + "ffn_norm.weight"] = (D,)
+        out[b + "ffn_gate.weight"] = (F, D)
+        out[b + "ffn_up.weight"] = (F, D)
+        out[b + "ffn_down.weight"] = (D, F)
+    out["output_norm.weight"] = (D,)
+    if not shape.tied:
+        out["output.weight"] = (n_vocab, D)
+    return out
+
+
+def float_weights(shape: Shape, name: str, dims: tuple[int, ...], seed: int) -> np.ndarray:
+    """The float32 weight a fixture stores (before quantization), reproducible from its seed."""
+    rng = np.random.default_rng([seed, zlib.crc32(shape.family.encode()), zlib.crc32(name.encode())])
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
+    if name == "token_embd.weight":
+        return (0.2 * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
+    if name.endswith(".bias"):
+        b = 0.1 * rng.standard_normal(dims, dtype=np.float32)
+        if name.endswith("attn_k.bias"):
+            # Real Qwen k biases carry a few huge channels; RoPE turns them into position-dependent scores.
+            idx = rng.choice(dims[0], size=3, replace=False)
+            b[idx] = rng.uniform(20.0, 40.0, size=3).astype(np.float32) * rng.choice([-1.0, 1.0], size=3)
+        return b.astype(np.float32)
+    std = float(np.clip(0.8 / np.sqrt(dims[-1]), 0.02, 0.05))
+    return (std * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
+
+
+def _use_more_bits(layer: int, n_layer: int) -> bool:
+    """llama.cpp's rule for which layers get the bigger type in the _M mixes."""
+    return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
+
+
+def tensor_type(fmt: str, name: str, n_layer: int) -> QT:
+    """The GGML type a tensor is stored in for a fixture format; norms and biases are always F32."""
+    if not name.endswith(".weight") or name.endswith("norm.weight"):
+        return QT.F32
+    if fmt in quants.FORMATS:
+        return quants.FORMATS[fmt]
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    if fmt == "kmix":  # like Q4_K_M
+        if name == "token_embd.weight":
+            return QT.Q8_0
+        if name == "output.weight" or name.endswith("ffn_down.weight"):
+            return QT.Q6_K
+        if name.endswith("attn_v.weight"):
+            return QT.Q5_K
+        return QT.Q4_K
+    if fmt == "q5_k_m":  # like llama.cpp's Q5_K_M
+        if name == "output.weight":
+            return QT.Q6_K
+        if name.endswith(("attn_v.weight", "ffn_down.weight")) and _use_more_bits(layer, n_layer):
+            return QT.Q6_K
+        return QT.Q5_K
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def write_model(shape: Shape, fmt: str, path: Path, seed: int) -> None:
+    """Writes one fixture GGUF atomically (temporary name, then rename)."""
+    v = load_vocab(shape)
+    arch = shape.arch
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    w.add_type("model")
+    w.add_name(f"diffrun {path.stem} (random weights, seed {seed})")
+    w.add_block_count(shape.n_layer)
+    w.add_context_length(shape.n_ctx)
+    w.add_embedding_length(shape.n_embd)
+    w.add_feed_forward_length(shape.n_ff)
+    w.add_head_count(shape.n_head)
+    w.add_head_count_kv(shape.n_head_kv)
+    if arch == "qwen3":
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(shape.rms_eps)
+    w.add_file_type(FILE_TYPES[fmt])
+    w.add_vocab_size(len(v.tokens))
+    w.add_rope_dimension_count(shape.head_dim)
+    v.write(w)
+    if fmt not in ("f32", "f16"):
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for name, dims in tensor_shapes(shape, len(v.tokens)).items():
+        data = float_weights(shape, name, dims, seed)
+        qtype = tensor_type(fmt, name, shape.n_layer)
+        stored = quants.quantize(data, qtype) if len(dims) == 2 else data
+        w.add_tensor(name, stored, raw_dtype=None if qtype in (QT.F32, QT.F16) else qtype)
+        del data
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
