@@ -1,0 +1,174 @@
+// ModelConfig from GGUF metadata for llama, qwen2 and qwen3, and the tensor table check before compute.
+#include "model/config.hpp"
+
+#include <limits>
+
+#include <fmt/core.h>
+#include <fmt/ranges.h>
+
+#include "model/dequant.hpp"
+#include "model/error.hpp"
+
+namespace diffrun {
+
+const char* arch_name(Arch a) {
+  switch (a) {
+    case Arch::llama: return "llama";
+    case Arch::qwen2: return "qwen2";
+    case Arch::qwen3: return "qwen3";
+  }
+  return "unknown";
+}
+
+const char* rope_type_name(RopeType r) { return r == RopeType::norm ? "norm" : "neox"; }
+
+namespace {
+
+// A positive integer that fits in int, else ModelError naming the key.
+int positive_int(const GgufFile& file, const std::string& key, int64_t v) {
+  if (v <= 0 || v > std::numeric_limits<int>::max())
+    throw ModelError(fmt::format("{}: metadata key '{}' = {} is not a positive int", file.path(), key, v));
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+ModelConfig config_from_gguf(const GgufFile& file) {
+  ModelConfig c;
+  const std::string arch = file.get_string("general.architecture");
+  if (arch == "llama") {
+    c.arch = Arch::llama;
+    c.rope_type = RopeType::norm;
+  } else if (arch == "qwen2") {
+    c.arch = Arch::qwen2;
+    c.rope_type = RopeType::neox;
+    c.qkv_bias = true;
+  } else if (arch == "qwen3") {
+    c.arch = Arch::qwen3;
+    c.rope_type = RopeType::neox;
+    c.qk_norm = true;
+  } else {
+    throw ModelError(fmt::format("{}: unsupported architecture '{}'; diffrun supports llama, qwen2, qwen3",
+                                 file.path(), arch));
+  }
+  auto key = [&](const char* suffix) { return arch + "." + suffix; };
+  auto req = [&](const char* suffix) {
+    const std::string k = key(suffix);
+    return positive_int(file, k, file.get_int(k));
+  };
+  auto opt = [&](const char* suffix, int64_t fallback) {
+    const std::string k = key(suffix);
+    return positive_int(file, k, file.get_int(k, fallback));
+  };
+
+  c.n_layer = req("block_count");
+  c.n_embd = req("embedding_length");
+  c.n_ff = req("feed_forward_length");
+  c.n_head = req("attention.head_count");
+  c.n_head_kv = opt("attention.head_count_kv", c.n_head);
+  c.n_ctx = req("context_length");
+  if (!file.find(key("attention.key_length")) && c.n_embd % c.n_head != 0)
+    throw ModelError(fmt::format("{}: {} = {} is not a multiple of {} = {} and {} is absent", file.path(),
+                                 key("embedding_length"), c.n_embd, key("attention.head_count"), c.n_head,
+                                 key("attention.key_length")));
+  c.head_dim = opt("attention.key_length", c.n_embd / c.n_head);
+  if (c.n_head % c.n_head_kv != 0)
+    throw ModelError(fmt::format("{}: head_count {} is not a multiple of head_count_kv {}", file.path(), c.n_head,
+                                 c.n_head_kv));
+  if (const int64_t v = file.get_int(key("attention.value_length"), c.head_dim); v != c.head_dim)
+    throw ModelError(fmt::format("{}: {} = {} differs from the head dim {}; diffrun needs them equal", file.path(),
+                                 key("attention.value_length"), v, c.head_dim));
+  if (const int64_t r = file.get_int(key("rope.dimension_count"), c.head_dim); r != c.head_dim)
+    throw ModelError(fmt::format("{}: {} = {} differs from the head dim {}; partial RoPE is not supported",
+                                 file.path(), key("rope.dimension_count"), r, c.head_dim));
+  if (c.head_dim % 2 != 0)
+    throw ModelError(fmt::format("{}: head dim {} is odd; RoPE needs pairs", file.path(), c.head_dim));
+  c.rope_theta = file.get_float(key("rope.freq_base"), 10000.0);
+  c.rms_eps = file.get_float(key("attention.layer_norm_rms_epsilon"));
+  if (!(c.rope_theta > 0))
+    throw ModelError(fmt::format("{}: {} = {} must be positive", file.path(), key("rope.freq_base"), c.rope_theta));
+  if (!(c.rms_eps > 0))
+    throw ModelError(fmt::format("{}: {} = {} must be positive", file.path(),
+                                 key("attention.layer_norm_rms_epsilon"), c.rms_eps));
+  const GgufValue& tokens = file.get("tokenizer.ggml.tokens");
+  c.n_vocab = positive_int(file, "tokenizer.ggml.tokens",
+                           static_cast<int64_t>(tokens.as_array("tokenizer.ggml.tokens").items.size()));
+  c.tied_output = file.find_tensor("output.weight") == nullptr;
+  return c;
+}
+
+std::string layer_tensor(int layer, const char* suffix) { return fmt::format("blk.{}.{}", layer, suffix); }
+
+std::vector<ExpectedTensor> expected_tensors(const ModelConfig& cfg) {
+  const int64_t D = cfg.n_embd, V = cfg.n_vocab, F = cfg.n_ff, Dh = cfg.head_dim;
+  const int64_t Dq = cfg.n_head * Dh, Dkv = cfg.n_head_kv * Dh;
+  std::vector<ExpectedTensor> t;
+  t.push_back({"token_embd.weight", {D, V}});
+  t.push_back({"output_norm.weight", {D}});
+  if (!cfg.tied_output) t.push_back({"output.weight", {D, V}});
+  for (int l = 0; l < cfg.n_layer; ++l) {
+    auto add = [&](const char* suffix, std::vector<int64_t> ne) { t.push_back({layer_tensor(l, suffix), ne}); };
+    add("attn_norm.weight", {D});
+    add("attn_q.weight", {D, Dq});
+    add("attn_k.weight", {D, Dkv});
+    add("attn_v.weight", {D, Dkv});
+    if (cfg.qkv_bias) {
+      add("attn_q.bias", {Dq});
+      add("attn_k.bias", {Dkv});
+      add("attn_v.bias", {Dkv});
+    }
+    if (cfg.qk_norm) {
+      add("attn_q_norm.weight", {Dh});
+      add("attn_k_norm.weight", {Dh});
+    }
+    add("attn_output.weight", {Dq, D});
+    add("ffn_norm.weight", {D});
+    add("ffn_gate.weight", {D, F});
+    add("ffn_up.weight", {D, F});
+    add("ffn_down.weight", {F, D});
+  }
+  return t;
+}
+
+namespace {
+std::string shape_str(const std::vector<int64_t>& ne) { return fmt::format("[{}]", fmt::join(ne, ", ")); }
+
+// GGUF writers may keep trailing dimensions of 1 ([576, 1] for a [576] vector); they change nothing.
+std::vector<int64_t> trim_trailing_ones(std::vector<int64_t> ne) {
+  while (ne.size() > 1 && ne.back() == 1) ne.pop_back();
+  return ne;
+}
+}  // namespace
+
+void validate_tensors(const GgufFile& file, const ModelConfig& cfg) {
+  for (const ExpectedTensor& e : expected_tensors(cfg)) {
+    const TensorInfo* t = file.find_tensor(e.name);
+    if (!t)
+      throw ModelError(fmt::format("{}: missing tensor '{}' (expected shape {})", file.path(), e.name,
+                                   shape_str(e.ne)));
+    if (!dequant_supported(t->type))
+      throw ModelError(fmt::format("{}: tensor '{}' has dtype {}, which diffrun cannot dequantize", file.path(),
+                                   e.name, ggml_type_name(t->type)));
+    const std::vector<int64_t> found = trim_trailing_ones(t->ne);
+    bool ok = found == e.ne;
+    // Embedding and lm head may carry padded vocabulary rows beyond the token list (ne[1] >= V);
+    // the forward pass reads only the first V rows, and logits cover the real vocabulary.
+    const bool vocab_rows = e.name == "token_embd.weight" || e.name == "output.weight";
+    if (vocab_rows && found.size() == 2 && found[0] == e.ne[0] && found[1] >= e.ne[1]) ok = true;
+    if (!ok)
+      throw ModelError(fmt::format("{}: tensor '{}' has shape {}, expected {}{}", file.path(), e.name,
+                                   shape_str(t->ne), shape_str(e.ne), vocab_rows ? " (or more vocab rows)" : ""));
+  }
+}
+
+std::string describe(const ModelConfig& cfg) {
+  return fmt::format(
+      "arch {}: {} layers, n_embd (D) {}, heads (H) {}, kv heads (Hkv) {}, head dim (Dh) {}, n_ff (F) {}, "
+      "vocab (V) {}, context {}, rope {} theta {:g}, rms eps {:g}, output {}{}{}",
+      arch_name(cfg.arch), cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.n_vocab,
+      cfg.n_ctx, rope_type_name(cfg.rope_type), cfg.rope_theta, cfg.rms_eps,
+      cfg.tied_output ? "tied to token_embd" : "untied", cfg.qkv_bias ? ", q/k/v biases" : "",
+      cfg.qk_norm ? ", q/k norms" : "");
+}
+
+}  // namespace diffrun
