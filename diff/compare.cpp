@@ -1,0 +1,230 @@
+// The comparator: refuses incomparable dumps, compares every checkpoint in order, finds the first divergence.
+#include "diff/compare.hpp"
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "checkpoints/vocabulary.hpp"
+#include "model/error.hpp"
+
+namespace diffrun::diff {
+namespace {
+
+std::vector<std::string> config_differences(const ModelConfig& a, const ModelConfig& b) {
+  std::vector<std::string> out;
+  auto field = [&](const char* name, auto x, auto y) {
+    if (x != y) out.push_back(fmt::format("{} {} vs {}", name, x, y));
+  };
+  field("arch", std::string(arch_name(a.arch)), std::string(arch_name(b.arch)));
+  field("n_layer", a.n_layer, b.n_layer);
+  field("n_embd", a.n_embd, b.n_embd);
+  field("n_head", a.n_head, b.n_head);
+  field("n_head_kv", a.n_head_kv, b.n_head_kv);
+  field("head_dim", a.head_dim, b.head_dim);
+  field("n_ff", a.n_ff, b.n_ff);
+  field("n_vocab", a.n_vocab, b.n_vocab);
+  field("rope_theta", a.rope_theta, b.rope_theta);
+  field("rope_type", std::string(rope_type_name(a.rope_type)), std::string(rope_type_name(b.rope_type)));
+  field("rms_eps", a.rms_eps, b.rms_eps);
+  field("tied_output", a.tied_output, b.tied_output);
+  field("qkv_bias", a.qkv_bias, b.qkv_bias);
+  field("qk_norm", a.qk_norm, b.qk_norm);
+  return out;
+}
+
+// Reasons the two dumps are not runs of the same model on the same tokens.
+std::vector<std::string> incompatibilities(const DumpReader& e, const DumpReader& r) {
+  std::vector<std::string> out;
+  const DumpMeta& a = e.meta();
+  const DumpMeta& b = r.meta();
+  if (a.model_fingerprint != b.model_fingerprint) {
+    out.push_back(fmt::format("different models (fingerprint {} vs {})", a.model_fingerprint, b.model_fingerprint));
+  }
+  for (const auto& d : config_differences(a.config, b.config)) out.push_back("config " + d);
+  if (a.token_ids != b.token_ids) {
+    out.push_back(fmt::format("different prompt token ids ({} vs {} tokens)", a.token_ids.size(), b.token_ids.size()));
+  }
+  return out;
+}
+
+
+struct Entry {
+  int order;
+  std::string name;
+  const DatasetInfo* engine;
+  const DatasetInfo* reference;
+};
+
+// Both sides' float datasets of one step, reference order first, engine-only ones by their order.
+std::vector<Entry> merged_entries(const std::vector<DatasetInfo>& eng, const std::vector<DatasetInfo>& ref) {
+  std::vector<Entry> out;
+  std::map<std::string, const DatasetInfo*> eng_by_name;
+  for (const auto& d : eng) {
+    if (!d.is_int) eng_by_name[d.name] = &d;
+  }
+  for (const auto& d : ref) {
+    if (d.is_int) continue;
+    auto it = eng_by_name.find(d.name);
+    out.push_back({d.order, d.name, it == eng_by_name.end() ? nullptr : it->second, &d});
+    if (it != eng_by_name.end()) eng_by_name.erase(it);
+  }
+  for (const auto& d : eng) {
+    if (d.is_int || !eng_by_name.count(d.name)) continue;
+    auto pos = std::find_if(out.begin(), out.end(), [&](const Entry& x) { return x.order > d.order; });
+    out.insert(pos, {d.order, d.name, &d, nullptr});
+  }
+  return out;
+}
+
+bool has_tokens(const DumpReader& d, int step) {
+  const DatasetInfo* info = d.find(step, "tokens");
+  return info && info->is_int;
+}
+
+}  // namespace
+
+const char* checkpoint_status_name(CheckpointStatus s) {
+  switch (s) {
+    case CheckpointStatus::pass: return "pass";
+    case CheckpointStatus::fail: return "fail";
+    case CheckpointStatus::shape_mismatch: return "shape_mismatch";
+    case CheckpointStatus::only_engine: return "only_engine";
+    case CheckpointStatus::only_reference: return "only_reference";
+  }
+  return "?";
+}
+
+DimSizes dim_sizes(const ModelConfig& cfg) {
+  return {{"D", cfg.n_embd}, {"H", cfg.n_head}, {"Hkv", cfg.n_head_kv}, {"Dh", cfg.head_dim},
+          {"F", cfg.n_ff},   {"V", cfg.n_vocab}};
+}
+
+Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, const ToleranceSet& tolerances,
+                         const CompareOptions& opt) {
+  Comparison c;
+  c.engine_path = engine.path();
+  c.reference_path = reference.path();
+  c.engine_meta = engine.meta();
+  c.reference_meta = reference.meta();
+  c.tolerance_source = tolerances.source;
+  c.tolerance_preset = tolerances.preset;
+
+  std::vector<std::string> refused = incompatibilities(engine, reference);
+  std::vector<int> eng_steps = engine.steps(), ref_steps = reference.steps();
+  std::set<int> all_steps(eng_steps.begin(), eng_steps.end());
+  all_steps.insert(ref_steps.begin(), ref_steps.end());
+  for (int step : all_steps) {
+    const bool in_e = std::count(eng_steps.begin(), eng_steps.end(), step) > 0;
+    const bool in_r = std::count(ref_steps.begin(), ref_steps.end(), step) > 0;
+    if (in_e && !has_tokens(engine, step)) {
+      throw DumpError(fmt::format("{}: step {} has no \"tokens\" dataset: cannot check that both sides ran on the same tokens",
+                                  engine.path(), step));
+    }
+    if (in_r && !has_tokens(reference, step)) {
+      throw DumpError(fmt::format("{}: step {} has no \"tokens\" dataset: cannot check that both sides ran on the same tokens",
+                                  reference.path(), step));
+    }
+    if (in_e && in_r && engine.read_ids(step, "tokens") != reference.read_ids(step, "tokens")) {
+      refused.push_back(fmt::format("different input tokens at step {} (the engine must be fed the reference's tokens)", step));
+    }
+  }
+  if (!refused.empty()) {
+    if (!opt.force) {
+      throw InputError(fmt::format("{} and {} are not comparable: {} (--force compares anyway)", engine.path(),
+                                   reference.path(), fmt::join(refused, "; ")));
+    }
+    for (const auto& r : refused) c.warnings.push_back("forced: " + r);
+  }
+
+  const DimSizes dims = dim_sizes(reference.meta().config);
+  const std::vector<DatasetInfo> none;
+  int n_common = 0;
+  for (int step : all_steps) {
+    const bool in_e = std::count(eng_steps.begin(), eng_steps.end(), step) > 0;
+    const bool in_r = std::count(ref_steps.begin(), ref_steps.end(), step) > 0;
+    const std::vector<DatasetInfo> eng_ds = in_e ? engine.datasets(step) : none;
+    const std::vector<DatasetInfo> ref_ds = in_r ? reference.datasets(step) : none;
+    for (const Entry& e : merged_entries(eng_ds, ref_ds)) {
+      CheckpointResult r;
+      const DatasetInfo& any = e.reference ? *e.reference : *e.engine;
+      r.step = step;
+      r.name = e.name;
+      ParsedCheckpointName parsed = parse_checkpoint_name(e.name);
+      r.base = parsed.base;
+      r.layer = any.layer;
+      r.order = any.order;
+      r.layout = any.layout;
+      if (e.engine) r.shape_engine = e.engine->shape;
+      if (e.reference) r.shape_reference = e.reference->shape;
+      const ToleranceRule& rule = tolerances.rule_for(e.name);
+      r.rule_match = rule.match;
+      r.rule_reason = rule.reason;
+      if (!e.engine || !e.reference) {
+        r.status = e.engine ? CheckpointStatus::only_engine : CheckpointStatus::only_reference;
+        ++c.n_one_sided;
+        c.results.push_back(std::move(r));
+        continue;
+      }
+      ++n_common;
+      if (r.shape_engine != r.shape_reference) {
+        r.status = CheckpointStatus::shape_mismatch;
+        ++c.n_fail;
+        c.results.push_back(std::move(r));
+        continue;
+      }
+      std::vector<float> a = engine.read(step, e.name);
+      std::vector<float> b = reference.read(step, e.name);
+      TensorMetrics m = compute_metrics(a, b, r.shape_reference, r.layout, dims, rule.element);
+      if (r.base == "result_output" && r.shape_reference.size() == 2) {
+        m.logits = compute_logit_metrics(a, b, r.shape_reference[0], r.shape_reference[1]);
+      }
+      r.checks = check_bounds(m, rule);
+      r.metrics = std::move(m);
+      const bool ok = std::all_of(r.checks.begin(), r.checks.end(), [](const BoundCheck& k) { return k.pass; });
+      r.status = ok ? CheckpointStatus::pass : CheckpointStatus::fail;
+      ++(ok ? c.n_pass : c.n_fail);
+      c.results.push_back(std::move(r));
+    }
+  }
+  if (n_common == 0) {
+    throw DumpError(fmt::format("{} and {} have no checkpoint in common", engine.path(), reference.path()));
+  }
+
+  for (size_t i = 0; i < c.results.size(); ++i) {
+    if (c.results[i].failed()) {
+      c.first_failure = i;
+      break;
+    }
+  }
+  if (c.first_failure) {
+    for (size_t i = *c.first_failure; i-- > 0 && static_cast<int>(c.preceding.size()) < opt.preceding;) {
+      if (c.results[i].status == CheckpointStatus::pass) c.preceding.insert(c.preceding.begin(), i);
+    }
+    c.verdict = decide_verdict(c.results, *c.first_failure, reference.meta().config.n_layer, opt.jump_factor);
+  }
+
+  // Token agreement: the per-step argmax attribute when both dumps carry it, else the last row of
+  // each step's result_output.
+  std::vector<int32_t> eng_argmax = engine.int_attribute("argmax");
+  std::vector<int32_t> ref_argmax = reference.int_attribute("argmax");
+  for (int step : ref_steps) {
+    StepTokens t;
+    t.step = step;
+    if (step < static_cast<int>(ref_argmax.size())) t.reference = ref_argmax[step];
+    if (step < static_cast<int>(eng_argmax.size())) t.engine = eng_argmax[step];
+    for (const auto& r : c.results) {
+      if (r.step != step || r.base != "result_output" || !r.metrics || !r.metrics->logits) continue;
+      const LogitMetrics& lm = *r.metrics->logits;
+      if (t.reference < 0 && !lm.argmax_b.empty()) t.reference = lm.argmax_b.back();
+      if (t.engine < 0 && !lm.argmax_a.empty()) t.engine = lm.argmax_a.back();
+    }
+    c.tokens.push_back(t);
+  }
+  return c;
+}
+
+}  // namespace diffrun::diff

@@ -1,0 +1,68 @@
+// The comparator: every checkpoint of two dumps in execution order, and the first divergence.
+//
+// Decisions:
+// - Side a is the engine, side b the reference; the reference's recorded order leads, and a
+//   checkpoint only the engine recorded is placed by its own `order`.
+// - Integer datasets (`tokens`) are not compared numerically: the engine is teacher-forced with
+//   the reference's tokens, so they must be equal, like the model fingerprint, the prompt ids and
+//   the config. Any difference there refuses the comparison (InputError, exit 2) unless `force`,
+//   in which case it becomes a warning.
+// - A float checkpoint present in one dump only is reported with status only_engine /
+//   only_reference. It is a warning, not a failure: a writer may record a subset (a filter, a
+//   foreign engine). It never becomes the first divergence.
+// - A checkpoint whose shapes differ (with identical configs and tokens) is a failure with status
+//   shape_mismatch: an engine that, say, keeps one cache row instead of S shows up here.
+// - No float checkpoint in common is a DumpError.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checkpoints/dump.hpp"
+#include "diff/metrics.hpp"
+#include "diff/result.hpp"
+#include "diff/tolerances.hpp"
+#include "diff/verdict.hpp"
+
+namespace diffrun::diff {
+
+// Token agreement of one step: the token the reference chose next vs the engine's argmax.
+struct StepTokens {
+  int step = 0;
+  int32_t reference = -1;  // -1 when unknown
+  int32_t engine = -1;
+  bool match() const { return reference >= 0 && reference == engine; }
+};
+
+struct CompareOptions {
+  bool force = false;        // compare dumps of different models, tokens or configs anyway
+  double jump_factor = 10.0; // verdict: "local" when the error jumps by more than this over its inputs
+  int preceding = 4;         // passing checkpoints shown before the first divergence
+};
+
+struct Comparison {
+  std::string engine_path, reference_path;
+  DumpMeta engine_meta, reference_meta;
+  std::string tolerance_source, tolerance_preset;
+  std::vector<std::string> warnings;  // refusals overridden by --force
+  std::vector<CheckpointResult> results;  // step 0 first, then execution order
+  std::optional<size_t> first_failure;    // index into results
+  std::vector<size_t> preceding;          // indices of the passing checkpoints just before it
+  Verdict verdict;
+  std::vector<StepTokens> tokens;
+  int n_pass = 0, n_fail = 0, n_one_sided = 0;
+
+  bool diverged() const { return first_failure.has_value(); }
+};
+
+// Sizes of the layout letters for a config (D, H, Hkv, Dh, F, V).
+DimSizes dim_sizes(const ModelConfig& cfg);
+
+// Throws InputError when the dumps cannot be compared (and !opt.force), DumpError when they
+// share no checkpoint or a dataset cannot be read.
+Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, const ToleranceSet& tolerances,
+                         const CompareOptions& opt = {});
+
+}  // namespace diffrun::diff

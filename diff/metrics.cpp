@@ -1,0 +1,258 @@
+// Per-checkpoint error metrics, in double; mirrored by scripts/diffrun_dump/metrics.py.
+#include "diff/metrics.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include <fmt/core.h>
+
+namespace diffrun::diff {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+std::vector<std::string> split(std::string_view s, char sep) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (true) {
+    size_t pos = s.find(sep, start);
+    out.emplace_back(s.substr(start, pos == std::string_view::npos ? std::string_view::npos : pos - start));
+    if (pos == std::string_view::npos) break;
+    start = pos + 1;
+  }
+  return out;
+}
+
+// Splits one stored dimension of `extent` into the sizes of its factors ("H*Dh"), or returns
+// an empty vector when the factors' sizes cannot be established.
+std::vector<int64_t> factor_sizes(const std::vector<std::string>& factors, int64_t extent,
+                                  const DimSizes& dims) {
+  std::vector<int64_t> sizes(factors.size(), 0);
+  int unknown = -1;
+  int64_t known_product = 1;
+  for (size_t i = 0; i < factors.size(); ++i) {
+    auto it = dims.find(factors[i]);
+    if (it == dims.end() || it->second <= 0) {
+      if (unknown >= 0) return {};
+      unknown = static_cast<int>(i);
+      continue;
+    }
+    sizes[i] = it->second;
+    known_product *= it->second;
+  }
+  if (unknown >= 0) {
+    if (known_product <= 0 || extent % known_product != 0) return {};
+    sizes[unknown] = extent / known_product;
+  } else if (known_product != extent) {
+    return {};
+  }
+  return sizes;
+}
+
+// Classes of non-finite values that count as equal on both sides.
+bool same_nonfinite(double a, double b) {
+  if (std::isnan(a) && std::isnan(b)) return true;
+  return std::isinf(a) && std::isinf(b) && (a > 0) == (b > 0);
+}
+
+}  // namespace
+
+std::vector<Coordinate> layout_coordinates(int64_t flat, std::span<const int64_t> shape,
+                                           std::string_view layout, const DimSizes& dims) {
+  std::vector<int64_t> index(shape.size(), 0);
+  int64_t rest = flat;
+  for (size_t i = shape.size(); i-- > 0;) {
+    int64_t extent = std::max<int64_t>(shape[i], 1);
+    index[i] = rest % extent;
+    rest /= extent;
+  }
+  std::vector<std::string> parts = layout.empty() ? std::vector<std::string>{} : split(layout, ',');
+  std::vector<Coordinate> coords;
+  if (parts.size() != shape.size()) {
+    for (size_t i = 0; i < shape.size(); ++i) coords.push_back({fmt::format("d{}", i), index[i]});
+    return coords;
+  }
+  for (size_t i = 0; i < shape.size(); ++i) {
+    std::vector<std::string> factors = split(parts[i], '*');
+    std::vector<int64_t> sizes = factors.size() > 1 ? factor_sizes(factors, shape[i], dims)
+                                                    : std::vector<int64_t>{};
+    if (sizes.empty()) {
+      coords.push_back({parts[i], index[i]});
+      continue;
+    }
+    std::vector<int64_t> sub(factors.size());
+    int64_t r = index[i];
+    for (size_t f = factors.size(); f-- > 0;) {
+      sub[f] = r % sizes[f];
+      r /= sizes[f];
+    }
+    for (size_t f = 0; f < factors.size(); ++f) coords.push_back({factors[f], sub[f]});
+  }
+  return coords;
+}
+
+std::string format_coordinates(const std::vector<Coordinate>& coords) {
+  std::string out;
+  for (const auto& c : coords) {
+    if (!out.empty()) out += ", ";
+    out += c.dim + "=" + std::to_string(c.index);
+  }
+  return out;
+}
+
+TensorMetrics compute_metrics(std::span<const float> a, std::span<const float> b,
+                              std::span<const int64_t> shape, std::string_view layout,
+                              const DimSizes& dims, ElementTolerance tol) {
+  TensorMetrics m;
+  m.tolerance = tol;
+  m.n = static_cast<int64_t>(std::min(a.size(), b.size()));
+  double sum_d2 = 0, sum_a2 = 0, sum_b2 = 0, sum_ab = 0, sum_absd = 0;
+  int64_t n_finite = 0;
+  double worst_score = -1.0;
+  for (int64_t i = 0; i < m.n; ++i) {
+    const double x = a[i], y = b[i];
+    const bool fx = std::isfinite(x), fy = std::isfinite(y);
+    if (std::isnan(x)) ++m.nan_a;
+    if (std::isinf(x)) ++m.inf_a;
+    if (std::isnan(y)) ++m.nan_b;
+    if (std::isinf(y)) ++m.inf_b;
+    double score;
+    double abs_err;
+    if (fx && fy) {
+      const double d = x - y;
+      abs_err = std::abs(d);
+      sum_d2 += d * d;
+      sum_a2 += x * x;
+      sum_b2 += y * y;
+      sum_ab += x * y;
+      sum_absd += abs_err;
+      ++n_finite;
+      m.max_abs = std::max(m.max_abs, abs_err);
+      const double bound = tol.atol + tol.rtol * std::abs(y);
+      if (abs_err > bound) ++m.n_fail;
+      score = bound > 0 ? abs_err / bound : abs_err;
+      if (abs_err > tol.atol) {
+        m.min_rtol = std::max(m.min_rtol, std::abs(y) > 0 ? (abs_err - tol.atol) / std::abs(y) : kInf);
+      }
+    } else if (same_nonfinite(x, y)) {
+      continue;
+    } else {
+      ++m.nonfinite_mismatch;
+      ++m.n_fail;
+      abs_err = kInf;
+      score = kInf;
+      m.min_rtol = kInf;
+    }
+    if (score > worst_score) {
+      worst_score = score;
+      m.worst.flat = i;
+      m.worst.a = x;
+      m.worst.b = y;
+      m.worst.abs_err = abs_err;
+    }
+  }
+  if (m.worst.flat >= 0) m.worst.coords = layout_coordinates(m.worst.flat, shape, layout, dims);
+  m.mean_abs = n_finite > 0 ? sum_absd / static_cast<double>(n_finite) : 0.0;
+  if (sum_b2 > 0) {
+    m.rel_l2 = std::sqrt(sum_d2) / std::sqrt(sum_b2);
+    m.nmse = sum_d2 / sum_b2;
+  } else {
+    m.rel_l2 = sum_d2 > 0 ? kInf : 0.0;
+    m.nmse = m.rel_l2;
+  }
+  if (sum_a2 == 0 && sum_b2 == 0) {
+    m.cosine = 1.0;
+  } else if (sum_a2 == 0 || sum_b2 == 0) {
+    m.cosine = 0.0;
+  } else {
+    m.cosine = sum_ab / std::sqrt(sum_a2 * sum_b2);
+  }
+  if (sum_d2 == 0) {
+    m.sqnr_db = kInf;
+  } else {
+    m.sqnr_db = sum_b2 > 0 ? 10.0 * std::log10(sum_b2 / sum_d2) : -kInf;
+  }
+  m.fail_frac = m.n > 0 ? static_cast<double>(m.n_fail) / static_cast<double>(m.n) : 0.0;
+  m.min_atol = m.nonfinite_mismatch > 0 ? kInf : m.max_abs;
+  return m;
+}
+
+int32_t argmax(std::span<const float> row) {
+  int32_t best = -1;
+  for (size_t i = 0; i < row.size(); ++i) {
+    if (!std::isfinite(row[i])) continue;
+    if (best < 0 || row[i] > row[best]) best = static_cast<int32_t>(i);
+  }
+  return best;
+}
+
+namespace {
+
+// Indices of the k largest finite values, by value descending then index ascending.
+std::vector<int32_t> top_k(std::span<const float> row, size_t k) {
+  std::vector<int32_t> idx;
+  idx.reserve(row.size());
+  for (size_t i = 0; i < row.size(); ++i) {
+    if (std::isfinite(row[i])) idx.push_back(static_cast<int32_t>(i));
+  }
+  k = std::min(k, idx.size());
+  std::partial_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(k), idx.end(),
+                    [&](int32_t x, int32_t y) { return row[x] > row[y] || (row[x] == row[y] && x < y); });
+  idx.resize(k);
+  return idx;
+}
+
+// log-softmax in double; empty when the row holds a non-finite value.
+std::vector<double> log_softmax(std::span<const float> row) {
+  double mx = -kInf;
+  for (float v : row) {
+    if (!std::isfinite(v)) return {};
+    mx = std::max(mx, static_cast<double>(v));
+  }
+  double sum = 0;
+  for (float v : row) sum += std::exp(static_cast<double>(v) - mx);
+  const double lse = mx + std::log(sum);
+  std::vector<double> out(row.size());
+  for (size_t i = 0; i < row.size(); ++i) out[i] = static_cast<double>(row[i]) - lse;
+  return out;
+}
+
+}  // namespace
+
+LogitMetrics compute_logit_metrics(std::span<const float> a, std::span<const float> b, int64_t rows,
+                                   int64_t vocab) {
+  LogitMetrics lm;
+  lm.tokens = rows;
+  if (rows <= 0 || vocab <= 0) return lm;
+  int64_t agree = 0;
+  double overlap_sum = 0, kl_sum = 0;
+  for (int64_t t = 0; t < rows; ++t) {
+    auto ra = a.subspan(static_cast<size_t>(t * vocab), static_cast<size_t>(vocab));
+    auto rb = b.subspan(static_cast<size_t>(t * vocab), static_cast<size_t>(vocab));
+    lm.argmax_a.push_back(argmax(ra));
+    lm.argmax_b.push_back(argmax(rb));
+    if (lm.argmax_a.back() == lm.argmax_b.back()) ++agree;
+    std::vector<int32_t> ka = top_k(ra, 5), kb = top_k(rb, 5);
+    int64_t common = 0;
+    for (int32_t i : ka) common += std::count(kb.begin(), kb.end(), i);
+    overlap_sum += static_cast<double>(common) / static_cast<double>(std::min<int64_t>(5, vocab));
+    std::vector<double> la = log_softmax(ra), lb = log_softmax(rb);
+    double kl = kInf;
+    if (!la.empty() && !lb.empty()) {
+      kl = 0;
+      for (int64_t v = 0; v < vocab; ++v) kl += std::exp(lb[v]) * (lb[v] - la[v]);
+      kl = std::max(kl, 0.0);
+    }
+    lm.kl.push_back(kl);
+    kl_sum += kl;
+    lm.kl_max = std::max(lm.kl_max, kl);
+  }
+  lm.top1 = static_cast<double>(agree) / static_cast<double>(rows);
+  lm.top5_overlap = overlap_sum / static_cast<double>(rows);
+  lm.kl_mean = kl_sum / static_cast<double>(rows);
+  return lm;
+}
+
+}  // namespace diffrun::diff

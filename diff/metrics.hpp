@@ -1,0 +1,87 @@
+// Per-checkpoint error metrics between an engine tensor (a) and a reference tensor (b), in double.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace diffrun::diff {
+
+// Element-wise tolerance: an element passes when |a-b| <= atol + rtol*|b|.
+struct ElementTolerance {
+  double atol = 0.0;
+  double rtol = 0.0;
+};
+
+// Sizes of the layout letters (D, H, Hkv, Dh, F, V, ...) used to split a combined stored dimension
+// such as "H*Dh" into its named coordinates.
+using DimSizes = std::map<std::string, int64_t, std::less<>>;
+
+// One coordinate of the worst element, named by its layout letter ("T" = 3).
+struct Coordinate {
+  std::string dim;
+  int64_t index;
+};
+
+struct WorstElement {
+  int64_t flat = -1;                  // row-major index; -1 when the tensors are empty
+  std::vector<Coordinate> coords;     // split by layout letters
+  double a = 0.0;                     // engine value
+  double b = 0.0;                     // reference value
+  double abs_err = 0.0;               // |a-b| (inf when one side is non-finite)
+};
+
+// For logits [T, V]: agreement of the distributions per token.
+struct LogitMetrics {
+  int64_t tokens = 0;
+  std::vector<int32_t> argmax_a;      // per token
+  std::vector<int32_t> argmax_b;
+  double top1 = 0.0;                  // fraction of tokens whose argmax agrees
+  double top5_overlap = 0.0;          // mean |top5(a) ∩ top5(b)| / min(5, V) over tokens
+  std::vector<double> kl;             // KL(softmax(b) || softmax(a)) per token, in nats
+  double kl_mean = 0.0;
+  double kl_max = 0.0;
+};
+
+struct TensorMetrics {
+  int64_t n = 0;                      // elements compared
+  double max_abs = 0.0;               // over elements finite on both sides
+  double mean_abs = 0.0;
+  double rel_l2 = 0.0;                // ||a-b|| / ||b||; 0 when both are 0, inf when only b is 0
+  double nmse = 0.0;                  // sum (a-b)^2 / sum b^2
+  double cosine = 1.0;                // a.b / (|a||b|); 1 when both are zero, 0 when one is
+  double sqnr_db = 0.0;               // 10 log10(sum b^2 / sum (a-b)^2); inf when equal
+  int64_t n_fail = 0;                 // elements outside atol + rtol*|b| (non-finite mismatches included)
+  double fail_frac = 0.0;
+  int64_t nan_a = 0, inf_a = 0, nan_b = 0, inf_b = 0;
+  int64_t nonfinite_mismatch = 0;     // non-finite on one side where the other side differs
+  WorstElement worst;                 // largest |a-b| / (atol + rtol|b|), or largest |a-b| if both 0
+  double min_atol = 0.0;              // smallest atol (rtol = 0) that passes every element
+  double min_rtol = 0.0;              // smallest rtol (at the given atol) that passes every element
+  ElementTolerance tolerance;         // the atol/rtol used for n_fail, worst, min_rtol
+  std::optional<LogitMetrics> logits;
+};
+
+// Row-major index -> coordinates named by `layout` ("T,H*Dh": T, H, Dh). A combined dimension
+// "X*Y" is split when the size of Y (and X) is known in `dims` and matches the stored extent.
+std::vector<Coordinate> layout_coordinates(int64_t flat, std::span<const int64_t> shape,
+                                           std::string_view layout, const DimSizes& dims);
+std::string format_coordinates(const std::vector<Coordinate>& coords);  // "T=3, H=2, Dh=17"
+
+// a and b have the same number of elements (callers check shapes first).
+TensorMetrics compute_metrics(std::span<const float> a, std::span<const float> b,
+                              std::span<const int64_t> shape, std::string_view layout,
+                              const DimSizes& dims, ElementTolerance tol);
+
+// Logit metrics over rows of length V (shape [T, V]).
+LogitMetrics compute_logit_metrics(std::span<const float> a, std::span<const float> b, int64_t rows,
+                                   int64_t vocab);
+
+// Index of the largest finite value of a row (-1 when none is finite).
+int32_t argmax(std::span<const float> row);
+
+}  // namespace diffrun::diff

@@ -1,0 +1,35 @@
+// One checkpoint's comparison result, shared by the comparator, the verdict and the reports.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "diff/metrics.hpp"
+#include "diff/tolerances.hpp"
+
+namespace diffrun::diff {
+
+enum class CheckpointStatus { pass, fail, shape_mismatch, only_engine, only_reference };
+const char* checkpoint_status_name(CheckpointStatus s);
+
+struct CheckpointResult {
+  int step = 0;
+  std::string name;  // "Qcur-3"
+  std::string base;  // "Qcur"
+  int layer = -1;
+  int order = 0;
+  std::string layout;
+  std::vector<int64_t> shape_engine, shape_reference;
+  CheckpointStatus status = CheckpointStatus::pass;
+  std::optional<TensorMetrics> metrics;  // absent unless both sides exist with the same shape
+  std::vector<BoundCheck> checks;
+  std::string rule_match;  // the pattern of the rule applied ("" for the default rule)
+  std::string rule_reason;
+
+  bool failed() const { return status == CheckpointStatus::fail || status == CheckpointStatus::shape_mismatch; }
+  bool compared() const { return metrics.has_value(); }
+};
+
+}  // namespace diffrun::diff

@@ -1,0 +1,72 @@
+// Tolerance rules as data: a JSON file of name-pattern rules with metric bounds, and the presets.
+//
+// File format:
+//   {
+//     "preset": "f32_vs_f64",                 // optional name
+//     "description": "one paragraph",         // optional
+//     "rules": [                              // first rule whose pattern matches a checkpoint wins
+//       {"match": "kq_soft_max-*", "max_rel_l2": 1e-5, "atol": 1e-7, "rtol": 1e-4,
+//        "max_fail_frac": 0.001, "reason": "one line: why this bound"}
+//     ],
+//     "default": {"max_rel_l2": 1e-5, "reason": "..."}   // required; used when no rule matches
+//   }
+// Keys of a rule: match (glob with * and ?, over full names such as "Qcur-3"; not in "default"),
+// reason, atol, rtol (element tolerance for fail_frac, worst element and min_rtol), and the bounds
+// max_abs, max_mean_abs, max_rel_l2, max_nmse, min_cosine, min_sqnr_db, max_fail_frac, and for
+// logits (result_output) min_top1, min_top5, max_kl (KL(ref||engine), largest over tokens).
+// Any other key, a bad pattern or a bad number is an InputError naming the file and line.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "diff/metrics.hpp"
+
+namespace diffrun::diff {
+
+struct ToleranceRule {
+  std::string match;  // empty for the default rule
+  std::string reason;
+  ElementTolerance element;
+  std::optional<double> max_abs, max_mean_abs, max_rel_l2, max_nmse, min_cosine, min_sqnr_db,
+      max_fail_frac, min_top1, min_top5, max_kl;
+  int line = 0;  // where the rule starts in its file
+};
+
+// One bound checked against one metric.
+struct BoundCheck {
+  std::string metric;  // "rel_l2"
+  std::string bound;   // "max_rel_l2"
+  double value;
+  double limit;
+  bool pass;
+};
+
+struct ToleranceSet {
+  std::string source;  // file path, or "preset:<name>"
+  std::string preset;
+  std::string description;
+  std::vector<ToleranceRule> rules;
+  ToleranceRule default_rule;
+
+  const ToleranceRule& rule_for(std::string_view checkpoint) const;
+};
+
+// Throws InputError "<source>:<line>: ..." for anything wrong in the text.
+ToleranceSet parse_tolerances(std::string_view text, const std::string& source);
+// Throws InputError naming the file when it cannot be read.
+ToleranceSet load_tolerances(const std::string& path);
+
+// Committed presets (fixtures/tolerances/<name>.json, embedded at build time).
+std::vector<std::string> preset_names();
+ToleranceSet preset_tolerances(std::string_view name);  // throws InputError listing the presets
+// "f32_vs_f64" for engine f32 and reference f64.
+std::string preset_name(std::string_view engine_precision, std::string_view reference_precision);
+
+// Every bound of `rule` against `m`; a non-finite value where the other side is finite (or a
+// different non-finite value) always adds a failing "nonfinite" check.
+std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule& rule);
+
+}  // namespace diffrun::diff

@@ -1,0 +1,201 @@
+// The verdict on the first divergence: dataflow inputs per checkpoint kind and the ordered rules.
+#include "diff/verdict.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include <fmt/core.h>
+
+#include "checkpoints/vocabulary.hpp"
+
+namespace diffrun::diff {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Direct operands of a checkpoint, before filtering by what was recorded.
+std::vector<std::string> direct_inputs(std::string_view base, int layer, int n_layer,
+                                       const std::function<bool(const std::string&)>& recorded) {
+  auto at = [&](const char* b) { return checkpoint_name(b, layer); };
+  const std::string prev = layer > 0 ? checkpoint_name("l_out", layer - 1) : "embd";
+  if (base == "attn_norm") return {prev};
+  if (base == "Qcur" || base == "Kcur" || base == "Vcur") return {at("attn_norm")};
+  if (base == "Qnorm") return {at("Qcur")};
+  if (base == "Knorm") return {at("Kcur")};
+  if (base == "Qrope") return {recorded(at("Qnorm")) ? at("Qnorm") : at("Qcur")};
+  if (base == "Krope") return {recorded(at("Knorm")) ? at("Knorm") : at("Kcur")};
+  if (base == "cache_k") return {at("Krope")};
+  if (base == "cache_v") return {at("Vcur")};
+  if (base == "kq_soft_max") return {at("Qrope"), recorded(at("cache_k")) ? at("cache_k") : at("Krope")};
+  if (base == "kqv_out") return {at("kq_soft_max"), recorded(at("cache_v")) ? at("cache_v") : at("Vcur")};
+  if (base == "attn_out") return {at("kqv_out")};
+  if (base == "ffn_inp") return {at("attn_out"), prev};
+  if (base == "ffn_norm") return {at("ffn_inp")};
+  if (base == "ffn_gate" || base == "ffn_up") return {at("ffn_norm")};
+  if (base == "ffn_swiglu") return {at("ffn_gate"), at("ffn_up")};
+  if (base == "ffn_out") return {at("ffn_swiglu")};
+  if (base == "l_out") return {at("ffn_out"), at("ffn_inp")};
+  if (base == "result_norm") return {n_layer > 0 ? checkpoint_name("l_out", n_layer - 1) : "embd"};
+  if (base == "result_output") return {"result_norm"};
+  return {};
+}
+
+void collect_inputs(std::string_view base, int layer, int n_layer,
+                    const std::function<bool(const std::string&)>& recorded, int depth,
+                    std::vector<std::string>& out) {
+  for (const auto& name : direct_inputs(base, layer, n_layer, recorded)) {
+    if (std::find(out.begin(), out.end(), name) != out.end()) continue;
+    if (recorded(name)) {
+      out.push_back(name);
+    } else if (depth < 64) {
+      ParsedCheckpointName p = parse_checkpoint_name(name);
+      collect_inputs(p.base, p.layer, n_layer, recorded, depth + 1, out);
+    }
+  }
+}
+
+struct Context {
+  const CheckpointResult& failing;
+  const TensorMetrics* metrics;  // null on a shape mismatch
+  std::vector<const CheckpointResult*> inputs;
+  std::vector<LayerError> growth;
+  double jump_factor;
+};
+
+using Rule = bool (*)(const Context&, Verdict&);
+
+bool rule_shape(const Context& c, Verdict& v) {
+  if (c.failing.status != CheckpointStatus::shape_mismatch) return false;
+  v.kind = VerdictKind::local;
+  v.rule = "shape";
+  v.explanation = "the engine's tensor has a different shape from the reference's";
+  return true;
+}
+
+bool rule_nonfinite(const Context& c, Verdict& v) {
+  if (c.metrics->nonfinite_mismatch == 0) return false;
+  for (const auto* in : c.inputs) {
+    if (in->metrics->nonfinite_mismatch > 0) return false;
+  }
+  v.kind = VerdictKind::local;
+  v.rule = "nonfinite";
+  v.explanation = fmt::format("{} non-finite value(s) appear here (engine NaN {}, Inf {}) while its inputs are finite",
+                              c.metrics->nonfinite_mismatch, c.metrics->nan_a, c.metrics->inf_a);
+  return true;
+}
+
+bool rule_embedding(const Context& c, Verdict& v) {
+  if (c.failing.base != "embd") return false;
+  v.kind = VerdictKind::local;
+  v.rule = "embedding";
+  v.explanation = "embd is read from identical token ids: its error cannot come from an input";
+  return true;
+}
+
+bool rule_jump(const Context& c, Verdict& v) {
+  if (c.inputs.empty() || !(v.ratio > c.jump_factor)) return false;
+  v.kind = VerdictKind::local;
+  v.rule = "jump";
+  double max_in = 0;
+  std::string worst_in;
+  for (const auto& in : v.inputs) {
+    if (in.rel_l2 >= max_in) { max_in = in.rel_l2; worst_in = in.name; }
+  }
+  v.explanation = std::isinf(v.ratio)
+                      ? fmt::format("rel_l2 {:.3g} while its inputs are exact (max rel_l2 0, {})", c.metrics->rel_l2, worst_in)
+                      : fmt::format("rel_l2 {:.3g} is {:.3g}x its inputs' max {:.3g} ({}), above the jump factor {:g}",
+                                    c.metrics->rel_l2, v.ratio, max_in, worst_in, c.jump_factor);
+  return true;
+}
+
+bool rule_smooth_growth(const Context& c, Verdict& v) {
+  const auto& g = c.growth;
+  if (g.size() < 3) return false;
+  double max_step = 0;
+  for (size_t i = 1; i < g.size(); ++i) {
+    if (g[i - 1].rel_l2 <= 0) return false;
+    double r = g[i].rel_l2 / g[i - 1].rel_l2;
+    if (r > c.jump_factor) return false;
+    max_step = std::max(max_step, r);
+  }
+  if (!(g.back().rel_l2 > g.front().rel_l2)) return false;
+  v.kind = VerdictKind::drift;
+  v.rule = "smooth_growth";
+  v.explanation = fmt::format("{} rel_l2 grew from {:.3g} (layer {}) to {:.3g} (layer {}), at most {:.3g}x per layer (jump factor {:g})",
+                              c.failing.base, g.front().rel_l2, g.front().layer, g.back().rel_l2, g.back().layer,
+                              max_step, c.jump_factor);
+  return true;
+}
+
+bool rule_no_jump(const Context& c, Verdict& v) {
+  if (c.inputs.empty()) return false;
+  v.kind = VerdictKind::drift;
+  v.rule = "no_jump";
+  v.explanation = fmt::format("rel_l2 {:.3g} is only {:.3g}x its inputs' (jump factor {:g}): error carried in crossed the tolerance",
+                              c.metrics->rel_l2, v.ratio, c.jump_factor);
+  return true;
+}
+
+// In order; the first rule that decides wins.
+constexpr Rule kRules[] = {rule_shape, rule_nonfinite, rule_embedding, rule_jump, rule_smooth_growth, rule_no_jump};
+
+}  // namespace
+
+const char* verdict_kind_name(VerdictKind k) {
+  switch (k) {
+    case VerdictKind::none: return "none";
+    case VerdictKind::local: return "local";
+    case VerdictKind::drift: return "drift";
+    case VerdictKind::undetermined: return "undetermined";
+  }
+  return "?";
+}
+
+std::vector<std::string> dataflow_inputs(std::string_view base, int layer, int n_layer,
+                                         const std::function<bool(const std::string&)>& recorded) {
+  std::vector<std::string> out;
+  collect_inputs(base, layer, n_layer, recorded, 0, out);
+  return out;
+}
+
+Verdict decide_verdict(const std::vector<CheckpointResult>& results, size_t failing, int n_layer,
+                       double jump_factor) {
+  const CheckpointResult& f = results.at(failing);
+  std::map<std::string, const CheckpointResult*> step;
+  for (const auto& r : results) {
+    if (r.step == f.step && r.compared()) step[r.name] = &r;
+  }
+  auto recorded = [&](const std::string& name) { return step.count(name) > 0; };
+
+  Context c{f, f.compared() ? &*f.metrics : nullptr, {}, {}, jump_factor};
+  Verdict v;
+  for (const auto& name : dataflow_inputs(f.base, f.layer, n_layer, recorded)) {
+    const CheckpointResult* in = step.at(name);
+    c.inputs.push_back(in);
+    v.inputs.push_back({name, in->metrics->rel_l2});
+  }
+  if (f.layer >= 0) {
+    for (int l = 0; l <= f.layer; ++l) {
+      auto it = step.find(checkpoint_name(f.base, l));
+      if (it != step.end()) c.growth.push_back({l, it->second->metrics->rel_l2});
+    }
+  }
+  v.growth = c.growth;
+  if (c.metrics) {
+    double max_in = 0;
+    for (const auto& in : v.inputs) max_in = std::max(max_in, in.rel_l2);
+    v.ratio = max_in > 0 ? c.metrics->rel_l2 / max_in : (c.metrics->rel_l2 > 0 ? kInf : 0.0);
+  }
+  for (Rule rule : kRules) {
+    if (rule != rule_shape && !c.metrics) break;
+    if (rule(c, v)) return v;
+  }
+  v.kind = VerdictKind::undetermined;
+  v.rule = "no_inputs";
+  v.explanation = "none of its dataflow inputs was recorded in this step";
+  return v;
+}
+
+}  // namespace diffrun::diff

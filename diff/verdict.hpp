@@ -1,0 +1,57 @@
+// The verdict on the first divergence: a local bug (the error jumps at this op) or accumulated drift.
+//
+// Each checkpoint kind has dataflow inputs (its operands' checkpoints, see dataflow_inputs). The
+// rules run in order and the first that decides wins; the report prints the rule and its numbers:
+//   shape         shapes differ                                         -> local
+//   nonfinite     non-finite values appear here, inputs are finite      -> local
+//   embedding     embd reads identical token ids, it has no float input -> local
+//   jump          rel_l2 > jump_factor x max rel_l2 of its inputs       -> local
+//   smooth_growth the same kind's rel_l2 rose over the layers before it, never by more than
+//                 jump_factor from one layer to the next                -> drift
+//   no_jump       rel_l2 <= jump_factor x its inputs' (no growth series) -> drift
+//   otherwise     no input recorded                                     -> undetermined
+// Further evidence (isolation replay's local errors) plugs in as one more rule in verdict.cpp.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "diff/result.hpp"
+
+namespace diffrun::diff {
+
+enum class VerdictKind { none, local, drift, undetermined };
+const char* verdict_kind_name(VerdictKind k);
+
+struct VerdictInput {
+  std::string name;
+  double rel_l2;
+};
+
+struct LayerError {
+  int layer;
+  double rel_l2;
+};
+
+struct Verdict {
+  VerdictKind kind = VerdictKind::none;
+  std::string rule;         // "jump", "smooth_growth", ...; empty for none
+  std::string explanation;  // one line with the numbers
+  std::vector<VerdictInput> inputs;  // the failing checkpoint's inputs, as compared in its step
+  double ratio = 0.0;                // rel_l2 / max input rel_l2 (inf when the inputs are exact)
+  std::vector<LayerError> growth;    // the same kind's rel_l2 by layer up to the failing one
+};
+
+// Names of the checkpoints a checkpoint is computed from, for a model of n_layer layers.
+// `recorded` says whether a name exists in the step (to choose Qnorm over Qcur, cache_k over
+// Krope); names that were not recorded are left out. embd (from token ids) has none.
+std::vector<std::string> dataflow_inputs(std::string_view base, int layer, int n_layer,
+                                         const std::function<bool(const std::string&)>& recorded);
+
+// `results` as produced by the comparator; `failing` indexes the first failing one.
+Verdict decide_verdict(const std::vector<CheckpointResult>& results, size_t failing, int n_layer,
+                       double jump_factor);
+
+}  // namespace diffrun::diff
