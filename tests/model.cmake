@@ -1,0 +1,3 @@
+# model/: GGUF reader, dequantization and ModelConfig tests.
+diffrun_test(test_dequant SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_dequant.cpp
+             LIBS diffrun_model nlohmann_json::nlohmann_json)
