@@ -32,6 +32,10 @@ struct DumpMeta {
 
 // Writes to "<path>.tmp-<pid>" and renames to `path` in finish(); destroying an unfinished writer
 // removes the temporary file, so an interrupted run never leaves a file that looks whole.
+// record() checks each checkpoint against the vocabulary (known name for meta.config, layer, layout,
+// rank, element count) and throws DumpError naming the file and dataset; its `order` attribute is
+// checkpoint_order(meta.config, ...), so filtered dumps keep the canonical order. wants() is the
+// filter, except that `tokens` is always recorded. Facts must not reuse a format attribute's name.
 class DumpWriter final : public Sink {
  public:
   DumpWriter(const std::string& path, const DumpMeta& meta, CheckpointFilter filter = {});
@@ -76,6 +80,8 @@ class DumpReader {
   std::vector<float> read(int step, const std::string& name) const;
   std::vector<int32_t> read_ids(int step, const std::string& name) const;
   std::vector<int32_t> int_attribute(const std::string& key) const;  // empty when absent
+  // Root attributes written by DumpWriter::set_attribute (integer arrays outside the format's set).
+  const std::vector<std::string>& int_attribute_names() const;
 
  private:
   struct Impl;

@@ -15,17 +15,37 @@ enum class NativeDType { f16, bf16, f32, f64, i32 };
 const char* native_dtype_name(NativeDType d);
 
 // One kind of checkpoint. Per-layer kinds are named "<base>-<layer>" ("Qcur-3").
+// Layouts name every dimension of the stored array, one letter group per dimension: per-head
+// tensors are 3-D ("T,H,Dh", "T,Hkv,Dh", "S,Hkv,Dh") so a diff can report (token, head, dim).
+// Letters: T tokens of the step, S positions attended (KV cache length after the step), D n_embd,
+// H n_head, Hkv n_head_kv, Dh head_dim, F n_ff, V n_vocab.
 struct CheckpointKind {
   const char* base;    // "Qcur"
   bool per_layer;
-  const char* layout;  // dimension letters of the stored array, e.g. "T,H*Dh" or "H,T,S"
+  const char* layout;  // dimension letters of the stored array, e.g. "T,H,Dh" or "H,T,S"
   const char* what;    // one line for help and reports
+  bool qk_norm_only = false;  // emitted only by models with per-head q/k RMSNorm (qwen3)
 };
 
 // Every kind, in execution order within a step (per-layer kinds in their order inside a layer).
 const std::vector<CheckpointKind>& checkpoint_kinds();
 const CheckpointKind* find_checkpoint_kind(std::string_view base);  // nullptr if unknown
 bool kind_applies(const CheckpointKind& k, const ModelConfig& cfg);  // qwen3 adds Qnorm/Knorm
+std::vector<Arch> kind_archs(const CheckpointKind& k);  // the architectures that emit this kind
+
+// Per-layer kinds that apply to this config (the stride of `order` from one layer to the next).
+int checkpoints_per_layer(const ModelConfig& cfg);
+
+// "T,Hkv,Dh" -> {"T", "Hkv", "Dh"}.
+std::vector<std::string> layout_dims(std::string_view layout);
+
+// The shape a step stores for this kind: n_tokens = T, n_kv = S (positions in the cache after it).
+std::vector<int64_t> checkpoint_shape(const ModelConfig& cfg, const CheckpointKind& k, int64_t n_tokens,
+                                      int64_t n_kv);
+
+// The vocabulary as JSON ({"kinds": [{base, per_layer, layout, what, archs}, ...]}), for
+// `diffrun vocab --json` and the Python mirror's test.
+std::string vocabulary_json();
 
 std::string checkpoint_name(std::string_view base, int layer);  // layer < 0: base alone
 
@@ -35,7 +55,8 @@ struct ParsedCheckpointName {
 };
 ParsedCheckpointName parse_checkpoint_name(std::string_view name);
 
-// Canonical execution index of a checkpoint within a step for this config (the dump's `order`).
+// Canonical execution index of a checkpoint within a step for this config (the dump's `order`):
+// its index in checkpoint_names(cfg). Throws InputError for a name this config does not emit.
 int checkpoint_order(const ModelConfig& cfg, std::string_view base, int layer);
 
 // Every checkpoint name a full step records for this config, in execution order.

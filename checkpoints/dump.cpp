@@ -1,0 +1,663 @@
+// HDF5 dump writer and reader ("diffrun-dump", DESIGN.md) on the HDF5 1.10 C API.
+// File layout: root attributes (meta), groups /step_NNNN, one contiguous float32 (int32 for ids)
+// dataset per checkpoint with attributes order, layer, layout, native_dtype. Strings are scalar
+// variable-length UTF-8 (h5py reads them as str); booleans are h5py's enum {FALSE=0, TRUE=1} over
+// int8 (h5py reads numpy.bool_). HDF5's automatic error printing is turned off; every failure is a
+// DumpError naming the file (and dataset), with HDF5's innermost message appended.
+#include "checkpoints/dump.hpp"
+
+#include <hdf5.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <set>
+#include <utility>
+
+#include "model/error.hpp"
+
+namespace diffrun {
+
+namespace {
+
+// Root attributes the format defines; any other string attribute is a backend fact.
+const std::set<std::string, std::less<>>& reserved_root_attributes() {
+  static const std::set<std::string, std::less<>> keys = {
+      "format", "format_version", "backend", "precision", "model_path", "model_fingerprint", "arch",
+      "n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab", "n_ctx", "rope_theta",
+      "rope_type", "rms_eps", "tied_output", "qkv_bias", "qk_norm", "prompt", "token_ids", "created_utc",
+      "diffrun_version"};
+  return keys;
+}
+
+void silence_hdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+
+// HDF5's innermost error message (the most specific), then the stack is cleared.
+std::string hdf5_detail() {
+  std::string detail;
+  H5Ewalk2(
+      H5E_DEFAULT, H5E_WALK_DOWNWARD,
+      [](unsigned, const H5E_error2_t* e, void* out) -> herr_t {
+        if (e->desc && *e->desc) *static_cast<std::string*>(out) = e->desc;
+        return 0;
+      },
+      &detail);
+  H5Eclear2(H5E_DEFAULT);
+  return detail.empty() ? std::string() : " (HDF5: " + detail + ")";
+}
+
+// An HDF5 identifier closed on scope exit.
+class Hid {
+ public:
+  Hid() = default;
+  Hid(hid_t id, herr_t (*close)(hid_t)) : id_(id), close_(close) {}
+  Hid(Hid&& o) noexcept : id_(std::exchange(o.id_, H5I_INVALID_HID)), close_(o.close_) {}
+  Hid& operator=(Hid&& o) noexcept {
+    reset();
+    id_ = std::exchange(o.id_, H5I_INVALID_HID);
+    close_ = o.close_;
+    return *this;
+  }
+  ~Hid() { reset(); }
+  hid_t get() const { return id_; }
+  bool valid() const { return id_ >= 0; }
+  void reset() {
+    if (id_ >= 0 && close_) close_(id_);
+    id_ = H5I_INVALID_HID;
+  }
+  // Closes now and reports whether the close succeeded (file closes flush data).
+  bool close() {
+    herr_t rc = (id_ >= 0 && close_) ? close_(id_) : 0;
+    id_ = H5I_INVALID_HID;
+    return rc >= 0;
+  }
+
+ private:
+  hid_t id_ = H5I_INVALID_HID;
+  herr_t (*close_)(hid_t) = nullptr;
+};
+
+std::string step_group_name(int step) {
+  std::array<char, 32> buf{};
+  std::snprintf(buf.data(), buf.size(), "step_%04d", step);
+  return buf.data();
+}
+
+// "step_0012" -> 12; -1 for any other name.
+int parse_step_group_name(std::string_view name) {
+  constexpr std::string_view prefix = "step_";
+  if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) return -1;
+  int step = 0;
+  for (char c : name.substr(prefix.size())) {
+    if (c < '0' || c > '9' || step > 100000000) return -1;
+    step = step * 10 + (c - '0');
+  }
+  return step;
+}
+
+std::string utc_now_iso8601() {
+  std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  std::array<char, 32> buf{};
+  std::strftime(buf.data(), buf.size(), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf.data();
+}
+
+// Types shared by writer and reader.
+struct Types {
+  Hid str;   // variable-length UTF-8 string
+  Hid boolean;  // h5py's bool: enum of int8 {FALSE = 0, TRUE = 1}
+  Types() {
+    str = Hid(H5Tcopy(H5T_C_S1), H5Tclose);
+    H5Tset_size(str.get(), H5T_VARIABLE);
+    H5Tset_cset(str.get(), H5T_CSET_UTF8);
+    boolean = Hid(H5Tenum_create(H5T_NATIVE_INT8), H5Tclose);
+    int8_t f = 0, t = 1;
+    H5Tenum_insert(boolean.get(), "FALSE", &f);
+    H5Tenum_insert(boolean.get(), "TRUE", &t);
+  }
+};
+
+const Types& types() {
+  static const Types t;
+  return t;
+}
+
+Hid scalar_space() { return Hid(H5Screate(H5S_SCALAR), H5Sclose); }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Writer
+
+struct DumpWriter::Impl {
+  std::string path;
+  std::string tmp_path;
+  DumpMeta meta;
+  CheckpointFilter filter;
+  Hid file;
+  Hid dcpl;     // dataset creation: contiguous, no fill, no timestamps
+  Hid scalar;   // scalar dataspace for attributes
+  int step = -1;
+  Hid group;    // the group of `step`
+  std::set<std::string, std::less<>> step_names;  // datasets written in `step`
+  std::set<int> steps_started;
+  std::set<std::string, std::less<>> root_keys;   // root attributes written so far
+  uint64_t bytes = 0;
+  bool finished = false;
+
+  ~Impl() {
+    group.reset();
+    file.reset();
+    if (!finished && !tmp_path.empty()) {
+      std::error_code ec;
+      std::filesystem::remove(tmp_path, ec);
+    }
+  }
+
+  [[noreturn]] void fail(const std::string& what, std::string_view dataset = {}) const {
+    std::string msg = path + ": " + (dataset.empty() ? "" : "dataset '" + std::string(dataset) + "': ") + what;
+    throw DumpError(msg + hdf5_detail());
+  }
+
+  void attr_raw(hid_t obj, const std::string& name, hid_t file_type, hid_t mem_type, hid_t space,
+                const void* value, std::string_view where) {
+    Hid a(H5Acreate2(obj, name.c_str(), file_type, space, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+    if (!a.valid() || H5Awrite(a.get(), mem_type, value) < 0) fail("cannot write attribute '" + name + "'", where);
+  }
+  void attr_str(hid_t obj, const std::string& name, const std::string& value, std::string_view where = {}) {
+    const char* p = value.c_str();
+    attr_raw(obj, name, types().str.get(), types().str.get(), scalar.get(), &p, where);
+  }
+  void attr_int(hid_t obj, const std::string& name, int32_t value, std::string_view where = {}) {
+    attr_raw(obj, name, H5T_STD_I32LE, H5T_NATIVE_INT32, scalar.get(), &value, where);
+  }
+  void attr_double(hid_t obj, const std::string& name, double value) {
+    attr_raw(obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, scalar.get(), &value, {});
+  }
+  void attr_bool(hid_t obj, const std::string& name, bool value) {
+    int8_t v = value ? 1 : 0;
+    attr_raw(obj, name, types().boolean.get(), types().boolean.get(), scalar.get(), &v, {});
+  }
+  void attr_ints(hid_t obj, const std::string& name, const std::vector<int32_t>& values) {
+    hsize_t n = values.size();
+    Hid space(H5Screate_simple(1, &n, nullptr), H5Sclose);
+    if (!space.valid()) fail("cannot create the dataspace of attribute '" + name + "'");
+    attr_raw(obj, name, H5T_STD_I32LE, H5T_NATIVE_INT32, space.get(), values.data(), {});
+  }
+
+  void write_root_attributes() {
+    const hid_t root = file.get();
+    const ModelConfig& c = meta.config;
+    attr_str(root, "format", kDumpFormat);
+    attr_int(root, "format_version", meta.format_version);
+    attr_str(root, "backend", meta.backend);
+    attr_str(root, "precision", meta.precision);
+    attr_str(root, "model_path", meta.model_path);
+    attr_str(root, "model_fingerprint", meta.model_fingerprint);
+    attr_str(root, "arch", arch_name(c.arch));
+    attr_int(root, "n_layer", c.n_layer);
+    attr_int(root, "n_embd", c.n_embd);
+    attr_int(root, "n_head", c.n_head);
+    attr_int(root, "n_head_kv", c.n_head_kv);
+    attr_int(root, "head_dim", c.head_dim);
+    attr_int(root, "n_ff", c.n_ff);
+    attr_int(root, "n_vocab", c.n_vocab);
+    attr_int(root, "n_ctx", c.n_ctx);
+    attr_double(root, "rope_theta", c.rope_theta);
+    attr_str(root, "rope_type", rope_type_name(c.rope_type));
+    attr_double(root, "rms_eps", c.rms_eps);
+    attr_bool(root, "tied_output", c.tied_output);
+    attr_bool(root, "qkv_bias", c.qkv_bias);
+    attr_bool(root, "qk_norm", c.qk_norm);
+    attr_str(root, "prompt", meta.prompt);
+    attr_ints(root, "token_ids", meta.token_ids);
+    attr_str(root, "created_utc", meta.created_utc);
+    attr_str(root, "diffrun_version", meta.diffrun_version);
+    for (const auto& [key, value] : meta.facts) {
+      if (reserved_root_attributes().count(key)) fail("backend fact '" + key + "' collides with a format attribute");
+      attr_str(root, key, value);
+      root_keys.insert(key);
+    }
+  }
+
+  hid_t group_for(int s) {
+    if (s == step) return group.get();
+    group.reset();
+    step_names.clear();
+    const std::string gname = step_group_name(s);
+    if (s < 0) fail("negative step " + std::to_string(s));
+    if (steps_started.count(s)) {
+      // A step resumed after another one: reopen its group and its names.
+      group = Hid(H5Gopen2(file.get(), gname.c_str(), H5P_DEFAULT), H5Gclose);
+      if (!group.valid()) fail("cannot reopen group '" + gname + "'");
+      H5Literate(
+          group.get(), H5_INDEX_NAME, H5_ITER_NATIVE, nullptr,
+          [](hid_t, const char* name, const H5L_info_t*, void* out) -> herr_t {
+            static_cast<std::set<std::string, std::less<>>*>(out)->insert(name);
+            return 0;
+          },
+          &step_names);
+    } else {
+      group = Hid(H5Gcreate2(file.get(), gname.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+      if (!group.valid()) fail("cannot create group '" + gname + "'");
+      steps_started.insert(s);
+    }
+    step = s;
+    return group.get();
+  }
+
+  // Creates /step_NNNN/name with `shape`, writes `data` (mem_type) straight from the caller's
+  // buffer, and adds the four dataset attributes.
+  void write_dataset(int s, std::string_view name, hid_t file_type, hid_t mem_type, std::span<const int64_t> shape,
+                     const void* data, size_t elem_bytes, int order, int layer, std::string_view layout,
+                     std::string_view native) {
+    if (finished) fail("write after finish()", name);
+    const std::string where = step_group_name(s) + "/" + std::string(name);
+    hid_t g = group_for(s);
+    if (step_names.count(name)) fail("recorded twice in this step", where);
+    std::vector<hsize_t> dims(shape.begin(), shape.end());
+    hsize_t n = 1;
+    for (hsize_t d : dims) n *= d;
+    Hid space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
+    if (!space.valid()) fail("cannot create its dataspace", where);
+    const std::string dname(name);
+    Hid ds(H5Dcreate2(g, dname.c_str(), file_type, space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT), H5Dclose);
+    if (!ds.valid()) fail("cannot create the dataset", where);
+    if (n > 0 && H5Dwrite(ds.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
+      fail("cannot write the data", where);
+    attr_int(ds.get(), "order", order, where);
+    attr_int(ds.get(), "layer", layer, where);
+    attr_str(ds.get(), "layout", std::string(layout), where);
+    attr_str(ds.get(), "native_dtype", std::string(native), where);
+    step_names.insert(dname);
+    bytes += n * elem_bytes;
+  }
+
+  // Order of `name` for this config, checking it against the vocabulary (layer, layout, rank).
+  int checked_order(int s, std::string_view name, int layer, std::string_view layout, size_t rank) {
+    const std::string where = step_group_name(s) + "/" + std::string(name);
+    const ParsedCheckpointName parsed = parse_checkpoint_name(name);
+    if (parsed.layer != layer)
+      fail("name says layer " + std::to_string(parsed.layer) + " but the backend passed layer " + std::to_string(layer),
+           where);
+    const CheckpointKind* kind = find_checkpoint_kind(parsed.base);
+    int order = 0;
+    try {
+      order = checkpoint_order(meta.config, parsed.base, parsed.layer);
+    } catch (const InputError& e) {
+      fail(e.what(), where);
+    }
+    if (layout != kind->layout)
+      fail("layout '" + std::string(layout) + "' differs from the vocabulary's '" + kind->layout + "'", where);
+    if (layout_dims(layout).size() != rank)
+      fail("shape has " + std::to_string(rank) + " dimensions but layout '" + std::string(layout) + "' names " +
+               std::to_string(layout_dims(layout).size()),
+           where);
+    return order;
+  }
+};
+
+DumpWriter::DumpWriter(const std::string& path, const DumpMeta& meta, CheckpointFilter filter)
+    : impl_(std::make_unique<Impl>()) {
+  silence_hdf5();
+  Impl& m = *impl_;
+  m.path = path;
+  m.meta = meta;
+  m.filter = std::move(filter);
+  if (m.meta.created_utc.empty()) m.meta.created_utc = utc_now_iso8601();
+  if (m.meta.diffrun_version.empty()) m.meta.diffrun_version = DIFFRUN_VERSION;
+
+  Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  // v1.8+ object headers: large attributes (long token_ids) and many root attributes are allowed.
+  H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_LATEST);
+  H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);
+  // Small metadata objects (headers, attributes) are packed into 1 MiB blocks instead of one
+  // allocation each.
+  H5Pset_meta_block_size(fapl.get(), 1 << 20);
+  m.tmp_path = path + ".tmp-" + std::to_string(::getpid());
+  m.file = Hid(H5Fcreate(m.tmp_path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose);
+  if (!m.file.valid()) {
+    m.tmp_path.clear();  // nothing was created
+    m.fail("cannot create '" + path + ".tmp-" + std::to_string(::getpid()) + "'");
+  }
+  m.dcpl = Hid(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  H5Pset_layout(m.dcpl.get(), H5D_CONTIGUOUS);
+  H5Pset_fill_time(m.dcpl.get(), H5D_FILL_TIME_NEVER);
+  H5Pset_obj_track_times(m.dcpl.get(), false);
+  m.scalar = scalar_space();
+  m.write_root_attributes();
+}
+
+DumpWriter::~DumpWriter() = default;
+
+bool DumpWriter::wants(std::string_view name) const { return name == "tokens" || impl_->filter.matches(name); }
+
+void DumpWriter::record(int step, std::string_view name, int layer, std::string_view layout,
+                        std::span<const int64_t> shape, NativeDType native, std::span<const float> data) {
+  if (!wants(name)) return;
+  Impl& m = *impl_;
+  const int order = m.checked_order(step, name, layer, layout, shape.size());
+  uint64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) m.fail("negative dimension in its shape", name);
+    n *= static_cast<uint64_t>(d);
+  }
+  if (n != data.size())
+    m.fail("shape holds " + std::to_string(n) + " values but " + std::to_string(data.size()) + " were passed", name);
+  m.write_dataset(step, name, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, shape, data.data(), sizeof(float), order, layer,
+                  layout, native_dtype_name(native));
+}
+
+void DumpWriter::record_ids(int step, std::string_view name, std::span<const int32_t> ids) {
+  if (!wants(name)) return;
+  Impl& m = *impl_;
+  const int order = m.checked_order(step, name, -1, "T", 1);
+  const int64_t shape[1] = {static_cast<int64_t>(ids.size())};
+  m.write_dataset(step, name, H5T_STD_I32LE, H5T_NATIVE_INT32, shape, ids.data(), sizeof(int32_t), order, -1, "T",
+                  native_dtype_name(NativeDType::i32));
+}
+
+void DumpWriter::set_attribute(const std::string& key, const std::vector<int32_t>& values) {
+  Impl& m = *impl_;
+  if (m.finished) m.fail("set_attribute('" + key + "') after finish()");
+  if (reserved_root_attributes().count(key)) m.fail("attribute '" + key + "' is a format attribute");
+  if (m.root_keys.count(key) && H5Adelete(m.file.get(), key.c_str()) < 0)
+    m.fail("cannot replace attribute '" + key + "'");
+  m.attr_ints(m.file.get(), key, values);
+  m.root_keys.insert(key);
+}
+
+void DumpWriter::finish() {
+  Impl& m = *impl_;
+  if (m.finished) return;
+  m.group.reset();
+  if (!m.file.close()) m.fail("cannot close '" + m.tmp_path + "'");
+  std::error_code ec;
+  std::filesystem::rename(m.tmp_path, m.path, ec);
+  if (ec) m.fail("cannot rename '" + m.tmp_path + "' to it: " + ec.message());
+  m.finished = true;
+}
+
+uint64_t DumpWriter::bytes_written() const { return impl_->bytes; }
+
+// ---------------------------------------------------------------------------------------------
+// Reader
+
+struct DumpReader::Impl {
+  std::string path;
+  Hid file;
+  DumpMeta meta;
+  std::map<int, std::vector<DatasetInfo>> steps;
+  std::vector<std::string> int_attribute_names;
+
+  [[noreturn]] void fail(const std::string& what, std::string_view dataset = {}) const {
+    std::string msg = path + ": " + (dataset.empty() ? "" : "dataset '" + std::string(dataset) + "': ") + what;
+    throw DumpError(msg + hdf5_detail());
+  }
+
+  Hid open_attr(hid_t obj, const char* name, std::string_view where) const {
+    if (H5Aexists(obj, name) <= 0)
+      fail(std::string("missing attribute '") + name + "'" + (where.empty() ? " (not a diffrun dump?)" : ""), where);
+    Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+    if (!a.valid()) fail(std::string("cannot open attribute '") + name + "'", where);
+    return a;
+  }
+
+  std::string read_str(hid_t obj, const char* name, std::string_view where = {}) const {
+    Hid a = open_attr(obj, name, where);
+    Hid ftype(H5Aget_type(a.get()), H5Tclose);
+    if (H5Tget_class(ftype.get()) != H5T_STRING) fail(std::string("attribute '") + name + "' is not a string", where);
+    Hid space(H5Aget_space(a.get()), H5Sclose);
+    if (H5Sget_simple_extent_npoints(space.get()) != 1)
+      fail(std::string("attribute '") + name + "' is not a scalar string", where);
+    if (H5Tis_variable_str(ftype.get()) > 0) {
+      Hid mtype(H5Tcopy(H5T_C_S1), H5Tclose);
+      H5Tset_size(mtype.get(), H5T_VARIABLE);
+      H5Tset_cset(mtype.get(), H5Tget_cset(ftype.get()));
+      char* p = nullptr;
+      if (H5Aread(a.get(), mtype.get(), &p) < 0) fail(std::string("cannot read attribute '") + name + "'", where);
+      std::string s = p ? p : "";
+      H5free_memory(p);
+      return s;
+    }
+    std::string s(H5Tget_size(ftype.get()), '\0');
+    if (H5Aread(a.get(), ftype.get(), s.data()) < 0) fail(std::string("cannot read attribute '") + name + "'", where);
+    s.resize(std::min(s.size(), s.find('\0')));
+    return s;
+  }
+
+  std::vector<int32_t> read_ints(hid_t obj, const char* name, std::string_view where = {}) const {
+    Hid a = open_attr(obj, name, where);
+    Hid ftype(H5Aget_type(a.get()), H5Tclose);
+    Hid space(H5Aget_space(a.get()), H5Sclose);
+    const hssize_t n = H5Sget_simple_extent_npoints(space.get());
+    if (n < 0) fail(std::string("cannot size attribute '") + name + "'", where);
+    std::vector<int32_t> v(static_cast<size_t>(n));
+    if (H5Tget_class(ftype.get()) == H5T_ENUM) {
+      // booleans: read the enum as stored, then convert its integer base type to int64 in place
+      Hid base(H5Tget_super(ftype.get()), H5Tclose);
+      std::vector<int64_t> buf(v.size());
+      if (n > 0 && (H5Aread(a.get(), ftype.get(), buf.data()) < 0 ||
+                    H5Tconvert(base.get(), H5T_NATIVE_INT64, v.size(), buf.data(), nullptr, H5P_DEFAULT) < 0))
+        fail(std::string("cannot read attribute '") + name + "'", where);
+      for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<int32_t>(buf[i]);
+      return v;
+    }
+    if (H5Tget_class(ftype.get()) != H5T_INTEGER && H5Tget_class(ftype.get()) != H5T_FLOAT)
+      fail(std::string("attribute '") + name + "' is not numeric", where);
+    if (n > 0 && H5Aread(a.get(), H5T_NATIVE_INT32, v.data()) < 0)
+      fail(std::string("cannot read attribute '") + name + "' as int32", where);
+    return v;
+  }
+
+  int read_int(hid_t obj, const char* name, std::string_view where = {}) const {
+    auto v = read_ints(obj, name, where);
+    if (v.size() != 1) fail(std::string("attribute '") + name + "' is not a scalar", where);
+    return v[0];
+  }
+
+  double read_double(hid_t obj, const char* name) const {
+    Hid a = open_attr(obj, name, {});
+    double v = 0;
+    if (H5Aread(a.get(), H5T_NATIVE_DOUBLE, &v) < 0) fail(std::string("cannot read attribute '") + name + "'");
+    return v;
+  }
+
+  void read_meta() {
+    const hid_t root = file.get();
+    if (H5Aexists(root, "format") <= 0) fail("not a diffrun dump (no 'format' root attribute)");
+    const std::string format = read_str(root, "format");
+    if (format != kDumpFormat) fail("not a diffrun dump (format is '" + format + "', expected '" + kDumpFormat + "')");
+    meta.format_version = read_int(root, "format_version");
+    if (meta.format_version != kDumpFormatVersion)
+      fail("format_version " + std::to_string(meta.format_version) + " is not supported (this diffrun reads version " +
+           std::to_string(kDumpFormatVersion) + ")");
+    meta.backend = read_str(root, "backend");
+    meta.precision = read_str(root, "precision");
+    meta.model_path = read_str(root, "model_path");
+    meta.model_fingerprint = read_str(root, "model_fingerprint");
+    ModelConfig& c = meta.config;
+    const std::string arch = read_str(root, "arch");
+    bool known = false;
+    for (Arch a : {Arch::llama, Arch::qwen2, Arch::qwen3})
+      if (arch == arch_name(a)) c.arch = a, known = true;
+    if (!known) fail("unknown arch '" + arch + "'");
+    c.n_layer = read_int(root, "n_layer");
+    c.n_embd = read_int(root, "n_embd");
+    c.n_head = read_int(root, "n_head");
+    c.n_head_kv = read_int(root, "n_head_kv");
+    c.head_dim = read_int(root, "head_dim");
+    c.n_ff = read_int(root, "n_ff");
+    c.n_vocab = read_int(root, "n_vocab");
+    c.n_ctx = read_int(root, "n_ctx");
+    c.rope_theta = read_double(root, "rope_theta");
+    const std::string rope = read_str(root, "rope_type");
+    if (rope == rope_type_name(RopeType::norm)) c.rope_type = RopeType::norm;
+    else if (rope == rope_type_name(RopeType::neox)) c.rope_type = RopeType::neox;
+    else fail("unknown rope_type '" + rope + "'");
+    c.rms_eps = read_double(root, "rms_eps");
+    c.tied_output = read_int(root, "tied_output") != 0;
+    c.qkv_bias = read_int(root, "qkv_bias") != 0;
+    c.qk_norm = read_int(root, "qk_norm") != 0;
+    meta.prompt = read_str(root, "prompt");
+    meta.token_ids = read_ints(root, "token_ids");
+    meta.created_utc = read_str(root, "created_utc");
+    meta.diffrun_version = read_str(root, "diffrun_version");
+
+    // Other root attributes: strings are backend facts, integers are set_attribute() arrays.
+    std::vector<std::string> names;
+    H5Aiterate2(
+        root, H5_INDEX_NAME, H5_ITER_INC, nullptr,
+        [](hid_t, const char* name, const H5A_info_t*, void* out) -> herr_t {
+          static_cast<std::vector<std::string>*>(out)->push_back(name);
+          return 0;
+        },
+        &names);
+    for (const auto& n : names) {
+      if (reserved_root_attributes().count(n)) continue;
+      Hid a(H5Aopen(root, n.c_str(), H5P_DEFAULT), H5Aclose);
+      Hid t(H5Aget_type(a.get()), H5Tclose);
+      const H5T_class_t cls = H5Tget_class(t.get());
+      if (cls == H5T_STRING) meta.facts[n] = read_str(root, n.c_str());
+      else if (cls == H5T_INTEGER) int_attribute_names.push_back(n);
+    }
+  }
+
+  void scan_steps() {
+    std::vector<std::string> groups;
+    if (H5Literate(
+            file.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr,
+            [](hid_t, const char* name, const H5L_info_t*, void* out) -> herr_t {
+              static_cast<std::vector<std::string>*>(out)->push_back(name);
+              return 0;
+            },
+            &groups) < 0)
+      fail("cannot list the root group");
+    for (const auto& gname : groups) {
+      const int step = parse_step_group_name(gname);
+      if (step < 0) continue;
+      Hid g(H5Gopen2(file.get(), gname.c_str(), H5P_DEFAULT), H5Gclose);
+      if (!g.valid()) fail("cannot open group '" + gname + "'");
+      std::vector<std::string> names;
+      if (H5Literate(
+              g.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr,
+              [](hid_t, const char* name, const H5L_info_t*, void* out) -> herr_t {
+                static_cast<std::vector<std::string>*>(out)->push_back(name);
+                return 0;
+              },
+              &names) < 0)
+        fail("cannot list group '" + gname + "'");
+      auto& infos = steps[step];
+      for (const auto& name : names) {
+        const std::string where = gname + "/" + name;
+        Hid ds(H5Dopen2(g.get(), name.c_str(), H5P_DEFAULT), H5Dclose);
+        if (!ds.valid()) fail("cannot open the dataset", where);
+        DatasetInfo info;
+        info.step = step;
+        info.name = name;
+        Hid space(H5Dget_space(ds.get()), H5Sclose);
+        const int rank = H5Sget_simple_extent_ndims(space.get());
+        if (rank < 0) fail("cannot read its shape", where);
+        std::vector<hsize_t> dims(rank);
+        H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
+        info.shape.assign(dims.begin(), dims.end());
+        Hid t(H5Dget_type(ds.get()), H5Tclose);
+        const H5T_class_t cls = H5Tget_class(t.get());
+        if (cls != H5T_FLOAT && cls != H5T_INTEGER) fail("not a numeric dataset", where);
+        info.is_int = cls == H5T_INTEGER;
+        info.order = read_int(ds.get(), "order", where);
+        info.layer = read_int(ds.get(), "layer", where);
+        info.layout = read_str(ds.get(), "layout", where);
+        info.native_dtype = read_str(ds.get(), "native_dtype", where);
+        infos.push_back(std::move(info));
+      }
+      std::sort(infos.begin(), infos.end(), [](const DatasetInfo& a, const DatasetInfo& b) {
+        return a.order != b.order ? a.order < b.order : a.name < b.name;
+      });
+    }
+  }
+
+  template <class T>
+  std::vector<T> read_dataset(int step, const std::string& name, hid_t mem_type) const {
+    const std::string where = step_group_name(step) + "/" + name;
+    auto it = steps.find(step);
+    const DatasetInfo* info = nullptr;
+    if (it != steps.end())
+      for (const auto& d : it->second)
+        if (d.name == name) info = &d;
+    if (!info) fail("no such dataset", where);
+    size_t n = 1;
+    for (int64_t d : info->shape) n *= static_cast<size_t>(d);
+    std::vector<T> out(n);
+    Hid ds(H5Dopen2(file.get(), ("/" + where).c_str(), H5P_DEFAULT), H5Dclose);
+    if (!ds.valid()) fail("cannot open the dataset", where);
+    if (n > 0 && H5Dread(ds.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()) < 0)
+      fail("cannot read the data", where);
+    return out;
+  }
+};
+
+DumpReader::DumpReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
+  silence_hdf5();
+  Impl& m = *impl_;
+  m.path = path;
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) m.fail("no such file");
+  if (H5Fis_hdf5(path.c_str()) <= 0) m.fail("not an HDF5 file (no HDF5 signature: foreign or truncated)");
+  Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);
+  m.file = Hid(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()), H5Fclose);
+  if (!m.file.valid()) m.fail("cannot open the HDF5 file (truncated or damaged?)");
+  m.read_meta();
+  m.scan_steps();
+}
+
+DumpReader::~DumpReader() = default;
+
+const std::string& DumpReader::path() const { return impl_->path; }
+const DumpMeta& DumpReader::meta() const { return impl_->meta; }
+
+std::vector<int> DumpReader::steps() const {
+  std::vector<int> s;
+  for (const auto& [step, infos] : impl_->steps) s.push_back(step);
+  return s;
+}
+
+std::vector<DatasetInfo> DumpReader::datasets(int step) const {
+  auto it = impl_->steps.find(step);
+  if (it == impl_->steps.end()) impl_->fail("no step " + std::to_string(step) + " (group '" + step_group_name(step) + "')");
+  return it->second;
+}
+
+const DatasetInfo* DumpReader::find(int step, const std::string& name) const {
+  auto it = impl_->steps.find(step);
+  if (it == impl_->steps.end()) return nullptr;
+  for (const auto& d : it->second)
+    if (d.name == name) return &d;
+  return nullptr;
+}
+
+std::vector<float> DumpReader::read(int step, const std::string& name) const {
+  return impl_->read_dataset<float>(step, name, H5T_NATIVE_FLOAT);
+}
+
+std::vector<int32_t> DumpReader::read_ids(int step, const std::string& name) const {
+  const DatasetInfo* info = find(step, name);
+  if (info && !info->is_int) impl_->fail("holds floats, not ids", step_group_name(step) + "/" + name);
+  return impl_->read_dataset<int32_t>(step, name, H5T_NATIVE_INT32);
+}
+
+std::vector<int32_t> DumpReader::int_attribute(const std::string& key) const {
+  const auto& names = impl_->int_attribute_names;
+  if (std::find(names.begin(), names.end(), key) == names.end()) return {};
+  return impl_->read_ints(impl_->file.get(), key.c_str());
+}
+
+const std::vector<std::string>& DumpReader::int_attribute_names() const { return impl_->int_attribute_names; }
+
+}  // namespace diffrun

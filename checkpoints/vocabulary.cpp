@@ -1,0 +1,246 @@
+// The checkpoint vocabulary of DESIGN.md in one table, its order per config, and the name filter.
+// Dims: T tokens of the step, S positions attended, D n_embd, H n_head, Hkv n_head_kv, Dh head_dim,
+// F n_ff, V n_vocab.
+#include "checkpoints/vocabulary.hpp"
+
+#include <algorithm>
+#include <charconv>
+
+#include <nlohmann/json.hpp>
+
+#include "model/error.hpp"
+
+namespace diffrun {
+
+const char* native_dtype_name(NativeDType d) {
+  switch (d) {
+    case NativeDType::f16: return "f16";
+    case NativeDType::bf16: return "bf16";
+    case NativeDType::f32: return "f32";
+    case NativeDType::f64: return "f64";
+    case NativeDType::i32: return "i32";
+  }
+  return "unknown";
+}
+
+const std::vector<CheckpointKind>& checkpoint_kinds() {
+  static const std::vector<CheckpointKind> kinds = {
+      {"tokens", false, "T", "input ids of the step (int32)"},
+      {"embd", false, "T,D", "token embeddings, any model scaling applied"},
+      {"attn_norm", true, "T,D", "RMSNorm(x) * attn_norm weight"},
+      {"Qcur", true, "T,H,Dh", "q projection, bias added, before RoPE"},
+      {"Kcur", true, "T,Hkv,Dh", "k projection, bias added, before RoPE"},
+      {"Vcur", true, "T,Hkv,Dh", "v projection, bias added"},
+      {"Qnorm", true, "T,H,Dh", "q after its per-head RMSNorm, before RoPE", true},
+      {"Knorm", true, "T,Hkv,Dh", "k after its per-head RMSNorm, before RoPE", true},
+      {"Qrope", true, "T,H,Dh", "q after RoPE"},
+      {"Krope", true, "T,Hkv,Dh", "k after RoPE"},
+      {"cache_k", true, "S,Hkv,Dh", "KV cache keys valid after the step"},
+      {"cache_v", true, "S,Hkv,Dh", "KV cache values valid after the step"},
+      {"kq_soft_max", true, "H,T,S", "attention probabilities (causal mask applied)"},
+      {"kqv_out", true, "T,H,Dh", "attention context, before the output projection"},
+      {"attn_out", true, "T,D", "after the attention output projection"},
+      {"ffn_inp", true, "T,D", "residual after attention"},
+      {"ffn_norm", true, "T,D", "RMSNorm(x) * ffn_norm weight"},
+      {"ffn_gate", true, "T,F", "gate projection"},
+      {"ffn_up", true, "T,F", "up projection"},
+      {"ffn_swiglu", true, "T,F", "silu(gate) * up"},
+      {"ffn_out", true, "T,D", "down projection"},
+      {"l_out", true, "T,D", "layer output (residual)"},
+      {"result_norm", false, "T,D", "final RMSNorm(x) * output_norm weight"},
+      {"result_output", false, "T,V", "logits over the real vocabulary"},
+  };
+  return kinds;
+}
+
+const CheckpointKind* find_checkpoint_kind(std::string_view base) {
+  for (const auto& k : checkpoint_kinds())
+    if (base == k.base) return &k;
+  return nullptr;
+}
+
+bool kind_applies(const CheckpointKind& k, const ModelConfig& cfg) { return !k.qk_norm_only || cfg.qk_norm; }
+
+std::vector<Arch> kind_archs(const CheckpointKind& k) {
+  // Only qwen3 carries per-head q/k norms (ModelConfig::qk_norm) among the supported architectures.
+  if (k.qk_norm_only) return {Arch::qwen3};
+  return {Arch::llama, Arch::qwen2, Arch::qwen3};
+}
+
+namespace {
+
+// Kinds outside layers that run before the layers (tokens, embd).
+constexpr int kLeadingKinds = 2;
+
+// Index of a per-layer kind within a layer for this config, or -1.
+int index_in_layer(const ModelConfig& cfg, std::string_view base) {
+  int i = 0;
+  for (const auto& k : checkpoint_kinds()) {
+    if (!k.per_layer || !kind_applies(k, cfg)) continue;
+    if (base == k.base) return i;
+    ++i;
+  }
+  return -1;
+}
+
+}  // namespace
+
+int checkpoints_per_layer(const ModelConfig& cfg) {
+  int n = 0;
+  for (const auto& k : checkpoint_kinds())
+    if (k.per_layer && kind_applies(k, cfg)) ++n;
+  return n;
+}
+
+std::string checkpoint_name(std::string_view base, int layer) {
+  std::string name(base);
+  if (layer >= 0) {
+    name.push_back('-');
+    name += std::to_string(layer);
+  }
+  return name;
+}
+
+ParsedCheckpointName parse_checkpoint_name(std::string_view name) {
+  const size_t dash = name.rfind('-');
+  if (dash != std::string_view::npos && dash > 0 && dash + 1 < name.size()) {
+    std::string_view digits = name.substr(dash + 1);
+    int layer = 0;
+    auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), layer);
+    if (ec == std::errc() && end == digits.data() + digits.size() && digits.front() != '+')
+      return {std::string(name.substr(0, dash)), layer};
+  }
+  return {std::string(name), -1};
+}
+
+int checkpoint_order(const ModelConfig& cfg, std::string_view base, int layer) {
+  const CheckpointKind* k = find_checkpoint_kind(base);
+  const std::string name = checkpoint_name(base, layer);
+  if (!k) throw InputError("unknown checkpoint '" + name + "' (not in the checkpoint vocabulary)");
+  if (!kind_applies(*k, cfg))
+    throw InputError("checkpoint '" + name + "' does not exist for architecture " + arch_name(cfg.arch) +
+                     " without per-head q/k norms");
+  const int per_layer = checkpoints_per_layer(cfg);
+  if (k->per_layer) {
+    if (layer < 0 || layer >= cfg.n_layer)
+      throw InputError("checkpoint '" + name + "': layer " + std::to_string(layer) + " outside 0.." +
+                       std::to_string(cfg.n_layer - 1));
+    return kLeadingKinds + layer * per_layer + index_in_layer(cfg, base);
+  }
+  if (layer >= 0) throw InputError("checkpoint '" + std::string(base) + "' is not per-layer (got '" + name + "')");
+  int i = 0;
+  for (const auto& kk : checkpoint_kinds()) {
+    if (kk.per_layer) continue;
+    if (base == kk.base) return i < kLeadingKinds ? i : kLeadingKinds + cfg.n_layer * per_layer + (i - kLeadingKinds);
+    ++i;
+  }
+  return -1;  // unreachable: k was found above
+}
+
+std::vector<std::string> checkpoint_names(const ModelConfig& cfg) {
+  std::vector<std::string> names;
+  const auto& kinds = checkpoint_kinds();
+  auto non_layer = [&](bool leading) {
+    int i = 0;
+    for (const auto& k : kinds) {
+      if (k.per_layer) continue;
+      if ((i < kLeadingKinds) == leading) names.emplace_back(k.base);
+      ++i;
+    }
+  };
+  non_layer(true);
+  for (int l = 0; l < cfg.n_layer; ++l)
+    for (const auto& k : kinds)
+      if (k.per_layer && kind_applies(k, cfg)) names.push_back(checkpoint_name(k.base, l));
+  non_layer(false);
+  return names;
+}
+
+std::vector<std::string> layout_dims(std::string_view layout) {
+  std::vector<std::string> dims;
+  size_t start = 0;
+  while (start <= layout.size()) {
+    size_t comma = layout.find(',', start);
+    if (comma == std::string_view::npos) comma = layout.size();
+    dims.emplace_back(layout.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return dims;
+}
+
+std::vector<int64_t> checkpoint_shape(const ModelConfig& cfg, const CheckpointKind& k, int64_t n_tokens,
+                                      int64_t n_kv) {
+  std::vector<int64_t> shape;
+  for (const auto& d : layout_dims(k.layout)) {
+    if (d == "T") shape.push_back(n_tokens);
+    else if (d == "S") shape.push_back(n_kv);
+    else if (d == "D") shape.push_back(cfg.n_embd);
+    else if (d == "H") shape.push_back(cfg.n_head);
+    else if (d == "Hkv") shape.push_back(cfg.n_head_kv);
+    else if (d == "Dh") shape.push_back(cfg.head_dim);
+    else if (d == "F") shape.push_back(cfg.n_ff);
+    else if (d == "V") shape.push_back(cfg.n_vocab);
+    else throw InputError(std::string("checkpoint '") + k.base + "': unknown layout dimension '" + d + "'");
+  }
+  return shape;
+}
+
+std::string vocabulary_json() {
+  nlohmann::ordered_json kinds = nlohmann::ordered_json::array();
+  for (const auto& k : checkpoint_kinds()) {
+    nlohmann::ordered_json archs = nlohmann::ordered_json::array();
+    for (Arch a : kind_archs(k)) archs.push_back(arch_name(a));
+    kinds.push_back({{"base", k.base},
+                     {"per_layer", k.per_layer},
+                     {"layout", k.layout},
+                     {"what", k.what},
+                     {"archs", archs}});
+  }
+  nlohmann::ordered_json doc = {{"kinds", kinds}};
+  return doc.dump(2);
+}
+
+CheckpointFilter::CheckpointFilter(std::string_view spec) : spec_(spec) {
+  if (spec.empty()) return;  // the whole spec empty: record everything
+  size_t start = 0;
+  while (start <= spec.size()) {
+    size_t comma = spec.find(',', start);
+    if (comma == std::string_view::npos) comma = spec.size();
+    std::string_view pat = spec.substr(start, comma - start);
+    while (!pat.empty() && pat.front() == ' ') pat.remove_prefix(1);
+    while (!pat.empty() && pat.back() == ' ') pat.remove_suffix(1);
+    if (pat.empty())
+      throw InputError("--checkpoints '" + std::string(spec) + "': empty pattern at character " +
+                       std::to_string(start + 1) + " (expected comma-separated globs such as 'attn_*,result_*')");
+    patterns_.emplace_back(pat);
+    start = comma + 1;
+  }
+}
+
+bool CheckpointFilter::matches(std::string_view name) const {
+  if (patterns_.empty()) return true;
+  return std::any_of(patterns_.begin(), patterns_.end(), [&](const std::string& p) { return glob_match(p, name); });
+}
+
+bool glob_match(std::string_view pattern, std::string_view text) {
+  // Iterative matcher with one backtrack point for the last '*': linear in practice, no recursion.
+  size_t p = 0, t = 0, star = std::string_view::npos, mark = 0;
+  while (t < text.size()) {
+    if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == text[t])) {
+      ++p;
+      ++t;
+    } else if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      mark = t;
+    } else if (star != std::string_view::npos) {
+      p = star + 1;
+      t = ++mark;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+}  // namespace diffrun

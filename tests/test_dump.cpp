@@ -1,0 +1,382 @@
+// Tests of the HDF5 dump writer and reader: round trip, atomic finish, dataset attributes, bad files.
+#include <gtest/gtest.h>
+#include <hdf5.h>
+
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <regex>
+
+#include "checkpoints/dump.hpp"
+#include "model/error.hpp"
+
+namespace diffrun {
+namespace {
+
+namespace fs = std::filesystem;
+
+ModelConfig tiny_config() {
+  ModelConfig c;
+  c.arch = Arch::qwen3;
+  c.n_layer = 2;
+  c.n_embd = 6;
+  c.n_head = 3;
+  c.n_head_kv = 1;
+  c.head_dim = 2;
+  c.n_ff = 10;
+  c.n_vocab = 13;
+  c.n_ctx = 32;
+  c.rope_theta = 1000000.0;
+  c.rope_type = RopeType::neox;
+  c.rms_eps = 1e-6;
+  c.tied_output = true;
+  c.qkv_bias = false;
+  c.qk_norm = true;
+  return c;
+}
+
+DumpMeta tiny_meta() {
+  DumpMeta m;
+  m.backend = "cpu";
+  m.precision = "f64";
+  m.model_path = "fixtures/tiny-qwen3.gguf";
+  m.model_fingerprint = "size=1234;fnv1a64=0123456789abcdef";
+  m.config = tiny_config();
+  m.prompt = "Bonjour, \xc3\xa7" "a va? \xe2\x9c\x93";  // UTF-8
+  m.token_ids = {1, 5, 7, 12};
+  m.created_utc = "2024-05-06T07:08:09Z";
+  m.diffrun_version = "9.8.7";
+  m.facts = {{"device", "Eigen, 2 threads"}, {"tf32", "off"}, {"math_mode", "default"}};
+  return m;
+}
+
+std::vector<float> ramp(size_t n, float start) {
+  std::vector<float> v(n);
+  std::iota(v.begin(), v.end(), start);
+  return v;
+}
+
+class DumpTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::random_device rd;
+    dir_ = fs::temp_directory_path() / ("diffrun-test-dump-" + std::to_string(rd()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::vector<std::string> files() const {
+    std::vector<std::string> out;
+    for (const auto& e : fs::directory_iterator(dir_)) out.push_back(e.path().filename().string());
+    return out;
+  }
+
+  fs::path dir_;
+
+  // Records one step of a subset of checkpoints of tiny_config(): T tokens, S cached positions.
+  static void record_step(DumpWriter& w, int step, int T, int S) {
+    const ModelConfig c = tiny_config();
+    std::vector<int32_t> ids(T);
+    std::iota(ids.begin(), ids.end(), 3 + step);
+    w.record_ids(step, "tokens", ids);
+    auto rec = [&](const char* base, int layer, NativeDType dt) {
+      const CheckpointKind& k = *find_checkpoint_kind(base);
+      const auto shape = checkpoint_shape(c, k, T, S);
+      size_t n = 1;
+      for (auto d : shape) n *= d;
+      // record out of execution order on purpose: the reader sorts by `order`
+      w.record(step, checkpoint_name(base, layer), layer, k.layout, shape, dt,
+               ramp(n, 100.0f * static_cast<float>(step) + static_cast<float>(layer + 1)));
+    };
+    rec("result_output", -1, NativeDType::f32);
+    rec("Qnorm", 1, NativeDType::f16);
+    rec("kq_soft_max", 0, NativeDType::f32);
+    rec("cache_k", 1, NativeDType::f16);
+    rec("embd", -1, NativeDType::f32);
+  }
+};
+
+TEST_F(DumpTest, RoundTripOfEveryAttributeAndDataset) {
+  const std::string p = path("run.h5");
+  uint64_t bytes = 0;
+  {
+    DumpWriter w(p, tiny_meta());
+    record_step(w, 0, 4, 4);
+    record_step(w, 1, 1, 5);
+    w.set_attribute("argmax", {9, 8});
+    w.set_attribute("argmax", {9, 8, 7});  // replaced, not duplicated
+    bytes = w.bytes_written();
+    w.finish();
+  }
+  ASSERT_TRUE(fs::exists(p));
+  EXPECT_EQ(files(), std::vector<std::string>{"run.h5"});
+  // step 0: ids 4 + logits 4*13 + Qnorm 4*3*2 + softmax 3*4*4 + cache 4*1*2 + embd 4*6
+  // step 1: ids 1 + 1*13 + 1*3*2 + 3*1*5 + 5*1*2 + 1*6
+  EXPECT_EQ(bytes, 4u * (4 + 52 + 24 + 48 + 8 + 24 + 1 + 13 + 6 + 15 + 10 + 6));
+
+  const DumpReader r(p);
+  EXPECT_EQ(r.path(), p);
+  const DumpMeta want = tiny_meta();
+  const DumpMeta& got = r.meta();
+  EXPECT_EQ(got.format_version, kDumpFormatVersion);
+  EXPECT_EQ(got.backend, want.backend);
+  EXPECT_EQ(got.precision, want.precision);
+  EXPECT_EQ(got.model_path, want.model_path);
+  EXPECT_EQ(got.model_fingerprint, want.model_fingerprint);
+  EXPECT_EQ(got.prompt, want.prompt);
+  EXPECT_EQ(got.token_ids, want.token_ids);
+  EXPECT_EQ(got.created_utc, want.created_utc);
+  EXPECT_EQ(got.diffrun_version, want.diffrun_version);
+  EXPECT_EQ(got.facts, want.facts);
+  const ModelConfig& a = got.config;
+  const ModelConfig& b = want.config;
+  EXPECT_EQ(a.arch, b.arch);
+  EXPECT_EQ(a.n_layer, b.n_layer);
+  EXPECT_EQ(a.n_embd, b.n_embd);
+  EXPECT_EQ(a.n_head, b.n_head);
+  EXPECT_EQ(a.n_head_kv, b.n_head_kv);
+  EXPECT_EQ(a.head_dim, b.head_dim);
+  EXPECT_EQ(a.n_ff, b.n_ff);
+  EXPECT_EQ(a.n_vocab, b.n_vocab);
+  EXPECT_EQ(a.n_ctx, b.n_ctx);
+  EXPECT_EQ(a.rope_theta, b.rope_theta);
+  EXPECT_EQ(a.rope_type, b.rope_type);
+  EXPECT_EQ(a.rms_eps, b.rms_eps);
+  EXPECT_EQ(a.tied_output, b.tied_output);
+  EXPECT_EQ(a.qkv_bias, b.qkv_bias);
+  EXPECT_EQ(a.qk_norm, b.qk_norm);
+  EXPECT_EQ(r.int_attribute("argmax"), (std::vector<int32_t>{9, 8, 7}));
+  EXPECT_EQ(r.int_attribute_names(), std::vector<std::string>{"argmax"});
+  EXPECT_TRUE(r.int_attribute("absent").empty());
+
+  EXPECT_EQ(r.steps(), (std::vector<int>{0, 1}));
+  const ModelConfig c = tiny_config();
+  for (int step : {0, 1}) {
+    const int T = step == 0 ? 4 : 1, S = step == 0 ? 4 : 5;
+    const auto ds = r.datasets(step);
+    std::vector<std::string> names;
+    for (const auto& d : ds) names.push_back(d.name);
+    EXPECT_EQ(names, (std::vector<std::string>{"tokens", "embd", "kq_soft_max-0", "Qnorm-1", "cache_k-1",
+                                               "result_output"}));
+    for (const auto& d : ds) {
+      const auto p2 = parse_checkpoint_name(d.name);
+      EXPECT_EQ(d.step, step);
+      EXPECT_EQ(d.order, checkpoint_order(c, p2.base, p2.layer)) << d.name;
+      EXPECT_EQ(d.layer, p2.layer) << d.name;
+      EXPECT_EQ(d.layout, find_checkpoint_kind(p2.base)->layout) << d.name;
+      EXPECT_EQ(d.shape, checkpoint_shape(c, *find_checkpoint_kind(p2.base), T, S)) << d.name;
+      EXPECT_EQ(d.is_int, d.name == "tokens") << d.name;
+    }
+    EXPECT_EQ(r.find(step, "Qnorm-1")->native_dtype, "f16");
+    EXPECT_EQ(r.find(step, "embd")->native_dtype, "f32");
+    EXPECT_EQ(r.find(step, "tokens")->native_dtype, "i32");
+    std::vector<int32_t> ids(T);
+    std::iota(ids.begin(), ids.end(), 3 + step);
+    EXPECT_EQ(r.read_ids(step, "tokens"), ids);
+    const auto q = r.read(step, "Qnorm-1");
+    EXPECT_EQ(q, ramp(static_cast<size_t>(T) * 3 * 2, 100.0f * static_cast<float>(step) + 2.0f));
+    EXPECT_EQ(r.read(step, "result_output"), ramp(static_cast<size_t>(T) * 13, 100.0f * static_cast<float>(step)));
+  }
+  EXPECT_EQ(r.find(0, "Qcur-0"), nullptr);
+  EXPECT_EQ(r.find(7, "embd"), nullptr);
+}
+
+TEST_F(DumpTest, WriterFillsTimeAndVersion) {
+  DumpMeta m = tiny_meta();
+  m.created_utc.clear();
+  m.diffrun_version.clear();
+  m.facts.clear();
+  {
+    DumpWriter w(path("t.h5"), m);
+    w.finish();
+  }
+  const DumpReader r(path("t.h5"));
+  EXPECT_TRUE(std::regex_match(r.meta().created_utc, std::regex(R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)")))
+      << r.meta().created_utc;
+  EXPECT_EQ(r.meta().diffrun_version, DIFFRUN_VERSION);
+  EXPECT_TRUE(r.meta().facts.empty());
+  EXPECT_TRUE(r.steps().empty());
+}
+
+TEST_F(DumpTest, NothingLooksWholeBeforeFinishAndAnInterruptedWriterLeavesNothing) {
+  const std::string p = path("run.h5");
+  {
+    DumpWriter w(p, tiny_meta());
+    record_step(w, 0, 3, 3);
+    EXPECT_FALSE(fs::exists(p));
+    ASSERT_EQ(files().size(), 1u);
+    EXPECT_NE(files()[0].find("run.h5.tmp-"), std::string::npos);
+  }
+  EXPECT_TRUE(files().empty());
+}
+
+TEST_F(DumpTest, FinishReplacesAnOlderFile) {
+  const std::string p = path("run.h5");
+  {
+    std::ofstream(p) << "old";
+  }
+  DumpWriter w(p, tiny_meta());
+  w.finish();
+  w.finish();  // a second finish is a no-op
+  EXPECT_NO_THROW(DumpReader{p});
+  EXPECT_THROW(w.record_ids(0, "tokens", std::vector<int32_t>{1}), DumpError);
+}
+
+TEST_F(DumpTest, FilterSelectsButTokensAreAlwaysRecorded) {
+  const std::string p = path("f.h5");
+  {
+    DumpWriter w(p, tiny_meta(), CheckpointFilter("kq_*,result_*"));
+    EXPECT_TRUE(w.wants("tokens"));
+    EXPECT_TRUE(w.wants("kq_soft_max-1"));
+    EXPECT_FALSE(w.wants("embd"));
+    record_step(w, 0, 2, 2);
+    w.finish();
+  }
+  const DumpReader r(p);
+  std::vector<std::string> names;
+  for (const auto& d : r.datasets(0)) names.push_back(d.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"tokens", "kq_soft_max-0", "result_output"}));
+  // orders stay canonical (gaps where checkpoints were filtered out)
+  EXPECT_EQ(r.find(0, "result_output")->order, static_cast<int>(checkpoint_names(tiny_config()).size()) - 1);
+}
+
+TEST_F(DumpTest, StepsMayBeResumed) {
+  const std::string p = path("resume.h5");
+  {
+    DumpWriter w(p, tiny_meta());
+    const std::vector<float> e(6, 1.0f);
+    const int64_t shape[2] = {1, 6};
+    w.record(0, "embd", -1, "T,D", shape, NativeDType::f32, e);
+    w.record(1, "embd", -1, "T,D", shape, NativeDType::f32, e);
+    w.record(0, "l_out-0", 0, "T,D", shape, NativeDType::f32, e);
+    EXPECT_THROW(w.record(0, "embd", -1, "T,D", shape, NativeDType::f32, e), DumpError);  // twice in step 0
+    w.finish();
+  }
+  const DumpReader r(p);
+  EXPECT_EQ(r.datasets(0).size(), 2u);
+  EXPECT_EQ(r.datasets(1).size(), 1u);
+}
+
+// Runs `fn`, expects a DumpError whose message contains every one of `parts`.
+template <class Fn>
+void expect_dump_error(Fn fn, std::initializer_list<std::string> parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "no DumpError";
+  } catch (const DumpError& e) {
+    for (const auto& part : parts) EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(DumpTest, WriterRejectsCheckpointsThatDoNotFitTheVocabulary) {
+  const std::string p = path("bad.h5");
+  DumpWriter w(p, tiny_meta());
+  const std::vector<float> v(6, 0.0f);
+  const int64_t td[2] = {1, 6};
+  const int64_t flat[2] = {1, 6};
+  const int64_t q3[3] = {1, 3, 2};
+  expect_dump_error([&] { w.record(0, "bogus", -1, "T,D", td, NativeDType::f32, v); }, {p, "step_0000/bogus"});
+  expect_dump_error([&] { w.record(0, "Qcur-5", 5, "T,H,Dh", q3, NativeDType::f32, v); }, {p, "Qcur-5", "layer 5"});
+  expect_dump_error([&] { w.record(0, "Qcur-1", 0, "T,H,Dh", q3, NativeDType::f32, v); }, {p, "Qcur-1", "layer"});
+  expect_dump_error([&] { w.record(0, "Qcur-0", 0, "T,H*Dh", flat, NativeDType::f32, v); },
+                    {p, "Qcur-0", "T,H,Dh"});
+  expect_dump_error([&] { w.record(0, "Qcur-0", 0, "T,H,Dh", flat, NativeDType::f32, v); },
+                    {p, "Qcur-0", "dimensions"});
+  expect_dump_error([&] { w.record(0, "embd", -1, "T,D", td, NativeDType::f32, std::vector<float>(5)); },
+                    {p, "embd", "5 were passed"});
+  expect_dump_error([&] { w.record_ids(0, "embd", std::vector<int32_t>{1}); }, {p, "embd", "layout"});
+  DumpMeta m = tiny_meta();
+  m.facts["arch"] = "x";
+  expect_dump_error([&] { DumpWriter w2(path("facts.h5"), m); }, {"facts.h5", "arch"});
+  expect_dump_error([&] { w.set_attribute("n_layer", {1}); }, {p, "n_layer"});
+  expect_dump_error([&] { DumpWriter w3(path("no/such/dir/x.h5"), tiny_meta()); }, {"no/such/dir/x.h5"});
+}
+
+TEST_F(DumpTest, ReaderErrorsNameTheFile) {
+  expect_dump_error([&] { DumpReader r(path("missing.h5")); }, {"missing.h5", "no such file"});
+
+  const std::string text = path("notes.h5");
+  std::ofstream(text) << "this is not HDF5\n";
+  expect_dump_error([&] { DumpReader r(text); }, {text, "not an HDF5 file"});
+
+  // A foreign HDF5 file: valid HDF5, no diffrun attributes.
+  const std::string foreign = path("foreign.h5");
+  {
+    hid_t f = H5Fcreate(foreign.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    H5Fclose(f);
+  }
+  expect_dump_error([&] { DumpReader r(foreign); }, {foreign, "not a diffrun dump"});
+
+  // A truncated dump: the HDF5 signature is intact, the rest is cut.
+  const std::string whole = path("whole.h5");
+  {
+    DumpWriter w(whole, tiny_meta());
+    record_step(w, 0, 8, 8);
+    w.finish();
+  }
+  const std::string cut = path("cut.h5");
+  fs::copy_file(whole, cut);
+  fs::resize_file(cut, fs::file_size(whole) / 2);
+  expect_dump_error([&] { DumpReader r(cut); }, {cut});
+
+  // A newer format version.
+  DumpMeta m = tiny_meta();
+  m.format_version = kDumpFormatVersion + 1;
+  const std::string newer = path("newer.h5");
+  {
+    DumpWriter w(newer, m);
+    w.finish();
+  }
+  expect_dump_error([&] { DumpReader r(newer); }, {newer, "format_version 2", "not supported"});
+
+  // A missing dataset and ids read from a float dataset.
+  const DumpReader r(whole);
+  expect_dump_error([&] { (void)r.read(0, "Qcur-0"); }, {whole, "step_0000/Qcur-0", "no such dataset"});
+  expect_dump_error([&] { (void)r.read(3, "embd"); }, {whole, "step_0003/embd"});
+  expect_dump_error([&] { (void)r.read_ids(0, "embd"); }, {whole, "step_0000/embd"});
+  expect_dump_error([&] { (void)r.datasets(4); }, {whole, "step_0004"});
+}
+
+TEST_F(DumpTest, DatasetsAreContiguousFloat32WithTypedAttributes) {
+  const std::string p = path("types.h5");
+  {
+    DumpWriter w(p, tiny_meta());
+    record_step(w, 0, 2, 2);
+    w.finish();
+  }
+  hid_t f = H5Fopen(p.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  hid_t ds = H5Dopen2(f, "/step_0000/Qnorm-1", H5P_DEFAULT);
+  ASSERT_GE(ds, 0);
+  hid_t t = H5Dget_type(ds);
+  EXPECT_TRUE(H5Tequal(t, H5T_IEEE_F32LE) > 0);
+  H5Tclose(t);
+  hid_t dcpl = H5Dget_create_plist(ds);
+  EXPECT_EQ(H5Pget_layout(dcpl), H5D_CONTIGUOUS);
+  EXPECT_EQ(H5Pget_nfilters(dcpl), 0);
+  H5Pclose(dcpl);
+  hid_t a = H5Aopen(ds, "layout", H5P_DEFAULT);
+  hid_t at = H5Aget_type(a);
+  EXPECT_EQ(H5Tget_class(at), H5T_STRING);
+  EXPECT_GT(H5Tis_variable_str(at), 0);
+  EXPECT_EQ(H5Tget_cset(at), H5T_CSET_UTF8);
+  H5Tclose(at);
+  H5Aclose(a);
+  a = H5Aopen(ds, "order", H5P_DEFAULT);
+  at = H5Aget_type(a);
+  EXPECT_TRUE(H5Tequal(at, H5T_STD_I32LE) > 0);
+  H5Tclose(at);
+  H5Aclose(a);
+  H5Dclose(ds);
+  ds = H5Dopen2(f, "/step_0000/tokens", H5P_DEFAULT);
+  t = H5Dget_type(ds);
+  EXPECT_TRUE(H5Tequal(t, H5T_STD_I32LE) > 0);
+  H5Tclose(t);
+  H5Dclose(ds);
+  H5Fclose(f);
+}
+
+}  // namespace
+}  // namespace diffrun

@@ -1,0 +1,210 @@
+// Tests of the checkpoint vocabulary: order, names per architecture, layouts, shapes, filter globs, errors.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoints/vocabulary.hpp"
+#include "model/error.hpp"
+
+namespace diffrun {
+namespace {
+
+ModelConfig tiny(Arch arch) {
+  ModelConfig c;
+  c.arch = arch;
+  c.n_layer = 3;
+  c.n_embd = 8;
+  c.n_head = 4;
+  c.n_head_kv = 2;
+  c.head_dim = 2;
+  c.n_ff = 12;
+  c.n_vocab = 17;
+  c.n_ctx = 64;
+  c.qkv_bias = arch == Arch::qwen2;
+  c.qk_norm = arch == Arch::qwen3;
+  c.rope_type = arch == Arch::llama ? RopeType::norm : RopeType::neox;
+  return c;
+}
+
+const std::vector<std::string> kLlamaLayer = {
+    "attn_norm", "Qcur", "Kcur", "Vcur", "Qrope", "Krope", "cache_k", "cache_v", "kq_soft_max", "kqv_out",
+    "attn_out", "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up", "ffn_swiglu", "ffn_out", "l_out"};
+
+TEST(Vocabulary, LlamaNamesInExecutionOrder) {
+  const ModelConfig c = tiny(Arch::llama);
+  std::vector<std::string> expected = {"tokens", "embd"};
+  for (int l = 0; l < c.n_layer; ++l)
+    for (const auto& b : kLlamaLayer) expected.push_back(b + "-" + std::to_string(l));
+  expected.push_back("result_norm");
+  expected.push_back("result_output");
+  EXPECT_EQ(checkpoint_names(c), expected);
+  EXPECT_EQ(checkpoint_names(tiny(Arch::qwen2)), expected);
+  EXPECT_EQ(checkpoints_per_layer(c), 18);
+}
+
+TEST(Vocabulary, Qwen3AddsQnormKnormBeforeRope) {
+  const ModelConfig c = tiny(Arch::qwen3);
+  const auto names = checkpoint_names(c);
+  ASSERT_EQ(names.size(), 2u + 3u * 20u + 2u);
+  EXPECT_EQ(checkpoints_per_layer(c), 20);
+  const std::vector<std::string> layer0(names.begin() + 2, names.begin() + 22);
+  const std::vector<std::string> expected = {
+      "attn_norm-0", "Qcur-0", "Kcur-0", "Vcur-0", "Qnorm-0", "Knorm-0", "Qrope-0", "Krope-0", "cache_k-0",
+      "cache_v-0", "kq_soft_max-0", "kqv_out-0", "attn_out-0", "ffn_inp-0", "ffn_norm-0", "ffn_gate-0",
+      "ffn_up-0", "ffn_swiglu-0", "ffn_out-0", "l_out-0"};
+  EXPECT_EQ(layer0, expected);
+  EXPECT_EQ(names[22], "attn_norm-1");
+}
+
+TEST(Vocabulary, OrderIsIndexInTheFullList) {
+  for (Arch a : {Arch::llama, Arch::qwen2, Arch::qwen3}) {
+    const ModelConfig c = tiny(a);
+    const auto names = checkpoint_names(c);
+    for (size_t i = 0; i < names.size(); ++i) {
+      const auto p = parse_checkpoint_name(names[i]);
+      EXPECT_EQ(checkpoint_order(c, p.base, p.layer), static_cast<int>(i)) << names[i];
+    }
+  }
+  const ModelConfig c = tiny(Arch::llama);
+  EXPECT_EQ(checkpoint_order(c, "tokens", -1), 0);
+  EXPECT_EQ(checkpoint_order(c, "embd", -1), 1);
+  EXPECT_EQ(checkpoint_order(c, "attn_norm", 1), 2 + 18);
+  EXPECT_EQ(checkpoint_order(c, "result_output", -1), 2 + 3 * 18 + 1);
+}
+
+TEST(Vocabulary, OrderRejectsNamesTheConfigDoesNotEmit) {
+  const ModelConfig c = tiny(Arch::llama);
+  EXPECT_THROW(checkpoint_order(c, "Qnorm", 0), InputError);       // qwen3 only
+  EXPECT_THROW(checkpoint_order(c, "bogus", -1), InputError);      // unknown
+  EXPECT_THROW(checkpoint_order(c, "Qcur", 3), InputError);        // layer out of range
+  EXPECT_THROW(checkpoint_order(c, "Qcur", -1), InputError);       // per-layer without a layer
+  EXPECT_THROW(checkpoint_order(c, "result_norm", 0), InputError); // not per-layer
+  try {
+    checkpoint_order(c, "Qcur", 7);
+    FAIL() << "no throw";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("Qcur-7"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Vocabulary, Layouts) {
+  auto layout = [](const char* b) { return std::string(find_checkpoint_kind(b)->layout); };
+  EXPECT_EQ(layout("tokens"), "T");
+  for (const char* b : {"embd", "attn_norm", "attn_out", "ffn_inp", "ffn_norm", "ffn_out", "l_out", "result_norm"})
+    EXPECT_EQ(layout(b), "T,D") << b;
+  for (const char* b : {"Qcur", "Qnorm", "Qrope", "kqv_out"}) EXPECT_EQ(layout(b), "T,H,Dh") << b;
+  for (const char* b : {"Kcur", "Knorm", "Krope", "Vcur"}) EXPECT_EQ(layout(b), "T,Hkv,Dh") << b;
+  for (const char* b : {"cache_k", "cache_v"}) EXPECT_EQ(layout(b), "S,Hkv,Dh") << b;
+  EXPECT_EQ(layout("kq_soft_max"), "H,T,S");
+  for (const char* b : {"ffn_gate", "ffn_up", "ffn_swiglu"}) EXPECT_EQ(layout(b), "T,F") << b;
+  EXPECT_EQ(layout("result_output"), "T,V");
+  EXPECT_EQ(find_checkpoint_kind("nope"), nullptr);
+  EXPECT_EQ(layout_dims("S,Hkv,Dh"), (std::vector<std::string>{"S", "Hkv", "Dh"}));
+  EXPECT_EQ(layout_dims("T"), (std::vector<std::string>{"T"}));
+}
+
+TEST(Vocabulary, Shapes) {
+  const ModelConfig c = tiny(Arch::qwen3);
+  auto shape = [&](const char* b) { return checkpoint_shape(c, *find_checkpoint_kind(b), 5, 9); };
+  EXPECT_EQ(shape("tokens"), (std::vector<int64_t>{5}));
+  EXPECT_EQ(shape("embd"), (std::vector<int64_t>{5, 8}));
+  EXPECT_EQ(shape("Qnorm"), (std::vector<int64_t>{5, 4, 2}));
+  EXPECT_EQ(shape("Krope"), (std::vector<int64_t>{5, 2, 2}));
+  EXPECT_EQ(shape("cache_v"), (std::vector<int64_t>{9, 2, 2}));
+  EXPECT_EQ(shape("kq_soft_max"), (std::vector<int64_t>{4, 5, 9}));
+  EXPECT_EQ(shape("ffn_up"), (std::vector<int64_t>{5, 12}));
+  EXPECT_EQ(shape("result_output"), (std::vector<int64_t>{5, 17}));
+}
+
+TEST(Vocabulary, NamesParseAndFormat) {
+  EXPECT_EQ(checkpoint_name("Qcur", 3), "Qcur-3");
+  EXPECT_EQ(checkpoint_name("embd", -1), "embd");
+  auto p = parse_checkpoint_name("kq_soft_max-12");
+  EXPECT_EQ(p.base, "kq_soft_max");
+  EXPECT_EQ(p.layer, 12);
+  p = parse_checkpoint_name("result_output");
+  EXPECT_EQ(p.base, "result_output");
+  EXPECT_EQ(p.layer, -1);
+  p = parse_checkpoint_name("Qcur-x");
+  EXPECT_EQ(p.base, "Qcur-x");
+  EXPECT_EQ(p.layer, -1);
+  p = parse_checkpoint_name("Qcur-");
+  EXPECT_EQ(p.layer, -1);
+}
+
+TEST(Vocabulary, ArchsAndJson) {
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("Knorm")), std::vector<Arch>{Arch::qwen3});
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("Kcur")).size(), 3u);
+  const auto doc = nlohmann::json::parse(vocabulary_json());
+  ASSERT_EQ(doc["kinds"].size(), checkpoint_kinds().size());
+  EXPECT_EQ(doc["kinds"][0]["base"], "tokens");
+  EXPECT_EQ(doc["kinds"][6]["base"], "Qnorm");
+  EXPECT_EQ(doc["kinds"][6]["archs"], nlohmann::json::array({"qwen3"}));
+  EXPECT_EQ(doc["kinds"][3]["layout"], "T,H,Dh");
+  EXPECT_EQ(doc["kinds"][3]["per_layer"], true);
+}
+
+TEST(Filter, GlobsOverFullNames) {
+  const CheckpointFilter f("attn_*,result_*");
+  EXPECT_TRUE(f.matches("attn_norm-0"));
+  EXPECT_TRUE(f.matches("attn_out-11"));
+  EXPECT_TRUE(f.matches("result_output"));
+  EXPECT_FALSE(f.matches("ffn_out-0"));
+  EXPECT_FALSE(f.matches("kq_soft_max-0"));
+  EXPECT_FALSE(f.all());
+
+  const CheckpointFilter layer0("*-0");
+  EXPECT_TRUE(layer0.matches("Qcur-0"));
+  EXPECT_FALSE(layer0.matches("Qcur-10"));
+  EXPECT_FALSE(layer0.matches("embd"));
+
+  const CheckpointFilter q("?cur-1?, l_out-*");
+  EXPECT_TRUE(q.matches("Kcur-12"));
+  EXPECT_FALSE(q.matches("Kcur-1"));
+  EXPECT_TRUE(q.matches("l_out-3"));
+  EXPECT_EQ(q.spec(), "?cur-1?, l_out-*");
+}
+
+TEST(Filter, DefaultAndEmptySpecMatchEverything) {
+  EXPECT_TRUE(CheckpointFilter().all());
+  EXPECT_TRUE(CheckpointFilter().matches("anything"));
+  EXPECT_TRUE(CheckpointFilter("").all());
+}
+
+TEST(Filter, EmptyPatternIsAnInputError) {
+  EXPECT_THROW(CheckpointFilter("attn_*,"), InputError);
+  EXPECT_THROW(CheckpointFilter(",attn_*"), InputError);
+  EXPECT_THROW(CheckpointFilter("a,,b"), InputError);
+  EXPECT_THROW(CheckpointFilter(" "), InputError);
+  try {
+    CheckpointFilter("attn_*,,x");
+    FAIL() << "no throw";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("attn_*,,x"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Glob, Matcher) {
+  EXPECT_TRUE(glob_match("*", ""));
+  EXPECT_TRUE(glob_match("", ""));
+  EXPECT_FALSE(glob_match("", "a"));
+  EXPECT_TRUE(glob_match("a*b*c", "aXXbYYc"));
+  EXPECT_FALSE(glob_match("a*b*c", "aXXbYY"));
+  EXPECT_TRUE(glob_match("*-1", "Qcur-1"));
+  EXPECT_FALSE(glob_match("*-1", "Qcur-11x"));
+  EXPECT_TRUE(glob_match("**a", "bba"));
+  EXPECT_FALSE(glob_match("?", ""));
+  EXPECT_TRUE(glob_match("Qcur-?", "Qcur-3"));
+  EXPECT_FALSE(glob_match("qcur-3", "Qcur-3"));  // case-sensitive, like the names
+}
+
+TEST(NativeDType, Names) {
+  EXPECT_STREQ(native_dtype_name(NativeDType::f16), "f16");
+  EXPECT_STREQ(native_dtype_name(NativeDType::bf16), "bf16");
+  EXPECT_STREQ(native_dtype_name(NativeDType::f32), "f32");
+  EXPECT_STREQ(native_dtype_name(NativeDType::f64), "f64");
+  EXPECT_STREQ(native_dtype_name(NativeDType::i32), "i32");
+}
+
+}  // namespace
+}  // namespace diffrun
