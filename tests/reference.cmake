@@ -1,3 +1,6 @@
 # Tests of the CPU reference (reference_cpu/): ops against naive loops, the model end to end, goldens.
 diffrun_test(test_reference_ops SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_reference_ops.cpp
              LIBS diffrun_reference)
+diffrun_test(test_reference_model SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_reference_model.cpp
+             ${PROJECT_SOURCE_DIR}/cli/run.cpp
+             LIBS diffrun_reference CLI11::CLI11 FIXTURES tiny_models TIMEOUT 600)

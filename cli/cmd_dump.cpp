@@ -1,0 +1,78 @@
+// `diffrun dump`: runs one backend (prefill, then greedy decode steps) and writes every checkpoint to an HDF5 dump.
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include <fmt/core.h>
+
+#include "checkpoints/dump.hpp"
+#include "cli/command.hpp"
+#include "cli/run.hpp"
+#include "model/config.hpp"
+#include "model/error.hpp"
+#include "model/gguf.hpp"
+#include "model/tokenizer.hpp"
+
+namespace diffrun::cli {
+namespace {
+
+struct DumpOptions {
+  std::string model;
+  PromptOptions prompt;
+  BackendOptions backend;
+  int steps = 4;
+  std::string out;
+  std::string checkpoints;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+int run_dump(const DumpOptions& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const CheckpointFilter filter(o.checkpoints);
+  fmt::print(stderr, "diffrun dump: loading {}\n", o.model);
+  const auto file = GgufFile::open(o.model);
+  const ModelConfig cfg = config_from_gguf(*file);
+  const auto tok = Tokenizer::from_gguf(*file);
+  const std::vector<int32_t> ids = prompt_tokens(*file, *tok, o.prompt);
+  const int64_t needed = static_cast<int64_t>(ids.size()) + o.steps;
+  if (needed > cfg.n_ctx) {
+    throw InputError(fmt::format("the prompt ({} tokens) plus {} steps exceeds the model's context of {}",
+                                 ids.size(), o.steps, cfg.n_ctx));
+  }
+  auto backend = make_backend(*file, cfg, o.backend, static_cast<int>(needed));
+  fmt::print(stderr, "diffrun dump: {} {} ready in {:.1f} s; prompt {} tokens, {} decode steps\n", backend->name(),
+             backend->precision(), seconds_since(t0), ids.size(), o.steps);
+
+  DumpWriter writer(o.out, dump_meta(*file, *backend, prompt_text(*file, o.prompt), ids), filter);
+  const auto t1 = std::chrono::steady_clock::now();
+  const StepsResult r = run_steps(*backend, ids, o.steps, {}, writer, false, [&](int step, int total) {
+    fmt::print(stderr, "diffrun dump: step {}/{} done ({:.1f} s)\n", step, total, seconds_since(t1));
+  });
+  writer.set_attribute("all_token_ids", r.tokens);
+  writer.set_attribute("argmax", r.argmax);
+  writer.finish();
+  fmt::print("{}: {} steps, {:.1f} MB, tokens", o.out, o.steps + 1, writer.bytes_written() / 1e6);
+  for (int32_t id : r.tokens) fmt::print(" {}", id);
+  fmt::print("\n");
+  return 0;
+}
+
+const CommandRegistrar reg("dump", "Run one backend and write its checkpoints to an HDF5 dump", [](CLI::App& app) {
+  auto o = std::make_shared<DumpOptions>();
+  o->model = default_model_path();
+  app.add_option("--model,-m", o->model, "GGUF model")->capture_default_str();
+  o->prompt.add_options(app);
+  o->backend.add_options(app);
+  app.add_option("--steps", o->steps, "Greedy decode steps after the prefill")->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--out,-o", o->out, "Dump file to write (HDF5)")->required();
+  app.add_option("--checkpoints", o->checkpoints, "Record only these checkpoints, e.g. 'attn_*,result_*'");
+  return [o] { return run_dump(*o); };
+});
+
+}  // namespace
+}  // namespace diffrun::cli

@@ -1,0 +1,151 @@
+// Shared run orchestration: prompt ids from text/template/--tokens, backend choice, the step loop, dump metadata.
+#include "cli/run.hpp"
+
+#include <algorithm>
+#include <charconv>
+#include <string>
+
+#include "model/chat_template.hpp"
+#include "model/error.hpp"
+#include "reference_cpu/reference.hpp"
+#ifdef DIFFRUN_HAVE_CUDA
+#include "engine/engine.hpp"
+#endif
+
+namespace diffrun::cli {
+
+void PromptOptions::add_options(CLI::App& app) {
+  app.add_option("--prompt", prompt, "Prompt text");
+  app.add_flag("--chat", chat, "Wrap the prompt in the model's chat template (one user turn)");
+  app.add_option("--system", system, "System message for --chat (default: the template's own)");
+  app.add_option("--template", tmpl, "Chat template: chatml, zephyr, llama2, llama3 (default: detected)");
+  app.add_option("--tokens", tokens, "Prompt as token ids instead of text, e.g. 1,2,3");
+  app.add_flag("--no-parse-special", no_parse_special,
+               "Tokenize special tokens (<|im_start|>...) as plain text");
+}
+
+namespace {
+
+std::vector<int32_t> parse_ids(const std::string& spec, int n_vocab) {
+  std::vector<int32_t> ids;
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    size_t end = spec.find(',', pos);
+    if (end == std::string::npos) end = spec.size();
+    std::string item = spec.substr(pos, end - pos);
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    int64_t id = 0;
+    auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), id);
+    if (item.empty() || ec != std::errc() || ptr != item.data() + item.size()) {
+      throw InputError("--tokens: '" + item + "' is not a token id (expected e.g. 1,2,3)");
+    }
+    if (id < 0 || id >= n_vocab) {
+      throw InputError("--tokens: id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                       std::to_string(n_vocab) + ")");
+    }
+    ids.push_back(static_cast<int32_t>(id));
+    pos = end + 1;
+  }
+  return ids;
+}
+
+std::string templated(const GgufFile& file, const PromptOptions& opt) {
+  if (!opt.chat) return opt.prompt;
+  const ChatTemplate t = opt.tmpl.empty() ? detect_chat_template(file) : parse_chat_template(opt.tmpl);
+  return apply_chat_template(t, file, opt.system, opt.prompt);
+}
+
+void check_prompt_choice(const PromptOptions& opt) {
+  const bool has_text = !opt.prompt.empty();
+  const bool has_ids = !opt.tokens.empty();
+  if (has_text && has_ids) throw InputError("give either --prompt or --tokens, not both");
+  if (!has_text && !has_ids) throw InputError("empty prompt: give --prompt TEXT or --tokens 1,2,3");
+  if (has_ids && opt.chat) throw InputError("--chat applies to --prompt text, not to --tokens");
+}
+
+}  // namespace
+
+std::vector<int32_t> prompt_tokens(const GgufFile& file, const Tokenizer& tok, const PromptOptions& opt) {
+  check_prompt_choice(opt);
+  if (!opt.tokens.empty()) return parse_ids(opt.tokens, tok.n_vocab());
+  std::vector<int32_t> ids = tok.encode(templated(file, opt), /*add_bos=*/true, !opt.no_parse_special);
+  if (ids.empty()) throw InputError("empty prompt: the text tokenizes to no tokens");
+  return ids;
+}
+
+std::string prompt_text(const GgufFile& file, const PromptOptions& opt) {
+  check_prompt_choice(opt);
+  return opt.tokens.empty() ? templated(file, opt) : opt.tokens;
+}
+
+void BackendOptions::add_options(CLI::App& app) {
+  app.add_option("--backend", backend, "Backend: cpu (the Eigen reference) or cuda (the engine)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--precision", precision, "Compute precision: f32 or f64 (cpu), f32 or f16 (cuda)")
+      ->check(CLI::IsMember({"f32", "f64", "f16"}));
+}
+
+std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
+                                      int max_ctx) {
+  if (opt.backend == "cpu") return make_cpu_backend(file, cfg, opt.precision, max_ctx);
+  if (opt.backend == "cuda") {
+#ifdef DIFFRUN_HAVE_CUDA
+    std::string why;
+    if (!cuda_device_available(&why)) throw Error("no usable CUDA device: " + why);
+    return make_cuda_backend(file, cfg, opt.precision, max_ctx);
+#else
+    throw Error("diffrun was built without the CUDA engine");
+#endif
+  }
+  throw InputError("unknown backend '" + opt.backend + "' (expected cpu or cuda)");
+}
+
+int32_t argmax(std::span<const float> logits) {
+  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+StepsResult run_steps(Backend& backend, std::span<const int32_t> prompt, int steps, std::span<const int32_t> forced,
+                      Sink& sink, bool keep_logits, const std::function<void(int step, int total)>& on_step) {
+  if (prompt.empty()) throw InputError("empty prompt: nothing to prefill");
+  if (steps < 0) throw InputError("the number of decode steps cannot be negative");
+  if (!forced.empty() && static_cast<int>(forced.size()) < steps) {
+    throw InputError("teacher forcing: " + std::to_string(forced.size()) + " forced tokens for " +
+                     std::to_string(steps) + " decode steps");
+  }
+  const int64_t needed = backend.n_past() + static_cast<int64_t>(prompt.size()) + steps;
+  if (needed > backend.max_ctx()) {
+    throw InputError("the prompt (" + std::to_string(prompt.size()) + " tokens) plus " + std::to_string(steps) +
+                     " decode steps needs " + std::to_string(needed) + " positions; the context holds " +
+                     std::to_string(backend.max_ctx()));
+  }
+  StepsResult r;
+  r.tokens.assign(prompt.begin(), prompt.end());
+  std::vector<float> logits = backend.forward(0, prompt, sink);
+  for (int step = 0;; ++step) {
+    r.argmax.push_back(argmax(logits));
+    if (keep_logits) r.last_logits.push_back(logits);
+    if (on_step) on_step(step, steps);
+    if (step == steps) break;
+    const int32_t next = forced.empty() ? r.argmax.back() : forced[step];
+    r.tokens.push_back(next);
+    logits = backend.forward(step + 1, std::span<const int32_t>(&next, 1), sink);
+  }
+  return r;
+}
+
+DumpMeta dump_meta(const GgufFile& file, const Backend& backend, const std::string& prompt,
+                   std::span<const int32_t> prompt_ids) {
+  DumpMeta meta;
+  meta.backend = backend.name();
+  meta.precision = backend.precision();
+  meta.model_path = file.path();
+  meta.model_fingerprint = file.fingerprint();
+  meta.config = backend.config();
+  meta.prompt = prompt;
+  meta.token_ids.assign(prompt_ids.begin(), prompt_ids.end());
+  meta.facts = backend.facts();
+  return meta;
+}
+
+}  // namespace diffrun::cli
