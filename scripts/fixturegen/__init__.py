@@ -1,0 +1,1 @@
+"""Fixture generation for diffrun: shapes, deterministic weights, ggml quantizers, GGUF vocabularies."""
