@@ -1,0 +1,37 @@
+// Reports of a Comparison: terminal text, JSON (schema in report_json.cpp), JUnit XML. Each returns text.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "diff/compare.hpp"
+
+namespace diffrun::diff {
+
+struct TerminalOptions {
+  bool color = false;  // ANSI colours (the CLI sets this on a TTY unless --no-color / NO_COLOR)
+  // Token id -> text for the token table; empty: ids only.
+  std::function<std::string(int32_t)> token_text;
+};
+
+// Leads with the first divergence, then the per-layer error table, then token agreement.
+std::string render_terminal(const Comparison& c, const TerminalOptions& opt = {});
+
+// Everything machine-readable (report_json.cpp documents the schema).
+nlohmann::ordered_json report_json(const Comparison& c);
+std::string render_json(const Comparison& c);
+
+// One <testsuite> per step, one <testcase> per checkpoint.
+std::string render_junit(const Comparison& c);
+
+// ▁▂▃▄▅▆▇█ over log10 of the values; '·' for an exact zero, '!' for a non-finite value.
+std::string sparkline(std::span<const double> values);
+
+// Exit code of a finished comparison: 0 all within tolerance, 1 divergence found.
+inline int exit_code(const Comparison& c) { return c.diverged() ? 1 : 0; }
+
+}  // namespace diffrun::diff

@@ -1,0 +1,192 @@
+// The JSON report: everything the comparison found, machine-readable.
+//
+// Schema (report_version 1). Numbers that are not finite are written as the strings "inf",
+// "-inf" and "nan" (JSON has no literal for them).
+// {
+//   "report_version": 1,
+//   "exit_code": 0 | 1,
+//   "engine":    {"path", "backend", "precision", "model_path", "model_fingerprint", "prompt",
+//                 "token_ids": [int], "created_utc", "diffrun_version", "facts": {str: str}},
+//   "reference": { same },
+//   "model": {"arch", "n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab",
+//             "rope_theta", "rope_type", "rms_eps"},          // the reference's config
+//   "tolerances": {"source", "preset"},
+//   "summary": {"compared", "pass", "fail", "one_sided", "steps", "diverged": bool},
+//   "warnings": [str],
+//   "first_divergence": null | {
+//       "index": int (into "checkpoints"), "step", "name", "layer",
+//       "preceding": [int] (indices of the passing checkpoints just before it),
+//       "verdict": {"kind": "local"|"drift"|"undetermined", "rule", "explanation", "ratio",
+//                   "inputs": [{"name", "rel_l2"}], "growth": [{"layer", "rel_l2"}]}},
+//   "checkpoints": [{                                        // step 0 first, execution order
+//       "step", "name", "base", "layer", "order", "layout",
+//       "status": "pass"|"fail"|"shape_mismatch"|"only_engine"|"only_reference",
+//       "shape_engine": [int] | null, "shape_reference": [int] | null,
+//       "rule": {"match": str ("" = default), "reason"},
+//       "checks": [{"metric", "bound", "value", "limit", "pass"}],
+//       "metrics": null | {
+//          "n", "max_abs", "mean_abs", "rel_l2", "nmse", "cosine", "sqnr_db", "n_fail", "fail_frac",
+//          "atol", "rtol", "nan_engine", "inf_engine", "nan_reference", "inf_reference",
+//          "nonfinite_mismatch", "min_atol", "min_rtol",
+//          "worst": null | {"flat", "coords": {letter: index} (in layout order), "engine", "reference", "abs_err"},
+//          "logits": null | {"tokens", "top1", "top5_overlap", "kl_mean", "kl_max", "kl": [num],
+//                            "argmax_engine": [int], "argmax_reference": [int]}}}],
+//   "tokens": [{"step", "reference", "engine", "match"}]        // -1 where unknown
+// }
+#include <cmath>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "diff/report.hpp"
+
+namespace diffrun::diff {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+json number(double x) {
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  return x;
+}
+
+json side(const DumpMeta& m, const std::string& path) {
+  json facts = json::object();
+  for (const auto& [k, v] : m.facts) facts[k] = v;
+  return {{"path", path},
+          {"backend", m.backend},
+          {"precision", m.precision},
+          {"model_path", m.model_path},
+          {"model_fingerprint", m.model_fingerprint},
+          {"prompt", m.prompt},
+          {"token_ids", m.token_ids},
+          {"created_utc", m.created_utc},
+          {"diffrun_version", m.diffrun_version},
+          {"facts", facts}};
+}
+
+json metrics_json(const TensorMetrics& m) {
+  json j = {{"n", m.n},
+            {"max_abs", number(m.max_abs)},
+            {"mean_abs", number(m.mean_abs)},
+            {"rel_l2", number(m.rel_l2)},
+            {"nmse", number(m.nmse)},
+            {"cosine", number(m.cosine)},
+            {"sqnr_db", number(m.sqnr_db)},
+            {"n_fail", m.n_fail},
+            {"fail_frac", number(m.fail_frac)},
+            {"atol", number(m.tolerance.atol)},
+            {"rtol", number(m.tolerance.rtol)},
+            {"nan_engine", m.nan_a},
+            {"inf_engine", m.inf_a},
+            {"nan_reference", m.nan_b},
+            {"inf_reference", m.inf_b},
+            {"nonfinite_mismatch", m.nonfinite_mismatch},
+            {"min_atol", number(m.min_atol)},
+            {"min_rtol", number(m.min_rtol)}};
+  if (m.worst.flat >= 0) {
+    json coords = json::object();
+    for (const auto& c : m.worst.coords) coords[c.dim] = c.index;
+    j["worst"] = {{"flat", m.worst.flat},
+                  {"coords", coords},
+                  {"engine", number(m.worst.a)},
+                  {"reference", number(m.worst.b)},
+                  {"abs_err", number(m.worst.abs_err)}};
+  } else {
+    j["worst"] = nullptr;
+  }
+  if (m.logits) {
+    const LogitMetrics& l = *m.logits;
+    json kl = json::array();
+    for (double k : l.kl) kl.push_back(number(k));
+    j["logits"] = {{"tokens", l.tokens},
+                   {"top1", number(l.top1)},
+                   {"top5_overlap", number(l.top5_overlap)},
+                   {"kl_mean", number(l.kl_mean)},
+                   {"kl_max", number(l.kl_max)},
+                   {"kl", kl},
+                   {"argmax_engine", l.argmax_a},
+                   {"argmax_reference", l.argmax_b}};
+  } else {
+    j["logits"] = nullptr;
+  }
+  return j;
+}
+
+json checkpoint_json(const CheckpointResult& r) {
+  json checks = json::array();
+  for (const auto& k : r.checks) {
+    checks.push_back({{"metric", k.metric}, {"bound", k.bound}, {"value", number(k.value)}, {"limit", number(k.limit)},
+                      {"pass", k.pass}});
+  }
+  return {{"step", r.step},
+          {"name", r.name},
+          {"base", r.base},
+          {"layer", r.layer},
+          {"order", r.order},
+          {"layout", r.layout},
+          {"status", checkpoint_status_name(r.status)},
+          {"shape_engine", r.status == CheckpointStatus::only_reference ? json(nullptr) : json(r.shape_engine)},
+          {"shape_reference", r.status == CheckpointStatus::only_engine ? json(nullptr) : json(r.shape_reference)},
+          {"rule", {{"match", r.rule_match}, {"reason", r.rule_reason}}},
+          {"checks", checks},
+          {"metrics", r.metrics ? metrics_json(*r.metrics) : json(nullptr)}};
+}
+
+}  // namespace
+
+nlohmann::ordered_json report_json(const Comparison& c) {
+  const ModelConfig& cfg = c.reference_meta.config;
+  json j;
+  j["report_version"] = 1;
+  j["exit_code"] = exit_code(c);
+  j["engine"] = side(c.engine_meta, c.engine_path);
+  j["reference"] = side(c.reference_meta, c.reference_path);
+  j["model"] = {{"arch", arch_name(cfg.arch)},   {"n_layer", cfg.n_layer},     {"n_embd", cfg.n_embd},
+                {"n_head", cfg.n_head},          {"n_head_kv", cfg.n_head_kv}, {"head_dim", cfg.head_dim},
+                {"n_ff", cfg.n_ff},              {"n_vocab", cfg.n_vocab},     {"rope_theta", cfg.rope_theta},
+                {"rope_type", rope_type_name(cfg.rope_type)}, {"rms_eps", cfg.rms_eps}};
+  j["tolerances"] = {{"source", c.tolerance_source}, {"preset", c.tolerance_preset}};
+  std::set<int> steps;
+  for (const auto& r : c.results) steps.insert(r.step);
+  j["summary"] = {{"compared", c.n_pass + c.n_fail}, {"pass", c.n_pass},  {"fail", c.n_fail},
+                  {"one_sided", c.n_one_sided},       {"steps", steps.size()}, {"diverged", c.diverged()}};
+  j["warnings"] = c.warnings;
+  if (c.first_failure) {
+    const CheckpointResult& f = c.results[*c.first_failure];
+    const Verdict& v = c.verdict;
+    json inputs = json::array(), growth = json::array();
+    for (const auto& in : v.inputs) inputs.push_back({{"name", in.name}, {"rel_l2", number(in.rel_l2)}});
+    for (const auto& g : v.growth) growth.push_back({{"layer", g.layer}, {"rel_l2", number(g.rel_l2)}});
+    j["first_divergence"] = {{"index", *c.first_failure},
+                             {"step", f.step},
+                             {"name", f.name},
+                             {"layer", f.layer},
+                             {"preceding", c.preceding},
+                             {"verdict",
+                              {{"kind", verdict_kind_name(v.kind)},
+                               {"rule", v.rule},
+                               {"explanation", v.explanation},
+                               {"ratio", number(v.ratio)},
+                               {"inputs", inputs},
+                               {"growth", growth}}}};
+  } else {
+    j["first_divergence"] = nullptr;
+  }
+  json checkpoints = json::array();
+  for (const auto& r : c.results) checkpoints.push_back(checkpoint_json(r));
+  j["checkpoints"] = std::move(checkpoints);
+  json tokens = json::array();
+  for (const auto& t : c.tokens) {
+    tokens.push_back({{"step", t.step}, {"reference", t.reference}, {"engine", t.engine}, {"match", t.match()}});
+  }
+  j["tokens"] = std::move(tokens);
+  return j;
+}
+
+std::string render_json(const Comparison& c) {
+  return report_json(c).dump(1) + "\n";
+}
+
+}  // namespace diffrun::diff

@@ -1,0 +1,138 @@
+// The JUnit XML report: one <testsuite> per step, one <testcase> per checkpoint, failures with the metrics.
+#include <cmath>
+#include <map>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "diff/report.hpp"
+
+namespace diffrun::diff {
+namespace {
+
+// Escapes text for XML attributes (line breaks as character references) or character data;
+// drops the control characters XML 1.0 cannot carry.
+std::string xml_escape(std::string_view in, bool attribute = true) {
+  std::string out;
+  out.reserve(in.size());
+  for (char ch : in) {
+    switch (ch) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&apos;"; break;
+      case '\n': out += attribute ? "&#10;" : "\n"; break;
+      case '\t': out += "&#9;"; break;
+      case '\r': out += "&#13;"; break;
+      default:
+        if (static_cast<unsigned char>(ch) >= 0x20) out += ch;
+    }
+  }
+  return out;
+}
+
+std::string num(double x) {
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  return fmt::format("{:.6g}", x);
+}
+
+std::string step_name(int step) { return fmt::format("step_{:04d}", step); }
+
+std::string failure_message(const CheckpointResult& r) {
+  if (r.status == CheckpointStatus::shape_mismatch) {
+    return fmt::format("shape mismatch: engine [{}] vs reference [{}]", fmt::join(r.shape_engine, ", "),
+                       fmt::join(r.shape_reference, ", "));
+  }
+  std::vector<std::string> parts;
+  for (const auto& k : r.checks) {
+    if (k.pass) continue;
+    if (k.metric == "nonfinite_mismatch") {
+      parts.push_back(fmt::format("{} non-finite mismatches", num(k.value)));
+    } else {
+      parts.push_back(fmt::format("{} {} {} {}", k.metric, num(k.value), k.bound, num(k.limit)));
+    }
+  }
+  return fmt::format("{}", fmt::join(parts, "; "));
+}
+
+std::string failure_body(const CheckpointResult& r) {
+  if (!r.metrics) return failure_message(r);
+  const TensorMetrics& m = *r.metrics;
+  std::string body = fmt::format(
+      "rule: {} ({})\nrel_l2 {}\nmax_abs {}\nmean_abs {}\nnmse {}\ncosine {}\nsqnr_db {}\nfail_frac {} (atol {}, rtol {})\n"
+      "nan/inf engine {}/{} reference {}/{}\nmin_atol {}\nmin_rtol {}\n",
+      r.rule_match.empty() ? "default" : r.rule_match, r.rule_reason, num(m.rel_l2), num(m.max_abs), num(m.mean_abs),
+      num(m.nmse), num(m.cosine), num(m.sqnr_db), num(m.fail_frac), num(m.tolerance.atol), num(m.tolerance.rtol),
+      m.nan_a, m.inf_a, m.nan_b, m.inf_b, num(m.min_atol), num(m.min_rtol));
+  if (m.worst.flat >= 0) {
+    body += fmt::format("worst {} [{}]: engine {:.9g} reference {:.9g}\n", format_coordinates(m.worst.coords), r.layout,
+                        m.worst.a, m.worst.b);
+  }
+  if (m.logits) {
+    body += fmt::format("top1 {} top5_overlap {} kl_max {}\n", num(m.logits->top1), num(m.logits->top5_overlap),
+                        num(m.logits->kl_max));
+  }
+  return body;
+}
+
+}  // namespace
+
+std::string render_junit(const Comparison& c) {
+  std::map<int, std::vector<const CheckpointResult*>> by_step;
+  for (const auto& r : c.results) by_step[r.step].push_back(&r);
+  int total = 0, failures = 0, skipped = 0;
+  for (const auto& r : c.results) {
+    ++total;
+    if (r.failed()) ++failures;
+    if (!r.failed() && !r.compared()) ++skipped;
+  }
+  std::string out = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+  out += fmt::format("<testsuites name=\"diffrun\" tests=\"{}\" failures=\"{}\" errors=\"0\" skipped=\"{}\">\n", total,
+                     failures, skipped);
+  for (const auto& [step, results] : by_step) {
+    int f = 0, s = 0;
+    for (const auto* r : results) {
+      if (r->failed()) ++f;
+      if (!r->failed() && !r->compared()) ++s;
+    }
+    out += fmt::format("  <testsuite name=\"{}\" tests=\"{}\" failures=\"{}\" errors=\"0\" skipped=\"{}\">\n",
+                       step_name(step), results.size(), f, s);
+    if (step == by_step.begin()->first) {
+      out += "    <properties>\n";
+      auto prop = [&](const char* name, const std::string& value) {
+        out += fmt::format("      <property name=\"{}\" value=\"{}\"/>\n", name, xml_escape(value));
+      };
+      prop("engine", fmt::format("{}/{} {}", c.engine_meta.backend, c.engine_meta.precision, c.engine_path));
+      prop("reference", fmt::format("{}/{} {}", c.reference_meta.backend, c.reference_meta.precision, c.reference_path));
+      prop("model", c.reference_meta.model_path);
+      prop("prompt", c.reference_meta.prompt);
+      prop("tolerances", c.tolerance_preset.empty() ? c.tolerance_source : c.tolerance_preset);
+      if (c.first_failure) {
+        prop("verdict", fmt::format("{} (rule {}): {}", verdict_kind_name(c.verdict.kind), c.verdict.rule,
+                                    c.verdict.explanation));
+      }
+      out += "    </properties>\n";
+    }
+    for (const auto* r : results) {
+      out += fmt::format("    <testcase classname=\"{}\" name=\"{}\" time=\"0\"", step_name(step), xml_escape(r->name));
+      if (r->failed()) {
+        bool first = c.first_failure && &c.results[*c.first_failure] == r;
+        out += fmt::format(">\n      <failure type=\"{}\" message=\"{}{}\">{}</failure>\n    </testcase>\n",
+                           checkpoint_status_name(r->status), first ? "first divergence: " : "",
+                           xml_escape(failure_message(*r)), xml_escape(failure_body(*r), false));
+      } else if (!r->compared()) {
+        out += fmt::format(">\n      <skipped message=\"recorded by the {} only\"/>\n    </testcase>\n",
+                           r->status == CheckpointStatus::only_engine ? "engine" : "reference");
+      } else {
+        out += "/>\n";
+      }
+    }
+    out += "  </testsuite>\n";
+  }
+  out += "</testsuites>\n";
+  return out;
+}
+
+}  // namespace diffrun::diff

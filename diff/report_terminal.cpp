@@ -1,0 +1,245 @@
+// The terminal report: first divergence with its evidence, per-layer error table, token agreement.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "diff/report.hpp"
+#include "model/config.hpp"
+
+namespace diffrun::diff {
+namespace {
+
+struct Style {
+  bool on;
+  std::string wrap(std::string_view code, std::string_view text) const {
+    return on ? fmt::format("\033[{}m{}\033[0m", code, text) : std::string(text);
+  }
+  std::string bold(std::string_view t) const { return wrap("1", t); }
+  std::string red(std::string_view t) const { return wrap("1;31", t); }
+  std::string green(std::string_view t) const { return wrap("32", t); }
+  std::string yellow(std::string_view t) const { return wrap("33", t); }
+  std::string dim(std::string_view t) const { return wrap("2", t); }
+};
+
+std::string num(double x) {
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  return fmt::format("{:.3g}", x);
+}
+
+std::string shape_str(const std::vector<int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
+
+std::string side(const DumpMeta& m, const std::string& path) {
+  return fmt::format("{}/{} ({})", m.backend, m.precision, path);
+}
+
+std::string where(const CheckpointResult& r) {
+  return r.layer >= 0 ? fmt::format("step {}, layer {}", r.step, r.layer) : fmt::format("step {}", r.step);
+}
+
+std::string rule_label(const CheckpointResult& r) { return r.rule_match.empty() ? "default" : r.rule_match; }
+
+void first_divergence(std::string& out, const Comparison& c, const Style& s) {
+  const CheckpointResult& f = c.results[*c.first_failure];
+  out += s.red(fmt::format("FIRST DIVERGENCE  {}  ({})", f.name, where(f))) + "\n";
+  out += fmt::format("  rule      {}: {}\n", rule_label(f), f.rule_reason);
+  if (f.status == CheckpointStatus::shape_mismatch) {
+    out += fmt::format("  shape     engine {} vs reference {} (layout {})\n", shape_str(f.shape_engine),
+                       shape_str(f.shape_reference), f.layout);
+  } else {
+    const TensorMetrics& m = *f.metrics;
+    std::vector<std::string> failed;
+    for (const auto& k : f.checks) {
+      if (k.pass) continue;
+      if (k.metric == "nonfinite_mismatch") {
+        failed.push_back(fmt::format("{} non-finite value(s) where the other side differs", num(k.value)));
+      } else {
+        bool upper = k.bound.rfind("max_", 0) == 0;
+        failed.push_back(fmt::format("{} {} {} {} {}", k.metric, num(k.value), upper ? ">" : "<", k.bound, num(k.limit)));
+      }
+    }
+    out += fmt::format("  failed    {}\n", fmt::join(failed, "; "));
+    out += fmt::format("  metrics   rel_l2 {}  max_abs {}  mean_abs {}  nmse {}  cosine {}  sqnr {} dB\n", num(m.rel_l2),
+                       num(m.max_abs), num(m.mean_abs), num(m.nmse), fmt::format("{:.8f}", m.cosine), num(m.sqnr_db));
+    out += fmt::format("            {} of {} elements outside atol {} + rtol {}·|ref| ({})\n", m.n_fail, m.n,
+                       num(m.tolerance.atol), num(m.tolerance.rtol), num(m.fail_frac));
+    if (m.nan_a + m.inf_a + m.nan_b + m.inf_b > 0) {
+      out += fmt::format("  nonfinite engine NaN {} Inf {}; reference NaN {} Inf {}\n", m.nan_a, m.inf_a, m.nan_b, m.inf_b);
+    }
+    if (m.worst.flat >= 0) {
+      out += fmt::format("  worst     {} [{}]: engine {:.9g}  reference {:.9g}  |diff| {}\n",
+                         format_coordinates(m.worst.coords), f.layout, m.worst.a, m.worst.b, num(m.worst.abs_err));
+    }
+    out += fmt::format("  to pass   atol >= {} (rtol 0), or rtol >= {} (atol {})\n", num(m.min_atol), num(m.min_rtol),
+                       num(m.tolerance.atol));
+    if (m.logits) {
+      out += fmt::format("  logits    top-1 agreement {}  top-5 overlap {}  KL(ref||eng) mean {} max {}\n",
+                         num(m.logits->top1), num(m.logits->top5_overlap), num(m.logits->kl_mean), num(m.logits->kl_max));
+    }
+  }
+  if (!c.preceding.empty()) {
+    out += "  before it (passed):\n";
+    for (size_t i : c.preceding) {
+      const CheckpointResult& p = c.results[i];
+      out += s.dim(fmt::format("    step {:<3} {:<18} rel_l2 {}", p.step, p.name, num(p.metrics->rel_l2))) + "\n";
+    }
+    if (f.metrics) {
+      out += fmt::format("    step {:<3} {:<18} rel_l2 {}  <-- first failure\n", f.step, f.name, num(f.metrics->rel_l2));
+    }
+  }
+  const Verdict& v = c.verdict;
+  std::string kind = verdict_kind_name(v.kind);
+  std::transform(kind.begin(), kind.end(), kind.begin(), [](unsigned char ch) { return std::toupper(ch); });
+  out += fmt::format("  verdict   {} (rule {}): {}\n", s.bold(kind), v.rule, v.explanation);
+  if (!v.inputs.empty()) {
+    std::vector<std::string> ins;
+    for (const auto& in : v.inputs) ins.push_back(fmt::format("{} rel_l2 {}", in.name, num(in.rel_l2)));
+    out += fmt::format("            inputs: {}\n", fmt::join(ins, ", "));
+  }
+}
+
+void layer_table(std::string& out, const Comparison& c, const Style& s) {
+  const int step = c.first_failure ? c.results[*c.first_failure].step : 0;
+  const int n_layer = c.reference_meta.config.n_layer;
+  // kind -> layer -> result, in execution order of the kinds.
+  std::vector<std::string> kinds;
+  std::map<std::string, std::map<int, const CheckpointResult*>> by_kind;
+  for (const auto& r : c.results) {
+    if (r.step != step || r.layer < 0) continue;
+    if (!by_kind.count(r.base)) kinds.push_back(r.base);
+    by_kind[r.base][r.layer] = &r;
+  }
+  if (kinds.empty()) return;
+  const int last = std::max(n_layer - 1, by_kind.begin()->second.rbegin()->first);
+  out += '\n';
+  out += s.bold(fmt::format("Relative L2 error by layer (step {}; sparkline over layers 0..{}, log scale)", step, last)) + "\n";
+  out += fmt::format("  {:<12} {:>9} {:>9} {:>9} {:>15} {:>6}  {}\n", "kind", "layer 0", fmt::format("layer {}", last / 2),
+                     fmt::format("layer {}", last), "max (layer)", "fails", "growth");
+  for (const auto& kind : kinds) {
+    const auto& layers = by_kind[kind];
+    std::vector<double> series;
+    double mx = -1;
+    int mx_layer = -1, fails = 0, first_fail = -1;
+    for (int l = 0; l <= last; ++l) {
+      auto it = layers.find(l);
+      double v = (it != layers.end() && it->second->metrics) ? it->second->metrics->rel_l2 : std::nan("");
+      if (it != layers.end() && it->second->failed()) {
+        ++fails;
+        if (first_fail < 0) first_fail = l;
+      }
+      series.push_back(v);
+      if (!std::isnan(v) && v > mx) { mx = v; mx_layer = l; }
+    }
+    auto at = [&](int l) { return std::isnan(series[l]) ? std::string("-") : num(series[l]); };
+    std::string fails_str = fails ? s.red(fmt::format("{:>6}", fails)) : fmt::format("{:>6}", 0);
+    std::string spark = sparkline(series);
+    out += fmt::format("  {:<12} {:>9} {:>9} {:>9} {:>15} {}  {}{}\n", kind, at(0), at(last / 2), at(last),
+                       mx >= 0 ? fmt::format("{} ({})", num(mx), mx_layer) : "-", fails_str, spark,
+                       first_fail >= 0 ? fmt::format("  first fails at layer {}", first_fail) : "");
+  }
+  std::vector<std::string> others;
+  for (const auto& r : c.results) {
+    if (r.step == step && r.layer < 0 && r.metrics) {
+      others.push_back(fmt::format("{} {}{}", r.name, num(r.metrics->rel_l2), r.failed() ? " (fail)" : ""));
+    }
+  }
+  if (!others.empty()) out += fmt::format("  outside layers: {}\n", fmt::join(others, ", "));
+}
+
+void token_table(std::string& out, const Comparison& c, const Style& s, const TerminalOptions& opt) {
+  if (c.tokens.empty()) return;
+  int agree = 0, known = 0;
+  for (const auto& t : c.tokens) {
+    if (t.reference >= 0 && t.engine >= 0) ++known;
+    if (t.match()) ++agree;
+  }
+  out += '\n';
+  out += s.bold(fmt::format("Token agreement (reference's next token vs engine argmax): {}/{} steps", agree, known)) + "\n";
+  auto text = [&](int32_t id) {
+    if (id < 0) return std::string("-");
+    if (!opt.token_text) return fmt::format("{}", id);
+    return fmt::format("{} {:?}", id, opt.token_text(id));
+  };
+  for (const auto& t : c.tokens) {
+    std::string mark = (t.reference < 0 || t.engine < 0) ? "?" : (t.match() ? s.green("match") : s.red("DIFFERS"));
+    out += fmt::format("  step {:<3} reference {:<24} engine {:<24} {}\n", t.step, text(t.reference), text(t.engine), mark);
+  }
+}
+
+}  // namespace
+
+std::string sparkline(std::span<const double> values) {
+  static const char* kBars[] = {"▁", "▂", "▃", "▄", "▅", "▆", "▇", "█"};
+  double lo = INFINITY, hi = -INFINITY;
+  for (double v : values) {
+    if (std::isfinite(v) && v > 0) {
+      lo = std::min(lo, std::log10(v));
+      hi = std::max(hi, std::log10(v));
+    }
+  }
+  std::string out;
+  for (double v : values) {
+    if (std::isnan(v)) {
+      out += " ";
+    } else if (std::isinf(v)) {
+      out += "!";
+    } else if (v <= 0) {
+      out += "·";
+    } else {
+      int level = hi > lo ? static_cast<int>(std::lround((std::log10(v) - lo) / (hi - lo) * 7.0)) : 0;
+      out += kBars[std::clamp(level, 0, 7)];
+    }
+  }
+  return out;
+}
+
+std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
+  const Style s{opt.color};
+  std::string out;
+  const ModelConfig& cfg = c.reference_meta.config;
+  out += s.bold("diffrun compare") + "\n";
+  out += fmt::format("  engine     {}\n", side(c.engine_meta, c.engine_path));
+  out += fmt::format("  reference  {}\n", side(c.reference_meta, c.reference_path));
+  out += fmt::format("  model      {} ({}, {} layers, D {}, H {}/{}, V {})\n", c.reference_meta.model_path,
+                     arch_name(cfg.arch), cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.n_vocab);
+  out += fmt::format("  tolerances {}\n", c.tolerance_preset.empty() ? c.tolerance_source
+                                                                        : fmt::format("{} ({})", c.tolerance_preset, c.tolerance_source));
+  std::set<int> steps;
+  for (const auto& r : c.results) steps.insert(r.step);
+  out += fmt::format("  compared   {} checkpoints over {} steps: {} pass, {} fail", c.n_pass + c.n_fail, steps.size(),
+                     c.n_pass, c.n_fail);
+  out += c.n_one_sided ? fmt::format(", {} in one dump only\n", c.n_one_sided) : "\n";
+  for (const auto& w : c.warnings) out += s.yellow("  warning: " + w) + "\n";
+  if (c.n_one_sided) {
+    std::vector<std::string> names;
+    for (const auto& r : c.results) {
+      if (r.status != CheckpointStatus::only_engine && r.status != CheckpointStatus::only_reference) continue;
+      if (names.size() == 6) { names.push_back("..."); break; }
+      names.push_back(fmt::format("{}@{} ({})", r.name, r.step,
+                                  r.status == CheckpointStatus::only_engine ? "engine only" : "reference only"));
+    }
+    out += s.yellow(fmt::format("  warning: present in one dump only, not compared: {}", fmt::join(names, ", "))) + "\n";
+  }
+  out += "\n";
+  if (c.first_failure) {
+    first_divergence(out, c, s);
+  } else {
+    out += s.green(fmt::format("All {} compared checkpoints are within tolerance.", c.n_pass)) + "\n";
+  }
+  layer_table(out, c, s);
+  token_table(out, c, s, opt);
+  out += "\n";
+  if (c.first_failure) {
+    const CheckpointResult& f = c.results[*c.first_failure];
+    out += s.red(fmt::format("RESULT: DIVERGED at {} ({}); verdict {}", f.name, where(f), verdict_kind_name(c.verdict.kind))) + "\n";
+  } else {
+    out += s.green("RESULT: PASS") + "\n";
+  }
+  return out;
+}
+
+}  // namespace diffrun::diff
