@@ -1,0 +1,60 @@
+// Error formatting for CUDA_CHECK / CUBLAS_CHECK and the per-op launch check (DIFFRUN_SYNC_CHECK).
+#include "engine/cuda_check.cuh"
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace diffrun::engine {
+
+namespace {
+
+thread_local int g_step = -1;
+thread_local int g_layer = -1;
+
+std::string where() {
+  if (g_step < 0) return "";
+  std::string s = " (step " + std::to_string(g_step);
+  if (g_layer >= 0) s += ", layer " + std::to_string(g_layer);
+  return s + ")";
+}
+
+}  // namespace
+
+void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line) {
+  throw CudaError(std::string("CUDA error ") + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
+                  ") in " + call + " at " + file + ":" + std::to_string(line) + where());
+}
+
+void throw_cublas_error(cublasStatus_t status, const char* call, const char* file, int line) {
+  throw CudaError(std::string("cuBLAS error ") + cublasGetStatusName(status) + " (" +
+                  cublasGetStatusString(status) + ") in " + call + " at " + file + ":" +
+                  std::to_string(line) + where());
+}
+
+bool sync_check_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("DIFFRUN_SYNC_CHECK");
+    return v != nullptr && std::strcmp(v, "") != 0 && std::strcmp(v, "0") != 0;
+  }();
+  return enabled;
+}
+
+void set_op_context(int step, int layer) {
+  g_step = step;
+  g_layer = layer;
+}
+
+void check_launch(const char* op, cudaStream_t stream) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw CudaError(std::string("kernel launch of op ") + op + " failed: " + cudaGetErrorName(err) + " (" +
+                    cudaGetErrorString(err) + ")" + where());
+  if (!sync_check_enabled()) return;
+  err = cudaStreamSynchronize(stream);
+  if (err != cudaSuccess)
+    throw CudaError(std::string("op ") + op + " failed (DIFFRUN_SYNC_CHECK): " + cudaGetErrorName(err) + " (" +
+                    cudaGetErrorString(err) + ")" + where());
+}
+
+}  // namespace diffrun::engine

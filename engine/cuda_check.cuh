@@ -1,0 +1,43 @@
+// CUDA and cuBLAS error checking: CUDA_CHECK, CUBLAS_CHECK, the check after every kernel launch, DIFFRUN_SYNC_CHECK.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "model/error.hpp"
+
+namespace diffrun::engine {
+
+// A failed CUDA or cuBLAS call, or a kernel that failed (names the call or op, file and line).
+struct CudaError : Error {
+  using Error::Error;
+};
+
+[[noreturn]] void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line);
+[[noreturn]] void throw_cublas_error(cublasStatus_t status, const char* call, const char* file, int line);
+
+// DIFFRUN_SYNC_CHECK=1 (read once): synchronize after every op so a failing kernel is named.
+bool sync_check_enabled();
+
+// Where the forward pass is (step, layer; layer -1 outside layers), named in op errors. Cheap.
+void set_op_context(int step, int layer);
+
+// Called after every kernel launch: throws CudaError naming `op` on a launch error, and with
+// DIFFRUN_SYNC_CHECK=1 synchronizes `stream` first so an execution error is attributed to `op`.
+void check_launch(const char* op, cudaStream_t stream);
+
+}  // namespace diffrun::engine
+
+#define CUDA_CHECK(call)                                                               \
+  do {                                                                                 \
+    const cudaError_t diffrun_err_ = (call);                                           \
+    if (diffrun_err_ != cudaSuccess)                                                   \
+      ::diffrun::engine::throw_cuda_error(diffrun_err_, #call, __FILE__, __LINE__);    \
+  } while (0)
+
+#define CUBLAS_CHECK(call)                                                             \
+  do {                                                                                 \
+    const cublasStatus_t diffrun_st_ = (call);                                         \
+    if (diffrun_st_ != CUBLAS_STATUS_SUCCESS)                                          \
+      ::diffrun::engine::throw_cublas_error(diffrun_st_, #call, __FILE__, __LINE__);   \
+  } while (0)

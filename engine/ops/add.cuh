@@ -1,0 +1,13 @@
+// Residual add (T, D): out = a + b, f32 (out may alias a or b).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace diffrun::engine {
+
+// out, a, b [T, D] f32; n = T·D.
+void add(float* out, const float* a, const float* b, int64_t n, cudaStream_t stream);
+
+}  // namespace diffrun::engine

@@ -1,0 +1,14 @@
+// Argmax over the real vocabulary (V): the index of the largest logit, the lowest index on ties;
+// NaNs never win; -1 when no logit is comparable (all NaN).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace diffrun::engine {
+
+// out [1] device int32; logits [V] f32 (one row; padded rows beyond V are never read).
+void argmax(int32_t* out, const float* logits, int V, cudaStream_t stream);
+
+}  // namespace diffrun::engine

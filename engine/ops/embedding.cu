@@ -1,0 +1,34 @@
+// Embedding gather kernel (T, D): one block per token row.
+#include "engine/ops/embedding.cuh"
+
+#include "engine/cuda_check.cuh"
+#include "engine/ops/launch.cuh"
+
+namespace diffrun::engine {
+
+namespace {
+
+template <typename W>
+static __global__ void embedding_kernel(float* out, const int32_t* tokens, const W* table, int D) {
+  const int t = blockIdx.x;
+  const W* row = table + static_cast<int64_t>(tokens[t]) * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) out[static_cast<int64_t>(t) * D + d] = load_act(row, d);
+}
+
+template <typename W>
+void launch(float* out, const int32_t* tokens, const W* table, int T, int D, cudaStream_t stream) {
+  embedding_kernel<<<T, kOpThreads, 0, stream>>>(out, tokens, table, D);
+  check_launch("embedding", stream);
+}
+
+}  // namespace
+
+void embedding(float* out, const int32_t* tokens, const float* table, int T, int D, cudaStream_t stream) {
+  launch(out, tokens, table, T, D, stream);
+}
+
+void embedding(float* out, const int32_t* tokens, const __half* table, int T, int D, cudaStream_t stream) {
+  launch(out, tokens, table, T, D, stream);
+}
+
+}  // namespace diffrun::engine

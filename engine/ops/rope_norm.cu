@@ -1,0 +1,41 @@
+// RoPE NORM kernel (T, n_head, Dh): one thread per rotated pair.
+#include "engine/ops/rope_norm.cuh"
+
+#include "engine/cuda_check.cuh"
+#include "engine/ops/launch.cuh"
+
+namespace diffrun::engine {
+
+namespace {
+
+static __global__ void rope_norm_kernel(float* out, const float* x, const int32_t* pos, int T, int n_head, int Dh,
+                                        float theta) {
+  const int half = Dh / 2;
+  const int64_t total = static_cast<int64_t>(T) * n_head * half;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int i = static_cast<int>(idx % half);
+    const int64_t head_row = idx / half;  // t · n_head + h
+    const int t = static_cast<int>(head_row / n_head);
+    const float inv_freq = powf(theta, -2.0f * static_cast<float>(i) / static_cast<float>(Dh));
+    const float angle = static_cast<float>(pos[t]) * inv_freq;
+    float s, c;
+    sincosf(angle, &s, &c);
+    const int64_t base = head_row * Dh;
+    const float x0 = x[base + 2 * i];
+    const float x1 = x[base + 2 * i + 1];
+    out[base + 2 * i] = x0 * c - x1 * s;
+    out[base + 2 * i + 1] = x0 * s + x1 * c;
+  }
+}
+
+}  // namespace
+
+void rope_norm(float* out, const float* x, const int32_t* pos, int T, int n_head, int Dh, float theta,
+               cudaStream_t stream) {
+  const int64_t total = static_cast<int64_t>(T) * n_head * (Dh / 2);
+  rope_norm_kernel<<<op_grid(total), kOpThreads, 0, stream>>>(out, x, pos, T, n_head, Dh, theta);
+  check_launch("rope_norm", stream);
+}
+
+}  // namespace diffrun::engine
