@@ -29,10 +29,21 @@ class Tokenizer {
   // The raw vocabulary string of one id (as stored in GGUF), for `diffrun tokenize`.
   virtual const std::string& piece(int32_t id) const = 0;
 
+  // The bytes one token stands for: byte-level characters and <0xNN> undone, ▁ as a space, control
+  // tokens as their text; no prefix space is stripped. May be a partial UTF-8 sequence.
+  virtual std::string token_text(int32_t id) const = 0;
+
   virtual int n_vocab() const = 0;
   virtual int32_t bos() const = 0;   // -1 when the model has none
   virtual int32_t eos() const = 0;
   virtual bool is_eog(int32_t id) const = 0;  // end of generation (eos, <|im_end|>, <|eot_id|>...)
+
+  // Problems found while loading that do not stop tokenization (an unknown tokenizer.ggml.pre); the
+  // library never prints them, the CLI shows them on stderr.
+  const std::vector<std::string>& warnings() const { return warnings_; }
+
+ protected:
+  std::vector<std::string> warnings_;
 };
 
 }  // namespace diffrun
