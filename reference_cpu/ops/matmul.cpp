@@ -1,7 +1,10 @@
 // Linear layer out = x · Wᵀ (+ bias) with Eigen. T tokens, K inputs, N outputs; W is [N,K] row-major.
 #include "reference_cpu/ops/matmul.hpp"
 
+#include <algorithm>
 #include <cstdint>
+
+#include <omp.h>
 
 #include <Eigen/Core>
 
@@ -22,11 +25,25 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const T* W /* [N,K] */, 
     }
     return;
   }
+  // Prefill: each thread runs a single-threaded Eigen GEMM on its own block of output columns (one
+  // barrier per call; Eigen's own threaded GEMM spins badly when the cores are shared).
   const Eigen::Map<const Mat> xm(x, n_tokens, K);
-  const Eigen::Map<const Mat> wm(W, N, K);
   Eigen::Map<Mat> om(out, n_tokens, N);
-  om.noalias() = xm * wm.transpose();
-  if (bias) om.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias, N);
+#pragma omp parallel
+  {
+    const int n_threads = omp_get_num_threads();
+    const int chunk = (N + n_threads - 1) / n_threads;
+    const int n0 = std::min(N, omp_get_thread_num() * chunk);
+    const int n1 = std::min(N, n0 + chunk);
+    if (n1 > n0) {
+      const Eigen::Map<const Mat> wm(W + static_cast<int64_t>(n0) * K, n1 - n0, K);
+      om.middleCols(n0, n1 - n0).noalias() = xm * wm.transpose();
+      if (bias) {
+        om.middleCols(n0, n1 - n0).rowwise() +=
+            Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias + n0, n1 - n0);
+      }
+    }
+  }
 }
 
 template void matmul<float>(float*, const float*, const float*, const float*, int, int, int);

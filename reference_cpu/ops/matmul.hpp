@@ -4,7 +4,7 @@
 namespace diffrun::ref {
 
 // out[t, n] = sum_k x[t, k] * W[n, k] + bias[n] (bias may be null). One token: a mat-vec parallel over
-// output rows (OpenMP); several tokens: an Eigen GEMM (Eigen's OpenMP threads).
+// output rows (OpenMP); several tokens: Eigen GEMMs on per-thread column blocks.
 template <typename T>
 void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const T* W /* [N,K] */, const T* bias /* [N] or null */,
             int n_tokens, int K, int N);
