@@ -316,9 +316,6 @@ DumpWriter::DumpWriter(const std::string& path, const DumpMeta& meta, Checkpoint
   // v1.8+ object headers: large attributes (long token_ids) and many root attributes are allowed.
   H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_LATEST);
   H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);
-  // Small metadata objects (headers, attributes) are packed into 1 MiB blocks instead of one
-  // allocation each.
-  H5Pset_meta_block_size(fapl.get(), 1 << 20);
   m.tmp_path = path + ".tmp-" + std::to_string(::getpid());
   m.file = Hid(H5Fcreate(m.tmp_path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose);
   if (!m.file.valid()) {

@@ -46,6 +46,7 @@ void write_sample(const char* path) {
   DumpWriter w(path, meta);
   const ModelConfig& c = meta.config;
   const int steps_T[2] = {5, 1};
+  const std::vector<int32_t> fed = {2, 3, 5, 7, 11, 13};  // the prompt, then the decode step's token
   int n_past = 0;
   for (int step = 0; step < 2; ++step) {
     const int T = steps_T[step];
@@ -55,7 +56,7 @@ void write_sample(const char* path) {
       const CheckpointKind& kind = *find_checkpoint_kind(parsed.base);
       const int order = checkpoint_order(c, parsed.base, parsed.layer);
       if (name == "tokens") {
-        std::vector<int32_t> ids(meta.token_ids.begin() + n_past, meta.token_ids.begin() + n_past + T);
+        std::vector<int32_t> ids(fed.begin() + n_past, fed.begin() + n_past + T);
         w.record_ids(step, name, ids);
         continue;
       }

@@ -1,0 +1,179 @@
+"""Reader for diffrun dumps (HDF5, format "diffrun-dump"): metadata, steps, names, tensors on demand."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import h5py
+import numpy as np
+
+FORMAT = "diffrun-dump"
+FORMAT_VERSION = 1
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class DumpFormatError(Exception):
+    """A file that is not a readable diffrun dump; the message names the file (and dataset)."""
+
+    def __init__(self, path: str, what: str, dataset: str | None = None):
+        self.path = path
+        self.dataset = dataset
+        where = f"{path}: dataset '{dataset}': " if dataset else f"{path}: "
+        super().__init__(where + what)
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    step: int
+    name: str
+    order: int
+    layer: int
+    layout: str
+    native_dtype: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def dims(self) -> list[str]:
+        return self.layout.split(",")
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and bytes to Python values; arrays stay numpy arrays."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _group_name(step: int) -> str:
+    return f"step_{step:04d}"
+
+
+class Dump:
+    """An open dump. Tensors are read only when asked for (get); use as a context manager or close()."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise DumpFormatError(self.path, "no such file")
+        try:
+            self._file = h5py.File(self.path, "r")
+        except OSError as e:
+            raise DumpFormatError(self.path, f"not a readable HDF5 file (foreign or truncated): {e}") from None
+        try:
+            self.meta: dict[str, Any] = self._read_meta()
+            self._steps = self._find_steps()
+        except BaseException:
+            self._file.close()
+            raise
+        self._infos: dict[int, list[DatasetInfo]] = {}
+
+    def _read_meta(self) -> dict[str, Any]:
+        try:
+            attrs = {k: _plain(v) for k, v in self._file.attrs.items()}
+        except (OSError, KeyError) as e:
+            raise DumpFormatError(self.path, f"cannot read root attributes: {e}") from None
+        fmt = attrs.get("format")
+        if fmt is None:
+            raise DumpFormatError(self.path, "not a diffrun dump (no 'format' root attribute)")
+        if fmt != FORMAT:
+            raise DumpFormatError(self.path, f"not a diffrun dump (format is '{fmt}', expected '{FORMAT}')")
+        version = attrs.get("format_version")
+        if version != FORMAT_VERSION:
+            raise DumpFormatError(
+                self.path, f"format_version {version} is not supported (this reader reads version {FORMAT_VERSION})"
+            )
+        return attrs
+
+    def _find_steps(self) -> list[int]:
+        steps = []
+        for key in self._file.keys():
+            m = _STEP_RE.match(key)
+            if m:
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def _group(self, step: int) -> h5py.Group:
+        if step not in self._steps:
+            raise DumpFormatError(self.path, f"no step {step} (steps: {self._steps})", _group_name(step))
+        return self._file[_group_name(step)]
+
+    def _infos_of(self, step: int) -> list[DatasetInfo]:
+        if step not in self._infos:
+            group = self._group(step)
+            infos = []
+            for name, ds in group.items():
+                where = f"{_group_name(step)}/{name}"
+                if not isinstance(ds, h5py.Dataset):
+                    continue
+                try:
+                    a = ds.attrs
+                    infos.append(
+                        DatasetInfo(
+                            step=step,
+                            name=name,
+                            order=int(a["order"]),
+                            layer=int(a["layer"]),
+                            layout=_plain(a["layout"]),
+                            native_dtype=_plain(a["native_dtype"]),
+                            shape=tuple(ds.shape),
+                            dtype=ds.dtype,
+                        )
+                    )
+                except KeyError as e:
+                    raise DumpFormatError(self.path, f"missing attribute {e}", where) from None
+            infos.sort(key=lambda i: (i.order, i.name))
+            self._infos[step] = infos
+        return self._infos[step]
+
+    def steps(self) -> list[int]:
+        return list(self._steps)
+
+    def names(self, step: int = 0) -> list[str]:
+        """Checkpoint names of a step in recorded execution order."""
+        return [i.name for i in self._infos_of(step)]
+
+    def info(self, name: str, step: int = 0) -> DatasetInfo:
+        for i in self._infos_of(step):
+            if i.name == name:
+                return i
+        raise DumpFormatError(self.path, "no such dataset", f"{_group_name(step)}/{name}")
+
+    def get(self, name: str, step: int = 0) -> np.ndarray:
+        """The checkpoint as a numpy array (float32, int32 for ids), read from disk now."""
+        self.info(name, step)
+        where = f"{_group_name(step)}/{name}"
+        try:
+            return self._file[where][()]
+        except (OSError, KeyError) as e:
+            raise DumpFormatError(self.path, f"cannot read: {e}", where) from None
+
+    @property
+    def closed(self) -> bool:
+        return not self._file.id.valid
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "Dump":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Dump({self.path!r}, backend={self.meta.get('backend')!r}, precision={self.meta.get('precision')!r}, "
+            f"steps={len(self._steps)})"
+        )
+
+
+def open(path: str | os.PathLike[str]) -> Dump:  # noqa: A001 - the package's entry point is diffrun_dump.open
+    """Opens a dump; raises DumpFormatError naming the file when it is not a readable diffrun dump."""
+    return Dump(path)

@@ -1,0 +1,173 @@
+"""Dumps written by the C++ writer open in plain h5py with the documented layout and in diffrun_dump.
+
+Needs DIFFRUN_DUMP_SAMPLE (the tests/dump_sample program; ctest sets it) and PYTHONPATH=scripts.
+"""
+
+import json
+import os
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+
+import diffrun_dump
+from diffrun_dump import vocabulary
+
+SAMPLE = os.environ.get("DIFFRUN_DUMP_SAMPLE", "")
+
+ROOT_ATTRS = {
+    "format": str, "format_version": np.integer, "backend": str, "precision": str, "model_path": str,
+    "model_fingerprint": str, "arch": str, "n_layer": np.integer, "n_embd": np.integer, "n_head": np.integer,
+    "n_head_kv": np.integer, "head_dim": np.integer, "n_ff": np.integer, "n_vocab": np.integer,
+    "n_ctx": np.integer, "rope_theta": np.floating, "rope_type": str, "rms_eps": np.floating,
+    "tied_output": np.bool_, "qkv_bias": np.bool_, "qk_norm": np.bool_, "prompt": str, "token_ids": np.ndarray,
+    "created_utc": str, "diffrun_version": str,
+}
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    if not SAMPLE or not os.path.exists(SAMPLE):
+        pytest.fail("DIFFRUN_DUMP_SAMPLE must name the built tests/dump_sample program (run through ctest)")
+    path = tmp_path_factory.mktemp("dumps") / "sample.h5"
+    subprocess.run([SAMPLE, str(path)], check=True)
+    return path
+
+
+def expected_values(step, order, n):
+    return (np.float32(step * 1000 + order) + np.arange(n, dtype=np.float32) / np.float32(1024)).astype(np.float32)
+
+
+def test_plain_h5py_sees_the_documented_layout(sample):
+    with h5py.File(sample, "r") as f:
+        for key, kind in ROOT_ATTRS.items():
+            assert key in f.attrs, key
+            assert isinstance(f.attrs[key], kind), (key, type(f.attrs[key]))
+        assert f.attrs["format"] == "diffrun-dump"
+        assert f.attrs["format_version"] == 1
+        assert f.attrs["arch"] == "qwen3"
+        assert f.attrs["prompt"] == "Café ✓"
+        assert f.attrs["token_ids"].dtype == np.int32
+        assert list(f.attrs["token_ids"]) == [2, 3, 5, 7, 11]
+        assert bool(f.attrs["qk_norm"]) and bool(f.attrs["tied_output"]) and not bool(f.attrs["qkv_bias"])
+        assert f.attrs["device"] == "sample" and f.attrs["tf32"] == "off"
+        assert list(f.attrs["argmax"]) == [7, 13]
+        assert __import__("re").fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", f.attrs["created_utc"])
+        assert sorted(f.keys()) == ["step_0000", "step_0001"]
+
+        names = vocabulary.checkpoint_names("qwen3", int(f.attrs["n_layer"]))
+        for step, (T, S) in enumerate([(5, 5), (1, 6)]):
+            group = f[f"step_{step:04d}"]
+            assert sorted(group.keys()) == sorted(names)
+            sizes = vocabulary.dim_sizes(f.attrs, T, S)
+            for order, name in enumerate(names):
+                ds = group[name]
+                base, layer = vocabulary.parse_name(name)
+                kind = vocabulary.find_kind(base)
+                assert ds.attrs["order"] == order
+                assert ds.attrs["layer"] == layer
+                assert ds.attrs["layout"] == kind.layout
+                assert isinstance(ds.attrs["layout"], str) and isinstance(ds.attrs["native_dtype"], str)
+                assert ds.shape == tuple(sizes[d] for d in kind.dims), name
+                assert ds.chunks is None and ds.compression is None
+                if name == "tokens":
+                    assert ds.dtype == np.dtype("<i4") and ds.attrs["native_dtype"] == "i32"
+                    assert list(ds[()]) == [2, 3, 5, 7, 11, 13][S - T:S]
+                else:
+                    assert ds.dtype == np.dtype("<f4")
+                    assert ds.attrs["native_dtype"] == ("f16" if base == "Qnorm" else "f32")
+                    np.testing.assert_array_equal(ds[()].ravel(), expected_values(step, order, ds.size))
+
+
+def test_package_reads_the_dump(sample):
+    with diffrun_dump.open(sample) as d:
+        assert d.meta["backend"] == "cpu" and d.meta["n_layer"] == 2 and d.meta["qk_norm"] is True
+        assert d.meta["rope_theta"] == 1000000.0 and d.meta["device"] == "sample"
+        assert d.steps() == [0, 1]
+        assert d.names(step=1) == vocabulary.checkpoint_names("qwen3", 2)
+        q = d.get("Qnorm-1", step=0)
+        assert q.shape == (5, 4, 2) and q.dtype == np.float32
+        info = d.info("Qnorm-1", step=0)
+        assert (info.order, info.layer, info.layout, info.native_dtype, info.shape) == (26, 1, "T,H,Dh", "f16", (5, 4, 2))
+        np.testing.assert_array_equal(q.ravel(), expected_values(0, info.order, q.size))
+        assert d.get("tokens", step=1).tolist() == [13]
+        assert d.info("cache_k-0", step=1).shape == (6, 2, 2)
+    assert d.closed
+
+
+def test_only_requested_tensors_are_read(sample, monkeypatch):
+    reads = []
+    original = h5py.Dataset.__getitem__
+
+    def counting(self, key):
+        reads.append(self.name)
+        return original(self, key)
+
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", counting)
+    with diffrun_dump.open(sample) as d:
+        for step in d.steps():
+            d.names(step)
+        d.info("l_out-1", step=1)
+        assert reads == []
+        d.get("l_out-1", step=1)
+    assert reads == ["/step_0001/l_out-1"]
+
+
+def test_errors_name_the_file_and_dataset(sample, tmp_path):
+    with diffrun_dump.open(sample) as d:
+        with pytest.raises(diffrun_dump.DumpFormatError, match=r"sample\.h5.*step_0000/Qcur-9"):
+            d.get("Qcur-9")
+        with pytest.raises(diffrun_dump.DumpFormatError, match=r"step_0007"):
+            d.names(step=7)
+
+    missing = tmp_path / "missing.h5"
+    with pytest.raises(diffrun_dump.DumpFormatError, match="missing.h5: no such file"):
+        diffrun_dump.open(missing)
+
+    text = tmp_path / "notes.h5"
+    text.write_text("not hdf5\n")
+    with pytest.raises(diffrun_dump.DumpFormatError, match="notes.h5: not a readable HDF5 file"):
+        diffrun_dump.open(text)
+
+    cut = tmp_path / "cut.h5"
+    cut.write_bytes(sample.read_bytes()[: sample.stat().st_size // 3])
+    with pytest.raises(diffrun_dump.DumpFormatError, match="cut.h5"):
+        with diffrun_dump.open(cut) as d:
+            for step in d.steps():
+                for name in d.names(step):
+                    d.get(name, step)
+
+    foreign = tmp_path / "foreign.h5"
+    with h5py.File(foreign, "w") as f:
+        f["x"] = np.zeros(3)
+    with pytest.raises(diffrun_dump.DumpFormatError, match="foreign.h5: not a diffrun dump"):
+        diffrun_dump.open(foreign)
+
+    newer = tmp_path / "newer.h5"
+    newer.write_bytes(sample.read_bytes())
+    with h5py.File(newer, "r+") as f:
+        f.attrs["format_version"] = np.int32(2)
+    with pytest.raises(diffrun_dump.DumpFormatError, match="newer.h5: format_version 2 is not supported"):
+        diffrun_dump.open(newer)
+
+
+def test_vocabulary_mirror_matches_cpp():
+    if not SAMPLE or not os.path.exists(SAMPLE):
+        pytest.fail("DIFFRUN_DUMP_SAMPLE must name the built tests/dump_sample program (run through ctest)")
+    cpp = json.loads(subprocess.run([SAMPLE, "--vocab-json"], check=True, capture_output=True, text=True).stdout)
+    mirror = [
+        {"base": k.base, "per_layer": k.per_layer, "layout": k.layout, "archs": list(k.archs)}
+        for k in vocabulary.KINDS
+    ]
+    assert [{key: k[key] for key in ("base", "per_layer", "layout", "archs")} for k in cpp["kinds"]] == mirror
+
+
+def test_vocabulary_order_matches_the_dump(sample):
+    with diffrun_dump.open(sample) as d:
+        for name in d.names(0):
+            assert d.info(name).order == vocabulary.checkpoint_order("qwen3", 2, name)
+    assert vocabulary.checkpoint_names("llama", 1)[:4] == ["tokens", "embd", "attn_norm-0", "Qcur-0"]
+    assert "Qnorm-0" not in vocabulary.checkpoint_names("qwen2", 1)
+    assert vocabulary.parse_name("kq_soft_max-12") == ("kq_soft_max", 12)
+    assert vocabulary.parse_name("result_output") == ("result_output", -1)
