@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import sys
 import time
 from pathlib import Path
@@ -28,9 +29,15 @@ def tiny_files() -> list[tuple[models.Shape, str, str]]:
     return [(s, fmt, f"{s.name}-{fmt}.gguf") for s in models.TINY.values() for fmt in models.TINY_FORMATS]
 
 
+def gguf_version() -> str:
+    try:
+        return importlib.metadata.version("gguf")
+    except importlib.metadata.PackageNotFoundError:  # a copied package without its dist-info
+        return "unknown"
+
+
 def sources_digest(seed: int) -> str:
-    import gguf
-    h = hashlib.sha256(f"seed={seed} gguf={getattr(gguf, '__version__', '')}".encode())
+    h = hashlib.sha256(f"seed={seed} gguf={gguf_version()}".encode())
     here = Path(__file__).resolve()
     for p in [here, *sorted((here.parent / "fixturegen").glob("*.py")), *sorted(VOCAB_DIR.glob("*.tokenizer.json"))]:
         h.update(p.name.encode())
