@@ -233,6 +233,15 @@ class Parser {
       std::string what = e.what();
       if (auto p = what.find("] "); p != std::string::npos) what = what.substr(p + 2);
       throw InputError(fmt::format("{}:{}: invalid JSON: {}", source_, line, what));
+    } catch (const json::out_of_range& e) {
+      // A number too large for a double; the message quotes it, so find it in the text.
+      std::string what = e.what();
+      if (auto p = what.find("] "); p != std::string::npos) what = what.substr(p + 2);
+      size_t q0 = what.find('\''), q1 = what.rfind('\'');
+      size_t at = q0 < q1 ? text_.find(what.substr(q0 + 1, q1 - q0 - 1)) : std::string_view::npos;
+      int line = 1 + static_cast<int>(std::count(text_.begin(), text_.begin() + static_cast<std::ptrdiff_t>(
+                                                                                 at == std::string_view::npos ? 0 : at), '\n'));
+      throw InputError(fmt::format("{}:{}: {}", source_, line, what));
     }
     if (!doc.is_object()) fail("", "a tolerance file must be a JSON object with \"rules\" and \"default\"");
     ToleranceSet set;

@@ -1,0 +1,160 @@
+// Unit tests of diff/metrics: each metric against values worked out by hand, non-finite handling, coordinates, logits.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "diff/metrics.hpp"
+#include "diff/report.hpp"
+
+using namespace diffrun::diff;
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+TensorMetrics metrics(const std::vector<float>& a, const std::vector<float>& b, ElementTolerance tol = {},
+                      std::vector<int64_t> shape = {}, const char* layout = "", const DimSizes& dims = {}) {
+  if (shape.empty()) shape = {static_cast<int64_t>(b.size())};
+  return compute_metrics(a, b, shape, layout, dims, tol);
+}
+
+}  // namespace
+
+TEST(Metrics, IdenticalTensorsAreExact) {
+  std::vector<float> b = {1.0f, -2.0f, 3.5f};
+  TensorMetrics m = metrics(b, b);
+  EXPECT_EQ(m.n, 3);
+  EXPECT_EQ(m.max_abs, 0.0);
+  EXPECT_EQ(m.rel_l2, 0.0);
+  EXPECT_EQ(m.nmse, 0.0);
+  EXPECT_DOUBLE_EQ(m.cosine, 1.0);
+  EXPECT_EQ(m.sqnr_db, kInf);
+  EXPECT_EQ(m.n_fail, 0);
+  EXPECT_EQ(m.min_atol, 0.0);
+  EXPECT_EQ(m.min_rtol, 0.0);
+}
+
+TEST(Metrics, HandWorkedValues) {
+  // a - b = (0, 1): ||d|| = 1, ||b|| = 5.
+  TensorMetrics m = metrics({3.0f, 5.0f}, {3.0f, 4.0f});
+  EXPECT_DOUBLE_EQ(m.max_abs, 1.0);
+  EXPECT_DOUBLE_EQ(m.mean_abs, 0.5);
+  EXPECT_DOUBLE_EQ(m.rel_l2, 0.2);
+  EXPECT_DOUBLE_EQ(m.nmse, 0.04);
+  EXPECT_DOUBLE_EQ(m.cosine, 29.0 / (std::sqrt(34.0) * 5.0));
+  EXPECT_NEAR(m.sqnr_db, 10.0 * std::log10(25.0), 1e-12);
+  EXPECT_EQ(m.worst.flat, 1);
+  EXPECT_EQ(m.worst.a, 5.0);
+  EXPECT_EQ(m.worst.b, 4.0);
+}
+
+TEST(Metrics, FailFractionAndSmallestPassingTolerances) {
+  // |a-b| = 0.25 everywhere; with rtol 0.05 only |b| >= 5 passes.
+  std::vector<float> b = {1.0f, 10.0f, 100.0f};
+  std::vector<float> a = {1.25f, 10.25f, 100.25f};
+  TensorMetrics m = metrics(a, b, {0.0, 0.05});
+  EXPECT_EQ(m.n_fail, 1);
+  EXPECT_DOUBLE_EQ(m.fail_frac, 1.0 / 3.0);
+  EXPECT_DOUBLE_EQ(m.min_atol, 0.25);
+  EXPECT_DOUBLE_EQ(m.min_rtol, 0.25);  // the element with |b| = 1
+  EXPECT_EQ(m.worst.flat, 0);           // 0.25 / 0.05 is the largest ratio
+  // With atol 0.2 the remaining 0.05 over |b| = 1 needs rtol 0.05.
+  TensorMetrics m2 = metrics(a, b, {0.2, 0.0});
+  EXPECT_NEAR(m2.min_rtol, 0.05, 1e-12);
+  EXPECT_EQ(m2.n_fail, 3);
+  // The smallest tolerances pass, by definition.
+  TensorMetrics m3 = metrics(a, b, {m.min_atol, 0.0});
+  EXPECT_EQ(m3.n_fail, 0);
+}
+
+TEST(Metrics, WorstElementCoordinatesFollowTheLayout) {
+  std::vector<float> b(2 * 3 * 4, 1.0f);
+  std::vector<float> a = b;
+  a[1 * 12 + 2 * 4 + 3] = 2.0f;  // T=1, H=2, Dh=3
+  TensorMetrics m = metrics(a, b, {}, {2, 3, 4}, "T,H,Dh");
+  EXPECT_EQ(format_coordinates(m.worst.coords), "T=1, H=2, Dh=3");
+  // A combined stored dimension is split by the known sizes.
+  TensorMetrics m2 = metrics(a, b, {}, {2, 12}, "T,H*Dh", {{"H", 3}, {"Dh", 4}});
+  EXPECT_EQ(format_coordinates(m2.worst.coords), "T=1, H=2, Dh=3");
+  // ...and left whole when they do not fit the extent.
+  TensorMetrics m3 = metrics(a, b, {}, {2, 12}, "T,H*Dh", {{"H", 5}, {"Dh", 4}});
+  EXPECT_EQ(format_coordinates(m3.worst.coords), "T=1, H*Dh=11");
+  // A layout that does not match the rank names the dims by position.
+  TensorMetrics m4 = metrics(a, b, {}, {2, 12}, "T,H,Dh");
+  EXPECT_EQ(format_coordinates(m4.worst.coords), "d0=1, d1=11");
+}
+
+TEST(Metrics, NonFiniteWhereTheOtherSideIsFiniteAlwaysCounts) {
+  TensorMetrics m = metrics({1.0f, kNaN, 3.0f}, {1.0f, 2.0f, 3.0f});
+  EXPECT_EQ(m.nan_a, 1);
+  EXPECT_EQ(m.nonfinite_mismatch, 1);
+  EXPECT_EQ(m.n_fail, 1);
+  EXPECT_EQ(m.worst.flat, 1);
+  EXPECT_EQ(m.min_atol, kInf);
+  EXPECT_EQ(m.rel_l2, 0.0);  // over the finite pairs
+  // The same non-finite value on both sides is agreement.
+  TensorMetrics same = metrics({kNaN, INFINITY, 1.0f}, {kNaN, INFINITY, 1.0f});
+  EXPECT_EQ(same.nonfinite_mismatch, 0);
+  EXPECT_EQ(same.nan_a, 1);
+  EXPECT_EQ(same.inf_b, 1);
+  EXPECT_EQ(same.n_fail, 0);
+  TensorMetrics opposite = metrics({INFINITY}, {-INFINITY});
+  EXPECT_EQ(opposite.nonfinite_mismatch, 1);
+}
+
+TEST(Metrics, ZeroReference) {
+  TensorMetrics both = metrics({0.0f, 0.0f}, {0.0f, 0.0f});
+  EXPECT_EQ(both.rel_l2, 0.0);
+  EXPECT_EQ(both.cosine, 1.0);
+  TensorMetrics only_b = metrics({1e-3f, 0.0f}, {0.0f, 0.0f});
+  EXPECT_EQ(only_b.rel_l2, kInf);
+  EXPECT_EQ(only_b.cosine, 0.0);
+  EXPECT_EQ(only_b.sqnr_db, -kInf);
+  EXPECT_EQ(only_b.min_rtol, kInf);  // no rtol covers a difference where the reference is 0
+}
+
+TEST(Metrics, LogitAgreementTopFiveAndKl) {
+  // Two rows over 6 entries; row 1 swaps the top two.
+  std::vector<float> b = {5, 4, 3, 2, 1, 0, 0, 1, 2, 3, 4, 5};
+  std::vector<float> a = {5, 4, 3, 2, 1, 0, 0, 1, 2, 3, 5, 4};
+  LogitMetrics lm = compute_logit_metrics(a, b, 2, 6);
+  ASSERT_EQ(lm.argmax_a.size(), 2u);
+  EXPECT_EQ(lm.argmax_a[0], 0);
+  EXPECT_EQ(lm.argmax_b[1], 5);
+  EXPECT_EQ(lm.argmax_a[1], 4);
+  EXPECT_DOUBLE_EQ(lm.top1, 0.5);
+  EXPECT_DOUBLE_EQ(lm.top5_overlap, 1.0);  // same five in both rows
+  EXPECT_EQ(lm.kl[0], 0.0);
+  // KL(p_b || p_a) for row 1 by hand.
+  double zb = 0;
+  for (int v = 0; v < 6; ++v) zb += std::exp(static_cast<double>(b[6 + v]));
+  double kl = 0;
+  for (int v = 0; v < 6; ++v) {
+    double pb = std::exp(static_cast<double>(b[6 + v])) / zb, pa = std::exp(static_cast<double>(a[6 + v])) / zb;  // same partition function
+    kl += pb * std::log(pb / pa);
+  }
+  EXPECT_NEAR(lm.kl[1], kl, 1e-12);
+  EXPECT_DOUBLE_EQ(lm.kl_max, lm.kl[1]);
+  EXPECT_DOUBLE_EQ(lm.kl_mean, kl / 2);
+  // A different top-5 set: one of five replaced.
+  std::vector<float> c = {5, 4, 3, 2, -9, 1};
+  std::vector<float> d = {5, 4, 3, 2, 1, -9};
+  EXPECT_DOUBLE_EQ(compute_logit_metrics(c, d, 1, 6).top5_overlap, 0.8);
+}
+
+TEST(Metrics, ArgmaxSkipsNonFiniteAndTakesTheFirstTie) {
+  std::vector<float> r = {1.0f, kNaN, 3.0f, 3.0f};
+  EXPECT_EQ(argmax(r), 2);
+  std::vector<float> none = {kNaN};
+  EXPECT_EQ(argmax(none), -1);
+}
+
+TEST(Metrics, SparklineIsLogScaled) {
+  std::vector<double> v = {1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1};
+  EXPECT_EQ(sparkline(v), "▁▂▃▄▅▆▇█");
+  std::vector<double> special = {0.0, kInf, std::nan(""), 1.0};
+  EXPECT_EQ(sparkline(special), "·! ▁");
+}

@@ -1,0 +1,167 @@
+// Unit tests of diff/tolerances: parsing, first-match rules, errors that name the line, presets, bound checks.
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "diff/tolerances.hpp"
+#include "model/error.hpp"
+
+using namespace diffrun::diff;
+using diffrun::InputError;
+
+namespace {
+
+const char* kValid = R"({
+  "preset": "test",
+  "description": "rules for the tests",
+  "rules": [
+    {"match": "Qcur-*", "max_rel_l2": 1e-5, "atol": 1e-6, "rtol": 1e-4, "reason": "q projection"},
+    {"match": "*", "max_abs": 0.5, "reason": "everything else"},
+    {"match": "Qcur-1", "max_rel_l2": 1, "reason": "never reached: an earlier rule matches"}
+  ],
+  "default": {"max_rel_l2": 1e-3, "min_cosine": 0.999, "reason": "default"}
+})";
+
+// The message of the InputError parsing `text` throws.
+std::string error_of(const std::string& text) {
+  try {
+    parse_tolerances(text, "tol.json");
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST(Tolerances, ParsesRulesAndTheFirstMatchWins) {
+  ToleranceSet t = parse_tolerances(kValid, "tol.json");
+  EXPECT_EQ(t.preset, "test");
+  ASSERT_EQ(t.rules.size(), 3u);
+  EXPECT_EQ(t.rules[0].line, 5);
+  const ToleranceRule& q = t.rule_for("Qcur-1");
+  EXPECT_EQ(q.match, "Qcur-*");
+  EXPECT_DOUBLE_EQ(*q.max_rel_l2, 1e-5);
+  EXPECT_DOUBLE_EQ(q.element.atol, 1e-6);
+  EXPECT_DOUBLE_EQ(q.element.rtol, 1e-4);
+  EXPECT_FALSE(q.max_abs.has_value());
+  EXPECT_EQ(t.rule_for("l_out-0").match, "*");
+  ToleranceSet only_default = parse_tolerances(R"({"rules": [], "default": {"max_abs": 0, "reason": "exact"}})", "x");
+  EXPECT_EQ(only_default.rule_for("embd").reason, "exact");
+  EXPECT_DOUBLE_EQ(*only_default.rule_for("embd").max_abs, 0.0);
+}
+
+TEST(Tolerances, UnknownKeyNamesFileAndLine) {
+  std::string text = kValid;
+  text.replace(text.find("\"max_abs\": 0.5"), 14, "\"max_abz\": 0.5");
+  std::string msg = error_of(text);
+  EXPECT_NE(msg.find("tol.json:6:"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("max_abz"), std::string::npos) << msg;
+  EXPECT_NE(error_of(R"({"rules": [], "default": {"reason": "r"},
+  "extra": 1})").find("tol.json:2: unknown key \"extra\""), std::string::npos);
+}
+
+TEST(Tolerances, BadPatternsNameTheLine) {
+  std::string bad_chars = error_of(R"({"rules": [
+ {"match": "Qcur[0]", "reason": "r"}], "default": {"reason": "r"}})");
+  EXPECT_NE(bad_chars.find("tol.json:2: bad pattern"), std::string::npos) << bad_chars;
+  std::string typo = error_of(R"({"rules": [{"match": "Qcurr-*", "reason": "r"}],
+ "default": {"reason": "r"}})");
+  EXPECT_NE(typo.find("tol.json:1: pattern \"Qcurr-*\" matches no checkpoint"), std::string::npos) << typo;
+  EXPECT_NE(error_of(R"({"rules": [{"match": "", "reason": "r"}], "default": {"reason": "r"}})").find("bad pattern"),
+            std::string::npos);
+}
+
+TEST(Tolerances, BadNumbersNameTheLine) {
+  auto with = [](const std::string& kv) {
+    return error_of("{\n\"rules\": [\n{\"match\": \"embd\",\n " + kv + ",\n\"reason\": \"r\"}],\n\"default\": {\"reason\": \"r\"}}");
+  };
+  for (const char* kv : {"\"max_rel_l2\": \"1e-5\"", "\"max_rel_l2\": -1", "\"min_cosine\": 1.5",
+                         "\"max_fail_frac\": 2", "\"atol\": true", "\"max_kl\": 1e999"}) {
+    std::string msg = with(kv);
+    EXPECT_NE(msg.find("tol.json:4:"), std::string::npos) << kv << " -> " << msg;
+  }
+  EXPECT_EQ(with("\"min_sqnr_db\": -20"), "(no error)");
+}
+
+TEST(Tolerances, StructuralErrors) {
+  EXPECT_NE(error_of("{\n\"rules\": [],\n\"default\": {\"reason\": \"r\"\n").find("tol.json:4: invalid JSON"),
+            std::string::npos)
+      << error_of("{\n\"rules\": [],\n\"default\": {\"reason\": \"r\"\n");
+  EXPECT_NE(error_of(R"({"rules": []})").find("missing \"default\""), std::string::npos);
+  EXPECT_NE(error_of(R"({"rules": [{"match": "embd"}], "default": {"reason": "r"}})").find("\"reason\""),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"rules": [{"reason": "r"}], "default": {"reason": "r"}})").find("needs \"match\""),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"rules": [], "default": {"match": "embd", "reason": "r"}})").find("unknown key \"match\""),
+            std::string::npos);
+  EXPECT_NE(error_of("[1, 2]").find("JSON object"), std::string::npos);
+}
+
+TEST(Tolerances, UnreadableFileIsAnInputErrorNamingIt) {
+  try {
+    load_tolerances("no/such/tolerances.json");
+    FAIL() << "expected InputError";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("no/such/tolerances.json"), std::string::npos);
+  }
+  auto path = std::filesystem::temp_directory_path() / "diffrun_test_tolerances.json";
+  std::ofstream(path) << kValid;
+  EXPECT_EQ(load_tolerances(path.string()).source, path.string());
+  std::filesystem::remove(path);
+}
+
+TEST(Tolerances, EveryPresetParsesAndThePairsExist) {
+  std::vector<std::string> names = preset_names();
+  for (const char* pair : {"f32_vs_f64", "f16_vs_f32", "f16_vs_f64", "f32_vs_f32", "f64_vs_f64"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), pair), names.end()) << pair;
+  }
+  for (const auto& name : names) {
+    ToleranceSet t = preset_tolerances(name);
+    EXPECT_EQ(t.preset, name);
+    EXPECT_FALSE(t.default_rule.reason.empty());
+  }
+  EXPECT_EQ(preset_name("f32", "f64"), "f32_vs_f64");
+  EXPECT_THROW(preset_tolerances("f8_vs_f64"), InputError);
+  // Same precision on both sides must be exact.
+  EXPECT_DOUBLE_EQ(*preset_tolerances("f32_vs_f32").default_rule.max_abs, 0.0);
+}
+
+TEST(Tolerances, CheckBounds) {
+  ToleranceSet t = parse_tolerances(kValid, "tol.json");
+  TensorMetrics m;
+  m.rel_l2 = 2e-5;
+  m.cosine = 1.0;
+  auto checks = check_bounds(m, t.rule_for("Qcur-0"));
+  ASSERT_EQ(checks.size(), 1u);
+  EXPECT_EQ(checks[0].bound, "max_rel_l2");
+  EXPECT_FALSE(checks[0].pass);
+  m.rel_l2 = 1e-5;
+  EXPECT_TRUE(check_bounds(m, t.rule_for("Qcur-0"))[0].pass);  // bounds are inclusive
+  // min_cosine is a lower bound.
+  m.cosine = 0.998;
+  auto d = check_bounds(m, t.default_rule);
+  ASSERT_EQ(d.size(), 2u);
+  EXPECT_TRUE(d[0].pass);
+  EXPECT_FALSE(d[1].pass);
+  // A non-finite mismatch fails even under a rule without bounds.
+  ToleranceRule empty;
+  m.nonfinite_mismatch = 1;
+  auto nf = check_bounds(m, empty);
+  ASSERT_EQ(nf.size(), 1u);
+  EXPECT_FALSE(nf[0].pass);
+  // Logit bounds apply only where logit metrics exist.
+  ToleranceRule logits = parse_tolerances(
+      R"({"rules": [], "default": {"min_top1": 1, "max_kl": 0.01, "reason": "r"}})", "x").default_rule;
+  m.nonfinite_mismatch = 0;
+  EXPECT_TRUE(check_bounds(m, logits).empty());
+  m.logits = LogitMetrics{};
+  m.logits->top1 = 0.5;
+  m.logits->kl_max = 0.001;
+  auto lc = check_bounds(m, logits);
+  ASSERT_EQ(lc.size(), 2u);
+  EXPECT_FALSE(lc[0].pass);
+  EXPECT_TRUE(lc[1].pass);
+}
