@@ -1,0 +1,381 @@
+// ModelConfig and tensor validation: SmolLM2 and the fixtures as written by other tools, crafted metadata for errors.
+#include <algorithm>
+#include <filesystem>
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "model/config.hpp"
+#include "model/error.hpp"
+#include "model/gguf.hpp"
+#include "tests/gguf_builder.hpp"
+#include "tests/test_util.hpp"
+
+namespace diffrun {
+namespace {
+
+namespace fs = std::filesystem;
+using test::GgufBuilder;
+
+std::set<std::string> names_of(const std::vector<ExpectedTensor>& ts) {
+  std::set<std::string> s;
+  for (const auto& t : ts) s.insert(t.name);
+  return s;
+}
+
+std::set<std::string> names_of(const GgufFile& f) {
+  std::set<std::string> s;
+  for (const auto& t : f.tensors()) s.insert(t.name);
+  return s;
+}
+
+TEST(ConfigReal, SmolLM2) {
+  const std::string model = test::smollm2_path();
+  if (!fs::exists(model)) GTEST_SKIP() << "SmolLM2 not fetched (" << model << "); run scripts/fetch_models";
+  auto f = GgufFile::open(model);
+  const ModelConfig c = config_from_gguf(*f);
+  EXPECT_EQ(c.arch, Arch::llama);
+  EXPECT_EQ(c.n_layer, 30);
+  EXPECT_EQ(c.n_embd, 576);
+  EXPECT_EQ(c.n_head, 9);
+  EXPECT_EQ(c.n_head_kv, 3);
+  EXPECT_EQ(c.head_dim, 64);
+  EXPECT_EQ(c.n_ff, 1536);
+  EXPECT_EQ(c.n_vocab, 49152);
+  EXPECT_EQ(c.n_ctx, 8192);
+  EXPECT_EQ(c.rope_theta, 100000.0);
+  EXPECT_EQ(c.rms_eps, static_cast<double>(1e-5f));
+  EXPECT_EQ(c.rope_type, RopeType::norm);
+  EXPECT_TRUE(c.tied_output);
+  EXPECT_FALSE(c.qkv_bias);
+  EXPECT_FALSE(c.qk_norm);
+  EXPECT_NO_THROW(validate_tensors(*f, c));
+  // The forward pass reads exactly the tensors the file has.
+  EXPECT_EQ(names_of(expected_tensors(c)), names_of(*f));
+  const std::string d = describe(c);
+  for (const char* part : {"llama", "30 layers", "576", "49152", "norm", "tied"})
+    EXPECT_NE(d.find(part), std::string::npos) << part << " not in: " << d;
+}
+
+TEST(ConfigReal, EveryFixture) {
+  const std::string dir = test::fixture_path("");
+  std::vector<fs::path> files;
+  if (fs::is_directory(dir))
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.path().extension() == ".gguf" && e.path().filename().string().rfind("tiny-", 0) == 0)
+        files.push_back(e.path());
+  if (files.empty()) GTEST_SKIP() << "no tiny-*.gguf fixtures in " << dir << " (ctest fixture tiny_models)";
+  std::sort(files.begin(), files.end());
+  int seen[3] = {0, 0, 0};
+  for (const auto& p : files) {
+    SCOPED_TRACE(p.string());
+    const std::string name = p.filename().string();
+    auto f = GgufFile::open(p.string());
+    const ModelConfig c = config_from_gguf(*f);
+    ASSERT_NO_THROW(validate_tensors(*f, c));
+    EXPECT_EQ(names_of(expected_tensors(c)), names_of(*f));
+    EXPECT_EQ(c.n_vocab, static_cast<int>(f->get_string_array("tokenizer.ggml.tokens").size()));
+    EXPECT_EQ(c.n_embd, 256);
+    EXPECT_EQ(c.n_ff, 512);
+    EXPECT_EQ(c.n_layer, 2);
+    EXPECT_EQ(c.n_head % c.n_head_kv, 0);
+    if (name.rfind("tiny-llama", 0) == 0) {
+      ++seen[0];
+      EXPECT_EQ(c.arch, Arch::llama);
+      EXPECT_EQ(c.rope_type, RopeType::norm);
+      EXPECT_EQ(c.tied_output, name.find("-tied-") != std::string::npos);
+      EXPECT_LT(c.n_head_kv, c.n_head) << "tiny llama has GQA";
+    } else if (name.rfind("tiny-qwen2", 0) == 0) {
+      ++seen[1];
+      EXPECT_EQ(c.arch, Arch::qwen2);
+      EXPECT_EQ(c.rope_type, RopeType::neox);
+      EXPECT_TRUE(c.qkv_bias);
+      EXPECT_FALSE(c.qk_norm);
+    } else if (name.rfind("tiny-qwen3", 0) == 0) {
+      ++seen[2];
+      EXPECT_EQ(c.arch, Arch::qwen3);
+      EXPECT_EQ(c.rope_type, RopeType::neox);
+      EXPECT_TRUE(c.qk_norm);
+      EXPECT_FALSE(c.qkv_bias);
+    }
+  }
+  EXPECT_GT(seen[0], 0);
+  EXPECT_GT(seen[1], 0);
+  EXPECT_GT(seen[2], 0);
+}
+
+// ---- crafted models: D 8, H 2, Hkv 1, Dh 4, F 16, V 5, one layer, F32 zeros ----
+
+struct Tensor {
+  std::string name;
+  std::vector<uint64_t> ne;
+  uint32_t type = 0;  // F32
+};
+
+struct Spec {
+  std::string arch = "llama";
+  std::vector<std::pair<std::string, uint32_t>> ints;
+  std::vector<std::pair<std::string, float>> floats;
+  std::vector<std::pair<std::string, std::string>> strings;
+  int n_vocab = 5;
+  std::vector<Tensor> tensors;
+};
+
+Spec llama_spec() {
+  Spec s;
+  s.ints = {{"block_count", 1}, {"embedding_length", 8}, {"feed_forward_length", 16}, {"attention.head_count", 2},
+            {"attention.head_count_kv", 1}, {"context_length", 64}};
+  s.floats = {{"attention.layer_norm_rms_epsilon", 1e-6f}, {"rope.freq_base", 5e5f}};
+  s.tensors = {{"token_embd.weight", {8, 5}},       {"output_norm.weight", {8}},
+               {"output.weight", {8, 5}},           {"blk.0.attn_norm.weight", {8}},
+               {"blk.0.attn_q.weight", {8, 8}},     {"blk.0.attn_k.weight", {8, 4}},
+               {"blk.0.attn_v.weight", {8, 4}},     {"blk.0.attn_output.weight", {8, 8}},
+               {"blk.0.ffn_norm.weight", {8}},      {"blk.0.ffn_gate.weight", {8, 16}},
+               {"blk.0.ffn_up.weight", {8, 16}},    {"blk.0.ffn_down.weight", {16, 8}}};
+  return s;
+}
+
+uint64_t tensor_bytes(const Tensor& t) {
+  uint64_t n = 1;
+  for (uint64_t d : t.ne) n *= d;
+  return t.type == 0 ? n * 4 : (n / ggml_block_elements(static_cast<GgmlType>(t.type))) *
+                                   ggml_block_bytes(static_cast<GgmlType>(t.type));
+}
+
+std::string write_spec(const Spec& s, const std::string& path) {
+  GgufBuilder b;
+  const size_t n_kv = 2 + s.ints.size() + s.floats.size() + s.strings.size();
+  b.header(s.tensors.size(), n_kv);
+  b.kv_string("general.architecture", s.arch);
+  for (const auto& [k, v] : s.ints) b.kv_u32(s.arch + "." + k, v);
+  for (const auto& [k, v] : s.floats) b.kv_f32(s.arch + "." + k, v);
+  for (const auto& [k, v] : s.strings) b.kv_string(s.arch + "." + k, v);
+  std::vector<std::string> tokens;
+  for (int i = 0; i < s.n_vocab; ++i) tokens.push_back(std::string(1, static_cast<char>('a' + i % 26)) + std::to_string(i));
+  b.kv_string_array("tokenizer.ggml.tokens", tokens);
+  uint64_t offset = 0;
+  for (const Tensor& t : s.tensors) {
+    b.tensor_info(t.name, t.ne, t.type, offset);
+    offset += (tensor_bytes(t) + 31) / 32 * 32;
+  }
+  b.pad_to(32).zeros(offset);
+  return b.write(path);
+}
+
+class ConfigCrafted : public ::testing::Test {
+ protected:
+  test::ScratchDir scratch{"config"};
+  int n = 0;
+  std::unique_ptr<GgufFile> open(const Spec& s) {
+    return GgufFile::open(write_spec(s, scratch.path + "/m" + std::to_string(n++) + ".gguf"));
+  }
+  // The ModelError message of config_from_gguf + validate_tensors, or "" when both pass.
+  std::string error_of(const Spec& s) {
+    auto f = open(s);
+    try {
+      validate_tensors(*f, config_from_gguf(*f));
+    } catch (const ModelError& e) {
+      return e.what();
+    }
+    return "";
+  }
+};
+
+void set_int(Spec& s, const std::string& key, uint32_t v) {
+  for (auto& [k, val] : s.ints)
+    if (k == key) {
+      val = v;
+      return;
+    }
+  s.ints.push_back({key, v});
+}
+
+void drop_int(Spec& s, const std::string& key) {
+  std::erase_if(s.ints, [&](const auto& kv) { return kv.first == key; });
+}
+
+Tensor& tensor_named(Spec& s, const std::string& name) {
+  for (auto& t : s.tensors)
+    if (t.name == name) return t;
+  throw std::runtime_error("no tensor " + name);
+}
+
+TEST_F(ConfigCrafted, LlamaValuesAndDefaults) {
+  Spec s = llama_spec();
+  auto f = open(s);
+  ModelConfig c = config_from_gguf(*f);
+  EXPECT_EQ(c.n_head_kv, 1);
+  EXPECT_EQ(c.head_dim, 4);
+  EXPECT_EQ(c.rope_theta, 5e5f);
+  EXPECT_EQ(c.rms_eps, 1e-6f);
+  EXPECT_EQ(c.n_ctx, 64);
+  EXPECT_EQ(c.n_vocab, 5);
+  EXPECT_FALSE(c.tied_output);
+  EXPECT_EQ(error_of(s), "");
+
+  drop_int(s, "attention.head_count_kv");
+  s.floats = {{"attention.layer_norm_rms_epsilon", 1e-5f}};
+  tensor_named(s, "blk.0.attn_k.weight").ne = {8, 8};
+  tensor_named(s, "blk.0.attn_v.weight").ne = {8, 8};
+  c = config_from_gguf(*open(s));
+  EXPECT_EQ(c.n_head_kv, 2) << "head_count_kv defaults to head_count";
+  EXPECT_EQ(c.rope_theta, 10000.0) << "freq_base defaults to 10000";
+  EXPECT_EQ(error_of(s), "");
+}
+
+TEST_F(ConfigCrafted, TiedOutput) {
+  Spec s = llama_spec();
+  std::erase_if(s.tensors, [](const Tensor& t) { return t.name == "output.weight"; });
+  auto f = open(s);
+  const ModelConfig c = config_from_gguf(*f);
+  EXPECT_TRUE(c.tied_output);
+  EXPECT_EQ(names_of(expected_tensors(c)).count("output.weight"), 0u);
+  EXPECT_EQ(error_of(s), "");
+}
+
+TEST_F(ConfigCrafted, Qwen2BiasesAndQwen3NormsWithOwnHeadDim) {
+  Spec q2 = llama_spec();
+  q2.arch = "qwen2";
+  q2.tensors.push_back({"blk.0.attn_q.bias", {8}});
+  q2.tensors.push_back({"blk.0.attn_k.bias", {4}});
+  q2.tensors.push_back({"blk.0.attn_v.bias", {4}});
+  EXPECT_EQ(error_of(q2), "");
+  const ModelConfig c2 = config_from_gguf(*open(q2));
+  EXPECT_TRUE(c2.qkv_bias);
+  EXPECT_EQ(c2.rope_type, RopeType::neox);
+  std::erase_if(q2.tensors, [](const Tensor& t) { return t.name == "blk.0.attn_k.bias"; });
+  const std::string missing = error_of(q2);
+  EXPECT_NE(missing.find("missing tensor 'blk.0.attn_k.bias' (expected shape [4])"), std::string::npos) << missing;
+
+  // Qwen3: key_length 6 while D/H = 4, so the q projection is [D, H*Dh] = [8, 12].
+  Spec q3 = llama_spec();
+  q3.arch = "qwen3";
+  set_int(q3, "attention.key_length", 6);
+  set_int(q3, "attention.value_length", 6);
+  tensor_named(q3, "blk.0.attn_q.weight").ne = {8, 12};
+  tensor_named(q3, "blk.0.attn_k.weight").ne = {8, 6};
+  tensor_named(q3, "blk.0.attn_v.weight").ne = {8, 6};
+  tensor_named(q3, "blk.0.attn_output.weight").ne = {12, 8};
+  q3.tensors.push_back({"blk.0.attn_q_norm.weight", {6}});
+  q3.tensors.push_back({"blk.0.attn_k_norm.weight", {6}});
+  EXPECT_EQ(error_of(q3), "");
+  const ModelConfig c3 = config_from_gguf(*open(q3));
+  EXPECT_EQ(c3.head_dim, 6);
+  EXPECT_TRUE(c3.qk_norm);
+  EXPECT_FALSE(c3.qkv_bias);
+  EXPECT_EQ(c3.rope_type, RopeType::neox);
+}
+
+TEST_F(ConfigCrafted, UnsupportedArchitectureListsSupportedOnes) {
+  Spec s = llama_spec();
+  s.arch = "gemma2";
+  const std::string e = error_of(s);
+  EXPECT_NE(e.find("gemma2"), std::string::npos) << e;
+  EXPECT_NE(e.find("llama, qwen2, qwen3"), std::string::npos) << e;
+}
+
+TEST_F(ConfigCrafted, MissingOrBadKeysNameTheKey) {
+  Spec s = llama_spec();
+  drop_int(s, "block_count");
+  EXPECT_NE(error_of(s).find("llama.block_count"), std::string::npos) << error_of(s);
+
+  s = llama_spec();
+  drop_int(s, "feed_forward_length");
+  s.strings.push_back({"feed_forward_length", "16"});
+  EXPECT_NE(error_of(s).find("llama.feed_forward_length"), std::string::npos) << error_of(s);
+
+  s = llama_spec();
+  set_int(s, "embedding_length", 0);
+  EXPECT_NE(error_of(s).find("llama.embedding_length"), std::string::npos) << error_of(s);
+
+  s = llama_spec();
+  s.floats = {};
+  EXPECT_NE(error_of(s).find("llama.attention.layer_norm_rms_epsilon"), std::string::npos) << error_of(s);
+
+  s = llama_spec();
+  set_int(s, "attention.head_count", 3);  // 8 % 3 != 0 and no key_length
+  EXPECT_NE(error_of(s).find("key_length"), std::string::npos) << error_of(s);
+
+  s = llama_spec();
+  set_int(s, "attention.head_count_kv", 2);
+  set_int(s, "attention.head_count", 4);
+  set_int(s, "attention.head_count_kv", 3);  // 4 % 3 != 0
+  EXPECT_NE(error_of(s).find("head_count_kv"), std::string::npos) << error_of(s);
+
+  s = llama_spec();
+  set_int(s, "rope.dimension_count", 2);
+  EXPECT_NE(error_of(s).find("partial RoPE"), std::string::npos) << error_of(s);
+}
+
+TEST_F(ConfigCrafted, ShapeErrorsNameTensorExpectedAndFound) {
+  Spec s = llama_spec();
+  tensor_named(s, "blk.0.ffn_down.weight").ne = {8, 16};
+  EXPECT_NE(error_of(s).find("tensor 'blk.0.ffn_down.weight' has shape [8, 16], expected [16, 8]"), std::string::npos)
+      << error_of(s);
+
+  s = llama_spec();
+  tensor_named(s, "blk.0.attn_norm.weight").ne = {8, 2};
+  EXPECT_NE(error_of(s).find("'blk.0.attn_norm.weight' has shape [8, 2], expected [8]"), std::string::npos)
+      << error_of(s);
+
+  s = llama_spec();
+  std::erase_if(s.tensors, [](const Tensor& t) { return t.name == "blk.0.ffn_up.weight"; });
+  EXPECT_NE(error_of(s).find("missing tensor 'blk.0.ffn_up.weight' (expected shape [8, 16])"), std::string::npos)
+      << error_of(s);
+}
+
+TEST_F(ConfigCrafted, PaddedVocabRowsAllowedFewerRejected) {
+  Spec s = llama_spec();
+  tensor_named(s, "token_embd.weight").ne = {8, 8};
+  tensor_named(s, "output.weight").ne = {8, 8};
+  EXPECT_EQ(error_of(s), "");
+  EXPECT_EQ(config_from_gguf(*open(s)).n_vocab, 5) << "V is the token list, not the padded rows";
+
+  tensor_named(s, "output.weight").ne = {8, 4};
+  EXPECT_NE(error_of(s).find("'output.weight' has shape [8, 4], expected [8, 5]"), std::string::npos) << error_of(s);
+
+  s = llama_spec();
+  tensor_named(s, "token_embd.weight").ne = {5, 8};  // transposed
+  EXPECT_NE(error_of(s).find("token_embd.weight"), std::string::npos) << error_of(s);
+}
+
+TEST_F(ConfigCrafted, TrailingUnitDimsAreTheSameShape) {
+  Spec s = llama_spec();
+  tensor_named(s, "output_norm.weight").ne = {8, 1};
+  EXPECT_EQ(error_of(s), "");
+}
+
+TEST_F(ConfigCrafted, UndequantizableDtypeNamesTensorAndType) {
+  Spec s = llama_spec();
+  Tensor& t = tensor_named(s, "blk.0.ffn_gate.weight");
+  t.ne = {256, 16};  // whole IQ4_XS blocks; the dtype is checked before the shape
+  t.type = static_cast<uint32_t>(GgmlType::IQ4_XS);
+  const std::string e = error_of(s);
+  EXPECT_NE(e.find("blk.0.ffn_gate.weight"), std::string::npos) << e;
+  EXPECT_NE(e.find("IQ4_XS"), std::string::npos) << e;
+}
+
+TEST(Config, Names) {
+  EXPECT_EQ(layer_tensor(3, "attn_q.weight"), "blk.3.attn_q.weight");
+  EXPECT_STREQ(arch_name(Arch::qwen3), "qwen3");
+  EXPECT_STREQ(rope_type_name(RopeType::neox), "neox");
+  ModelConfig c;
+  c.n_layer = 2;
+  c.n_embd = 8;
+  c.n_head = 2;
+  c.n_head_kv = 1;
+  c.head_dim = 4;
+  c.n_ff = 16;
+  c.n_vocab = 5;
+  c.tied_output = true;
+  EXPECT_EQ(expected_tensors(c).size(), 2u + 2u * 9u);
+  c.qkv_bias = true;
+  c.tied_output = false;
+  EXPECT_EQ(expected_tensors(c).size(), 3u + 2u * 12u);
+}
+
+}  // namespace
+}  // namespace diffrun
