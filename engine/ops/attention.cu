@@ -19,15 +19,16 @@ constexpr int kMaxDhPerLane = 8;  // Dh ≤ 256
 
 template <typename Out>
 static __global__ void __launch_bounds__(kWarps * 32)
-attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache,
-                 const int32_t* pos, int T, int S, int H, int Hkv, int Dh, float scale) {
+attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
+                 const int32_t* n_past, int H, int Hkv, int Dh, float scale) {
   const int t = blockIdx.x;
   const int h = blockIdx.y;
   const int kvh = h / (H / Hkv);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int64_t kv_stride = static_cast<int64_t>(Hkv) * Dh;
-  const int n_keys = pos[t] + 1;
+  const int n_keys = *n_past + t + 1;  // causal: positions 0..n_past+t
+  const int S = *n_past + T;
 
   float qr[kMaxDhPerLane];
   const float* qh = q + (static_cast<int64_t>(t) * H + h) * Dh;
@@ -78,25 +79,24 @@ attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, c
   __syncthreads();
   float total = 0.0f;
   for (int w = 0; w < kWarps; ++w) total += sum_sh[w];
-  const float inv_total = 1.0f / total;
   for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
     float o = 0.0f;
     for (int w = 0; w < kWarps; ++w) o += acc_sh[w][d];
-    store_act(out, (static_cast<int64_t>(t) * H + h) * Dh + d, o * inv_total);
+    store_act(out, (static_cast<int64_t>(t) * H + h) * Dh + d, o / total);
   }
 
   if (probs != nullptr) {
     float* prow = probs + (static_cast<int64_t>(h) * T + t) * S;
     for (int s = warp; s < S; s += kWarps) {
-      const float p = s < n_keys ? expf(score(s) - m) * inv_total : 0.0f;
+      const float p = s < n_keys ? expf(score(s) - m) / total : 0.0f;
       if (lane == 0) prow[s] = p;
     }
   }
 }
 
 template <typename Out>
-void launch(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache,
-            const int32_t* pos, int T, int S, int H, int Hkv, int Dh, cudaStream_t stream) {
+void launch(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
+            const int32_t* n_past, int H, int Hkv, int Dh, cudaStream_t stream) {
   if (Dh > 32 * kMaxDhPerLane || Dh <= 0)
     throw ModelError("attention: head dim " + std::to_string(Dh) + " is not supported (at most " +
                      std::to_string(32 * kMaxDhPerLane) + ")");
@@ -104,21 +104,21 @@ void launch(Out* out, float* probs, const float* q, const float* k_cache, const 
     throw ModelError("attention: n_head " + std::to_string(H) + " is not a multiple of n_head_kv " +
                      std::to_string(Hkv));
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H));
-  attention_kernel<<<grid, kWarps * 32, 0, stream>>>(out, probs, q, k_cache, v_cache, pos, T, S, H, Hkv, Dh,
+  attention_kernel<<<grid, kWarps * 32, 0, stream>>>(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh,
                                                       1.0f / sqrtf(static_cast<float>(Dh)));
   check_launch("attention", stream);
 }
 
 }  // namespace
 
-void attention(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache,
-               const int32_t* pos, int T, int S, int H, int Hkv, int Dh, cudaStream_t stream) {
-  launch(out, probs, q, k_cache, v_cache, pos, T, S, H, Hkv, Dh, stream);
+void attention(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
+               const int32_t* n_past, int H, int Hkv, int Dh, cudaStream_t stream) {
+  launch(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, stream);
 }
 
-void attention(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache,
-               const int32_t* pos, int T, int S, int H, int Hkv, int Dh, cudaStream_t stream) {
-  launch(out, probs, q, k_cache, v_cache, pos, T, S, H, Hkv, Dh, stream);
+void attention(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
+               const int32_t* n_past, int H, int Hkv, int Dh, cudaStream_t stream) {
+  launch(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, stream);
 }
 
 }  // namespace diffrun::engine

@@ -9,26 +9,32 @@ namespace diffrun::engine {
 namespace {
 
 template <typename W>
-static __global__ void embedding_kernel(float* out, const int32_t* tokens, const W* table, int D) {
+static __global__ void embedding_kernel(float* out, const int32_t* tokens, const W* table, int D, int V) {
   const int t = blockIdx.x;
-  const W* row = table + static_cast<int64_t>(tokens[t]) * D;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) out[static_cast<int64_t>(t) * D + d] = load_act(row, d);
+  const int32_t id = tokens[t];
+  float* out_row = out + static_cast<int64_t>(t) * D;
+  if (id < 0 || id >= V) {
+    for (int d = threadIdx.x; d < D; d += blockDim.x) out_row[d] = NAN;
+    return;
+  }
+  const W* row = table + static_cast<int64_t>(id) * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) out_row[d] = load_act(row, d);
 }
 
 template <typename W>
-void launch(float* out, const int32_t* tokens, const W* table, int T, int D, cudaStream_t stream) {
-  embedding_kernel<<<T, kOpThreads, 0, stream>>>(out, tokens, table, D);
+void launch(float* out, const int32_t* tokens, const W* table, int T, int D, int V, cudaStream_t stream) {
+  embedding_kernel<<<T, kOpThreads, 0, stream>>>(out, tokens, table, D, V);
   check_launch("embedding", stream);
 }
 
 }  // namespace
 
-void embedding(float* out, const int32_t* tokens, const float* table, int T, int D, cudaStream_t stream) {
-  launch(out, tokens, table, T, D, stream);
+void embedding(float* out, const int32_t* tokens, const float* table, int T, int D, int V, cudaStream_t stream) {
+  launch(out, tokens, table, T, D, V, stream);
 }
 
-void embedding(float* out, const int32_t* tokens, const __half* table, int T, int D, cudaStream_t stream) {
-  launch(out, tokens, table, T, D, stream);
+void embedding(float* out, const int32_t* tokens, const __half* table, int T, int D, int V, cudaStream_t stream) {
+  launch(out, tokens, table, T, D, V, stream);
 }
 
 }  // namespace diffrun::engine

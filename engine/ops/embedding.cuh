@@ -8,8 +8,9 @@
 
 namespace diffrun::engine {
 
-// out [T, D] f32; tokens [T] (device, each in [0, V), checked by the caller); table [V, D].
-void embedding(float* out, const int32_t* tokens, const float* table, int T, int D, cudaStream_t stream);
-void embedding(float* out, const int32_t* tokens, const __half* table, int T, int D, cudaStream_t stream);
+// out [T, D] f32; tokens [T] device ids (the caller checks them against V on the host; a row for an
+// id outside [0, V) is written as NaN rather than read out of bounds); table [V, D].
+void embedding(float* out, const int32_t* tokens, const float* table, int T, int D, int V, cudaStream_t stream);
+void embedding(float* out, const int32_t* tokens, const __half* table, int T, int D, int V, cudaStream_t stream);
 
 }  // namespace diffrun::engine

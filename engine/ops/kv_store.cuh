@@ -1,4 +1,4 @@
-// KV cache write (T, Hkv, Dh): cache rows pos[t] ← the step's K (after RoPE) and V rows.
+// KV cache write (T, Hkv, Dh): cache rows n_past + t ← the step's K (after RoPE) and V rows.
 #pragma once
 
 #include <cstdint>
@@ -7,9 +7,9 @@
 
 namespace diffrun::engine {
 
-// k_cache, v_cache [max_ctx, Hkv·Dh] f32 (one layer); k, v [T, Hkv·Dh] f32; pos [T] device;
+// k_cache, v_cache [max_ctx, Hkv·Dh] f32 (one layer); k, v [T, Hkv·Dh] f32; n_past [1] device;
 // width = Hkv·Dh.
-void kv_store(float* k_cache, float* v_cache, const float* k, const float* v, const int32_t* pos, int T,
+void kv_store(float* k_cache, float* v_cache, const float* k, const float* v, int T, const int32_t* n_past,
               int width, cudaStream_t stream);
 
 }  // namespace diffrun::engine

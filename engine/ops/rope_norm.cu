@@ -8,7 +8,7 @@ namespace diffrun::engine {
 
 namespace {
 
-static __global__ void rope_norm_kernel(float* out, const float* x, const int32_t* pos, int T, int n_head, int Dh,
+static __global__ void rope_norm_kernel(float* out, const float* x, int T, int n_head, int Dh, const int32_t* pos0,
                                         float theta) {
   const int half = Dh / 2;
   const int64_t total = static_cast<int64_t>(T) * n_head * half;
@@ -18,7 +18,7 @@ static __global__ void rope_norm_kernel(float* out, const float* x, const int32_
     const int64_t head_row = idx / half;  // t · n_head + h
     const int t = static_cast<int>(head_row / n_head);
     const float inv_freq = powf(theta, -2.0f * static_cast<float>(i) / static_cast<float>(Dh));
-    const float angle = static_cast<float>(pos[t]) * inv_freq;
+    const float angle = static_cast<float>(*pos0 + t) * inv_freq;
     float s, c;
     sincosf(angle, &s, &c);
     const int64_t base = head_row * Dh;
@@ -31,10 +31,10 @@ static __global__ void rope_norm_kernel(float* out, const float* x, const int32_
 
 }  // namespace
 
-void rope_norm(float* out, const float* x, const int32_t* pos, int T, int n_head, int Dh, float theta,
+void rope_norm(float* out, const float* x, int T, int n_head, int Dh, const int32_t* pos0, float theta,
                cudaStream_t stream) {
   const int64_t total = static_cast<int64_t>(T) * n_head * (Dh / 2);
-  rope_norm_kernel<<<op_grid(total), kOpThreads, 0, stream>>>(out, x, pos, T, n_head, Dh, theta);
+  rope_norm_kernel<<<op_grid(total), kOpThreads, 0, stream>>>(out, x, T, n_head, Dh, pos0, theta);
   check_launch("rope_norm", stream);
 }
 

@@ -1,6 +1,7 @@
 // RoPE, NORM pairing (2i, 2i+1): llama. (T, n_head, Dh)
 // Each pair i in [0, Dh/2) of each head of token t is rotated by angle = pos[t] · theta^(-2i/Dh),
-// computed in f32 as powf(theta, -2.0f·i/Dh) times float(pos[t]), then sincosf (no fast math):
+// with pos[t] = *pos0 + t, computed in f32 as float(pos) · powf(theta, -2.0f·i/Dh), then sincosf
+// (no fast math), as the reference computes it in its scalar type:
 //   y0 = x0·cos − x1·sin,  y1 = x0·sin + x1·cos.
 #pragma once
 
@@ -10,8 +11,9 @@
 
 namespace diffrun::engine {
 
-// out [T, n_head·Dh] (may alias x); x [T, n_head·Dh]; pos [T] device positions.
-void rope_norm(float* out, const float* x, const int32_t* pos, int T, int n_head, int Dh, float theta,
+// out [T, n_head·Dh] (may alias x); x [T, n_head·Dh]; pos0 [1] device: the position of token 0
+// (read on the device so a captured decode step replays at any position).
+void rope_norm(float* out, const float* x, int T, int n_head, int Dh, const int32_t* pos0, float theta,
                cudaStream_t stream);
 
 }  // namespace diffrun::engine

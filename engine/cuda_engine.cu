@@ -1,0 +1,469 @@
+// The CUDA engine backend: one readable forward pass (one line per op, then its checkpoint), f16 or f32.
+// T tokens of the step, S = n_past + T positions attended, D model width, H/Hkv heads, Dh head width,
+// F feed-forward width, V real vocabulary.
+//
+// Decisions, written down here:
+// - Activations are f32 except the inputs of GEMMs, which are W (f16 in the f16 engine): the
+//   normed rows (xn), the attention context (kqv) and the SwiGLU output (act). Their checkpoints
+//   are recorded with native dtype f16.
+// - The KV cache is f32 in both precisions ([n_layer][max_ctx, Hkv*Dh]); K and V are small next
+//   to the weights, and f32 keeps the f16 engine's error to the f16 weights and GEMM inputs.
+// - n_past lives in device memory (d_n_past_) and every position-dependent kernel reads it there,
+//   so a decode step (T = 1) without hooks is captured once as a CUDA graph and replayed at any
+//   position. Steps with any hook, prefill steps, DIFFRUN_SYNC_CHECK=1 and DIFFRUN_CUDA_GRAPHS=0
+//   launch the same kernels one by one.
+// - As in the reference, the lm head computes every token's logits only when result_output is
+//   recorded, else the last token's alone.
+// - Hooks off: no copies, no synchronization, no extra kernels. On: cudaMemcpyAsync into pinned
+//   staging right after the op, delivered to the sink after the step's one synchronization.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "engine/checkpoint_stager.cuh"
+#include "engine/cuda_check.cuh"
+#include "engine/device_buffer.cuh"
+#include "engine/engine.hpp"
+#include "engine/gemm.cuh"
+#include "engine/ops/add.cuh"
+#include "engine/ops/argmax.cuh"
+#include "engine/ops/attention.cuh"
+#include "engine/ops/embedding.cuh"
+#include "engine/ops/kv_store.cuh"
+#include "engine/ops/matmul.cuh"
+#include "engine/ops/rms_norm.cuh"
+#include "engine/ops/rope_neox.cuh"
+#include "engine/ops/rope_norm.cuh"
+#include "engine/ops/swiglu.cuh"
+#include "engine/weights.cuh"
+#include "model/error.hpp"
+
+namespace diffrun {
+
+namespace {
+
+using namespace diffrun::engine;
+
+constexpr uint64_t kCublasWorkspaceBytes = uint64_t(32) << 20;
+
+std::string mib(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return buf;
+}
+
+bool env_is_zero(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, "0") == 0;
+}
+
+// Activations of one step, for up to `capacity` tokens; a longer step reallocates, decode reuses.
+template <typename W>
+struct Activations {
+  Activations(const ModelConfig& c, int cap)
+      : capacity(cap),
+        x(size_t(cap) * c.n_embd, "activations"),
+        xn(size_t(cap) * c.n_embd, "activations"),
+        q(size_t(cap) * c.n_head * c.head_dim, "activations"),
+        k(size_t(cap) * c.n_head_kv * c.head_dim, "activations"),
+        v(size_t(cap) * c.n_head_kv * c.head_dim, "activations"),
+        kqv(size_t(cap) * c.n_head * c.head_dim, "activations"),
+        attn_out(size_t(cap) * c.n_embd, "activations"),
+        ffn_inp(size_t(cap) * c.n_embd, "activations"),
+        gate(size_t(cap) * c.n_ff, "activations"),
+        up(size_t(cap) * c.n_ff, "activations"),
+        act(size_t(cap) * c.n_ff, "activations"),
+        ffn_out(size_t(cap) * c.n_embd, "activations"),
+        tokens(size_t(cap), "activations") {}
+
+  static uint64_t bytes(const ModelConfig& c, int cap) {
+    const uint64_t D = c.n_embd, Q = uint64_t(c.n_head) * c.head_dim, KV = uint64_t(c.n_head_kv) * c.head_dim,
+                   F = c.n_ff;
+    return uint64_t(cap) * (4 * (D + Q + 2 * KV + 3 * D + 2 * F) + sizeof(W) * (D + Q + F) + sizeof(int32_t));
+  }
+
+  int capacity;
+  DeviceBuffer<float> x;         // [T, D] residual stream
+  DeviceBuffer<W> xn;            // [T, D] RMSNorm output (GEMM input)
+  DeviceBuffer<float> q;         // [T, H*Dh]
+  DeviceBuffer<float> k;         // [T, Hkv*Dh]
+  DeviceBuffer<float> v;         // [T, Hkv*Dh]
+  DeviceBuffer<W> kqv;           // [T, H*Dh] attention context (GEMM input)
+  DeviceBuffer<float> attn_out;  // [T, D]
+  DeviceBuffer<float> ffn_inp;   // [T, D]
+  DeviceBuffer<float> gate;      // [T, F]
+  DeviceBuffer<float> up;        // [T, F]
+  DeviceBuffer<W> act;           // [T, F] SwiGLU output (GEMM input)
+  DeviceBuffer<float> ffn_out;   // [T, D]
+  DeviceBuffer<int32_t> tokens;  // [T]
+};
+
+class Stream {
+ public:
+  Stream() { CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  ~Stream() { cudaStreamDestroy(s_); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  operator cudaStream_t() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+template <typename W>
+class CudaEngineImpl final : public CudaEngine {
+  static constexpr bool kF16 = std::is_same_v<W, __half>;
+
+ public:
+  CudaEngineImpl(const GgufFile& file, const ModelConfig& cfg, int max_ctx)
+      : cfg_(cfg),
+        max_ctx_(max_ctx),
+        cublas_(kF16 ? EnginePrecision::f16 : EnginePrecision::f32),
+        weights_(file, cfg, stream_),
+        k_cache_(size_t(cfg.n_layer) * max_ctx * cfg.n_head_kv * cfg.head_dim, "the KV cache"),
+        v_cache_(size_t(cfg.n_layer) * max_ctx * cfg.n_head_kv * cfg.head_dim, "the KV cache"),
+        d_n_past_(1, "step state"),
+        d_argmax_(1, "step state"),
+        h_n_past_(1, "step state"),
+        h_argmax_(1, "step state"),
+        h_logits_(size_t(cfg.n_vocab), "logits"),
+        names_(checkpoint_names(cfg)),
+        graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS")) {
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    cudaDeviceProp prop{};
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    int runtime = 0, driver = 0, cublas_version = 0;
+    CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+    CUDA_CHECK(cudaDriverGetVersion(&driver));
+    CUBLAS_CHECK(cublasGetVersion(cublas_.get(), &cublas_version));
+    auto version = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
+    facts_ = {
+        {"device", prop.name},
+        {"compute_capability", std::to_string(prop.major) + "." + std::to_string(prop.minor)},
+        {"cuda_runtime", version(runtime)},
+        {"cuda_driver", version(driver)},
+        {"cublas_version", std::to_string(cublas_version)},
+        {"cublas_math_mode", cublas_.math_mode_name()},
+        {"cublas_compute_type", "CUBLAS_COMPUTE_32F"},
+        {"tf32", cublas_.tf32_enabled() ? "on" : "off"},
+        {"weights_dtype", kF16 ? "f16" : "f32"},
+        {"gemm_input_dtype", kF16 ? "f16" : "f32"},
+        {"activations_dtype", "f32"},
+        {"kv_cache_dtype", "f32"},
+        {"cuda_graphs", graphs_enabled_ ? "decode steps without hooks" : "off"},
+    };
+  }
+
+  ~CudaEngineImpl() override { drop_graphs(); }
+
+  std::string name() const override { return "cuda"; }
+  std::string precision() const override { return kF16 ? "f16" : "f32"; }
+  const ModelConfig& config() const override { return cfg_; }
+  std::map<std::string, std::string> facts() const override { return facts_; }
+  int n_past() const override { return n_past_; }
+  int max_ctx() const override { return max_ctx_; }
+  void reset() override { n_past_ = 0; }
+  int32_t last_argmax() const override { return *h_argmax_.get(); }
+  uint64_t weight_bytes() const override { return weights_.bytes(); }
+
+  std::vector<float> forward(int step, std::span<const int32_t> tokens, Sink& sink) override {
+    run(step, tokens, sink, /*copy_logits=*/true);
+    return std::vector<float>(h_logits_.get(), h_logits_.get() + cfg_.n_vocab);
+  }
+
+  int32_t forward_argmax(int step, std::span<const int32_t> tokens, Sink& sink) override {
+    run(step, tokens, sink, /*copy_logits=*/false);
+    return *h_argmax_.get();
+  }
+
+ private:
+  void run(int step, std::span<const int32_t> tokens, Sink& sink, bool copy_logits) {
+    const int n = static_cast<int>(tokens.size());
+    if (n == 0) throw InputError("step " + std::to_string(step) + " has no tokens");
+    if (n_past_ + n > max_ctx_)
+      throw InputError("step " + std::to_string(step) + ": " + std::to_string(n_past_) + " cached + " +
+                       std::to_string(n) + " new tokens exceed the context of " + std::to_string(max_ctx_));
+    for (int t = 0; t < n; ++t)
+      if (tokens[t] < 0 || tokens[t] >= cfg_.n_vocab)
+        throw InputError("token id " + std::to_string(tokens[t]) + " at position " + std::to_string(t) +
+                         " is outside the vocabulary [0, " + std::to_string(cfg_.n_vocab) + ")");
+    if (sink.wants("tokens")) sink.record_ids(step, "tokens", tokens);
+
+    prepare(step, n, sink);
+    std::copy(tokens.begin(), tokens.end(), h_tokens_.get());
+    *h_n_past_.get() = n_past_;
+    try {
+      if (n == 1 && graphs_enabled_ && !hooked(step, sink))
+        launch_decode_graph(step, copy_logits);
+      else
+        enqueue_step(step, n, sink, copy_logits);
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+    } catch (...) {
+      stager_.discard();
+      throw;
+    }
+    n_past_ += n;
+    stager_.deliver(sink);
+  }
+
+  // The whole step on stream_: uploads ids and n_past, every op and its checkpoint, argmax, logits.
+  void enqueue_step(int step, int n, Sink& sink, bool copy_logits) {
+    const int D = cfg_.n_embd, V = cfg_.n_vocab;
+    Activations<W>& a = *act_;
+    set_op_context(step, -1);
+    CUDA_CHECK(cudaMemcpyAsync(a.tokens.get(), h_tokens_.get(), n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(d_n_past_.get(), h_n_past_.get(), sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+
+    embedding(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_); cp(sink, step, "embd", -1, a.x.get(), {n, D});
+    for (int l = 0; l < cfg_.n_layer; ++l) layer(step, l, n, sink);
+    set_op_context(step, -1);
+
+    rms_norm(a.xn.get(), a.x.get(), weights_.output_norm, n, D, eps(), stream_); cp(sink, step, "result_norm", -1, a.xn.get(), {n, D});
+    const int rows = sink.wants("result_output") ? n : 1;  // every token's logits only when recorded
+    const W* last_rows = a.xn.get() + size_t(n - rows) * D;  // [rows, D]
+    matmul(logits_.get(), last_rows, weights_.lm_head, nullptr, rows, D, V, cublas_, stream_);
+    if (rows == n) cp(sink, step, "result_output", -1, logits_.get(), {n, V});
+
+    const float* last = logits_.get() + size_t(rows - 1) * V;  // [V]
+    argmax(d_argmax_.get(), last, V, stream_);
+    CUDA_CHECK(cudaMemcpyAsync(h_argmax_.get(), d_argmax_.get(), sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+    if (copy_logits)
+      CUDA_CHECK(cudaMemcpyAsync(h_logits_.get(), last, size_t(V) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  }
+
+  // One transformer block on the residual stream a.x [T, D] in place.
+  void layer(int step, int l, int n, Sink& sink) {
+    set_op_context(step, l);
+    const DeviceLayerWeights<W>& w = weights_.layers[l];
+    Activations<W>& a = *act_;
+    const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, F = cfg_.n_ff;
+    const int Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n;
+    const float theta = static_cast<float>(cfg_.rope_theta);
+    const auto rope = cfg_.rope_type == RopeType::norm ? rope_norm : rope_neox;
+    const int32_t* n_past = d_n_past_.get();  // [1] device; also the position of token 0
+    float* cache_k = k_cache_.get() + size_t(l) * max_ctx_ * KV;  // [max_ctx, Hkv*Dh]; rows 0..S-1 valid after
+    float* cache_v = v_cache_.get() + size_t(l) * max_ctx_ * KV;  // [max_ctx, Hkv*Dh]
+    const int64_t nD = int64_t(n) * D;
+
+    rms_norm(a.xn.get(), a.x.get(), w.attn_norm, n, D, eps(), stream_);        cp(sink, step, "attn_norm", l, a.xn.get(), {n, D});
+    matmul(a.q.get(), a.xn.get(), w.wq, w.bq, n, D, Q, cublas_, stream_);      cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
+    matmul(a.k.get(), a.xn.get(), w.wk, w.bk, n, D, KV, cublas_, stream_);     cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
+    matmul(a.v.get(), a.xn.get(), w.wv, w.bv, n, D, KV, cublas_, stream_);     cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
+    if (cfg_.qk_norm) {
+      rms_norm(a.q.get(), a.q.get(), w.q_norm, n * H, Dh, eps(), stream_);     cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
+      rms_norm(a.k.get(), a.k.get(), w.k_norm, n * Hkv, Dh, eps(), stream_);   cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
+    }
+    rope(a.q.get(), a.q.get(), n, H, Dh, n_past, theta, stream_);               cp(sink, step, "Qrope", l, a.q.get(), {n, H, Dh});
+    rope(a.k.get(), a.k.get(), n, Hkv, Dh, n_past, theta, stream_);             cp(sink, step, "Krope", l, a.k.get(), {n, Hkv, Dh});
+
+    kv_store(cache_k, cache_v, a.k.get(), a.v.get(), n, n_past, KV, stream_);
+    cp(sink, step, "cache_k", l, cache_k, {S, Hkv, Dh});
+    cp(sink, step, "cache_v", l, cache_v, {S, Hkv, Dh});
+
+    float* probs = sink.wants(checkpoint_name("kq_soft_max", l)) ? probs_.get() : nullptr;  // [H, T, S]
+    attention(a.kqv.get(), probs, a.q.get(), cache_k, cache_v, n, n_past, H, Hkv, Dh, stream_);
+    if (probs) record_only(step, "kq_soft_max", l, probs, {H, n, S});
+    cp(sink, step, "kqv_out", l, a.kqv.get(), {n, H, Dh});
+
+    matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_); cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});
+    add(a.ffn_inp.get(), a.x.get(), a.attn_out.get(), nD, stream_);              cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D});
+    rms_norm(a.xn.get(), a.ffn_inp.get(), w.ffn_norm, n, D, eps(), stream_);     cp(sink, step, "ffn_norm", l, a.xn.get(), {n, D});
+
+    matmul(a.gate.get(), a.xn.get(), w.w_gate, nullptr, n, D, F, cublas_, stream_); cp(sink, step, "ffn_gate", l, a.gate.get(), {n, F});
+    matmul(a.up.get(), a.xn.get(), w.w_up, nullptr, n, D, F, cublas_, stream_);   cp(sink, step, "ffn_up", l, a.up.get(), {n, F});
+    swiglu(a.act.get(), a.gate.get(), a.up.get(), int64_t(n) * F, stream_);      cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});
+    matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_); cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});
+    add(a.x.get(), a.ffn_inp.get(), a.ffn_out.get(), nD, stream_);               cp(sink, step, "l_out", l, a.x.get(), {n, D});
+  }
+
+  float eps() const { return static_cast<float>(cfg_.rms_eps); }
+
+  static const char* layout_of(const char* base) {
+    const CheckpointKind* kind = find_checkpoint_kind(base);
+    if (!kind) throw Error(std::string("checkpoint kind '") + base + "' is not in the checkpoint vocabulary");
+    return kind->layout;
+  }
+
+  // A checkpoint of a buffer the next ops read: recorded when wanted; replaced (isolation replay)
+  // when the sink has values for it, after the recording copy.
+  template <typename A>
+  void cp(Sink& sink, int step, const char* base, int layer, A* dev, std::initializer_list<int64_t> shape) {
+    std::string name = checkpoint_name(base, layer);
+    const bool wanted = sink.wants(name);
+    const float* replacement = sink.replacement(step, name);
+    if (!wanted && !replacement) return;
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    if (wanted) stager_.stage(step, std::move(name), layer, layout_of(base), shape, dev, stream_);
+    if (replacement) stager_.replace(replacement, dev, n, stream_);
+  }
+
+  // A checkpoint no later op reads (the attention probabilities): recorded, never replaced.
+  void record_only(int step, const char* base, int layer, const float* dev, std::initializer_list<int64_t> shape) {
+    stager_.stage(step, checkpoint_name(base, layer), layer, layout_of(base), shape, dev, stream_);
+  }
+
+  // Whether the sink wants or replaces any tensor checkpoint this step (ids are recorded on the host).
+  bool hooked(int step, const Sink& sink) const {
+    for (const std::string& name : names_)
+      if (name != "tokens" && (sink.wants(name) || sink.replacement(step, name) != nullptr)) return true;
+    return false;
+  }
+
+  // Buffers for a step of n tokens, allocated before anything is enqueued (a reallocation waits
+  // for the device and drops the captured graphs, whose pointers it invalidates).
+  void prepare(int step, int n, const Sink& sink) {
+    const int S = n_past_ + n;
+    const size_t probs_needed = wants_any_layer(sink, "kq_soft_max") ? size_t(cfg_.n_head) * n * S : 0;
+    const size_t logits_needed = size_t(sink.wants("result_output") ? n : 1) * cfg_.n_vocab;
+    const bool grow_act = !act_ || act_->capacity < n;
+    const bool grow_probs = probs_.size() < probs_needed;
+    const bool grow_logits = logits_.size() < logits_needed;
+    if (!grow_act && !grow_probs && !grow_logits) return;
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    drop_graphs();
+    if (grow_act) {
+      act_.reset();
+      act_ = std::make_unique<Activations<W>>(cfg_, n);
+      h_tokens_ = PinnedBuffer<int32_t>(size_t(n), "token ids");
+    }
+    if (grow_probs) probs_ = DeviceBuffer<float>(probs_needed, "the kq_soft_max checkpoint");
+    if (grow_logits) logits_ = DeviceBuffer<float>(logits_needed, "the logits");
+  }
+
+  bool wants_any_layer(const Sink& sink, const char* base) const {
+    for (int l = 0; l < cfg_.n_layer; ++l)
+      if (sink.wants(checkpoint_name(base, l))) return true;
+    return false;
+  }
+
+  void launch_decode_graph(int step, bool copy_logits) {
+    cudaGraphExec_t& exec = graphs_[copy_logits ? 1 : 0];
+    if (exec == nullptr) {
+      NullSink none;
+      CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      try {
+        enqueue_step(step, 1, none, copy_logits);
+      } catch (...) {
+        cudaGraph_t broken = nullptr;
+        cudaStreamEndCapture(stream_, &broken);  // leave capture mode; the first error is the one to report
+        if (broken) cudaGraphDestroy(broken);
+        throw;
+      }
+      cudaGraph_t graph = nullptr;
+      CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+      const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      if (err != cudaSuccess) exec = nullptr;
+      CUDA_CHECK(err);
+    }
+    CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+  }
+
+  void drop_graphs() {
+    for (cudaGraphExec_t& g : graphs_) {
+      if (g) cudaGraphExecDestroy(g);
+      g = nullptr;
+    }
+  }
+
+  ModelConfig cfg_;
+  int max_ctx_;
+  Stream stream_;
+  CublasHandle cublas_;
+  DeviceWeights<W> weights_;
+  DeviceBuffer<float> k_cache_;  // [n_layer][max_ctx, Hkv*Dh]
+  DeviceBuffer<float> v_cache_;  // [n_layer][max_ctx, Hkv*Dh]
+  std::unique_ptr<Activations<W>> act_;
+  DeviceBuffer<float> logits_;   // [rows, V], rows = T when result_output is recorded, else 1
+  DeviceBuffer<float> probs_;    // [H, T, S], only while kq_soft_max is recorded
+  DeviceBuffer<int32_t> d_n_past_;  // [1]
+  DeviceBuffer<int32_t> d_argmax_;  // [1]
+  PinnedBuffer<int32_t> h_tokens_;  // [T]
+  PinnedBuffer<int32_t> h_n_past_;  // [1]
+  PinnedBuffer<int32_t> h_argmax_;  // [1]
+  PinnedBuffer<float> h_logits_;    // [V] the last token's logits
+  CheckpointStager stager_;
+  std::vector<std::string> names_;  // every checkpoint name of a step, in order
+  bool graphs_enabled_;
+  cudaGraphExec_t graphs_[2] = {nullptr, nullptr};  // decode step without / with the logits copy
+  std::map<std::string, std::string> facts_;
+  int n_past_ = 0;
+};
+
+template <typename W>
+void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_ctx) {
+  const WeightFootprint wf = DeviceWeights<W>::footprint(file, cfg);
+  const uint64_t kv = 2ull * cfg.n_layer * uint64_t(max_ctx) * cfg.n_head_kv * cfg.head_dim * sizeof(float);
+  const uint64_t other = Activations<W>::bytes(cfg, 1) + uint64_t(cfg.n_vocab) * sizeof(float) + kCublasWorkspaceBytes;
+  const uint64_t needed = wf.weight_bytes + wf.staging_bytes + kv + other;
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (needed > free_b) {
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    cudaDeviceProp prop{};
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    throw Error("not enough device memory for " + file.path() + ": need " + mib(needed) + " (weights " +
+                mib(wf.weight_bytes) + ", upload staging " + mib(wf.staging_bytes) + ", KV cache " + mib(kv) +
+                " for " + std::to_string(max_ctx) + " positions, activations and cuBLAS workspace " + mib(other) +
+                "), " + mib(free_b) + " free of " + mib(total_b) + " on " + prop.name);
+  }
+}
+
+template <typename W>
+std::unique_ptr<CudaEngine> create(const GgufFile& file, const ModelConfig& cfg, int max_ctx) {
+  check_device_memory<W>(file, cfg, max_ctx);
+  return std::make_unique<CudaEngineImpl<W>>(file, cfg, max_ctx);
+}
+
+}  // namespace
+
+bool cuda_device_available(std::string* why) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (why) *why = std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
+    return false;
+  }
+  if (count == 0) {
+    if (why) *why = "no CUDA device found";
+    return false;
+  }
+  return true;
+}
+
+std::unique_ptr<CudaEngine> make_cuda_engine(const GgufFile& file, const ModelConfig& cfg,
+                                             const std::string& precision, int max_ctx) {
+  if (precision != "f16" && precision != "f32")
+    throw InputError("the cuda backend computes in f16 or f32, not '" + precision + "'");
+  if (max_ctx < 1) throw InputError("the CUDA engine needs a context of at least 1 position");
+  std::string why;
+  if (!cuda_device_available(&why)) throw Error("no CUDA device: " + why);
+  validate_tensors(file, cfg);
+  if (cfg.head_dim > 256 || cfg.head_dim % 2 != 0)
+    throw ModelError("the CUDA engine supports even head dims up to 256, not " + std::to_string(cfg.head_dim));
+  if (cfg.n_head_kv <= 0 || cfg.n_head % cfg.n_head_kv != 0)
+    throw ModelError("n_head " + std::to_string(cfg.n_head) + " is not a multiple of n_head_kv " +
+                     std::to_string(cfg.n_head_kv));
+  if (precision == "f16") return create<__half>(file, cfg, max_ctx);
+  return create<float>(file, cfg, max_ctx);
+}
+
+std::unique_ptr<Backend> make_cuda_backend(const GgufFile& file, const ModelConfig& cfg,
+                                           const std::string& precision, int max_ctx) {
+  return make_cuda_engine(file, cfg, precision, max_ctx);
+}
+
+}  // namespace diffrun

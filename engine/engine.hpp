@@ -1,0 +1,41 @@
+// The CUDA engine's public API: the Backend factory, a device probe, and the engine's extra surface.
+// Plain C++ (no CUDA types), so the CLI and tests include it with the host compiler.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "checkpoints/backend.hpp"
+#include "model/config.hpp"
+#include "model/gguf.hpp"
+
+namespace diffrun {
+
+// True when a CUDA device can be used; otherwise false and *why (when non-null) says why.
+bool cuda_device_available(std::string* why);
+
+// The Backend interface plus what the engine alone offers (the benchmark and the GPU tests use it).
+class CudaEngine : public Backend {
+ public:
+  // Like forward() but returns only the device argmax of the last token's logits over the real
+  // vocabulary (-1 if all are NaN), without copying the logits to the host.
+  virtual int32_t forward_argmax(int step, std::span<const int32_t> tokens, Sink& sink) = 0;
+  // Device argmax of the last step's last-token logits.
+  virtual int32_t last_argmax() const = 0;
+  // Bytes of weights one forward step reads from device memory.
+  virtual uint64_t weight_bytes() const = 0;
+};
+
+// precision "f16": f16 weights and GEMM inputs, f32 accumulation, f32 residual stream, norms,
+// softmax and KV cache. precision "f32": everything f32, TF32 off. The KV cache holds max_ctx
+// positions. Throws Error when there is no CUDA device or not enough device memory (saying how
+// much was needed and how much is free), InputError for another precision or max_ctx < 1,
+// ModelError for a missing or malformed tensor.
+std::unique_ptr<CudaEngine> make_cuda_engine(const GgufFile& file, const ModelConfig& cfg,
+                                             const std::string& precision, int max_ctx);
+std::unique_ptr<Backend> make_cuda_backend(const GgufFile& file, const ModelConfig& cfg,
+                                           const std::string& precision, int max_ctx);
+
+}  // namespace diffrun

@@ -1,0 +1,63 @@
+// Device weights (D, H, Hkv, Dh, F, V): raw GGUF bytes uploaded, dequantized on the device, raw freed.
+// Matrices are kept in the engine's type W: f32, or f16 rounded (nearest even) from the exact f32
+// value. Vectors (norm weights, biases) stay f32 in both precisions: they are not GEMM inputs.
+// token_embd and output keep only their first V rows (padded vocabulary rows are never read).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "engine/device_buffer.cuh"
+#include "model/config.hpp"
+#include "model/gguf.hpp"
+
+namespace diffrun::engine {
+
+template <typename W>
+struct DeviceLayerWeights {
+  const float* attn_norm = nullptr;  // [D]
+  const W* wq = nullptr;             // [H*Dh, D]
+  const W* wk = nullptr;             // [Hkv*Dh, D]
+  const W* wv = nullptr;             // [Hkv*Dh, D]
+  const float* bq = nullptr;         // [H*Dh], qwen2 only (else null)
+  const float* bk = nullptr;         // [Hkv*Dh], qwen2 only
+  const float* bv = nullptr;         // [Hkv*Dh], qwen2 only
+  const float* q_norm = nullptr;     // [Dh], qwen3 only
+  const float* k_norm = nullptr;     // [Dh], qwen3 only
+  const W* wo = nullptr;             // [D, H*Dh]
+  const float* ffn_norm = nullptr;   // [D]
+  const W* w_gate = nullptr;         // [F, D]
+  const W* w_up = nullptr;           // [F, D]
+  const W* w_down = nullptr;         // [D, F]
+};
+
+// Device bytes the weights take in type W, and the largest raw tensor (the upload staging buffer).
+struct WeightFootprint {
+  uint64_t weight_bytes = 0;
+  uint64_t staging_bytes = 0;
+};
+
+template <typename W>
+class DeviceWeights {
+ public:
+  static WeightFootprint footprint(const GgufFile& file, const ModelConfig& cfg);
+
+  // Uploads and dequantizes every tensor the forward pass reads (validate_tensors must have passed).
+  DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cudaStream_t stream);
+
+  const W* token_embd = nullptr;   // [V, D]
+  const float* output_norm = nullptr;  // [D]
+  const W* lm_head = nullptr;      // [V, D]: output, or token_embd when tied
+  std::vector<DeviceLayerWeights<W>> layers;
+
+  // Bytes of weights one forward step reads (all of them: the roofline's bytes per token).
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  DeviceBuffer<unsigned char> arena_;
+  uint64_t bytes_ = 0;
+};
+
+}  // namespace diffrun::engine
