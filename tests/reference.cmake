@@ -3,4 +3,4 @@ diffrun_test(test_reference_ops SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_referen
              LIBS diffrun_reference)
 diffrun_test(test_reference_model SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_reference_model.cpp
              ${PROJECT_SOURCE_DIR}/cli/run.cpp
-             LIBS diffrun_reference CLI11::CLI11 FIXTURES tiny_models TIMEOUT 600)
+             LIBS diffrun_reference CLI11::CLI11 FIXTURES "tiny_models;smollm2" TIMEOUT 600)
