@@ -171,3 +171,53 @@ def test_vocabulary_order_matches_the_dump(sample):
     assert "Qnorm-0" not in vocabulary.checkpoint_names("qwen2", 1)
     assert vocabulary.parse_name("kq_soft_max-12") == ("kq_soft_max", 12)
     assert vocabulary.parse_name("result_output") == ("result_output", -1)
+
+
+def diffrun_bin():
+    path = os.environ.get("DIFFRUN_BIN", "")
+    if not path or not os.path.exists(path):
+        pytest.skip("DIFFRUN_BIN (the built diffrun executable) is not set; run through ctest")
+    return path
+
+
+def test_cli_ls_lists_steps_and_checkpoints_in_order(sample):
+    out = subprocess.run([diffrun_bin(), "ls", str(sample)], check=True, capture_output=True, text=True).stdout
+    assert "backend cpu, precision f32" in out and "qwen3: 2 layers" in out and "Café ✓" in out
+    assert "argmax   7 13" in out and "device   sample" in out
+    lines = out.splitlines()
+    step1 = lines.index(next(line for line in lines if line.startswith("step 1 (")))
+    listed = [line.split()[1] for line in lines[step1 + 2:] if line.strip()]
+    assert listed == vocabulary.checkpoint_names("qwen3", 2)
+    row = next(line for line in lines[step1:] if " Qnorm-1 " in line).split()
+    assert row == ["26", "Qnorm-1", "[1,", "4,", "2]", "T,H,Dh", "float32", "f16"]
+
+
+def test_cli_show_prints_stats_and_a_slice(sample, tmp_path):
+    nan = tmp_path / "nan.h5"
+    nan.write_bytes(sample.read_bytes())
+    with h5py.File(nan, "r+") as f:
+        ds = f["step_0000/ffn_up-1"]
+        v = ds[()]
+        v[2, 3] = np.nan
+        v[4, 0] = np.inf
+        ds[...] = v
+    out = subprocess.run([diffrun_bin(), "show", str(nan), "ffn_up-1", "--rows", "2", "--cols", "3"],
+                         check=True, capture_output=True, text=True).stdout
+    order = vocabulary.checkpoint_order("qwen3", 2, "ffn_up-1")
+    finite = v[np.isfinite(v)].astype(np.float64)
+    assert "shape [5, 12] (T,F)" in out
+    assert f"min  {order:<14g} at [0, 0]" in out
+    assert "60 values: 58 finite, 1 NaN, 1 Inf" in out
+    assert f"std {finite.std():<14.7g}" in out
+    assert "first 2 of 5 rows (T) x first 3 of 12 columns (F)" in out
+    row1 = next(line for line in out.splitlines() if line.strip().startswith("[1]")).split()
+    assert [float(x) for x in row1[1:4]] == pytest.approx(v[1, :3], rel=1e-4)
+
+    bad = subprocess.run([diffrun_bin(), "show", str(sample), "Qcur-9", "--step", "1"], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "sample.h5" in bad.stderr and "step_0001/Qcur-9" in bad.stderr
+
+
+def test_cli_vocab_json_is_the_mirrored_vocabulary():
+    out = subprocess.run([diffrun_bin(), "vocab", "--json"], check=True, capture_output=True, text=True).stdout
+    assert [k["base"] for k in json.loads(out)["kinds"]] == [k.base for k in vocabulary.KINDS]

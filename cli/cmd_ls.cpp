@@ -1,0 +1,90 @@
+// `diffrun ls DUMP.h5 [--step N]`: a dump's root attributes, then per step its checkpoints in order.
+#include <memory>
+#include <string>
+
+#include <fmt/core.h>
+
+#include "checkpoints/dump.hpp"
+#include "cli/command.hpp"
+
+namespace diffrun::cli {
+namespace {
+
+struct LsOptions {
+  std::string path;
+  int step = -1;  // -1: every step
+};
+
+// One line for a long string: newlines shown as \n, cut at `max` characters.
+std::string one_line(const std::string& s, size_t max) {
+  std::string out;
+  for (char c : s) {
+    if (c == '\n') out += "\\n";
+    else if (c == '\t') out += "\\t";
+    else out += c;
+  }
+  if (out.size() > max) out = out.substr(0, max) + "...";
+  return out;
+}
+
+std::string ids_text(const std::vector<int32_t>& ids, size_t max) {
+  std::string out;
+  for (size_t i = 0; i < ids.size() && i < max; ++i) out += (i ? " " : "") + std::to_string(ids[i]);
+  if (ids.size() > max) out += fmt::format(" ... ({} more)", ids.size() - max);
+  return out;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+int run_ls(const LsOptions& o) {
+  const DumpReader r(o.path);
+  if (o.step >= 0) r.datasets(o.step);  // a missing step is a DumpError naming it
+  const DumpMeta& m = r.meta();
+  const ModelConfig& c = m.config;
+  fmt::print("{}: diffrun-dump v{}, backend {}, precision {}, written {} by diffrun {}\n", o.path, m.format_version,
+             m.backend, m.precision, m.created_utc, m.diffrun_version);
+  fmt::print("  model    {} (fingerprint {})\n", m.model_path, m.model_fingerprint);
+  fmt::print("  config   {}: {} layers, D={}, H={}, Hkv={}, Dh={}, F={}, V={}, ctx {}, rope {} theta {:g}, rms_eps {:g}{}{}{}\n",
+             arch_name(c.arch), c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.n_ff, c.n_vocab, c.n_ctx,
+             rope_type_name(c.rope_type), c.rope_theta, c.rms_eps, c.tied_output ? ", tied output" : "",
+             c.qkv_bias ? ", qkv bias" : "", c.qk_norm ? ", qk norm" : "");
+  fmt::print("  prompt   \"{}\" ({} tokens: {})\n", one_line(m.prompt, 100), m.token_ids.size(),
+             ids_text(m.token_ids, 24));
+  for (const auto& [key, value] : m.facts) fmt::print("  {:<8} {}\n", key, value);
+  for (const auto& key : r.int_attribute_names()) fmt::print("  {:<8} {}\n", key, ids_text(r.int_attribute(key), 24));
+
+  const auto steps = r.steps();
+  fmt::print("{} steps", steps.size());
+  if (!steps.empty()) fmt::print(" ({}..{})", steps.front(), steps.back());
+  fmt::print("\n");
+  for (int step : steps) {
+    if (o.step >= 0 && step != o.step) continue;
+    const auto infos = r.datasets(step);
+    uint64_t values = 0;
+    for (const auto& d : infos) {
+      uint64_t n = 1;
+      for (auto x : d.shape) n *= static_cast<uint64_t>(x);
+      values += n;
+    }
+    fmt::print("\nstep {} ({} checkpoints, {:.2f} MB)\n", step, infos.size(), static_cast<double>(values) * 4 / 1e6);
+    fmt::print("  {:>5}  {:<18} {:<16} {:<10} {:<7} {}\n", "order", "name", "shape", "layout", "stored", "native");
+    for (const auto& d : infos)
+      fmt::print("  {:>5}  {:<18} {:<16} {:<10} {:<7} {}\n", d.order, d.name, shape_text(d.shape), d.layout,
+                 d.is_int ? "int32" : "float32", d.native_dtype);
+  }
+  return 0;
+}
+
+const CommandRegistrar reg("ls", "List a dump's metadata and, per step, its checkpoints in order", [](CLI::App& app) {
+  auto o = std::make_shared<LsOptions>();
+  app.add_option("dump", o->path, "HDF5 dump")->required();
+  app.add_option("--step", o->step, "Only this step")->check(CLI::NonNegativeNumber);
+  return [o] { return run_ls(*o); };
+});
+
+}  // namespace
+}  // namespace diffrun::cli
