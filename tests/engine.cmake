@@ -1,0 +1,10 @@
+# tests/engine.cmake: the CUDA engine's GPU tests (label gpu; each skips with a message without a device).
+if(DIFFRUN_HAVE_CUDA)
+  diffrun_test(test_engine_dequant GPU SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_engine_dequant.cpp
+               LIBS diffrun_engine diffrun_model)
+  diffrun_test(test_engine_ops GPU SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_engine_ops.cpp
+               LIBS diffrun_engine diffrun_reference)
+  diffrun_test(test_engine_model GPU SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_engine_model.cpp
+               LIBS diffrun_engine diffrun_reference FIXTURES tiny_models TIMEOUT 900)
+  # DIFFRUN_SMOLLM2_SLICE and DIFFRUN_QWEN05B (optional model paths) pass through ctest's environment.
+endif()
