@@ -1,6 +1,6 @@
 // Dump write benchmark: a full checkpoint set of a SmolLM2-135M-shaped config (32-token prefill plus
 // 8 decode steps, random values), written several times; prints the median write MB/s and file size.
-// Usage: bench_dump [DIR] [RUNS]   (DIR defaults to the system temp directory, RUNS to 7)
+// Usage: bench_dump [DIR] [RUNS] [PROMPT]   (DIR: the system temp directory, RUNS: 7, PROMPT: 32 tokens)
 // Dims: T tokens of the step, S cached positions after it.
 #include <algorithm>
 #include <chrono>
@@ -43,8 +43,8 @@ struct RunResult {
   size_t datasets;
 };
 
-RunResult write_once(const std::string& path, const ModelConfig& cfg, const std::vector<float>& noise) {
-  constexpr int kPrompt = 32, kDecode = 8;
+RunResult write_once(const std::string& path, const ModelConfig& cfg, const std::vector<float>& noise, int prompt) {
+  constexpr int kDecode = 8;
   DumpMeta meta;
   meta.backend = "bench";
   meta.precision = "f32";
@@ -52,7 +52,7 @@ RunResult write_once(const std::string& path, const ModelConfig& cfg, const std:
   meta.model_fingerprint = "bench";
   meta.config = cfg;
   meta.prompt = "bench";
-  meta.token_ids.assign(kPrompt, 1);
+  meta.token_ids.assign(prompt, 1);
   const auto names = checkpoint_names(cfg);
   size_t datasets = 0;
   const auto t0 = std::chrono::steady_clock::now();
@@ -60,7 +60,7 @@ RunResult write_once(const std::string& path, const ModelConfig& cfg, const std:
   DumpWriter w(path, meta);
   int n_past = 0;
   for (int step = 0; step <= kDecode; ++step) {
-    const int T = step == 0 ? kPrompt : 1;
+    const int T = step == 0 ? prompt : 1;
     const int S = n_past + T;
     const std::vector<int32_t> ids(T, 1);
     size_t offset = 0;
@@ -93,9 +93,10 @@ RunResult write_once(const std::string& path, const ModelConfig& cfg, const std:
 int main(int argc, char** argv) {
   const std::string dir = argc > 1 ? argv[1] : std::filesystem::temp_directory_path().string();
   const int runs = argc > 2 ? std::max(1, std::stoi(argv[2])) : 7;
+  const int prompt = argc > 3 ? std::max(1, std::stoi(argv[3])) : 32;
   const ModelConfig cfg = smollm2_config();
-  // Large enough for the biggest checkpoint (result_output of the prefill: 32 x 49152).
-  std::vector<float> noise(static_cast<size_t>(32) * cfg.n_vocab + 8192 * 64);
+  // Large enough for the biggest checkpoint (result_output of the prefill: prompt x V).
+  std::vector<float> noise(static_cast<size_t>(prompt) * cfg.n_vocab + static_cast<size_t>(prompt) * prompt * 9);
   std::mt19937 rng(1234);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (auto& x : noise) x = normal(rng);
@@ -105,7 +106,7 @@ int main(int argc, char** argv) {
   RunResult last{};
   try {
     for (int i = 0; i < runs; ++i) {
-      last = write_once(path, cfg, noise);
+      last = write_once(path, cfg, noise, prompt);
       rates.push_back(static_cast<double>(last.bytes) / 1e6 / last.seconds);
       cpu_rates.push_back(static_cast<double>(last.bytes) / 1e6 / last.cpu_seconds);
     }
@@ -117,7 +118,8 @@ int main(int argc, char** argv) {
   std::sort(rates.begin(), rates.end());
   std::sort(cpu_rates.begin(), cpu_rates.end());
   const double cpu_median = cpu_rates[cpu_rates.size() / 2];
-  fmt::print("dump write, SmolLM2-135M shape (30 layers, D=576, F=1536, V=49152), 32-token prefill + 8 decode steps\n");
+  fmt::print("dump write, SmolLM2-135M shape (30 layers, D=576, F=1536, V=49152), {}-token prefill + 8 decode steps\n",
+             prompt);
   fmt::print("  datasets       {}\n", last.datasets);
   fmt::print("  values         {:.1f} MB\n", static_cast<double>(last.bytes) / 1e6);
   fmt::print("  file size      {:.1f} MB ({:+.2f}% over the values)\n", static_cast<double>(last.file_size) / 1e6,
