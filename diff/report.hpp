@@ -28,8 +28,9 @@ std::string render_json(const Comparison& c);
 // One <testsuite> per step, one <testcase> per checkpoint.
 std::string render_junit(const Comparison& c);
 
-// ▁▂▃▄▅▆▇█ over log10 of the values; '·' for an exact zero, '!' for a non-finite value.
-std::string sparkline(std::span<const double> values);
+// ▁▂▃▄▅▆▇█ over log10 of the values between lo (▁) and hi (█), both > 0; by default the
+// smallest and largest positive finite value. '·' for an exact zero, '!' for inf, ' ' for NaN (absent).
+std::string sparkline(std::span<const double> values, double lo = 0, double hi = 0);
 
 // Exit code of a finished comparison: 0 all within tolerance, 1 divergence found.
 inline int exit_code(const Comparison& c) { return c.diverged() ? 1 : 0; }

@@ -114,9 +114,23 @@ void layer_table(std::string& out, const Comparison& c, const Style& s) {
     by_kind[r.base][r.layer] = &r;
   }
   if (kinds.empty()) return;
-  const int last = std::max(n_layer - 1, by_kind.begin()->second.rbegin()->first);
+  int last = n_layer - 1;
+  double lo = INFINITY, hi = 0;
+  for (const auto& [kind, layers] : by_kind) {
+    last = std::max(last, layers.rbegin()->first);
+    for (const auto& [l, r] : layers) {
+      double v = r->metrics ? r->metrics->rel_l2 : 0.0;
+      if (std::isfinite(v) && v > 0) {
+        lo = std::min(lo, v);
+        hi = std::max(hi, v);
+      }
+    }
+  }
   out += '\n';
-  out += s.bold(fmt::format("Relative L2 error by layer (step {}; sparkline over layers 0..{}, log scale)", step, last)) + "\n";
+  out += s.bold(fmt::format("Relative L2 error by layer (step {})", step)) + "\n";
+  if (hi > 0) {
+    out += fmt::format("  growth: layers 0..{}, one log scale for the table: ▁ {} .. █ {}\n", last, num(lo), num(hi));
+  }
   out += fmt::format("  {:<12} {:>9} {:>9} {:>9} {:>15} {:>6}  {}\n", "kind", "layer 0", fmt::format("layer {}", last / 2),
                      fmt::format("layer {}", last), "max (layer)", "fails", "growth");
   for (const auto& kind : kinds) {
@@ -136,7 +150,7 @@ void layer_table(std::string& out, const Comparison& c, const Style& s) {
     }
     auto at = [&](int l) { return std::isnan(series[l]) ? std::string("-") : num(series[l]); };
     std::string fails_str = fails ? s.red(fmt::format("{:>6}", fails)) : fmt::format("{:>6}", 0);
-    std::string spark = sparkline(series);
+    std::string spark = hi > 0 ? sparkline(series, lo, hi) : sparkline(series);
     out += fmt::format("  {:<12} {:>9} {:>9} {:>9} {:>15} {}  {}{}\n", kind, at(0), at(last / 2), at(last),
                        mx >= 0 ? fmt::format("{} ({})", num(mx), mx_layer) : "-", fails_str, spark,
                        first_fail >= 0 ? fmt::format("  first fails at layer {}", first_fail) : "");
@@ -172,15 +186,19 @@ void token_table(std::string& out, const Comparison& c, const Style& s, const Te
 
 }  // namespace
 
-std::string sparkline(std::span<const double> values) {
+std::string sparkline(std::span<const double> values, double lo, double hi) {
   static const char* kBars[] = {"▁", "▂", "▃", "▄", "▅", "▆", "▇", "█"};
-  double lo = INFINITY, hi = -INFINITY;
-  for (double v : values) {
-    if (std::isfinite(v) && v > 0) {
-      lo = std::min(lo, std::log10(v));
-      hi = std::max(hi, std::log10(v));
+  if (!(lo > 0 && hi > 0)) {
+    lo = INFINITY;
+    hi = -INFINITY;
+    for (double v : values) {
+      if (std::isfinite(v) && v > 0) {
+        lo = std::min(lo, v);
+        hi = std::max(hi, v);
+      }
     }
   }
+  const double llo = std::log10(lo), lhi = std::log10(hi);
   std::string out;
   for (double v : values) {
     if (std::isnan(v)) {
@@ -190,7 +208,7 @@ std::string sparkline(std::span<const double> values) {
     } else if (v <= 0) {
       out += "·";
     } else {
-      int level = hi > lo ? static_cast<int>(std::lround((std::log10(v) - lo) / (hi - lo) * 7.0)) : 0;
+      int level = lhi > llo ? static_cast<int>(std::lround((std::log10(v) - llo) / (lhi - llo) * 7.0)) : 0;
       out += kBars[std::clamp(level, 0, 7)];
     }
   }

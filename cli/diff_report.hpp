@@ -1,0 +1,30 @@
+// Shared by `diffrun --prompt` and `diffrun compare`: comparison options, the compare, the reports, the exit code.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/progress.hpp"
+
+namespace diffrun::cli {
+
+struct ReportOptions {
+  std::string tolerances;    // a rules file; empty: the preset of the dumps' precision pair
+  std::string report_json;   // write the JSON report here
+  std::string report_junit;  // write the JUnit XML report here
+  bool force = false;        // compare dumps of different models, tokens or configs
+  bool no_color = false;
+  double jump_factor = 10.0;
+  void add_options(CLI::App& app);  // --tolerances --report-json --report-junit --force --no-color --jump-factor
+};
+
+// Compares the engine dump against the reference dump, prints the terminal report on stdout,
+// writes the requested report files, and returns 0 (within tolerance) or 1 (divergence).
+// Throws diffrun errors (exit 2) for dumps or tolerances that cannot be used.
+int compare_and_report(const std::string& engine_path, const std::string& reference_path, const ReportOptions& opt,
+                       Progress& progress, const std::function<std::string(int32_t)>& token_text = {});
+
+}  // namespace diffrun::cli

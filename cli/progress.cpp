@@ -1,0 +1,45 @@
+// Progress on stderr: a bar redrawn in place on a TTY, plain lines when stderr is a file or pipe.
+#include "cli/progress.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include <fmt/core.h>
+
+namespace diffrun::cli {
+
+Progress::Progress(std::string prefix, bool enabled)
+    : prefix_(std::move(prefix)), enabled_(enabled), tty_(isatty(fileno(stderr)) != 0) {}
+
+Progress::~Progress() { finish(); }
+
+void Progress::message(std::string_view text) {
+  if (!enabled_) return;
+  finish();
+  fmt::print(stderr, "{}: {}\n", prefix_, text);
+}
+
+void Progress::update(std::string_view what, int done, int total) {
+  if (!enabled_) return;
+  if (!tty_) {
+    fmt::print(stderr, "{}: {} {}/{}\n", prefix_, what, done, total);
+    return;
+  }
+  constexpr int kWidth = 30;
+  const int filled = total > 0 ? std::clamp(done * kWidth / total, 0, kWidth) : kWidth;
+  std::string bar(static_cast<size_t>(filled), '#');
+  bar.resize(kWidth, '.');
+  fmt::print(stderr, "\r\033[K{}: {} [{}] {}/{}", prefix_, what, bar, done, total);
+  std::fflush(stderr);
+  open_ = true;
+}
+
+void Progress::finish() {
+  if (!open_) return;
+  fmt::print(stderr, "\n");
+  open_ = false;
+}
+
+}  // namespace diffrun::cli

@@ -1,0 +1,33 @@
+// Progress on stderr while loading, running and comparing: a bar on a TTY, plain lines otherwise.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace diffrun::cli {
+
+class Progress {
+ public:
+  // `prefix` starts every line ("diffrun"). enabled = false prints nothing.
+  explicit Progress(std::string prefix = "diffrun", bool enabled = true);
+  ~Progress();
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
+
+  // One line of news ("loading model.gguf"); ends an open bar first.
+  void message(std::string_view text);
+  // `what` is done/total: on a TTY one bar redrawn in place, otherwise one line per call.
+  void update(std::string_view what, int done, int total);
+  // Ends an open bar line.
+  void finish();
+
+  bool tty() const { return tty_; }
+
+ private:
+  std::string prefix_;
+  bool enabled_;
+  bool tty_;
+  bool open_ = false;
+};
+
+}  // namespace diffrun::cli
