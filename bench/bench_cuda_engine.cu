@@ -1,0 +1,201 @@
+// Benchmark of the CUDA engine: prefill and decode tokens/s, hooks off and on, and the fraction of the
+// memory-bandwidth roofline that decode reaches. Prints figures; not a test.
+//
+//   bench_cuda_engine [--precision f16|f32] [--steps N] MODEL.gguf [MODEL.gguf ...]
+//
+// Roofline: a decode step reads every weight once, so its floor is weight_bytes / bandwidth. The
+// bandwidth is measured here with a device-to-device cudaMemcpy of 1 GiB (read + write bytes
+// counted), and the fraction printed is (weight_bytes / median decode step time) / that bandwidth.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "checkpoints/sink.hpp"
+#include "engine/engine.hpp"
+#include "model/config.hpp"
+#include "model/error.hpp"
+#include "model/gguf.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+#define BENCH_CUDA(call)                                                                        \
+  do {                                                                                          \
+    const cudaError_t e_ = (call);                                                              \
+    if (e_ != cudaSuccess) throw diffrun::Error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
+  } while (0)
+
+// Records every checkpoint and throws the values away: the engine's hook cost without a writer's.
+class DiscardingSink final : public diffrun::Sink {
+ public:
+  bool wants(std::string_view) const override { return true; }
+  void record(int, std::string_view, int, std::string_view, std::span<const int64_t>, diffrun::NativeDType,
+              std::span<const float> data) override {
+    bytes += data.size() * sizeof(float);
+  }
+  void record_ids(int, std::string_view, std::span<const int32_t>) override {}
+  uint64_t bytes = 0;
+};
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// Device-to-device copy bandwidth in bytes/s (read + write), best of several 1 GiB copies.
+double copy_bandwidth() {
+  const size_t bytes = size_t(1) << 30;
+  void *a = nullptr, *b = nullptr;
+  BENCH_CUDA(cudaMalloc(&a, bytes));
+  BENCH_CUDA(cudaMalloc(&b, bytes));
+  BENCH_CUDA(cudaMemset(a, 1, bytes));
+  cudaEvent_t e0, e1;
+  BENCH_CUDA(cudaEventCreate(&e0));
+  BENCH_CUDA(cudaEventCreate(&e1));
+  float best_ms = 1e30f;
+  for (int i = 0; i < 6; ++i) {
+    BENCH_CUDA(cudaEventRecord(e0));
+    BENCH_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+    BENCH_CUDA(cudaEventRecord(e1));
+    BENCH_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (i > 0) best_ms = std::min(best_ms, ms);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * double(bytes) / (best_ms * 1e-3);
+}
+
+std::vector<int32_t> prompt(int n, int n_vocab) {
+  std::vector<int32_t> ids(n);
+  for (int i = 0; i < n; ++i) ids[i] = (11 + 97 * i) % n_vocab;
+  return ids;
+}
+
+// Median seconds of a T-token prefill (step 0 on an empty cache).
+double time_prefill(diffrun::CudaEngine& eng, int T, diffrun::Sink& sink) {
+  const std::vector<int32_t> ids = prompt(T, eng.config().n_vocab);
+  std::vector<double> times;
+  for (int r = 0; r < 6; ++r) {
+    eng.reset();
+    const auto t0 = Clock::now();
+    eng.forward_argmax(0, ids, sink);
+    if (r > 0) times.push_back(seconds_since(t0));
+  }
+  return median(times);
+}
+
+// Median seconds of a batch-1 decode step after a 32-token prefill, over `steps` steps.
+double time_decode(diffrun::CudaEngine& eng, int steps, diffrun::Sink& sink, bool with_logits) {
+  eng.reset();
+  diffrun::NullSink none;
+  int32_t next = eng.forward_argmax(0, prompt(32, eng.config().n_vocab), none);
+  std::vector<double> times;
+  for (int s = 1; s <= steps; ++s) {
+    const std::vector<int32_t> tok = {std::max(next, 0)};
+    const auto t0 = Clock::now();
+    if (with_logits) {
+      eng.forward(s, tok, sink);
+      next = eng.last_argmax();
+    } else {
+      next = eng.forward_argmax(s, tok, sink);
+    }
+    times.push_back(seconds_since(t0));
+  }
+  return median(times);
+}
+
+void bench_model(const std::string& path, const std::string& precision, int steps, double bandwidth) {
+  auto file = diffrun::GgufFile::open(path);
+  const diffrun::ModelConfig cfg = diffrun::config_from_gguf(*file);
+  const int ctx = 512 + steps + 64;
+  auto t0 = Clock::now();
+  auto eng = diffrun::make_cuda_engine(*file, cfg, precision, ctx);
+  const double load_s = seconds_since(t0);
+  setenv("DIFFRUN_CUDA_GRAPHS", "0", 1);
+  auto eng_nograph = diffrun::make_cuda_engine(*file, cfg, precision, ctx);
+  unsetenv("DIFFRUN_CUDA_GRAPHS");
+
+  diffrun::NullSink none;
+  DiscardingSink all;
+  const double wb = double(eng->weight_bytes());
+  std::printf("\n%s\n  %s, precision %s, weights on device %.1f MiB, load %.2f s\n", path.c_str(),
+              diffrun::describe(cfg).c_str(), precision.c_str(), wb / (1 << 20), load_s);
+  for (const auto& [k, v] : eng->facts()) std::printf("  %s: %s\n", k.c_str(), v.c_str());
+
+  for (int T : {32, 512}) {
+    const double off = time_prefill(*eng, T, none);
+    all.bytes = 0;
+    const double on = time_prefill(*eng, T, all);
+    std::printf("  prefill %3d tokens: %9.1f tok/s hooks off (%.3f ms), %9.1f tok/s hooks on (%.3f ms, %.1f MiB "
+                "recorded per run)\n",
+                T, T / off, off * 1e3, T / on, on * 1e3, double(all.bytes) / 6 / (1 << 20));
+  }
+  const double dec = time_decode(*eng, steps, none, false);
+  const double dec_logits = time_decode(*eng, steps, none, true);
+  const double dec_nograph = time_decode(*eng_nograph, steps, none, false);
+  all.bytes = 0;
+  const double dec_hooks = time_decode(*eng, steps, all, true);
+  const double roof = wb / dec / bandwidth;
+  std::printf("  decode batch 1, median of %d steps after a 32-token prefill:\n", steps);
+  std::printf("    hooks off, argmax only (CUDA graph)  %8.1f tok/s  %.3f ms/token  roofline %.1f%%\n", 1 / dec,
+              dec * 1e3, roof * 100);
+  std::printf("    hooks off, logits copied to host     %8.1f tok/s  %.3f ms/token\n", 1 / dec_logits,
+              dec_logits * 1e3);
+  std::printf("    hooks off, no CUDA graph             %8.1f tok/s  %.3f ms/token\n", 1 / dec_nograph,
+              dec_nograph * 1e3);
+  std::printf("    hooks on (every checkpoint)          %8.1f tok/s  %.3f ms/token  overhead %.1fx, %.2f MiB/step\n",
+              1 / dec_hooks, dec_hooks * 1e3, dec_hooks / dec, double(all.bytes) / steps / (1 << 20));
+  std::printf("    weights read per token %.1f MiB -> %.0f GB/s achieved\n", wb / (1 << 20), wb / dec / 1e9);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string precision = "f16";
+  int steps = 128;
+  std::vector<std::string> models;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--precision" && i + 1 < argc) {
+      precision = argv[++i];
+    } else if (a == "--steps" && i + 1 < argc) {
+      steps = std::atoi(argv[++i]);
+    } else if (a == "-h" || a == "--help") {
+      std::printf("usage: %s [--precision f16|f32] [--steps N] MODEL.gguf [MODEL.gguf ...]\n", argv[0]);
+      return 0;
+    } else {
+      models.push_back(a);
+    }
+  }
+  if (models.empty() || steps < 1) {
+    std::fprintf(stderr, "usage: %s [--precision f16|f32] [--steps N] MODEL.gguf [MODEL.gguf ...]\n", argv[0]);
+    return 2;
+  }
+  try {
+    std::string why;
+    if (!diffrun::cuda_device_available(&why)) throw diffrun::Error("no CUDA device: " + why);
+    cudaDeviceProp prop{};
+    BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+    const double bw = copy_bandwidth();
+    std::printf("device %s; device-to-device copy bandwidth %.0f GB/s (read + write)\n", prop.name, bw / 1e9);
+    for (const std::string& m : models) bench_model(m, precision, steps, bw);
+  } catch (const diffrun::Error& e) {
+    std::fprintf(stderr, "bench_cuda_engine: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}
