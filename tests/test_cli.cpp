@@ -1,0 +1,257 @@
+// Integration tests of `diffrun compare` and `diffrun --prompt` through the built binary ($DIFFRUN_BIN): exit codes 0/1/2, bad inputs, report files.
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "tests/diff_dumps.hpp"
+#include "tests/test_util.hpp"
+
+namespace fs = std::filesystem;
+using diffrun::test::SyntheticDump;
+
+namespace {
+
+struct Result {
+  int rc;
+  std::string out;
+  std::string err;
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += (c == '\'') ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    bin_ = diffrun::test::env_or("DIFFRUN_BIN", "build/cli/diffrun");
+    python_ = diffrun::test::env_or("PYTHON", "python3");
+    dir_ = fs::temp_directory_path() /
+           ("diffrun_test_cli_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    reference_.write(path("reference.h5"));
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  Result run(const std::string& args) const {
+    const std::string cmd = quote(bin_) + " " + args + " >" + quote(path("stdout.txt")) + " 2>" + quote(path("stderr.txt"));
+    int status = std::system(cmd.c_str());
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(path("stdout.txt")), slurp(path("stderr.txt"))};
+  }
+
+  Result compare(const std::string& engine, const std::string& extra = "") const {
+    return run("compare " + quote(engine) + " " + quote(path("reference.h5")) + " --no-color " + extra);
+  }
+
+  int python(const std::string& code) const {
+    return std::system((quote(python_) + " -c " + quote(code)).c_str());
+  }
+
+  static SyntheticDump engine_dump() {
+    SyntheticDump d;
+    d.meta = diffrun::test::synthetic_meta("cpu", "f32");
+    return d;
+  }
+
+  // Exit 2 and exactly one error line, the last one, containing `what`.
+  static void expect_error(const Result& r, const std::string& what) {
+    EXPECT_EQ(r.rc, 2) << r.out << r.err;
+    std::istringstream lines(r.err);
+    std::string line, last;
+    int errors = 0;
+    while (std::getline(lines, line)) {
+      if (line.rfind("diffrun: error: ", 0) == 0) ++errors;
+      last = line;
+    }
+    EXPECT_EQ(errors, 1) << r.err;
+    EXPECT_EQ(last.rfind("diffrun: error: ", 0), 0u) << r.err;
+    EXPECT_NE(last.find(what), std::string::npos) << "expected '" << what << "' in: " << r.err;
+  }
+
+  std::string bin_, python_;
+  fs::path dir_;
+  SyntheticDump reference_;
+};
+
+}  // namespace
+
+TEST_F(Cli, IdenticalDumpsExitZero) {
+  engine_dump().write(path("engine.h5"));
+  Result r = compare(path("engine.h5"));
+  EXPECT_EQ(r.rc, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("RESULT: PASS"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("\033["), std::string::npos);  // --no-color, and stdout is a file anyway
+}
+
+TEST_F(Cli, PerturbedDumpExitsOneWithValidReports) {
+  SyntheticDump e = engine_dump();
+  e.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step == 1 && name == "attn_out-2") v[3] += 0.25f;
+  };
+  e.write(path("engine.h5"));
+  Result r = compare(path("engine.h5"), "--report-json " + quote(path("r.json")) + " --report-junit " + quote(path("r.xml")));
+  EXPECT_EQ(r.rc, 1) << r.out << r.err;
+  EXPECT_NE(r.out.find("FIRST DIVERGENCE  attn_out-2  (step 1, layer 2)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("verdict   LOCAL (rule jump)"), std::string::npos) << r.out;
+  nlohmann::json j = nlohmann::json::parse(slurp(path("r.json")));
+  EXPECT_EQ(j["exit_code"], 1);
+  EXPECT_EQ(j["first_divergence"]["name"], "attn_out-2");
+  EXPECT_EQ(j["tolerances"]["preset"], "f32_vs_f64");
+  // The JUnit file is well-formed XML with one failing test case.
+  EXPECT_EQ(python("import xml.etree.ElementTree as E; r = E.parse(" + quote(path("r.xml")) + ").getroot(); "
+                   "assert r.tag == 'testsuites' and r.get('failures') == '1', r.attrib; "
+                   "assert len(r.findall('testsuite')) == 3; "
+                   "f = [c for c in r.iter('testcase') if c.find('failure') is not None]; "
+                   "assert [(c.get('classname'), c.get('name')) for c in f] == [('step_0001', 'attn_out-2')]"),
+            0);
+}
+
+TEST_F(Cli, TruncatedHdf5) {
+  engine_dump().write(path("engine.h5"));
+  const auto size = fs::file_size(path("engine.h5"));
+  fs::resize_file(path("engine.h5"), size / 2);
+  expect_error(compare(path("engine.h5")), path("engine.h5"));
+}
+
+TEST_F(Cli, ForeignHdf5AndNotHdf5) {
+  ASSERT_EQ(python("import h5py, numpy; f = h5py.File(" + quote(path("foreign.h5")) +
+                   ", 'w'); f['x'] = numpy.zeros(3); f.close()"),
+            0);
+  expect_error(compare(path("foreign.h5")), "foreign.h5");
+  std::ofstream(path("text.h5")) << "not an HDF5 file\n";
+  expect_error(compare(path("text.h5")), "text.h5");
+  expect_error(compare(path("missing.h5")), "missing.h5");
+}
+
+TEST_F(Cli, WrongFormatVersion) {
+  engine_dump().write(path("engine.h5"));
+  ASSERT_EQ(python("import h5py; f = h5py.File(" + quote(path("engine.h5")) +
+                   ", 'r+'); f.attrs['format_version'] = 99; f.close()"),
+            0);
+  expect_error(compare(path("engine.h5")), "engine.h5");
+}
+
+TEST_F(Cli, MissingTokensDataset) {
+  SyntheticDump e = engine_dump();
+  e.skip = [](int step, const std::string& name) { return step == 1 && name == "tokens"; };
+  e.write(path("engine.h5"));
+  expect_error(compare(path("engine.h5")), "step 1 has no \"tokens\" dataset");
+}
+
+TEST_F(Cli, MismatchedShapes) {
+  // A different prompt length: every shape differs, refused as not comparable.
+  SyntheticDump longer = engine_dump();
+  longer.meta.token_ids = {1, 5, 9, 3};
+  longer.step_tokens = {4, 1, 1};
+  longer.fed = {1, 5, 9, 3, 7, 2};
+  longer.write(path("longer.h5"));
+  expect_error(compare(path("longer.h5")), "not comparable");
+  // Forced, the shapes are compared and reported as a divergence.
+  Result forced = compare(path("longer.h5"), "--force");
+  EXPECT_EQ(forced.rc, 1) << forced.out << forced.err;
+  EXPECT_NE(forced.out.find("shape     engine [4, 8] vs reference [3, 8]"), std::string::npos) << forced.out;
+  // Same tokens, one checkpoint with the wrong shape: a divergence at that checkpoint.
+  SyntheticDump one = engine_dump();
+  one.shrink = "kq_soft_max-1";
+  one.write(path("one.h5"));
+  Result r = compare(path("one.h5"));
+  EXPECT_EQ(r.rc, 1) << r.out << r.err;
+  EXPECT_NE(r.out.find("FIRST DIVERGENCE  kq_soft_max-1"), std::string::npos) << r.out;
+}
+
+TEST_F(Cli, DifferentModelRefusedUnlessForced) {
+  SyntheticDump e = engine_dump();
+  e.meta.model_fingerprint = "size=9;fnv1a64=0000000000000009";
+  e.write(path("engine.h5"));
+  expect_error(compare(path("engine.h5")), "different models");
+  Result r = compare(path("engine.h5"), "--force");
+  EXPECT_EQ(r.rc, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("warning: forced: different models"), std::string::npos) << r.out;
+}
+
+TEST_F(Cli, BadToleranceFiles) {
+  engine_dump().write(path("engine.h5"));
+  expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("none.json"))), "none.json: cannot read");
+  std::ofstream(path("bad.json")) << "{\n  \"rules\": [],\n  \"default\": {\"max_rel\": 1, \"reason\": \"r\"}\n}\n";
+  expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("bad.json"))), "bad.json:3: unknown key \"max_rel\"");
+  std::ofstream(path("broken.json")) << "{\n  \"rules\": [,\n";
+  expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("broken.json"))), "broken.json:2: invalid JSON");
+  // A tolerance file that makes identical dumps fail is still a clean run: exit 0 needs no bound to fail.
+  std::ofstream(path("strict.json")) << R"({"rules": [], "default": {"max_abs": 0, "reason": "exact"}})";
+  EXPECT_EQ(compare(path("engine.h5"), "--tolerances " + quote(path("strict.json"))).rc, 0);
+}
+
+TEST_F(Cli, NoPresetForThePrecisionPair) {
+  SyntheticDump e = engine_dump();
+  e.meta.precision = "bf16";
+  e.write(path("engine.h5"));
+  expect_error(compare(path("engine.h5")), "bf16_vs_f64");
+}
+
+TEST_F(Cli, UnwritableReport) {
+  engine_dump().write(path("engine.h5"));
+  expect_error(compare(path("engine.h5"), "--report-json " + quote(path("no/such/dir/r.json"))), "cannot write");
+}
+
+TEST_F(Cli, PromptEndToEndOnATinyFixture) {
+  const std::string model = diffrun::test::fixture_path("tiny-llama-q4_0.gguf");
+  if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model << " (run the fixtures_generate test)";
+  const std::string out = path("run");
+  Result r = run("--model " + quote(model) + " --tokens 1,2,3 --steps 3 --engine cpu --no-color --out " + quote(out) +
+                 " --report-json " + quote(path("run.json")) + " --report-junit " + quote(path("run.xml")));
+  EXPECT_EQ(r.rc, 0) << r.out << r.err;
+  EXPECT_TRUE(fs::exists(out + "/reference.h5"));
+  EXPECT_TRUE(fs::exists(out + "/engine.h5"));
+  nlohmann::json j = nlohmann::json::parse(slurp(path("run.json")));
+  EXPECT_EQ(j["engine"]["precision"], "f32");
+  EXPECT_EQ(j["reference"]["precision"], "f64");
+  EXPECT_EQ(j["summary"]["steps"], 4);
+  EXPECT_EQ(j["tokens"].size(), 4u);
+  for (const auto& t : j["tokens"]) EXPECT_TRUE(t["match"].get<bool>()) << t;
+  EXPECT_EQ(python("import xml.etree.ElementTree as E; E.parse(" + quote(path("run.xml")) + ")"), 0);
+  // The same precision on both sides agrees bit for bit under the exact preset.
+  Result same = run("--model " + quote(model) + " --tokens 1,2,3 --steps 2 --engine cpu --engine-precision f32 "
+                    "--reference-precision f32 --no-color --out " + quote(out));
+  EXPECT_EQ(same.rc, 0) << same.out << same.err;
+  EXPECT_NE(same.out.find("f32_vs_f32"), std::string::npos) << same.out;
+  // A filter records fewer checkpoints; tokens are always kept so the comparison still runs.
+  // --engine auto (the default) says in one line when it falls back to the CPU backend.
+  Result filtered = run("--model " + quote(model) + " --tokens 1,2,3 --steps 1 --checkpoints 'l_out-*' "
+                        "--no-color --out " + quote(out));
+  EXPECT_EQ(filtered.rc, 0) << filtered.out << filtered.err;
+  EXPECT_TRUE(filtered.err.find("the engine side is the CPU backend at f32 against an f64 reference") != std::string::npos ||
+              filtered.out.find("engine     cuda/") != std::string::npos)
+      << filtered.err;
+  EXPECT_NE(filtered.out.find("compared   4 checkpoints over 2 steps"), std::string::npos) << filtered.out;
+}
+
+TEST_F(Cli, PromptBadInputs) {
+  const std::string model = diffrun::test::fixture_path("tiny-llama-q4_0.gguf");
+  if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model;
+  expect_error(run("--model " + quote(model) + " --tokens 1,2 --engine cpu --engine-precision f16"), "f16");
+  expect_error(run("--model " + quote(path("none.gguf")) + " --prompt hi"), "none.gguf");
+  expect_error(run("--model " + quote(model) + " --prompt ''"), "empty prompt");
+  Result help = run("");
+  EXPECT_EQ(help.rc, 2);
+  EXPECT_NE(help.out.find("--prompt"), std::string::npos);
+  EXPECT_EQ(run("--model " + quote(model) + " --tokens 1 --steps -1").rc, 2);
+}
