@@ -183,7 +183,7 @@ TEST(GgufVsPackage, EveryFixture) {
   if (files.empty()) GTEST_SKIP() << "no tiny-*.gguf fixtures in " << dir << " (ctest fixture tiny_models)";
   std::sort(files.begin(), files.end());
   const test::ScratchDir out("gguf-fixtures");
-  dump_with_gguf_package(files, 1 << 20, out.path);
+  dump_with_gguf_package(files, 64, out.path);
   for (const auto& file : files) {
     SCOPED_TRACE(file);
     compare_with_gguf_package(file, out.path);
