@@ -154,6 +154,18 @@ TEST(Bpe, LowerRankWinsAndLeftmostAmongEquals) {
   EXPECT_EQ(tok->piece(ids[1]), "a");
 }
 
+TEST(Bpe, IgnoreMergesEmitsAWordThatIsAToken) {
+  // llama3 vocabularies: "abc" is a token though no merge chain reaches it.
+  auto v = tiny_bpe({"abc", "ab"}, {"a b"});
+  auto plain = make_tokenizer(v);
+  EXPECT_EQ(plain->encode("abc", false, false).size(), 2u);
+  v.ignore_merges = true;
+  auto tok = make_tokenizer(v);
+  const auto ids = tok->encode("abc", false, false);
+  ASSERT_EQ(ids.size(), 1u);
+  EXPECT_EQ(tok->piece(ids[0]), "abc");
+}
+
 TEST(Bpe, ByteWithoutTokenBecomesUnknownOrThrows) {
   auto v = tiny_bpe({}, {"a b"});
   v.tokens.push_back("<unk>");

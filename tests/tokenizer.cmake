@@ -5,3 +5,10 @@ diffrun_test(test_tokenizer_roundtrip SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_t
              LIBS diffrun_model FIXTURES "tiny_models;smollm2" TIMEOUT 120)
 diffrun_test(test_chat_template SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_chat_template.cpp
              LIBS diffrun_model FIXTURES "tiny_models;smollm2")
+# `diffrun tokenize` on SmolLM2 (the default model): ids with quoted pieces, then the count.
+add_test(NAME cli_tokenize COMMAND diffrun tokenize --prompt "Hello world, it's 12")
+set_tests_properties(cli_tokenize PROPERTIES ENVIRONMENT "${DIFFRUN_TEST_ENV}" LABELS cpu FIXTURES_REQUIRED smollm2
+  PASS_REGULAR_EXPRESSION "^  19556  'Hello'\n    905  ' world'\n     28  ','\n    357  ' it'\n    506  '\\\\'s'\n    216  ' '\n     33  '1'\n     34  '2'\n8 tokens\n$")
+add_test(NAME cli_tokenize_chat COMMAND diffrun tokenize --prompt "Hi" --chat --system "Be brief.")
+set_tests_properties(cli_tokenize_chat PROPERTIES ENVIRONMENT "${DIFFRUN_TEST_ENV}" LABELS cpu FIXTURES_REQUIRED smollm2
+  PASS_REGULAR_EXPRESSION "^      1  '<\\|im_start\\|>'\n   9690  'system'\n    198  '\\\\n'\n.*      2  '<\\|im_end\\|>'\n    198  '\\\\n'\n      1  '<\\|im_start\\|>'\n    520  'ass'\n   9531  'istant'\n    198  '\\\\n'\n[0-9]+ tokens\n$")
