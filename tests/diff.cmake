@@ -5,3 +5,11 @@ diffrun_test(test_compare SOURCES test_compare.cpp LIBS diffrun_diff)
 # Runs the built diffrun ($DIFFRUN_BIN) on synthetic dumps and on a tiny fixture model.
 diffrun_test(test_cli SOURCES test_cli.cpp LIBS diffrun_checkpoints FIXTURES tiny_models TIMEOUT 600)
 add_dependencies(test_cli diffrun)
+
+# Python: metrics.py against the C++ JSON report, and the plots (both run the built diffrun on a fixture).
+add_test(NAME test_diff_python
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider scripts/tests/test_metrics_py.py
+                 scripts/tests/test_plot.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_diff_python PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
+  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/scripts;MPLBACKEND=Agg")
