@@ -12,6 +12,10 @@ position T+i-1. It compares, for every step, l_out-L of every layer, result_norm
         --checkpoints 'l_out-*,result_*' --out ref_f64.h5
     python3 scripts/compare_transformers.py --model M.gguf --dump ref_f64.h5 [--write-goldens]
 
+A slice of a large model (scripts/slice_gguf.py FULL.gguf SLICE.gguf --layers N) is compared the same
+way; --slice-of FULL_NAME FULL_FINGERPRINT makes its goldens name the full file, of which CI runs the
+first N blocks.
+
 Exit status: 0 all within tolerance with the same top-1 everywhere, 1 a difference, 2 could not run.
 With --write-goldens it writes tests/data/reference/<model stem>.json, which test_reference_goldens
 checks in CI without torch.
@@ -154,7 +158,8 @@ def compare(steps: dict, rows: dict, hf: dict, n_vocab: int, tol: float):
     return ok
 
 
-def goldens(model: Path, attrs: dict, ids: list[int], n_prompt: int, hf: dict, n_vocab: int, versions: str):
+def goldens(model: Path, attrs: dict, ids: list[int], n_prompt: int, hf: dict, n_vocab: int, versions: str,
+            slice_of: tuple[str, str] | None):
     """A few positions' top-5 logits, per-layer l_out norms and first values, result_norm values."""
     n = len(ids)
     positions = sorted({0, n_prompt // 2, n_prompt - 1, n - 1})
@@ -175,7 +180,7 @@ def goldens(model: Path, attrs: dict, ids: list[int], n_prompt: int, hf: dict, n
             }
         )
     fp = attrs.get("model_fingerprint", "")
-    return {
+    golden = {
         "model": model.name,
         "model_fingerprint": fp.decode() if isinstance(fp, bytes) else str(fp),
         "source": versions,
@@ -184,6 +189,11 @@ def goldens(model: Path, attrs: dict, ids: list[int], n_prompt: int, hf: dict, n
         "n_layer": n_layer,
         "positions": entries,
     }
+    if slice_of:
+        # The model is the first n_layer blocks of a larger file (scripts/slice_gguf.py): CI runs those
+        # blocks of the full file, which it has, and checks the full file's fingerprint.
+        golden["slice_of"] = {"model": slice_of[0], "model_fingerprint": slice_of[1]}
+    return golden
 
 
 def main() -> int:
@@ -196,6 +206,8 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=1e-3, help="relative L2 bound (default 1e-3)")
     ap.add_argument("--write-goldens", nargs="?", const="", default=None, metavar="PATH",
                     help="write goldens (default tests/data/reference/<model stem>.json)")
+    ap.add_argument("--slice-of", nargs=2, metavar=("FULL_NAME", "FULL_FINGERPRINT"),
+                    help="--model is a slice (scripts/slice_gguf.py) of this file: the goldens name the full file")
     args = ap.parse_args()
 
     if not args.model.is_file():
@@ -223,9 +235,10 @@ def main() -> int:
     ok = compare(steps, step_rows(steps, n_prompt), hf, n_vocab, args.tol)
 
     if args.write_goldens is not None:
-        out = Path(args.write_goldens) if args.write_goldens else REPO / "tests/data/reference" / f"{args.model.stem}.json"
+        default = REPO / "tests/data/reference" / f"{args.model.stem}.json"
+        out = Path(args.write_goldens) if args.write_goldens else default
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(goldens(args.model, attrs, ids, n_prompt, hf, n_vocab, versions), indent=1) + "\n")
+        out.write_text(json.dumps(goldens(args.model, attrs, ids, n_prompt, hf, n_vocab, versions, args.slice_of), indent=1) + "\n")
         print(f"\nwrote {os.path.relpath(out)}")
     print("\nPASS" if ok else "\nFAIL")
     return 0 if ok else 1
