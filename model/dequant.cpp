@@ -10,8 +10,9 @@
 
 #include "model/error.hpp"
 
-// ggml rounds d*q and then adds m (two float roundings); a fused multiply-add would change the
-// low bits, so contraction is off for this file whatever -march the build uses.
+// ggml rounds d*q and then adds m. With these formats' bit widths the products are exact, so a fused
+// multiply-add could not change a value today; contraction is still off so that the operation order
+// is ggml's by construction, whatever -march the build uses.
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
