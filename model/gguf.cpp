@@ -424,7 +424,7 @@ class GgufParser {
 std::unique_ptr<GgufFile> GgufFile::open(const std::string& path) {
   std::unique_ptr<GgufFile> f(new GgufFile());
   f->path_ = path;
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // O_NONBLOCK: a FIFO must not hang us
   if (fd < 0) throw GgufError(path, 0, "cannot open: " + errno_text());
   struct stat st{};
   if (::fstat(fd, &st) != 0) {

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -561,6 +563,8 @@ TEST_F(GgufFiles, MissingFileAndDirectory) {
     EXPECT_NE(std::string(e.what()).find("No such file"), std::string::npos) << e.what();
   }
   EXPECT_THROW(GgufFile::open(dir), GgufError);
+  ASSERT_EQ(::mkfifo(path("fifo.gguf").c_str(), 0600), 0);
+  EXPECT_THROW(GgufFile::open(path("fifo.gguf")), GgufError);  // refused at once, not blocked on
   std::ofstream(path("empty.gguf")).close();
   EXPECT_THROW(GgufFile::open(path("empty.gguf")), GgufError);
 }
