@@ -65,8 +65,10 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s) {
     out += fmt::format("  failed    {}\n", fmt::join(failed, "; "));
     out += fmt::format("  metrics   rel_l2 {}  max_abs {}  mean_abs {}  nmse {}  cosine {}  sqnr {} dB\n", num(m.rel_l2),
                        num(m.max_abs), num(m.mean_abs), num(m.nmse), fmt::format("{:.8f}", m.cosine), num(m.sqnr_db));
-    out += fmt::format("            {} of {} elements outside atol {} + rtol {}·|ref| ({})\n", m.n_fail, m.n,
-                       num(m.tolerance.atol), num(m.tolerance.rtol), num(m.fail_frac));
+    if (m.tolerance.atol > 0 || m.tolerance.rtol > 0) {
+      out += fmt::format("            {} of {} elements outside atol {} + rtol {}·|ref| ({})\n", m.n_fail, m.n,
+                         num(m.tolerance.atol), num(m.tolerance.rtol), num(m.fail_frac));
+    }
     if (m.nan_a + m.inf_a + m.nan_b + m.inf_b > 0) {
       out += fmt::format("  nonfinite engine NaN {} Inf {}; reference NaN {} Inf {}\n", m.nan_a, m.inf_a, m.nan_b, m.inf_b);
     }
