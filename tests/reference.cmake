@@ -6,3 +6,4 @@ diffrun_test(test_reference_model SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_refer
              LIBS diffrun_reference CLI11::CLI11 FIXTURES "tiny_models;smollm2" TIMEOUT 600)
 diffrun_test(test_reference_goldens SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_reference_goldens.cpp
              LIBS diffrun_reference nlohmann_json::nlohmann_json FIXTURES "tiny_models;smollm2" TIMEOUT 300)
+add_dependencies(test_reference_model diffrun)

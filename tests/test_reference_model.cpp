@@ -1,18 +1,24 @@
 // End-to-end tests of the CPU reference: SmolLM2 answers Paris, f32 agrees with f64 at every checkpoint,
-// and every tiny fixture (each arch and weight format) runs to finite logits.
+// every tiny fixture (each arch and weight format) runs to finite logits, and `diffrun dump` / `diffrun
+// generate` work through the built binary ($DIFFRUN_BIN).
+#include <sys/wait.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
-#include <set>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "checkpoints/dump.hpp"
 #include "checkpoints/sink.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "cli/run.hpp"
@@ -216,6 +222,87 @@ TEST(TinyFixtures, EveryArchAndFormatGivesFiniteLogits) {
     }
   }
   EXPECT_EQ(ran, static_cast<int>(archs.size() * formats.size()));
+}
+
+// `diffrun dump` and `diffrun generate` through the built binary.
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("diffrun_test_reference_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  // Exit status and stdout of `diffrun ARGS`.
+  std::pair<int, std::string> run(const std::string& args) const {
+    const std::string bin = test::env_or("DIFFRUN_BIN", "build/cli/diffrun");
+    const std::string cmd = "'" + bin + "' " + args + " >'" + path("stdout.txt") + "' 2>'" + path("stderr.txt") + "'";
+    const int status = std::system(cmd.c_str());
+    std::ifstream in(path("stdout.txt"));
+    std::ostringstream out;
+    out << in.rdbuf();
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out.str()};
+  }
+
+  std::filesystem::path dir_;
+};
+
+TEST_F(Cli, DumpWritesEveryCheckpointOfEveryStep) {
+  const std::string model = test::fixture_path("tiny-qwen3-q8_0.gguf");
+  if (!std::filesystem::exists(model)) GTEST_SKIP() << model << " not generated (ctest fixture tiny_models)";
+  const auto [rc, out] = run("dump --model '" + model + "' --tokens 1,5,9 --steps 2 --precision f64 --out '" +
+                             path("run.h5") + "'");
+  ASSERT_EQ(rc, 0) << out;
+  auto file = GgufFile::open(model);
+  const ModelConfig cfg = config_from_gguf(*file);
+  const DumpReader dump(path("run.h5"));
+  EXPECT_EQ(dump.meta().backend, "cpu");
+  EXPECT_EQ(dump.meta().precision, "f64");
+  EXPECT_EQ(dump.meta().token_ids, (std::vector<int32_t>{1, 5, 9}));
+  EXPECT_EQ(dump.steps(), (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(dump.int_attribute("all_token_ids").size(), 5u);
+  EXPECT_EQ(dump.int_attribute("argmax").size(), 3u);
+  for (int step : dump.steps()) {
+    std::vector<std::string> names;
+    for (const DatasetInfo& d : dump.datasets(step)) names.push_back(d.name);
+    EXPECT_EQ(names, checkpoint_names(cfg)) << "step " << step;
+  }
+  const int64_t H = cfg.n_head, Hkv = cfg.n_head_kv, Dh = cfg.head_dim;
+  EXPECT_EQ(dump.find(0, "result_output")->shape, (std::vector<int64_t>{3, cfg.n_vocab}));
+  EXPECT_EQ(dump.find(1, "result_output")->shape, (std::vector<int64_t>{1, cfg.n_vocab}));
+  EXPECT_EQ(dump.find(2, "cache_k-0")->shape, (std::vector<int64_t>{5, Hkv, Dh}));
+  EXPECT_EQ(dump.find(1, "kq_soft_max-1")->shape, (std::vector<int64_t>{H, 1, 4}));
+  EXPECT_EQ(dump.find(0, "Qnorm-1")->shape, (std::vector<int64_t>{3, H, Dh}));
+  EXPECT_EQ(dump.read_ids(2, "tokens"), (std::vector<int32_t>{dump.int_attribute("argmax")[1]}));
+}
+
+TEST_F(Cli, DumpFilterAndErrors) {
+  const std::string model = test::fixture_path("tiny-llama-q4_k.gguf");
+  if (!std::filesystem::exists(model)) GTEST_SKIP() << model << " not generated (ctest fixture tiny_models)";
+  const std::string m = " --model '" + model + "'";
+  ASSERT_EQ(run("dump" + m + " --tokens 3,4 --steps 1 --checkpoints 'l_out-*' --out '" + path("f.h5") + "'").first, 0);
+  const DumpReader dump(path("f.h5"));
+  std::vector<std::string> names;
+  for (const DatasetInfo& d : dump.datasets(1)) names.push_back(d.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"tokens", "l_out-0", "l_out-1"}));  // the writer always keeps ids
+
+  EXPECT_EQ(run("dump" + m + " --tokens 3 --steps 1000000 --out '" + path("big.h5") + "'").first, 2);
+  EXPECT_EQ(run("dump" + m + " --prompt '' --out '" + path("empty.h5") + "'").first, 2);
+  EXPECT_EQ(run("dump --model '" + path("missing.gguf") + "' --tokens 1 --out '" + path("m.h5") + "'").first, 2);
+  EXPECT_EQ(run("generate" + m + " --tokens 1,2 --precision f16").first, 2);
+  for (const char* f : {"big.h5", "empty.h5", "m.h5"}) EXPECT_FALSE(std::filesystem::exists(path(f))) << f;
+}
+
+TEST_F(Cli, GenerateAnswersParis) {
+  if (!std::filesystem::exists(test::smollm2_path())) GTEST_SKIP() << "SmolLM2 not found at " << test::smollm2_path();
+  const auto [rc, out] = run("generate --backend cpu --chat --prompt 'What is the capital of France?' -n 24");
+  ASSERT_EQ(rc, 0);
+  EXPECT_NE(out.find("Paris"), std::string::npos) << out;
+  EXPECT_EQ(out.find("<|im_end|>"), std::string::npos) << "generation must stop at the end-of-turn token";
 }
 
 }  // namespace
