@@ -16,6 +16,10 @@ A slice of a large model (scripts/slice_gguf.py FULL.gguf SLICE.gguf --layers N)
 way; --slice-of FULL_NAME FULL_FINGERPRINT makes its goldens name the full file, of which CI runs the
 first N blocks.
 
+Expect about 1e-7, not 1e-14, against a float64 oracle: transformers computes RMSNorm (and its RoPE
+tables) in float32 whatever the model's dtype. Its GGUF loader also leaves Qwen3's head_dim at the
+config default (128); this script sets it from <arch>.attention.key_length.
+
 Exit status: 0 all within tolerance with the same top-1 everywhere, 1 a difference, 2 could not run.
 With --write-goldens it writes tests/data/reference/<model stem>.json, which test_reference_goldens
 checks in CI without torch.
