@@ -2,6 +2,8 @@
 #include "model/config.hpp"
 
 #include <limits>
+#include <string_view>
+#include <unordered_map>
 
 #include <fmt/core.h>
 #include <fmt/ranges.h>
@@ -141,8 +143,21 @@ std::vector<int64_t> trim_trailing_ones(std::vector<int64_t> ne) {
 }  // namespace
 
 void validate_tensors(const GgufFile& file, const ModelConfig& cfg) {
+  std::unordered_map<std::string_view, const TensorInfo*> by_name;
+  for (const TensorInfo& t : file.tensors()) by_name.emplace(t.name, &t);
+  // A hostile or broken block_count can ask for far more layers than the file holds tensors: name the
+  // first missing layer before listing (and allocating) billions of expected names.
+  if (static_cast<size_t>(cfg.n_layer) > file.tensors().size()) {
+    int l = 0;
+    while (by_name.count(layer_tensor(l, "attn_norm.weight"))) ++l;
+    throw ModelError(fmt::format("{}: missing tensor '{}' (expected shape [{}]; block_count is {} but the file "
+                                 "holds only {} tensors)",
+                                 file.path(), layer_tensor(l, "attn_norm.weight"), cfg.n_embd, cfg.n_layer,
+                                 file.tensors().size()));
+  }
   for (const ExpectedTensor& e : expected_tensors(cfg)) {
-    const TensorInfo* t = file.find_tensor(e.name);
+    const auto it = by_name.find(e.name);
+    const TensorInfo* t = it == by_name.end() ? nullptr : it->second;
     if (!t)
       throw ModelError(fmt::format("{}: missing tensor '{}' (expected shape {})", file.path(), e.name,
                                    shape_str(e.ne)));

@@ -310,6 +310,15 @@ TEST_F(ConfigCrafted, MissingOrBadKeysNameTheKey) {
   EXPECT_NE(error_of(s).find("partial RoPE"), std::string::npos) << error_of(s);
 }
 
+// Found by fuzzing: block_count 2^31-1 made validation list billions of expected tensors.
+TEST_F(ConfigCrafted, AbsurdBlockCountFailsFastNamingTheFirstMissingLayer) {
+  Spec s = llama_spec();
+  set_int(s, "block_count", 0x7fffffff);
+  const std::string e = error_of(s);
+  EXPECT_NE(e.find("missing tensor 'blk.1.attn_norm.weight'"), std::string::npos) << e;
+  EXPECT_NE(e.find("2147483647"), std::string::npos) << e;
+}
+
 TEST_F(ConfigCrafted, ShapeErrorsNameTensorExpectedAndFound) {
   Spec s = llama_spec();
   tensor_named(s, "blk.0.ffn_down.weight").ne = {8, 16};
