@@ -1,0 +1,237 @@
+// The fault catalog: names, descriptions, expected first checkpoints, applicability, parsing, shared fault parameters.
+#include "checkpoints/faults.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "checkpoints/vocabulary.hpp"
+#include "model/error.hpp"
+
+namespace diffrun {
+
+namespace {
+
+const std::vector<FaultInfo> kCatalog = {
+    {Fault::embd_transposed, "embd_transposed",
+     "token_embd (GGUF [n_embd, n_vocab], ne[0] fastest) read as [D, V]: embd[t, i] = table[i * V + id]", "embd", 0,
+     "all", "embd differs at once; nothing before it can (verdict rule embedding)"},
+    {Fault::qkv_bias_missing, "qkv_bias_missing", "q/k/v projections computed without their biases", "Qcur-0", 0,
+     "models with q/k/v biases (qwen2)", "Qcur-0 is the first projection; Kcur-0 and Vcur-0 follow"},
+    {Fault::rope_pairing_swapped, "rope_pairing_swapped",
+     "RoPE pairs (2i, 2i+1) where the model pairs (i, i+Dh/2), and the reverse", "Qrope-0", 0, "all",
+     "needs T >= 2: position 0 is a rotation by 0, so the prompt's first token is unchanged"},
+    {Fault::rope_theta_10000, "rope_theta_10000", "RoPE base 10000 instead of the model's rope_theta", "Qrope-0", 0,
+     "models whose rope_theta is not 10000 (not the tiny llama)",
+     "needs T >= 2 (position 0 rotates by 0 at any base)"},
+    {Fault::gqa_head_modulo, "gqa_head_modulo", "query head h reads KV head h % Hkv instead of h / (H / Hkv)",
+     "kq_soft_max-0", 0, "models with H > Hkv > 1",
+     "the scores already read the wrong K head, before kqv_out-0 reads the wrong V head; needs T >= 2 "
+     "(one key has probability 1 whatever it is); kqv_out-0 when kq_soft_max is not recorded"},
+    {Fault::kv_cache_not_read, "kv_cache_not_read",
+     "attention over the step's own K/V instead of the cache: a decode step sees only the current token",
+     "kq_soft_max-0", 1, "all",
+     "step 0 is unchanged (the prefill's own tokens are the whole cache); at step 1 the probabilities are "
+     "[H, 1, 1] against [H, 1, S]: a shape mismatch; kqv_out-0 when kq_soft_max is not recorded"},
+    {Fault::kv_cache_pos0, "kv_cache_pos0", "the step's K/V rows written at cache row 0 instead of row n_past",
+     "cache_k-0", 1, "all",
+     "step 0 writes rows 0..T-1 as it should; at step 1 row 0 is overwritten and row n_past is never written"},
+    {Fault::causal_mask_missing, "causal_mask_missing", "prefill without the causal mask: every token attends to all T",
+     "kq_soft_max-0", 0, "all", "needs T >= 2; decode steps are unaffected (one query, every key is in its past)"},
+    {Fault::attn_scale_missing, "attn_scale_missing", "attention scores q·k without the 1/sqrt(Dh) scale",
+     "kq_soft_max-0", 0, "all", "needs T >= 2 (the first token's single score has probability 1 at any scale)"},
+    {Fault::rms_norm_weight_twice, "rms_norm_weight_twice", "every RMSNorm multiplies by its weight twice",
+     "attn_norm-0", 0, "all", "the first RMSNorm is attn_norm-0"},
+    {Fault::rms_eps_1e5, "rms_eps_1e5", "RMSNorm epsilon 1e-5 instead of the model's rms_eps", "attn_norm-0", 0,
+     "models whose rms_eps is not 1e-5 (qwen2, qwen3; not llama)",
+     "subtle: the relative change is about (1e-5 - eps) / (2 mean(x^2)); rows with a small mean square (the "
+     "embeddings) show it most. Caught by the f32 presets; an f16 preset may pass it"},
+    {Fault::swiglu_gate_up_swapped, "swiglu_gate_up_swapped", "SwiGLU computes silu(up) · gate", "ffn_swiglu-0", 0,
+     "all", "ffn_gate-0 and ffn_up-0 themselves are right"},
+    {Fault::attn_out_transposed, "attn_out_transposed",
+     "attention output projection with W_o read with the wrong leading dimension (GEMM transpose flag flipped)",
+     "attn_out-0", 0, "all",
+     "a true transpose when W_o is square (H·Dh == D, as in every supported fixture); otherwise the same memory "
+     "read with rows H·Dh long instead of D, still in bounds"},
+    {Fault::ffn_down_transposed, "ffn_down_transposed",
+     "FFN down projection with W_down [D, F] read as if its rows were D long (the wrong leading dimension)",
+     "ffn_out-0", 0, "all", "W_down is not square: the classic wrong-lda read, in bounds"},
+    {Fault::residual_skipped, "residual_skipped", "ffn_inp = attn_out: the residual add after attention skipped",
+     "ffn_inp-0", 0, "all", "attn_out-0 is right; ffn_inp-0 has lost the residual stream"},
+    {Fault::lm_head_padded_vocab, "lm_head_padded_vocab",
+     "logits over a vocabulary padded to a multiple of 128 whose extra rows are never written; argmax over all of them",
+     "result_output", 0, "all",
+     "result_output is recorded over the padded width: a shape mismatch [T, Vp] vs [T, V]; the stale rows "
+     "(0x7f bytes) win the argmax, so every step's token is id V, past the vocabulary (token agreement)"},
+    {Fault::dequant_scale_offset, "dequant_scale_offset",
+     "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks decoded with the f16 scale d read from bytes 2..3 instead of 0..1",
+     "first checkpoint reading such a tensor", 0, "models with a tensor in Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0",
+     "embd when token_embd is in one of these formats; Q4_1/Q5_1 then use the min as the scale, Q4_0/Q8_0 two "
+     "quant bytes (which may decode to Inf/NaN: the nonfinite rule)"},
+};
+
+// The checkpoint first computed from GGUF tensor `name` ("blk.3.attn_q.weight" -> "Qcur-3").
+std::string checkpoint_of_tensor(const std::string& name) {
+  if (name == "token_embd.weight") return "embd";
+  if (name == "output_norm.weight") return "result_norm";
+  if (name == "output.weight") return "result_output";
+  int layer = -1;
+  char suffix[64] = {};
+  if (std::sscanf(name.c_str(), "blk.%d.%63s", &layer, suffix) != 2) return "";
+  static const std::pair<const char*, const char*> kMap[] = {
+      {"attn_norm.", "attn_norm"}, {"attn_q_norm.", "Qnorm"}, {"attn_k_norm.", "Knorm"}, {"attn_q.", "Qcur"},
+      {"attn_k.", "Kcur"},         {"attn_v.", "Vcur"},       {"attn_output.", "attn_out"}, {"ffn_norm.", "ffn_norm"},
+      {"ffn_gate.", "ffn_gate"},   {"ffn_up.", "ffn_up"},     {"ffn_down.", "ffn_out"}};
+  for (const auto& [prefix, base] : kMap) {
+    if (std::strncmp(suffix, prefix, std::strlen(prefix)) == 0) return checkpoint_name(base, layer);
+  }
+  return "";
+}
+
+// The first checkpoint (in execution order) computed from a tensor in a legacy block format; "" if none.
+std::string first_legacy_checkpoint(const ModelConfig& cfg, const GgufFile& file) {
+  std::string best;
+  int best_order = 0;
+  for (const ExpectedTensor& e : expected_tensors(cfg)) {
+    const TensorInfo* t = file.find_tensor(e.name);
+    if (!t || !dequant_fault_format(t->type)) continue;
+    const std::string cp = checkpoint_of_tensor(e.name);
+    if (cp.empty()) continue;
+    const ParsedCheckpointName p = parse_checkpoint_name(cp);
+    const int order = checkpoint_order(cfg, p.base, p.layer);
+    if (best.empty() || order < best_order) {
+      best = cp;
+      best_order = order;
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+const std::vector<FaultInfo>& fault_catalog() { return kCatalog; }
+
+const FaultInfo& fault_info(Fault f) { return kCatalog.at(static_cast<size_t>(f)); }
+
+std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile* file) {
+  switch (f) {
+    case Fault::qkv_bias_missing:
+      return cfg.qkv_bias ? "" : "the model has no q/k/v biases";
+    case Fault::rope_theta_10000:
+      return cfg.rope_theta != kFaultRopeTheta ? "" : "the model's rope_theta is already 10000";
+    case Fault::gqa_head_modulo:
+      if (cfg.n_head_kv == 1) return "the model has one KV head: every mapping reads head 0";
+      if (cfg.n_head_kv == cfg.n_head) return "the model has as many KV heads as query heads: h % H == h / 1";
+      return "";
+    case Fault::rms_eps_1e5:
+      return cfg.rms_eps != kFaultRmsEps ? "" : "the model's rms_eps is already 1e-5";
+    case Fault::dequant_scale_offset:
+      if (!file) return "which tensor formats the model has is not known here";
+      return first_legacy_checkpoint(cfg, *file).empty() ? "the model has no tensor in Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0"
+                                                         : "";
+    default:
+      return "";
+  }
+}
+
+std::string expected_checkpoint(Fault f, const ModelConfig& cfg, const GgufFile* file) {
+  const std::string why = fault_not_applicable(f, cfg, file);
+  if (!why.empty()) throw InputError(fmt::format("fault {} does not apply: {}", fault_info(f).name, why));
+  if (f == Fault::dequant_scale_offset) return first_legacy_checkpoint(cfg, *file);
+  return fault_info(f).checkpoint;
+}
+
+FaultSet::FaultSet(std::initializer_list<Fault> faults) {
+  for (Fault f : faults) add(f);
+}
+
+std::vector<Fault> FaultSet::list() const {
+  std::vector<Fault> out;
+  for (int i = 0; i < kFaultCount; ++i) {
+    if (bits_.test(static_cast<size_t>(i))) out.push_back(static_cast<Fault>(i));
+  }
+  return out;
+}
+
+std::string FaultSet::names() const {
+  std::string out;
+  for (Fault f : list()) {
+    if (!out.empty()) out += ',';
+    out += fault_info(f).name;
+  }
+  return out;
+}
+
+void FaultSet::check_applicable(const ModelConfig& cfg, const GgufFile* file) const {
+  for (Fault f : list()) {
+    const std::string why = fault_not_applicable(f, cfg, file);
+    if (!why.empty()) {
+      throw InputError(fmt::format("--inject {}: the fault does not apply to this {} model: {}", fault_info(f).name,
+                                   arch_name(cfg.arch), why));
+    }
+  }
+}
+
+FaultSet parse_faults(std::string_view csv) {
+  FaultSet set;
+  size_t pos = 0;
+  while (pos <= csv.size()) {
+    size_t end = csv.find(',', pos);
+    if (end == std::string_view::npos) end = csv.size();
+    std::string_view item = csv.substr(pos, end - pos);
+    while (!item.empty() && (item.front() == ' ' || item.front() == '\t')) item.remove_prefix(1);
+    while (!item.empty() && (item.back() == ' ' || item.back() == '\t')) item.remove_suffix(1);
+    pos = end + 1;
+    if (item.empty()) {
+      if (csv.find_first_not_of(" \t,") == std::string_view::npos) break;  // "" or only separators: no fault
+      throw InputError(fmt::format("--inject '{}': an empty fault name", csv));
+    }
+    auto it = std::find_if(kCatalog.begin(), kCatalog.end(), [&](const FaultInfo& f) { return item == f.name; });
+    if (it == kCatalog.end()) {
+      std::string names;
+      for (const FaultInfo& f : kCatalog) {
+        if (!names.empty()) names += ", ";
+        names += f.name;
+      }
+      throw InputError(fmt::format("--inject: unknown fault '{}'; the catalog (diffrun faults): {}", item, names));
+    }
+    set.add(it->id);
+  }
+  return set;
+}
+
+std::string fault_table() {
+  std::string out = fmt::format("{:<24} {:<16} {:>4}  {}\n", "fault", "first shows at", "step", "what");
+  for (const FaultInfo& f : kCatalog) {
+    const bool named = f.id != Fault::dequant_scale_offset;
+    out += fmt::format("{:<24} {:<16} {:>4}  {}\n", f.name, named ? f.checkpoint : "(see below)", f.step, f.what);
+    if (!named) out += fmt::format("{:<24} {}\n", "", std::string("first shows at: ") + f.checkpoint);
+    out += fmt::format("{:<24} applies to: {}\n", "", f.applies);
+    out += fmt::format("{:<24} {}\n", "", f.shows);
+  }
+  return out;
+}
+
+int fault_padded_vocab(int n_vocab) { return (n_vocab / 128 + 1) * 128; }
+
+bool dequant_fault_format(GgmlType t) {
+  return t == GgmlType::Q4_0 || t == GgmlType::Q4_1 || t == GgmlType::Q5_0 || t == GgmlType::Q5_1 ||
+         t == GgmlType::Q8_0;
+}
+
+std::vector<std::byte> dequant_fault_bytes(GgmlType t, std::span<const std::byte> raw) {
+  if (!dequant_fault_format(t)) {
+    throw InputError(fmt::format("dequant_scale_offset: {} is not one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0", ggml_type_name(t)));
+  }
+  const size_t block = static_cast<size_t>(ggml_block_bytes(t));
+  std::vector<std::byte> out(raw.begin(), raw.end());
+  for (size_t b = 0; b + block <= out.size(); b += block) {
+    out[b] = raw[b + 2];
+    out[b + 1] = raw[b + 3];
+  }
+  return out;
+}
+
+}  // namespace diffrun

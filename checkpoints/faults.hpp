@@ -1,0 +1,111 @@
+// The fault catalog: named, switchable copies of real inference bugs, each with the checkpoint where it must show.
+// D model width, H/Hkv heads, Dh head width, F feed-forward width, V real vocabulary, Vp padded vocabulary.
+//
+// Both backends honour the same FaultSet (`--inject NAME[,NAME]`): the CPU reference so the whole
+// mechanism is testable without a GPU, the CUDA engine to prove that diffrun finds engine bugs.
+// Each fault reproduces one mistake from the bug classes of the seed notes in code, chosen at the
+// call site of a clean op (a wrong argument, a wrong operand view, a skipped op) or, where no
+// argument can express it, a separate flawed variant of the op; the clean ops carry no fault branch.
+#pragma once
+
+#include <bitset>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "model/config.hpp"
+#include "model/gguf.hpp"
+
+namespace diffrun {
+
+enum class Fault : int {
+  embd_transposed,         // token_embd read as [D, V]: table[i * V + id]
+  qkv_bias_missing,        // q/k/v projections without their bias (qwen2)
+  rope_pairing_swapped,    // rope_norm where the model needs rope_neox, and the reverse
+  rope_theta_10000,        // RoPE base 10000 instead of the model's
+  gqa_head_modulo,         // query head h reads KV head h % Hkv instead of h / (H / Hkv)
+  kv_cache_not_read,       // attention over the step's own K/V only: decode sees only the current token
+  kv_cache_pos0,           // the step's K/V written at cache row 0 instead of row n_past
+  causal_mask_missing,     // prefill attends to every position, the future included
+  attn_scale_missing,      // scores q·k without the 1/sqrt(Dh) scale
+  rms_norm_weight_twice,   // RMSNorm output multiplied by its weight twice
+  rms_eps_1e5,             // RMSNorm epsilon 1e-5 instead of the model's
+  swiglu_gate_up_swapped,  // silu(up) · gate instead of silu(gate) · up
+  attn_out_transposed,     // W_o read with the wrong leading dimension (a transposed operand)
+  ffn_down_transposed,     // W_down read with the wrong leading dimension (a transposed operand)
+  residual_skipped,        // ffn_inp = attn_out: the residual add after attention skipped
+  lm_head_padded_vocab,    // logits over a padded vocabulary with uninitialised rows, argmax over them
+  dequant_scale_offset,    // legacy block formats: the f16 scale d read 2 bytes into the block
+};
+inline constexpr int kFaultCount = 17;
+
+struct FaultInfo {
+  Fault id;
+  const char* name;        // "rope_theta_10000", what --inject takes
+  const char* what;        // one line
+  const char* checkpoint;  // where it must first show: "Qrope-0"; for dequant_scale_offset see expected_checkpoint
+  int step;                // the step where it must first show
+  const char* applies;     // to which models, in words ("all", "qwen2 (q/k/v biases)", ...)
+  const char* shows;       // how the diff shows it (and what it needs, e.g. T >= 2)
+};
+
+// Every fault, in enum order.
+const std::vector<FaultInfo>& fault_catalog();
+const FaultInfo& fault_info(Fault f);
+
+// Empty when the fault applies to this model; otherwise why it does not (e.g. "the model's RoPE
+// theta is already 10000"). `file` is needed for dequant_scale_offset (which tensor formats).
+std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile* file = nullptr);
+
+// The checkpoint name where the fault must first show for this model: the catalog's, except for
+// dequant_scale_offset, whose first checkpoint is the first one computed from a tensor in a
+// legacy block format (embd when token_embd is one). Throws InputError when it does not apply.
+std::string expected_checkpoint(Fault f, const ModelConfig& cfg, const GgufFile* file = nullptr);
+
+class FaultSet {
+ public:
+  FaultSet() = default;
+  FaultSet(std::initializer_list<Fault> faults);
+  bool has(Fault f) const { return bits_.test(static_cast<size_t>(f)); }
+  bool empty() const { return bits_.none(); }
+  void add(Fault f) { bits_.set(static_cast<size_t>(f)); }
+  std::vector<Fault> list() const;  // enum order
+  std::string names() const;        // "a,b" in enum order; "" when empty
+
+  // Throws InputError naming the first fault that does not apply to this model and why.
+  void check_applicable(const ModelConfig& cfg, const GgufFile* file = nullptr) const;
+
+ private:
+  std::bitset<kFaultCount> bits_;
+};
+
+// "rope_theta_10000,kv_cache_pos0" (spaces around names allowed; empty: no fault). Throws
+// InputError naming an unknown fault and listing the catalog.
+FaultSet parse_faults(std::string_view csv);
+
+// The catalog as a text table (`diffrun faults`).
+std::string fault_table();
+
+// --- Parameters of the faults that both backends must reproduce identically ---
+
+// rms_eps_1e5 and rope_theta_10000: the wrong constants.
+inline constexpr double kFaultRmsEps = 1e-5;
+inline constexpr double kFaultRopeTheta = 10000.0;
+
+// lm_head_padded_vocab: the vocabulary padded to the next multiple of 128 above V (always > V),
+// and the bytes the never-written rows hold (0x7f7f7f7f, a stale-memory pattern: 3.39e38).
+int fault_padded_vocab(int n_vocab);
+inline constexpr unsigned char kFaultUninitialisedByte = 0x7f;
+
+// dequant_scale_offset: whether a format is one of the legacy block formats it corrupts (Q4_0,
+// Q4_1, Q5_0, Q5_1, Q8_0: an f16 scale d at byte 0 of each block), and the raw tensor bytes as the
+// faulty decoder sees them: each block's d read from bytes 2..3 (Q4_1/Q5_1: the min m; Q5_0: the
+// high-bit mask; Q4_0/Q8_0: the first quants). The clean decoder of either backend then turns
+// these bytes into exactly the values the faulty decoder would produce.
+bool dequant_fault_format(GgmlType t);
+std::vector<std::byte> dequant_fault_bytes(GgmlType t, std::span<const std::byte> raw);
+
+}  // namespace diffrun

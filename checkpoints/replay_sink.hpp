@@ -1,0 +1,48 @@
+// Isolation replay: a Sink that records the backend's own tensor, then hands it the reference's to continue from.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "checkpoints/dump.hpp"
+#include "checkpoints/sink.hpp"
+
+namespace diffrun {
+
+// Wraps the sink that records the isolated run (a DumpWriter) and a reader of the reference dump.
+// At each checkpoint the backend records its own tensor into `out`, then continues from the
+// reference's tensor of the same step and name (Sink::replacement). Each recorded tensor is then
+// the backend's op applied to the reference's inputs: its error against the reference is local.
+//
+// Decisions:
+// - A checkpoint the reference dump lacks (filtered out) is not replaced: the backend continues
+//   from its own values there.
+// - replacement() returns null when the backend already recorded this checkpoint with another
+//   element count than the reference's (a fault that changes a shape), so a backend never copies
+//   a tensor of the wrong size over its buffer. Backends that record after replacing (the engine
+//   stages its copies) replace only buffers at least as large as the reference's tensor.
+// - The reference's tensors of one step stay in memory until the next step starts, so a backend
+//   may upload from them asynchronously until it synchronizes at the end of the step.
+class ReplaySink final : public Sink {
+ public:
+  ReplaySink(Sink& out, const DumpReader& reference) : out_(out), reference_(reference) {}
+
+  bool wants(std::string_view name) const override { return out_.wants(name); }
+  void record(int step, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
+              NativeDType native, std::span<const float> data) override;
+  void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override;
+  const float* replacement(int step, std::string_view name) const override;
+
+ private:
+  void start_step(int step) const;
+
+  Sink& out_;
+  const DumpReader& reference_;
+  mutable int step_ = -1;
+  mutable std::map<std::string, std::vector<float>, std::less<>> values_;  // this step's reference tensors
+  mutable std::map<std::string, int64_t, std::less<>> recorded_n_;        // this step's recorded element counts
+};
+
+}  // namespace diffrun
