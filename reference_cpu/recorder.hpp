@@ -1,6 +1,7 @@
 // Checkpoint recording for the reference: asks the sink first, converts f64 to float only when wanted.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <span>
@@ -20,12 +21,34 @@ class Recorder {
 
   bool wants(const char* base, int layer = -1) const { return sink_.wants(checkpoint_name(base, layer)); }
 
-  // Records `data` (row-major, `shape` named by the vocabulary's layout of `base`) when the sink wants it.
+  // Records `data` (row-major, `shape` named by the vocabulary's layout of `base`) when the sink wants it,
+  // then (isolation replay) overwrites it with the sink's replacement when there is one: the forward
+  // pass continues from the replacement. A const tensor (one no later op reads) is never replaced.
+  void operator()(const char* base, int layer, std::initializer_list<int64_t> shape, T* data) {
+    record(base, layer, shape, data);
+    if (const float* r = sink_.replacement(step_, checkpoint_name(base, layer))) {
+      std::copy(r, r + count(shape), data);
+    }
+  }
   void operator()(const char* base, int layer, std::initializer_list<int64_t> shape, const T* data) {
-    const std::string name = checkpoint_name(base, layer);
-    if (!sink_.wants(name)) return;
+    record(base, layer, shape, data);
+  }
+
+  void ids(const char* base, std::span<const int32_t> ids) {
+    if (sink_.wants(base)) sink_.record_ids(step_, base, ids);
+  }
+
+ private:
+  static int64_t count(std::initializer_list<int64_t> shape) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
+    return n;
+  }
+
+  void record(const char* base, int layer, std::initializer_list<int64_t> shape, const T* data) {
+    const std::string name = checkpoint_name(base, layer);
+    if (!sink_.wants(name)) return;
+    const int64_t n = count(shape);
     const CheckpointKind* kind = find_checkpoint_kind(base);
     const char* layout = kind ? kind->layout : "";
     const std::span<const int64_t> dims(shape.begin(), shape.size());
@@ -37,11 +60,6 @@ class Recorder {
     }
   }
 
-  void ids(const char* base, std::span<const int32_t> ids) {
-    if (sink_.wants(base)) sink_.record_ids(step_, base, ids);
-  }
-
- private:
   Sink& sink_;
   int step_;
 };

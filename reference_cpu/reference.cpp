@@ -6,11 +6,14 @@
 #include <algorithm>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <omp.h>
 
+#include "checkpoints/faults.hpp"
 #include "model/error.hpp"
+#include "reference_cpu/faults/fault_ops.hpp"
 #include "reference_cpu/kv_cache.hpp"
 #include "reference_cpu/ops/add.hpp"
 #include "reference_cpu/ops/attention.hpp"
@@ -38,22 +41,25 @@ class CpuBackend final : public Backend {
   static constexpr const T* kNoBias = nullptr;
 
  public:
-  CpuBackend(const GgufFile& file, const ModelConfig& cfg, int max_ctx)
-      : cfg_(cfg), max_ctx_(max_ctx), w_(Weights<T>::load(file, cfg)),
-        cache_(cfg.n_layer, max_ctx, cfg.n_head_kv * cfg.head_dim) {
+  CpuBackend(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults)
+      : cfg_(cfg), max_ctx_(max_ctx), w_(Weights<T>::load(file, cfg, faults)),
+        cache_(cfg.n_layer, max_ctx, cfg.n_head_kv * cfg.head_dim), faults_(faults) {
     if (w_.token_embd.rows() < cfg_.n_vocab || w_.lm_head().rows() < cfg_.n_vocab) {
       throw ModelError("token_embd/output have fewer rows than the vocabulary of " + std::to_string(cfg_.n_vocab));
     }
+    prepare_faults();
   }
 
   std::string name() const override { return "cpu"; }
   std::string precision() const override { return std::is_same_v<T, float> ? "f32" : "f64"; }
   const ModelConfig& config() const override { return cfg_; }
   std::map<std::string, std::string> facts() const override {
-    return {{"cpu_threads", std::to_string(omp_get_max_threads())},
+    std::map<std::string, std::string> f{{"cpu_threads", std::to_string(omp_get_max_threads())},
             {"eigen_version", std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
                                   std::to_string(EIGEN_MINOR_VERSION)},
             {"eigen_simd", Eigen::SimdInstructionSetsInUse()}};
+    if (!faults_.empty()) f["injected_faults"] = faults_.names();
+    return f;
   }
   int n_past() const override { return n_past_; }
   int max_ctx() const override { return max_ctx_; }
@@ -71,19 +77,34 @@ class CpuBackend final : public Backend {
     cp.ids("tokens", tokens);
 
     std::vector<T> x(static_cast<size_t>(n) * D);  // [T,D] residual stream
-    embedding(x.data(), tokens.data(), w_.token_embd.data(), n, D, V);           cp("embd", -1, {n, D}, x.data());
+    if (faults_.has(Fault::embd_transposed)) {
+      const int Vt = static_cast<int>(w_.token_embd.rows());
+      embedding_transposed(x.data(), tokens.data(), w_.token_embd.data(), n, D, Vt);
+    } else {
+      embedding(x.data(), tokens.data(), w_.token_embd.data(), n, D, V);
+    }
+    cp("embd", -1, {n, D}, x.data());
     for (int l = 0; l < cfg_.n_layer; ++l) layer(l, x, n, cp);
 
     std::vector<T> xn(x.size());                   // [T,D]
-    rms_norm(xn.data(), x.data(), w_.output_norm.data(), n, D, T(cfg_.rms_eps)); cp("result_norm", -1, {n, D}, xn.data());
+    rms_norm(xn.data(), x.data(), w_.output_norm.data(), n, D, eps());            cp("result_norm", -1, {n, D}, xn.data());
     const int rows = cp.wants("result_output") ? n : 1;  // every token's logits only when recorded
-    std::vector<T> logits(static_cast<size_t>(rows) * V);  // [rows,V]
     const T* last_rows = xn.data() + static_cast<size_t>(n - rows) * D;  // [rows,D]
-    matmul(logits.data(), last_rows, w_.lm_head().data(), kNoBias, rows, D, V);
-    if (rows == n) cp("result_output", -1, {n, V}, logits.data());
+    // lm_head_padded_vocab: rows of Vp logits whose columns V..Vp-1 the lm head never writes.
+    const int Vp = faults_.has(Fault::lm_head_padded_vocab) ? fault_padded_vocab(V) : V;
+    std::vector<T> logits(static_cast<size_t>(rows) * Vp, T(kFaultUninitialisedLogit));  // [rows,Vp]
+    if (Vp == V) {
+      matmul(logits.data(), last_rows, w_.lm_head().data(), kNoBias, rows, D, V);
+    } else {
+      for (int r = 0; r < rows; ++r) {
+        matmul(&logits[static_cast<size_t>(r) * Vp], last_rows + static_cast<size_t>(r) * D, w_.lm_head().data(),
+               kNoBias, 1, D, V);
+      }
+    }
+    if (rows == n) cp("result_output", -1, {n, Vp}, logits.data());
 
     n_past_ += n;
-    return std::vector<float>(logits.end() - V, logits.end());
+    return std::vector<float>(logits.end() - Vp, logits.end());
   }
 
  private:
@@ -92,8 +113,11 @@ class CpuBackend final : public Backend {
     const LayerWeights<T>& w = w_.layers[l];
     const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, F = cfg_.n_ff;
     const int Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n, pos0 = n_past_;
-    const T eps = T(cfg_.rms_eps), theta = T(cfg_.rope_theta);
-    const auto rope = cfg_.rope_type == RopeType::norm ? rope_norm<T> : rope_neox<T>;
+    const T eps = this->eps();
+    const T theta = T(faults_.has(Fault::rope_theta_10000) ? kFaultRopeTheta : cfg_.rope_theta);
+    const bool neox = (cfg_.rope_type == RopeType::neox) != faults_.has(Fault::rope_pairing_swapped);
+    const auto rope = neox ? rope_neox<T> : rope_norm<T>;
+    const bool bias = !faults_.has(Fault::qkv_bias_missing);
     const size_t nD = static_cast<size_t>(n) * D;
     T* cache_k = cache_.k[l].data();  // [C,Hkv*Dh]; rows 0..S-1 valid after this step
     T* cache_v = cache_.v[l].data();  // [C,Hkv*Dh]
@@ -104,9 +128,9 @@ class CpuBackend final : public Backend {
     std::vector<T> q(static_cast<size_t>(n) * Q);          // [T,H*Dh]
     std::vector<T> k(static_cast<size_t>(n) * KV);         // [T,Hkv*Dh]
     std::vector<T> v(static_cast<size_t>(n) * KV);         // [T,Hkv*Dh]
-    matmul(q.data(), xn.data(), w.wq.data(), bias_or_null(w.bq), n, D, Q);        cp("Qcur", l, {n, H, Dh}, q.data());
-    matmul(k.data(), xn.data(), w.wk.data(), bias_or_null(w.bk), n, D, KV);       cp("Kcur", l, {n, Hkv, Dh}, k.data());
-    matmul(v.data(), xn.data(), w.wv.data(), bias_or_null(w.bv), n, D, KV);       cp("Vcur", l, {n, Hkv, Dh}, v.data());
+    matmul(q.data(), xn.data(), w.wq.data(), bias ? bias_or_null(w.bq) : kNoBias, n, D, Q);  cp("Qcur", l, {n, H, Dh}, q.data());
+    matmul(k.data(), xn.data(), w.wk.data(), bias ? bias_or_null(w.bk) : kNoBias, n, D, KV); cp("Kcur", l, {n, Hkv, Dh}, k.data());
+    matmul(v.data(), xn.data(), w.wv.data(), bias ? bias_or_null(w.bv) : kNoBias, n, D, KV); cp("Vcur", l, {n, Hkv, Dh}, v.data());
     if (cfg_.qk_norm) {
       rms_norm(q.data(), q.data(), w.q_norm.data(), n * H, Dh, eps);              cp("Qnorm", l, {n, H, Dh}, q.data());
       rms_norm(k.data(), k.data(), w.k_norm.data(), n * Hkv, Dh, eps);            cp("Knorm", l, {n, Hkv, Dh}, k.data());
@@ -114,46 +138,96 @@ class CpuBackend final : public Backend {
     rope(q.data(), q.data(), n, H, Dh, pos0, theta);                              cp("Qrope", l, {n, H, Dh}, q.data());
     rope(k.data(), k.data(), n, Hkv, Dh, pos0, theta);                            cp("Krope", l, {n, Hkv, Dh}, k.data());
 
-    std::copy(k.begin(), k.end(), cache_k + static_cast<size_t>(pos0) * KV);     cp("cache_k", l, {S, Hkv, Dh}, cache_k);
-    std::copy(v.begin(), v.end(), cache_v + static_cast<size_t>(pos0) * KV);     cp("cache_v", l, {S, Hkv, Dh}, cache_v);
+    const int write_pos = faults_.has(Fault::kv_cache_pos0) ? 0 : pos0;  // kv_cache_pos0: row 0 every step
+    std::copy(k.begin(), k.end(), cache_k + static_cast<size_t>(write_pos) * KV); cp("cache_k", l, {S, Hkv, Dh}, cache_k);
+    std::copy(v.begin(), v.end(), cache_v + static_cast<size_t>(write_pos) * KV); cp("cache_v", l, {S, Hkv, Dh}, cache_v);
 
-    std::vector<T> probs(static_cast<size_t>(H) * n * S);  // [H,T,S]
+    // kv_cache_not_read: attention over the step's own K/V, as if nothing had been cached.
+    const bool read_cache = !faults_.has(Fault::kv_cache_not_read);
+    const int past = read_cache ? pos0 : 0, S_att = past + n;
+    std::vector<T> probs(static_cast<size_t>(H) * n * S_att);  // [H,T,S]
     std::vector<T> kqv(static_cast<size_t>(n) * Q);        // [T,H*Dh]
-    attention(kqv.data(), probs.data(), q.data(), cache_k, cache_v, n, pos0, H, Hkv, Dh);
-    cp("kq_soft_max", l, {H, n, S}, probs.data());
+    const T* keys = read_cache ? cache_k : k.data();
+    const T* values = read_cache ? cache_v : v.data();
+    if (attention_flaws_.any()) {
+      attention_flawed(kqv.data(), probs.data(), q.data(), keys, values, n, past, H, Hkv, Dh, attention_flaws_);
+    } else {
+      attention(kqv.data(), probs.data(), q.data(), keys, values, n, past, H, Hkv, Dh);
+    }
+    cp("kq_soft_max", l, {H, n, S_att}, std::as_const(probs).data());  // read by no later op: never replaced
     cp("kqv_out", l, {n, H, Dh}, kqv.data());
 
     std::vector<T> attn_out(nD);                           // [T,D]
-    matmul(attn_out.data(), kqv.data(), w.wo.data(), kNoBias, n, Q, D);           cp("attn_out", l, {n, D}, attn_out.data());
+    const T* wo = faults_.has(Fault::attn_out_transposed) ? wo_flawed_[l].data() : w.wo.data();
+    matmul(attn_out.data(), kqv.data(), wo, kNoBias, n, Q, D);                    cp("attn_out", l, {n, D}, attn_out.data());
     std::vector<T> ffn_inp(nD);                            // [T,D]
-    add(ffn_inp.data(), x.data(), attn_out.data(), static_cast<int64_t>(nD));     cp("ffn_inp", l, {n, D}, ffn_inp.data());
+    if (faults_.has(Fault::residual_skipped)) {
+      std::copy(attn_out.begin(), attn_out.end(), ffn_inp.begin());
+    } else {
+      add(ffn_inp.data(), x.data(), attn_out.data(), static_cast<int64_t>(nD));
+    }
+    cp("ffn_inp", l, {n, D}, ffn_inp.data());
     rms_norm(xn.data(), ffn_inp.data(), w.ffn_norm.data(), n, D, eps);            cp("ffn_norm", l, {n, D}, xn.data());
 
     std::vector<T> gate(static_cast<size_t>(n) * F);       // [T,F]
     std::vector<T> up(static_cast<size_t>(n) * F);         // [T,F]
     matmul(gate.data(), xn.data(), w.w_gate.data(), kNoBias, n, D, F);            cp("ffn_gate", l, {n, F}, gate.data());
     matmul(up.data(), xn.data(), w.w_up.data(), kNoBias, n, D, F);                cp("ffn_up", l, {n, F}, up.data());
-    swiglu(gate.data(), gate.data(), up.data(), static_cast<int64_t>(gate.size())); cp("ffn_swiglu", l, {n, F}, gate.data());
+    const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
+    swiglu(gate.data(), swap ? up.data() : gate.data(), swap ? gate.data() : up.data(),
+           static_cast<int64_t>(gate.size()));
+    cp("ffn_swiglu", l, {n, F}, gate.data());
     std::vector<T> ffn_out(nD);                            // [T,D]
-    matmul(ffn_out.data(), gate.data(), w.w_down.data(), kNoBias, n, F, D);       cp("ffn_out", l, {n, D}, ffn_out.data());
+    const T* w_down = faults_.has(Fault::ffn_down_transposed) ? w_down_flawed_[l].data() : w.w_down.data();
+    matmul(ffn_out.data(), gate.data(), w_down, kNoBias, n, F, D);                cp("ffn_out", l, {n, D}, ffn_out.data());
     add(x.data(), ffn_inp.data(), ffn_out.data(), static_cast<int64_t>(nD));      cp("l_out", l, {n, D}, x.data());
+  }
+
+  T eps() const { return T(faults_.has(Fault::rms_eps_1e5) ? kFaultRmsEps : cfg_.rms_eps); }
+
+  // What the injected faults change before any step: flawed weight views, squared norm weights.
+  void prepare_faults() {
+    attention_flaws_.no_causal_mask = faults_.has(Fault::causal_mask_missing);
+    attention_flaws_.no_scale = faults_.has(Fault::attn_scale_missing);
+    attention_flaws_.head_modulo = faults_.has(Fault::gqa_head_modulo);
+    for (const LayerWeights<T>& w : w_.layers) {
+      if (faults_.has(Fault::attn_out_transposed)) wo_flawed_.push_back(wrong_leading_dimension(w.wo));
+      if (faults_.has(Fault::ffn_down_transposed)) w_down_flawed_.push_back(wrong_leading_dimension(w.w_down));
+    }
+    if (faults_.has(Fault::rms_norm_weight_twice)) {  // norm(x)·w·w: every RMSNorm weight squared
+      auto twice = [](Vector<T>& v) { v = v.cwiseProduct(v); };
+      twice(w_.output_norm);
+      for (LayerWeights<T>& w : w_.layers) {
+        twice(w.attn_norm);
+        twice(w.ffn_norm);
+        if (cfg_.qk_norm) {
+          twice(w.q_norm);
+          twice(w.k_norm);
+        }
+      }
+    }
   }
 
   ModelConfig cfg_;
   int max_ctx_;
   Weights<T> w_;
   KvCache<T> cache_;
+  FaultSet faults_;
+  AttentionFlaws attention_flaws_;
+  std::vector<Matrix<T>> wo_flawed_;      // [n_layer] W_o read with the wrong leading dimension, attn_out_transposed only
+  std::vector<Matrix<T>> w_down_flawed_;  // [n_layer] W_down likewise, ffn_down_transposed only
   int n_past_ = 0;
 };
 
 }  // namespace
 
 std::unique_ptr<Backend> make_cpu_backend(const GgufFile& file, const ModelConfig& cfg, const std::string& precision,
-                                          int max_ctx) {
+                                          int max_ctx, const FaultSet& faults) {
   if (max_ctx < 1) throw InputError("the CPU reference needs a context of at least 1 position");
   validate_tensors(file, cfg);
-  if (precision == "f32") return std::make_unique<CpuBackend<float>>(file, cfg, max_ctx);
-  if (precision == "f64") return std::make_unique<CpuBackend<double>>(file, cfg, max_ctx);
+  faults.check_applicable(cfg, &file);
+  if (precision == "f32") return std::make_unique<CpuBackend<float>>(file, cfg, max_ctx, faults);
+  if (precision == "f64") return std::make_unique<CpuBackend<double>>(file, cfg, max_ctx, faults);
   throw InputError("the cpu backend computes in f32 or f64, not '" + precision + "'");
 }
 

@@ -5,15 +5,17 @@
 #include <string>
 
 #include "checkpoints/backend.hpp"
+#include "checkpoints/faults.hpp"
 #include "model/config.hpp"
 #include "model/gguf.hpp"
 
 namespace diffrun {
 
 // Validates the tensors and dequantizes every weight once into `precision` ("f32" | "f64"); the KV cache
-// holds max_ctx positions. Throws InputError for another precision or max_ctx < 1, ModelError for a
-// missing or malformed tensor.
+// holds max_ctx positions. `faults` (checkpoints/faults.hpp) are injected into the forward pass.
+// Throws InputError for another precision, max_ctx < 1 or a fault that does not apply to the model,
+// ModelError for a missing or malformed tensor.
 std::unique_ptr<Backend> make_cpu_backend(const GgufFile& file, const ModelConfig& cfg, const std::string& precision,
-                                          int max_ctx);
+                                          int max_ctx, const FaultSet& faults = {});
 
 }  // namespace diffrun

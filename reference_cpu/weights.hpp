@@ -6,6 +6,7 @@
 
 #include <Eigen/Core>
 
+#include "checkpoints/faults.hpp"
 #include "model/config.hpp"
 #include "model/gguf.hpp"
 
@@ -44,8 +45,10 @@ struct Weights {
   // The lm head: output, or token_embd when tied. Only its first V rows are real vocabulary.
   const Matrix<T>& lm_head() const { return output.size() ? output : token_embd; }
 
-  // Dequantizes every tensor the forward pass reads (validate_tensors must have passed).
-  static Weights load(const GgufFile& file, const ModelConfig& cfg);
+  // Dequantizes every tensor the forward pass reads (validate_tensors must have passed). With the
+  // fault dequant_scale_offset, tensors in the legacy block formats are decoded from
+  // dequant_fault_bytes (their scale read 2 bytes late).
+  static Weights load(const GgufFile& file, const ModelConfig& cfg, const FaultSet& faults = {});
 };
 
 }  // namespace diffrun::ref

@@ -1,0 +1,81 @@
+// Flawed variants of reference ops for fault injection: transposed embedding read, flawed attention, wrong-lda weights.
+#include "reference_cpu/faults/fault_ops.hpp"
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "model/error.hpp"
+
+namespace diffrun::ref {
+
+template <typename T>
+void embedding_transposed(T* out /* [T,D] */, const int32_t* tokens /* [T] */, const T* table /* [V,D] */,
+                          int n_tokens, int D, int V) {
+  for (int t = 0; t < n_tokens; ++t) {
+    const int32_t id = tokens[t];
+    if (id < 0 || id >= V) {
+      throw InputError("token id " + std::to_string(id) + " at position " + std::to_string(t) +
+                       " is outside the vocabulary [0, " + std::to_string(V) + ")");
+    }
+    for (int i = 0; i < D; ++i) out[static_cast<int64_t>(t) * D + i] = table[static_cast<int64_t>(i) * V + id];
+  }
+}
+
+template <typename T>
+void attention_flawed(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q /* [T,H*Dh] */,
+                      const T* k_cache /* [S,Hkv*Dh] */, const T* v_cache /* [S,Hkv*Dh] */, int n_tokens, int n_past,
+                      int H, int Hkv, int Dh, AttentionFlaws flaws) {
+  const int S = n_past + n_tokens;
+  const int group = H / Hkv;
+  const int64_t q_stride = static_cast<int64_t>(H) * Dh;
+  const int64_t kv_stride = static_cast<int64_t>(Hkv) * Dh;
+  const T scale = flaws.no_scale ? T(1) : T(1) / std::sqrt(T(Dh));
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int h = 0; h < H; ++h) {
+    for (int t = 0; t < n_tokens; ++t) {
+      const int kvh = flaws.head_modulo ? h % Hkv : h / group;
+      const int n_visible = flaws.no_causal_mask ? S : n_past + t + 1;
+      const T* qt = q + t * q_stride + static_cast<int64_t>(h) * Dh;
+      T* p = probs + (static_cast<int64_t>(h) * n_tokens + t) * S;
+      T max_score = -std::numeric_limits<T>::infinity();
+      for (int s = 0; s < n_visible; ++s) {
+        const T* ks = k_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
+        T dot = 0;
+        for (int d = 0; d < Dh; ++d) dot += qt[d] * ks[d];
+        p[s] = dot * scale;
+        if (p[s] > max_score) max_score = p[s];
+      }
+      T sum = 0;
+      for (int s = 0; s < n_visible; ++s) {
+        p[s] = std::exp(p[s] - max_score);
+        sum += p[s];
+      }
+      for (int s = 0; s < n_visible; ++s) p[s] /= sum;
+      for (int s = n_visible; s < S; ++s) p[s] = 0;
+      T* ot = out + t * q_stride + static_cast<int64_t>(h) * Dh;
+      for (int d = 0; d < Dh; ++d) ot[d] = 0;
+      for (int s = 0; s < n_visible; ++s) {
+        const T* vs = v_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
+        for (int d = 0; d < Dh; ++d) ot[d] += p[s] * vs[d];
+      }
+    }
+  }
+}
+
+template <typename T>
+Matrix<T> wrong_leading_dimension(const Matrix<T>& w /* [N,K] */) {
+  const Eigen::Map<const Matrix<T>> as_kn(w.data(), w.cols(), w.rows());  // the same memory as [K, N]
+  return as_kn.transpose();
+}
+
+template void embedding_transposed<float>(float*, const int32_t*, const float*, int, int, int);
+template void embedding_transposed<double>(double*, const int32_t*, const double*, int, int, int);
+template void attention_flawed<float>(float*, float*, const float*, const float*, const float*, int, int, int, int,
+                                      int, AttentionFlaws);
+template void attention_flawed<double>(double*, double*, const double*, const double*, const double*, int, int, int,
+                                       int, int, AttentionFlaws);
+template Matrix<float> wrong_leading_dimension<float>(const Matrix<float>&);
+template Matrix<double> wrong_leading_dimension<double>(const Matrix<double>&);
+
+}  // namespace diffrun::ref

@@ -1,0 +1,37 @@
+// Flawed variants of reference ops for fault injection, kept out of the clean ops (reference_cpu/ops/).
+// T tokens, S positions attended, D model width, V table rows, H/Hkv heads, Dh head width, K inputs, N outputs.
+#pragma once
+
+#include <cstdint>
+
+#include "reference_cpu/weights.hpp"
+
+namespace diffrun::ref {
+
+// embd_transposed: the token table (row-major [V, D]) indexed as if it were [D, V]:
+// out[t, i] = table[i * V + tokens[t]]. Throws InputError for an id outside [0, V).
+template <typename T>
+void embedding_transposed(T* out /* [T,D] */, const int32_t* tokens /* [T] */, const T* table /* [V,D] */,
+                          int n_tokens, int D, int V);
+
+// What the flawed attention gets wrong (any combination).
+struct AttentionFlaws {
+  bool no_causal_mask = false;  // every query attends to all S positions
+  bool no_scale = false;        // scores without 1/sqrt(Dh)
+  bool head_modulo = false;     // query head h reads KV head h % Hkv
+  bool any() const { return no_causal_mask || no_scale || head_modulo; }
+};
+
+// The clean attention's algorithm (ops/attention.hpp) with the given flaws.
+template <typename T>
+void attention_flawed(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q /* [T,H*Dh] */,
+                      const T* k_cache /* [S,Hkv*Dh] */, const T* v_cache /* [S,Hkv*Dh] */, int n_tokens, int n_past,
+                      int H, int Hkv, int Dh, AttentionFlaws flaws);
+
+// attn_out_transposed / ffn_down_transposed: the [N, K] weight as a GEMM reads it with the wrong
+// leading dimension: element (n, k) taken from W's memory at k * N + n (its memory read as [K, N]
+// row-major). W's transpose when N == K; always in bounds.
+template <typename T>
+Matrix<T> wrong_leading_dimension(const Matrix<T>& w /* [N,K] */);
+
+}  // namespace diffrun::ref
