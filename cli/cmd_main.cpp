@@ -8,6 +8,7 @@
 #include <fmt/core.h>
 
 #include "checkpoints/dump.hpp"
+#include "checkpoints/replay_sink.hpp"
 #include "cli/command.hpp"
 #include "cli/diff_report.hpp"
 #include "cli/progress.hpp"
@@ -32,6 +33,8 @@ struct MainOptions {
   std::string reference_precision;  // empty: f32 against cuda, f64 against the cpu engine
   std::string out = "diffrun-out";
   std::string checkpoints;
+  std::string inject;    // faults injected into the engine side
+  bool isolate = false;  // also run the engine in isolation replay (local error per checkpoint)
   ReportOptions report;
 };
 
@@ -53,6 +56,7 @@ BackendOptions engine_backend(const MainOptions& o, Progress& progress) {
     }
   }
   b.precision = o.engine_precision.empty() ? (b.backend == "cuda" ? "f16" : "f32") : o.engine_precision;
+  b.inject = o.inject;
   if (b.backend == "cpu" && b.precision == "f16") {
     throw InputError("the CPU backend computes in f32 or f64; --engine-precision f16 needs the CUDA engine (--engine cuda)");
   }
@@ -110,10 +114,28 @@ int run_main(const MainOptions& o) {
     writer.finish();
     progress.finish();
   }
-  return compare_and_report(eng_path, ref_path, o.report, progress, [&](int32_t id) {
+  // Isolation replay: the engine again, each checkpoint recorded and then replaced by the reference's.
+  std::string iso_path;
+  if (o.isolate) {
+    iso_path = (std::filesystem::path(o.out) / "engine-isolated.h5").string();
+    const DumpReader reference(ref_path);
+    auto backend = make_backend(*file, cfg, eng, static_cast<int>(needed));
+    DumpWriter writer(iso_path, dump_meta(*file, *backend, prompt, ids), filter);
+    ReplaySink replay(writer, reference);
+    const std::string what = fmt::format("engine {}/{} isolated step", eng.backend, eng.precision);
+    const StepsResult r = run_steps(*backend, ids, o.steps, ref_run.argmax, replay, false,
+                                    [&](int step, int total) { progress.update(what, step + 1, total + 1); });
+    writer.set_attribute("all_token_ids", r.tokens);
+    writer.set_attribute("argmax", r.argmax);
+    writer.finish();
+    progress.finish();
+  }
+  const auto token_text = [&](int32_t id) {
+    if (id < 0 || id >= cfg.n_vocab) return std::string("(outside the vocabulary)");
     const int32_t one[1] = {id};
     return tok->decode(one);
-  });
+  };
+  return compare_and_report(eng_path, ref_path, o.report, progress, token_text, iso_path);
 }
 
 const CommandRegistrar registrar{
@@ -135,6 +157,10 @@ const CommandRegistrar registrar{
           ->check(CLI::IsMember({"f32", "f64"}));
       app.add_option("--out,-o", o->out, "Directory for reference.h5 and engine.h5")->capture_default_str();
       app.add_option("--checkpoints", o->checkpoints, "Record only these checkpoints, e.g. 'attn_*,result_*'");
+      app.add_option("--inject", o->inject,
+                     "Inject faults into the engine side (diffrun faults lists them), e.g. rope_theta_10000,kv_cache_pos0");
+      app.add_flag("--isolate", o->isolate,
+                   "Also run the engine in isolation replay (each op on the reference's inputs): local error per checkpoint");
       o->report.add_options(app);
       return [o, &app]() {
         if (app.get_option("--prompt")->count() == 0 && app.get_option("--tokens")->count() == 0) {

@@ -46,7 +46,8 @@ void ReportOptions::add_options(CLI::App& app) {
 }
 
 int compare_and_report(const std::string& engine_path, const std::string& reference_path, const ReportOptions& opt,
-                       Progress& progress, const std::function<std::string(int32_t)>& token_text) {
+                       Progress& progress, const std::function<std::string(int32_t)>& token_text,
+                       const std::string& isolated_path) {
   const DumpReader engine(engine_path);
   const DumpReader reference(reference_path);
   const diff::ToleranceSet tolerances =
@@ -58,7 +59,11 @@ int compare_and_report(const std::string& engine_path, const std::string& refere
   diff::CompareOptions copt;
   copt.force = opt.force;
   copt.jump_factor = opt.jump_factor;
-  const diff::Comparison c = diff::compare_dumps(engine, reference, tolerances, copt);
+  diff::Comparison c = diff::compare_dumps(engine, reference, tolerances, copt);
+  if (!isolated_path.empty()) {
+    const DumpReader isolated(isolated_path);
+    diff::add_isolation(c, diff::compare_dumps(isolated, reference, tolerances, copt), copt);
+  }
   progress.finish();
 
   diff::TerminalOptions topt;

@@ -23,8 +23,11 @@ struct ReportOptions {
 
 // Compares the engine dump against the reference dump, prints the terminal report on stdout,
 // writes the requested report files, and returns 0 (within tolerance) or 1 (divergence).
+// isolated_path (optional): the engine's isolation-replay dump; its comparison with the reference
+// gives each checkpoint's local error, shown beside the propagated one and used by the verdict.
 // Throws diffrun errors (exit 2) for dumps or tolerances that cannot be used.
 int compare_and_report(const std::string& engine_path, const std::string& reference_path, const ReportOptions& opt,
-                       Progress& progress, const std::function<std::string(int32_t)>& token_text = {});
+                       Progress& progress, const std::function<std::string(int32_t)>& token_text = {},
+                       const std::string& isolated_path = {});
 
 }  // namespace diffrun::cli

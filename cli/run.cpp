@@ -5,6 +5,7 @@
 #include <charconv>
 #include <string>
 
+#include "checkpoints/faults.hpp"
 #include "model/chat_template.hpp"
 #include "model/error.hpp"
 #include "reference_cpu/reference.hpp"
@@ -84,16 +85,18 @@ void BackendOptions::add_options(CLI::App& app) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--precision", precision, "Compute precision: f32 or f64 (cpu), f32 or f16 (cuda)")
       ->check(CLI::IsMember({"f32", "f64", "f16"}));
+  app.add_option("--inject", inject, "Inject faults from the catalog (diffrun faults), e.g. rope_theta_10000,kv_cache_pos0");
 }
 
 std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
                                       int max_ctx) {
-  if (opt.backend == "cpu") return make_cpu_backend(file, cfg, opt.precision, max_ctx);
+  const FaultSet faults = parse_faults(opt.inject);
+  if (opt.backend == "cpu") return make_cpu_backend(file, cfg, opt.precision, max_ctx, faults);
   if (opt.backend == "cuda") {
 #ifdef DIFFRUN_HAVE_CUDA
     std::string why;
     if (!cuda_device_available(&why)) throw Error("no usable CUDA device: " + why);
-    return make_cuda_backend(file, cfg, opt.precision, max_ctx);
+    return make_cuda_backend(file, cfg, opt.precision, max_ctx, faults);
 #else
     throw Error("diffrun was built without the CUDA engine");
 #endif

@@ -39,11 +39,13 @@ std::string prompt_text(const GgufFile& file, const PromptOptions& opt);
 struct BackendOptions {
   std::string backend = "cpu";
   std::string precision = "f32";
-  void add_options(CLI::App& app);  // --backend --precision
+  std::string inject;  // faults to inject, "name[,name]" (checkpoints/faults.hpp); empty: none
+  void add_options(CLI::App& app);  // --backend --precision --inject
 };
 
 // cpu → make_cpu_backend; cuda → make_cuda_backend when built with the CUDA engine, else
-// Error("diffrun was built without the CUDA engine").
+// Error("diffrun was built without the CUDA engine"). Both get the faults of opt.inject (InputError
+// for an unknown fault or one that does not apply to the model).
 std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
                                       int max_ctx);
 
