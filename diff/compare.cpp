@@ -2,6 +2,7 @@
 #include "diff/compare.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 
@@ -225,6 +226,23 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
     c.tokens.push_back(t);
   }
   return c;
+}
+
+void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptions& opt) {
+  std::map<std::pair<int, std::string>, const CheckpointResult*> by_key;
+  for (const auto& r : isolated.results) {
+    if (r.compared() || r.status == CheckpointStatus::shape_mismatch) by_key[{r.step, r.name}] = &r;
+  }
+  for (auto& r : c.results) {
+    auto it = by_key.find({r.step, r.name});
+    if (it == by_key.end()) continue;
+    const CheckpointResult& iso = *it->second;
+    r.local = LocalError{iso.status, iso.metrics ? iso.metrics->rel_l2 : std::nan("")};
+  }
+  c.isolated_path = isolated.engine_path;
+  if (c.first_failure) {
+    c.verdict = decide_verdict(c.results, *c.first_failure, c.reference_meta.config.n_layer, opt.jump_factor);
+  }
 }
 
 }  // namespace diffrun::diff

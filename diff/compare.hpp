@@ -53,6 +53,7 @@ struct Comparison {
   Verdict verdict;
   std::vector<StepTokens> tokens;
   int n_pass = 0, n_fail = 0, n_one_sided = 0;
+  std::string isolated_path;  // the isolation-replay dump, when add_isolation ran
 
   bool diverged() const { return first_failure.has_value(); }
 };
@@ -64,5 +65,11 @@ DimSizes dim_sizes(const ModelConfig& cfg);
 // share no checkpoint or a dataset cannot be read.
 Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, const ToleranceSet& tolerances,
                          const CompareOptions& opt = {});
+
+// Isolation replay: `isolated` compares the engine's isolation-replay dump (each op run on the
+// reference's inputs) with the same reference. Attaches each checkpoint's local error to the
+// matching result of `c` (same step and name) and, when `c` diverged, decides its verdict again
+// with that evidence (rule isolation).
+void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptions& opt = {});
 
 }  // namespace diffrun::diff

@@ -11,6 +11,7 @@
 //   "model": {"arch", "n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab",
 //             "rope_theta", "rope_type", "rms_eps"},          // the reference's config
 //   "tolerances": {"source", "preset"},
+//   "isolated_path": null | str,                              // the isolation-replay dump, when it ran
 //   "summary": {"compared", "pass", "fail", "one_sided", "steps", "diverged": bool},
 //   "warnings": [str],
 //   "first_divergence": null | {
@@ -24,6 +25,7 @@
 //       "shape_engine": [int] | null, "shape_reference": [int] | null,
 //       "rule": {"match": str ("" = default), "reason"},
 //       "checks": [{"metric", "bound", "value", "limit", "pass"}],
+//       "local": null | {"status", "rel_l2"},                 // isolation replay, when it ran
 //       "metrics": null | {
 //          "n", "max_abs", "mean_abs", "rel_l2", "nmse", "cosine", "sqnr_db", "n_fail", "fail_frac",
 //          "atol", "rtol", "nan_engine", "inf_engine", "nan_reference", "inf_reference",
@@ -131,6 +133,8 @@ json checkpoint_json(const CheckpointResult& r) {
           {"shape_reference", r.status == CheckpointStatus::only_engine ? json(nullptr) : json(r.shape_reference)},
           {"rule", {{"match", r.rule_match}, {"reason", r.rule_reason}}},
           {"checks", checks},
+          {"local", r.local ? json{{"status", checkpoint_status_name(r.local->status)}, {"rel_l2", number(r.local->rel_l2)}}
+                            : json(nullptr)},
           {"metrics", r.metrics ? metrics_json(*r.metrics) : json(nullptr)}};
 }
 
@@ -148,6 +152,7 @@ nlohmann::ordered_json report_json(const Comparison& c) {
                 {"n_ff", cfg.n_ff},              {"n_vocab", cfg.n_vocab},     {"rope_theta", cfg.rope_theta},
                 {"rope_type", rope_type_name(cfg.rope_type)}, {"rms_eps", cfg.rms_eps}};
   j["tolerances"] = {{"source", c.tolerance_source}, {"preset", c.tolerance_preset}};
+  j["isolated_path"] = c.isolated_path.empty() ? json(nullptr) : json(c.isolated_path);
   std::set<int> steps;
   for (const auto& r : c.results) steps.insert(r.step);
   j["summary"] = {{"compared", c.n_pass + c.n_fail}, {"pass", c.n_pass},  {"fail", c.n_fail},

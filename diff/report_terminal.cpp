@@ -43,6 +43,11 @@ std::string where(const CheckpointResult& r) {
 
 std::string rule_label(const CheckpointResult& r) { return r.rule_match.empty() ? "default" : r.rule_match; }
 
+// Isolation replay's error of a checkpoint: "rel_l2 1.2e-07", or "shape differs".
+std::string local_str(const LocalError& l) {
+  return l.status == CheckpointStatus::shape_mismatch ? std::string("shape differs") : "rel_l2 " + num(l.rel_l2);
+}
+
 void first_divergence(std::string& out, const Comparison& c, const Style& s) {
   const CheckpointResult& f = c.results[*c.first_failure];
   out += s.red(fmt::format("FIRST DIVERGENCE  {}  ({})", f.name, where(f))) + "\n";
@@ -83,11 +88,16 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s) {
                          num(m.logits->top1), num(m.logits->top5_overlap), num(m.logits->kl_mean), num(m.logits->kl_max));
     }
   }
+  if (f.local) {
+    out += fmt::format("  local     {} in isolation replay (this op on the reference's inputs): {}\n", local_str(*f.local),
+                       f.local->failed() ? "fails its tolerance" : "within tolerance");
+  }
   if (!c.preceding.empty()) {
     out += "  before it (passed):\n";
     for (size_t i : c.preceding) {
       const CheckpointResult& p = c.results[i];
-      out += s.dim(fmt::format("    step {:<3} {:<18} rel_l2 {}", p.step, p.name, num(p.metrics->rel_l2))) + "\n";
+      const std::string local = p.local ? fmt::format("  local {}", local_str(*p.local)) : "";
+      out += s.dim(fmt::format("    step {:<3} {:<18} rel_l2 {}{}", p.step, p.name, num(p.metrics->rel_l2), local)) + "\n";
     }
     if (f.metrics) {
       out += fmt::format("    step {:<3} {:<18} rel_l2 {}  <-- first failure\n", f.step, f.name, num(f.metrics->rel_l2));
@@ -135,9 +145,21 @@ void layer_table(std::string& out, const Comparison& c, const Style& s) {
   }
   out += fmt::format("  {:<12} {:>9} {:>9} {:>9} {:>15} {:>6}  {}\n", "kind", "layer 0", fmt::format("layer {}", last / 2),
                      fmt::format("layer {}", last), "max (layer)", "fails", "growth");
+  const bool any_local = std::any_of(c.results.begin(), c.results.end(), [&](const CheckpointResult& r) {
+    return r.step == step && r.local.has_value();
+  });
+  if (any_local) out += "  local: the largest rel_l2 of the kind in isolation replay (each op on the reference's inputs)\n";
   for (const auto& kind : kinds) {
     const auto& layers = by_kind[kind];
     std::vector<double> series;
+    double local_mx = -1;
+    int local_layer = -1;
+    for (const auto& [l, r] : layers) {
+      if (r->local && !std::isnan(r->local->rel_l2) && r->local->rel_l2 > local_mx) {
+        local_mx = r->local->rel_l2;
+        local_layer = l;
+      }
+    }
     double mx = -1;
     int mx_layer = -1, fails = 0, first_fail = -1;
     for (int l = 0; l <= last; ++l) {
@@ -156,6 +178,9 @@ void layer_table(std::string& out, const Comparison& c, const Style& s) {
     out += fmt::format("  {:<12} {:>9} {:>9} {:>9} {:>15} {}  {}{}\n", kind, at(0), at(last / 2), at(last),
                        mx >= 0 ? fmt::format("{} ({})", num(mx), mx_layer) : "-", fails_str, spark,
                        first_fail >= 0 ? fmt::format("  first fails at layer {}", first_fail) : "");
+    if (any_local) {
+      out.insert(out.size() - 1, local_mx >= 0 ? fmt::format("  local {} ({})", num(local_mx), local_layer) : "  local -");
+    }
   }
   std::vector<std::string> others;
   for (const auto& r : c.results) {

@@ -14,6 +14,13 @@ namespace diffrun::diff {
 enum class CheckpointStatus { pass, fail, shape_mismatch, only_engine, only_reference };
 const char* checkpoint_status_name(CheckpointStatus s);
 
+// Isolation replay: the same checkpoint compared when the engine's op got the reference's inputs.
+struct LocalError {
+  CheckpointStatus status = CheckpointStatus::pass;  // against the same tolerance rule
+  double rel_l2 = 0.0;                               // NaN when not compared (a shape mismatch)
+  bool failed() const { return status == CheckpointStatus::fail || status == CheckpointStatus::shape_mismatch; }
+};
+
 struct CheckpointResult {
   int step = 0;
   std::string name;  // "Qcur-3"
@@ -27,6 +34,7 @@ struct CheckpointResult {
   std::vector<BoundCheck> checks;
   std::string rule_match;  // the pattern of the rule applied ("" for the default rule)
   std::string rule_reason;
+  std::optional<LocalError> local;  // set by add_isolation when the isolated run recorded it
 
   bool failed() const { return status == CheckpointStatus::fail || status == CheckpointStatus::shape_mismatch; }
   bool compared() const { return metrics.has_value(); }

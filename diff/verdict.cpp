@@ -74,6 +74,26 @@ bool rule_shape(const Context& c, Verdict& v) {
   return true;
 }
 
+bool rule_isolation(const Context& c, Verdict& v) {
+  if (!c.failing.local) return false;
+  const LocalError& loc = *c.failing.local;
+  const std::string local_err = loc.status == CheckpointStatus::shape_mismatch ? std::string("a different shape")
+                                                                              : fmt::format("rel_l2 {:.3g}", loc.rel_l2);
+  if (loc.failed()) {
+    v.kind = VerdictKind::local;
+    v.rule = "isolation";
+    v.explanation = fmt::format("on the reference's inputs (isolation replay) this op alone gives {} and fails its tolerance",
+                                local_err);
+  } else {
+    v.kind = VerdictKind::drift;
+    v.rule = "isolation";
+    v.explanation = fmt::format("on the reference's inputs (isolation replay) this op alone gives {}, within tolerance: "
+                                "the error came in through its inputs",
+                                local_err);
+  }
+  return true;
+}
+
 bool rule_nonfinite(const Context& c, Verdict& v) {
   if (c.metrics->nonfinite_mismatch == 0) return false;
   for (const auto* in : c.inputs) {
@@ -139,7 +159,8 @@ bool rule_no_jump(const Context& c, Verdict& v) {
 }
 
 // In order; the first rule that decides wins.
-constexpr Rule kRules[] = {rule_shape, rule_nonfinite, rule_embedding, rule_jump, rule_smooth_growth, rule_no_jump};
+constexpr Rule kRules[] = {rule_shape,  rule_isolation,     rule_nonfinite, rule_embedding,
+                           rule_jump,   rule_smooth_growth, rule_no_jump};
 
 }  // namespace
 

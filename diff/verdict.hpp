@@ -3,6 +3,8 @@
 // Each checkpoint kind has dataflow inputs (its operands' checkpoints, see dataflow_inputs). The
 // rules run in order and the first that decides wins; the report prints the rule and its numbers:
 //   shape         shapes differ                                         -> local
+//   isolation     (isolation replay ran) this op on the reference's inputs fails its tolerance
+//                 -> local; passes it -> drift (the error came in through its inputs)
 //   nonfinite     non-finite values appear here, inputs are finite      -> local
 //   embedding     embd reads identical token ids, it has no float input -> local
 //   jump          rel_l2 > jump_factor x max rel_l2 of its inputs       -> local
@@ -10,7 +12,6 @@
 //                 jump_factor from one layer to the next                -> drift
 //   no_jump       rel_l2 <= jump_factor x its inputs' (no growth series) -> drift
 //   otherwise     no input recorded                                     -> undetermined
-// Further evidence (isolation replay's local errors) plugs in as one more rule in verdict.cpp.
 #pragma once
 
 #include <functional>
