@@ -96,9 +96,10 @@ inline constexpr double kFaultRmsEps = 1e-5;
 inline constexpr double kFaultRopeTheta = 10000.0;
 
 // lm_head_padded_vocab: the vocabulary padded to the next multiple of 128 above V (always > V),
-// and the bytes the never-written rows hold (0x7f7f7f7f, a stale-memory pattern: 3.39e38).
+// and what the never-written rows hold: the bytes 0x7f (a stale-memory pattern), as f32 3.39e38.
 int fault_padded_vocab(int n_vocab);
 inline constexpr unsigned char kFaultUninitialisedByte = 0x7f;
+inline constexpr float kFaultUninitialisedLogit = 3.39615136e38f;  // the f32 whose bytes are 0x7f7f7f7f
 
 // dequant_scale_offset: whether a format is one of the legacy block formats it corrupts (Q4_0,
 // Q4_1, Q5_0, Q5_1, Q8_0: an f16 scale d at byte 0 of each block), and the raw tensor bytes as the
