@@ -17,59 +17,77 @@ namespace {
 const std::vector<FaultInfo> kCatalog = {
     {Fault::embd_transposed, "embd_transposed",
      "token_embd (GGUF [n_embd, n_vocab], ne[0] fastest) read as [D, V]: embd[t, i] = table[i * V + id]", "embd", 0,
-     "all", "embd differs at once; nothing before it can (verdict rule embedding)"},
+     "all", "embd differs at once; nothing before it can (verdict rule embedding)",
+     "embd"},
     {Fault::qkv_bias_missing, "qkv_bias_missing", "q/k/v projections computed without their biases", "Qcur-0", 0,
-     "models with q/k/v biases (qwen2)", "Qcur-0 is the first projection; Kcur-0 and Vcur-0 follow"},
+     "models with q/k/v biases (qwen2)", "Qcur-0 is the first projection; Kcur-0 and Vcur-0 follow",
+     "Qcur,Kcur,Vcur"},
     {Fault::rope_pairing_swapped, "rope_pairing_swapped",
      "RoPE pairs (2i, 2i+1) where the model pairs (i, i+Dh/2), and the reverse", "Qrope-0", 0, "all",
-     "needs T >= 2: position 0 is a rotation by 0, so the prompt's first token is unchanged"},
+     "needs T >= 2: position 0 is a rotation by 0, so the prompt's first token is unchanged",
+     "Qrope,Krope"},
     {Fault::rope_theta_10000, "rope_theta_10000", "RoPE base 10000 instead of the model's rope_theta", "Qrope-0", 0,
      "models whose rope_theta is not 10000 (not the tiny llama)",
-     "needs T >= 2 (position 0 rotates by 0 at any base)"},
+     "needs T >= 2 (position 0 rotates by 0 at any base)",
+     "Qrope,Krope"},
     {Fault::gqa_head_modulo, "gqa_head_modulo", "query head h reads KV head h % Hkv instead of h / (H / Hkv)",
      "kq_soft_max-0", 0, "models with H > Hkv > 1",
      "the scores already read the wrong K head, before kqv_out-0 reads the wrong V head; needs T >= 2 "
-     "(one key has probability 1 whatever it is); kqv_out-0 when kq_soft_max is not recorded"},
+     "(one key has probability 1 whatever it is); kqv_out-0 when kq_soft_max is not recorded",
+     "kq_soft_max,kqv_out"},
     {Fault::kv_cache_not_read, "kv_cache_not_read",
      "attention over the step's own K/V instead of the cache: a decode step sees only the current token",
      "kq_soft_max-0", 1, "all",
      "step 0 is unchanged (the prefill's own tokens are the whole cache); at step 1 the probabilities are "
-     "[H, 1, 1] against [H, 1, S]: a shape mismatch; kqv_out-0 when kq_soft_max is not recorded"},
+     "[H, 1, 1] against [H, 1, S]: a shape mismatch; kqv_out-0 when kq_soft_max is not recorded",
+     "kq_soft_max,kqv_out"},
     {Fault::kv_cache_pos0, "kv_cache_pos0", "the step's K/V rows written at cache row 0 instead of row n_past",
      "cache_k-0", 1, "all",
-     "step 0 writes rows 0..T-1 as it should; at step 1 row 0 is overwritten and row n_past is never written"},
+     "step 0 writes rows 0..T-1 as it should; at step 1 row 0 is overwritten and row n_past is never written",
+     "cache_k,cache_v"},
     {Fault::causal_mask_missing, "causal_mask_missing", "prefill without the causal mask: every token attends to all T",
-     "kq_soft_max-0", 0, "all", "needs T >= 2; decode steps are unaffected (one query, every key is in its past)"},
+     "kq_soft_max-0", 0, "all", "needs T >= 2; decode steps are unaffected (one query, every key is in its past)",
+     "kq_soft_max,kqv_out"},
     {Fault::attn_scale_missing, "attn_scale_missing", "attention scores q·k without the 1/sqrt(Dh) scale",
-     "kq_soft_max-0", 0, "all", "needs T >= 2 (the first token's single score has probability 1 at any scale)"},
+     "kq_soft_max-0", 0, "all", "needs T >= 2 (the first token's single score has probability 1 at any scale)",
+     "kq_soft_max,kqv_out"},
     {Fault::rms_norm_weight_twice, "rms_norm_weight_twice", "every RMSNorm multiplies by its weight twice",
-     "attn_norm-0", 0, "all", "the first RMSNorm is attn_norm-0"},
+     "attn_norm-0", 0, "all", "the first RMSNorm is attn_norm-0",
+     "attn_norm,Qnorm,Knorm,ffn_norm,result_norm"},
     {Fault::rms_eps_1e5, "rms_eps_1e5", "RMSNorm epsilon 1e-5 instead of the model's rms_eps", "attn_norm-0", 0,
      "models whose rms_eps is not 1e-5 (qwen2, qwen3; not llama)",
-     "subtle: the relative change is about (1e-5 - eps) / (2 mean(x^2)); rows with a small mean square (the "
-     "embeddings) show it most. Caught by the f32 presets; an f16 preset may pass it"},
+     "subtle: the relative change is about (1e-5 - eps) / (2 mean(x^2)), largest on rows of small mean square "
+     "(the embeddings). Tiny qwen2/qwen3: attn_norm-0 rel_l2 about 1e-4, 5x the f32_vs_f64 bound (2e-5), caught; "
+     "200x under the f16 presets' 0.02, so an f16 engine's run passes it",
+     "attn_norm,Qnorm,Knorm,ffn_norm,result_norm"},
     {Fault::swiglu_gate_up_swapped, "swiglu_gate_up_swapped", "SwiGLU computes silu(up) · gate", "ffn_swiglu-0", 0,
-     "all", "ffn_gate-0 and ffn_up-0 themselves are right"},
+     "all", "ffn_gate-0 and ffn_up-0 themselves are right",
+     "ffn_swiglu"},
     {Fault::attn_out_transposed, "attn_out_transposed",
      "attention output projection with W_o read with the wrong leading dimension (GEMM transpose flag flipped)",
      "attn_out-0", 0, "all",
      "a true transpose when W_o is square (H·Dh == D, as in every supported fixture); otherwise the same memory "
-     "read with rows H·Dh long instead of D, still in bounds"},
+     "read with rows H·Dh long instead of D, still in bounds",
+     "attn_out"},
     {Fault::ffn_down_transposed, "ffn_down_transposed",
      "FFN down projection with W_down [D, F] read as if its rows were D long (the wrong leading dimension)",
-     "ffn_out-0", 0, "all", "W_down is not square: the classic wrong-lda read, in bounds"},
+     "ffn_out-0", 0, "all", "W_down is not square: the classic wrong-lda read, in bounds",
+     "ffn_out"},
     {Fault::residual_skipped, "residual_skipped", "ffn_inp = attn_out: the residual add after attention skipped",
-     "ffn_inp-0", 0, "all", "attn_out-0 is right; ffn_inp-0 has lost the residual stream"},
+     "ffn_inp-0", 0, "all", "attn_out-0 is right; ffn_inp-0 has lost the residual stream",
+     "ffn_inp"},
     {Fault::lm_head_padded_vocab, "lm_head_padded_vocab",
      "logits over a vocabulary padded to a multiple of 128 whose extra rows are never written; argmax over all of them",
      "result_output", 0, "all",
      "result_output is recorded over the padded width: a shape mismatch [T, Vp] vs [T, V]; the stale rows "
-     "(0x7f bytes) win the argmax, so every step's token is id V, past the vocabulary (token agreement)"},
+     "(0x7f bytes) win the argmax, so every step's token is id V, past the vocabulary (token agreement)",
+     "result_output"},
     {Fault::dequant_scale_offset, "dequant_scale_offset",
      "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks decoded with the f16 scale d read from bytes 2..3 instead of 0..1",
      "first checkpoint reading such a tensor", 0, "models with a tensor in Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0",
      "embd when token_embd is in one of these formats; Q4_1/Q5_1 then use the min as the scale, Q4_0/Q8_0 two "
-     "quant bytes (which may decode to Inf/NaN: the nonfinite rule)"},
+     "quant bytes (which may decode to Inf/NaN: the nonfinite rule)",
+     "embd,attn_norm,Qcur,Kcur,Vcur,Qnorm,Knorm,attn_out,ffn_norm,ffn_gate,ffn_up,ffn_out,result_norm,result_output"},
 };
 
 // The checkpoint first computed from GGUF tensor `name` ("blk.3.attn_q.weight" -> "Qcur-3").
@@ -109,6 +127,9 @@ std::string first_legacy_checkpoint(const ModelConfig& cfg, const GgufFile& file
   return best;
 }
 
+// GGUF stores rope_theta and rms_eps as f32: 1e-5 arrives as 9.99999975e-06.
+bool same_f32(double a, double b) { return static_cast<float>(a) == static_cast<float>(b); }
+
 }  // namespace
 
 const std::vector<FaultInfo>& fault_catalog() { return kCatalog; }
@@ -120,13 +141,13 @@ std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile
     case Fault::qkv_bias_missing:
       return cfg.qkv_bias ? "" : "the model has no q/k/v biases";
     case Fault::rope_theta_10000:
-      return cfg.rope_theta != kFaultRopeTheta ? "" : "the model's rope_theta is already 10000";
+      return same_f32(cfg.rope_theta, kFaultRopeTheta) ? "the model's rope_theta is already 10000" : "";
     case Fault::gqa_head_modulo:
       if (cfg.n_head_kv == 1) return "the model has one KV head: every mapping reads head 0";
       if (cfg.n_head_kv == cfg.n_head) return "the model has as many KV heads as query heads: h % H == h / 1";
       return "";
     case Fault::rms_eps_1e5:
-      return cfg.rms_eps != kFaultRmsEps ? "" : "the model's rms_eps is already 1e-5";
+      return same_f32(cfg.rms_eps, kFaultRmsEps) ? "the model's rms_eps is already 1e-5" : "";
     case Fault::dequant_scale_offset:
       if (!file) return "which tensor formats the model has is not known here";
       return first_legacy_checkpoint(cfg, *file).empty() ? "the model has no tensor in Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0"

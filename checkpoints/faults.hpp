@@ -50,6 +50,8 @@ struct FaultInfo {
   int step;                // the step where it must first show
   const char* applies;     // to which models, in words ("all", "qwen2 (q/k/v biases)", ...)
   const char* shows;       // how the diff shows it (and what it needs, e.g. T >= 2)
+  const char* ops;         // the checkpoint kinds its flawed op computes, comma-separated: where isolation
+                           // replay shows a local error (the expected checkpoint's kind among them)
 };
 
 // Every fault, in enum order.

@@ -1,0 +1,390 @@
+// Fault injection and isolation replay on the CPU reference: every catalog fault is found where the catalog says.
+//
+// For each tiny fixture (llama, qwen2, qwen3; f32, plus quantized ones for dequant_scale_offset) the
+// reference computes in f64 without faults; the f32 reference with one fault injected must diverge
+// first at the catalog's checkpoint and step with the verdict "local", under the committed
+// f32_vs_f64 preset. Without faults, every fixture, precision pair and step must pass (no false
+// alarm). Isolation replay must give a faulty op a failing local error and no other op one.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "checkpoints/dump.hpp"
+#include "checkpoints/faults.hpp"
+#include "checkpoints/replay_sink.hpp"
+#include "diff/compare.hpp"
+#include "diff/tolerances.hpp"
+#include "model/config.hpp"
+#include "model/error.hpp"
+#include "model/gguf.hpp"
+#include "reference_cpu/reference.hpp"
+#include "test_util.hpp"
+
+namespace diffrun {
+namespace {
+
+namespace fs = std::filesystem;
+
+// 9 prompt tokens (ids valid in both vocabularies), then 2 teacher-forced decode steps.
+const std::vector<int32_t> kPrompt = {1, 17, 42, 99, 5, 63, 120, 7, 200};
+constexpr int kSteps = 2;
+
+fs::path temp_dir() {
+  static const fs::path dir = [] {
+    fs::path d = fs::temp_directory_path() / ("diffrun-test-faults-" + std::to_string(::getpid()));
+    fs::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+// Removes the dumps when the tests end.
+class TempDirCleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(temp_dir(), ec);
+  }
+};
+const auto* const kCleanup = ::testing::AddGlobalTestEnvironment(new TempDirCleanup);
+
+struct Model {
+  std::unique_ptr<GgufFile> file;
+  ModelConfig cfg;
+};
+
+Model open_model(const std::string& fixture) {
+  const std::string path = test::fixture_path(fixture);
+  if (!fs::exists(path)) throw Error(path + " is missing: run the tiny_models fixture (scripts/gen_fixtures.py)");
+  Model m;
+  m.file = GgufFile::open(path);
+  m.cfg = config_from_gguf(*m.file);
+  return m;
+}
+
+// Runs one CPU backend over the prompt and kSteps forced tokens (`forced` empty: its own argmax) into
+// `sink`; returns the argmax of every step.
+std::vector<int32_t> run(Backend& b, const std::vector<int32_t>& forced, Sink& sink) {
+  std::vector<int32_t> argmax;
+  std::vector<float> logits = b.forward(0, kPrompt, sink);
+  for (int step = 0;; ++step) {
+    argmax.push_back(static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin()));
+    if (step == kSteps) break;
+    const int32_t next = forced.empty() ? argmax.back() : forced[step];
+    logits = b.forward(step + 1, std::span<const int32_t>(&next, 1), sink);
+  }
+  return argmax;
+}
+
+DumpMeta meta_for(const Model& m, const Backend& b) {
+  DumpMeta meta;
+  meta.backend = b.name();
+  meta.precision = b.precision();
+  meta.model_path = m.file->path();
+  meta.model_fingerprint = m.file->fingerprint();
+  meta.config = m.cfg;
+  meta.token_ids = kPrompt;
+  meta.facts = b.facts();
+  return meta;
+}
+
+struct Dump {
+  std::string path;
+  std::vector<int32_t> argmax;
+};
+
+// A dump of the CPU backend at `precision` with `faults`, teacher-forced on `forced`; isolated
+// (replaying `reference`) when given.
+Dump dump(const Model& m, const std::string& precision, const FaultSet& faults, const std::vector<int32_t>& forced,
+          const std::string& name, const DumpReader* reference = nullptr) {
+  auto b = make_cpu_backend(*m.file, m.cfg, precision, static_cast<int>(kPrompt.size()) + kSteps, faults);
+  Dump d;
+  d.path = (temp_dir() / (name + ".h5")).string();
+  DumpWriter writer(d.path, meta_for(m, *b));
+  if (reference) {
+    ReplaySink replay(writer, *reference);
+    d.argmax = run(*b, forced, replay);
+  } else {
+    d.argmax = run(*b, forced, writer);
+  }
+  writer.set_attribute("argmax", d.argmax);
+  writer.finish();
+  return d;
+}
+
+diff::Comparison compare(const std::string& engine, const std::string& reference, const char* preset) {
+  return diff::compare_dumps(DumpReader(engine), DumpReader(reference), diff::preset_tolerances(preset));
+}
+
+std::string describe_failure(const diff::Comparison& c) {
+  if (!c.first_failure) return "no divergence";
+  const diff::CheckpointResult& f = c.results[*c.first_failure];
+  return f.name + " at step " + std::to_string(f.step) + ", verdict " + diff::verdict_kind_name(c.verdict.kind) +
+         " (" + c.verdict.rule + ": " + c.verdict.explanation + ")";
+}
+
+std::set<std::string> split_kinds(const char* csv) {
+  std::set<std::string> out;
+  std::string s(csv);
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    size_t end = s.find(',', pos);
+    if (end == std::string::npos) end = s.size();
+    out.insert(s.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  return out;
+}
+
+// The clean f64 reference of a fixture, written once.
+struct Reference {
+  Model model;
+  Dump f64;
+};
+
+Reference& reference_of(const std::string& fixture) {
+  static std::map<std::string, std::unique_ptr<Reference>> cache;
+  auto& r = cache[fixture];
+  if (!r) {
+    r = std::make_unique<Reference>();
+    r->model = open_model(fixture);
+    r->f64 = dump(r->model, "f64", {}, {}, fixture + "-f64");
+  }
+  return *r;
+}
+
+// Injects `f` into the f32 reference of `fixture` and checks the first divergence against the catalog,
+// then the isolation replay's local errors.
+void check_fault(const std::string& fixture, Fault f) {
+  const FaultInfo& info = fault_info(f);
+  SCOPED_TRACE(fixture + " with " + info.name);
+  Reference& ref = reference_of(fixture);
+  const std::string expected = expected_checkpoint(f, ref.model.cfg, ref.model.file.get());
+
+  const Dump faulty = dump(ref.model, "f32", FaultSet{f}, ref.f64.argmax, fixture + "-" + info.name);
+  diff::Comparison c = compare(faulty.path, ref.f64.path, "f32_vs_f64");
+  ASSERT_TRUE(c.diverged()) << "the fault went unnoticed";
+  const diff::CheckpointResult& first = c.results[*c.first_failure];
+  EXPECT_EQ(first.name, expected) << describe_failure(c);
+  EXPECT_EQ(first.step, info.step) << describe_failure(c);
+  EXPECT_EQ(c.verdict.kind, diff::VerdictKind::local) << describe_failure(c);
+
+  // Isolation: the faulty op's local error fails its tolerance; ops the fault does not touch pass.
+  const DumpReader reference(ref.f64.path);
+  const Dump isolated =
+      dump(ref.model, "f32", FaultSet{f}, ref.f64.argmax, fixture + "-" + info.name + "-isolated", &reference);
+  diff::add_isolation(c, compare(isolated.path, ref.f64.path, "f32_vs_f64"));
+  const diff::CheckpointResult& again = c.results[*c.first_failure];
+  ASSERT_TRUE(again.local.has_value());
+  EXPECT_TRUE(again.local->failed()) << "local rel_l2 " << again.local->rel_l2;
+  EXPECT_EQ(c.verdict.kind, diff::VerdictKind::local) << describe_failure(c);
+  EXPECT_EQ(c.verdict.rule, again.status == diff::CheckpointStatus::shape_mismatch ? "shape" : "isolation");
+  const std::set<std::string> ops = split_kinds(info.ops);
+  for (const auto& r : c.results) {
+    if (r.local && r.local->failed()) {
+      EXPECT_TRUE(ops.count(r.base)) << r.name << " at step " << r.step << " fails in isolation (local rel_l2 "
+                                     << r.local->rel_l2 << ") but the fault changes only " << info.ops;
+    }
+  }
+}
+
+struct ArchCase {
+  const char* fixture;
+  std::set<Fault> not_applicable;
+};
+
+class FaultCatalog : public ::testing::TestWithParam<ArchCase> {};
+
+TEST_P(FaultCatalog, EveryApplicableFaultIsFoundWhereTheCatalogSays) {
+  const ArchCase& a = GetParam();
+  Reference& ref = reference_of(a.fixture);
+  int tested = 0;
+  for (const FaultInfo& info : fault_catalog()) {
+    const std::string why = fault_not_applicable(info.id, ref.model.cfg, ref.model.file.get());
+    EXPECT_EQ(why.empty(), !a.not_applicable.count(info.id)) << info.name << ": " << why;
+    if (!why.empty()) {
+      EXPECT_THROW(make_cpu_backend(*ref.model.file, ref.model.cfg, "f32", 16, FaultSet{info.id}), InputError);
+      continue;
+    }
+    check_fault(a.fixture, info.id);
+    ++tested;
+  }
+  EXPECT_EQ(tested, kFaultCount - static_cast<int>(a.not_applicable.size()));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    TinyF32, FaultCatalog,
+    ::testing::Values(ArchCase{"tiny-llama-f32.gguf",
+                               {Fault::qkv_bias_missing, Fault::rope_theta_10000, Fault::rms_eps_1e5,
+                                Fault::dequant_scale_offset}},
+                      ArchCase{"tiny-qwen2-f32.gguf", {Fault::dequant_scale_offset}},
+                      ArchCase{"tiny-qwen3-f32.gguf", {Fault::qkv_bias_missing, Fault::dequant_scale_offset}}),
+    [](const auto& info) {
+      std::string name = info.param.fixture;
+      name = name.substr(5, name.find('-', 5) - 5);  // "tiny-qwen2-f32.gguf" -> "qwen2"
+      return name;
+    });
+
+TEST(FaultDequant, FoundAtTheFirstCheckpointReadingALegacyFormatTensor) {
+  for (const char* fixture : {"tiny-llama-q8_0.gguf", "tiny-qwen2-q4_1.gguf", "tiny-qwen3-q5_0.gguf"}) {
+    check_fault(fixture, Fault::dequant_scale_offset);
+  }
+}
+
+TEST(FaultDequant, NotApplicableWithoutLegacyFormats) {
+  const Model m = open_model("tiny-llama-q4_k.gguf");
+  EXPECT_FALSE(fault_not_applicable(Fault::dequant_scale_offset, m.cfg, m.file.get()).empty());
+  EXPECT_EQ(expected_checkpoint(Fault::dequant_scale_offset, open_model("tiny-qwen2-q8_0.gguf").cfg,
+                                open_model("tiny-qwen2-q8_0.gguf").file.get()),
+            "embd");
+}
+
+// The subtle one: epsilon 1e-5 instead of 1e-6 moves attn_norm-0 by about 1e-4 relative: above the
+// f32_vs_f64 bound (2e-5), far below the f16 presets' (0.02), as the catalog says.
+TEST(FaultSubtle, RmsEpsCaughtByTheF32PresetNotTheF16One) {
+  for (const char* fixture : {"tiny-qwen2-f32.gguf", "tiny-qwen3-f32.gguf"}) {
+    SCOPED_TRACE(fixture);
+    Reference& ref = reference_of(fixture);
+    const Dump faulty = dump(ref.model, "f32", FaultSet{Fault::rms_eps_1e5}, ref.f64.argmax,
+                             std::string(fixture) + "-eps-subtle");
+    const diff::Comparison c = compare(faulty.path, ref.f64.path, "f32_vs_f64");
+    ASSERT_TRUE(c.diverged());
+    const diff::CheckpointResult& f = c.results[*c.first_failure];
+    ASSERT_EQ(f.name, "attn_norm-0");
+    EXPECT_GT(f.metrics->rel_l2, 3 * 2e-5);
+    EXPECT_LT(f.metrics->rel_l2, 0.02 / 50);
+    EXPECT_FALSE(compare(faulty.path, ref.f64.path, "f16_vs_f64").diverged());
+  }
+}
+
+TEST(FaultSet, ParseNamesAndRefuseUnknown) {
+  EXPECT_TRUE(parse_faults("").empty());
+  const FaultSet s = parse_faults(" rope_theta_10000 ,kv_cache_pos0");
+  EXPECT_TRUE(s.has(Fault::rope_theta_10000));
+  EXPECT_TRUE(s.has(Fault::kv_cache_pos0));
+  EXPECT_EQ(s.names(), "rope_theta_10000,kv_cache_pos0");
+  try {
+    parse_faults("rope_theta_10000,rope_theta_1000");
+    FAIL() << "an unknown fault was accepted";
+  } catch (const InputError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("'rope_theta_1000'"), std::string::npos) << msg;
+    for (const FaultInfo& f : fault_catalog()) EXPECT_NE(msg.find(f.name), std::string::npos) << msg;
+  }
+  EXPECT_THROW(parse_faults("a,,b"), InputError);
+  ASSERT_EQ(static_cast<int>(fault_catalog().size()), kFaultCount);
+  for (int i = 0; i < kFaultCount; ++i) EXPECT_EQ(static_cast<int>(fault_catalog()[i].id), i);
+}
+
+TEST(FaultDequant, BytesMoveTheScaleOnly) {
+  std::vector<std::byte> raw(34 * 2);
+  for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<std::byte>(i);
+  const std::vector<std::byte> bad = dequant_fault_bytes(GgmlType::Q8_0, raw);
+  ASSERT_EQ(bad.size(), raw.size());
+  for (size_t b : {size_t(0), size_t(34)}) {
+    EXPECT_EQ(bad[b], raw[b + 2]);
+    EXPECT_EQ(bad[b + 1], raw[b + 3]);
+    for (size_t i = 2; i < 34; ++i) EXPECT_EQ(bad[b + i], raw[b + i]);
+  }
+  EXPECT_THROW(dequant_fault_bytes(GgmlType::Q4_K, raw), InputError);
+}
+
+// No false alarms: every fixture (all formats) f32 vs f64, the f32 fixtures also f32 vs f32, all steps.
+TEST(FaultClean, EveryFixturePassesEveryPresetPair) {
+  std::vector<std::string> fixtures;
+  for (const auto& e : fs::directory_iterator(test::fixture_path(""))) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("tiny-", 0) == 0 && e.path().extension() == ".gguf") fixtures.push_back(name);
+  }
+  std::sort(fixtures.begin(), fixtures.end());
+  ASSERT_GE(fixtures.size(), 50u) << "expected the tiny fixtures of every arch and format";
+  for (const std::string& fixture : fixtures) {
+    SCOPED_TRACE(fixture);
+    Reference& ref = reference_of(fixture);
+    const Dump f32 = dump(ref.model, "f32", {}, ref.f64.argmax, fixture + "-clean-f32");
+    const diff::Comparison c = compare(f32.path, ref.f64.path, "f32_vs_f64");
+    EXPECT_FALSE(c.diverged()) << describe_failure(c);
+    EXPECT_EQ(c.n_fail, 0);
+    if (fixture.find("-f32.gguf") != std::string::npos) {  // two f32 runs of the same code: bit-identical
+      const Dump f32b = dump(ref.model, "f32", {}, ref.f64.argmax, fixture + "-clean-f32b");
+      const diff::Comparison same = compare(f32b.path, f32.path, "f32_vs_f32");
+      EXPECT_FALSE(same.diverged()) << describe_failure(same);
+    }
+  }
+}
+
+// Isolation without a fault: every local error is tiny and passes.
+TEST(FaultClean, IsolatedLocalErrorsAreTinyEverywhere) {
+  for (const char* fixture : {"tiny-llama-f32.gguf", "tiny-qwen2-f32.gguf", "tiny-qwen3-q4_k.gguf"}) {
+    SCOPED_TRACE(fixture);
+    Reference& ref = reference_of(fixture);
+    const DumpReader reference(ref.f64.path);
+    const Dump iso = dump(ref.model, "f32", {}, ref.f64.argmax, std::string(fixture) + "-clean-isolated", &reference);
+    const diff::Comparison c = compare(iso.path, ref.f64.path, "f32_vs_f64");
+    EXPECT_FALSE(c.diverged()) << describe_failure(c);
+    for (const auto& r : c.results) {
+      ASSERT_TRUE(r.metrics.has_value()) << r.name;
+      EXPECT_LT(r.metrics->rel_l2, 2e-6) << r.name << " at step " << r.step;
+    }
+  }
+}
+
+// The same through the diffrun binary: exit code 1, the catalog's checkpoint, verdict local by isolation.
+struct Cli {
+  int rc;
+  std::string out;
+};
+
+Cli run_cli(const std::string& args) {
+  const std::string cmd = test::env_or("DIFFRUN_BIN", "build/cli/diffrun") + " " + args + " 2>&1";
+  Cli r{-1, {}};
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = ::pclose(p);
+  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+TEST(FaultCli, InjectAndIsolateThroughTheBinary) {
+  const std::string model = test::fixture_path("tiny-qwen3-f32.gguf");
+  const std::string out = (temp_dir() / "cli").string();
+  const Cli r = run_cli("--model " + model + " --tokens 1,17,42,99,5 --steps 2 --engine cpu --inject "
+                        "rope_pairing_swapped --isolate --no-color --out " + out);
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_NE(r.out.find("FIRST DIVERGENCE  Qrope-0  (step 0, layer 0)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("verdict   LOCAL (rule isolation)"), std::string::npos) << r.out;
+  EXPECT_TRUE(fs::exists(fs::path(out) / "engine-isolated.h5"));
+
+  const Cli clean = run_cli("--model " + model + " --tokens 1,17,42,99,5 --steps 2 --engine cpu --isolate "
+                            "--no-color --out " + out);
+  EXPECT_EQ(clean.rc, 0) << clean.out;
+
+  const Cli unknown = run_cli("--model " + model + " --tokens 1,2 --engine cpu --inject no_such_fault --out " + out);
+  EXPECT_EQ(unknown.rc, 2);
+  EXPECT_NE(unknown.out.find("unknown fault 'no_such_fault'"), std::string::npos) << unknown.out;
+  const Cli not_here = run_cli("dump --model " + model + " --tokens 1,2 --inject qkv_bias_missing --out " + out +
+                               "/x.h5");
+  EXPECT_EQ(not_here.rc, 2);
+  EXPECT_NE(not_here.out.find("does not apply"), std::string::npos) << not_here.out;
+
+  const Cli table = run_cli("faults");
+  EXPECT_EQ(table.rc, 0);
+  for (const FaultInfo& f : fault_catalog()) EXPECT_NE(table.out.find(f.name), std::string::npos) << f.name;
+}
+
+}  // namespace
+}  // namespace diffrun
