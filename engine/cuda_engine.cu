@@ -16,6 +16,12 @@
 //   recorded, else the last token's alone.
 // - Hooks off: no copies, no synchronization, no extra kernels. On: cudaMemcpyAsync into pinned
 //   staging right after the op, delivered to the sink after the step's one synchronization.
+// - Fused ops, each writing every checkpoint tensor of the twins it combines (so hooks stay copies
+//   only): matmul_cat (Wq|Wk|Wv and Wgate|Wup concatenated at load, one GEMV per group when T = 1),
+//   rope_qk (q and k in one launch) and add_rms_norm (ffn_inp + ffn_norm; l_out + the next layer's
+//   attn_norm or result_norm). When isolation replay replaces the first output of add_rms_norm, the
+//   norm is computed again from the replaced values. Decode T = 1 projections run our GEMV kernel,
+//   prefill the cuBLAS GEMM (bench/NOTES.md has the figures).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -34,15 +40,14 @@
 #include "engine/device_buffer.cuh"
 #include "engine/engine.hpp"
 #include "engine/gemm.cuh"
-#include "engine/ops/add.cuh"
+#include "engine/ops/add_rms_norm.cuh"
 #include "engine/ops/argmax.cuh"
 #include "engine/ops/attention.cuh"
 #include "engine/ops/embedding.cuh"
 #include "engine/ops/kv_store.cuh"
 #include "engine/ops/matmul.cuh"
 #include "engine/ops/rms_norm.cuh"
-#include "engine/ops/rope_neox.cuh"
-#include "engine/ops/rope_norm.cuh"
+#include "engine/ops/rope_qk.cuh"
 #include "engine/ops/swiglu.cuh"
 #include "engine/weights.cuh"
 #include "model/error.hpp"
@@ -225,10 +230,11 @@ class CudaEngineImpl final : public CudaEngine {
     CUDA_CHECK(cudaMemcpyAsync(d_n_past_.get(), h_n_past_.get(), sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
 
     embedding(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_); cp(sink, step, "embd", -1, a.x.get(), {n, D});
+    rms_norm(a.xn.get(), a.x.get(), norm_opening(0), n, D, eps(), stream_);  // layer 0's attn_norm
     for (int l = 0; l < cfg_.n_layer; ++l) layer(step, l, n, sink);
     set_op_context(step, -1);
 
-    rms_norm(a.xn.get(), a.x.get(), weights_.output_norm, n, D, eps(), stream_); cp(sink, step, "result_norm", -1, a.xn.get(), {n, D});
+    cp(sink, step, "result_norm", -1, a.xn.get(), {n, D});  // a.xn: from the last layer's add_rms_norm
     const int rows = sink.wants("result_output") ? n : 1;  // every token's logits only when recorded
     const W* last_rows = a.xn.get() + size_t(n - rows) * D;  // [rows, D]
     matmul(logits_.get(), last_rows, weights_.lm_head, nullptr, rows, D, V, cublas_, stream_);
@@ -249,22 +255,24 @@ class CudaEngineImpl final : public CudaEngine {
     const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, F = cfg_.n_ff;
     const int Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n;
     const float theta = static_cast<float>(cfg_.rope_theta);
-    const auto rope = cfg_.rope_type == RopeType::norm ? rope_norm : rope_neox;
+    const bool neox = cfg_.rope_type != RopeType::norm;
     const int32_t* n_past = d_n_past_.get();  // [1] device; also the position of token 0
     float* cache_k = k_cache_.get() + size_t(l) * max_ctx_ * KV;  // [max_ctx, Hkv*Dh]; rows 0..S-1 valid after
     float* cache_v = v_cache_.get() + size_t(l) * max_ctx_ * KV;  // [max_ctx, Hkv*Dh]
-    const int64_t nD = int64_t(n) * D;
 
-    rms_norm(a.xn.get(), a.x.get(), w.attn_norm, n, D, eps(), stream_);        cp(sink, step, "attn_norm", l, a.xn.get(), {n, D});
-    matmul(a.q.get(), a.xn.get(), w.wq, w.bq, n, D, Q, cublas_, stream_);      cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
-    matmul(a.k.get(), a.xn.get(), w.wk, w.bk, n, D, KV, cublas_, stream_);     cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
-    matmul(a.v.get(), a.xn.get(), w.wv, w.bv, n, D, KV, cublas_, stream_);     cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
+    // a.xn = rms_norm(a.x) · attn_norm, written by the op before the layer (rms_norm or add_rms_norm).
+    cp(sink, step, "attn_norm", l, a.xn.get(), {n, D});
+    matmul_cat({{a.q.get(), w.bq, Q}, {a.k.get(), w.bk, KV}, {a.v.get(), w.bv, KV}}, a.xn.get(), w.wq, n, D, cublas_, stream_);
+    cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
+    cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
+    cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
     if (cfg_.qk_norm) {
       rms_norm(a.q.get(), a.q.get(), w.q_norm, n * H, Dh, eps(), stream_);     cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
       rms_norm(a.k.get(), a.k.get(), w.k_norm, n * Hkv, Dh, eps(), stream_);   cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
     }
-    rope(a.q.get(), a.q.get(), n, H, Dh, n_past, theta, stream_);               cp(sink, step, "Qrope", l, a.q.get(), {n, H, Dh});
-    rope(a.k.get(), a.k.get(), n, Hkv, Dh, n_past, theta, stream_);             cp(sink, step, "Krope", l, a.k.get(), {n, Hkv, Dh});
+    rope_qk(a.q.get(), a.k.get(), a.q.get(), a.k.get(), n, H, Hkv, Dh, n_past, theta, neox, stream_);
+    cp(sink, step, "Qrope", l, a.q.get(), {n, H, Dh});
+    cp(sink, step, "Krope", l, a.k.get(), {n, Hkv, Dh});
 
     kv_store(cache_k, cache_v, a.k.get(), a.v.get(), n, n_past, KV, stream_);
     cp(sink, step, "cache_k", l, cache_k, {S, Hkv, Dh});
@@ -276,17 +284,29 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "kqv_out", l, a.kqv.get(), {n, H, Dh});
 
     matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_); cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});
-    add(a.ffn_inp.get(), a.x.get(), a.attn_out.get(), nD, stream_);              cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D});
-    rms_norm(a.xn.get(), a.ffn_inp.get(), w.ffn_norm, n, D, eps(), stream_);     cp(sink, step, "ffn_norm", l, a.xn.get(), {n, D});
+    add_rms_norm(a.ffn_inp.get(), a.xn.get(), a.x.get(), a.attn_out.get(), w.ffn_norm, n, D, eps(), stream_);
+    if (cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D}))  // replaced: the norm again, of the new values
+      rms_norm(a.xn.get(), a.ffn_inp.get(), w.ffn_norm, n, D, eps(), stream_);
+    cp(sink, step, "ffn_norm", l, a.xn.get(), {n, D});
 
-    matmul(a.gate.get(), a.xn.get(), w.w_gate, nullptr, n, D, F, cublas_, stream_); cp(sink, step, "ffn_gate", l, a.gate.get(), {n, F});
-    matmul(a.up.get(), a.xn.get(), w.w_up, nullptr, n, D, F, cublas_, stream_);   cp(sink, step, "ffn_up", l, a.up.get(), {n, F});
+    matmul_cat({{a.gate.get(), nullptr, F}, {a.up.get(), nullptr, F}}, a.xn.get(), w.w_gate, n, D, cublas_, stream_);
+    cp(sink, step, "ffn_gate", l, a.gate.get(), {n, F});
+    cp(sink, step, "ffn_up", l, a.up.get(), {n, F});
     swiglu(a.act.get(), a.gate.get(), a.up.get(), int64_t(n) * F, stream_);      cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});
     matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_); cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});
-    add(a.x.get(), a.ffn_inp.get(), a.ffn_out.get(), nD, stream_);               cp(sink, step, "l_out", l, a.x.get(), {n, D});
+    // l_out, and the norm that opens the next layer (attn_norm, or result_norm after the last).
+    add_rms_norm(a.x.get(), a.xn.get(), a.ffn_inp.get(), a.ffn_out.get(), norm_opening(l + 1), n, D, eps(), stream_);
+    if (cp(sink, step, "l_out", l, a.x.get(), {n, D}))  // replaced: the norm again, of the new values
+      rms_norm(a.xn.get(), a.x.get(), norm_opening(l + 1), n, D, eps(), stream_);
   }
 
   float eps() const { return static_cast<float>(cfg_.rms_eps); }
+
+  // The RMSNorm weight applied to the residual stream before layer l: its attn_norm, or output_norm
+  // (result_norm) for l = n_layer.
+  const float* norm_opening(int l) const {
+    return l < cfg_.n_layer ? weights_.layers[l].attn_norm : weights_.output_norm;
+  }
 
   static const char* layout_of(const char* base) {
     const CheckpointKind* kind = find_checkpoint_kind(base);
@@ -295,17 +315,19 @@ class CudaEngineImpl final : public CudaEngine {
   }
 
   // A checkpoint of a buffer the next ops read: recorded when wanted; replaced (isolation replay)
-  // when the sink has values for it, after the recording copy.
+  // when the sink has values for it, after the recording copy. Returns whether it was replaced (a
+  // fused op's second output computed from it is then computed again).
   template <typename A>
-  void cp(Sink& sink, int step, const char* base, int layer, A* dev, std::initializer_list<int64_t> shape) {
+  bool cp(Sink& sink, int step, const char* base, int layer, A* dev, std::initializer_list<int64_t> shape) {
     std::string name = checkpoint_name(base, layer);
     const bool wanted = sink.wants(name);
     const float* replacement = sink.replacement(step, name);
-    if (!wanted && !replacement) return;
+    if (!wanted && !replacement) return false;
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
     if (wanted) stager_.stage(step, std::move(name), layer, layout_of(base), shape, dev, stream_);
     if (replacement) stager_.replace(replacement, dev, n, stream_);
+    return replacement != nullptr;
   }
 
   // A checkpoint no later op reads (the attention probabilities): recorded, never replaced.

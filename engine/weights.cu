@@ -19,6 +19,14 @@ constexpr uint64_t kAlign = 256;
 
 uint64_t align_up(uint64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
+// Tensors placed right after the one before them (no alignment gap), so that Wq|Wk|Wv, bq|bk|bv and
+// Wgate|Wup are each one concatenated tensor for the fused projections (matmul_cat).
+bool continues_previous(const std::string& name) {
+  for (const char* suffix : {".attn_k.weight", ".attn_v.weight", ".attn_k.bias", ".attn_v.bias", ".ffn_up.weight"})
+    if (name.ends_with(suffix)) return true;
+  return false;
+}
+
 // One tensor to upload: `rows` rows of ne[0] values (fewer than the file holds for padded vocab).
 struct Planned {
   const TensorInfo* info;
@@ -43,10 +51,11 @@ std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t
     const int64_t n = rows * cols;
     const uint64_t raw = static_cast<uint64_t>(n / ggml_block_elements(t.type)) * ggml_block_bytes(t.type);
     const bool is_matrix = e.ne.size() == 2;
+    if (!continues_previous(e.name)) offset = align_up(offset);
     out.push_back({&t, n, raw, is_matrix, offset});
-    offset = align_up(offset + static_cast<uint64_t>(n) * (is_matrix ? matrix_elem_bytes : sizeof(float)));
+    offset += static_cast<uint64_t>(n) * (is_matrix ? matrix_elem_bytes : sizeof(float));
   }
-  *arena_bytes = offset;
+  *arena_bytes = align_up(offset);
   return out;
 }
 

@@ -2,6 +2,8 @@
 // Matrices are kept in the engine's type W: f32, or f16 rounded (nearest even) from the exact f32
 // value. Vectors (norm weights, biases) stay f32 in both precisions: they are not GEMM inputs.
 // token_embd and output keep only their first V rows (padded vocabulary rows are never read).
+// Concatenated at load: wq, wk, wv are consecutive rows of one [H*Dh + 2*Hkv*Dh, D] matrix (wk = wq +
+// H*Dh*D, wv = wk + Hkv*Dh*D), bq|bk|bv likewise one vector, and w_gate, w_up one [2F, D] matrix.
 #pragma once
 
 #include <cstdint>

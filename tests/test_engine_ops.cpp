@@ -12,6 +12,7 @@
 
 #include "engine/gemm.cuh"
 #include "engine/ops/add.cuh"
+#include "engine/ops/add_rms_norm.cuh"
 #include "engine/ops/argmax.cuh"
 #include "engine/ops/attention.cuh"
 #include "engine/ops/embedding.cuh"
@@ -20,6 +21,7 @@
 #include "engine/ops/rms_norm.cuh"
 #include "engine/ops/rope_neox.cuh"
 #include "engine/ops/rope_norm.cuh"
+#include "engine/ops/rope_qk.cuh"
 #include "engine/ops/swiglu.cuh"
 #include "model/dequant.hpp"
 #include "reference_cpu/ops/add.hpp"
@@ -119,6 +121,81 @@ TEST(EngineOps, MatmulWithBiasMatchesReference) {
   EXPECT_LT(rel_l2(y.download(), narrow(ref16)), 1e-5);
 }
 
+// One token: the GEMV kernel (16-byte path when K·sizeof(W) is a multiple of 16, else the scalar
+// path), against the CPU matmul twin, within f32 rounding of the sum; every output written.
+TEST(EngineOps, MatmulOneTokenGemvMatchesReference) {
+  DIFFRUN_REQUIRE_CUDA();
+  for (auto [K, N] : {std::pair{67, 43}, std::pair{896, 131}, std::pair{4864, 37}, std::pair{8, 1}, std::pair{260, 5}}) {
+    SCOPED_TRACE("K " + std::to_string(K) + " N " + std::to_string(N));
+    const auto x = random_vec(K, 11), w = random_vec(size_t(N) * K, 12, 0.2f), b = random_vec(N, 13);
+    for (bool with_bias : {false, true}) {
+      const float* bias = with_bias ? b.data() : nullptr;
+      std::vector<double> ref(N), ref16(N);
+      const std::vector<double> wb = widen(b);
+      ref::matmul(ref.data(), widen(x).data(), widen(w).data(), with_bias ? wb.data() : nullptr, 1, K, N);
+      ref::matmul(ref16.data(), widen(f16_round(x)).data(), widen(f16_round(w)).data(),
+                  with_bias ? wb.data() : nullptr, 1, K, N);
+      DeviceArray<float> dx(x), dw(w), db(b), y(std::vector<float>(N, std::nanf("")));
+      engine::CublasHandle h32(engine::EnginePrecision::f32), h16(engine::EnginePrecision::f16);
+      engine::matmul(y.get(), dx.get(), dw.get(), bias ? db.get() : nullptr, 1, K, N, h32, nullptr);
+      EXPECT_LT(rel_l2(y.download(), narrow(ref)), 1e-6);
+      DeviceArray<__half> hx(to_half(x)), hw(to_half(w));
+      DeviceArray<float> y16(std::vector<float>(N, std::nanf("")));
+      engine::matmul(y16.get(), hx.get(), hw.get(), bias ? db.get() : nullptr, 1, K, N, h16, nullptr);
+      EXPECT_LT(rel_l2(y16.download(), narrow(ref16)), 1e-6);
+      // and against cuBLAS on the same inputs (two tokens take the GEMM path; row 0 is x)
+      std::vector<float> x2 = x;
+      x2.insert(x2.end(), x.begin(), x.end());
+      DeviceArray<float> dx2(x2), y2(2 * N);
+      engine::matmul(y2.get(), dx2.get(), dw.get(), bias ? db.get() : nullptr, 2, K, N, h32, nullptr);
+      std::vector<float> row0 = y2.download();
+      row0.resize(N);
+      EXPECT_LT(rel_l2(y.download(), row0), 1e-6);
+    }
+  }
+}
+
+// The fused projections: parts of one concatenated weight, each to its own output, against one
+// CPU matmul per part; one token (the GEMV) and several (cuBLAS per part).
+TEST(EngineOps, MatmulCatMatchesReferencePerPart) {
+  DIFFRUN_REQUIRE_CUDA();
+  const int K = 72;
+  const int Ns[3] = {40, 16, 16};
+  const int N = Ns[0] + Ns[1] + Ns[2];
+  const auto w = random_vec(size_t(N) * K, 14, 0.2f), b = random_vec(N, 15);
+  engine::CublasHandle h32(engine::EnginePrecision::f32), h16(engine::EnginePrecision::f16);
+  for (int T : {1, 3}) {
+    SCOPED_TRACE("T " + std::to_string(T));
+    const auto x = random_vec(size_t(T) * K, 16 + T);
+    DeviceArray<float> dx(x), dw(w), db(b);
+    DeviceArray<__half> hx(to_half(x)), hw(to_half(w));
+    for (bool f16 : {false, true}) {
+      SCOPED_TRACE(f16 ? "f16" : "f32");
+      DeviceArray<float> o0(std::vector<float>(size_t(T) * Ns[0], std::nanf(""))),
+          o1(std::vector<float>(size_t(T) * Ns[1], std::nanf(""))), o2(std::vector<float>(size_t(T) * Ns[2], std::nanf("")));
+      const DeviceArray<float>* outs[3] = {&o0, &o1, &o2};
+      const float* db1 = db.get() + Ns[0];
+      const float* db2 = db1 + Ns[1];
+      if (f16)
+        engine::matmul_cat({{o0.get(), db.get(), Ns[0]}, {o1.get(), db1, Ns[1]}, {o2.get(), db2, Ns[2]}},
+                           hx.get(), hw.get(), T, K, h16, nullptr);
+      else
+        engine::matmul_cat({{o0.get(), db.get(), Ns[0]}, {o1.get(), db1, Ns[1]}, {o2.get(), db2, Ns[2]}},
+                           dx.get(), dw.get(), T, K, h32, nullptr);
+      const std::vector<float> xs = f16 ? f16_round(x) : x, ws = f16 ? f16_round(w) : w;
+      int row = 0;
+      for (int p = 0; p < 3; ++p) {
+        std::vector<double> ref(size_t(T) * Ns[p]);
+        const std::vector<double> wp(ws.begin() + size_t(row) * K, ws.begin() + size_t(row + Ns[p]) * K);
+        const std::vector<double> bp(b.begin() + row, b.begin() + row + Ns[p]);
+        ref::matmul(ref.data(), widen(xs).data(), wp.data(), bp.data(), T, K, Ns[p]);
+        EXPECT_LT(rel_l2(outs[p]->download(), narrow(ref)), 1e-5) << "part " << p;
+        row += Ns[p];
+      }
+    }
+  }
+}
+
 TEST(EngineOps, EmbeddingMatchesReference) {
   DIFFRUN_REQUIRE_CUDA();
   const int V = 37, D = 29, T = 6;
@@ -185,6 +262,57 @@ TEST(EngineOps, RopeMatchesReference) {
         ref::rope_neox(other.data(), widen(x).data(), T, nh, Dh, pos0, theta);
       EXPECT_GT(rel_l2(out.download(), narrow(other)), 1e-2);
     }
+  }
+}
+
+// q and k in one launch: the same as the rope twins applied to each, bit for bit against the
+// single-tensor kernels, and within f32 rounding of the CPU twins.
+TEST(EngineOps, RopeQkMatchesRopeTwins) {
+  DIFFRUN_REQUIRE_CUDA();
+  const int T = 3, H = 5, Hkv = 2, Dh = 18, pos0 = 11;
+  const double theta = 1e6;
+  const auto q = random_vec(T * H * Dh, 30), k = random_vec(T * Hkv * Dh, 31);
+  DeviceArray<int32_t> dpos(std::vector<int32_t>{pos0});
+  for (bool neox : {false, true}) {
+    SCOPED_TRACE(neox ? "neox" : "norm");
+    std::vector<double> rq(q.size()), rk(k.size());
+    const auto rope_ref = neox ? ref::rope_neox<double> : ref::rope_norm<double>;
+    rope_ref(rq.data(), widen(q).data(), T, H, Dh, pos0, theta);
+    rope_ref(rk.data(), widen(k).data(), T, Hkv, Dh, pos0, theta);
+    DeviceArray<float> dq(q), dk(k), oq(q.size()), ok(k.size());
+    engine::rope_qk(oq.get(), ok.get(), dq.get(), dk.get(), T, H, Hkv, Dh, dpos.get(), float(theta), neox, nullptr);
+    EXPECT_LT(rel_l2(oq.download(), narrow(rq)), 1e-6);
+    EXPECT_LT(rel_l2(ok.download(), narrow(rk)), 1e-6);
+    const auto rope_one = neox ? engine::rope_neox : engine::rope_norm;
+    DeviceArray<float> sq(q.size()), sk(k.size());
+    rope_one(sq.get(), dq.get(), T, H, Dh, dpos.get(), float(theta), nullptr);
+    rope_one(sk.get(), dk.get(), T, Hkv, Dh, dpos.get(), float(theta), nullptr);
+    EXPECT_EQ(oq.download(), sq.download());
+    EXPECT_EQ(ok.download(), sk.download());
+  }
+}
+
+// Residual add then RMSNorm in one launch: both outputs bit-identical to add followed by rms_norm.
+TEST(EngineOps, AddRmsNormMatchesAddThenRmsNorm) {
+  DIFFRUN_REQUIRE_CUDA();
+  for (auto [rows, D] : {std::pair{1, 896}, std::pair{7, 97}}) {
+    SCOPED_TRACE("rows " + std::to_string(rows) + " D " + std::to_string(D));
+    const auto a = random_vec(rows * D, 32, 2.0f), b = random_vec(rows * D, 33), w = random_vec(D, 34);
+    std::vector<double> sum_ref(rows * D), norm_ref(rows * D);
+    ref::add(sum_ref.data(), widen(a).data(), widen(b).data(), int64_t(rows) * D);
+    ref::rms_norm(norm_ref.data(), sum_ref.data(), widen(w).data(), rows, D, 1e-6);
+    DeviceArray<float> da(a), db(b), dw(w), sum(rows * D), norm(rows * D), sum2(rows * D), norm2(rows * D);
+    engine::add_rms_norm(sum.get(), norm.get(), da.get(), db.get(), dw.get(), rows, D, 1e-6f, nullptr);
+    EXPECT_LT(rel_l2(sum.download(), narrow(sum_ref)), 1e-6);
+    EXPECT_LT(rel_l2(norm.download(), narrow(norm_ref)), 1e-6);
+    engine::add(sum2.get(), da.get(), db.get(), int64_t(rows) * D, nullptr);
+    engine::rms_norm(norm2.get(), sum2.get(), dw.get(), rows, D, 1e-6f, nullptr);
+    EXPECT_EQ(sum.download(), sum2.download());
+    EXPECT_EQ(norm.download(), norm2.download());
+    DeviceArray<__half> n16(rows * D), n16b(rows * D);
+    engine::add_rms_norm(sum.get(), n16.get(), da.get(), db.get(), dw.get(), rows, D, 1e-6f, nullptr);
+    engine::rms_norm(n16b.get(), sum2.get(), dw.get(), rows, D, 1e-6f, nullptr);
+    EXPECT_EQ(from_half(n16.download()), from_half(n16b.download()));
   }
 }
 

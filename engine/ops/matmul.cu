@@ -1,12 +1,93 @@
-// Linear layer: the row-major GEMM wrapper, then the bias added in f32 (T, N).
+// Linear layer: the GEMV kernel for one token (bias in its epilogue), else the row-major cuBLAS GEMM
+// then the bias added in f32 (T, K, N).
 #include "engine/ops/matmul.cuh"
 
 #include "engine/cuda_check.cuh"
 #include "engine/ops/launch.cuh"
+#include "model/error.hpp"
 
 namespace diffrun::engine {
 
 namespace {
+
+constexpr int kMaxParts = 3;
+constexpr int kGemvThreads = 128;  // 4 rows per block: a few hundred blocks even for N = D
+
+// Where each output row goes: rows [end[p-1], end[p]) of w are part p, written to out[p] + row - end[p-1].
+struct GemvParts {
+  float* out[kMaxParts];
+  const float* bias[kMaxParts];
+  int end[kMaxParts];
+  int n_parts;
+};
+
+__device__ __forceinline__ float dot16(uint4 w, uint4 x, const __half*) {
+  const __half2* wh = reinterpret_cast<const __half2*>(&w);
+  const __half2* xh = reinterpret_cast<const __half2*>(&x);
+  float acc = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 wf = __half22float2(wh[i]), xf = __half22float2(xh[i]);
+    acc = fmaf(wf.x, xf.x, acc);
+    acc = fmaf(wf.y, xf.y, acc);
+  }
+  return acc;
+}
+
+__device__ __forceinline__ float dot16(uint4 w, uint4 x, const float*) {
+  const float4 wf = *reinterpret_cast<const float4*>(&w), xf = *reinterpret_cast<const float4*>(&x);
+  return fmaf(wf.x, xf.x, fmaf(wf.y, xf.y, fmaf(wf.z, xf.z, wf.w * xf.w)));
+}
+
+// One warp per output row: y[row] = Σ_k w[row, k] · x[k] in f32, then + bias. kVec: rows and x are
+// 16-byte aligned (K · sizeof(W) a multiple of 16), read as uint4, four loads in flight per lane.
+template <typename W, bool kVec>
+static __global__ void gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, int K,
+                                   int N) {
+  const int row = blockIdx.x * (kGemvThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;
+  const W* wr = w + int64_t(row) * K;
+  float acc = 0.0f;
+  if constexpr (kVec) {
+    constexpr int kPer = 16 / sizeof(W);
+    const int chunks = K / kPer;
+    const uint4* w4 = reinterpret_cast<const uint4*>(wr);
+    const uint4* x4 = reinterpret_cast<const uint4*>(x);
+    int c = lane;
+    for (; c + 3 * 32 < chunks; c += 4 * 32) {
+      uint4 wv[4], xv[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) wv[u] = __ldcs(w4 + c + u * 32);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) xv[u] = __ldg(x4 + c + u * 32);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) acc += dot16(wv[u], xv[u], x);
+    }
+    for (; c < chunks; c += 32) acc += dot16(__ldcs(w4 + c), __ldg(x4 + c), x);
+  } else {
+    for (int k = lane; k < K; k += 32) acc = fmaf(load_act(wr, k), load_act(x, k), acc);
+  }
+  acc = warp_sum(acc);
+  if (lane != 0) return;
+  int p = 0, begin = 0;
+  while (row >= parts.end[p]) begin = parts.end[p++];
+  const float* bias = parts.bias[p];
+  parts.out[p][row - begin] = bias ? acc + bias[row - begin] : acc;
+}
+
+template <typename W>
+void gemv(const GemvParts& parts, const W* x, const W* w, int K, const char* what, cudaStream_t stream) {
+  const int N = parts.end[parts.n_parts - 1];
+  const unsigned blocks = static_cast<unsigned>((N + kGemvThreads / 32 - 1) / (kGemvThreads / 32));
+  const bool vec = (K * sizeof(W)) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(w) % 16 == 0;
+  if (vec)
+    gemv_kernel<W, true><<<blocks, kGemvThreads, 0, stream>>>(parts, x, w, K, N);
+  else
+    gemv_kernel<W, false><<<blocks, kGemvThreads, 0, stream>>>(parts, x, w, K, N);
+  check_launch(what, stream);
+}
 
 static __global__ void add_bias_kernel(float* y, const float* bias, int64_t total, int N) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
@@ -19,18 +100,60 @@ void add_bias(float* y, const float* bias, int T, int N, cudaStream_t stream) {
   check_launch("matmul bias", stream);
 }
 
-}  // namespace
-
-void matmul(float* out, const float* x, const float* w, const float* bias, int T, int K, int N,
-            const CublasHandle& cublas, cudaStream_t stream) {
+template <typename W>
+void linear(float* out, const W* x, const W* w, const float* bias, int T, int K, int N, const CublasHandle& cublas,
+            cudaStream_t stream) {
+  if (T == 1) {
+    gemv(GemvParts{{out}, {bias}, {N}, 1}, x, w, K, "matmul gemv", stream);
+    return;
+  }
   gemm(out, x, w, T, K, N, cublas, stream);
   if (bias) add_bias(out, bias, T, N, stream);
 }
 
+template <typename W>
+void linear_cat(std::initializer_list<MatmulPart> parts, const W* x, const W* w, int T, int K,
+                const CublasHandle& cublas, cudaStream_t stream) {
+  if (parts.size() == 0 || parts.size() > kMaxParts)
+    throw Error("matmul_cat takes 1 to 3 parts");
+  if (T == 1) {
+    GemvParts g{};
+    int end = 0;
+    for (const MatmulPart& p : parts) {
+      g.out[g.n_parts] = p.out;
+      g.bias[g.n_parts] = p.bias;
+      g.end[g.n_parts++] = end += p.N;
+    }
+    gemv(g, x, w, K, "matmul_cat gemv", stream);
+    return;
+  }
+  int64_t row = 0;
+  for (const MatmulPart& p : parts) {
+    linear(p.out, x, w + row * K, p.bias, T, K, p.N, cublas, stream);
+    row += p.N;
+  }
+}
+
+}  // namespace
+
+void matmul(float* out, const float* x, const float* w, const float* bias, int T, int K, int N,
+            const CublasHandle& cublas, cudaStream_t stream) {
+  linear(out, x, w, bias, T, K, N, cublas, stream);
+}
+
 void matmul(float* out, const __half* x, const __half* w, const float* bias, int T, int K, int N,
             const CublasHandle& cublas, cudaStream_t stream) {
-  gemm(out, x, w, T, K, N, cublas, stream);
-  if (bias) add_bias(out, bias, T, N, stream);
+  linear(out, x, w, bias, T, K, N, cublas, stream);
+}
+
+void matmul_cat(std::initializer_list<MatmulPart> parts, const float* x, const float* w, int T, int K,
+                const CublasHandle& cublas, cudaStream_t stream) {
+  linear_cat(parts, x, w, T, K, cublas, stream);
+}
+
+void matmul_cat(std::initializer_list<MatmulPart> parts, const __half* x, const __half* w, int T, int K,
+                const CublasHandle& cublas, cudaStream_t stream) {
+  linear_cat(parts, x, w, T, K, cublas, stream);
 }
 
 }  // namespace diffrun::engine

@@ -1,5 +1,9 @@
-// Linear layer (T, K, N): out = x · wᵀ (+ bias), w a GGUF weight with ne = [K, N]; the GEMM is engine/gemm.
+// Linear layer (T, K, N): out = x · wᵀ (+ bias), w a GGUF weight with ne = [K, N]. One token (decode):
+// our GEMV kernel (weights read once in 16-byte loads, f32 accumulation, bias in the epilogue);
+// several tokens: the cuBLAS GEMM of engine/gemm, then the bias kernel.
 #pragma once
+
+#include <initializer_list>
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -13,5 +17,21 @@ void matmul(float* out, const float* x, const float* w, const float* bias, int T
             const CublasHandle& cublas, cudaStream_t stream);
 void matmul(float* out, const __half* x, const __half* w, const float* bias, int T, int K, int N,
             const CublasHandle& cublas, cudaStream_t stream);
+
+// One part of a concatenated linear layer: out [T, N] f32, bias [N] f32 or nullptr.
+struct MatmulPart {
+  float* out;
+  const float* bias;
+  int N;
+};
+
+// Fused twin of one ref::matmul per part over the same x: w is the parts' weights stored as
+// consecutive rows, one [ΣN, K] matrix (Wq|Wk|Wv, or Wgate|Wup). One token: one GEMV launch over
+// all ΣN rows, each part's rows written to its own output (so every checkpoint stays a whole
+// tensor); several tokens: one matmul per part on its rows of w. At most 3 parts.
+void matmul_cat(std::initializer_list<MatmulPart> parts, const float* x, const float* w, int T, int K,
+                const CublasHandle& cublas, cudaStream_t stream);
+void matmul_cat(std::initializer_list<MatmulPart> parts, const __half* x, const __half* w, int T, int K,
+                const CublasHandle& cublas, cudaStream_t stream);
 
 }  // namespace diffrun::engine

@@ -1,0 +1,52 @@
+// RoPE of q and k in one launch: one thread per rotated pair of q's and then k's heads.
+#include "engine/ops/rope_qk.cuh"
+
+#include "engine/cuda_check.cuh"
+#include "engine/ops/launch.cuh"
+
+namespace diffrun::engine {
+
+namespace {
+
+template <bool kNeox>
+static __global__ void rope_qk_kernel(float* q_out, float* k_out, const float* q, const float* k, int T, int H,
+                                      int Hkv, int Dh, const int32_t* pos0, float theta) {
+  const int half = Dh / 2;
+  const int64_t q_pairs = static_cast<int64_t>(T) * H * half;
+  const int64_t total = q_pairs + static_cast<int64_t>(T) * Hkv * half;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const bool is_q = idx < q_pairs;
+    const int64_t j = is_q ? idx : idx - q_pairs;
+    const int n_head = is_q ? H : Hkv;
+    const float* x = is_q ? q : k;
+    float* out = is_q ? q_out : k_out;
+    const int i = static_cast<int>(j % half);
+    const int64_t head_row = j / half;  // t · n_head + h
+    const int t = static_cast<int>(head_row / n_head);
+    const float inv_freq = powf(theta, -2.0f * static_cast<float>(i) / static_cast<float>(Dh));
+    const float angle = static_cast<float>(*pos0 + t) * inv_freq;
+    float s, c;
+    sincosf(angle, &s, &c);
+    const int64_t i0 = head_row * Dh + (kNeox ? i : 2 * i);
+    const int64_t i1 = kNeox ? i0 + half : i0 + 1;
+    const float x0 = x[i0];
+    const float x1 = x[i1];
+    out[i0] = x0 * c - x1 * s;
+    out[i1] = x0 * s + x1 * c;
+  }
+}
+
+}  // namespace
+
+void rope_qk(float* q_out, float* k_out, const float* q, const float* k, int T, int H, int Hkv, int Dh,
+             const int32_t* pos0, float theta, bool neox, cudaStream_t stream) {
+  const int64_t total = static_cast<int64_t>(T) * (H + Hkv) * (Dh / 2);
+  if (neox)
+    rope_qk_kernel<true><<<op_grid(total), kOpThreads, 0, stream>>>(q_out, k_out, q, k, T, H, Hkv, Dh, pos0, theta);
+  else
+    rope_qk_kernel<false><<<op_grid(total), kOpThreads, 0, stream>>>(q_out, k_out, q, k, T, H, Hkv, Dh, pos0, theta);
+  check_launch("rope_qk", stream);
+}
+
+}  // namespace diffrun::engine
