@@ -12,6 +12,7 @@ namespace {
 struct CompareCommand {
   std::string engine;
   std::string reference;
+  std::string isolated;
   ReportOptions report;
 };
 
@@ -21,10 +22,12 @@ const CommandRegistrar registrar{
       auto o = std::make_shared<CompareCommand>();
       sub.add_option("engine", o->engine, "Engine dump (side a)")->required();
       sub.add_option("reference", o->reference, "Reference dump (side b)")->required();
+      sub.add_option("--isolated", o->isolated,
+                     "The engine's isolation-replay dump (diffrun dump --replay REFERENCE): local error per checkpoint");
       o->report.add_options(sub);
       return [o] {
         Progress progress("diffrun compare");
-        return compare_and_report(o->engine, o->reference, o->report, progress);
+        return compare_and_report(o->engine, o->reference, o->report, progress, {}, o->isolated);
       };
     }};
 

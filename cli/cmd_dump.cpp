@@ -7,6 +7,7 @@
 #include <fmt/core.h>
 
 #include "checkpoints/dump.hpp"
+#include "checkpoints/replay_sink.hpp"
 #include "cli/command.hpp"
 #include "cli/run.hpp"
 #include "model/config.hpp"
@@ -24,6 +25,7 @@ struct DumpOptions {
   int steps = 4;
   std::string out;
   std::string checkpoints;
+  std::string replay;  // isolation replay from this reference dump
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -48,8 +50,23 @@ int run_dump(const DumpOptions& o) {
              backend->precision(), seconds_since(t0), ids.size(), o.steps);
 
   DumpWriter writer(o.out, dump_meta(*file, *backend, prompt_text(*file, o.prompt), ids), filter);
+  // Isolation replay: fed the reference's tokens, continuing from its tensor at every checkpoint.
+  std::unique_ptr<DumpReader> reference;
+  std::unique_ptr<ReplaySink> replay;
+  std::vector<int32_t> forced;
+  if (!o.replay.empty()) {
+    reference = std::make_unique<DumpReader>(o.replay);
+    const std::vector<int32_t> all = reference->int_attribute("all_token_ids");
+    if (reference->meta().token_ids != ids || all.size() < ids.size() + o.steps) {
+      throw InputError(fmt::format("--replay {}: the reference dump does not hold this prompt and {} decode steps",
+                                   o.replay, o.steps));
+    }
+    forced.assign(all.begin() + static_cast<std::ptrdiff_t>(ids.size()), all.end());
+    replay = std::make_unique<ReplaySink>(writer, *reference);
+  }
+  Sink& sink = replay ? static_cast<Sink&>(*replay) : writer;
   const auto t1 = std::chrono::steady_clock::now();
-  const StepsResult r = run_steps(*backend, ids, o.steps, {}, writer, false, [&](int step, int total) {
+  const StepsResult r = run_steps(*backend, ids, o.steps, forced, sink, false, [&](int step, int total) {
     fmt::print(stderr, "diffrun dump: step {}/{} done ({:.1f} s)\n", step, total, seconds_since(t1));
   });
   writer.set_attribute("all_token_ids", r.tokens);
@@ -71,6 +88,8 @@ const CommandRegistrar reg("dump", "Run one backend and write its checkpoints to
       ->check(CLI::NonNegativeNumber);
   app.add_option("--out,-o", o->out, "Dump file to write (HDF5)")->required();
   app.add_option("--checkpoints", o->checkpoints, "Record only these checkpoints, e.g. 'attn_*,result_*'");
+  app.add_option("--replay", o->replay,
+                 "Isolation replay: feed this reference dump's tokens and continue from its tensor at every checkpoint");
   return [o] { return run_dump(*o); };
 });
 
