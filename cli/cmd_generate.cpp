@@ -42,7 +42,7 @@ int run_generate(const GenerateOptions& o) {
   fmt::print(stderr, "diffrun generate: loading {}\n", o.model);
   const auto file = GgufFile::open(o.model);
   const ModelConfig cfg = config_from_gguf(*file);
-  const auto tok = Tokenizer::from_gguf(*file);
+  const auto tok = load_tokenizer(*file);
   const std::vector<int32_t> ids = prompt_tokens(*file, *tok, o.prompt);
   const int64_t needed = static_cast<int64_t>(ids.size()) + o.n_predict;
   if (needed > cfg.n_ctx) {

@@ -50,8 +50,7 @@ std::string quoted(const std::string& s) {
 
 int run_tokenize(const std::string& model, const PromptOptions& opt) {
   auto file = GgufFile::open(model);
-  auto tok = Tokenizer::from_gguf(*file);
-  for (const std::string& w : tok->warnings()) fmt::print(stderr, "diffrun: warning: {}\n", w);
+  auto tok = load_tokenizer(*file);
   const std::vector<int32_t> ids = prompt_tokens(*file, *tok, opt);
   for (int32_t id : ids) fmt::print("{:>7}  {}\n", id, quoted(tok->token_text(id)));
   fmt::print("{} tokens\n", ids.size());

@@ -5,6 +5,8 @@
 #include <charconv>
 #include <string>
 
+#include <fmt/core.h>
+
 #include "checkpoints/faults.hpp"
 #include "model/chat_template.hpp"
 #include "model/error.hpp"
@@ -14,6 +16,12 @@
 #endif
 
 namespace diffrun::cli {
+
+std::unique_ptr<Tokenizer> load_tokenizer(const GgufFile& file) {
+  auto tok = Tokenizer::from_gguf(file);
+  for (const std::string& w : tok->warnings()) fmt::print(stderr, "diffrun: warning: {}\n", w);
+  return tok;
+}
 
 void PromptOptions::add_options(CLI::App& app) {
   app.add_option("--prompt", prompt, "Prompt text");

@@ -33,6 +33,9 @@ struct PromptOptions {
 // outside the vocabulary.
 std::vector<int32_t> prompt_tokens(const GgufFile& file, const Tokenizer& tok, const PromptOptions& opt);
 
+// The model's tokenizer; its warnings (e.g. an unknown pre-tokenizer) are printed on stderr.
+std::unique_ptr<Tokenizer> load_tokenizer(const GgufFile& file);
+
 // The text a run records as its prompt: the prompt as given (after the chat template), or the ids.
 std::string prompt_text(const GgufFile& file, const PromptOptions& opt);
 
