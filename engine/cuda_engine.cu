@@ -22,6 +22,9 @@
 //   attn_norm or result_norm). When isolation replay replaces the first output of add_rms_norm, the
 //   norm is computed again from the replaced values. Decode T = 1 projections run our GEMV kernel,
 //   prefill the cuBLAS GEMM (bench/NOTES.md has the figures).
+// - Fault injection (checkpoints/faults.hpp, --inject): each fault is chosen at its call site (a
+//   wrong argument, a flawed variant from engine/faults/, a skipped op); the clean kernels carry no
+//   fault branch, and without faults the step enqueues exactly what it did before.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -35,10 +38,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "checkpoints/faults.hpp"
 #include "engine/checkpoint_stager.cuh"
 #include "engine/cuda_check.cuh"
 #include "engine/device_buffer.cuh"
 #include "engine/engine.hpp"
+#include "engine/faults/fault_ops.cuh"
 #include "engine/gemm.cuh"
 #include "engine/ops/add_rms_norm.cuh"
 #include "engine/ops/argmax.cuh"
@@ -129,18 +134,19 @@ class CudaEngineImpl final : public CudaEngine {
   static constexpr bool kF16 = std::is_same_v<W, __half>;
 
  public:
-  CudaEngineImpl(const GgufFile& file, const ModelConfig& cfg, int max_ctx)
+  CudaEngineImpl(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults)
       : cfg_(cfg),
         max_ctx_(max_ctx),
+        faults_(faults),
         cublas_(kF16 ? EnginePrecision::f16 : EnginePrecision::f32),
-        weights_(file, cfg, stream_),
+        weights_(file, cfg, stream_, faults.has(Fault::dequant_scale_offset)),
         k_cache_(size_t(cfg.n_layer) * max_ctx * cfg.n_head_kv * cfg.head_dim, "the KV cache"),
         v_cache_(size_t(cfg.n_layer) * max_ctx * cfg.n_head_kv * cfg.head_dim, "the KV cache"),
         d_n_past_(1, "step state"),
         d_argmax_(1, "step state"),
         h_n_past_(1, "step state"),
         h_argmax_(1, "step state"),
-        h_logits_(size_t(cfg.n_vocab), "logits"),
+        h_logits_(size_t(logit_columns()), "logits"),
         names_(checkpoint_names(cfg)),
         graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS")) {
     int device = 0;
@@ -167,6 +173,8 @@ class CudaEngineImpl final : public CudaEngine {
         {"kv_cache_dtype", "f32"},
         {"cuda_graphs", graphs_enabled_ ? "decode steps without hooks" : "off"},
     };
+    if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
+    prepare_faults();
   }
 
   ~CudaEngineImpl() override { drop_graphs(); }
@@ -183,7 +191,7 @@ class CudaEngineImpl final : public CudaEngine {
 
   std::vector<float> forward(int step, std::span<const int32_t> tokens, Sink& sink) override {
     run(step, tokens, sink, /*copy_logits=*/true);
-    return std::vector<float>(h_logits_.get(), h_logits_.get() + cfg_.n_vocab);
+    return std::vector<float>(h_logits_.get(), h_logits_.get() + logit_columns());
   }
 
   int32_t forward_argmax(int step, std::span<const int32_t> tokens, Sink& sink) override {
@@ -229,7 +237,11 @@ class CudaEngineImpl final : public CudaEngine {
     CUDA_CHECK(cudaMemcpyAsync(a.tokens.get(), h_tokens_.get(), n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaMemcpyAsync(d_n_past_.get(), h_n_past_.get(), sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
 
-    embedding(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_); cp(sink, step, "embd", -1, a.x.get(), {n, D});
+    if (faults_.has(Fault::embd_transposed))
+      embedding_transposed(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_);
+    else
+      embedding(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_);
+    cp(sink, step, "embd", -1, a.x.get(), {n, D});
     rms_norm(a.xn.get(), a.x.get(), norm_opening(0), n, D, eps(), stream_);  // layer 0's attn_norm
     for (int l = 0; l < cfg_.n_layer; ++l) layer(step, l, n, sink);
     set_op_context(step, -1);
@@ -237,14 +249,23 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "result_norm", -1, a.xn.get(), {n, D});  // a.xn: from the last layer's add_rms_norm
     const int rows = sink.wants("result_output") ? n : 1;  // every token's logits only when recorded
     const W* last_rows = a.xn.get() + size_t(n - rows) * D;  // [rows, D]
-    matmul(logits_.get(), last_rows, weights_.lm_head, nullptr, rows, D, V, cublas_, stream_);
-    if (rows == n) cp(sink, step, "result_output", -1, logits_.get(), {n, V});
+    const int Vp = logit_columns();  // V, or the padded vocabulary of lm_head_padded_vocab
+    if (Vp == V) {
+      matmul(logits_.get(), last_rows, weights_.lm_head, nullptr, rows, D, V, cublas_, stream_);
+    } else {
+      // lm_head_padded_vocab: rows of Vp logits, the lm head writes V of them; the rest hold stale bytes.
+      CUDA_CHECK(cudaMemsetAsync(logits_.get(), kFaultUninitialisedByte, size_t(rows) * Vp * sizeof(float), stream_));
+      for (int r = 0; r < rows; ++r)
+        matmul(logits_.get() + size_t(r) * Vp, last_rows + size_t(r) * D, weights_.lm_head, nullptr, 1, D, V, cublas_,
+               stream_);
+    }
+    if (rows == n) cp(sink, step, "result_output", -1, logits_.get(), {n, Vp});
 
-    const float* last = logits_.get() + size_t(rows - 1) * V;  // [V]
-    argmax(d_argmax_.get(), last, V, stream_);
+    const float* last = logits_.get() + size_t(rows - 1) * Vp;  // [Vp]
+    argmax(d_argmax_.get(), last, Vp, stream_);
     CUDA_CHECK(cudaMemcpyAsync(h_argmax_.get(), d_argmax_.get(), sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
     if (copy_logits)
-      CUDA_CHECK(cudaMemcpyAsync(h_logits_.get(), last, size_t(V) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+      CUDA_CHECK(cudaMemcpyAsync(h_logits_.get(), last, size_t(Vp) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   }
 
   // One transformer block on the residual stream a.x [T, D] in place.
@@ -254,58 +275,121 @@ class CudaEngineImpl final : public CudaEngine {
     Activations<W>& a = *act_;
     const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, F = cfg_.n_ff;
     const int Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n;
-    const float theta = static_cast<float>(cfg_.rope_theta);
-    const bool neox = cfg_.rope_type != RopeType::norm;
+    const float theta = static_cast<float>(faults_.has(Fault::rope_theta_10000) ? kFaultRopeTheta : cfg_.rope_theta);
+    const bool neox = (cfg_.rope_type != RopeType::norm) != faults_.has(Fault::rope_pairing_swapped);
+    const bool bias = !faults_.has(Fault::qkv_bias_missing);
     const int32_t* n_past = d_n_past_.get();  // [1] device; also the position of token 0
     float* cache_k = k_cache_.get() + size_t(l) * max_ctx_ * KV;  // [max_ctx, Hkv*Dh]; rows 0..S-1 valid after
     float* cache_v = v_cache_.get() + size_t(l) * max_ctx_ * KV;  // [max_ctx, Hkv*Dh]
 
     // a.xn = rms_norm(a.x) · attn_norm, written by the op before the layer (rms_norm or add_rms_norm).
     cp(sink, step, "attn_norm", l, a.xn.get(), {n, D});
-    matmul_cat({{a.q.get(), w.bq, Q}, {a.k.get(), w.bk, KV}, {a.v.get(), w.bv, KV}}, a.xn.get(), w.wq, n, D, cublas_, stream_);
+    matmul_cat({{a.q.get(), bias ? w.bq : nullptr, Q}, {a.k.get(), bias ? w.bk : nullptr, KV}, {a.v.get(), bias ? w.bv : nullptr, KV}},
+               a.xn.get(), w.wq, n, D, cublas_, stream_);
     cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
     cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
     cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
     if (cfg_.qk_norm) {
-      rms_norm(a.q.get(), a.q.get(), w.q_norm, n * H, Dh, eps(), stream_);     cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
-      rms_norm(a.k.get(), a.k.get(), w.k_norm, n * Hkv, Dh, eps(), stream_);   cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
+      rms_norm(a.q.get(), a.q.get(), norm_w(w.q_norm), n * H, Dh, eps(), stream_);   cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
+      rms_norm(a.k.get(), a.k.get(), norm_w(w.k_norm), n * Hkv, Dh, eps(), stream_); cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
     }
     rope_qk(a.q.get(), a.k.get(), a.q.get(), a.k.get(), n, H, Hkv, Dh, n_past, theta, neox, stream_);
     cp(sink, step, "Qrope", l, a.q.get(), {n, H, Dh});
     cp(sink, step, "Krope", l, a.k.get(), {n, Hkv, Dh});
 
-    kv_store(cache_k, cache_v, a.k.get(), a.v.get(), n, n_past, KV, stream_);
+    const int32_t* write_pos = faults_.has(Fault::kv_cache_pos0) ? d_zero_.get() : n_past;  // kv_cache_pos0: row 0
+    kv_store(cache_k, cache_v, a.k.get(), a.v.get(), n, write_pos, KV, stream_);
     cp(sink, step, "cache_k", l, cache_k, {S, Hkv, Dh});
     cp(sink, step, "cache_v", l, cache_v, {S, Hkv, Dh});
 
+    // kv_cache_not_read: attention over the step's own K/V, as if nothing had been cached.
+    const bool read_cache = !faults_.has(Fault::kv_cache_not_read);
+    const int S_att = read_cache ? S : n;
     float* probs = sink.wants(checkpoint_name("kq_soft_max", l)) ? probs_.get() : nullptr;  // [H, T, S]
-    attention(a.kqv.get(), probs, a.q.get(), cache_k, cache_v, n, n_past, H, Hkv, Dh, stream_);
-    if (probs) record_only(step, "kq_soft_max", l, probs, {H, n, S});
+    const float* keys = read_cache ? cache_k : a.k.get();
+    const float* values = read_cache ? cache_v : a.v.get();
+    const int32_t* past = read_cache ? n_past : d_zero_.get();
+    if (attention_flaws_.any())
+      attention_flawed(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, attention_flaws_, stream_);
+    else
+      attention(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, stream_);
+    if (probs) record_only(step, "kq_soft_max", l, probs, {H, n, S_att});
     cp(sink, step, "kqv_out", l, a.kqv.get(), {n, H, Dh});
 
-    matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_); cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});
-    add_rms_norm(a.ffn_inp.get(), a.xn.get(), a.x.get(), a.attn_out.get(), w.ffn_norm, n, D, eps(), stream_);
+    if (faults_.has(Fault::attn_out_transposed))
+      gemm_wrong_lda(a.attn_out.get(), a.kqv.get(), w.wo, n, Q, D, cublas_, stream_);
+    else
+      matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_);
+    cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});
+    if (faults_.has(Fault::residual_skipped)) {  // ffn_inp = attn_out: the residual add skipped
+      CUDA_CHECK(cudaMemcpyAsync(a.ffn_inp.get(), a.attn_out.get(), size_t(n) * D * sizeof(float),
+                                 cudaMemcpyDeviceToDevice, stream_));
+      rms_norm(a.xn.get(), a.ffn_inp.get(), norm_w(w.ffn_norm), n, D, eps(), stream_);
+    } else {
+      add_rms_norm(a.ffn_inp.get(), a.xn.get(), a.x.get(), a.attn_out.get(), norm_w(w.ffn_norm), n, D, eps(), stream_);
+    }
     if (cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D}))  // replaced: the norm again, of the new values
-      rms_norm(a.xn.get(), a.ffn_inp.get(), w.ffn_norm, n, D, eps(), stream_);
+      rms_norm(a.xn.get(), a.ffn_inp.get(), norm_w(w.ffn_norm), n, D, eps(), stream_);
     cp(sink, step, "ffn_norm", l, a.xn.get(), {n, D});
 
     matmul_cat({{a.gate.get(), nullptr, F}, {a.up.get(), nullptr, F}}, a.xn.get(), w.w_gate, n, D, cublas_, stream_);
     cp(sink, step, "ffn_gate", l, a.gate.get(), {n, F});
     cp(sink, step, "ffn_up", l, a.up.get(), {n, F});
-    swiglu(a.act.get(), a.gate.get(), a.up.get(), int64_t(n) * F, stream_);      cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});
-    matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_); cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});
+    const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
+    swiglu(a.act.get(), swap ? a.up.get() : a.gate.get(), swap ? a.gate.get() : a.up.get(), int64_t(n) * F, stream_);
+    cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});
+    if (faults_.has(Fault::ffn_down_transposed))
+      gemm_wrong_lda(a.ffn_out.get(), a.act.get(), w.w_down, n, F, D, cublas_, stream_);
+    else
+      matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_);
+    cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});
     // l_out, and the norm that opens the next layer (attn_norm, or result_norm after the last).
     add_rms_norm(a.x.get(), a.xn.get(), a.ffn_inp.get(), a.ffn_out.get(), norm_opening(l + 1), n, D, eps(), stream_);
     if (cp(sink, step, "l_out", l, a.x.get(), {n, D}))  // replaced: the norm again, of the new values
       rms_norm(a.xn.get(), a.x.get(), norm_opening(l + 1), n, D, eps(), stream_);
   }
 
-  float eps() const { return static_cast<float>(cfg_.rms_eps); }
+  float eps() const { return static_cast<float>(faults_.has(Fault::rms_eps_1e5) ? kFaultRmsEps : cfg_.rms_eps); }
 
   // The RMSNorm weight applied to the residual stream before layer l: its attn_norm, or output_norm
   // (result_norm) for l = n_layer.
   const float* norm_opening(int l) const {
-    return l < cfg_.n_layer ? weights_.layers[l].attn_norm : weights_.output_norm;
+    return norm_w(l < cfg_.n_layer ? weights_.layers[l].attn_norm : weights_.output_norm);
+  }
+
+  // An RMSNorm weight as the norm applies it: w, or w·w with rms_norm_weight_twice.
+  const float* norm_w(const float* w) const {
+    auto it = squared_norms_.find(w);
+    return it == squared_norms_.end() ? w : it->second.get();
+  }
+
+  // Logit columns per row: V, or the padded vocabulary of lm_head_padded_vocab.
+  int logit_columns() const {
+    return faults_.has(Fault::lm_head_padded_vocab) ? fault_padded_vocab(cfg_.n_vocab) : cfg_.n_vocab;
+  }
+
+  // What the injected faults need before any step: the zero position, flawed attention, squared norm weights.
+  void prepare_faults() {
+    CUDA_CHECK(cudaMemsetAsync(d_zero_.get(), 0, sizeof(int32_t), stream_));
+    attention_flaws_.no_causal_mask = faults_.has(Fault::causal_mask_missing);
+    attention_flaws_.no_scale = faults_.has(Fault::attn_scale_missing);
+    attention_flaws_.head_modulo = faults_.has(Fault::gqa_head_modulo);
+    if (faults_.has(Fault::rms_norm_weight_twice)) {
+      auto twice = [&](const float* w, int64_t n) {
+        if (w == nullptr || squared_norms_.count(w)) return;
+        DeviceBuffer<float> sq(size_t(n), "squared norm weights");
+        square(sq.get(), w, n, stream_);
+        squared_norms_.emplace(w, std::move(sq));
+      };
+      twice(weights_.output_norm, cfg_.n_embd);
+      for (const DeviceLayerWeights<W>& w : weights_.layers) {
+        twice(w.attn_norm, cfg_.n_embd);
+        twice(w.ffn_norm, cfg_.n_embd);
+        twice(w.q_norm, cfg_.head_dim);
+        twice(w.k_norm, cfg_.head_dim);
+      }
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
   static const char* layout_of(const char* base) {
@@ -347,7 +431,7 @@ class CudaEngineImpl final : public CudaEngine {
   void prepare(int step, int n, const Sink& sink) {
     const int S = n_past_ + n;
     const size_t probs_needed = wants_any_layer(sink, "kq_soft_max") ? size_t(cfg_.n_head) * n * S : 0;
-    const size_t logits_needed = size_t(sink.wants("result_output") ? n : 1) * cfg_.n_vocab;
+    const size_t logits_needed = size_t(sink.wants("result_output") ? n : 1) * logit_columns();
     const bool grow_act = !act_ || act_->capacity < n;
     const bool grow_probs = probs_.size() < probs_needed;
     const bool grow_logits = logits_.size() < logits_needed;
@@ -401,6 +485,10 @@ class CudaEngineImpl final : public CudaEngine {
 
   ModelConfig cfg_;
   int max_ctx_;
+  FaultSet faults_;
+  AttentionFlaws attention_flaws_;
+  std::map<const float*, DeviceBuffer<float>> squared_norms_;  // norm weight -> its square, rms_norm_weight_twice only
+  DeviceBuffer<int32_t> d_zero_{1, "step state"};              // [1] position 0 (kv_cache_pos0, kv_cache_not_read)
   Stream stream_;
   CublasHandle cublas_;
   DeviceWeights<W> weights_;
@@ -444,9 +532,9 @@ void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_c
 }
 
 template <typename W>
-std::unique_ptr<CudaEngine> create(const GgufFile& file, const ModelConfig& cfg, int max_ctx) {
+std::unique_ptr<CudaEngine> create(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults) {
   check_device_memory<W>(file, cfg, max_ctx);
-  return std::make_unique<CudaEngineImpl<W>>(file, cfg, max_ctx);
+  return std::make_unique<CudaEngineImpl<W>>(file, cfg, max_ctx, faults);
 }
 
 }  // namespace
@@ -467,7 +555,7 @@ bool cuda_device_available(std::string* why) {
 }
 
 std::unique_ptr<CudaEngine> make_cuda_engine(const GgufFile& file, const ModelConfig& cfg,
-                                             const std::string& precision, int max_ctx) {
+                                             const std::string& precision, int max_ctx, const FaultSet& faults) {
   if (precision != "f16" && precision != "f32")
     throw InputError("the cuda backend computes in f16 or f32, not '" + precision + "'");
   if (max_ctx < 1) throw InputError("the CUDA engine needs a context of at least 1 position");
@@ -479,13 +567,14 @@ std::unique_ptr<CudaEngine> make_cuda_engine(const GgufFile& file, const ModelCo
   if (cfg.n_head_kv <= 0 || cfg.n_head % cfg.n_head_kv != 0)
     throw ModelError("n_head " + std::to_string(cfg.n_head) + " is not a multiple of n_head_kv " +
                      std::to_string(cfg.n_head_kv));
-  if (precision == "f16") return create<__half>(file, cfg, max_ctx);
-  return create<float>(file, cfg, max_ctx);
+  faults.check_applicable(cfg, &file);
+  if (precision == "f16") return create<__half>(file, cfg, max_ctx, faults);
+  return create<float>(file, cfg, max_ctx, faults);
 }
 
 std::unique_ptr<Backend> make_cuda_backend(const GgufFile& file, const ModelConfig& cfg,
-                                           const std::string& precision, int max_ctx) {
-  return make_cuda_engine(file, cfg, precision, max_ctx);
+                                           const std::string& precision, int max_ctx, const FaultSet& faults) {
+  return make_cuda_engine(file, cfg, precision, max_ctx, faults);
 }
 
 }  // namespace diffrun

@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include "engine/cuda_check.cuh"
+#include "checkpoints/faults.hpp"
 #include "engine/dequant.cuh"
 #include "model/error.hpp"
 
@@ -70,7 +71,8 @@ WeightFootprint DeviceWeights<W>::footprint(const GgufFile& file, const ModelCon
 }
 
 template <typename W>
-DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cudaStream_t stream) {
+DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cudaStream_t stream,
+                                 bool dequant_scale_offset) {
   const std::vector<Planned> tensors = plan(file, cfg, sizeof(W), &bytes_);
   uint64_t staging_bytes = 0;
   for (const Planned& p : tensors) staging_bytes = std::max(staging_bytes, p.raw_bytes);
@@ -81,7 +83,13 @@ DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cu
   for (const Planned& p : tensors) {
     void* dst = arena_.get() + p.offset;
     // Stream-ordered: the next tensor's upload into `staging` waits for this dequantization.
-    CUDA_CHECK(cudaMemcpyAsync(staging.get(), file.tensor_data(*p.info).data(), p.raw_bytes, cudaMemcpyHostToDevice,
+    std::span<const std::byte> raw = file.tensor_data(*p.info).first(p.raw_bytes);
+    std::vector<std::byte> faulty;  // pageable: the copy below returns once it has been staged
+    if (dequant_scale_offset && dequant_fault_format(p.info->type)) {
+      faulty = dequant_fault_bytes(p.info->type, raw);
+      raw = faulty;
+    }
+    CUDA_CHECK(cudaMemcpyAsync(staging.get(), raw.data(), p.raw_bytes, cudaMemcpyHostToDevice,
                                stream));
     if (p.is_matrix)
       dequantize_device(p.info->type, staging.get(), static_cast<W*>(dst), p.n_elements, stream);

@@ -47,7 +47,9 @@ class DeviceWeights {
   static WeightFootprint footprint(const GgufFile& file, const ModelConfig& cfg);
 
   // Uploads and dequantizes every tensor the forward pass reads (validate_tensors must have passed).
-  DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cudaStream_t stream);
+  // dequant_scale_offset: tensors in the legacy block formats are uploaded as dequant_fault_bytes
+  // (their scale read 2 bytes late) and decoded by the clean kernels.
+  DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cudaStream_t stream, bool dequant_scale_offset = false);
 
   const W* token_embd = nullptr;   // [V, D]
   const float* output_norm = nullptr;  // [D]
