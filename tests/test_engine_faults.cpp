@@ -1,0 +1,291 @@
+// GPU: catalog faults injected into the CUDA engine are found where the catalog says; isolation replay; sensitivity.
+//
+// Engine f32 against the f64 reference (preset f32_vs_f64) and engine f16 against the f32 reference
+// (preset f16_vs_f32), on the tiny llama/qwen2/qwen3 f32 fixtures, a Q8_0 fixture for
+// dequant_scale_offset, and the SmolLM2 slice when DIFFRUN_SMOLLM2_SLICE names it. Each applicable
+// fault must diverge first at its catalog checkpoint and step with the verdict "local", and in
+// isolation replay its local error must be at least 100x the largest local error of the clean f16
+// run. rms_eps_1e5 is the subtle one: an f16 engine's error hides it (the catalog says so), so the
+// f16 checks skip it and the f32 ones keep it.
+//
+// Printed figures (for the project notes): one line per fault and configuration ("fault-table"),
+// and the smallest scale error 1+eps of one weight row that the default f16_vs_f32 preset catches
+// per checkpoint kind ("sensitivity").
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "checkpoints/dump.hpp"
+#include "checkpoints/faults.hpp"
+#include "checkpoints/replay_sink.hpp"
+#include "diff/compare.hpp"
+#include "diff/tolerances.hpp"
+#include "engine/engine.hpp"
+#include "model/config.hpp"
+#include "model/error.hpp"
+#include "model/gguf.hpp"
+#include "reference_cpu/reference.hpp"
+#include "test_engine_common.hpp"
+#include "test_util.hpp"
+
+namespace diffrun {
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::vector<int32_t> kPrompt = {1, 17, 42, 99, 5, 63, 120, 7, 200};
+constexpr int kSteps = 2;
+
+fs::path temp_dir() {
+  static const fs::path dir = [] {
+    fs::path d = fs::temp_directory_path() / ("diffrun-test-engine-faults-" + std::to_string(::getpid()));
+    fs::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+class TempDirCleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(temp_dir(), ec);
+  }
+};
+const auto* const kCleanup = ::testing::AddGlobalTestEnvironment(new TempDirCleanup);
+
+struct Model {
+  std::string path;
+  std::unique_ptr<GgufFile> file;
+  ModelConfig cfg;
+};
+
+Model open_model(const std::string& path) {
+  Model m;
+  m.path = path;
+  m.file = GgufFile::open(path);
+  m.cfg = config_from_gguf(*m.file);
+  return m;
+}
+
+std::vector<int32_t> run(Backend& b, const std::vector<int32_t>& forced, Sink& sink) {
+  std::vector<int32_t> argmax;
+  std::vector<float> logits = b.forward(0, kPrompt, sink);
+  for (int step = 0;; ++step) {
+    argmax.push_back(static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin()));
+    if (step == kSteps) break;
+    const int32_t next = forced.empty() ? argmax.back() : forced[step];
+    logits = b.forward(step + 1, std::span<const int32_t>(&next, 1), sink);
+  }
+  return argmax;
+}
+
+struct Dump {
+  std::string path;
+  std::vector<int32_t> argmax;
+};
+
+// One backend's run into a dump; the engine side is teacher-forced with `forced` and isolated when
+// `reference` is given.
+Dump dump(const Model& m, Backend& b, const std::vector<int32_t>& forced, const std::string& name,
+          const DumpReader* reference = nullptr) {
+  DumpMeta meta;
+  meta.backend = b.name();
+  meta.precision = b.precision();
+  meta.model_path = m.path;
+  meta.model_fingerprint = m.file->fingerprint();
+  meta.config = m.cfg;
+  meta.token_ids = kPrompt;
+  meta.facts = b.facts();
+  Dump d;
+  d.path = (temp_dir() / (name + ".h5")).string();
+  DumpWriter writer(d.path, meta);
+  if (reference) {
+    ReplaySink replay(writer, *reference);
+    d.argmax = run(b, forced, replay);
+  } else {
+    d.argmax = run(b, forced, writer);
+  }
+  writer.set_attribute("argmax", d.argmax);
+  writer.finish();
+  return d;
+}
+
+const int kCtx = static_cast<int>(kPrompt.size()) + kSteps;
+
+Dump engine_dump(const Model& m, const std::string& precision, const FaultSet& faults,
+                 const std::vector<int32_t>& forced, const std::string& name, const DumpReader* reference = nullptr) {
+  auto e = make_cuda_engine(*m.file, m.cfg, precision, kCtx, faults);
+  return dump(m, *e, forced, name, reference);
+}
+
+diff::Comparison compare(const std::string& engine, const std::string& reference, const std::string& preset) {
+  return diff::compare_dumps(DumpReader(engine), DumpReader(reference), diff::preset_tolerances(preset));
+}
+
+std::string first_of(const diff::Comparison& c) {
+  if (!c.first_failure) return "none";
+  const diff::CheckpointResult& f = c.results[*c.first_failure];
+  return f.name + "@" + std::to_string(f.step);
+}
+
+// The largest local rel_l2 (isolation replay of the engine against the reference) over every checkpoint.
+double max_local(const diff::Comparison& isolated) {
+  double mx = 0;
+  for (const auto& r : isolated.results) {
+    if (r.metrics && std::isfinite(r.metrics->rel_l2)) mx = std::max(mx, r.metrics->rel_l2);
+  }
+  return mx;
+}
+
+// Engine precision, its reference precision and preset.
+struct Pair {
+  const char* engine;
+  const char* reference;
+  const char* preset;
+};
+constexpr Pair kPairs[] = {{"f32", "f64", "f32_vs_f64"}, {"f16", "f32", "f16_vs_f32"}};
+
+// Every applicable fault (or only `only`) on one model, both precision pairs.
+void check_model(const std::string& path, const std::string& label, std::vector<Fault> only = {}) {
+  const Model m = open_model(path);
+  for (const Pair& p : kPairs) {
+    SCOPED_TRACE(label + " engine " + p.engine);
+    auto ref_backend = make_cpu_backend(*m.file, m.cfg, p.reference, kCtx);
+    const Dump ref = dump(m, *ref_backend, {}, label + "-ref-" + p.reference);
+    const DumpReader ref_reader(ref.path);
+
+    // The clean engine: no divergence; its isolated local errors set the bar for the faults.
+    const Dump clean = engine_dump(m, p.engine, {}, ref.argmax, label + "-clean-" + p.engine);
+    const diff::Comparison cc = compare(clean.path, ref.path, p.preset);
+    EXPECT_FALSE(cc.diverged()) << "clean engine diverges at " << first_of(cc);
+    const Dump clean_iso = engine_dump(m, p.engine, {}, ref.argmax, label + "-clean-iso-" + p.engine, &ref_reader);
+    const double clean_local = max_local(compare(clean_iso.path, ref.path, p.preset));
+    std::printf("fault-table %-12s %-4s %-24s local max %.3g (clean)\n", label.c_str(), p.engine, "none", clean_local);
+
+    for (const FaultInfo& info : fault_catalog()) {
+      if (!only.empty() && std::find(only.begin(), only.end(), info.id) == only.end()) continue;
+      if (!fault_not_applicable(info.id, m.cfg, m.file.get()).empty()) continue;
+      const bool subtle = info.id == Fault::rms_eps_1e5 && std::string(p.engine) == "f16";
+      SCOPED_TRACE(info.name);
+      const std::string expected = expected_checkpoint(info.id, m.cfg, m.file.get());
+      const std::string name = label + "-" + info.name + "-" + p.engine;
+      const Dump faulty = engine_dump(m, p.engine, FaultSet{info.id}, ref.argmax, name);
+      diff::Comparison c = compare(faulty.path, ref.path, p.preset);
+      const Dump iso = engine_dump(m, p.engine, FaultSet{info.id}, ref.argmax, name + "-iso", &ref_reader);
+      diff::add_isolation(c, compare(iso.path, ref.path, p.preset));
+
+      std::string local = "-";
+      double local_err = 0;
+      bool local_shape = false;
+      if (c.first_failure && c.results[*c.first_failure].local) {
+        const diff::LocalError& l = *c.results[*c.first_failure].local;
+        local_shape = l.status == diff::CheckpointStatus::shape_mismatch;
+        local_err = l.rel_l2;
+        local = local_shape ? "shape" : std::to_string(l.rel_l2);
+      }
+      std::printf("fault-table %-12s %-4s %-24s expected %s@%d found %s verdict %s (%s) local %s\n", label.c_str(),
+                  p.engine, info.name, expected.c_str(), info.step, first_of(c).c_str(),
+                  diff::verdict_kind_name(c.verdict.kind), c.verdict.rule.c_str(), local.c_str());
+      if (subtle) continue;  // an f16 engine's own error hides it: the catalog says so
+      ASSERT_TRUE(c.diverged()) << "the fault went unnoticed";
+      const diff::CheckpointResult& f = c.results[*c.first_failure];
+      EXPECT_EQ(f.name, expected);
+      EXPECT_EQ(f.step, info.step);
+      EXPECT_EQ(c.verdict.kind, diff::VerdictKind::local) << c.verdict.rule << ": " << c.verdict.explanation;
+      if (!local_shape) {
+        EXPECT_GE(local_err, 100 * clean_local) << "local error against the clean run's largest local error";
+      }
+    }
+  }
+}
+
+TEST(EngineFaults, TinyLlama) {
+  DIFFRUN_REQUIRE_CUDA();
+  check_model(test::fixture_path("tiny-llama-f32.gguf"), "tiny-llama");
+}
+
+TEST(EngineFaults, TinyQwen2) {
+  DIFFRUN_REQUIRE_CUDA();
+  check_model(test::fixture_path("tiny-qwen2-f32.gguf"), "tiny-qwen2");
+}
+
+TEST(EngineFaults, TinyQwen3) {
+  DIFFRUN_REQUIRE_CUDA();
+  check_model(test::fixture_path("tiny-qwen3-f32.gguf"), "tiny-qwen3");
+}
+
+TEST(EngineFaults, DequantScaleOffsetOnQ8_0) {
+  DIFFRUN_REQUIRE_CUDA();
+  check_model(test::fixture_path("tiny-llama-q8_0.gguf"), "llama-q8_0", {Fault::dequant_scale_offset});
+}
+
+TEST(EngineFaults, SmolLM2Slice) {
+  DIFFRUN_REQUIRE_CUDA();
+  const std::string path = test::env_or("DIFFRUN_SMOLLM2_SLICE", "");
+  if (path.empty()) GTEST_SKIP() << "DIFFRUN_SMOLLM2_SLICE is not set";
+  check_model(path, "smollm2-slice");
+}
+
+// --- Sensitivity: the smallest relative error of one weight row the default f16 preset catches ---
+
+// A copy of an f32 model with row `row` of tensor `tensor` scaled by (1 + eps).
+std::string scaled_copy(const Model& m, const std::string& tensor, int64_t row, double eps) {
+  const TensorInfo& t = m.file->tensor(tensor);
+  if (t.type != GgmlType::F32) throw Error(tensor + " is not F32: the sensitivity figures need an f32 model");
+  const std::string out = (temp_dir() / "scaled.gguf").string();
+  std::ifstream in(m.path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const int64_t cols = t.ne[0];
+  float* p = reinterpret_cast<float*>(bytes.data() + m.file->data_offset() + t.offset) + row * cols;
+  for (int64_t i = 0; i < cols; ++i) p[i] = static_cast<float>(p[i] * (1.0 + eps));
+  std::ofstream(out, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  return out;
+}
+
+TEST(EngineSensitivity, SmallestRowScaleCaughtByTheF16Preset) {
+  DIFFRUN_REQUIRE_CUDA();
+  const Model m = open_model(test::fixture_path("tiny-qwen2-f32.gguf"));
+  auto ref_backend = make_cpu_backend(*m.file, m.cfg, "f32", kCtx);
+  const Dump ref = dump(m, *ref_backend, {}, "sens-ref");
+  // The weight whose row is scaled, and the checkpoint kind its op computes (row = output feature;
+  // for token_embd the first prompt token's row).
+  const std::pair<const char*, const char*> kinds[] = {
+      {"token_embd.weight", "embd"},      {"blk.0.attn_q.weight", "Qcur"},   {"blk.0.attn_k.weight", "Kcur"},
+      {"blk.0.attn_v.weight", "Vcur"},    {"blk.0.attn_output.weight", "attn_out"},
+      {"blk.0.ffn_gate.weight", "ffn_gate"}, {"blk.0.ffn_up.weight", "ffn_up"}, {"blk.0.ffn_down.weight", "ffn_out"}};
+  const std::vector<double> grid = {1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0};
+  for (const auto& [tensor, kind] : kinds) {
+    const int64_t row = std::string(tensor) == "token_embd.weight" ? kPrompt[0] : 0;
+    double caught = NAN;
+    std::string where = "-";
+    for (double eps : grid) {
+      const Model scaled = open_model(scaled_copy(m, tensor, row, eps));
+      auto e = make_cuda_engine(*scaled.file, scaled.cfg, "f16", kCtx);
+      const Dump d = dump(scaled, *e, ref.argmax, "sens-eng");
+      const diff::Comparison c = compare(d.path, ref.path, "f16_vs_f32");
+      if (c.diverged()) {
+        caught = eps;
+        where = first_of(c);
+        break;
+      }
+    }
+    std::printf("sensitivity %-10s %-26s row %-4lld smallest eps caught %-8.3g first divergence %s\n", kind, tensor,
+                static_cast<long long>(row), caught, where.c_str());
+    EXPECT_FALSE(std::isnan(caught)) << tensor << ": a row scaled by 3 was never caught";
+  }
+}
+
+}  // namespace
+}  // namespace diffrun
