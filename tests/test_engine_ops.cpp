@@ -125,7 +125,9 @@ TEST(EngineOps, MatmulWithBiasMatchesReference) {
 // path), against the CPU matmul twin, within f32 rounding of the sum; every output written.
 TEST(EngineOps, MatmulOneTokenGemvMatchesReference) {
   DIFFRUN_REQUIRE_CUDA();
-  for (auto [K, N] : {std::pair{67, 43}, std::pair{896, 131}, std::pair{4864, 37}, std::pair{8, 1}, std::pair{260, 5}}) {
+  // N below 4096: four warps per row; from 4096: a warp per row.
+  for (auto [K, N] : {std::pair{67, 43}, std::pair{896, 131}, std::pair{4864, 37}, std::pair{8, 1}, std::pair{260, 5},
+                      std::pair{264, 4101}, std::pair{67, 4097}}) {
     SCOPED_TRACE("K " + std::to_string(K) + " N " + std::to_string(N));
     const auto x = random_vec(K, 11), w = random_vec(size_t(N) * K, 12, 0.2f), b = random_vec(N, 13);
     for (bool with_bias : {false, true}) {

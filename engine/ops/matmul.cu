@@ -11,7 +11,9 @@ namespace diffrun::engine {
 namespace {
 
 constexpr int kMaxParts = 3;
-constexpr int kGemvThreads = 128;  // 4 rows per block: a few hundred blocks even for N = D
+constexpr int kGemvThreads = 128;  // 4 warps
+constexpr int kGemvBatch = 8;      // 16-byte loads issued together per lane before any is used
+constexpr int kSplitRowsBelow = 4096;  // fewer rows: the block's 4 warps share each row's K
 
 // Where each output row goes: rows [end[p-1], end[p]) of w are part p, written to out[p] + row - end[p-1].
 struct GemvParts {
@@ -39,53 +41,72 @@ __device__ __forceinline__ float dot16(uint4 w, uint4 x, const float*) {
   return fmaf(wf.x, xf.x, fmaf(wf.y, xf.y, fmaf(wf.z, xf.z, wf.w * xf.w)));
 }
 
-// One warp per output row: y[row] = Σ_k w[row, k] · x[k] in f32, then + bias. kVec: rows and x are
-// 16-byte aligned (K · sizeof(W) a multiple of 16), read as uint4, four loads in flight per lane.
-template <typename W, bool kVec>
+// y[row] = Σ_k w[row, k] · x[k] in f32, then + bias. kWarpsPerRow warps (1 or 4) share a row: each
+// lane takes every (32·kWarpsPerRow)-th 16-byte chunk, a batch of kGemvBatch loads in flight at
+// once (predicated, no tail loop), then a warp reduction and, for 4 warps, one through shared
+// memory in warp order. kVec: rows and x 16-byte aligned (K · sizeof(W) a multiple of 16).
+template <typename W, bool kVec, int kWarpsPerRow>
 static __global__ void gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, int K,
                                    int N) {
-  const int row = blockIdx.x * (kGemvThreads / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= N) return;
-  const W* wr = w + int64_t(row) * K;
+  constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
+  constexpr int kLanes = 32 * kWarpsPerRow;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = blockIdx.x * kRowsPerBlock + warp / kWarpsPerRow;
+  const int sub = (warp % kWarpsPerRow) * 32 + lane;
   float acc = 0.0f;
-  if constexpr (kVec) {
-    constexpr int kPer = 16 / sizeof(W);
-    const int chunks = K / kPer;
-    const uint4* w4 = reinterpret_cast<const uint4*>(wr);
-    const uint4* x4 = reinterpret_cast<const uint4*>(x);
-    int c = lane;
-    for (; c + 3 * 32 < chunks; c += 4 * 32) {
-      uint4 wv[4], xv[4];
+  if (row < N) {
+    const W* wr = w + int64_t(row) * K;
+    if constexpr (kVec) {
+      const int chunks = K / (16 / sizeof(W));
+      const uint4* w4 = reinterpret_cast<const uint4*>(wr);
+      const uint4* x4 = reinterpret_cast<const uint4*>(x);
+      for (int c = sub; c < chunks; c += kGemvBatch * kLanes) {
+        uint4 wv[kGemvBatch], xv[kGemvBatch];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) wv[u] = __ldcs(w4 + c + u * 32);
+        for (int u = 0; u < kGemvBatch; ++u) {
+          const int i = c + u * kLanes;
+          wv[u] = i < chunks ? __ldcs(w4 + i) : make_uint4(0, 0, 0, 0);
+          xv[u] = i < chunks ? __ldg(x4 + i) : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) xv[u] = __ldg(x4 + c + u * 32);
-#pragma unroll
-      for (int u = 0; u < 4; ++u) acc += dot16(wv[u], xv[u], x);
+        for (int u = 0; u < kGemvBatch; ++u) acc += dot16(wv[u], xv[u], x);
+      }
+    } else {
+      for (int k = sub; k < K; k += kLanes) acc = fmaf(load_act(wr, k), load_act(x, k), acc);
     }
-    for (; c < chunks; c += 32) acc += dot16(__ldcs(w4 + c), __ldg(x4 + c), x);
-  } else {
-    for (int k = lane; k < K; k += 32) acc = fmaf(load_act(wr, k), load_act(x, k), acc);
   }
   acc = warp_sum(acc);
-  if (lane != 0) return;
+  if constexpr (kWarpsPerRow > 1) {
+    __shared__ float partial[kGemvThreads / 32];
+    if (lane == 0) partial[warp] = acc;
+    __syncthreads();
+    acc = 0.0f;
+    for (int i = 0; i < kWarpsPerRow; ++i) acc += partial[warp - warp % kWarpsPerRow + i];
+  }
+  if (row >= N || sub != 0) return;
   int p = 0, begin = 0;
   while (row >= parts.end[p]) begin = parts.end[p++];
   const float* bias = parts.bias[p];
   parts.out[p][row - begin] = bias ? acc + bias[row - begin] : acc;
 }
 
+template <typename W, bool kVec, int kWarpsPerRow>
+void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream) {
+  constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
+  const unsigned blocks = static_cast<unsigned>((N + kRowsPerBlock - 1) / kRowsPerBlock);
+  gemv_kernel<W, kVec, kWarpsPerRow><<<blocks, kGemvThreads, 0, stream>>>(parts, x, w, K, N);
+}
+
 template <typename W>
 void gemv(const GemvParts& parts, const W* x, const W* w, int K, const char* what, cudaStream_t stream) {
   const int N = parts.end[parts.n_parts - 1];
-  const unsigned blocks = static_cast<unsigned>((N + kGemvThreads / 32 - 1) / (kGemvThreads / 32));
   const bool vec = (K * sizeof(W)) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(w) % 16 == 0;
-  if (vec)
-    gemv_kernel<W, true><<<blocks, kGemvThreads, 0, stream>>>(parts, x, w, K, N);
-  else
-    gemv_kernel<W, false><<<blocks, kGemvThreads, 0, stream>>>(parts, x, w, K, N);
+  const bool split = N < kSplitRowsBelow;
+  if (vec && split) launch_gemv<W, true, 4>(parts, x, w, K, N, stream);
+  else if (vec) launch_gemv<W, true, 1>(parts, x, w, K, N, stream);
+  else if (split) launch_gemv<W, false, 4>(parts, x, w, K, N, stream);
+  else launch_gemv<W, false, 1>(parts, x, w, K, N, stream);
   check_launch(what, stream);
 }
 
