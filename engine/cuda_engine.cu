@@ -22,6 +22,12 @@
 //   attn_norm or result_norm). When isolation replay replaces the first output of add_rms_norm, the
 //   norm is computed again from the replaced values. Decode T = 1 projections run our GEMV kernel,
 //   prefill the cuBLAS GEMM (bench/NOTES.md has the figures).
+// - Steps of up to kAttentionSplitMaxT tokens (decode) run attention_split, which spreads each head's
+//   keys over enough blocks to fill the GPU and always writes the probabilities into attn_probs_
+//   (its scores live there), so kq_soft_max costs only its copy; longer steps run attention, which
+//   writes probabilities only when recorded. Both scratches are sized for max_ctx at construction,
+//   so a captured decode graph stays valid at every position. The attention faults run the flawed
+//   variant of attention at every T; their fault is the flaw, found against the reference.
 // - Fault injection (checkpoints/faults.hpp, --inject): each fault is chosen at its call site (a
 //   wrong argument, a flawed variant from engine/faults/, a skipped op); the clean kernels carry no
 //   fault branch, and without faults the step enqueues exactly what it did before.
@@ -147,6 +153,11 @@ class CudaEngineImpl final : public CudaEngine {
         h_n_past_(1, "step state"),
         h_argmax_(1, "step state"),
         h_logits_(size_t(logit_columns()), "logits"),
+        attn_splits_(attention_split_count(cfg.n_head, sm_count())),
+        attn_probs_(attn_probs_floats(cfg, max_ctx), "attention scratch"),
+        attn_partial_(attn_partial_floats(cfg, attn_splits_), "attention scratch"),
+        attn_counters_(size_t(kAttentionSplitMaxT) * cfg.n_head, "attention scratch"),
+        argmax_scratch_(2, "step state"),
         names_(checkpoint_names(cfg)),
         graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS")) {
     int device = 0;
@@ -172,9 +183,12 @@ class CudaEngineImpl final : public CudaEngine {
         {"activations_dtype", "f32"},
         {"kv_cache_dtype", "f32"},
         {"cuda_graphs", graphs_enabled_ ? "decode steps without hooks" : "off"},
+        {"attention_splits", std::to_string(attn_splits_)},
     };
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
-    prepare_faults();
+    CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));
+    CUDA_CHECK(cudaMemsetAsync(argmax_scratch_.get(), 0, argmax_scratch_.size() * sizeof(unsigned long long), stream_));
+    prepare_faults();  // synchronizes
   }
 
   ~CudaEngineImpl() override { drop_graphs(); }
@@ -188,6 +202,20 @@ class CudaEngineImpl final : public CudaEngine {
   void reset() override { n_past_ = 0; }
   int32_t last_argmax() const override { return *h_argmax_.get(); }
   uint64_t weight_bytes() const override { return weights_.bytes(); }
+
+  // attention_split's probabilities/scores [H, T ≤ kAttentionSplitMaxT, S ≤ max_ctx] and partials.
+  static size_t attn_probs_floats(const ModelConfig& c, int max_ctx) {
+    return size_t(c.n_head) * kAttentionSplitMaxT * max_ctx;
+  }
+  static size_t attn_partial_floats(const ModelConfig& c, int splits) {
+    return size_t(kAttentionSplitMaxT) * c.n_head * splits * (c.head_dim + 2);
+  }
+  static int sm_count() {
+    int device = 0, sms = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return sms;
+  }
 
   std::vector<float> forward(int step, std::span<const int32_t> tokens, Sink& sink) override {
     run(step, tokens, sink, /*copy_logits=*/true);
@@ -262,7 +290,7 @@ class CudaEngineImpl final : public CudaEngine {
     if (rows == n) cp(sink, step, "result_output", -1, logits_.get(), {n, Vp});
 
     const float* last = logits_.get() + size_t(rows - 1) * Vp;  // [Vp]
-    argmax(d_argmax_.get(), last, Vp, stream_);
+    argmax(d_argmax_.get(), last, Vp, argmax_scratch_.get(), stream_);
     CUDA_CHECK(cudaMemcpyAsync(h_argmax_.get(), d_argmax_.get(), sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
     if (copy_logits)
       CUDA_CHECK(cudaMemcpyAsync(h_logits_.get(), last, size_t(Vp) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
@@ -305,15 +333,23 @@ class CudaEngineImpl final : public CudaEngine {
     // kv_cache_not_read: attention over the step's own K/V, as if nothing had been cached.
     const bool read_cache = !faults_.has(Fault::kv_cache_not_read);
     const int S_att = read_cache ? S : n;
-    float* probs = sink.wants(checkpoint_name("kq_soft_max", l)) ? probs_.get() : nullptr;  // [H, T, S]
+    const bool want_probs = sink.wants(checkpoint_name("kq_soft_max", l));
     const float* keys = read_cache ? cache_k : a.k.get();
     const float* values = read_cache ? cache_v : a.v.get();
     const int32_t* past = read_cache ? n_past : d_zero_.get();
-    if (attention_flaws_.any())
-      attention_flawed(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, attention_flaws_, stream_);
-    else
-      attention(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, stream_);
-    if (probs) record_only(step, "kq_soft_max", l, probs, {H, n, S_att});
+    float* probs = nullptr;  // [H, T, S_att]
+    if (split_attention(n)) {
+      probs = attn_probs_.get();
+      attention_split(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh,
+                      {attn_partial_.get(), attn_counters_.get(), attn_splits_}, stream_);
+    } else {
+      probs = want_probs ? probs_.get() : nullptr;
+      if (attention_flaws_.any())
+        attention_flawed(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, attention_flaws_, stream_);
+      else
+        attention(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, stream_);
+    }
+    if (want_probs) record_only(step, "kq_soft_max", l, probs, {H, n, S_att});
     cp(sink, step, "kqv_out", l, a.kqv.get(), {n, H, Dh});
 
     if (faults_.has(Fault::attn_out_transposed))
@@ -348,6 +384,9 @@ class CudaEngineImpl final : public CudaEngine {
     if (cp(sink, step, "l_out", l, a.x.get(), {n, D}))  // replaced: the norm again, of the new values
       rms_norm(a.xn.get(), a.x.get(), norm_opening(l + 1), n, D, eps(), stream_);
   }
+
+  // Whether a step of n tokens runs attention_split (else attention or its flawed variant).
+  bool split_attention(int n) const { return n <= kAttentionSplitMaxT && !attention_flaws_.any(); }
 
   float eps() const { return static_cast<float>(faults_.has(Fault::rms_eps_1e5) ? kFaultRmsEps : cfg_.rms_eps); }
 
@@ -430,7 +469,8 @@ class CudaEngineImpl final : public CudaEngine {
   // for the device and drops the captured graphs, whose pointers it invalidates).
   void prepare(int step, int n, const Sink& sink) {
     const int S = n_past_ + n;
-    const size_t probs_needed = wants_any_layer(sink, "kq_soft_max") ? size_t(cfg_.n_head) * n * S : 0;
+    const size_t probs_needed =
+        !split_attention(n) && wants_any_layer(sink, "kq_soft_max") ? size_t(cfg_.n_head) * n * S : 0;
     const size_t logits_needed = size_t(sink.wants("result_output") ? n : 1) * logit_columns();
     const bool grow_act = !act_ || act_->capacity < n;
     const bool grow_probs = probs_.size() < probs_needed;
@@ -496,13 +536,18 @@ class CudaEngineImpl final : public CudaEngine {
   DeviceBuffer<float> v_cache_;  // [n_layer][max_ctx, Hkv*Dh]
   std::unique_ptr<Activations<W>> act_;
   DeviceBuffer<float> logits_;   // [rows, V], rows = T when result_output is recorded, else 1
-  DeviceBuffer<float> probs_;    // [H, T, S], only while kq_soft_max is recorded
+  DeviceBuffer<float> probs_;    // [H, T, S], attention (T > kAttentionSplitMaxT) while kq_soft_max is recorded
   DeviceBuffer<int32_t> d_n_past_;  // [1]
   DeviceBuffer<int32_t> d_argmax_;  // [1]
   PinnedBuffer<int32_t> h_tokens_;  // [T]
   PinnedBuffer<int32_t> h_n_past_;  // [1]
   PinnedBuffer<int32_t> h_argmax_;  // [1]
   PinnedBuffer<float> h_logits_;    // [V] the last token's logits
+  int attn_splits_;                          // attention_split blocks per (token, head)
+  DeviceBuffer<float> attn_probs_;           // [H, T, S] of attention_split steps, T ≤ kAttentionSplitMaxT
+  DeviceBuffer<float> attn_partial_;         // [T, H, splits, Dh + 2] attention_split partials
+  DeviceBuffer<uint32_t> attn_counters_;     // [T, H] attention_split tickets, zero between launches
+  DeviceBuffer<unsigned long long> argmax_scratch_;  // [2] argmax's packed best and ticket, zero between launches
   CheckpointStager stager_;
   std::vector<std::string> names_;  // every checkpoint name of a step, in order
   bool graphs_enabled_;
@@ -515,7 +560,11 @@ template <typename W>
 void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_ctx) {
   const WeightFootprint wf = DeviceWeights<W>::footprint(file, cfg);
   const uint64_t kv = 2ull * cfg.n_layer * uint64_t(max_ctx) * cfg.n_head_kv * cfg.head_dim * sizeof(float);
-  const uint64_t other = Activations<W>::bytes(cfg, 1) + uint64_t(cfg.n_vocab) * sizeof(float) + kCublasWorkspaceBytes;
+  const uint64_t attn = sizeof(float) * (uint64_t(cfg.n_head) * kAttentionSplitMaxT * max_ctx +
+                                          uint64_t(kAttentionSplitMaxT) * cfg.n_head * kAttentionSplitMaxSplits *
+                                              (cfg.head_dim + 2));
+  const uint64_t other =
+      Activations<W>::bytes(cfg, 1) + uint64_t(cfg.n_vocab) * sizeof(float) + kCublasWorkspaceBytes + attn;
   const uint64_t needed = wf.weight_bytes + wf.staging_bytes + kv + other;
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
@@ -526,7 +575,7 @@ void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_c
     CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
     throw Error("not enough device memory for " + file.path() + ": need " + mib(needed) + " (weights " +
                 mib(wf.weight_bytes) + ", upload staging " + mib(wf.staging_bytes) + ", KV cache " + mib(kv) +
-                " for " + std::to_string(max_ctx) + " positions, activations and cuBLAS workspace " + mib(other) +
+                " for " + std::to_string(max_ctx) + " positions, activations, attention scratch and cuBLAS workspace " + mib(other) +
                 "), " + mib(free_b) + " free of " + mib(total_b) + " on " + prop.name);
   }
 }

@@ -348,6 +348,75 @@ TEST(EngineOps, AttentionMatchesReference) {
   }
 }
 
+// The split (flash-decoding) kernel: against the CPU twin and the one-block kernel, with S not a
+// multiple of the splits, splits left empty (S < splits), one split, GQA and T > 1 causal; the
+// scratch tickets left at zero (a second launch on the same scratch gives the same bits).
+TEST(EngineOps, AttentionSplitMatchesReference) {
+  DIFFRUN_REQUIRE_CUDA();
+  struct Case {
+    int T, n_past, H, Hkv, Dh, splits;
+  };
+  for (const Case c : {Case{1, 37, 14, 2, 64, 19}, Case{1, 0, 14, 2, 64, 19}, Case{1, 200, 6, 3, 40, 7},
+                       Case{1, 5, 4, 4, 128, 1}, Case{3, 2, 8, 1, 256, 5}, Case{4, 300, 6, 2, 40, 64},
+                       Case{2, 1, 5, 5, 18, 3}}) {
+    const int T = c.T, n_past = c.n_past, H = c.H, Hkv = c.Hkv, Dh = c.Dh;
+    SCOPED_TRACE("T " + std::to_string(T) + " n_past " + std::to_string(n_past) + " H " + std::to_string(H) +
+                 " Hkv " + std::to_string(Hkv) + " Dh " + std::to_string(Dh) + " splits " + std::to_string(c.splits));
+    const int S = n_past + T, Q = H * Dh, KV = Hkv * Dh;
+    const auto q = random_vec(T * Q, 40, 2.0f), kc = random_vec(S * KV, 41), vc = random_vec(S * KV, 42);
+    std::vector<double> out_ref(T * Q), probs_ref(size_t(H) * T * S);
+    ref::attention(out_ref.data(), probs_ref.data(), widen(q).data(), widen(kc).data(), widen(vc).data(), T, n_past,
+                   H, Hkv, Dh);
+
+    DeviceArray<float> dq(q), dk(kc), dv(vc), out(T * Q), probs(std::vector<float>(size_t(H) * T * S, NAN));
+    DeviceArray<float> partial(size_t(T) * H * c.splits * (Dh + 2));
+    DeviceArray<uint32_t> counters(std::vector<uint32_t>(size_t(T) * H, 0u));
+    DeviceArray<int32_t> dnp(std::vector<int32_t>{n_past});
+    const engine::AttentionSplitScratch scratch{partial.get(), counters.get(), c.splits};
+    engine::attention_split(out.get(), probs.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scratch,
+                            nullptr);
+    const auto got = out.download(), got_probs = probs.download();
+    EXPECT_LT(rel_l2(got, narrow(out_ref)), 1e-5);
+    EXPECT_LT(rel_l2(got_probs, narrow(probs_ref)), 1e-5);
+    for (int h = 0; h < H; ++h)  // exact zeros above the diagonal, every row sums to 1
+      for (int t = 0; t < T; ++t) {
+        double row = 0;
+        for (int s = 0; s < S; ++s) {
+          const float p = got_probs[(size_t(h) * T + t) * S + s];
+          if (s > n_past + t) {
+            EXPECT_EQ(p, 0.0f) << "h " << h << " t " << t << " s " << s;
+          }
+          row += p;
+        }
+        EXPECT_NEAR(row, 1.0, 1e-5) << "h " << h << " t " << t;
+      }
+    EXPECT_EQ(counters.download(), std::vector<uint32_t>(size_t(T) * H, 0u));
+
+    DeviceArray<float> out_one(T * Q), probs_one(size_t(H) * T * S);
+    engine::attention(out_one.get(), probs_one.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, nullptr);
+    EXPECT_LT(rel_l2(got, out_one.download()), 1e-5);
+    EXPECT_LT(rel_l2(got_probs, probs_one.download()), 1e-5);
+
+    DeviceArray<float> out2(T * Q), probs2(size_t(H) * T * S);
+    engine::attention_split(out2.get(), probs2.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh,
+                            scratch, nullptr);
+    EXPECT_EQ(out2.download(), got);
+    EXPECT_EQ(probs2.download(), got_probs);
+
+    DeviceArray<__half> out16(T * Q);
+    engine::attention_split(out16.get(), probs2.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh,
+                            scratch, nullptr);
+    EXPECT_LT(rel_l2(from_half(out16.download()), narrow(out_ref)), 1e-3);
+  }
+}
+
+// The split count: two blocks per SM for one token, within 1..kAttentionSplitMaxSplits.
+TEST(EngineOps, AttentionSplitCount) {
+  EXPECT_EQ(engine::attention_split_count(14, 132), 19);
+  EXPECT_EQ(engine::attention_split_count(64, 16), 1);
+  EXPECT_EQ(engine::attention_split_count(1, 132), engine::kAttentionSplitMaxSplits);
+}
+
 TEST(EngineOps, SwigluAndAddMatchReference) {
   DIFFRUN_REQUIRE_CUDA();
   const int64_t n = 1001;
@@ -367,24 +436,60 @@ TEST(EngineOps, SwigluAndAddMatchReference) {
   EXPECT_EQ(out.download(), sum);
 }
 
+// Multi-block argmax: ties across blocks, NaNs, the winner in the last partial block, negative
+// values, -0 tying with +0, all NaN; every launch reuses one scratch, which each leaves at zero.
 TEST(EngineOps, ArgmaxLowestIndexOnTiesSkipsNaN) {
   DIFFRUN_REQUIRE_CUDA();
   const int V = 151936;
   auto logits = random_vec(V, 13);
   logits[1000] = NAN;
   logits[77777] = 50.0f;
-  logits[150001] = 50.0f;  // tie: the lower index wins
+  logits[150001] = 50.0f;  // tie in another block: the lower index wins
   logits[5] = NAN;
   DeviceArray<float> dl(logits);
   DeviceArray<int32_t> out(1);
-  engine::argmax(out.get(), dl.get(), V, nullptr);
+  DeviceArray<unsigned long long> scratch(std::vector<unsigned long long>{0, 0});
+  engine::argmax(out.get(), dl.get(), V, scratch.get(), nullptr);
   EXPECT_EQ(out.download()[0], 77777);
-  engine::argmax(out.get(), dl.get() + 100000, V - 100000, nullptr);  // a row not starting at 0
+  engine::argmax(out.get(), dl.get() + 100000, V - 100000, scratch.get(), nullptr);  // a row not starting at 0
   EXPECT_EQ(out.download()[0], 50001);
+
+  auto tail = random_vec(V, 16);
+  tail[V - 1] = 9.0f;  // the last element, in the grid's last, partial block
+  DeviceArray<float> dt(tail);
+  engine::argmax(out.get(), dt.get(), V, scratch.get(), nullptr);
+  EXPECT_EQ(out.download()[0], V - 1);
+
+  std::vector<float> negative(4099);
+  for (size_t i = 0; i < negative.size(); ++i) negative[i] = -1.0f - float(i % 97);
+  negative[3000] = -0.5f;
+  negative[4098] = -0.5f;
+  DeviceArray<float> dneg(negative);
+  engine::argmax(out.get(), dneg.get(), int(negative.size()), scratch.get(), nullptr);
+  EXPECT_EQ(out.download()[0], 3000);
+
+  std::vector<float> zeros(5000, -1.0f);
+  zeros[4500] = 0.0f;
+  zeros[2100] = -0.0f;  // equal to +0: the lower index wins
+  DeviceArray<float> dz(zeros);
+  engine::argmax(out.get(), dz.get(), int(zeros.size()), scratch.get(), nullptr);
+  EXPECT_EQ(out.download()[0], 2100);
+
   const std::vector<float> all_nan(33, NAN);
   DeviceArray<float> dn(all_nan);
-  engine::argmax(out.get(), dn.get(), 33, nullptr);
+  engine::argmax(out.get(), dn.get(), 33, scratch.get(), nullptr);
   EXPECT_EQ(out.download()[0], -1);
+  std::vector<float> big_nan(20000, NAN);
+  big_nan[19999] = -INFINITY;  // comparable: wins over NaNs
+  DeviceArray<float> dbn(big_nan);
+  engine::argmax(out.get(), dbn.get(), int(big_nan.size()), scratch.get(), nullptr);
+  EXPECT_EQ(out.download()[0], 19999);
+  EXPECT_EQ(scratch.download(), (std::vector<unsigned long long>{0, 0}));
+
+  for (int i = 0; i < 3; ++i) {  // repeated launches on one scratch
+    engine::argmax(out.get(), dl.get(), V, scratch.get(), nullptr);
+    EXPECT_EQ(out.download()[0], 77777);
+  }
 }
 
 TEST(EngineOps, KvStoreWritesRowsAtNPast) {

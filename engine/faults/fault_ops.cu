@@ -1,5 +1,6 @@
 // Flawed variants of engine ops for fault injection: transposed embedding read, flawed attention, wrong-lda GEMM.
-// The attention kernel is the clean one (engine/ops/attention.cu) with the flaws as its only changes.
+// The attention kernel is the clean one-block-per-head attention (engine/ops/attention.cu) with the
+// flaws as its only changes; the engine runs it at every T when an attention fault is injected.
 #include "engine/faults/fault_ops.cuh"
 
 #include <string>

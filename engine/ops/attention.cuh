@@ -1,8 +1,12 @@
 // Causal GQA attention over the KV cache (T, S, H, Hkv, Dh).
 // Query t (at position n_past + t) of head h attends to cache rows s = 0..n_past + t of KV head
 // h / (H / Hkv): score = (q·k) / sqrt(Dh); p = exp(score − max) / Σ exp(score − max) in f32;
-// out = Σ p·v. S = n_past + T positions are attended by the step. The probabilities are written to `probs` only when it is non-null (the
+// out = Σ p·v. S = n_past + T positions are attended by the step.
+// attention (any T, prefill): probabilities written to `probs` only when it is non-null (the
 // kq_soft_max checkpoint); the kernel and the output are the same either way.
+// attention_split (T ≤ kAttentionSplitMaxT, decode): the keys of each (token, head) split over
+// `splits` blocks (flash-decoding) so that a one-token step uses every SM; the probabilities are
+// always written (the split softmax keeps its scores there), so hooks only add the copy.
 #pragma once
 
 #include <cstdint>
@@ -20,5 +24,27 @@ void attention(float* out, float* probs, const float* q, const float* k_cache, c
                const int32_t* n_past, int H, int Hkv, int Dh, cudaStream_t stream);
 void attention(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                const int32_t* n_past, int H, int Hkv, int Dh, cudaStream_t stream);
+
+constexpr int kAttentionSplitMaxT = 4;         // the most tokens a step may pass to attention_split
+constexpr int kAttentionSplitMaxSplits = 64;   // the most splits per (token, head)
+
+// Device scratch of attention_split, owned by the caller and reused by every launch.
+struct AttentionSplitScratch {
+  float* partial = nullptr;      // [T, H, splits, Dh + 2]: per split, the unnormalised output, max, exp-sum
+  uint32_t* counters = nullptr;  // [T, H] zero before the first launch; each launch leaves them zero
+  int splits = 1;                // blocks per (token, head), 1..kAttentionSplitMaxSplits
+};
+
+// The number of splits that gives a one-token step of H heads two blocks per SM.
+int attention_split_count(int H, int sm_count);
+
+// As attention, with probs [H, T, S] required; T ≤ kAttentionSplitMaxT; scratch sized for T, H, Dh
+// and its splits. The result does not depend on which split finishes last (fixed combine order).
+void attention_split(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
+                     const int32_t* n_past, int H, int Hkv, int Dh, const AttentionSplitScratch& scratch,
+                     cudaStream_t stream);
+void attention_split(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
+                     const int32_t* n_past, int H, int Hkv, int Dh, const AttentionSplitScratch& scratch,
+                     cudaStream_t stream);
 
 }  // namespace diffrun::engine
