@@ -18,9 +18,10 @@
 //   staging right after the op, delivered to the sink after the step's one synchronization.
 // - Fused ops, each writing every checkpoint tensor of the twins it combines (so hooks stay copies
 //   only): matmul_cat (Wq|Wk|Wv and Wgate|Wup concatenated at load, one GEMV per group when T = 1),
-//   rope_qk (q and k in one launch) and add_rms_norm (ffn_inp + ffn_norm; l_out + the next layer's
-//   attn_norm or result_norm). When isolation replay replaces the first output of add_rms_norm, the
-//   norm is computed again from the replaced values. Decode T = 1 projections run our GEMV kernel,
+//   rope_qk (q and k in one launch, with the KV cache write) and add_rms_norm (ffn_inp + ffn_norm;
+//   l_out + the next layer's attn_norm or result_norm). When isolation replay replaces the first
+//   output of add_rms_norm (or Krope), the norm (or the cache write) is computed again from the
+//   replaced values. Decode T = 1 projections run our GEMV kernel,
 //   prefill the cuBLAS GEMM (bench/NOTES.md has the figures).
 // - Steps of up to kAttentionSplitMaxT tokens (decode) run attention_split, which spreads each head's
 //   keys over enough blocks to fill the GPU and always writes the probabilities into attn_probs_
@@ -321,12 +322,12 @@ class CudaEngineImpl final : public CudaEngine {
       rms_norm(a.q.get(), a.q.get(), norm_w(w.q_norm), n * H, Dh, eps(), stream_);   cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
       rms_norm(a.k.get(), a.k.get(), norm_w(w.k_norm), n * Hkv, Dh, eps(), stream_); cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
     }
-    rope_qk(a.q.get(), a.k.get(), a.q.get(), a.k.get(), n, H, Hkv, Dh, n_past, theta, neox, stream_);
-    cp(sink, step, "Qrope", l, a.q.get(), {n, H, Dh});
-    cp(sink, step, "Krope", l, a.k.get(), {n, Hkv, Dh});
-
     const int32_t* write_pos = faults_.has(Fault::kv_cache_pos0) ? d_zero_.get() : n_past;  // kv_cache_pos0: row 0
-    kv_store(cache_k, cache_v, a.k.get(), a.v.get(), n, write_pos, KV, stream_);
+    rope_qk(a.q.get(), a.k.get(), cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, n_past, write_pos,
+            theta, neox, stream_);
+    cp(sink, step, "Qrope", l, a.q.get(), {n, H, Dh});
+    if (cp(sink, step, "Krope", l, a.k.get(), {n, Hkv, Dh}))  // replaced: the cache rows again, of the new values
+      kv_store(cache_k, cache_v, a.k.get(), a.v.get(), n, write_pos, KV, stream_);
     cp(sink, step, "cache_k", l, cache_k, {S, Hkv, Dh});
     cp(sink, step, "cache_v", l, cache_v, {S, Hkv, Dh});
 
@@ -575,8 +576,8 @@ void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_c
     CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
     throw Error("not enough device memory for " + file.path() + ": need " + mib(needed) + " (weights " +
                 mib(wf.weight_bytes) + ", upload staging " + mib(wf.staging_bytes) + ", KV cache " + mib(kv) +
-                " for " + std::to_string(max_ctx) + " positions, activations, attention scratch and cuBLAS workspace " + mib(other) +
-                "), " + mib(free_b) + " free of " + mib(total_b) + " on " + prop.name);
+                " for " + std::to_string(max_ctx) + " positions, activations, attention scratch and cuBLAS workspace " +
+                mib(other) + "), " + mib(free_b) + " free of " + mib(total_b) + " on " + prop.name);
   }
 }
 

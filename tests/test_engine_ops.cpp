@@ -267,31 +267,52 @@ TEST(EngineOps, RopeMatchesReference) {
   }
 }
 
-// q and k in one launch: the same as the rope twins applied to each, bit for bit against the
-// single-tensor kernels, and within f32 rounding of the CPU twins.
-TEST(EngineOps, RopeQkMatchesRopeTwins) {
+// q and k and the cache write in one launch: q and k the same as the rope twins applied to each, bit
+// for bit against the single-tensor kernels, and within f32 rounding of the CPU twins; the cache rows
+// bit-identical to kv_store of the rotated k and of v, written at write_pos (not pos0, as the
+// kv_cache_pos0 fault passes), with the other rows untouched.
+TEST(EngineOps, RopeQkMatchesRopeTwinsAndKvStore) {
   DIFFRUN_REQUIRE_CUDA();
-  const int T = 3, H = 5, Hkv = 2, Dh = 18, pos0 = 11;
+  const int T = 3, H = 5, Hkv = 2, Dh = 18, pos0 = 11, write_pos = 4, C = 17, KV = Hkv * Dh;
   const double theta = 1e6;
-  const auto q = random_vec(T * H * Dh, 30), k = random_vec(T * Hkv * Dh, 31);
-  DeviceArray<int32_t> dpos(std::vector<int32_t>{pos0});
+  const auto q = random_vec(T * H * Dh, 30), k = random_vec(T * KV, 31), v = random_vec(T * KV, 35);
+  DeviceArray<int32_t> dpos(std::vector<int32_t>{pos0}), dwrite(std::vector<int32_t>{write_pos});
   for (bool neox : {false, true}) {
     SCOPED_TRACE(neox ? "neox" : "norm");
     std::vector<double> rq(q.size()), rk(k.size());
     const auto rope_ref = neox ? ref::rope_neox<double> : ref::rope_norm<double>;
     rope_ref(rq.data(), widen(q).data(), T, H, Dh, pos0, theta);
     rope_ref(rk.data(), widen(k).data(), T, Hkv, Dh, pos0, theta);
-    DeviceArray<float> dq(q), dk(k), oq(q.size()), ok(k.size());
-    engine::rope_qk(oq.get(), ok.get(), dq.get(), dk.get(), T, H, Hkv, Dh, dpos.get(), float(theta), neox, nullptr);
+    const std::vector<float> canary(size_t(C) * KV, -7.0f);
+    DeviceArray<float> dq(q), dk(k), dv(v), oq(q.size()), ok(k.size()), kc(canary), vc(canary);
+    engine::rope_qk(oq.get(), ok.get(), kc.get(), vc.get(), dq.get(), dk.get(), dv.get(), T, H, Hkv, Dh, dpos.get(),
+                    dwrite.get(), float(theta), neox, nullptr);
     EXPECT_LT(rel_l2(oq.download(), narrow(rq)), 1e-6);
     EXPECT_LT(rel_l2(ok.download(), narrow(rk)), 1e-6);
     const auto rope_one = neox ? engine::rope_neox : engine::rope_norm;
-    DeviceArray<float> sq(q.size()), sk(k.size());
+    DeviceArray<float> sq(q.size()), sk(k.size()), kc2(canary), vc2(canary);
     rope_one(sq.get(), dq.get(), T, H, Dh, dpos.get(), float(theta), nullptr);
     rope_one(sk.get(), dk.get(), T, Hkv, Dh, dpos.get(), float(theta), nullptr);
+    engine::kv_store(kc2.get(), vc2.get(), sk.get(), dv.get(), T, dwrite.get(), KV, nullptr);
     EXPECT_EQ(oq.download(), sq.download());
     EXPECT_EQ(ok.download(), sk.download());
+    const auto hk = kc.download(), hv = vc.download();
+    EXPECT_EQ(hk, kc2.download());
+    EXPECT_EQ(hv, vc2.download());
+    EXPECT_EQ(hk[size_t(write_pos) * KV], sk.download()[0]);  // row write_pos holds token 0's k
+    EXPECT_EQ(hv[size_t(write_pos + T - 1) * KV + KV - 1], v[size_t(T) * KV - 1]);
+    EXPECT_EQ(hk[size_t(pos0) * KV], -7.0f);  // pos0's row untouched when write_pos differs
   }
+
+  // In place (q_out = q, k_out = k), as the engine calls it.
+  DeviceArray<float> iq(q), ik(k), dv(v), kc(size_t(C) * KV), vc(size_t(C) * KV), sq(q.size()), sk(k.size());
+  engine::rope_qk(iq.get(), ik.get(), kc.get(), vc.get(), iq.get(), ik.get(), dv.get(), T, H, Hkv, Dh, dpos.get(),
+                  dpos.get(), float(theta), true, nullptr);
+  DeviceArray<float> dq(q), dk(k);
+  engine::rope_neox(sq.get(), dq.get(), T, H, Dh, dpos.get(), float(theta), nullptr);
+  engine::rope_neox(sk.get(), dk.get(), T, Hkv, Dh, dpos.get(), float(theta), nullptr);
+  EXPECT_EQ(iq.download(), sq.download());
+  EXPECT_EQ(ik.download(), sk.download());
 }
 
 // Residual add then RMSNorm in one launch: both outputs bit-identical to add followed by rms_norm.

@@ -1,4 +1,5 @@
-// RoPE of q and k in one launch: one thread per rotated pair of q's and then k's heads.
+// RoPE of q and k and the KV cache write in one launch: one thread per rotated pair of q's and then
+// k's heads; a k pair's thread also writes its rotated values and the same two elements of v to the cache.
 #include "engine/ops/rope_qk.cuh"
 
 #include "engine/cuda_check.cuh"
@@ -9,8 +10,9 @@ namespace diffrun::engine {
 namespace {
 
 template <bool kNeox>
-static __global__ void rope_qk_kernel(float* q_out, float* k_out, const float* q, const float* k, int T, int H,
-                                      int Hkv, int Dh, const int32_t* pos0, float theta) {
+static __global__ void rope_qk_kernel(float* q_out, float* k_out, float* k_cache, float* v_cache, const float* q,
+                                      const float* k, const float* v, int T, int H, int Hkv, int Dh,
+                                      const int32_t* pos0, const int32_t* write_pos, float theta) {
   const int half = Dh / 2;
   const int64_t q_pairs = static_cast<int64_t>(T) * H * half;
   const int64_t total = q_pairs + static_cast<int64_t>(T) * Hkv * half;
@@ -32,20 +34,32 @@ static __global__ void rope_qk_kernel(float* q_out, float* k_out, const float* q
     const int64_t i1 = kNeox ? i0 + half : i0 + 1;
     const float x0 = x[i0];
     const float x1 = x[i1];
-    out[i0] = x0 * c - x1 * s;
-    out[i1] = x0 * s + x1 * c;
+    const float y0 = x0 * c - x1 * s;
+    const float y1 = x0 * s + x1 * c;
+    out[i0] = y0;
+    out[i1] = y1;
+    if (!is_q) {  // [T, Hkv·Dh] row t lands on cache row write_pos + t: offset write_pos · Hkv·Dh
+      const int64_t row0 = static_cast<int64_t>(*write_pos) * Hkv * Dh;
+      k_cache[row0 + i0] = y0;
+      k_cache[row0 + i1] = y1;
+      v_cache[row0 + i0] = v[i0];
+      v_cache[row0 + i1] = v[i1];
+    }
   }
 }
 
 }  // namespace
 
-void rope_qk(float* q_out, float* k_out, const float* q, const float* k, int T, int H, int Hkv, int Dh,
-             const int32_t* pos0, float theta, bool neox, cudaStream_t stream) {
+void rope_qk(float* q_out, float* k_out, float* k_cache, float* v_cache, const float* q, const float* k,
+             const float* v, int T, int H, int Hkv, int Dh, const int32_t* pos0, const int32_t* write_pos, float theta,
+             bool neox, cudaStream_t stream) {
   const int64_t total = static_cast<int64_t>(T) * (H + Hkv) * (Dh / 2);
   if (neox)
-    rope_qk_kernel<true><<<op_grid(total), kOpThreads, 0, stream>>>(q_out, k_out, q, k, T, H, Hkv, Dh, pos0, theta);
+    rope_qk_kernel<true><<<op_grid(total), kOpThreads, 0, stream>>>(q_out, k_out, k_cache, v_cache, q, k, v, T, H,
+                                                                     Hkv, Dh, pos0, write_pos, theta);
   else
-    rope_qk_kernel<false><<<op_grid(total), kOpThreads, 0, stream>>>(q_out, k_out, q, k, T, H, Hkv, Dh, pos0, theta);
+    rope_qk_kernel<false><<<op_grid(total), kOpThreads, 0, stream>>>(q_out, k_out, k_cache, v_cache, q, k, v, T, H,
+                                                                      Hkv, Dh, pos0, write_pos, theta);
   check_launch("rope_qk", stream);
 }
 
