@@ -149,7 +149,8 @@ void bench_model(const std::string& path, const std::string& precision, int step
   all.bytes = 0;
   const double dec_hooks = time_decode(*eng, steps, all, true);
   const double roof = wb / dec / bandwidth;
-  std::printf("  decode batch 1, median of %d steps after a 32-token prefill:\n", steps);
+  std::printf("  decode batch 1, PDL %s (DIFFRUN_PDL), median of %d steps after a 32-token prefill:\n",
+              eng->facts().at("pdl").c_str(), steps);
   std::printf("    hooks off, argmax only (CUDA graph)  %8.1f tok/s  %.3f ms/token  roofline %.1f%%\n", 1 / dec,
               dec * 1e3, roof * 100);
   std::printf("    hooks off, logits copied to host     %8.1f tok/s  %.3f ms/token\n", 1 / dec_logits,

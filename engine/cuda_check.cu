@@ -40,6 +40,18 @@ bool sync_check_enabled() {
   return enabled;
 }
 
+bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("DIFFRUN_PDL");
+    if (v != nullptr && std::strcmp(v, "0") == 0) return false;
+    int device = 0, major = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major >= 9;
+  }();
+  return enabled;
+}
+
 void set_op_context(int step, int layer) {
   g_step = step;
   g_layer = layer;

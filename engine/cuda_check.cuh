@@ -19,6 +19,10 @@ struct CudaError : Error {
 // DIFFRUN_SYNC_CHECK=1 (read once): synchronize after every op so a failing kernel is named.
 bool sync_check_enabled();
 
+// Programmatic Dependent Launch for the op kernels (read once): on for devices of compute
+// capability 9.0 and later unless DIFFRUN_PDL=0.
+bool pdl_enabled();
+
 // Where the forward pass is (step, layer; layer -1 outside layers), named in op errors. Cheap.
 void set_op_context(int step, int layer);
 

@@ -12,6 +12,9 @@
 //   so a decode step (T = 1) without hooks is captured once as a CUDA graph and replayed at any
 //   position. Steps with any hook, prefill steps, DIFFRUN_SYNC_CHECK=1 and DIFFRUN_CUDA_GRAPHS=0
 //   launch the same kernels one by one.
+// - Every op kernel (not cuBLAS) is launched with Programmatic Dependent Launch on sm_90+: it waits
+//   for the preceding grid first thing, so its launch overlaps the previous kernel's tail, in the
+//   graph and out of it. DIFFRUN_PDL=0 turns it off (the "pdl" fact says which ran).
 // - As in the reference, the lm head computes every token's logits only when result_output is
 //   recorded, else the last token's alone.
 // - Hooks off: no copies, no synchronization, no extra kernels. On: cudaMemcpyAsync into pinned
@@ -185,6 +188,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"kv_cache_dtype", "f32"},
         {"cuda_graphs", graphs_enabled_ ? "decode steps without hooks" : "off"},
         {"attention_splits", std::to_string(attn_splits_)},
+        {"pdl", pdl_enabled() ? "on" : "off"},
     };
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
     CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));

@@ -18,6 +18,8 @@ constexpr int kMaxDhPerLane = 8;  // Dh ≤ 256
 
 template <typename W>
 static __global__ void embedding_transposed_kernel(float* out, const int32_t* tokens, const W* table, int D, int V) {
+  pdl_wait();
+  pdl_trigger();
   const int t = blockIdx.x;
   const int32_t id = tokens[t];
   float* out_row = out + static_cast<int64_t>(t) * D;
@@ -29,6 +31,8 @@ template <typename Out>
 static __global__ void __launch_bounds__(kWarps * 32)
 attention_flawed_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                         const int32_t* n_past, int H, int Hkv, int Dh, float scale, bool causal, bool head_modulo) {
+  pdl_wait();
+  pdl_trigger();
   const int t = blockIdx.x;
   const int h = blockIdx.y;
   const int kvh = head_modulo ? h % Hkv : h / (H / Hkv);
@@ -109,7 +113,7 @@ static __global__ void square_kernel(float* out, const float* w, int64_t n) {
 
 template <typename W>
 void launch_embedding(float* out, const int32_t* tokens, const W* table, int T, int D, int V, cudaStream_t stream) {
-  embedding_transposed_kernel<<<T, kOpThreads, 0, stream>>>(out, tokens, table, D, V);
+  launch_pdl(embedding_transposed_kernel<W>, T, kOpThreads, 0, stream, out, tokens, table, D, V);
   check_launch("embedding_transposed", stream);
 }
 
@@ -124,8 +128,8 @@ void launch_attention(Out* out, float* probs, const float* q, const float* k_cac
                      std::to_string(Hkv));
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H));
   const float scale = flaws.no_scale ? 1.0f : 1.0f / sqrtf(static_cast<float>(Dh));
-  attention_flawed_kernel<<<grid, kWarps * 32, 0, stream>>>(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh,
-                                                             scale, !flaws.no_causal_mask, flaws.head_modulo);
+  launch_pdl(attention_flawed_kernel<Out>, grid, kWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past, H,
+             Hkv, Dh, scale, !flaws.no_causal_mask, flaws.head_modulo);
   check_launch("attention_flawed", stream);
 }
 

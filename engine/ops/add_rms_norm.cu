@@ -12,6 +12,8 @@ namespace {
 template <typename Out>
 static __global__ void add_rms_norm_kernel(float* sum, Out* out, const float* a, const float* b, const float* w,
                                            int D, float eps) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t row = blockIdx.x;
   float* sr = sum + row * D;
   float ss = 0.0f;
@@ -34,7 +36,7 @@ static __global__ void add_rms_norm_kernel(float* sum, Out* out, const float* a,
 template <typename Out>
 void launch(float* sum, Out* out, const float* a, const float* b, const float* w, int rows, int D, float eps,
             cudaStream_t stream) {
-  add_rms_norm_kernel<<<rows, kOpThreads, 0, stream>>>(sum, out, a, b, w, D, eps);
+  launch_pdl(add_rms_norm_kernel<Out>, rows, kOpThreads, 0, stream, sum, out, a, b, w, D, eps);
   check_launch("add_rms_norm", stream);
 }
 

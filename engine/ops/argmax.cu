@@ -8,6 +8,7 @@
 #include <climits>
 
 #include "engine/cuda_check.cuh"
+#include "engine/ops/launch.cuh"
 
 namespace diffrun::engine {
 
@@ -31,6 +32,8 @@ __device__ __forceinline__ unsigned long long pack(float v, int i) {
 
 static __global__ void __launch_bounds__(kThreads)
 argmax_kernel(int32_t* out, const float* logits, int V, unsigned long long* scratch) {
+  pdl_wait();
+  pdl_trigger();
   float best = -INFINITY;
   int best_i = INT_MAX;
   const int stride = gridDim.x * kThreads * kUnroll;
@@ -83,7 +86,7 @@ argmax_kernel(int32_t* out, const float* logits, int V, unsigned long long* scra
 void argmax(int32_t* out, const float* logits, int V, unsigned long long* scratch, cudaStream_t stream) {
   const int per_block = kThreads * kUnroll;
   const int blocks = std::clamp((V + per_block - 1) / per_block, 1, kMaxBlocks);
-  argmax_kernel<<<blocks, kThreads, 0, stream>>>(out, logits, V, scratch);
+  launch_pdl(argmax_kernel, blocks, kThreads, 0, stream, out, logits, V, scratch);
   check_launch("argmax", stream);
 }
 

@@ -28,6 +28,8 @@ template <typename Out>
 static __global__ void __launch_bounds__(kWarps * 32)
 attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                  const int32_t* n_past, int H, int Hkv, int Dh, float scale) {
+  pdl_wait();
+  pdl_trigger();
   const int t = blockIdx.x;
   const int h = blockIdx.y;
   const int kvh = h / (H / Hkv);
@@ -108,6 +110,8 @@ static __global__ void __launch_bounds__(kSplitWarps * 32)
 attention_split_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                        const int32_t* n_past, int H, int Hkv, int Dh, float scale, float* partial,
                        uint32_t* counters) {
+  pdl_wait();
+  pdl_trigger();
   const int split = blockIdx.x;
   const int n_splits = gridDim.x;
   const int h = blockIdx.y;
@@ -245,9 +249,8 @@ void launch_split(Out* out, float* probs, const float* q, const float* k_cache, 
   if (probs == nullptr || scratch.partial == nullptr || scratch.counters == nullptr)
     throw Error("attention_split: probs and the scratch buffers are required");
   const dim3 grid(static_cast<unsigned>(scratch.splits), static_cast<unsigned>(H), static_cast<unsigned>(T));
-  attention_split_kernel<<<grid, kSplitWarps * 32, 0, stream>>>(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv,
-                                                                 Dh, 1.0f / sqrtf(static_cast<float>(Dh)),
-                                                                 scratch.partial, scratch.counters);
+  launch_pdl(attention_split_kernel<Out>, grid, kSplitWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past,
+             H, Hkv, Dh, 1.0f / sqrtf(static_cast<float>(Dh)), scratch.partial, scratch.counters);
   check_launch("attention_split", stream);
 }
 
@@ -256,8 +259,8 @@ void launch(Out* out, float* probs, const float* q, const float* k_cache, const 
             const int32_t* n_past, int H, int Hkv, int Dh, cudaStream_t stream) {
   check_shape(H, Hkv, Dh);
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H));
-  attention_kernel<<<grid, kWarps * 32, 0, stream>>>(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh,
-                                                      1.0f / sqrtf(static_cast<float>(Dh)));
+  launch_pdl(attention_kernel<Out>, grid, kWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past, H, Hkv,
+             Dh, 1.0f / sqrtf(static_cast<float>(Dh)));
   check_launch("attention", stream);
 }
 

@@ -10,6 +10,8 @@ namespace {
 
 template <typename W>
 static __global__ void embedding_kernel(float* out, const int32_t* tokens, const W* table, int D, int V) {
+  pdl_wait();
+  pdl_trigger();
   const int t = blockIdx.x;
   const int32_t id = tokens[t];
   float* out_row = out + static_cast<int64_t>(t) * D;
@@ -23,7 +25,7 @@ static __global__ void embedding_kernel(float* out, const int32_t* tokens, const
 
 template <typename W>
 void launch(float* out, const int32_t* tokens, const W* table, int T, int D, int V, cudaStream_t stream) {
-  embedding_kernel<<<T, kOpThreads, 0, stream>>>(out, tokens, table, D, V);
+  launch_pdl(embedding_kernel<W>, T, kOpThreads, 0, stream, out, tokens, table, D, V);
   check_launch("embedding", stream);
 }
 

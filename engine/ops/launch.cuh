@@ -1,10 +1,13 @@
-// Shared launch helpers for the op kernels (grid sizes, warp reductions); device code only, no launchers.
+// Shared launch helpers for the op kernels: grid sizes, warp reductions, Programmatic Dependent Launch.
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include "engine/cuda_check.cuh"
 
 namespace diffrun::engine {
 
@@ -24,6 +27,41 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// Programmatic Dependent Launch (sm_90+): a kernel launched by launch_pdl may start while the
+// kernel before it in the stream (or graph) finishes. Such a kernel calls pdl_wait() before its
+// first global read or write (it returns once the preceding grid has completed and its memory is
+// visible), then pdl_trigger() to let the next kernel be scheduled. No-ops before sm_90, and when
+// the kernel was not launched with the attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Launches a kernel that calls pdl_wait() first thing, with programmatic stream serialization
+// allowed unless pdl_enabled() is false (a plain launch then).
+template <typename... Params, typename... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                Args&&... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 __device__ __forceinline__ void store_act(float* p, int64_t i, float v) { p[i] = v; }

@@ -48,6 +48,8 @@ __device__ __forceinline__ float dot16(uint4 w, uint4 x, const float*) {
 template <typename W, bool kVec, int kWarpsPerRow>
 static __global__ void gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, int K,
                                    int N) {
+  pdl_wait();
+  pdl_trigger();
   constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
   constexpr int kLanes = 32 * kWarpsPerRow;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -94,7 +96,7 @@ template <typename W, bool kVec, int kWarpsPerRow>
 void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream) {
   constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
   const unsigned blocks = static_cast<unsigned>((N + kRowsPerBlock - 1) / kRowsPerBlock);
-  gemv_kernel<W, kVec, kWarpsPerRow><<<blocks, kGemvThreads, 0, stream>>>(parts, x, w, K, N);
+  launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow>, blocks, kGemvThreads, 0, stream, parts, x, w, K, N);
 }
 
 template <typename W>
@@ -111,13 +113,15 @@ void gemv(const GemvParts& parts, const W* x, const W* w, int K, const char* wha
 }
 
 static __global__ void add_bias_kernel(float* y, const float* bias, int64_t total, int N) {
+  pdl_wait();
+  pdl_trigger();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
     y[i] += bias[i % N];
 }
 
 void add_bias(float* y, const float* bias, int T, int N, cudaStream_t stream) {
   const int64_t total = static_cast<int64_t>(T) * N;
-  add_bias_kernel<<<op_grid(total), kOpThreads, 0, stream>>>(y, bias, total, N);
+  launch_pdl(add_bias_kernel, op_grid(total), kOpThreads, 0, stream, y, bias, total, N);
   check_launch("matmul bias", stream);
 }
 

@@ -10,6 +10,8 @@ namespace {
 
 template <typename Out>
 static __global__ void rms_norm_kernel(Out* out, const float* x, const float* w, int D, float eps) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t row = blockIdx.x;
   const float* xr = x + row * D;
   float ss = 0.0f;
@@ -27,7 +29,7 @@ static __global__ void rms_norm_kernel(Out* out, const float* x, const float* w,
 
 template <typename Out>
 void launch(Out* out, const float* x, const float* w, int rows, int D, float eps, cudaStream_t stream) {
-  rms_norm_kernel<<<rows, kOpThreads, 0, stream>>>(out, x, w, D, eps);
+  launch_pdl(rms_norm_kernel<Out>, rows, kOpThreads, 0, stream, out, x, w, D, eps);
   check_launch("rms_norm", stream);
 }
 

@@ -10,6 +10,8 @@ namespace {
 
 static __global__ void rope_neox_kernel(float* out, const float* x, int T, int n_head, int Dh, const int32_t* pos0,
                                         float theta) {
+  pdl_wait();
+  pdl_trigger();
   const int half = Dh / 2;
   const int64_t total = static_cast<int64_t>(T) * n_head * half;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
@@ -34,7 +36,7 @@ static __global__ void rope_neox_kernel(float* out, const float* x, int T, int n
 void rope_neox(float* out, const float* x, int T, int n_head, int Dh, const int32_t* pos0, float theta,
                cudaStream_t stream) {
   const int64_t total = static_cast<int64_t>(T) * n_head * (Dh / 2);
-  rope_neox_kernel<<<op_grid(total), kOpThreads, 0, stream>>>(out, x, T, n_head, Dh, pos0, theta);
+  launch_pdl(rope_neox_kernel, op_grid(total), kOpThreads, 0, stream, out, x, T, n_head, Dh, pos0, theta);
   check_launch("rope_neox", stream);
 }
 

@@ -13,6 +13,8 @@ template <bool kNeox>
 static __global__ void rope_qk_kernel(float* q_out, float* k_out, float* k_cache, float* v_cache, const float* q,
                                       const float* k, const float* v, int T, int H, int Hkv, int Dh,
                                       const int32_t* pos0, const int32_t* write_pos, float theta) {
+  pdl_wait();
+  pdl_trigger();
   const int half = Dh / 2;
   const int64_t q_pairs = static_cast<int64_t>(T) * H * half;
   const int64_t total = q_pairs + static_cast<int64_t>(T) * Hkv * half;
@@ -55,11 +57,11 @@ void rope_qk(float* q_out, float* k_out, float* k_cache, float* v_cache, const f
              bool neox, cudaStream_t stream) {
   const int64_t total = static_cast<int64_t>(T) * (H + Hkv) * (Dh / 2);
   if (neox)
-    rope_qk_kernel<true><<<op_grid(total), kOpThreads, 0, stream>>>(q_out, k_out, k_cache, v_cache, q, k, v, T, H,
-                                                                     Hkv, Dh, pos0, write_pos, theta);
+    launch_pdl(rope_qk_kernel<true>, op_grid(total), kOpThreads, 0, stream, q_out, k_out, k_cache, v_cache, q, k, v, T,
+               H, Hkv, Dh, pos0, write_pos, theta);
   else
-    rope_qk_kernel<false><<<op_grid(total), kOpThreads, 0, stream>>>(q_out, k_out, k_cache, v_cache, q, k, v, T, H,
-                                                                      Hkv, Dh, pos0, write_pos, theta);
+    launch_pdl(rope_qk_kernel<false>, op_grid(total), kOpThreads, 0, stream, q_out, k_out, k_cache, v_cache, q, k, v, T,
+               H, Hkv, Dh, pos0, write_pos, theta);
   check_launch("rope_qk", stream);
 }
 

@@ -10,6 +10,8 @@ namespace {
 
 template <typename Out>
 static __global__ void swiglu_kernel(Out* out, const float* gate, const float* up, int64_t n) {
+  pdl_wait();
+  pdl_trigger();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float g = gate[i];
     store_act(out, i, g / (1.0f + expf(-g)) * up[i]);
@@ -18,7 +20,7 @@ static __global__ void swiglu_kernel(Out* out, const float* gate, const float* u
 
 template <typename Out>
 void launch(Out* out, const float* gate, const float* up, int64_t n, cudaStream_t stream) {
-  swiglu_kernel<<<op_grid(n), kOpThreads, 0, stream>>>(out, gate, up, n);
+  launch_pdl(swiglu_kernel<Out>, op_grid(n), kOpThreads, 0, stream, out, gate, up, n);
   check_launch("swiglu", stream);
 }
 
