@@ -75,12 +75,6 @@ using namespace diffrun::engine;
 
 constexpr uint64_t kCublasWorkspaceBytes = uint64_t(32) << 20;
 
-std::string mib(uint64_t bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
-  return buf;
-}
-
 bool env_is_zero(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr && std::strcmp(v, "0") == 0;

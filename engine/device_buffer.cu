@@ -9,15 +9,11 @@
 
 namespace diffrun::engine {
 
-namespace {
-
-std::string mib(size_t bytes) {
+std::string mib(uint64_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
   return buf;
 }
-
-}  // namespace
 
 void* device_alloc(size_t bytes, const char* what) {
   void* p = nullptr;

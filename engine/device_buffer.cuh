@@ -2,11 +2,16 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <string>
 #include <utility>
 
 #include <cuda_runtime.h>
 
 namespace diffrun::engine {
+
+// "12.3 MiB", for memory figures in errors and facts.
+std::string mib(uint64_t bytes);
 
 // cudaMalloc that throws Error("not enough device memory for <what>: need X MiB, Y MiB free of Z MiB").
 void* device_alloc(size_t bytes, const char* what);
