@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "model/gguf.hpp"
+#include "test_util.hpp"
 
 namespace diffrun::test {
 
@@ -95,22 +96,6 @@ class GgufBuilder {
     out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(n));
     return path;
   }
-};
-
-// A scratch directory <tmp>/diffrun-<name>-<pid>, removed with everything in it when destroyed.
-struct ScratchDir {
-  std::string path;
-  explicit ScratchDir(const std::string& name)
-      : path((std::filesystem::temp_directory_path() / ("diffrun-" + name + "-" + std::to_string(::getpid())))
-                 .string()) {
-    std::filesystem::create_directories(path);
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
 };
 
 }  // namespace diffrun::test

@@ -40,24 +40,11 @@ namespace fs = std::filesystem;
 const std::vector<int32_t> kPrompt = {1, 17, 42, 99, 5, 63, 120, 7, 200};
 constexpr int kSteps = 2;
 
+// Dumps go here; the directory is removed when the test program exits.
 fs::path temp_dir() {
-  static const fs::path dir = [] {
-    fs::path d = fs::temp_directory_path() / ("diffrun-test-faults-" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    return d;
-  }();
-  return dir;
+  static const test::ScratchDir dir("test-faults");
+  return dir.path;
 }
-
-// Removes the dumps when the tests end.
-class TempDirCleanup : public ::testing::Environment {
- public:
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(temp_dir(), ec);
-  }
-};
-const auto* const kCleanup = ::testing::AddGlobalTestEnvironment(new TempDirCleanup);
 
 struct Model {
   std::unique_ptr<GgufFile> file;

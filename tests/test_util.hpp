@@ -4,6 +4,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <system_error>
+
+#include <unistd.h>
 
 namespace diffrun::test {
 
@@ -24,6 +27,22 @@ inline std::string models_dir() {
   if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return std::string(x) + "/diffrun/models";
   return env_or("HOME", ".") + "/.cache/diffrun/models";
 }
+
+// A scratch directory <tmp>/diffrun-<name>-<pid>, removed with everything in it when destroyed.
+struct ScratchDir {
+  std::string path;
+  explicit ScratchDir(const std::string& name)
+      : path((std::filesystem::temp_directory_path() / ("diffrun-" + name + "-" + std::to_string(::getpid())))
+                 .string()) {
+    std::filesystem::create_directories(path);
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+};
 
 inline std::string smollm2_path() { return models_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf"; }
 
