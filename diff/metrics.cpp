@@ -1,4 +1,4 @@
-// Per-checkpoint error metrics, in double; mirrored by scripts/diffrun_dump/metrics.py.
+// Per-checkpoint error metrics, in double; mirrored by python/diffrun/metrics.py.
 #include "diff/metrics.hpp"
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-# checkpoints/: vocabulary and dump unit tests, the sample-dump writer, and the Python reader's pytest.
+# checkpoints/: vocabulary and dump unit tests, the sample-dump writer, and the Python package's reader pytest.
 diffrun_test(test_vocabulary SOURCES test_vocabulary.cpp LIBS diffrun_checkpoints)
 diffrun_test(test_dump SOURCES test_dump.cpp LIBS diffrun_checkpoints)
 
@@ -8,7 +8,7 @@ target_include_directories(dump_sample PRIVATE ${PROJECT_SOURCE_DIR})
 target_link_libraries(dump_sample PRIVATE diffrun_checkpoints diffrun_warnings)
 
 add_test(NAME test_dump_reader
-         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider scripts/tests/test_dump_reader.py
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider python/tests/test_dump_reader.py
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_dump_reader PROPERTIES LABELS "cpu;python"
-  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/scripts;DIFFRUN_DUMP_SAMPLE=$<TARGET_FILE:dump_sample>")
+  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;DIFFRUN_DUMP_SAMPLE=$<TARGET_FILE:dump_sample>")

@@ -8,8 +8,8 @@ add_dependencies(test_cli diffrun)
 
 # Python: metrics.py against the C++ JSON report, and the plots (both run the built diffrun on a fixture).
 add_test(NAME test_diff_python
-         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider scripts/tests/test_metrics_py.py
-                 scripts/tests/test_plot.py
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider python/tests/test_metrics_py.py
+                 python/tests/test_plot.py
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_diff_python PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
-  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/scripts;MPLBACKEND=Agg")
+  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;MPLBACKEND=Agg")

@@ -1,6 +1,6 @@
 """Plots of an engine dump against a reference dump, as PNGs.
 
-    python -m diffrun_dump.plot ENGINE.h5 REFERENCE.h5 --out plots [--step 0] [--heatmap NAME ...]
+    python -m diffrun.plot ENGINE.h5 REFERENCE.h5 --out plots [--step 0] [--heatmap NAME ...]
 
 writes
     rel_l2_by_layer_step<k>.png   relative L2 error against layer, one line per checkpoint kind
@@ -115,7 +115,7 @@ def worst_checkpoint(engine: Dump, reference: Dump, step: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m diffrun_dump.plot", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m diffrun.plot", description=__doc__.split("\n\n")[0])
     p.add_argument("engine", help="engine dump (side a)")
     p.add_argument("reference", help="reference dump (side b)")
     p.add_argument("--out", default="diffrun-plots", help="directory for the PNGs (default diffrun-plots)")
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 plot_heatmap(engine, reference, name, args.step, path)
                 written.append(path)
     except DumpFormatError as e:
-        print(f"diffrun_dump.plot: error: {e}", file=sys.stderr)
+        print(f"diffrun.plot: error: {e}", file=sys.stderr)
         return 2
     for path in written:
         print(path)

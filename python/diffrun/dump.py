@@ -174,6 +174,6 @@ class Dump:
         )
 
 
-def open(path: str | os.PathLike[str]) -> Dump:  # noqa: A001 - the package's entry point is diffrun_dump.open
+def open(path: str | os.PathLike[str]) -> Dump:  # noqa: A001 - the package's entry point is diffrun.open
     """Opens a dump; raises DumpFormatError naming the file when it is not a readable diffrun dump."""
     return Dump(path)

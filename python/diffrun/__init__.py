@@ -1,7 +1,7 @@
-"""diffrun_dump: read diffrun's HDF5 checkpoint dumps with numpy and h5py.
+"""diffrun: read diffrun's HDF5 checkpoint dumps with numpy and h5py.
 
-    import diffrun_dump
-    with diffrun_dump.open("run/reference.h5") as d:
+    import diffrun
+    with diffrun.open("run/reference.h5") as d:
         d.meta["arch"], d.steps(), d.names(step=0)
         q = d.get("Qcur-3", step=0)  # numpy array [T, H, Dh], read on demand
 

@@ -1,6 +1,6 @@
 """The metrics of diffrun's comparison library (diff/metrics.cpp) in numpy, on two dumps or two arrays.
 
-    from diffrun_dump import metrics
+    from diffrun import metrics
     m = metrics.tensor_metrics(engine_array, reference_array, layout="T,H,Dh", dims={"H": 9, "Dh": 64})
     rows = metrics.compare("run/engine.h5", "run/reference.h5")   # every common checkpoint, in order
 

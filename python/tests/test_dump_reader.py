@@ -1,6 +1,6 @@
-"""Dumps written by the C++ writer open in plain h5py with the documented layout and in diffrun_dump.
+"""Dumps written by the C++ writer open in plain h5py with the documented layout and in diffrun.
 
-Needs DIFFRUN_DUMP_SAMPLE (the tests/dump_sample program; ctest sets it) and PYTHONPATH=scripts.
+Needs DIFFRUN_DUMP_SAMPLE (the tests/dump_sample program; ctest sets it) and the package importable (scripts/setup installs it; ctest sets PYTHONPATH=python).
 """
 
 import json
@@ -11,8 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
-import diffrun_dump
-from diffrun_dump import vocabulary
+import diffrun
+from diffrun import vocabulary
 
 SAMPLE = os.environ.get("DIFFRUN_DUMP_SAMPLE", "")
 
@@ -81,7 +81,7 @@ def test_plain_h5py_sees_the_documented_layout(sample):
 
 
 def test_package_reads_the_dump(sample):
-    with diffrun_dump.open(sample) as d:
+    with diffrun.open(sample) as d:
         assert d.meta["backend"] == "cpu" and d.meta["n_layer"] == 2 and d.meta["qk_norm"] is True
         assert d.meta["rope_theta"] == 1000000.0 and d.meta["device"] == "sample"
         assert d.steps() == [0, 1]
@@ -105,7 +105,7 @@ def test_only_requested_tensors_are_read(sample, monkeypatch):
         return original(self, key)
 
     monkeypatch.setattr(h5py.Dataset, "__getitem__", counting)
-    with diffrun_dump.open(sample) as d:
+    with diffrun.open(sample) as d:
         for step in d.steps():
             d.names(step)
         d.info("l_out-1", step=1)
@@ -115,25 +115,25 @@ def test_only_requested_tensors_are_read(sample, monkeypatch):
 
 
 def test_errors_name_the_file_and_dataset(sample, tmp_path):
-    with diffrun_dump.open(sample) as d:
-        with pytest.raises(diffrun_dump.DumpFormatError, match=r"sample\.h5.*step_0000/Qcur-9"):
+    with diffrun.open(sample) as d:
+        with pytest.raises(diffrun.DumpFormatError, match=r"sample\.h5.*step_0000/Qcur-9"):
             d.get("Qcur-9")
-        with pytest.raises(diffrun_dump.DumpFormatError, match=r"step_0007"):
+        with pytest.raises(diffrun.DumpFormatError, match=r"step_0007"):
             d.names(step=7)
 
     missing = tmp_path / "missing.h5"
-    with pytest.raises(diffrun_dump.DumpFormatError, match="missing.h5: no such file"):
-        diffrun_dump.open(missing)
+    with pytest.raises(diffrun.DumpFormatError, match="missing.h5: no such file"):
+        diffrun.open(missing)
 
     text = tmp_path / "notes.h5"
     text.write_text("not hdf5\n")
-    with pytest.raises(diffrun_dump.DumpFormatError, match="notes.h5: not a readable HDF5 file"):
-        diffrun_dump.open(text)
+    with pytest.raises(diffrun.DumpFormatError, match="notes.h5: not a readable HDF5 file"):
+        diffrun.open(text)
 
     cut = tmp_path / "cut.h5"
     cut.write_bytes(sample.read_bytes()[: sample.stat().st_size // 3])
-    with pytest.raises(diffrun_dump.DumpFormatError, match="cut.h5"):
-        with diffrun_dump.open(cut) as d:
+    with pytest.raises(diffrun.DumpFormatError, match="cut.h5"):
+        with diffrun.open(cut) as d:
             for step in d.steps():
                 for name in d.names(step):
                     d.get(name, step)
@@ -141,15 +141,15 @@ def test_errors_name_the_file_and_dataset(sample, tmp_path):
     foreign = tmp_path / "foreign.h5"
     with h5py.File(foreign, "w") as f:
         f["x"] = np.zeros(3)
-    with pytest.raises(diffrun_dump.DumpFormatError, match="foreign.h5: not a diffrun dump"):
-        diffrun_dump.open(foreign)
+    with pytest.raises(diffrun.DumpFormatError, match="foreign.h5: not a diffrun dump"):
+        diffrun.open(foreign)
 
     newer = tmp_path / "newer.h5"
     newer.write_bytes(sample.read_bytes())
     with h5py.File(newer, "r+") as f:
         f.attrs["format_version"] = np.int32(2)
-    with pytest.raises(diffrun_dump.DumpFormatError, match="newer.h5: format_version 2 is not supported"):
-        diffrun_dump.open(newer)
+    with pytest.raises(diffrun.DumpFormatError, match="newer.h5: format_version 2 is not supported"):
+        diffrun.open(newer)
 
 
 def test_vocabulary_mirror_matches_cpp():
@@ -164,7 +164,7 @@ def test_vocabulary_mirror_matches_cpp():
 
 
 def test_vocabulary_order_matches_the_dump(sample):
-    with diffrun_dump.open(sample) as d:
+    with diffrun.open(sample) as d:
         for name in d.names(0):
             assert d.info(name).order == vocabulary.checkpoint_order("qwen3", 2, name)
     assert vocabulary.checkpoint_names("llama", 1)[:4] == ["tokens", "embd", "attn_norm-0", "Qcur-0"]

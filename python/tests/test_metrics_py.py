@@ -1,4 +1,4 @@
-"""diffrun_dump.metrics: hand-worked values, and agreement with the C++ library's JSON report on the same dumps."""
+"""diffrun.metrics: hand-worked values, and agreement with the C++ library's JSON report on the same dumps."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from diffrun_dump import metrics
+from diffrun import metrics
 
 # KL of two nearly equal distributions is a sum of cancelling terms: near 0 it agrees to ~1e-14 absolute.
 KL_ABS = 1e-13

@@ -1,4 +1,4 @@
-"""diffrun_dump.plot: PNGs from a pair of dumps (error by layer, |a-b| heatmap) and its command line."""
+"""diffrun.plot: PNGs from a pair of dumps (error by layer, |a-b| heatmap) and its command line."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 
-from diffrun_dump import plot
+from diffrun import plot
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,18 +45,18 @@ def test_plots_written_and_not_blank(pair, tmp_path):
 
 
 def test_layer_errors_and_default_heatmap(pair, tmp_path):
-    import diffrun_dump
+    import diffrun
 
     engine, reference = pair
-    with diffrun_dump.open(engine) as e, diffrun_dump.open(reference) as r:
+    with diffrun.open(engine) as e, diffrun.open(reference) as r:
         errors = plot.layer_errors(e, r, 0)
         assert list(errors)[0] == "attn_norm" and set(errors["l_out"]) == {0, 1}
         assert all(0 <= v < 1e-4 for layers in errors.values() for v in layers.values())
         worst = plot.worst_checkpoint(e, r, 0)
     assert worst
-    r = subprocess.run([sys.executable, "-m", "diffrun_dump.plot", str(engine), str(reference), "--out",
+    r = subprocess.run([sys.executable, "-m", "diffrun.plot", str(engine), str(reference), "--out",
                         str(tmp_path), "--step", "1"], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(REPO / "scripts")})
+                       env={**os.environ, "PYTHONPATH": str(REPO / "python")})
     assert r.returncode == 0, r.stderr
     assert any(line.startswith(str(tmp_path / "heatmap_")) for line in r.stdout.splitlines())
 
