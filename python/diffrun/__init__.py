@@ -1,14 +1,21 @@
-"""diffrun: read diffrun's HDF5 checkpoint dumps with numpy and h5py.
+"""diffrun: read, write and validate diffrun's HDF5 checkpoint dumps with numpy and h5py.
 
     import diffrun
     with diffrun.open("run/reference.h5") as d:
         d.meta["arch"], d.steps(), d.names(step=0)
         q = d.get("Qcur-3", step=0)  # numpy array [T, H, Dh], read on demand
+    with diffrun.writer.open("mine.h5", backend="mine", precision="f32", like="run/reference.h5") as w:
+        w.step(0)
+        w.put("Qcur-3", q)
+    diffrun.fingerprint("model.gguf")  # the model_fingerprint of dumps of that model
 
-Modules that need more than numpy and h5py (plots) are not imported here; import them directly.
+Modules that need more than numpy and h5py (plot, torch, adapters) are not imported here; import them directly.
 """
 
 from .dump import FORMAT, FORMAT_VERSION, DatasetInfo, Dump, DumpFormatError, open
-from . import vocabulary
+from . import vocabulary, writer
+from .fingerprint import fingerprint
+from .writer import DumpWriteError, Writer
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "DatasetInfo", "Dump", "DumpFormatError", "open", "vocabulary"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "DatasetInfo", "Dump", "DumpFormatError", "DumpWriteError", "Writer",
+           "fingerprint", "open", "vocabulary", "writer"]

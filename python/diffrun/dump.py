@@ -10,6 +10,8 @@ from typing import Any
 import h5py
 import numpy as np
 
+from . import vocabulary
+
 FORMAT = "diffrun-dump"
 FORMAT_VERSION = 1
 
@@ -49,6 +51,13 @@ def _plain(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def _stored_dtype_name(ds: h5py.Dataset) -> str:
+    """f32, f64, f16, i32 ..., and bf16 for 16-bit data marked with the attribute dtype = "bf16"."""
+    if ds.dtype.itemsize == 2 and ds.dtype.kind in "uiV" and _plain(ds.attrs.get("dtype", "")) == "bf16":
+        return "bf16"
+    return {"f": "f", "i": "i", "u": "u"}.get(ds.dtype.kind, "x") + str(8 * ds.dtype.itemsize)
 
 
 def _group_name(step: int) -> str:
@@ -112,25 +121,44 @@ class Dump:
                 where = f"{_group_name(step)}/{name}"
                 if not isinstance(ds, h5py.Dataset):
                     continue
-                try:
-                    a = ds.attrs
-                    infos.append(
-                        DatasetInfo(
-                            step=step,
-                            name=name,
-                            order=int(a["order"]),
-                            layer=int(a["layer"]),
-                            layout=_plain(a["layout"]),
-                            native_dtype=_plain(a["native_dtype"]),
-                            shape=tuple(ds.shape),
-                            dtype=ds.dtype,
-                        )
+                # order, layer, layout and native_dtype are optional (docs/dump-format.md): absent ones
+                # come from the name through the vocabulary, native_dtype from the stored dtype.
+                a = ds.attrs
+                base, parsed_layer = vocabulary.parse_name(name)
+                kind = vocabulary.find_kind(base)
+                order = a.get("order")
+                if order is None:
+                    order = self._vocab_order(name, len(infos))
+                layout = a.get("layout")
+                if layout is None:
+                    layout = kind.layout if kind else ""
+                stored = _stored_dtype_name(ds)
+                infos.append(
+                    DatasetInfo(
+                        step=step,
+                        name=name,
+                        order=int(order),
+                        layer=int(a.get("layer", parsed_layer)),
+                        layout=_plain(layout),
+                        native_dtype=_plain(a.get("native_dtype", stored)),
+                        shape=tuple(ds.shape),
+                        dtype=np.dtype(np.float32) if stored == "bf16" else ds.dtype,
                     )
-                except KeyError as e:
-                    raise DumpFormatError(self.path, f"missing attribute {e}", where) from None
+                )
             infos.sort(key=lambda i: (i.order, i.name))
             self._infos[step] = infos
         return self._infos[step]
+
+    def _vocab_order(self, name: str, fallback: int) -> int:
+        """A vocabulary name's execution index for this dump's arch and layer count; names outside the
+        vocabulary come after every vocabulary name, in the order they are listed."""
+        if not hasattr(self, "_orders"):
+            try:
+                names = vocabulary.checkpoint_names(str(self.meta["arch"]), int(self.meta["n_layer"]))
+            except (KeyError, ValueError):
+                names = []
+            self._orders = {n: i for i, n in enumerate(names)}
+        return self._orders.get(name, 1_000_000 + fallback)
 
     def steps(self) -> list[int]:
         return list(self._steps)
@@ -146,11 +174,15 @@ class Dump:
         raise DumpFormatError(self.path, "no such dataset", f"{_group_name(step)}/{name}")
 
     def get(self, name: str, step: int = 0) -> np.ndarray:
-        """The checkpoint as a numpy array (float32, int32 for ids), read from disk now."""
+        """The checkpoint as a numpy array in its stored dtype (float32 as diffrun writes it, int32 for ids;
+        bf16 comes back as float32), read from disk now."""
         self.info(name, step)
         where = f"{_group_name(step)}/{name}"
         try:
-            return self._file[where][()]
+            ds = self._file[where]
+            if _stored_dtype_name(ds) == "bf16":
+                return (ds[()].astype(np.uint32) << 16).view(np.float32)
+            return ds[()]
         except (OSError, KeyError) as e:
             raise DumpFormatError(self.path, f"cannot read: {e}", where) from None
 

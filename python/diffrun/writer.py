@@ -1,0 +1,279 @@
+"""Writer of diffrun dumps (HDF5, format "diffrun-dump"), the Python twin of checkpoints/dump.cpp's DumpWriter.
+
+    import diffrun
+    with diffrun.writer.open("mine.h5", backend="mine", precision="f32", like="reference.h5") as w:
+        for step in range(n_steps):
+            w.step(step)
+            w.put("tokens", ids)                  # int32 [T]
+            w.put("attn_norm-0", x)               # float32/float16/float64 arrays, bf16 as uint16 bits
+        ...
+
+The file is written to PATH.tmp-<pid> and renamed to PATH when the writer closes without an error; an
+exception inside the `with` block removes the temporary file, so a half-written dump never looks whole.
+Values are stored as float32 (exact for f16/bf16; f64 is rounded) with `native_dtype` naming what the
+engine computed in, like the C++ writer; keep_dtype=True stores them as given instead (bf16 as uint16
+with the dataset attribute dtype = "bf16").
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Mapping
+
+import h5py
+import numpy as np
+
+from . import vocabulary
+from .dump import FORMAT, FORMAT_VERSION, Dump
+
+DIFFRUN_VERSION = "0.1.0"
+
+# Root attributes the format defines, with their type: str, int (int32), float (float64), bool, ids (int32 array).
+ROOT_ATTRIBUTES: dict[str, str] = {
+    "format": "str", "format_version": "int", "backend": "str", "precision": "str", "model_path": "str",
+    "model_fingerprint": "str", "arch": "str", "n_layer": "int", "n_embd": "int", "n_head": "int",
+    "n_head_kv": "int", "head_dim": "int", "n_ff": "int", "n_vocab": "int", "n_ctx": "int",
+    "rope_theta": "float", "rope_type": "str", "rms_eps": "float", "tied_output": "bool", "qkv_bias": "bool",
+    "qk_norm": "bool", "prompt": "str", "token_ids": "ids", "created_utc": "str", "diffrun_version": "str",
+}
+# What a reference dump lends a writer opened with like=: the model and its config, the prompt.
+_FROM_REFERENCE = [k for k in ROOT_ATTRIBUTES
+                   if k not in ("format", "format_version", "backend", "precision", "created_utc", "diffrun_version")]
+
+_NATIVE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.float64): "f64",
+           np.dtype(np.uint16): "bf16", np.dtype(np.int32): "i32"}
+_STR = h5py.string_dtype("utf-8")
+
+
+class DumpWriteError(Exception):
+    """A write the format does not allow; the message names the file (and dataset)."""
+
+    def __init__(self, path: str, what: str, dataset: str | None = None):
+        where = f"{path}: dataset '{dataset}': " if dataset else f"{path}: "
+        super().__init__(where + what)
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 values given as their uint16 bit patterns, as float32 (exact)."""
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 to bfloat16 bit patterns (uint16), rounded to nearest even, NaN kept NaN."""
+    u = np.ascontiguousarray(values, np.float32).view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Writer:
+    """An open dump being written. Use as a context manager, or call close() (abort() drops the file)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, backend: str, precision: str,
+                 like: str | os.PathLike[str] | Dump | None = None, meta: Mapping[str, Any] | None = None,
+                 keep_dtype: bool = False):
+        self.path = os.fspath(path)
+        self.keep_dtype = keep_dtype
+        attrs: dict[str, Any] = {}
+        if like is not None:
+            ref = like if isinstance(like, Dump) else Dump(like)
+            try:
+                attrs.update({k: ref.meta[k] for k in _FROM_REFERENCE if k in ref.meta})
+            finally:
+                if ref is not like:
+                    ref.close()
+        attrs.update(meta or {})
+        attrs.update(backend=backend, precision=precision, format=FORMAT, format_version=FORMAT_VERSION)
+        attrs.setdefault("created_utc", _utc_now())
+        attrs.setdefault("diffrun_version", DIFFRUN_VERSION)
+        missing = [k for k in ROOT_ATTRIBUTES if k not in attrs]
+        if missing:
+            raise DumpWriteError(self.path, "missing root attributes " + ", ".join(missing) +
+                                 " (pass meta={...} or like=REFERENCE_DUMP)")
+        if attrs["arch"] not in vocabulary.ALL_ARCHS:
+            raise DumpWriteError(self.path, f"unknown arch '{attrs['arch']}' (known: {', '.join(vocabulary.ALL_ARCHS)})")
+        self.meta = attrs
+        self._arch = str(attrs["arch"])
+        self._n_layer = int(attrs["n_layer"])
+        self._names = vocabulary.checkpoint_names(self._arch, self._n_layer)
+        self._order = {n: i for i, n in enumerate(self._names)}
+        self._tmp = f"{self.path}.tmp-{os.getpid()}"
+        try:
+            # Object headers no newer than HDF5 1.10's, so that HDF5 1.10 (the C++ side) reads the file.
+            self._file = h5py.File(self._tmp, "w", libver=("v108", "v110"), track_order=False)
+        except OSError as e:
+            raise DumpWriteError(self.path, f"cannot create '{self._tmp}': {e}") from None
+        self._step: int | None = None
+        self._written: dict[int, list[str]] = {}
+        self._write_root(attrs)
+
+    # -- root attributes -------------------------------------------------------------------------
+    def _write_root(self, attrs: Mapping[str, Any]) -> None:
+        a = self._file.attrs
+        for key, value in attrs.items():
+            kind = ROOT_ATTRIBUTES.get(key)
+            try:
+                if kind == "str":
+                    a.create(key, str(value), dtype=_STR)
+                elif kind == "int":
+                    a.create(key, np.int32(value))
+                elif kind == "float":
+                    a.create(key, np.float64(value))
+                elif kind == "bool":
+                    a.create(key, np.bool_(bool(value)))
+                elif kind == "ids":
+                    a.create(key, np.asarray(value, dtype=np.int32).reshape(-1))
+                elif isinstance(value, (list, tuple, np.ndarray)) and np.asarray(value).dtype.kind in "iu":
+                    a.create(key, np.asarray(value, dtype=np.int32).reshape(-1))  # like set_attribute()
+                else:
+                    a.create(key, str(value), dtype=_STR)  # a backend fact
+            except (TypeError, ValueError, OverflowError) as e:
+                self.abort()
+                raise DumpWriteError(self.path, f"root attribute '{key}' = {value!r}: {e}") from None
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        """A root attribute beyond the format's: a string fact or an int32 array (e.g. the engine's argmax)."""
+        if key in ROOT_ATTRIBUTES:
+            raise DumpWriteError(self.path, f"attribute '{key}' is a format attribute")
+        if key in self._file.attrs:
+            del self._file.attrs[key]
+        self._write_root({key: value})
+
+    # -- steps and checkpoints -------------------------------------------------------------------
+    def step(self, step: int) -> "Writer":
+        """Makes `step` the step that put() writes into (0 is the prefill)."""
+        if int(step) < 0:
+            raise DumpWriteError(self.path, f"negative step {step}")
+        self._step = int(step)
+        self._written.setdefault(self._step, [])
+        return self
+
+    def put(self, name: str, array: Any, layer: int | None = None, layout: str | None = None,
+            native_dtype: str | None = None) -> None:
+        """Records one checkpoint of the current step. Vocabulary names are checked (layer, layout, rank);
+        other names (a foreign engine's) are stored as given, with layout only when passed."""
+        if self._step is None:
+            self.step(0)
+        step = self._step
+        where = f"step_{step:04d}/{name}"
+        if name in self._written[step]:
+            raise DumpWriteError(self.path, "recorded twice in this step", where)
+        data = _as_numpy(array)
+        if name == "tokens" and data.dtype.kind in "iu" and data.dtype != np.int32:
+            data = data.astype(np.int32)
+        native = native_dtype or _NATIVE.get(data.dtype)
+        if data.dtype not in _NATIVE:
+            raise DumpWriteError(self.path, f"dtype {data.dtype} is not one of float32, float16, float64, "
+                                 "bfloat16 (as uint16 bits), int32", where)
+        base, parsed_layer = vocabulary.parse_name(name)
+        kind = vocabulary.find_kind(base)
+        if layer is None:
+            layer = parsed_layer
+        elif kind is not None and int(layer) != parsed_layer:
+            raise DumpWriteError(self.path, f"name says layer {parsed_layer} but layer={layer} was passed", where)
+        if kind is not None:
+            if name not in self._order:
+                raise DumpWriteError(self.path, f"not a checkpoint of a {self._n_layer}-layer {self._arch} model",
+                                     where)
+            if layout is None:
+                layout = kind.layout
+            elif sorted(layout.split(",")) != sorted(kind.dims):
+                raise DumpWriteError(self.path, f"layout '{layout}' is not a permutation of the vocabulary's "
+                                     f"'{kind.layout}'", where)
+            dims = layout.split(",")
+            if data.ndim == 2 and len(dims) == 3 and layout == kind.layout:
+                # [T, H*Dh] as an engine holds it: stored [T, H, Dh] like every other writer's
+                heads = int(self.meta["n_head" if dims[1] == "H" else "n_head_kv"])
+                head_dim = int(self.meta["head_dim"])
+                if data.shape[1] != heads * head_dim:
+                    raise DumpWriteError(self.path, f"shape {tuple(data.shape)}: {data.shape[1]} columns are not "
+                                         f"{dims[1]}*Dh = {heads}*{head_dim}", where)
+                data = data.reshape(data.shape[0], heads, head_dim)
+            if data.ndim != len(dims):
+                raise DumpWriteError(self.path, f"shape {tuple(data.shape)} has {data.ndim} dimensions but layout "
+                                     f"'{layout}' names {len(dims)}", where)
+            if (name == "tokens") != (data.dtype == np.int32):
+                raise DumpWriteError(self.path, "token ids are int32 and checkpoints are floats", where)
+            order = self._order[name]
+        else:
+            order = len(self._names) + len(self._written[step])
+        attrs: dict[str, Any] = {}
+        if data.dtype == np.int32:
+            stored = data
+        elif self.keep_dtype:
+            stored = data
+            if native == "bf16":
+                attrs["dtype"] = "bf16"
+        else:
+            stored = bf16_to_f32(data) if data.dtype == np.uint16 else data.astype(np.float32)
+        group = self._file.require_group(f"step_{step:04d}")
+        try:
+            ds = group.create_dataset(name, data=np.ascontiguousarray(stored), track_times=False,
+                                      fill_time="never")
+        except (TypeError, ValueError) as e:
+            raise DumpWriteError(self.path, f"cannot write: {e}", where) from None
+        ds.attrs.create("order", np.int32(order))
+        ds.attrs.create("layer", np.int32(layer))
+        if layout is not None:
+            ds.attrs.create("layout", layout, dtype=_STR)
+        ds.attrs.create("native_dtype", str(native), dtype=_STR)
+        for k, v in attrs.items():
+            ds.attrs.create(k, v, dtype=_STR)
+        self._written[step].append(name)
+
+    def names(self, step: int) -> list[str]:
+        """The names put() wrote into `step` so far, in call order."""
+        return list(self._written.get(step, []))
+
+    # -- finishing -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Closes the file and renames it into place."""
+        if self._file is None:
+            return
+        self._file.close()
+        self._file = None
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        """Closes and removes the temporary file; nothing appears at the path."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if os.path.exists(self._tmp):
+            os.remove(self._tmp)
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:
+        if getattr(self, "_file", None) is not None:
+            self.abort()
+
+
+def _as_numpy(array: Any) -> np.ndarray:
+    """numpy arrays as they are; torch tensors (bf16 included, as uint16 bits) detached to the CPU."""
+    if isinstance(array, np.ndarray):
+        return array
+    if hasattr(array, "detach") and hasattr(array, "dtype"):
+        t = array.detach().cpu()
+        if str(t.dtype) == "torch.bfloat16":
+            import torch
+
+            return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+        return t.numpy()
+    return np.asarray(array)
+
+
+def open(path: str | os.PathLike[str], **kwargs: Any) -> Writer:  # noqa: A001 - mirrors diffrun.open
+    """Opens a dump for writing: open(path, backend=..., precision=..., like=REF or meta={...})."""
+    return Writer(path, **kwargs)

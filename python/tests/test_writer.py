@@ -1,0 +1,261 @@
+"""diffrun.writer and diffrun.fingerprint, checked against the C++ side: its dumps, `diffrun compare`, `diffrun inspect`.
+
+Needs DIFFRUN_BIN and DIFFRUN_FIXTURE_DIR (ctest sets them); the SmolLM2 fingerprint needs the fetched model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+import diffrun
+from diffrun import writer
+from diffrun.fingerprint import GgufError, data_offset, fingerprint
+
+BIN = os.environ.get("DIFFRUN_BIN", "")
+FIXTURES = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", ""))
+
+
+def need_cpp():
+    if not BIN or not FIXTURES.is_dir():
+        pytest.fail("DIFFRUN_BIN and DIFFRUN_FIXTURE_DIR must be set (run through ctest)")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An f64 CPU reference dump of the tiny qwen3 fixture (prefill + 2 decode steps), by the C++ writer."""
+    need_cpp()
+    out = tmp_path_factory.mktemp("ref") / "reference.h5"
+    subprocess.run([BIN, "dump", "--backend", "cpu", "--precision", "f64", "--model",
+                    str(FIXTURES / "tiny-qwen3-f32.gguf"), "--tokens", "1,5,9,13", "--steps", "2", "--out", str(out)],
+                   check=True, capture_output=True)
+    return out
+
+
+def copy_dump(src: Path, dst: Path, change=None, **kwargs) -> None:
+    """Writes every checkpoint of src again through diffrun.writer, optionally changed by change(step, name, a)."""
+    with diffrun.open(src) as ref, writer.open(dst, backend="python", precision="f32", like=ref, **kwargs) as w:
+        for step in ref.steps():
+            w.step(step)
+            for name in ref.names(step):
+                a = ref.get(name, step)
+                w.put(name, change(step, name, a) if change else a)
+
+
+def compare(a: Path, b: Path, tmp_path: Path) -> tuple[int, dict]:
+    report = tmp_path / "report.json"
+    r = subprocess.run([BIN, "compare", str(a), str(b), "--report-json", str(report), "--no-color"],
+                       capture_output=True, text=True)
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    return r.returncode, json.loads(report.read_text())
+
+
+def test_copy_of_a_reference_compares_clean(reference, tmp_path):
+    out = tmp_path / "copy.h5"
+    copy_dump(reference, out)
+    assert not list(tmp_path.glob("*.tmp-*"))
+    rc, report = compare(out, reference, tmp_path)
+    assert rc == 0, report
+    r = subprocess.run([BIN, "ls", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0 and "python" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_changed_checkpoint_is_the_first_divergence(reference, tmp_path):
+    out = tmp_path / "changed.h5"
+
+    def change(step, name, a):
+        return a * np.float32(1.01) if (step, name) == (1, "ffn_up-1") else a
+
+    copy_dump(reference, out, change)
+    rc, report = compare(out, reference, tmp_path)
+    assert rc == 1
+    assert "ffn_up-1" in json.dumps(report.get("first_divergence", report))
+    first = report["first_divergence"]
+    assert first["name"] == "ffn_up-1" and first["step"] == 1
+
+
+def test_root_attributes_have_the_cpp_writers_types(reference, tmp_path):
+    out = tmp_path / "copy.h5"
+    copy_dump(reference, out)
+
+    def signature(attrs, key):
+        t = attrs.get_id(key).get_type()
+        sig = [type(t).__name__, t.get_size() if not isinstance(t, h5py.h5t.TypeStringID) or not t.is_variable_str()
+               else "vlen"]
+        if isinstance(t, h5py.h5t.TypeStringID):
+            sig.append(t.get_cset())
+        if isinstance(t, h5py.h5t.TypeEnumID):
+            sig.append([t.get_member_name(i) for i in range(t.get_nmembers())])
+        return sig, attrs.get_id(key).shape
+
+    with h5py.File(reference) as r, h5py.File(out) as p:
+        for key in writer.ROOT_ATTRIBUTES:
+            assert signature(p.attrs, key) == signature(r.attrs, key), key
+        for key in ("model_fingerprint", "arch", "n_layer", "rope_theta", "qk_norm", "prompt"):
+            assert p.attrs[key] == r.attrs[key]
+        assert list(p.attrs["token_ids"]) == list(r.attrs["token_ids"])
+        assert p.attrs["backend"] == "python" and p.attrs["precision"] == "f32"
+        for name in ("tokens", "Qnorm-0", "kq_soft_max-1", "result_output"):
+            for key in ("order", "layer", "layout", "native_dtype"):
+                assert signature(p["step_0001"][name].attrs, key) == signature(r["step_0001"][name].attrs, key)
+                if key != "native_dtype":
+                    assert p["step_0001"][name].attrs[key] == r["step_0001"][name].attrs[key], (name, key)
+            assert p["step_0001"][name].dtype == r["step_0001"][name].dtype
+            assert p["step_0001"][name].chunks is None
+
+
+def meta_numbers():
+    return dict(model_path="m.gguf", model_fingerprint="1:0", arch="llama", n_layer=1, n_embd=4, n_head=2,
+                n_head_kv=1, head_dim=2, n_ff=8, n_vocab=10, n_ctx=16, rope_theta=10000.0, rope_type="norm",
+                rms_eps=1e-5, tied_output=False, qkv_bias=False, qk_norm=False, prompt="", token_ids=[1, 2])
+
+
+def test_dtypes_native_names_and_keep_dtype(tmp_path):
+    x = np.linspace(-2, 2, 8, dtype=np.float32).reshape(2, 4)
+    bf16 = writer.f32_to_bf16(x)
+    with writer.open(tmp_path / "a.h5", backend="numpy", precision="f16", meta=meta_numbers()) as w:
+        w.step(0)
+        w.put("tokens", np.array([1, 2]))  # int64 ids become int32
+        w.put("embd", x.astype(np.float16))
+        w.put("attn_norm-0", bf16)
+        w.put("attn_out-0", x.astype(np.float64))
+        w.put("Qcur-0", x)  # [T, H*Dh] is stored [T, H, Dh]
+        w.set_attribute("argmax", [3, 4])
+        w.set_attribute("device", "laptop")
+    with diffrun.open(tmp_path / "a.h5") as d:
+        assert d.get("tokens").dtype == np.int32 and d.info("tokens").native_dtype == "i32"
+        assert [d.info(n).native_dtype for n in ("embd", "attn_norm-0", "attn_out-0", "Qcur-0")] == \
+            ["f16", "bf16", "f64", "f32"]
+        assert all(d.get(n).dtype == np.float32 for n in ("embd", "attn_norm-0", "attn_out-0"))
+        np.testing.assert_array_equal(d.get("attn_norm-0"), writer.bf16_to_f32(bf16))
+        assert d.get("Qcur-0").shape == (2, 2, 2) and d.info("Qcur-0").layout == "T,H,Dh"
+        assert d.names(0) == ["tokens", "embd", "attn_norm-0", "Qcur-0", "attn_out-0"]
+        assert list(d.meta["argmax"]) == [3, 4] and d.meta["device"] == "laptop"
+    with writer.open(tmp_path / "b.h5", backend="numpy", precision="bf16", meta=meta_numbers(), keep_dtype=True) as w:
+        w.put("embd", x.astype(np.float16))
+        w.put("attn_norm-0", bf16)
+        w.put("attn_out-0", x.astype(np.float64))
+    with h5py.File(tmp_path / "b.h5") as f:
+        g = f["step_0000"]
+        assert (g["embd"].dtype, g["attn_norm-0"].dtype, g["attn_out-0"].dtype) == (np.float16, np.uint16, np.float64)
+        assert g["attn_norm-0"].attrs["dtype"] == "bf16"
+    with diffrun.open(tmp_path / "b.h5") as d:
+        np.testing.assert_array_equal(d.get("attn_norm-0"), writer.bf16_to_f32(bf16))
+        assert d.get("attn_out-0").dtype == np.float64
+
+
+def test_bf16_rounding_matches_a_reference_rounding():
+    x = np.array([1.0, 1.00390625, 1.01171875, -3.5e-3, 65504.0, np.inf, -np.inf, 1e-40], np.float32)
+    b = writer.f32_to_bf16(x)
+    back = writer.bf16_to_f32(b)
+    # round-to-nearest-even to 8 significant bits
+    np.testing.assert_array_equal(back[:3], np.array([1.0, 1.0, 1.015625], np.float32))
+    assert np.isinf(back[5]) and back[5] > 0 and np.isinf(back[6]) and back[6] < 0
+    assert np.isnan(writer.bf16_to_f32(writer.f32_to_bf16(np.array([np.nan], np.float32))))[0]
+    assert abs(back[3] - x[3]) <= abs(x[3]) * 2 ** -8
+
+
+def test_an_exception_leaves_no_file(tmp_path):
+    path = tmp_path / "x.h5"
+    with pytest.raises(RuntimeError):
+        with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+            w.put("embd", np.zeros((2, 4), np.float32))
+            raise RuntimeError("engine crashed")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, array, kwargs, message", [
+    ("embd", np.zeros((2, 4, 1), np.float32), {}, r"step_0000/embd'.*3 dimensions but layout 'T,D' names 2"),
+    ("Qcur-0", np.zeros((2, 5), np.float32), {}, r"5 columns are not H\*Dh = 2\*2"),
+    ("Qcur-0", np.zeros((2, 2, 2), np.float32), {"layer": 1}, "name says layer 0 but layer=1"),
+    ("Qcur-3", np.zeros((2, 2, 2), np.float32), {}, "not a checkpoint of a 1-layer llama model"),
+    ("Qnorm-0", np.zeros((2, 2, 2), np.float32), {}, "not a checkpoint of a 1-layer llama model"),
+    ("Qcur-0", np.zeros((2, 2, 2), np.float32), {"layout": "T,H,S"}, "not a permutation"),
+    ("embd", np.zeros((2, 4), np.int64), {}, "dtype int64 is not one of"),
+    ("embd", np.zeros((2, 4), np.int32), {}, "token ids are int32 and checkpoints are floats"),
+])
+def test_bad_puts_name_the_dataset(tmp_path, name, array, kwargs, message):
+    with writer.open(tmp_path / "x.h5", backend="numpy", precision="f32", meta=meta_numbers()) as w:
+        with pytest.raises(writer.DumpWriteError, match=r"x\.h5: dataset '.*" + message):
+            w.put(name, array, **kwargs)
+
+
+def test_twice_and_missing_meta(tmp_path):
+    with writer.open(tmp_path / "x.h5", backend="numpy", precision="f32", meta=meta_numbers()) as w:
+        w.step(2)
+        w.put("embd", np.zeros((2, 4), np.float32))
+        with pytest.raises(writer.DumpWriteError, match="step_0002/embd'.*recorded twice"):
+            w.put("embd", np.zeros((2, 4), np.float32))
+        w.put("my_engine.custom", np.zeros(3, np.float32))  # a foreign name is stored as given
+    with h5py.File(tmp_path / "x.h5") as f:
+        ds = f["step_0002/my_engine.custom"]
+        assert "layout" not in ds.attrs and ds.attrs["layer"] == -1
+    meta = meta_numbers()
+    del meta["n_ff"], meta["rope_type"]
+    with pytest.raises(writer.DumpWriteError, match="missing root attributes n_ff, rope_type"):
+        writer.open(tmp_path / "y.h5", backend="numpy", precision="f32", meta=meta)
+    assert not (tmp_path / "y.h5").exists()
+
+
+def test_reader_is_tolerant_of_absent_optional_attributes(tmp_path):
+    path = tmp_path / "bare.h5"
+    with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+        w.put("tokens", np.array([1, 2], np.int32))
+        w.put("ffn_up-0", np.ones((2, 8), np.float32))
+        w.put("embd", np.ones((2, 4), np.float32))
+    with h5py.File(path, "a") as f:
+        for ds in f["step_0000"].values():
+            for key in ("order", "layer", "layout", "native_dtype"):
+                del ds.attrs[key]
+    with diffrun.open(path) as d:
+        assert d.names(0) == ["tokens", "embd", "ffn_up-0"]
+        i = d.info("ffn_up-0")
+        assert (i.layer, i.layout, i.native_dtype) == (0, "T,F", "f32")
+
+
+def fixture_models():
+    return sorted(FIXTURES.glob("*.gguf")) if FIXTURES.is_dir() else []
+
+
+def test_fingerprint_matches_diffrun_inspect():
+    need_cpp()
+    models = fixture_models()
+    smol = Path(os.environ.get("DIFFRUN_MODELS") or
+                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "diffrun" / "models")
+    smol = smol / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if smol.exists():
+        models.append(smol)
+    assert len(models) >= 10
+    for model in models[::6] + [models[-1]]:
+        r = subprocess.run([BIN, "inspect", str(model)], capture_output=True, text=True, check=True)
+        expected = re.search(r"fingerprint (\d+:[0-9a-f]{16})", r.stdout).group(1)
+        assert fingerprint(model) == expected, model.name
+
+
+def test_fingerprint_is_the_dumps_model_fingerprint(reference):
+    with diffrun.open(reference) as d:
+        assert fingerprint(FIXTURES / "tiny-qwen3-f32.gguf") == d.meta["model_fingerprint"]
+
+
+def test_data_offset_agrees_with_the_gguf_package():
+    gguf = pytest.importorskip("gguf")
+    for model in fixture_models()[::9]:
+        assert data_offset(model) == gguf.GGUFReader(str(model)).data_offset, model.name
+
+
+def test_fingerprint_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(GgufError, match="bad.gguf: not a GGUF file"):
+        fingerprint(bad)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((FIXTURES / "tiny-llama-f32.gguf").read_bytes()[:200] if FIXTURES.is_dir() else b"GGUF")
+    with pytest.raises(GgufError, match=r"cut.gguf: .* at offset \d+ runs past the end of the file"):
+        fingerprint(cut)
