@@ -38,6 +38,10 @@ class DatasetInfo:
     native_dtype: str
     shape: tuple[int, ...]
     dtype: np.dtype
+    # How the array is stored when it differs from layout/shape above (the vocabulary's), which get()
+    # returns: a [T, H*Dh] per-head array, or a layout attribute that permutes the vocabulary's letters.
+    stored_layout: str | None = None
+    stored_shape: tuple[int, ...] | None = None
 
     @property
     def dims(self) -> list[str]:
@@ -129,9 +133,12 @@ class Dump:
                 order = a.get("order")
                 if order is None:
                     order = self._vocab_order(name, len(infos))
-                layout = a.get("layout")
-                if layout is None:
-                    layout = kind.layout if kind else ""
+                layout = _plain(a.get("layout", kind.layout if kind else ""))
+                shape = tuple(ds.shape)
+                stored_layout = stored_shape = None
+                if kind is not None and (layout != kind.layout or len(shape) != len(kind.dims)):
+                    stored_layout, stored_shape = layout, shape
+                    layout, shape = kind.layout, self._canonical_shape(kind, layout, shape, where)
                 stored = _stored_dtype_name(ds)
                 infos.append(
                     DatasetInfo(
@@ -139,15 +146,30 @@ class Dump:
                         name=name,
                         order=int(order),
                         layer=int(a.get("layer", parsed_layer)),
-                        layout=_plain(layout),
+                        layout=layout,
                         native_dtype=_plain(a.get("native_dtype", stored)),
-                        shape=tuple(ds.shape),
+                        shape=shape,
                         dtype=np.dtype(np.float32) if stored == "bf16" else ds.dtype,
+                        stored_layout=stored_layout,
+                        stored_shape=stored_shape,
                     )
                 )
             infos.sort(key=lambda i: (i.order, i.name))
             self._infos[step] = infos
         return self._infos[step]
+
+    def _canonical_shape(self, kind: vocabulary.Kind, layout: str, shape: tuple[int, ...], where: str):
+        """The vocabulary-layout shape of an array stored [T, H*Dh] or in a permuted layout."""
+        dims = layout.split(",")
+        if sorted(dims) == sorted(kind.dims) and len(dims) == len(shape):
+            size = dict(zip(dims, shape))
+            return tuple(size[d] for d in kind.dims)
+        if len(kind.dims) == 3 and len(shape) == 2 and kind.dims[2] == "Dh" and layout == kind.layout:
+            head_dim = int(self.meta.get("head_dim", 0))
+            if head_dim > 0 and shape[1] % head_dim == 0:
+                return (shape[0], shape[1] // head_dim, head_dim)
+        raise DumpFormatError(self.path, f"shape {shape} does not fit layout '{layout}' "
+                              f"(the vocabulary's is '{kind.layout}')", where)
 
     def _vocab_order(self, name: str, fallback: int) -> int:
         """A vocabulary name's execution index for this dump's arch and layer count; names outside the
@@ -175,16 +197,23 @@ class Dump:
 
     def get(self, name: str, step: int = 0) -> np.ndarray:
         """The checkpoint as a numpy array in its stored dtype (float32 as diffrun writes it, int32 for ids;
-        bf16 comes back as float32), read from disk now."""
-        self.info(name, step)
+        bf16 comes back as float32), read from disk now, in the vocabulary's layout: a per-head checkpoint
+        stored [T, H*Dh] comes back [T, H, Dh], a permuted layout (e.g. "H,T,Dh") is permuted back."""
+        info = self.info(name, step)
         where = f"{_group_name(step)}/{name}"
         try:
             ds = self._file[where]
+            data = ds[()]
             if _stored_dtype_name(ds) == "bf16":
-                return (ds[()].astype(np.uint32) << 16).view(np.float32)
-            return ds[()]
+                data = (data.astype(np.uint32) << 16).view(np.float32)
         except (OSError, KeyError) as e:
             raise DumpFormatError(self.path, f"cannot read: {e}", where) from None
+        if info.stored_layout is not None:
+            stored = info.stored_layout.split(",")
+            if len(stored) == data.ndim and stored != info.dims:
+                data = np.ascontiguousarray(data.transpose([stored.index(d) for d in info.dims]))
+            data = data.reshape(info.shape)
+        return data
 
     @property
     def closed(self) -> bool:

@@ -38,6 +38,7 @@ ROOT_ATTRIBUTES: dict[str, str] = {
     "qk_norm": "bool", "prompt": "str", "token_ids": "ids", "created_utc": "str", "diffrun_version": "str",
 }
 # What a reference dump lends a writer opened with like=: the model and its config, the prompt.
+PRECISIONS = ("f16", "bf16", "f32", "f64")
 _FROM_REFERENCE = [k for k in ROOT_ATTRIBUTES
                    if k not in ("format", "format_version", "backend", "precision", "created_utc", "diffrun_version")]
 
@@ -88,6 +89,10 @@ class Writer:
                     ref.close()
         attrs.update(meta or {})
         attrs.update(backend=backend, precision=precision, format=FORMAT, format_version=FORMAT_VERSION)
+        if not str(backend):
+            raise DumpWriteError(self.path, "backend is empty (name the engine that computed the dump)")
+        if precision not in PRECISIONS:
+            raise DumpWriteError(self.path, f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
         attrs.setdefault("created_utc", _utc_now())
         attrs.setdefault("diffrun_version", DIFFRUN_VERSION)
         missing = [k for k in ROOT_ATTRIBUTES if k not in attrs]
@@ -234,6 +239,12 @@ class Writer:
         """Closes the file and renames it into place."""
         if self._file is None:
             return
+        if "all_token_ids" not in self._file.attrs:
+            # every token fed, step by step (docs/dump-format.md): what a replay of this dump needs
+            ids = [self._file[f"step_{s:04d}/tokens"][()] for s in sorted(self._written)
+                   if "tokens" in self._written[s]]
+            if ids:
+                self._file.attrs.create("all_token_ids", np.concatenate(ids).astype(np.int32))
         self._file.close()
         self._file = None
         os.replace(self._tmp, self.path)

@@ -259,3 +259,29 @@ def test_fingerprint_errors_name_the_file(tmp_path):
     cut.write_bytes((FIXTURES / "tiny-llama-f32.gguf").read_bytes()[:200] if FIXTURES.is_dir() else b"GGUF")
     with pytest.raises(GgufError, match=r"cut.gguf: .* at offset \d+ runs past the end of the file"):
         fingerprint(cut)
+
+
+def test_reader_takes_2d_per_head_and_permuted_layouts(tmp_path):
+    path = tmp_path / "perm.h5"
+    q = np.arange(2 * 2 * 2, dtype=np.float32).reshape(2, 2, 2)  # [T, H, Dh]
+    with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+        w.put("Qcur-0", q)
+        w.put("Krope-0", np.zeros((2, 1, 2), np.float32))
+        w.put("kq_soft_max-0", np.arange(8, dtype=np.float32).reshape(2, 2, 2))  # [H, T, S]
+    with h5py.File(path, "a") as f:
+        g = f["step_0000"]
+        del g["Qcur-0"]
+        g.create_dataset("Qcur-0", data=q.transpose(1, 0, 2))  # stored H,T,Dh
+        g["Qcur-0"].attrs["layout"] = "H,T,Dh"
+        data = np.zeros((2, 2), np.float32)
+        del g["Krope-0"]
+        g.create_dataset("Krope-0", data=data)  # [T, Hkv*Dh], no attributes
+        sm = g["kq_soft_max-0"][()]
+        del g["kq_soft_max-0"]
+        g.create_dataset("kq_soft_max-0", data=sm.transpose(1, 0, 2))
+        g["kq_soft_max-0"].attrs["layout"] = "T,H,S"
+    with diffrun.open(path) as d:
+        np.testing.assert_array_equal(d.get("Qcur-0"), q)
+        assert d.info("Qcur-0").layout == "T,H,Dh" and d.info("Qcur-0").stored_layout == "H,T,Dh"
+        assert d.get("Krope-0").shape == (2, 1, 2) and d.info("Krope-0").shape == (2, 1, 2)
+        np.testing.assert_array_equal(d.get("kq_soft_max-0"), np.arange(8, dtype=np.float32).reshape(2, 2, 2))
