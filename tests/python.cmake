@@ -1,6 +1,13 @@
-# The Python package (python/): writer and fingerprint against the C++ side, and the validator.
+# The Python package (python/): writer and fingerprint against the C++ side, and the example outside engine.
 add_test(NAME test_python_package
          COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider python/tests/test_writer.py
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_python_package PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED "tiny_models;smollm2"
   TIMEOUT 300 ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python")
+
+# examples/numpy_engine: an outside engine through the public Python API; clean, then each seeded bug.
+add_test(NAME example_numpy_engine
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider examples/numpy_engine/test_numpy_engine.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(example_numpy_engine PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
+  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
