@@ -201,6 +201,13 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
       break;
     }
   }
+  for (size_t i = 0; i < c.results.size(); ++i) {
+    if (c.results[i].metrics && !c.results[i].metrics->finite()) {
+      c.first_nonfinite = i;
+      c.nonfinite_verdict = decide_verdict(c.results, i, reference.meta().config.n_layer, opt.jump_factor);
+      break;
+    }
+  }
   if (c.first_failure) {
     for (size_t i = *c.first_failure; i-- > 0 && static_cast<int>(c.preceding.size()) < opt.preceding;) {
       if (c.results[i].status == CheckpointStatus::pass) c.preceding.insert(c.preceding.begin(), i);
@@ -242,6 +249,9 @@ void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptio
   c.isolated_path = isolated.engine_path;
   if (c.first_failure) {
     c.verdict = decide_verdict(c.results, *c.first_failure, c.reference_meta.config.n_layer, opt.jump_factor);
+  }
+  if (c.first_nonfinite) {
+    c.nonfinite_verdict = decide_verdict(c.results, *c.first_nonfinite, c.reference_meta.config.n_layer, opt.jump_factor);
   }
 }
 

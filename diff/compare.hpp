@@ -12,6 +12,9 @@
 //   foreign engine). It never becomes the first divergence.
 // - A checkpoint whose shapes differ (with identical configs and tokens) is a failure with status
 //   shape_mismatch: an engine that, say, keeps one cache row instead of S shows up here.
+// - A NaN or Inf on either side fails the checkpoint, also when both sides hold the same one (a NaN
+//   in a weight row reaches the reference too); the first such checkpoint is kept apart
+//   (first_nonfinite) so a report names it even when an earlier finite failure leads.
 // - No float checkpoint in common is a DumpError.
 #pragma once
 
@@ -51,6 +54,10 @@ struct Comparison {
   std::optional<size_t> first_failure;    // index into results
   std::vector<size_t> preceding;          // indices of the passing checkpoints just before it
   Verdict verdict;
+  // The first checkpoint (step order, then execution order) holding a NaN or Inf on either side,
+  // the same on both included; it always fails, so it is the first failure or comes after it.
+  std::optional<size_t> first_nonfinite;  // index into results
+  Verdict nonfinite_verdict;              // decided at first_nonfinite (rule nonfinite)
   std::vector<StepTokens> tokens;
   int n_pass = 0, n_fail = 0, n_one_sided = 0;
   std::string isolated_path;  // the isolation-replay dump, when add_isolation ran

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <numeric>
 
@@ -12,6 +13,7 @@ namespace diffrun::diff {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 std::vector<std::string> split(std::string_view s, char sep) {
   std::vector<std::string> out;
@@ -114,10 +116,14 @@ TensorMetrics compute_metrics(std::span<const float> a, std::span<const float> b
   for (int64_t i = 0; i < m.n; ++i) {
     const double x = a[i], y = b[i];
     const bool fx = std::isfinite(x), fy = std::isfinite(y);
-    if (std::isnan(x)) ++m.nan_a;
-    if (std::isinf(x)) ++m.inf_a;
-    if (std::isnan(y)) ++m.nan_b;
-    if (std::isinf(y)) ++m.inf_b;
+    if (!fx) {
+      ++(std::isnan(x) ? m.nan_a : m.inf_a);
+      if (m.first_nonfinite_a.flat < 0) m.first_nonfinite_a = {i, {}, x};
+    }
+    if (!fy) {
+      ++(std::isnan(y) ? m.nan_b : m.inf_b);
+      if (m.first_nonfinite_b.flat < 0) m.first_nonfinite_b = {i, {}, y};
+    }
     double score;
     double abs_err;
     if (fx && fy) {
@@ -154,6 +160,9 @@ TensorMetrics compute_metrics(std::span<const float> a, std::span<const float> b
     }
   }
   if (m.worst.flat >= 0) m.worst.coords = layout_coordinates(m.worst.flat, shape, layout, dims);
+  for (NonFiniteSite* site : {&m.first_nonfinite_a, &m.first_nonfinite_b}) {
+    if (site->flat >= 0) site->coords = layout_coordinates(site->flat, shape, layout, dims);
+  }
   m.mean_abs = n_finite > 0 ? sum_absd / static_cast<double>(n_finite) : 0.0;
   if (sum_b2 > 0) {
     m.rel_l2 = std::sqrt(sum_d2) / std::sqrt(sum_b2);
@@ -176,6 +185,11 @@ TensorMetrics compute_metrics(std::span<const float> a, std::span<const float> b
   }
   m.fail_frac = m.n > 0 ? static_cast<double>(m.n_fail) / static_cast<double>(m.n) : 0.0;
   m.min_atol = m.nonfinite_mismatch > 0 ? kInf : m.max_abs;
+  if (!m.finite()) {
+    // Over the finite pairs alone these would look like a verdict on the whole tensor (rel_l2 0
+    // next to thousands of NaN): undefined instead.
+    m.max_abs = m.mean_abs = m.rel_l2 = m.nmse = m.cosine = m.sqnr_db = m.min_atol = m.min_rtol = kNaN;
+  }
   return m;
 }
 
@@ -228,6 +242,7 @@ LogitMetrics compute_logit_metrics(std::span<const float> a, std::span<const flo
   if (rows <= 0 || vocab <= 0) return lm;
   int64_t agree = 0;
   double overlap_sum = 0, kl_sum = 0;
+  bool finite = true;
   for (int64_t t = 0; t < rows; ++t) {
     auto ra = a.subspan(static_cast<size_t>(t * vocab), static_cast<size_t>(vocab));
     auto rb = b.subspan(static_cast<size_t>(t * vocab), static_cast<size_t>(vocab));
@@ -239,7 +254,7 @@ LogitMetrics compute_logit_metrics(std::span<const float> a, std::span<const flo
     for (int32_t i : ka) common += std::count(kb.begin(), kb.end(), i);
     overlap_sum += static_cast<double>(common) / static_cast<double>(std::min<int64_t>(5, vocab));
     std::vector<double> la = log_softmax(ra), lb = log_softmax(rb);
-    double kl = kInf;
+    double kl = kNaN;
     if (!la.empty() && !lb.empty()) {
       kl = 0;
       for (int64_t v = 0; v < vocab; ++v) kl += std::exp(lb[v]) * (lb[v] - la[v]);
@@ -248,10 +263,12 @@ LogitMetrics compute_logit_metrics(std::span<const float> a, std::span<const flo
     lm.kl.push_back(kl);
     kl_sum += kl;
     lm.kl_max = std::max(lm.kl_max, kl);
+    finite = finite && !std::isnan(kl);
   }
   lm.top1 = static_cast<double>(agree) / static_cast<double>(rows);
   lm.top5_overlap = overlap_sum / static_cast<double>(rows);
   lm.kl_mean = kl_sum / static_cast<double>(rows);
+  if (!finite) lm.top1 = lm.top5_overlap = lm.kl_mean = lm.kl_max = kNaN;
   return lm;
 }
 

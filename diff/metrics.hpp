@@ -27,6 +27,13 @@ struct Coordinate {
   int64_t index;
 };
 
+// The first non-finite element of one side (row-major order).
+struct NonFiniteSite {
+  int64_t flat = -1;                  // -1 when that side is finite
+  std::vector<Coordinate> coords;     // split by layout letters
+  double value = 0.0;                 // NaN, inf or -inf
+};
+
 struct WorstElement {
   int64_t flat = -1;                  // row-major index; -1 when the tensors are empty
   std::vector<Coordinate> coords;     // split by layout letters
@@ -47,9 +54,11 @@ struct LogitMetrics {
   double kl_max = 0.0;
 };
 
+// Aggregates over data holding a NaN or Inf on either side are NaN (undefined), never a finite
+// number: max_abs, mean_abs, rel_l2, nmse, cosine, sqnr_db, min_atol, min_rtol and the logit metrics.
 struct TensorMetrics {
   int64_t n = 0;                      // elements compared
-  double max_abs = 0.0;               // over elements finite on both sides
+  double max_abs = 0.0;
   double mean_abs = 0.0;
   double rel_l2 = 0.0;                // ||a-b|| / ||b||; 0 when both are 0, inf when only b is 0
   double nmse = 0.0;                  // sum (a-b)^2 / sum b^2
@@ -59,11 +68,15 @@ struct TensorMetrics {
   double fail_frac = 0.0;
   int64_t nan_a = 0, inf_a = 0, nan_b = 0, inf_b = 0;
   int64_t nonfinite_mismatch = 0;     // non-finite on one side where the other side differs
+  NonFiniteSite first_nonfinite_a, first_nonfinite_b;
   WorstElement worst;                 // largest |a-b| / (atol + rtol|b|), or largest |a-b| if both 0
   double min_atol = 0.0;              // smallest atol (rtol = 0) that passes every element
   double min_rtol = 0.0;              // smallest rtol (at the given atol) that passes every element
   ElementTolerance tolerance;         // the atol/rtol used for n_fail, worst, min_rtol
   std::optional<LogitMetrics> logits;
+
+  int64_t nonfinite() const { return nan_a + inf_a + nan_b + inf_b; }  // on both sides
+  bool finite() const { return nonfinite() == 0; }
 };
 
 // Row-major index -> coordinates named by `layout` ("T,H*Dh": T, H, Dh). A combined dimension
@@ -77,7 +90,8 @@ TensorMetrics compute_metrics(std::span<const float> a, std::span<const float> b
                               std::span<const int64_t> shape, std::string_view layout,
                               const DimSizes& dims, ElementTolerance tol);
 
-// Logit metrics over rows of length V (shape [T, V]).
+// Logit metrics over rows of length V (shape [T, V]); a row holding a non-finite value has KL NaN,
+// and top1, top5_overlap, kl_mean and kl_max are NaN when any row does.
 LogitMetrics compute_logit_metrics(std::span<const float> a, std::span<const float> b, int64_t rows,
                                    int64_t vocab);
 

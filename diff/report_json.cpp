@@ -1,9 +1,11 @@
 // The JSON report: everything the comparison found, machine-readable.
 //
-// Schema (report_version 1). Numbers that are not finite are written as the strings "inf",
-// "-inf" and "nan" (JSON has no literal for them).
+// Schema (report_version 2). JSON has no literal for non-finite numbers: a metric that is
+// undefined (NaN: any aggregate over data holding a NaN or Inf, a local error not compared) is
+// null, never 0 or 1; infinite metrics are the strings "inf" and "-inf". Element values (worst,
+// first non-finite) are numbers or the strings "nan", "inf", "-inf".
 // {
-//   "report_version": 1,
+//   "report_version": 2,
 //   "exit_code": 0 | 1,
 //   "engine":    {"path", "backend", "precision", "model_path", "model_fingerprint", "prompt",
 //                 "token_ids": [int], "created_utc", "diffrun_version", "facts": {str: str}},
@@ -19,6 +21,11 @@
 //       "preceding": [int] (indices of the passing checkpoints just before it),
 //       "verdict": {"kind": "local"|"drift"|"undetermined", "rule", "explanation", "ratio",
 //                   "inputs": [{"name", "rel_l2"}], "growth": [{"layer", "rel_l2"}]}},
+//   "first_nonfinite": null | {                               // the first checkpoint with a NaN/Inf on
+//       "index", "step", "name", "layer",                     // either side (it always fails)
+//       "engine": {"nan", "inf", "first": null | {"flat", "coords": {letter: index}, "value"}},
+//       "reference": { same },
+//       "verdict": { as above, rule "nonfinite" }},
 //   "checkpoints": [{                                        // step 0 first, execution order
 //       "step", "name", "base", "layer", "order", "layout",
 //       "status": "pass"|"fail"|"shape_mismatch"|"only_engine"|"only_reference",
@@ -30,6 +37,7 @@
 //          "n", "max_abs", "mean_abs", "rel_l2", "nmse", "cosine", "sqnr_db", "n_fail", "fail_frac",
 //          "atol", "rtol", "nan_engine", "inf_engine", "nan_reference", "inf_reference",
 //          "nonfinite_mismatch", "min_atol", "min_rtol",
+//          "first_nonfinite_engine", "first_nonfinite_reference": null | {"flat", "coords", "value"},
 //          "worst": null | {"flat", "coords": {letter: index} (in layout order), "engine", "reference", "abs_err"},
 //          "logits": null | {"tokens", "top1", "top5_overlap", "kl_mean", "kl_max", "kl": [num],
 //                            "argmax_engine": [int], "argmax_reference": [int]}}}],
@@ -47,10 +55,41 @@ namespace {
 
 using json = nlohmann::ordered_json;
 
+// A metric: null when undefined (NaN).
 json number(double x) {
+  if (std::isnan(x)) return nullptr;
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  return x;
+}
+
+// An element's value.
+json value(double x) {
   if (std::isnan(x)) return "nan";
   if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
   return x;
+}
+
+json coords_json(const std::vector<Coordinate>& coords) {
+  json out = json::object();
+  for (const auto& c : coords) out[c.dim] = c.index;
+  return out;
+}
+
+json site_json(const NonFiniteSite& site) {
+  if (site.flat < 0) return nullptr;
+  return {{"flat", site.flat}, {"coords", coords_json(site.coords)}, {"value", value(site.value)}};
+}
+
+json verdict_json(const Verdict& v) {
+  json inputs = json::array(), growth = json::array();
+  for (const auto& in : v.inputs) inputs.push_back({{"name", in.name}, {"rel_l2", number(in.rel_l2)}});
+  for (const auto& g : v.growth) growth.push_back({{"layer", g.layer}, {"rel_l2", number(g.rel_l2)}});
+  return {{"kind", verdict_kind_name(v.kind)},
+          {"rule", v.rule},
+          {"explanation", v.explanation},
+          {"ratio", number(v.ratio)},
+          {"inputs", inputs},
+          {"growth", growth}};
 }
 
 json side(const DumpMeta& m, const std::string& path) {
@@ -86,15 +125,15 @@ json metrics_json(const TensorMetrics& m) {
             {"inf_reference", m.inf_b},
             {"nonfinite_mismatch", m.nonfinite_mismatch},
             {"min_atol", number(m.min_atol)},
-            {"min_rtol", number(m.min_rtol)}};
+            {"min_rtol", number(m.min_rtol)},
+            {"first_nonfinite_engine", site_json(m.first_nonfinite_a)},
+            {"first_nonfinite_reference", site_json(m.first_nonfinite_b)}};
   if (m.worst.flat >= 0) {
-    json coords = json::object();
-    for (const auto& c : m.worst.coords) coords[c.dim] = c.index;
     j["worst"] = {{"flat", m.worst.flat},
-                  {"coords", coords},
-                  {"engine", number(m.worst.a)},
-                  {"reference", number(m.worst.b)},
-                  {"abs_err", number(m.worst.abs_err)}};
+                  {"coords", coords_json(m.worst.coords)},
+                  {"engine", value(m.worst.a)},
+                  {"reference", value(m.worst.b)},
+                  {"abs_err", value(m.worst.abs_err)}};
   } else {
     j["worst"] = nullptr;
   }
@@ -143,7 +182,7 @@ json checkpoint_json(const CheckpointResult& r) {
 nlohmann::ordered_json report_json(const Comparison& c) {
   const ModelConfig& cfg = c.reference_meta.config;
   json j;
-  j["report_version"] = 1;
+  j["report_version"] = 2;
   j["exit_code"] = exit_code(c);
   j["engine"] = side(c.engine_meta, c.engine_path);
   j["reference"] = side(c.reference_meta, c.reference_path);
@@ -160,24 +199,27 @@ nlohmann::ordered_json report_json(const Comparison& c) {
   j["warnings"] = c.warnings;
   if (c.first_failure) {
     const CheckpointResult& f = c.results[*c.first_failure];
-    const Verdict& v = c.verdict;
-    json inputs = json::array(), growth = json::array();
-    for (const auto& in : v.inputs) inputs.push_back({{"name", in.name}, {"rel_l2", number(in.rel_l2)}});
-    for (const auto& g : v.growth) growth.push_back({{"layer", g.layer}, {"rel_l2", number(g.rel_l2)}});
     j["first_divergence"] = {{"index", *c.first_failure},
                              {"step", f.step},
                              {"name", f.name},
                              {"layer", f.layer},
                              {"preceding", c.preceding},
-                             {"verdict",
-                              {{"kind", verdict_kind_name(v.kind)},
-                               {"rule", v.rule},
-                               {"explanation", v.explanation},
-                               {"ratio", number(v.ratio)},
-                               {"inputs", inputs},
-                               {"growth", growth}}}};
+                             {"verdict", verdict_json(c.verdict)}};
   } else {
     j["first_divergence"] = nullptr;
+  }
+  if (c.first_nonfinite) {
+    const CheckpointResult& f = c.results[*c.first_nonfinite];
+    const TensorMetrics& m = *f.metrics;
+    j["first_nonfinite"] = {{"index", *c.first_nonfinite},
+                            {"step", f.step},
+                            {"name", f.name},
+                            {"layer", f.layer},
+                            {"engine", {{"nan", m.nan_a}, {"inf", m.inf_a}, {"first", site_json(m.first_nonfinite_a)}}},
+                            {"reference", {{"nan", m.nan_b}, {"inf", m.inf_b}, {"first", site_json(m.first_nonfinite_b)}}},
+                            {"verdict", verdict_json(c.nonfinite_verdict)}};
+  } else {
+    j["first_nonfinite"] = nullptr;
   }
   json checkpoints = json::array();
   for (const auto& r : c.results) checkpoints.push_back(checkpoint_json(r));

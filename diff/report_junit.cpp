@@ -48,8 +48,13 @@ std::string failure_message(const CheckpointResult& r) {
   std::vector<std::string> parts;
   for (const auto& k : r.checks) {
     if (k.pass) continue;
-    if (k.metric == "nonfinite_mismatch") {
-      parts.push_back(fmt::format("{} non-finite mismatches", num(k.value)));
+    if (k.metric == "nonfinite") {
+      const TensorMetrics& m = *r.metrics;
+      auto first = [](const NonFiniteSite& site) {
+        return site.flat < 0 ? std::string() : fmt::format(", first {} at {}", num(site.value), format_coordinates(site.coords));
+      };
+      parts.push_back(fmt::format("NaN/Inf: engine NaN {} Inf {}{}; reference NaN {} Inf {}{}", m.nan_a, m.inf_a,
+                                  first(m.first_nonfinite_a), m.nan_b, m.inf_b, first(m.first_nonfinite_b)));
     } else {
       parts.push_back(fmt::format("{} {} {} {}", k.metric, num(k.value), k.bound, num(k.limit)));
     }
@@ -109,6 +114,10 @@ std::string render_junit(const Comparison& c) {
       prop("model", c.reference_meta.model_path);
       prop("prompt", c.reference_meta.prompt);
       prop("tolerances", c.tolerance_preset.empty() ? c.tolerance_source : c.tolerance_preset);
+      if (c.first_nonfinite) {
+        const CheckpointResult& n = c.results[*c.first_nonfinite];
+        prop("first_nonfinite", fmt::format("{} at step {}", n.name, n.step));
+      }
       if (c.first_failure) {
         prop("verdict", fmt::format("{} (rule {}): {}", verdict_kind_name(c.verdict.kind), c.verdict.rule,
                                     c.verdict.explanation));
@@ -118,9 +127,11 @@ std::string render_junit(const Comparison& c) {
     for (const auto* r : results) {
       out += fmt::format("    <testcase classname=\"{}\" name=\"{}\" time=\"0\"", step_name(step), xml_escape(r->name));
       if (r->failed()) {
-        bool first = c.first_failure && &c.results[*c.first_failure] == r;
+        const bool first = c.first_failure && &c.results[*c.first_failure] == r;
+        const bool first_nf = c.first_nonfinite && &c.results[*c.first_nonfinite] == r;
+        const std::string lead = std::string(first ? "first divergence: " : "") + (first_nf ? "first NaN/Inf: " : "");
         out += fmt::format(">\n      <failure type=\"{}\" message=\"{}{}\">{}</failure>\n    </testcase>\n",
-                           checkpoint_status_name(r->status), first ? "first divergence: " : "",
+                           checkpoint_status_name(r->status), lead,
                            xml_escape(failure_message(*r)), xml_escape(failure_body(*r), false));
       } else if (!r->compared()) {
         out += fmt::format(">\n      <skipped message=\"recorded by the {} only\"/>\n    </testcase>\n",

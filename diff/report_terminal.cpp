@@ -31,6 +31,24 @@ std::string num(double x) {
   return fmt::format("{:.3g}", x);
 }
 
+// rel_l2 of a checkpoint, or what stands in for it over non-finite data: "NaN" (any NaN on either
+// side), else "Inf".
+std::string rel_str(const TensorMetrics& m) {
+  if (m.finite()) return num(m.rel_l2);
+  return m.nan_a + m.nan_b > 0 ? "NaN" : "Inf";
+}
+
+// "NaN 2880, Inf 0, first nan at H=0, T=3, S=1" or "finite".
+std::string side_nonfinite(int64_t nan, int64_t inf, const NonFiniteSite& first) {
+  if (first.flat < 0) return "finite";
+  return fmt::format("NaN {}, Inf {}, first {} at {}", nan, inf, num(first.value), format_coordinates(first.coords));
+}
+
+void nonfinite_lines(std::string& out, const TensorMetrics& m) {
+  out += fmt::format("  nonfinite engine {}\n", side_nonfinite(m.nan_a, m.inf_a, m.first_nonfinite_a));
+  out += fmt::format("            reference {}\n", side_nonfinite(m.nan_b, m.inf_b, m.first_nonfinite_b));
+}
+
 std::string shape_str(const std::vector<int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
 
 std::string side(const DumpMeta& m, const std::string& path) {
@@ -48,6 +66,20 @@ std::string local_str(const LocalError& l) {
   return l.status == CheckpointStatus::shape_mismatch ? std::string("shape differs") : "rel_l2 " + num(l.rel_l2);
 }
 
+void verdict_lines(std::string& out, const Verdict& v, const Style& s) {
+  std::string kind = verdict_kind_name(v.kind);
+  std::transform(kind.begin(), kind.end(), kind.begin(), [](unsigned char ch) { return std::toupper(ch); });
+  out += fmt::format("  verdict   {} (rule {}): {}\n", s.bold(kind), v.rule, v.explanation);
+  if (!v.inputs.empty()) {
+    std::vector<std::string> ins;
+    for (const auto& in : v.inputs) {
+      // rel_l2 is NaN only over non-finite data.
+      ins.push_back(fmt::format("{} rel_l2 {}", in.name, std::isnan(in.rel_l2) ? "NaN/Inf" : num(in.rel_l2)));
+    }
+    out += fmt::format("            inputs: {}\n", fmt::join(ins, ", "));
+  }
+}
+
 void first_divergence(std::string& out, const Comparison& c, const Style& s) {
   const CheckpointResult& f = c.results[*c.first_failure];
   out += s.red(fmt::format("FIRST DIVERGENCE  {}  ({})", f.name, where(f))) + "\n";
@@ -60,30 +92,34 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s) {
     std::vector<std::string> failed;
     for (const auto& k : f.checks) {
       if (k.pass) continue;
-      if (k.metric == "nonfinite_mismatch") {
-        failed.push_back(fmt::format("{} non-finite value(s) where the other side differs", num(k.value)));
+      if (k.metric == "nonfinite") {
+        failed.push_back(fmt::format("{} NaN/Inf value(s) over both sides (non-finite always fails)", num(k.value)));
       } else {
         bool upper = k.bound.rfind("max_", 0) == 0;
         failed.push_back(fmt::format("{} {} {} {} {}", k.metric, num(k.value), upper ? ">" : "<", k.bound, num(k.limit)));
       }
     }
     out += fmt::format("  failed    {}\n", fmt::join(failed, "; "));
+    if (!m.finite()) {
+      out += "  metrics   — (rel_l2, max_abs, cosine, ... are undefined over non-finite values)\n";
+      nonfinite_lines(out, m);
+    } else {
     out += fmt::format("  metrics   rel_l2 {}  max_abs {}  mean_abs {}  nmse {}  cosine {}  sqnr {} dB\n", num(m.rel_l2),
                        num(m.max_abs), num(m.mean_abs), num(m.nmse), fmt::format("{:.8f}", m.cosine), num(m.sqnr_db));
     if (m.tolerance.atol > 0 || m.tolerance.rtol > 0) {
       out += fmt::format("            {} of {} elements outside atol {} + rtol {}·|ref| ({})\n", m.n_fail, m.n,
                          num(m.tolerance.atol), num(m.tolerance.rtol), num(m.fail_frac));
     }
-    if (m.nan_a + m.inf_a + m.nan_b + m.inf_b > 0) {
-      out += fmt::format("  nonfinite engine NaN {} Inf {}; reference NaN {} Inf {}\n", m.nan_a, m.inf_a, m.nan_b, m.inf_b);
     }
     if (m.worst.flat >= 0) {
       out += fmt::format("  worst     {} [{}]: engine {:.9g}  reference {:.9g}  |diff| {}\n",
                          format_coordinates(m.worst.coords), f.layout, m.worst.a, m.worst.b, num(m.worst.abs_err));
     }
-    out += fmt::format("  to pass   atol >= {} (rtol 0), or rtol >= {} (atol {})\n", num(m.min_atol), num(m.min_rtol),
-                       num(m.tolerance.atol));
-    if (m.logits) {
+    if (m.finite()) {
+      out += fmt::format("  to pass   atol >= {} (rtol 0), or rtol >= {} (atol {})\n", num(m.min_atol), num(m.min_rtol),
+                         num(m.tolerance.atol));
+    }
+    if (m.logits && m.finite()) {
       out += fmt::format("  logits    top-1 agreement {}  top-5 overlap {}  KL(ref||eng) mean {} max {}\n",
                          num(m.logits->top1), num(m.logits->top5_overlap), num(m.logits->kl_mean), num(m.logits->kl_max));
     }
@@ -100,18 +136,19 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s) {
       out += s.dim(fmt::format("    step {:<3} {:<18} rel_l2 {}{}", p.step, p.name, num(p.metrics->rel_l2), local)) + "\n";
     }
     if (f.metrics) {
-      out += fmt::format("    step {:<3} {:<18} rel_l2 {}  <-- first failure\n", f.step, f.name, num(f.metrics->rel_l2));
+      out += fmt::format("    step {:<3} {:<18} rel_l2 {}  <-- first failure\n", f.step, f.name, rel_str(*f.metrics));
     }
   }
-  const Verdict& v = c.verdict;
-  std::string kind = verdict_kind_name(v.kind);
-  std::transform(kind.begin(), kind.end(), kind.begin(), [](unsigned char ch) { return std::toupper(ch); });
-  out += fmt::format("  verdict   {} (rule {}): {}\n", s.bold(kind), v.rule, v.explanation);
-  if (!v.inputs.empty()) {
-    std::vector<std::string> ins;
-    for (const auto& in : v.inputs) ins.push_back(fmt::format("{} rel_l2 {}", in.name, num(in.rel_l2)));
-    out += fmt::format("            inputs: {}\n", fmt::join(ins, ", "));
-  }
+  verdict_lines(out, c.verdict, s);
+}
+
+// The first NaN/Inf, when an earlier finite failure leads the report.
+void first_nonfinite(std::string& out, const Comparison& c, const Style& s) {
+  const CheckpointResult& f = c.results[*c.first_nonfinite];
+  out += '\n';
+  out += s.red(fmt::format("FIRST NaN/Inf  {}  ({})", f.name, where(f))) + "\n";
+  nonfinite_lines(out, *f.metrics);
+  verdict_lines(out, c.nonfinite_verdict, s);
 }
 
 void layer_table(std::string& out, const Comparison& c, const Style& s) {
@@ -132,7 +169,7 @@ void layer_table(std::string& out, const Comparison& c, const Style& s) {
     last = std::max(last, layers.rbegin()->first);
     for (const auto& [l, r] : layers) {
       double v = r->metrics ? r->metrics->rel_l2 : 0.0;
-      if (std::isfinite(v) && v > 0) {
+      if (r->metrics && r->metrics->finite() && std::isfinite(v) && v > 0) {
         lo = std::min(lo, v);
         hi = std::max(hi, v);
       }
@@ -141,7 +178,8 @@ void layer_table(std::string& out, const Comparison& c, const Style& s) {
   out += '\n';
   out += s.bold(fmt::format("Relative L2 error by layer (step {})", step)) + "\n";
   if (hi > 0) {
-    out += fmt::format("  growth: layers 0..{}, one log scale for the table: ▁ {} .. █ {}\n", last, num(lo), num(hi));
+    out += fmt::format("  growth: layers 0..{}, one log scale for the table: ▁ {} .. █ {}; ! NaN/Inf\n", last, num(lo),
+                       num(hi));
   }
   out += fmt::format("  {:<12} {:>9} {:>9} {:>9} {:>15} {:>6}  {}\n", "kind", "layer 0", fmt::format("layer {}", last / 2),
                      fmt::format("layer {}", last), "max (layer)", "fails", "growth");
@@ -161,22 +199,35 @@ void layer_table(std::string& out, const Comparison& c, const Style& s) {
       }
     }
     double mx = -1;
-    int mx_layer = -1, fails = 0, first_fail = -1;
+    int mx_layer = -1, fails = 0, first_fail = -1, first_nonfinite = -1;
+    std::map<int, std::string> cells;  // layer -> what the column shows
     for (int l = 0; l <= last; ++l) {
       auto it = layers.find(l);
-      double v = (it != layers.end() && it->second->metrics) ? it->second->metrics->rel_l2 : std::nan("");
+      const TensorMetrics* m = (it != layers.end() && it->second->metrics) ? &*it->second->metrics : nullptr;
+      double v = m ? m->rel_l2 : std::nan("");
       if (it != layers.end() && it->second->failed()) {
         ++fails;
         if (first_fail < 0) first_fail = l;
       }
+      if (m && !m->finite()) {
+        // Non-finite data: "NaN"/"Inf" in the cells, '!' in the growth line, never a number.
+        cells[l] = rel_str(*m);
+        if (first_nonfinite < 0) first_nonfinite = l;
+        v = INFINITY;
+      } else {
+        cells[l] = std::isnan(v) ? std::string("-") : num(v);
+        if (!std::isnan(v) && v > mx) { mx = v; mx_layer = l; }
+      }
       series.push_back(v);
-      if (!std::isnan(v) && v > mx) { mx = v; mx_layer = l; }
     }
-    auto at = [&](int l) { return std::isnan(series[l]) ? std::string("-") : num(series[l]); };
+    auto at = [&](int l) { return cells[l]; };
+    std::string max_str = first_nonfinite >= 0 ? fmt::format("{} ({})", cells[first_nonfinite], first_nonfinite)
+                          : mx >= 0             ? fmt::format("{} ({})", num(mx), mx_layer)
+                                                : std::string("-");
     std::string fails_str = fails ? s.red(fmt::format("{:>6}", fails)) : fmt::format("{:>6}", 0);
     std::string spark = hi > 0 ? sparkline(series, lo, hi) : sparkline(series);
     out += fmt::format("  {:<12} {:>9} {:>9} {:>9} {:>15} {}  {}{}\n", kind, at(0), at(last / 2), at(last),
-                       mx >= 0 ? fmt::format("{} ({})", num(mx), mx_layer) : "-", fails_str, spark,
+                       max_str, fails_str, spark,
                        first_fail >= 0 ? fmt::format("  first fails at layer {}", first_fail) : "");
     if (any_local) {
       out.insert(out.size() - 1, local_mx >= 0 ? fmt::format("  local {} ({})", num(local_mx), local_layer) : "  local -");
@@ -185,7 +236,7 @@ void layer_table(std::string& out, const Comparison& c, const Style& s) {
   std::vector<std::string> others;
   for (const auto& r : c.results) {
     if (r.step == step && r.layer < 0 && r.metrics) {
-      others.push_back(fmt::format("{} {}{}", r.name, num(r.metrics->rel_l2), r.failed() ? " (fail)" : ""));
+      others.push_back(fmt::format("{} {}{}", r.name, rel_str(*r.metrics), r.failed() ? " (fail)" : ""));
     }
   }
   if (!others.empty()) out += fmt::format("  outside layers: {}\n", fmt::join(others, ", "));
@@ -272,6 +323,7 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
   out += "\n";
   if (c.first_failure) {
     first_divergence(out, c, s);
+    if (c.first_nonfinite && *c.first_nonfinite != *c.first_failure) first_nonfinite(out, c, s);
   } else {
     out += s.green(fmt::format("All {} compared checkpoints are within tolerance.", c.n_pass)) + "\n";
   }
@@ -280,7 +332,14 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
   out += "\n";
   if (c.first_failure) {
     const CheckpointResult& f = c.results[*c.first_failure];
-    out += s.red(fmt::format("RESULT: DIVERGED at {} ({}); verdict {}", f.name, where(f), verdict_kind_name(c.verdict.kind))) + "\n";
+    std::string nonfinite;
+    if (c.first_nonfinite) {
+      const CheckpointResult& n = c.results[*c.first_nonfinite];
+      nonfinite = c.first_nonfinite == c.first_failure ? "; NaN/Inf there"
+                                                       : fmt::format("; first NaN/Inf at {} ({})", n.name, where(n));
+    }
+    out += s.red(fmt::format("RESULT: DIVERGED at {} ({}); verdict {}{}", f.name, where(f),
+                             verdict_kind_name(c.verdict.kind), nonfinite)) + "\n";
   } else {
     out += s.green("RESULT: PASS") + "\n";
   }

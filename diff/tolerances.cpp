@@ -316,8 +316,11 @@ std::string preset_name(std::string_view engine_precision, std::string_view refe
 
 std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule& rule) {
   std::vector<BoundCheck> out;
-  if (m.nonfinite_mismatch > 0) {
-    out.push_back({"nonfinite_mismatch", "finite", static_cast<double>(m.nonfinite_mismatch), 0.0, false});
+  if (!m.finite()) {
+    // A NaN or Inf on either side fails, also the same one on both sides; the metric bounds are
+    // not checked: their metrics are undefined over non-finite data.
+    out.push_back({"nonfinite", "finite", static_cast<double>(m.nonfinite()), 0.0, false});
+    return out;
   }
   auto upper = [&](const char* metric, const char* bound, double value, const std::optional<double>& limit) {
     if (limit) out.push_back({metric, bound, value, *limit, value <= *limit});

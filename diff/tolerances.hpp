@@ -65,8 +65,9 @@ ToleranceSet preset_tolerances(std::string_view name);  // throws InputError lis
 // "f32_vs_f64" for engine f32 and reference f64.
 std::string preset_name(std::string_view engine_precision, std::string_view reference_precision);
 
-// Every bound of `rule` against `m`; a non-finite value where the other side is finite (or a
-// different non-finite value) always adds a failing "nonfinite" check.
+// Every bound of `rule` against `m`. A NaN or Inf on either side (the same on both included) gives
+// one failing "nonfinite" check (value: the number of non-finite elements on both sides) and nothing
+// else: the metrics are undefined there.
 std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule& rule);
 
 }  // namespace diffrun::diff

@@ -94,15 +94,44 @@ bool rule_isolation(const Context& c, Verdict& v) {
   return true;
 }
 
+// "engine NaN 3, Inf 0; reference NaN 3, Inf 0"
+std::string nonfinite_counts(const TensorMetrics& m) {
+  return fmt::format("engine NaN {}, Inf {}; reference NaN {}, Inf {}", m.nan_a, m.inf_a, m.nan_b, m.inf_b);
+}
+
+// Decides whenever the checkpoint holds a NaN or Inf on either side: the other rules' metrics are
+// undefined there.
 bool rule_nonfinite(const Context& c, Verdict& v) {
-  if (c.metrics->nonfinite_mismatch == 0) return false;
+  const TensorMetrics& m = *c.metrics;
+  if (m.finite()) return false;
+  v.rule = "nonfinite";
+  std::vector<std::string> carried;
   for (const auto* in : c.inputs) {
-    if (in->metrics->nonfinite_mismatch > 0) return false;
+    if (!in->metrics->finite()) carried.push_back(in->name);
+  }
+  if (!carried.empty()) {
+    v.kind = VerdictKind::drift;
+    v.explanation = fmt::format("non-finite values ({}) came in through its input {}", nonfinite_counts(m),
+                                carried.front());
+    return true;
+  }
+  if (c.inputs.empty() && c.failing.base != "embd") {
+    v.kind = VerdictKind::undetermined;
+    v.explanation = fmt::format("non-finite values here ({}); none of its inputs was recorded in this step",
+                                nonfinite_counts(m));
+    return true;
   }
   v.kind = VerdictKind::local;
-  v.rule = "nonfinite";
-  v.explanation = fmt::format("{} non-finite value(s) appear here (engine NaN {}, Inf {}) while its inputs are finite",
-                              c.metrics->nonfinite_mismatch, c.metrics->nan_a, c.metrics->inf_a);
+  if (c.inputs.empty()) {
+    v.explanation = fmt::format("non-finite values appear at embd ({}), which has no float input: the embedding "
+                                "table holds them", nonfinite_counts(m));
+    return true;
+  }
+  const bool both = (m.nan_a + m.inf_a) > 0 && (m.nan_b + m.inf_b) > 0;
+  v.explanation = fmt::format("non-finite values appear here ({}) while its inputs are finite on both sides{}",
+                              nonfinite_counts(m),
+                              both ? ": on both sides, so from this op's weights or its math, not the engine alone"
+                                   : ": this op produces them");
   return true;
 }
 
@@ -207,7 +236,9 @@ Verdict decide_verdict(const std::vector<CheckpointResult>& results, size_t fail
   if (c.metrics) {
     double max_in = 0;
     for (const auto& in : v.inputs) max_in = std::max(max_in, in.rel_l2);
-    v.ratio = max_in > 0 ? c.metrics->rel_l2 / max_in : (c.metrics->rel_l2 > 0 ? kInf : 0.0);
+    v.ratio = !c.metrics->finite() ? std::numeric_limits<double>::quiet_NaN()
+              : max_in > 0         ? c.metrics->rel_l2 / max_in
+                                   : (c.metrics->rel_l2 > 0 ? kInf : 0.0);
   }
   for (Rule rule : kRules) {
     if (rule != rule_shape && !c.metrics) break;

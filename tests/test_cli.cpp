@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -123,6 +124,36 @@ TEST_F(Cli, PerturbedDumpExitsOneWithValidReports) {
                    "f = [c for c in r.iter('testcase') if c.find('failure') is not None]; "
                    "assert [(c.get('classname'), c.get('name')) for c in f] == [('step_0001', 'attn_out-2')]"),
             0);
+}
+
+// Two dumps holding the same NaN (a NaN in a weight row reaches both sides): exit 1, located in every
+// report; the JSON has null, not 0 or 1, for the metrics over it (checked with Python's json).
+TEST_F(Cli, SameNaNInBothDumpsExitsOne) {
+  auto nan_at_vcur1 = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step == 2 && name == "Vcur-1") v[1] = std::numeric_limits<float>::quiet_NaN();
+  };
+  SyntheticDump ref;
+  ref.perturb = nan_at_vcur1;
+  ref.write(path("reference.h5"));
+  SyntheticDump e = engine_dump();
+  e.perturb = nan_at_vcur1;
+  e.write(path("engine.h5"));
+  Result r = compare(path("engine.h5"), "--tolerances " + quote(path("tol.json")) + " --report-json " +
+                                            quote(path("r.json")) + " --report-junit " + quote(path("r.xml")));
+  ASSERT_EQ(r.rc, 2) << r.out << r.err;  // no tolerance file yet
+  std::ofstream(path("tol.json")) << R"({"rules": [], "default": {"reason": "no bounds at all"}})";
+  r = compare(path("engine.h5"), "--tolerances " + quote(path("tol.json")) + " --report-json " + quote(path("r.json")) +
+                                     " --report-junit " + quote(path("r.xml")));
+  EXPECT_EQ(r.rc, 1) << r.out << r.err;
+  EXPECT_NE(r.out.find("FIRST DIVERGENCE  Vcur-1  (step 2, layer 1)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("reference NaN 1, Inf 0, first nan at T=0, Hkv=0, Dh=1"), std::string::npos) << r.out;
+  EXPECT_EQ(python("import json; j = json.load(open(" + quote(path("r.json")) + ")); "
+                   "n = j['first_nonfinite']; assert (n['name'], n['step']) == ('Vcur-1', 2), n; "
+                   "m = j['checkpoints'][n['index']]['metrics']; "
+                   "assert m['rel_l2'] is None and m['cosine'] is None, m; "
+                   "assert n['engine']['first']['coords'] == {'T': 0, 'Hkv': 0, 'Dh': 1}, n"),
+            0);
+  EXPECT_NE(slurp(path("r.xml")).find("first NaN/Inf: NaN/Inf: engine NaN 1 Inf 0"), std::string::npos);
 }
 
 TEST_F(Cli, TruncatedHdf5) {

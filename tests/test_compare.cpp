@@ -172,6 +172,146 @@ TEST_F(Compare, NonFiniteFailsWhateverTheBounds) {
   EXPECT_EQ(c.verdict.rule, "nonfinite");
 }
 
+// A NaN in a weight row reaches both sides: Qcur-1 onwards hold the same NaN in the engine and the
+// reference. It must fail where it appears, with the verdict local, not pass as agreement.
+TEST_F(Compare, SameNaNOnBothSidesIsLocatedAndFails) {
+  auto nan_from_qcur1 = [](int step, const std::string& name, std::vector<float>& v) {
+    auto p = parse_checkpoint_name(name);
+    if (step == 0 && (p.layer >= 2 || name == "Qcur-1" || p.base == "result_norm" || p.base == "result_output")) {
+      v[name == "Qcur-1" ? 6 : 0] = std::numeric_limits<float>::quiet_NaN();
+    }
+  };
+  reference.perturb = nan_from_qcur1;
+  reference.write(path("reference.h5"));
+  SyntheticDump e = engine_dump();
+  e.perturb = nan_from_qcur1;
+  Comparison c = run(e, rel(1e-3));
+  ASSERT_TRUE(c.diverged());
+  EXPECT_EQ(exit_code(c), 1);
+  EXPECT_EQ(first(c).name, "Qcur-1");
+  ASSERT_TRUE(c.first_nonfinite.has_value());
+  EXPECT_EQ(*c.first_nonfinite, *c.first_failure);
+  const TensorMetrics& m = *first(c).metrics;
+  EXPECT_EQ(m.nan_a, 1);
+  EXPECT_EQ(m.nan_b, 1);
+  EXPECT_EQ(m.nonfinite_mismatch, 0);
+  EXPECT_EQ(format_coordinates(m.first_nonfinite_a.coords), "T=0, H=1, Dh=2");
+  EXPECT_TRUE(std::isnan(m.rel_l2));
+  EXPECT_EQ(c.verdict.kind, VerdictKind::local);
+  EXPECT_EQ(c.verdict.rule, "nonfinite");
+  EXPECT_NE(c.verdict.explanation.find("both sides"), std::string::npos) << c.verdict.explanation;
+
+  std::string text = render_terminal(c);
+  EXPECT_NE(text.find("FIRST DIVERGENCE  Qcur-1  (step 0, layer 1)"), std::string::npos) << text;
+  EXPECT_NE(text.find("engine NaN 1, Inf 0, first nan at T=0, H=1, Dh=2"), std::string::npos) << text;
+  EXPECT_NE(text.find("reference NaN 1, Inf 0, first nan at T=0, H=1, Dh=2"), std::string::npos) << text;
+  EXPECT_NE(text.find("verdict   LOCAL (rule nonfinite)"), std::string::npos) << text;
+  // The layer table never shows a number for NaN data: layer 2 and 3 say NaN, max names layer 2.
+  const size_t row = text.find("\n  l_out ");
+  ASSERT_NE(row, std::string::npos) << text;
+  const std::string l_out = text.substr(row + 1, text.find('\n', row + 1) - row - 1);
+  EXPECT_NE(l_out.find("NaN (2)"), std::string::npos) << l_out;
+  EXPECT_NE(l_out.find("!!"), std::string::npos) << l_out;
+  EXPECT_EQ(text.find("rel_l2 0 "), std::string::npos) << text;
+  EXPECT_NE(text.find("RESULT: DIVERGED at Qcur-1 (step 0, layer 1); verdict local; NaN/Inf there"), std::string::npos)
+      << text;
+
+  nlohmann::json j = nlohmann::json::parse(render_json(c));
+  EXPECT_EQ(j["exit_code"], 1);
+  EXPECT_EQ(j["first_nonfinite"]["name"], "Qcur-1");
+  EXPECT_EQ(j["first_nonfinite"]["engine"]["nan"], 1);
+  EXPECT_EQ(j["first_nonfinite"]["reference"]["first"]["coords"]["Dh"], 2);
+  EXPECT_EQ(j["first_nonfinite"]["verdict"]["rule"], "nonfinite");
+  const auto& cp = j["checkpoints"][j["first_nonfinite"]["index"].get<size_t>()];
+  for (const char* k : {"rel_l2", "cosine", "max_abs", "nmse", "sqnr_db"}) EXPECT_TRUE(cp["metrics"][k].is_null()) << k;
+  EXPECT_EQ(cp["checks"][0]["metric"], "nonfinite");
+
+  std::string xml = render_junit(c);
+  EXPECT_NE(xml.find("message=\"first divergence: first NaN/Inf: NaN/Inf: engine NaN 1 Inf 0, first nan at T=0, H=1, Dh=2"),
+            std::string::npos) << xml;
+  EXPECT_NE(xml.find("<property name=\"first_nonfinite\" value=\"Qcur-1 at step 0\"/>"), std::string::npos);
+}
+
+// The f16 softmax overflow: a small finite failure first, NaN later. The report leads with the first
+// failure and still locates the first NaN, with its own verdict.
+TEST_F(Compare, FirstNaNIsReportedEvenAfterAnEarlierFailure) {
+  SyntheticDump e = engine_dump();
+  e.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step != 0) return;
+    if (name == "kq_soft_max-0") v[1] *= 1.01f;
+    auto p = parse_checkpoint_name(name);
+    if (name == "kq_soft_max-2") v[4] = std::numeric_limits<float>::quiet_NaN();
+    if (p.layer == 2 && p.base != "kq_soft_max" && checkpoint_order(test::synthetic_config(), p.base, 2) >
+                                                     checkpoint_order(test::synthetic_config(), "kq_soft_max", 2)) {
+      for (auto& x : v) x = std::numeric_limits<float>::quiet_NaN();
+    }
+    if (p.layer == 3 || p.base == "result_norm" || p.base == "result_output") {
+      for (auto& x : v) x = std::numeric_limits<float>::quiet_NaN();
+    }
+  };
+  Comparison c = run(e, rel(1e-3));
+  ASSERT_TRUE(c.diverged());
+  EXPECT_EQ(first(c).name, "kq_soft_max-0");
+  ASSERT_TRUE(c.first_nonfinite.has_value());
+  const CheckpointResult& nf = c.results[*c.first_nonfinite];
+  EXPECT_EQ(nf.name, "kq_soft_max-2");
+  EXPECT_EQ(nf.step, 0);
+  EXPECT_EQ(format_coordinates(nf.metrics->first_nonfinite_a.coords), "H=0, T=1, S=1");
+  EXPECT_EQ(nf.metrics->first_nonfinite_b.flat, -1);
+  EXPECT_EQ(c.nonfinite_verdict.kind, VerdictKind::local);
+  EXPECT_EQ(c.nonfinite_verdict.rule, "nonfinite");
+  std::string text = render_terminal(c);
+  EXPECT_NE(text.find("FIRST NaN/Inf  kq_soft_max-2  (step 0, layer 2)"), std::string::npos) << text;
+  EXPECT_NE(text.find("engine NaN 1, Inf 0, first nan at H=0, T=1, S=1"), std::string::npos) << text;
+  EXPECT_NE(text.find("reference finite"), std::string::npos) << text;
+  EXPECT_NE(text.find("first NaN/Inf at kq_soft_max-2"), std::string::npos) << text;
+  nlohmann::json j = nlohmann::json::parse(render_json(c));
+  EXPECT_EQ(j["first_divergence"]["name"], "kq_soft_max-0");
+  EXPECT_EQ(j["first_nonfinite"]["name"], "kq_soft_max-2");
+  // Every all-NaN checkpoint: null metrics, never cosine 1 or rel_l2 0.
+  for (const auto& cp : j["checkpoints"]) {
+    if (cp["metrics"].is_null() || cp["metrics"]["nan_engine"] == 0) continue;
+    EXPECT_TRUE(cp["metrics"]["cosine"].is_null()) << cp["name"];
+    EXPECT_TRUE(cp["metrics"]["rel_l2"].is_null()) << cp["name"];
+    EXPECT_EQ(cp["status"], "fail") << cp["name"];
+  }
+  EXPECT_NE(render_junit(c).find("message=\"first NaN/Inf: NaN/Inf: engine NaN 1 Inf 0, first nan at H=0, T=1, S=1"),
+            std::string::npos);
+}
+
+// An Inf in the reference only, in dumps that record a subset (a --checkpoints filter): located and
+// failing; its input is the nearest recorded one (l_out-1), finite.
+TEST_F(Compare, InfInASubsetDumpFailsTheRun) {
+  auto subset = [](int, const std::string& name) {
+    return name != "tokens" && name.rfind("ffn_out-", 0) != 0 && name.rfind("l_out-", 0) != 0;
+  };
+  reference.skip = subset;
+  reference.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step == 1 && name == "ffn_out-2") v[3] = -std::numeric_limits<float>::infinity();
+  };
+  reference.write(path("reference.h5"));
+  SyntheticDump e = engine_dump();
+  e.skip = subset;
+  Comparison c = run(e, rel(1e9));
+  ASSERT_TRUE(c.diverged());
+  EXPECT_EQ(exit_code(c), 1);
+  EXPECT_EQ(first(c).name, "ffn_out-2");
+  EXPECT_EQ(first(c).step, 1);
+  EXPECT_EQ(first(c).metrics->inf_b, 1);
+  EXPECT_EQ(format_coordinates(first(c).metrics->first_nonfinite_b.coords), "T=0, D=3");
+  EXPECT_EQ(c.verdict.rule, "nonfinite");
+  EXPECT_EQ(c.verdict.kind, VerdictKind::local);
+  ASSERT_EQ(c.verdict.inputs.size(), 1u);
+  EXPECT_EQ(c.verdict.inputs[0].name, "l_out-1");
+  // The l_out after it inherits nothing: it is finite here, and passes.
+  auto l_out = std::find_if(c.results.begin(), c.results.end(),
+                            [](const CheckpointResult& r) { return r.step == 1 && r.name == "l_out-2"; });
+  ASSERT_NE(l_out, c.results.end());
+  EXPECT_EQ(l_out->status, CheckpointStatus::pass);
+  EXPECT_NE(render_terminal(c).find("reference NaN 0, Inf 1, first -inf at T=0, D=3"), std::string::npos)
+      << render_terminal(c);
+}
+
 TEST_F(Compare, ShapeMismatchIsAFailureNotACrash) {
   SyntheticDump e = engine_dump();
   e.shrink = "cache_k-1";

@@ -93,16 +93,56 @@ TEST(Metrics, NonFiniteWhereTheOtherSideIsFiniteAlwaysCounts) {
   EXPECT_EQ(m.nonfinite_mismatch, 1);
   EXPECT_EQ(m.n_fail, 1);
   EXPECT_EQ(m.worst.flat, 1);
-  EXPECT_EQ(m.min_atol, kInf);
-  EXPECT_EQ(m.rel_l2, 0.0);  // over the finite pairs
-  // The same non-finite value on both sides is agreement.
+  EXPECT_FALSE(m.finite());
+  EXPECT_EQ(m.nonfinite(), 1);
+  // Aggregates over non-finite data are undefined, never the finite pairs' 0 or 1.
+  for (double x : {m.rel_l2, m.max_abs, m.mean_abs, m.nmse, m.cosine, m.sqnr_db, m.min_atol, m.min_rtol}) {
+    EXPECT_TRUE(std::isnan(x)) << x;
+  }
+  // The same non-finite value on both sides agrees element-wise, but is still counted.
   TensorMetrics same = metrics({kNaN, INFINITY, 1.0f}, {kNaN, INFINITY, 1.0f});
   EXPECT_EQ(same.nonfinite_mismatch, 0);
   EXPECT_EQ(same.nan_a, 1);
   EXPECT_EQ(same.inf_b, 1);
   EXPECT_EQ(same.n_fail, 0);
+  EXPECT_EQ(same.nonfinite(), 4);
+  EXPECT_TRUE(std::isnan(same.rel_l2));
+  EXPECT_TRUE(std::isnan(same.cosine));
   TensorMetrics opposite = metrics({INFINITY}, {-INFINITY});
   EXPECT_EQ(opposite.nonfinite_mismatch, 1);
+}
+
+TEST(Metrics, FirstNonFiniteOfEachSideIsLocatedByLayoutLetters) {
+  // [T=2, H=2, Dh=3]: engine NaN at (1, 0, 2) and Inf later; reference -Inf at (0, 1, 1).
+  std::vector<float> a(12, 1.0f), b(12, 1.0f);
+  a[8] = kNaN;
+  a[11] = INFINITY;
+  b[4] = -INFINITY;
+  TensorMetrics m = metrics(a, b, {}, {2, 2, 3}, "T,H,Dh");
+  EXPECT_EQ(m.nan_a, 1);
+  EXPECT_EQ(m.inf_a, 1);
+  EXPECT_EQ(m.inf_b, 1);
+  EXPECT_EQ(m.first_nonfinite_a.flat, 8);
+  EXPECT_EQ(format_coordinates(m.first_nonfinite_a.coords), "T=1, H=0, Dh=2");
+  EXPECT_TRUE(std::isnan(m.first_nonfinite_a.value));
+  EXPECT_EQ(m.first_nonfinite_b.flat, 4);
+  EXPECT_EQ(format_coordinates(m.first_nonfinite_b.coords), "T=0, H=1, Dh=1");
+  EXPECT_EQ(m.first_nonfinite_b.value, -kInf);
+  TensorMetrics clean = metrics({1.0f}, {1.0f});
+  EXPECT_EQ(clean.first_nonfinite_a.flat, -1);
+  EXPECT_EQ(clean.first_nonfinite_b.flat, -1);
+}
+
+TEST(Metrics, LogitMetricsOverNonFiniteRowsAreUndefined) {
+  std::vector<float> b = {1, 2, 3, 4, 5, 6};
+  std::vector<float> a = {1, 2, 3, kNaN, 5, 6};
+  LogitMetrics lm = compute_logit_metrics(a, b, 2, 3);
+  EXPECT_EQ(lm.kl[0], 0.0);
+  EXPECT_TRUE(std::isnan(lm.kl[1]));
+  for (double x : {lm.top1, lm.top5_overlap, lm.kl_mean, lm.kl_max}) EXPECT_TRUE(std::isnan(x)) << x;
+  // All-NaN rows on both sides must not read as agreement.
+  std::vector<float> nan_row = {kNaN, kNaN, kNaN};
+  EXPECT_TRUE(std::isnan(compute_logit_metrics(nan_row, nan_row, 1, 3).top1));
 }
 
 TEST(Metrics, ZeroReference) {

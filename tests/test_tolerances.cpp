@@ -146,16 +146,25 @@ TEST(Tolerances, CheckBounds) {
   ASSERT_EQ(d.size(), 2u);
   EXPECT_TRUE(d[0].pass);
   EXPECT_FALSE(d[1].pass);
-  // A non-finite mismatch fails even under a rule without bounds.
+  // A NaN or Inf on either side fails even under a rule without bounds, also the same on both
+  // sides (no mismatch); the metric bounds are not checked over it.
   ToleranceRule empty;
-  m.nonfinite_mismatch = 1;
+  m.nan_a = 1;
+  m.nan_b = 1;
   auto nf = check_bounds(m, empty);
   ASSERT_EQ(nf.size(), 1u);
+  EXPECT_EQ(nf[0].metric, "nonfinite");
+  EXPECT_EQ(nf[0].value, 2.0);
   EXPECT_FALSE(nf[0].pass);
+  m.nan_a = m.nan_b = 0;
+  m.inf_b = 3;
+  auto only_nf = check_bounds(m, t.default_rule);
+  ASSERT_EQ(only_nf.size(), 1u);
+  EXPECT_EQ(only_nf[0].metric, "nonfinite");
+  m.inf_b = 0;
   // Logit bounds apply only where logit metrics exist.
   ToleranceRule logits = parse_tolerances(
       R"({"rules": [], "default": {"min_top1": 1, "max_kl": 0.01, "reason": "r"}})", "x").default_rule;
-  m.nonfinite_mismatch = 0;
   EXPECT_TRUE(check_bounds(m, logits).empty());
   m.logits = LogitMetrics{};
   m.logits->top1 = 0.5;

@@ -123,6 +123,10 @@ def tensor_metrics(a: np.ndarray, b: np.ndarray, layout: str = "", dims: dict[st
                       "engine": float(x[flat]), "reference": float(y[flat]), "abs_err": float(err)}
     else:
         m["worst"] = None
+    if not (fx.all() and fy.all()):
+        # Undefined over non-finite data (JSON null), never the finite pairs' 0 or 1.
+        for key in ("max_abs", "mean_abs", "rel_l2", "nmse", "cosine", "sqnr_db", "min_atol", "min_rtol"):
+            m[key] = math.nan
     return m
 
 
@@ -158,10 +162,13 @@ def logit_metrics(a: np.ndarray, b: np.ndarray) -> dict:
         am_b.append(_argmax(y[t]))
         overlap.append(len(set(_top_k(x[t], 5).tolist()) & set(_top_k(y[t], 5).tolist())) / k)
         la, lb = _log_softmax(x[t]), _log_softmax(y[t])
-        kl.append(math.inf if la is None or lb is None else max(float(np.sum(np.exp(lb) * (lb - la))), 0.0))
-    return {"tokens": rows, "top1": float(np.mean([p == q for p, q in zip(am_a, am_b)])) if rows else 0.0,
-            "top5_overlap": float(np.mean(overlap)) if rows else 0.0, "kl_mean": float(np.mean(kl)) if rows else 0.0,
-            "kl_max": max(kl, default=0.0), "kl": kl, "argmax_engine": am_a, "argmax_reference": am_b}
+        kl.append(math.nan if la is None or lb is None else max(float(np.sum(np.exp(lb) * (lb - la))), 0.0))
+    out = {"tokens": rows, "top1": float(np.mean([p == q for p, q in zip(am_a, am_b)])) if rows else 0.0,
+           "top5_overlap": float(np.mean(overlap)) if rows else 0.0, "kl_mean": float(np.mean(kl)) if rows else 0.0,
+           "kl_max": max(kl, default=0.0), "kl": kl, "argmax_engine": am_a, "argmax_reference": am_b}
+    if any(math.isnan(k) for k in kl):
+        out["top1"] = out["top5_overlap"] = out["kl_mean"] = out["kl_max"] = math.nan
+    return out
 
 
 def compare(engine: str | Dump, reference: str | Dump, element_tolerance: ElementTolerance | None = None
