@@ -1,6 +1,7 @@
-# The Python package (python/): writer and fingerprint against the C++ side, and the example outside engine.
+# The Python package (python/): writer, fingerprint and validator against the C++ side, and the example outside engine.
 add_test(NAME test_python_package
-         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider python/tests/test_writer.py
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider python/tests/test_writer.py python/tests/test_readme.py
+                 python/tests/test_validate.py
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_python_package PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED "tiny_models;smollm2"
   TIMEOUT 300 ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python")
@@ -11,3 +12,4 @@ add_test(NAME example_numpy_engine
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(example_numpy_engine PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
   ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
+

@@ -8,14 +8,15 @@
         w.step(0)
         w.put("Qcur-3", q)
     diffrun.fingerprint("model.gguf")  # the model_fingerprint of dumps of that model
+    diffrun.validate.validate("mine.h5").problems  # every departure from docs/dump-format.md
 
 Modules that need more than numpy and h5py (plot, torch, adapters) are not imported here; import them directly.
 """
 
 from .dump import FORMAT, FORMAT_VERSION, DatasetInfo, Dump, DumpFormatError, open
-from . import vocabulary, writer
+from . import validate, vocabulary, writer
 from .fingerprint import fingerprint
 from .writer import DumpWriteError, Writer
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "DatasetInfo", "Dump", "DumpFormatError", "DumpWriteError", "Writer",
-           "fingerprint", "open", "vocabulary", "writer"]
+           "fingerprint", "open", "validate", "vocabulary", "writer"]

@@ -230,6 +230,11 @@ class Writer:
             ds.attrs.create(k, v, dtype=_STR)
         self._written[step].append(name)
 
+    @property
+    def current_step(self) -> int | None:
+        """The step put() writes into (None before the first step() or put())."""
+        return self._step
+
     def names(self, step: int) -> list[str]:
         """The names put() wrote into `step` so far, in call order."""
         return list(self._written.get(step, []))
