@@ -1,4 +1,4 @@
-# The Python package (python/): writer, fingerprint and validator against the C++ side, and the example outside engine.
+# The Python package (python/): writer, fingerprint and validator against the C++ side, the example outside engine, and (label torch) the PyTorch hooks and transformers adapter.
 add_test(NAME test_python_package
          COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider python/tests/test_writer.py python/tests/test_readme.py
                  python/tests/test_validate.py
@@ -13,3 +13,9 @@ add_test(NAME example_numpy_engine
 set_tests_properties(example_numpy_engine PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
   ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
 
+# diffrun.torch and diffrun.adapters.transformers (label torch): skips (exit 77) without torch/transformers/gguf.
+add_test(NAME test_python_torch
+         COMMAND ${Python3_EXECUTABLE} python/tests/run_torch_tests.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_python_torch PROPERTIES LABELS "torch;python" FIXTURES_REQUIRED "tiny_models" TIMEOUT 900
+  SKIP_RETURN_CODE 77 ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python")

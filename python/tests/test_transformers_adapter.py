@@ -1,0 +1,75 @@
+"""diffrun.adapters.transformers against diffrun's f64 CPU reference: every checkpoint within the f32_vs_f64 tolerances.
+
+Tiny llama/qwen2/qwen3 fixtures and SmolLM2 (a slice of its first 12 layers: DIFFRUN_SMOLLM2_SLICE, or cut
+here from the fetched model with scripts/slice_gguf.py). Prints the worst rel_l2 per checkpoint kind.
+Needs torch, transformers, gguf (run_torch_tests.py skips without them), DIFFRUN_BIN and DIFFRUN_FIXTURE_DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+import diffrun
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = os.environ.get("DIFFRUN_BIN", "")
+FIXTURES = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", ""))
+SMOL_LAYERS = 12
+
+
+def smollm2_slice(tmp_path_factory) -> Path | None:
+    given = os.environ.get("DIFFRUN_SMOLLM2_SLICE")
+    if given:
+        return Path(given)
+    models = Path(os.environ.get("DIFFRUN_MODELS") or
+                  Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "diffrun" / "models")
+    full = models / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not full.exists():
+        return None
+    out = tmp_path_factory.mktemp("smol") / f"SmolLM2-135M-Instruct.Q4_1.{SMOL_LAYERS}l.gguf"
+    subprocess.run([sys.executable, str(REPO / "scripts/slice_gguf.py"), str(full), str(out), "--layers",
+                    str(SMOL_LAYERS)], check=True, capture_output=True)
+    return out
+
+
+CASES = [("tiny-llama-q8_0.gguf", ["--tokens", "1,5,9,13,200,31"]),
+         ("tiny-qwen2-q8_0.gguf", ["--tokens", "1,5,9,13,200,31"]),
+         ("tiny-qwen3-q8_0.gguf", ["--tokens", "1,5,9,13,200,31"]),
+         ("SmolLM2", ["--prompt", "The capital of France is"])]
+
+
+@pytest.mark.parametrize("model, prompt", CASES, ids=[c[0].split(".")[0] for c in CASES])
+def test_every_checkpoint_within_f32_vs_f64(model, prompt, tmp_path, tmp_path_factory):
+    if not BIN or not FIXTURES.is_dir():
+        pytest.fail("DIFFRUN_BIN and DIFFRUN_FIXTURE_DIR must be set (run through ctest)")
+    path = smollm2_slice(tmp_path_factory) if model == "SmolLM2" else FIXTURES / model
+    if path is None:
+        pytest.skip("SmolLM2 is not fetched (scripts/fetch_models) and DIFFRUN_SMOLLM2_SLICE is unset")
+    ref, out, report = tmp_path / "ref.h5", tmp_path / "hf.h5", tmp_path / "report.json"
+    subprocess.run([BIN, "dump", "--backend", "cpu", "--precision", "f64", "--model", str(path), *prompt,
+                    "--steps", "3", "--out", str(ref)], check=True, capture_output=True)
+    r = subprocess.run([sys.executable, "-m", "diffrun.adapters.transformers", "--model", str(path), "--reference",
+                        str(ref), "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    c = subprocess.run([BIN, "compare", str(out), str(ref), "--no-color", "--report-json", str(report)],
+                       capture_output=True, text=True)
+    result = json.loads(report.read_text())
+    worst: dict[str, float] = defaultdict(float)
+    for cp in result["checkpoints"]:
+        value = (cp.get("metrics") or {}).get("rel_l2")
+        if isinstance(value, (int, float)):
+            worst[cp["base"]] = max(worst[cp["base"]], value)
+    with diffrun.open(ref) as d:
+        n_float = sum(1 for s in d.steps() for n in d.names(s) if n != "tokens")
+    compared = sum(1 for cp in result["checkpoints"] if cp["name"] != "tokens" and cp.get("metrics"))
+    print(f"\n{path.name}: {compared}/{n_float} checkpoints compared; worst rel_l2 by kind:")
+    print("  " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+    assert c.returncode == 0, c.stdout
+    assert compared == n_float
