@@ -88,6 +88,40 @@ const std::vector<FaultInfo> kCatalog = {
      "embd when token_embd is in one of these formats; Q4_1/Q5_1 then use the min as the scale, Q4_0/Q8_0 two "
      "quant bytes (which may decode to Inf/NaN: the nonfinite rule)",
      "embd,attn_norm,Qcur,Kcur,Vcur,Qnorm,Knorm,attn_out,ffn_norm,ffn_gate,ffn_up,ffn_out,result_norm,result_output"},
+    {Fault::rms_norm_off_by_one, "rms_norm_off_by_one",
+     "every RMSNorm's sum of squares stops one element short (misses x[D-1]) and is still divided by D",
+     "attn_norm-0", 0, "all",
+     "subtle: each row's scale grows by about x[D-1]^2 / (2 sum(x^2)), 1/(2D) on average: tiny fixtures' "
+     "attn_norm-0 (D 256) about 2e-3 rel_l2, 100x the f32_vs_f64 bound. Under the f16 presets' 0.02, an f16 engine "
+     "against the f32 reference shows it late or not at all (qwen3's Qnorm over Dh 32 moves 2.5e-2 and shows "
+     "there): it needs a reference of the engine's precision and tighter bounds",
+     "attn_norm,Qnorm,Knorm,ffn_norm,result_norm"},
+    {Fault::rms_eps_outside_sqrt, "rms_eps_outside_sqrt",
+     "every RMSNorm scales by 1 / (sqrt(mean(x^2)) + eps) instead of 1 / sqrt(mean(x^2) + eps)",
+     "attn_norm-0", 0, "all",
+     "subtle: the scale moves by about eps / sqrt(mean(x^2)) - eps / (2 mean(x^2)), largest on rows of small "
+     "mean square (the embeddings). Tiny llama (eps 1e-5): attn_norm-0 7e-5 rel_l2, caught by f32_vs_f64; tiny "
+     "qwen2/qwen3 (eps 1e-6): 7e-6, under it, caught only against a reference of the same precision (f32 vs f32). "
+     "Missed by the f16 presets",
+     "attn_norm,Qnorm,Knorm,ffn_norm,result_norm"},
+    {Fault::rope_cache_unrotated, "rope_cache_unrotated",
+     "the fused RoPE + KV cache write stores each K row as it was before RoPE; Krope and V are right",
+     "cache_k-0", 0, "all",
+     "needs T >= 2 (position 0 rotates by 0, so the first row is right); the attention then reads unrotated "
+     "keys. Isolation must test the fused write itself: a replaced Krope is not written to the cache again",
+     "cache_k"},
+    {Fault::softmax_f16_overflow, "softmax_f16_overflow",
+     "attention weights e = f16(exp(q·k)) without the row max subtracted, raised to 1/sqrt(Dh) and normalised: "
+     "exp overflows f16 once a raw score q·k passes 11.09",
+     "kq_soft_max-0", 0, "all",
+     "needs a raw score q·k above ln(65520) = 11.09 in layer 0's prefill (the tiny fixtures reach 13 to 76; "
+     "trained models far more): that row is Inf / Inf = NaN; other rows differ by f16 rounding only",
+     "kq_soft_max,kqv_out"},
+    {Fault::weight_row_nan, "weight_row_nan",
+     "row 0 of blk.0.attn_q.weight is NaN, as a corrupted or never-written weight row",
+     "Qcur-0", 0, "all",
+     "Qcur-0 holds NaN in feature 0 (head 0, dim 0) of every token; attn_norm-0 before it is finite",
+     "Qcur"},
 };
 
 // The checkpoint first computed from GGUF tensor `name` ("blk.3.attn_q.weight" -> "Qcur-3").

@@ -39,8 +39,13 @@ enum class Fault : int {
   residual_skipped,        // ffn_inp = attn_out: the residual add after attention skipped
   lm_head_padded_vocab,    // logits over a padded vocabulary with uninitialised rows, argmax over them
   dequant_scale_offset,    // legacy block formats: the f16 scale d read 2 bytes into the block
+  rms_norm_off_by_one,     // RMSNorm's sum of squares misses the row's last element (still divided by D)
+  rms_eps_outside_sqrt,    // RMSNorm scale 1 / (sqrt(mean(x^2)) + eps) instead of 1 / sqrt(mean(x^2) + eps)
+  rope_cache_unrotated,    // the fused RoPE + KV cache write stores K before RoPE; Krope itself is right
+  softmax_f16_overflow,    // softmax exponentials in f16 without the max subtracted: Inf, then Inf/Inf = NaN
+  weight_row_nan,          // one row of blk.0.attn_q.weight is NaN (a corrupted or never-written row)
 };
-inline constexpr int kFaultCount = 17;
+inline constexpr int kFaultCount = 22;
 
 struct FaultInfo {
   Fault id;
@@ -102,6 +107,14 @@ inline constexpr double kFaultRopeTheta = 10000.0;
 int fault_padded_vocab(int n_vocab);
 inline constexpr unsigned char kFaultUninitialisedByte = 0x7f;
 inline constexpr float kFaultUninitialisedLogit = 3.39615136e38f;  // the f32 whose bytes are 0x7f7f7f7f
+
+// weight_row_nan: the row of blk.0.attn_q.weight ([H·Dh, D], one row per output feature) set to NaN.
+inline constexpr int kFaultNanWeightRow = 0;
+
+// softmax_f16_overflow: each attention weight is e = f16(exp(q·k)) (the raw score, no max subtracted,
+// rounded to f16: Inf once q·k > ln(65520) = 11.09), then e^(1/sqrt(Dh)) = exp(q·k / sqrt(Dh)) and
+// normalised by the row's sum. Where nothing overflows this is the softmax up to f16 rounding; a row
+// with an overflow becomes Inf / Inf = NaN there and 0 elsewhere.
 
 // dequant_scale_offset: whether a format is one of the legacy block formats it corrupts (Q4_0,
 // Q4_1, Q5_0, Q5_1, Q8_0: an f16 scale d at byte 0 of each block), and the raw tensor bytes as the

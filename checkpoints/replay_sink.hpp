@@ -17,6 +17,8 @@ namespace diffrun {
 // the backend's op applied to the reference's inputs: its error against the reference is local.
 //
 // Decisions:
+// - Backends replace what an op reads and never recompute a replaced tensor by another code path:
+//   the op under test, fused or not, is what a local error measures (DESIGN.md, isolation).
 // - A checkpoint the reference dump lacks (filtered out) is not replaced: the backend continues
 //   from its own values there.
 // - replacement() returns null when the backend already recorded this checkpoint with another

@@ -22,10 +22,15 @@
 // - Fused ops, each writing every checkpoint tensor of the twins it combines (so hooks stay copies
 //   only): matmul_cat (Wq|Wk|Wv and Wgate|Wup concatenated at load, one GEMV per group when T = 1),
 //   rope_qk (q and k in one launch, with the KV cache write) and add_rms_norm (ffn_inp + ffn_norm;
-//   l_out + the next layer's attn_norm or result_norm). When isolation replay replaces the first
-//   output of add_rms_norm (or Krope), the norm (or the cache write) is computed again from the
-//   replaced values. Decode T = 1 projections run our GEMV kernel,
-//   prefill the cuBLAS GEMM (bench/NOTES.md has the figures).
+//   l_out + the next layer's attn_norm or result_norm). Decode T = 1 projections run our GEMV
+//   kernel, prefill the cuBLAS GEMM (bench/NOTES.md has the figures).
+// - Isolation replay replaces the inputs an op reads, never recomputes an output by another code
+//   path: a fused op runs on replaced inputs (rope_qk on the reference's Kcur and Vcur, add_rms_norm
+//   on its attn_out and residual), each of its outputs is recorded as the op computed it, then
+//   replaced. So a replaced Krope is not written to the cache again (the cache_k checkpoint replaces
+//   the cache), and a replaced ffn_inp or l_out is not normed again (ffn_norm and attn_norm replace
+//   the norm). Where the reference dump lacks the second output, the next op reads the fused op's
+//   own, computed from the reference's inputs.
 // - Steps of up to kAttentionSplitMaxT tokens (decode) run attention_split, which spreads each head's
 //   keys over enough blocks to fill the GPU and always writes the probabilities into attn_probs_
 //   (its scores live there), so kq_soft_max costs only its copy; longer steps run attention, which
@@ -59,7 +64,6 @@
 #include "engine/ops/argmax.cuh"
 #include "engine/ops/attention.cuh"
 #include "engine/ops/embedding.cuh"
-#include "engine/ops/kv_store.cuh"
 #include "engine/ops/matmul.cuh"
 #include "engine/ops/rms_norm.cuh"
 #include "engine/ops/rope_qk.cuh"
@@ -269,7 +273,7 @@ class CudaEngineImpl final : public CudaEngine {
     else
       embedding(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_);
     cp(sink, step, "embd", -1, a.x.get(), {n, D});
-    rms_norm(a.xn.get(), a.x.get(), norm_opening(0), n, D, eps(), stream_);  // layer 0's attn_norm
+    norm(a.xn.get(), a.x.get(), norm_opening(0), n, D);  // layer 0's attn_norm
     for (int l = 0; l < cfg_.n_layer; ++l) layer(step, l, n, sink);
     set_op_context(step, -1);
 
@@ -317,15 +321,18 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
     cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
     if (cfg_.qk_norm) {
-      rms_norm(a.q.get(), a.q.get(), norm_w(w.q_norm), n * H, Dh, eps(), stream_);   cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
-      rms_norm(a.k.get(), a.k.get(), norm_w(w.k_norm), n * Hkv, Dh, eps(), stream_); cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
+      norm(a.q.get(), a.q.get(), norm_w(w.q_norm), n * H, Dh);   cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
+      norm(a.k.get(), a.k.get(), norm_w(w.k_norm), n * Hkv, Dh); cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
     }
     const int32_t* write_pos = faults_.has(Fault::kv_cache_pos0) ? d_zero_.get() : n_past;  // kv_cache_pos0: row 0
-    rope_qk(a.q.get(), a.k.get(), cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, n_past, write_pos,
-            theta, neox, stream_);
+    if (faults_.has(Fault::rope_cache_unrotated))
+      rope_qk_cache_unrotated(a.q.get(), a.k.get(), cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh,
+                              n_past, write_pos, theta, neox, stream_);
+    else
+      rope_qk(a.q.get(), a.k.get(), cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, n_past, write_pos,
+              theta, neox, stream_);
     cp(sink, step, "Qrope", l, a.q.get(), {n, H, Dh});
-    if (cp(sink, step, "Krope", l, a.k.get(), {n, Hkv, Dh}))  // replaced: the cache rows again, of the new values
-      kv_store(cache_k, cache_v, a.k.get(), a.v.get(), n, write_pos, KV, stream_);
+    cp(sink, step, "Krope", l, a.k.get(), {n, Hkv, Dh});  // replaced: the cache keeps rope_qk's rows (see the top)
     cp(sink, step, "cache_k", l, cache_k, {S, Hkv, Dh});
     cp(sink, step, "cache_v", l, cache_v, {S, Hkv, Dh});
 
@@ -359,12 +366,11 @@ class CudaEngineImpl final : public CudaEngine {
     if (faults_.has(Fault::residual_skipped)) {  // ffn_inp = attn_out: the residual add skipped
       CUDA_CHECK(cudaMemcpyAsync(a.ffn_inp.get(), a.attn_out.get(), size_t(n) * D * sizeof(float),
                                  cudaMemcpyDeviceToDevice, stream_));
-      rms_norm(a.xn.get(), a.ffn_inp.get(), norm_w(w.ffn_norm), n, D, eps(), stream_);
+      norm(a.xn.get(), a.ffn_inp.get(), norm_w(w.ffn_norm), n, D);
     } else {
-      add_rms_norm(a.ffn_inp.get(), a.xn.get(), a.x.get(), a.attn_out.get(), norm_w(w.ffn_norm), n, D, eps(), stream_);
+      add_norm(a.ffn_inp.get(), a.xn.get(), a.x.get(), a.attn_out.get(), norm_w(w.ffn_norm), n, D);
     }
-    if (cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D}))  // replaced: the norm again, of the new values
-      rms_norm(a.xn.get(), a.ffn_inp.get(), norm_w(w.ffn_norm), n, D, eps(), stream_);
+    cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D});
     cp(sink, step, "ffn_norm", l, a.xn.get(), {n, D});
 
     matmul_cat({{a.gate.get(), nullptr, F}, {a.up.get(), nullptr, F}}, a.xn.get(), w.w_gate, n, D, cublas_, stream_);
@@ -379,15 +385,31 @@ class CudaEngineImpl final : public CudaEngine {
       matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_);
     cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});
     // l_out, and the norm that opens the next layer (attn_norm, or result_norm after the last).
-    add_rms_norm(a.x.get(), a.xn.get(), a.ffn_inp.get(), a.ffn_out.get(), norm_opening(l + 1), n, D, eps(), stream_);
-    if (cp(sink, step, "l_out", l, a.x.get(), {n, D}))  // replaced: the norm again, of the new values
-      rms_norm(a.xn.get(), a.x.get(), norm_opening(l + 1), n, D, eps(), stream_);
+    add_norm(a.x.get(), a.xn.get(), a.ffn_inp.get(), a.ffn_out.get(), norm_opening(l + 1), n, D);
+    cp(sink, step, "l_out", l, a.x.get(), {n, D});
   }
 
   // Whether a step of n tokens runs attention_split (else attention or its flawed variant).
   bool split_attention(int n) const { return n <= kAttentionSplitMaxT && !attention_flaws_.any(); }
 
   float eps() const { return static_cast<float>(faults_.has(Fault::rms_eps_1e5) ? kFaultRmsEps : cfg_.rms_eps); }
+
+  // rms_norm, or its flawed variant under the RMSNorm faults; out [rows, D] f32 or W, x [rows, D], w [D].
+  template <typename Out>
+  void norm(Out* out, const float* x, const float* w, int rows, int D) {
+    if (rms_norm_flaws_.any())
+      rms_norm_flawed(out, x, w, rows, D, eps(), rms_norm_flaws_, stream_);
+    else
+      rms_norm(out, x, w, rows, D, eps(), stream_);
+  }
+
+  // add_rms_norm (sum = a + b, out = its norm), or its flawed variant under the RMSNorm faults.
+  void add_norm(float* sum, W* out, const float* a, const float* b, const float* w, int rows, int D) {
+    if (rms_norm_flaws_.any())
+      add_rms_norm_flawed(sum, out, a, b, w, rows, D, eps(), rms_norm_flaws_, stream_);
+    else
+      add_rms_norm(sum, out, a, b, w, rows, D, eps(), stream_);
+  }
 
   // The RMSNorm weight applied to the residual stream before layer l: its attn_norm, or output_norm
   // (result_norm) for l = n_layer.
@@ -406,12 +428,20 @@ class CudaEngineImpl final : public CudaEngine {
     return faults_.has(Fault::lm_head_padded_vocab) ? fault_padded_vocab(cfg_.n_vocab) : cfg_.n_vocab;
   }
 
-  // What the injected faults need before any step: the zero position, flawed attention, squared norm weights.
+  // What the injected faults need before any step: the zero position, flawed attention and RMSNorm,
+  // squared norm weights, a NaN weight row.
   void prepare_faults() {
     CUDA_CHECK(cudaMemsetAsync(d_zero_.get(), 0, sizeof(int32_t), stream_));
     attention_flaws_.no_causal_mask = faults_.has(Fault::causal_mask_missing);
     attention_flaws_.no_scale = faults_.has(Fault::attn_scale_missing);
     attention_flaws_.head_modulo = faults_.has(Fault::gqa_head_modulo);
+    attention_flaws_.f16_exp = faults_.has(Fault::softmax_f16_overflow);
+    rms_norm_flaws_.off_by_one = faults_.has(Fault::rms_norm_off_by_one);
+    rms_norm_flaws_.eps_outside_sqrt = faults_.has(Fault::rms_eps_outside_sqrt);
+    if (faults_.has(Fault::weight_row_nan)) {  // the weights are ours once uploaded: one row of layer 0's W_q
+      W* wq = const_cast<W*>(weights_.layers.at(0).wq);
+      fill_nan(wq + size_t(kFaultNanWeightRow) * cfg_.n_embd, cfg_.n_embd, stream_);
+    }
     if (faults_.has(Fault::rms_norm_weight_twice)) {
       auto twice = [&](const float* w, int64_t n) {
         if (w == nullptr || squared_norms_.count(w)) return;
@@ -526,6 +556,7 @@ class CudaEngineImpl final : public CudaEngine {
   int max_ctx_;
   FaultSet faults_;
   AttentionFlaws attention_flaws_;
+  RmsNormFlaws rms_norm_flaws_;
   std::map<const float*, DeviceBuffer<float>> squared_norms_;  // norm weight -> its square, rms_norm_weight_twice only
   DeviceBuffer<int32_t> d_zero_{1, "step state"};              // [1] position 0 (kv_cache_pos0, kv_cache_not_read)
   Stream stream_;

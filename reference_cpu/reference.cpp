@@ -4,6 +4,7 @@
 #include "reference_cpu/reference.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -87,7 +88,7 @@ class CpuBackend final : public Backend {
     for (int l = 0; l < cfg_.n_layer; ++l) layer(l, x, n, cp);
 
     std::vector<T> xn(x.size());                   // [T,D]
-    rms_norm(xn.data(), x.data(), w_.output_norm.data(), n, D, eps());            cp("result_norm", -1, {n, D}, xn.data());
+    norm(xn.data(), x.data(), w_.output_norm.data(), n, D);                        cp("result_norm", -1, {n, D}, xn.data());
     const int rows = cp.wants("result_output") ? n : 1;  // every token's logits only when recorded
     const T* last_rows = xn.data() + static_cast<size_t>(n - rows) * D;  // [rows,D]
     // lm_head_padded_vocab: rows of Vp logits whose columns V..Vp-1 the lm head never writes.
@@ -113,7 +114,6 @@ class CpuBackend final : public Backend {
     const LayerWeights<T>& w = w_.layers[l];
     const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, F = cfg_.n_ff;
     const int Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n, pos0 = n_past_;
-    const T eps = this->eps();
     const T theta = T(faults_.has(Fault::rope_theta_10000) ? kFaultRopeTheta : cfg_.rope_theta);
     const bool neox = (cfg_.rope_type == RopeType::neox) != faults_.has(Fault::rope_pairing_swapped);
     const auto rope = neox ? rope_neox<T> : rope_norm<T>;
@@ -123,7 +123,7 @@ class CpuBackend final : public Backend {
     T* cache_v = cache_.v[l].data();  // [C,Hkv*Dh]
 
     std::vector<T> xn(nD);                                 // [T,D]
-    rms_norm(xn.data(), x.data(), w.attn_norm.data(), n, D, eps);                 cp("attn_norm", l, {n, D}, xn.data());
+    norm(xn.data(), x.data(), w.attn_norm.data(), n, D);                          cp("attn_norm", l, {n, D}, xn.data());
 
     std::vector<T> q(static_cast<size_t>(n) * Q);          // [T,H*Dh]
     std::vector<T> k(static_cast<size_t>(n) * KV);         // [T,Hkv*Dh]
@@ -132,14 +132,17 @@ class CpuBackend final : public Backend {
     matmul(k.data(), xn.data(), w.wk.data(), bias ? bias_or_null(w.bk) : kNoBias, n, D, KV); cp("Kcur", l, {n, Hkv, Dh}, k.data());
     matmul(v.data(), xn.data(), w.wv.data(), bias ? bias_or_null(w.bv) : kNoBias, n, D, KV); cp("Vcur", l, {n, Hkv, Dh}, v.data());
     if (cfg_.qk_norm) {
-      rms_norm(q.data(), q.data(), w.q_norm.data(), n * H, Dh, eps);              cp("Qnorm", l, {n, H, Dh}, q.data());
-      rms_norm(k.data(), k.data(), w.k_norm.data(), n * Hkv, Dh, eps);            cp("Knorm", l, {n, Hkv, Dh}, k.data());
+      norm(q.data(), q.data(), w.q_norm.data(), n * H, Dh);                       cp("Qnorm", l, {n, H, Dh}, q.data());
+      norm(k.data(), k.data(), w.k_norm.data(), n * Hkv, Dh);                     cp("Knorm", l, {n, Hkv, Dh}, k.data());
     }
+    // rope_cache_unrotated: the cache write stores K as it was before RoPE.
+    const std::vector<T> k_before_rope = faults_.has(Fault::rope_cache_unrotated) ? k : std::vector<T>();  // [T,Hkv*Dh]
     rope(q.data(), q.data(), n, H, Dh, pos0, theta);                              cp("Qrope", l, {n, H, Dh}, q.data());
     rope(k.data(), k.data(), n, Hkv, Dh, pos0, theta);                            cp("Krope", l, {n, Hkv, Dh}, k.data());
 
     const int write_pos = faults_.has(Fault::kv_cache_pos0) ? 0 : pos0;  // kv_cache_pos0: row 0 every step
-    std::copy(k.begin(), k.end(), cache_k + static_cast<size_t>(write_pos) * KV); cp("cache_k", l, {S, Hkv, Dh}, cache_k);
+    const std::vector<T>& k_row = k_before_rope.empty() ? k : k_before_rope;  // [T,Hkv*Dh] what the cache gets
+    std::copy(k_row.begin(), k_row.end(), cache_k + static_cast<size_t>(write_pos) * KV); cp("cache_k", l, {S, Hkv, Dh}, cache_k);
     std::copy(v.begin(), v.end(), cache_v + static_cast<size_t>(write_pos) * KV); cp("cache_v", l, {S, Hkv, Dh}, cache_v);
 
     // kv_cache_not_read: attention over the step's own K/V, as if nothing had been cached.
@@ -167,7 +170,7 @@ class CpuBackend final : public Backend {
       add(ffn_inp.data(), x.data(), attn_out.data(), static_cast<int64_t>(nD));
     }
     cp("ffn_inp", l, {n, D}, ffn_inp.data());
-    rms_norm(xn.data(), ffn_inp.data(), w.ffn_norm.data(), n, D, eps);            cp("ffn_norm", l, {n, D}, xn.data());
+    norm(xn.data(), ffn_inp.data(), w.ffn_norm.data(), n, D);                     cp("ffn_norm", l, {n, D}, xn.data());
 
     std::vector<T> gate(static_cast<size_t>(n) * F);       // [T,F]
     std::vector<T> up(static_cast<size_t>(n) * F);         // [T,F]
@@ -185,11 +188,24 @@ class CpuBackend final : public Backend {
 
   T eps() const { return T(faults_.has(Fault::rms_eps_1e5) ? kFaultRmsEps : cfg_.rms_eps); }
 
-  // What the injected faults change before any step: flawed weight views, squared norm weights.
+  // RMSNorm of R rows of width D with the model's epsilon; its flawed variant under the RMSNorm faults.
+  void norm(T* out /* [R,D] */, const T* x /* [R,D] */, const T* w /* [D] */, int n_rows, int D) const {
+    if (rms_norm_flaws_.any())
+      rms_norm_flawed(out, x, w, n_rows, D, eps(), rms_norm_flaws_);
+    else
+      rms_norm(out, x, w, n_rows, D, eps());
+  }
+
+  // What the injected faults change before any step: flawed weight views, squared norm weights, a NaN row.
   void prepare_faults() {
     attention_flaws_.no_causal_mask = faults_.has(Fault::causal_mask_missing);
     attention_flaws_.no_scale = faults_.has(Fault::attn_scale_missing);
     attention_flaws_.head_modulo = faults_.has(Fault::gqa_head_modulo);
+    attention_flaws_.f16_exp = faults_.has(Fault::softmax_f16_overflow);
+    rms_norm_flaws_.off_by_one = faults_.has(Fault::rms_norm_off_by_one);
+    rms_norm_flaws_.eps_outside_sqrt = faults_.has(Fault::rms_eps_outside_sqrt);
+    if (faults_.has(Fault::weight_row_nan))
+      w_.layers.at(0).wq.row(kFaultNanWeightRow).setConstant(std::numeric_limits<T>::quiet_NaN());
     for (const LayerWeights<T>& w : w_.layers) {
       if (faults_.has(Fault::attn_out_transposed)) wo_flawed_.push_back(wrong_leading_dimension(w.wo));
       if (faults_.has(Fault::ffn_down_transposed)) w_down_flawed_.push_back(wrong_leading_dimension(w.w_down));
@@ -214,6 +230,7 @@ class CpuBackend final : public Backend {
   KvCache<T> cache_;
   FaultSet faults_;
   AttentionFlaws attention_flaws_;
+  RmsNormFlaws rms_norm_flaws_;
   std::vector<Matrix<T>> wo_flawed_;      // [n_layer] W_o read with the wrong leading dimension, attn_out_transposed only
   std::vector<Matrix<T>> w_down_flawed_;  // [n_layer] W_down likewise, ffn_down_transposed only
   int n_past_ = 0;

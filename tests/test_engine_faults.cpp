@@ -4,9 +4,14 @@
 // (preset f16_vs_f32), on the tiny llama/qwen2/qwen3 f32 fixtures, a Q8_0 fixture for
 // dequant_scale_offset, and the SmolLM2 slice when DIFFRUN_SMOLLM2_SLICE names it. Each applicable
 // fault must diverge first at its catalog checkpoint and step with the verdict "local", and in
-// isolation replay its local error must be at least 100x the largest local error of the clean f16
-// run. rms_eps_1e5 is the subtle one: an f16 engine's error hides it (the catalog says so), so the
-// f16 checks skip it and the f32 ones keep it.
+// isolation replay its local error must be at least 100x the largest local error of the clean
+// run (for a fault that makes NaN/Inf: non-finite values in isolation too). The subtle RMSNorm
+// faults (rms_eps_1e5, rms_norm_off_by_one, rms_eps_outside_sqrt) move attn_norm-0 by 1e-4 to 3e-3,
+// under the f16 presets' bounds (the catalog says so): the f16 checks print them but assert nothing
+// until a reference of the engine's precision with tighter bounds exists; the f32 ones keep them,
+// except rms_eps_outside_sqrt on models with rms_eps 1e-6 (7e-6 on the tiny qwen2/qwen3: under
+// f32_vs_f64 too). rope_cache_unrotated is the fused-write check of isolation: its cache_k-0 must
+// be local in isolation as in the plain run.
 //
 // Printed figures (for the project notes): one line per fault and configuration ("fault-table"),
 // and the smallest scale error 1+eps of one weight row that the default f16_vs_f32 preset catches
@@ -165,34 +170,43 @@ void check_model(const std::string& path, const std::string& label, std::vector<
     for (const FaultInfo& info : fault_catalog()) {
       if (!only.empty() && std::find(only.begin(), only.end(), info.id) == only.end()) continue;
       if (!fault_not_applicable(info.id, m.cfg, m.file.get()).empty()) continue;
-      const bool subtle = info.id == Fault::rms_eps_1e5 && std::string(p.engine) == "f16";
+      const bool rms_subtle = info.id == Fault::rms_eps_1e5 || info.id == Fault::rms_norm_off_by_one ||
+                              info.id == Fault::rms_eps_outside_sqrt;
+      const bool subtle = (rms_subtle && std::string(p.engine) == "f16") ||
+                          (info.id == Fault::rms_eps_outside_sqrt && m.cfg.rms_eps < 5e-6);
       SCOPED_TRACE(info.name);
       const std::string expected = expected_checkpoint(info.id, m.cfg, m.file.get());
       const std::string name = label + "-" + info.name + "-" + p.engine;
       const Dump faulty = engine_dump(m, p.engine, FaultSet{info.id}, ref.argmax, name);
       diff::Comparison c = compare(faulty.path, ref.path, p.preset);
       const Dump iso = engine_dump(m, p.engine, FaultSet{info.id}, ref.argmax, name + "-iso", &ref_reader);
-      diff::add_isolation(c, compare(iso.path, ref.path, p.preset));
+      const diff::Comparison ci = compare(iso.path, ref.path, p.preset);
+      diff::add_isolation(c, ci);
 
       std::string local = "-";
       double local_err = 0;
-      bool local_shape = false;
+      bool local_shape = false, local_nonfinite = false;
       if (c.first_failure && c.results[*c.first_failure].local) {
-        const diff::LocalError& l = *c.results[*c.first_failure].local;
+        const diff::CheckpointResult& f = c.results[*c.first_failure];
+        const diff::LocalError& l = *f.local;
         local_shape = l.status == diff::CheckpointStatus::shape_mismatch;
         local_err = l.rel_l2;
-        local = local_shape ? "shape" : std::to_string(l.rel_l2);
+        for (const auto& r : ci.results)
+          if (r.step == f.step && r.name == f.name && r.metrics) local_nonfinite = r.metrics->nonfinite_mismatch > 0;
+        local = local_shape ? "shape" : std::to_string(l.rel_l2) + (local_nonfinite ? " non-finite" : "");
       }
       std::printf("fault-table %-12s %-4s %-24s expected %s@%d found %s verdict %s (%s) local %s\n", label.c_str(),
                   p.engine, info.name, expected.c_str(), info.step, first_of(c).c_str(),
                   diff::verdict_kind_name(c.verdict.kind), c.verdict.rule.c_str(), local.c_str());
-      if (subtle) continue;  // an f16 engine's own error hides it: the catalog says so
+      if (subtle) continue;  // the engine's own error hides it: the catalog says so
       ASSERT_TRUE(c.diverged()) << "the fault went unnoticed";
       const diff::CheckpointResult& f = c.results[*c.first_failure];
       EXPECT_EQ(f.name, expected);
       EXPECT_EQ(f.step, info.step);
       EXPECT_EQ(c.verdict.kind, diff::VerdictKind::local) << c.verdict.rule << ": " << c.verdict.explanation;
-      if (!local_shape) {
+      ASSERT_TRUE(f.local.has_value());
+      EXPECT_TRUE(f.local->failed()) << "local rel_l2 " << f.local->rel_l2;
+      if (!local_shape && !local_nonfinite) {
         EXPECT_GE(local_err, 100 * clean_local) << "local error against the clean run's largest local error";
       }
     }

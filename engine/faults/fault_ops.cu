@@ -1,6 +1,7 @@
-// Flawed variants of engine ops for fault injection: transposed embedding read, flawed attention, wrong-lda GEMM.
-// The attention kernel is the clean one-block-per-head attention (engine/ops/attention.cu) with the
-// flaws as its only changes; the engine runs it at every T when an attention fault is injected.
+// Flawed variants of engine ops for fault injection: transposed embedding read, flawed attention, RMSNorm and
+// RoPE + cache write, wrong-lda GEMM, NaN fill. Each flawed kernel is its clean kernel (engine/ops/) with
+// the flaws as its only changes; the engine runs the attention one at every T when an attention fault
+// is injected.
 #include "engine/faults/fault_ops.cuh"
 
 #include <string>
@@ -30,7 +31,8 @@ static __global__ void embedding_transposed_kernel(float* out, const int32_t* to
 template <typename Out>
 static __global__ void __launch_bounds__(kWarps * 32)
 attention_flawed_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                        const int32_t* n_past, int H, int Hkv, int Dh, float scale, bool causal, bool head_modulo) {
+                        const int32_t* n_past, int H, int Hkv, int Dh, float scale, bool causal, bool head_modulo,
+                        bool f16_exp) {
   pdl_wait();
   pdl_trigger();
   const int t = blockIdx.x;
@@ -49,7 +51,7 @@ attention_flawed_kernel(Out* out, float* probs, const float* q, const float* k_c
     const int d = lane + 32 * j;
     qr[j] = d < Dh ? qh[d] : 0.0f;
   }
-  auto score = [&](int s) {
+  auto dot = [&](int s) {  // q·k, every lane
     const float* kr = k_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
     float acc = 0.0f;
 #pragma unroll
@@ -57,7 +59,13 @@ attention_flawed_kernel(Out* out, float* probs, const float* q, const float* k_c
       const int d = lane + 32 * j;
       if (d < Dh) acc += qr[j] * kr[d];
     }
-    return warp_sum(acc) * scale;
+    return warp_sum(acc);
+  };
+  auto score = [&](int s) { return dot(s) * scale; };
+  // The unnormalised weight of key s: exp(score - max); f16_exp: f16(exp(q·k))^scale, no max (m unused).
+  auto weight = [&](int s, float m) {
+    if (!f16_exp) return expf(score(s) - m);
+    return powf(__half2float(__float2half_rn(expf(dot(s)))), scale);
   };
 
   __shared__ float red[kWarps];
@@ -73,7 +81,7 @@ attention_flawed_kernel(Out* out, float* probs, const float* q, const float* k_c
 #pragma unroll
   for (int j = 0; j < kMaxDhPerLane; ++j) acc[j] = 0.0f;
   for (int s = warp; s < n_keys; s += kWarps) {
-    const float p = expf(score(s) - m);
+    const float p = weight(s, m);
     sum += p;
     const float* vr = v_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
 #pragma unroll
@@ -100,10 +108,89 @@ attention_flawed_kernel(Out* out, float* probs, const float* q, const float* k_c
   if (probs != nullptr) {
     float* prow = probs + (static_cast<int64_t>(h) * T + t) * S;
     for (int s = warp; s < S; s += kWarps) {
-      const float p = s < n_keys ? expf(score(s) - m) / total : 0.0f;
+      const float p = s < n_keys ? weight(s, m) / total : 0.0f;
       if (lane == 0) prow[s] = p;
     }
   }
+}
+
+// rms_norm_kernel (b null: out = norm(a)) or add_rms_norm_kernel (sum = a + b, out = norm(sum)) with flaws.
+template <typename Out>
+static __global__ void rms_norm_flawed_kernel(float* sum, Out* out, const float* a, const float* b, const float* w,
+                                              int D, float eps, bool off_by_one, bool eps_outside_sqrt) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t row = blockIdx.x;
+  const float* xr = b == nullptr ? a + row * D : sum + row * D;
+  const int summed = off_by_one ? D - 1 : D;  // rms_norm_off_by_one: the loop bound one short
+  float ss = 0.0f;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float x;
+    if (b == nullptr) {
+      x = xr[d];
+    } else {
+      x = a[row * D + d] + b[row * D + d];
+      sum[row * D + d] = x;
+    }
+    if (d < summed) ss += x * x;
+  }
+  ss = warp_sum(ss);
+  __shared__ float partial[kOpThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) partial[warp] = ss;
+  __syncthreads();
+  float total = 0.0f;
+  for (int i = 0; i < static_cast<int>(blockDim.x / 32); ++i) total += partial[i];
+  const float mean = total / static_cast<float>(D);
+  const float scale = eps_outside_sqrt ? 1.0f / (sqrtf(mean) + eps) : 1.0f / sqrtf(mean + eps);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) store_act(out, row * D + d, xr[d] * scale * w[d]);
+}
+
+// rope_qk_kernel with the cache write of K taking the pair as read instead of as rotated.
+template <bool kNeox>
+static __global__ void rope_qk_cache_unrotated_kernel(float* q_out, float* k_out, float* k_cache, float* v_cache,
+                                                      const float* q, const float* k, const float* v, int T, int H,
+                                                      int Hkv, int Dh, const int32_t* pos0, const int32_t* write_pos,
+                                                      float theta) {
+  pdl_wait();
+  pdl_trigger();
+  const int half = Dh / 2;
+  const int64_t q_pairs = static_cast<int64_t>(T) * H * half;
+  const int64_t total = q_pairs + static_cast<int64_t>(T) * Hkv * half;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const bool is_q = idx < q_pairs;
+    const int64_t j = is_q ? idx : idx - q_pairs;
+    const int n_head = is_q ? H : Hkv;
+    const float* x = is_q ? q : k;
+    float* out = is_q ? q_out : k_out;
+    const int i = static_cast<int>(j % half);
+    const int64_t head_row = j / half;  // t · n_head + h
+    const int t = static_cast<int>(head_row / n_head);
+    const float inv_freq = powf(theta, -2.0f * static_cast<float>(i) / static_cast<float>(Dh));
+    const float angle = static_cast<float>(*pos0 + t) * inv_freq;
+    float s, c;
+    sincosf(angle, &s, &c);
+    const int64_t i0 = head_row * Dh + (kNeox ? i : 2 * i);
+    const int64_t i1 = kNeox ? i0 + half : i0 + 1;
+    const float x0 = x[i0];
+    const float x1 = x[i1];
+    out[i0] = x0 * c - x1 * s;
+    out[i1] = x0 * s + x1 * c;
+    if (!is_q) {
+      const int64_t row0 = static_cast<int64_t>(*write_pos) * Hkv * Dh;
+      k_cache[row0 + i0] = x0;  // the flaw: the pair before rotation
+      k_cache[row0 + i1] = x1;
+      v_cache[row0 + i0] = v[i0];
+      v_cache[row0 + i1] = v[i1];
+    }
+  }
+}
+
+template <typename W>
+static __global__ void fill_nan_kernel(W* p, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = static_cast<W>(NAN);
 }
 
 static __global__ void square_kernel(float* out, const float* w, int64_t n) {
@@ -129,8 +216,22 @@ void launch_attention(Out* out, float* probs, const float* q, const float* k_cac
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H));
   const float scale = flaws.no_scale ? 1.0f : 1.0f / sqrtf(static_cast<float>(Dh));
   launch_pdl(attention_flawed_kernel<Out>, grid, kWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past, H,
-             Hkv, Dh, scale, !flaws.no_causal_mask, flaws.head_modulo);
+             Hkv, Dh, scale, !flaws.no_causal_mask, flaws.head_modulo, flaws.f16_exp);
   check_launch("attention_flawed", stream);
+}
+
+template <typename Out>
+void launch_rms_norm(float* sum, Out* out, const float* a, const float* b, const float* w, int rows, int D, float eps,
+                     RmsNormFlaws flaws, cudaStream_t stream) {
+  launch_pdl(rms_norm_flawed_kernel<Out>, rows, kOpThreads, 0, stream, sum, out, a, b, w, D, eps, flaws.off_by_one,
+             flaws.eps_outside_sqrt);
+  check_launch("rms_norm_flawed", stream);
+}
+
+template <typename W>
+void launch_fill_nan(W* p, int64_t n, cudaStream_t stream) {
+  fill_nan_kernel<W><<<op_grid(n), kOpThreads, 0, stream>>>(p, n);
+  check_launch("fill_nan", stream);
 }
 
 void gemm_wrong_lda_ex(float* y, const void* x, const void* w, cudaDataType_t in_type, int T, int K, int N,
@@ -176,6 +277,43 @@ void gemm_wrong_lda(float* y, const __half* x, const __half* w, int T, int K, in
                     cudaStream_t stream) {
   gemm_wrong_lda_ex(y, x, w, CUDA_R_16F, T, K, N, handle, stream);
 }
+
+void rms_norm_flawed(float* out, const float* x, const float* w, int rows, int D, float eps, RmsNormFlaws flaws,
+                     cudaStream_t stream) {
+  launch_rms_norm(nullptr, out, x, nullptr, w, rows, D, eps, flaws, stream);
+}
+
+void rms_norm_flawed(__half* out, const float* x, const float* w, int rows, int D, float eps, RmsNormFlaws flaws,
+                     cudaStream_t stream) {
+  launch_rms_norm(nullptr, out, x, nullptr, w, rows, D, eps, flaws, stream);
+}
+
+void add_rms_norm_flawed(float* sum, float* out, const float* a, const float* b, const float* w, int rows, int D,
+                         float eps, RmsNormFlaws flaws, cudaStream_t stream) {
+  launch_rms_norm(sum, out, a, b, w, rows, D, eps, flaws, stream);
+}
+
+void add_rms_norm_flawed(float* sum, __half* out, const float* a, const float* b, const float* w, int rows, int D,
+                         float eps, RmsNormFlaws flaws, cudaStream_t stream) {
+  launch_rms_norm(sum, out, a, b, w, rows, D, eps, flaws, stream);
+}
+
+void rope_qk_cache_unrotated(float* q_out, float* k_out, float* k_cache, float* v_cache, const float* q,
+                             const float* k, const float* v, int T, int H, int Hkv, int Dh, const int32_t* pos0,
+                             const int32_t* write_pos, float theta, bool neox, cudaStream_t stream) {
+  const int64_t total = static_cast<int64_t>(T) * (H + Hkv) * (Dh / 2);
+  if (neox)
+    launch_pdl(rope_qk_cache_unrotated_kernel<true>, op_grid(total), kOpThreads, 0, stream, q_out, k_out, k_cache,
+               v_cache, q, k, v, T, H, Hkv, Dh, pos0, write_pos, theta);
+  else
+    launch_pdl(rope_qk_cache_unrotated_kernel<false>, op_grid(total), kOpThreads, 0, stream, q_out, k_out, k_cache,
+               v_cache, q, k, v, T, H, Hkv, Dh, pos0, write_pos, theta);
+  check_launch("rope_qk_cache_unrotated", stream);
+}
+
+void fill_nan(float* p, int64_t n, cudaStream_t stream) { launch_fill_nan(p, n, stream); }
+
+void fill_nan(__half* p, int64_t n, cudaStream_t stream) { launch_fill_nan(p, n, stream); }
 
 void square(float* out, const float* w, int64_t n, cudaStream_t stream) {
   square_kernel<<<op_grid(n), kOpThreads, 0, stream>>>(out, w, n);

@@ -23,7 +23,8 @@ struct AttentionFlaws {
   bool no_causal_mask = false;  // every query attends to all S positions
   bool no_scale = false;        // scores without 1/sqrt(Dh)
   bool head_modulo = false;     // query head h reads KV head h % Hkv
-  bool any() const { return no_causal_mask || no_scale || head_modulo; }
+  bool f16_exp = false;         // softmax_f16_overflow: weights f16(exp(q·k))^scale, no max subtracted
+  bool any() const { return no_causal_mask || no_scale || head_modulo || f16_exp; }
 };
 
 // The clean attention (ops/attention.cuh: same arguments, same arithmetic) with the given flaws.
@@ -40,6 +41,35 @@ void gemm_wrong_lda(float* y, const float* x, const float* w, int T, int K, int 
                     cudaStream_t stream);
 void gemm_wrong_lda(float* y, const __half* x, const __half* w, int T, int K, int N, const CublasHandle& handle,
                     cudaStream_t stream);
+
+// What the flawed RMSNorm gets wrong (either or both).
+struct RmsNormFlaws {
+  bool off_by_one = false;        // rms_norm_off_by_one: the sum of squares misses x[D-1]
+  bool eps_outside_sqrt = false;  // rms_eps_outside_sqrt: 1 / (sqrt(mean) + eps)
+  bool any() const { return off_by_one || eps_outside_sqrt; }
+};
+
+// The clean rms_norm (ops/rms_norm.cuh: same arguments, same reduction) with the given flaws.
+void rms_norm_flawed(float* out, const float* x, const float* w, int rows, int D, float eps, RmsNormFlaws flaws,
+                     cudaStream_t stream);
+void rms_norm_flawed(__half* out, const float* x, const float* w, int rows, int D, float eps, RmsNormFlaws flaws,
+                     cudaStream_t stream);
+
+// The clean add_rms_norm (ops/add_rms_norm.cuh) with the given flaws in its norm; the sum is right.
+void add_rms_norm_flawed(float* sum, float* out, const float* a, const float* b, const float* w, int rows, int D,
+                         float eps, RmsNormFlaws flaws, cudaStream_t stream);
+void add_rms_norm_flawed(float* sum, __half* out, const float* a, const float* b, const float* w, int rows, int D,
+                         float eps, RmsNormFlaws flaws, cudaStream_t stream);
+
+// rope_cache_unrotated: the clean rope_qk (ops/rope_qk.cuh: same arguments) whose cache write stores
+// each K pair as read, before the rotation; q_out, k_out and the V rows are right.
+void rope_qk_cache_unrotated(float* q_out, float* k_out, float* k_cache, float* v_cache, const float* q,
+                             const float* k, const float* v, int T, int H, int Hkv, int Dh, const int32_t* pos0,
+                             const int32_t* write_pos, float theta, bool neox, cudaStream_t stream);
+
+// weight_row_nan: n elements from p set to NaN (a weight row in device memory).
+void fill_nan(float* p, int64_t n, cudaStream_t stream);
+void fill_nan(__half* p, int64_t n, cudaStream_t stream);
 
 // rms_norm_weight_twice: out[i] = w[i] · w[i] (the weight the flawed norm effectively applies), f32.
 void square(float* out, const float* w, int64_t n, cudaStream_t stream);

@@ -1,9 +1,11 @@
-// Flawed variants of reference ops for fault injection: transposed embedding read, flawed attention, wrong-lda weights.
+// Flawed variants of reference ops for fault injection: transposed embedding read, flawed attention and RMSNorm, wrong-lda weights.
 #include "reference_cpu/faults/fault_ops.hpp"
 
 #include <cmath>
 #include <limits>
 #include <string>
+
+#include <Eigen/Core>
 
 #include "model/error.hpp"
 
@@ -43,12 +45,17 @@ void attention_flawed(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q 
         const T* ks = k_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
         T dot = 0;
         for (int d = 0; d < Dh; ++d) dot += qt[d] * ks[d];
-        p[s] = dot * scale;
+        p[s] = flaws.f16_exp ? dot : dot * scale;
         if (p[s] > max_score) max_score = p[s];
       }
       T sum = 0;
       for (int s = 0; s < n_visible; ++s) {
-        p[s] = std::exp(p[s] - max_score);
+        if (flaws.f16_exp) {  // exp of the raw score rounded to f16 (Inf above 65504), then ^scale
+          const T e = T(static_cast<float>(Eigen::half(static_cast<float>(std::exp(p[s])))));
+          p[s] = std::pow(e, scale);
+        } else {
+          p[s] = std::exp(p[s] - max_score);
+        }
         sum += p[s];
       }
       for (int s = 0; s < n_visible; ++s) p[s] /= sum;
@@ -64,6 +71,20 @@ void attention_flawed(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q 
 }
 
 template <typename T>
+void rms_norm_flawed(T* out /* [R,D] */, const T* x /* [R,D] */, const T* w /* [D] */, int n_rows, int D, T eps,
+                     RmsNormFlaws flaws) {
+  const int summed = flaws.off_by_one ? D - 1 : D;
+  for (int r = 0; r < n_rows; ++r) {
+    const T* xr = x + static_cast<int64_t>(r) * D;
+    T* yr = out + static_cast<int64_t>(r) * D;
+    T sum = 0;
+    for (int i = 0; i < summed; ++i) sum += xr[i] * xr[i];
+    const T scale = flaws.eps_outside_sqrt ? T(1) / (std::sqrt(sum / T(D)) + eps) : T(1) / std::sqrt(sum / T(D) + eps);
+    for (int i = 0; i < D; ++i) yr[i] = xr[i] * scale * w[i];
+  }
+}
+
+template <typename T>
 Matrix<T> wrong_leading_dimension(const Matrix<T>& w /* [N,K] */) {
   const Eigen::Map<const Matrix<T>> as_kn(w.data(), w.cols(), w.rows());  // the same memory as [K, N]
   return as_kn.transpose();
@@ -75,6 +96,8 @@ template void attention_flawed<float>(float*, float*, const float*, const float*
                                       int, AttentionFlaws);
 template void attention_flawed<double>(double*, double*, const double*, const double*, const double*, int, int, int,
                                        int, int, AttentionFlaws);
+template void rms_norm_flawed<float>(float*, const float*, const float*, int, int, float, RmsNormFlaws);
+template void rms_norm_flawed<double>(double*, const double*, const double*, int, int, double, RmsNormFlaws);
 template Matrix<float> wrong_leading_dimension<float>(const Matrix<float>&);
 template Matrix<double> wrong_leading_dimension<double>(const Matrix<double>&);
 
