@@ -18,4 +18,5 @@ add_test(NAME test_python_torch
          COMMAND ${Python3_EXECUTABLE} python/tests/run_torch_tests.py
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_python_torch PROPERTIES LABELS "torch;python" FIXTURES_REQUIRED "tiny_models" TIMEOUT 900
-  SKIP_RETURN_CODE 77 ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python")
+  SKIP_RETURN_CODE 77 ENVIRONMENT "${DIFFRUN_TEST_ENV}"
+  ENVIRONMENT_MODIFICATION "PYTHONPATH=path_list_prepend:${PROJECT_SOURCE_DIR}/python")  # keeps a PYTHONPATH that holds torch
