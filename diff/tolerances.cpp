@@ -4,8 +4,8 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdint>
 #include <fstream>
-#include <map>
 #include <sstream>
 
 #include <fmt/core.h>
@@ -14,25 +14,68 @@
 #include "checkpoints/vocabulary.hpp"
 #include "diff/presets_embedded.hpp"
 #include "model/error.hpp"
+#include "model/file_check.hpp"
 
 namespace diffrun::diff {
 namespace {
 
 using json = nlohmann::json;
 
-// Maps JSON pointers ("/rules/2/max_rel_l2") to the line where the key (or array element) starts.
-// Runs over text nlohmann has already accepted, so it only has to follow the structure.
-class LineLocator {
- public:
-  explicit LineLocator(std::string_view text) : text_(text) { value(""); }
+// Deepest nesting a tolerance file may use; the format itself needs 3 levels ({"rules": [{...}]}).
+constexpr int kMaxDepth = 32;
+// Largest tolerance file read; the presets are ~10 KB.
+constexpr uint64_t kMaxFileBytes = uint64_t{16} << 20;
 
-  int line_of(std::string path) const {
-    while (true) {
-      if (auto it = lines_.find(path); it != lines_.end()) return it->second;
-      if (path.empty()) return 1;
-      path.resize(path.rfind('/'));
+int line_at(std::string_view text, size_t byte) {
+  byte = std::min(byte, text.size());
+  return 1 + static_cast<int>(std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(byte), '\n'));
+}
+
+// Rejects nesting deeper than kMaxDepth before any parser recurses into it. Runs on any text (valid
+// JSON or not) in one pass with constant memory.
+void check_depth(std::string_view text, const std::string& source) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > kMaxDepth) {
+        throw InputError(fmt::format("{}:{}: JSON nested deeper than {} levels", source, line_at(text, i), kMaxDepth));
+      }
+    } else if (c == '}' || c == ']') {
+      --depth;
     }
   }
+}
+
+// Where each value of a JSON text starts: a tree with the line of every key and array element,
+// built in one pass over text nlohmann has already accepted (and check_depth has bounded), so it
+// only follows the structure. Memory is linear in the text. Also rejects duplicate keys, which
+// nlohmann would silently merge (the last one winning).
+class LineTree {
+ public:
+  LineTree(std::string_view text, const std::string& source) : text_(text), source_(source) { value(root_); }
+
+  struct Node {
+    int line = 1;
+    std::vector<std::string> keys;  // object members (empty for arrays)
+    std::vector<Node> kids;         // members or elements, in text order
+
+    // The member `key` (or this node when absent, so errors fall back to the enclosing value).
+    const Node& member(std::string_view key) const {
+      for (size_t i = 0; i < keys.size(); ++i)
+        if (keys[i] == key) return kids[i];
+      return *this;
+    }
+    const Node& element(size_t i) const { return keys.empty() && i < kids.size() ? kids[i] : *this; }
+  };
+
+  const Node& root() const { return root_; }
 
  private:
   void skip_ws() {
@@ -41,42 +84,46 @@ class LineLocator {
       ++pos_;
     }
   }
+  // The decoded string token at pos_ (escapes resolved by nlohmann, exactly as in the parsed doc).
   std::string string_token() {
-    std::string out;
-    ++pos_;  // opening quote
-    while (pos_ < text_.size() && text_[pos_] != '"') {
-      if (text_[pos_] == '\\' && pos_ + 1 < text_.size()) ++pos_;
-      out += text_[pos_++];
-    }
-    ++pos_;  // closing quote
-    return out;
+    size_t begin = pos_++;
+    while (pos_ < text_.size() && text_[pos_] != '"') pos_ += text_[pos_] == '\\' ? 2 : 1;
+    ++pos_;
+    return json::parse(text_.substr(begin, pos_ - begin)).get<std::string>();
   }
-  void value(const std::string& path) {
+  void value(Node& node) {
     skip_ws();
-    lines_.emplace(path, line_);
+    node.line = line_;
     if (pos_ >= text_.size()) return;
     char c = text_[pos_];
-    if (c == '{') {
+    if (c == '{' || c == '[') {
+      const bool object = c == '{';
+      const char close = object ? '}' : ']';
       ++pos_;
       while (true) {
         skip_ws();
-        if (pos_ >= text_.size() || text_[pos_] == '}') break;
+        if (pos_ >= text_.size()) return;
+        if (text_[pos_] == close) break;
         if (text_[pos_] == ',') { ++pos_; continue; }
-        int key_line = line_;
-        std::string key = string_token();
-        lines_.emplace(path + "/" + key, key_line);
-        skip_ws();
-        ++pos_;  // ':'
-        value(path + "/" + key);
-      }
-      ++pos_;
-    } else if (c == '[') {
-      ++pos_;
-      for (int i = 0;; ++i) {
-        skip_ws();
-        if (pos_ >= text_.size() || text_[pos_] == ']') break;
-        if (text_[pos_] == ',') { ++pos_; --i; continue; }
-        value(path + "/" + std::to_string(i));
+        Node kid;
+        if (object) {
+          int key_line = line_;
+          std::string key = string_token();
+          for (size_t i = 0; i < node.keys.size(); ++i) {
+            if (node.keys[i] == key) {
+              throw InputError(fmt::format("{}:{}: duplicate key \"{}\" (first on line {})", source_, key_line,
+                                           key, node.kids[i].line));
+            }
+          }
+          skip_ws();
+          ++pos_;  // ':'
+          value(kid);
+          kid.line = key_line;
+          node.keys.push_back(std::move(key));
+        } else {
+          value(kid);
+        }
+        node.kids.push_back(std::move(kid));
       }
       ++pos_;
     } else if (c == '"') {
@@ -90,10 +137,13 @@ class LineLocator {
   }
 
   std::string_view text_;
+  const std::string& source_;
   size_t pos_ = 0;
   int line_ = 1;
-  std::map<std::string, int> lines_;
+  Node root_;
 };
+
+using Node = LineTree::Node;
 
 enum class Range { non_negative, fraction, cosine, any };
 
@@ -152,25 +202,25 @@ bool matches_some_checkpoint(std::string_view pattern) {
 
 class Parser {
  public:
-  Parser(std::string_view text, const std::string& source) : text_(text), source_(source), lines_(text) {}
+  Parser(std::string_view text, const std::string& source) : text_(text), source_(source) {}
 
-  [[noreturn]] void fail(const std::string& path, const std::string& what) const {
-    throw InputError(fmt::format("{}:{}: {}", source_, lines_.line_of(path), what));
+  [[noreturn]] void fail(const Node& at, const std::string& what) const {
+    throw InputError(fmt::format("{}:{}: {}", source_, at.line, what));
   }
 
-  double number(const json& v, const std::string& path, const std::string& key, Range range) const {
-    if (!v.is_number()) fail(path, fmt::format("\"{}\" must be a number, not {}", key, v.dump()));
+  double number(const json& v, const Node& at, const std::string& key, Range range) const {
+    if (!v.is_number()) fail(at, fmt::format("\"{}\" must be a number, not {}", key, v.dump()));
     double x = v.get<double>();
-    if (!std::isfinite(x)) fail(path, fmt::format("\"{}\" must be finite", key));
+    if (!std::isfinite(x)) fail(at, fmt::format("\"{}\" must be finite", key));
     switch (range) {
       case Range::non_negative:
-        if (x < 0) fail(path, fmt::format("\"{}\" must be >= 0, got {}", key, v.dump()));
+        if (x < 0) fail(at, fmt::format("\"{}\" must be >= 0, got {}", key, v.dump()));
         break;
       case Range::fraction:
-        if (x < 0 || x > 1) fail(path, fmt::format("\"{}\" must be in [0, 1], got {}", key, v.dump()));
+        if (x < 0 || x > 1) fail(at, fmt::format("\"{}\" must be in [0, 1], got {}", key, v.dump()));
         break;
       case Range::cosine:
-        if (x < -1 || x > 1) fail(path, fmt::format("\"{}\" must be in [-1, 1], got {}", key, v.dump()));
+        if (x < -1 || x > 1) fail(at, fmt::format("\"{}\" must be in [-1, 1], got {}", key, v.dump()));
         break;
       case Range::any:
         break;
@@ -178,58 +228,65 @@ class Parser {
     return x;
   }
 
-  std::string string(const json& v, const std::string& path, const std::string& key) const {
-    if (!v.is_string()) fail(path, fmt::format("\"{}\" must be a string, not {}", key, v.dump()));
+  std::string string(const json& v, const Node& at, const std::string& key) const {
+    if (!v.is_string()) fail(at, fmt::format("\"{}\" must be a string, not {}", key, v.dump()));
     return v.get<std::string>();
   }
 
-  ToleranceRule rule(const json& obj, const std::string& path, bool is_default) const {
-    if (!obj.is_object()) fail(path, "a rule must be an object");
+  ToleranceRule rule(const json& obj, const Node& node, bool is_default) const {
+    if (!obj.is_object()) fail(node, "a rule must be an object");
     ToleranceRule r;
-    r.line = lines_.line_of(path);
+    r.line = node.line;
+    bool bounded = false;
     for (const auto& [key, v] : obj.items()) {
-      const std::string kpath = path + "/" + key;
+      const Node& at = node.member(key);
       if (key == "match" && !is_default) {
-        r.match = string(v, kpath, key);
+        r.match = string(v, at, key);
         if (!valid_pattern_chars(r.match)) {
-          fail(kpath, fmt::format("bad pattern \"{}\": use checkpoint names with * and ? (letters, digits, _ - .)",
-                                  r.match));
+          fail(at, fmt::format("bad pattern \"{}\": use checkpoint names with * and ? (letters, digits, _ - .)",
+                               r.match));
         }
         if (!matches_some_checkpoint(r.match)) {
-          fail(kpath, fmt::format("pattern \"{}\" matches no checkpoint name", r.match));
+          fail(at, fmt::format("pattern \"{}\" matches no checkpoint name", r.match));
         }
       } else if (key == "reason") {
-        r.reason = string(v, kpath, key);
+        r.reason = string(v, at, key);
       } else if (key == "atol") {
-        r.element.atol = number(v, kpath, key, Range::non_negative);
+        r.element.atol = number(v, at, key, Range::non_negative);
       } else if (key == "rtol") {
-        r.element.rtol = number(v, kpath, key, Range::non_negative);
+        r.element.rtol = number(v, at, key, Range::non_negative);
       } else {
         bool found = false;
         for (const auto& b : bound_keys()) {
           if (key == b.key) {
-            r.*(b.field) = number(v, kpath, key, b.range);
-            found = true;
+            r.*(b.field) = number(v, at, key, b.range);
+            found = bounded = true;
           }
         }
         if (!found) {
-          fail(kpath, fmt::format("unknown key \"{}\" in {} (known: {})", key,
-                                  is_default ? "the default rule" : "a rule", known_rule_keys(!is_default)));
+          fail(at, fmt::format("unknown key \"{}\" in {} (known: {})", key,
+                               is_default ? "the default rule" : "a rule", known_rule_keys(!is_default)));
         }
       }
     }
-    if (!is_default && r.match.empty()) fail(path, "a rule needs \"match\"");
-    if (r.reason.empty()) fail(path, "a rule needs a one-line \"reason\"");
+    if (!is_default && r.match.empty()) fail(node, "a rule needs \"match\"");
+    if (r.reason.empty()) fail(node, "a rule needs a one-line \"reason\"");
+    if (!bounded) {
+      std::string bounds;
+      for (const auto& b : bound_keys()) bounds += (bounds.empty() ? "" : ", ") + std::string(b.key);
+      fail(node, fmt::format("{} has no bound, so it would check nothing (give one of: {})",
+                             is_default ? "the default rule" : fmt::format("the rule for \"{}\"", r.match), bounds));
+    }
     return r;
   }
 
   ToleranceSet parse() const {
+    check_depth(text_, source_);
     json doc;
     try {
       doc = json::parse(text_);
     } catch (const json::parse_error& e) {
-      size_t byte = std::min<size_t>(e.byte > 0 ? e.byte - 1 : 0, text_.size());
-      int line = 1 + static_cast<int>(std::count(text_.begin(), text_.begin() + static_cast<std::ptrdiff_t>(byte), '\n'));
+      int line = line_at(text_, e.byte > 0 ? e.byte - 1 : 0);
       std::string what = e.what();
       if (auto p = what.find("] "); p != std::string::npos) what = what.substr(p + 2);
       throw InputError(fmt::format("{}:{}: invalid JSON: {}", source_, line, what));
@@ -239,38 +296,37 @@ class Parser {
       if (auto p = what.find("] "); p != std::string::npos) what = what.substr(p + 2);
       size_t q0 = what.find('\''), q1 = what.rfind('\'');
       size_t at = q0 < q1 ? text_.find(what.substr(q0 + 1, q1 - q0 - 1)) : std::string_view::npos;
-      int line = 1 + static_cast<int>(std::count(text_.begin(), text_.begin() + static_cast<std::ptrdiff_t>(
-                                                                                 at == std::string_view::npos ? 0 : at), '\n'));
-      throw InputError(fmt::format("{}:{}: {}", source_, line, what));
+      throw InputError(fmt::format("{}:{}: {}", source_, line_at(text_, at == std::string_view::npos ? 0 : at), what));
     }
-    if (!doc.is_object()) fail("", "a tolerance file must be a JSON object with \"rules\" and \"default\"");
+    const LineTree lines(text_, source_);
+    const Node& root = lines.root();
+    if (!doc.is_object()) fail(root, "a tolerance file must be a JSON object with \"rules\" and \"default\"");
     ToleranceSet set;
     set.source = source_;
     bool have_default = false;
     for (const auto& [key, v] : doc.items()) {
-      const std::string path = "/" + key;
+      const Node& at = root.member(key);
       if (key == "preset") {
-        set.preset = string(v, path, key);
+        set.preset = string(v, at, key);
       } else if (key == "description") {
-        set.description = string(v, path, key);
+        set.description = string(v, at, key);
       } else if (key == "rules") {
-        if (!v.is_array()) fail(path, "\"rules\" must be an array of rules");
-        for (size_t i = 0; i < v.size(); ++i) set.rules.push_back(rule(v[i], path + "/" + std::to_string(i), false));
+        if (!v.is_array()) fail(at, "\"rules\" must be an array of rules");
+        for (size_t i = 0; i < v.size(); ++i) set.rules.push_back(rule(v[i], at.element(i), false));
       } else if (key == "default") {
-        set.default_rule = rule(v, path, true);
+        set.default_rule = rule(v, at, true);
         have_default = true;
       } else {
-        fail(path, fmt::format("unknown key \"{}\" (known: preset, description, rules, default)", key));
+        fail(at, fmt::format("unknown key \"{}\" (known: preset, description, rules, default)", key));
       }
     }
-    if (!have_default) fail("", "missing \"default\" rule");
+    if (!have_default) fail(root, "missing \"default\" rule");
     return set;
   }
 
  private:
   std::string_view text_;
   std::string source_;
-  LineLocator lines_;
 };
 
 }  // namespace
@@ -287,6 +343,10 @@ ToleranceSet parse_tolerances(std::string_view text, const std::string& source) 
 }
 
 ToleranceSet load_tolerances(const std::string& path) {
+  // A FIFO or a device would block or never end; a huge file is not a tolerance file.
+  if (std::string problem = regular_file_problem(path, kMaxFileBytes); !problem.empty()) {
+    throw InputError(fmt::format("{}: cannot read the tolerance file: it {}", path, problem));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(fmt::format("{}: cannot read the tolerance file", path));
   std::ostringstream ss;

@@ -14,7 +14,9 @@
 // reason, atol, rtol (element tolerance for fail_frac, worst element and min_rtol), and the bounds
 // max_abs, max_mean_abs, max_rel_l2, max_nmse, min_cosine, min_sqnr_db, max_fail_frac, and for
 // logits (result_output) min_top1, min_top5, max_kl (KL(ref||engine), largest over tokens).
-// Any other key, a bad pattern or a bad number is an InputError naming the file and line.
+// Every rule (the default too) needs at least one bound. Any other key, a duplicate key, a bad
+// pattern, a bad number or nesting deeper than 32 levels is an InputError naming the file and line.
+// load_tolerances reads only a regular file of at most 16 MiB (a FIFO or a device is refused unopened).
 #pragma once
 
 #include <optional>

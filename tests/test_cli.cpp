@@ -1,4 +1,5 @@
 // Integration tests of `diffrun compare` and `diffrun --prompt` through the built binary ($DIFFRUN_BIN): exit codes 0/1/2, bad inputs, report files.
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <cstdlib>
@@ -226,6 +227,15 @@ TEST_F(Cli, BadToleranceFiles) {
   expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("bad.json"))), "bad.json:3: unknown key \"max_rel\"");
   std::ofstream(path("broken.json")) << "{\n  \"rules\": [,\n";
   expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("broken.json"))), "broken.json:2: invalid JSON");
+  // Typos that once grew memory without end, a FIFO that once blocked forever, a directory.
+  std::ofstream(path("open.json")) << "{\"rules\": [\n  \"default\": {\"max_abs\": 1, \"reason\": \"r\"}\n}\n";
+  expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("open.json"))), "open.json:2: invalid JSON");
+  std::ofstream(path("deep.json")) << std::string(20000, '[') + std::string(20000, ']');
+  expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("deep.json"))), "deep.json:1: JSON nested deeper");
+  ASSERT_EQ(::mkfifo(path("fifo.json").c_str(), 0600), 0);
+  expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("fifo.json"))),
+               "fifo.json: cannot read the tolerance file: it is a FIFO");
+  expect_error(compare(path("engine.h5"), "--tolerances " + quote(dir_.string())), "it is a directory");
   // A tolerance file that makes identical dumps fail is still a clean run: exit 0 needs no bound to fail.
   std::ofstream(path("strict.json")) << R"({"rules": [], "default": {"max_abs": 0, "reason": "exact"}})";
   EXPECT_EQ(compare(path("engine.h5"), "--tolerances " + quote(path("strict.json"))).rc, 0);

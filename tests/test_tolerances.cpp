@@ -3,6 +3,9 @@
 #include <fstream>
 #include <string>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include "diff/tolerances.hpp"
@@ -59,24 +62,24 @@ TEST(Tolerances, UnknownKeyNamesFileAndLine) {
   std::string msg = error_of(text);
   EXPECT_NE(msg.find("tol.json:6:"), std::string::npos) << msg;
   EXPECT_NE(msg.find("max_abz"), std::string::npos) << msg;
-  EXPECT_NE(error_of(R"({"rules": [], "default": {"reason": "r"},
+  EXPECT_NE(error_of(R"({"rules": [], "default": {"max_abs": 1, "reason": "r"},
   "extra": 1})").find("tol.json:2: unknown key \"extra\""), std::string::npos);
 }
 
 TEST(Tolerances, BadPatternsNameTheLine) {
   std::string bad_chars = error_of(R"({"rules": [
- {"match": "Qcur[0]", "reason": "r"}], "default": {"reason": "r"}})");
+ {"match": "Qcur[0]", "reason": "r"}], "default": {"max_abs": 1, "reason": "r"}})");
   EXPECT_NE(bad_chars.find("tol.json:2: bad pattern"), std::string::npos) << bad_chars;
   std::string typo = error_of(R"({"rules": [{"match": "Qcurr-*", "reason": "r"}],
- "default": {"reason": "r"}})");
+ "default": {"max_abs": 1, "reason": "r"}})");
   EXPECT_NE(typo.find("tol.json:1: pattern \"Qcurr-*\" matches no checkpoint"), std::string::npos) << typo;
-  EXPECT_NE(error_of(R"({"rules": [{"match": "", "reason": "r"}], "default": {"reason": "r"}})").find("bad pattern"),
+  EXPECT_NE(error_of(R"({"rules": [{"match": "", "reason": "r"}], "default": {"max_abs": 1, "reason": "r"}})").find("bad pattern"),
             std::string::npos);
 }
 
 TEST(Tolerances, BadNumbersNameTheLine) {
   auto with = [](const std::string& kv) {
-    return error_of("{\n\"rules\": [\n{\"match\": \"embd\",\n " + kv + ",\n\"reason\": \"r\"}],\n\"default\": {\"reason\": \"r\"}}");
+    return error_of("{\n\"rules\": [\n{\"match\": \"embd\",\n " + kv + ",\n\"reason\": \"r\"}],\n\"default\": {\"max_abs\": 1, \"reason\": \"r\"}}");
   };
   for (const char* kv : {"\"max_rel_l2\": \"1e-5\"", "\"max_rel_l2\": -1", "\"min_cosine\": 1.5",
                          "\"max_fail_frac\": 2", "\"atol\": true", "\"max_kl\": 1e999"}) {
@@ -87,13 +90,13 @@ TEST(Tolerances, BadNumbersNameTheLine) {
 }
 
 TEST(Tolerances, StructuralErrors) {
-  EXPECT_NE(error_of("{\n\"rules\": [],\n\"default\": {\"reason\": \"r\"\n").find("tol.json:4: invalid JSON"),
+  EXPECT_NE(error_of("{\n\"rules\": [],\n\"default\": {\"max_abs\": 1, \"reason\": \"r\"\n").find("tol.json:4: invalid JSON"),
             std::string::npos)
-      << error_of("{\n\"rules\": [],\n\"default\": {\"reason\": \"r\"\n");
+      << error_of("{\n\"rules\": [],\n\"default\": {\"max_abs\": 1, \"reason\": \"r\"\n");
   EXPECT_NE(error_of(R"({"rules": []})").find("missing \"default\""), std::string::npos);
-  EXPECT_NE(error_of(R"({"rules": [{"match": "embd"}], "default": {"reason": "r"}})").find("\"reason\""),
+  EXPECT_NE(error_of(R"({"rules": [{"match": "embd"}], "default": {"max_abs": 1, "reason": "r"}})").find("\"reason\""),
             std::string::npos);
-  EXPECT_NE(error_of(R"({"rules": [{"reason": "r"}], "default": {"reason": "r"}})").find("needs \"match\""),
+  EXPECT_NE(error_of(R"({"rules": [{"reason": "r"}], "default": {"max_abs": 1, "reason": "r"}})").find("needs \"match\""),
             std::string::npos);
   EXPECT_NE(error_of(R"({"rules": [], "default": {"match": "embd", "reason": "r"}})").find("unknown key \"match\""),
             std::string::npos);
@@ -111,6 +114,79 @@ TEST(Tolerances, UnreadableFileIsAnInputErrorNamingIt) {
   std::ofstream(path) << kValid;
   EXPECT_EQ(load_tolerances(path.string()).source, path.string());
   std::filesystem::remove(path);
+}
+
+TEST(Tolerances, UnbalancedBracketsAreInvalidJsonNotAMemoryBlowUp) {
+  // Each of these once sent a pre-pass over the text into an endless loop that grew memory.
+  for (const char* text : {"[}", "{\"rules\": [", "{\"rules\": [\n  {\"match\": \"embd\", \"max_abs\": 1, \"reason\": \"r\"}\n"
+                           "  \"default\": {\"max_abs\": 1, \"reason\": \"r\"}\n}", "{]", "{\"a\": [}]}"}) {
+    std::string msg = error_of(text);
+    EXPECT_NE(msg.find("invalid JSON"), std::string::npos) << text << " -> " << msg;
+  }
+}
+
+TEST(Tolerances, DeepNestingIsRefusedWithTheLine) {
+  // 20,000 levels in 40 KB once cost a gigabyte of path strings and overflowed the stack.
+  std::string deep = "{\n\"rules\": [], \"default\": {\"max_abs\": 1, \"reason\": \"r\"},\n\"x\": " + std::string(20000, '[') +
+                     std::string(20000, ']') + "}";
+  std::string msg = error_of(deep);
+  EXPECT_NE(msg.find("tol.json:3: JSON nested deeper than 32 levels"), std::string::npos) << msg.substr(0, 200);
+  // Unbalanced and deep, and brackets inside strings do not count.
+  EXPECT_NE(error_of(std::string(100000, '{')).find("nested deeper"), std::string::npos);
+  std::string in_string = R"({"rules": [], "default": {"max_abs": 1, "reason": ")" + std::string(100, '[') + "\"}}";
+  EXPECT_EQ(error_of(in_string), "(no error)");
+  // 32 levels are fine as far as nesting goes: the error is the unknown key.
+  std::string ok_depth = R"({"rules": [], "default": {"max_abs": 1, "reason": "r"}, "x": )" + std::string(31, '[') +
+                         std::string(31, ']') + "}";
+  EXPECT_NE(error_of(ok_depth).find("unknown key \"x\""), std::string::npos) << error_of(ok_depth);
+}
+
+TEST(Tolerances, DuplicateKeysNameBothLines) {
+  std::string top = error_of("{\"rules\": [],\n\"default\": {\"max_abs\": 1, \"reason\": \"r\"},\n\"rules\": []}");
+  EXPECT_NE(top.find("tol.json:3: duplicate key \"rules\" (first on line 1)"), std::string::npos) << top;
+  std::string in_rule = error_of(
+      "{\"rules\": [\n{\"match\": \"embd\", \"max_abs\": 1,\n \"max_abs\": 2, \"reason\": \"r\"}],\n"
+      "\"default\": {\"max_abs\": 1, \"reason\": \"r\"}}");
+  EXPECT_NE(in_rule.find("tol.json:3: duplicate key \"max_abs\" (first on line 2)"), std::string::npos) << in_rule;
+  // The same key after JSON unescaping is the same key.
+  std::string escaped = error_of(R"({"rules": [], "default": {"max_abs": 1, "reason": "r", "re\u0061son": "s"}})");
+  EXPECT_NE(escaped.find("duplicate key \"reason\""), std::string::npos) << escaped;
+}
+
+TEST(Tolerances, RulesWithoutABoundAreRefused) {
+  std::string rule = error_of("{\"rules\": [\n{\"match\": \"embd\", \"atol\": 1e-6, \"reason\": \"r\"}],\n"
+                              "\"default\": {\"max_abs\": 1, \"reason\": \"r\"}}");
+  EXPECT_NE(rule.find("tol.json:2: the rule for \"embd\" has no bound"), std::string::npos) << rule;
+  std::string dflt = error_of("{\"rules\": [],\n\"default\": {\"reason\": \"r\"}}");
+  EXPECT_NE(dflt.find("tol.json:2: the default rule has no bound"), std::string::npos) << dflt;
+  EXPECT_NE(dflt.find("max_rel_l2"), std::string::npos) << dflt;
+}
+
+TEST(Tolerances, OnlyRegularFilesAreRead) {
+  namespace fs = std::filesystem;
+  fs::path dir = fs::temp_directory_path() / ("diffrun_test_tolerances_files_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  auto load_error = [](const fs::path& p) -> std::string {
+    try {
+      load_tolerances(p.string());
+    } catch (const InputError& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  // A FIFO once blocked forever; stat never opens it.
+  fs::path fifo = dir / "fifo.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_NE(load_error(fifo).find(fifo.string() + ": cannot read the tolerance file: it is a FIFO"), std::string::npos)
+      << load_error(fifo);
+  EXPECT_NE(load_error(dir).find("is a directory"), std::string::npos) << load_error(dir);
+  EXPECT_NE(load_error("/dev/zero").find("/dev/zero: cannot read the tolerance file: it is a character device"),
+            std::string::npos);
+  fs::path huge = dir / "huge.json";
+  std::ofstream(huge).close();
+  fs::resize_file(huge, uint64_t{17} << 20);  // sparse: takes no disk
+  EXPECT_NE(load_error(huge).find("more than the 16777216 bytes"), std::string::npos) << load_error(huge);
+  fs::remove_all(dir);
 }
 
 TEST(Tolerances, EveryPresetParsesAndThePairsExist) {
