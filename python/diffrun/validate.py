@@ -167,10 +167,10 @@ def _quoted(values: str) -> str:
 def _expected(kind: str, values: str | None) -> str:
     return {
         "string": ("a string: " + _quoted(values)) if values else "a string",
-        "integer": "a scalar integer (int32)",
-        "real": "a scalar real (float64)",
+        "integer": "an int32 scalar",
+        "real": "a float64 scalar",
         "boolean": "a boolean (h5py bool, or an integer 0/1)",
-        "int_array": "a 1-D integer array (int32)",
+        "int_array": "a 1-D int32 array",
     }[kind]
 
 

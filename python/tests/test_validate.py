@@ -116,7 +116,7 @@ def test_a_diffrun_dump_is_valid(good):
     ("root", [
         ("root attribute 'precision'", 'is "fp32", expected "f16", "bf16", "f32" or "f64"'),
         ("root attribute 'backend'", "is empty (name the engine that wrote the dump)"),
-        ("root attribute 'n_ff'", "missing (a scalar integer (int32))"),
+        ("root attribute 'n_ff'", "missing (an int32 scalar)"),
         ("root attribute 'format_version'", "is 2, this diffrun reads version 1"),
         ("root attribute 'all_token_ids'", "does not start with token_ids"),
         ("/", "datasets are not checked against the vocabulary: the config attributes are incomplete"),
