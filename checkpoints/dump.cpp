@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "model/error.hpp"
+#include "model/file_check.hpp"
 
 namespace diffrun {
 
@@ -603,8 +604,9 @@ DumpReader::DumpReader(const std::string& path) : impl_(std::make_unique<Impl>()
   silence_hdf5();
   Impl& m = *impl_;
   m.path = path;
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) m.fail("no such file");
+  // stat only: a FIFO is never opened (that would block), a directory is named as one.
+  if (std::string problem = regular_file_problem(path); !problem.empty())
+    m.fail(problem == "does not exist" ? "no such file" : problem);
   if (H5Fis_hdf5(path.c_str()) <= 0) m.fail("not an HDF5 file (no HDF5 signature: foreign or truncated)");
   Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
   H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);

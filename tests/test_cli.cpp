@@ -174,6 +174,14 @@ TEST_F(Cli, ForeignHdf5AndNotHdf5) {
   std::ofstream(path("text.h5")) << "not an HDF5 file\n";
   expect_error(compare(path("text.h5")), "text.h5");
   expect_error(compare(path("missing.h5")), "missing.h5");
+  // A FIFO is refused unopened (opening it would block) and a directory is named as one, in every command.
+  ASSERT_EQ(::mkfifo(path("fifo.h5").c_str(), 0600), 0);
+  expect_error(compare(path("fifo.h5")), "fifo.h5: is a FIFO (named pipe), not a regular file");
+  expect_error(run("show " + quote(path("fifo.h5")) + " embd"), "fifo.h5: is a FIFO");
+  expect_error(run("ls " + quote(path("fifo.h5"))), "fifo.h5: is a FIFO");
+  fs::create_directories(path("dir.h5"));
+  expect_error(compare(path("dir.h5")), "dir.h5: is a directory, not a regular file");
+  expect_error(run("ls " + quote(path("dir.h5"))), "dir.h5: is a directory");
 }
 
 TEST_F(Cli, WrongFormatVersion) {
