@@ -42,6 +42,31 @@ struct WorstElement {
   double abs_err = 0.0;               // |a-b| (inf when one side is non-finite)
 };
 
+// The worst slice of one axis: rel L2 ||a_i - b_i|| / ||b_i|| over each index i of the axis (a token
+// row, a head, a channel), the largest of them and which. Absent (extent 0) when the layout has no
+// such axis; rel_l2 NaN when the data holds a NaN or Inf.
+struct AxisWorst {
+  std::string dim;        // "T", "S" (cache rows), "H", "Hkv", or the last dimension's letter
+  int64_t extent = 0;     // 0: the tensor has no such axis
+  int64_t index = -1;     // the worst slice
+  double rel_l2 = 0.0;    // 0 when both sides of every slice are 0, inf when only b's worst one is
+};
+
+// A tensor's dimensions as named by its layout, combined dimensions ("H*Dh") split where their
+// sizes are known; empty when the layout does not name every stored dimension.
+struct NamedDim {
+  std::string dim;
+  int64_t extent;
+};
+std::vector<NamedDim> named_dims(std::span<const int64_t> shape, std::string_view layout, const DimSizes& dims);
+
+// Which named dimension is the row (T, else S), the head (H or Hkv) and the channel (the last) axis;
+// -1 where there is none (channel: only for rank >= 2).
+struct SliceAxes {
+  int row = -1, head = -1, channel = -1;
+};
+SliceAxes slice_axes(const std::vector<NamedDim>& named);
+
 // For logits [T, V]: agreement of the distributions per token.
 struct LogitMetrics {
   int64_t tokens = 0;
@@ -69,6 +94,7 @@ struct TensorMetrics {
   int64_t nan_a = 0, inf_a = 0, nan_b = 0, inf_b = 0;
   int64_t nonfinite_mismatch = 0;     // non-finite on one side where the other side differs
   NonFiniteSite first_nonfinite_a, first_nonfinite_b;
+  AxisWorst row, head, channel;       // per token row (or cache row), per head, per channel
   WorstElement worst;                 // largest |a-b| / (atol + rtol|b|), or largest |a-b| if both 0
   double min_atol = 0.0;              // smallest atol (rtol = 0) that passes every element
   double min_rtol = 0.0;              // smallest rtol (at the given atol) that passes every element

@@ -162,6 +162,8 @@ const std::vector<BoundKey>& bound_keys() {
       {"min_cosine", &ToleranceRule::min_cosine, Range::cosine},
       {"min_sqnr_db", &ToleranceRule::min_sqnr_db, Range::any},
       {"max_fail_frac", &ToleranceRule::max_fail_frac, Range::fraction},
+      {"max_row_rel_l2", &ToleranceRule::max_row_rel_l2, Range::non_negative},
+      {"max_head_rel_l2", &ToleranceRule::max_head_rel_l2, Range::non_negative},
       {"min_top1", &ToleranceRule::min_top1, Range::fraction},
       {"min_top5", &ToleranceRule::min_top5, Range::fraction},
       {"max_kl", &ToleranceRule::max_kl, Range::non_negative},
@@ -395,6 +397,8 @@ std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule
   lower("cosine", "min_cosine", m.cosine, rule.min_cosine);
   lower("sqnr_db", "min_sqnr_db", m.sqnr_db, rule.min_sqnr_db);
   upper("fail_frac", "max_fail_frac", m.fail_frac, rule.max_fail_frac);
+  if (m.row.extent > 0) upper("row_rel_l2", "max_row_rel_l2", m.row.rel_l2, rule.max_row_rel_l2);
+  if (m.head.extent > 0) upper("head_rel_l2", "max_head_rel_l2", m.head.rel_l2, rule.max_head_rel_l2);
   if (m.logits) {
     lower("top1", "min_top1", m.logits->top1, rule.min_top1);
     lower("top5_overlap", "min_top5", m.logits->top5_overlap, rule.min_top5);

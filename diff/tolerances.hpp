@@ -12,8 +12,12 @@
 //   }
 // Keys of a rule: match (glob with * and ?, over full names such as "Qcur-3"; not in "default"),
 // reason, atol, rtol (element tolerance for fail_frac, worst element and min_rtol), and the bounds
-// max_abs, max_mean_abs, max_rel_l2, max_nmse, min_cosine, min_sqnr_db, max_fail_frac, and for
-// logits (result_output) min_top1, min_top5, max_kl (KL(ref||engine), largest over tokens).
+// max_abs, max_mean_abs, max_rel_l2, max_nmse, min_cosine, min_sqnr_db, max_fail_frac,
+// max_row_rel_l2 (the worst token row's rel L2, or the worst cache row's for cache_k/cache_v),
+// max_head_rel_l2 (the worst head's, for per-head layouts; ignored where there are no heads), and
+// for logits (result_output) min_top1, min_top5, max_kl (KL(ref||engine), largest over tokens).
+// A bug confined to one row or head hides in the tensor-wide rel L2 (diluted by the other rows);
+// the row and head bounds catch it.
 // Every rule (the default too) needs at least one bound. Any other key, a duplicate key, a bad
 // pattern, a bad number or nesting deeper than 32 levels is an InputError naming the file and line.
 // load_tolerances reads only a regular file of at most 16 MiB (a FIFO or a device is refused unopened).
@@ -33,7 +37,7 @@ struct ToleranceRule {
   std::string reason;
   ElementTolerance element;
   std::optional<double> max_abs, max_mean_abs, max_rel_l2, max_nmse, min_cosine, min_sqnr_db,
-      max_fail_frac, min_top1, min_top5, max_kl;
+      max_fail_frac, max_row_rel_l2, max_head_rel_l2, min_top1, min_top5, max_kl;
   int line = 0;  // where the rule starts in its file
 };
 

@@ -198,3 +198,56 @@ TEST(Metrics, SparklineIsLogScaled) {
   std::vector<double> special = {0.0, kInf, std::nan(""), 1.0};
   EXPECT_EQ(sparkline(special), "·! ▁");
 }
+
+// Per-slice rel L2, computed in the same pass: an error confined to one row or one head is diluted in
+// the tensor-wide rel L2 but not in its slice's.
+TEST(Metrics, WorstRowHeadAndChannel) {
+  // [T=4, H=3, Dh=2], all ones; the engine scales head 1 of token 2 by 1.5.
+  std::vector<float> b(24, 1.0f), a = b;
+  a[2 * 6 + 1 * 2 + 0] = 1.5f;
+  a[2 * 6 + 1 * 2 + 1] = 1.5f;
+  TensorMetrics m = metrics(a, b, {}, {4, 3, 2}, "T,H,Dh");
+  EXPECT_NEAR(m.rel_l2, std::sqrt(0.5) / std::sqrt(24.0), 1e-12);
+  EXPECT_EQ(m.row.dim, "T");
+  EXPECT_EQ(m.row.extent, 4);
+  EXPECT_EQ(m.row.index, 2);
+  EXPECT_NEAR(m.row.rel_l2, std::sqrt(0.5) / std::sqrt(6.0), 1e-12);
+  EXPECT_EQ(m.head.dim, "H");
+  EXPECT_EQ(m.head.index, 1);
+  EXPECT_NEAR(m.head.rel_l2, std::sqrt(0.5) / std::sqrt(8.0), 1e-12);
+  EXPECT_EQ(m.channel.dim, "Dh");
+  EXPECT_EQ(m.channel.index, 0);  // both channels equal: the first wins
+  EXPECT_NEAR(m.channel.rel_l2, 0.5 / std::sqrt(12.0), 1e-12);
+  // The same bytes as [T, H*Dh] with the sizes known: the same slices.
+  TensorMetrics flat = metrics(a, b, {}, {4, 6}, "T,H*Dh", {{"H", 3}, {"Dh", 2}});
+  EXPECT_EQ(flat.head.index, 1);
+  EXPECT_DOUBLE_EQ(flat.head.rel_l2, m.head.rel_l2);
+  EXPECT_EQ(flat.channel.dim, "Dh");
+  // Attention probabilities [H, T, S]: rows are T, heads H, channels S (positions).
+  std::vector<float> p(2 * 3 * 3, 0.5f), q = p;
+  q[1 * 9 + 2 * 3 + 1] = 0.0f;  // head 1, token 2, position 1
+  TensorMetrics att = metrics(q, p, {}, {2, 3, 3}, "H,T,S");
+  EXPECT_EQ(att.row.dim, "T");
+  EXPECT_EQ(att.row.index, 2);
+  EXPECT_EQ(att.head.index, 1);
+  EXPECT_EQ(att.channel.dim, "S");
+  EXPECT_EQ(att.channel.index, 1);
+  // A cache [S, Hkv, Dh]: rows are the cache rows S.
+  std::vector<float> kb(5 * 2 * 2, 1.0f), ka = kb;
+  for (int i = 0; i < 4; ++i) ka[4 * 4 + i] = 0.0f;  // cache row 4 all zero
+  TensorMetrics cache = metrics(ka, kb, {}, {5, 2, 2}, "S,Hkv,Dh");
+  EXPECT_EQ(cache.row.dim, "S");
+  EXPECT_EQ(cache.row.index, 4);
+  EXPECT_DOUBLE_EQ(cache.row.rel_l2, 1.0);
+  EXPECT_EQ(cache.head.dim, "Hkv");
+  // [T, D]: no head axis; an unnamed layout: no slices at all.
+  TensorMetrics td = metrics(a, b, {}, {4, 6}, "T,D");
+  EXPECT_EQ(td.head.extent, 0);
+  EXPECT_EQ(td.row.index, 2);
+  EXPECT_EQ(td.channel.dim, "D");
+  TensorMetrics bare = metrics(a, b);
+  EXPECT_EQ(bare.row.extent + bare.head.extent + bare.channel.extent, 0);
+  // Over non-finite data the slices' rel L2 is undefined too.
+  a[0] = kNaN;
+  EXPECT_TRUE(std::isnan(metrics(a, b, {}, {4, 3, 2}, "T,H,Dh").row.rel_l2));
+}

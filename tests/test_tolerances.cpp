@@ -238,6 +238,21 @@ TEST(Tolerances, CheckBounds) {
   ASSERT_EQ(only_nf.size(), 1u);
   EXPECT_EQ(only_nf[0].metric, "nonfinite");
   m.inf_b = 0;
+  // Row and head bounds apply where the tensor has that axis.
+  ToleranceRule slices = parse_tolerances(
+      R"({"rules": [], "default": {"max_row_rel_l2": 1e-3, "max_head_rel_l2": 1e-3, "reason": "r"}})", "x").default_rule;
+  EXPECT_TRUE(check_bounds(m, slices).empty());
+  m.row = {"T", 4, 2, 2e-3};
+  auto rc = check_bounds(m, slices);
+  ASSERT_EQ(rc.size(), 1u);
+  EXPECT_EQ(rc[0].bound, "max_row_rel_l2");
+  EXPECT_FALSE(rc[0].pass);
+  m.head = {"H", 3, 1, 1e-3};
+  rc = check_bounds(m, slices);
+  ASSERT_EQ(rc.size(), 2u);
+  EXPECT_EQ(rc[1].bound, "max_head_rel_l2");
+  EXPECT_TRUE(rc[1].pass);
+  m.row = m.head = AxisWorst{};
   // Logit bounds apply only where logit metrics exist.
   ToleranceRule logits = parse_tolerances(
       R"({"rules": [], "default": {"min_top1": 1, "max_kl": 0.01, "reason": "r"}})", "x").default_rule;
