@@ -81,6 +81,23 @@ std::vector<Entry> merged_entries(const std::vector<DatasetInfo>& eng, const std
   return out;
 }
 
+// A slice is exact below the rule's row/head bound, else 4x its tensor-wide rel L2 bound (a slice's
+// clean error runs a few times the tensor's), else 0.
+double exact_threshold(const ToleranceRule& rule) {
+  if (rule.max_row_rel_l2 || rule.max_head_rel_l2) {
+    return std::max(rule.max_row_rel_l2.value_or(0.0), rule.max_head_rel_l2.value_or(0.0));
+  }
+  return rule.max_rel_l2 ? 4.0 * *rule.max_rel_l2 : 0.0;
+}
+
+std::optional<ErrorPattern> pattern_of(const CheckpointResult& r, const DumpReader& engine, const DumpReader& reference,
+                                       const ToleranceSet& tolerances, const DimSizes& dims) {
+  if (!r.metrics) return std::nullopt;
+  const std::vector<float> a = engine.read(r.step, r.name);
+  const std::vector<float> b = reference.read(r.step, r.name);
+  return error_pattern(a, b, r.shape_reference, r.layout, dims, r.base, exact_threshold(tolerances.rule_for(r.name)));
+}
+
 bool has_tokens(const DumpReader& d, int step) {
   const DatasetInfo* info = d.find(step, "tokens");
   return info && info->is_int;
@@ -208,6 +225,8 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
       break;
     }
   }
+  if (c.first_failure) c.pattern = pattern_of(c.results[*c.first_failure], engine, reference, tolerances, dims);
+  if (c.first_nonfinite) c.nonfinite_pattern = pattern_of(c.results[*c.first_nonfinite], engine, reference, tolerances, dims);
   if (c.first_failure) {
     for (size_t i = *c.first_failure; i-- > 0 && static_cast<int>(c.preceding.size()) < opt.preceding;) {
       if (c.results[i].status == CheckpointStatus::pass) c.preceding.insert(c.preceding.begin(), i);

@@ -25,6 +25,7 @@
 
 #include "checkpoints/dump.hpp"
 #include "diff/metrics.hpp"
+#include "diff/pattern.hpp"
 #include "diff/result.hpp"
 #include "diff/tolerances.hpp"
 #include "diff/verdict.hpp"
@@ -58,6 +59,9 @@ struct Comparison {
   // the same on both included; it always fails, so it is the first failure or comes after it.
   std::optional<size_t> first_nonfinite;  // index into results
   Verdict nonfinite_verdict;              // decided at first_nonfinite (rule nonfinite)
+  // Where the error sits (diff/pattern.hpp) at the first failure and at the first NaN/Inf; absent
+  // for a shape mismatch.
+  std::optional<ErrorPattern> pattern, nonfinite_pattern;
   std::vector<StepTokens> tokens;
   int n_pass = 0, n_fail = 0, n_one_sided = 0;
   std::string isolated_path;  // the isolation-replay dump, when add_isolation ran

@@ -19,12 +19,16 @@
 //   "first_divergence": null | {
 //       "index": int (into "checkpoints"), "step", "name", "layer",
 //       "preceding": [int] (indices of the passing checkpoints just before it),
+//       "pattern": null | {"summary", "hint", "cosine", "exact_below", "future_nonzero",   // diff/pattern.hpp
+//                          "axes": [{"dim", "label", "extent", "exact": [int], "wrong": [int],
+//                                    "zero_engine": [int]}]},
 //       "verdict": {"kind": "local"|"drift"|"undetermined", "rule", "explanation", "ratio",
 //                   "inputs": [{"name", "rel_l2"}], "growth": [{"layer", "rel_l2"}]}},
 //   "first_nonfinite": null | {                               // the first checkpoint with a NaN/Inf on
 //       "index", "step", "name", "layer",                     // either side (it always fails)
 //       "engine": {"nan", "inf", "first": null | {"flat", "coords": {letter: index}, "value"}},
 //       "reference": { same },
+//       "pattern": { as above; slices holding a NaN/Inf are wrong },
 //       "verdict": { as above, rule "nonfinite" }},
 //   "checkpoints": [{                                        // step 0 first, execution order
 //       "step", "name", "base", "layer", "order", "layout",
@@ -38,6 +42,8 @@
 //          "atol", "rtol", "nan_engine", "inf_engine", "nan_reference", "inf_reference",
 //          "nonfinite_mismatch", "min_atol", "min_rtol",
 //          "first_nonfinite_engine", "first_nonfinite_reference": null | {"flat", "coords", "value"},
+//          "worst_row", "worst_head", "worst_channel": null | {"dim", "index", "rel_l2"},  // rel L2 per
+//                                                     // token (or cache) row, head, last-dim channel
 //          "worst": null | {"flat", "coords": {letter: index} (in layout order), "engine", "reference", "abs_err"},
 //          "logits": null | {"tokens", "top1", "top5_overlap", "kl_mean", "kl_max", "kl": [num],
 //                            "argmax_engine": [int], "argmax_reference": [int]}}}],
@@ -78,6 +84,22 @@ json coords_json(const std::vector<Coordinate>& coords) {
 json site_json(const NonFiniteSite& site) {
   if (site.flat < 0) return nullptr;
   return {{"flat", site.flat}, {"coords", coords_json(site.coords)}, {"value", value(site.value)}};
+}
+
+json axis_json(const AxisWorst& w) {
+  if (w.extent == 0) return nullptr;
+  return {{"dim", w.dim}, {"index", w.index}, {"rel_l2", number(w.rel_l2)}};
+}
+
+json pattern_json(const std::optional<ErrorPattern>& p) {
+  if (!p) return nullptr;
+  json axes = json::array();
+  for (const auto& a : p->axes) {
+    axes.push_back({{"dim", a.dim}, {"label", a.label}, {"extent", a.extent}, {"exact", a.exact}, {"wrong", a.wrong},
+                    {"zero_engine", a.zero_engine}});
+  }
+  return {{"summary", p->summary}, {"hint", p->hint}, {"cosine", number(p->cosine)}, {"exact_below", number(p->exact_below)},
+          {"future_nonzero", p->future_nonzero}, {"axes", axes}};
 }
 
 json verdict_json(const Verdict& v) {
@@ -127,7 +149,10 @@ json metrics_json(const TensorMetrics& m) {
             {"min_atol", number(m.min_atol)},
             {"min_rtol", number(m.min_rtol)},
             {"first_nonfinite_engine", site_json(m.first_nonfinite_a)},
-            {"first_nonfinite_reference", site_json(m.first_nonfinite_b)}};
+            {"first_nonfinite_reference", site_json(m.first_nonfinite_b)},
+            {"worst_row", axis_json(m.row)},
+            {"worst_head", axis_json(m.head)},
+            {"worst_channel", axis_json(m.channel)}};
   if (m.worst.flat >= 0) {
     j["worst"] = {{"flat", m.worst.flat},
                   {"coords", coords_json(m.worst.coords)},
@@ -204,6 +229,7 @@ nlohmann::ordered_json report_json(const Comparison& c) {
                              {"name", f.name},
                              {"layer", f.layer},
                              {"preceding", c.preceding},
+                             {"pattern", pattern_json(c.pattern)},
                              {"verdict", verdict_json(c.verdict)}};
   } else {
     j["first_divergence"] = nullptr;
@@ -217,6 +243,7 @@ nlohmann::ordered_json report_json(const Comparison& c) {
                             {"layer", f.layer},
                             {"engine", {{"nan", m.nan_a}, {"inf", m.inf_a}, {"first", site_json(m.first_nonfinite_a)}}},
                             {"reference", {{"nan", m.nan_b}, {"inf", m.inf_b}, {"first", site_json(m.first_nonfinite_b)}}},
+                            {"pattern", pattern_json(c.nonfinite_pattern)},
                             {"verdict", verdict_json(c.nonfinite_verdict)}};
   } else {
     j["first_nonfinite"] = nullptr;

@@ -66,6 +66,13 @@ std::string local_str(const LocalError& l) {
   return l.status == CheckpointStatus::shape_mismatch ? std::string("shape differs") : "rel_l2 " + num(l.rel_l2);
 }
 
+// "pattern   heads 0,4,8 exact, 1-3,5-7 wrong -> the query-to-KV head mapping (GQA)"
+void pattern_line(std::string& out, const std::optional<ErrorPattern>& p) {
+  if (!p || (p->summary.empty() && p->hint.empty())) return;
+  if (!p->summary.empty()) out += fmt::format("  pattern   {}\n", p->summary);
+  if (!p->hint.empty()) out += fmt::format("  {}  -> {}\n", p->summary.empty() ? "pattern " : "        ", p->hint);
+}
+
 void verdict_lines(std::string& out, const Verdict& v, const Style& s) {
   std::string kind = verdict_kind_name(v.kind);
   std::transform(kind.begin(), kind.end(), kind.begin(), [](unsigned char ch) { return std::toupper(ch); });
@@ -111,6 +118,14 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s) {
                          num(m.tolerance.atol), num(m.tolerance.rtol), num(m.fail_frac));
     }
     }
+    if (m.finite() && (m.row.extent > 0 || m.head.extent > 0 || m.channel.extent > 0)) {
+      std::vector<std::string> parts;
+      const std::pair<const char*, const AxisWorst*> axes[] = {{"row", &m.row}, {"head", &m.head}, {"channel", &m.channel}};
+      for (const auto& [label, w] : axes) {
+        if (w->extent > 0) parts.push_back(fmt::format("{} {}={} rel_l2 {}", label, w->dim, w->index, num(w->rel_l2)));
+      }
+      out += fmt::format("  slices    worst {}\n", fmt::join(parts, ", "));
+    }
     if (m.worst.flat >= 0) {
       out += fmt::format("  worst     {} [{}]: engine {:.9g}  reference {:.9g}  |diff| {}\n",
                          format_coordinates(m.worst.coords), f.layout, m.worst.a, m.worst.b, num(m.worst.abs_err));
@@ -124,6 +139,7 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s) {
                          num(m.logits->top1), num(m.logits->top5_overlap), num(m.logits->kl_mean), num(m.logits->kl_max));
     }
   }
+  pattern_line(out, c.pattern);
   if (f.local) {
     out += fmt::format("  local     {} in isolation replay (this op on the reference's inputs): {}\n", local_str(*f.local),
                        f.local->failed() ? "fails its tolerance" : "within tolerance");
@@ -148,6 +164,7 @@ void first_nonfinite(std::string& out, const Comparison& c, const Style& s) {
   out += '\n';
   out += s.red(fmt::format("FIRST NaN/Inf  {}  ({})", f.name, where(f))) + "\n";
   nonfinite_lines(out, *f.metrics);
+  pattern_line(out, c.nonfinite_pattern);
   verdict_lines(out, c.nonfinite_verdict, s);
 }
 

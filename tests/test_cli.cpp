@@ -295,6 +295,33 @@ TEST_F(Cli, PromptEndToEndOnATinyFixture) {
   EXPECT_NE(filtered.out.find("compared   4 checkpoints over 2 steps"), std::string::npos) << filtered.out;
 }
 
+// Catalog faults end to end: the first divergence's pattern names the bug class, in the terminal and JSON.
+TEST_F(Cli, ErrorPatternOfCatalogFaults) {
+  const std::string model = diffrun::test::fixture_path("tiny-qwen2-f32.gguf");  // H 8, Hkv 2
+  if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model << " (run the fixtures_generate test)";
+  auto inject = [&](const std::string& fault) {
+    Result r = run("--model " + quote(model) + " --tokens 1,17,42,7,99,3,120,5,63 --steps 1 --engine cpu --no-color --inject " +
+                   fault + " --out " + quote(path(fault)) + " --report-json " + quote(path(fault + ".json")));
+    EXPECT_EQ(r.rc, 1) << r.out << r.err;
+    return std::make_pair(r.out, nlohmann::json::parse(slurp(path(fault + ".json")))["first_divergence"]);
+  };
+  // Query head h reads KV head h % 2 instead of h / 4: heads 0, 2, 5 and 7 happen to be right.
+  auto [gqa_text, gqa] = inject("gqa_head_modulo");
+  EXPECT_EQ(gqa["name"], "kq_soft_max-0");
+  EXPECT_NE(gqa_text.find("pattern   heads 0,2,5,7 exact, 1,3-4,6 wrong"), std::string::npos) << gqa_text;
+  EXPECT_NE(gqa_text.find("-> some query heads exact, others not: the query-to-KV head mapping (GQA)"), std::string::npos)
+      << gqa_text;
+  EXPECT_EQ(gqa["pattern"]["axes"][0]["dim"], "H");
+  EXPECT_EQ(gqa["pattern"]["axes"][0]["exact"], nlohmann::json::parse("[0, 2, 5, 7]"));
+  // The decode step's K/V written at cache row 0 instead of row 9: row 9 stays zero.
+  auto [kv_text, kv] = inject("kv_cache_pos0");
+  EXPECT_EQ(kv["name"], "cache_k-0");
+  EXPECT_EQ(kv["step"], 1);
+  EXPECT_NE(kv_text.find("pattern   cache rows 1-8 exact, 0,9 wrong (9 all zero in engine)"), std::string::npos) << kv_text;
+  EXPECT_NE(kv_text.find("cache row 9 never written in the engine: the K/V write position"), std::string::npos) << kv_text;
+  EXPECT_EQ(kv["pattern"]["axes"][1]["zero_engine"], nlohmann::json::parse("[9]"));
+}
+
 TEST_F(Cli, PromptBadInputs) {
   const std::string model = diffrun::test::fixture_path("tiny-llama-q4_0.gguf");
   if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model;

@@ -1,0 +1,156 @@
+// The error pattern of one checkpoint: per-slice rel L2 along the row, head and channel axes, and the bug class it points to.
+#include "diff/pattern.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+namespace diffrun::diff {
+namespace {
+
+std::string label_of(const std::string& dim, bool is_row) {
+  if (dim == "T") return "token rows";
+  if (dim == "S") return is_row ? "cache rows" : "positions";
+  if (dim == "H") return "heads";
+  if (dim == "Hkv") return "KV heads";
+  return "channels " + dim;
+}
+
+struct Sums {
+  std::vector<double> d2, a2, b2;
+  std::vector<char> nonfinite;
+};
+
+}  // namespace
+
+std::string format_ranges(const std::vector<int64_t>& indices) {
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < indices.size();) {
+    size_t j = i;
+    while (j + 1 < indices.size() && indices[j + 1] == indices[j] + 1) ++j;
+    parts.push_back(j == i ? fmt::format("{}", indices[i]) : fmt::format("{}-{}", indices[i], indices[j]));
+    i = j + 1;
+  }
+  return fmt::format("{}", fmt::join(parts, ","));
+}
+
+ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, std::span<const int64_t> shape,
+                           std::string_view layout, const DimSizes& dims, std::string_view base, double exact_below) {
+  ErrorPattern p;
+  p.exact_below = exact_below;
+  const int64_t n = static_cast<int64_t>(std::min(a.size(), b.size()));
+  const std::vector<NamedDim> named = named_dims(shape, layout, dims);
+  int64_t named_n = 1;
+  for (const auto& d : named) named_n *= d.extent;
+  const SliceAxes ax = named_n == n ? slice_axes(named) : SliceAxes{};
+  const int order[3] = {ax.head, ax.row, ax.channel};  // the order the summary names them in
+  std::vector<int64_t> strides(named.size(), 1);
+  for (size_t k = named.size(); k-- > 1;) strides[k - 1] = strides[k] * named[k].extent;
+
+  std::vector<Sums> sums(3);
+  for (int k = 0; k < 3; ++k) {
+    if (order[k] < 0) continue;
+    const size_t e = static_cast<size_t>(named[order[k]].extent);
+    sums[k] = {std::vector<double>(e), std::vector<double>(e), std::vector<double>(e), std::vector<char>(e)};
+  }
+  // Causal mask: in [H, T, S], token t of a step with S - T cached positions sees positions <= S - T + t.
+  const bool causal = base == "kq_soft_max" && named.size() == 3 && named[1].dim == "T" && named[2].dim == "S";
+  const int64_t n_past = causal ? named[2].extent - named[1].extent : 0;
+  double sa = 0, sb = 0, sab = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = a[i], y = b[i];
+    const bool finite = std::isfinite(x) && std::isfinite(y);
+    if (finite) {
+      sa += x * x;
+      sb += y * y;
+      sab += x * y;
+    }
+    for (int k = 0; k < 3; ++k) {
+      if (order[k] < 0) continue;
+      const int64_t j = (i / strides[order[k]]) % named[order[k]].extent;
+      Sums& s = sums[k];
+      if (!finite) {
+        s.nonfinite[j] = 1;
+        continue;
+      }
+      s.d2[j] += (x - y) * (x - y);
+      s.a2[j] += x * x;
+      s.b2[j] += y * y;
+    }
+    if (causal && finite) {
+      const int64_t t = (i / strides[1]) % named[1].extent, pos = i % named[2].extent;
+      if (pos > n_past + t && y == 0 && x != 0) ++p.future_nonzero;
+    }
+  }
+  p.cosine = (sa == 0 && sb == 0) ? 1.0 : (sa == 0 || sb == 0) ? 0.0 : sab / std::sqrt(sa * sb);
+
+  bool any_wrong = false;
+  for (int k = 0; k < 3; ++k) {
+    if (order[k] < 0) continue;
+    const NamedDim& d = named[order[k]];
+    AxisPattern axp;
+    axp.dim = d.dim;
+    axp.label = label_of(d.dim, order[k] == ax.row);
+    axp.extent = d.extent;
+    const Sums& s = sums[k];
+    for (int64_t j = 0; j < d.extent; ++j) {
+      const double rel = s.nonfinite[j] ? INFINITY : s.b2[j] > 0 ? std::sqrt(s.d2[j] / s.b2[j]) : (s.d2[j] > 0 ? INFINITY : 0.0);
+      if (rel <= exact_below) {
+        axp.exact.push_back(j);
+      } else {
+        axp.wrong.push_back(j);
+        if (!s.nonfinite[j] && s.a2[j] == 0 && s.b2[j] > 0) axp.zero_engine.push_back(j);
+      }
+    }
+    any_wrong = any_wrong || !axp.wrong.empty();
+    p.axes.push_back(std::move(axp));
+  }
+
+  // The summary: the axes whose slices split into exact and wrong.
+  std::vector<std::string> parts;
+  for (const auto& axp : p.axes) {
+    if (!axp.partial()) continue;
+    std::string wrong = axp.zero_engine == axp.wrong ? fmt::format("{} all zero in engine", format_ranges(axp.wrong))
+                        : axp.zero_engine.empty()    ? fmt::format("{} wrong", format_ranges(axp.wrong))
+                                                     : fmt::format("{} wrong ({} all zero in engine)", format_ranges(axp.wrong),
+                                                                   format_ranges(axp.zero_engine));
+    parts.push_back(fmt::format("{} {} exact, {}", axp.label, format_ranges(axp.exact), wrong));
+  }
+  if (parts.empty() && any_wrong) {
+    std::vector<std::string> labels;
+    for (const auto& axp : p.axes) labels.push_back(axp.label);
+    parts.push_back(labels.empty() ? std::string("the error is spread over the tensor")
+                                   : fmt::format("every slice wrong ({}): the error is spread over the tensor",
+                                                 fmt::join(labels, ", ")));
+  }
+  p.summary = fmt::format("{}", fmt::join(parts, "; "));
+
+  auto find = [&](int axis) -> const AxisPattern* {
+    for (const auto& axp : p.axes) {
+      if (axis >= 0 && axp.dim == named[axis].dim) return &axp;
+    }
+    return nullptr;
+  };
+  const AxisPattern* rows = find(ax.row);
+  const AxisPattern* heads = find(ax.head);
+  const AxisPattern* channels = find(ax.channel);
+  if (p.future_nonzero > 0) {
+    p.hint = fmt::format("{} probabilities on future positions where the reference has 0: the causal mask",
+                         p.future_nonzero);
+  } else if (rows && rows->dim == "S" && !rows->zero_engine.empty() && rows->partial()) {
+    p.hint = fmt::format("cache row {} never written in the engine: the K/V write position", format_ranges(rows->zero_engine));
+  } else if (heads && heads->partial() && (base == "kq_soft_max" || base == "kqv_out")) {
+    p.hint = "some query heads exact, others not: the query-to-KV head mapping (GQA)";
+  } else if (rows && rows->dim == "T" && rows->partial() && rows->wrong.size() == 1) {
+    p.hint = fmt::format("one token wrong: that token (T={})", rows->wrong.front());
+  } else if (channels && channels->partial() && channels->wrong.size() * 8 <= static_cast<size_t>(channels->extent)) {
+    p.hint = "a few channels wrong: a weight row, a bias or a scale of those channels";
+  } else if (any_wrong && std::abs(p.cosine) < 0.1) {
+    p.hint = fmt::format("cosine {:.3f}, uncorrelated: a layout, a transpose or the wrong tensor", p.cosine);
+  }
+  return p;
+}
+
+}  // namespace diffrun::diff

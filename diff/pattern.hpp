@@ -1,0 +1,53 @@
+// The error pattern of one checkpoint: which heads, token rows, cache rows or channels are exact and which wrong.
+//
+// The tensor-wide metrics say how large an error is; the pattern says where it sits, which names the
+// bug class: some heads exact and the rest wrong in attention (a query-to-KV head mapping), one cache
+// row all zero in the engine (a write position), one token row wrong (that token), a few channels
+// wrong (a weight row, bias or scale), cosine near 0 (a layout, a transpose or the wrong tensor),
+// probability on future positions (the causal mask).
+//
+// Decisions:
+// - A slice (one index of an axis) is exact when its rel L2 ||a_i - b_i|| / ||b_i|| is at most
+//   `exact_below` (the caller passes its tolerance: the rule's row/head bound, else its rel L2 bound),
+//   wrong otherwise; a slice holding a NaN or Inf on either side is wrong.
+// - Axes reported: the row axis (T, or S for the cache), the head axis (H/Hkv), the channel axis (the
+//   last dimension). An axis says something only when it has exact and wrong slices; when every
+//   slice of every axis is wrong the summary says the error is spread over the whole tensor.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "diff/metrics.hpp"
+
+namespace diffrun::diff {
+
+struct AxisPattern {
+  std::string dim;                    // "H", "T", "S", "Dh", ...
+  std::string label;                  // "heads", "token rows", "cache rows", "channels", "positions"
+  int64_t extent = 0;
+  std::vector<int64_t> exact, wrong;  // slice indices
+  std::vector<int64_t> zero_engine;   // wrong slices that are all zero in the engine (and not in the reference)
+  bool partial() const { return !exact.empty() && !wrong.empty(); }
+};
+
+struct ErrorPattern {
+  std::string summary;       // one line; empty when the tensors agree
+  std::string hint;          // the bug class it points to ("write position"); empty when none
+  double cosine = 1.0;       // over the elements finite on both sides
+  double exact_below = 0.0;  // the threshold used
+  int64_t future_nonzero = 0;  // kq_soft_max: engine probability > 0 on a future position where the reference has 0
+  std::vector<AxisPattern> axes;
+};
+
+// "0-4,6,9-11" (sorted indices).
+std::string format_ranges(const std::vector<int64_t>& indices);
+
+// `base` is the checkpoint kind ("kq_soft_max"); a and b have the same number of elements.
+ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, std::span<const int64_t> shape,
+                           std::string_view layout, const DimSizes& dims, std::string_view base, double exact_below);
+
+}  // namespace diffrun::diff

@@ -1,0 +1,143 @@
+// Unit tests of diff/pattern: crafted tensors for each error pattern (heads, cache rows, one token, channels, cosine, causal mask).
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "diff/pattern.hpp"
+
+using namespace diffrun::diff;
+
+namespace {
+
+// Smooth values in [-1, 1], never zero in bulk.
+std::vector<float> values(size_t n, double phase = 0.0) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>(std::sin(0.7 * static_cast<double>(i) + phase) * 0.9 + 0.05);
+  return v;
+}
+
+const AxisPattern* axis(const ErrorPattern& p, const std::string& dim) {
+  for (const auto& a : p.axes) {
+    if (a.dim == dim) return &a;
+  }
+  return nullptr;
+}
+
+using V = std::vector<int64_t>;
+
+}  // namespace
+
+TEST(Pattern, Ranges) {
+  EXPECT_EQ(format_ranges({0, 1, 2, 3, 4, 6, 9, 10, 11}), "0-4,6,9-11");
+  EXPECT_EQ(format_ranges({5}), "5");
+  EXPECT_EQ(format_ranges({}), "");
+}
+
+TEST(Pattern, IdenticalTensorsHaveNoPattern) {
+  std::vector<float> b = values(2 * 3 * 4);
+  ErrorPattern p = error_pattern(b, b, std::vector<int64_t>{2, 3, 4}, "T,H,Dh", {}, "Qcur", 1e-6);
+  EXPECT_EQ(p.summary, "");
+  EXPECT_EQ(p.hint, "");
+  EXPECT_DOUBLE_EQ(p.cosine, 1.0);
+}
+
+// A wrong GQA mapping: in attention [H, T, S] heads 0, 4 and 8 of 12 read the right KV head.
+TEST(Pattern, SomeHeadsExactInAttentionIsTheHeadMapping) {
+  const int64_t H = 12, T = 3, S = 3;
+  std::vector<float> b = values(H * T * S), a = b;
+  for (int64_t h = 0; h < H; ++h) {
+    if (h % 4 == 0) continue;
+    for (int64_t i = 0; i < T * S; ++i) a[h * T * S + i] += 0.1f;
+  }
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{H, T, S}, "H,T,S", {}, "kq_soft_max", 1e-6);
+  const AxisPattern* heads = axis(p, "H");
+  ASSERT_NE(heads, nullptr);
+  EXPECT_EQ(heads->exact, (V{0, 4, 8}));
+  EXPECT_EQ(heads->wrong.size(), 9u);
+  EXPECT_EQ(p.summary.rfind("heads 0,4,8 exact, 1-3,5-7,9-11 wrong", 0), 0u) << p.summary;
+  EXPECT_NE(p.hint.find("head mapping"), std::string::npos) << p.hint;
+}
+
+// The K/V of the step written at cache row 0 instead of n_past = 5: rows 0 and 5 differ, row 5 is zero.
+TEST(Pattern, ZeroCacheRowIsTheWritePosition) {
+  const int64_t S = 6, Hkv = 2, Dh = 4;
+  std::vector<float> b = values(S * Hkv * Dh), a = b;
+  for (int64_t i = 0; i < Hkv * Dh; ++i) {
+    a[i] = b[5 * Hkv * Dh + i];  // row 0 overwritten with the new K
+    a[5 * Hkv * Dh + i] = 0.0f;  // row 5 never written
+  }
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{S, Hkv, Dh}, "S,Hkv,Dh", {}, "cache_k", 1e-6);
+  const AxisPattern* rows = axis(p, "S");
+  ASSERT_NE(rows, nullptr);
+  EXPECT_EQ(rows->label, "cache rows");
+  EXPECT_EQ(rows->exact, (V{1, 2, 3, 4}));
+  EXPECT_EQ(rows->wrong, (V{0, 5}));
+  EXPECT_EQ(rows->zero_engine, (V{5}));
+  EXPECT_NE(p.summary.find("cache rows 1-4 exact, 0,5 wrong (5 all zero in engine)"), std::string::npos) << p.summary;
+  EXPECT_NE(p.hint.find("cache row 5 never written"), std::string::npos) << p.hint;
+  EXPECT_NE(p.hint.find("write position"), std::string::npos) << p.hint;
+}
+
+TEST(Pattern, OneTokenRowWrongNamesThatToken) {
+  const int64_t T = 5, D = 8;
+  std::vector<float> b = values(T * D), a = b;
+  for (int64_t d = 0; d < D; ++d) a[3 * D + d] *= 1.5f;
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{T, D}, "T,D", {}, "embd", 1e-6);
+  EXPECT_EQ(axis(p, "T")->wrong, (V{3}));
+  EXPECT_NE(p.summary.find("token rows 0-2,4 exact, 3 wrong"), std::string::npos) << p.summary;
+  EXPECT_NE(p.hint.find("that token (T=3)"), std::string::npos) << p.hint;
+}
+
+// One weight row of an output projection scaled: one channel wrong in every token.
+TEST(Pattern, AFewChannelsWrongPointAtAWeightRow) {
+  const int64_t T = 4, D = 16;
+  std::vector<float> b = values(T * D), a = b;
+  for (int64_t t = 0; t < T; ++t) a[t * D + 11] *= 1.01f;
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{T, D}, "T,D", {}, "ffn_out", 1e-6);
+  EXPECT_EQ(axis(p, "D")->wrong, (V{11}));
+  EXPECT_NE(p.summary.find("channels D 0-10,12-15 exact, 11 wrong"), std::string::npos) << p.summary;
+  EXPECT_NE(p.hint.find("weight row"), std::string::npos) << p.hint;
+  // The same inside one head of a per-head tensor [T, H*Dh], the sizes known: head 1, channel 3.
+  std::vector<float> q = values(T * 8), r = q;
+  for (int64_t t = 0; t < T; ++t) r[t * 8 + 4 + 3] += 0.2f;
+  ErrorPattern ph = error_pattern(r, q, std::vector<int64_t>{T, 8}, "T,H*Dh", {{"H", 2}, {"Dh", 4}}, "Qcur", 1e-6);
+  EXPECT_EQ(axis(ph, "H")->wrong, (V{1}));
+  EXPECT_EQ(axis(ph, "Dh")->wrong, (V{3}));
+}
+
+// A transposed read: the same values in another order, uncorrelated.
+TEST(Pattern, CosineNearZeroIsALayoutOrTranspose) {
+  const int64_t T = 16, D = 32;
+  std::vector<float> b(T * D), a(T * D);
+  for (int64_t i = 0; i < T * D; ++i) b[i] = static_cast<float>(std::sin(1.3 * static_cast<double>(i * i % 97)));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t d = 0; d < D; ++d) a[t * D + d] = static_cast<float>(std::cos(2.1 * static_cast<double>(d * 31 + t * 7)));
+  }
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{T, D}, "T,D", {}, "attn_out", 1e-6);
+  EXPECT_LT(std::abs(p.cosine), 0.1);
+  EXPECT_NE(p.summary.find("spread over the tensor"), std::string::npos) << p.summary;
+  EXPECT_NE(p.hint.find("a layout, a transpose or the wrong tensor"), std::string::npos) << p.hint;
+}
+
+TEST(Pattern, ProbabilityOnFuturePositionsIsTheCausalMask) {
+  // Prefill, H=1, T=S=3: the reference attends causally, the engine uniformly.
+  std::vector<float> b = {1, 0, 0, 0.5f, 0.5f, 0, 1.f / 3, 1.f / 3, 1.f / 3};
+  std::vector<float> a = {1.f / 3, 1.f / 3, 1.f / 3, 1.f / 3, 1.f / 3, 1.f / 3, 1.f / 3, 1.f / 3, 1.f / 3};
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{1, 3, 3}, "H,T,S", {}, "kq_soft_max", 1e-6);
+  EXPECT_EQ(p.future_nonzero, 3);
+  EXPECT_EQ(axis(p, "T")->exact, (V{2}));
+  EXPECT_NE(p.hint.find("causal mask"), std::string::npos) << p.hint;
+}
+
+TEST(Pattern, SlicesWithNaNAreWrongAndTheThresholdDecidesExact) {
+  const int64_t T = 4, D = 4;
+  std::vector<float> b = values(T * D), a = b;
+  a[2 * D + 1] = std::numeric_limits<float>::quiet_NaN();
+  a[0] *= 1.0f + 1e-5f;  // row 0: rel ~1e-5, exact under 1e-4, wrong under 1e-7
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{T, D}, "T,D", {}, "l_out", 1e-4);
+  EXPECT_EQ(axis(p, "T")->wrong, (V{2}));
+  ErrorPattern strict = error_pattern(a, b, std::vector<int64_t>{T, D}, "T,D", {}, "l_out", 1e-7);
+  EXPECT_EQ(axis(strict, "T")->wrong, (V{0, 2}));
+}
