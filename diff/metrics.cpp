@@ -152,11 +152,14 @@ TensorMetrics compute_metrics(std::span<const float> a, std::span<const float> b
   for (const auto& d : named) named_n *= d.extent;
   const SliceAxes ax = named_n == m.n ? slice_axes(named) : SliceAxes{};
   struct Slices {
-    int axis;
+    int axis = -1;
     int64_t stride = 1, extent = 0;
     std::vector<double> d2, b2;
   };
-  Slices sl[3] = {{ax.row}, {ax.head}, {ax.channel}};
+  Slices sl[3];
+  sl[0].axis = ax.row;
+  sl[1].axis = ax.head;
+  sl[2].axis = ax.channel;
   for (auto& s : sl) {
     if (s.axis < 0) continue;
     s.extent = named[s.axis].extent;
