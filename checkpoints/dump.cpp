@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -387,7 +388,10 @@ uint64_t DumpWriter::bytes_written() const { return impl_->bytes; }
 // Reader
 
 struct DumpReader::Impl {
+  static constexpr int kMaxLayers = 4096;
+  static constexpr int kMaxDim = 1 << 24;
   std::string path;
+  uint64_t file_size = 0;
   Hid file;
   DumpMeta meta;
   std::map<int, std::vector<DatasetInfo>> steps;
@@ -506,6 +510,7 @@ struct DumpReader::Impl {
     meta.token_ids = read_ints(root, "token_ids");
     meta.created_utc = read_str(root, "created_utc");
     meta.diffrun_version = read_str(root, "diffrun_version");
+    check_config();
 
     // Other root attributes: strings are backend facts, integers are set_attribute() arrays.
     std::vector<std::string> names;
@@ -523,6 +528,42 @@ struct DumpReader::Impl {
       const H5T_class_t cls = H5Tget_class(t.get());
       if (cls == H5T_STRING) meta.facts[n] = read_str(root, n.c_str());
       else if (cls == H5T_INTEGER) int_attribute_names.push_back(n);
+    }
+  }
+
+  // Sizes everything downstream loops over or allocates by (a dump declaring n_layer = 2e9 once
+  // drove compare to 21 GB): each must be positive and within what any real model needs.
+  void check_config() const {
+    const ModelConfig& c = meta.config;
+    const std::pair<const char*, int> dims[] = {{"n_embd", c.n_embd}, {"n_head", c.n_head},
+                                                {"n_head_kv", c.n_head_kv}, {"head_dim", c.head_dim},
+                                                {"n_ff", c.n_ff}, {"n_vocab", c.n_vocab}, {"n_ctx", c.n_ctx}};
+    if (c.n_layer < 1 || c.n_layer > kMaxLayers)
+      fail("attribute 'n_layer' is " + std::to_string(c.n_layer) + ", outside 1.." + std::to_string(kMaxLayers));
+    for (const auto& [name, v] : dims) {
+      if (v < 1 || v > kMaxDim)
+        fail(std::string("attribute '") + name + "' is " + std::to_string(v) + ", outside 1.." + std::to_string(kMaxDim));
+    }
+  }
+
+  // A dataset must hold the bytes its shape declares, so a 230 KB file declaring 2 GB is refused
+  // before anything is allocated: unfiltered storage at least the declared size, filtered
+  // (compressed) storage at least 1/1100 of it (zlib's best ratio is about 1032:1), and never more
+  // storage than the file has.
+  void check_storage(hid_t ds, hid_t type, const std::vector<int64_t>& shape, const std::string& where) const {
+    uint64_t declared = H5Tget_size(type);
+    for (int64_t d : shape) {
+      if (d != 0 && declared > UINT64_MAX / static_cast<uint64_t>(d)) fail("its shape overflows 64 bits", where);
+      declared *= static_cast<uint64_t>(d);
+    }
+    if (declared == 0) return;
+    Hid dcpl(H5Dget_create_plist(ds), H5Pclose);
+    const bool filtered = dcpl.valid() && H5Pget_nfilters(dcpl.get()) > 0;
+    const uint64_t stored = H5Dget_storage_size(ds);
+    if (stored < (filtered ? declared / 1100 : declared) || stored > file_size) {
+      fail("its shape declares " + std::to_string(declared) + " bytes but " + std::to_string(stored) +
+               " bytes are stored (file size " + std::to_string(file_size) + "): the dataset lies about its size",
+           where);
     }
   }
 
@@ -567,6 +608,7 @@ struct DumpReader::Impl {
         Hid t(H5Dget_type(ds.get()), H5Tclose);
         const H5T_class_t cls = H5Tget_class(t.get());
         if (cls != H5T_FLOAT && cls != H5T_INTEGER) fail("not a numeric dataset", where);
+        check_storage(ds.get(), t.get(), info.shape, where);
         info.is_int = cls == H5T_INTEGER;
         info.order = read_int(ds.get(), "order", where);
         info.layer = read_int(ds.get(), "layer", where);
@@ -607,6 +649,8 @@ DumpReader::DumpReader(const std::string& path) : impl_(std::make_unique<Impl>()
   // stat only: a FIFO is never opened (that would block), a directory is named as one.
   if (std::string problem = regular_file_problem(path); !problem.empty())
     m.fail(problem == "does not exist" ? "no such file" : problem);
+  std::error_code ec;
+  m.file_size = std::filesystem::file_size(path, ec);
   if (H5Fis_hdf5(path.c_str()) <= 0) m.fail("not an HDF5 file (no HDF5 signature: foreign or truncated)");
   Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
   H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);

@@ -199,6 +199,35 @@ TEST_F(Cli, MissingTokensDataset) {
   expect_error(compare(path("engine.h5")), "step 1 has no \"tokens\" dataset");
 }
 
+TEST_F(Cli, DumpsThatLieAboutTheirSize) {
+  // A root attribute n_layer = 2e9 once drove compare to 21 GB before anything was checked.
+  engine_dump().write(path("engine.h5"));
+  ASSERT_EQ(python("import h5py; f = h5py.File(" + quote(path("engine.h5")) + ", 'r+'); "
+                   "f.attrs['n_layer'] = 2000000000; f.close()"),
+            0);
+  expect_error(compare(path("engine.h5")), "engine.h5: attribute 'n_layer' is 2000000000, outside 1..4096");
+  expect_error(run("ls " + quote(path("engine.h5"))), "attribute 'n_layer' is 2000000000");
+  // A dataset whose shape declares 1.6 GB with nothing stored: refused before it is allocated.
+  engine_dump().write(path("engine.h5"));
+  ASSERT_EQ(python("import h5py; f = h5py.File(" + quote(path("engine.h5")) + ", 'r+'); g = f['step_0000']; "
+                   "a = dict(g['embd'].attrs); del g['embd']; d = g.create_dataset('embd', shape=(3, 2**27), dtype='f4'); "
+                   "[d.attrs.__setitem__(k, v) for k, v in a.items()]; f.close()"),
+            0);
+  const std::string lie = "dataset 'step_0000/embd': its shape declares 1610612736 bytes but 0 bytes are stored";
+  expect_error(compare(path("engine.h5")), lie);
+  expect_error(run("show " + quote(path("engine.h5")) + " embd"), lie);
+  expect_error(run("ls " + quote(path("engine.h5"))), lie);
+  // Compressed data stores fewer bytes than it declares and is read as usual.
+  engine_dump().write(path("engine.h5"));
+  ASSERT_EQ(python("import h5py; f = h5py.File(" + quote(path("engine.h5")) + ", 'r+'); g = f['step_0000']; "
+                   "a = dict(g['embd'].attrs); v = g['embd'][()]; del g['embd']; "
+                   "d = g.create_dataset('embd', data=v, compression='gzip', chunks=True); "
+                   "[d.attrs.__setitem__(k, x) for k, x in a.items()]; f.close()"),
+            0);
+  Result r = compare(path("engine.h5"));
+  EXPECT_EQ(r.rc, 0) << r.out << r.err;
+}
+
 TEST_F(Cli, MismatchedShapes) {
   // A different prompt length: every shape differs, refused as not comparable.
   SyntheticDump longer = engine_dump();
