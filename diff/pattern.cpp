@@ -101,6 +101,7 @@ ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, s
         axp.exact.push_back(j);
       } else {
         axp.wrong.push_back(j);
+        if (s.nonfinite[j]) axp.nonfinite.push_back(j);
         if (!s.nonfinite[j] && s.a2[j] == 0 && s.b2[j] > 0) axp.zero_engine.push_back(j);
       }
     }
@@ -108,9 +109,19 @@ ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, s
     p.axes.push_back(std::move(axp));
   }
 
-  // The summary: the axes whose slices split into exact and wrong.
+  // The summary: the axes whose slices split into exact and wrong (into finite and not, over
+  // non-finite data).
+  bool any_nonfinite = false;
+  for (const auto& axp : p.axes) any_nonfinite = any_nonfinite || !axp.nonfinite.empty();
   std::vector<std::string> parts;
   for (const auto& axp : p.axes) {
+    if (any_nonfinite) {
+      if (!axp.nonfinite.empty() && static_cast<int64_t>(axp.nonfinite.size()) < axp.extent) {
+        parts.push_back(fmt::format("{}{} {}", parts.empty() ? "NaN/Inf only in " : "", axp.label,
+                                    format_ranges(axp.nonfinite)));
+      }
+      continue;
+    }
     if (!axp.partial()) continue;
     std::string wrong = axp.zero_engine == axp.wrong ? fmt::format("{} all zero in engine", format_ranges(axp.wrong))
                         : axp.zero_engine.empty()    ? fmt::format("{} wrong", format_ranges(axp.wrong))
@@ -118,7 +129,9 @@ ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, s
                                                                    format_ranges(axp.zero_engine));
     parts.push_back(fmt::format("{} {} exact, {}", axp.label, format_ranges(axp.exact), wrong));
   }
-  if (parts.empty() && any_wrong) {
+  if (parts.empty() && any_nonfinite) {
+    parts.push_back("NaN/Inf in every slice");
+  } else if (parts.empty() && any_wrong) {
     std::vector<std::string> labels;
     for (const auto& axp : p.axes) labels.push_back(axp.label);
     parts.push_back(labels.empty() ? std::string("the error is spread over the tensor")
@@ -136,7 +149,16 @@ ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, s
   const AxisPattern* rows = find(ax.row);
   const AxisPattern* heads = find(ax.head);
   const AxisPattern* channels = find(ax.channel);
-  if (p.future_nonzero > 0) {
+  if (any_nonfinite) {
+    // Over non-finite data "wrong" means "holds a NaN/Inf": only the token and channel hints hold.
+    const size_t nt = rows ? rows->nonfinite.size() : 0, nc = channels ? channels->nonfinite.size() : 0;
+    if (rows && rows->dim == "T" && nt == 1 && rows->extent > 1) {
+      p.hint = fmt::format("one token holds them: that token (T={})", rows->nonfinite.front());
+    } else if (channels && nc > 0 && nc * 8 <= static_cast<size_t>(channels->extent) &&
+               (!rows || static_cast<int64_t>(nt) == rows->extent)) {
+      p.hint = "a few channels hold them in every token: a weight row, a bias or a scale of those channels";
+    }
+  } else if (p.future_nonzero > 0) {
     p.hint = fmt::format("{} probabilities on future positions where the reference has 0: the causal mask",
                          p.future_nonzero);
   } else if (rows && rows->dim == "S" && !rows->zero_engine.empty() && rows->partial()) {

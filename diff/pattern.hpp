@@ -13,6 +13,9 @@
 // - Axes reported: the row axis (T, or S for the cache), the head axis (H/Hkv), the channel axis (the
 //   last dimension). An axis says something only when it has exact and wrong slices; when every
 //   slice of every axis is wrong the summary says the error is spread over the whole tensor.
+// - Where the data holds a NaN or Inf, the summary names the slices that hold them instead (the
+//   finite differences beside them are beside the point), and only the token and channel hints
+//   apply (one token; a few channels: a weight row).
 #pragma once
 
 #include <cstdint>
@@ -31,6 +34,7 @@ struct AxisPattern {
   int64_t extent = 0;
   std::vector<int64_t> exact, wrong;  // slice indices
   std::vector<int64_t> zero_engine;   // wrong slices that are all zero in the engine (and not in the reference)
+  std::vector<int64_t> nonfinite;     // wrong slices holding a NaN or Inf on either side
   bool partial() const { return !exact.empty() && !wrong.empty(); }
 };
 

@@ -100,7 +100,8 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s) {
     for (const auto& k : f.checks) {
       if (k.pass) continue;
       if (k.metric == "nonfinite") {
-        failed.push_back(fmt::format("{} NaN/Inf value(s) over both sides (non-finite always fails)", num(k.value)));
+        failed.push_back(fmt::format("{} NaN/Inf value(s) (engine {}, reference {}): non-finite always fails", num(k.value),
+                                     m.nan_a + m.inf_a, m.nan_b + m.inf_b));
       } else {
         bool upper = k.bound.rfind("max_", 0) == 0;
         failed.push_back(fmt::format("{} {} {} {} {}", k.metric, num(k.value), upper ? ">" : "<", k.bound, num(k.limit)));

@@ -141,3 +141,21 @@ TEST(Pattern, SlicesWithNaNAreWrongAndTheThresholdDecidesExact) {
   ErrorPattern strict = error_pattern(a, b, std::vector<int64_t>{T, D}, "T,D", {}, "l_out", 1e-7);
   EXPECT_EQ(axis(strict, "T")->wrong, (V{0, 2}));
 }
+
+// Over non-finite data the pattern names the slices holding NaN/Inf, and no finite-error hint.
+TEST(Pattern, NaNSlicesAreNamedAndOnlyTheirHintsApply) {
+  // A NaN weight row of W_q: channel 0 of head 0 in every token of [T=3, H=2, Dh=8].
+  std::vector<float> b = values(3 * 2 * 8), a = b;
+  for (int t = 0; t < 3; ++t) a[t * 16] = std::numeric_limits<float>::quiet_NaN();
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{3, 2, 8}, "T,H,Dh", {}, "Qcur", 1e-6);
+  EXPECT_EQ(p.summary, "NaN/Inf only in heads 0; channels Dh 0") << p.summary;
+  EXPECT_NE(p.hint.find("weight row"), std::string::npos) << p.hint;
+  // Softmax rows overflowing in some heads and tokens: no head-mapping hint.
+  std::vector<float> q = values(4 * 3 * 3), r = q;
+  r[0 * 9 + 1 * 3 + 0] = std::numeric_limits<float>::quiet_NaN();
+  r[2 * 9 + 1 * 3 + 0] = std::numeric_limits<float>::infinity();
+  r[3 * 9 + 2 * 3 + 0] *= 2.0f;  // a finite difference beside them
+  ErrorPattern s = error_pattern(r, q, std::vector<int64_t>{4, 3, 3}, "H,T,S", {}, "kq_soft_max", 1e-6);
+  EXPECT_EQ(s.summary, "NaN/Inf only in heads 0,2; token rows 1; positions 0") << s.summary;
+  EXPECT_NE(s.hint.find("that token (T=1)"), std::string::npos) << s.hint;
+}
