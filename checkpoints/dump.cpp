@@ -1,9 +1,10 @@
-// HDF5 dump writer and reader ("diffrun-dump", DESIGN.md) on the HDF5 1.10 C API.
-// File layout: root attributes (meta), groups /step_NNNN, one contiguous float32 (int32 for ids)
-// dataset per checkpoint with attributes order, layer, layout, native_dtype. Strings are scalar
-// variable-length UTF-8 (h5py reads them as str); booleans are h5py's enum {FALSE=0, TRUE=1} over
-// int8 (h5py reads numpy.bool_). HDF5's automatic error printing is turned off; every failure is a
-// DumpError naming the file (and dataset), with HDF5's innermost message appended.
+// HDF5 dump writer and reader ("diffrun-dump", docs/dump-format.md) on the HDF5 1.10 C API.
+// The writer checks checkpoints against the vocabulary and writes through DumpFile
+// (checkpoints/dump_format.hpp), the one implementation of the file format, shared with the C API:
+// root attributes (meta), groups /step_NNNN, one contiguous float32 (int32 for ids) dataset per
+// checkpoint with attributes order, layer, layout, native_dtype. HDF5's automatic error printing is
+// turned off; every failure is a DumpError naming the file (and dataset), with HDF5's innermost
+// message appended.
 #include "checkpoints/dump.hpp"
 
 #include <hdf5.h>
@@ -25,111 +26,24 @@ namespace diffrun {
 
 namespace {
 
-// Root attributes the format defines; any other string attribute is a backend fact.
+// The root attributes every dump holds (docs/dump-format.md); any other string attribute is a
+// backend fact, any other integer array an extra (all_token_ids, argmax).
 const std::set<std::string, std::less<>>& reserved_root_attributes() {
-  static const std::set<std::string, std::less<>> keys = {
-      "format", "format_version", "backend", "precision", "model_path", "model_fingerprint", "arch",
-      "n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab", "n_ctx", "rope_theta",
-      "rope_type", "rms_eps", "tied_output", "qkv_bias", "qk_norm", "prompt", "token_ids", "created_utc",
-      "diffrun_version"};
+  static const std::set<std::string, std::less<>> keys = [] {
+    std::set<std::string, std::less<>> k;
+    for (const auto& a : root_attributes())
+      if (a.required) k.insert(a.name);
+    return k;
+  }();
   return keys;
 }
+bool is_format_attribute(const std::string& key) { return reserved_root_attributes().count(key) > 0; }
 
-void silence_hdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
-
-// HDF5's innermost error message (the most specific), then the stack is cleared.
-std::string hdf5_detail() {
-  std::string detail;
-  H5Ewalk2(
-      H5E_DEFAULT, H5E_WALK_DOWNWARD,
-      [](unsigned, const H5E_error2_t* e, void* out) -> herr_t {
-        if (e->desc && *e->desc) *static_cast<std::string*>(out) = e->desc;
-        return 0;
-      },
-      &detail);
-  H5Eclear2(H5E_DEFAULT);
-  return detail.empty() ? std::string() : " (HDF5: " + detail + ")";
-}
-
-// An HDF5 identifier closed on scope exit.
-class Hid {
- public:
-  Hid() = default;
-  Hid(hid_t id, herr_t (*close)(hid_t)) : id_(id), close_(close) {}
-  Hid(Hid&& o) noexcept : id_(std::exchange(o.id_, H5I_INVALID_HID)), close_(o.close_) {}
-  Hid& operator=(Hid&& o) noexcept {
-    reset();
-    id_ = std::exchange(o.id_, H5I_INVALID_HID);
-    close_ = o.close_;
-    return *this;
-  }
-  ~Hid() { reset(); }
-  hid_t get() const { return id_; }
-  bool valid() const { return id_ >= 0; }
-  void reset() {
-    if (id_ >= 0 && close_) close_(id_);
-    id_ = H5I_INVALID_HID;
-  }
-  // Closes now and reports whether the close succeeded (file closes flush data).
-  bool close() {
-    herr_t rc = (id_ >= 0 && close_) ? close_(id_) : 0;
-    id_ = H5I_INVALID_HID;
-    return rc >= 0;
-  }
-
- private:
-  hid_t id_ = H5I_INVALID_HID;
-  herr_t (*close_)(hid_t) = nullptr;
-};
-
-std::string step_group_name(int step) {
-  std::array<char, 32> buf{};
-  std::snprintf(buf.data(), buf.size(), "step_%04d", step);
-  return buf.data();
-}
-
-// "step_0012" -> 12; -1 for any other name.
-int parse_step_group_name(std::string_view name) {
-  constexpr std::string_view prefix = "step_";
-  if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) return -1;
-  int step = 0;
-  for (char c : name.substr(prefix.size())) {
-    if (c < '0' || c > '9' || step > 100000000) return -1;
-    step = step * 10 + (c - '0');
-  }
-  return step;
-}
-
-std::string utc_now_iso8601() {
-  std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  std::array<char, 32> buf{};
-  std::strftime(buf.data(), buf.size(), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf.data();
-}
-
-// Types shared by writer and reader.
-struct Types {
-  Hid str;   // variable-length UTF-8 string
-  Hid boolean;  // h5py's bool: enum of int8 {FALSE = 0, TRUE = 1}
-  Types() {
-    str = Hid(H5Tcopy(H5T_C_S1), H5Tclose);
-    H5Tset_size(str.get(), H5T_VARIABLE);
-    H5Tset_cset(str.get(), H5T_CSET_UTF8);
-    boolean = Hid(H5Tenum_create(H5T_NATIVE_INT8), H5Tclose);
-    int8_t f = 0, t = 1;
-    H5Tenum_insert(boolean.get(), "FALSE", &f);
-    H5Tenum_insert(boolean.get(), "TRUE", &t);
-  }
-};
-
-const Types& types() {
-  static const Types t;
-  return t;
-}
-
-Hid scalar_space() { return Hid(H5Screate(H5S_SCALAR), H5Sclose); }
+void silence_hdf5() { h5::silence(); }
+std::string hdf5_detail() { return h5::detail(); }
+using h5::Hid;
+std::string step_group_name(int step) { return dump_step_group_name(step); }
+int parse_step_group_name(std::string_view name) { return parse_dump_step_group_name(name); }
 
 }  // namespace
 
@@ -137,147 +51,47 @@ Hid scalar_space() { return Hid(H5Screate(H5S_SCALAR), H5Sclose); }
 // Writer
 
 struct DumpWriter::Impl {
-  std::string path;
-  std::string tmp_path;
   DumpMeta meta;
   CheckpointFilter filter;
-  Hid file;
-  Hid dcpl;     // dataset creation: contiguous, no fill, no timestamps
-  Hid scalar;   // scalar dataspace for attributes
-  int step = -1;
-  Hid group;    // the group of `step`
-  std::set<std::string, std::less<>> step_names;  // datasets written in `step`
-  std::set<int> steps_started;
-  std::set<std::string, std::less<>> root_keys;   // root attributes written so far
-  uint64_t bytes = 0;
-  bool finished = false;
-
-  ~Impl() {
-    group.reset();
-    file.reset();
-    if (!finished && !tmp_path.empty()) {
-      std::error_code ec;
-      std::filesystem::remove(tmp_path, ec);
-    }
-  }
+  std::unique_ptr<DumpFile> file;
 
   [[noreturn]] void fail(const std::string& what, std::string_view dataset = {}) const {
-    std::string msg = path + ": " + (dataset.empty() ? "" : "dataset '" + std::string(dataset) + "': ") + what;
+    std::string msg = file->path() + ": " + (dataset.empty() ? "" : "dataset '" + std::string(dataset) + "': ") + what;
     throw DumpError(msg + hdf5_detail());
   }
 
-  void attr_raw(hid_t obj, const std::string& name, hid_t file_type, hid_t mem_type, hid_t space,
-                const void* value, std::string_view where) {
-    Hid a(H5Acreate2(obj, name.c_str(), file_type, space, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
-    if (!a.valid() || H5Awrite(a.get(), mem_type, value) < 0) fail("cannot write attribute '" + name + "'", where);
-  }
-  void attr_str(hid_t obj, const std::string& name, const std::string& value, std::string_view where = {}) {
-    const char* p = value.c_str();
-    attr_raw(obj, name, types().str.get(), types().str.get(), scalar.get(), &p, where);
-  }
-  void attr_int(hid_t obj, const std::string& name, int32_t value, std::string_view where = {}) {
-    attr_raw(obj, name, H5T_STD_I32LE, H5T_NATIVE_INT32, scalar.get(), &value, where);
-  }
-  void attr_double(hid_t obj, const std::string& name, double value) {
-    attr_raw(obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, scalar.get(), &value, {});
-  }
-  void attr_bool(hid_t obj, const std::string& name, bool value) {
-    int8_t v = value ? 1 : 0;
-    attr_raw(obj, name, types().boolean.get(), types().boolean.get(), scalar.get(), &v, {});
-  }
-  void attr_ints(hid_t obj, const std::string& name, const std::vector<int32_t>& values) {
-    hsize_t n = values.size();
-    Hid space(H5Screate_simple(1, &n, nullptr), H5Sclose);
-    if (!space.valid()) fail("cannot create the dataspace of attribute '" + name + "'");
-    attr_raw(obj, name, H5T_STD_I32LE, H5T_NATIVE_INT32, space.get(), values.data(), {});
-  }
-
   void write_root_attributes() {
-    const hid_t root = file.get();
+    DumpFile& f = *file;
     const ModelConfig& c = meta.config;
-    attr_str(root, "format", kDumpFormat);
-    attr_int(root, "format_version", meta.format_version);
-    attr_str(root, "backend", meta.backend);
-    attr_str(root, "precision", meta.precision);
-    attr_str(root, "model_path", meta.model_path);
-    attr_str(root, "model_fingerprint", meta.model_fingerprint);
-    attr_str(root, "arch", arch_name(c.arch));
-    attr_int(root, "n_layer", c.n_layer);
-    attr_int(root, "n_embd", c.n_embd);
-    attr_int(root, "n_head", c.n_head);
-    attr_int(root, "n_head_kv", c.n_head_kv);
-    attr_int(root, "head_dim", c.head_dim);
-    attr_int(root, "n_ff", c.n_ff);
-    attr_int(root, "n_vocab", c.n_vocab);
-    attr_int(root, "n_ctx", c.n_ctx);
-    attr_double(root, "rope_theta", c.rope_theta);
-    attr_str(root, "rope_type", rope_type_name(c.rope_type));
-    attr_double(root, "rms_eps", c.rms_eps);
-    attr_bool(root, "tied_output", c.tied_output);
-    attr_bool(root, "qkv_bias", c.qkv_bias);
-    attr_bool(root, "qk_norm", c.qk_norm);
-    attr_str(root, "prompt", meta.prompt);
-    attr_ints(root, "token_ids", meta.token_ids);
-    attr_str(root, "created_utc", meta.created_utc);
-    attr_str(root, "diffrun_version", meta.diffrun_version);
+    f.set_string("format", kDumpFormat);
+    f.set_int("format_version", meta.format_version);
+    f.set_string("backend", meta.backend);
+    f.set_string("precision", meta.precision);
+    f.set_string("model_path", meta.model_path);
+    f.set_string("model_fingerprint", meta.model_fingerprint);
+    f.set_string("arch", arch_name(c.arch));
+    f.set_int("n_layer", c.n_layer);
+    f.set_int("n_embd", c.n_embd);
+    f.set_int("n_head", c.n_head);
+    f.set_int("n_head_kv", c.n_head_kv);
+    f.set_int("head_dim", c.head_dim);
+    f.set_int("n_ff", c.n_ff);
+    f.set_int("n_vocab", c.n_vocab);
+    f.set_int("n_ctx", c.n_ctx);
+    f.set_real("rope_theta", c.rope_theta);
+    f.set_string("rope_type", rope_type_name(c.rope_type));
+    f.set_real("rms_eps", c.rms_eps);
+    f.set_bool("tied_output", c.tied_output);
+    f.set_bool("qkv_bias", c.qkv_bias);
+    f.set_bool("qk_norm", c.qk_norm);
+    f.set_string("prompt", meta.prompt);
+    f.set_ints("token_ids", meta.token_ids);
+    f.set_string("created_utc", meta.created_utc);
+    f.set_string("diffrun_version", meta.diffrun_version);
     for (const auto& [key, value] : meta.facts) {
-      if (reserved_root_attributes().count(key)) fail("backend fact '" + key + "' collides with a format attribute");
-      attr_str(root, key, value);
-      root_keys.insert(key);
+      if (is_format_attribute(key)) fail("backend fact '" + key + "' collides with a format attribute");
+      f.set_string(key, value);
     }
-  }
-
-  hid_t group_for(int s) {
-    if (s == step) return group.get();
-    group.reset();
-    step_names.clear();
-    const std::string gname = step_group_name(s);
-    if (s < 0) fail("negative step " + std::to_string(s));
-    if (steps_started.count(s)) {
-      // A step resumed after another one: reopen its group and its names.
-      group = Hid(H5Gopen2(file.get(), gname.c_str(), H5P_DEFAULT), H5Gclose);
-      if (!group.valid()) fail("cannot reopen group '" + gname + "'");
-      H5Literate(
-          group.get(), H5_INDEX_NAME, H5_ITER_NATIVE, nullptr,
-          [](hid_t, const char* name, const H5L_info_t*, void* out) -> herr_t {
-            static_cast<std::set<std::string, std::less<>>*>(out)->insert(name);
-            return 0;
-          },
-          &step_names);
-    } else {
-      group = Hid(H5Gcreate2(file.get(), gname.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
-      if (!group.valid()) fail("cannot create group '" + gname + "'");
-      steps_started.insert(s);
-    }
-    step = s;
-    return group.get();
-  }
-
-  // Creates /step_NNNN/name with `shape`, writes `data` (mem_type) straight from the caller's
-  // buffer, and adds the four dataset attributes.
-  void write_dataset(int s, std::string_view name, hid_t file_type, hid_t mem_type, std::span<const int64_t> shape,
-                     const void* data, size_t elem_bytes, int order, int layer, std::string_view layout,
-                     std::string_view native) {
-    if (finished) fail("write after finish()", name);
-    const std::string where = step_group_name(s) + "/" + std::string(name);
-    hid_t g = group_for(s);
-    if (step_names.count(name)) fail("recorded twice in this step", where);
-    std::vector<hsize_t> dims(shape.begin(), shape.end());
-    hsize_t n = 1;
-    for (hsize_t d : dims) n *= d;
-    Hid space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
-    if (!space.valid()) fail("cannot create its dataspace", where);
-    const std::string dname(name);
-    Hid ds(H5Dcreate2(g, dname.c_str(), file_type, space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT), H5Dclose);
-    if (!ds.valid()) fail("cannot create the dataset", where);
-    if (n > 0 && H5Dwrite(ds.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
-      fail("cannot write the data", where);
-    attr_int(ds.get(), "order", order, where);
-    attr_int(ds.get(), "layer", layer, where);
-    attr_str(ds.get(), "layout", std::string(layout), where);
-    attr_str(ds.get(), "native_dtype", std::string(native), where);
-    step_names.insert(dname);
-    bytes += n * elem_bytes;
   }
 
   // Order of `name` for this config, checking it against the vocabulary (layer, layout, rank).
@@ -306,29 +120,12 @@ struct DumpWriter::Impl {
 
 DumpWriter::DumpWriter(const std::string& path, const DumpMeta& meta, CheckpointFilter filter)
     : impl_(std::make_unique<Impl>()) {
-  silence_hdf5();
   Impl& m = *impl_;
-  m.path = path;
   m.meta = meta;
   m.filter = std::move(filter);
   if (m.meta.created_utc.empty()) m.meta.created_utc = utc_now_iso8601();
   if (m.meta.diffrun_version.empty()) m.meta.diffrun_version = DIFFRUN_VERSION;
-
-  Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
-  // v1.8+ object headers: large attributes (long token_ids) and many root attributes are allowed.
-  H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_LATEST);
-  H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);
-  m.tmp_path = path + ".tmp-" + std::to_string(::getpid());
-  m.file = Hid(H5Fcreate(m.tmp_path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose);
-  if (!m.file.valid()) {
-    m.tmp_path.clear();  // nothing was created
-    m.fail("cannot create '" + path + ".tmp-" + std::to_string(::getpid()) + "'");
-  }
-  m.dcpl = Hid(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
-  H5Pset_layout(m.dcpl.get(), H5D_CONTIGUOUS);
-  H5Pset_fill_time(m.dcpl.get(), H5D_FILL_TIME_NEVER);
-  H5Pset_obj_track_times(m.dcpl.get(), false);
-  m.scalar = scalar_space();
+  m.file = std::make_unique<DumpFile>(path);
   m.write_root_attributes();
 }
 
@@ -348,8 +145,8 @@ void DumpWriter::record(int step, std::string_view name, int layer, std::string_
   }
   if (n != data.size())
     m.fail("shape holds " + std::to_string(n) + " values but " + std::to_string(data.size()) + " were passed", name);
-  m.write_dataset(step, name, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, shape, data.data(), sizeof(float), order, layer,
-                  layout, native_dtype_name(native));
+  m.file->write(step, name, StoredDType::f32, shape, data.data(),
+                {order, layer, std::string(layout), native_dtype_name(native)});
 }
 
 void DumpWriter::record_ids(int step, std::string_view name, std::span<const int32_t> ids) {
@@ -357,32 +154,19 @@ void DumpWriter::record_ids(int step, std::string_view name, std::span<const int
   Impl& m = *impl_;
   const int order = m.checked_order(step, name, -1, "T", 1);
   const int64_t shape[1] = {static_cast<int64_t>(ids.size())};
-  m.write_dataset(step, name, H5T_STD_I32LE, H5T_NATIVE_INT32, shape, ids.data(), sizeof(int32_t), order, -1, "T",
-                  native_dtype_name(NativeDType::i32));
+  m.file->write(step, name, StoredDType::i32, shape, ids.data(), {order, -1, "T", native_dtype_name(NativeDType::i32)});
 }
 
 void DumpWriter::set_attribute(const std::string& key, const std::vector<int32_t>& values) {
   Impl& m = *impl_;
-  if (m.finished) m.fail("set_attribute('" + key + "') after finish()");
-  if (reserved_root_attributes().count(key)) m.fail("attribute '" + key + "' is a format attribute");
-  if (m.root_keys.count(key) && H5Adelete(m.file.get(), key.c_str()) < 0)
-    m.fail("cannot replace attribute '" + key + "'");
-  m.attr_ints(m.file.get(), key, values);
-  m.root_keys.insert(key);
+  if (m.file->finished()) m.fail("set_attribute('" + key + "') after finish()");
+  if (is_format_attribute(key)) m.fail("attribute '" + key + "' is a format attribute");
+  m.file->set_ints(key, values);
 }
 
-void DumpWriter::finish() {
-  Impl& m = *impl_;
-  if (m.finished) return;
-  m.group.reset();
-  if (!m.file.close()) m.fail("cannot close '" + m.tmp_path + "'");
-  std::error_code ec;
-  std::filesystem::rename(m.tmp_path, m.path, ec);
-  if (ec) m.fail("cannot rename '" + m.tmp_path + "' to it: " + ec.message());
-  m.finished = true;
-}
+void DumpWriter::finish() { impl_->file->finish(); }
 
-uint64_t DumpWriter::bytes_written() const { return impl_->bytes; }
+uint64_t DumpWriter::bytes_written() const { return impl_->file->bytes_written(); }
 
 // ---------------------------------------------------------------------------------------------
 // Reader

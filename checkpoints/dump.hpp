@@ -1,4 +1,4 @@
-// HDF5 dump writer (a Sink) and reader, in the format of DESIGN.md ("diffrun-dump").
+// HDF5 dump writer (a Sink) and reader, in the format of docs/dump-format.md ("diffrun-dump").
 #pragma once
 
 #include <cstdint>
@@ -7,13 +7,11 @@
 #include <string>
 #include <vector>
 
+#include "checkpoints/dump_format.hpp"
 #include "checkpoints/sink.hpp"
 #include "model/config.hpp"
 
 namespace diffrun {
-
-inline constexpr const char* kDumpFormat = "diffrun-dump";
-inline constexpr int kDumpFormatVersion = 1;
 
 // Root attributes of a dump.
 struct DumpMeta {

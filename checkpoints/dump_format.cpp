@@ -1,0 +1,444 @@
+// The dump format's file layer on the HDF5 1.10 C API: the root-attribute table and DumpFile, the one writer of dump files.
+// Strings are scalar variable-length UTF-8 (h5py reads them as str); booleans are h5py's enum
+// {FALSE=0, TRUE=1} over int8 (h5py reads numpy.bool_); float16 is h5py's half type. Datasets are
+// contiguous, uncompressed, without fill values or timestamps.
+#include "checkpoints/dump_format.hpp"
+
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <set>
+
+#include "model/error.hpp"
+
+namespace diffrun {
+
+const char* attr_type_name(AttrType t) {
+  switch (t) {
+    case AttrType::string: return "string";
+    case AttrType::integer: return "integer";
+    case AttrType::real: return "real";
+    case AttrType::boolean: return "boolean";
+    case AttrType::int_array: return "integer array";
+  }
+  return "?";
+}
+
+const std::vector<RootAttribute>& root_attributes() {
+  static const std::vector<RootAttribute> attrs = {
+      {"format", AttrType::string, true, "diffrun-dump"},
+      {"format_version", AttrType::integer, true},
+      {"backend", AttrType::string, true},
+      {"precision", AttrType::string, true, "f16|bf16|f32|f64"},
+      {"model_path", AttrType::string, true},
+      {"model_fingerprint", AttrType::string, true},
+      {"arch", AttrType::string, true, "llama|qwen2|qwen3"},
+      {"n_layer", AttrType::integer, true},
+      {"n_embd", AttrType::integer, true},
+      {"n_head", AttrType::integer, true},
+      {"n_head_kv", AttrType::integer, true},
+      {"head_dim", AttrType::integer, true},
+      {"n_ff", AttrType::integer, true},
+      {"n_vocab", AttrType::integer, true},
+      {"n_ctx", AttrType::integer, true},
+      {"rope_theta", AttrType::real, true},
+      {"rope_type", AttrType::string, true, "norm|neox"},
+      {"rms_eps", AttrType::real, true},
+      {"tied_output", AttrType::boolean, true},
+      {"qkv_bias", AttrType::boolean, true},
+      {"qk_norm", AttrType::boolean, true},
+      {"prompt", AttrType::string, true},
+      {"token_ids", AttrType::int_array, true},
+      {"created_utc", AttrType::string, true},
+      {"diffrun_version", AttrType::string, true},
+      {"all_token_ids", AttrType::int_array, false},
+      {"argmax", AttrType::int_array, false},
+  };
+  return attrs;
+}
+
+const RootAttribute* find_root_attribute(std::string_view name) {
+  for (const auto& a : root_attributes())
+    if (name == a.name) return &a;
+  return nullptr;
+}
+
+std::vector<std::string> enum_values(const RootAttribute& a) {
+  std::vector<std::string> out;
+  if (!a.values) return out;
+  std::string_view v = a.values;
+  size_t start = 0;
+  while (start <= v.size()) {
+    size_t bar = v.find('|', start);
+    if (bar == std::string_view::npos) bar = v.size();
+    out.emplace_back(v.substr(start, bar - start));
+    start = bar + 1;
+  }
+  return out;
+}
+
+const char* stored_dtype_name(StoredDType d) {
+  switch (d) {
+    case StoredDType::f32: return "f32";
+    case StoredDType::f64: return "f64";
+    case StoredDType::f16: return "f16";
+    case StoredDType::bf16: return "bf16";
+    case StoredDType::i32: return "i32";
+  }
+  return "?";
+}
+
+size_t stored_dtype_size(StoredDType d) {
+  switch (d) {
+    case StoredDType::f64: return 8;
+    case StoredDType::f16:
+    case StoredDType::bf16: return 2;
+    default: return 4;
+  }
+}
+
+std::optional<StoredDType> parse_stored_dtype(std::string_view name) {
+  for (StoredDType d : {StoredDType::f32, StoredDType::f64, StoredDType::f16, StoredDType::bf16, StoredDType::i32})
+    if (name == stored_dtype_name(d)) return d;
+  return std::nullopt;
+}
+
+std::string dump_step_group_name(int step) {
+  std::array<char, 32> buf{};
+  std::snprintf(buf.data(), buf.size(), "step_%04d", step);
+  return buf.data();
+}
+
+int parse_dump_step_group_name(std::string_view name) {
+  constexpr std::string_view prefix = "step_";
+  if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) return -1;
+  int step = 0;
+  for (char c : name.substr(prefix.size())) {
+    if (c < '0' || c > '9' || step > 100000000) return -1;
+    step = step * 10 + (c - '0');
+  }
+  return step;
+}
+
+std::string utc_now_iso8601() {
+  std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  std::array<char, 32> buf{};
+  std::strftime(buf.data(), buf.size(), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf.data();
+}
+
+namespace h5 {
+
+void silence() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+
+std::string detail() {
+  std::string d;
+  H5Ewalk2(
+      H5E_DEFAULT, H5E_WALK_DOWNWARD,
+      [](unsigned, const H5E_error2_t* e, void* out) -> herr_t {
+        if (e->desc && *e->desc) *static_cast<std::string*>(out) = e->desc;
+        return 0;
+      },
+      &d);
+  H5Eclear2(H5E_DEFAULT);
+  return d.empty() ? std::string() : " (HDF5: " + d + ")";
+}
+
+namespace {
+
+struct Types {
+  Hid str, boolean, half;
+  Types() {
+    str = Hid(H5Tcopy(H5T_C_S1), H5Tclose);
+    H5Tset_size(str.get(), H5T_VARIABLE);
+    H5Tset_cset(str.get(), H5T_CSET_UTF8);
+    boolean = Hid(H5Tenum_create(H5T_NATIVE_INT8), H5Tclose);
+    int8_t f = 0, t = 1;
+    H5Tenum_insert(boolean.get(), "FALSE", &f);
+    H5Tenum_insert(boolean.get(), "TRUE", &t);
+    // h5py's float16, step by step as h5py builds it (h5t.pyx)
+    half = Hid(H5Tcopy(H5T_IEEE_F32LE), H5Tclose);
+    H5Tset_fields(half.get(), 15, 10, 5, 0, 10);
+    H5Tset_size(half.get(), 2);
+    H5Tset_ebias(half.get(), 15);
+  }
+};
+
+const Types& types() {
+  static const Types t;
+  return t;
+}
+
+}  // namespace
+
+hid_t string_type() { return types().str.get(); }
+hid_t bool_type() { return types().boolean.get(); }
+hid_t float16_type() { return types().half.get(); }
+
+}  // namespace h5
+
+using h5::Hid;
+
+struct DumpFile::Impl {
+  std::string path;
+  std::string tmp_path;
+  Hid file;
+  Hid dcpl;    // dataset creation: contiguous, no fill, no timestamps
+  Hid scalar;  // scalar dataspace for attributes
+  int step = -1;
+  Hid group;   // the group of `step`
+  std::set<std::string, std::less<>> step_names;  // datasets written in `step`
+  std::set<int> steps_started;
+  uint64_t bytes = 0;
+  bool finished = false;
+
+  ~Impl() { abort(); }
+
+  void abort() noexcept {
+    group.reset();
+    file.reset();
+    if (!finished && !tmp_path.empty()) {
+      std::error_code ec;
+      std::filesystem::remove(tmp_path, ec);
+    }
+    finished = true;
+  }
+
+  [[noreturn]] void fail(const std::string& what, std::string_view dataset = {}) const {
+    std::string msg = path + ": " + (dataset.empty() ? "" : "dataset '" + std::string(dataset) + "': ") + what;
+    throw DumpError(msg + h5::detail());
+  }
+
+  void check_open(const std::string& what) const {
+    if (finished || !file.valid()) fail(what + " after the dump was closed");
+  }
+
+  void attr_raw(hid_t obj, const std::string& name, hid_t file_type, hid_t mem_type, hid_t space, const void* value,
+                std::string_view where) {
+    if (obj == file.get() && H5Aexists(obj, name.c_str()) > 0 && H5Adelete(obj, name.c_str()) < 0)
+      fail("cannot replace attribute '" + name + "'", where);
+    Hid a(H5Acreate2(obj, name.c_str(), file_type, space, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+    if (!a.valid() || H5Awrite(a.get(), mem_type, value) < 0) fail("cannot write attribute '" + name + "'", where);
+  }
+  void attr_str(hid_t obj, const std::string& name, const std::string& value, std::string_view where = {}) {
+    const char* p = value.c_str();
+    attr_raw(obj, name, h5::string_type(), h5::string_type(), scalar.get(), &p, where);
+  }
+  void attr_int(hid_t obj, const std::string& name, int32_t value, std::string_view where = {}) {
+    attr_raw(obj, name, H5T_STD_I32LE, H5T_NATIVE_INT32, scalar.get(), &value, where);
+  }
+
+  hid_t group_for(int s) {
+    if (s == step) return group.get();
+    if (s < 0) fail("negative step " + std::to_string(s));
+    group.reset();
+    step_names.clear();
+    const std::string gname = dump_step_group_name(s);
+    if (steps_started.count(s)) {
+      // A step resumed after another one: reopen its group and its names.
+      group = Hid(H5Gopen2(file.get(), gname.c_str(), H5P_DEFAULT), H5Gclose);
+      if (!group.valid()) fail("cannot reopen group '" + gname + "'");
+      H5Literate(
+          group.get(), H5_INDEX_NAME, H5_ITER_NATIVE, nullptr,
+          [](hid_t, const char* name, const H5L_info_t*, void* out) -> herr_t {
+            static_cast<std::set<std::string, std::less<>>*>(out)->insert(name);
+            return 0;
+          },
+          &step_names);
+    } else {
+      group = Hid(H5Gcreate2(file.get(), gname.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+      if (!group.valid()) fail("cannot create group '" + gname + "'");
+      steps_started.insert(s);
+    }
+    step = s;
+    return group.get();
+  }
+};
+
+DumpFile::DumpFile(const std::string& path) : impl_(std::make_unique<Impl>()) {
+  h5::silence();
+  Impl& m = *impl_;
+  m.path = path;
+  m.tmp_path = path + ".tmp-" + std::to_string(::getpid());
+  Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  // v1.8+ object headers: large attributes (long token_ids) and many root attributes are allowed.
+  H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_LATEST);
+  H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);
+  m.file = Hid(H5Fcreate(m.tmp_path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose);
+  if (!m.file.valid()) {
+    m.finished = true;  // nothing to remove
+    m.fail("cannot create '" + m.tmp_path + "' (directory missing or not writable?)");
+  }
+  m.dcpl = Hid(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  H5Pset_layout(m.dcpl.get(), H5D_CONTIGUOUS);
+  H5Pset_fill_time(m.dcpl.get(), H5D_FILL_TIME_NEVER);
+  H5Pset_obj_track_times(m.dcpl.get(), false);
+  m.scalar = Hid(H5Screate(H5S_SCALAR), H5Sclose);
+}
+
+DumpFile::~DumpFile() = default;
+
+const std::string& DumpFile::path() const { return impl_->path; }
+const std::string& DumpFile::tmp_path() const { return impl_->tmp_path; }
+
+void DumpFile::set_string(const std::string& name, const std::string& value) {
+  impl_->check_open("setting attribute '" + name + "'");
+  impl_->attr_str(impl_->file.get(), name, value);
+}
+
+void DumpFile::set_int(const std::string& name, int32_t value) {
+  impl_->check_open("setting attribute '" + name + "'");
+  impl_->attr_int(impl_->file.get(), name, value);
+}
+
+void DumpFile::set_real(const std::string& name, double value) {
+  Impl& m = *impl_;
+  m.check_open("setting attribute '" + name + "'");
+  m.attr_raw(m.file.get(), name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, m.scalar.get(), &value, {});
+}
+
+void DumpFile::set_bool(const std::string& name, bool value) {
+  Impl& m = *impl_;
+  m.check_open("setting attribute '" + name + "'");
+  int8_t v = value ? 1 : 0;
+  m.attr_raw(m.file.get(), name, h5::bool_type(), h5::bool_type(), m.scalar.get(), &v, {});
+}
+
+void DumpFile::set_ints(const std::string& name, std::span<const int32_t> values) {
+  Impl& m = *impl_;
+  m.check_open("setting attribute '" + name + "'");
+  hsize_t n = values.size();
+  Hid space(H5Screate_simple(1, &n, nullptr), H5Sclose);
+  if (!space.valid()) m.fail("cannot create the dataspace of attribute '" + name + "'");
+  m.attr_raw(m.file.get(), name, H5T_STD_I32LE, H5T_NATIVE_INT32, space.get(), values.data(), {});
+}
+
+bool DumpFile::has_attribute(const std::string& name) const {
+  return impl_->file.valid() && H5Aexists(impl_->file.get(), name.c_str()) > 0;
+}
+
+void DumpFile::remove_attribute(const std::string& name) {
+  Impl& m = *impl_;
+  m.check_open("removing attribute '" + name + "'");
+  if (has_attribute(name) && H5Adelete(m.file.get(), name.c_str()) < 0) m.fail("cannot remove attribute '" + name + "'");
+}
+
+std::vector<std::string> DumpFile::copy_attributes(const std::string& source_path,
+                                                   const std::function<bool(std::string_view)>& keep) {
+  Impl& m = *impl_;
+  m.check_open("copying attributes");
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(source_path, ec)) throw DumpError(source_path + ": no such file");
+  if (H5Fis_hdf5(source_path.c_str()) <= 0) {
+    h5::detail();
+    throw DumpError(source_path + ": not an HDF5 file (no HDF5 signature: foreign or truncated)");
+  }
+  Hid src(H5Fopen(source_path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  if (!src.valid()) throw DumpError(source_path + ": cannot open the HDF5 file" + h5::detail());
+  std::vector<std::string> names;
+  H5Aiterate2(
+      src.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr,
+      [](hid_t, const char* name, const H5A_info_t*, void* out) -> herr_t {
+        static_cast<std::vector<std::string>*>(out)->push_back(name);
+        return 0;
+      },
+      &names);
+  std::vector<std::string> copied;
+  for (const auto& name : names) {
+    if (!keep(name)) continue;
+    Hid a(H5Aopen(src.get(), name.c_str(), H5P_DEFAULT), H5Aclose);
+    if (!a.valid()) throw DumpError(source_path + ": cannot open attribute '" + name + "'" + h5::detail());
+    Hid type(H5Aget_type(a.get()), H5Tclose);
+    Hid space(H5Aget_space(a.get()), H5Sclose);
+    const hssize_t n = H5Sget_simple_extent_npoints(space.get());
+    const size_t size = H5Tget_size(type.get());
+    if (n < 0 || size == 0) throw DumpError(source_path + ": cannot size attribute '" + name + "'" + h5::detail());
+    // Read and write in the stored type; variable-length parts are freed after the write.
+    std::vector<unsigned char> buf(static_cast<size_t>(n) * size + 1);
+    if (n > 0 && H5Aread(a.get(), type.get(), buf.data()) < 0)
+      throw DumpError(source_path + ": cannot read attribute '" + name + "'" + h5::detail());
+    const bool has_vlen = H5Tis_variable_str(type.get()) > 0 || H5Tdetect_class(type.get(), H5T_VLEN) > 0;
+    try {
+      m.attr_raw(m.file.get(), name, type.get(), type.get(), space.get(), buf.data(), {});
+    } catch (...) {
+      if (has_vlen && n > 0) H5Dvlen_reclaim(type.get(), space.get(), H5P_DEFAULT, buf.data());
+      throw;
+    }
+    if (has_vlen && n > 0) H5Dvlen_reclaim(type.get(), space.get(), H5P_DEFAULT, buf.data());
+    copied.push_back(name);
+  }
+  return copied;
+}
+
+void DumpFile::write(int step, std::string_view name, StoredDType type, std::span<const int64_t> shape,
+                     const void* data, const DatasetAttributes& attrs) {
+  Impl& m = *impl_;
+  const std::string where = dump_step_group_name(step) + "/" + std::string(name);
+  if (m.finished || !m.file.valid()) m.fail("write after the dump was closed", where);
+  if (name.empty() || name.find('/') != std::string_view::npos || name == "." || name == "..")
+    m.fail("not a valid dataset name (empty, or holds '/')", where);
+  hid_t g = m.group_for(step);
+  if (m.step_names.count(name)) m.fail("recorded twice in this step", where);
+  std::vector<hsize_t> dims;
+  hsize_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) m.fail("negative dimension in its shape", where);
+    dims.push_back(static_cast<hsize_t>(d));
+    n *= static_cast<hsize_t>(d);
+  }
+  hid_t file_type = H5T_IEEE_F32LE, mem_type = H5T_NATIVE_FLOAT;
+  switch (type) {
+    case StoredDType::f32: break;
+    case StoredDType::f64: file_type = H5T_IEEE_F64LE, mem_type = H5T_NATIVE_DOUBLE; break;
+    case StoredDType::f16: file_type = mem_type = h5::float16_type(); break;
+    case StoredDType::bf16: file_type = H5T_STD_U16LE, mem_type = H5T_NATIVE_UINT16; break;
+    case StoredDType::i32: file_type = H5T_STD_I32LE, mem_type = H5T_NATIVE_INT32; break;
+  }
+  Hid space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
+  if (!space.valid()) m.fail("cannot create its dataspace", where);
+  const std::string dname(name);
+  Hid ds(H5Dcreate2(g, dname.c_str(), file_type, space.get(), H5P_DEFAULT, m.dcpl.get(), H5P_DEFAULT), H5Dclose);
+  if (!ds.valid()) m.fail("cannot create the dataset", where);
+  if (n > 0 && H5Dwrite(ds.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0) m.fail("cannot write the data", where);
+  if (attrs.order) m.attr_int(ds.get(), "order", *attrs.order, where);
+  if (attrs.layer) m.attr_int(ds.get(), "layer", *attrs.layer, where);
+  if (!attrs.layout.empty()) m.attr_str(ds.get(), "layout", attrs.layout, where);
+  if (!attrs.native_dtype.empty()) m.attr_str(ds.get(), "native_dtype", attrs.native_dtype, where);
+  if (type == StoredDType::bf16) m.attr_str(ds.get(), "dtype", "bf16", where);
+  m.step_names.insert(dname);
+  m.bytes += n * stored_dtype_size(type);
+}
+
+bool DumpFile::has_dataset(int step, std::string_view name) const {
+  const Impl& m = *impl_;
+  if (!m.file.valid()) return false;
+  std::string p = dump_step_group_name(step);
+  if (H5Lexists(m.file.get(), p.c_str(), H5P_DEFAULT) <= 0) return false;
+  p.push_back('/');
+  p.append(name);
+  return H5Lexists(m.file.get(), p.c_str(), H5P_DEFAULT) > 0;
+}
+
+void DumpFile::finish() {
+  Impl& m = *impl_;
+  if (m.finished) return;
+  m.group.reset();
+  if (!m.file.close()) m.fail("cannot close '" + m.tmp_path + "'");
+  std::error_code ec;
+  std::filesystem::rename(m.tmp_path, m.path, ec);
+  if (ec) m.fail("cannot rename '" + m.tmp_path + "' to it: " + ec.message());
+  m.finished = true;
+}
+
+void DumpFile::abort() { impl_->abort(); }
+
+bool DumpFile::finished() const { return impl_->finished; }
+
+uint64_t DumpFile::bytes_written() const { return impl_->bytes; }
+
+}  // namespace diffrun

@@ -1,0 +1,146 @@
+// The dump format's file layer (docs/dump-format.md): attribute table, HDF5 types, one dump file's writer; no ModelConfig.
+#pragma once
+
+#include <hdf5.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace diffrun {
+
+inline constexpr const char* kDumpFormat = "diffrun-dump";
+inline constexpr int kDumpFormatVersion = 1;
+
+// How a root attribute is stored (docs/dump-format.md, "Types").
+enum class AttrType { string, integer, real, boolean, int_array };
+const char* attr_type_name(AttrType t);  // "string", "integer", ...
+
+// One root attribute the format defines. `values`: the allowed strings of an enum string, '|'-separated
+// ("norm|neox"), or nullptr for any value.
+struct RootAttribute {
+  const char* name;
+  AttrType type;
+  bool required;
+  const char* values = nullptr;
+};
+
+// The format's root attributes in the doc's order; any other string attribute is a backend fact.
+const std::vector<RootAttribute>& root_attributes();
+const RootAttribute* find_root_attribute(std::string_view name);  // nullptr for facts and extras
+std::vector<std::string> enum_values(const RootAttribute& a);     // split `values`
+
+// Dtype a dataset is stored in. f16 is IEEE half (h5py's float16), bf16 raw bits in uint16 with the
+// dataset attribute dtype = "bf16".
+enum class StoredDType { f32, f64, f16, bf16, i32 };
+const char* stored_dtype_name(StoredDType d);  // "f32", "f64", "f16", "bf16", "i32"
+size_t stored_dtype_size(StoredDType d);
+std::optional<StoredDType> parse_stored_dtype(std::string_view name);
+
+std::string dump_step_group_name(int step);           // 12 -> "step_0012"
+int parse_dump_step_group_name(std::string_view name);  // "step_0012" -> 12; -1 for any other name
+
+std::string utc_now_iso8601();  // "2026-11-23T05:05:01Z"
+
+namespace h5 {
+
+// Turns HDF5's automatic error printing off (errors become DumpError messages instead).
+void silence();
+// HDF5's innermost error message as " (HDF5: ...)", or "" when none; clears the error stack.
+std::string detail();
+
+// An HDF5 identifier closed on scope exit.
+class Hid {
+ public:
+  Hid() = default;
+  Hid(hid_t id, herr_t (*close)(hid_t)) : id_(id), close_(close) {}
+  Hid(Hid&& o) noexcept : id_(std::exchange(o.id_, H5I_INVALID_HID)), close_(o.close_) {}
+  Hid& operator=(Hid&& o) noexcept {
+    reset();
+    id_ = std::exchange(o.id_, H5I_INVALID_HID);
+    close_ = o.close_;
+    return *this;
+  }
+  ~Hid() { reset(); }
+  hid_t get() const { return id_; }
+  bool valid() const { return id_ >= 0; }
+  void reset() {
+    if (id_ >= 0 && close_) close_(id_);
+    id_ = H5I_INVALID_HID;
+  }
+  // Closes now and reports whether the close succeeded (file closes flush data).
+  bool close() {
+    herr_t rc = (id_ >= 0 && close_) ? close_(id_) : 0;
+    id_ = H5I_INVALID_HID;
+    return rc >= 0;
+  }
+
+ private:
+  hid_t id_ = H5I_INVALID_HID;
+  herr_t (*close_)(hid_t) = nullptr;
+};
+
+hid_t string_type();   // variable-length UTF-8 string
+hid_t bool_type();     // h5py's bool: enum of int8 {FALSE = 0, TRUE = 1}
+hid_t float16_type();  // IEEE half, as h5py writes numpy.float16
+
+}  // namespace h5
+
+// Attributes of one dataset; an empty optional or string is not written.
+struct DatasetAttributes {
+  std::optional<int> order;
+  std::optional<int> layer;
+  std::string layout;
+  std::string native_dtype;
+};
+
+// Writes one dump file: root attributes, /step_NNNN groups, one dataset per checkpoint. Knows the
+// file format, not the vocabulary (callers check names and shapes). Writes to "<path>.tmp-<pid>"
+// and renames to `path` in finish(); abort() or destroying an unfinished DumpFile removes the
+// temporary file. Every failure throws DumpError naming the file (and dataset).
+class DumpFile {
+ public:
+  explicit DumpFile(const std::string& path);
+  ~DumpFile();
+  DumpFile(const DumpFile&) = delete;
+  DumpFile& operator=(const DumpFile&) = delete;
+
+  const std::string& path() const;
+  const std::string& tmp_path() const;
+
+  // Root attributes; setting one again replaces it.
+  void set_string(const std::string& name, const std::string& value);
+  void set_int(const std::string& name, int32_t value);
+  void set_real(const std::string& name, double value);
+  void set_bool(const std::string& name, bool value);
+  void set_ints(const std::string& name, std::span<const int32_t> values);
+  bool has_attribute(const std::string& name) const;
+  void remove_attribute(const std::string& name);
+  // Copies the root attributes of another dump (any HDF5 file) for which keep(name) is true, as
+  // they are stored there, replacing ours of the same name. Returns the names copied.
+  std::vector<std::string> copy_attributes(const std::string& source_path,
+                                           const std::function<bool(std::string_view)>& keep);
+
+  // Creates /step_NNNN/name with `shape` from `data` (host values of `type`; bf16 and f16 as their
+  // 16-bit patterns) and its attributes (plus dtype = "bf16" for bf16). Throws when the dataset exists.
+  void write(int step, std::string_view name, StoredDType type, std::span<const int64_t> shape, const void* data,
+             const DatasetAttributes& attrs);
+  bool has_dataset(int step, std::string_view name) const;
+
+  void finish();  // closes and renames; throws when either fails
+  void abort();   // closes and removes the temporary file; never throws
+  bool finished() const;
+  uint64_t bytes_written() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace diffrun
