@@ -13,17 +13,6 @@
 
 namespace diffrun {
 
-const char* arch_name(Arch a) {
-  switch (a) {
-    case Arch::llama: return "llama";
-    case Arch::qwen2: return "qwen2";
-    case Arch::qwen3: return "qwen3";
-  }
-  return "unknown";
-}
-
-const char* rope_type_name(RopeType r) { return r == RopeType::norm ? "norm" : "neox"; }
-
 namespace {
 
 // A positive integer that fits in int, else ModelError naming the key.

@@ -12,3 +12,10 @@ add_test(NAME test_dump_reader
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_dump_reader PROPERTIES LABELS "cpu;python"
   ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;DIFFRUN_DUMP_SAMPLE=$<TARGET_FILE:dump_sample>")
+
+# `diffrun validate` on dumps of the CPU backend, mutated copies and a dump written by hand with h5py.
+add_test(NAME test_validate
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_validate.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_validate PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
+  ENVIRONMENT "${DIFFRUN_TEST_ENV}")

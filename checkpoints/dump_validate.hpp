@@ -1,0 +1,61 @@
+// Checks a dump against docs/dump-format.md and lists every problem at once (`diffrun validate`, the C API's checks).
+#pragma once
+
+#include <hdf5.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "model/config.hpp"
+
+namespace diffrun {
+
+// One problem: where (a root attribute, a group, a dataset as "step_0001/Qcur-0") and what is wrong.
+struct DumpProblem {
+  std::string where;
+  std::string what;
+};
+
+// The root attributes of an open dump, checked: every problem, and the config and token ids when
+// they could be read (config is empty when any config attribute is missing or unusable).
+struct RootCheck {
+  std::vector<DumpProblem> problems;
+  std::optional<ModelConfig> config;
+  std::vector<int32_t> token_ids;
+  std::optional<std::vector<int32_t>> all_token_ids;
+  std::optional<std::vector<int32_t>> argmax;
+};
+RootCheck check_root_attributes(hid_t file);
+
+// Checks one float checkpoint of a step against the vocabulary: its name for this config, the layer
+// passed, its shape (T tokens in the step, S positions after it) and its layout ("" = the
+// vocabulary's; otherwise its letters must be a permutation of the vocabulary's). Accepted shapes:
+// the vocabulary's (permuted by the layout) or, with the vocabulary's layout, the per-head pair
+// merged ([T, H*Dh]). Returns "" when it fits, else the problem. `canonical`, when given, receives
+// the vocabulary's shape in the stored layout (the shape a writer stores for this data).
+std::string check_checkpoint(const ModelConfig& cfg, std::string_view name, int layer, std::span<const int64_t> shape,
+                             std::string_view layout, int64_t n_tokens, int64_t n_kv,
+                             std::vector<int64_t>* canonical = nullptr);
+
+struct ValidateOptions {
+  // Accepts a name outside the vocabulary (a `--names` map's foreign name); unset: every unknown
+  // name is a problem.
+  std::function<bool(std::string_view)> foreign_name;
+};
+
+struct ValidateResult {
+  std::vector<DumpProblem> problems;
+  int n_steps = 0;
+  int n_datasets = 0;
+};
+
+// Throws DumpError when the file cannot be read at all (missing, not HDF5, damaged); every other
+// problem is listed in the result.
+ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt = {});
+
+}  // namespace diffrun

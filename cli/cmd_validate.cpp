@@ -1,0 +1,168 @@
+// `diffrun validate DUMP` lists every way a dump departs from docs/dump-format.md; `--skeleton MODEL.gguf` prints what a valid one holds.
+#include <memory>
+#include <string>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "checkpoints/dump_format.hpp"
+#include "checkpoints/dump_validate.hpp"
+#include "checkpoints/vocabulary.hpp"
+#include "cli/command.hpp"
+#include "model/config.hpp"
+#include "model/error.hpp"
+#include "model/gguf.hpp"
+
+namespace diffrun::cli {
+namespace {
+
+struct ValidateOptions {
+  std::string dump;
+  std::string skeleton;  // a GGUF model
+  bool json = false;
+};
+
+int run_validate(const ValidateOptions& o) {
+  const ValidateResult r = validate_dump(o.dump);
+  if (o.json) {
+    nlohmann::ordered_json problems = nlohmann::ordered_json::array();
+    for (const auto& p : r.problems) problems.push_back({{"where", p.where}, {"what", p.what}});
+    nlohmann::ordered_json doc = {{"path", o.dump},
+                                  {"valid", r.problems.empty()},
+                                  {"steps", r.n_steps},
+                                  {"datasets", r.n_datasets},
+                                  {"problems", problems}};
+    fmt::print("{}\n", doc.dump(2));
+  } else {
+    for (const auto& p : r.problems) fmt::print("{}: {}: {}\n", o.dump, p.where, p.what);
+    if (r.problems.empty())
+      fmt::print("{}: valid diffrun dump ({} steps, {} datasets)\n", o.dump, r.n_steps, r.n_datasets);
+    else
+      fmt::print("{}: {} problem{}\n", o.dump, r.problems.size(), r.problems.size() == 1 ? "" : "s");
+  }
+  return r.problems.empty() ? 0 : 1;
+}
+
+// One root attribute of the skeleton: its value for this model, or null where the writer fills it in.
+nlohmann::ordered_json root_value(const RootAttribute& a, const ModelConfig& c, const GgufFile& file) {
+  const std::string n = a.name;
+  if (n == "format") return kDumpFormat;
+  if (n == "format_version") return kDumpFormatVersion;
+  if (n == "model_path") return file.path();
+  if (n == "model_fingerprint") return file.fingerprint();
+  if (n == "arch") return arch_name(c.arch);
+  if (n == "n_layer") return c.n_layer;
+  if (n == "n_embd") return c.n_embd;
+  if (n == "n_head") return c.n_head;
+  if (n == "n_head_kv") return c.n_head_kv;
+  if (n == "head_dim") return c.head_dim;
+  if (n == "n_ff") return c.n_ff;
+  if (n == "n_vocab") return c.n_vocab;
+  if (n == "n_ctx") return c.n_ctx;
+  if (n == "rope_theta") return c.rope_theta;
+  if (n == "rope_type") return rope_type_name(c.rope_type);
+  if (n == "rms_eps") return c.rms_eps;
+  if (n == "tied_output") return c.tied_output;
+  if (n == "qkv_bias") return c.qkv_bias;
+  if (n == "qk_norm") return c.qk_norm;
+  return nullptr;
+}
+
+// What the writer puts where the skeleton has no value.
+const char* fill_hint(const std::string& n) {
+  if (n == "backend") return "your engine's name";
+  if (n == "precision") return "what it computes in: f16, bf16, f32 or f64";
+  if (n == "prompt") return "the prompt text";
+  if (n == "token_ids") return "the prompt's token ids";
+  if (n == "created_utc") return "ISO 8601 UTC time, e.g. 2026-11-23T05:05:01Z";
+  if (n == "diffrun_version") return "the writer's version";
+  if (n == "all_token_ids") return "the prompt's ids, then one per decode step";
+  if (n == "argmax") return "the engine's greedy choice after each step";
+  return "";
+}
+
+const char* hdf5_type_name(AttrType t) {
+  switch (t) {
+    case AttrType::string: return "string";
+    case AttrType::integer: return "int32";
+    case AttrType::real: return "float64";
+    case AttrType::boolean: return "bool";
+    case AttrType::int_array: return "int32[]";
+  }
+  return "?";
+}
+
+int run_skeleton(const ValidateOptions& o) {
+  const auto file = GgufFile::open(o.skeleton);
+  const ModelConfig cfg = config_from_gguf(*file);
+  nlohmann::ordered_json attrs = nlohmann::ordered_json::array();
+  for (const RootAttribute& a : root_attributes()) {
+    nlohmann::ordered_json e = {{"name", a.name},
+                                {"type", hdf5_type_name(a.type)},
+                                {"required", a.required},
+                                {"value", root_value(a, cfg, *file)}};
+    if (e["value"].is_null()) e["fill"] = fill_hint(a.name);
+    attrs.push_back(e);
+  }
+  nlohmann::ordered_json datasets = nlohmann::ordered_json::array();
+  for (const std::string& name : checkpoint_names(cfg)) {
+    const ParsedCheckpointName p = parse_checkpoint_name(name);
+    const CheckpointKind& k = *find_checkpoint_kind(p.base);
+    const std::vector<int64_t> sizes = checkpoint_shape(cfg, k, -1, -2);  // T, S as markers
+    nlohmann::ordered_json shape = nlohmann::ordered_json::array();
+    for (int64_t d : sizes) {
+      if (d == -1) shape.push_back("T");
+      else if (d == -2) shape.push_back("S");
+      else shape.push_back(d);
+    }
+    datasets.push_back({{"name", name},
+                        {"order", checkpoint_order(cfg, p.base, p.layer)},
+                        {"layer", p.layer},
+                        {"layout", k.layout},
+                        {"shape", shape},
+                        {"dtype", p.base == "tokens" ? "int32" : "float32"}});
+  }
+  if (o.json) {
+    nlohmann::ordered_json doc = {{"format", kDumpFormat},
+                                  {"format_version", kDumpFormatVersion},
+                                  {"root_attributes", attrs},
+                                  {"step_group", "step_NNNN"},
+                                  {"datasets", datasets}};
+    fmt::print("{}\n", doc.dump(2));
+    return 0;
+  }
+  fmt::print("# A minimal valid diffrun dump of {} (docs/dump-format.md)\n", o.skeleton);
+  fmt::print("# root attributes\n");
+  for (const auto& e : attrs) {
+    const std::string value = e["value"].is_null() ? "<" + e["fill"].get<std::string>() + ">" : e["value"].dump();
+    fmt::print("{:<18} {:<8} {:<9} {}\n", e["name"].get<std::string>(), e["type"].get<std::string>(),
+               e["required"].get<bool>() ? "required" : "optional", value);
+  }
+  fmt::print("# datasets of each group /step_NNNN (T = tokens fed in the step, S = positions after it)\n");
+  for (const auto& d : datasets) {
+    std::string shape = "[";
+    for (size_t i = 0; i < d["shape"].size(); ++i)
+      shape += (i ? ", " : "") + (d["shape"][i].is_string() ? d["shape"][i].get<std::string>() : d["shape"][i].dump());
+    shape += "]";
+    fmt::print("{:<5} {:<18} {:<8} {:<16} {}\n", d["order"].get<int>(), d["name"].get<std::string>(),
+               d["dtype"].get<std::string>(), shape, d["layout"].get<std::string>());
+  }
+  return 0;
+}
+
+const CommandRegistrar reg("validate", "Check a dump against the format (every problem at once), or print a model's skeleton",
+                           [](CLI::App& app) {
+                             auto o = std::make_shared<ValidateOptions>();
+                             app.add_option("dump", o->dump, "Dump file (HDF5) to check");
+                             app.add_option("--skeleton", o->skeleton,
+                                            "Print the root attributes and datasets a dump of this GGUF model holds");
+                             app.add_flag("--json", o->json, "As JSON");
+                             return [o] {
+                               if (o->dump.empty() == o->skeleton.empty())
+                                 throw InputError("validate: give a DUMP to check, or --skeleton MODEL.gguf");
+                               return o->skeleton.empty() ? run_validate(*o) : run_skeleton(*o);
+                             };
+                           });
+
+}  // namespace
+}  // namespace diffrun::cli

@@ -1,0 +1,249 @@
+"""`diffrun validate`: diffrun's own dumps pass, a hand-written h5py dump passes, and each class of problem is named, all in one run."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+DIFFRUN = os.environ.get("DIFFRUN_BIN", "build/cli/diffrun")
+FIXTURES = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", "build/fixtures"))
+MODEL = FIXTURES / "tiny-llama-f32.gguf"
+QWEN3 = FIXTURES / "tiny-qwen3-f32.gguf"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([DIFFRUN, *args], capture_output=True, text=True, timeout=120)
+
+
+def validate(path: Path) -> tuple[int, list[str]]:
+    r = run("validate", str(path))
+    return r.returncode, (r.stdout + r.stderr).splitlines()
+
+
+@pytest.fixture(scope="module")
+def ref_dump(tmp_path_factory) -> Path:
+    if not MODEL.exists():
+        pytest.skip(f"{MODEL} missing: run ctest -R fixtures_generate first")
+    out = tmp_path_factory.mktemp("validate") / "ref.h5"
+    r = run("dump", "--backend", "cpu", "--model", str(MODEL), "--tokens", "1,17,42", "--steps", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def copy(src: Path, tmp_path: Path, name: str) -> Path:
+    dst = tmp_path / name
+    shutil.copy(src, dst)
+    return dst
+
+
+def test_diffrun_dumps_are_valid(ref_dump: Path, tmp_path: Path):
+    rc, lines = validate(ref_dump)
+    assert rc == 0, lines
+    assert lines[-1].endswith("valid diffrun dump (3 steps, 120 datasets)"), lines
+    if QWEN3.exists():  # Qnorm/Knorm, qk_norm = true
+        out = tmp_path / "qwen3.h5"
+        assert run("dump", "--backend", "cpu", "--precision", "f64", "--model", str(QWEN3), "--tokens", "3,4",
+                   "--steps", "1", "--out", str(out)).returncode == 0
+        rc, lines = validate(out)
+        assert rc == 0, lines
+
+
+def test_unreadable_files_exit_2(tmp_path: Path):
+    rc, lines = validate(tmp_path / "missing.h5")
+    assert rc == 2 and "no such file" in lines[-1]
+    junk = tmp_path / "junk.h5"
+    junk.write_bytes(b"not an hdf5 file at all" * 10)
+    rc, lines = validate(junk)
+    assert rc == 2 and "not an HDF5 file" in lines[-1]
+
+
+def test_bare_dump_lists_every_missing_attribute_at_once(tmp_path: Path):
+    bare = tmp_path / "bare.h5"
+    with h5py.File(bare, "w") as f:
+        f.create_group("step_0000")
+    rc, lines = validate(bare)
+    assert rc == 1
+    required = ["format", "format_version", "backend", "precision", "model_path", "model_fingerprint", "arch",
+                "n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab", "n_ctx", "rope_theta",
+                "rope_type", "rms_eps", "tied_output", "qkv_bias", "qk_norm", "prompt", "token_ids", "created_utc",
+                "diffrun_version"]
+    for name in required:
+        assert any(f"root attribute '{name}': missing" in line for line in lines), (name, lines)
+    assert any("step_0000/tokens: missing" in line for line in lines)
+    assert lines[-1].endswith(f"{len(required) + 2} problems"), lines[-1]
+
+
+def test_each_class_of_root_problem_is_named(ref_dump: Path, tmp_path: Path):
+    bad = copy(ref_dump, tmp_path, "bad_root.h5")
+    with h5py.File(bad, "r+") as f:
+        f.attrs["rope_type"] = np.int32(0)            # mistyped root attribute
+        f.attrs["arch"] = "mistral"                    # bad enum string
+        f.attrs["tied_output"] = "true"                # boolean stored as a string
+        del f.attrs["model_fingerprint"]               # missing
+        f.attrs["n_head"] = np.float64(4.0)            # integer stored as a real
+        f.attrs["format_version"] = np.int32(7)        # unknown version
+    rc, lines = validate(bad)
+    assert rc == 1, lines
+    expected = [
+        "root attribute 'rope_type': is an integer, expected a string",
+        "root attribute 'arch': is \"mistral\", expected \"llama\", \"qwen2\" or \"qwen3\"",
+        "root attribute 'tied_output': is a string, expected a boolean",
+        "root attribute 'model_fingerprint': missing",
+        "root attribute 'n_head': is a float, expected an int32 scalar",
+        "root attribute 'format_version': is 7, this diffrun reads version 1",
+        "/: datasets are not checked against the vocabulary",
+    ]
+    for e in expected:
+        assert any(e in line for line in lines), (e, lines)
+    assert lines[-1].endswith(f"{len(expected)} problems"), lines
+
+
+def test_each_class_of_dataset_problem_is_named(ref_dump: Path, tmp_path: Path):
+    bad = copy(ref_dump, tmp_path, "bad_datasets.h5")
+    with h5py.File(bad, "r+") as f:
+        s0 = f["step_0000"]
+        s0["foo_bar"] = np.zeros(3, np.float32)        # unknown name
+        s0["Kcur-1"].attrs["order"] = np.int32(99)     # order contradicts the vocabulary
+        s0["Vcur-1"].attrs["layer"] = np.int32(0)      # layer contradicts the name
+        s0["ffn_up-0"].attrs["native_dtype"] = "fp8"   # bad enum string on a dataset
+        s0["ffn_gate-0"].attrs["layout"] = "T,D"       # layout not a permutation of the vocabulary's
+        data = s0["ffn_out-0"][...]
+        del s0["ffn_out-0"]
+        s0["ffn_out-0"] = data.astype(np.int32)        # float checkpoint stored as integers
+        f.move("step_0002", "step_0003")               # steps not contiguous
+        f.attrs["argmax"] = np.array([1, 2], np.int32)  # one per step
+    rc, lines = validate(bad)
+    assert rc == 1, lines
+    expected = [
+        "step_0000/foo_bar: not a checkpoint name of the vocabulary",
+        "step_0000/Kcur-1: attribute 'order' is 99 but the vocabulary puts it at 22",
+        "step_0000/Vcur-1: attribute 'layer' is 0 but the name says 1",
+        "step_0000/ffn_up-0: attribute 'native_dtype' is \"fp8\"",
+        "step_0000/ffn_gate-0: layout 'T,D' is not a permutation of the vocabulary's 'T,F'",
+        "step_0000/ffn_out-0: is an integer of 4 bytes",
+        "step_0002: missing: steps are numbered from 0 without gaps",
+        "root attribute 'argmax': holds 2 ids for 3 steps",
+        "root attribute 'all_token_ids': holds 5 ids; 3 decode steps after a prompt of 3 need at least 6",
+    ]
+    for e in expected:
+        assert any(e in line for line in lines), (e, lines)
+    assert lines[-1].endswith(f"{len(expected)} problems"), lines
+
+
+def test_shape_problems_are_checked_against_the_config(ref_dump: Path, tmp_path: Path):
+    bad = copy(ref_dump, tmp_path, "shapes.h5")
+    with h5py.File(bad, "r+") as f:
+        s0, s1, s2 = f["step_0000"], f["step_0001"], f["step_0002"]
+        del s0["Qcur-0"]
+        s0["Qcur-0"] = np.zeros((3, 7), np.float32)          # wrong element count
+        q = s1["Qrope-1"][...]
+        del s1["Qrope-1"]
+        s1["Qrope-1"] = np.ascontiguousarray(q.reshape(1, 64, 4))  # same count, dims swapped, no layout
+        s1["Qnorm-0"] = np.zeros((1, 4, 64), np.float32)      # a qwen3 name in a llama dump
+        del s1["cache_k-0"]
+        s1["cache_k-0"] = np.zeros((3, 2, 64), np.float32)    # S is 4 after step 1
+        ids = s2["tokens"][...]
+        del s2["tokens"]
+        s2["tokens"] = np.array([ids[0], 5], np.int32)        # a decode step feeds one id
+    rc, lines = validate(bad)
+    assert rc == 1
+    expected = [
+        "step_0000/Qcur-0: shape [3, 7] does not fit layout 'T,H,Dh' = [3, 4, 64] (T = 3, S = 3)",
+        "step_0001/Qrope-1: shape [1, 64, 4] does not fit layout 'T,H,Dh' = [1, 4, 64] (T = 1, S = 4); same element count",
+        "step_0001/Qnorm-0: checkpoint 'Qnorm-0' does not exist for architecture llama",
+        "step_0001/cache_k-0: shape [3, 2, 64] does not fit layout 'S,Hkv,Dh' = [4, 2, 64]",
+        "step_0002/tokens: holds 2 ids; a decode step feeds one",
+        "step_0002/embd: shape [1, 256] does not fit layout 'T,D' = [2, 256] (T = 2, S = 6)",
+    ]
+    for e in expected:
+        assert any(e in line for line in lines), (e, lines)
+
+
+def test_tolerated_forms_are_valid(ref_dump: Path, tmp_path: Path):
+    """Optional dataset attributes absent, [T, H*Dh], permuted layouts, float16/float64/bf16 storage."""
+    ok = copy(ref_dump, tmp_path, "tolerated.h5")
+    with h5py.File(ok, "r+") as f:
+        s0 = f["step_0000"]
+        for name in ("embd", "attn_norm-0"):
+            for a in ("order", "layer", "layout", "native_dtype"):
+                del s0[name].attrs[a]
+        q = s0["Qcur-0"][...]
+        del s0["Qcur-0"]
+        s0["Qcur-0"] = q.reshape(q.shape[0], -1)                      # [T, H*Dh]
+        k = s0["Krope-1"][...]
+        del s0["Krope-1"]
+        s0["Krope-1"] = np.ascontiguousarray(k.transpose(1, 0, 2))    # [Hkv, T, Dh]
+        s0["Krope-1"].attrs["layout"] = "Hkv,T,Dh"
+        x = s0["ffn_out-0"][...]
+        del s0["ffn_out-0"]
+        s0["ffn_out-0"] = x.astype(np.float16)
+        y = s0["ffn_out-1"][...]
+        del s0["ffn_out-1"]
+        s0["ffn_out-1"] = y.astype(np.float64)
+        z = s0["l_out-1"][...]
+        del s0["l_out-1"]
+        s0["l_out-1"] = (z.view(np.uint32) >> 16).astype(np.uint16)  # bf16 bits (truncated)
+        s0["l_out-1"].attrs["dtype"] = "bf16"
+        f.attrs["device"] = "a backend fact"
+    rc, lines = validate(ok)
+    assert rc == 0, lines
+    with h5py.File(ok, "r+") as f:
+        del f["step_0000/l_out-1"].attrs["dtype"]
+    rc, lines = validate(ok)
+    assert rc == 1 and any("l_out-1: is uint16 without the attribute dtype" in line for line in lines), lines
+
+
+def test_skeleton_and_a_dump_written_by_hand_with_h5py(ref_dump: Path, tmp_path: Path):
+    r = run("validate", "--skeleton", str(MODEL), "--json")
+    assert r.returncode == 0, r.stderr
+    sk = json.loads(r.stdout)
+    attrs = {a["name"]: a for a in sk["root_attributes"]}
+    assert attrs["n_layer"]["value"] == 2 and attrs["arch"]["value"] == "llama"
+    text = run("validate", "--skeleton", str(MODEL)).stdout
+    assert "Qcur-0" in text and "[T, 4, 64]" in text and "[S, 2, 64]" in text
+
+    # Only h5py and numpy, from the skeleton: the tokens of the reference, random checkpoints.
+    with h5py.File(ref_dump, "r") as ref:
+        prompt_ids = ref.attrs["token_ids"]
+        all_ids = ref.attrs["all_token_ids"]
+    hand = tmp_path / "hand.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(hand, "w") as f:
+        for a in sk["root_attributes"]:
+            v = a["value"]
+            if a["type"] == "int32":
+                f.attrs[a["name"]] = np.int32(v)
+            elif a["type"] == "float64":
+                f.attrs[a["name"]] = float(v)
+            elif a["type"] == "bool":
+                f.attrs[a["name"]] = np.bool_(v)
+            elif a["type"] == "string" and v is not None:
+                f.attrs[a["name"]] = v
+        f.attrs.update({"backend": "h5py-by-hand", "precision": "f32", "prompt": "1,17,42",
+                        "token_ids": np.asarray(prompt_ids, np.int32), "created_utc": "2026-11-23T05:00:00Z",
+                        "diffrun_version": "hand", "all_token_ids": np.asarray(all_ids, np.int32)})
+        n_kv = 0
+        for step in range(3):
+            ids = prompt_ids if step == 0 else all_ids[len(prompt_ids) + step - 1: len(prompt_ids) + step]
+            T = len(ids)
+            n_kv += T
+            g = f.create_group(f"step_{step:04d}")
+            for d in sk["datasets"]:
+                shape = [T if s == "T" else n_kv if s == "S" else s for s in d["shape"]]
+                if d["name"] == "tokens":
+                    ds = g.create_dataset("tokens", data=np.asarray(ids, np.int32))
+                else:
+                    ds = g.create_dataset(d["name"], data=rng.standard_normal(shape).astype(np.float32))
+                ds.attrs.update({"order": np.int32(d["order"]), "layer": np.int32(d["layer"]), "layout": d["layout"],
+                                 "native_dtype": "i32" if d["name"] == "tokens" else "f32"})
+    rc, lines = validate(hand)
+    assert rc == 0, lines
+    # diffrun's C++ reader reads it: compare runs (random data diverges: exit 1, not 2)
+    r = run("compare", str(hand), str(ref_dump), "--tolerances", "fixtures/tolerances/f32_vs_f64.json")
+    assert r.returncode == 1, r.stdout + r.stderr
