@@ -441,4 +441,6 @@ bool DumpFile::finished() const { return impl_->finished; }
 
 uint64_t DumpFile::bytes_written() const { return impl_->bytes; }
 
+hid_t DumpFile::hdf5_file() const { return impl_->file.get(); }
+
 }  // namespace diffrun

@@ -137,6 +137,7 @@ class DumpFile {
   void abort();   // closes and removes the temporary file; never throws
   bool finished() const;
   uint64_t bytes_written() const;
+  hid_t hdf5_file() const;  // the open file (for checks that read back what was written)
 
  private:
   struct Impl;

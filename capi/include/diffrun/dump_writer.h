@@ -1,0 +1,115 @@
+/* diffrun dump writer, C API: write a diffrun dump (docs/dump-format.md) from any engine in C, C++ or Rust. */
+#ifndef DIFFRUN_DUMP_WRITER_H
+#define DIFFRUN_DUMP_WRITER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define DIFFRUN_DUMP_API __attribute__((visibility("default")))
+#else
+#define DIFFRUN_DUMP_API
+#endif
+
+/* The dump format version this library writes (root attribute format_version). */
+#define DIFFRUN_DUMP_FORMAT_VERSION 1
+
+/* One dump being written. Opaque; one handle is not to be used from two threads at once. */
+typedef struct diffrun_dump diffrun_dump;
+
+/* Element type of the data passed to diffrun_dump_put. F16 and BF16 are passed as their 16-bit
+ * patterns (uint16_t) and stored as such (float16, or uint16 with dtype = "bf16"). */
+typedef enum diffrun_dtype {
+  DIFFRUN_F32 = 0,
+  DIFFRUN_F16 = 1,
+  DIFFRUN_BF16 = 2,
+  DIFFRUN_F64 = 3,
+  DIFFRUN_I32 = 4 /* the "tokens" checkpoint only */
+} diffrun_dtype;
+
+/* Return codes. Every function returns one; on failure diffrun_dump_last_error says what and where. */
+enum {
+  DIFFRUN_DUMP_OK = 0,
+  DIFFRUN_DUMP_E_ARG = 1,        /* a NULL handle or pointer, an unknown dtype, a bad value */
+  DIFFRUN_DUMP_E_IO = 2,         /* a file cannot be created, written, renamed or read */
+  DIFFRUN_DUMP_E_META = 3,       /* a root attribute of the wrong type, or missing/invalid when the first step starts */
+  DIFFRUN_DUMP_E_STEP = 4,       /* steps out of order (0, 1, 2, ...), a put before any step, a step without tokens */
+  DIFFRUN_DUMP_E_CHECKPOINT = 5, /* a name, layer, shape or layout the vocabulary does not allow; a name recorded twice */
+  DIFFRUN_DUMP_E_INTERNAL = 6    /* out of memory or an unexpected failure */
+};
+
+/* Creates a dump to be written at `path`: the data go to "<path>.tmp-<pid>", renamed to `path` by
+ * diffrun_dump_close, so an interrupted run never leaves a file that looks whole. Writes format,
+ * format_version, created_utc (now) and diffrun_version; the other root attributes come from the
+ * setters or diffrun_dump_copy_meta. On failure *out is NULL and diffrun_dump_last_error(NULL)
+ * says why. */
+DIFFRUN_DUMP_API int diffrun_dump_open(const char* path, diffrun_dump** out);
+
+/* Copies the run's root attributes from a reference dump: model, config, prompt, token_ids,
+ * all_token_ids (everything but backend, precision, created_utc, diffrun_version, argmax and the
+ * reference's backend facts). Set backend and precision afterwards. */
+DIFFRUN_DUMP_API int diffrun_dump_copy_meta(diffrun_dump* d, const char* reference_path);
+
+/* Root attributes by name (docs/dump-format.md lists them with their types); setting one again
+ * replaces it. set_string on a name the format does not define records a backend fact.
+ *   strings:  backend, precision ("f16", "bf16", "f32", "f64"), model_path, model_fingerprint,
+ *             arch ("llama", "qwen2", "qwen3"), rope_type ("norm", "neox"), prompt, created_utc,
+ *             diffrun_version, and facts
+ *   integers: n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx
+ *   reals:    rope_theta, rms_eps
+ *   booleans: tied_output, qkv_bias, qk_norm (0 or 1)
+ *   id arrays: token_ids, all_token_ids, argmax
+ * A name used with the wrong setter returns DIFFRUN_DUMP_E_META. */
+DIFFRUN_DUMP_API int diffrun_dump_set_string(diffrun_dump* d, const char* name, const char* value);
+DIFFRUN_DUMP_API int diffrun_dump_set_int(diffrun_dump* d, const char* name, int32_t value);
+DIFFRUN_DUMP_API int diffrun_dump_set_real(diffrun_dump* d, const char* name, double value);
+DIFFRUN_DUMP_API int diffrun_dump_set_bool(diffrun_dump* d, const char* name, int value);
+DIFFRUN_DUMP_API int diffrun_dump_set_ids(diffrun_dump* d, const char* name, const int32_t* ids, size_t n);
+
+/* Starts step `step`: 0 (the prefill) first, then 1, 2, ... in order. Starting step 0 checks the
+ * root attributes (all problems in one message: DIFFRUN_DUMP_E_META); each later step needs the
+ * previous one to have recorded its tokens. */
+DIFFRUN_DUMP_API int diffrun_dump_step(diffrun_dump* d, int step);
+
+/* Records one checkpoint of the current step: row-major data of shape dims[0..ndim). Put "tokens"
+ * first in every step (DIFFRUN_I32, [T], layer -1): T and S come from it. `layer` is the -L of
+ * the name, -1 outside layers. The shape must be the vocabulary's (`diffrun vocab`, or
+ * `diffrun validate --skeleton MODEL.gguf`) or, for per-head tensors, the heads merged
+ * ([T, H*Dh]; stored as [T, H, Dh], same bytes). */
+DIFFRUN_DUMP_API int diffrun_dump_put(diffrun_dump* d, const char* name, int layer, const int64_t* dims, int ndim,
+                                      diffrun_dtype dtype, const void* data);
+
+/* diffrun_dump_put with the layout of the data (a permutation of the vocabulary's letters, e.g.
+ * "H,T,Dh"; NULL = the vocabulary's) and what the engine computed in (native_dtype: "f16",
+ * "bf16", "f32", "f64"; NULL = the dtype of the data). */
+DIFFRUN_DUMP_API int diffrun_dump_put_ex(diffrun_dump* d, const char* name, int layer, const int64_t* dims, int ndim,
+                                         diffrun_dtype dtype, const void* data, const char* layout,
+                                         const char* native_dtype);
+
+/* Finishes the dump: closes it and renames it to its path. Frees the handle, whatever the result;
+ * on failure the temporary file is removed and diffrun_dump_last_error(NULL) says why. */
+DIFFRUN_DUMP_API int diffrun_dump_close(diffrun_dump* d);
+
+/* Discards the dump: removes the temporary file and frees the handle. */
+DIFFRUN_DUMP_API int diffrun_dump_abort(diffrun_dump* d);
+
+/* The message of the last failure on this handle ("" if none), naming the file, attribute or
+ * dataset; with NULL, the last failure in this thread (open, close, a NULL handle). Valid until
+ * the next call with the same handle (or, for NULL, in the same thread). */
+DIFFRUN_DUMP_API const char* diffrun_dump_last_error(const diffrun_dump* d);
+
+/* "ok", "bad argument", "i/o error", ... for a return code. */
+DIFFRUN_DUMP_API const char* diffrun_dump_strerror(int code);
+
+/* This library's version, e.g. "0.1.0". */
+DIFFRUN_DUMP_API const char* diffrun_dump_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DIFFRUN_DUMP_WRITER_H */

@@ -1,0 +1,18 @@
+# capi/: the C API dump writer used from C and from C++, checked by diffrun validate, h5py and diffrun compare; and installed for find_package and pkg-config consumers.
+add_executable(test_capi_c capi/test_capi_c.c)
+set_target_properties(test_capi_c PROPERTIES C_STANDARD 99 C_STANDARD_REQUIRED ON C_EXTENSIONS OFF)
+target_compile_options(test_capi_c PRIVATE -Wall -Wextra -pedantic)
+target_link_libraries(test_capi_c PRIVATE diffrun::dump_writer)
+add_executable(test_capi_cpp capi/test_capi_cpp.cpp)
+target_link_libraries(test_capi_cpp PRIVATE diffrun::dump_writer hdf5::hdf5 diffrun_warnings)
+
+add_test(NAME test_capi
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_capi.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_capi PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
+  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;DIFFRUN_CAPI_C=$<TARGET_FILE:test_capi_c>;DIFFRUN_CAPI_CPP=$<TARGET_FILE:test_capi_cpp>")
+
+add_test(NAME test_capi_install
+         COMMAND bash tests/capi/install_test.sh ${CMAKE_BINARY_DIR} $<TARGET_FILE:diffrun>
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_capi_install PROPERTIES LABELS cpu SKIP_RETURN_CODE 77 TIMEOUT 300)

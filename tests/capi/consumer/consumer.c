@@ -1,0 +1,55 @@
+/* A one-file consumer of the installed C API: writes a one-step dump of a tiny llama config (embd only). */
+#include <diffrun/dump_writer.h>
+
+#include <stdio.h>
+
+#define TRY(call)                                                                  \
+  do {                                                                             \
+    if ((call) != DIFFRUN_DUMP_OK) {                                               \
+      fprintf(stderr, "%s: %s\n", #call, diffrun_dump_last_error(d));              \
+      return 1;                                                                    \
+    }                                                                              \
+  } while (0)
+
+int main(int argc, char** argv) {
+  if (argc != 2) return 2;
+  diffrun_dump* d = NULL;
+  const int32_t ids[2] = {1, 2};
+  float embd[2 * 8];
+  for (int i = 0; i < 16; ++i) embd[i] = (float)i;
+  if (diffrun_dump_open(argv[1], &d) != DIFFRUN_DUMP_OK) {
+    fprintf(stderr, "open: %s\n", diffrun_dump_last_error(NULL));
+    return 1;
+  }
+  TRY(diffrun_dump_set_string(d, "backend", "consumer"));
+  TRY(diffrun_dump_set_string(d, "precision", "f32"));
+  TRY(diffrun_dump_set_string(d, "model_path", "none.gguf"));
+  TRY(diffrun_dump_set_string(d, "model_fingerprint", "0:0000000000000000"));
+  TRY(diffrun_dump_set_string(d, "arch", "llama"));
+  TRY(diffrun_dump_set_int(d, "n_layer", 1));
+  TRY(diffrun_dump_set_int(d, "n_embd", 8));
+  TRY(diffrun_dump_set_int(d, "n_head", 2));
+  TRY(diffrun_dump_set_int(d, "n_head_kv", 2));
+  TRY(diffrun_dump_set_int(d, "head_dim", 4));
+  TRY(diffrun_dump_set_int(d, "n_ff", 16));
+  TRY(diffrun_dump_set_int(d, "n_vocab", 10));
+  TRY(diffrun_dump_set_int(d, "n_ctx", 32));
+  TRY(diffrun_dump_set_real(d, "rope_theta", 10000.0));
+  TRY(diffrun_dump_set_string(d, "rope_type", "norm"));
+  TRY(diffrun_dump_set_real(d, "rms_eps", 1e-5));
+  TRY(diffrun_dump_set_bool(d, "tied_output", 0));
+  TRY(diffrun_dump_set_bool(d, "qkv_bias", 0));
+  TRY(diffrun_dump_set_bool(d, "qk_norm", 0));
+  TRY(diffrun_dump_set_string(d, "prompt", "1,2"));
+  TRY(diffrun_dump_set_ids(d, "token_ids", ids, 2));
+  TRY(diffrun_dump_step(d, 0));
+  const int64_t t[1] = {2}, td[2] = {2, 8};
+  TRY(diffrun_dump_put(d, "tokens", -1, t, 1, DIFFRUN_I32, ids));
+  TRY(diffrun_dump_put(d, "embd", -1, td, 2, DIFFRUN_F32, embd));
+  if (diffrun_dump_close(d) != DIFFRUN_DUMP_OK) {
+    fprintf(stderr, "close: %s\n", diffrun_dump_last_error(NULL));
+    return 1;
+  }
+  printf("consumer: wrote %s with diffrun-dump-writer %s\n", argv[1], diffrun_dump_version());
+  return 0;
+}

@@ -1,0 +1,86 @@
+"""The C API writer end to end: its C test program's dump passes diffrun validate and reads back in h5py; a C++ teacher-forced copy of a reference compares equal."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+DIFFRUN = os.environ.get("DIFFRUN_BIN", "build/cli/diffrun")
+CAPI_C = os.environ.get("DIFFRUN_CAPI_C", "build/tests/test_capi_c")
+CAPI_CPP = os.environ.get("DIFFRUN_CAPI_CPP", "build/tests/test_capi_cpp")
+FIXTURES = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", "build/fixtures"))
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*args], capture_output=True, text=True, timeout=120)
+
+
+def test_c_program_writes_a_valid_dump(tmp_path: Path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("a regular file: nothing can be created below it")
+    out = tmp_path / "c.h5"
+    r = run(CAPI_C, str(out), str(blocker))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("0 failed"), r.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "c.h5"]  # no temporary file left
+    v = run(DIFFRUN, "validate", str(out))
+    assert v.returncode == 0, v.stdout + v.stderr
+
+    with h5py.File(out, "r") as f:
+        a = f.attrs
+        assert a["format"] == "diffrun-dump" and a["format_version"] == 1 and a["backend"] == "c-test"
+        assert a["tied_output"].dtype == np.bool_ and bool(a["tied_output"]) and not bool(a["qk_norm"])
+        assert a["rope_theta"] == 10000.0 and a["n_vocab"] == 32 and a["device"] == "a C test"
+        assert list(a["token_ids"]) == [3, 5, 7] and list(a["argmax"]) == [9, 4]
+        s0, s1 = f["step_0000"], f["step_0001"]
+        assert list(s0["tokens"][...]) == [3, 5, 7] and list(s1["tokens"][...]) == [9]
+        assert s0["attn_norm-0"].dtype == np.float16 and s0["attn_norm-0"].attrs["native_dtype"] == "f16"
+        assert s0["Vcur-0"].dtype == np.float64
+        up = s0["ffn_up-0"]
+        assert up.dtype == np.uint16 and up.attrs["dtype"] == "bf16" and up.attrs["native_dtype"] == "bf16"
+        expected = np.array([0.25 * ((i * 7) % 23) - 2.0 for i in range(3 * 12)], np.float32).reshape(3, 12)
+        assert np.array_equal((up[...].astype(np.uint32) << 16).view(np.float32), expected)
+        assert np.array_equal(s0["attn_norm-0"][...].astype(np.float32), expected.ravel()[:24].reshape(3, 8))
+        assert s0["Qcur-0"].shape == (3, 2, 4) and s0["Qcur-0"].attrs["layout"] == "T,H,Dh"  # merged heads stored 3-D
+        q = s0["Qrope-0"]
+        assert q.shape == (2, 3, 4) and q.attrs["layout"] == "H,T,Dh" and q.attrs["native_dtype"] == "f16"
+        assert s1["cache_k-0"].shape == (4, 1, 4) and s1["kq_soft_max-0"].shape == (2, 1, 4)
+        assert [s0[n].attrs["order"] for n in ("tokens", "embd", "attn_norm-0", "result_output")] == [0, 1, 2, 21]
+
+
+def test_python_reader_reads_the_c_dump(tmp_path: Path):
+    diffrun = pytest.importorskip("diffrun")
+    out = tmp_path / "c.h5"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert run(CAPI_C, str(out), str(blocker)).returncode == 0
+    with diffrun.open(out) as d:
+        assert d.steps() == [0, 1]
+        assert d.get("Qrope-0", step=0).shape == (3, 2, 4)  # permuted back to the vocabulary's layout
+        assert d.get("ffn_up-0", step=0).dtype == np.float32
+
+
+def test_cpp_copy_of_a_reference_compares_equal(tmp_path: Path):
+    model = FIXTURES / "tiny-qwen2-f32.gguf"
+    if not model.exists():
+        pytest.skip(f"{model} missing: run ctest -R fixtures_generate first")
+    ref = tmp_path / "ref.h5"
+    r = run(DIFFRUN, "dump", "--backend", "cpu", "--precision", "f64", "--model", str(model), "--tokens", "5,6,7",
+            "--steps", "2", "--out", str(ref))
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "copy.h5"
+    r = run(CAPI_CPP, str(ref), str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    v = run(DIFFRUN, "validate", str(out))
+    assert v.returncode == 0, v.stdout + v.stderr
+    c = run(DIFFRUN, "compare", str(out), str(ref))
+    assert c.returncode == 0, c.stdout + c.stderr
+    with h5py.File(out, "r") as f, h5py.File(ref, "r") as g:
+        assert f.attrs["model_fingerprint"] == g.attrs["model_fingerprint"]
+        assert f.attrs["backend"] == "capi-copy" and "eigen_version" not in f.attrs  # facts are not copied
+        assert list(f.attrs["all_token_ids"]) == list(g.attrs["all_token_ids"])
+        assert f["step_0001/ffn_up-0"].dtype == np.float64
