@@ -25,6 +25,7 @@ struct diffrun_dump {
   std::optional<diffrun::ModelConfig> config;  // from the root attributes, when step 0 started
   std::vector<int32_t> token_ids;
   std::optional<std::vector<int32_t>> all_token_ids;
+  std::vector<int32_t> fed;  // diffrun_dump_step_tokens' result
 };
 
 namespace {
@@ -314,6 +315,32 @@ int diffrun_dump_set_ids(diffrun_dump* d, const char* name, const int32_t* ids, 
     settable(d, key, AttrType::int_array);
     need(n == 0 || ids != nullptr, DIFFRUN_DUMP_E_ARG, where(d) + "root attribute '" + key + "': ids is NULL");
     d->file->set_ints(key, std::span<const int32_t>(ids, n));
+  });
+}
+
+int diffrun_dump_step_tokens(diffrun_dump* d, int step, const int32_t** ids, size_t* n) {
+  if (!d) return null_handle("diffrun_dump_step_tokens");
+  return guard(d, [&] {
+    need(ids != nullptr && n != nullptr, DIFFRUN_DUMP_E_ARG, where(d) + "ids or n is NULL");
+    *ids = nullptr;
+    *n = 0;
+    need(step >= 0, DIFFRUN_DUMP_E_STEP, where(d) + "step " + std::to_string(step) + " is negative");
+    const diffrun::RootCheck root = diffrun::check_root_attributes(d->file->hdf5_file());
+    need(!root.token_ids.empty(), DIFFRUN_DUMP_E_META, where(d) + "no token_ids (copy_meta or set_ids first)");
+    if (step == 0) {
+      d->fed = root.token_ids;
+    } else {
+      const size_t i = root.token_ids.size() + static_cast<size_t>(step) - 1;
+      need(root.all_token_ids.has_value(), DIFFRUN_DUMP_E_STEP,
+           where(d) + "no all_token_ids: the ids of decode step " + std::to_string(step) + " are unknown");
+      need(i < root.all_token_ids->size(), DIFFRUN_DUMP_E_STEP,
+           where(d) + "all_token_ids covers steps 0.." +
+               std::to_string(root.all_token_ids->size() - root.token_ids.size()) + ", not step " +
+               std::to_string(step));
+      d->fed.assign(1, (*root.all_token_ids)[i]);
+    }
+    *ids = d->fed.data();
+    *n = d->fed.size();
   });
 }
 

@@ -149,6 +149,16 @@ int main(int argc, char** argv) {
   int64_t td[2] = {3, D};
   static float zeros[4096];
   CHECK_RC(diffrun_dump_put(d, "embd", -1, td, 2, DIFFRUN_F32, zeros), DIFFRUN_DUMP_E_STEP, d, "no step started");
+  {
+    const int32_t* fed = NULL;
+    size_t n_fed = 0;
+    CHECK_RC(diffrun_dump_step_tokens(d, 0, &fed, &n_fed), 0, d, "");
+    CHECK(n_fed == 3 && fed[0] == 3 && fed[2] == 7, "step 0 is fed the prompt");
+    CHECK_RC(diffrun_dump_step_tokens(d, 1, &fed, &n_fed), 0, d, "");
+    CHECK(n_fed == 1 && fed[0] == 9, "step 1 is fed all_token_ids[3]");
+    CHECK_RC(diffrun_dump_step_tokens(d, 2, &fed, &n_fed), DIFFRUN_DUMP_E_STEP, d, "covers steps 0..1, not step 2");
+    CHECK_RC(diffrun_dump_step_tokens(NULL, 0, &fed, &n_fed), DIFFRUN_DUMP_E_ARG, NULL, "handle is NULL");
+  }
   CHECK_RC(diffrun_dump_step(d, 1), DIFFRUN_DUMP_E_STEP, d, "out of order");
   CHECK_RC(diffrun_dump_step(d, 0), 0, d, "");
   CHECK_RC(diffrun_dump_set_int(d, "n_layer", 2), DIFFRUN_DUMP_E_STEP, d, "after step 0 started");

@@ -96,6 +96,11 @@ int main(int argc, char** argv) {
       if (e.name == "tokens") {
         std::vector<int32_t> ids(n);
         H5Dread(ds, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, ids.data());
+        const int32_t* fed = nullptr;
+        size_t n_fed = 0;
+        check(diffrun_dump_step_tokens(d.get(), step, &fed, &n_fed) == DIFFRUN_DUMP_OK &&
+                  std::vector<int32_t>(fed, fed + n_fed) == ids,
+              "step_tokens gives the reference's tokens of step " + std::to_string(step));
         rc = diffrun_dump_put(d.get(), "tokens", -1, dims.data(), 1, DIFFRUN_I32, ids.data());
       } else if (rank == 3 && e.name.rfind("Qcur", 0) == 0) {
         std::vector<float> v(n);  // [T, H*Dh], as most engines hold it
@@ -118,6 +123,12 @@ int main(int argc, char** argv) {
     H5Gclose(g);
   }
   H5Fclose(file);
+  {
+    const int32_t* fed = nullptr;
+    size_t n_fed = 0;
+    check(diffrun_dump_step_tokens(d.get(), 3, &fed, &n_fed) == DIFFRUN_DUMP_E_STEP && fed == nullptr,
+          std::string("no ids past the last step: ") + diffrun_dump_last_error(d.get()));
+  }
   check(diffrun_dump_close(d.release()) == DIFFRUN_DUMP_OK, std::string("close: ") + diffrun_dump_last_error(nullptr));
   std::printf("test_capi_cpp: %d checks, %d failed\n", n_checks, n_failed);
   return n_failed == 0 ? 0 : 1;

@@ -54,6 +54,13 @@ DIFFRUN_DUMP_API int diffrun_dump_open(const char* path, diffrun_dump** out);
  * reference's backend facts). Set backend and precision afterwards. */
 DIFFRUN_DUMP_API int diffrun_dump_copy_meta(diffrun_dump* d, const char* reference_path);
 
+/* The token ids step `step` is fed, from the root attributes token_ids (step 0, the prompt) and
+ * all_token_ids (one id per decode step after it), as copy_meta or the setters left them: the
+ * teacher-forcing loop feeds exactly these. *ids points into the handle, valid until the next
+ * call with it. DIFFRUN_DUMP_E_STEP past the last step the ids cover, so this runs the loop:
+ *   for (int s = 0; diffrun_dump_step_tokens(d, s, &ids, &n) == DIFFRUN_DUMP_OK; ++s) ... */
+DIFFRUN_DUMP_API int diffrun_dump_step_tokens(diffrun_dump* d, int step, const int32_t** ids, size_t* n);
+
 /* Root attributes by name (docs/dump-format.md lists them with their types); setting one again
  * replaces it. set_string on a name the format does not define records a backend fact.
  *   strings:  backend, precision ("f16", "bf16", "f32", "f64"), model_path, model_fingerprint,
