@@ -13,9 +13,15 @@ add_test(NAME test_dump_reader
 set_tests_properties(test_dump_reader PROPERTIES LABELS "cpu;python"
   ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;DIFFRUN_DUMP_SAMPLE=$<TARGET_FILE:dump_sample>")
 
-# `diffrun validate` on dumps of the CPU backend, mutated copies and a dump written by hand with h5py.
+# `diffrun validate` on dumps of the CPU backend, mutated copies and a dump written by hand with h5py;
+# test_validate_cuda on the CUDA engine's dump (skips without the engine or a device).
 add_test(NAME test_validate
-         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_validate.py
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_validate.py -k "not cuda"
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_validate PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
   ENVIRONMENT "${DIFFRUN_TEST_ENV}")
+add_test(NAME test_validate_cuda
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -rs -p no:cacheprovider tests/test_validate.py -k cuda
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_validate_cuda PROPERTIES LABELS "gpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
+  ENVIRONMENT "${DIFFRUN_TEST_ENV}" SKIP_REGULAR_EXPRESSION "[0-9]+ skipped")

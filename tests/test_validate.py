@@ -247,3 +247,17 @@ def test_skeleton_and_a_dump_written_by_hand_with_h5py(ref_dump: Path, tmp_path:
     # diffrun's C++ reader reads it: compare runs (random data diverges: exit 1, not 2)
     r = run("compare", str(hand), str(ref_dump), "--tolerances", "fixtures/tolerances/f32_vs_f64.json")
     assert r.returncode == 1, r.stdout + r.stderr
+
+
+def test_cuda_dump_is_valid(tmp_path: Path):
+    """The CUDA engine's dump (f16) passes too; skipped where diffrun has no CUDA engine or no device."""
+    if not MODEL.exists():
+        pytest.skip(f"{MODEL} missing: run ctest -R fixtures_generate first")
+    out = tmp_path / "cuda.h5"
+    r = run("dump", "--backend", "cuda", "--precision", "f16", "--model", str(MODEL), "--tokens", "1,17,42",
+            "--steps", "2", "--out", str(out))
+    if r.returncode == 2 and ("without the CUDA engine" in r.stderr or "no CUDA device" in r.stderr):
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stderr
+    rc, lines = validate(out)
+    assert rc == 0, lines
