@@ -25,3 +25,10 @@ add_test(NAME test_validate_cuda
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_validate_cuda PROPERTIES LABELS "gpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
   ENVIRONMENT "${DIFFRUN_TEST_ENV}" SKIP_REGULAR_EXPRESSION "[0-9]+ skipped")
+
+# docs/dump-format.md's Python fingerprint against `diffrun inspect` (fixtures and SmolLM2).
+add_test(NAME test_dump_format_doc
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_dump_format_doc.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_dump_format_doc PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED "tiny_models;smollm2"
+  TIMEOUT 300 ENVIRONMENT "${DIFFRUN_TEST_ENV}")
