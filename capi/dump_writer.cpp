@@ -154,7 +154,7 @@ void put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, in
   const std::string at = d->file->path() + ": dataset '" + diffrun::dump_step_group_name(d->step < 0 ? 0 : d->step) +
                          "/" + name + "': ";
   const char* type = dtype_name(dtype);
-  need(type != nullptr, DIFFRUN_DUMP_E_ARG, at + "unknown dtype " + std::to_string(static_cast<int>(dtype)) +
+  need(type != nullptr, DIFFRUN_DUMP_E_ARG, at + "unknown dtype " + std::to_string(dtype) +
                                                 " (DIFFRUN_F32, _F16, _BF16, _F64 or _I32)");
   need(d->step >= 0, DIFFRUN_DUMP_E_STEP, at + "no step started (call diffrun_dump_step first)");
   need(ndim >= 0 && ndim <= 8, DIFFRUN_DUMP_E_ARG, at + "ndim " + std::to_string(ndim) + " outside 0..8");

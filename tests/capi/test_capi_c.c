@@ -178,7 +178,7 @@ int main(int argc, char** argv) {
   int64_t wrong[2] = {3, D + 1};
   CHECK_RC(diffrun_dump_put(d, "ffn_norm-0", 0, wrong, 2, DIFFRUN_F32, zeros), DIFFRUN_DUMP_E_CHECKPOINT, d,
            "does not fit layout 'T,D' = [3, 8]");
-  CHECK_RC(diffrun_dump_put(d, "result_norm", -1, td, 2, (diffrun_dtype)99, zeros), DIFFRUN_DUMP_E_ARG, d,
+  CHECK_RC(diffrun_dump_put(d, "result_norm", -1, td, 2, 99, zeros), DIFFRUN_DUMP_E_ARG, d,
            "unknown dtype 99");
   CHECK_RC(diffrun_dump_put_ex(d, "ffn_out-0", 0, td, 2, DIFFRUN_F32, zeros, "D,T,X", NULL), DIFFRUN_DUMP_E_CHECKPOINT,
            d, "not a permutation");

@@ -21,15 +21,18 @@ extern "C" {
 /* One dump being written. Opaque; one handle is not to be used from two threads at once. */
 typedef struct diffrun_dump diffrun_dump;
 
-/* Element type of the data passed to diffrun_dump_put. F16 and BF16 are passed as their 16-bit
- * patterns (uint16_t) and stored as such (float16, or uint16 with dtype = "bf16"). */
-typedef enum diffrun_dtype {
+/* Element type of the data passed to diffrun_dump_put, one of DIFFRUN_F32 ... DIFFRUN_I32 (an
+ * integer, so that any value passed is well defined and an unknown one is refused). F16 and BF16
+ * are passed as their 16-bit patterns (uint16_t) and stored as such (float16, or uint16 with
+ * dtype = "bf16"). */
+typedef int32_t diffrun_dtype;
+enum {
   DIFFRUN_F32 = 0,
   DIFFRUN_F16 = 1,
   DIFFRUN_BF16 = 2,
   DIFFRUN_F64 = 3,
   DIFFRUN_I32 = 4 /* the "tokens" checkpoint only */
-} diffrun_dtype;
+};
 
 /* Return codes. Every function returns one; on failure diffrun_dump_last_error says what and where. */
 enum {
