@@ -59,6 +59,46 @@ def _factor_sizes(factors: list[str], extent: int, dims: dict[str, int]) -> list
     return known
 
 
+def _named_dims(shape: tuple[int, ...], layout: str, dims: dict[str, int]) -> list[tuple[str, int]]:
+    """The layout's letters with their extents, "X*Y" split where the sizes fit; [] when the layout
+    does not name every stored dimension."""
+    parts = layout.split(",") if layout else []
+    if len(parts) != len(shape):
+        return []
+    out = []
+    for part, extent in zip(parts, shape):
+        factors = part.split("*")
+        sizes = _factor_sizes(factors, extent, dims) if len(factors) > 1 else None
+        out.extend(zip(factors, sizes) if sizes else [(part, extent)])
+    return out
+
+
+def _slice_worst(x: np.ndarray, y: np.ndarray, named: list[tuple[str, int]]) -> dict:
+    """worst_row (T, else a leading S), worst_head (H/Hkv), worst_channel (the last dimension): the
+    largest rel L2 over one index of that axis, as diff::compute_metrics defines them."""
+    out = {"worst_row": None, "worst_head": None, "worst_channel": None}
+    letters = [d for d, _ in named]
+    if not named or math.prod(e for _, e in named) != x.size:
+        return out
+    row = letters.index("T") if "T" in letters else (0 if letters[0] == "S" else -1)
+    head = next((i for i, d in enumerate(letters) if d in ("H", "Hkv")), -1)
+    channel = len(named) - 1 if len(named) >= 2 and len(named) - 1 not in (row, head) else -1
+    finite = np.isfinite(x) & np.isfinite(y)
+    shape = tuple(e for _, e in named)
+    d2 = np.where(finite, (x - y) ** 2, 0.0).reshape(shape)
+    b2 = np.where(finite, y * y, 0.0).reshape(shape)
+    for key, axis in (("worst_row", row), ("worst_head", head), ("worst_channel", channel)):
+        if axis < 0:
+            continue
+        other = tuple(i for i in range(len(shape)) if i != axis)
+        sd, sb = d2.sum(axis=other), b2.sum(axis=other)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(sb > 0, np.sqrt(sd) / np.sqrt(sb), np.where(sd > 0, math.inf, 0.0))
+        j = int(np.argmax(rel))
+        out[key] = {"dim": letters[axis], "index": j, "rel_l2": float(rel[j]) if finite.all() else math.nan}
+    return out
+
+
 def tensor_metrics(a: np.ndarray, b: np.ndarray, layout: str = "", dims: dict[str, int] | None = None,
                    atol: float = 0.0, rtol: float = 0.0) -> dict:
     """max_abs, mean_abs, rel_l2, nmse, cosine, sqnr_db, n_fail, fail_frac, NaN/Inf counts, worst element,
@@ -123,6 +163,7 @@ def tensor_metrics(a: np.ndarray, b: np.ndarray, layout: str = "", dims: dict[st
                       "engine": float(x[flat]), "reference": float(y[flat]), "abs_err": float(err)}
     else:
         m["worst"] = None
+    m.update(_slice_worst(x, y, _named_dims(shape, layout, dims or {})))
     if not (fx.all() and fy.all()):
         # Undefined over non-finite data (JSON null), never the finite pairs' 0 or 1.
         for key in ("max_abs", "mean_abs", "rel_l2", "nmse", "cosine", "sqnr_db", "min_atol", "min_rtol"):

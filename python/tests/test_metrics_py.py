@@ -40,6 +40,20 @@ def test_tolerance_fraction_and_worst_coordinates():
     assert flat["worst"]["coords"] == {"T": 1, "H": 2, "Dh": 3}
 
 
+def test_worst_row_head_and_channel():
+    ref = np.ones((4, 3, 2), np.float32)
+    eng = ref.copy()
+    eng[2, 1, :] = 1.5  # head 1 of token 2
+    m = metrics.tensor_metrics(eng, ref, "T,H,Dh")
+    assert m["worst_row"]["dim"] == "T" and m["worst_row"]["index"] == 2
+    assert m["worst_row"]["rel_l2"] == pytest.approx(math.sqrt(0.5 / 6), rel=1e-12)
+    assert m["worst_head"] == {"dim": "H", "index": 1, "rel_l2": pytest.approx(math.sqrt(0.5 / 8), rel=1e-12)}
+    assert m["worst_channel"]["dim"] == "Dh"
+    cache = metrics.tensor_metrics(eng.reshape(4, 6), ref.reshape(4, 6), "S,Hkv*Dh", {"Hkv": 3, "Dh": 2})
+    assert cache["worst_row"]["dim"] == "S" and cache["worst_head"]["dim"] == "Hkv"
+    assert metrics.tensor_metrics(eng.ravel(), ref.ravel())["worst_row"] is None
+
+
 def test_non_finite():
     m = metrics.tensor_metrics(np.array([1.0, np.nan, 3.0], np.float32), np.array([1.0, 2.0, 3.0], np.float32))
     assert m["nonfinite_mismatch"] == 1 and m["n_fail"] == 1 and m["nan_engine"] == 1
@@ -122,6 +136,11 @@ def test_agrees_with_the_cpp_report(report_pair):
                     assert value["flat"] == cpp["worst"]["flat"] and value["coords"] == cpp["worst"]["coords"]
                     for k in ("engine", "reference", "abs_err"):
                         _close(value[k], cpp["worst"][k], f"{row['name']} worst.{k}")
+            elif key in ("worst_row", "worst_head", "worst_channel"):
+                assert (value is None) == (cpp[key] is None), (row["name"], key)
+                if value is not None:
+                    assert (value["dim"], value["index"]) == (cpp[key]["dim"], cpp[key]["index"]), (row["name"], key)
+                    _close(value["rel_l2"], cpp[key]["rel_l2"], f"{row['name']} {key}")
             elif key == "logits":
                 assert (value is None) == (cpp["logits"] is None), row["name"]
                 if value is not None:
