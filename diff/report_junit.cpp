@@ -82,6 +82,11 @@ std::string failure_body(const CheckpointResult& r) {
   return body;
 }
 
+std::string pattern_text(const std::optional<ErrorPattern>& p) {
+  if (!p || (p->summary.empty() && p->hint.empty())) return "";
+  return fmt::format("pattern: {}{}{}\n", p->summary, p->summary.empty() || p->hint.empty() ? "" : " -> ", p->hint);
+}
+
 }  // namespace
 
 std::string render_junit(const Comparison& c) {
@@ -132,7 +137,7 @@ std::string render_junit(const Comparison& c) {
         const std::string lead = std::string(first ? "first divergence: " : "") + (first_nf ? "first NaN/Inf: " : "");
         out += fmt::format(">\n      <failure type=\"{}\" message=\"{}{}\">{}</failure>\n    </testcase>\n",
                            checkpoint_status_name(r->status), lead,
-                           xml_escape(failure_message(*r)), xml_escape(failure_body(*r), false));
+                           xml_escape(failure_message(*r)), xml_escape(failure_body(*r) + pattern_text(first ? c.pattern : first_nf ? c.nonfinite_pattern : std::nullopt), false));
       } else if (!r->compared()) {
         out += fmt::format(">\n      <skipped message=\"recorded by the {} only\"/>\n    </testcase>\n",
                            r->status == CheckpointStatus::only_engine ? "engine" : "reference");

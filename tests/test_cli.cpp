@@ -330,7 +330,8 @@ TEST_F(Cli, ErrorPatternOfCatalogFaults) {
   if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model << " (run the fixtures_generate test)";
   auto inject = [&](const std::string& fault) {
     Result r = run("--model " + quote(model) + " --tokens 1,17,42,7,99,3,120,5,63 --steps 1 --engine cpu --no-color --inject " +
-                   fault + " --out " + quote(path(fault)) + " --report-json " + quote(path(fault + ".json")));
+                   fault + " --out " + quote(path(fault)) + " --report-json " + quote(path(fault + ".json")) +
+                   " --report-junit " + quote(path(fault.substr(0, 3) + ".xml")));
     EXPECT_EQ(r.rc, 1) << r.out << r.err;
     return std::make_pair(r.out, nlohmann::json::parse(slurp(path(fault + ".json")))["first_divergence"]);
   };
@@ -342,6 +343,8 @@ TEST_F(Cli, ErrorPatternOfCatalogFaults) {
       << gqa_text;
   EXPECT_EQ(gqa["pattern"]["axes"][0]["dim"], "H");
   EXPECT_EQ(gqa["pattern"]["axes"][0]["exact"], nlohmann::json::parse("[0, 2, 5, 7]"));
+  ASSERT_TRUE(fs::exists(path("gqa.xml")));
+  EXPECT_NE(slurp(path("gqa.xml")).find("pattern: heads 0,2,5,7 exact, 1,3-4,6 wrong"), std::string::npos);
   // The decode step's K/V written at cache row 0 instead of row 9: row 9 stays zero.
   auto [kv_text, kv] = inject("kv_cache_pos0");
   EXPECT_EQ(kv["name"], "cache_k-0");

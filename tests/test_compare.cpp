@@ -312,6 +312,47 @@ TEST_F(Compare, InfInASubsetDumpFailsTheRun) {
       << render_terminal(c);
 }
 
+// One token row off by 3e-3 in a 3-token prefill: tensor-wide rel L2 ~1.7e-3 passes a 2e-3 bound,
+// the row's 3e-3 fails a 2e-3 row bound. Likewise one head of two.
+TEST_F(Compare, RowAndHeadBoundsCatchWhatTheTensorBoundDilutes) {
+  SyntheticDump e = engine_dump();
+  e.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step == 0 && name == "ffn_out-1") {
+      for (size_t i = 8; i < 16; ++i) v[i] *= 1.003f;  // token row 1 of [3, D=8]
+    }
+    if (step == 0 && name == "Qcur-2") {
+      for (size_t t = 0; t < 3; ++t) {
+        for (size_t i = 4; i < 8; ++i) v[t * 8 + i] *= 1.0025f;  // head 1 of [3, H=2, Dh=4]
+      }
+    }
+  };
+  Comparison tensor_only = run(e, rel(2e-3));
+  EXPECT_FALSE(tensor_only.diverged());
+  ToleranceSet slices = parse_tolerances(
+      R"({"rules": [], "default": {"max_rel_l2": 2e-3, "max_row_rel_l2": 2e-3, "max_head_rel_l2": 2e-3, "reason": "t"}})",
+      "t.json");
+  Comparison c = run(e, slices);
+  ASSERT_TRUE(c.diverged());
+  EXPECT_EQ(c.n_fail, 2);
+  EXPECT_EQ(first(c).name, "ffn_out-1");
+  EXPECT_EQ(first(c).metrics->row.index, 1);
+  auto failing = [](const CheckpointResult& r) {
+    std::vector<std::string> out;
+    for (const auto& k : r.checks) {
+      if (!k.pass) out.push_back(k.bound);
+    }
+    return out;
+  };
+  EXPECT_EQ(failing(first(c)), std::vector<std::string>{"max_row_rel_l2"});
+  auto q = std::find_if(c.results.begin(), c.results.end(), [](const CheckpointResult& r) { return r.name == "Qcur-2"; });
+  ASSERT_TRUE(q->failed());
+  EXPECT_EQ(q->metrics->head.index, 1);
+  const auto qf = failing(*q);
+  EXPECT_NE(std::find(qf.begin(), qf.end(), "max_head_rel_l2"), qf.end());
+  EXPECT_EQ(std::find(qf.begin(), qf.end(), "max_rel_l2"), qf.end());
+  EXPECT_NE(render_terminal(c).find("slices    worst row T=1 rel_l2"), std::string::npos) << render_terminal(c);
+}
+
 TEST_F(Compare, ShapeMismatchIsAFailureNotACrash) {
   SyntheticDump e = engine_dump();
   e.shrink = "cache_k-1";
