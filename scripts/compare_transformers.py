@@ -20,6 +20,11 @@ Expect about 1e-7, not 1e-14, against a float64 oracle: transformers computes RM
 tables) in float32 whatever the model's dtype. Its GGUF loader also leaves Qwen3's head_dim at the
 config default (128); this script sets it from <arch>.attention.key_length.
 
+This script compares three kinds and writes the CI goldens; to compare every checkpoint of the vocabulary
+against transformers, write a transformers dump and let diffrun compare it:
+    python3 -m diffrun.adapters.transformers --model M.gguf --reference ref_f64.h5 --out hf.h5
+    diffrun compare hf.h5 ref_f64.h5
+
 Exit status: 0 all within tolerance with the same top-1 everywhere, 1 a difference, 2 could not run.
 With --write-goldens it writes tests/data/reference/<model stem>.json, which test_reference_goldens
 checks in CI without torch.
