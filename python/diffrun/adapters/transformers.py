@@ -74,7 +74,7 @@ def load_model(model: str | os.PathLike[str], dtype: str = "float32", device: st
 
 
 def gguf_order(x, n_heads: int):
-    """[T, n_heads*Dh] or [.., Dh] in transformers' half-split order -> the GGUF's interleaved order per head."""
+    """[T, heads, Dh] in transformers' half-split order (i, i+Dh/2) -> the GGUF's interleaved order (2i, 2i+1)."""
     shape = x.shape
     dh = shape[-1] if x.dim() >= 3 else shape[-1] // n_heads
     y = x.reshape(*shape[:-1], -1, 2, dh // 2).transpose(-1, -2)
