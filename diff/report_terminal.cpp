@@ -107,7 +107,9 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s) {
         failed.push_back(fmt::format("{} {} {} {} {}", k.metric, num(k.value), upper ? ">" : "<", k.bound, num(k.limit)));
       }
     }
-    out += fmt::format("  failed    {}\n", fmt::join(failed, "; "));
+    // One line when it fits 110 columns, else one bound per line.
+    const std::string joined = fmt::format("{}", fmt::join(failed, "; "));
+    out += fmt::format("  failed    {}\n", joined.size() <= 98 ? joined : fmt::format("{}", fmt::join(failed, "\n            ")));
     if (!m.finite()) {
       out += "  metrics   — (rel_l2, max_abs, cosine, ... are undefined over non-finite values)\n";
       nonfinite_lines(out, m);
