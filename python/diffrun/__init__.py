@@ -14,9 +14,18 @@ Modules that need more than numpy and h5py (plot, torch, adapters) are not impor
 """
 
 from .dump import FORMAT, FORMAT_VERSION, DatasetInfo, Dump, DumpFormatError, open
-from . import validate, vocabulary, writer
+from . import vocabulary, writer
 from .fingerprint import fingerprint
 from .writer import DumpWriteError, Writer
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "DatasetInfo", "Dump", "DumpFormatError", "DumpWriteError", "Writer",
            "fingerprint", "open", "validate", "vocabulary", "writer"]
+
+
+def __getattr__(name: str):
+    # diffrun.validate is imported on first use, so that `python -m diffrun.validate` runs it as __main__ cleanly.
+    if name == "validate":
+        import importlib
+
+        return importlib.import_module(".validate", __name__)
+    raise AttributeError(f"module 'diffrun' has no attribute '{name}'")
