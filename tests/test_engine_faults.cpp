@@ -192,7 +192,7 @@ void check_model(const std::string& path, const std::string& label, std::vector<
         local_shape = l.status == diff::CheckpointStatus::shape_mismatch;
         local_err = l.rel_l2;
         for (const auto& r : ci.results)
-          if (r.step == f.step && r.name == f.name && r.metrics) local_nonfinite = r.metrics->nonfinite_mismatch > 0;
+          if (r.step == f.step && r.name == f.name && r.metrics) local_nonfinite = !r.metrics->finite();
         local = local_shape ? "shape" : std::to_string(l.rel_l2) + (local_nonfinite ? " non-finite" : "");
       }
       std::printf("fault-table %-12s %-4s %-24s expected %s@%d found %s verdict %s (%s) local %s\n", label.c_str(),
