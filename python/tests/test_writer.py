@@ -244,6 +244,20 @@ def test_fingerprint_is_the_dumps_model_fingerprint(reference):
         assert fingerprint(FIXTURES / "tiny-qwen3-f32.gguf") == d.meta["model_fingerprint"]
 
 
+def test_fingerprint_is_a_smollm2_dumps_model_fingerprint(tmp_path):
+    need_cpp()
+    models = Path(os.environ.get("DIFFRUN_MODELS") or
+                  Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "diffrun" / "models")
+    smol = models / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not smol.exists():
+        pytest.fail(f"{smol} is missing: run scripts/fetch_models")
+    out = tmp_path / "smol.h5"
+    subprocess.run([BIN, "dump", "--backend", "cpu", "--precision", "f32", "--model", str(smol), "--tokens", "1,2",
+                    "--steps", "0", "--checkpoints", "result_norm", "--out", str(out)], check=True, capture_output=True)
+    with diffrun.open(out) as d:
+        assert fingerprint(smol) == d.meta["model_fingerprint"]
+
+
 def test_data_offset_agrees_with_the_gguf_package():
     gguf = pytest.importorskip("gguf")
     for model in fixture_models()[::9]:
