@@ -73,3 +73,43 @@ def test_every_checkpoint_within_f32_vs_f64(model, prompt, tmp_path, tmp_path_fa
     print("  " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
     assert c.returncode == 0, c.stdout
     assert compared == n_float
+
+
+def _has_names_option() -> bool:
+    r = subprocess.run([BIN, "compare", "--help"], capture_output=True, text=True)
+    return "--names" in r.stdout
+
+
+def test_generic_hooks_compare_through_names_hf(tmp_path):
+    """diffrun.torch.record on every module of a transformers model, names as given, read by --names hf."""
+    if not BIN or not FIXTURES.is_dir():
+        pytest.fail("DIFFRUN_BIN and DIFFRUN_FIXTURE_DIR must be set (run through ctest)")
+    if not _has_names_option():
+        pytest.skip("this diffrun has no `compare --names` yet")
+    import torch
+
+    import diffrun.torch as dtorch
+    from diffrun.adapters.transformers import load_model
+
+    path = FIXTURES / "tiny-qwen2-q8_0.gguf"
+    ref, out, report = tmp_path / "ref.h5", tmp_path / "raw.h5", tmp_path / "report.json"
+    subprocess.run([BIN, "dump", "--backend", "cpu", "--precision", "f64", "--model", str(path), "--tokens",
+                    "1,5,9,13", "--steps", "2", "--out", str(ref)], check=True, capture_output=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_model(path, "float32", device)
+    with diffrun.open(ref) as r, diffrun.writer.open(out, backend="transformers", precision="f32", like=r) as w, \
+            dtorch.record(model, w), torch.no_grad():
+        cache = None
+        for step in r.steps():
+            w.step(step)
+            ids = r.get("tokens", step)
+            w.put("tokens", ids)
+            cache = model(input_ids=torch.tensor(ids[None, :].astype("int64"), device=device),
+                          past_key_values=cache, use_cache=True).past_key_values
+    with diffrun.open(out) as d:
+        assert "model.layers.1.self_attn.q_proj" in d.names(0) and "lm_head" in d.names(2)
+    c = subprocess.run([BIN, "compare", str(out), str(ref), "--names", "hf", "--no-color", "--report-json",
+                        str(report)], capture_output=True, text=True)
+    assert c.returncode == 0, c.stdout + c.stderr
+    compared = {cp["name"] for cp in json.loads(report.read_text())["checkpoints"] if cp.get("metrics")}
+    assert {"embd", "Qcur-0", "attn_out-1", "ffn_up-1", "l_out-1", "result_output"} <= compared, sorted(compared)
