@@ -1,6 +1,7 @@
 // `diffrun dump`: runs one backend (prefill, then greedy decode steps) and writes every checkpoint to an HDF5 dump.
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -9,6 +10,7 @@
 #include "checkpoints/dump.hpp"
 #include "checkpoints/replay_sink.hpp"
 #include "cli/command.hpp"
+#include "cli/interrupt.hpp"
 #include "cli/run.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
@@ -26,6 +28,7 @@ struct DumpOptions {
   std::string out;
   std::string checkpoints;
   std::string replay;  // isolation replay from this reference dump
+  bool remove_stale = false;  // remove the temporaries killed runs left beside --out
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -49,6 +52,8 @@ int run_dump(const DumpOptions& o) {
   fmt::print(stderr, "diffrun dump: {} {} ready in {:.1f} s; prompt {} tokens, {} decode steps\n", backend->name(),
              backend->precision(), seconds_since(t0), ids.size(), o.steps);
 
+  report_stale_temporaries(std::filesystem::path(o.out).parent_path().string(), o.remove_stale);
+  const TempGuard guard(o.out);
   DumpWriter writer(o.out, dump_meta(*file, *backend, prompt_text(*file, o.prompt), ids), filter);
   // Isolation replay: fed the reference's tokens, continuing from its tensor at every checkpoint.
   std::unique_ptr<DumpReader> reference;
@@ -87,6 +92,8 @@ const CommandRegistrar reg("dump", "Run one backend and write its checkpoints to
   app.add_option("--steps", o->steps, "Greedy decode steps after the prefill")->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   app.add_option("--out,-o", o->out, "Dump file to write (HDF5)")->required();
+  app.add_flag("--remove-stale", o->remove_stale,
+               "Remove the dump temporaries (*.tmp-PID) that killed runs left beside --out (otherwise only listed)");
   app.add_option("--checkpoints", o->checkpoints, "Record only these checkpoints, e.g. 'attn_*,result_*'");
   app.add_option("--replay", o->replay,
                  "Isolation replay: feed this reference dump's tokens and continue from its tensor at every checkpoint");

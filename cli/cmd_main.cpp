@@ -11,6 +11,7 @@
 #include "checkpoints/replay_sink.hpp"
 #include "cli/command.hpp"
 #include "cli/diff_report.hpp"
+#include "cli/interrupt.hpp"
 #include "cli/progress.hpp"
 #include "cli/run.hpp"
 #include "model/config.hpp"
@@ -35,6 +36,7 @@ struct MainOptions {
   std::string checkpoints;
   std::string inject;    // faults injected into the engine side
   bool isolate = false;  // also run the engine in isolation replay (local error per checkpoint)
+  bool remove_stale = false;  // remove the temporaries killed runs left in --out
   ReportOptions report;
 };
 
@@ -84,8 +86,16 @@ int run_main(const MainOptions& o) {
   }
   const std::string prompt = prompt_text(*file, o.prompt);
   std::filesystem::create_directories(o.out);
+  report_stale_temporaries(o.out, o.remove_stale);
   const std::string ref_path = (std::filesystem::path(o.out) / "reference.h5").string();
   const std::string eng_path = (std::filesystem::path(o.out) / "engine.h5").string();
+  // Both dumps carry the run id, so compare refuses a new reference beside an interrupted run's old engine.
+  const std::string run_id = new_run_id();
+  const auto meta = [&](const Backend& backend) {
+    DumpMeta m = dump_meta(*file, backend, prompt, ids);
+    m.facts["run_id"] = run_id;
+    return m;
+  };
   progress.message(fmt::format("{} prompt tokens, {} decode steps; engine {}/{}, reference {}/{}", ids.size(), o.steps,
                                eng.backend, eng.precision, ref.backend, ref.precision));
 
@@ -93,7 +103,8 @@ int run_main(const MainOptions& o) {
   StepsResult ref_run;
   {
     auto backend = make_backend(*file, cfg, ref, static_cast<int>(needed));
-    DumpWriter writer(ref_path, dump_meta(*file, *backend, prompt, ids), filter);
+    const TempGuard guard(ref_path);
+    DumpWriter writer(ref_path, meta(*backend), filter);
     const std::string what = fmt::format("reference {}/{} step", ref.backend, ref.precision);
     ref_run = run_steps(*backend, ids, o.steps, {}, writer, false,
                         [&](int step, int total) { progress.update(what, step + 1, total + 1); });
@@ -105,7 +116,8 @@ int run_main(const MainOptions& o) {
   // The engine is fed the same tokens (teacher forcing); its own argmax is recorded.
   {
     auto backend = make_backend(*file, cfg, eng, static_cast<int>(needed));
-    DumpWriter writer(eng_path, dump_meta(*file, *backend, prompt, ids), filter);
+    const TempGuard guard(eng_path);
+    DumpWriter writer(eng_path, meta(*backend), filter);
     const std::string what = fmt::format("engine {}/{} step", eng.backend, eng.precision);
     const StepsResult r = run_steps(*backend, ids, o.steps, ref_run.argmax, writer, false,
                                     [&](int step, int total) { progress.update(what, step + 1, total + 1); });
@@ -120,7 +132,8 @@ int run_main(const MainOptions& o) {
     iso_path = (std::filesystem::path(o.out) / "engine-isolated.h5").string();
     const DumpReader reference(ref_path);
     auto backend = make_backend(*file, cfg, eng, static_cast<int>(needed));
-    DumpWriter writer(iso_path, dump_meta(*file, *backend, prompt, ids), filter);
+    const TempGuard guard(iso_path);
+    DumpWriter writer(iso_path, meta(*backend), filter);
     ReplaySink replay(writer, reference);
     const std::string what = fmt::format("engine {}/{} isolated step", eng.backend, eng.precision);
     const StepsResult r = run_steps(*backend, ids, o.steps, ref_run.argmax, replay, false,
@@ -161,6 +174,8 @@ const CommandRegistrar registrar{
                      "Inject faults into the engine side (diffrun faults lists them), e.g. rope_theta_10000,kv_cache_pos0");
       app.add_flag("--isolate", o->isolate,
                    "Also run the engine in isolation replay (each op on the reference's inputs): local error per checkpoint");
+      app.add_flag("--remove-stale", o->remove_stale,
+                   "Remove the dump temporaries (*.tmp-PID) that killed runs left in --out (otherwise only listed)");
       o->report.add_options(app);
       return [o, &app]() {
         if (app.get_option("--prompt")->count() == 0 && app.get_option("--tokens")->count() == 0) {

@@ -8,6 +8,7 @@
 #include <fmt/core.h>
 
 #include "cli/command.hpp"
+#include "cli/interrupt.hpp"
 #include "model/error.hpp"
 
 namespace diffrun::cli {
@@ -30,6 +31,7 @@ std::string default_model_path() { return models_dir() + "/SmolLM2-135M-Instruct
 
 int main(int argc, char** argv) {
   using namespace diffrun::cli;
+  install_interrupt_handlers();
   CLI::App app{"diffrun: layer-by-layer differential debugging of LLM inference engines"};
   app.set_version_flag("--version", std::string("diffrun ") + DIFFRUN_VERSION);
   app.require_subcommand(0, 1);

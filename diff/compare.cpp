@@ -46,6 +46,13 @@ std::vector<std::string> incompatibilities(const DumpReader& e, const DumpReader
     out.push_back(fmt::format("different models (fingerprint {} vs {})", a.model_fingerprint, b.model_fingerprint));
   }
   for (const auto& d : config_differences(a.config, b.config)) out.push_back("config " + d);
+  // The top-level job marks both dumps of a pair; a pair from two runs is what an interrupted run
+  // leaves beside the previous one's file.
+  const auto ra = a.facts.find("run_id"), rb = b.facts.find("run_id");
+  if (ra != a.facts.end() && rb != b.facts.end() && ra->second != rb->second) {
+    out.push_back(fmt::format("different runs (run_id {} vs {}): was one of them left by an interrupted run?",
+                              ra->second, rb->second));
+  }
   if (a.token_ids != b.token_ids) {
     out.push_back(fmt::format("different prompt token ids ({} vs {} tokens)", a.token_ids.size(), b.token_ids.size()));
   }

@@ -1,0 +1,174 @@
+// Integration tests of interruptions through the built diffrun: SIGINT/SIGTERM exit codes and temporaries, run ids, stale temporaries.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.hpp"
+
+namespace fs = std::filesystem;
+using diffrun::test::ScratchDir;
+
+namespace {
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<std::string> temporaries(const fs::path& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.path().filename().string().find(".tmp-") != std::string::npos) out.push_back(e.path().filename().string());
+  return out;
+}
+
+struct Child {
+  pid_t pid = -1;
+  int status = 0;
+};
+
+// Starts diffrun with `args`, stderr to `err`, with SIGINT and SIGTERM at their defaults whatever
+// the test runner inherited.
+Child spawn(const std::vector<std::string>& args, const fs::path& err) {
+  const std::string bin = diffrun::test::env_or("DIFFRUN_BIN", "build/cli/diffrun");
+  Child c;
+  c.pid = ::fork();
+  if (c.pid == 0) {
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    if (!std::freopen(err.c_str(), "w", stderr) || !std::freopen("/dev/null", "w", stdout)) ::_exit(127);
+    std::vector<char*> argv{const_cast<char*>(bin.c_str())};
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv(bin.c_str(), argv.data());
+    ::_exit(127);
+  }
+  return c;
+}
+
+int wait_exit(Child& c) {
+  ::waitpid(c.pid, &c.status, 0);
+  return WIFEXITED(c.status) ? WEXITSTATUS(c.status) : -WTERMSIG(c.status);
+}
+
+int run(const std::vector<std::string>& args, const fs::path& err) {
+  Child c = spawn(args, err);
+  return wait_exit(c);
+}
+
+class Interrupt : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = diffrun::test::fixture_path("tiny-llama-f32.gguf");
+    if (!fs::exists(model_)) GTEST_SKIP() << "fixture missing: " << model_ << " (run the fixtures_generate test)";
+  }
+  std::vector<std::string> job(const fs::path& out, int steps) const {
+    return {"--model", model_, "--tokens", "1,2,3", "--steps", std::to_string(steps), "--engine", "cpu",
+            "--no-color", "--out", out.string()};
+  }
+  // Starts a long run, waits until `tmp_name` (a temporary of that run) exists, sends `sig`.
+  int interrupt_while_writing(const std::vector<std::string>& args, const fs::path& dir, const std::string& final_name,
+                              int sig, const fs::path& err) const {
+    Child c = spawn(args, err);
+    const fs::path tmp = dir / (final_name + ".tmp-" + std::to_string(c.pid));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (!fs::exists(tmp) && std::chrono::steady_clock::now() < deadline) {
+      int st = 0;
+      if (::waitpid(c.pid, &st, WNOHANG) == c.pid) {
+        ADD_FAILURE() << "diffrun ended before writing " << tmp << ": " << slurp(err);
+        return -1000;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_TRUE(fs::exists(tmp)) << tmp;
+    ::kill(c.pid, sig);
+    return wait_exit(c);
+  }
+  std::string model_;
+};
+
+}  // namespace
+
+TEST_F(Interrupt, SignalsRemoveTheTemporariesAndExitConventionally) {
+  ScratchDir dir("interrupt-signals");
+  const fs::path out = fs::path(dir.path) / "run";
+  const fs::path err = fs::path(dir.path) / "err.txt";
+  // SIGINT while the reference is written: exit 130, nothing left but the empty run directory.
+  EXPECT_EQ(interrupt_while_writing(job(out, 250), out, "reference.h5", SIGINT, err), 130) << slurp(err);
+  EXPECT_NE(slurp(err).find("diffrun: interrupted (SIGINT)"), std::string::npos) << slurp(err);
+  EXPECT_TRUE(temporaries(out).empty()) << temporaries(out)[0];
+  EXPECT_FALSE(fs::exists(out / "reference.h5"));
+  // SIGTERM while `diffrun dump` writes: exit 143, no temporary.
+  const fs::path dump = fs::path(dir.path) / "d.h5";
+  EXPECT_EQ(interrupt_while_writing({"dump", "--model", model_, "--tokens", "1,2,3", "--steps", "250", "--backend",
+                                     "cpu", "--out", dump.string()},
+                                    dir.path, "d.h5", SIGTERM, err),
+            143)
+      << slurp(err);
+  EXPECT_NE(slurp(err).find("diffrun: terminated (SIGTERM)"), std::string::npos) << slurp(err);
+  EXPECT_TRUE(temporaries(dir.path).empty()) << temporaries(dir.path)[0];
+  EXPECT_FALSE(fs::exists(dump));
+}
+
+TEST_F(Interrupt, CompareRefusesAPairFromTwoRuns) {
+  ScratchDir dir("interrupt-pairs");
+  const fs::path a = fs::path(dir.path) / "a", b = fs::path(dir.path) / "b";
+  const fs::path err = fs::path(dir.path) / "err.txt";
+  ASSERT_EQ(run(job(a, 1), err), 0) << slurp(err);
+  ASSERT_EQ(run(job(b, 1), err), 0) << slurp(err);
+  // What an interrupted run leaves: its new reference beside the previous run's engine.
+  fs::copy_file(b / "reference.h5", a / "reference.h5", fs::copy_options::overwrite_existing);
+  const std::string eng = (a / "engine.h5").string(), ref = (a / "reference.h5").string();
+  EXPECT_EQ(run({"compare", eng, ref, "--no-color"}, err), 2);
+  EXPECT_NE(slurp(err).find("not comparable: different runs (run_id "), std::string::npos) << slurp(err);
+  EXPECT_EQ(run({"compare", eng, ref, "--no-color", "--force"}, err), 0) << slurp(err);
+  // A pair of one run compares as usual.
+  EXPECT_EQ(run({"compare", (b / "engine.h5").string(), (b / "reference.h5").string(), "--no-color"}, err), 0)
+      << slurp(err);
+}
+
+TEST_F(Interrupt, StaleTemporariesAreListedThenRemoved) {
+  ScratchDir dir("interrupt-stale");
+  const fs::path out = fs::path(dir.path) / "run";
+  const fs::path err = fs::path(dir.path) / "err.txt";
+  fs::create_directories(out);
+  // The pid of a process that has ended: what a killed run leaves.
+  Child gone;
+  gone.pid = ::fork();
+  if (gone.pid == 0) ::_exit(0);
+  wait_exit(gone);
+  const std::string stale = "engine.h5.tmp-" + std::to_string(gone.pid);
+  std::ofstream(out / stale) << "partial";
+  // A temporary of a live process (this test) is someone's run in progress: left alone.
+  const std::string live = "reference.h5.tmp-" + std::to_string(::getpid());
+  std::ofstream(out / live) << "in progress";
+  ASSERT_EQ(run(job(out, 1), err), 0) << slurp(err);
+  EXPECT_NE(slurp(err).find("warning: 1 stale temporary of killed runs"), std::string::npos) << slurp(err);
+  EXPECT_NE(slurp(err).find(stale), std::string::npos) << slurp(err);
+  EXPECT_TRUE(fs::exists(out / stale));
+  ASSERT_EQ(run([&] {
+              auto a = job(out, 1);
+              a.push_back("--remove-stale");
+              return a;
+            }(),
+            err),
+            0)
+      << slurp(err);
+  EXPECT_NE(slurp(err).find("removed 1 stale temporary of killed runs"), std::string::npos) << slurp(err);
+  EXPECT_FALSE(fs::exists(out / stale));
+  EXPECT_TRUE(fs::exists(out / live));
+}
