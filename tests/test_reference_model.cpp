@@ -2,6 +2,7 @@
 // every tiny fixture (each arch and weight format) runs to finite logits, and `diffrun dump` / `diffrun
 // generate` work through the built binary ($DIFFRUN_BIN).
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -229,7 +230,8 @@ class Cli : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = std::filesystem::temp_directory_path() /
-           ("diffrun_test_reference_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+           ("diffrun_test_reference_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
+            std::to_string(::getpid()));  // per process: concurrent runs must not delete each other's files
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
   }
