@@ -42,17 +42,17 @@ if [[ ! -f $src/.unpacked || $(cat "$src/.unpacked") != "$sha256" ]]; then
   echo "$sha256" > "$src/.unpacked"
 fi
 
-if [[ ! -f $bin/build.ninja ]]; then
-  say "configuring $bin (CPU only)"
-  launcher=()
-  command -v ccache >/dev/null 2>&1 && launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-  cmake -S "$src" -B "$bin" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$prefix" \
-    -DCMAKE_INSTALL_LIBDIR=lib -DBUILD_SHARED_LIBS=ON \
-    -DGGML_CUDA=OFF -DGGML_CCACHE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-    -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_COMMON=OFF "${launcher[@]}" >/dev/null 2>"$bin.configure.log" \
-    || { cat "$bin.configure.log" >&2; exit 1; }
-fi
+# Configured on every run (a quick no-op when nothing changed), so a changed option here takes effect.
+say "configuring $bin (CPU only)"
+launcher=()
+command -v ccache >/dev/null 2>&1 && launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+# RPATH $ORIGIN: the installed libllama finds its libggml* beside it.
+cmake -S "$src" -B "$bin" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$prefix" \
+  -DCMAKE_INSTALL_LIBDIR=lib -DCMAKE_INSTALL_RPATH='$ORIGIN' -DBUILD_SHARED_LIBS=ON \
+  -DGGML_CUDA=OFF -DGGML_CCACHE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+  -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_COMMON=OFF "${launcher[@]}" >"$bin.configure.log" 2>&1 \
+  || { cat "$bin.configure.log" >&2; exit 1; }
 
 say "building libllama ($jobs jobs)"
 nice -n 10 cmake --build "$bin" --target llama -j "$jobs"
