@@ -149,7 +149,7 @@ void start_step(diffrun_dump* d, int step) {
 }
 
 void put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, int ndim, diffrun_dtype dtype,
-         const void* data, const char* layout_c, const char* native_c) {
+         const void* data, const char* layout_c, const char* native_c, bool foreign = false) {
   const std::string name = str_arg(name_c, "the checkpoint name");
   const std::string at = d->file->path() + ": dataset '" + diffrun::dump_step_group_name(d->step < 0 ? 0 : d->step) +
                          "/" + name + "': ";
@@ -203,6 +203,11 @@ void put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, in
 
   need(dtype != DIFFRUN_I32, DIFFRUN_DUMP_E_CHECKPOINT, at + "DIFFRUN_I32 is for tokens; checkpoints are floats");
   need(d->step_has_tokens, DIFFRUN_DUMP_E_STEP, at + "put \"tokens\" first in every step (T and S come from it)");
+  if (foreign) {
+    // Stored as given, no order/layer/layout: `diffrun compare --names MAP` maps it.
+    d->file->write(d->step, name, *diffrun::parse_stored_dtype(type), shape, data, {std::nullopt, std::nullopt, "", native});
+    return;
+  }
   const std::string layout = layout_c ? layout_c : "";
   std::vector<int64_t> canonical;
   const std::string problem =
@@ -359,6 +364,12 @@ int diffrun_dump_put_ex(diffrun_dump* d, const char* name, int layer, const int6
                         diffrun_dtype dtype, const void* data, const char* layout, const char* native_dtype) {
   if (!d) return null_handle("diffrun_dump_put_ex");
   return guard(d, [&] { put(d, name, layer, dims, ndim, dtype, data, layout, native_dtype); });
+}
+
+int diffrun_dump_put_foreign(diffrun_dump* d, const char* name, const int64_t* dims, int ndim, diffrun_dtype dtype,
+                             const void* data, const char* native_dtype) {
+  if (!d) return null_handle("diffrun_dump_put_foreign");
+  return guard(d, [&] { put(d, name, -1, dims, ndim, dtype, data, nullptr, native_dtype, true); });
 }
 
 int diffrun_dump_close(diffrun_dump* d) {

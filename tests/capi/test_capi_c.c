@@ -163,6 +163,8 @@ int main(int argc, char** argv) {
   CHECK_RC(diffrun_dump_step(d, 0), 0, d, "");
   CHECK_RC(diffrun_dump_set_int(d, "n_layer", 2), DIFFRUN_DUMP_E_STEP, d, "after step 0 started");
   CHECK_RC(diffrun_dump_put(d, "embd", -1, td, 2, DIFFRUN_F32, zeros), DIFFRUN_DUMP_E_STEP, d, "put \"tokens\" first");
+  CHECK_RC(diffrun_dump_put_foreign(d, "Qcur-0#3", td, 2, DIFFRUN_F32, zeros, NULL), DIFFRUN_DUMP_E_STEP, d,
+           "put \"tokens\" first");
   const int32_t prompt[3] = {3, 5, 7};
   int64_t three[1] = {3};
   CHECK_RC(diffrun_dump_put(d, "tokens", -1, three, 1, DIFFRUN_F32, prompt), DIFFRUN_DUMP_E_CHECKPOINT, d,
@@ -183,6 +185,10 @@ int main(int argc, char** argv) {
   CHECK_RC(diffrun_dump_put_ex(d, "ffn_out-0", 0, td, 2, DIFFRUN_F32, zeros, "D,T,X", NULL), DIFFRUN_DUMP_E_CHECKPOINT,
            d, "not a permutation");
   CHECK_RC(diffrun_dump_put(d, "ffn_out-0", 0, td, 2, DIFFRUN_F32, NULL), DIFFRUN_DUMP_E_ARG, d, "data is NULL");
+  CHECK_RC(diffrun_dump_put_foreign(d, "inp_pos", three, 1, DIFFRUN_I32, prompt, NULL), DIFFRUN_DUMP_E_CHECKPOINT, d,
+           "DIFFRUN_I32 is for tokens");
+  CHECK_RC(diffrun_dump_put_foreign(d, "norm-0", td, 2, DIFFRUN_F32, zeros, "f8"), DIFFRUN_DUMP_E_ARG, d,
+           "native_dtype \"f8\"");
   put_step(d, 0, 3, 3);
   CHECK_RC(diffrun_dump_put(d, "embd", -1, td, 2, DIFFRUN_F32, zeros), DIFFRUN_DUMP_E_CHECKPOINT, d, "recorded twice");
   CHECK_RC(diffrun_dump_step(d, 3), DIFFRUN_DUMP_E_STEP, d, "the next is 1");

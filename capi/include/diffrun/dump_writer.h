@@ -100,6 +100,14 @@ DIFFRUN_DUMP_API int diffrun_dump_put_ex(diffrun_dump* d, const char* name, int 
                                          diffrun_dtype dtype, const void* data, const char* layout,
                                          const char* native_dtype);
 
+/* Records a dataset under the engine's own name, outside the vocabulary (a llama.cpp graph node
+ * "Qcur-0#3", a Hugging Face module name): stored as given (any shape), with native_dtype (NULL =
+ * the dtype of the data) and without order, layer or layout, for `diffrun compare --names MAP` to
+ * map to the vocabulary. Only the step, "tokens" first, a float dtype and one name per step are
+ * checked. "tokens" itself goes through diffrun_dump_put. */
+DIFFRUN_DUMP_API int diffrun_dump_put_foreign(diffrun_dump* d, const char* name, const int64_t* dims, int ndim,
+                                              diffrun_dtype dtype, const void* data, const char* native_dtype);
+
 /* Finishes the dump: closes it and renames it to its path. Frees the handle, whatever the result;
  * on failure the temporary file is removed and diffrun_dump_last_error(NULL) says why. */
 DIFFRUN_DUMP_API int diffrun_dump_close(diffrun_dump* d);
