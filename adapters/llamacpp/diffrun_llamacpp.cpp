@@ -71,8 +71,8 @@ class RawDump {
           "step " + std::to_string(step) + " tokens");
   }
   void node(const CapturedNode& n) {
-    check(diffrun_dump_put_ex(d_, n.name.c_str(), layer_of(n.name), n.shape.data(), static_cast<int>(n.shape.size()),
-                              DIFFRUN_F32, n.values.data(), nullptr, n.native),
+    check(diffrun_dump_put_foreign(d_, n.name.c_str(), n.shape.data(), static_cast<int>(n.shape.size()), DIFFRUN_F32,
+                                   n.values.data(), n.native),
           "dataset '" + n.name + "'");
   }
   void finish() {
@@ -81,15 +81,6 @@ class RawDump {
   }
 
  private:
-  // The layer of a raw name: the number after its last '-' ("Qcur-3#2" -> 3), -1 for none ("norm").
-  static int layer_of(const std::string& name) {
-    const std::string base = name.substr(0, name.find('#'));
-    const size_t dash = base.rfind('-');
-    if (dash == std::string::npos || dash + 1 == base.size()) return -1;
-    for (size_t i = dash + 1; i < base.size(); ++i)
-      if (base[i] < '0' || base[i] > '9') return -1;
-    return std::stoi(base.substr(dash + 1));
-  }
   void check(int rc, const std::string& what) {
     if (rc != DIFFRUN_DUMP_OK) fail(path_ + ": " + what);
   }
@@ -108,29 +99,46 @@ void quiet_log(ggml_log_level level, const char* text, void*) {
 
 int32_t argmax(const float* logits, int n) { return static_cast<int32_t>(std::max_element(logits, logits + n) - logits); }
 
-int run(const Options& opt) {
-  const diffrun::DumpReader ref(opt.reference);
-  const std::vector<int> steps = ref.steps();
-  if (steps.empty()) throw diffrun::InputError(opt.reference + ": no steps to replay");
-  std::vector<std::vector<int32_t>> ids;
+// What the run needs from the reference dump: each step's token ids and the model it was run on.
+struct Reference {
+  std::vector<std::vector<int32_t>> ids;  // [step] -> the ids fed at that step
   int64_t n_tokens = 0;
+  std::string model_fingerprint;
+  std::string model_path;
+};
+
+// Reads the reference and closes it (the C API opens it again to copy its meta).
+Reference read_reference(const std::string& path) {
+  const diffrun::DumpReader ref(path);
+  Reference r;
+  r.model_fingerprint = ref.meta().model_fingerprint;
+  r.model_path = ref.meta().model_path;
+  const std::vector<int> steps = ref.steps();
+  if (steps.empty()) throw diffrun::InputError(path + ": no steps to replay");
   for (int s : steps) {
-    if (s != static_cast<int>(ids.size()))
-      throw diffrun::InputError(opt.reference + ": steps are not contiguous from 0 (missing step " +
-                                std::to_string(ids.size()) + ")");
-    ids.push_back(ref.read_ids(s, "tokens"));
-    if (ids.back().empty()) throw diffrun::InputError(opt.reference + ": step " + std::to_string(s) + " has no tokens");
-    if (s > 0 && ids.back().size() != 1)
-      throw diffrun::InputError(opt.reference + ": decode step " + std::to_string(s) + " feeds " +
-                                std::to_string(ids.back().size()) + " tokens (expected 1)");
-    n_tokens += static_cast<int64_t>(ids.back().size());
+    if (s != static_cast<int>(r.ids.size()))
+      throw diffrun::InputError(path + ": steps are not contiguous from 0 (missing step " + std::to_string(r.ids.size()) +
+                                ")");
+    r.ids.push_back(ref.read_ids(s, "tokens"));
+    if (r.ids.back().empty()) throw diffrun::InputError(path + ": step " + std::to_string(s) + " has no tokens");
+    if (s > 0 && r.ids.back().size() != 1)
+      throw diffrun::InputError(path + ": decode step " + std::to_string(s) + " feeds " +
+                                std::to_string(r.ids.back().size()) + " tokens (expected 1)");
+    r.n_tokens += static_cast<int64_t>(r.ids.back().size());
   }
+  return r;
+}
+
+int run(const Options& opt) {
+  const Reference ref = read_reference(opt.reference);
+  const std::vector<std::vector<int32_t>>& ids = ref.ids;
+  const int64_t n_tokens = ref.n_tokens;
 
   // The reference must be of this very model: the raw dump carries the reference's fingerprint.
   const std::string fingerprint = diffrun::GgufFile::open(opt.model)->fingerprint();
-  if (fingerprint != ref.meta().model_fingerprint)
+  if (fingerprint != ref.model_fingerprint)
     throw diffrun::InputError(opt.model + ": model fingerprint " + fingerprint + " differs from the reference's (" +
-                              ref.meta().model_fingerprint + ", " + ref.meta().model_path + ")");
+                              ref.model_fingerprint + ", " + ref.model_path + ")");
 
   if (!opt.verbose) llama_log_set(quiet_log, nullptr);
   llama_backend_init();
