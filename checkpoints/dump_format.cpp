@@ -134,7 +134,19 @@ std::string utc_now_iso8601() {
 
 namespace h5 {
 
-void silence() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+void silence() {
+  // Before anything initializes the library: no exit-time cleanup. HDF5 cannot recover from a file
+  // close that failed (a full disk): the file stays registered half-closed, and the cleanup that
+  // H5_term_library runs at exit crashes on it (exit 139 after the right "No space left on
+  // device" error). diffrun closes every file it opens itself. When the process used HDF5 before
+  // (a C API host), this fails harmlessly and the host's setting stays.
+  static const bool once = [] {
+    H5dont_atexit();
+    return true;
+  }();
+  (void)once;
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+}
 
 std::string detail() {
   std::string d;
@@ -146,6 +158,14 @@ std::string detail() {
       },
       &d);
   H5Eclear2(H5E_DEFAULT);
+  // A failed system call is described over several lines (time, descriptor, buffer address...):
+  // keep its first words and the system's message ("file write failed: No space left on device").
+  if (const size_t at = d.find("error message = '"); at != std::string::npos) {
+    const size_t begin = at + 17, end = d.find('\'', begin);
+    d = d.substr(0, std::min(d.find(':'), d.size())) + ": " + d.substr(begin, end == std::string::npos ? end : end - begin);
+  }
+  for (char& c : d)
+    if (c == '\n' || c == '\r') c = ' ';
   return d.empty() ? std::string() : " (HDF5: " + d + ")";
 }
 

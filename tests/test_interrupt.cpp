@@ -1,4 +1,4 @@
-// Integration tests of interruptions through the built diffrun: SIGINT/SIGTERM exit codes and temporaries, run ids, stale temporaries.
+// Integration tests of interruptions through the built diffrun: SIGINT/SIGTERM exit codes and temporaries, run ids, stale temporaries, a full disk.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -171,4 +171,46 @@ TEST_F(Interrupt, StaleTemporariesAreListedThenRemoved) {
   EXPECT_NE(slurp(err).find("removed 1 stale temporary of killed runs"), std::string::npos) << slurp(err);
   EXPECT_FALSE(fs::exists(out / stale));
   EXPECT_TRUE(fs::exists(out / live));
+}
+
+// A full disk: the "No space left on device" error, exit 2, no temporary left. HDF5's exit-time
+// cleanup once crashed (exit 139) on the file whose close had failed. Needs a 2 MB tmpfs, mounted
+// in a private mount namespace (unshare -rm; root or user namespaces).
+TEST_F(Interrupt, FullDiskExitsTwoAndLeavesNothing) {
+  ScratchDir dir("interrupt-full");
+  const fs::path mnt = fs::path(dir.path) / "full";
+  const fs::path log = fs::path(dir.path) / "log.txt";
+  fs::create_directories(mnt);
+  const std::string probe = "unshare -rm sh -c 'mount -t tmpfs -o size=2m tmpfs " + mnt.string() + "' >/dev/null 2>&1";
+  if (std::system(probe.c_str()) != 0) GTEST_SKIP() << "cannot mount a tmpfs in a private mount namespace (unshare -rm)";
+  const std::string bin = diffrun::test::env_or("DIFFRUN_BIN", "build/cli/diffrun");
+  // Each command: its exit code, its stderr, then what is left on the tmpfs.
+  const std::string script =
+      "mount -t tmpfs -o size=2m tmpfs " + mnt.string() + " || exit 9\n" +
+      "for steps in 30 200; do\n"
+      "  '" + bin + "' dump --model '" + model_ + "' --tokens 1,2,3 --steps $steps --backend cpu --out " + mnt.string() +
+      "/d.h5 >/dev/null 2>" + mnt.string() + "/../err.txt; echo \"dump rc=$?\"; grep -v 'step ' " + mnt.string() +
+      "/../err.txt; echo left: $(ls -A " + mnt.string() + ")\n"
+      "done\n"
+      "'" + bin + "' --model '" + model_ + "' --tokens 1,2,3 --steps 30 --engine cpu --no-color --out " + mnt.string() +
+      "/run >/dev/null 2>" + mnt.string() + "/../err.txt; echo \"job rc=$?\"; tail -1 " + mnt.string() +
+      "/../err.txt; echo left: $(ls -A " + mnt.string() + "/run)\n";
+  std::ofstream(fs::path(dir.path) / "full.sh") << script;
+  ASSERT_EQ(std::system(("unshare -rm sh " + (fs::path(dir.path) / "full.sh").string() + " >" + log.string() + " 2>&1").c_str()), 0)
+      << slurp(log);
+  const std::string out = slurp(log);
+  // Full at the final flush (30 steps), while creating datasets (200 steps), and in the top-level job.
+  EXPECT_EQ(out.find("rc=139"), std::string::npos) << out;
+  EXPECT_NE(out.find("dump rc=2\n"), std::string::npos) << out;
+  EXPECT_EQ(out.find("dump rc=0"), std::string::npos) << out;
+  EXPECT_NE(out.find("job rc=2\n"), std::string::npos) << out;
+  size_t errors = 0;
+  for (size_t at = 0; (at = out.find("(HDF5: file write failed: No space left on device)\n", at)) != std::string::npos; ++at)
+    ++errors;
+  EXPECT_EQ(errors, 3u) << out;
+  EXPECT_EQ(out.find("Segmentation"), std::string::npos) << out;
+  // Nothing left: no temporary, no final file.
+  size_t empty = 0;
+  for (size_t at = 0; (at = out.find("left:\n", at)) != std::string::npos; ++at) ++empty;
+  EXPECT_EQ(empty, 3u) << out;
 }
