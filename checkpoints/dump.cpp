@@ -14,8 +14,10 @@
 #include <array>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -351,6 +353,175 @@ struct DumpReader::Impl {
     }
   }
 
+  // How a stored dataset becomes the presented one.
+  struct Transform {
+    bool bf16 = false;       // uint16/opaque words holding bfloat16
+    bool transpose = false;  // the bytes hold the stored shape's last two dims swapped
+    std::vector<int64_t> dims;  // row-major dims of the (transposed-back) data, merged groups split
+    std::vector<int64_t> keep;  // extent kept of each (a crop keeps the first ones)
+    std::vector<int> perm;      // presented dim i is data dim perm[i]
+  };
+  std::map<std::pair<int, std::string>, Transform> transforms;
+  std::vector<std::pair<int, std::string>> dropped;
+  const NameMap* names = nullptr;
+
+  // One dataset as found in the file, before names and layouts are resolved.
+  struct Raw {
+    std::string source;
+    std::vector<int64_t> shape;
+    bool is_int = false, bf16 = false;
+    std::string stored_dtype;
+    std::optional<int> order, layer;
+    std::optional<std::string> layout, native_dtype;
+  };
+
+  std::optional<std::string> opt_str(hid_t obj, const char* name, std::string_view where) const {
+    if (H5Aexists(obj, name) <= 0) return std::nullopt;
+    return read_str(obj, name, where);
+  }
+  std::optional<int> opt_int(hid_t obj, const char* name, std::string_view where) const {
+    if (H5Aexists(obj, name) <= 0) return std::nullopt;
+    return read_int(obj, name, where);
+  }
+
+  Raw read_raw(hid_t g, const std::string& gname, const std::string& name) const {
+    const std::string where = gname + "/" + name;
+    Hid ds(H5Dopen2(g, name.c_str(), H5P_DEFAULT), H5Dclose);
+    if (!ds.valid()) fail("cannot open the dataset", where);
+    Raw r;
+    r.source = name;
+    Hid space(H5Dget_space(ds.get()), H5Sclose);
+    const int rank = H5Sget_simple_extent_ndims(space.get());
+    if (rank < 0) fail("cannot read its shape", where);
+    std::vector<hsize_t> dims(rank);
+    H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
+    r.shape.assign(dims.begin(), dims.end());
+    Hid t(H5Dget_type(ds.get()), H5Tclose);
+    const H5T_class_t cls = H5Tget_class(t.get());
+    const size_t size = H5Tget_size(t.get());
+    const std::optional<std::string> dtype_attr = opt_str(ds.get(), "dtype", where);
+    if (dtype_attr && *dtype_attr == "bf16") {
+      if ((cls != H5T_INTEGER && cls != H5T_OPAQUE) || size != 2)
+        fail("attribute dtype = \"bf16\" on a dataset that is not 16-bit unsigned integer or opaque", where);
+      r.bf16 = true;
+      r.stored_dtype = "bf16";
+    } else if (cls == H5T_FLOAT) {
+      size_t spos, epos, esize, mpos, msize;
+      H5Tget_fields(t.get(), &spos, &epos, &esize, &mpos, &msize);
+      r.stored_dtype = size == 2 ? (esize == 8 ? "bf16" : "f16") : size == 4 ? "f32" : size == 8 ? "f64" : "f" + std::to_string(size * 8);
+    } else if (cls == H5T_INTEGER) {
+      r.is_int = true;
+      r.stored_dtype = (H5Tget_sign(t.get()) == H5T_SGN_NONE ? "u" : "i") + std::to_string(size * 8);
+    } else {
+      fail("not a numeric dataset (a 16-bit dataset holding bfloat16 needs the attribute dtype = \"bf16\")", where);
+    }
+    check_storage(ds.get(), t.get(), r.shape, where);
+    r.order = opt_int(ds.get(), "order", where);
+    r.layer = opt_int(ds.get(), "layer", where);
+    r.layout = opt_str(ds.get(), "layout", where);
+    r.native_dtype = opt_str(ds.get(), "native_dtype", where);
+    return r;
+  }
+
+  // Sizes of the layout letters at a step (T and S when the step's tokens are known).
+  std::map<std::string, int64_t> letter_sizes(int64_t T, int64_t S) const {
+    const ModelConfig& c = meta.config;
+    std::map<std::string, int64_t> m = {{"D", c.n_embd}, {"H", c.n_head}, {"Hkv", c.n_head_kv},
+                                        {"Dh", c.head_dim}, {"F", c.n_ff},   {"V", c.n_vocab}};
+    if (T >= 0) m["T"] = T;
+    if (S >= 0) m["S"] = S;
+    return m;
+  }
+
+  // Plans how `raw` (vocabulary kind `kind`) becomes the kind's layout; false when it cannot
+  // (the dataset is then presented as stored). `layout` is the stored layout ("" = the kind's).
+  bool plan(const CheckpointKind& kind, const std::string& layout, const std::vector<std::string>& crop,
+            const std::map<std::string, int64_t>& sizes, std::vector<int64_t> shape, Transform& t,
+            std::vector<int64_t>& out_shape) const {
+    const std::vector<std::string> want = layout_dims(kind.layout);
+    std::vector<std::vector<std::string>> groups;
+    for (const auto& g : layout_dims(layout.empty() ? std::string_view(kind.layout) : std::string_view(layout))) {
+      std::vector<std::string> letters;
+      size_t start = 0;
+      while (start <= g.size()) {
+        size_t star = g.find('*', start);
+        if (star == std::string::npos) star = g.size();
+        letters.push_back(g.substr(start, star - start));
+        start = star + 1;
+      }
+      groups.push_back(std::move(letters));
+    }
+    std::vector<std::string> flat;
+    for (const auto& g : groups) flat.insert(flat.end(), g.begin(), g.end());
+    std::vector<std::string> a = flat, b = want;
+    std::sort(a.begin(), a.end());
+    std::sort(b.begin(), b.end());
+    if (a != b) return false;  // not the kind's letters: nothing to permute to
+    while (shape.size() > groups.size() && shape.front() == 1) shape.erase(shape.begin());
+    auto size_of = [&](const std::string& l) -> int64_t {
+      auto it = sizes.find(l);
+      return it == sizes.end() ? -1 : it->second;
+    };
+    t.dims.clear();
+    t.keep.clear();
+    // With no layout given, dims that are not the kind's sizes ([1, T, H*Dh] for T,H,Dh) fall back
+    // to the reshape by element count below.
+    bool grouped = shape.size() == groups.size();
+    if (grouped && layout.empty()) {
+      for (size_t i = 0; i < groups.size(); ++i) {
+        const int64_t n = size_of(groups[i][0]);
+        const bool cropped = std::count(crop.begin(), crop.end(), groups[i][0]) && shape[i] > n;
+        if (n >= 0 && shape[i] != n && !cropped) grouped = false;
+      }
+    }
+    if (grouped) {
+      for (size_t i = 0; i < groups.size(); ++i) {
+        if (groups[i].size() == 1) {
+          int64_t keep = shape[i];
+          const int64_t want_n = size_of(groups[i][0]);
+          if (want_n >= 0 && shape[i] > want_n && std::count(crop.begin(), crop.end(), groups[i][0])) keep = want_n;
+          t.dims.push_back(shape[i]);
+          t.keep.push_back(keep);
+          continue;
+        }
+        int64_t prod = 1;
+        for (const auto& l : groups[i]) {
+          const int64_t n = size_of(l);
+          if (n < 0) return false;
+          prod *= n;
+        }
+        if (prod != shape[i]) return false;
+        for (const auto& l : groups[i]) {
+          t.dims.push_back(size_of(l));
+          t.keep.push_back(size_of(l));
+        }
+      }
+    } else {
+      // Another rank: a plain reshape when the element count is the kind's ([T, H*Dh] for [T, H, Dh]).
+      if (!layout.empty() && layout != kind.layout) return false;
+      t.dims.clear();
+      int64_t have = 1, need = 1;
+      for (int64_t d : shape) have *= d;
+      for (const auto& l : want) {
+        const int64_t n = size_of(l);
+        if (n < 0) return false;
+        need *= n;
+        t.dims.push_back(n);
+      }
+      if (have != need) return false;
+      flat = want;
+      t.keep = t.dims;
+    }
+    t.perm.clear();
+    out_shape.clear();
+    for (const auto& l : want) {
+      const int i = static_cast<int>(std::find(flat.begin(), flat.end(), l) - flat.begin());
+      t.perm.push_back(i);
+      out_shape.push_back(t.keep[i]);
+    }
+    return true;
+  }
+
   void scan_steps() {
     std::vector<std::string> groups;
     if (H5Literate(
@@ -361,6 +532,7 @@ struct DumpReader::Impl {
             },
             &groups) < 0)
       fail("cannot list the root group");
+    std::map<int, std::vector<Raw>> raws;
     for (const auto& gname : groups) {
       const int step = parse_step_group_name(gname);
       if (step < 0) continue;
@@ -375,29 +547,97 @@ struct DumpReader::Impl {
               },
               &names) < 0)
         fail("cannot list group '" + gname + "'");
+      auto& list = raws[step];
+      for (const auto& name : names) list.push_back(read_raw(g.get(), gname, name));
+    }
+
+    int64_t S = 0;  // positions after the step
+    for (auto& [step, list] : raws) {
+      const std::string gname = step_group_name(step);
+      // Names: the map's rule for each dataset (repeats counted per base name), else the name itself.
+      std::map<std::string, int> repeats;
+      for (const auto& r : list) {
+        auto [base, k] = split_occurrence(r.source);
+        repeats[base] = std::max(repeats[base], k);
+      }
+      struct Named {
+        Raw* raw;
+        std::string name;
+        const NameRule* rule;
+      };
+      std::vector<Named> named;
+      std::set<std::string> taken;
+      for (auto& r : list) {
+        std::optional<NameMapping> m;
+        if (names) {
+          auto [base, k] = split_occurrence(r.source);
+          m = names->map(base, k, repeats[base], meta.config.arch, meta.facts);
+        }
+        if (m && m->drop) {
+          dropped.emplace_back(step, r.source);
+          continue;
+        }
+        const std::string name = m ? m->name : r.source;
+        if (!taken.insert(name).second)
+          fail("two datasets are presented as '" + name + "' (the name map maps both to it)", gname + "/" + r.source);
+        named.push_back({&r, name, m ? m->rule : nullptr});
+      }
+      int64_t T = -1;
+      for (const auto& n : named)
+        if (n.name == "tokens" && n.raw->is_int && !n.raw->shape.empty()) T = n.raw->shape[0];
+      S = T >= 0 ? S + T : -1;
+      const auto sizes = letter_sizes(T, T >= 0 ? S : -1);
+
       auto& infos = steps[step];
-      for (const auto& name : names) {
-        const std::string where = gname + "/" + name;
-        Hid ds(H5Dopen2(g.get(), name.c_str(), H5P_DEFAULT), H5Dclose);
-        if (!ds.valid()) fail("cannot open the dataset", where);
+      int foreign = 0;
+      for (const auto& n : named) {
+        const Raw& r = *n.raw;
+        const std::string where = gname + "/" + r.source;
         DatasetInfo info;
         info.step = step;
-        info.name = name;
-        Hid space(H5Dget_space(ds.get()), H5Sclose);
-        const int rank = H5Sget_simple_extent_ndims(space.get());
-        if (rank < 0) fail("cannot read its shape", where);
-        std::vector<hsize_t> dims(rank);
-        H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
-        info.shape.assign(dims.begin(), dims.end());
-        Hid t(H5Dget_type(ds.get()), H5Tclose);
-        const H5T_class_t cls = H5Tget_class(t.get());
-        if (cls != H5T_FLOAT && cls != H5T_INTEGER) fail("not a numeric dataset", where);
-        check_storage(ds.get(), t.get(), info.shape, where);
-        info.is_int = cls == H5T_INTEGER;
-        info.order = read_int(ds.get(), "order", where);
-        info.layer = read_int(ds.get(), "layer", where);
-        info.layout = read_str(ds.get(), "layout", where);
-        info.native_dtype = read_str(ds.get(), "native_dtype", where);
+        info.name = n.name;
+        info.source = r.source;
+        info.is_int = r.is_int;
+        info.stored_dtype = r.stored_dtype;
+        info.stored_shape = r.shape;
+        info.shape = r.shape;
+        info.native_dtype = r.native_dtype.value_or(r.stored_dtype);
+        const ParsedCheckpointName parsed = parse_checkpoint_name(n.name);
+        const CheckpointKind* kind = find_checkpoint_kind(parsed.base);
+        if (kind && !kind->per_layer && parsed.layer >= 0) kind = nullptr;  // "embd-3" is not embd
+        if (kind && r.is_int && parsed.base != "tokens")
+          fail("integer data (" + r.stored_dtype + ") for a float checkpoint (bfloat16 stored as uint16 needs the attribute dtype = \"bf16\")",
+               where);
+        info.layer = r.layer.value_or(kind && kind->per_layer ? parsed.layer : -1);
+        if (r.order) {
+          info.order = *r.order;
+        } else {
+          info.order = 1000000 + foreign++;  // outside the vocabulary: after it, in file order
+          if (kind) {
+            try {
+              info.order = checkpoint_order(meta.config, parsed.base, parsed.layer);
+            } catch (const InputError&) {
+            }
+          }
+        }
+        Transform t;
+        t.bf16 = r.bf16;
+        t.transpose = n.rule && n.rule->transpose;
+        if (t.transpose && r.shape.size() < 2) fail("the name map transposes a dataset of rank < 2", where);
+        const std::string stored_layout = n.rule && !n.rule->layout.empty() ? n.rule->layout : r.layout.value_or("");
+        info.layout = stored_layout.empty() && kind ? kind->layout : stored_layout;
+        std::vector<int64_t> shape;
+        if (kind && !r.is_int &&
+            plan(*kind, stored_layout, n.rule ? n.rule->crop : std::vector<std::string>{}, sizes, r.shape, t, shape)) {
+          info.shape = shape;
+          info.layout = kind->layout;
+        } else {
+          t.dims = r.shape;
+          t.keep = r.shape;
+          t.perm.clear();
+          for (size_t i = 0; i < r.shape.size(); ++i) t.perm.push_back(static_cast<int>(i));
+        }
+        transforms[{step, n.name}] = std::move(t);
         infos.push_back(std::move(info));
       }
       std::sort(infos.begin(), infos.end(), [](const DatasetInfo& a, const DatasetInfo& b) {
@@ -406,30 +646,94 @@ struct DumpReader::Impl {
     }
   }
 
-  template <class T>
-  std::vector<T> read_dataset(int step, const std::string& name, hid_t mem_type) const {
-    const std::string where = step_group_name(step) + "/" + name;
+  const DatasetInfo* find_info(int step, const std::string& name) const {
     auto it = steps.find(step);
-    const DatasetInfo* info = nullptr;
     if (it != steps.end())
       for (const auto& d : it->second)
-        if (d.name == name) info = &d;
+        if (d.name == name) return &d;
+    return nullptr;
+  }
+
+  std::vector<int32_t> read_ids(int step, const std::string& name) const {
+    const std::string where = step_group_name(step) + "/" + name;
+    const DatasetInfo* info = find_info(step, name);
     if (!info) fail("no such dataset", where);
     size_t n = 1;
-    for (int64_t d : info->shape) n *= static_cast<size_t>(d);
-    std::vector<T> out(n);
-    Hid ds(H5Dopen2(file.get(), ("/" + where).c_str(), H5P_DEFAULT), H5Dclose);
+    for (int64_t d : info->stored_shape) n *= static_cast<size_t>(d);
+    std::vector<int32_t> out(n);
+    const std::string path_in_file = "/" + step_group_name(step) + "/" + info->source;
+    Hid ds(H5Dopen2(file.get(), path_in_file.c_str(), H5P_DEFAULT), H5Dclose);
     if (!ds.valid()) fail("cannot open the dataset", where);
-    if (n > 0 && H5Dread(ds.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()) < 0)
+    if (n > 0 && H5Dread(ds.get(), H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()) < 0)
       fail("cannot read the data", where);
+    return out;
+  }
+
+  std::vector<float> read_floats(int step, const std::string& name) const {
+    const std::string where = step_group_name(step) + "/" + name;
+    const DatasetInfo* info = find_info(step, name);
+    if (!info) fail("no such dataset", where);
+    const Transform& t = transforms.at({step, name});
+    size_t n = 1;
+    for (int64_t d : info->stored_shape) n *= static_cast<size_t>(d);
+    std::vector<float> raw(n);
+    const std::string path_in_file = "/" + step_group_name(step) + "/" + info->source;
+    Hid ds(H5Dopen2(file.get(), path_in_file.c_str(), H5P_DEFAULT), H5Dclose);
+    if (!ds.valid()) fail("cannot open the dataset", where);
+    if (n > 0) {
+      if (t.bf16) {
+        std::vector<uint16_t> words(n);
+        Hid ftype(H5Dget_type(ds.get()), H5Tclose);
+        const hid_t mem = H5Tget_class(ftype.get()) == H5T_OPAQUE ? ftype.get() : H5T_NATIVE_UINT16;
+        if (H5Dread(ds.get(), mem, H5S_ALL, H5S_ALL, H5P_DEFAULT, words.data()) < 0) fail("cannot read the data", where);
+        for (size_t i = 0; i < n; ++i) {
+          const uint32_t bits = static_cast<uint32_t>(words[i]) << 16;
+          std::memcpy(&raw[i], &bits, sizeof bits);
+        }
+      } else if (H5Dread(ds.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, raw.data()) < 0) {
+        fail("cannot read the data", where);
+      }
+    }
+    if (t.transpose) {
+      // The bytes are [.., b, a] for a stored shape [.., a, b]: transpose each matrix back.
+      const auto& s = info->stored_shape;
+      const size_t a = static_cast<size_t>(s[s.size() - 2]), b = static_cast<size_t>(s[s.size() - 1]);
+      std::vector<float> fixed(n);
+      const size_t mats = a * b == 0 ? 0 : n / (a * b);
+      for (size_t m = 0; m < mats; ++m)
+        for (size_t i = 0; i < a; ++i)
+          for (size_t j = 0; j < b; ++j) fixed[m * a * b + i * b + j] = raw[m * a * b + j * a + i];
+      raw.swap(fixed);
+    }
+    // Gather: crop each data dim to `keep`, present the dims in `perm` order.
+    bool identity = true;
+    for (size_t i = 0; i < t.perm.size(); ++i) identity &= t.perm[i] == static_cast<int>(i) && t.keep[i] == t.dims[i];
+    if (identity) return raw;
+    const size_t rank = t.dims.size();
+    std::vector<size_t> stride(rank, 1);
+    for (size_t i = rank; i-- > 1;) stride[i - 1] = stride[i] * static_cast<size_t>(t.dims[i]);
+    size_t total = 1;
+    for (int64_t k : t.keep) total *= static_cast<size_t>(k);
+    std::vector<float> out(total);
+    std::vector<size_t> idx(rank, 0);  // index over presented dims
+    for (size_t o = 0; o < total; ++o) {
+      size_t src = 0;
+      for (size_t i = 0; i < rank; ++i) src += idx[i] * stride[t.perm[i]];
+      out[o] = raw[src];
+      for (size_t i = rank; i-- > 0;) {
+        if (++idx[i] < static_cast<size_t>(t.keep[t.perm[i]])) break;
+        idx[i] = 0;
+      }
+    }
     return out;
   }
 };
 
-DumpReader::DumpReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
+DumpReader::DumpReader(const std::string& path, const NameMap* names) : impl_(std::make_unique<Impl>()) {
   silence_hdf5();
   Impl& m = *impl_;
   m.path = path;
+  m.names = names;
   // stat only: a FIFO is never opened (that would block), a directory is named as one.
   if (std::string problem = regular_file_problem(path); !problem.empty())
     m.fail(problem == "does not exist" ? "no such file" : problem);
@@ -470,13 +774,13 @@ const DatasetInfo* DumpReader::find(int step, const std::string& name) const {
 }
 
 std::vector<float> DumpReader::read(int step, const std::string& name) const {
-  return impl_->read_dataset<float>(step, name, H5T_NATIVE_FLOAT);
+  return impl_->read_floats(step, name);
 }
 
 std::vector<int32_t> DumpReader::read_ids(int step, const std::string& name) const {
   const DatasetInfo* info = find(step, name);
   if (info && !info->is_int) impl_->fail("holds floats, not ids", step_group_name(step) + "/" + name);
-  return impl_->read_dataset<int32_t>(step, name, H5T_NATIVE_INT32);
+  return impl_->read_ids(step, name);
 }
 
 std::vector<int32_t> DumpReader::int_attribute(const std::string& key) const {
@@ -486,5 +790,7 @@ std::vector<int32_t> DumpReader::int_attribute(const std::string& key) const {
 }
 
 const std::vector<std::string>& DumpReader::int_attribute_names() const { return impl_->int_attribute_names; }
+
+const std::vector<std::pair<int, std::string>>& DumpReader::dropped() const { return impl_->dropped; }
 
 }  // namespace diffrun

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "checkpoints/dump_format.hpp"
+#include "checkpoints/name_map.hpp"
 #include "checkpoints/sink.hpp"
 #include "model/config.hpp"
 
@@ -52,6 +53,8 @@ class DumpWriter final : public Sink {
   std::unique_ptr<Impl> impl_;
 };
 
+// One dataset as the reader presents it: under its vocabulary name, in the vocabulary's layout
+// where it can be brought there (see DumpReader), else as stored.
 struct DatasetInfo {
   int step;
   std::string name;
@@ -61,12 +64,29 @@ struct DatasetInfo {
   std::string native_dtype;
   std::vector<int64_t> shape;
   bool is_int;
+  std::string source;        // the dataset's name in the file ("Qcur-0#3" under a name map)
+  std::string stored_dtype;  // "f32", "f64", "f16", "bf16", "i32", "i64", ...
+  std::vector<int64_t> stored_shape;
 };
 
+// Reads dumps of any writer, tolerantly (docs/dump-format.md):
+// - float datasets stored as float32, float64, float16 or bfloat16 (a uint16 or 16-bit opaque
+//   dataset with attribute dtype = "bf16") are read as float32; integer datasets are ids;
+// - per dataset, `order`, `layer`, `native_dtype` and `layout` are optional: order and layer come
+//   from the vocabulary (the name), native_dtype defaults to the stored dtype, layout to the
+//   vocabulary's;
+// - a checkpoint of the vocabulary is presented in the vocabulary's layout: a `layout` attribute
+//   that permutes the vocabulary's letters is permuted back, merged dimensions ("T,H*Dh", or no
+//   layout and an array of the right element count such as [T, H*Dh]) are split, leading
+//   dimensions of size 1 are squeezed. Anything else stays as stored, so that only a real
+//   element-count mismatch shows as a shape mismatch;
+// - with a name map, each dataset is renamed, dropped or reshaped by its rule (name_map.hpp);
+//   names no rule matches are kept as they are.
+// T is the length of the step's `tokens`, S the sum of T over the steps up to this one.
 class DumpReader {
  public:
   // Throws DumpError naming the file (not HDF5, not a diffrun dump, unsupported version).
-  explicit DumpReader(const std::string& path);
+  explicit DumpReader(const std::string& path, const NameMap* names = nullptr);
   ~DumpReader();
   const std::string& path() const;
   const DumpMeta& meta() const;
@@ -78,6 +98,8 @@ class DumpReader {
   std::vector<float> read(int step, const std::string& name) const;
   std::vector<int32_t> read_ids(int step, const std::string& name) const;
   std::vector<int32_t> int_attribute(const std::string& key) const;  // empty when absent
+  // Datasets a name map dropped (step, name in the file), for reports.
+  const std::vector<std::pair<int, std::string>>& dropped() const;
   // Root attributes written by DumpWriter::set_attribute (integer arrays outside the format's set).
   const std::vector<std::string>& int_attribute_names() const;
 

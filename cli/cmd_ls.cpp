@@ -1,10 +1,12 @@
 // `diffrun ls DUMP.h5 [--step N]`: a dump's root attributes, then per step its checkpoints in order.
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <fmt/core.h>
 
 #include "checkpoints/dump.hpp"
+#include "checkpoints/name_map.hpp"
 #include "cli/command.hpp"
 
 namespace diffrun::cli {
@@ -12,6 +14,7 @@ namespace {
 
 struct LsOptions {
   std::string path;
+  std::string names;  // name map (--names)
   int step = -1;  // -1: every step
 };
 
@@ -41,7 +44,8 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 }
 
 int run_ls(const LsOptions& o) {
-  const DumpReader r(o.path);
+  const std::optional<NameMap> names = o.names.empty() ? std::nullopt : std::optional<NameMap>(NameMap::load(o.names));
+  const DumpReader r(o.path, names ? &*names : nullptr);
   if (o.step >= 0) r.datasets(o.step);  // a missing step is a DumpError naming it
   const DumpMeta& m = r.meta();
   const ModelConfig& c = m.config;
@@ -74,7 +78,7 @@ int run_ls(const LsOptions& o) {
     fmt::print("  {:>5}  {:<18} {:<16} {:<10} {:<7} {}\n", "order", "name", "shape", "layout", "stored", "native");
     for (const auto& d : infos)
       fmt::print("  {:>5}  {:<18} {:<16} {:<10} {:<7} {}\n", d.order, d.name, shape_text(d.shape), d.layout,
-                 d.is_int ? "int32" : "float32", d.native_dtype);
+                 d.stored_dtype, d.native_dtype);
   }
   return 0;
 }
@@ -82,6 +86,7 @@ int run_ls(const LsOptions& o) {
 const CommandRegistrar reg("ls", "List a dump's metadata and, per step, its checkpoints in order", [](CLI::App& app) {
   auto o = std::make_shared<LsOptions>();
   app.add_option("dump", o->path, "HDF5 dump")->required();
+  app.add_option("--names", o->names, "Name map of the dump: llamacpp, hf or a JSON file (fixtures/names/README.md)");
   app.add_option("--step", o->step, "Only this step")->check(CLI::NonNegativeNumber);
   return [o] { return run_ls(*o); };
 });

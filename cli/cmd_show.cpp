@@ -2,12 +2,14 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <fmt/core.h>
 
 #include "checkpoints/dump.hpp"
+#include "checkpoints/name_map.hpp"
 #include "cli/command.hpp"
 
 namespace diffrun::cli {
@@ -15,6 +17,7 @@ namespace {
 
 struct ShowOptions {
   std::string path;
+  std::string names;  // name map (--names)
   std::string name;
   int step = 0;
   int rows = 8;
@@ -64,14 +67,15 @@ Stats stats_of(const std::vector<float>& v) {
 }
 
 int run_show(const ShowOptions& o) {
-  const DumpReader r(o.path);
+  const std::optional<NameMap> names = o.names.empty() ? std::nullopt : std::optional<NameMap>(NameMap::load(o.names));
+  const DumpReader r(o.path, names ? &*names : nullptr);
   const std::vector<float> v = r.read(o.step, o.name);  // DumpError naming file and dataset if absent
   const DatasetInfo& d = *r.find(o.step, o.name);
   std::string shape = "[";
   for (size_t i = 0; i < d.shape.size(); ++i) shape += (i ? ", " : "") + std::to_string(d.shape[i]);
   shape += "]";
   fmt::print("{} step {} {}: shape {} ({}), stored {}, native {}, order {}, layer {}\n", o.path, o.step, o.name, shape,
-             d.layout, d.is_int ? "int32" : "float32", d.native_dtype, d.order, d.layer);
+             d.layout, d.stored_dtype, d.native_dtype, d.order, d.layer);
 
   const Stats s = stats_of(v);
   if (s.finite > 0) {
@@ -111,6 +115,7 @@ int run_show(const ShowOptions& o) {
 const CommandRegistrar reg("show", "Print one checkpoint's stats and a slice of its values", [](CLI::App& app) {
   auto o = std::make_shared<ShowOptions>();
   app.add_option("dump", o->path, "HDF5 dump")->required();
+  app.add_option("--names", o->names, "Name map of the dump: llamacpp, hf or a JSON file (fixtures/names/README.md)");
   app.add_option("name", o->name, "Checkpoint name, e.g. Qcur-3 or result_output")->required();
   app.add_option("--step", o->step, "Step (0 is the prefill)")->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--rows", o->rows, "Rows of the slice")->capture_default_str()->check(CLI::NonNegativeNumber);

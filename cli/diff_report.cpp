@@ -6,10 +6,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 
 #include <fmt/core.h>
 
 #include "checkpoints/dump.hpp"
+#include "checkpoints/name_map.hpp"
 #include "diff/compare.hpp"
 #include "diff/report.hpp"
 #include "diff/tolerances.hpp"
@@ -43,13 +45,23 @@ void ReportOptions::add_options(CLI::App& app) {
   app.add_option("--jump-factor", jump_factor,
                  "Verdict: an error this many times its inputs' is a local bug (default 10)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--names", names,
+                 "Name map of the engine dump: llamacpp, hf or a JSON file (fixtures/names/README.md)");
+  app.add_option("--reference-names", reference_names, "Name map of the reference dump (as --names)");
+  app.add_option("--require-coverage", require_coverage,
+                 "Fail (exit 1) when fewer than this percent of the reference's float checkpoints are compared")
+      ->check(CLI::Range(0.0, 100.0));
 }
 
 int compare_and_report(const std::string& engine_path, const std::string& reference_path, const ReportOptions& opt,
                        Progress& progress, const std::function<std::string(int32_t)>& token_text,
                        const std::string& isolated_path) {
-  const DumpReader engine(engine_path);
-  const DumpReader reference(reference_path);
+  const std::optional<NameMap> engine_names =
+      opt.names.empty() ? std::nullopt : std::optional<NameMap>(NameMap::load(opt.names));
+  const std::optional<NameMap> reference_names =
+      opt.reference_names.empty() ? std::nullopt : std::optional<NameMap>(NameMap::load(opt.reference_names));
+  const DumpReader engine(engine_path, engine_names ? &*engine_names : nullptr);
+  const DumpReader reference(reference_path, reference_names ? &*reference_names : nullptr);
   const diff::ToleranceSet tolerances =
       opt.tolerances.empty()
           ? diff::preset_tolerances(diff::preset_name(engine.meta().precision, reference.meta().precision))
@@ -59,9 +71,10 @@ int compare_and_report(const std::string& engine_path, const std::string& refere
   diff::CompareOptions copt;
   copt.force = opt.force;
   copt.jump_factor = opt.jump_factor;
+  copt.require_coverage = opt.require_coverage;
   diff::Comparison c = diff::compare_dumps(engine, reference, tolerances, copt);
   if (!isolated_path.empty()) {
-    const DumpReader isolated(isolated_path);
+    const DumpReader isolated(isolated_path, engine_names ? &*engine_names : nullptr);
     diff::add_isolation(c, diff::compare_dumps(isolated, reference, tolerances, copt), copt);
   }
   progress.finish();

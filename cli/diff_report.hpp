@@ -18,7 +18,12 @@ struct ReportOptions {
   bool force = false;        // compare dumps of different models, tokens or configs
   bool no_color = false;
   double jump_factor = 10.0;
-  void add_options(CLI::App& app);  // --tolerances --report-json --report-junit --force --no-color --jump-factor
+  std::string names;            // name map of the engine dump ("llamacpp", "hf" or a JSON file)
+  std::string reference_names;  // name map of the reference dump
+  double require_coverage = 0;  // percent of the reference's float checkpoints that must be compared
+  // --tolerances --report-json --report-junit --force --no-color --jump-factor --names
+  // --reference-names --require-coverage
+  void add_options(CLI::App& app);
 };
 
 // Compares the engine dump against the reference dump, prints the terminal report on stdout,

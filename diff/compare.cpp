@@ -188,7 +188,12 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
       const ToleranceRule& rule = tolerances.rule_for(e.name);
       r.rule_match = rule.match;
       r.rule_reason = rule.reason;
+      if (e.reference) ++c.coverage.reference;
+      if (e.engine && e.reference) ++c.coverage.compared;
       if (!e.engine || !e.reference) {
+        if (!e.engine &&
+            std::find(c.coverage.missing_kinds.begin(), c.coverage.missing_kinds.end(), r.base) == c.coverage.missing_kinds.end())
+          c.coverage.missing_kinds.push_back(r.base);
         r.status = e.engine ? CheckpointStatus::only_engine : CheckpointStatus::only_reference;
         ++c.n_one_sided;
         c.results.push_back(std::move(r));
@@ -215,6 +220,7 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
       c.results.push_back(std::move(r));
     }
   }
+  c.coverage.required = opt.require_coverage;
   if (n_common == 0) {
     throw DumpError(fmt::format("{} and {} have no checkpoint in common", engine.path(), reference.path()));
   }

@@ -15,6 +15,10 @@
 // - A NaN or Inf on either side fails the checkpoint, also when both sides hold the same one (a NaN
 //   in a weight row reaches the reference too); the first such checkpoint is kept apart
 //   (first_nonfinite) so a report names it even when an earlier finite failure leads.
+// - Coverage: the reference's float checkpoints that the engine also recorded (compared, or failed
+//   on shape) over all of the reference's float checkpoints. With require_coverage > 0 a coverage
+//   below it fails the comparison (exit 1), so a dump that records only a few checkpoints is no
+//   false green; the reports name the kinds that are missing.
 // - No float checkpoint in common is a DumpError.
 #pragma once
 
@@ -44,6 +48,16 @@ struct CompareOptions {
   bool force = false;        // compare dumps of different models, tokens or configs anyway
   double jump_factor = 10.0; // verdict: "local" when the error jumps by more than this over its inputs
   int preceding = 4;         // passing checkpoints shown before the first divergence
+  double require_coverage = 0;  // percent of the reference's float checkpoints that must be compared
+};
+
+struct Coverage {
+  int reference = 0;  // float checkpoints in the reference dump (all steps)
+  int compared = 0;   // of those, present in the engine dump too
+  std::vector<std::string> missing_kinds;  // vocabulary bases of the reference's checkpoints not compared
+  double required = 0;  // percent; 0: no requirement
+  double percent() const { return reference ? 100.0 * compared / reference : 100.0; }
+  bool met() const { return percent() + 1e-9 >= required; }
 };
 
 struct Comparison {
@@ -64,9 +78,11 @@ struct Comparison {
   std::optional<ErrorPattern> pattern, nonfinite_pattern;
   std::vector<StepTokens> tokens;
   int n_pass = 0, n_fail = 0, n_one_sided = 0;
+  Coverage coverage;
   std::string isolated_path;  // the isolation-replay dump, when add_isolation ran
 
   bool diverged() const { return first_failure.has_value(); }
+  bool failed() const { return diverged() || !coverage.met(); }
 };
 
 // Sizes of the layout letters for a config (D, H, Hkv, Dh, F, V).

@@ -32,7 +32,8 @@ std::string render_junit(const Comparison& c);
 // smallest and largest positive finite value. '·' for an exact zero, '!' for inf, ' ' for NaN (absent).
 std::string sparkline(std::span<const double> values, double lo = 0, double hi = 0);
 
-// Exit code of a finished comparison: 0 all within tolerance, 1 divergence found.
-inline int exit_code(const Comparison& c) { return c.diverged() ? 1 : 0; }
+// Exit code of a finished comparison: 0 all within tolerance, 1 divergence found or coverage
+// below the required.
+inline int exit_code(const Comparison& c) { return c.failed() ? 1 : 0; }
 
 }  // namespace diffrun::diff

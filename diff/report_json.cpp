@@ -15,6 +15,8 @@
 //   "tolerances": {"source", "preset"},
 //   "isolated_path": null | str,                              // the isolation-replay dump, when it ran
 //   "summary": {"compared", "pass", "fail", "one_sided", "steps", "diverged": bool},
+//   "coverage": {"reference" (float checkpoints in the reference), "compared" (of those, also in
+//                the engine dump), "percent", "required" (0: none), "met": bool, "missing_kinds": [str]},
 //   "warnings": [str],
 //   "first_divergence": null | {
 //       "index": int (into "checkpoints"), "step", "name", "layer",
@@ -221,6 +223,9 @@ nlohmann::ordered_json report_json(const Comparison& c) {
   for (const auto& r : c.results) steps.insert(r.step);
   j["summary"] = {{"compared", c.n_pass + c.n_fail}, {"pass", c.n_pass},  {"fail", c.n_fail},
                   {"one_sided", c.n_one_sided},       {"steps", steps.size()}, {"diverged", c.diverged()}};
+  j["coverage"] = {{"reference", c.coverage.reference}, {"compared", c.coverage.compared},
+                   {"percent", c.coverage.percent()},    {"required", c.coverage.required},
+                   {"met", c.coverage.met()},            {"missing_kinds", c.coverage.missing_kinds}};
   j["warnings"] = c.warnings;
   if (c.first_failure) {
     const CheckpointResult& f = c.results[*c.first_failure];

@@ -329,6 +329,12 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
   out += fmt::format("  compared   {} checkpoints over {} steps: {} pass, {} fail", c.n_pass + c.n_fail, steps.size(),
                      c.n_pass, c.n_fail);
   out += c.n_one_sided ? fmt::format(", {} in one dump only\n", c.n_one_sided) : "\n";
+  const Coverage& cov = c.coverage;
+  std::string cov_line = fmt::format("  coverage   {} of the reference's {} float checkpoints compared ({:.1f}%)",
+                                     cov.compared, cov.reference, cov.percent());
+  if (cov.required > 0) cov_line += fmt::format(", {:g}% required", cov.required);
+  out += (cov.met() ? cov_line : s.red(cov_line)) + "\n";
+  if (!cov.missing_kinds.empty()) out += fmt::format("  missing    {}\n", fmt::join(cov.missing_kinds, ", "));
   for (const auto& w : c.warnings) out += s.yellow("  warning: " + w) + "\n";
   if (c.n_one_sided) {
     std::vector<std::string> names;
@@ -360,6 +366,10 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
     }
     out += s.red(fmt::format("RESULT: DIVERGED at {} ({}); verdict {}{}", f.name, where(f),
                              verdict_kind_name(c.verdict.kind), nonfinite)) + "\n";
+  } else if (!c.coverage.met()) {
+    out += s.red(fmt::format("RESULT: FAIL: coverage {:.1f}% is below the required {:g}% (missing: {})",
+                             c.coverage.percent(), c.coverage.required, fmt::join(c.coverage.missing_kinds, ", "))) +
+           "\n";
   } else {
     out += s.green("RESULT: PASS") + "\n";
   }

@@ -14,3 +14,10 @@ add_test(NAME test_diff_python
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_diff_python PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
   ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;MPLBACKEND=Agg")
+
+# Foreign dumps written by h5py: per-head layouts, f16/bf16/f64, optional attributes, coverage, name maps.
+add_test(NAME test_foreign_dumps
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_foreign_dumps.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_foreign_dumps PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
+  ENVIRONMENT "${DIFFRUN_TEST_ENV}")
