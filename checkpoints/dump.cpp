@@ -404,14 +404,14 @@ struct DumpReader::Impl {
       if ((cls != H5T_INTEGER && cls != H5T_OPAQUE) || size != 2)
         fail("attribute dtype = \"bf16\" on a dataset that is not 16-bit unsigned integer or opaque", where);
       r.bf16 = true;
-      r.stored_dtype = "bf16";
+      r.stored_dtype = "bfloat16";
     } else if (cls == H5T_FLOAT) {
       size_t spos, epos, esize, mpos, msize;
       H5Tget_fields(t.get(), &spos, &epos, &esize, &mpos, &msize);
-      r.stored_dtype = size == 2 ? (esize == 8 ? "bf16" : "f16") : size == 4 ? "f32" : size == 8 ? "f64" : "f" + std::to_string(size * 8);
+      r.stored_dtype = size == 2 && esize == 8 ? "bfloat16" : "float" + std::to_string(size * 8);
     } else if (cls == H5T_INTEGER) {
       r.is_int = true;
-      r.stored_dtype = (H5Tget_sign(t.get()) == H5T_SGN_NONE ? "u" : "i") + std::to_string(size * 8);
+      r.stored_dtype = (H5Tget_sign(t.get()) == H5T_SGN_NONE ? "uint" : "int") + std::to_string(size * 8);
     } else {
       fail("not a numeric dataset (a 16-bit dataset holding bfloat16 needs the attribute dtype = \"bf16\")", where);
     }
@@ -601,7 +601,11 @@ struct DumpReader::Impl {
         info.stored_dtype = r.stored_dtype;
         info.stored_shape = r.shape;
         info.shape = r.shape;
-        info.native_dtype = r.native_dtype.value_or(r.stored_dtype);
+        // Absent native_dtype: the stored dtype's name in the format's terms ("float16" -> "f16").
+        static const std::map<std::string, std::string> short_names = {
+            {"float16", "f16"}, {"bfloat16", "bf16"}, {"float32", "f32"}, {"float64", "f64"}, {"int32", "i32"}};
+        const auto short_name = short_names.find(r.stored_dtype);
+        info.native_dtype = r.native_dtype.value_or(short_name != short_names.end() ? short_name->second : r.stored_dtype);
         const ParsedCheckpointName parsed = parse_checkpoint_name(n.name);
         const CheckpointKind* kind = find_checkpoint_kind(parsed.base);
         if (kind && !kind->per_layer && parsed.layer >= 0) kind = nullptr;  // "embd-3" is not embd

@@ -65,7 +65,7 @@ struct DatasetInfo {
   std::vector<int64_t> shape;
   bool is_int;
   std::string source;        // the dataset's name in the file ("Qcur-0#3" under a name map)
-  std::string stored_dtype;  // "f32", "f64", "f16", "bf16", "i32", "i64", ...
+  std::string stored_dtype;  // "float32", "float64", "float16", "bfloat16", "int32", "int64", ...
   std::vector<int64_t> stored_shape;
 };
 

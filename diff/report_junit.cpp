@@ -98,23 +98,28 @@ std::string render_junit(const Comparison& c) {
     if (r.failed()) ++failures;
     if (!r.failed() && !r.compared()) ++skipped;
   }
-  // Coverage is one more test case, in a suite of its own: failed when below --require-coverage.
+  // Coverage is a property; with a requirement (--require-coverage) also one more test case, in a
+  // suite of its own, failed when below it.
   const Coverage& cov = c.coverage;
   const std::string cov_text = fmt::format("{} of the reference's {} float checkpoints compared ({:.1f}%{}){}",
                                            cov.compared, cov.reference, cov.percent(),
                                            cov.required > 0 ? fmt::format(", {:g}% required", cov.required) : "",
                                            cov.missing_kinds.empty() ? "" : fmt::format("; missing: {}", fmt::join(cov.missing_kinds, ", ")));
-  ++total;
+  const bool cov_case = cov.required > 0;
+  if (cov_case) ++total;
   if (!cov.met()) ++failures;
   std::string out = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
   out += fmt::format("<testsuites name=\"diffrun\" tests=\"{}\" failures=\"{}\" errors=\"0\" skipped=\"{}\">\n", total,
                      failures, skipped);
-  out += fmt::format("  <testsuite name=\"coverage\" tests=\"1\" failures=\"{}\" errors=\"0\" skipped=\"0\">\n",
-                     cov.met() ? 0 : 1);
-  out += "    <testcase classname=\"coverage\" name=\"coverage\" time=\"0\"";
-  out += cov.met() ? fmt::format(">\n      <system-out>{}</system-out>\n    </testcase>\n", xml_escape(cov_text, false))
-                   : fmt::format(">\n      <failure type=\"coverage\" message=\"{}\"/>\n    </testcase>\n", xml_escape(cov_text));
-  out += "  </testsuite>\n";
+  if (cov_case) {
+    out += fmt::format("  <testsuite name=\"coverage\" tests=\"1\" failures=\"{}\" errors=\"0\" skipped=\"0\">\n",
+                       cov.met() ? 0 : 1);
+    out += "    <testcase classname=\"coverage\" name=\"coverage\" time=\"0\"";
+    out += cov.met() ? fmt::format(">\n      <system-out>{}</system-out>\n    </testcase>\n", xml_escape(cov_text, false))
+                     : fmt::format(">\n      <failure type=\"coverage\" message=\"{}\"/>\n    </testcase>\n",
+                                   xml_escape(cov_text));
+    out += "  </testsuite>\n";
+  }
   for (const auto& [step, results] : by_step) {
     int f = 0, s = 0;
     for (const auto* r : results) {
@@ -133,6 +138,7 @@ std::string render_junit(const Comparison& c) {
       prop("model", c.reference_meta.model_path);
       prop("prompt", c.reference_meta.prompt);
       prop("tolerances", c.tolerance_preset.empty() ? c.tolerance_source : c.tolerance_preset);
+      prop("coverage", cov_text);
       if (c.first_nonfinite) {
         const CheckpointResult& n = c.results[*c.first_nonfinite];
         prop("first_nonfinite", fmt::format("{} at step {}", n.name, n.step));

@@ -168,7 +168,8 @@ def test_stored_dtypes_read_exactly(runs, tmp_path, dtype):
 
     eng = rewrite(d / "engine.h5", tmp_path / f"e_{dtype}.h5", fn)
     ls = run("ls", eng, "--step", "0", check_rc=0).stdout
-    assert f"{dtype}" in ls.split("embd")[1].splitlines()[0]
+    row = ls.split(" embd ")[1].splitlines()[0].split()
+    assert row[-2:] == [{"f64": "float64", "f16": "float16", "bf16": "bfloat16"}[dtype], dtype], row
     tol = tmp_path / "loose.json"
     tol.write_text(json.dumps({"rules": [], "default": {"max_rel_l2": 1.0, "reason": "reading test"}}))
     out, rep = compare(eng, d / "reference.h5", "--tolerances", tol, rc=0)

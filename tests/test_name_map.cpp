@@ -1,0 +1,110 @@
+// Tests of name maps: rule parsing and its errors, {L} and glob patterns, repeats, archs, facts, the built-in maps.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "checkpoints/name_map.hpp"
+#include "checkpoints/vocabulary.hpp"
+#include "model/error.hpp"
+
+namespace diffrun {
+namespace {
+
+std::string mapped(const NameMap& m, std::string_view raw, int count, Arch arch = Arch::qwen2,
+                   const std::map<std::string, std::string>& facts = {}) {
+  auto [base, k] = split_occurrence(raw);
+  auto r = m.map(base, k, count, arch, facts);
+  if (!r) return "(none)";
+  return r->drop ? "(drop)" : r->name;
+}
+
+TEST(NameMap, SplitOccurrence) {
+  EXPECT_EQ(split_occurrence("Qcur-0#3"), std::make_pair(std::string("Qcur-0"), 3));
+  EXPECT_EQ(split_occurrence("Qcur-0"), std::make_pair(std::string("Qcur-0"), 1));
+  EXPECT_EQ(split_occurrence("Qcur-0#1"), std::make_pair(std::string("Qcur-0#1"), 1));  // k >= 2 only
+  EXPECT_EQ(split_occurrence("a#b"), std::make_pair(std::string("a#b"), 1));
+  EXPECT_EQ(split_occurrence("#2"), std::make_pair(std::string("#2"), 1));
+}
+
+TEST(NameMap, LayersRepeatsArchsFactsGlobs) {
+  const NameMap m = NameMap::parse(R"json({"rules": [
+      {"match": "Qcur-{L}", "occurrence": "last", "to": "Qrope-{L}"},
+      {"match": "Qcur-{L}", "occurrence": "last-1", "to": "Qcur-{L}"},
+      {"match": "Qcur-{L}", "drop": true},
+      {"match": "x.{L}.y", "archs": ["llama"], "to": "l_out-{L}"},
+      {"match": "v{L}", "when": {"flash_attn": "on"}, "to": "cache_v-{L}"},
+      {"match": "v{L}", "to": "cache_k-{L}"},
+      {"match": "ffn_out-{L}", "occurrence": 1, "to": "ffn_out-{L}"},
+      {"match": "* (view)", "drop": true}]})json",
+                                   "test");
+  EXPECT_EQ(mapped(m, "Qcur-12#4", 4), "Qrope-12");
+  EXPECT_EQ(mapped(m, "Qcur-12#3", 4), "Qcur-12");
+  EXPECT_EQ(mapped(m, "Qcur-12#2", 4), "(drop)");
+  EXPECT_EQ(mapped(m, "Qcur-12", 4), "(drop)");
+  EXPECT_EQ(mapped(m, "Qcur-3", 1), "Qrope-3");
+  EXPECT_EQ(mapped(m, "Qcur-x", 1), "(none)");
+  EXPECT_EQ(mapped(m, "Qcur-", 1), "(none)");
+  EXPECT_EQ(mapped(m, "x.7.y", 1, Arch::llama), "l_out-7");
+  EXPECT_EQ(mapped(m, "x.7.y", 1, Arch::qwen3), "(none)");
+  EXPECT_EQ(mapped(m, "v2", 1, Arch::qwen2, {{"flash_attn", "on"}}), "cache_v-2");
+  EXPECT_EQ(mapped(m, "v2", 1, Arch::qwen2, {{"flash_attn", "off"}}), "cache_k-2");
+  EXPECT_EQ(mapped(m, "ffn_out-1", 2), "ffn_out-1");
+  EXPECT_EQ(mapped(m, "ffn_out-1#2", 2), "(none)");
+  EXPECT_EQ(mapped(m, "k-0 (view)", 1), "(drop)");
+}
+
+TEST(NameMap, BadMapsNameTheRule) {
+  auto message = [](std::string_view json) {
+    try {
+      NameMap::parse(json, "m.json");
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message("{").find("m.json: not valid JSON"), std::string::npos);
+  EXPECT_NE(message(R"({"rule": []})").find("\"rules\" array"), std::string::npos);
+  EXPECT_NE(message(R"({"rules": [{"match": "a", "to": "b", "typo": 1}]})").find("rule 1: unknown key \"typo\""),
+            std::string::npos);
+  EXPECT_NE(message(R"({"rules": [{"match": "a"}]})").find("exactly one of"), std::string::npos);
+  EXPECT_NE(message(R"({"rules": [{"match": "a", "to": "b"}, {"match": "a", "to": "b", "drop": true}]})")
+                .find("rule 2 (\"a\")"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"rules": [{"match": "a", "to": "b-{L}"}]})").find("\"match\" has none"), std::string::npos);
+  EXPECT_NE(message(R"({"rules": [{"match": "a", "to": "b", "occurrence": "first"}]})").find("occurrence"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"rules": [{"match": "a", "to": "b", "archs": ["gpt2"]}]})").find("unknown arch \"gpt2\""),
+            std::string::npos);
+  EXPECT_NE(message(R"({"rules": [{"match": "a*{L}", "to": "b"}]})").find("glob"), std::string::npos);
+  EXPECT_THROW(NameMap::load("no-such-map"), InputError);
+}
+
+// Every target of the built-in maps is a vocabulary name for some layer.
+TEST(NameMap, BuiltinMapsTargetTheVocabulary) {
+  const auto names = NameMap::builtin_names();
+  ASSERT_EQ(names, (std::vector<std::string>{"hf", "llamacpp"}));
+  for (const auto& n : names) {
+    const NameMap m = NameMap::load(n);
+    EXPECT_GT(m.rules().size(), 10u) << n;
+    for (const auto& r : m.rules()) {
+      if (r.drop) continue;
+      std::string to = r.to;
+      if (auto at = to.find("{L}"); at != std::string::npos) to = to.substr(0, at) + "0" + to.substr(at + 3);
+      const ParsedCheckpointName p = parse_checkpoint_name(to);
+      EXPECT_NE(find_checkpoint_kind(p.base), nullptr) << n << ": " << r.match << " -> " << r.to;
+      EXPECT_FALSE(r.why.empty()) << n << ": " << r.match;
+    }
+  }
+  const NameMap llamacpp = NameMap::load("llamacpp");
+  EXPECT_EQ(mapped(llamacpp, "Qcur-0#3", 3, Arch::llama), "Qrope-0");
+  EXPECT_EQ(mapped(llamacpp, "Qcur-0#2", 3, Arch::llama), "Qcur-0");
+  EXPECT_EQ(mapped(llamacpp, "norm-4#2", 2), "(drop)");
+  EXPECT_EQ(mapped(llamacpp, "cache_v_l3", 1), "cache_v-3");
+  EXPECT_TRUE(llamacpp.map("cache_v_l3", 1, 1, Arch::qwen2)->rule->transpose);
+  EXPECT_FALSE(llamacpp.map("cache_v_l3", 1, 1, Arch::qwen2, {{"flash_attn", "on"}})->rule->transpose);
+  EXPECT_EQ(mapped(NameMap::load("hf"), "model.layers.11.self_attn.q_proj", 1, Arch::qwen2), "Qcur-11");
+  EXPECT_EQ(mapped(NameMap::load("hf"), "model.layers.11.self_attn.q_proj", 1, Arch::llama), "(drop)");
+}
+
+}  // namespace
+}  // namespace diffrun
