@@ -268,10 +268,26 @@ def llamacpp_fn(arch, pad=16, perturb=None):
             padded = np.zeros((H, T, pad), np.float32)
             padded[:, :, :S] = arr
             add(f"kq_soft_max-{layer}", padded)
+        elif base == "result_norm":
+            add("norm", arr * 0.9)
+            add("node_65", arr * 3.0)
+            add(name, arr)
         elif base == "kqv_out":
             add(f"kqv-{layer}", arr.transpose(1, 0, 2))
             add(f"kqv_out-{layer}", arr.reshape(T, -1))
+        elif base in ("cache_k", "cache_v") and arch == "llama":
+            # as llama.cpp's graph holds it (adapters/llamacpp): views of the whole padded cache
+            S, Hkv, Dh = arr.shape
+            cache = np.full((pad, Hkv, Dh), 7.0, np.float32)  # cells past S: stale, must be cut
+            cache[:S] = arr
+            if base == "cache_k":
+                add(f"cache_k_l{layer} (view)", cache.reshape(pad, -1))
+                add(f"cache_k_l{layer} (view)#2", cache)
+            else:
+                add(f"cache_v_l{layer} (view)", cache.transpose(2, 1, 0))  # [Dh, Hkv, kv_size]
+                add(f"cache_v_l{layer} (reshaped)", cache.reshape(-1, 1))
         elif base in ("cache_k", "cache_v"):
+            # the plain convention: whole cache tensors, shape reversed(ne), V bytes transposed
             S, Hkv, Dh = arr.shape
             cache = np.full((pad, Hkv * Dh), 7.0, np.float32)  # rows past S: stale, must be cut
             cache[:S] = arr.reshape(S, -1)
@@ -290,7 +306,8 @@ def test_llamacpp_map_compares_clean(runs, tmp_path, arch):
     d = runs[arch]
     eng = rewrite(d / "engine.h5", tmp_path / "llamacpp.h5", llamacpp_fn(arch))
     with h5py.File(eng) as f:
-        assert "Qcur-0#3" in f["step_0000"] and "cache_v_l1" in f["step_0001"]
+        assert "Qcur-0#3" in f["step_0000"]
+        assert ("cache_v_l1 (view)" if arch == "llama" else "cache_v_l1") in f["step_0001"]
     out, rep = compare(eng, d / "reference.h5", "--names", "llamacpp", "--require-coverage", "100", rc=0)
     assert rep["summary"]["fail"] == 0 and rep["summary"]["one_sided"] == 0
     for name in ("Qcur-0", "Qrope-0", "cache_v-1", "kq_soft_max-1"):
@@ -299,15 +316,17 @@ def test_llamacpp_map_compares_clean(runs, tmp_path, arch):
     out, rep = compare(eng, d / "reference.h5", "--require-coverage", "100", rc=1)
 
 
-@pytest.mark.parametrize("step,name,expect", [
-    (0, "Qcur-1#3", "Qcur-1"),          # the pre-RoPE q (qwen2: the reshape)
-    (1, "Qcur-0#4", "Qrope-0"),         # the RoPE output
-    (2, "cache_v_l1", "cache_v-1"),     # transposed V cache
-    (1, "kq_soft_max-0", "kq_soft_max-0"),
+@pytest.mark.parametrize("arch,step,name,expect", [
+    ("llama", 2, "cache_v_l0 (view)", "cache_v-0"),  # [Dh, Hkv, kv_size] view
+    ("llama", 1, "cache_k_l1 (view)", "cache_k-1"),
+    ("qwen2", 0, "Qcur-1#3", "Qcur-1"),          # the pre-RoPE q (qwen2: the reshape)
+    ("qwen2", 1, "Qcur-0#4", "Qrope-0"),         # the RoPE output
+    ("qwen2", 2, "cache_v_l1", "cache_v-1"),     # transposed V cache
+    ("qwen2", 1, "kq_soft_max-0", "kq_soft_max-0"),
 ])
-def test_llamacpp_map_perturbed_fails_there(runs, tmp_path, step, name, expect):
-    d = runs["qwen2"]
-    eng = rewrite(d / "engine.h5", tmp_path / "llamacpp-bad.h5", llamacpp_fn("qwen2", perturb=(step, name)))
+def test_llamacpp_map_perturbed_fails_there(runs, tmp_path, arch, step, name, expect):
+    d = runs[arch]
+    eng = rewrite(d / "engine.h5", tmp_path / "llamacpp-bad.h5", llamacpp_fn(arch, perturb=(step, name)))
     out, rep = compare(eng, d / "reference.h5", "--names", "llamacpp", rc=1)
     fd = rep["first_divergence"]
     assert (fd["step"], fd["name"]) == (step, expect)

@@ -100,6 +100,11 @@ TEST(NameMap, BuiltinMapsTargetTheVocabulary) {
   EXPECT_EQ(mapped(llamacpp, "Qcur-0#2", 3, Arch::llama), "Qcur-0");
   EXPECT_EQ(mapped(llamacpp, "norm-4#2", 2), "(drop)");
   EXPECT_EQ(mapped(llamacpp, "cache_v_l3", 1), "cache_v-3");
+  EXPECT_EQ(mapped(llamacpp, "cache_v_l3 (view)", 1), "cache_v-3");
+  EXPECT_EQ(llamacpp.map("cache_v_l3 (view)", 1, 1, Arch::qwen2)->rule->layout, "Dh,Hkv,S");
+  EXPECT_EQ(mapped(llamacpp, "cache_k_l3 (view)#2", 2), "(drop)");
+  EXPECT_EQ(mapped(llamacpp, "Qcur-0 (view) (permuted)", 1), "(drop)");
+  EXPECT_EQ(mapped(llamacpp, "node_65", 1), "(drop)");
   EXPECT_TRUE(llamacpp.map("cache_v_l3", 1, 1, Arch::qwen2)->rule->transpose);
   EXPECT_FALSE(llamacpp.map("cache_v_l3", 1, 1, Arch::qwen2, {{"flash_attn", "on"}})->rule->transpose);
   EXPECT_EQ(mapped(NameMap::load("hf"), "model.layers.11.self_attn.q_proj", 1, Arch::qwen2), "Qcur-11");
