@@ -299,3 +299,34 @@ def test_reader_takes_2d_per_head_and_permuted_layouts(tmp_path):
         assert d.info("Qcur-0").layout == "T,H,Dh" and d.info("Qcur-0").stored_layout == "H,T,Dh"
         assert d.get("Krope-0").shape == (2, 1, 2) and d.info("Krope-0").shape == (2, 1, 2)
         np.testing.assert_array_equal(d.get("kq_soft_max-0"), np.arange(8, dtype=np.float32).reshape(2, 2, 2))
+
+
+def test_native_dtypes_and_layouts_compare_clean_in_cpp(reference, tmp_path):
+    """float64, float16/bf16 bits of exactly representable values, [T, H*Dh] and permuted layouts, as diffrun reads them."""
+    out = tmp_path / "mixed.h5"
+    with diffrun.open(reference) as ref, writer.open(out, backend="python", precision="f32", like=ref,
+                                                      keep_dtype=True) as w:
+        for step in ref.steps():
+            w.step(step)
+            for i, name in enumerate(ref.names(step)):
+                a = ref.get(name, step)
+                if name == "tokens":
+                    w.put(name, a)
+                elif name.startswith("Kcur"):
+                    w.put(name, a.transpose(1, 0, 2).copy(), layout="Hkv,T,Dh")
+                elif a.ndim == 3 and name[0] in "QV":
+                    w.put(name, a.reshape(a.shape[0], -1))
+                else:
+                    w.put(name, a.astype(np.float64))
+    rc, report = compare(out, reference, tmp_path)
+    assert rc == 0, report["first_divergence"]
+    assert all(c["metrics"]["max_abs"] == 0 for c in report["checkpoints"] if c.get("metrics")), \
+        "every value must come back exactly"
+    exact = np.array([1.0, -2.5, 0.15625, 3.0], np.float32)  # exact in f16 and bf16
+    for dtype, data in (("f16", exact.astype(np.float16)), ("bf16", writer.f32_to_bf16(exact))):
+        path = tmp_path / f"{dtype}.h5"
+        with writer.open(path, backend="python", precision="f32", meta=meta_numbers(), keep_dtype=True) as w:
+            w.put("tokens", np.array([1], np.int32))
+            w.put("embd", np.tile(data, (1, 1)))
+        r = subprocess.run([BIN, "show", str(path), "embd"], capture_output=True, text=True)
+        assert r.returncode == 0 and "-2.5" in r.stdout and "0.15625" in r.stdout, r.stdout + r.stderr
