@@ -4,6 +4,9 @@ if(TARGET diffrun_llamacpp)
 else()
   set(_diffrun_llamacpp_bin "")
 endif()
-add_test(NAME llamacpp_smollm2_f32 COMMAND adapters/llamacpp/e2e_test.sh WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
-set_tests_properties(llamacpp_smollm2_f32 PROPERTIES LABELS llamacpp SKIP_RETURN_CODE 77 TIMEOUT 600
-                     ENVIRONMENT "${DIFFRUN_TEST_ENV};DIFFRUN_LLAMACPP_BIN=${_diffrun_llamacpp_bin}")
+foreach(mode f32 q41)
+  add_test(NAME llamacpp_smollm2_${mode} COMMAND adapters/llamacpp/e2e_test.sh ${mode}
+           WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+  set_tests_properties(llamacpp_smollm2_${mode} PROPERTIES LABELS llamacpp SKIP_RETURN_CODE 77 TIMEOUT 600
+                       ENVIRONMENT "${DIFFRUN_TEST_ENV};DIFFRUN_LLAMACPP_BIN=${_diffrun_llamacpp_bin}")
+endforeach()
