@@ -41,6 +41,7 @@ int run_dump(const DumpOptions& o) {
   fmt::print(stderr, "diffrun dump: loading {}\n", o.model);
   const auto file = GgufFile::open(o.model);
   const ModelConfig cfg = config_from_gguf(*file);
+  check_run_options(*file, cfg, o.backend, filter);
   const auto tok = load_tokenizer(*file);
   const std::vector<int32_t> ids = prompt_tokens(*file, *tok, o.prompt);
   const int64_t needed = static_cast<int64_t>(ids.size()) + o.steps;

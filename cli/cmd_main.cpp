@@ -77,6 +77,9 @@ int run_main(const MainOptions& o) {
   const auto file = GgufFile::open(o.model);
   const ModelConfig cfg = config_from_gguf(*file);
   validate_tensors(*file, cfg);
+  // Every option is checked before the reference runs (it may take minutes).
+  check_run_options(*file, cfg, eng, filter, true);
+  check_run_options(*file, cfg, ref, filter, true);
   const auto tok = load_tokenizer(*file);
   const std::vector<int32_t> ids = prompt_tokens(*file, *tok, o.prompt);
   const int64_t needed = static_cast<int64_t>(ids.size()) + o.steps;

@@ -8,6 +8,7 @@
 #include <fmt/core.h>
 
 #include "checkpoints/faults.hpp"
+#include "checkpoints/vocabulary.hpp"
 #include "model/chat_template.hpp"
 #include "model/error.hpp"
 #include "reference_cpu/reference.hpp"
@@ -110,6 +111,39 @@ std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& c
 #endif
   }
   throw InputError("unknown backend '" + opt.backend + "' (expected cpu or cuda)");
+}
+
+void check_run_options(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
+                       const CheckpointFilter& filter, bool to_compare) {
+  parse_faults(opt.inject).check_applicable(cfg, &file);
+  if (opt.backend == "cuda") {
+#ifdef DIFFRUN_HAVE_CUDA
+    std::string why;
+    if (!cuda_device_available(&why)) throw Error("no usable CUDA device: " + why);
+#else
+    throw Error("diffrun was built without the CUDA engine");
+#endif
+  } else if (opt.backend != "cpu") {
+    throw InputError("unknown backend '" + opt.backend + "' (expected cpu or cuda)");
+  }
+  if (filter.all()) return;
+  const std::vector<std::string> names = checkpoint_names(cfg);
+  const std::string& spec = filter.spec();
+  for (size_t start = 0; start <= spec.size();) {
+    const size_t comma = std::min(spec.find(',', start), spec.size());
+    const CheckpointFilter one(spec.substr(start, comma - start));
+    start = comma + 1;
+    if (std::none_of(names.begin(), names.end(), [&](const std::string& n) { return one.matches(n); })) {
+      throw InputError(fmt::format("--checkpoints: pattern '{}' matches no checkpoint of this model (names such as "
+                                   "{}, {}, {}; diffrun vocab lists them)",
+                                   one.spec(), names[std::min<size_t>(1, names.size() - 1)],
+                                   names[std::min<size_t>(2, names.size() - 1)], names.back()));
+    }
+  }
+  if (to_compare && std::none_of(names.begin(), names.end(),
+                                 [&](const std::string& n) { return n != "tokens" && filter.matches(n); })) {
+    throw InputError("--checkpoints '" + spec + "' keeps only the token ids: nothing to compare");
+  }
 }
 
 int32_t argmax(std::span<const float> logits) {

@@ -52,6 +52,13 @@ struct BackendOptions {
 std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
                                       int max_ctx);
 
+// Everything make_backend would refuse (unknown backend, no CUDA, an unknown fault or one that does
+// not apply to the model) and a --checkpoints pattern that matches no checkpoint of the model,
+// checked before any compute. Throws InputError (Error for a missing CUDA engine or device).
+// `to_compare`: the filter must also keep a checkpoint other than the token ids.
+void check_run_options(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
+                       const CheckpointFilter& filter, bool to_compare = false);
+
 struct StepsResult {
   std::vector<int32_t> tokens;  // prompt then the fed tokens
   std::vector<int32_t> argmax;  // the backend's own argmax after each step [steps+1]

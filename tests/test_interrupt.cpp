@@ -214,3 +214,42 @@ TEST_F(Interrupt, FullDiskExitsTwoAndLeavesNothing) {
   for (size_t at = 0; (at = out.find("left:\n", at)) != std::string::npos; ++at) ++empty;
   EXPECT_EQ(empty, 3u) << out;
 }
+
+// Options that cannot work are refused before the reference runs: exit 2, nothing written.
+TEST_F(Interrupt, BadOptionsAreRefusedBeforeAnyCompute) {
+  ScratchDir dir("interrupt-options");
+  const fs::path err = fs::path(dir.path) / "err.txt";
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--inject", "rope_theta_1000"}, "--inject: unknown fault 'rope_theta_1000'"},
+      {{"--inject", "rope_theta_10000"}, "the model's rope_theta is already 10000"},
+      {{"--checkpoints", "Qcurr-*"}, "--checkpoints: pattern 'Qcurr-*' matches no checkpoint of this model"},
+      {{"--checkpoints", "l_out-*,Qnorm-*"}, "pattern 'Qnorm-*' matches no checkpoint"},  // llama: no q/k norm
+      {{"--checkpoints", "tokens"}, "keeps only the token ids: nothing to compare"},
+  };
+  int i = 0;
+  for (const auto& [extra, message] : cases) {
+    const fs::path out = fs::path(dir.path) / ("run" + std::to_string(i++));
+    std::vector<std::string> args = job(out, 250);
+    args.insert(args.end(), extra.begin(), extra.end());
+    EXPECT_EQ(run(args, err), 2) << message;
+    EXPECT_NE(slurp(err).find(message), std::string::npos) << slurp(err);
+    EXPECT_FALSE(fs::exists(out / "reference.h5")) << message;
+  }
+  // --engine cuda without the CUDA engine or a device: refused before the reference runs.
+  const fs::path out = fs::path(dir.path) / "cuda";
+  std::vector<std::string> args = job(out, 2);
+  args[args.size() - 4] = "cuda";  // "--engine", "cpu" -> "cuda"
+  const int rc = run(args, err);
+  if (rc == 2) {
+    EXPECT_NE(slurp(err).find("CUDA"), std::string::npos) << slurp(err);
+    EXPECT_FALSE(fs::exists(out / "reference.h5"));
+  }
+  // The same checks in `diffrun dump`.
+  const fs::path dump = fs::path(dir.path) / "d.h5";
+  EXPECT_EQ(run({"dump", "--model", model_, "--tokens", "1,2", "--backend", "cpu", "--checkpoints", "Qcurr-*", "--out",
+                 dump.string()},
+                err),
+            2);
+  EXPECT_NE(slurp(err).find("pattern 'Qcurr-*' matches no checkpoint"), std::string::npos) << slurp(err);
+  EXPECT_FALSE(fs::exists(dump));
+}
