@@ -400,6 +400,27 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
   auto problem = [&](const std::string& where, const std::string& what) { result.problems.push_back({where, what}); };
   const std::optional<ModelConfig>& cfg = root.config;
 
+  // Backend facts: the root string attributes the format does not define.
+  std::map<std::string, std::string> facts;
+  H5Aiterate2(
+      file.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr,
+      [](hid_t, const char* name, const H5A_info_t*, void* out) -> herr_t {
+        if (!find_root_attribute(name)) (*static_cast<std::map<std::string, std::string>*>(out))[name];
+        return 0;
+      },
+      &facts);
+  for (auto it = facts.begin(); it != facts.end();) {
+    const AttrShape s = inspect_attr(file.get(), it->first.c_str());
+    std::optional<std::string> v = s.cls == H5T_STRING && s.n == 1 ? read_string(file.get(), it->first.c_str())
+                                                                  : std::nullopt;
+    if (v) {
+      it->second = *v;
+      ++it;
+    } else {
+      it = facts.erase(it);
+    }
+  }
+
   // Step groups.
   std::map<int, std::string> steps;
   for (const auto& name : list_links(file.get())) {
@@ -511,13 +532,13 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
         problem(where, "cannot be opened" + h5::detail());
         continue;
       }
+      if (opt.mapped && opt.mapped(ForeignName{name, names, cfg, facts})) continue;
       const ParsedCheckpointName parsed = parse_checkpoint_name(name);
       const CheckpointKind* kind = find_checkpoint_kind(parsed.base);
       if (!kind) {
-        if (opt.foreign_name && opt.foreign_name(name)) continue;
-        problem(where, opt.foreign_name ? "not a checkpoint name of the vocabulary nor of the name map"
-                                        : "not a checkpoint name of the vocabulary (diffrun vocab lists them; "
-                                          "foreign names need --names)");
+        problem(where, opt.mapped ? "not a checkpoint name of the vocabulary nor of the name map"
+                                  : "not a checkpoint name of the vocabulary (diffrun vocab lists them; "
+                                    "foreign names need --names)");
         continue;
       }
 

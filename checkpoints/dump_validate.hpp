@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
@@ -42,10 +43,20 @@ std::string check_checkpoint(const ModelConfig& cfg, std::string_view name, int 
                              std::string_view layout, int64_t n_tokens, int64_t n_kv,
                              std::vector<int64_t>* canonical = nullptr);
 
+// What a name map sees of one dataset: its name, the names of its step (to count repeats "#k"),
+// the dump's config (absent when incomplete) and its backend facts.
+struct ForeignName {
+  std::string_view name;
+  const std::vector<std::string>& step_names;
+  const std::optional<ModelConfig>& config;
+  const std::map<std::string, std::string>& facts;
+};
+
 struct ValidateOptions {
-  // Accepts a name outside the vocabulary (a `--names` map's foreign name); unset: every unknown
-  // name is a problem.
-  std::function<bool(std::string_view)> foreign_name;
+  // A name map (`--names`): true when it renames or drops the dataset, which is then left to the
+  // map (the reader reshapes it) instead of being checked against the vocabulary. Unset: every
+  // name outside the vocabulary is a problem.
+  std::function<bool(const ForeignName&)> mapped;
 };
 
 struct ValidateResult {

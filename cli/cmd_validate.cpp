@@ -1,12 +1,16 @@
 // `diffrun validate DUMP` lists every way a dump departs from docs/dump-format.md; `--skeleton MODEL.gguf` prints what a valid one holds.
+#include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
+#include "checkpoints/dump.hpp"
 #include "checkpoints/dump_format.hpp"
 #include "checkpoints/dump_validate.hpp"
+#include "checkpoints/name_map.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "cli/command.hpp"
 #include "model/config.hpp"
@@ -16,14 +20,52 @@
 namespace diffrun::cli {
 namespace {
 
-struct ValidateOptions {
+struct ValidateCommand {
   std::string dump;
   std::string skeleton;  // a GGUF model
+  std::string names;     // a name map for foreign names
   bool json = false;
 };
 
-int run_validate(const ValidateOptions& o) {
-  const ValidateResult r = validate_dump(o.dump);
+int run_validate(const ValidateCommand& o) {
+  ValidateOptions vopt;
+  std::optional<NameMap> map;
+  if (!o.names.empty()) {
+    map = NameMap::load(o.names);
+    vopt.mapped = [&map](const ForeignName& f) {
+      if (!f.config) return false;
+      const auto [base, k] = split_occurrence(f.name);
+      int repeats = 0;
+      for (const auto& n : f.step_names) {
+        const auto [b, kk] = split_occurrence(n);
+        if (b == base) repeats = std::max(repeats, kk);
+      }
+      return map->map(base, k, repeats, f.config->arch, f.facts).has_value();
+    };
+  }
+  ValidateResult r = validate_dump(o.dump, vopt);
+  if (map && r.problems.empty()) {
+    // The mapped datasets, as compare sees them: the reader applies the map's renames and
+    // reshapes, then each is checked against the vocabulary like a dataset stored under its name.
+    try {
+      const DumpReader reader(o.dump, &*map);
+      const ModelConfig& cfg = reader.meta().config;
+      int64_t n_kv = 0;
+      for (int step : reader.steps()) {
+        const int64_t n_tokens = static_cast<int64_t>(reader.read_ids(step, "tokens").size());
+        n_kv += n_tokens;
+        for (const DatasetInfo& d : reader.datasets(step)) {
+          if (d.is_int) continue;
+          const std::string p =
+              check_checkpoint(cfg, d.name, parse_checkpoint_name(d.name).layer, d.shape, "", n_tokens, n_kv);
+          if (!p.empty())
+            r.problems.push_back({dump_step_group_name(step) + "/" + d.source + " (mapped to " + d.name + ")", p});
+        }
+      }
+    } catch (const Error& e) {
+      r.problems.push_back({"name map " + map->source(), e.what()});
+    }
+  }
   if (o.json) {
     nlohmann::ordered_json problems = nlohmann::ordered_json::array();
     for (const auto& p : r.problems) problems.push_back({{"where", p.where}, {"what", p.what}});
@@ -92,7 +134,7 @@ const char* hdf5_type_name(AttrType t) {
   return "?";
 }
 
-int run_skeleton(const ValidateOptions& o) {
+int run_skeleton(const ValidateCommand& o) {
   const auto file = GgufFile::open(o.skeleton);
   const ModelConfig cfg = config_from_gguf(*file);
   nlohmann::ordered_json attrs = nlohmann::ordered_json::array();
@@ -152,10 +194,13 @@ int run_skeleton(const ValidateOptions& o) {
 
 const CommandRegistrar reg("validate", "Check a dump against the format (every problem at once), or print a model's skeleton",
                            [](CLI::App& app) {
-                             auto o = std::make_shared<ValidateOptions>();
+                             auto o = std::make_shared<ValidateCommand>();
                              app.add_option("dump", o->dump, "Dump file (HDF5) to check");
                              app.add_option("--skeleton", o->skeleton,
                                             "Print the root attributes and datasets a dump of this GGUF model holds");
+                             app.add_option("--names", o->names,
+                                            "Name map for foreign names: llamacpp, hf or a JSON file "
+                                            "(fixtures/names/README.md)");
                              app.add_flag("--json", o->json, "As JSON");
                              return [o] {
                                if (o->dump.empty() == o->skeleton.empty())

@@ -261,3 +261,37 @@ def test_cuda_dump_is_valid(tmp_path: Path):
     assert r.returncode == 0, r.stderr
     rc, lines = validate(out)
     assert rc == 0, lines
+
+
+def test_foreign_names_are_problems_without_a_name_map(ref_dump: Path, tmp_path: Path):
+    """llama.cpp's and Hugging Face's names (as tests/test_foreign_dumps.py writes them) pass with --names only."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_foreign_dumps import hf_fn, llamacpp_fn, rewrite
+
+    lcpp = rewrite(ref_dump, tmp_path / "llamacpp.h5", llamacpp_fn("llama"))
+    rc, lines = validate(lcpp)
+    assert rc == 1 and any("step_0000/Qcur-0#3: not a checkpoint name of the vocabulary" in l for l in lines), lines
+    r = run("validate", str(lcpp), "--names", "llamacpp")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run("validate", str(lcpp), "--names", "hf")  # the wrong map leaves llama.cpp's names unknown
+    assert r.returncode == 1 and "nor of the name map" in r.stdout, r.stdout
+
+    hf = rewrite(ref_dump, tmp_path / "hf.h5", hf_fn)
+    rc, lines = validate(hf)
+    assert rc == 1 and any("model.layers.0.self_attn.q_proj: not a checkpoint name" in l for l in lines), lines
+    r = run("validate", str(hf), "--names", "hf")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    # a map that renames into the wrong shape: the mapped dataset is checked as compare reads it
+    with h5py.File(hf, "r+") as f:
+        for g in f.values():
+            for n in list(g):
+                if n not in ("tokens", "model.layers.0.mlp.up_proj"):
+                    del g[n]
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps({"rules": [{"match": "model.layers.{L}.mlp.up_proj", "to": "attn_norm-{L}"}]}))
+    r = run("validate", str(hf), "--names", str(own))
+    assert r.returncode == 1, r.stdout
+    assert "step_0001/model.layers.0.mlp.up_proj (mapped to attn_norm-0): shape [1, 1, 512] does not fit layout " \
+           "'T,D' = [1, 256]" in r.stdout, r.stdout
