@@ -153,7 +153,7 @@ TokenizerVocab read_tokenizer_vocab(const GgufFile& file) {
   } else {
     v.merges = file.get_string_array("tokenizer.ggml.merges");
     std::string warning;
-    v.pre = parse_pre_tokenizer(file.get_string("tokenizer.ggml.pre", "default"), warning);
+    v.pre = parse_pre_tokenizer(file.get_string("tokenizer.ggml.pre", ""), warning);
     if (!warning.empty()) v.warnings.push_back(warning);
     v.ignore_merges = v.pre == PreTokenizer::llama3;
   }

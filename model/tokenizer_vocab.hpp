@@ -24,7 +24,13 @@ enum class PreTokenizer {
   llama3,  // llama3, llama-bpe, llama-v3: case-insensitive contractions, letters with one leading
            // non-letter, \p{N}{1,3}, punctuation with trailing newlines, newline runs
   qwen2,   // qwen2: as llama3 with single digits (\p{N})
-  smollm,  // smollm, starcoder: every \p{N} split off alone, then the gpt2 pattern
+  smollm,  // smollm, starcoder, refact, command-r: every \p{N} split off alone, then the gpt2 pattern
+  qwen35,  // qwen35: as qwen2 with marks (\p{M}) joined to letters
+  falcon,  // falcon: runs of punctuation split off, the gpt2 pattern, then 3-digit groups
+  deepseek_llm,    // deepseek-llm: newlines, cased-letter and ASCII/CJK-punctuation runs, CJK runs, \p{N}+
+  deepseek_coder,  // deepseek-coder: newlines, \s?\p{L}+, \s?\p{P}+, CJK runs, single \p{N}
+  fallback,        // llama.cpp's default (the key missing or "default"): punctuation runs, gpt2,
+                   // \p{N}+, 3-digit groups
 };
 
 const char* pre_tokenizer_name(PreTokenizer p);

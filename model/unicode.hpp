@@ -1,4 +1,4 @@
-// Code point classes for the pre-tokenizers (letter, number, whitespace) and a lenient UTF-8 decoder.
+// Code point classes for the pre-tokenizers (letter, number, whitespace, punctuation, mark) and a lenient UTF-8 decoder.
 #pragma once
 
 #include <cstddef>
@@ -13,6 +13,8 @@ enum UnicodeClass : uint8_t {
   unicode_letter = 1,      // \p{L}
   unicode_number = 2,      // \p{N}
   unicode_whitespace = 4,  // \s (White_Space)
+  unicode_punctuation = 8, // \p{P}, a kind of other ([^\s\p{L}\p{N}])
+  unicode_mark = 16,       // \p{M}, a kind of other
 };
 
 struct UnicodeRange {

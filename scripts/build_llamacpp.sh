@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Fetches llama.cpp (pinned in vendor/llama.cpp/SOURCE), builds libllama CPU-only into build/llama.cpp and installs it under build/llama.cpp/install.
 #
-#   scripts/build_llamacpp.sh     idempotent: each step is skipped when its result is in place
+#   scripts/build_llamacpp.sh            idempotent: each step is skipped when its result is in place
+#   scripts/build_llamacpp.sh --source   only the download and unpacking (for the tokenizer suite test,
+#                                        test_tokenizer_llamacpp, which reads models/ggml-vocab-*)
 #
 # Steps: pip download of the pinned llama-cpp-python sdist (sha256-checked) into build/llama.cpp-dl,
 # its vendor/llama.cpp unpacked into build/llama.cpp-src, CMake (Release, -DGGML_CUDA=OFF, -DLLAMA_CURL=OFF,
@@ -12,6 +14,12 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 say() { echo "build_llamacpp: $*"; }
+source_only=0
+case ${1:-} in
+  --source) source_only=1 ;;
+  "") ;;
+  *) echo "usage: scripts/build_llamacpp.sh [--source]" >&2; exit 2 ;;
+esac
 pin() { sed -n "s/^$1=//p" vendor/llama.cpp/SOURCE; }
 
 package=$(pin package); version=$(pin version); file=$(pin file); sha256=$(pin sha256)
@@ -41,6 +49,7 @@ if [[ ! -f $src/.unpacked || $(cat "$src/.unpacked") != "$sha256" ]]; then
   tar -xzf "$dl/$file" -C "$src" --strip-components=3 "${file%.tar.gz}/vendor/llama.cpp"
   echo "$sha256" > "$src/.unpacked"
 fi
+((source_only)) && { say "source in $src"; exit 0; }
 
 # Configured on every run (a quick no-op when nothing changed), so a changed option here takes effect.
 say "configuring $bin (CPU only)"

@@ -8,6 +8,8 @@ Classes, as the pre-tokenizer patterns of Hugging Face tokenizers (Oniguruma) an
   number      \\p{N}: Nd Nl No
   whitespace  \\s: the Unicode White_Space property. Python's str.isspace() also accepts U+001C..U+001F,
               which are not White_Space, so the list is spelled out below from PropList.txt.
+  punctuation \\p{P}: Pc Pd Ps Pe Pi Pf Po (a kind of "other": not a letter, number or whitespace)
+  mark        \\p{M}: Mn Mc Me (a kind of "other" too)
 Everything else is "other". The categories come from this Python's unicodedata (its Unicode version is
 written into the table); the output is deterministic, so rerunning it with the same Python is a no-op.
 """
@@ -20,7 +22,7 @@ import unicodedata
 WHITE_SPACE = [(0x0009, 0x000D), (0x0020, 0x0020), (0x0085, 0x0085), (0x00A0, 0x00A0), (0x1680, 0x1680),
                (0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000)]
 
-LETTER, NUMBER, WHITESPACE = 1, 2, 4
+LETTER, NUMBER, WHITESPACE, PUNCTUATION, MARK = 1, 2, 4, 8, 16
 
 
 def cls(cp: int, white: set[int]) -> int:
@@ -31,12 +33,16 @@ def cls(cp: int, white: set[int]) -> int:
         return LETTER
     if cat[0] == "N":
         return NUMBER
+    if cat[0] == "P":
+        return PUNCTUATION
+    if cat[0] == "M":
+        return MARK
     return 0
 
 
 def main() -> int:
     white = {cp for lo, hi in WHITE_SPACE for cp in range(lo, hi + 1)}
-    ranges: list[list[int]] = []  # [first, last, class] for runs of non-"other" code points
+    ranges: list[list[int]] = []  # [first, last, class] for runs of classified code points
     for cp in range(0x110000):
         c = cls(cp, white)
         if c == 0:
@@ -57,7 +63,7 @@ def main() -> int:
     for i in range(0, 256, 32):
         out.write("    " + ",".join(str(v) for v in latin1[i:i + 32]) + ",\n")
     out.write("};\n\n")
-    out.write(f"// {len(ranges)} sorted, disjoint runs of letters (1), numbers (2) and whitespace (4).\n")
+    out.write(f"// {len(ranges)} sorted, disjoint runs of letters (1), numbers (2), whitespace (4), punctuation (8) and marks (16).\n")
     out.write(f"const UnicodeRange unicode_ranges[{len(ranges)}] = {{\n")
     for first, last, c in ranges:
         out.write(f"    {{0x{first:X}, 0x{last:X}, {c}}},\n")

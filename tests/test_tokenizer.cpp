@@ -97,8 +97,14 @@ TEST(PreTokenize, NamesAndUnknownWarning) {
   std::string warning;
   EXPECT_EQ(parse_pre_tokenizer("llama-bpe", warning), PreTokenizer::llama3);
   EXPECT_EQ(parse_pre_tokenizer("smollm", warning), PreTokenizer::smollm);
-  EXPECT_EQ(parse_pre_tokenizer("default", warning), PreTokenizer::gpt2);
+  EXPECT_EQ(parse_pre_tokenizer("default", warning), PreTokenizer::fallback);
   EXPECT_TRUE(warning.empty());
+  EXPECT_EQ(parse_pre_tokenizer("gpt-2", warning), PreTokenizer::gpt2);
+  EXPECT_TRUE(warning.empty());
+  EXPECT_EQ(parse_pre_tokenizer("command-r", warning), PreTokenizer::smollm);
+  EXPECT_TRUE(warning.empty());
+  EXPECT_EQ(parse_pre_tokenizer("", warning), PreTokenizer::fallback);  // key missing: llama.cpp's default
+  EXPECT_NE(warning.find("missing"), std::string::npos);
   EXPECT_EQ(parse_pre_tokenizer("brand-new-pre", warning), PreTokenizer::gpt2);
   EXPECT_NE(warning.find("brand-new-pre"), std::string::npos);
 }

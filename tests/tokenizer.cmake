@@ -12,3 +12,6 @@ set_tests_properties(cli_tokenize PROPERTIES ENVIRONMENT "${DIFFRUN_TEST_ENV}" L
 add_test(NAME cli_tokenize_chat COMMAND diffrun tokenize --prompt "Hi" --chat --system "Be brief.")
 set_tests_properties(cli_tokenize_chat PROPERTIES ENVIRONMENT "${DIFFRUN_TEST_ENV}" LABELS cpu FIXTURES_REQUIRED smollm2
   PASS_REGULAR_EXPRESSION "^      1  '<\\|im_start\\|>'\n   9690  'system'\n    198  '\\\\n'\n.*      2  '<\\|im_end\\|>'\n    198  '\\\\n'\n      1  '<\\|im_start\\|>'\n    520  'ass'\n   9531  'istant'\n    198  '\\\\n'\n[0-9]+ tokens\n$")
+# llama.cpp's tokenizer suite (models/ggml-vocab-*.gguf with .inp/.out) from the sdist scripts/build_llamacpp.sh --source unpacks.
+diffrun_test(test_tokenizer_llamacpp SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_tokenizer_llamacpp.cpp
+             LIBS diffrun_model TIMEOUT 300)
