@@ -25,11 +25,11 @@ const std::vector<FaultInfo> kCatalog = {
     {Fault::rope_pairing_swapped, "rope_pairing_swapped",
      "RoPE pairs (2i, 2i+1) where the model pairs (i, i+Dh/2), and the reverse", "Qrope-0", 0, "all",
      "needs T >= 2: position 0 is a rotation by 0, so the prompt's first token is unchanged",
-     "Qrope,Krope"},
+     "Qrope,Krope,cache_k"},
     {Fault::rope_theta_10000, "rope_theta_10000", "RoPE base 10000 instead of the model's rope_theta", "Qrope-0", 0,
      "models whose rope_theta is not 10000 (not the tiny llama)",
      "needs T >= 2 (position 0 rotates by 0 at any base)",
-     "Qrope,Krope"},
+     "Qrope,Krope,cache_k"},
     {Fault::gqa_head_modulo, "gqa_head_modulo", "query head h reads KV head h % Hkv instead of h / (H / Hkv)",
      "kq_soft_max-0", 0, "models with H > Hkv > 1",
      "the scores already read the wrong K head, before kqv_out-0 reads the wrong V head; needs T >= 2 "

@@ -56,7 +56,8 @@ struct FaultInfo {
   const char* applies;     // to which models, in words ("all", "qwen2 (q/k/v biases)", ...)
   const char* shows;       // how the diff shows it (and what it needs, e.g. T >= 2)
   const char* ops;         // the checkpoint kinds its flawed op computes, comma-separated: where isolation
-                           // replay shows a local error (the expected checkpoint's kind among them)
+                           // replay may show a local error (the expected checkpoint's kind among them); a
+                           // fused op counts whole (the engine's rope_qk writes cache_k from its own RoPE)
 };
 
 // Every fault, in enum order.

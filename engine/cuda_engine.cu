@@ -363,14 +363,15 @@ class CudaEngineImpl final : public CudaEngine {
     else
       matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_);
     cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});
-    if (faults_.has(Fault::residual_skipped)) {  // ffn_inp = attn_out: the residual add skipped
+    if (faults_.has(Fault::residual_skipped)) {  // ffn_inp = attn_out: the residual add skipped, then a plain norm
       CUDA_CHECK(cudaMemcpyAsync(a.ffn_inp.get(), a.attn_out.get(), size_t(n) * D * sizeof(float),
                                  cudaMemcpyDeviceToDevice, stream_));
+      cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D});
       norm(a.xn.get(), a.ffn_inp.get(), norm_w(w.ffn_norm), n, D);
     } else {
       add_norm(a.ffn_inp.get(), a.xn.get(), a.x.get(), a.attn_out.get(), norm_w(w.ffn_norm), n, D);
+      cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D});
     }
-    cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D});
     cp(sink, step, "ffn_norm", l, a.xn.get(), {n, D});
 
     matmul_cat({{a.gate.get(), nullptr, F}, {a.up.get(), nullptr, F}}, a.xn.get(), w.w_gate, n, D, cublas_, stream_);
