@@ -25,7 +25,8 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt = {}
 nlohmann::ordered_json report_json(const Comparison& c);
 std::string render_json(const Comparison& c);
 
-// One <testsuite> per step, one <testcase> per checkpoint.
+// One <testsuite> per step, one <testcase> per checkpoint: the first divergence (and an independent
+// first NaN/Inf) fail; the checkpoints failing downstream of it are skipped as its consequences.
 std::string render_junit(const Comparison& c);
 
 // ▁▂▃▄▅▆▇█ over log10 of the values between lo (▁) and hi (█), both > 0; by default the

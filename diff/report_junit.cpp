@@ -1,4 +1,4 @@
-// The JUnit XML report: one <testsuite> per step, one <testcase> per checkpoint, failures with the metrics.
+// The JUnit XML report: one <testsuite> per step, one <testcase> per checkpoint; the first divergence fails, its consequences are skipped.
 #include <cmath>
 #include <map>
 
@@ -39,6 +39,10 @@ std::string num(double x) {
 }
 
 std::string step_name(int step) { return fmt::format("step_{:04d}", step); }
+
+std::string where(const CheckpointResult& r) {
+  return r.layer >= 0 ? fmt::format("step {}, layer {}", r.step, r.layer) : fmt::format("step {}", r.step);
+}
 
 std::string failure_message(const CheckpointResult& r) {
   if (r.status == CheckpointStatus::shape_mismatch) {
@@ -89,15 +93,28 @@ std::string pattern_text(const std::optional<ErrorPattern>& p) {
 
 }  // namespace
 
+// A failing checkpoint is its own failure when it is the first divergence, or the first NaN/Inf
+// whose verdict is local (non-finite values appear there from finite inputs). Every other failure
+// comes after the first divergence in execution order and is reported as its consequence (a
+// skipped test case), so a CI page shows one red line per independent problem.
 std::string render_junit(const Comparison& c) {
+  const CheckpointResult* first = c.first_failure ? &c.results[*c.first_failure] : nullptr;
+  const CheckpointResult* first_nf = c.first_nonfinite ? &c.results[*c.first_nonfinite] : nullptr;
+  const bool nf_independent = first_nf && first_nf != first && c.nonfinite_verdict.kind == VerdictKind::local;
+  const auto own_failure = [&](const CheckpointResult* r) { return r == first || (nf_independent && r == first_nf); };
+  const std::string consequence =
+      first ? xml_escape(fmt::format("consequence of {} (step {})", first->name, first->step)) : std::string();
+
   std::map<int, std::vector<const CheckpointResult*>> by_step;
   for (const auto& r : c.results) by_step[r.step].push_back(&r);
-  int total = 0, failures = 0, skipped = 0;
+  int total = 0, failures = 0, skipped = 0, downstream = 0;
   for (const auto& r : c.results) {
     ++total;
-    if (r.failed()) ++failures;
+    if (own_failure(&r)) ++failures;
+    else if (r.failed()) ++downstream;
     if (!r.failed() && !r.compared()) ++skipped;
   }
+  skipped += downstream;
   // Coverage is a property; with a requirement (--require-coverage) also one more test case, in a
   // suite of its own, failed when below it.
   const Coverage& cov = c.coverage;
@@ -123,8 +140,8 @@ std::string render_junit(const Comparison& c) {
   for (const auto& [step, results] : by_step) {
     int f = 0, s = 0;
     for (const auto* r : results) {
-      if (r->failed()) ++f;
-      if (!r->failed() && !r->compared()) ++s;
+      if (own_failure(r)) ++f;
+      else if (r->failed() || !r->compared()) ++s;
     }
     out += fmt::format("  <testsuite name=\"{}\" tests=\"{}\" failures=\"{}\" errors=\"0\" skipped=\"{}\">\n",
                        step_name(step), results.size(), f, s);
@@ -139,27 +156,41 @@ std::string render_junit(const Comparison& c) {
       prop("prompt", c.reference_meta.prompt);
       prop("tolerances", c.tolerance_preset.empty() ? c.tolerance_source : c.tolerance_preset);
       prop("coverage", cov_text);
-      if (c.first_nonfinite) {
-        const CheckpointResult& n = c.results[*c.first_nonfinite];
-        prop("first_nonfinite", fmt::format("{} at step {}", n.name, n.step));
-      }
-      if (c.first_failure) {
+      if (first_nf) prop("first_nonfinite", fmt::format("{} at step {}", first_nf->name, first_nf->step));
+      if (first) {
+        prop("first_divergence", fmt::format("{} at step {}", first->name, first->step));
         prop("verdict", fmt::format("{} (rule {}): {}", verdict_kind_name(c.verdict.kind), c.verdict.rule,
                                     c.verdict.explanation));
+        prop("downstream_failures", std::to_string(downstream));
       }
       out += "    </properties>\n";
     }
     for (const auto* r : results) {
       out += fmt::format("    <testcase classname=\"{}\" name=\"{}\" time=\"0\"", step_name(step), xml_escape(r->name));
-      if (r->failed()) {
-        const bool first = c.first_failure && &c.results[*c.first_failure] == r;
-        const bool first_nf = c.first_nonfinite && &c.results[*c.first_nonfinite] == r;
-        const std::string lead = std::string(first ? "first divergence: " : "") + (first_nf ? "first NaN/Inf: " : "");
-        out += fmt::format(">\n      <failure type=\"{}\" message=\"{}{}\">{}</failure>\n    </testcase>\n",
-                           checkpoint_status_name(r->status), lead,
-                           xml_escape(failure_message(*r)), xml_escape(failure_body(*r) + pattern_text(first ? c.pattern : first_nf ? c.nonfinite_pattern : std::nullopt), false));
+      if (own_failure(r)) {
+        const bool is_first = r == first;
+        const Verdict& v = is_first ? c.verdict : c.nonfinite_verdict;
+        std::string lead = fmt::format("{} {} ({}): ", is_first ? "first divergence" : "first NaN/Inf", r->name, where(*r));
+        if (is_first && r == first_nf) lead = fmt::format("first divergence and first NaN/Inf {} ({}): ", r->name, where(*r));
+        std::string message = lead + failure_message(*r);
+        if (r->metrics && r->metrics->worst.flat >= 0) {
+          message += fmt::format("; worst {} engine {:.6g} reference {:.6g}", format_coordinates(r->metrics->worst.coords),
+                                 r->metrics->worst.a, r->metrics->worst.b);
+        }
+        const std::optional<ErrorPattern>& p = is_first ? c.pattern : c.nonfinite_pattern;
+        if (p && !p->summary.empty()) message += "; pattern " + p->summary;
+        if (p && !p->hint.empty()) message += " -> " + p->hint;
+        std::string body = failure_body(*r) + pattern_text(p);
+        body += fmt::format("verdict {} (rule {}): {}\n", verdict_kind_name(v.kind), v.rule, v.explanation);
+        if (is_first && downstream > 0) {
+          body += fmt::format("{} checkpoints fail downstream of it (skipped here; all in the JSON report)\n", downstream);
+        }
+        out += fmt::format(">\n      <failure type=\"{}\" message=\"{}\">{}</failure>\n    </testcase>\n",
+                           checkpoint_status_name(r->status), xml_escape(message), xml_escape(body, false));
+      } else if (r->failed()) {
+        out += fmt::format("><skipped message=\"{}\"/></testcase>\n", consequence);
       } else if (!r->compared()) {
-        out += fmt::format(">\n      <skipped message=\"recorded by the {} only\"/>\n    </testcase>\n",
+        out += fmt::format("><skipped message=\"recorded by the {} only\"/></testcase>\n",
                            r->status == CheckpointStatus::only_engine ? "engine" : "reference");
       } else {
         out += "/>\n";

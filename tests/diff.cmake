@@ -21,3 +21,10 @@ add_test(NAME test_foreign_dumps
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_foreign_dumps PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
   ENVIRONMENT "${DIFFRUN_TEST_ENV}")
+
+# The reports of a default run on SmolLM2 with an injected fault: one JUnit failure (junitparser), ≤ 1 MB.
+add_test(NAME test_reports
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_reports.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_reports PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED smollm2 TIMEOUT 600
+  ENVIRONMENT "${DIFFRUN_TEST_ENV}")

@@ -227,7 +227,7 @@ TEST_F(Compare, SameNaNOnBothSidesIsLocatedAndFails) {
   EXPECT_EQ(cp["checks"][0]["metric"], "nonfinite");
 
   std::string xml = render_junit(c);
-  EXPECT_NE(xml.find("message=\"first divergence: first NaN/Inf: NaN/Inf: engine NaN 1 Inf 0, first nan at T=0, H=1, Dh=2"),
+  EXPECT_NE(xml.find("message=\"first divergence and first NaN/Inf Qcur-1 (step 0, layer 1): NaN/Inf: engine NaN 1 Inf 0, first nan at T=0, H=1, Dh=2"),
             std::string::npos) << xml;
   EXPECT_NE(xml.find("<property name=\"first_nonfinite\" value=\"Qcur-1 at step 0\"/>"), std::string::npos);
 }
@@ -275,8 +275,16 @@ TEST_F(Compare, FirstNaNIsReportedEvenAfterAnEarlierFailure) {
     EXPECT_TRUE(cp["metrics"]["rel_l2"].is_null()) << cp["name"];
     EXPECT_EQ(cp["status"], "fail") << cp["name"];
   }
-  EXPECT_NE(render_junit(c).find("message=\"first NaN/Inf: NaN/Inf: engine NaN 1 Inf 0, first nan at H=0, T=1, S=1"),
-            std::string::npos);
+  // JUnit: two failing cases (the first divergence, and the NaN that appears from finite inputs);
+  // everything else failing downstream is skipped as a consequence of the first divergence.
+  const std::string xml = render_junit(c);
+  EXPECT_NE(xml.find("message=\"first NaN/Inf kq_soft_max-2 (step 0, layer 2): NaN/Inf: engine NaN 1 Inf 0, first nan at "
+                     "H=0, T=1, S=1"),
+            std::string::npos) << xml;
+  EXPECT_NE(xml.find("message=\"first divergence kq_soft_max-0 (step 0, layer 0): "), std::string::npos) << xml;
+  EXPECT_NE(xml.find("failures=\"2\""), std::string::npos) << xml;
+  EXPECT_NE(xml.find("name=\"kq_soft_max-3\" time=\"0\"><skipped message=\"consequence of kq_soft_max-0 (step 0)\"/>"),
+            std::string::npos) << xml;
 }
 
 // An Inf in the reference only, in dumps that record a subset (a --checkpoints filter): located and
@@ -496,7 +504,7 @@ TEST_F(Compare, ReportsCarryTheFirstDivergence) {
 
   std::string xml = render_junit(c);
   EXPECT_NE(xml.find("<testcase classname=\"step_0000\" name=\"Vcur-1\""), std::string::npos);
-  EXPECT_NE(xml.find("<failure type=\"fail\" message=\"first divergence: rel_l2"), std::string::npos) << xml;
+  EXPECT_NE(xml.find("<failure type=\"fail\" message=\"first divergence " + first(c).name), std::string::npos) << xml;
   EXPECT_NE(xml.find("a &lt;synthetic&gt; &amp; &quot;quoted&quot; prompt"), std::string::npos);
   EXPECT_NE(xml.find(fmt::format("tests=\"{}\" failures=\"1\"", c.results.size())), std::string::npos);
 }
