@@ -1,4 +1,4 @@
-// `diffrun tokenize --model M --prompt P [--chat] [--system S] [--template T] [--no-parse-special]`: ids and pieces.
+// `diffrun tokenize --model M --prompt P [--chat] [--system S] [--template T] [--no-parse-special] [--no-bos]`: ids and pieces.
 //
 // One line per token: the id, then the text the token stands for in single quotes, with \n \t \r \\ \'
 // escaped, other control bytes and bytes that are not (yet) whole UTF-8 as \xNN, and invisible or

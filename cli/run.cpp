@@ -32,6 +32,7 @@ void PromptOptions::add_options(CLI::App& app) {
   app.add_option("--tokens", tokens, "Prompt as token ids instead of text, e.g. 1,2,3");
   app.add_flag("--no-parse-special", no_parse_special,
                "Tokenize special tokens (<|im_start|>...) as plain text");
+  app.add_flag("--no-bos", no_bos, "Do not prepend BOS to the prompt (by default it is, where the model asks for it)");
 }
 
 namespace {
@@ -79,7 +80,7 @@ void check_prompt_choice(const PromptOptions& opt) {
 std::vector<int32_t> prompt_tokens(const GgufFile& file, const Tokenizer& tok, const PromptOptions& opt) {
   check_prompt_choice(opt);
   if (!opt.tokens.empty()) return parse_ids(opt.tokens, tok.n_vocab());
-  std::vector<int32_t> ids = tok.encode(templated(file, opt), /*add_bos=*/true, !opt.no_parse_special);
+  std::vector<int32_t> ids = tok.encode(templated(file, opt), /*add_bos=*/!opt.no_bos, !opt.no_parse_special);
   if (ids.empty()) throw InputError("empty prompt: the text tokenizes to no tokens");
   return ids;
 }

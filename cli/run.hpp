@@ -26,7 +26,8 @@ struct PromptOptions {
   std::string tmpl;    // chat template name; empty: detected from the model
   std::string tokens;  // "1,2,3"
   bool no_parse_special = false;
-  void add_options(CLI::App& app);  // --prompt --chat --system --template --tokens --no-parse-special
+  bool no_bos = false;  // never prepend BOS, even where the model asks for it
+  void add_options(CLI::App& app);  // --prompt --chat --system --template --tokens --no-parse-special --no-bos
 };
 
 // The prompt's ids. Throws InputError: empty prompt, both or neither of --prompt/--tokens, ids

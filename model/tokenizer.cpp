@@ -10,8 +10,11 @@
 //   back whole; bytes that never form a valid sequence are returned as they are, not replaced.
 #include <algorithm>
 
+#include <fmt/format.h>
+
 #include "model/error.hpp"
 #include "model/tokenizer_impl.hpp"
+#include "model/unicode.hpp"
 
 namespace diffrun {
 
@@ -57,6 +60,17 @@ VocabTokenizer::VocabTokenizer(TokenizerVocab vocab) : v_(std::move(vocab)) {
 }
 
 std::vector<int32_t> VocabTokenizer::encode(std::string_view text, bool add_bos, bool parse_special) const {
+  // Bytes that are not valid UTF-8 become their byte tokens where the vocabulary has them, never the
+  // unknown token (SmolLM2's is <|endoftext|>).
+  for (size_t pos = 0; pos < text.size();) {
+    size_t len = 1;
+    const auto b = static_cast<uint8_t>(text[pos]);
+    if (b >= 0x80 && utf8_decode(text, pos, len) == unicode_invalid && !has_byte_token(b))
+      throw InputError(fmt::format("invalid UTF-8 at byte offset {} (0x{:02x}), and the vocabulary has no token "
+                                   "for that byte",
+                                   pos, b));
+    pos += len;
+  }
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 4);
   if (add_bos && v_.add_bos && v_.bos >= 0) out.push_back(v_.bos);

@@ -5,7 +5,8 @@
 // the vocabulary so that it still takes part in merging (llama.cpp matches merges by string); a
 // symbol left with a synthetic id at the end is emitted byte by byte. A byte whose character is not
 // in the vocabulary (SmolLM2 lacks a few control bytes) becomes the unknown token, or an InputError
-// when the model has none (Hugging Face would silently drop it).
+// when the model has none or its unknown token is a control token (SmolLM2's is <|endoftext|>;
+// Hugging Face would silently drop the byte).
 #include <algorithm>
 
 #include <fmt/format.h>
@@ -87,6 +88,8 @@ class BpeTokenizer final : public VocabTokenizer {
   }
 
  protected:
+  bool has_byte_token(uint8_t b) const override { return byte_id_[b] >= 0; }
+
   void encode_text(std::string_view text, std::vector<int32_t>& out) const override {
     std::vector<std::string_view> words;
     pre_tokenize(v_.pre, text, words);
@@ -131,8 +134,12 @@ class BpeTokenizer final : public VocabTokenizer {
   void emit_byte(uint8_t b, std::vector<int32_t>& out) const {
     if (byte_id_[b] >= 0) {
       out.push_back(byte_id_[b]);
-    } else if (v_.unk >= 0) {
+    } else if (v_.unk >= 0 && type(v_.unk) != TokenType::control) {
       out.push_back(v_.unk);
+    } else if (v_.unk >= 0) {
+      throw InputError(fmt::format("byte 0x{:02x} has no token in this vocabulary, and its unknown token '{}' is a "
+                                   "control token",
+                                   b, v_.tokens[static_cast<size_t>(v_.unk)]));
     } else {
       throw InputError(fmt::format("byte 0x{:02x} has no token in this vocabulary and the model has no unknown token", b));
     }

@@ -38,6 +38,9 @@ class VocabTokenizer : public Tokenizer {
   // that starts the input or follows a special token (where SentencePiece adds its dummy prefix).
   virtual void encode_text(std::string_view text, std::vector<int32_t>& out) const = 0;
 
+  // Whether byte b has a token of its own (a byte-level character, a <0xNN> piece), not the unknown one.
+  virtual bool has_byte_token(uint8_t b) const = 0;
+
   TokenType type(int32_t id) const { return v_.types[static_cast<size_t>(id)]; }
   int32_t find(std::string_view s) const {  // -1 when absent
     auto it = index_.find(s);

@@ -53,6 +53,8 @@ class SpmTokenizer final : public VocabTokenizer {
   }
 
  protected:
+  bool has_byte_token(uint8_t b) const override { return byte_id_[b] >= 0 && byte_id_[b] != v_.unk; }
+
   void encode_text(std::string_view text, std::vector<int32_t>& out) const override {
     std::string s;
     s.reserve(text.size() + text.size() / 2 + 3);

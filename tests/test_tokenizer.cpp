@@ -231,6 +231,16 @@ TEST(Spm, HighestScoreMergesFirstAndBytesFallBack) {
   EXPECT_EQ(tok->token_text(ids[1]), "\xC3");
 }
 
+template <class F>
+void expect_input_error(F f, const std::string& want) {
+  try {
+    f();
+    ADD_FAILURE() << "no InputError (expected one containing \"" << want << "\")";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+  }
+}
+
 TEST(SmolLM2, VocabularyFacts) {
   if (!std::filesystem::exists(test::smollm2_path())) GTEST_SKIP() << test::smollm2_path() << " is missing";
   auto file = GgufFile::open(test::smollm2_path());
@@ -244,8 +254,11 @@ TEST(SmolLM2, VocabularyFacts) {
   EXPECT_EQ(tok->encode("Hi", true, true), tok->encode("Hi", false, true));  // add_bos_token is false
   EXPECT_EQ(tok->piece(1), "<|im_start|>");
   EXPECT_EQ(tok->token_text(tok->encode(" the", false, false).at(0)), " the");
-  // Byte 0x04 has no byte-level token in SmolLM2: it becomes <|endoftext|>, the unknown token.
-  EXPECT_EQ(tok->encode("\x04", false, false), (std::vector<int32_t>{0}));
+  // Byte 0x04 has no byte-level token in SmolLM2, and its unknown token is <|endoftext|>, a control
+  // token: an error naming the byte, never a silent special token.
+  expect_input_error([&] { tok->encode("a\x04", false, false); }, "byte 0x04 has no token");
+  // So is 0xff, which is never valid UTF-8: the error names its offset.
+  expect_input_error([&] { tok->encode("ok \xff", false, false); }, "invalid UTF-8 at byte offset 3 (0xff)");
   // Invalid UTF-8 goes through byte-level BPE and comes back as the same bytes.
   const std::string bad = "ok \x80\xc3 fine \xe4\xb8";
   EXPECT_EQ(tok->decode(tok->encode(bad, false, false)), bad);
