@@ -1,4 +1,4 @@
-// `diffrun --prompt P`: run the reference, then the engine on the same tokens, compare, report, exit 0/1/2.
+// `diffrun --prompt P`: run the reference, then the engine on the same tokens (per precision pair), compare, report, exit 0/1/2.
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -30,8 +30,8 @@ struct MainOptions {
   PromptOptions prompt;
   int steps = 8;
   std::string engine = "auto";
-  std::string engine_precision;     // empty: f16 on cuda, f32 on cpu
-  std::string reference_precision;  // empty: f32 against cuda, f64 against the cpu engine
+  std::string engine_precision;     // empty: on cuda both pairs (f32 and f16), on cpu f32
+  std::string reference_precision;  // empty: default_reference_precision of the engine's
   std::string out = "diffrun-out";
   std::string checkpoints;
   std::string inject;    // faults injected into the engine side
@@ -40,38 +40,100 @@ struct MainOptions {
   ReportOptions report;
 };
 
-// The engine side: cuda when asked or (auto) when built with it and a device exists.
-BackendOptions engine_backend(const MainOptions& o, Progress& progress) {
-  BackendOptions b;
-  b.backend = o.engine;
-  if (o.engine == "auto") {
-    std::string why = "diffrun was built without the CUDA engine";
+// The engine backend: cuda when asked or (auto) when built with it and a device exists.
+std::string engine_backend_name(const MainOptions& o, std::string* why) {
+  if (o.engine != "auto") return o.engine;
+  *why = "diffrun was built without the CUDA engine";
 #ifdef DIFFRUN_HAVE_CUDA
-    b.backend = cuda_device_available(&why) ? "cuda" : "cpu";
+  return cuda_device_available(why) ? "cuda" : "cpu";
 #else
-    b.backend = "cpu";
+  return "cpu";
 #endif
-    if (b.backend == "cpu") {
-      progress.message(fmt::format("no CUDA engine ({}): the engine side is the CPU backend at {} against an {} reference",
-                                   why, o.engine_precision.empty() ? "f32" : o.engine_precision,
-                                   o.reference_precision.empty() ? "f64" : o.reference_precision));
+}
+
+// One engine/reference pair to run and compare; `dir` holds its dumps.
+struct RunPair {
+  std::string title;
+  BackendOptions eng, ref;
+  std::string dir;
+};
+
+// The pairs to run. On cuda with neither precision given, two: the f32 engine against the f64
+// reference (logic: ~1e-6 bounds, any bug shows) and the f16 engine against the reference that
+// emulates its f16 storage (precision: bounds 10x tighter than against a plain f32 reference). Else
+// one: the given engine precision (f16 on cuda, f32 on cpu) against the given reference precision
+// (default_reference_precision: f32-f16store for f16, f64 for the rest).
+std::vector<RunPair> run_pairs(const MainOptions& o, Progress& progress) {
+  std::string why;
+  const std::string backend = engine_backend_name(o, &why);
+  auto pair = [&](const std::string& title, const std::string& eng_precision, const std::string& ref_precision,
+                  const std::string& dir) {
+    RunPair p;
+    p.eng.backend = backend;
+    p.eng.precision = eng_precision;
+    p.eng.inject = o.inject;
+    p.ref.backend = "cpu";
+    p.ref.precision = ref_precision;
+    p.title = fmt::format("{}: {}/{} engine vs cpu/{} reference", title, backend, eng_precision, ref_precision);
+    p.dir = dir;
+    if (p.eng.backend == "cpu" && p.eng.precision == "f16") {
+      throw InputError("the CPU backend computes in f32 or f64; --engine-precision f16 needs the CUDA engine (--engine cuda)");
     }
+    if (p.eng.backend == "cuda" && p.eng.precision != "f16" && p.eng.precision != "f32") {
+      throw InputError("the CUDA engine computes in f16 or f32, not " + p.eng.precision);
+    }
+    return p;
+  };
+  if (backend == "cuda" && o.engine_precision.empty() && o.reference_precision.empty()) {
+    return {pair("logic", "f32", "f64", (std::filesystem::path(o.out) / "logic").string()),
+            pair("precision", "f16", default_reference_precision("f16"),
+                 (std::filesystem::path(o.out) / "precision").string())};
   }
-  b.precision = o.engine_precision.empty() ? (b.backend == "cuda" ? "f16" : "f32") : o.engine_precision;
-  b.inject = o.inject;
-  if (b.backend == "cpu" && b.precision == "f16") {
-    throw InputError("the CPU backend computes in f32 or f64; --engine-precision f16 needs the CUDA engine (--engine cuda)");
+  const std::string eng_precision = o.engine_precision.empty() ? (backend == "cuda" ? "f16" : "f32") : o.engine_precision;
+  const std::string ref_precision =
+      o.reference_precision.empty() ? default_reference_precision(eng_precision) : o.reference_precision;
+  if (o.engine == "auto" && backend == "cpu") {
+    progress.message(fmt::format("no CUDA engine ({}): the engine side is the CPU backend at {} against an {} reference",
+                                 why, eng_precision, ref_precision));
   }
-  return b;
+  return {pair(eng_precision == "f16" ? "precision" : "logic", eng_precision, ref_precision, o.out)};
+}
+
+// Runs `backend_opt` on the prompt, teacher-forced with `forced` unless empty, into a dump at `path`
+// (through isolation replay of `replay_of` when given).
+StepsResult run_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& backend_opt,
+                        const std::string& role, const std::vector<int32_t>& ids, const MainOptions& o,
+                        const std::string& prompt, const CheckpointFilter& filter, const std::vector<int32_t>& forced,
+                        const std::string& path, const std::string& run_id, Progress& progress,
+                        const std::string& replay_of = {}) {
+  const int64_t needed = static_cast<int64_t>(ids.size()) + o.steps;
+  auto backend = make_backend(file, cfg, backend_opt, static_cast<int>(needed));
+  // Every dump of the run carries its id, so compare refuses a new reference beside an interrupted run's old engine.
+  DumpMeta meta = dump_meta(file, *backend, prompt, ids);
+  meta.facts["run_id"] = run_id;
+  const TempGuard guard(path);
+  DumpWriter writer(path, meta, filter);
+  const std::string what = fmt::format("{} {}/{} step", role, backend_opt.backend, backend_opt.precision);
+  auto on_step = [&](int step, int total) { progress.update(what, step + 1, total + 1); };
+  StepsResult r;
+  if (replay_of.empty()) {
+    r = run_steps(*backend, ids, o.steps, forced, writer, false, on_step);
+  } else {
+    const DumpReader reference(replay_of);
+    ReplaySink replay(writer, reference);
+    r = run_steps(*backend, ids, o.steps, forced, replay, false, on_step);
+  }
+  writer.set_attribute("all_token_ids", r.tokens);
+  writer.set_attribute("argmax", r.argmax);
+  writer.finish();
+  progress.finish();
+  return r;
 }
 
 int run_main(const MainOptions& o) {
   Progress progress("diffrun");
   const CheckpointFilter filter(o.checkpoints);
-  const BackendOptions eng = engine_backend(o, progress);
-  BackendOptions ref;
-  ref.backend = "cpu";
-  ref.precision = o.reference_precision.empty() ? (eng.backend == "cuda" ? "f32" : "f64") : o.reference_precision;
+  const std::vector<RunPair> pairs = run_pairs(o, progress);
 
   progress.message(fmt::format("loading {}", o.model));
   const auto file = GgufFile::open(o.model);
@@ -88,73 +150,41 @@ int run_main(const MainOptions& o) {
                                  o.steps, cfg.n_ctx));
   }
   const std::string prompt = prompt_text(*file, o.prompt);
-  std::filesystem::create_directories(o.out);
-  report_stale_temporaries(o.out, o.remove_stale);
-  const std::string ref_path = (std::filesystem::path(o.out) / "reference.h5").string();
-  const std::string eng_path = (std::filesystem::path(o.out) / "engine.h5").string();
-  // Both dumps carry the run id, so compare refuses a new reference beside an interrupted run's old engine.
-  const std::string run_id = new_run_id();
-  const auto meta = [&](const Backend& backend) {
-    DumpMeta m = dump_meta(*file, backend, prompt, ids);
-    m.facts["run_id"] = run_id;
-    return m;
-  };
-  progress.message(fmt::format("{} prompt tokens, {} decode steps; engine {}/{}, reference {}/{}", ids.size(), o.steps,
-                               eng.backend, eng.precision, ref.backend, ref.precision));
 
-  // The reference chooses the tokens greedily.
-  StepsResult ref_run;
-  {
-    auto backend = make_backend(*file, cfg, ref, static_cast<int>(needed));
-    const TempGuard guard(ref_path);
-    DumpWriter writer(ref_path, meta(*backend), filter);
-    const std::string what = fmt::format("reference {}/{} step", ref.backend, ref.precision);
-    ref_run = run_steps(*backend, ids, o.steps, {}, writer, false,
-                        [&](int step, int total) { progress.update(what, step + 1, total + 1); });
-    writer.set_attribute("all_token_ids", ref_run.tokens);
-    writer.set_attribute("argmax", ref_run.argmax);
-    writer.finish();
-    progress.finish();
-  }
-  // The engine is fed the same tokens (teacher forcing); its own argmax is recorded.
-  {
-    auto backend = make_backend(*file, cfg, eng, static_cast<int>(needed));
-    const TempGuard guard(eng_path);
-    DumpWriter writer(eng_path, meta(*backend), filter);
-    const std::string what = fmt::format("engine {}/{} step", eng.backend, eng.precision);
-    const StepsResult r = run_steps(*backend, ids, o.steps, ref_run.argmax, writer, false,
-                                    [&](int step, int total) { progress.update(what, step + 1, total + 1); });
-    writer.set_attribute("all_token_ids", r.tokens);
-    writer.set_attribute("argmax", r.argmax);
-    writer.finish();
-    progress.finish();
-  }
-  // Isolation replay: the engine again, each checkpoint recorded and then replaced by the reference's.
-  std::string iso_path;
-  if (o.isolate) {
-    iso_path = (std::filesystem::path(o.out) / "engine-isolated.h5").string();
-    const DumpReader reference(ref_path);
-    auto backend = make_backend(*file, cfg, eng, static_cast<int>(needed));
-    const TempGuard guard(iso_path);
-    DumpWriter writer(iso_path, meta(*backend), filter);
-    ReplaySink replay(writer, reference);
-    const std::string what = fmt::format("engine {}/{} isolated step", eng.backend, eng.precision);
-    const StepsResult r = run_steps(*backend, ids, o.steps, ref_run.argmax, replay, false,
-                                    [&](int step, int total) { progress.update(what, step + 1, total + 1); });
-    writer.set_attribute("all_token_ids", r.tokens);
-    writer.set_attribute("argmax", r.argmax);
-    writer.finish();
-    progress.finish();
+  const std::string run_id = new_run_id();
+  std::vector<ComparePair> compared;
+  std::vector<int32_t> tokens;  // the first reference's greedy choices; every later run is fed them
+  for (const RunPair& p : pairs) {
+    std::filesystem::create_directories(p.dir);
+    report_stale_temporaries(p.dir, o.remove_stale);
+    ComparePair c;
+    c.title = p.title;
+    c.reference_path = (std::filesystem::path(p.dir) / "reference.h5").string();
+    c.engine_path = (std::filesystem::path(p.dir) / "engine.h5").string();
+    progress.message(fmt::format("{} prompt tokens, {} decode steps; {}", ids.size(), o.steps, p.title));
+    // The reference chooses the tokens greedily (the first pair's); the engine is fed the same tokens
+    // (teacher forcing) and its own argmax is recorded.
+    const StepsResult ref_run =
+        run_backend(*file, cfg, p.ref, "reference", ids, o, prompt, filter, tokens, c.reference_path, run_id, progress);
+    if (tokens.empty()) tokens = ref_run.argmax;
+    run_backend(*file, cfg, p.eng, "engine", ids, o, prompt, filter, tokens, c.engine_path, run_id, progress);
+    // Isolation replay: the engine again, each checkpoint recorded and then replaced by the reference's.
+    if (o.isolate) {
+      c.isolated_path = (std::filesystem::path(p.dir) / "engine-isolated.h5").string();
+      run_backend(*file, cfg, p.eng, "engine isolated", ids, o, prompt, filter, tokens, c.isolated_path, run_id,
+                  progress, c.reference_path);
+    }
+    compared.push_back(c);
   }
   const auto token_text = [&](int32_t id) {
     if (id < 0 || id >= cfg.n_vocab) return std::string("(outside the vocabulary)");
     const int32_t one[1] = {id};
     return tok->decode(one);
   };
-  // Both backends were asked to record the same checkpoints: anything less than all of them compared fails.
+  // Both backends of each pair were asked to record the same checkpoints: anything less than all of them compared fails.
   ReportOptions report = o.report;
   if (report.require_coverage <= 0) report.require_coverage = 100;
-  return compare_and_report(eng_path, ref_path, report, progress, token_text, iso_path);
+  return compare_and_report_pairs(compared, report, progress, token_text);
 }
 
 const CommandRegistrar registrar{
@@ -169,11 +199,14 @@ const CommandRegistrar registrar{
       app.add_option("--engine", o->engine, "Engine side: auto (cuda when a device exists, else cpu), cuda or cpu")
           ->capture_default_str()
           ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
-      app.add_option("--engine-precision", o->engine_precision, "Engine precision: f16 or f32 (default f16 on cuda, f32 on cpu)")
-          ->check(CLI::IsMember({"f16", "f32", "f64"}));
+      app.add_option("--engine-precision", o->engine_precision,
+                     "Engine precision: f16 or f32 (cuda), f32, f64 or an emulated storage spec (cpu). Default: on "
+                     "cuda both pairs (f32 vs f64, f16 vs f32-f16store), on cpu f32")
+          ->check(CLI::IsMember(precision_choices()));
       app.add_option("--reference-precision", o->reference_precision,
-                     "Reference precision: f32 or f64 (default f32 against cuda, f64 against the cpu engine)")
-          ->check(CLI::IsMember({"f32", "f64"}));
+                     "Reference precision: f32, f64, f32-f16store (the f16 engine's storage emulated), ... "
+                     "(default f32-f16store against an f16 engine, else f64)")
+          ->check(CLI::IsMember(precision_choices()));
       app.add_option("--out,-o", o->out, "Directory for reference.h5 and engine.h5")->capture_default_str();
       app.add_option("--checkpoints", o->checkpoints, "Record only these checkpoints, e.g. 'attn_*,result_*'");
       app.add_option("--inject", o->inject,

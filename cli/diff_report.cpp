@@ -5,10 +5,12 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <fstream>
 #include <optional>
 
 #include <fmt/core.h>
+#include <nlohmann/json.hpp>
 
 #include "checkpoints/dump.hpp"
 #include "checkpoints/name_map.hpp"
@@ -25,6 +27,20 @@ void write_text_file(const std::string& path, const std::string& text, const cha
   out << text;
   out.close();
   if (!out) throw InputError(fmt::format("{}: cannot write the {} report", path, what));
+}
+
+std::string xml_escape(const std::string& s) {
+  std::string out;
+  for (char ch : s) {
+    switch (ch) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += ch;
+    }
+  }
+  return out;
 }
 
 bool use_color(bool no_color) {
@@ -53,19 +69,44 @@ void ReportOptions::add_options(CLI::App& app) {
       ->check(CLI::Range(0.0, 100.0));
 }
 
-int compare_and_report(const std::string& engine_path, const std::string& reference_path, const ReportOptions& opt,
-                       Progress& progress, const std::function<std::string(int32_t)>& token_text,
-                       const std::string& isolated_path) {
+namespace {
+
+bool has_preset(const std::string& name) {
+  for (const std::string& n : diff::preset_names())
+    if (n == name) return true;
+  return false;
+}
+
+// The tolerance preset of a precision pair. Same precision on the same backend is bit-identical
+// (f32_vs_f32); on different backends (cuda f32 against cpu f32) the summation orders differ, so it
+// takes <p>_vs_<p>_cross. Emulated storage specs (reference_cpu/storage.hpp): an engine "A-f16store"
+// is the f16 engine's storage (preset of f16), "A-f16residual" a storage choice judged by its
+// arithmetic A's preset (the verdict's storage rule names it); a reference "f64-f16store" takes the
+// f32-f16store preset (the arithmetic's share of the error is ~1e-6 next to the flips of f16 rounding).
+std::string preset_for(const DumpMeta& engine, const DumpMeta& reference) {
+  std::string e = engine.precision, r = reference.precision;
+  if (e == r && engine.backend != reference.backend && has_preset(e + "_vs_" + r + "_cross")) return e + "_vs_" + r + "_cross";
+  const std::string exact = diff::preset_name(e, r);
+  if (has_preset(exact)) return exact;
+  if (e.ends_with("-f16store")) e = "f16";
+  else if (const size_t dash = e.find('-'); dash != std::string::npos) e = e.substr(0, dash);
+  if (r.ends_with("-f16store")) r = "f32-f16store";
+  const std::string mapped = diff::preset_name(e, r);
+  return has_preset(mapped) ? mapped : exact;  // preset_tolerances names the missing one and lists the others
+}
+
+// The comparison of one engine dump with one reference dump (and its isolated run), as the options ask.
+diff::Comparison compare(const std::string& engine_path, const std::string& reference_path, const ReportOptions& opt,
+                         Progress& progress, const std::string& isolated_path) {
   const std::optional<NameMap> engine_names =
       opt.names.empty() ? std::nullopt : std::optional<NameMap>(NameMap::load(opt.names));
   const std::optional<NameMap> reference_names =
       opt.reference_names.empty() ? std::nullopt : std::optional<NameMap>(NameMap::load(opt.reference_names));
   const DumpReader engine(engine_path, engine_names ? &*engine_names : nullptr);
   const DumpReader reference(reference_path, reference_names ? &*reference_names : nullptr);
-  const diff::ToleranceSet tolerances =
-      opt.tolerances.empty()
-          ? diff::preset_tolerances(diff::preset_name(engine.meta().precision, reference.meta().precision))
-          : diff::load_tolerances(opt.tolerances);
+  const diff::ToleranceSet tolerances = opt.tolerances.empty()
+                                            ? diff::preset_tolerances(preset_for(engine.meta(), reference.meta()))
+                                            : diff::load_tolerances(opt.tolerances);
   progress.message(fmt::format("comparing {} ({}) with {} ({})", engine_path, engine.meta().precision, reference_path,
                                reference.meta().precision));
   diff::CompareOptions copt;
@@ -78,7 +119,15 @@ int compare_and_report(const std::string& engine_path, const std::string& refere
     diff::add_isolation(c, diff::compare_dumps(isolated, reference, tolerances, copt), copt);
   }
   progress.finish();
+  return c;
+}
 
+}  // namespace
+
+int compare_and_report(const std::string& engine_path, const std::string& reference_path, const ReportOptions& opt,
+                       Progress& progress, const std::function<std::string(int32_t)>& token_text,
+                       const std::string& isolated_path) {
+  const diff::Comparison c = compare(engine_path, reference_path, opt, progress, isolated_path);
   diff::TerminalOptions topt;
   topt.color = use_color(opt.no_color);
   topt.token_text = token_text;
@@ -87,6 +136,58 @@ int compare_and_report(const std::string& engine_path, const std::string& refere
   if (!opt.report_json.empty()) write_text_file(opt.report_json, diff::render_json(c), "JSON");
   if (!opt.report_junit.empty()) write_text_file(opt.report_junit, diff::render_junit(c), "JUnit");
   return diff::exit_code(c);
+}
+
+int compare_and_report_pairs(const std::vector<ComparePair>& pairs, const ReportOptions& opt, Progress& progress,
+                             const std::function<std::string(int32_t)>& token_text) {
+  if (pairs.size() == 1) {
+    const ComparePair& p = pairs.front();
+    return compare_and_report(p.engine_path, p.reference_path, opt, progress, token_text, p.isolated_path);
+  }
+  diff::TerminalOptions topt;
+  topt.color = use_color(opt.no_color);
+  topt.token_text = token_text;
+  nlohmann::ordered_json json = {{"pairs", nlohmann::ordered_json::array()}};
+  std::string suites;
+  int total = 0, failures = 0, skipped = 0, code = 0;
+  for (const ComparePair& p : pairs) {
+    const diff::Comparison c = compare(p.engine_path, p.reference_path, opt, progress, p.isolated_path);
+    const int pair_code = diff::exit_code(c);
+    code = std::max(code, pair_code);
+    std::fputs(fmt::format("\n=== {} ===\n", p.title).c_str(), stdout);
+    std::fputs(diff::render_terminal(c, topt).c_str(), stdout);
+    std::fflush(stdout);
+    json["pairs"].push_back({{"title", p.title}, {"exit_code", pair_code}, {"report", diff::report_json(c)}});
+    for (const auto& r : c.results) {
+      ++total;
+      if (r.failed()) ++failures;
+      if (!r.failed() && !r.compared()) ++skipped;
+    }
+    // The pair's <testsuite> elements, each named "<title>: <its name>".
+    const std::string xml = diff::render_junit(c);
+    const size_t begin = xml.find("  <testsuite ");
+    const size_t end = xml.rfind("</testsuites>");
+    if (begin == std::string::npos || end == std::string::npos || end < begin) continue;
+    std::string body = xml.substr(begin, end - begin);
+    const std::string key = "<testsuite name=\"";
+    for (size_t at = body.find(key); at != std::string::npos; at = body.find(key, at + key.size()))
+      body.insert(at + key.size(), xml_escape(p.title) + ": ");
+    suites += body;
+  }
+  json["exit_code"] = code;
+  std::fputs(fmt::format("\n=== {} ===\n", code == 0 ? "every pair within tolerance" : "a pair diverged: exit 1").c_str(),
+             stdout);
+  for (size_t i = 0; i < pairs.size(); ++i)
+    std::fputs(fmt::format("  {}: {}\n", pairs[i].title,
+                           json["pairs"][i]["exit_code"].get<int>() == 0 ? "PASS" : "DIVERGED").c_str(), stdout);
+  if (!opt.report_json.empty()) write_text_file(opt.report_json, json.dump(1) + "\n", "JSON");
+  if (!opt.report_junit.empty()) {
+    std::string out = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+    out += fmt::format("<testsuites name=\"diffrun\" tests=\"{}\" failures=\"{}\" errors=\"0\" skipped=\"{}\">\n", total,
+                       failures, skipped);
+    write_text_file(opt.report_junit, out + suites + "</testsuites>\n", "JUnit");
+  }
+  return code;
 }
 
 }  // namespace diffrun::cli

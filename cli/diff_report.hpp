@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -34,5 +35,18 @@ struct ReportOptions {
 int compare_and_report(const std::string& engine_path, const std::string& reference_path, const ReportOptions& opt,
                        Progress& progress, const std::function<std::string(int32_t)>& token_text = {},
                        const std::string& isolated_path = {});
+
+// One comparison of a run that compares several engine/reference pairs (the default GPU run: the f32
+// engine against the f64 reference for logic, the f16 engine against the precision-matched reference).
+struct ComparePair {
+  std::string title;  // the section heading, e.g. "logic: cuda/f32 engine vs cpu/f64 reference"
+  std::string engine_path, reference_path, isolated_path;
+};
+
+// Compares every pair: the terminal report of each under its heading, one JSON file holding
+// {"pairs": [{"title", "exit_code", "report"}...], "exit_code"}, one JUnit file whose testsuites are
+// named "<title>: step N". Returns 1 when any pair diverged, else 0. One pair: compare_and_report.
+int compare_and_report_pairs(const std::vector<ComparePair>& pairs, const ReportOptions& opt, Progress& progress,
+                             const std::function<std::string(int32_t)>& token_text = {});
 
 }  // namespace diffrun::cli

@@ -90,11 +90,21 @@ std::string prompt_text(const GgufFile& file, const PromptOptions& opt) {
   return opt.tokens.empty() ? templated(file, opt) : opt.tokens;
 }
 
+std::vector<std::string> precision_choices() {
+  return {"f16", "f32", "f64", "f32-f16store", "f64-f16store", "f32-f16residual", "f64-f16residual"};
+}
+
+std::string default_reference_precision(const std::string& engine_precision) {
+  return engine_precision == "f16" ? "f32-f16store" : "f64";
+}
+
 void BackendOptions::add_options(CLI::App& app) {
   app.add_option("--backend", backend, "Backend: cpu (the Eigen reference) or cuda (the engine)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--precision", precision, "Compute precision: f32 or f64 (cpu), f32 or f16 (cuda)")
-      ->check(CLI::IsMember({"f32", "f64", "f16"}));
+  app.add_option("--precision", precision,
+                 "Compute precision: f32 or f64 (cpu; -f16store emulates the f16 engine's storage, -f16residual a "
+                 "residual stream in f16), f32 or f16 (cuda)")
+      ->check(CLI::IsMember(precision_choices()));
   app.add_option("--inject", inject, "Inject faults from the catalog (diffrun faults), e.g. rope_theta_10000,kv_cache_pos0");
 }
 

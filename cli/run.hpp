@@ -47,6 +47,14 @@ struct BackendOptions {
   void add_options(CLI::App& app);  // --backend --precision --inject
 };
 
+// Every precision a backend takes: f16 (cuda), f32, f64, and the cpu's emulated storage specs
+// (f32-f16store, f64-f16store, f32-f16residual, f64-f16residual; reference_cpu/storage.hpp).
+std::vector<std::string> precision_choices();
+
+// The reference an engine precision is compared against by default: the f16 engine against the
+// reference that emulates its storage (f32-f16store), anything else against f64.
+std::string default_reference_precision(const std::string& engine_precision);
+
 // cpu → make_cpu_backend; cuda → make_cuda_backend when built with the CUDA engine, else
 // Error("diffrun was built without the CUDA engine"). Both get the faults of opt.inject (InputError
 // for an unknown fault or one that does not apply to the model).

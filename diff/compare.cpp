@@ -183,8 +183,8 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
       r.layer = any.layer;
       r.order = any.order;
       r.layout = any.layout;
-      if (e.engine) r.shape_engine = e.engine->shape;
-      if (e.reference) r.shape_reference = e.reference->shape;
+      if (e.engine) r.shape_engine = e.engine->shape, r.native_engine = e.engine->native_dtype;
+      if (e.reference) r.shape_reference = e.reference->shape, r.native_reference = e.reference->native_dtype;
       const ToleranceRule& rule = tolerances.rule_for(e.name);
       r.rule_match = rule.match;
       r.rule_reason = rule.reason;

@@ -24,7 +24,8 @@
 //       "pattern": null | {"summary", "hint", "cosine", "exact_below", "future_nonzero",   // diff/pattern.hpp
 //                          "axes": [{"dim", "label", "extent", "exact": [int], "wrong": [int],
 //                                    "zero_engine": [int]}]},
-//       "verdict": {"kind": "local"|"drift"|"undetermined", "rule", "explanation", "ratio",
+//       "verdict": {"kind": "local"|"drift"|"undetermined", "precision": bool (drift explained by the
+//                   engine's storage precision, rule "storage"), "rule", "explanation", "ratio",
 //                   "inputs": [{"name", "rel_l2"}], "growth": [{"layer", "rel_l2"}]}},
 //   "first_nonfinite": null | {                               // the first checkpoint with a NaN/Inf on
 //       "index", "step", "name", "layer",                     // either side (it always fails)
@@ -109,6 +110,7 @@ json verdict_json(const Verdict& v) {
   for (const auto& in : v.inputs) inputs.push_back({{"name", in.name}, {"rel_l2", number(in.rel_l2)}});
   for (const auto& g : v.growth) growth.push_back({{"layer", g.layer}, {"rel_l2", number(g.rel_l2)}});
   return {{"kind", verdict_kind_name(v.kind)},
+          {"precision", v.precision},
           {"rule", v.rule},
           {"explanation", v.explanation},
           {"ratio", number(v.ratio)},

@@ -76,6 +76,7 @@ void pattern_line(std::string& out, const std::optional<ErrorPattern>& p) {
 void verdict_lines(std::string& out, const Verdict& v, const Style& s) {
   std::string kind = verdict_kind_name(v.kind);
   std::transform(kind.begin(), kind.end(), kind.begin(), [](unsigned char ch) { return std::toupper(ch); });
+  if (v.precision) kind += " (precision)";
   out += fmt::format("  verdict   {} (rule {}): {}\n", s.bold(kind), v.rule, v.explanation);
   if (!v.inputs.empty()) {
     std::vector<std::string> ins;

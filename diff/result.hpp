@@ -29,6 +29,7 @@ struct CheckpointResult {
   int order = 0;
   std::string layout;
   std::vector<int64_t> shape_engine, shape_reference;
+  std::string native_engine, native_reference;  // each side's native dtype ("f16", "f32", ...; "" unknown)
   CheckpointStatus status = CheckpointStatus::pass;
   std::optional<TensorMetrics> metrics;  // absent unless both sides exist with the same shape
   std::vector<BoundCheck> checks;

@@ -135,6 +135,32 @@ bool rule_nonfinite(const Context& c, Verdict& v) {
   return true;
 }
 
+// Unit roundoff of a storage dtype narrower than f32, 0 for the others.
+double storage_roundoff(std::string_view dtype) {
+  if (dtype == "f16") return std::ldexp(1.0, -11);
+  if (dtype == "bf16") return std::ldexp(1.0, -8);
+  return 0.0;
+}
+
+bool rule_storage(const Context& c, Verdict& v) {
+  const double u = storage_roundoff(c.failing.native_engine);
+  const double u_ref = storage_roundoff(c.failing.native_reference);
+  if (!(u > 0) || (u_ref > 0 && u_ref >= u)) return false;  // the reference stores it at least as narrow
+  double max_in = 0;
+  for (const auto& in : v.inputs) max_in = std::max(max_in, in.rel_l2);
+  const double bound = u + c.jump_factor * max_in;
+  if (!(c.metrics->rel_l2 <= bound)) return false;
+  v.kind = VerdictKind::drift;
+  v.rule = "storage";
+  v.precision = true;
+  v.explanation = fmt::format("the engine stores {} in {} (unit roundoff {:.3g}) where the reference keeps {}: rel_l2 {:.3g} "
+                              "<= {:.3g} = roundoff + {:g} x its inputs' {:.3g}, what one rounding explains",
+                              c.failing.name, c.failing.native_engine, u,
+                              c.failing.native_reference.empty() ? "a wider type" : c.failing.native_reference,
+                              c.metrics->rel_l2, bound, c.jump_factor, max_in);
+  return true;
+}
+
 bool rule_embedding(const Context& c, Verdict& v) {
   if (c.failing.base != "embd") return false;
   v.kind = VerdictKind::local;
@@ -188,7 +214,7 @@ bool rule_no_jump(const Context& c, Verdict& v) {
 }
 
 // In order; the first rule that decides wins.
-constexpr Rule kRules[] = {rule_shape,  rule_isolation,     rule_nonfinite, rule_embedding,
+constexpr Rule kRules[] = {rule_shape,  rule_isolation,     rule_nonfinite, rule_storage, rule_embedding,
                            rule_jump,   rule_smooth_growth, rule_no_jump};
 
 }  // namespace

@@ -6,6 +6,10 @@
 //   isolation     (isolation replay ran) this op on the reference's inputs fails its tolerance
 //                 -> local; passes it -> drift (the error came in through its inputs)
 //   nonfinite     non-finite values appear here, inputs are finite      -> local
+//   storage       the engine stores this tensor narrower than the reference (native dtype f16 or
+//                 bf16 against f32/f64) and rel_l2 <= u + jump_factor x its inputs' max, u the
+//                 unit roundoff of that storage (f16 2^-11, bf16 2^-8): what rounding the stored
+//                 tensor once explains -> drift (precision)
 //   embedding     embd reads identical token ids, it has no float input -> local
 //   jump          rel_l2 > jump_factor x max rel_l2 of its inputs       -> local
 //   smooth_growth the same kind's rel_l2 rose over the layers before it, never by more than
@@ -43,6 +47,7 @@ struct Verdict {
   std::vector<VerdictInput> inputs;  // the failing checkpoint's inputs, as compared in its step
   double ratio = 0.0;                // rel_l2 / max input rel_l2 (inf when the inputs are exact)
   std::vector<LayerError> growth;    // the same kind's rel_l2 by layer up to the failing one
+  bool precision = false;            // drift explained by the engine's declared storage precision (rule storage)
 };
 
 // Names of the checkpoints a checkpoint is computed from, for a model of n_layer layers.

@@ -24,14 +24,15 @@ class Recorder {
   // Records `data` (row-major, `shape` named by the vocabulary's layout of `base`) when the sink wants it,
   // then (isolation replay) overwrites it with the sink's replacement when there is one: the forward
   // pass continues from the replacement. A const tensor (one no later op reads) is never replaced.
-  void operator()(const char* base, int layer, std::initializer_list<int64_t> shape, T* data) {
-    record(base, layer, shape, data);
+  // stored_f16: the tensor holds f16-rounded values (emulated storage), recorded with native dtype f16.
+  void operator()(const char* base, int layer, std::initializer_list<int64_t> shape, T* data, bool stored_f16 = false) {
+    record(base, layer, shape, data, stored_f16);
     if (const float* r = sink_.replacement(step_, checkpoint_name(base, layer))) {
       std::copy(r, r + count(shape), data);
     }
   }
   void operator()(const char* base, int layer, std::initializer_list<int64_t> shape, const T* data) {
-    record(base, layer, shape, data);
+    record(base, layer, shape, data, false);
   }
 
   void ids(const char* base, std::span<const int32_t> ids) {
@@ -45,7 +46,7 @@ class Recorder {
     return n;
   }
 
-  void record(const char* base, int layer, std::initializer_list<int64_t> shape, const T* data) {
+  void record(const char* base, int layer, std::initializer_list<int64_t> shape, const T* data, bool stored_f16) {
     const std::string name = checkpoint_name(base, layer);
     if (!sink_.wants(name)) return;
     const int64_t n = count(shape);
@@ -53,10 +54,11 @@ class Recorder {
     const char* layout = kind ? kind->layout : "";
     const std::span<const int64_t> dims(shape.begin(), shape.size());
     if constexpr (std::is_same_v<T, float>) {
-      sink_.record(step_, name, layer, layout, dims, NativeDType::f32, std::span<const float>(data, n));
+      sink_.record(step_, name, layer, layout, dims, stored_f16 ? NativeDType::f16 : NativeDType::f32,
+                   std::span<const float>(data, n));
     } else {
       const std::vector<float> narrowed(data, data + n);
-      sink_.record(step_, name, layer, layout, dims, NativeDType::f64, narrowed);
+      sink_.record(step_, name, layer, layout, dims, stored_f16 ? NativeDType::f16 : NativeDType::f64, narrowed);
     }
   }
 

@@ -24,6 +24,7 @@
 #include "reference_cpu/ops/rope.hpp"
 #include "reference_cpu/ops/swiglu.hpp"
 #include "reference_cpu/recorder.hpp"
+#include "reference_cpu/storage.hpp"
 #include "reference_cpu/weights.hpp"
 
 namespace diffrun {
@@ -42,9 +43,11 @@ class CpuBackend final : public Backend {
   static constexpr const T* kNoBias = nullptr;
 
  public:
-  CpuBackend(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults)
-      : cfg_(cfg), max_ctx_(max_ctx), w_(Weights<T>::load(file, cfg, faults)),
-        cache_(cfg.n_layer, max_ctx, cfg.n_head_kv * cfg.head_dim), faults_(faults) {
+  CpuBackend(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults,
+             const std::string& precision, const StoragePlan& storage)
+      : cfg_(cfg), max_ctx_(max_ctx), w_(Weights<T>::load(file, cfg, faults, storage.weights_f16)),
+        cache_(cfg.n_layer, max_ctx, cfg.n_head_kv * cfg.head_dim), faults_(faults), precision_(precision),
+        storage_(storage) {
     if (w_.token_embd.rows() < cfg_.n_vocab || w_.lm_head().rows() < cfg_.n_vocab) {
       throw ModelError("token_embd/output have fewer rows than the vocabulary of " + std::to_string(cfg_.n_vocab));
     }
@@ -52,7 +55,7 @@ class CpuBackend final : public Backend {
   }
 
   std::string name() const override { return "cpu"; }
-  std::string precision() const override { return std::is_same_v<T, float> ? "f32" : "f64"; }
+  std::string precision() const override { return precision_; }
   const ModelConfig& config() const override { return cfg_; }
   std::map<std::string, std::string> facts() const override {
     std::map<std::string, std::string> f{{"cpu_threads", std::to_string(omp_get_max_threads())},
@@ -60,6 +63,11 @@ class CpuBackend final : public Backend {
                                   std::to_string(EIGEN_MINOR_VERSION)},
             {"eigen_simd", Eigen::SimdInstructionSetsInUse()}};
     if (!faults_.empty()) f["injected_faults"] = faults_.names();
+    if (storage_.any()) {
+      f["weights_dtype"] = storage_.weights_f16 ? "f16" : precision_.substr(0, 3);
+      f["emulated_f16_storage"] = storage_.gemm_inputs_f16 ? "attn_norm,ffn_norm,result_norm,kqv_out,ffn_swiglu"
+                                                           : "ffn_inp,l_out";
+    }
     return f;
   }
   int n_past() const override { return n_past_; }
@@ -88,7 +96,8 @@ class CpuBackend final : public Backend {
     for (int l = 0; l < cfg_.n_layer; ++l) layer(l, x, n, cp);
 
     std::vector<T> xn(x.size());                   // [T,D]
-    norm(xn.data(), x.data(), w_.output_norm.data(), n, D);                        cp("result_norm", -1, {n, D}, xn.data());
+    norm(xn.data(), x.data(), w_.output_norm.data(), n, D);
+    store_gemm_input(xn.data(), nD_of(n));                                        cp("result_norm", -1, {n, D}, xn.data(), gemm_f16());
     const int rows = cp.wants("result_output") ? n : 1;  // every token's logits only when recorded
     const T* last_rows = xn.data() + static_cast<size_t>(n - rows) * D;  // [rows,D]
     // lm_head_padded_vocab: rows of Vp logits whose columns V..Vp-1 the lm head never writes.
@@ -123,7 +132,8 @@ class CpuBackend final : public Backend {
     T* cache_v = cache_.v[l].data();  // [C,Hkv*Dh]
 
     std::vector<T> xn(nD);                                 // [T,D]
-    norm(xn.data(), x.data(), w.attn_norm.data(), n, D);                          cp("attn_norm", l, {n, D}, xn.data());
+    norm(xn.data(), x.data(), w.attn_norm.data(), n, D);
+    store_gemm_input(xn.data(), nD);                                              cp("attn_norm", l, {n, D}, xn.data(), gemm_f16());
 
     std::vector<T> q(static_cast<size_t>(n) * Q);          // [T,H*Dh]
     std::vector<T> k(static_cast<size_t>(n) * KV);         // [T,Hkv*Dh]
@@ -158,7 +168,7 @@ class CpuBackend final : public Backend {
       attention(kqv.data(), probs.data(), q.data(), keys, values, n, past, H, Hkv, Dh);
     }
     cp("kq_soft_max", l, {H, n, S_att}, std::as_const(probs).data());  // read by no later op: never replaced
-    cp("kqv_out", l, {n, H, Dh}, kqv.data());
+    store_gemm_input(kqv.data(), kqv.size());                                     cp("kqv_out", l, {n, H, Dh}, kqv.data(), gemm_f16());
 
     std::vector<T> attn_out(nD);                           // [T,D]
     const T* wo = faults_.has(Fault::attn_out_transposed) ? wo_flawed_[l].data() : w.wo.data();
@@ -169,8 +179,9 @@ class CpuBackend final : public Backend {
     } else {
       add(ffn_inp.data(), x.data(), attn_out.data(), static_cast<int64_t>(nD));
     }
-    cp("ffn_inp", l, {n, D}, ffn_inp.data());
-    norm(xn.data(), ffn_inp.data(), w.ffn_norm.data(), n, D);                     cp("ffn_norm", l, {n, D}, xn.data());
+    store_residual(ffn_inp.data(), nD);                                           cp("ffn_inp", l, {n, D}, ffn_inp.data(), residual_f16());
+    norm(xn.data(), ffn_inp.data(), w.ffn_norm.data(), n, D);
+    store_gemm_input(xn.data(), nD);                                              cp("ffn_norm", l, {n, D}, xn.data(), gemm_f16());
 
     std::vector<T> gate(static_cast<size_t>(n) * F);       // [T,F]
     std::vector<T> up(static_cast<size_t>(n) * F);         // [T,F]
@@ -179,12 +190,25 @@ class CpuBackend final : public Backend {
     const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
     swiglu(gate.data(), swap ? up.data() : gate.data(), swap ? gate.data() : up.data(),
            static_cast<int64_t>(gate.size()));
-    cp("ffn_swiglu", l, {n, F}, gate.data());
+    store_gemm_input(gate.data(), gate.size());                                   cp("ffn_swiglu", l, {n, F}, gate.data(), gemm_f16());
     std::vector<T> ffn_out(nD);                            // [T,D]
     const T* w_down = faults_.has(Fault::ffn_down_transposed) ? w_down_flawed_[l].data() : w.w_down.data();
     matmul(ffn_out.data(), gate.data(), w_down, kNoBias, n, F, D);                cp("ffn_out", l, {n, D}, ffn_out.data());
-    add(x.data(), ffn_inp.data(), ffn_out.data(), static_cast<int64_t>(nD));      cp("l_out", l, {n, D}, x.data());
+    add(x.data(), ffn_inp.data(), ffn_out.data(), static_cast<int64_t>(nD));
+    store_residual(x.data(), nD);                                                 cp("l_out", l, {n, D}, x.data(), residual_f16());
   }
+
+  // Emulated storage (reference_cpu/storage.hpp): the rounding points of the f16 engine's GEMM inputs
+  // and of a residual stream kept in f16, each applied right after the op that writes the tensor.
+  bool gemm_f16() const { return storage_.gemm_inputs_f16; }
+  bool residual_f16() const { return storage_.residual_f16; }
+  void store_gemm_input(T* x, size_t n) const {
+    if (storage_.gemm_inputs_f16) round_f16(x, static_cast<int64_t>(n));
+  }
+  void store_residual(T* x, size_t n) const {
+    if (storage_.residual_f16) round_f16(x, static_cast<int64_t>(n));
+  }
+  size_t nD_of(int n) const { return static_cast<size_t>(n) * cfg_.n_embd; }
 
   T eps() const { return T(faults_.has(Fault::rms_eps_1e5) ? kFaultRmsEps : cfg_.rms_eps); }
 
@@ -229,6 +253,8 @@ class CpuBackend final : public Backend {
   Weights<T> w_;
   KvCache<T> cache_;
   FaultSet faults_;
+  std::string precision_;  // the spec it was made with: "f32", "f64-f16store", ...
+  StoragePlan storage_;
   AttentionFlaws attention_flaws_;
   RmsNormFlaws rms_norm_flaws_;
   std::vector<Matrix<T>> wo_flawed_;      // [n_layer] W_o read with the wrong leading dimension, attn_out_transposed only
@@ -243,9 +269,20 @@ std::unique_ptr<Backend> make_cpu_backend(const GgufFile& file, const ModelConfi
   if (max_ctx < 1) throw InputError("the CPU reference needs a context of at least 1 position");
   validate_tensors(file, cfg);
   faults.check_applicable(cfg, &file);
-  if (precision == "f32") return std::make_unique<CpuBackend<float>>(file, cfg, max_ctx, faults);
-  if (precision == "f64") return std::make_unique<CpuBackend<double>>(file, cfg, max_ctx, faults);
-  throw InputError("the cpu backend computes in f32 or f64, not '" + precision + "'");
+  const size_t dash = precision.find('-');
+  const std::string arith = precision.substr(0, dash);
+  const std::string plan = dash == std::string::npos ? "" : precision.substr(dash + 1);
+  StoragePlan storage;
+  if (plan == "f16store") {
+    storage.weights_f16 = storage.gemm_inputs_f16 = true;
+  } else if (plan == "f16residual") {
+    storage.residual_f16 = true;
+  } else if (!plan.empty() || (arith != "f32" && arith != "f64")) {
+    throw InputError("the cpu backend's precision is f32 or f64, optionally with emulated storage "
+                     "(f32-f16store, f64-f16store, f32-f16residual, f64-f16residual), not '" + precision + "'");
+  }
+  if (arith == "f32") return std::make_unique<CpuBackend<float>>(file, cfg, max_ctx, faults, precision, storage);
+  return std::make_unique<CpuBackend<double>>(file, cfg, max_ctx, faults, precision, storage);
 }
 
 }  // namespace diffrun

@@ -5,6 +5,7 @@
 
 #include "model/dequant.hpp"
 #include "model/error.hpp"
+#include "reference_cpu/storage.hpp"
 
 namespace diffrun::ref {
 
@@ -22,9 +23,10 @@ std::vector<T> tensor_values(const GgufFile& file, const TensorInfo& info, bool 
 
 // A GGUF tensor as a row-major [ne1*ne2*..., ne0] matrix.
 template <typename T>
-Matrix<T> load_matrix(const GgufFile& file, const std::string& name, bool faulty) {
+Matrix<T> load_matrix(const GgufFile& file, const std::string& name, bool faulty, bool round_to_f16) {
   const TensorInfo& info = file.tensor(name);
-  const std::vector<T> values = tensor_values<T>(file, info, faulty);
+  std::vector<T> values = tensor_values<T>(file, info, faulty);
+  if (round_to_f16) round_f16(values.data(), static_cast<int64_t>(values.size()));
   const int64_t cols = info.ne.empty() ? 1 : info.ne[0];
   const int64_t rows = info.rows();
   if (static_cast<int64_t>(values.size()) != rows * cols) {
@@ -44,9 +46,9 @@ Vector<T> load_vector(const GgufFile& file, const std::string& name, bool faulty
 }  // namespace
 
 template <typename T>
-Weights<T> Weights<T>::load(const GgufFile& file, const ModelConfig& cfg, const FaultSet& faults) {
+Weights<T> Weights<T>::load(const GgufFile& file, const ModelConfig& cfg, const FaultSet& faults, bool matrices_f16) {
   const bool faulty = faults.has(Fault::dequant_scale_offset);
-  auto load_matrix = [&](const std::string& name) { return ref::load_matrix<T>(file, name, faulty); };
+  auto load_matrix = [&](const std::string& name) { return ref::load_matrix<T>(file, name, faulty, matrices_f16); };
   auto load_vector = [&](const std::string& name) { return ref::load_vector<T>(file, name, faulty); };
   Weights<T> w;
   w.token_embd = load_matrix("token_embd.weight");

@@ -47,8 +47,10 @@ struct Weights {
 
   // Dequantizes every tensor the forward pass reads (validate_tensors must have passed). With the
   // fault dequant_scale_offset, tensors in the legacy block formats are decoded from
-  // dequant_fault_bytes (their scale read 2 bytes late).
-  static Weights load(const GgufFile& file, const ModelConfig& cfg, const FaultSet& faults = {});
+  // dequant_fault_bytes (their scale read 2 bytes late). matrices_f16: every matrix (2-D tensor) is
+  // rounded to f16 after dequantization, as the f16 engine holds it (reference_cpu/storage.hpp).
+  static Weights load(const GgufFile& file, const ModelConfig& cfg, const FaultSet& faults = {},
+                      bool matrices_f16 = false);
 };
 
 }  // namespace diffrun::ref

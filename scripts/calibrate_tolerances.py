@@ -1,15 +1,29 @@
 #!/usr/bin/env python3
 """Tolerance calibration: run `diffrun` (engine vs reference, teacher-forced) on several models and
-print the worst value of each bounded metric per checkpoint kind, with the model, step and layer
-where it occurred, as the evidence for a preset in fixtures/tolerances/.
+prompts and print the worst value of each bounded metric per checkpoint kind (and per kind at layer 0),
+with the model, prompt, step and layer where it occurred, as the evidence for a preset in
+fixtures/tolerances/.
 
     scripts/calibrate_tolerances.py --diffrun build/cli/diffrun --engine-precision f16 \\
-        --reference-precision f32 --steps 16 --out DIR MODEL.gguf [MODEL.gguf ...]
+        --reference-precision f32-f16store --steps 16 --out DIR MODEL.gguf [MODEL.gguf ...]
 
-Each model runs once (`diffrun --report-json`; its exit status 1, a divergence under the preset
-in use, is expected while calibrating). The summary goes to stdout and DIR/summary.json.
+Each model runs once per prompt (`diffrun --report-json`; its exit status 1, a divergence under the
+preset in use, is expected while calibrating, and counted: on a clean engine it is a false alarm).
+--engine-precision default runs diffrun's default pairs (on a GPU both: f32 vs f64 and f16 vs
+f32-f16store). The summary goes to stdout and DIR/summary.json.
+
+    --prompts FILE       one prompt per line (run with --chat; a line "@N" is N ids 1..N of filler
+                         text instead), else the ids of --tokens
+    --emit-preset PATH   write a preset: per kind, max_rel_l2 = --factor x the worst rel_l2 measured
+                         (2 significant digits, rounded up), a rule for layer 0 ("attn_norm-0") before
+                         the rule of the kind ("attn_norm-*"), and the KL bound of the logits
+    --sensitivity        per kind, the smallest scale error 1+eps of one token row, and of one head of
+                         it (per-head kinds), that the preset in use catches at that checkpoint: the
+                         engine's tensor in the dump scaled, rel_l2 and cosine recomputed against the
+                         reference and checked against the rule's bounds (worst over layers and steps)
 """
 import argparse
+import fnmatch
 import json
 import math
 import subprocess
@@ -19,65 +33,223 @@ from pathlib import Path
 # metric key in the report -> (bound name, worse is larger)
 METRICS = {"rel_l2": ("max_rel_l2", True), "max_abs": ("max_abs", True), "cosine": ("min_cosine", False)}
 LOGIT_METRICS = {"top1": ("min_top1", False), "kl_max": ("max_kl", True)}
+PER_HEAD = {"Qcur", "Kcur", "Vcur", "Qnorm", "Knorm", "Qrope", "Krope", "kqv_out", "cache_k", "cache_v"}
 
 
 def number(v):
+    if v is None:
+        return float("nan")
     return float(v) if not isinstance(v, str) else float(v.replace("inf", "Infinity"))
 
 
-def run_model(args, model: Path, out: Path) -> dict:
+def run_model(args, model: Path, out: Path, prompt) -> tuple:
     out.mkdir(parents=True, exist_ok=True)
     report = out / "report.json"
-    cmd = [args.diffrun, "--model", str(model), "--engine", "cuda", "--engine-precision", args.engine_precision,
-           "--reference-precision", args.reference_precision, "--steps", str(args.steps), "--tokens", args.tokens,
+    cmd = [args.diffrun, "--model", str(model), "--engine", args.engine, "--steps", str(args.steps),
            "--out", str(out), "--report-json", str(report), "--no-color"]
+    if args.engine_precision != "default":
+        cmd += ["--engine-precision", args.engine_precision, "--reference-precision", args.reference_precision]
+    if args.tolerances:
+        cmd += ["--tolerances", args.tolerances]
+    if prompt is None:
+        cmd += ["--tokens", args.tokens]
+    elif prompt.startswith("@"):
+        cmd += ["--tokens", ",".join(str(1 + i % 200) for i in range(int(prompt[1:])))]
+    else:
+        cmd += ["--prompt", prompt, "--chat"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode not in (0, 1) or not report.exists():
         sys.exit(f"{' '.join(cmd)}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    return json.loads(report.read_text())
+    rep = json.loads(report.read_text())
+    # One pair: the report itself; the default GPU run: {"pairs": [{"title", "exit_code", "report"}]}.
+    pairs = [(p["title"], p["report"]) for p in rep["pairs"]] if "pairs" in rep else [("", rep)]
+    return r.returncode, pairs
+
+
+def first_divergence(rep):
+    f = rep.get("first_divergence")
+    if not f:
+        return None
+    v = f["verdict"]
+    return f"{f['name']} step {f['step']} ({v['kind']}{' precision' if v.get('precision') else ''})"
+
+
+class Preset:
+    def __init__(self, path):
+        d = json.loads(Path(path).read_text())
+        self.rules, self.default = d["rules"], d["default"]
+
+    def rule(self, name):
+        for r in self.rules:
+            if fnmatch.fnmatchcase(name, r["match"]):
+                return r
+        return self.default
+
+
+def sensitivity(eng_path: Path, ref_path: Path, preset: Preset, worst: dict, pair: str = ""):
+    """Smallest eps (one row, one head of a row) caught per kind; keeps the largest over checkpoints."""
+    import h5py
+    import numpy as np
+
+    eps_grid = [1e-4 * 1.25 ** i for i in range(60)]  # 1e-4 .. ~5
+
+    def caught(a, b, sl, rule):
+        # a' = a with a[sl] scaled by 1+eps: closed forms of |a'-b|^2 and <a',b>, |a'|^2 in eps.
+        d = a - b
+        nb2, nd2, na2, ab = float((b * b).sum()), float((d * d).sum()), float((a * a).sum()), float((a * b).sum())
+        a_s, d_s, b_s = a[sl], d[sl], b[sl]
+        da, aa, ba = float((d_s * a_s).sum()), float((a_s * a_s).sum()), float((b_s * a_s).sum())
+        if nb2 <= 0:
+            return math.inf
+        for eps in eps_grid:
+            rel = math.sqrt(max(nd2 + 2 * eps * da + eps * eps * aa, 0.0) / nb2)
+            nap2 = na2 + (2 * eps + eps * eps) * aa
+            cos = (ab + eps * ba) / math.sqrt(nap2 * nb2) if nap2 > 0 else 0.0
+            if ("max_rel_l2" in rule and rel > rule["max_rel_l2"]) or ("min_cosine" in rule and cos < rule["min_cosine"]):
+                return eps
+        return math.inf
+
+    with h5py.File(eng_path, "r") as fe, h5py.File(ref_path, "r") as fr:
+        for step in sorted(k for k in fr.keys() if k.startswith("step_")):
+            if step not in fe:
+                continue
+            for name, ds in fr[step].items():
+                if name not in fe[step] or ds.dtype.kind != "f":
+                    continue
+                b = ds[()].astype(np.float64)
+                a = fe[step][name][()].astype(np.float64)
+                if a.shape != b.shape or b.ndim < 2:
+                    continue
+                base = name.rsplit("-", 1)[0] if name[-1].isdigit() and "-" in name else name
+                rule = preset.rule(name)
+                if base == "kq_soft_max":  # [H, T, S]: the last token's row of head 0, and of every head
+                    row, head = (slice(None), -1), (0, -1)
+                else:  # [T, ...]: the last token's row, and head 0 of it
+                    row, head = (-1,), (-1, 0)
+                results = {"row": caught(a, b, row, rule)}
+                if base in PER_HEAD or base == "kq_soft_max":
+                    results["head"] = caught(a, b, head, rule)
+                for what, eps in results.items():
+                    key = (f"{pair}{base}", what)
+                    if key not in worst or eps > worst[key][0]:
+                        worst[key] = (eps, f"{eng_path.parent.name} {step} {name}")
+
+
+def emit_preset(args, worst, path: Path):
+    def up(v):  # factor x v, 2 significant digits, rounded up
+        x = v * args.factor
+        if x <= 0 or not math.isfinite(x):
+            return x
+        e = math.floor(math.log10(x)) - 1
+        return math.ceil(x / 10 ** e) * 10 ** e
+
+    kinds, rules = [], []
+    for (b, k) in worst:
+        if k == "rel_l2" and not b.endswith("@0") and b not in kinds:
+            kinds.append(b)
+    where = f"{len(args.models)} model(s), {max(1, len(args.prompt_list))} prompt(s), {args.steps} steps"
+    for b in kinds:
+        for layer0 in ([True, False] if f"{b}@0:rel_l2" in {f"{x}:{y}" for x, y in worst} else [False]):
+            key = (f"{b}@0" if layer0 else b, "rel_l2")
+            v, w = worst[key]
+            rule = {"match": f"{b}-0" if layer0 else (b if b in ("embd", "result_norm", "result_output") else f"{b}-*"),
+                    "max_rel_l2": float(f"{max(up(v), args.floor):.2g}")}
+            if b == "result_output" and (b, "kl_max") in worst:
+                rule["max_kl"] = float(f"{max(up(worst[(b, 'kl_max')][0]), 1e-9):.2g}")
+            if b == "kq_soft_max" and (b, "cosine") in worst:
+                rule["min_cosine"] = float(f"{1 - max(up(1 - worst[(b, 'cosine')][0]), 1e-9):.10g}")
+            rule["reason"] = f"{args.factor:g}x the worst measured {'at layer 0 ' if layer0 else ''}({where}): {v:.2e} ({w})"
+            rules.append(rule)
+    default = max(r["max_rel_l2"] for r in rules)
+    preset = {"preset": path.stem, "description": args.description or f"calibrated by scripts/calibrate_tolerances.py ({where})",
+              "rules": rules, "default": {"max_rel_l2": default, "reason": "a kind not measured: the loosest bound above"}}
+    lines = ["{", f'  "preset": {json.dumps(preset["preset"])},', f'  "description": {json.dumps(preset["description"])},',
+             '  "rules": [', ",\n".join("    " + json.dumps(r) for r in rules), "  ],",
+             f'  "default": {json.dumps(preset["default"])}', "}"]
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path} ({len(rules)} rules)")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--diffrun", required=True)
-    ap.add_argument("--engine-precision", default="f16")
-    ap.add_argument("--reference-precision", default="f32")
+    ap.add_argument("--engine", default="cuda", help="engine side: cuda or cpu")
+    ap.add_argument("--engine-precision", default="f16", help="f16, f32, a cpu spec, or 'default' (diffrun's own pairs)")
+    ap.add_argument("--reference-precision", default="f32-f16store")
+    ap.add_argument("--tolerances", help="tolerance file to use instead of the pair's preset")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--tokens", default="1,17,42,7,99,3,120", help="prompt token ids (ids below the smallest vocab)")
+    ap.add_argument("--prompts", type=Path, help="one prompt per line, run with --chat ('@N': N filler ids)")
+    ap.add_argument("--emit-preset", type=Path)
+    ap.add_argument("--factor", type=float, default=4.0)
+    ap.add_argument("--floor", type=float, default=1e-6, help="smallest max_rel_l2 an emitted rule gets")
+    ap.add_argument("--description", default="")
+    ap.add_argument("--sensitivity", action="store_true")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("models", nargs="+", type=Path)
     args = ap.parse_args()
+    args.prompt_list = [l.rstrip("\n") for l in args.prompts.read_text().splitlines() if l.strip()] if args.prompts else []
 
-    worst = {}  # (base, metric) -> (value, where)
-    tokens = {}
+    worst = {}  # (base or base@0, metric) -> (value, where)
+    sens = {}  # (base, "row"|"head") -> (eps, where)
+    tokens, alarms, runs = {}, [], 0
     for model in args.models:
-        rep = run_model(args, model, args.out / model.stem)
-        for c in rep["checkpoints"]:
-            m = c.get("metrics")
-            if not m:
-                continue
-            where = f"{model.stem} step {c['step']}" + (f" layer {c['layer']}" if c["layer"] >= 0 else "")
-            values = {k: number(m[k]) for k in METRICS}
-            if m.get("logits"):
-                values.update({k: number(m["logits"][k]) for k in LOGIT_METRICS})
-            for k, v in values.items():
-                larger = {**METRICS, **LOGIT_METRICS}[k][1]
-                key = (c["base"], k)
-                old = worst.get(key)
-                if old is None or math.isnan(v) or (v > old[0] if larger else v < old[0]):
-                    worst[key] = (v, where)
-        decode = [t for t in rep["tokens"] if t["step"] > 0]
-        tokens[model.stem] = {"agree": sum(1 for t in decode if t["match"]), "total": len(decode)}
+        for i, prompt in enumerate(args.prompt_list or [None]):
+            out = args.out / (model.stem + (f"-p{i:03d}" if prompt is not None else ""))
+            code, pairs = run_model(args, model, out, prompt)
+            runs += 1
+            for title, rep in pairs:
+                if rep["summary"]["diverged"]:
+                    alarms.append(f"{model.stem} prompt {i} {title}: {first_divergence(rep)}")
+                for c in rep["checkpoints"]:
+                    m = c.get("metrics")
+                    if not m:
+                        continue
+                    where = f"{model.stem}{f' p{i}' if prompt is not None else ''} step {c['step']}" + (
+                        f" layer {c['layer']}" if c["layer"] >= 0 else "")
+                    values = {k: number(m[k]) for k in METRICS}
+                    if m.get("logits"):
+                        values.update({k: number(m["logits"][k]) for k in LOGIT_METRICS})
+                    for k, v in values.items():
+                        larger = {**METRICS, **LOGIT_METRICS}[k][1]
+                        for key in [(c["base"], k)] + ([(c["base"] + "@0", k)] if c["layer"] == 0 else []):
+                            old = worst.get(key)
+                            if old is None or math.isnan(v) or (v > old[0] if larger else v < old[0]):
+                                worst[key] = (v, where)
+                decode = [t for t in rep["tokens"] if t["step"] > 0]
+                tk = tokens.setdefault(f"{model.stem} {title}".strip(), {"agree": 0, "total": 0})
+                tk["agree"] += sum(1 for t in decode if t["match"])
+                tk["total"] += len(decode)
+                if args.sensitivity:
+                    preset = Preset(args.tolerances) if args.tolerances else Preset(
+                        Path(__file__).resolve().parent.parent / "fixtures" / "tolerances" / f"{rep['tolerances']['preset']}.json")
+                    sub = out if not title else out / ("logic" if title.startswith("logic") else "precision")
+                    sensitivity(sub / "engine.h5", sub / "reference.h5", preset, sens,
+                                f"{title.split(':')[0]}/" if title else "")
 
-    summary = {"engine_precision": args.engine_precision, "reference_precision": args.reference_precision,
-               "steps": args.steps, "models": [str(m) for m in args.models], "top1": tokens,
-               "worst": {f"{b}:{k}": {"value": v, "where": w} for (b, k), (v, w) in sorted(worst.items())}}
+    summary = {"engine": args.engine, "engine_precision": args.engine_precision,
+               "reference_precision": args.reference_precision, "steps": args.steps,
+               "models": [str(m) for m in args.models], "prompts": len(args.prompt_list), "runs": runs,
+               "false_alarms": alarms, "top1": tokens,
+               "worst": {f"{b}:{k}": {"value": v, "where": w} for (b, k), (v, w) in sorted(worst.items())},
+               "sensitivity": {f"{b}:{k}": {"eps": v, "where": w} for (b, k), (v, w) in sorted(sens.items())}}
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"{args.engine_precision} engine vs {args.reference_precision} reference, {args.steps} steps")
+    print(f"{args.engine}/{args.engine_precision} engine vs {args.reference_precision} reference, {args.steps} steps, "
+          f"{runs} runs")
     for (b, k), (v, w) in sorted(worst.items()):
-        print(f"  {b:14s} {k:8s} {v:.3e}  ({w})")
+        print(f"  {b:16s} {k:8s} {v:.3e}  ({w})")
     for name, t in tokens.items():
         print(f"  top-1 {name}: {t['agree']}/{t['total']}")
+    print(f"  divergences (false alarms on a clean engine): {len(alarms)} of {runs} runs")
+    for a in alarms[:20]:
+        print(f"    {a}")
+    if sens:
+        print("  sensitivity: smallest 1+eps caught at the checkpoint (worst over layers and steps)")
+        for (b, k), (v, w) in sorted(sens.items()):
+            print(f"    {b:14s} {k:4s} eps {v:.3g}  ({w})")
+    if args.emit_preset:
+        emit_preset(args, worst, args.emit_preset)
     return 0
 
 
