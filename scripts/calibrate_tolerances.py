@@ -17,6 +17,7 @@ f32-f16store). The summary goes to stdout and DIR/summary.json.
     --emit-preset PATH   write a preset: per kind, max_rel_l2 = --factor x the worst rel_l2 measured
                          (2 significant digits, rounded up), a rule for layer 0 ("attn_norm-0") before
                          the rule of the kind ("attn_norm-*"), and the KL bound of the logits
+    --merge S.json ...   fold earlier runs' worst values in (--merge-pair logic|precision: that pair's)
     --sensitivity        per kind, the smallest scale error 1+eps of one token row, and of one head of
                          it (per-head kinds), that the preset in use catches at that checkpoint: the
                          engine's tensor in the dump scaled, rel_l2 and cosine recomputed against the
@@ -147,7 +148,7 @@ def emit_preset(args, worst, path: Path):
     for (b, k) in worst:
         if k == "rel_l2" and not b.endswith("@0") and b not in kinds:
             kinds.append(b)
-    where = f"{len(args.models)} model(s), {max(1, len(args.prompt_list))} prompt(s), {args.steps} steps"
+    where = args.where or f"{len(args.models)} model(s), {max(1, len(args.prompt_list))} prompt(s), {args.steps} steps"
     for b in kinds:
         for layer0 in ([True, False] if f"{b}@0:rel_l2" in {f"{x}:{y}" for x, y in worst} else [False]):
             key = (f"{b}@0" if layer0 else b, "rel_l2")
@@ -184,7 +185,10 @@ def main() -> int:
     ap.add_argument("--factor", type=float, default=4.0)
     ap.add_argument("--floor", type=float, default=1e-6, help="smallest max_rel_l2 an emitted rule gets")
     ap.add_argument("--description", default="")
+    ap.add_argument("--where", default="", help="what the emitted reasons say was measured")
     ap.add_argument("--sensitivity", action="store_true")
+    ap.add_argument("--merge", type=Path, nargs="*", help="summary.json files of earlier runs to fold into the worst values")
+    ap.add_argument("--merge-pair", default="", help="with --merge: take that pair's values (logic or precision)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("models", nargs="+", type=Path)
     args = ap.parse_args()
@@ -207,12 +211,13 @@ def main() -> int:
                         continue
                     where = f"{model.stem}{f' p{i}' if prompt is not None else ''} step {c['step']}" + (
                         f" layer {c['layer']}" if c["layer"] >= 0 else "")
+                    prefix = f"{title.split(':')[0]}/" if title else ""  # the default pairs: logic/, precision/
                     values = {k: number(m[k]) for k in METRICS}
                     if m.get("logits"):
                         values.update({k: number(m["logits"][k]) for k in LOGIT_METRICS})
                     for k, v in values.items():
                         larger = {**METRICS, **LOGIT_METRICS}[k][1]
-                        for key in [(c["base"], k)] + ([(c["base"] + "@0", k)] if c["layer"] == 0 else []):
+                        for key in [(prefix + c["base"], k)] + ([(prefix + c["base"] + "@0", k)] if c["layer"] == 0 else []):
                             old = worst.get(key)
                             if old is None or math.isnan(v) or (v > old[0] if larger else v < old[0]):
                                 worst[key] = (v, where)
@@ -227,6 +232,18 @@ def main() -> int:
                     sensitivity(sub / "engine.h5", sub / "reference.h5", preset, sens,
                                 f"{title.split(':')[0]}/" if title else "")
 
+    for path in args.merge or []:  # earlier runs' worst values, of --merge-pair's pair when they ran both
+        want = f"{args.merge_pair}/" if args.merge_pair else ""
+        for key, e in json.loads(path.read_text())["worst"].items():
+            bk, k = key.rsplit(":", 1)
+            if want and not bk.startswith(want):
+                continue
+            bk = bk[len(want):]
+            if "/" in bk:
+                continue
+            v, larger, old = number(e["value"]), {**METRICS, **LOGIT_METRICS}[k][1], worst.get((bk, k))
+            if old is None or (v > old[0] if larger else v < old[0]):
+                worst[(bk, k)] = (v, f"{e['where']} ({path.parent.name})")
     summary = {"engine": args.engine, "engine_precision": args.engine_precision,
                "reference_precision": args.reference_precision, "steps": args.steps,
                "models": [str(m) for m in args.models], "prompts": len(args.prompt_list), "runs": runs,
