@@ -365,3 +365,64 @@ TEST_F(Cli, PromptBadInputs) {
   EXPECT_NE(help.out.find("--prompt"), std::string::npos);
   EXPECT_EQ(run("--model " + quote(model) + " --tokens 1 --steps -1").rc, 2);
 }
+
+// The reference that emulates the f16 engine's storage (f32-f16store) against the same storage in f64
+// arithmetic: the CPU twin of the default GPU precision pair, under its preset (f16_vs_f32-f16store).
+// The stored tensors hold f16 values and say so; a small RMSNorm error that the old f16 preset let
+// through (rms_eps_1e5, ~1e-4 at attn_norm-0) is caught at attn_norm-0.
+TEST_F(Cli, EmulatedF16StoragePair) {
+  const std::string model = diffrun::test::fixture_path("tiny-qwen2-q8_0.gguf");
+  if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model << " (run the fixtures_generate test)";
+  const std::string out = path("run");
+  const std::string pair = "--model " + quote(model) + " --tokens 1,17,42,7,99,3,120 --steps 3 --engine cpu "
+                           "--engine-precision f32-f16store --reference-precision f64-f16store --no-color --out " +
+                           quote(out) + " --report-json " + quote(path("run.json"));
+  Result clean = run(pair);
+  EXPECT_EQ(clean.rc, 0) << clean.out << clean.err;
+  nlohmann::json j = nlohmann::json::parse(slurp(path("run.json")));
+  EXPECT_EQ(j["tolerances"]["preset"], "f16_vs_f32-f16store");
+  EXPECT_EQ(python("import h5py, numpy as np\n"
+                   "f = h5py.File(" + quote(out + "/reference.h5") + ", 'r')\n"
+                   "for n in ['attn_norm-0', 'kqv_out-1', 'ffn_swiglu-0', 'ffn_norm-1', 'result_norm']:\n"
+                   "    d = f['step_0000'][n]; a = d[()]\n"
+                   "    assert d.attrs['native_dtype'] in ('f16', b'f16'), (n, d.attrs['native_dtype'])\n"
+                   "    assert (a.astype(np.float16).astype(np.float32) == a).all(), n\n"
+                   "q = f['step_0000']['Qcur-0']\n"
+                   "assert q.attrs['native_dtype'] in ('f64', b'f64')\n"
+                   "assert (q[()].astype(np.float16).astype(np.float32) != q[()]).any()\n"),
+            0);
+  Result fault = run(pair + " --inject rms_eps_1e5");
+  EXPECT_EQ(fault.rc, 1) << fault.out << fault.err;
+  j = nlohmann::json::parse(slurp(path("run.json")));
+  EXPECT_EQ(j["first_divergence"]["name"], "attn_norm-0") << fault.out;
+  Result bad = run("--model " + quote(model) + " --tokens 1,2 --engine cpu --engine-precision f32-f16stor");
+  EXPECT_EQ(bad.rc, 2);
+  EXPECT_NE(bad.err.find("f32-f16stor"), std::string::npos) << bad.err;
+}
+
+// A residual stream kept in f16 (f32-f16residual) is a precision choice: against the f64 reference it
+// fails the f32 bounds at ffn_inp-0, and the verdict says drift (precision) by the storage rule. The
+// same storage with a real bug (the residual add skipped) is still local.
+TEST_F(Cli, ResidualInF16IsPrecisionDrift) {
+  const std::string model = diffrun::test::fixture_path("tiny-llama-q4_0.gguf");
+  if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model;
+  const std::string args = "--model " + quote(model) + " --tokens 1,2,3,4,5 --steps 2 --engine cpu "
+                           "--engine-precision f32-f16residual --no-color --out " + quote(path("run")) +
+                           " --report-json " + quote(path("run.json"));
+  Result r = run(args);
+  EXPECT_EQ(r.rc, 1) << r.out << r.err;
+  nlohmann::json j = nlohmann::json::parse(slurp(path("run.json")));
+  EXPECT_EQ(j["reference"]["precision"], "f64");
+  EXPECT_EQ(j["tolerances"]["preset"], "f32_vs_f64");
+  EXPECT_EQ(j["first_divergence"]["name"], "ffn_inp-0");
+  EXPECT_EQ(j["first_divergence"]["verdict"]["kind"], "drift");
+  EXPECT_EQ(j["first_divergence"]["verdict"]["rule"], "storage");
+  EXPECT_TRUE(j["first_divergence"]["verdict"]["precision"].get<bool>());
+  EXPECT_NE(r.out.find("DRIFT (precision)"), std::string::npos) << r.out;
+
+  Result bug = run(args + " --inject residual_skipped");
+  EXPECT_EQ(bug.rc, 1) << bug.out << bug.err;
+  j = nlohmann::json::parse(slurp(path("run.json")));
+  EXPECT_EQ(j["first_divergence"]["name"], "ffn_inp-0");
+  EXPECT_EQ(j["first_divergence"]["verdict"]["kind"], "local") << bug.out;
+}
