@@ -190,8 +190,10 @@ def main() -> int:
     ap.add_argument("--merge", type=Path, nargs="*", help="summary.json files of earlier runs to fold into the worst values")
     ap.add_argument("--merge-pair", default="", help="with --merge: take that pair's values (logic or precision)")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("models", nargs="+", type=Path)
+    ap.add_argument("models", nargs="*", type=Path)
     args = ap.parse_args()
+    if not args.models and not args.merge:
+        ap.error("give models to run, or --merge summaries")
     args.prompt_list = [l.rstrip("\n") for l in args.prompts.read_text().splitlines() if l.strip()] if args.prompts else []
 
     worst = {}  # (base or base@0, metric) -> (value, where)
@@ -236,14 +238,12 @@ def main() -> int:
         want = f"{args.merge_pair}/" if args.merge_pair else ""
         for key, e in json.loads(path.read_text())["worst"].items():
             bk, k = key.rsplit(":", 1)
-            if want and not bk.startswith(want):
-                continue
-            bk = bk[len(want):]
-            if "/" in bk:
-                continue
+            if "/" in bk and not (want and bk.startswith(want)):
+                continue  # the other pair's
+            bk = bk[len(want):] if want and bk.startswith(want) else bk
             v, larger, old = number(e["value"]), {**METRICS, **LOGIT_METRICS}[k][1], worst.get((bk, k))
             if old is None or (v > old[0] if larger else v < old[0]):
-                worst[(bk, k)] = (v, f"{e['where']} ({path.parent.name})")
+                worst[(bk, k)] = (v, f"{e['where']} ({path.stem})")
     summary = {"engine": args.engine, "engine_precision": args.engine_precision,
                "reference_precision": args.reference_precision, "steps": args.steps,
                "models": [str(m) for m in args.models], "prompts": len(args.prompt_list), "runs": runs,
