@@ -140,8 +140,10 @@ int run_main(const MainOptions& o) {
   const ModelConfig cfg = config_from_gguf(*file);
   validate_tensors(*file, cfg);
   // Every option is checked before the reference runs (it may take minutes).
-  check_run_options(*file, cfg, eng, filter, true);
-  check_run_options(*file, cfg, ref, filter, true);
+  for (const RunPair& p : pairs) {
+    check_run_options(*file, cfg, p.eng, filter, true);
+    check_run_options(*file, cfg, p.ref, filter, true);
+  }
   const auto tok = load_tokenizer(*file);
   const std::vector<int32_t> ids = prompt_tokens(*file, *tok, o.prompt);
   const int64_t needed = static_cast<int64_t>(ids.size()) + o.steps;
