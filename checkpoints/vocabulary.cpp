@@ -25,30 +25,31 @@ const char* native_dtype_name(NativeDType d) {
 
 const std::vector<CheckpointKind>& checkpoint_kinds() {
   static const std::vector<CheckpointKind> kinds = {
-      {"tokens", false, "T", "input ids of the step (int32)"},
-      {"embd", false, "T,D", "token embeddings, any model scaling applied"},
-      {"attn_norm", true, "T,D", "RMSNorm(x) * attn_norm weight"},
-      {"Qcur", true, "T,H,Dh", "q projection, bias added, before RoPE"},
-      {"Kcur", true, "T,Hkv,Dh", "k projection, bias added, before RoPE"},
-      {"Vcur", true, "T,Hkv,Dh", "v projection, bias added"},
-      {"Qnorm", true, "T,H,Dh", "q after its per-head RMSNorm, before RoPE", true},
-      {"Knorm", true, "T,Hkv,Dh", "k after its per-head RMSNorm, before RoPE", true},
-      {"Qrope", true, "T,H,Dh", "q after RoPE"},
-      {"Krope", true, "T,Hkv,Dh", "k after RoPE"},
-      {"cache_k", true, "S,Hkv,Dh", "KV cache keys valid after the step"},
-      {"cache_v", true, "S,Hkv,Dh", "KV cache values valid after the step"},
-      {"kq_soft_max", true, "H,T,S", "attention probabilities (causal mask applied)"},
-      {"kqv_out", true, "T,H,Dh", "attention context, before the output projection"},
-      {"attn_out", true, "T,D", "after the attention output projection"},
-      {"ffn_inp", true, "T,D", "residual after attention"},
-      {"ffn_norm", true, "T,D", "RMSNorm(x) * ffn_norm weight"},
-      {"ffn_gate", true, "T,F", "gate projection"},
-      {"ffn_up", true, "T,F", "up projection"},
-      {"ffn_swiglu", true, "T,F", "silu(gate) * up"},
-      {"ffn_out", true, "T,D", "down projection"},
-      {"l_out", true, "T,D", "layer output (residual)"},
-      {"result_norm", false, "T,D", "final RMSNorm(x) * output_norm weight"},
-      {"result_output", false, "T,V", "logits over the real vocabulary"},
+      {"tokens", false, "T", "input ids of the step (int32)", ""},
+      {"embd", false, "T,D", "token embeddings, any model scaling applied", ""},
+      {"attn_norm", true, "T,D", "RMSNorm(x) * attn_norm weight", "l_out@prev"},
+      {"Qcur", true, "T,H,Dh", "q projection, bias added, before RoPE", "attn_norm"},
+      {"Kcur", true, "T,Hkv,Dh", "k projection, bias added, before RoPE", "attn_norm"},
+      {"Vcur", true, "T,Hkv,Dh", "v projection, bias added", "attn_norm"},
+      {"Qnorm", true, "T,H,Dh", "q after its per-head RMSNorm, before RoPE", "Qcur", true},
+      {"Knorm", true, "T,Hkv,Dh", "k after its per-head RMSNorm, before RoPE", "Kcur", true},
+      {"Qrope", true, "T,H,Dh", "q after RoPE", "Qnorm|Qcur"},
+      {"Krope", true, "T,Hkv,Dh", "k after RoPE", "Knorm|Kcur"},
+      {"cache_k", true, "S,Hkv,Dh", "KV cache keys valid after the step", "Krope"},
+      {"cache_v", true, "S,Hkv,Dh", "KV cache values valid after the step", "Vcur"},
+      {"kq_soft_max", true, "H,T,S", "attention probabilities (causal mask applied)", "Qrope,cache_k|Krope"},
+      {"kqv_out", true, "T,H,Dh", "attention context, before the output projection",
+       "kq_soft_max,cache_v|Vcur"},
+      {"attn_out", true, "T,D", "after the attention output projection", "kqv_out"},
+      {"ffn_inp", true, "T,D", "residual after attention", "attn_out,l_out@prev"},
+      {"ffn_norm", true, "T,D", "RMSNorm(x) * ffn_norm weight", "ffn_inp"},
+      {"ffn_gate", true, "T,F", "gate projection", "ffn_norm"},
+      {"ffn_up", true, "T,F", "up projection", "ffn_norm"},
+      {"ffn_swiglu", true, "T,F", "silu(gate) * up", "ffn_gate,ffn_up"},
+      {"ffn_out", true, "T,D", "down projection", "ffn_swiglu"},
+      {"l_out", true, "T,D", "layer output (residual)", "ffn_out,ffn_inp"},
+      {"result_norm", false, "T,D", "final RMSNorm(x) * output_norm weight", "l_out@last"},
+      {"result_output", false, "T,V", "logits over the real vocabulary", "result_norm"},
   };
   return kinds;
 }
@@ -65,6 +66,39 @@ std::vector<Arch> kind_archs(const CheckpointKind& k) {
   // Only qwen3 carries per-head q/k norms (ModelConfig::qk_norm) among the supported architectures.
   if (k.qk_norm_only) return {Arch::qwen3};
   return {Arch::llama, Arch::qwen2, Arch::qwen3};
+}
+
+std::vector<std::string> checkpoint_inputs(std::string_view base, int layer, int n_layer,
+                                           const std::function<bool(const std::string&)>& recorded) {
+  const CheckpointKind* kind = find_checkpoint_kind(base);
+  if (!kind) return {};
+  // One name of an `inputs` list as a checkpoint name at this layer.
+  const auto resolve = [&](std::string_view name) {
+    int at = layer;
+    if (const size_t a = name.find('@'); a != std::string_view::npos) {
+      at = name.substr(a + 1) == "prev" ? layer - 1 : n_layer - 1;
+      name = name.substr(0, a);
+      if (at < 0) return std::string("embd");  // the stream before the first layer
+    }
+    const CheckpointKind* k = find_checkpoint_kind(name);
+    return checkpoint_name(name, k && k->per_layer ? at : -1);
+  };
+  std::vector<std::string> out;
+  std::string_view list = kind->inputs;
+  while (!list.empty()) {
+    const size_t comma = std::min(list.find(','), list.size());
+    std::string_view operand = list.substr(0, comma);
+    list.remove_prefix(std::min(comma + 1, list.size()));
+    std::string chosen;
+    while (true) {  // the first recorded alternative, else the last
+      const size_t bar = operand.find('|');
+      chosen = resolve(operand.substr(0, bar));
+      if (bar == std::string_view::npos || recorded(chosen)) break;
+      operand.remove_prefix(bar + 1);
+    }
+    out.push_back(std::move(chosen));
+  }
+  return out;
 }
 
 namespace {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -19,11 +20,16 @@ const char* native_dtype_name(NativeDType d);
 // tensors are 3-D ("T,H,Dh", "T,Hkv,Dh", "S,Hkv,Dh") so a diff can report (token, head, dim).
 // Letters: T tokens of the step, S positions attended (KV cache length after the step), D n_embd,
 // H n_head, Hkv n_head_kv, Dh head_dim, F n_ff, V n_vocab.
+//
+// `inputs` is the kind's dataflow: the checkpoints its operands are, comma-separated. A name is the
+// same layer's checkpoint for a per-layer kind; "@prev" is the previous layer's (the stream before the
+// layers, embd, at layer 0) and "@last" the last layer's. "A|B": A where A was recorded, else B.
 struct CheckpointKind {
   const char* base;    // "Qcur"
   bool per_layer;
   const char* layout;  // dimension letters of the stored array, e.g. "T,H,Dh" or "H,T,S"
   const char* what;    // one line for help and reports
+  const char* inputs;  // dataflow inputs, e.g. "Qrope,cache_k|Krope"; "" for none
   bool qk_norm_only = false;  // emitted only by models with per-head q/k RMSNorm (qwen3)
 };
 
@@ -32,6 +38,11 @@ const std::vector<CheckpointKind>& checkpoint_kinds();
 const CheckpointKind* find_checkpoint_kind(std::string_view base);  // nullptr if unknown
 bool kind_applies(const CheckpointKind& k, const ModelConfig& cfg);  // qwen3 adds Qnorm/Knorm
 std::vector<Arch> kind_archs(const CheckpointKind& k);  // the architectures that emit this kind
+
+// The direct dataflow inputs of checkpoint `base` at `layer` (-1 outside layers) in a model of
+// n_layer layers, as the kind's `inputs` name them, each alternative resolved by `recorded`.
+std::vector<std::string> checkpoint_inputs(std::string_view base, int layer, int n_layer,
+                                           const std::function<bool(const std::string&)>& recorded);
 
 // Per-layer kinds that apply to this config (the stride of `order` from one layer to the next).
 int checkpoints_per_layer(const ModelConfig& cfg);

@@ -15,37 +15,11 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Direct operands of a checkpoint, before filtering by what was recorded.
-std::vector<std::string> direct_inputs(std::string_view base, int layer, int n_layer,
-                                       const std::function<bool(const std::string&)>& recorded) {
-  auto at = [&](const char* b) { return checkpoint_name(b, layer); };
-  const std::string prev = layer > 0 ? checkpoint_name("l_out", layer - 1) : "embd";
-  if (base == "attn_norm") return {prev};
-  if (base == "Qcur" || base == "Kcur" || base == "Vcur") return {at("attn_norm")};
-  if (base == "Qnorm") return {at("Qcur")};
-  if (base == "Knorm") return {at("Kcur")};
-  if (base == "Qrope") return {recorded(at("Qnorm")) ? at("Qnorm") : at("Qcur")};
-  if (base == "Krope") return {recorded(at("Knorm")) ? at("Knorm") : at("Kcur")};
-  if (base == "cache_k") return {at("Krope")};
-  if (base == "cache_v") return {at("Vcur")};
-  if (base == "kq_soft_max") return {at("Qrope"), recorded(at("cache_k")) ? at("cache_k") : at("Krope")};
-  if (base == "kqv_out") return {at("kq_soft_max"), recorded(at("cache_v")) ? at("cache_v") : at("Vcur")};
-  if (base == "attn_out") return {at("kqv_out")};
-  if (base == "ffn_inp") return {at("attn_out"), prev};
-  if (base == "ffn_norm") return {at("ffn_inp")};
-  if (base == "ffn_gate" || base == "ffn_up") return {at("ffn_norm")};
-  if (base == "ffn_swiglu") return {at("ffn_gate"), at("ffn_up")};
-  if (base == "ffn_out") return {at("ffn_swiglu")};
-  if (base == "l_out") return {at("ffn_out"), at("ffn_inp")};
-  if (base == "result_norm") return {n_layer > 0 ? checkpoint_name("l_out", n_layer - 1) : "embd"};
-  if (base == "result_output") return {"result_norm"};
-  return {};
-}
-
 void collect_inputs(std::string_view base, int layer, int n_layer,
                     const std::function<bool(const std::string&)>& recorded, int depth,
                     std::vector<std::string>& out) {
-  for (const auto& name : direct_inputs(base, layer, n_layer, recorded)) {
+  // The direct operands (the vocabulary's dataflow); an unrecorded one is replaced by its own inputs.
+  for (const auto& name : checkpoint_inputs(base, layer, n_layer, recorded)) {
     if (std::find(out.begin(), out.end(), name) != out.end()) continue;
     if (recorded(name)) {
       out.push_back(name);

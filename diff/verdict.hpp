@@ -1,6 +1,7 @@
 // The verdict on the first divergence: a local bug (the error jumps at this op) or accumulated drift.
 //
-// Each checkpoint kind has dataflow inputs (its operands' checkpoints, see dataflow_inputs). The
+// Each checkpoint kind has dataflow inputs (its operands' checkpoints, as the checkpoint vocabulary
+// names them: CheckpointKind::inputs, see dataflow_inputs); diff/ knows no architecture. The
 // rules run in order and the first that decides wins; the report prints the rule and its numbers:
 //   shape         shapes differ                                         -> local
 //   isolation     (isolation replay ran) this op on the reference's inputs fails its tolerance
@@ -50,9 +51,10 @@ struct Verdict {
   bool precision = false;            // drift explained by the engine's declared storage precision (rule storage)
 };
 
-// Names of the checkpoints a checkpoint is computed from, for a model of n_layer layers.
+// Names of the checkpoints a checkpoint is computed from, for a model of n_layer layers: the
+// vocabulary's checkpoint_inputs, where an input that was not recorded is replaced by its own inputs.
 // `recorded` says whether a name exists in the step (to choose Qnorm over Qcur, cache_k over
-// Krope); names that were not recorded are left out. embd (from token ids) has none.
+// Krope). embd (from token ids) has none.
 std::vector<std::string> dataflow_inputs(std::string_view base, int layer, int n_layer,
                                          const std::function<bool(const std::string&)>& recorded);
 

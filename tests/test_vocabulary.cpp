@@ -144,6 +144,37 @@ TEST(Vocabulary, ArchsAndJson) {
   EXPECT_EQ(doc["kinds"][3]["per_layer"], true);
 }
 
+// Every dataflow input names a kind of the vocabulary that runs before it (or the previous/last
+// layer's), and the lists resolve per layer with their alternatives.
+TEST(Vocabulary, DataflowInputsNameEarlierKinds) {
+  const auto& kinds = checkpoint_kinds();
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    std::string_view list = kinds[i].inputs;
+    while (!list.empty()) {
+      const size_t end = std::min(list.find_first_of(",|"), list.size());
+      std::string_view name = list.substr(0, end);
+      list.remove_prefix(std::min(end + 1, list.size()));
+      const bool other_layer = name.find('@') != std::string_view::npos;
+      name = name.substr(0, name.find('@'));
+      const CheckpointKind* k = find_checkpoint_kind(name);
+      ASSERT_NE(k, nullptr) << kinds[i].base << " names an unknown input '" << name << "'";
+      if (!other_layer)
+        EXPECT_LT(k - kinds.data(), static_cast<ptrdiff_t>(i)) << kinds[i].base << " <- " << name;
+    }
+  }
+  const auto all = [](const std::string&) { return true; };
+  const auto no_cache = [](const std::string& n) { return n.rfind("cache_", 0) != 0; };
+  using V = std::vector<std::string>;
+  EXPECT_EQ(checkpoint_inputs("kqv_out", 2, 4, all), (V{"kq_soft_max-2", "cache_v-2"}));
+  EXPECT_EQ(checkpoint_inputs("kqv_out", 2, 4, no_cache), (V{"kq_soft_max-2", "Vcur-2"}));
+  EXPECT_EQ(checkpoint_inputs("ffn_inp", 3, 4, all), (V{"attn_out-3", "l_out-2"}));
+  EXPECT_EQ(checkpoint_inputs("attn_norm", 0, 4, all), V{"embd"});
+  EXPECT_EQ(checkpoint_inputs("result_norm", -1, 4, all), V{"l_out-3"});
+  EXPECT_EQ(checkpoint_inputs("result_norm", -1, 0, all), V{"embd"});
+  EXPECT_TRUE(checkpoint_inputs("tokens", -1, 4, all).empty());
+  EXPECT_TRUE(checkpoint_inputs("not_a_kind", 0, 4, all).empty());
+}
+
 TEST(Filter, GlobsOverFullNames) {
   const CheckpointFilter f("attn_*,result_*");
   EXPECT_TRUE(f.matches("attn_norm-0"));
