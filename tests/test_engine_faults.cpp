@@ -9,9 +9,10 @@
 // own ops (the catalog's `ops`) may fail locally; the clean engine passes in isolation everywhere. The subtle RMSNorm
 // faults (rms_eps_1e5, rms_norm_off_by_one, rms_eps_outside_sqrt) move attn_norm-0 by 1e-4 to 3e-3,
 // under the f16 presets' bounds (the catalog says so): the f16 checks print them but assert nothing
-// until a reference of the engine's precision with tighter bounds exists; the f32 ones keep them,
-// except rms_eps_outside_sqrt on models with rms_eps 1e-6 (7e-6 on the tiny qwen2/qwen3: under
-// f32_vs_f64 too). rope_cache_unrotated is the fused-write check of isolation: its cache_k-0 must
+// until a reference of the engine's precision with tighter bounds exists; the f32 ones keep them.
+// rms_eps_outside_sqrt on models with rms_eps 1e-6 moves attn_norm-0 by only 7e-6 (tiny qwen2/qwen3):
+// found by the f32_vs_f64 bound at layer 0, its isolation local error is not 100x the clean run's
+// largest (which comes from other kinds), so that ratio is not asserted for it. rope_cache_unrotated is the fused-write check of isolation: its cache_k-0 must
 // be local in isolation as in the plain run.
 //
 // Printed figures (for the project notes): one line per fault and configuration ("fault-table"),
@@ -175,8 +176,8 @@ void check_model(const std::string& path, const std::string& label, std::vector<
       if (!fault_not_applicable(info.id, m.cfg, m.file.get()).empty()) continue;
       const bool rms_subtle = info.id == Fault::rms_eps_1e5 || info.id == Fault::rms_norm_off_by_one ||
                               info.id == Fault::rms_eps_outside_sqrt;
-      const bool subtle = (rms_subtle && std::string(p.engine) == "f16") ||
-                          (info.id == Fault::rms_eps_outside_sqrt && m.cfg.rms_eps < 5e-6);
+      const bool subtle = rms_subtle && std::string(p.engine) == "f16";
+      const bool tiny_effect = info.id == Fault::rms_eps_outside_sqrt && m.cfg.rms_eps < 5e-6;
       SCOPED_TRACE(info.name);
       const std::string expected = expected_checkpoint(info.id, m.cfg, m.file.get());
       const std::string name = label + "-" + info.name + "-" + p.engine;
@@ -215,7 +216,7 @@ void check_model(const std::string& path, const std::string& label, std::vector<
         if (r.failed())
           EXPECT_NE(ops.find("," + r.base + ","), std::string::npos)
               << r.name << " at step " << r.step << " fails in isolation; the fault changes only " << info.ops;
-      if (!local_shape && !local_nonfinite) {
+      if (!local_shape && !local_nonfinite && !tiny_effect) {
         EXPECT_GE(local_err, 100 * clean_local) << "local error against the clean run's largest local error";
       }
     }

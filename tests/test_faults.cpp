@@ -228,9 +228,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ArchCase{"tiny-llama-f32.gguf",
                                {Fault::qkv_bias_missing, Fault::rope_theta_10000, Fault::rms_eps_1e5,
                                 Fault::dequant_scale_offset}},
-                      ArchCase{"tiny-qwen2-f32.gguf", {Fault::dequant_scale_offset}, {Fault::rms_eps_outside_sqrt}},
-                      ArchCase{"tiny-qwen3-f32.gguf", {Fault::qkv_bias_missing, Fault::dequant_scale_offset},
-                               {Fault::rms_eps_outside_sqrt}}),
+                      ArchCase{"tiny-qwen2-f32.gguf", {Fault::dequant_scale_offset}},
+                      ArchCase{"tiny-qwen3-f32.gguf", {Fault::qkv_bias_missing, Fault::dequant_scale_offset}}),
     [](const auto& info) {
       std::string name = info.param.fixture;
       name = name.substr(5, name.find('-', 5) - 5);  // "tiny-qwen2-f32.gguf" -> "qwen2"
@@ -271,8 +270,9 @@ TEST(FaultSubtle, RmsEpsCaughtByTheF32PresetNotTheF16One) {
 
 // The new subtle RMSNorm faults, where the catalog puts them: rms_norm_off_by_one moves attn_norm-0 by
 // about 1/(2D) (2e-3 at D 256), rms_eps_outside_sqrt by about 7e-5 on the tiny llama (eps 1e-5) and 7e-6
-// on qwen2/qwen3 (eps 1e-6): the f32_vs_f64 bound (2e-5) catches the first two and misses the third,
-// the f16 presets (0.02) miss all three at attn_norm-0.
+// on qwen2/qwen3 (eps 1e-6): the f32_vs_f64 bound at attn_norm-0 (2.5e-6: layer 0 reads exact
+// embeddings, so a clean norm is within one rounding) catches all three; the f16 presets miss all
+// three at attn_norm-0.
 TEST(FaultSubtle, RmsNormFaultsAgainstTheF32AndF16Presets) {
   struct Case {
     const char* fixture;
@@ -283,7 +283,7 @@ TEST(FaultSubtle, RmsNormFaultsAgainstTheF32AndF16Presets) {
   const Case cases[] = {{"tiny-llama-f32.gguf", Fault::rms_norm_off_by_one, 5e-4, 1e-2, true},
                         {"tiny-qwen2-f32.gguf", Fault::rms_norm_off_by_one, 5e-4, 1e-2, true},
                         {"tiny-llama-f32.gguf", Fault::rms_eps_outside_sqrt, 3 * 2e-5, 2e-4, true},
-                        {"tiny-qwen2-f32.gguf", Fault::rms_eps_outside_sqrt, 2e-6, 2e-5, false}};
+                        {"tiny-qwen2-f32.gguf", Fault::rms_eps_outside_sqrt, 2.5e-6, 2e-5, true}};
   for (const Case& k : cases) {
     SCOPED_TRACE(std::string(k.fixture) + " with " + fault_info(k.fault).name);
     Reference& ref = reference_of(k.fixture);
