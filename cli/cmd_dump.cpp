@@ -73,7 +73,7 @@ int run_dump(const DumpOptions& o) {
   Sink& sink = replay ? static_cast<Sink&>(*replay) : writer;
   const auto t1 = std::chrono::steady_clock::now();
   const StepsResult r = run_steps(*backend, ids, o.steps, forced, sink, false, [&](int step, int total) {
-    fmt::print(stderr, "diffrun dump: step {}/{} done ({:.1f} s)\n", step, total, seconds_since(t1));
+    fmt::print(stderr, "diffrun dump: step {}/{} done ({:.1f} s)\n", step + 1, total + 1, seconds_since(t1));
   });
   writer.set_attribute("all_token_ids", r.tokens);
   writer.set_attribute("argmax", r.argmax);

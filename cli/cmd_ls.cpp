@@ -1,9 +1,12 @@
-// `diffrun ls DUMP.h5 [--step N]`: a dump's root attributes, then per step its checkpoints in order.
+// `diffrun ls DUMP.h5 [--step N] [--all]`: a dump's root attributes, a line per step, the kinds; every checkpoint with --all or --step.
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include "checkpoints/dump.hpp"
 #include "checkpoints/name_map.hpp"
@@ -16,6 +19,7 @@ struct LsOptions {
   std::string path;
   std::string names;  // name map (--names)
   int step = -1;  // -1: every step
+  bool all = false;  // every checkpoint of every step (the default: one line per step and the kinds)
 };
 
 // One line for a long string: newlines shown as \n, cut at `max` characters.
@@ -65,6 +69,8 @@ int run_ls(const LsOptions& o) {
   fmt::print("{} steps", steps.size());
   if (!steps.empty()) fmt::print(" ({}..{})", steps.front(), steps.back());
   fmt::print("\n");
+  const bool every = o.all || o.step >= 0;
+  std::vector<std::string> kinds, outside;  // per-layer kinds and the rest, in order of first appearance
   for (int step : steps) {
     if (o.step >= 0 && step != o.step) continue;
     const auto infos = r.datasets(step);
@@ -73,6 +79,14 @@ int run_ls(const LsOptions& o) {
       uint64_t n = 1;
       for (auto x : d.shape) n *= static_cast<uint64_t>(x);
       values += n;
+      const std::string base = d.layer >= 0 ? d.name.substr(0, d.name.rfind('-')) : d.name;
+      auto& list = d.layer >= 0 ? kinds : outside;
+      if (std::find(list.begin(), list.end(), base) == list.end()) list.push_back(base);
+    }
+    if (!every) {
+      fmt::print("  step {:<4} {:>5} checkpoints, {:8.2f} MB as float32\n", step, infos.size(),
+                 static_cast<double>(values) * 4 / 1e6);
+      continue;
     }
     fmt::print("\nstep {} ({} checkpoints, {:.2f} MB)\n", step, infos.size(), static_cast<double>(values) * 4 / 1e6);
     fmt::print("  {:>5}  {:<18} {:<16} {:<10} {:<7} {}\n", "order", "name", "shape", "layout", "stored", "native");
@@ -80,14 +94,20 @@ int run_ls(const LsOptions& o) {
       fmt::print("  {:>5}  {:<18} {:<16} {:<10} {:<7} {}\n", d.order, d.name, shape_text(d.shape), d.layout,
                  d.stored_dtype, d.native_dtype);
   }
+  if (!every) {
+    fmt::print("kinds per layer ({}): {}\n", kinds.size(), fmt::join(kinds, ", "));
+    if (!outside.empty()) fmt::print("outside layers: {}\n", fmt::join(outside, ", "));
+    fmt::print("(--all lists every checkpoint, --step N those of one step)\n");
+  }
   return 0;
 }
 
-const CommandRegistrar reg("ls", "List a dump's metadata and, per step, its checkpoints in order", [](CLI::App& app) {
+const CommandRegistrar reg("ls", "Summarise a dump: metadata, a line per step, the checkpoint kinds (--all: every checkpoint)", [](CLI::App& app) {
   auto o = std::make_shared<LsOptions>();
   app.add_option("dump", o->path, "HDF5 dump")->required();
   app.add_option("--names", o->names, "Name map of the dump: llamacpp, hf or a JSON file (fixtures/names/README.md)");
-  app.add_option("--step", o->step, "Only this step")->check(CLI::NonNegativeNumber);
+  app.add_option("--step", o->step, "Every checkpoint of this step")->check(CLI::NonNegativeNumber);
+  app.add_flag("--all", o->all, "Every checkpoint of every step (default: one line per step and the kinds)");
   return [o] { return run_ls(*o); };
 });
 

@@ -218,6 +218,7 @@ const CommandRegistrar registrar{
       app.add_flag("--remove-stale", o->remove_stale,
                    "Remove the dump temporaries (*.tmp-PID) that killed runs left in --out (otherwise only listed)");
       o->report.add_options(app);
+      o->report.title = "diffrun";
       return [o, &app]() {
         if (app.get_option("--prompt")->count() == 0 && app.get_option("--tokens")->count() == 0) {
           std::fputs(app.help().c_str(), stdout);

@@ -53,9 +53,11 @@ bool use_color(bool no_color) {
 
 void ReportOptions::add_options(CLI::App& app) {
   app.add_option("--tolerances", tolerances,
-                 "Tolerance rules (JSON); default: the preset of the precision pair, e.g. fixtures/tolerances/f32_vs_f64.json");
+                 "Tolerance rules file (JSON, format in fixtures/tolerances/README.md); default: the built-in preset "
+                 "of the precision pair (f32_vs_f64, f16_vs_f32, ...)");
   app.add_option("--report-json", report_json, "Write the full report as JSON to this file");
-  app.add_option("--report-junit", report_junit, "Write one JUnit test case per checkpoint to this file");
+  app.add_option("--report-junit", report_junit,
+                 "Write JUnit XML to this file: one test case per checkpoint, the first divergence the failing one");
   app.add_flag("--force", force, "Compare dumps of different models, token ids or configs anyway");
   app.add_flag("--no-color", no_color, "No ANSI colours (also: NO_COLOR set, or stdout not a terminal)");
   app.add_option("--jump-factor", jump_factor,
@@ -67,6 +69,10 @@ void ReportOptions::add_options(CLI::App& app) {
   app.add_option("--require-coverage", require_coverage,
                  "Fail (exit 1) when fewer than this percent of the reference's float checkpoints are compared")
       ->check(CLI::Range(0.0, 100.0));
+  app.add_flag("--summary", summary, "Print one line (PASS or DIVERGED at ...) instead of the report");
+  app.add_flag("--full", full, "Layer table: every checkpoint kind, also those failing everywhere downstream");
+  app.add_flag("--explain", explain,
+               "Show the tolerance rule's calibration and the bounds that would pass, whatever the verdict");
 }
 
 namespace {
@@ -131,7 +137,10 @@ int compare_and_report(const std::string& engine_path, const std::string& refere
   diff::TerminalOptions topt;
   topt.color = use_color(opt.no_color);
   topt.token_text = token_text;
-  std::fputs(diff::render_terminal(c, topt).c_str(), stdout);
+  topt.title = opt.title;
+  topt.full = opt.full;
+  topt.explain = opt.explain;
+  std::fputs((opt.summary ? diff::render_summary(c) : diff::render_terminal(c, topt)).c_str(), stdout);
   std::fflush(stdout);
   if (!opt.report_json.empty()) write_text_file(opt.report_json, diff::render_json(c), "JSON");
   if (!opt.report_junit.empty()) write_text_file(opt.report_junit, diff::render_junit(c), "JUnit");

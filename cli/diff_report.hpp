@@ -22,8 +22,12 @@ struct ReportOptions {
   std::string names;            // name map of the engine dump ("llamacpp", "hf" or a JSON file)
   std::string reference_names;  // name map of the reference dump
   double require_coverage = 0;  // percent of the reference's float checkpoints that must be compared
+  bool summary = false;  // one line instead of the terminal report
+  bool full = false;     // every kind in the layer table
+  bool explain = false;  // calibration notes and "to pass" for any verdict
+  std::string title = "diffrun compare";  // the terminal report's first line
   // --tolerances --report-json --report-junit --force --no-color --jump-factor --names
-  // --reference-names --require-coverage
+  // --reference-names --require-coverage --summary --full --explain
   void add_options(CLI::App& app);
 };
 

@@ -47,6 +47,19 @@ int main(int argc, char** argv) {
     auto fn = spec.setup(*sub);
     sub->callback([&run, fn] { run = fn; });
   }
+  // Set after the subcommands, which would otherwise inherit it.
+  app.footer(R"(Examples:
+  diffrun --prompt "What is the capital of France?" --chat     reference vs engine, report
+  diffrun --prompt "The capital of France is" --engine cpu --inject rope_theta_10000
+  diffrun compare diffrun-out/engine.h5 diffrun-out/reference.h5 --report-junit junit.xml
+  diffrun show diffrun-out/engine.h5 diffrun-out/reference.h5 Qrope-0 --slice T=3
+  diffrun ls diffrun-out/engine.h5;  diffrun faults;  diffrun SUBCOMMAND --help
+
+Exit codes:
+  0  every compared checkpoint within tolerance (or the subcommand succeeded)
+  1  a divergence, a NaN/Inf, or coverage below --require-coverage (validate: problems found)
+  2  the run could not be done: bad input, missing or unreadable file, no GPU for --engine cuda
+  130, 143  interrupted by SIGINT, SIGTERM (the run's dump temporaries are removed))");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

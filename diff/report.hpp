@@ -16,10 +16,20 @@ struct TerminalOptions {
   bool color = false;  // ANSI colours (the CLI sets this on a TTY unless --no-color / NO_COLOR)
   // Token id -> text for the token table; empty: ids only.
   std::function<std::string(int32_t)> token_text;
+  std::string title = "diffrun compare";  // the first line: the command that made the report
+  bool full = false;     // every kind in the layer table, also after a divergence
+  bool explain = false;  // the tolerance's calibration note and "to pass" also for a local verdict
 };
 
-// Leads with the first divergence, then the per-layer error table, then token agreement.
+// Width the terminal report keeps to: render_terminal wraps longer lines at spaces.
+inline constexpr int kTerminalWidth = 100;
+
+// Leads with the first divergence, then the per-layer error table, then token agreement; lines
+// within kTerminalWidth columns.
 std::string render_terminal(const Comparison& c, const TerminalOptions& opt = {});
+
+// One line for scripts: "PASS ..." or "DIVERGED at NAME (step S, layer L) ...", newline-terminated.
+std::string render_summary(const Comparison& c);
 
 // Everything machine-readable (report_json.cpp documents the schema).
 nlohmann::ordered_json report_json(const Comparison& c);

@@ -88,10 +88,13 @@ void verdict_lines(std::string& out, const Verdict& v, const Style& s) {
   }
 }
 
-void first_divergence(std::string& out, const Comparison& c, const Style& s) {
+// notes: the tolerance rule's calibration note and the bounds that would pass ("to pass"), shown
+// for a drift verdict or on request (--explain): for a local bug they invite the wrong fix.
+void first_divergence(std::string& out, const Comparison& c, const Style& s, bool notes) {
   const CheckpointResult& f = c.results[*c.first_failure];
   out += s.red(fmt::format("FIRST DIVERGENCE  {}  ({})", f.name, where(f))) + "\n";
-  out += fmt::format("  rule      {}: {}\n", rule_label(f), f.rule_reason);
+  out += notes ? fmt::format("  rule      {}: {}\n", rule_label(f), f.rule_reason)
+               : fmt::format("  rule      {}\n", rule_label(f));
   if (f.status == CheckpointStatus::shape_mismatch) {
     out += fmt::format("  shape     engine {} vs reference {} (layout {})\n", shape_str(f.shape_engine),
                        shape_str(f.shape_reference), f.layout);
@@ -134,7 +137,7 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s) {
       out += fmt::format("  worst     {} [{}]: engine {:.9g}  reference {:.9g}  |diff| {}\n",
                          format_coordinates(m.worst.coords), f.layout, m.worst.a, m.worst.b, num(m.worst.abs_err));
     }
-    if (m.finite()) {
+    if (m.finite() && notes) {
       out += fmt::format("  to pass   atol >= {} (rtol 0), or rtol >= {} (atol {})\n", num(m.min_atol), num(m.min_rtol),
                          num(m.tolerance.atol));
     }
@@ -172,8 +175,14 @@ void first_nonfinite(std::string& out, const Comparison& c, const Style& s) {
   verdict_lines(out, c.nonfinite_verdict, s);
 }
 
-void layer_table(std::string& out, const Comparison& c, const Style& s) {
+// One row per checkpoint kind of the first divergence's step: local error (isolation replay), rel_l2
+// at the first and last layer, the max, failures, first failing layer, and a growth sparkline (one
+// mark per layer, or per group of layers when they do not fit). After a divergence, the kinds that
+// fail at every layer from where they first fail, as everything downstream does, are named in one
+// line (`full` lists them as rows).
+void layer_table(std::string& out, const Comparison& c, const Style& s, bool full) {
   const int step = c.first_failure ? c.results[*c.first_failure].step : 0;
+  const std::string first_kind = c.first_failure ? c.results[*c.first_failure].base : std::string();
   const int n_layer = c.reference_meta.config.n_layer;
   // kind -> layer -> result, in execution order of the kinds.
   std::vector<std::string> kinds;
@@ -186,7 +195,9 @@ void layer_table(std::string& out, const Comparison& c, const Style& s) {
   if (kinds.empty()) return;
   int last = n_layer - 1;
   double lo = INFINITY, hi = 0;
+  size_t kind_w = 4;
   for (const auto& [kind, layers] : by_kind) {
+    kind_w = std::max(kind_w, kind.size());
     last = std::max(last, layers.rbegin()->first);
     for (const auto& [l, r] : layers) {
       double v = r->metrics ? r->metrics->rel_l2 : 0.0;
@@ -196,21 +207,25 @@ void layer_table(std::string& out, const Comparison& c, const Style& s) {
       }
     }
   }
-  out += '\n';
-  out += s.bold(fmt::format("Relative L2 error by layer (step {})", step)) + "\n";
-  if (hi > 0) {
-    out += fmt::format("  growth: layers 0..{}, one log scale for the table: ▁ {} .. █ {}; ! NaN/Inf\n", last, num(lo),
-                       num(hi));
-  }
-  out += fmt::format("  {:<12} {:>9} {:>9} {:>9} {:>15} {:>6}  {}\n", "kind", "layer 0", fmt::format("layer {}", last / 2),
-                     fmt::format("layer {}", last), "max (layer)", "fails", "growth");
   const bool any_local = std::any_of(c.results.begin(), c.results.end(), [&](const CheckpointResult& r) {
     return r.step == step && r.local.has_value();
   });
-  if (any_local) out += "  local: the largest rel_l2 of the kind in isolation replay (each op on the reference's inputs)\n";
+  // Fixed columns: kind, [local], layer 0, layer last, max (layer), fails, first; the rest is the sparkline.
+  const int fixed = 2 + static_cast<int>(kind_w) + (any_local ? 9 : 0) + 9 + 9 + 14 + 6 + 6 + 2;
+  const int spark_room = std::max(8, kTerminalWidth - fixed);
+  const int per_mark = (last + 1 + spark_room - 1) / spark_room;  // layers per sparkline mark
+
+  struct Row {
+    std::string kind, local, first, final_, max, first_fail;
+    int fails = 0, compared = 0, first_fail_layer = -1;
+    bool fails_on = false;  // fails at every compared layer from its first failure on
+    std::vector<double> series;
+  };
+  std::vector<Row> rows;
   for (const auto& kind : kinds) {
     const auto& layers = by_kind[kind];
-    std::vector<double> series;
+    Row row;
+    row.kind = kind;
     double local_mx = -1;
     int local_layer = -1;
     for (const auto& [l, r] : layers) {
@@ -219,16 +234,22 @@ void layer_table(std::string& out, const Comparison& c, const Style& s) {
         local_layer = l;
       }
     }
+    row.local = local_mx >= 0 ? fmt::format("{}", num(local_mx)) : "-";
+    (void)local_layer;
     double mx = -1;
-    int mx_layer = -1, fails = 0, first_fail = -1, first_nonfinite = -1;
+    int mx_layer = -1, first_nonfinite = -1;
+    bool gap = false;  // a passing layer after the first failing one
     std::map<int, std::string> cells;  // layer -> what the column shows
     for (int l = 0; l <= last; ++l) {
       auto it = layers.find(l);
       const TensorMetrics* m = (it != layers.end() && it->second->metrics) ? &*it->second->metrics : nullptr;
       double v = m ? m->rel_l2 : std::nan("");
+      if (it != layers.end() && it->second->compared()) ++row.compared;
       if (it != layers.end() && it->second->failed()) {
-        ++fails;
-        if (first_fail < 0) first_fail = l;
+        ++row.fails;
+        if (row.first_fail_layer < 0) row.first_fail_layer = l;
+      } else if (it != layers.end() && it->second->compared() && row.first_fail_layer >= 0) {
+        gap = true;
       }
       if (m && !m->finite()) {
         // Non-finite data: "NaN"/"Inf" in the cells, '!' in the growth line, never a number.
@@ -239,20 +260,66 @@ void layer_table(std::string& out, const Comparison& c, const Style& s) {
         cells[l] = std::isnan(v) ? std::string("-") : num(v);
         if (!std::isnan(v) && v > mx) { mx = v; mx_layer = l; }
       }
+      row.series.push_back(v);
+    }
+    row.fails_on = row.fails > 0 && !gap;
+    row.first = cells[0];
+    row.final_ = cells[last];
+    row.max = first_nonfinite >= 0 ? fmt::format("{} ({})", cells[first_nonfinite], first_nonfinite)
+              : mx >= 0            ? fmt::format("{} ({})", num(mx), mx_layer)
+                                   : std::string("-");
+    row.first_fail = row.first_fail_layer >= 0 ? std::to_string(row.first_fail_layer) : "-";
+    rows.push_back(std::move(row));
+  }
+  // After a divergence, a kind carries information when it is the divergence's own, passes, fails
+  // only at some layers, or fails first before the divergence's layer; the rest fail everywhere downstream.
+  std::vector<std::string> downstream;
+  int downstream_from = -1, downstream_to = -1;
+  if (c.first_failure && !full) {
+    const int div_layer = std::max(0, c.results[*c.first_failure].layer);
+    for (auto& row : rows) {
+      if (row.kind == first_kind || !row.fails_on || row.first_fail_layer < div_layer) continue;
+      downstream.push_back(row.kind);
+      downstream_from = downstream_from < 0 ? row.first_fail_layer : std::min(downstream_from, row.first_fail_layer);
+      downstream_to = std::max(downstream_to, row.first_fail_layer);
+    }
+  }
+  const auto hidden = [&](const Row& row) {
+    return std::find(downstream.begin(), downstream.end(), row.kind) != downstream.end();
+  };
+
+  out += '\n';
+  out += s.bold(fmt::format("Relative L2 error by layer (step {})", step)) + "\n";
+  const std::string marks = per_mark > 1 ? fmt::format(", one mark per {} layers (the largest)", per_mark) : "";
+  if (hi > 0) {
+    out += fmt::format("  growth: layers 0..{}{}; log scale ▁ {} .. █ {}; ! NaN/Inf\n", last, marks, num(lo), num(hi));
+  }
+  if (any_local) out += "  local: the kind's largest rel_l2 in isolation replay (each op on the reference's inputs)\n";
+  const std::string kind_fmt = fmt::format("{{:<{}}}", kind_w);
+  out += fmt::format("  {}{} {:>8} {:>8} {:>13} {:>5} {:>5}  {}\n", fmt::format(fmt::runtime(kind_fmt), "kind"),
+                     any_local ? fmt::format(" {:>8}", "local") : "", "layer 0", fmt::format("layer {}", last),
+                     "max (layer)", "fails", "first", "growth");
+  for (const auto& row : rows) {
+    if (hidden(row)) continue;
+    std::vector<double> series;
+    for (size_t i = 0; i < row.series.size(); i += per_mark) {
+      double v = std::nan("");
+      for (size_t j = i; j < std::min(row.series.size(), i + per_mark); ++j) {
+        if (!std::isnan(row.series[j]) && (std::isnan(v) || row.series[j] > v)) v = row.series[j];
+      }
       series.push_back(v);
     }
-    auto at = [&](int l) { return cells[l]; };
-    std::string max_str = first_nonfinite >= 0 ? fmt::format("{} ({})", cells[first_nonfinite], first_nonfinite)
-                          : mx >= 0             ? fmt::format("{} ({})", num(mx), mx_layer)
-                                                : std::string("-");
-    std::string fails_str = fails ? s.red(fmt::format("{:>6}", fails)) : fmt::format("{:>6}", 0);
+    std::string fails_str = row.fails ? s.red(fmt::format("{:>5}", row.fails)) : fmt::format("{:>5}", 0);
     std::string spark = hi > 0 ? sparkline(series, lo, hi) : sparkline(series);
-    out += fmt::format("  {:<12} {:>9} {:>9} {:>9} {:>15} {}  {}{}\n", kind, at(0), at(last / 2), at(last),
-                       max_str, fails_str, spark,
-                       first_fail >= 0 ? fmt::format("  first fails at layer {}", first_fail) : "");
-    if (any_local) {
-      out.insert(out.size() - 1, local_mx >= 0 ? fmt::format("  local {} ({})", num(local_mx), local_layer) : "  local -");
-    }
+    out += fmt::format("  {}{} {:>8} {:>8} {:>13} {} {:>5}  {}\n", fmt::format(fmt::runtime(kind_fmt), row.kind),
+                       any_local ? fmt::format(" {:>8}", row.local) : "", row.first, row.final_, row.max, fails_str,
+                       row.first_fail, spark);
+  }
+  if (!downstream.empty()) {
+    const std::string from = downstream_to > downstream_from ? fmt::format("{}-{}", downstream_from, downstream_to)
+                                                             : std::to_string(downstream_from);
+    out += s.dim(fmt::format("  {} more kinds fail at every layer from layer {} on, downstream (--full shows them): {}",
+                             downstream.size(), from, fmt::join(downstream, ", "))) + "\n";
   }
   std::vector<std::string> others;
   for (const auto& r : c.results) {
@@ -263,6 +330,8 @@ void layer_table(std::string& out, const Comparison& c, const Style& s) {
   if (!others.empty()) out += fmt::format("  outside layers: {}\n", fmt::join(others, ", "));
 }
 
+// Token agreement in a few lines whatever the number of steps: the count, the reference's
+// continuation, then the steps that differ (at most three).
 void token_table(std::string& out, const Comparison& c, const Style& s, const TerminalOptions& opt) {
   if (c.tokens.empty()) return;
   int agree = 0, known = 0;
@@ -271,16 +340,94 @@ void token_table(std::string& out, const Comparison& c, const Style& s, const Te
     if (t.match()) ++agree;
   }
   out += '\n';
-  out += s.bold(fmt::format("Token agreement (reference's next token vs engine argmax): {}/{} steps", agree, known)) + "\n";
+  out += s.bold(fmt::format("Tokens (reference's next token vs engine argmax): {}/{} steps agree", agree, known)) + "\n";
   auto text = [&](int32_t id) {
     if (id < 0) return std::string("-");
     if (!opt.token_text) return fmt::format("{}", id);
     return fmt::format("{} {:?}", id, opt.token_text(id));
   };
+  if (opt.token_text) {
+    std::string cont;
+    for (const auto& t : c.tokens) cont += t.reference >= 0 ? opt.token_text(t.reference) : "?";
+    std::string shown = fmt::format("{:?}", cont);
+    const size_t room = kTerminalWidth - 15;
+    if (shown.size() > room) {
+      size_t cut = room - 3;
+      while (cut > 0 && (static_cast<unsigned char>(shown[cut]) & 0xC0) == 0x80) --cut;  // not inside a UTF-8 character
+      shown = shown.substr(0, cut) + "...";
+    }
+    out += fmt::format("  reference {}\n", shown);
+  }
+  int listed = 0, differ = 0;
   for (const auto& t : c.tokens) {
-    std::string mark = (t.reference < 0 || t.engine < 0) ? "?" : (t.match() ? s.green("match") : s.red("DIFFERS"));
+    if (t.match()) continue;
+    ++differ;
+    if (listed == 3) continue;
+    ++listed;
+    std::string mark = (t.reference < 0 || t.engine < 0) ? "?" : s.red("DIFFERS");
     out += fmt::format("  step {:<3} reference {:<24} engine {:<24} {}\n", t.step, text(t.reference), text(t.engine), mark);
   }
+  if (differ > listed) out += fmt::format("  ... and {} more steps differ (all in the JSON report)\n", differ - listed);
+}
+
+// Display columns of a line: ANSI escapes take none, a UTF-8 character one.
+int display_width(std::string_view line) {
+  int w = 0;
+  for (size_t i = 0; i < line.size(); ++i) {
+    if (line[i] == '\033') {
+      while (i < line.size() && line[i] != 'm') ++i;
+      continue;
+    }
+    if ((static_cast<unsigned char>(line[i]) & 0xC0) != 0x80) ++w;
+  }
+  return w;
+}
+
+// Wraps each line wider than `width` at spaces; continuation lines are indented to where the
+// line's text starts after its label ("  verdict   ..." continues at column 12).
+std::string fit_width(const std::string& text, int width) {
+  std::string out;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string::npos) end = text.size();
+    std::string line = text.substr(pos, end - pos);
+    pos = end + 1;
+    if (display_width(line) <= width) {
+      out += line + "\n";
+      continue;
+    }
+    size_t lead = line.find_first_not_of(' ');
+    if (lead == std::string::npos) lead = 0;
+    size_t indent = lead + 4;
+    const size_t label_end = line.find(' ', lead);
+    if (label_end != std::string::npos && line.compare(label_end, 2, "  ") == 0) {
+      const size_t text_start = line.find_first_not_of(' ', label_end);
+      if (text_start != std::string::npos && text_start <= 16) indent = text_start;
+    }
+    bool first = true;
+    while (display_width(line) > width) {
+      // The last space that keeps the head within width (beyond the indent), else the first one after it.
+      size_t cut = std::string::npos;
+      for (size_t i = indent + 1; i < line.size(); ++i) {
+        if (line[i] != ' ') continue;
+        if (display_width(std::string_view(line).substr(0, i)) > width) {
+          if (cut == std::string::npos) cut = i;
+          break;
+        }
+        cut = i;
+      }
+      if (cut == std::string::npos) break;
+      out += line.substr(0, cut) + "\n";
+      const size_t next = line.find_first_not_of(' ', cut);
+      if (next == std::string::npos) { line.clear(); break; }
+      line = std::string(indent, ' ') + line.substr(next);
+      first = false;
+    }
+    (void)first;
+    if (!line.empty()) out += line + "\n";
+  }
+  return out;
 }
 
 }  // namespace
@@ -318,10 +465,10 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
   const Style s{opt.color};
   std::string out;
   const ModelConfig& cfg = c.reference_meta.config;
-  out += s.bold("diffrun compare") + "\n";
+  out += s.bold(opt.title) + "\n";
   out += fmt::format("  engine     {}\n", side(c.engine_meta, c.engine_path));
   out += fmt::format("  reference  {}\n", side(c.reference_meta, c.reference_path));
-  out += fmt::format("  model      {} ({}, {} layers, D {}, H {}/{}, V {})\n", c.reference_meta.model_path,
+  out += fmt::format("  model      {}\n             {}, {} layers, D {}, H {}/{}, V {}\n", c.reference_meta.model_path,
                      arch_name(cfg.arch), cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.n_vocab);
   out += fmt::format("  tolerances {}\n", c.tolerance_preset.empty() ? c.tolerance_source
                                                                         : fmt::format("{} ({})", c.tolerance_preset, c.tolerance_source));
@@ -349,12 +496,12 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
   }
   out += "\n";
   if (c.first_failure) {
-    first_divergence(out, c, s);
+    first_divergence(out, c, s, opt.explain || c.verdict.kind == VerdictKind::drift);
     if (c.first_nonfinite && *c.first_nonfinite != *c.first_failure) first_nonfinite(out, c, s);
   } else {
     out += s.green(fmt::format("All {} compared checkpoints are within tolerance.", c.n_pass)) + "\n";
   }
-  layer_table(out, c, s);
+  layer_table(out, c, s, opt.full);
   token_table(out, c, s, opt);
   out += "\n";
   if (c.first_failure) {
@@ -374,7 +521,24 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
   } else {
     out += s.green("RESULT: PASS") + "\n";
   }
-  return out;
+  return fit_width(out, kTerminalWidth);
+}
+
+std::string render_summary(const Comparison& c) {
+  int agree = 0;
+  for (const auto& t : c.tokens) agree += t.match() ? 1 : 0;
+  const std::string counts = fmt::format("{}/{} checkpoints fail; tokens {}/{} agree", c.n_fail, c.n_pass + c.n_fail,
+                                         agree, c.tokens.size());
+  std::string nonfinite;
+  if (c.first_nonfinite) {
+    const CheckpointResult& n = c.results[*c.first_nonfinite];
+    nonfinite = fmt::format("; first NaN/Inf {} ({})", n.name, where(n));
+  }
+  if (!c.first_failure) return fmt::format("PASS {}: {}\n", c.engine_path, counts);
+  const CheckpointResult& f = c.results[*c.first_failure];
+  return fmt::format("DIVERGED at {} ({}) rel_l2 {}; verdict {} (rule {}); {}{}\n", f.name, where(f),
+                     f.metrics ? rel_str(*f.metrics) : std::string("shape"), verdict_kind_name(c.verdict.kind),
+                     c.verdict.rule, counts, nonfinite);
 }
 
 }  // namespace diffrun::diff

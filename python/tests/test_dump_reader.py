@@ -180,8 +180,18 @@ def diffrun_bin():
     return path
 
 
-def test_cli_ls_lists_steps_and_checkpoints_in_order(sample):
+def test_cli_ls_summarises_by_default(sample):
     out = subprocess.run([diffrun_bin(), "ls", str(sample)], check=True, capture_output=True, text=True).stdout
+    assert "backend cpu, precision f32" in out and "argmax   7 13" in out
+    assert "Qnorm-1" not in out
+    kinds = next(line for line in out.splitlines() if line.startswith("kinds per layer"))
+    names = vocabulary.checkpoint_names("qwen3", 2)
+    expected = list(dict.fromkeys(n.rsplit("-", 1)[0] for n in names if n.rsplit("-", 1)[-1].isdigit()))
+    assert kinds.split(": ", 1)[1].split(", ") == expected, kinds
+
+
+def test_cli_ls_lists_steps_and_checkpoints_in_order(sample):
+    out = subprocess.run([diffrun_bin(), "ls", "--all", str(sample)], check=True, capture_output=True, text=True).stdout
     assert "backend cpu, precision f32" in out and "qwen3: 2 layers" in out and "Café ✓" in out
     assert "argmax   7 13" in out and "device   sample" in out
     lines = out.splitlines()
