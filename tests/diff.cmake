@@ -28,3 +28,10 @@ add_test(NAME test_reports
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_reports PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED smollm2 TIMEOUT 600
   ENVIRONMENT "${DIFFRUN_TEST_ENV}")
+
+# Every command of README.md's "Using it" block runs as shown (a tiny fixture as the default model).
+add_test(NAME test_readme_commands
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_readme_commands.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_readme_commands PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 600
+  ENVIRONMENT "${DIFFRUN_TEST_ENV}")
