@@ -119,7 +119,7 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s, boo
       nonfinite_lines(out, m);
     } else {
     out += fmt::format("  metrics   rel_l2 {}  max_abs {}  mean_abs {}  nmse {}  cosine {}  sqnr {} dB\n", num(m.rel_l2),
-                       num(m.max_abs), num(m.mean_abs), num(m.nmse), fmt::format("{:.8f}", m.cosine), num(m.sqnr_db));
+                       num(m.max_abs), num(m.mean_abs), num(m.nmse), fmt::format("{:.6f}", m.cosine), num(m.sqnr_db));
     if (m.tolerance.atol > 0 || m.tolerance.rtol > 0) {
       out += fmt::format("            {} of {} elements outside atol {} + rtol {}·|ref| ({})\n", m.n_fail, m.n,
                          num(m.tolerance.atol), num(m.tolerance.rtol), num(m.fail_frac));
@@ -219,6 +219,7 @@ void layer_table(std::string& out, const Comparison& c, const Style& s, bool ful
     std::string kind, local, first, final_, max, first_fail;
     int fails = 0, compared = 0, first_fail_layer = -1;
     bool fails_on = false;  // fails at every compared layer from its first failure on
+    bool local_fails = false;  // fails in isolation replay at some layer: an error of its own
     std::vector<double> series;
   };
   std::vector<Row> rows;
@@ -229,6 +230,7 @@ void layer_table(std::string& out, const Comparison& c, const Style& s, bool ful
     double local_mx = -1;
     int local_layer = -1;
     for (const auto& [l, r] : layers) {
+      if (r->local && r->local->failed()) row.local_fails = true;
       if (r->local && !std::isnan(r->local->rel_l2) && r->local->rel_l2 > local_mx) {
         local_mx = r->local->rel_l2;
         local_layer = l;
@@ -272,13 +274,14 @@ void layer_table(std::string& out, const Comparison& c, const Style& s, bool ful
     rows.push_back(std::move(row));
   }
   // After a divergence, a kind carries information when it is the divergence's own, passes, fails
-  // only at some layers, or fails first before the divergence's layer; the rest fail everywhere downstream.
+  // only at some layers, fails in isolation replay (an error of its own), or fails first before the
+  // divergence's layer; the rest fail everywhere downstream.
   std::vector<std::string> downstream;
   int downstream_from = -1, downstream_to = -1;
   if (c.first_failure && !full) {
     const int div_layer = std::max(0, c.results[*c.first_failure].layer);
     for (auto& row : rows) {
-      if (row.kind == first_kind || !row.fails_on || row.first_fail_layer < div_layer) continue;
+      if (row.kind == first_kind || !row.fails_on || row.local_fails || row.first_fail_layer < div_layer) continue;
       downstream.push_back(row.kind);
       downstream_from = downstream_from < 0 ? row.first_fail_layer : std::min(downstream_from, row.first_fail_layer);
       downstream_to = std::max(downstream_to, row.first_fail_layer);

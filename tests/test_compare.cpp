@@ -201,7 +201,9 @@ TEST_F(Compare, SameNaNOnBothSidesIsLocatedAndFails) {
   EXPECT_EQ(c.verdict.rule, "nonfinite");
   EXPECT_NE(c.verdict.explanation.find("both sides"), std::string::npos) << c.verdict.explanation;
 
-  std::string text = render_terminal(c, {.full = true});  // every kind's row, l_out's included
+  TerminalOptions full;
+  full.full = true;  // every kind's row, l_out's included
+  std::string text = render_terminal(c, full);
   EXPECT_NE(text.find("FIRST DIVERGENCE  Qcur-1  (step 0, layer 1)"), std::string::npos) << text;
   EXPECT_NE(text.find("engine NaN 1, Inf 0, first nan at T=0, H=1, Dh=2"), std::string::npos) << text;
   EXPECT_NE(text.find("reference NaN 1, Inf 0, first nan at T=0, H=1, Dh=2"), std::string::npos) << text;
