@@ -55,6 +55,7 @@ int parse_step_group_name(std::string_view name) { return parse_dump_step_group_
 struct DumpWriter::Impl {
   DumpMeta meta;
   CheckpointFilter filter;
+  DumpWriterOptions options;
   std::unique_ptr<DumpFile> file;
 
   [[noreturn]] void fail(const std::string& what, std::string_view dataset = {}) const {
@@ -120,11 +121,13 @@ struct DumpWriter::Impl {
   }
 };
 
-DumpWriter::DumpWriter(const std::string& path, const DumpMeta& meta, CheckpointFilter filter)
+DumpWriter::DumpWriter(const std::string& path, const DumpMeta& meta, CheckpointFilter filter,
+                       DumpWriterOptions options)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.meta = meta;
   m.filter = std::move(filter);
+  m.options = options;
   if (m.meta.created_utc.empty()) m.meta.created_utc = utc_now_iso8601();
   if (m.meta.diffrun_version.empty()) m.meta.diffrun_version = DIFFRUN_VERSION;
   m.file = std::make_unique<DumpFile>(path);
@@ -147,8 +150,20 @@ void DumpWriter::record(int step, std::string_view name, int layer, std::string_
   }
   if (n != data.size())
     m.fail("shape holds " + std::to_string(n) + " values but " + std::to_string(data.size()) + " were passed", name);
-  m.file->write(step, name, StoredDType::f32, shape, data.data(),
-                {order, layer, std::string(layout), native_dtype_name(native)});
+  DatasetAttributes attrs{order, layer, std::string(layout), native_dtype_name(native), std::nullopt};
+  // --softmax-rows: kq_soft_max [H, T, S] keeps its last rows, [H, rows, S] from row_offset = T - rows.
+  const int64_t keep = m.options.softmax_rows;
+  if (keep > 0 && shape.size() == 3 && shape[1] > keep && parse_checkpoint_name(name).base == "kq_soft_max") {
+    const int64_t h = shape[0], t = shape[1], s = shape[2];
+    std::vector<float> rows(static_cast<size_t>(h * keep * s));
+    for (int64_t i = 0; i < h; ++i)
+      std::copy_n(data.data() + (i * t + (t - keep)) * s, keep * s, rows.data() + i * keep * s);
+    const int64_t cropped[3] = {h, keep, s};
+    attrs.row_offset = static_cast<int>(t - keep);
+    m.file->write(step, name, StoredDType::f32, cropped, rows.data(), attrs);
+    return;
+  }
+  m.file->write(step, name, StoredDType::f32, shape, data.data(), attrs);
 }
 
 void DumpWriter::record_ids(int step, std::string_view name, std::span<const int32_t> ids) {
@@ -156,7 +171,7 @@ void DumpWriter::record_ids(int step, std::string_view name, std::span<const int
   Impl& m = *impl_;
   const int order = m.checked_order(step, name, -1, "T", 1);
   const int64_t shape[1] = {static_cast<int64_t>(ids.size())};
-  m.file->write(step, name, StoredDType::i32, shape, ids.data(), {order, -1, "T", native_dtype_name(NativeDType::i32)});
+  m.file->write(step, name, StoredDType::i32, shape, ids.data(), {order, -1, "T", native_dtype_name(NativeDType::i32), std::nullopt});
 }
 
 void DumpWriter::set_attribute(const std::string& key, const std::vector<int32_t>& values) {

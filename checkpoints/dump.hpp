@@ -29,6 +29,13 @@ struct DumpMeta {
   int format_version = kDumpFormatVersion;
 };
 
+// How DumpWriter stores what it is given.
+struct DumpWriterOptions {
+  // > 0: kq_soft_max keeps only the last softmax_rows query rows of each step ([H, rows, S]), with
+  // the dataset attribute row_offset = T - rows (docs/dump-format.md); 0: every row.
+  int64_t softmax_rows = 0;
+};
+
 // Writes to "<path>.tmp-<pid>" and renames to `path` in finish(); destroying an unfinished writer
 // removes the temporary file, so an interrupted run never leaves a file that looks whole.
 // record() checks each checkpoint against the vocabulary (known name for meta.config, layer, layout,
@@ -37,7 +44,8 @@ struct DumpMeta {
 // filter, except that `tokens` is always recorded. Facts must not reuse a format attribute's name.
 class DumpWriter final : public Sink {
  public:
-  DumpWriter(const std::string& path, const DumpMeta& meta, CheckpointFilter filter = {});
+  DumpWriter(const std::string& path, const DumpMeta& meta, CheckpointFilter filter = {},
+             DumpWriterOptions options = {});
   ~DumpWriter() override;
   bool wants(std::string_view name) const override;
   void record(int step, std::string_view name, int layer, std::string_view layout,

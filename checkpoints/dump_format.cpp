@@ -429,6 +429,7 @@ void DumpFile::write(int step, std::string_view name, StoredDType type, std::spa
   if (attrs.layer) m.attr_int(ds.get(), "layer", *attrs.layer, where);
   if (!attrs.layout.empty()) m.attr_str(ds.get(), "layout", attrs.layout, where);
   if (!attrs.native_dtype.empty()) m.attr_str(ds.get(), "native_dtype", attrs.native_dtype, where);
+  if (attrs.row_offset) m.attr_int(ds.get(), "row_offset", *attrs.row_offset, where);
   if (type == StoredDType::bf16) m.attr_str(ds.get(), "dtype", "bf16", where);
   m.step_names.insert(dname);
   m.bytes += n * stored_dtype_size(type);

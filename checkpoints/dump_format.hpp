@@ -98,6 +98,7 @@ struct DatasetAttributes {
   std::optional<int> layer;
   std::string layout;
   std::string native_dtype;
+  std::optional<int> row_offset;  // kq_soft_max holding its rows from this one on (--softmax-rows)
 };
 
 // Writes one dump file: root attributes, /step_NNNN groups, one dataset per checkpoint. Knows the

@@ -1,6 +1,7 @@
 # checkpoints/: vocabulary and dump unit tests, the sample-dump writer, and the Python package's reader pytest.
 diffrun_test(test_vocabulary SOURCES test_vocabulary.cpp LIBS diffrun_checkpoints)
 diffrun_test(test_dump SOURCES test_dump.cpp LIBS diffrun_checkpoints)
+diffrun_test(test_dump_size SOURCES test_dump_size.cpp LIBS diffrun_checkpoints)
 diffrun_test(test_name_map SOURCES test_name_map.cpp LIBS diffrun_checkpoints)
 
 # Writes a small dump with the C++ writer (and prints the vocabulary as JSON) for the Python tests.
