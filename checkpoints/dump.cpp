@@ -386,7 +386,7 @@ struct DumpReader::Impl {
     std::vector<int64_t> shape;
     bool is_int = false, bf16 = false;
     std::string stored_dtype;
-    std::optional<int> order, layer;
+    std::optional<int> order, layer, row_offset;
     std::optional<std::string> layout, native_dtype;
   };
 
@@ -435,6 +435,7 @@ struct DumpReader::Impl {
     r.layer = opt_int(ds.get(), "layer", where);
     r.layout = opt_str(ds.get(), "layout", where);
     r.native_dtype = opt_str(ds.get(), "native_dtype", where);
+    r.row_offset = opt_int(ds.get(), "row_offset", where);
     return r;
   }
 
@@ -646,8 +647,18 @@ struct DumpReader::Impl {
         const std::string stored_layout = n.rule && !n.rule->layout.empty() ? n.rule->layout : r.layout.value_or("");
         info.layout = stored_layout.empty() && kind ? kind->layout : stored_layout;
         std::vector<int64_t> shape;
+        // kq_soft_max with row_offset (--softmax-rows) holds the query rows row_offset..T-1.
+        auto step_sizes = sizes;
+        if (r.row_offset && parsed.base == "kq_soft_max") {
+          if (*r.row_offset < 0 || (T >= 0 && *r.row_offset >= T))
+            fail("attribute 'row_offset' = " + std::to_string(*r.row_offset) + " is outside the step's " +
+                     std::to_string(T) + " query rows",
+                 where);
+          info.row_offset = *r.row_offset;
+          if (T >= 0) step_sizes["T"] = T - *r.row_offset;
+        }
         if (kind && !r.is_int &&
-            plan(*kind, stored_layout, n.rule ? n.rule->crop : std::vector<std::string>{}, sizes, r.shape, t, shape)) {
+            plan(*kind, stored_layout, n.rule ? n.rule->crop : std::vector<std::string>{}, step_sizes, r.shape, t, shape)) {
           info.shape = shape;
           info.layout = kind->layout;
         } else {

@@ -75,6 +75,7 @@ struct DatasetInfo {
   std::string source;        // the dataset's name in the file ("Qcur-0#3" under a name map)
   std::string stored_dtype;  // "float32", "float64", "float16", "bfloat16", "int32", "int64", ...
   std::vector<int64_t> stored_shape;
+  int64_t row_offset = 0;  // kq_soft_max holding only the query rows row_offset..T-1 (--softmax-rows)
 };
 
 // Reads dumps of any writer, tolerantly (docs/dump-format.md):

@@ -548,6 +548,7 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
       const AttrShape layout_a = inspect_attr(ds.get(), "layout");
       const AttrShape native_a = inspect_attr(ds.get(), "native_dtype");
       const AttrShape dtype_a = inspect_attr(ds.get(), "dtype");
+      const AttrShape row_offset_a = inspect_attr(ds.get(), "row_offset");
       auto scalar_int = [&](const char* attr, const AttrShape& a) -> std::optional<int64_t> {
         if (!a.exists) return std::nullopt;
         if (a.cls != H5T_INTEGER || a.n != 1) {
@@ -571,6 +572,9 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
       const auto layout = scalar_str("layout", layout_a);
       const auto native = scalar_str("native_dtype", native_a);
       const auto dtype_attr = scalar_str("dtype", dtype_a);
+      const auto row_offset = scalar_int("row_offset", row_offset_a);
+      if (row_offset && parsed.base != "kq_soft_max")
+        problem(where, "attribute 'row_offset' is only for kq_soft_max (its last query rows, --softmax-rows)");
       if (layer && *layer != parsed.layer)
         problem(where, "attribute 'layer' is " + std::to_string(*layer) + " but the name says " +
                            std::to_string(parsed.layer));
@@ -631,7 +635,17 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
         }
         continue;
       }
-      const std::string p = check_checkpoint(*cfg, name, parsed.layer, shape, layout.value_or(""), *n_tokens, kv);
+      // kq_soft_max with row_offset holds the step's query rows row_offset..T-1 only.
+      int64_t rows = *n_tokens;
+      if (row_offset && parsed.base == "kq_soft_max") {
+        if (*row_offset < 0 || *row_offset >= *n_tokens) {
+          problem(where, "attribute 'row_offset' is " + std::to_string(*row_offset) + ", outside the step's " +
+                             std::to_string(*n_tokens) + " query rows");
+          continue;
+        }
+        rows = *n_tokens - *row_offset;
+      }
+      const std::string p = check_checkpoint(*cfg, name, parsed.layer, shape, layout.value_or(""), rows, kv);
       if (!p.empty()) problem(where, p);
     }
   }

@@ -29,6 +29,7 @@ struct DumpOptions {
   std::string checkpoints;
   std::string replay;  // isolation replay from this reference dump
   bool remove_stale = false;  // remove the temporaries killed runs left beside --out
+  DumpSizeOptions size;
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -49,13 +50,15 @@ int run_dump(const DumpOptions& o) {
     throw InputError(fmt::format("the prompt ({} tokens) plus {} steps exceeds the model's context of {}",
                                  ids.size(), o.steps, cfg.n_ctx));
   }
+  const DumpWriterOptions wopt = plan_dump_size(cfg, static_cast<int64_t>(ids.size()), o.steps, filter, o.size,
+                                                [](const std::string& s) { fmt::print(stderr, "diffrun dump: {}\n", s); });
   auto backend = make_backend(*file, cfg, o.backend, static_cast<int>(needed));
   fmt::print(stderr, "diffrun dump: {} {} ready in {:.1f} s; prompt {} tokens, {} decode steps\n", backend->name(),
              backend->precision(), seconds_since(t0), ids.size(), o.steps);
 
   report_stale_temporaries(std::filesystem::path(o.out).parent_path().string(), o.remove_stale);
   const TempGuard guard(o.out);
-  DumpWriter writer(o.out, dump_meta(*file, *backend, prompt_text(*file, o.prompt), ids), filter);
+  DumpWriter writer(o.out, dump_meta(*file, *backend, prompt_text(*file, o.prompt), ids), filter, wopt);
   // Isolation replay: fed the reference's tokens, continuing from its tensor at every checkpoint.
   std::unique_ptr<DumpReader> reference;
   std::unique_ptr<ReplaySink> replay;
@@ -96,6 +99,7 @@ const CommandRegistrar reg("dump", "Run one backend and write its checkpoints to
   app.add_flag("--remove-stale", o->remove_stale,
                "Remove the dump temporaries (*.tmp-PID) that killed runs left beside --out (otherwise only listed)");
   app.add_option("--checkpoints", o->checkpoints, "Record only these checkpoints, e.g. 'attn_*,result_*'");
+  o->size.add_options(app);
   app.add_option("--replay", o->replay,
                  "Isolation replay: feed this reference dump's tokens and continue from its tensor at every checkpoint");
   return [o] { return run_dump(*o); };

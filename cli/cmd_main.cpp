@@ -37,6 +37,7 @@ struct MainOptions {
   std::string inject;    // faults injected into the engine side
   bool isolate = false;  // also run the engine in isolation replay (local error per checkpoint)
   bool remove_stale = false;  // remove the temporaries killed runs left in --out
+  DumpSizeOptions size;
   ReportOptions report;
 };
 
@@ -103,7 +104,8 @@ std::vector<RunPair> run_pairs(const MainOptions& o, Progress& progress) {
 // (through isolation replay of `replay_of` when given).
 StepsResult run_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& backend_opt,
                         const std::string& role, const std::vector<int32_t>& ids, const MainOptions& o,
-                        const std::string& prompt, const CheckpointFilter& filter, const std::vector<int32_t>& forced,
+                        const std::string& prompt, const CheckpointFilter& filter, const DumpWriterOptions& wopt,
+                        const std::vector<int32_t>& forced,
                         const std::string& path, const std::string& run_id, Progress& progress,
                         const std::string& replay_of = {}) {
   const int64_t needed = static_cast<int64_t>(ids.size()) + o.steps;
@@ -112,7 +114,7 @@ StepsResult run_backend(const GgufFile& file, const ModelConfig& cfg, const Back
   DumpMeta meta = dump_meta(file, *backend, prompt, ids);
   meta.facts["run_id"] = run_id;
   const TempGuard guard(path);
-  DumpWriter writer(path, meta, filter);
+  DumpWriter writer(path, meta, filter, wopt);
   const std::string what = fmt::format("{} {}/{} step", role, backend_opt.backend, backend_opt.precision);
   auto on_step = [&](int step, int total) { progress.update(what, step + 1, total + 1); };
   StepsResult r;
@@ -151,6 +153,8 @@ int run_main(const MainOptions& o) {
     throw InputError(fmt::format("the prompt ({} tokens) plus {} steps exceeds the model's context of {}", ids.size(),
                                  o.steps, cfg.n_ctx));
   }
+  const DumpWriterOptions wopt = plan_dump_size(cfg, static_cast<int64_t>(ids.size()), o.steps, filter, o.size,
+                                                [&](const std::string& s) { progress.message(s); });
   const std::string prompt = prompt_text(*file, o.prompt);
 
   const std::string run_id = new_run_id();
@@ -167,13 +171,13 @@ int run_main(const MainOptions& o) {
     // The reference chooses the tokens greedily (the first pair's); the engine is fed the same tokens
     // (teacher forcing) and its own argmax is recorded.
     const StepsResult ref_run =
-        run_backend(*file, cfg, p.ref, "reference", ids, o, prompt, filter, tokens, c.reference_path, run_id, progress);
+        run_backend(*file, cfg, p.ref, "reference", ids, o, prompt, filter, wopt, tokens, c.reference_path, run_id, progress);
     if (tokens.empty()) tokens = ref_run.argmax;
-    run_backend(*file, cfg, p.eng, "engine", ids, o, prompt, filter, tokens, c.engine_path, run_id, progress);
+    run_backend(*file, cfg, p.eng, "engine", ids, o, prompt, filter, wopt, tokens, c.engine_path, run_id, progress);
     // Isolation replay: the engine again, each checkpoint recorded and then replaced by the reference's.
     if (o.isolate) {
       c.isolated_path = (std::filesystem::path(p.dir) / "engine-isolated.h5").string();
-      run_backend(*file, cfg, p.eng, "engine isolated", ids, o, prompt, filter, tokens, c.isolated_path, run_id,
+      run_backend(*file, cfg, p.eng, "engine isolated", ids, o, prompt, filter, wopt, tokens, c.isolated_path, run_id,
                   progress, c.reference_path);
     }
     compared.push_back(c);
@@ -211,6 +215,7 @@ const CommandRegistrar registrar{
           ->check(CLI::IsMember(precision_choices()));
       app.add_option("--out,-o", o->out, "Directory for reference.h5 and engine.h5")->capture_default_str();
       app.add_option("--checkpoints", o->checkpoints, "Record only these checkpoints, e.g. 'attn_*,result_*'");
+      o->size.add_options(app);
       app.add_option("--inject", o->inject,
                      "Inject faults into the engine side (diffrun faults lists them), e.g. rope_theta_10000,kv_cache_pos0");
       app.add_flag("--isolate", o->isolate,

@@ -204,4 +204,51 @@ DumpMeta dump_meta(const GgufFile& file, const Backend& backend, const std::stri
   return meta;
 }
 
+void DumpSizeOptions::add_options(CLI::App& app) {
+  app.add_option("--max-dump-size", max_dump_size,
+                 "Refuse to start when a dump would be larger (e.g. 4GB, 500MB; 0 = no limit)")
+      ->capture_default_str();
+  app.add_option("--softmax-rows", softmax_rows,
+                 "Record kq_soft_max for the last N query rows of each step only (0 = every row; default: every row "
+                 "unless the dump would pass --max-dump-size, then as many as fit)")
+      ->check(CLI::NonNegativeNumber);
+}
+
+DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, int steps, const CheckpointFilter& filter,
+                                 const DumpSizeOptions& opt, const std::function<void(const std::string&)>& say) {
+  const uint64_t limit = parse_bytes(opt.max_dump_size);
+  DumpPlan plan;
+  plan.prompt_tokens = prompt_tokens;
+  plan.steps = steps;
+  plan.filter = filter;
+  plan.softmax_rows = std::max<int64_t>(opt.softmax_rows, 0);
+  const uint64_t full = estimate_dump_size(cfg, plan);
+  if (opt.softmax_rows < 0 && limit > 0 && full > limit) {
+    const int64_t rows = softmax_rows_within(cfg, plan, limit);
+    if (rows > 0) {
+      plan.softmax_rows = rows;
+      say(fmt::format("a full dump would take about {}: kq_soft_max keeps its last {} rows of each step to stay within "
+                      "--max-dump-size {} (--softmax-rows 0 keeps every row)",
+                      format_bytes(full), rows, format_bytes(limit)));
+    }
+  }
+  const uint64_t size = estimate_dump_size(cfg, plan);
+  if (limit > 0 && size > limit) {
+    DumpPlan one = plan;
+    one.softmax_rows = 1;
+    const uint64_t softmax = estimate_softmax_bytes(cfg, plan);
+    throw InputError(fmt::format(
+        "each dump would take about {}, over --max-dump-size {} ({} prompt tokens, {} decode steps; kq_soft_max {}, "
+        "{} with --softmax-rows 1). Record fewer checkpoints with --checkpoints (e.g. 'attn_norm-*,ffn_out-*,result_*'), "
+        "fewer --steps, or raise --max-dump-size (0 = no limit)",
+        format_bytes(size), format_bytes(limit), prompt_tokens, steps, format_bytes(softmax),
+        format_bytes(estimate_dump_size(cfg, one))));
+  }
+  say(fmt::format("each dump will take about {}{}", format_bytes(size),
+                  plan.softmax_rows > 0 ? fmt::format(" (kq_soft_max: last {} rows)", plan.softmax_rows) : ""));
+  DumpWriterOptions w;
+  w.softmax_rows = plan.softmax_rows;
+  return w;
+}
+
 }  // namespace diffrun::cli

@@ -12,6 +12,7 @@
 
 #include "checkpoints/backend.hpp"
 #include "checkpoints/dump.hpp"
+#include "checkpoints/dump_size.hpp"
 #include "checkpoints/sink.hpp"
 #include "model/gguf.hpp"
 #include "model/tokenizer.hpp"
@@ -86,6 +87,19 @@ StepsResult run_steps(Backend& backend, std::span<const int32_t> prompt, int ste
 // backend facts).
 DumpMeta dump_meta(const GgufFile& file, const Backend& backend, const std::string& prompt,
                    std::span<const int32_t> prompt_ids);
+
+// The size guard of a run's dumps: --max-dump-size, --softmax-rows.
+struct DumpSizeOptions {
+  std::string max_dump_size = "4GB";  // 0: no limit
+  int64_t softmax_rows = -1;          // -1: auto (every row unless the dump would pass the limit); 0: every row
+  void add_options(CLI::App& app);
+};
+
+// Estimates each dump of a run (checkpoints/dump_size.hpp) and says so through `say`. With
+// --softmax-rows auto, a dump over the limit keeps only as many kq_soft_max rows as fit. Throws
+// InputError (exit 2) with the estimate and what to do when a dump would still pass the limit.
+DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, int steps, const CheckpointFilter& filter,
+                                 const DumpSizeOptions& opt, const std::function<void(const std::string&)>& say);
 
 // Index of the largest value (the first one on ties).
 int32_t argmax(std::span<const float> logits);

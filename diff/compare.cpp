@@ -200,6 +200,21 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
         continue;
       }
       ++n_common;
+      // kq_soft_max of the last query rows only (--softmax-rows, row_offset): the rows both sides hold.
+      const int64_t row_lo = std::max(e.engine->row_offset, e.reference->row_offset);
+      const auto keep_rows = [&](std::vector<int64_t>& shape, int64_t offset, std::vector<float>* data) {
+        if (offset == row_lo || shape.size() != 3 || shape[1] < row_lo - offset) return;
+        const int64_t h = shape[0], t = shape[1], n_s = shape[2], drop = row_lo - offset;
+        if (data) {
+          std::vector<float> kept(static_cast<size_t>(h * (t - drop) * n_s));
+          for (int64_t i = 0; i < h; ++i)
+            std::copy_n(data->begin() + (i * t + drop) * n_s, (t - drop) * n_s, kept.begin() + i * (t - drop) * n_s);
+          *data = std::move(kept);
+        }
+        shape[1] = t - drop;
+      };
+      keep_rows(r.shape_engine, e.engine->row_offset, nullptr);
+      keep_rows(r.shape_reference, e.reference->row_offset, nullptr);
       if (r.shape_engine != r.shape_reference) {
         r.status = CheckpointStatus::shape_mismatch;
         ++c.n_fail;
@@ -208,6 +223,9 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
       }
       std::vector<float> a = engine.read(step, e.name);
       std::vector<float> b = reference.read(step, e.name);
+      std::vector<int64_t> shape_a = e.engine->shape, shape_b = e.reference->shape;
+      keep_rows(shape_a, e.engine->row_offset, &a);
+      keep_rows(shape_b, e.reference->row_offset, &b);
       TensorMetrics m = compute_metrics(a, b, r.shape_reference, r.layout, dims, rule.element);
       if (r.base == "result_output" && r.shape_reference.size() == 2) {
         m.logits = compute_logit_metrics(a, b, r.shape_reference[0], r.shape_reference[1]);

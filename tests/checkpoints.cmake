@@ -34,3 +34,10 @@ add_test(NAME test_dump_format_doc
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_dump_format_doc PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED "tiny_models;smollm2"
   TIMEOUT 300 ENVIRONMENT "${DIFFRUN_TEST_ENV}")
+
+# The dump size guard through the CLI: estimate against the written file, --max-dump-size, --softmax-rows.
+add_test(NAME test_dump_size_cli
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_dump_size.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_dump_size_cli PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
+  ENVIRONMENT "${DIFFRUN_TEST_ENV}")

@@ -42,6 +42,9 @@ class DatasetInfo:
     # returns: a [T, H*Dh] per-head array, or a layout attribute that permutes the vocabulary's letters.
     stored_layout: str | None = None
     stored_shape: tuple[int, ...] | None = None
+    # kq_soft_max recorded for its last query rows only (diffrun --softmax-rows): the rows it holds are
+    # row_offset .. T-1 of the step, so shape is [H, T - row_offset, S].
+    row_offset: int = 0
 
     @property
     def dims(self) -> list[str]:
@@ -152,6 +155,7 @@ class Dump:
                         dtype=np.dtype(np.float32) if stored == "bf16" else ds.dtype,
                         stored_layout=stored_layout,
                         stored_shape=stored_shape,
+                        row_offset=int(a.get("row_offset", 0)),
                     )
                 )
             infos.sort(key=lambda i: (i.order, i.name))

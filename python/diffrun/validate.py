@@ -531,6 +531,10 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
                 return _read_string(ds, attr)
 
             order, layer = scalar_int("order"), scalar_int("layer")
+            row_offset = scalar_int("row_offset")
+            if row_offset is not None and base != "kq_soft_max":
+                problem(where, "attribute 'row_offset' is only for kq_soft_max (its last query rows, --softmax-rows)")
+                row_offset = None
             layout, native, dtype_attr = scalar_str("layout"), scalar_str("native_dtype"), scalar_str("dtype")
             if layer is not None and layer != parsed_layer:
                 problem(where, f"attribute 'layer' is {layer} but the name says {parsed_layer}")
@@ -564,7 +568,13 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
                 if err:
                     problem(where, err)
                 continue
-            p = check_checkpoint(cfg, name, parsed_layer, tuple(ds.shape), layout or "", n_tokens, n_kv)
+            rows = n_tokens  # kq_soft_max with row_offset holds the step's query rows row_offset .. T-1
+            if row_offset is not None:
+                if not 0 <= row_offset < n_tokens:
+                    problem(where, f"attribute 'row_offset' is {row_offset}, outside the step's {n_tokens} query rows")
+                    continue
+                rows = n_tokens - row_offset
+            p = check_checkpoint(cfg, name, parsed_layer, tuple(ds.shape), layout or "", rows, n_kv)
             if p:
                 problem(where, p)
     return result
