@@ -256,7 +256,7 @@ def test_cuda_dump_is_valid(tmp_path: Path):
     out = tmp_path / "cuda.h5"
     r = run("dump", "--backend", "cuda", "--precision", "f16", "--model", str(MODEL), "--tokens", "1,17,42",
             "--steps", "2", "--out", str(out))
-    if r.returncode == 2 and ("without the CUDA engine" in r.stderr or "no CUDA device" in r.stderr):
+    if r.returncode == 2 and ("without the CUDA engine" in r.stderr or "CUDA device" in r.stderr):
         pytest.skip(r.stderr.strip().splitlines()[-1])
     assert r.returncode == 0, r.stderr
     rc, lines = validate(out)
