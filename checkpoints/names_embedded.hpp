@@ -11,7 +11,7 @@ struct EmbeddedNameMap {
   std::string_view text;  // the JSON text
 };
 
-// Sorted by name. Defined in the generated names_embedded.cpp.
+// Sorted by name. Defined in the generated embedded_name_maps.cpp.
 const std::vector<EmbeddedNameMap>& embedded_name_maps();
 
 }  // namespace diffrun

@@ -20,3 +20,21 @@ function(diffrun_library name)
     target_link_libraries(${name} INTERFACE ${A_DEPS})
   endif()
 endfunction()
+
+# diffrun_embed_json(TARGET DIR HEADER NAMESPACE FUNCTION TYPE): compiles every DIR/*.json (relative to the
+# source tree) into TARGET as FUNCTION() (declared in HEADER), so an installed diffrun needs no source tree.
+function(diffrun_embed_json target dir header namespace function type)
+  file(GLOB files CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/${dir}/*.json)
+  list(SORT files)
+  string(REPLACE ";" "|" files_arg "${files}")
+  set(out ${CMAKE_CURRENT_BINARY_DIR}/${function}.cpp)
+  add_custom_command(
+    OUTPUT ${out}
+    COMMAND ${CMAKE_COMMAND} -DOUT=${out} "-DFILES=${files_arg}" -DSOURCE=${dir}/*.json -DHEADER=${header}
+            -DNAMESPACE=${namespace} -DFUNCTION=${function} -DTYPE=${type}
+            -P ${PROJECT_SOURCE_DIR}/cmake/embed_json.cmake
+    DEPENDS ${files} ${PROJECT_SOURCE_DIR}/cmake/embed_json.cmake
+    COMMENT "Embedding ${dir}/*.json"
+    VERBATIM)
+  target_sources(${target} PRIVATE ${out})
+endfunction()

@@ -11,7 +11,7 @@ struct EmbeddedPreset {
   std::string_view text;  // the JSON text
 };
 
-// Sorted by name. Defined in the generated presets_embedded.cpp.
+// Sorted by name. Defined in the generated embedded_presets.cpp.
 const std::vector<EmbeddedPreset>& embedded_presets();
 
 }  // namespace diffrun::diff
