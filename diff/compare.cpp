@@ -37,29 +37,6 @@ std::vector<std::string> config_differences(const ModelConfig& a, const ModelCon
   return out;
 }
 
-// Reasons the two dumps are not runs of the same model on the same tokens.
-std::vector<std::string> incompatibilities(const DumpReader& e, const DumpReader& r) {
-  std::vector<std::string> out;
-  const DumpMeta& a = e.meta();
-  const DumpMeta& b = r.meta();
-  if (a.model_fingerprint != b.model_fingerprint) {
-    out.push_back(fmt::format("different models (fingerprint {} vs {})", a.model_fingerprint, b.model_fingerprint));
-  }
-  for (const auto& d : config_differences(a.config, b.config)) out.push_back("config " + d);
-  // The top-level job marks both dumps of a pair; a pair from two runs is what an interrupted run
-  // leaves beside the previous one's file.
-  const auto ra = a.facts.find("run_id"), rb = b.facts.find("run_id");
-  if (ra != a.facts.end() && rb != b.facts.end() && ra->second != rb->second) {
-    out.push_back(fmt::format("different runs (run_id {} vs {}): was one of them left by an interrupted run?",
-                              ra->second, rb->second));
-  }
-  if (a.token_ids != b.token_ids) {
-    out.push_back(fmt::format("different prompt token ids ({} vs {} tokens)", a.token_ids.size(), b.token_ids.size()));
-  }
-  return out;
-}
-
-
 struct Entry {
   int order;
   std::string name;
@@ -97,17 +74,23 @@ double exact_threshold(const ToleranceRule& rule) {
   return rule.max_rel_l2 ? 4.0 * *rule.max_rel_l2 : 0.0;
 }
 
-std::optional<ErrorPattern> pattern_of(const CheckpointResult& r, const DumpReader& engine, const DumpReader& reference,
-                                       const ToleranceSet& tolerances, const DimSizes& dims) {
-  if (!r.metrics) return std::nullopt;
-  const std::vector<float> a = engine.read(r.step, r.name);
-  const std::vector<float> b = reference.read(r.step, r.name);
-  return error_pattern(a, b, r.shape_reference, r.layout, dims, r.base, exact_threshold(tolerances.rule_for(r.name)));
-}
-
 bool has_tokens(const DumpReader& d, int step) {
   const DatasetInfo* info = d.find(step, "tokens");
   return info && info->is_int;
+}
+
+// kq_soft_max of the last query rows only (--softmax-rows, row_offset): keeps the rows from row_lo
+// of a [H, T, S] tensor whose first row is `offset` (the shape alone when data is null).
+void keep_rows(std::vector<int64_t>& shape, int64_t offset, int64_t row_lo, std::vector<float>* data) {
+  if (offset == row_lo || shape.size() != 3 || shape[1] < row_lo - offset) return;
+  const int64_t h = shape[0], t = shape[1], n_s = shape[2], drop = row_lo - offset;
+  if (data) {
+    std::vector<float> kept(static_cast<size_t>(h * (t - drop) * n_s));
+    for (int64_t i = 0; i < h; ++i)
+      std::copy_n(data->begin() + (i * t + drop) * n_s, (t - drop) * n_s, kept.begin() + i * (t - drop) * n_s);
+    *data = std::move(kept);
+  }
+  shape[1] = t - drop;
 }
 
 }  // namespace
@@ -128,6 +111,141 @@ DimSizes dim_sizes(const ModelConfig& cfg) {
           {"F", cfg.n_ff},   {"V", cfg.n_vocab}};
 }
 
+std::vector<std::string> incompatibilities(const DumpMeta& a, const DumpMeta& b) {
+  std::vector<std::string> out;
+  if (a.model_fingerprint != b.model_fingerprint) {
+    out.push_back(fmt::format("different models (fingerprint {} vs {})", a.model_fingerprint, b.model_fingerprint));
+  }
+  for (const auto& d : config_differences(a.config, b.config)) out.push_back("config " + d);
+  // The top-level job marks both dumps of a pair; a pair from two runs is what an interrupted run
+  // leaves beside the previous one's file.
+  const auto ra = a.facts.find("run_id"), rb = b.facts.find("run_id");
+  if (ra != a.facts.end() && rb != b.facts.end() && ra->second != rb->second) {
+    out.push_back(fmt::format("different runs (run_id {} vs {}): was one of them left by an interrupted run?",
+                              ra->second, rb->second));
+  }
+  if (a.token_ids != b.token_ids) {
+    out.push_back(fmt::format("different prompt token ids ({} vs {} tokens)", a.token_ids.size(), b.token_ids.size()));
+  }
+  return out;
+}
+
+CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const DatasetInfo* reference,
+                                    const ToleranceSet& tolerances, const DimSizes& dims, const ReadValues& read,
+                                    std::vector<float>* a_out, std::vector<float>* b_out) {
+  CheckpointResult r;
+  const DatasetInfo& any = reference ? *reference : *engine;
+  r.step = step;
+  r.name = any.name;
+  r.base = parse_checkpoint_name(any.name).base;
+  r.layer = any.layer;
+  r.order = any.order;
+  r.layout = any.layout;
+  if (engine) r.shape_engine = engine->shape, r.native_engine = engine->native_dtype;
+  if (reference) r.shape_reference = reference->shape, r.native_reference = reference->native_dtype;
+  const ToleranceRule& rule = tolerances.rule_for(any.name);
+  r.rule_match = rule.match;
+  r.rule_reason = rule.reason;
+  if (!engine || !reference) {
+    r.status = engine ? CheckpointStatus::only_engine : CheckpointStatus::only_reference;
+    return r;
+  }
+  const int64_t row_lo = std::max(engine->row_offset, reference->row_offset);
+  keep_rows(r.shape_engine, engine->row_offset, row_lo, nullptr);
+  keep_rows(r.shape_reference, reference->row_offset, row_lo, nullptr);
+  if (r.shape_engine != r.shape_reference) {
+    r.status = CheckpointStatus::shape_mismatch;
+    return r;
+  }
+  std::vector<float> a, b;
+  read(a, b);
+  std::vector<int64_t> shape_a = engine->shape, shape_b = reference->shape;
+  keep_rows(shape_a, engine->row_offset, row_lo, &a);
+  keep_rows(shape_b, reference->row_offset, row_lo, &b);
+  TensorMetrics m = compute_metrics(a, b, r.shape_reference, r.layout, dims, rule.element);
+  if (r.base == "result_output" && r.shape_reference.size() == 2) {
+    m.logits = compute_logit_metrics(a, b, r.shape_reference[0], r.shape_reference[1]);
+  }
+  r.checks = check_bounds(m, rule);
+  r.metrics = std::move(m);
+  const bool ok = std::all_of(r.checks.begin(), r.checks.end(), [](const BoundCheck& k) { return k.pass; });
+  r.status = ok ? CheckpointStatus::pass : CheckpointStatus::fail;
+  if (a_out) *a_out = std::move(a);
+  if (b_out) *b_out = std::move(b);
+  return r;
+}
+
+void add_step_results(Comparison& c, const std::vector<DatasetInfo>& engine, const std::vector<DatasetInfo>& reference,
+                      const std::function<CheckpointResult(const DatasetInfo* engine, const DatasetInfo* reference)>& result) {
+  for (const Entry& e : merged_entries(engine, reference)) {
+    CheckpointResult r = result(e.engine, e.reference);
+    if (e.reference) ++c.coverage.reference;
+    if (e.engine && e.reference) ++c.coverage.compared;
+    if (!e.engine && std::find(c.coverage.missing_kinds.begin(), c.coverage.missing_kinds.end(), r.base) ==
+                         c.coverage.missing_kinds.end())
+      c.coverage.missing_kinds.push_back(r.base);
+    if (!e.engine || !e.reference) ++c.n_one_sided;
+    else if (r.status == CheckpointStatus::pass) ++c.n_pass;
+    else ++c.n_fail;
+    c.results.push_back(std::move(r));
+  }
+}
+
+std::optional<size_t> first_failure_of(const std::vector<CheckpointResult>& results) {
+  for (size_t i = 0; i < results.size(); ++i)
+    if (results[i].failed()) return i;
+  return std::nullopt;
+}
+
+std::optional<size_t> first_nonfinite_of(const std::vector<CheckpointResult>& results) {
+  for (size_t i = 0; i < results.size(); ++i)
+    if (results[i].metrics && !results[i].metrics->finite()) return i;
+  return std::nullopt;
+}
+
+void finish_comparison(Comparison& c, const ToleranceSet& tolerances, const CompareOptions& opt,
+                       const std::function<void(size_t index, std::vector<float>& a, std::vector<float>& b)>& values,
+                       std::span<const int> reference_steps, std::span<const int32_t> engine_argmax,
+                       std::span<const int32_t> reference_argmax) {
+  c.coverage.required = opt.require_coverage;
+  const int n_layer = c.reference_meta.config.n_layer;
+  const DimSizes dims = dim_sizes(c.reference_meta.config);
+  const auto pattern_at = [&](size_t i) -> std::optional<ErrorPattern> {
+    const CheckpointResult& r = c.results[i];
+    if (!r.metrics) return std::nullopt;
+    std::vector<float> a, b;
+    values(i, a, b);
+    return error_pattern(a, b, r.shape_reference, r.layout, dims, r.base, exact_threshold(tolerances.rule_for(r.name)));
+  };
+  c.first_failure = first_failure_of(c.results);
+  c.first_nonfinite = first_nonfinite_of(c.results);
+  if (c.first_nonfinite) c.nonfinite_verdict = decide_verdict(c.results, *c.first_nonfinite, n_layer, opt.jump_factor);
+  if (c.first_failure) c.pattern = pattern_at(*c.first_failure);
+  if (c.first_nonfinite) c.nonfinite_pattern = pattern_at(*c.first_nonfinite);
+  if (c.first_failure) {
+    for (size_t i = *c.first_failure; i-- > 0 && static_cast<int>(c.preceding.size()) < opt.preceding;) {
+      if (c.results[i].status == CheckpointStatus::pass) c.preceding.insert(c.preceding.begin(), i);
+    }
+    c.verdict = decide_verdict(c.results, *c.first_failure, n_layer, opt.jump_factor);
+  }
+
+  // Token agreement: the per-step argmax when both sides carry it, else the last row of each step's
+  // result_output.
+  for (int step : reference_steps) {
+    StepTokens t;
+    t.step = step;
+    if (step < static_cast<int>(reference_argmax.size())) t.reference = reference_argmax[step];
+    if (step < static_cast<int>(engine_argmax.size())) t.engine = engine_argmax[step];
+    for (const auto& r : c.results) {
+      if (r.step != step || r.base != "result_output" || !r.metrics || !r.metrics->logits) continue;
+      const LogitMetrics& lm = *r.metrics->logits;
+      if (t.reference < 0 && !lm.argmax_b.empty()) t.reference = lm.argmax_b.back();
+      if (t.engine < 0 && !lm.argmax_a.empty()) t.engine = lm.argmax_a.back();
+    }
+    c.tokens.push_back(t);
+  }
+}
+
 Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, const ToleranceSet& tolerances,
                          const CompareOptions& opt) {
   Comparison c;
@@ -138,7 +256,7 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
   c.tolerance_source = tolerances.source;
   c.tolerance_preset = tolerances.preset;
 
-  std::vector<std::string> refused = incompatibilities(engine, reference);
+  std::vector<std::string> refused = incompatibilities(engine.meta(), reference.meta());
   std::vector<int> eng_steps = engine.steps(), ref_steps = reference.steps();
   std::set<int> all_steps(eng_steps.begin(), eng_steps.end());
   all_steps.insert(ref_steps.begin(), ref_steps.end());
@@ -167,121 +285,34 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
 
   const DimSizes dims = dim_sizes(reference.meta().config);
   const std::vector<DatasetInfo> none;
-  int n_common = 0;
   for (int step : all_steps) {
     const bool in_e = std::count(eng_steps.begin(), eng_steps.end(), step) > 0;
     const bool in_r = std::count(ref_steps.begin(), ref_steps.end(), step) > 0;
     const std::vector<DatasetInfo> eng_ds = in_e ? engine.datasets(step) : none;
     const std::vector<DatasetInfo> ref_ds = in_r ? reference.datasets(step) : none;
-    for (const Entry& e : merged_entries(eng_ds, ref_ds)) {
-      CheckpointResult r;
-      const DatasetInfo& any = e.reference ? *e.reference : *e.engine;
-      r.step = step;
-      r.name = e.name;
-      ParsedCheckpointName parsed = parse_checkpoint_name(e.name);
-      r.base = parsed.base;
-      r.layer = any.layer;
-      r.order = any.order;
-      r.layout = any.layout;
-      if (e.engine) r.shape_engine = e.engine->shape, r.native_engine = e.engine->native_dtype;
-      if (e.reference) r.shape_reference = e.reference->shape, r.native_reference = e.reference->native_dtype;
-      const ToleranceRule& rule = tolerances.rule_for(e.name);
-      r.rule_match = rule.match;
-      r.rule_reason = rule.reason;
-      if (e.reference) ++c.coverage.reference;
-      if (e.engine && e.reference) ++c.coverage.compared;
-      if (!e.engine || !e.reference) {
-        if (!e.engine &&
-            std::find(c.coverage.missing_kinds.begin(), c.coverage.missing_kinds.end(), r.base) == c.coverage.missing_kinds.end())
-          c.coverage.missing_kinds.push_back(r.base);
-        r.status = e.engine ? CheckpointStatus::only_engine : CheckpointStatus::only_reference;
-        ++c.n_one_sided;
-        c.results.push_back(std::move(r));
-        continue;
-      }
-      ++n_common;
-      // kq_soft_max of the last query rows only (--softmax-rows, row_offset): the rows both sides hold.
-      const int64_t row_lo = std::max(e.engine->row_offset, e.reference->row_offset);
-      const auto keep_rows = [&](std::vector<int64_t>& shape, int64_t offset, std::vector<float>* data) {
-        if (offset == row_lo || shape.size() != 3 || shape[1] < row_lo - offset) return;
-        const int64_t h = shape[0], t = shape[1], n_s = shape[2], drop = row_lo - offset;
-        if (data) {
-          std::vector<float> kept(static_cast<size_t>(h * (t - drop) * n_s));
-          for (int64_t i = 0; i < h; ++i)
-            std::copy_n(data->begin() + (i * t + drop) * n_s, (t - drop) * n_s, kept.begin() + i * (t - drop) * n_s);
-          *data = std::move(kept);
-        }
-        shape[1] = t - drop;
-      };
-      keep_rows(r.shape_engine, e.engine->row_offset, nullptr);
-      keep_rows(r.shape_reference, e.reference->row_offset, nullptr);
-      if (r.shape_engine != r.shape_reference) {
-        r.status = CheckpointStatus::shape_mismatch;
-        ++c.n_fail;
-        c.results.push_back(std::move(r));
-        continue;
-      }
-      std::vector<float> a = engine.read(step, e.name);
-      std::vector<float> b = reference.read(step, e.name);
-      std::vector<int64_t> shape_a = e.engine->shape, shape_b = e.reference->shape;
-      keep_rows(shape_a, e.engine->row_offset, &a);
-      keep_rows(shape_b, e.reference->row_offset, &b);
-      TensorMetrics m = compute_metrics(a, b, r.shape_reference, r.layout, dims, rule.element);
-      if (r.base == "result_output" && r.shape_reference.size() == 2) {
-        m.logits = compute_logit_metrics(a, b, r.shape_reference[0], r.shape_reference[1]);
-      }
-      r.checks = check_bounds(m, rule);
-      r.metrics = std::move(m);
-      const bool ok = std::all_of(r.checks.begin(), r.checks.end(), [](const BoundCheck& k) { return k.pass; });
-      r.status = ok ? CheckpointStatus::pass : CheckpointStatus::fail;
-      ++(ok ? c.n_pass : c.n_fail);
-      c.results.push_back(std::move(r));
-    }
+    add_step_results(c, eng_ds, ref_ds, [&](const DatasetInfo* e, const DatasetInfo* r) {
+      return compare_checkpoint(step, e, r, tolerances, dims, [&](std::vector<float>& a, std::vector<float>& b) {
+        a = engine.read(step, e->name);
+        b = reference.read(step, r->name);
+      });
+    });
   }
-  c.coverage.required = opt.require_coverage;
-  if (n_common == 0) {
+  if (c.coverage.compared == 0) {
     throw DumpError(fmt::format("{} and {} have no checkpoint in common", engine.path(), reference.path()));
   }
-
-  for (size_t i = 0; i < c.results.size(); ++i) {
-    if (c.results[i].failed()) {
-      c.first_failure = i;
-      break;
-    }
-  }
-  for (size_t i = 0; i < c.results.size(); ++i) {
-    if (c.results[i].metrics && !c.results[i].metrics->finite()) {
-      c.first_nonfinite = i;
-      c.nonfinite_verdict = decide_verdict(c.results, i, reference.meta().config.n_layer, opt.jump_factor);
-      break;
-    }
-  }
-  if (c.first_failure) c.pattern = pattern_of(c.results[*c.first_failure], engine, reference, tolerances, dims);
-  if (c.first_nonfinite) c.nonfinite_pattern = pattern_of(c.results[*c.first_nonfinite], engine, reference, tolerances, dims);
-  if (c.first_failure) {
-    for (size_t i = *c.first_failure; i-- > 0 && static_cast<int>(c.preceding.size()) < opt.preceding;) {
-      if (c.results[i].status == CheckpointStatus::pass) c.preceding.insert(c.preceding.begin(), i);
-    }
-    c.verdict = decide_verdict(c.results, *c.first_failure, reference.meta().config.n_layer, opt.jump_factor);
-  }
-
-  // Token agreement: the per-step argmax attribute when both dumps carry it, else the last row of
-  // each step's result_output.
-  std::vector<int32_t> eng_argmax = engine.int_attribute("argmax");
-  std::vector<int32_t> ref_argmax = reference.int_attribute("argmax");
-  for (int step : ref_steps) {
-    StepTokens t;
-    t.step = step;
-    if (step < static_cast<int>(ref_argmax.size())) t.reference = ref_argmax[step];
-    if (step < static_cast<int>(eng_argmax.size())) t.engine = eng_argmax[step];
-    for (const auto& r : c.results) {
-      if (r.step != step || r.base != "result_output" || !r.metrics || !r.metrics->logits) continue;
-      const LogitMetrics& lm = *r.metrics->logits;
-      if (t.reference < 0 && !lm.argmax_b.empty()) t.reference = lm.argmax_b.back();
-      if (t.engine < 0 && !lm.argmax_a.empty()) t.engine = lm.argmax_a.back();
-    }
-    c.tokens.push_back(t);
-  }
+  finish_comparison(
+      c, tolerances, opt,
+      [&](size_t i, std::vector<float>& a, std::vector<float>& b) {
+        // The same values compare_checkpoint compared (the rows both sides hold).
+        const CheckpointResult& r = c.results[i];
+        compare_checkpoint(r.step, engine.find(r.step, r.name), reference.find(r.step, r.name), tolerances, dims,
+                           [&](std::vector<float>& x, std::vector<float>& y) {
+                             x = engine.read(r.step, r.name);
+                             y = reference.read(r.step, r.name);
+                           },
+                           &a, &b);
+      },
+      ref_steps, engine.int_attribute("argmax"), reference.int_attribute("argmax"));
   return c;
 }
 

@@ -23,7 +23,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -92,6 +94,37 @@ DimSizes dim_sizes(const ModelConfig& cfg);
 // share no checkpoint or a dataset cannot be read.
 Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, const ToleranceSet& tolerances,
                          const CompareOptions& opt = {});
+
+// The building blocks of compare_dumps, shared with the streaming comparison (diff/stream.hpp) so
+// that both judge a checkpoint by the same code.
+
+// Reasons two dumps (by their root attributes) are not runs of the same model on the same tokens.
+std::vector<std::string> incompatibilities(const DumpMeta& engine, const DumpMeta& reference);
+
+// Fills a (engine) and b (reference) with a checkpoint's values as stored.
+using ReadValues = std::function<void(std::vector<float>& a, std::vector<float>& b)>;
+
+// One checkpoint of one step (either side may be null: only_engine / only_reference). `read` is
+// called only when both sides hold it with the same shape. a_out/b_out (optional) receive the values
+// compared (the rows both sides hold).
+CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const DatasetInfo* reference,
+                                    const ToleranceSet& tolerances, const DimSizes& dims, const ReadValues& read,
+                                    std::vector<float>* a_out = nullptr, std::vector<float>* b_out = nullptr);
+
+// Appends one step's results to c in the comparator's order (the reference's datasets by order,
+// engine-only ones placed by their own order), counting coverage, passes, failures and one-sided
+// checkpoints; `result` gives each checkpoint's result.
+void add_step_results(Comparison& c, const std::vector<DatasetInfo>& engine, const std::vector<DatasetInfo>& reference,
+                      const std::function<CheckpointResult(const DatasetInfo* engine, const DatasetInfo* reference)>& result);
+
+// After the last step: the first failure and the first NaN/Inf with their verdicts and error
+// patterns (`values` gives the compared values of results[index]), the passing checkpoints before
+// the first failure, and token agreement per reference step (each side's argmax per step, else the
+// last row of result_output).
+void finish_comparison(Comparison& c, const ToleranceSet& tolerances, const CompareOptions& opt,
+                       const std::function<void(size_t index, std::vector<float>& a, std::vector<float>& b)>& values,
+                       std::span<const int> reference_steps, std::span<const int32_t> engine_argmax,
+                       std::span<const int32_t> reference_argmax);
 
 // Isolation replay: `isolated` compares the engine's isolation-replay dump (each op run on the
 // reference's inputs) with the same reference. Attaches each checkpoint's local error to the

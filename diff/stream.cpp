@@ -1,0 +1,161 @@
+// Streaming comparison: checkpoints compared on arrival by the comparator's own building blocks (diff/compare.hpp).
+#include "diff/stream.hpp"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "model/error.hpp"
+
+namespace diffrun::diff {
+
+StreamComparison::StreamComparison(DumpMeta engine, DumpMeta reference, ToleranceSet tolerances, CompareOptions opt)
+    : meta_{std::move(engine), std::move(reference)},
+      tolerances_(std::move(tolerances)),
+      opt_(opt),
+      dims_(dim_sizes(meta_[1].config)) {
+  std::vector<std::string> refused = incompatibilities(meta_[0], meta_[1]);
+  if (!refused.empty()) {
+    if (!opt_.force) throw InputError(fmt::format("the engine and the reference are not comparable: {}", fmt::join(refused, "; ")));
+  }
+}
+
+void StreamComparison::keep_candidate(std::optional<Kept>& slot, const CheckpointResult& r, std::vector<float>& a,
+                                      std::vector<float>& b) {
+  if (slot && std::make_pair(slot->step, slot->order) < std::make_pair(r.step, r.order)) return;
+  slot = Kept{r.step, r.order, r.name, a, b};
+}
+
+void StreamComparison::add(StreamSide side, DatasetInfo info, std::vector<float> values) {
+  const int s = static_cast<int>(side);
+  if (info.step <= last_ended_) {
+    throw Error(fmt::format("{} checkpoint {} of step {} arrived after the step ended", s ? "reference" : "engine",
+                            info.name, info.step));
+  }
+  Step& step = steps_[info.step];
+  if (std::any_of(step.infos[s].begin(), step.infos[s].end(), [&](const DatasetInfo& d) { return d.name == info.name; })) {
+    throw Error(fmt::format("{} recorded {} twice in step {}", s ? "the reference" : "the engine", info.name, info.step));
+  }
+  step.infos[s].push_back(info);
+  const std::pair<int, std::string> key(info.step, info.name);
+  auto other = pending_[1 - s].find(key);
+  if (other == pending_[1 - s].end()) {
+    pending_[s].emplace(key, Pending{std::move(info), std::move(values)});
+    return;
+  }
+  Pending mine{std::move(info), std::move(values)};
+  Pending& eng = s == 0 ? mine : other->second;
+  Pending& ref = s == 0 ? other->second : mine;
+  std::vector<float> a, b;
+  CheckpointResult r = compare_checkpoint(
+      eng.info.step, &eng.info, &ref.info, tolerances_, dims_,
+      [&](std::vector<float>& x, std::vector<float>& y) {
+        x = std::move(eng.values);
+        y = std::move(ref.values);
+      },
+      &a, &b);
+  if (r.failed() && r.metrics && (first_failed_step_ < 0 || r.step <= first_failed_step_)) keep_candidate(first_failure_, r, a, b);
+  if (r.metrics && !r.metrics->finite() && (first_nonfinite_step_ < 0 || r.step <= first_nonfinite_step_))
+    keep_candidate(first_nonfinite_, r, a, b);
+  step.results.emplace(r.name, std::move(r));
+  pending_[1 - s].erase(other);
+}
+
+void StreamComparison::add_tokens(StreamSide side, int step, std::vector<int32_t> tokens) {
+  const int s = static_cast<int>(side);
+  Step& st = steps_[step];
+  st.tokens[s] = std::move(tokens);
+  st.has_tokens[s] = true;
+}
+
+StreamComparison::StepEnd StreamComparison::end_step(int step) {
+  if (step != last_ended_ + 1) throw Error(fmt::format("step {} ended after step {}", step, last_ended_));
+  last_ended_ = step;
+  Step& st = steps_[step];
+  for (int s = 0; s < 2; ++s) {
+    if (!st.has_tokens[s]) {
+      throw DumpError(fmt::format("the {} recorded no \"tokens\" at step {}: cannot check that both sides ran on the same tokens",
+                                  s ? "reference" : "engine", step));
+    }
+  }
+  if (st.tokens[0] != st.tokens[1]) {
+    const std::string why =
+        fmt::format("different input tokens at step {} (the engine must be fed the reference's tokens)", step);
+    if (!opt_.force) throw InputError("the engine and the reference are not comparable: " + why);
+  }
+  // What stayed one-sided is final now: the other side ended the step without it.
+  for (int s = 0; s < 2; ++s) {
+    for (auto it = pending_[s].begin(); it != pending_[s].end();) {
+      if (it->first.first == step) it = pending_[s].erase(it);
+      else ++it;
+    }
+  }
+  const auto by_order = [](const DatasetInfo& x, const DatasetInfo& y) { return x.order < y.order; };
+  std::stable_sort(st.infos[0].begin(), st.infos[0].end(), by_order);
+  std::stable_sort(st.infos[1].begin(), st.infos[1].end(), by_order);
+  Comparison part;
+  add_step_results(part, st.infos[0], st.infos[1], [&](const DatasetInfo* e, const DatasetInfo* r) {
+    if (e && r) return std::move(st.results.at(e->name));
+    return compare_checkpoint(step, e, r, tolerances_, dims_, [](std::vector<float>&, std::vector<float>&) {});
+  });
+  st.results.clear();
+  st.ordered = std::move(part.results);
+  StepEnd out;
+  for (const CheckpointResult& r : st.ordered) {
+    out.failed = out.failed || r.failed();
+    out.nonfinite = out.nonfinite || (r.metrics && !r.metrics->finite());
+  }
+  if (out.failed && first_failed_step_ < 0) first_failed_step_ = step;
+  if (out.nonfinite && first_nonfinite_step_ < 0) first_nonfinite_step_ = step;
+  // Candidates of later steps than the first failing one are never needed.
+  if (first_failure_ && first_failed_step_ >= 0 && first_failure_->step > first_failed_step_) first_failure_.reset();
+  if (first_nonfinite_ && first_nonfinite_step_ >= 0 && first_nonfinite_->step > first_nonfinite_step_)
+    first_nonfinite_.reset();
+  return out;
+}
+
+Comparison StreamComparison::finish(const std::string& engine_path, const std::string& reference_path,
+                                    std::vector<int32_t> engine_argmax, std::vector<int32_t> reference_argmax,
+                                    int last_step) {
+  Comparison c;
+  c.engine_path = engine_path;
+  c.reference_path = reference_path;
+  c.engine_meta = meta_[0];
+  c.reference_meta = meta_[1];
+  c.tolerance_source = tolerances_.source;
+  c.tolerance_preset = tolerances_.preset;
+  for (const auto& r : incompatibilities(meta_[0], meta_[1])) c.warnings.push_back("forced: " + r);
+  if (last_step < 0) last_step = last_ended_;
+  std::vector<int> steps;
+  for (auto& [n, st] : steps_) {
+    if (n > last_step || n > last_ended_) continue;
+    steps.push_back(n);
+    if (st.tokens[0] != st.tokens[1])
+      c.warnings.push_back(fmt::format(
+          "forced: different input tokens at step {} (the engine must be fed the reference's tokens)", n));
+    size_t next = 0;
+    add_step_results(c, st.infos[0], st.infos[1],
+                     [&](const DatasetInfo*, const DatasetInfo*) { return st.ordered.at(next++); });
+  }
+  if (c.coverage.compared == 0) throw DumpError("the engine and the reference recorded no checkpoint in common");
+  engine_argmax.resize(std::min(engine_argmax.size(), static_cast<size_t>(last_step + 1)));
+  reference_argmax.resize(std::min(reference_argmax.size(), static_cast<size_t>(last_step + 1)));
+  finish_comparison(
+      c, tolerances_, opt_,
+      [&](size_t i, std::vector<float>& a, std::vector<float>& b) {
+        const CheckpointResult& r = c.results[i];
+        for (const std::optional<Kept>* kept : {&first_failure_, &first_nonfinite_}) {
+          if (*kept && (*kept)->step == r.step && (*kept)->name == r.name) {
+            a = (*kept)->a;
+            b = (*kept)->b;
+            return;
+          }
+        }
+        throw Error(fmt::format("the values of {} at step {} were not kept for its error pattern", r.name, r.step));
+      },
+      steps, engine_argmax, reference_argmax);
+  return c;
+}
+
+}  // namespace diffrun::diff
