@@ -1,5 +1,6 @@
 // `diffrun --prompt P`: run the reference, then the engine on the same tokens (per precision pair), compare, report, exit 0/1/2.
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -12,8 +13,10 @@
 #include "cli/command.hpp"
 #include "cli/diff_report.hpp"
 #include "cli/interrupt.hpp"
+#include "cli/pipeline.hpp"
 #include "cli/progress.hpp"
 #include "cli/run.hpp"
+#include "diff/compare.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"
@@ -36,6 +39,9 @@ struct MainOptions {
   std::string checkpoints;
   std::string inject;    // faults injected into the engine side
   bool isolate = false;  // also run the engine in isolation replay (local error per checkpoint)
+  std::string dump = "full";  // full, divergence or none
+  int stop_at_first = -1;     // >= 0: end the run this many steps after the first divergence
+  int threads = 0;            // OpenMP threads of each reference; 0: the cores the engine side leaves
   bool remove_stale = false;  // remove the temporaries killed runs left in --out
   DumpSizeOptions size;
   ReportOptions report;
@@ -105,10 +111,10 @@ std::vector<RunPair> run_pairs(const MainOptions& o, Progress& progress) {
 StepsResult run_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& backend_opt,
                         const std::string& role, const std::vector<int32_t>& ids, const MainOptions& o,
                         const std::string& prompt, const CheckpointFilter& filter, const DumpWriterOptions& wopt,
-                        const std::vector<int32_t>& forced,
+                        const std::vector<int32_t>& forced, int steps,
                         const std::string& path, const std::string& run_id, Progress& progress,
                         const std::string& replay_of = {}) {
-  const int64_t needed = static_cast<int64_t>(ids.size()) + o.steps;
+  const int64_t needed = static_cast<int64_t>(ids.size()) + steps;
   auto backend = make_backend(file, cfg, backend_opt, static_cast<int>(needed));
   // Every dump of the run carries its id, so compare refuses a new reference beside an interrupted run's old engine.
   DumpMeta meta = dump_meta(file, *backend, prompt, ids);
@@ -119,11 +125,11 @@ StepsResult run_backend(const GgufFile& file, const ModelConfig& cfg, const Back
   auto on_step = [&](int step, int total) { progress.update(what, step + 1, total + 1); };
   StepsResult r;
   if (replay_of.empty()) {
-    r = run_steps(*backend, ids, o.steps, forced, writer, false, on_step);
+    r = run_steps(*backend, ids, steps, forced, writer, false, on_step);
   } else {
     const DumpReader reference(replay_of);
     ReplaySink replay(writer, reference);
-    r = run_steps(*backend, ids, o.steps, forced, replay, false, on_step);
+    r = run_steps(*backend, ids, steps, forced, replay, false, on_step);
   }
   writer.set_attribute("all_token_ids", r.tokens);
   writer.set_attribute("argmax", r.argmax);
@@ -157,30 +163,73 @@ int run_main(const MainOptions& o) {
                                                 [&](const std::string& s) { progress.message(s); });
   const std::string prompt = prompt_text(*file, o.prompt);
 
-  const std::string run_id = new_run_id();
-  std::vector<ComparePair> compared;
-  std::vector<int32_t> tokens;  // the first reference's greedy choices; every later run is fed them
+  const DumpMode dump = parse_dump_mode(o.dump);
+  if (o.isolate && dump != DumpMode::full) {
+    throw InputError("--isolate replays the reference dump: it needs --dump full");
+  }
+  PipelineOptions popt;
+  popt.steps = o.steps;
+  popt.dump = dump;
+  popt.stop_at_first = o.stop_at_first;
+  popt.filter = filter;
+  popt.writer = wopt;
+  popt.prompt = prompt;
+  popt.run_id = new_run_id();
+  popt.report = o.report;
+  // Threads: each cpu reference gets --threads (default: the cores the engine side leaves); a cpu
+  // engine gets what is left, at least one. A CUDA engine's thread and each comparator mostly wait.
+  const int cores = available_cores();
+  const int n_pairs = static_cast<int>(pairs.size());
+  const bool cpu_engine = pairs.front().eng.backend == "cpu";
+  // OMP_NUM_THREADS, when set, is each cpu backend's count unless --threads says otherwise.
+  const char* omp_env = std::getenv("OMP_NUM_THREADS");
+  const int env_threads = omp_env && *omp_env ? std::max(1, std::atoi(omp_env)) : 0;
+  const int ref_threads = o.threads > 0    ? o.threads
+                          : env_threads > 0 ? env_threads
+                          : cpu_engine      ? std::max(1, 2 * cores / 3)
+                                            : std::max(1, (cores - n_pairs) / n_pairs);
+  const int eng_threads = env_threads > 0 && o.threads <= 0 ? env_threads : std::max(1, cores - ref_threads);
+  std::vector<PipelinePair> ppairs;
+  std::vector<std::unique_ptr<TempGuard>> guards;
   for (const RunPair& p : pairs) {
-    std::filesystem::create_directories(p.dir);
-    report_stale_temporaries(p.dir, o.remove_stale);
-    ComparePair c;
-    c.title = p.title;
-    c.reference_path = (std::filesystem::path(p.dir) / "reference.h5").string();
-    c.engine_path = (std::filesystem::path(p.dir) / "engine.h5").string();
-    progress.message(fmt::format("{} prompt tokens, {} decode steps; {}", ids.size(), o.steps, p.title));
-    // The reference chooses the tokens greedily (the first pair's); the engine is fed the same tokens
-    // (teacher forcing) and its own argmax is recorded.
-    const StepsResult ref_run =
-        run_backend(*file, cfg, p.ref, "reference", ids, o, prompt, filter, wopt, tokens, c.reference_path, run_id, progress);
-    if (tokens.empty()) tokens = ref_run.argmax;
-    run_backend(*file, cfg, p.eng, "engine", ids, o, prompt, filter, wopt, tokens, c.engine_path, run_id, progress);
-    // Isolation replay: the engine again, each checkpoint recorded and then replaced by the reference's.
-    if (o.isolate) {
-      c.isolated_path = (std::filesystem::path(p.dir) / "engine-isolated.h5").string();
-      run_backend(*file, cfg, p.eng, "engine isolated", ids, o, prompt, filter, wopt, tokens, c.isolated_path, run_id,
-                  progress, c.reference_path);
+    PipelinePair pp;
+    pp.title = p.title;
+    pp.engine = p.eng;
+    pp.reference = p.ref;
+    pp.engine_path = (std::filesystem::path(p.dir) / "engine.h5").string();
+    pp.reference_path = (std::filesystem::path(p.dir) / "reference.h5").string();
+    pp.engine_threads = eng_threads;
+    pp.reference_threads = ref_threads;
+    if (dump != DumpMode::none) {
+      std::filesystem::create_directories(p.dir);
+      report_stale_temporaries(p.dir, o.remove_stale);
+      guards.push_back(std::make_unique<TempGuard>(pp.engine_path));
+      guards.push_back(std::make_unique<TempGuard>(pp.reference_path));
     }
-    compared.push_back(c);
+    ppairs.push_back(pp);
+  }
+  progress.message(fmt::format("{} prompt tokens, {} decode steps; {} pair{} at once, {} reference thread{}{}", ids.size(),
+                               o.steps, n_pairs, n_pairs == 1 ? "" : "s", ref_threads, ref_threads == 1 ? "" : "s",
+                               cpu_engine ? fmt::format(", {} engine thread{}", eng_threads, eng_threads == 1 ? "" : "s")
+                                          : std::string()));
+  std::vector<diff::Comparison> comparisons = run_pipeline(*file, cfg, ppairs, ids, popt, progress);
+  guards.clear();
+
+  // Isolation replay: the engine again, each checkpoint recorded and then replaced by the reference's.
+  if (o.isolate) {
+    std::vector<int32_t> tokens;  // the first reference's greedy choices, fed to every run
+    for (const diff::StepTokens& t : comparisons.front().tokens) tokens.push_back(t.reference);
+    const int steps = static_cast<int>(tokens.size()) - 1;
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      diff::Comparison& c = comparisons[i];
+      const std::string path = (std::filesystem::path(pairs[i].dir) / "engine-isolated.h5").string();
+      run_backend(*file, cfg, pairs[i].eng, "engine isolated", ids, o, prompt, filter, wopt, tokens, steps, path,
+                  popt.run_id, progress, c.reference_path);
+      const DumpReader isolated(path), reference(c.reference_path);
+      const diff::CompareOptions copt = compare_options(o.report);
+      diff::add_isolation(c, diff::compare_dumps(isolated, reference, tolerances_for(isolated.meta(), reference.meta(), o.report), copt),
+                          copt);
+    }
   }
   const auto token_text = [&](int32_t id) {
     if (id < 0 || id >= cfg.n_vocab) return std::string("(outside the vocabulary)");
@@ -190,7 +239,10 @@ int run_main(const MainOptions& o) {
   // Both backends of each pair were asked to record the same checkpoints: anything less than all of them compared fails.
   ReportOptions report = o.report;
   if (report.require_coverage <= 0) report.require_coverage = 100;
-  return compare_and_report_pairs(compared, report, progress, token_text);
+  for (diff::Comparison& c : comparisons) c.coverage.required = report.require_coverage;
+  std::vector<std::string> titles;
+  for (const RunPair& p : pairs) titles.push_back(p.title);
+  return report_comparisons(titles, comparisons, report, token_text);
 }
 
 const CommandRegistrar registrar{
@@ -220,6 +272,20 @@ const CommandRegistrar registrar{
                      "Inject faults into the engine side (diffrun faults lists them), e.g. rope_theta_10000,kv_cache_pos0");
       app.add_flag("--isolate", o->isolate,
                    "Also run the engine in isolation replay (each op on the reference's inputs): local error per checkpoint");
+      app.add_option("--dump", o->dump,
+                     "Dumps to write: full (every checkpoint of every step), divergence (every step's tokens, the "
+                     "checkpoints of the steps around the first divergence), none. The report is the same")
+          ->capture_default_str()
+          ->check(CLI::IsMember({"full", "divergence", "none"}));
+      app.add_option("--stop-at-first", o->stop_at_first,
+                     "End the run N steps after the step of the first divergence (no value: 0, that step)")
+          ->expected(0, 1)
+          ->default_str("0")
+          ->check(CLI::NonNegativeNumber);
+      app.add_option("--threads", o->threads,
+                     "OpenMP threads of each CPU reference (default: the cores the engine side leaves; a CPU engine "
+                     "gets the rest)")
+          ->check(CLI::PositiveNumber);
       app.add_flag("--remove-stale", o->remove_stale,
                    "Remove the dump temporaries (*.tmp-PID) that killed runs left in --out (otherwise only listed)");
       o->report.add_options(app);

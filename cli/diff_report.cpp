@@ -101,6 +101,23 @@ std::string preset_for(const DumpMeta& engine, const DumpMeta& reference) {
   return has_preset(mapped) ? mapped : exact;  // preset_tolerances names the missing one and lists the others
 }
 
+}  // namespace
+
+diff::CompareOptions compare_options(const ReportOptions& opt) {
+  diff::CompareOptions copt;
+  copt.force = opt.force;
+  copt.jump_factor = opt.jump_factor;
+  copt.require_coverage = opt.require_coverage;
+  return copt;
+}
+
+diff::ToleranceSet tolerances_for(const DumpMeta& engine, const DumpMeta& reference, const ReportOptions& opt) {
+  return opt.tolerances.empty() ? diff::preset_tolerances(preset_for(engine, reference))
+                                : diff::load_tolerances(opt.tolerances);
+}
+
+namespace {
+
 // The comparison of one engine dump with one reference dump (and its isolated run), as the options ask.
 diff::Comparison compare(const std::string& engine_path, const std::string& reference_path, const ReportOptions& opt,
                          Progress& progress, const std::string& isolated_path) {
@@ -110,15 +127,10 @@ diff::Comparison compare(const std::string& engine_path, const std::string& refe
       opt.reference_names.empty() ? std::nullopt : std::optional<NameMap>(NameMap::load(opt.reference_names));
   const DumpReader engine(engine_path, engine_names ? &*engine_names : nullptr);
   const DumpReader reference(reference_path, reference_names ? &*reference_names : nullptr);
-  const diff::ToleranceSet tolerances = opt.tolerances.empty()
-                                            ? diff::preset_tolerances(preset_for(engine.meta(), reference.meta()))
-                                            : diff::load_tolerances(opt.tolerances);
+  const diff::ToleranceSet tolerances = tolerances_for(engine.meta(), reference.meta(), opt);
   progress.message(fmt::format("comparing {} ({}) with {} ({})", engine_path, engine.meta().precision, reference_path,
                                reference.meta().precision));
-  diff::CompareOptions copt;
-  copt.force = opt.force;
-  copt.jump_factor = opt.jump_factor;
-  copt.require_coverage = opt.require_coverage;
+  const diff::CompareOptions copt = compare_options(opt);
   diff::Comparison c = diff::compare_dumps(engine, reference, tolerances, copt);
   if (!isolated_path.empty()) {
     const DumpReader isolated(isolated_path, engine_names ? &*engine_names : nullptr);
@@ -133,18 +145,8 @@ diff::Comparison compare(const std::string& engine_path, const std::string& refe
 int compare_and_report(const std::string& engine_path, const std::string& reference_path, const ReportOptions& opt,
                        Progress& progress, const std::function<std::string(int32_t)>& token_text,
                        const std::string& isolated_path) {
-  const diff::Comparison c = compare(engine_path, reference_path, opt, progress, isolated_path);
-  diff::TerminalOptions topt;
-  topt.color = use_color(opt.no_color);
-  topt.token_text = token_text;
-  topt.title = opt.title;
-  topt.full = opt.full;
-  topt.explain = opt.explain;
-  std::fputs((opt.summary ? diff::render_summary(c) : diff::render_terminal(c, topt)).c_str(), stdout);
-  std::fflush(stdout);
-  if (!opt.report_json.empty()) write_text_file(opt.report_json, diff::render_json(c), "JSON");
-  if (!opt.report_junit.empty()) write_text_file(opt.report_junit, diff::render_junit(c), "JUnit");
-  return diff::exit_code(c);
+  return report_comparisons({opt.title}, {compare(engine_path, reference_path, opt, progress, isolated_path)}, opt,
+                            token_text);
 }
 
 int compare_and_report_pairs(const std::vector<ComparePair>& pairs, const ReportOptions& opt, Progress& progress,
@@ -153,20 +155,46 @@ int compare_and_report_pairs(const std::vector<ComparePair>& pairs, const Report
     const ComparePair& p = pairs.front();
     return compare_and_report(p.engine_path, p.reference_path, opt, progress, token_text, p.isolated_path);
   }
+  std::vector<std::string> titles;
+  std::vector<diff::Comparison> comparisons;
+  for (const ComparePair& p : pairs) {
+    titles.push_back(p.title);
+    comparisons.push_back(compare(p.engine_path, p.reference_path, opt, progress, p.isolated_path));
+  }
+  return report_comparisons(titles, comparisons, opt, token_text);
+}
+
+int report_comparisons(const std::vector<std::string>& titles, const std::vector<diff::Comparison>& comparisons,
+                       const ReportOptions& opt, const std::function<std::string(int32_t)>& token_text) {
+  if (comparisons.size() == 1) {
+    const diff::Comparison& c = comparisons.front();
+    diff::TerminalOptions topt;
+    topt.color = use_color(opt.no_color);
+    topt.token_text = token_text;
+    topt.title = opt.title;
+    topt.full = opt.full;
+    topt.explain = opt.explain;
+    std::fputs((opt.summary ? diff::render_summary(c) : diff::render_terminal(c, topt)).c_str(), stdout);
+    std::fflush(stdout);
+    if (!opt.report_json.empty()) write_text_file(opt.report_json, diff::render_json(c), "JSON");
+    if (!opt.report_junit.empty()) write_text_file(opt.report_junit, diff::render_junit(c), "JUnit");
+    return diff::exit_code(c);
+  }
   diff::TerminalOptions topt;
   topt.color = use_color(opt.no_color);
   topt.token_text = token_text;
   nlohmann::ordered_json json = {{"pairs", nlohmann::ordered_json::array()}};
   std::string suites;
   int total = 0, failures = 0, skipped = 0, code = 0;
-  for (const ComparePair& p : pairs) {
-    const diff::Comparison c = compare(p.engine_path, p.reference_path, opt, progress, p.isolated_path);
+  for (size_t i = 0; i < comparisons.size(); ++i) {
+    const diff::Comparison& c = comparisons[i];
+    const std::string& title = titles[i];
     const int pair_code = diff::exit_code(c);
     code = std::max(code, pair_code);
-    std::fputs(fmt::format("\n=== {} ===\n", p.title).c_str(), stdout);
+    std::fputs(fmt::format("\n=== {} ===\n", title).c_str(), stdout);
     std::fputs(diff::render_terminal(c, topt).c_str(), stdout);
     std::fflush(stdout);
-    json["pairs"].push_back({{"title", p.title}, {"exit_code", pair_code}, {"report", diff::report_json(c)}});
+    json["pairs"].push_back({{"title", title}, {"exit_code", pair_code}, {"report", diff::report_json(c)}});
     for (const auto& r : c.results) {
       ++total;
       if (r.failed()) ++failures;
@@ -180,14 +208,14 @@ int compare_and_report_pairs(const std::vector<ComparePair>& pairs, const Report
     std::string body = xml.substr(begin, end - begin);
     const std::string key = "<testsuite name=\"";
     for (size_t at = body.find(key); at != std::string::npos; at = body.find(key, at + key.size()))
-      body.insert(at + key.size(), xml_escape(p.title) + ": ");
+      body.insert(at + key.size(), xml_escape(title) + ": ");
     suites += body;
   }
   json["exit_code"] = code;
   std::fputs(fmt::format("\n=== {} ===\n", code == 0 ? "every pair within tolerance" : "a pair diverged: exit 1").c_str(),
              stdout);
-  for (size_t i = 0; i < pairs.size(); ++i)
-    std::fputs(fmt::format("  {}: {}\n", pairs[i].title,
+  for (size_t i = 0; i < comparisons.size(); ++i)
+    std::fputs(fmt::format("  {}: {}\n", titles[i],
                            json["pairs"][i]["exit_code"].get<int>() == 0 ? "PASS" : "DIVERGED").c_str(), stdout);
   if (!opt.report_json.empty()) write_text_file(opt.report_json, json.dump(1) + "\n", "JSON");
   if (!opt.report_junit.empty()) {

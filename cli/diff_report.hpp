@@ -8,7 +8,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include "checkpoints/dump.hpp"
 #include "cli/progress.hpp"
+#include "diff/compare.hpp"
+#include "diff/tolerances.hpp"
 
 namespace diffrun::cli {
 
@@ -52,5 +55,17 @@ struct ComparePair {
 // named "<title>: step N". Returns 1 when any pair diverged, else 0. One pair: compare_and_report.
 int compare_and_report_pairs(const std::vector<ComparePair>& pairs, const ReportOptions& opt, Progress& progress,
                              const std::function<std::string(int32_t)>& token_text = {});
+
+// The tolerance rules a comparison of these dumps uses: --tolerances, else the preset of their
+// precision pair (f32_vs_f64, f16_vs_f32-f16store, f32_vs_f32_cross, ...).
+diff::ToleranceSet tolerances_for(const DumpMeta& engine, const DumpMeta& reference, const ReportOptions& opt);
+
+// The comparator's options as the report options give them (--force, --jump-factor, --require-coverage).
+diff::CompareOptions compare_options(const ReportOptions& opt);
+
+// Prints and writes the reports of finished comparisons, as compare_and_report (one) or
+// compare_and_report_pairs (several, each under its title) do, and returns their exit code.
+int report_comparisons(const std::vector<std::string>& titles, const std::vector<diff::Comparison>& comparisons,
+                       const ReportOptions& opt, const std::function<std::string(int32_t)>& token_text = {});
 
 }  // namespace diffrun::cli

@@ -1,0 +1,419 @@
+// The top-level job's pipeline: backend threads, a comparator thread per pair, dumps by --dump (see pipeline.hpp).
+#include "cli/pipeline.hpp"
+
+#include <omp.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <climits>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include <fmt/core.h>
+
+#include "checkpoints/dump_format.hpp"
+#include "checkpoints/vocabulary.hpp"
+#include "diff/stream.hpp"
+#include "model/error.hpp"
+
+namespace diffrun::cli {
+
+DumpMode parse_dump_mode(const std::string& s) {
+  if (s == "full") return DumpMode::full;
+  if (s == "divergence") return DumpMode::divergence;
+  if (s == "none") return DumpMode::none;
+  throw InputError("--dump: '" + s + "' is not a dump mode (expected full, divergence or none)");
+}
+
+int available_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+namespace {
+
+constexpr int kEngine = 0, kReference = 1;
+constexpr int kLookahead = 2;  // a backend starts step s once its comparator has finished step s - kLookahead
+
+// What a backend thread hands its comparator, in its recording order.
+struct Message {
+  enum Kind { meta, checkpoint, ids, step_end, done };
+  Message() = default;
+  explicit Message(Kind k) : kind(k) {}
+  Kind kind = done;
+  int step = -1;
+  DumpMeta dump_meta;                        // meta
+  std::string name;                          // checkpoint
+  int layer = -1;                            // checkpoint
+  std::string layout;                        // checkpoint
+  std::vector<int64_t> shape;                // checkpoint
+  NativeDType native = NativeDType::f32;     // checkpoint
+  std::vector<float> values;                 // checkpoint
+  std::vector<int32_t> tokens;               // ids
+  int32_t argmax = -1;                       // step_end
+};
+
+// State shared by every thread of the run; one mutex guards it all.
+struct Shared {
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<int32_t> feed;  // the first pair's reference's argmax after each step
+  int stop_step = INT_MAX;    // the last step the run computes
+  std::vector<int> ended;     // per pair: the last step its comparator finished
+  std::vector<std::deque<Message>> queue[2];  // per side, per pair
+  std::exception_ptr error;
+  bool aborted = false;
+  Progress* progress = nullptr;
+  int total_steps = 0;
+
+  int min_ended() const { return *std::min_element(ended.begin(), ended.end()); }
+
+  void fail(std::exception_ptr e) {
+    std::lock_guard lock(m);
+    if (!error) error = e;
+    aborted = true;
+    cv.notify_all();
+  }
+  void push(int side, size_t pair, Message msg) {
+    std::lock_guard lock(m);
+    queue[side][pair].push_back(std::move(msg));
+    cv.notify_all();
+  }
+};
+
+// The backend's sink: copies each checkpoint the filter keeps (and every step's tokens) to the comparator.
+class QueueSink final : public Sink {
+ public:
+  QueueSink(Shared& sh, int side, size_t pair, const CheckpointFilter& filter)
+      : sh_(sh), side_(side), pair_(pair), filter_(filter) {}
+  bool wants(std::string_view name) const override { return name == "tokens" || filter_.matches(name); }
+  void record(int step, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
+              NativeDType native, std::span<const float> data) override {
+    if (!wants(name)) return;
+    Message msg(Message::checkpoint);
+    msg.step = step;
+    msg.name = std::string(name);
+    msg.layer = layer;
+    msg.layout = std::string(layout);
+    msg.shape.assign(shape.begin(), shape.end());
+    msg.native = native;
+    msg.values.assign(data.begin(), data.end());
+    sh_.push(side_, pair_, std::move(msg));
+  }
+  void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override {
+    if (name != "tokens") return;
+    Message msg(Message::ids);
+    msg.step = step;
+    msg.tokens.assign(ids.begin(), ids.end());
+    sh_.push(side_, pair_, std::move(msg));
+  }
+
+ private:
+  Shared& sh_;
+  int side_;
+  size_t pair_;
+  const CheckpointFilter& filter_;
+};
+
+struct Context {
+  const GgufFile& file;
+  const ModelConfig& cfg;
+  const std::vector<PipelinePair>& pairs;
+  const std::vector<int32_t>& ids;
+  const PipelineOptions& opt;
+  Shared& sh;
+};
+
+// One backend: steps 0..opt.steps unless the run stops earlier; the first pair's reference feeds the tokens.
+void backend_thread(const Context& cx, size_t p, int side) {
+  const PipelinePair& pair = cx.pairs[p];
+  const BackendOptions& bo = side == kEngine ? pair.engine : pair.reference;
+  if (bo.backend == "cpu") omp_set_num_threads(side == kEngine ? pair.engine_threads : pair.reference_threads);
+  const bool source = p == 0 && side == kReference;
+  const int needed = static_cast<int>(cx.ids.size()) + cx.opt.steps;
+  auto backend = make_backend(cx.file, cx.cfg, bo, needed);
+  Message meta(Message::meta);
+  meta.dump_meta = dump_meta(cx.file, *backend, cx.opt.prompt, cx.ids);
+  meta.dump_meta.facts["run_id"] = cx.opt.run_id;
+  // As the writer fills them, so that the comparison's metadata is the dumps' in every --dump mode.
+  meta.dump_meta.created_utc = utc_now_iso8601();
+  meta.dump_meta.diffrun_version = DIFFRUN_VERSION;
+  cx.sh.push(side, p, std::move(meta));
+  QueueSink sink(cx.sh, side, p, cx.opt.filter);
+  for (int step = 0; step <= cx.opt.steps; ++step) {
+    int32_t token = 0;
+    {
+      std::unique_lock lock(cx.sh.m);
+      cx.sh.cv.wait(lock, [&] {
+        return cx.sh.aborted || step > cx.sh.stop_step ||
+               (cx.sh.ended[p] >= step - kLookahead &&
+                (source || step == 0 || static_cast<int>(cx.sh.feed.size()) >= step));
+      });
+      if (cx.sh.aborted || step > cx.sh.stop_step) break;
+      if (step > 0) token = cx.sh.feed[step - 1];
+    }
+    const std::vector<float> logits =
+        step == 0 ? backend->forward(0, cx.ids, sink) : backend->forward(step, std::span<const int32_t>(&token, 1), sink);
+    Message end(Message::step_end);
+    end.step = step;
+    end.argmax = argmax(logits);
+    if (source) {
+      std::lock_guard lock(cx.sh.m);
+      cx.sh.feed.push_back(end.argmax);
+    }
+    cx.sh.push(side, p, std::move(end));
+  }
+  cx.sh.push(side, p, Message(Message::done));
+}
+
+// The checkpoints of one step of one side, held until --dump divergence knows whether they are written.
+struct HeldStep {
+  int step = -1;
+  std::vector<Message> messages[2];
+};
+
+class Comparator {
+ public:
+  struct Aborted {};  // another thread failed
+
+  Comparator(const Context& cx, size_t p) : cx_(cx), p_(p), pair_(cx.pairs[p]) {}
+
+  diff::Comparison run() {
+    DumpMeta metas[2];
+    for (int side : {kEngine, kReference}) {
+      Message m = next(side);
+      if (m.kind != Message::meta) throw Error("a backend sent data before its metadata");
+      metas[side] = std::move(m.dump_meta);
+    }
+    stream_.emplace(metas[kEngine], metas[kReference], tolerances_for(metas[kEngine], metas[kReference], cx_.opt.report),
+                    compare_options(cx_.opt.report));
+    if (cx_.opt.dump != DumpMode::none) {
+      writers_[kEngine] = std::make_unique<DumpWriter>(pair_.engine_path, metas[kEngine], cx_.opt.filter, cx_.opt.writer);
+      writers_[kReference] =
+          std::make_unique<DumpWriter>(pair_.reference_path, metas[kReference], cx_.opt.filter, cx_.opt.writer);
+    }
+    int last = -1;
+    for (int step = 0; step <= cx_.opt.steps; ++step) {
+      {
+        // Every comparator has finished the step before: the stop step is final up to this one.
+        std::unique_lock lock(cx_.sh.m);
+        cx_.sh.cv.wait(lock, [&] { return cx_.sh.aborted || cx_.sh.min_ended() >= step - 1; });
+        if (cx_.sh.aborted) return {};
+        if (step > cx_.sh.stop_step) break;
+      }
+      run_step(step);
+      last = step;
+    }
+    if (held_) write_held(false);
+    const std::string none = "not written (--dump none)";
+    std::vector<int32_t> fed(cx_.ids.begin(), cx_.ids.end());
+    {
+      std::lock_guard lock(cx_.sh.m);
+      fed.insert(fed.end(), cx_.sh.feed.begin(), cx_.sh.feed.begin() + std::min<size_t>(cx_.sh.feed.size(), last));
+    }
+    for (int side : {kEngine, kReference}) {
+      argmax_[side].resize(std::min<size_t>(argmax_[side].size(), last + 1));
+      if (!writers_[side]) continue;
+      writers_[side]->set_attribute("all_token_ids", fed);
+      writers_[side]->set_attribute("argmax", argmax_[side]);
+      writers_[side]->finish();
+    }
+    return stream_->finish(writers_[kEngine] ? pair_.engine_path : none,
+                           writers_[kReference] ? pair_.reference_path : none, argmax_[kEngine], argmax_[kReference],
+                           last);
+  }
+
+ private:
+  // The next message of `side`.
+  Message next(int side) {
+    std::unique_lock lock(cx_.sh.m);
+    auto& q = cx_.sh.queue[side][p_];
+    cx_.sh.cv.wait(lock, [&] { return cx_.sh.aborted || !q.empty(); });
+    if (cx_.sh.aborted) throw Aborted();
+    Message m = std::move(q.front());
+    q.pop_front();
+    return m;
+  }
+
+  diff::StreamComparison& stream() { return *stream_; }
+
+  // The checkpoint as DumpReader presents it from the dump. kq_soft_max is cut to its last rows as the
+  // writer cuts it (--softmax-rows): `cut` receives those values, else stays empty.
+  DatasetInfo info_of(int side, const Message& m, std::vector<float>& cut) const {
+    DatasetInfo info;
+    info.step = m.step;
+    info.name = m.name;
+    const ParsedCheckpointName parsed = parse_checkpoint_name(m.name);
+    try {
+      info.order = checkpoint_order(cx_.cfg, parsed.base, parsed.layer);
+    } catch (const InputError& e) {
+      throw DumpError(fmt::format("the {} recorded '{}' at step {}: {}", side == kEngine ? "engine" : "reference", m.name,
+                                  m.step, e.what()));
+    }
+    info.layer = m.layer;
+    info.layout = m.layout;
+    info.native_dtype = native_dtype_name(m.native);
+    info.shape = m.shape;
+    info.is_int = false;
+    info.stored_dtype = "float32";
+    info.stored_shape = m.shape;
+    const int64_t keep = cx_.opt.writer.softmax_rows;
+    if (keep > 0 && m.shape.size() == 3 && m.shape[1] > keep && parsed.base == "kq_soft_max") {
+      const int64_t h = m.shape[0], t = m.shape[1], s = m.shape[2];
+      cut.resize(static_cast<size_t>(h * keep * s));
+      for (int64_t i = 0; i < h; ++i)
+        std::copy_n(m.values.data() + (i * t + (t - keep)) * s, keep * s, cut.data() + i * keep * s);
+      info.shape[1] = keep;
+      info.stored_shape = info.shape;
+      info.row_offset = t - keep;
+    }
+    return info;
+  }
+
+  void write(int side, const Message& m, bool checkpoints) {
+    DumpWriter& w = *writers_[side];
+    if (m.kind == Message::ids) w.record_ids(m.step, "tokens", m.tokens);
+    else if (checkpoints) w.record(m.step, m.name, m.layer, m.layout, m.shape, m.native, m.values);
+  }
+
+  void write_held(bool checkpoints) {
+    for (int side : {kEngine, kReference})
+      for (const Message& m : held_->messages[side]) write(side, m, checkpoints);
+    held_.reset();
+  }
+
+  void run_step(int step) {
+    bool ended[2] = {false, false};
+    HeldStep current;
+    current.step = step;
+    while (!ended[kEngine] || !ended[kReference]) {
+      // Both sides record step by step; take whichever has news (the engine's usually comes first).
+      int side = -1;
+      Message m;
+      {
+        std::unique_lock lock(cx_.sh.m);
+        cx_.sh.cv.wait(lock, [&] {
+          return cx_.sh.aborted || (!ended[kEngine] && !cx_.sh.queue[kEngine][p_].empty()) ||
+                 (!ended[kReference] && !cx_.sh.queue[kReference][p_].empty());
+        });
+        if (cx_.sh.aborted) throw Aborted();
+        side = !ended[kReference] && !cx_.sh.queue[kReference][p_].empty() ? kReference : kEngine;
+        m = std::move(cx_.sh.queue[side][p_].front());
+        cx_.sh.queue[side][p_].pop_front();
+      }
+      const auto side_id = side == kEngine ? diff::StreamSide::engine : diff::StreamSide::reference;
+      if (m.kind == Message::done) throw Error(fmt::format("{} stopped before step {}", side == kEngine ? "the engine" : "the reference", step));
+      if (m.step != step) throw Error(fmt::format("step {} arrived while comparing step {}", m.step, step));
+      switch (m.kind) {
+        case Message::step_end:
+          ended[side] = true;
+          argmax_[side].push_back(m.argmax);
+          break;
+        case Message::ids:
+          stream().add_tokens(side_id, step, m.tokens);
+          if (cx_.opt.dump == DumpMode::full) write(side, m, true);
+          else if (cx_.opt.dump == DumpMode::divergence) current.messages[side].push_back(std::move(m));
+          break;
+        case Message::checkpoint: {
+          std::vector<float> values;
+          DatasetInfo info = info_of(side, m, values);
+          const bool cut = !values.empty();
+          if (cx_.opt.dump == DumpMode::full) write(side, m, true);
+          if (cx_.opt.dump == DumpMode::divergence) {
+            if (!cut) values = m.values;
+            current.messages[side].push_back(std::move(m));
+          } else if (!cut) {
+            values = std::move(m.values);
+          }
+          stream().add(side_id, std::move(info), std::move(values));
+          break;
+        }
+        default: throw Error("unexpected message from a backend");
+      }
+    }
+    const diff::StreamComparison::StepEnd e = stream().end_step(step);
+    if (e.nonfinite && first_nonfinite_ < 0) first_nonfinite_ = step;
+    if (cx_.opt.dump == DumpMode::divergence) {
+      // Around the first divergence k: steps k-1, k, k+1, and the step of the first NaN/Inf.
+      const int k = stream().first_failed_step();
+      if (held_) write_held(k == step);
+      if ((k >= 0 && step <= k + 1) || (e.nonfinite && first_nonfinite_ == step)) {
+        held_ = std::move(current);
+        write_held(true);
+      } else if (k < 0) {
+        held_ = std::move(current);
+      } else {
+        held_ = std::move(current);
+        write_held(false);
+      }
+    }
+    std::lock_guard lock(cx_.sh.m);
+    if (e.failed && stream().first_failed_step() == step && cx_.opt.stop_at_first >= 0)
+      cx_.sh.stop_step = std::min(cx_.sh.stop_step, step + cx_.opt.stop_at_first);
+    const int before = cx_.sh.min_ended();
+    cx_.sh.ended[p_] = step;
+    if (cx_.sh.min_ended() > before && cx_.sh.progress) {
+      cx_.sh.progress->update("compared step", step + 1, std::min(cx_.sh.stop_step, cx_.opt.steps) + 1);
+    }
+    cx_.sh.cv.notify_all();
+  }
+
+  const Context& cx_;
+  size_t p_;
+  const PipelinePair& pair_;
+  std::optional<diff::StreamComparison> stream_;
+  std::unique_ptr<DumpWriter> writers_[2];
+  std::vector<int32_t> argmax_[2];
+  std::optional<HeldStep> held_;
+  int first_nonfinite_ = -1;
+};
+
+void comparator_thread(const Context& cx, size_t p, diff::Comparison& out) {
+  Comparator c(cx, p);
+  try {
+    out = c.run();
+  } catch (const Comparator::Aborted&) {
+  }
+}
+
+}  // namespace
+
+std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConfig& cfg,
+                                           const std::vector<PipelinePair>& pairs, const std::vector<int32_t>& ids,
+                                           const PipelineOptions& opt, Progress& progress) {
+  Shared sh;
+  sh.ended.assign(pairs.size(), -1);
+  sh.queue[kEngine].resize(pairs.size());
+  sh.queue[kReference].resize(pairs.size());
+  sh.progress = &progress;
+  const Context cx{file, cfg, pairs, ids, opt, sh};
+  std::vector<diff::Comparison> out(pairs.size());
+  std::vector<std::thread> threads;
+  const auto guarded = [&sh](auto fn) {
+    return [&sh, fn]() {
+      try {
+        fn();
+      } catch (...) {
+        sh.fail(std::current_exception());
+      }
+    };
+  };
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    threads.emplace_back(guarded([&cx, p] { backend_thread(cx, p, kReference); }));
+    threads.emplace_back(guarded([&cx, p] { backend_thread(cx, p, kEngine); }));
+    threads.emplace_back(guarded([&cx, p, &out] { comparator_thread(cx, p, out[p]); }));
+  }
+  for (std::thread& t : threads) t.join();
+  progress.finish();
+  if (sh.error) std::rethrow_exception(sh.error);
+  return out;
+}
+
+}  // namespace diffrun::cli

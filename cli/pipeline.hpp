@@ -1,0 +1,73 @@
+// The top-level job's pipeline: reference and engine run at once, a comparator per pair consumes their checkpoints as they arrive.
+//
+// Threads (per engine/reference pair): one for the reference, one for the engine, one comparator.
+// The first pair's reference chooses the tokens greedily; every other backend is fed them (teacher
+// forcing), so an engine's step s waits only for that reference's step s-1. Each backend's sink
+// hands copies of its checkpoints to its pair's comparator, which compares them on arrival
+// (diff/stream.hpp: the comparator's own code) and writes the dumps:
+//   --dump full        every checkpoint of every step (the default), as `diffrun dump` would;
+//   --dump divergence  every step's tokens, and the checkpoints of the steps around the first
+//                      divergence only: the step before it, its step, the step after it, and the
+//                      step of the first NaN/Inf;
+//   --dump none        no file.
+// The comparison, and so every report, is the same in the three modes.
+//
+// Bounded memory: a backend starts step s only once its comparator has finished step s-2, so at
+// most about two steps of checkpoints wait in memory (with --dump divergence the comparator also
+// holds the step before the current one until it knows whether the next one diverges).
+//
+// --stop-at-first N: the run ends N steps after the step of the first divergence (of any pair).
+// The comparators end each step together (a barrier), so every pair knows the last step before it
+// goes on: the reports and the dumps hold the steps 0..first+N exactly, whatever the backends had
+// started beyond them.
+//
+// Errors in any thread stop every thread; the first is rethrown by run_pipeline.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "checkpoints/dump.hpp"
+#include "cli/diff_report.hpp"
+#include "cli/progress.hpp"
+#include "cli/run.hpp"
+#include "diff/compare.hpp"
+#include "model/config.hpp"
+#include "model/gguf.hpp"
+
+namespace diffrun::cli {
+
+enum class DumpMode { full, divergence, none };
+// "full", "divergence", "none"; InputError otherwise.
+DumpMode parse_dump_mode(const std::string& s);
+
+// One engine/reference pair of the job.
+struct PipelinePair {
+  std::string title;
+  BackendOptions engine, reference;
+  std::string engine_path, reference_path;        // the dumps (not written with --dump none)
+  int engine_threads = 1, reference_threads = 1;  // OpenMP threads of a cpu backend
+};
+
+struct PipelineOptions {
+  int steps = 8;
+  DumpMode dump = DumpMode::full;
+  int stop_at_first = -1;  // >= 0: end the run this many steps after the first divergence
+  CheckpointFilter filter;
+  DumpWriterOptions writer;
+  std::string prompt;  // the prompt text dumps record
+  std::string run_id;
+  ReportOptions report;  // tolerances, --force, --jump-factor, --require-coverage
+};
+
+// Cores this process may run on (its CPU affinity), at least 1.
+int available_cores();
+
+// Runs every pair on the prompt `ids` and returns one comparison per pair (dump paths as given, or
+// "not written (--dump none)"). Throws what a backend, a writer or the comparison throws.
+std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConfig& cfg,
+                                           const std::vector<PipelinePair>& pairs, const std::vector<int32_t>& ids,
+                                           const PipelineOptions& opt, Progress& progress);
+
+}  // namespace diffrun::cli

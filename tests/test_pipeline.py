@@ -1,0 +1,117 @@
+# The pipelined top-level job: the same reports with --dump full, divergence and none, as `diffrun compare` of the full dumps; --stop-at-first; --threads.
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import h5py
+import pytest
+
+DIFFRUN = os.environ.get("DIFFRUN_BIN", "build/cli/diffrun")
+FIXTURES = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", "build/fixtures"))
+MODEL = FIXTURES / "tiny-llama-f32.gguf"
+# kv_cache_pos0 first shows at cache_k-0 of step 1 (diffrun faults): a divergence with steps on both sides.
+JOB = ["-m", str(MODEL), "--tokens", "1,2,3,4,5,6", "--steps", "4", "--engine", "cpu", "--no-color", "--threads", "1"]
+
+
+def run(*args):
+    return subprocess.run([DIFFRUN, *args], capture_output=True, text=True)
+
+
+def job(tmp, name, *extra):
+    """The main job with every report; returns (exit code, terminal, JSON, JUnit, out dir)."""
+    out = tmp / name
+    r = run(*JOB, *extra, "--out", str(out), "--report-json", str(tmp / f"{name}.json"), "--report-junit",
+            str(tmp / f"{name}.xml"))
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    return r.returncode, r.stdout, (tmp / f"{name}.json").read_text(), (tmp / f"{name}.xml").read_text(), out
+
+
+def normalized(text, out):
+    """A report with what differs between runs blanked: the dump paths, the run id, the creation time."""
+    text = text.replace("not written (--dump none)", "<dump>")
+    text = re.sub(re.escape(str(out)) + r"/(engine|reference)\.h5", "<dump>", text)
+    text = re.sub(r'"run_id": "[^"]*"', '"run_id": ""', text)
+    text = re.sub(r'"created_utc": "[^"]*"', '"created_utc": ""', text)
+    text = re.sub(r'timestamp="[^"]*"', 'timestamp=""', text)
+    text = re.sub(r'time="[^"]*"', 'time=""', text)
+    return text
+
+
+def steps_with_checkpoints(path):
+    with h5py.File(path, "r") as f:
+        return {int(k[5:]): sorted(f[k].keys()) for k in f.keys()}
+
+
+@pytest.mark.parametrize("fault", ["kv_cache_pos0", None])
+def test_every_dump_mode_gives_the_same_reports(tmp_path, fault):
+    extra = ["--inject", fault] if fault else []
+    runs = {mode: job(tmp_path, mode, "--dump", mode, *extra) for mode in ("full", "divergence", "none")}
+    code, terminal, js, junit, out = runs["full"]
+    assert code == (1 if fault else 0)
+    for mode in ("divergence", "none"):
+        c, t, j, x, o = runs[mode]
+        assert c == code
+        # The terminal report wraps at 100 columns, where the path's length says: compare the words.
+        assert normalized(t, o).split() == normalized(terminal, out).split(), mode
+        assert normalized(j, o) == normalized(js, out), mode
+        assert normalized(x, o) == normalized(junit, out), mode
+    assert not runs["none"][4].exists() or not list(runs["none"][4].glob("*.h5"))
+
+    # The streamed comparison is the comparison of the full dumps.
+    r = run("compare", str(out / "engine.h5"), str(out / "reference.h5"), "--no-color", "--require-coverage", "100",
+            "--report-json", str(tmp_path / "compare.json"))
+    assert r.returncode == code, r.stdout + r.stderr
+    streamed, read = json.loads(js), json.loads((tmp_path / "compare.json").read_text())
+    for side in ("engine", "reference"):
+        streamed[side]["path"] = read[side]["path"] = ""
+    assert streamed == read
+
+    # Full: every step holds every checkpoint. Divergence: every step its tokens, the checkpoints only
+    # around the first divergence (steps 0, 1, 2 for step 1), or none without one.
+    full = steps_with_checkpoints(out / "engine.h5")
+    assert sorted(full) == [0, 1, 2, 3, 4] and all(len(v) > 1 for v in full.values())
+    for side in ("engine.h5", "reference.h5"):
+        div = steps_with_checkpoints(runs["divergence"][4] / side)
+        assert sorted(div) == [0, 1, 2, 3, 4]
+        window = {0, 1, 2} if fault else set()
+        for step, names in div.items():
+            assert names == (full[step] if step in window else ["tokens"]), (side, step)
+    v = run("validate", str(runs["divergence"][4] / "engine.h5"))
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
+@pytest.mark.parametrize("after", [0, 2])
+def test_stop_at_first_ends_the_run_after_the_divergence(tmp_path, after):
+    code, terminal, js, _, out = job(tmp_path, "stop", "--inject", "kv_cache_pos0", "--stop-at-first", str(after))
+    assert code == 1
+    report = json.loads(js)
+    assert (report["first_divergence"]["name"], report["first_divergence"]["step"]) == ("cache_k-0", 1)
+    last = 1 + after
+    assert {c["step"] for c in report["checkpoints"]} == set(range(last + 1))
+    assert [t["step"] for t in report["tokens"]] == list(range(last + 1))
+    for side in ("engine.h5", "reference.h5"):
+        assert sorted(steps_with_checkpoints(out / side)) == list(range(last + 1))
+        with h5py.File(out / side, "r") as f:
+            assert len(f.attrs["argmax"]) == last + 1
+            assert len(f.attrs["all_token_ids"]) == 6 + last
+    # Without a value: the step of the divergence itself.
+    code, _, js, _, _ = job(tmp_path, "stop_default", "--inject", "kv_cache_pos0", "--stop-at-first")
+    assert code == 1 and {c["step"] for c in json.loads(js)["checkpoints"]} == {0, 1}
+    # A run without a divergence runs every step.
+    code, _, js, _, _ = job(tmp_path, "stop_clean", "--stop-at-first", "0")
+    assert code == 0 and {c["step"] for c in json.loads(js)["checkpoints"]} == {0, 1, 2, 3, 4}
+
+
+def test_threads_reach_the_reference(tmp_path):
+    r = run(*JOB[:-2], "--threads", "2", "--dump", "none", "--report-json", str(tmp_path / "t.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "t.json").read_text())["reference"]["facts"]["cpu_threads"] == "2"
+
+
+def test_isolate_needs_full_dumps(tmp_path):
+    r = run(*JOB, "--isolate", "--dump", "none", "--out", str(tmp_path / "iso"))
+    assert r.returncode == 2 and "--isolate" in r.stderr and "--dump full" in r.stderr, r.stderr
+    r = run(*JOB, "--dump", "partial", "--out", str(tmp_path / "bad"))
+    assert r.returncode == 2 and "--dump" in r.stderr, r.stderr
