@@ -264,15 +264,21 @@ class Comparator {
     info.is_int = false;
     info.stored_dtype = "float32";
     info.stored_shape = m.shape;
-    const int64_t keep = cx_.opt.writer.softmax_rows;
-    if (keep > 0 && m.shape.size() == 3 && m.shape[1] > keep && parsed.base == "kq_soft_max") {
-      const int64_t h = m.shape[0], t = m.shape[1], s = m.shape[2];
-      cut.resize(static_cast<size_t>(h * keep * s));
-      for (int64_t i = 0; i < h; ++i)
-        std::copy_n(m.values.data() + (i * t + (t - keep)) * s, keep * s, cut.data() + i * keep * s);
-      info.shape[1] = keep;
+    // The rows the writer keeps (DumpWriterOptions), along the layout's token dimension T.
+    const std::vector<std::string> dims = layout_dims(m.layout);
+    const int rd = static_cast<int>(std::find(dims.begin(), dims.end(), "T") - dims.begin());
+    const int64_t keep = parsed.base == "kq_soft_max" ? cx_.opt.writer.softmax_rows : 0;
+    if (keep > 0 && rd < static_cast<int>(m.shape.size()) && m.shape[rd] > keep) {
+      const int64_t rows = m.shape[rd], drop = rows - keep;
+      int64_t outer = 1, inner = 1;
+      for (int i = 0; i < rd; ++i) outer *= m.shape[i];
+      for (size_t i = rd + 1; i < m.shape.size(); ++i) inner *= m.shape[i];
+      cut.resize(static_cast<size_t>(outer * keep * inner));
+      for (int64_t i = 0; i < outer; ++i)
+        std::copy_n(m.values.data() + (i * rows + drop) * inner, keep * inner, cut.data() + i * keep * inner);
+      info.shape[rd] = keep;
       info.stored_shape = info.shape;
-      info.row_offset = t - keep;
+      info.row_offset = drop;
     }
     return info;
   }
