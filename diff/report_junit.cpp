@@ -1,10 +1,14 @@
-// The JUnit XML report: one <testsuite> per step, one <testcase> per checkpoint; the first divergence fails, its consequences are skipped.
+// The JUnit XML report: one <testsuite> per step, one <testcase> per checkpoint; the first divergence fails, its consequences are one skipped case per step.
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
+#include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "diff/pattern.hpp"
 #include "diff/report.hpp"
 
 namespace diffrun::diff {
@@ -86,6 +90,30 @@ std::string failure_body(const CheckpointResult& r) {
   return body;
 }
 
+// The failing checkpoints of one step as kinds with their layers, the kinds in the order they first
+// appear among all of the step's checkpoints (`step`): "Qrope 0-29, Krope 0-29, result_norm".
+std::string kinds_and_layers(const std::vector<const CheckpointResult*>& failing,
+                             const std::vector<const CheckpointResult*>& step) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> kinds;
+  for (const auto* r : step) {
+    if (std::none_of(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == r->base; }))
+      kinds.push_back({r->base, {}});
+  }
+  for (const auto* r : failing) {
+    auto it = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == r->base; });
+    if (it == kinds.end()) it = kinds.insert(kinds.end(), {r->base, {}});
+    if (r->layer >= 0) it->second.push_back(r->layer);
+  }
+  std::vector<std::string> parts;
+  for (auto& [base, layers] : kinds) {
+    if (layers.empty() && std::none_of(failing.begin(), failing.end(), [&](const auto* r) { return r->base == base; }))
+      continue;
+    std::sort(layers.begin(), layers.end());
+    parts.push_back(layers.empty() ? base : fmt::format("{} {}", base, format_ranges(layers)));
+  }
+  return fmt::format("{}", fmt::join(parts, ", "));
+}
+
 std::string pattern_text(const std::optional<ErrorPattern>& p) {
   if (!p || (p->summary.empty() && p->hint.empty())) return "";
   return fmt::format("pattern: {}{}{}\n", p->summary, p->summary.empty() || p->hint.empty() ? "" : " -> ", p->hint);
@@ -95,26 +123,30 @@ std::string pattern_text(const std::optional<ErrorPattern>& p) {
 
 // A failing checkpoint is its own failure when it is the first divergence, or the first NaN/Inf
 // whose verdict is local (non-finite values appear there from finite inputs). Every other failure
-// comes after the first divergence in execution order and is reported as its consequence (a
-// skipped test case), so a CI page shows one red line per independent problem.
+// comes after the first divergence in execution order and is its consequence: each step's
+// consequences are one skipped test case ("consequences of NAME (step S)", listing their kinds and
+// layers), so a CI page shows one red line per independent problem and the XML stays small
+// (every checkpoint is in the JSON report).
 std::string render_junit(const Comparison& c) {
   const CheckpointResult* first = c.first_failure ? &c.results[*c.first_failure] : nullptr;
   const CheckpointResult* first_nf = c.first_nonfinite ? &c.results[*c.first_nonfinite] : nullptr;
   const bool nf_independent = first_nf && first_nf != first && c.nonfinite_verdict.kind == VerdictKind::local;
   const auto own_failure = [&](const CheckpointResult* r) { return r == first || (nf_independent && r == first_nf); };
-  const std::string consequence =
-      first ? xml_escape(fmt::format("consequence of {} (step {})", first->name, first->step)) : std::string();
+  const std::string cause = first ? fmt::format("{} (step {})", first->name, first->step) : std::string();
 
   std::map<int, std::vector<const CheckpointResult*>> by_step;
   for (const auto& r : c.results) by_step[r.step].push_back(&r);
   int total = 0, failures = 0, skipped = 0, downstream = 0;
+  std::set<int> steps_with_consequences;
   for (const auto& r : c.results) {
     ++total;
     if (own_failure(&r)) ++failures;
-    else if (r.failed()) ++downstream;
+    else if (r.failed()) ++downstream, steps_with_consequences.insert(r.step);
     if (!r.failed() && !r.compared()) ++skipped;
   }
-  skipped += downstream;
+  // Each step's consequences are one case instead of one each.
+  total += static_cast<int>(steps_with_consequences.size()) - downstream;
+  skipped += static_cast<int>(steps_with_consequences.size());
   // Coverage is a property; with a requirement (--require-coverage) also one more test case, in a
   // suite of its own, failed when below it.
   const Coverage& cov = c.coverage;
@@ -138,13 +170,17 @@ std::string render_junit(const Comparison& c) {
     out += "  </testsuite>\n";
   }
   for (const auto& [step, results] : by_step) {
-    int f = 0, s = 0;
+    int f = 0, s = 0, n = 0;
+    std::vector<const CheckpointResult*> consequences;
     for (const auto* r : results) {
-      if (own_failure(r)) ++f;
-      else if (r->failed() || !r->compared()) ++s;
+      if (own_failure(r)) ++f, ++n;
+      else if (r->failed()) consequences.push_back(r);
+      else if (!r->compared()) ++s, ++n;
+      else ++n;
     }
+    if (!consequences.empty()) ++s, ++n;
     out += fmt::format("  <testsuite name=\"{}\" tests=\"{}\" failures=\"{}\" errors=\"0\" skipped=\"{}\">\n",
-                       step_name(step), results.size(), f, s);
+                       step_name(step), n, f, s);
     if (step == by_step.begin()->first) {
       out += "    <properties>\n";
       auto prop = [&](const char* name, const std::string& value) {
@@ -166,6 +202,7 @@ std::string render_junit(const Comparison& c) {
       out += "    </properties>\n";
     }
     for (const auto* r : results) {
+      if (!own_failure(r) && r->failed()) continue;  // a consequence: in the step's one case below
       out += fmt::format("    <testcase classname=\"{}\" name=\"{}\" time=\"0\"", step_name(step), xml_escape(r->name));
       if (own_failure(r)) {
         const bool is_first = r == first;
@@ -183,18 +220,26 @@ std::string render_junit(const Comparison& c) {
         std::string body = failure_body(*r) + pattern_text(p);
         body += fmt::format("verdict {} (rule {}): {}\n", verdict_kind_name(v.kind), v.rule, v.explanation);
         if (is_first && downstream > 0) {
-          body += fmt::format("{} checkpoints fail downstream of it (skipped here; all in the JSON report)\n", downstream);
+          body += fmt::format("{} checkpoints fail downstream of it (one skipped case per step here; each in the JSON "
+                              "report)\n", downstream);
         }
         out += fmt::format(">\n      <failure type=\"{}\" message=\"{}\">{}</failure>\n    </testcase>\n",
                            checkpoint_status_name(r->status), xml_escape(message), xml_escape(body, false));
-      } else if (r->failed()) {
-        out += fmt::format("><skipped message=\"{}\"/></testcase>\n", consequence);
       } else if (!r->compared()) {
         out += fmt::format("><skipped message=\"recorded by the {} only\"/></testcase>\n",
                            r->status == CheckpointStatus::only_engine ? "engine" : "reference");
       } else {
         out += "/>\n";
       }
+    }
+    if (!consequences.empty()) {
+      out += fmt::format(
+          "    <testcase classname=\"{}\" name=\"{}\" time=\"0\">\n      <skipped message=\"{}\">{}</skipped>\n"
+          "    </testcase>\n",
+          step_name(step), xml_escape("consequences of " + cause),
+          xml_escape(fmt::format("{} checkpoint{} of this step fail downstream of {}", consequences.size(),
+                                 consequences.size() == 1 ? "" : "s", cause)),
+          xml_escape(kinds_and_layers(consequences, results) + "\n", false));
     }
     out += "  </testsuite>\n";
   }

@@ -280,15 +280,21 @@ TEST_F(Compare, FirstNaNIsReportedEvenAfterAnEarlierFailure) {
     EXPECT_EQ(cp["status"], "fail") << cp["name"];
   }
   // JUnit: two failing cases (the first divergence, and the NaN that appears from finite inputs);
-  // everything else failing downstream is skipped as a consequence of the first divergence.
+  // everything else failing downstream is one skipped case per step, consequences of the first divergence.
   const std::string xml = render_junit(c);
   EXPECT_NE(xml.find("message=\"first NaN/Inf kq_soft_max-2 (step 0, layer 2): NaN/Inf: engine NaN 1 Inf 0, first nan at "
                      "H=0, T=1, S=1"),
             std::string::npos) << xml;
   EXPECT_NE(xml.find("message=\"first divergence kq_soft_max-0 (step 0, layer 0): "), std::string::npos) << xml;
   EXPECT_NE(xml.find("failures=\"2\""), std::string::npos) << xml;
-  EXPECT_NE(xml.find("name=\"kq_soft_max-3\" time=\"0\"><skipped message=\"consequence of kq_soft_max-0 (step 0)\"/>"),
+  EXPECT_EQ(xml.find("classname=\"step_0000\" name=\"kq_soft_max-3\""), std::string::npos) << xml;
+  EXPECT_NE(xml.find("<testcase classname=\"step_0000\" name=\"consequences of kq_soft_max-0 (step 0)\" time=\"0\">"),
             std::string::npos) << xml;
+  const size_t listed = xml.find("fail downstream of kq_soft_max-0 (step 0)\">");
+  ASSERT_NE(listed, std::string::npos) << xml;
+  // The kinds and layers of the consequences, in execution order; the first NaN/Inf is a case of its own.
+  EXPECT_NE(xml.find("kq_soft_max 3, ", listed), std::string::npos) << xml;
+  EXPECT_EQ(xml.substr(listed, xml.find("</skipped>", listed) - listed).find("kq_soft_max 2"), std::string::npos) << xml;
 }
 
 // An Inf in the reference only, in dumps that record a subset (a --checkpoints filter): located and
