@@ -1,38 +1,110 @@
-// `diffrun compare ENGINE.h5 REFERENCE.h5`: the first divergence between two existing dumps from any writer.
+// `diffrun compare ENGINE.h5 REFERENCE.h5` (or `compare RUN_DIR`): the first divergence between existing dumps from any writer.
+#include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
+#include <fmt/format.h>
+
+#include "checkpoints/dump.hpp"
 #include "cli/command.hpp"
 #include "cli/diff_report.hpp"
 #include "cli/progress.hpp"
 #include "cli/run.hpp"
+#include "model/error.hpp"
 #include "model/gguf.hpp"
 #include "model/tokenizer.hpp"
 
 namespace diffrun::cli {
 namespace {
 
+namespace fs = std::filesystem;
+
 struct CompareCommand {
-  std::string engine;
-  std::string reference;
+  std::string engine;     // the engine dump, or the --out directory of a top-level run
+  std::string reference;  // empty: `engine` is a run directory
   std::string isolated;
   std::string model;  // decodes the token ids of the token table
+  std::string steps;  // "0,3-5"
   ReportOptions report;
 };
 
+// "0,3-5" -> {0, 3, 4, 5}. InputError naming the part that is not a step or a range of steps.
+std::vector<int> parse_steps(const std::string& text) {
+  std::vector<int> out;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    size_t end = text.find(',', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string part = text.substr(pos, end - pos);
+    pos = end + 1;
+    const auto number = [&](const std::string& s) {
+      char* stop = nullptr;
+      const long v = std::strtol(s.c_str(), &stop, 10);
+      if (s.empty() || *stop != '\0' || v < 0 || v > 1'000'000) {
+        throw InputError(fmt::format("--steps '{}': '{}' is not a step (0 is the prefill) or a range A-B", text, part));
+      }
+      return static_cast<int>(v);
+    };
+    const size_t dash = part.find('-');
+    const int lo = number(part.substr(0, dash));
+    const int hi = dash == std::string::npos ? lo : number(part.substr(dash + 1));
+    if (hi < lo) throw InputError(fmt::format("--steps '{}': the range '{}' is empty", text, part));
+    for (int s = lo; s <= hi; ++s) out.push_back(s);
+  }
+  return out;
+}
+
+// The pairs of a top-level run's --out directory: DIR/engine.h5 against DIR/reference.h5, or, for
+// the two-pair GPU run, DIR/logic/ and DIR/precision/ each holding both; engine-isolated.h5 where
+// the run had --isolate.
+std::vector<ComparePair> run_dir_pairs(const std::string& dir) {
+  const auto pair_in = [](const fs::path& d) -> std::optional<ComparePair> {
+    if (!fs::is_regular_file(d / "engine.h5") || !fs::is_regular_file(d / "reference.h5")) return std::nullopt;
+    ComparePair p;
+    p.engine_path = (d / "engine.h5").string();
+    p.reference_path = (d / "reference.h5").string();
+    if (fs::is_regular_file(d / "engine-isolated.h5")) p.isolated_path = (d / "engine-isolated.h5").string();
+    return p;
+  };
+  if (auto p = pair_in(dir)) return {*p};
+  std::vector<ComparePair> pairs;
+  for (const char* sub : {"logic", "precision"}) {
+    auto p = pair_in(fs::path(dir) / sub);
+    if (!p) continue;
+    const DumpMeta e = DumpReader(p->engine_path).meta(), r = DumpReader(p->reference_path).meta();
+    p->title = fmt::format("{}: {}/{} engine vs {}/{} reference", sub, e.backend, e.precision, r.backend, r.precision);
+    pairs.push_back(*p);
+  }
+  if (pairs.empty()) {
+    throw InputError(fmt::format("{}: a directory without engine.h5 and reference.h5 (nor logic/ or precision/ "
+                                 "holding them); give two dumps or the --out directory of a diffrun run",
+                                 dir));
+  }
+  return pairs;
+}
+
 const CommandRegistrar registrar{
-    "compare", "Compare an engine dump (A) with a reference dump (B): first divergence, verdict, per-layer errors",
+    "compare",
+    "Compare an engine dump (A) with a reference dump (B), or a run's --out directory: first divergence, verdict, "
+    "per-layer errors",
     [](CLI::App& sub) -> std::function<int()> {
       auto o = std::make_shared<CompareCommand>();
-      sub.add_option("engine", o->engine, "Engine dump (side a)")->required();
-      sub.add_option("reference", o->reference, "Reference dump (side b)")->required();
+      sub.add_option("engine", o->engine, "Engine dump (side a), or the --out directory of a diffrun run")->required();
+      sub.add_option("reference", o->reference, "Reference dump (side b); absent when the first argument is a directory");
       sub.add_option("--isolated", o->isolated,
                      "The engine's isolation-replay dump (diffrun dump --replay REFERENCE): local error per checkpoint");
       sub.add_option("--model,-m", o->model, "The dumps' GGUF model: its tokenizer decodes the token ids in the report");
+      sub.add_option("--steps", o->steps, "Compare only these steps, e.g. 0 or 0,3-5 (0 is the prefill)");
+      sub.add_option("--checkpoints", o->report.checkpoints,
+                     "Compare only the checkpoints matching these globs, e.g. 'l_out-*,result_*' (diffrun vocab)");
       o->report.add_options(sub);
       return [o] {
         Progress progress("diffrun compare");
+        if (!o->steps.empty()) o->report.steps = parse_steps(o->steps);
         std::function<std::string(int32_t)> token_text;
         if (!o->model.empty()) {
           const auto file = GgufFile::open(o->model);
@@ -43,6 +115,19 @@ const CommandRegistrar registrar{
             const int32_t one[1] = {id};
             return tok->decode(one);
           };
+        }
+        if (o->reference.empty()) {
+          if (!fs::is_directory(o->engine)) {
+            throw InputError(fmt::format("{}: give the reference dump too (diffrun compare ENGINE.h5 REFERENCE.h5), "
+                                         "or a run's --out directory",
+                                         o->engine));
+          }
+          std::vector<ComparePair> pairs = run_dir_pairs(o->engine);
+          if (!o->isolated.empty()) {
+            if (pairs.size() != 1) throw InputError("--isolated: the run directory holds two pairs; compare one of them");
+            pairs[0].isolated_path = o->isolated;
+          }
+          return compare_and_report_pairs(pairs, o->report, progress, token_text);
         }
         return compare_and_report(o->engine, o->reference, o->report, progress, token_text, o->isolated);
       };

@@ -83,52 +83,6 @@ std::optional<NameMap> name_map(const ShowOptions& o) {
   return o.names.empty() ? std::nullopt : std::optional<NameMap>(NameMap::load(o.names));
 }
 
-int run_show(const ShowOptions& o) {
-  const std::optional<NameMap> names = name_map(o);
-  const DumpReader r(o.path, names ? &*names : nullptr);
-  const std::vector<float> v = r.read(o.step, o.name);  // DumpError naming file and dataset if absent
-  const DatasetInfo& d = *r.find(o.step, o.name);
-  std::string shape = "[";
-  for (size_t i = 0; i < d.shape.size(); ++i) shape += (i ? ", " : "") + std::to_string(d.shape[i]);
-  shape += "]";
-  fmt::print("{} step {} {}: shape {} ({}), stored {}, native {}, order {}, layer {}\n", o.path, o.step, o.name, shape,
-             d.layout, d.stored_dtype, d.native_dtype, d.order, d.layer);
-
-  const Stats s = stats_of(v);
-  if (s.finite > 0) {
-    fmt::print("  min  {:<14.7g} at {}\n", s.min, coords(s.argmin, d.shape));
-    fmt::print("  max  {:<14.7g} at {}\n", s.max, coords(s.argmax, d.shape));
-    fmt::print("  mean {:<14.7g} std {:<14.7g} rms {:.7g}\n", s.mean, s.std, s.rms);
-  }
-  fmt::print("  {} values: {} finite, {} NaN, {} Inf\n", v.size(), s.finite, s.nan, s.inf);
-  if (v.empty()) return 0;
-
-  // A 2-D view: rows are the leading dimensions (labelled by their coordinates), columns the last.
-  const size_t n_cols = d.shape.empty() ? 1 : static_cast<size_t>(d.shape.back());
-  const size_t n_rows = n_cols ? v.size() / n_cols : 0;
-  const size_t show_rows = std::min(n_rows, static_cast<size_t>(o.rows));
-  const size_t show_cols = std::min(n_cols, static_cast<size_t>(o.cols));
-  std::vector<int64_t> lead(d.shape.begin(), d.shape.empty() ? d.shape.end() : d.shape.end() - 1);
-  const auto dims = layout_dims(d.layout);
-  fmt::print("\n  first {} of {} rows ({}) x first {} of {} columns ({})\n", show_rows, n_rows,
-             d.shape.size() > 1 ? d.layout.substr(0, d.layout.rfind(',')) : "-", show_cols, n_cols,
-             dims.empty() ? "" : dims.back());
-  fmt::print("  {:<12}", "");
-  for (size_t c = 0; c < show_cols; ++c) fmt::print(" {:>12}", c);
-  fmt::print("{}\n", show_cols < n_cols ? "  ..." : "");
-  for (size_t row = 0; row < show_rows; ++row) {
-    fmt::print("  {:<12}", lead.empty() ? std::string("") : coords(row, lead));
-    for (size_t c = 0; c < show_cols; ++c) {
-      const float x = v[row * n_cols + c];
-      if (d.is_int) fmt::print(" {:>12}", static_cast<int64_t>(x));
-      else fmt::print(" {:>12.5g}", x);
-    }
-    fmt::print("{}\n", show_cols < n_cols ? "  ..." : "");
-  }
-  if (show_rows < n_rows) fmt::print("  ...\n");
-  return 0;
-}
-
 // Coordinates of flat index `i` labelled by the layout's letters: "T=3, H=1, Dh=17".
 std::string named_coords(size_t i, const std::vector<int64_t>& shape, const std::vector<std::string>& dims) {
   std::vector<int64_t> c(shape.size());
@@ -178,6 +132,69 @@ bool in_slice(size_t i, const std::vector<int64_t>& shape, const std::vector<int
     if (fixed[d] >= 0 && fixed[d] != c) return false;
   }
   return true;
+}
+
+int run_show(const ShowOptions& o) {
+  const std::optional<NameMap> names = name_map(o);
+  const DumpReader r(o.path, names ? &*names : nullptr);
+  const std::vector<float> v = r.read(o.step, o.name);  // DumpError naming file and dataset if absent
+  const DatasetInfo& d = *r.find(o.step, o.name);
+  const auto dims = layout_dims(d.layout);
+  const std::vector<int64_t> fixed = parse_slice(o.slice, d.shape, dims, d.layout);
+  fmt::print("{} step {} {}: shape {} ({}), stored {}, native {}, order {}, layer {}{}\n", o.path, o.step, o.name,
+             shape_str(d.shape), d.layout, d.stored_dtype, d.native_dtype, d.order, d.layer,
+             o.slice.empty() ? "" : fmt::format(", slice {}", o.slice));
+
+  // The values of the slice (all of them without --slice) and their flat indices.
+  std::vector<size_t> idx;
+  std::vector<float> sv;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!in_slice(i, d.shape, fixed)) continue;
+    idx.push_back(i);
+    sv.push_back(v[i]);
+  }
+  const Stats s = stats_of(sv);
+  if (s.finite > 0) {
+    fmt::print("  min  {:<14.7g} at {}\n", s.min, coords(idx[s.argmin], d.shape));
+    fmt::print("  max  {:<14.7g} at {}\n", s.max, coords(idx[s.argmax], d.shape));
+    fmt::print("  mean {:<14.7g} std {:<14.7g} rms {:.7g}\n", s.mean, s.std, s.rms);
+  }
+  fmt::print("  {} values{}: {} finite, {} NaN, {} Inf\n", sv.size(), o.slice.empty() ? "" : " in the slice", s.finite,
+             s.nan, s.inf);
+  if (sv.empty()) return 0;
+
+  // A 2-D view: rows are the leading dimensions (labelled by their coordinates), columns the last
+  // (one column where the slice fixes it).
+  const size_t n_cols = d.shape.empty() ? 1 : static_cast<size_t>(d.shape.back());
+  const size_t col_fixed = fixed.empty() || fixed.back() < 0 ? 0 : static_cast<size_t>(fixed.back());
+  const size_t width = fixed.empty() || fixed.back() < 0 ? n_cols : 1;
+  std::vector<size_t> rows;
+  for (size_t i = 0; n_cols && i < v.size(); i += n_cols) {
+    if (in_slice(i + col_fixed, d.shape, fixed)) rows.push_back(i);
+  }
+  const size_t show_rows = std::min(rows.size(), static_cast<size_t>(o.rows));
+  const size_t show_cols = std::min(width, static_cast<size_t>(o.cols));
+  std::vector<int64_t> lead(d.shape.begin(), d.shape.empty() ? d.shape.end() : d.shape.end() - 1);
+  const std::string col_dim = dims.empty() ? "" : dims.back();
+  const bool col_is_fixed = !fixed.empty() && fixed.back() >= 0;
+  fmt::print("\n  first {} of {} rows ({}) x {}\n", show_rows, rows.size(),
+             d.shape.size() > 1 ? d.layout.substr(0, d.layout.rfind(',')) : "-",
+             col_is_fixed ? fmt::format("column {}={}", col_dim, col_fixed)
+                          : fmt::format("first {} of {} columns ({})", show_cols, width, col_dim));
+  fmt::print("  {:<12}", "");
+  for (size_t c = 0; c < show_cols; ++c) fmt::print(" {:>12}", col_fixed + c);
+  fmt::print("{}\n", show_cols < width ? "  ..." : "");
+  for (size_t row = 0; row < show_rows; ++row) {
+    fmt::print("  {:<12}", lead.empty() ? std::string("") : coords(rows[row] / n_cols, lead));
+    for (size_t c = 0; c < show_cols; ++c) {
+      const float x = v[rows[row] + col_fixed + c];
+      if (d.is_int) fmt::print(" {:>12}", static_cast<int64_t>(x));
+      else fmt::print(" {:>12.5g}", x);
+    }
+    fmt::print("{}\n", show_cols < width ? "  ..." : "");
+  }
+  if (show_rows < rows.size()) fmt::print("  ...\n");
+  return 0;
 }
 
 // Both sides of one checkpoint: stats of each, of a−b, the worst coordinates, and a slice of a, b and |a−b|.
@@ -291,7 +308,6 @@ const CommandRegistrar reg("show", "One checkpoint of one dump (stats, a slice) 
     o->name = o->args.back();
     if (o->args.size() == 3) return run_show_pair(*o, o->args[0], o->args[1]);
     o->path = o->args[0];
-    if (!o->slice.empty()) throw InputError("--slice needs two dumps (diffrun show A.h5 B.h5 NAME --slice ...)");
     return run_show(*o);
   };
 });

@@ -14,6 +14,7 @@
 
 #include "checkpoints/dump.hpp"
 #include "checkpoints/name_map.hpp"
+#include "checkpoints/vocabulary.hpp"
 #include "diff/compare.hpp"
 #include "diff/report.hpp"
 #include "diff/tolerances.hpp"
@@ -108,6 +109,8 @@ diff::CompareOptions compare_options(const ReportOptions& opt) {
   copt.force = opt.force;
   copt.jump_factor = opt.jump_factor;
   copt.require_coverage = opt.require_coverage;
+  copt.steps = opt.steps;
+  copt.checkpoints = CheckpointFilter(opt.checkpoints);
   return copt;
 }
 
@@ -183,6 +186,9 @@ int report_comparisons(const std::vector<std::string>& titles, const std::vector
   diff::TerminalOptions topt;
   topt.color = use_color(opt.no_color);
   topt.token_text = token_text;
+  topt.title = opt.title;
+  topt.full = opt.full;
+  topt.explain = opt.explain;
   nlohmann::ordered_json json = {{"pairs", nlohmann::ordered_json::array()}};
   std::string suites;
   int total = 0, failures = 0, skipped = 0, code = 0;
@@ -191,17 +197,21 @@ int report_comparisons(const std::vector<std::string>& titles, const std::vector
     const std::string& title = titles[i];
     const int pair_code = diff::exit_code(c);
     code = std::max(code, pair_code);
-    std::fputs(fmt::format("\n=== {} ===\n", title).c_str(), stdout);
-    std::fputs(diff::render_terminal(c, topt).c_str(), stdout);
+    if (opt.summary) {  // one line per pair, led by its title
+      std::fputs(fmt::format("{}: {}", title.substr(0, title.find(':')), diff::render_summary(c)).c_str(), stdout);
+    } else {
+      std::fputs(fmt::format("\n=== {} ===\n", title).c_str(), stdout);
+      std::fputs(diff::render_terminal(c, topt).c_str(), stdout);
+    }
     std::fflush(stdout);
     json["pairs"].push_back({{"title", title}, {"exit_code", pair_code}, {"report", diff::report_json(c)}});
-    for (const auto& r : c.results) {
-      ++total;
-      if (r.failed()) ++failures;
-      if (!r.failed() && !r.compared()) ++skipped;
-    }
-    // The pair's <testsuite> elements, each named "<title>: <its name>".
+    // The pair's <testsuite> elements, each named "<title>: <its name>"; its counts add up.
     const std::string xml = diff::render_junit(c);
+    const auto count = [&](const std::string& attr) {
+      const size_t at = xml.find(" " + attr + "=\"");
+      return at == std::string::npos ? 0 : std::atoi(xml.c_str() + at + attr.size() + 3);
+    };
+    total += count("tests"), failures += count("failures"), skipped += count("skipped");
     const size_t begin = xml.find("  <testsuite ");
     const size_t end = xml.rfind("</testsuites>");
     if (begin == std::string::npos || end == std::string::npos || end < begin) continue;
@@ -212,11 +222,13 @@ int report_comparisons(const std::vector<std::string>& titles, const std::vector
     suites += body;
   }
   json["exit_code"] = code;
-  std::fputs(fmt::format("\n=== {} ===\n", code == 0 ? "every pair within tolerance" : "a pair diverged: exit 1").c_str(),
-             stdout);
-  for (size_t i = 0; i < comparisons.size(); ++i)
-    std::fputs(fmt::format("  {}: {}\n", titles[i],
-                           json["pairs"][i]["exit_code"].get<int>() == 0 ? "PASS" : "DIVERGED").c_str(), stdout);
+  if (!opt.summary) {
+    std::fputs(fmt::format("\n=== {} ===\n", code == 0 ? "every pair within tolerance" : "a pair diverged: exit 1").c_str(),
+               stdout);
+    for (size_t i = 0; i < comparisons.size(); ++i)
+      std::fputs(fmt::format("  {}: {}\n", titles[i],
+                             json["pairs"][i]["exit_code"].get<int>() == 0 ? "PASS" : "DIVERGED").c_str(), stdout);
+  }
   if (!opt.report_json.empty()) write_text_file(opt.report_json, json.dump(1) + "\n", "JSON");
   if (!opt.report_junit.empty()) {
     std::string out = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";

@@ -29,6 +29,8 @@ struct ReportOptions {
   bool full = false;     // every kind in the layer table
   bool explain = false;  // calibration notes and "to pass" for any verdict
   std::string title = "diffrun compare";  // the terminal report's first line
+  std::vector<int> steps;   // compare only these steps (empty: all; `compare --steps`)
+  std::string checkpoints;  // compare only the checkpoints matching these globs (`compare --checkpoints`)
   // --tolerances --report-json --report-junit --force --no-color --jump-factor --names
   // --reference-names --require-coverage --summary --full --explain
   void add_options(CLI::App& app);

@@ -258,6 +258,20 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
 
   std::vector<std::string> refused = incompatibilities(engine.meta(), reference.meta());
   std::vector<int> eng_steps = engine.steps(), ref_steps = reference.steps();
+  if (!opt.steps.empty()) {
+    std::set<int> held(eng_steps.begin(), eng_steps.end());
+    held.insert(ref_steps.begin(), ref_steps.end());
+    const auto unselected = [&](int step) { return std::find(opt.steps.begin(), opt.steps.end(), step) == opt.steps.end(); };
+    std::erase_if(eng_steps, unselected);
+    std::erase_if(ref_steps, unselected);
+    if (eng_steps.empty() && ref_steps.empty()) {
+      const std::set<int64_t> asked(opt.steps.begin(), opt.steps.end());
+      throw InputError(fmt::format("--steps {}: {} and {} hold steps {}",
+                                   format_ranges(std::vector<int64_t>(asked.begin(), asked.end())),
+                                   engine.path(), reference.path(),
+                                   format_ranges(std::vector<int64_t>(held.begin(), held.end()))));
+    }
+  }
   std::set<int> all_steps(eng_steps.begin(), eng_steps.end());
   all_steps.insert(ref_steps.begin(), ref_steps.end());
   for (int step : all_steps) {
@@ -288,14 +302,23 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
   for (int step : all_steps) {
     const bool in_e = std::count(eng_steps.begin(), eng_steps.end(), step) > 0;
     const bool in_r = std::count(ref_steps.begin(), ref_steps.end(), step) > 0;
-    const std::vector<DatasetInfo> eng_ds = in_e ? engine.datasets(step) : none;
-    const std::vector<DatasetInfo> ref_ds = in_r ? reference.datasets(step) : none;
+    std::vector<DatasetInfo> eng_ds = in_e ? engine.datasets(step) : none;
+    std::vector<DatasetInfo> ref_ds = in_r ? reference.datasets(step) : none;
+    if (!opt.checkpoints.all()) {
+      const auto unselected = [&](const DatasetInfo& d) { return !d.is_int && !opt.checkpoints.matches(d.name); };
+      std::erase_if(eng_ds, unselected);
+      std::erase_if(ref_ds, unselected);
+    }
     add_step_results(c, eng_ds, ref_ds, [&](const DatasetInfo* e, const DatasetInfo* r) {
       return compare_checkpoint(step, e, r, tolerances, dims, [&](std::vector<float>& a, std::vector<float>& b) {
         a = engine.read(step, e->name);
         b = reference.read(step, r->name);
       });
     });
+  }
+  if (c.coverage.compared == 0 && !opt.checkpoints.all()) {
+    throw InputError(fmt::format("--checkpoints '{}' matches no checkpoint that {} and {} both hold (diffrun ls lists them)",
+                                 opt.checkpoints.spec(), engine.path(), reference.path()));
   }
   if (c.coverage.compared == 0) {
     throw DumpError(fmt::format("{} and {} have no checkpoint in common", engine.path(), reference.path()));

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "checkpoints/dump.hpp"
+#include "checkpoints/vocabulary.hpp"
 #include "diff/metrics.hpp"
 #include "diff/pattern.hpp"
 #include "diff/result.hpp"
@@ -51,6 +52,10 @@ struct CompareOptions {
   double jump_factor = 10.0; // verdict: "local" when the error jumps by more than this over its inputs
   int preceding = 4;         // passing checkpoints shown before the first divergence
   double require_coverage = 0;  // percent of the reference's float checkpoints that must be compared
+  // `compare --steps/--checkpoints`: only these steps (empty: all) and the checkpoints matching the
+  // filter; coverage counts the selected ones.
+  std::vector<int> steps;
+  CheckpointFilter checkpoints;
 };
 
 struct Coverage {

@@ -410,16 +410,21 @@ std::string fit_width(const std::string& text, int width) {
     }
     bool first = true;
     while (display_width(line) > width) {
-      // The last space that keeps the head within width (beyond the indent), else the first one after it.
-      size_t cut = std::string::npos;
+      // The last space that keeps the head within width (beyond the indent), else the first one after
+      // it; a field separator (two spaces) in the last 40% of the width is preferred, so that
+      // "sqnr 26.5 dB" stays on one line.
+      size_t cut = std::string::npos, field_cut = std::string::npos;
       for (size_t i = indent + 1; i < line.size(); ++i) {
         if (line[i] != ' ') continue;
-        if (display_width(std::string_view(line).substr(0, i)) > width) {
+        const int w = display_width(std::string_view(line).substr(0, i));
+        if (w > width) {
           if (cut == std::string::npos) cut = i;
           break;
         }
         cut = i;
+        if (line[i - 1] != ' ' && i + 1 < line.size() && line[i + 1] == ' ' && w >= width * 6 / 10) field_cut = i;
       }
+      if (field_cut != std::string::npos) cut = field_cut;
       if (cut == std::string::npos) break;
       out += line.substr(0, cut) + "\n";
       const size_t next = line.find_first_not_of(' ', cut);
