@@ -176,19 +176,25 @@ int run_main(const MainOptions& o) {
   popt.prompt = prompt;
   popt.run_id = new_run_id();
   popt.report = o.report;
-  // Threads: each cpu reference gets --threads (default: the cores the engine side leaves); a cpu
-  // engine gets what is left, at least one. A CUDA engine's thread and each comparator mostly wait.
+  // Threads: each cpu reference gets --threads; by default the cores the engine side leaves (a cpu
+  // engine takes a third, a CUDA engine's thread and each comparator mostly wait: one core per pair),
+  // shared between the references by cost, an f64 reference twice an f32 one. A cpu engine gets the
+  // rest, at least one. OMP_NUM_THREADS, when set, is every cpu backend's count unless --threads.
   const int cores = available_cores();
   const int n_pairs = static_cast<int>(pairs.size());
   const bool cpu_engine = pairs.front().eng.backend == "cpu";
-  // OMP_NUM_THREADS, when set, is each cpu backend's count unless --threads says otherwise.
   const char* omp_env = std::getenv("OMP_NUM_THREADS");
   const int env_threads = omp_env && *omp_env ? std::max(1, std::atoi(omp_env)) : 0;
-  const int ref_threads = o.threads > 0    ? o.threads
-                          : env_threads > 0 ? env_threads
-                          : cpu_engine      ? std::max(1, 2 * cores / 3)
-                                            : std::max(1, (cores - n_pairs) / n_pairs);
-  const int eng_threads = env_threads > 0 && o.threads <= 0 ? env_threads : std::max(1, cores - ref_threads);
+  const auto cost = [](const RunPair& p) { return p.ref.precision.starts_with("f64") ? 2 : 1; };
+  int total_cost = 0;
+  for (const RunPair& p : pairs) total_cost += cost(p);
+  const int ref_cores = cpu_engine ? std::max(1, 2 * cores / 3) : std::max(1, cores - n_pairs);
+  const auto ref_threads = [&](const RunPair& p) {
+    if (o.threads > 0) return o.threads;
+    if (env_threads > 0) return env_threads;
+    return std::max(1, ref_cores * cost(p) / total_cost);
+  };
+  const int eng_threads = env_threads > 0 && o.threads <= 0 ? env_threads : std::max(1, cores - ref_threads(pairs.front()));
   std::vector<PipelinePair> ppairs;
   std::vector<std::unique_ptr<TempGuard>> guards;
   for (const RunPair& p : pairs) {
@@ -199,7 +205,7 @@ int run_main(const MainOptions& o) {
     pp.engine_path = (std::filesystem::path(p.dir) / "engine.h5").string();
     pp.reference_path = (std::filesystem::path(p.dir) / "reference.h5").string();
     pp.engine_threads = eng_threads;
-    pp.reference_threads = ref_threads;
+    pp.reference_threads = ref_threads(p);
     if (dump != DumpMode::none) {
       std::filesystem::create_directories(p.dir);
       report_stale_temporaries(p.dir, o.remove_stale);
@@ -208,10 +214,11 @@ int run_main(const MainOptions& o) {
     }
     ppairs.push_back(pp);
   }
-  progress.message(fmt::format("{} prompt tokens, {} decode steps; {} pair{} at once, {} reference thread{}{}", ids.size(),
-                               o.steps, n_pairs, n_pairs == 1 ? "" : "s", ref_threads, ref_threads == 1 ? "" : "s",
-                               cpu_engine ? fmt::format(", {} engine thread{}", eng_threads, eng_threads == 1 ? "" : "s")
-                                          : std::string()));
+  std::string threads;
+  for (const PipelinePair& pp : ppairs) threads += fmt::format("{}{}", threads.empty() ? "" : "+", pp.reference_threads);
+  progress.message(fmt::format("{} prompt tokens, {} decode steps; {} pair{} at once, reference threads {}{}", ids.size(),
+                               o.steps, n_pairs, n_pairs == 1 ? "" : "s", threads,
+                               cpu_engine ? fmt::format(", engine threads {}", eng_threads) : std::string()));
   std::vector<diff::Comparison> comparisons = run_pipeline(*file, cfg, ppairs, ids, popt, progress);
   guards.clear();
 
