@@ -13,6 +13,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 #include <fmt/core.h>
 
@@ -41,6 +42,37 @@ namespace {
 
 constexpr int kEngine = 0, kReference = 1;
 constexpr int kLookahead = 2;  // a backend starts step s once its comparator has finished step s - kLookahead
+constexpr int64_t kLead = 32;  // checkpoints one side of a pair may record ahead of the other
+
+// The rows of a checkpoint the dump writer stores (DumpWriterOptions: kq_soft_max's last rows),
+// along the layout's token dimension T: the dimension and the first row kept (0: every row).
+std::pair<int, int64_t> writer_rows(std::string_view name, std::string_view layout, std::span<const int64_t> shape,
+                                    const DumpWriterOptions& w) {
+  const std::vector<std::string> dims = layout_dims(layout);
+  const int rd = static_cast<int>(std::find(dims.begin(), dims.end(), "T") - dims.begin());
+  const int64_t keep = parse_checkpoint_name(name).base == "kq_soft_max" ? w.softmax_rows : 0;
+  if (keep <= 0 || rd >= static_cast<int>(shape.size()) || shape[rd] <= keep) return {-1, 0};
+  return {rd, shape[rd] - keep};
+}
+
+// Row-major `shape` along dimension rd: rows from..end of every outer index (from > 0), or all rows
+// of `values` with zero rows 0..from-1 put back in front (from < 0: -from rows added).
+std::vector<float> rows_from(std::span<const float> values, std::span<const int64_t> shape, int rd, int64_t from) {
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < rd; ++i) outer *= shape[i];
+  for (size_t i = rd + 1; i < shape.size(); ++i) inner *= shape[i];
+  const int64_t rows = shape[rd];  // rows of `values`
+  const int64_t out_rows = rows - from;
+  std::vector<float> out(static_cast<size_t>(outer * out_rows * inner), 0.0f);
+  for (int64_t i = 0; i < outer; ++i) {
+    if (from >= 0) {
+      std::copy_n(values.data() + (i * rows + from) * inner, out_rows * inner, out.data() + i * out_rows * inner);
+    } else {
+      std::copy_n(values.data() + i * rows * inner, rows * inner, out.data() + (i * out_rows - from) * inner);
+    }
+  }
+  return out;
+}
 
 // What a backend thread hands its comparator, in its recording order.
 struct Message {
@@ -53,9 +85,11 @@ struct Message {
   std::string name;                          // checkpoint
   int layer = -1;                            // checkpoint
   std::string layout;                        // checkpoint
-  std::vector<int64_t> shape;                // checkpoint
+  std::vector<int64_t> shape;                // checkpoint, as recorded
   NativeDType native = NativeDType::f32;     // checkpoint
-  std::vector<float> values;                 // checkpoint
+  int row_dim = -1;                          // checkpoint: the dimension cut to its last rows
+  int64_t row_offset = 0;                    // checkpoint: rows 0..row_offset-1 of row_dim are not in values
+  std::vector<float> values;                 // checkpoint, as the dump stores it
   std::vector<int32_t> tokens;               // ids
   int32_t argmax = -1;                       // step_end
 };
@@ -73,7 +107,37 @@ struct Shared {
   Progress* progress = nullptr;
   int total_steps = 0;
 
+  // Lockstep of the two sides of a pair: where each has recorded up to (step, count in the step).
+  struct Position {
+    int step = 0;
+    int64_t count = 0;
+    bool done = false;
+  };
+  std::vector<Position> position[2];  // per side, per pair
+
   int min_ended() const { return *std::min_element(ended.begin(), ended.end()); }
+
+  // Called before a side records a checkpoint of `step`: waits while it is a step or kLead
+  // checkpoints ahead of the other side (which then is never waiting for it), so that what waits
+  // for its counterpart in memory stays bounded.
+  void lockstep(int side, size_t pair, int step) {
+    std::unique_lock lock(m);
+    Position& me = position[side][pair];
+    const Position& other = position[1 - side][pair];
+    if (me.step != step) me = Position{step, 0, false};
+    cv.wait(lock, [&] {
+      return aborted || other.done || me.step < other.step ||
+             (me.step == other.step && me.count < other.count + kLead);
+    });
+    if (aborted) throw Error("stopped: another part of the run failed");
+    ++me.count;
+    cv.notify_all();
+  }
+  void side_done(int side, size_t pair) {
+    std::lock_guard lock(m);
+    position[side][pair].done = true;
+    cv.notify_all();
+  }
 
   void fail(std::exception_ptr e) {
     std::lock_guard lock(m);
@@ -91,12 +155,13 @@ struct Shared {
 // The backend's sink: copies each checkpoint the filter keeps (and every step's tokens) to the comparator.
 class QueueSink final : public Sink {
  public:
-  QueueSink(Shared& sh, int side, size_t pair, const CheckpointFilter& filter)
-      : sh_(sh), side_(side), pair_(pair), filter_(filter) {}
+  QueueSink(Shared& sh, int side, size_t pair, const CheckpointFilter& filter, const DumpWriterOptions& writer)
+      : sh_(sh), side_(side), pair_(pair), filter_(filter), writer_(writer) {}
   bool wants(std::string_view name) const override { return name == "tokens" || filter_.matches(name); }
   void record(int step, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
               NativeDType native, std::span<const float> data) override {
     if (!wants(name)) return;
+    sh_.lockstep(side_, pair_, step);
     Message msg(Message::checkpoint);
     msg.step = step;
     msg.name = std::string(name);
@@ -104,11 +169,15 @@ class QueueSink final : public Sink {
     msg.layout = std::string(layout);
     msg.shape.assign(shape.begin(), shape.end());
     msg.native = native;
-    msg.values.assign(data.begin(), data.end());
+    // Only the rows the dump keeps travel (a long prompt's kq_soft_max is mostly cut away).
+    std::tie(msg.row_dim, msg.row_offset) = writer_rows(name, layout, shape, writer_);
+    if (msg.row_offset > 0) msg.values = rows_from(data, shape, msg.row_dim, msg.row_offset);
+    else msg.values.assign(data.begin(), data.end());
     sh_.push(side_, pair_, std::move(msg));
   }
   void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override {
     if (name != "tokens") return;
+    sh_.lockstep(side_, pair_, step);
     Message msg(Message::ids);
     msg.step = step;
     msg.tokens.assign(ids.begin(), ids.end());
@@ -120,6 +189,7 @@ class QueueSink final : public Sink {
   int side_;
   size_t pair_;
   const CheckpointFilter& filter_;
+  const DumpWriterOptions& writer_;
 };
 
 struct Context {
@@ -146,7 +216,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
   meta.dump_meta.created_utc = utc_now_iso8601();
   meta.dump_meta.diffrun_version = DIFFRUN_VERSION;
   cx.sh.push(side, p, std::move(meta));
-  QueueSink sink(cx.sh, side, p, cx.opt.filter);
+  QueueSink sink(cx.sh, side, p, cx.opt.filter, cx.opt.writer);
   for (int step = 0; step <= cx.opt.steps; ++step) {
     int32_t token = 0;
     {
@@ -171,6 +241,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
     cx.sh.push(side, p, std::move(end));
   }
   cx.sh.push(side, p, Message(Message::done));
+  cx.sh.side_done(side, p);
 }
 
 // The checkpoints of one step of one side, held until --dump divergence knows whether they are written.
@@ -244,9 +315,8 @@ class Comparator {
 
   diff::StreamComparison& stream() { return *stream_; }
 
-  // The checkpoint as DumpReader presents it from the dump. kq_soft_max is cut to its last rows as the
-  // writer cuts it (--softmax-rows): `cut` receives those values, else stays empty.
-  DatasetInfo info_of(int side, const Message& m, std::vector<float>& cut) const {
+  // The checkpoint as DumpReader presents it from the dump (its rows as the writer keeps them).
+  DatasetInfo info_of(int side, const Message& m) const {
     DatasetInfo info;
     info.step = m.step;
     info.name = m.name;
@@ -261,32 +331,27 @@ class Comparator {
     info.layout = m.layout;
     info.native_dtype = native_dtype_name(m.native);
     info.shape = m.shape;
+    if (m.row_offset > 0) info.shape[m.row_dim] -= m.row_offset;
+    info.row_offset = m.row_offset;
     info.is_int = false;
     info.stored_dtype = "float32";
-    info.stored_shape = m.shape;
-    // The rows the writer keeps (DumpWriterOptions), along the layout's token dimension T.
-    const std::vector<std::string> dims = layout_dims(m.layout);
-    const int rd = static_cast<int>(std::find(dims.begin(), dims.end(), "T") - dims.begin());
-    const int64_t keep = parsed.base == "kq_soft_max" ? cx_.opt.writer.softmax_rows : 0;
-    if (keep > 0 && rd < static_cast<int>(m.shape.size()) && m.shape[rd] > keep) {
-      const int64_t rows = m.shape[rd], drop = rows - keep;
-      int64_t outer = 1, inner = 1;
-      for (int i = 0; i < rd; ++i) outer *= m.shape[i];
-      for (size_t i = rd + 1; i < m.shape.size(); ++i) inner *= m.shape[i];
-      cut.resize(static_cast<size_t>(outer * keep * inner));
-      for (int64_t i = 0; i < outer; ++i)
-        std::copy_n(m.values.data() + (i * rows + drop) * inner, keep * inner, cut.data() + i * keep * inner);
-      info.shape[rd] = keep;
-      info.stored_shape = info.shape;
-      info.row_offset = drop;
-    }
+    info.stored_shape = info.shape;
     return info;
   }
 
   void write(int side, const Message& m, bool checkpoints) {
     DumpWriter& w = *writers_[side];
-    if (m.kind == Message::ids) w.record_ids(m.step, "tokens", m.tokens);
-    else if (checkpoints) w.record(m.step, m.name, m.layer, m.layout, m.shape, m.native, m.values);
+    if (m.kind == Message::ids) {
+      w.record_ids(m.step, "tokens", m.tokens);
+    } else if (checkpoints && m.row_offset > 0) {
+      // The writer takes the checkpoint as recorded and keeps the same last rows (writer_rows): the
+      // rows it drops are put back as zeros for the call.
+      std::vector<int64_t> kept = m.shape;
+      kept[m.row_dim] -= m.row_offset;
+      w.record(m.step, m.name, m.layer, m.layout, m.shape, m.native, rows_from(m.values, kept, m.row_dim, -m.row_offset));
+    } else if (checkpoints) {
+      w.record(m.step, m.name, m.layer, m.layout, m.shape, m.native, m.values);
+    }
   }
 
   void write_held(bool checkpoints) {
@@ -328,14 +393,13 @@ class Comparator {
           else if (cx_.opt.dump == DumpMode::divergence) current.messages[side].push_back(std::move(m));
           break;
         case Message::checkpoint: {
+          DatasetInfo info = info_of(side, m);
           std::vector<float> values;
-          DatasetInfo info = info_of(side, m, values);
-          const bool cut = !values.empty();
           if (cx_.opt.dump == DumpMode::full) write(side, m, true);
           if (cx_.opt.dump == DumpMode::divergence) {
-            if (!cut) values = m.values;
+            values = m.values;
             current.messages[side].push_back(std::move(m));
-          } else if (!cut) {
+          } else {
             values = std::move(m.values);
           }
           stream().add(side_id, std::move(info), std::move(values));
@@ -398,6 +462,8 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
   sh.ended.assign(pairs.size(), -1);
   sh.queue[kEngine].resize(pairs.size());
   sh.queue[kReference].resize(pairs.size());
+  sh.position[kEngine].resize(pairs.size());
+  sh.position[kReference].resize(pairs.size());
   sh.progress = &progress;
   const Context cx{file, cfg, pairs, ids, opt, sh};
   std::vector<diff::Comparison> out(pairs.size());
