@@ -12,9 +12,11 @@
 //   --dump none        no file.
 // The comparison, and so every report, is the same in the three modes.
 //
-// Bounded memory: a backend starts step s only once its comparator has finished step s-2, so at
-// most about two steps of checkpoints wait in memory (with --dump divergence the comparator also
-// holds the step before the current one until it knows whether the next one diverges).
+// Bounded memory: the two sides of a pair record in lockstep (one waits when it is 32 checkpoints
+// or a step ahead of the other), only the rows the dump keeps are copied (a long prompt's
+// kq_soft_max), and a backend starts step s only once its comparator has finished step s-2. With
+// --dump divergence the comparator also holds the step before the current one (and the current
+// one) until it knows whether they are written: up to two steps of the kept rows in memory.
 //
 // --stop-at-first N: the run ends N steps after the step of the first divergence (of any pair).
 // The comparators end each step together (a barrier), so every pair knows the last step before it
