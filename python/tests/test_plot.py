@@ -1,31 +1,49 @@
-"""diffrun.plot: PNGs from a pair of dumps (error by layer, |a-b| heatmap) and its command line."""
+"""diffrun.plot: PNGs from a pair of dumps (error by op and by layer, |a-b| heatmap) and its command line."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import matplotlib.image as mpimg
 import numpy as np
 import pytest
 
-from diffrun import plot
+pytest.importorskip("matplotlib", reason="matplotlib is not installed (scripts/setup installs it)")
+import matplotlib.image as mpimg  # noqa: E402
+
+from diffrun import plot  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+TOKENS = "1,17,42,7,99,3,120,5,63"
+
+
+def _run(out: Path, model: str, *extra: str) -> tuple[Path, Path]:
+    binary = os.environ.get("DIFFRUN_BIN")
+    fixtures = os.environ.get("DIFFRUN_FIXTURE_DIR")
+    if not binary or not fixtures:
+        pytest.skip("DIFFRUN_BIN and DIFFRUN_FIXTURE_DIR are set by ctest (test_diff_python)")
+    r = subprocess.run([binary, "--model", str(Path(fixtures) / model), "--tokens", TOKENS, "--steps", "1",
+                        "--engine", "cpu", "--out", str(out), "--no-color", *extra], capture_output=True, text=True)
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    return out / "engine.h5", out / "reference.h5"
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    binary = os.environ.get("DIFFRUN_BIN")
-    fixtures = os.environ.get("DIFFRUN_FIXTURE_DIR")
-    if not binary or not fixtures:
-        pytest.skip("DIFFRUN_BIN and DIFFRUN_FIXTURE_DIR are set by ctest (test_plot)")
-    out = tmp_path_factory.mktemp("plot")
-    subprocess.run([binary, "--model", str(Path(fixtures) / "tiny-llama-q8_0.gguf"), "--tokens", "1,2,3,4,5,6",
-                    "--steps", "1", "--engine", "cpu", "--out", str(out), "--no-color"], check=True,
-                   capture_output=True)
-    return out / "engine.h5", out / "reference.h5"
+    return _run(tmp_path_factory.mktemp("plot"), "tiny-llama-q8_0.gguf")
+
+
+@pytest.fixture(scope="module")
+def fault(tmp_path_factory):
+    """RoPE base 10000 on a model of base 1e6: the first divergence is Qrope-0 at step 0."""
+    d = tmp_path_factory.mktemp("fault")
+    engine, reference = _run(d / "out", "tiny-qwen2-f32.gguf", "--inject", "rope_theta_10000",
+                             "--report-json", str(d / "r.json"))
+    report = json.loads((d / "r.json").read_text())
+    assert (report["first_divergence"]["name"], report["first_divergence"]["step"]) == ("Qrope-0", 0)
+    return engine, reference, d / "r.json"
 
 
 def _image(path: Path) -> np.ndarray:
@@ -37,11 +55,58 @@ def test_plots_written_and_not_blank(pair, tmp_path):
     engine, reference = pair
     assert plot.main([str(engine), str(reference), "--out", str(tmp_path), "--heatmap", "kq_soft_max-1",
                       "--heatmap", "l_out-0"]) == 0
-    layers = _image(tmp_path / "rel_l2_by_layer_step0.png")
-    assert layers.shape[0] > 300 and layers.shape[1] > 600
+    for name in ("errors_by_op_step0.png", "rel_l2_by_layer_step0.png"):
+        img = _image(tmp_path / name)
+        assert img.shape[0] > 600 and img.shape[1] > 1200, img.shape
     for name in ("kq_soft_max-1", "l_out-0"):
         img = _image(tmp_path / f"heatmap_{name}_step0.png")
         assert img[..., :3].std() > 0.05  # a picture, not a blank canvas
+
+
+def test_default_heatmap_is_the_first_divergence(fault, tmp_path):
+    engine, reference, report = fault
+    # diffrun compare is run for the verdict ($DIFFRUN_BIN) ...
+    r = subprocess.run([sys.executable, "-m", "diffrun.plot", str(engine), str(reference), "--out", str(tmp_path / "a")],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "python")})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(tmp_path / "a" / f) for f in
+                                ("errors_by_op_step0.png", "rel_l2_by_layer_step0.png", "heatmap_Qrope-0_step0.png")]
+    # ... or its JSON report is given; the points are diffrun's (status, bound), the first divergence marked.
+    assert plot.main([str(engine), str(reference), "--out", str(tmp_path / "b"), "--report", str(report)]) == 0
+    assert (tmp_path / "b" / "heatmap_Qrope-0_step0.png").exists()
+    with plot.open_dump(engine) as e, plot.open_dump(reference) as ref:
+        points = plot.step_points(e, ref, 0, json.loads(report.read_text()))
+    names = [p.name for p in points]
+    first = names.index("Qrope-0")
+    assert all(p.status == "pass" for p in points[:first]) and points[first].failed
+    assert points[first].bound and points[first].rel_l2 > 100 * points[first].bound
+    heat = _image(tmp_path / "b" / "heatmap_Qrope-0_step0.png")
+    assert heat[..., :3].std() > 0.05
+
+
+def test_without_diffrun_the_largest_jump_is_shown(fault, tmp_path, monkeypatch, capsys):
+    engine, reference, _ = fault
+    monkeypatch.setattr(plot, "find_diffrun", lambda explicit=None: None)
+    assert plot.main([str(engine), str(reference), "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "the heatmap shows the largest jump, not the first divergence" in captured.err
+    assert (tmp_path / "heatmap_Qrope-0_step0.png").exists(), captured.out
+    with plot.open_dump(engine) as e, plot.open_dump(reference) as ref:
+        points = plot.step_points(e, ref, 0)
+        assert plot.largest_jump(points).name == "Qrope-0"
+        assert not any(p.status for p in points)  # no tolerances here
+
+
+def test_run_directory_with_two_pairs(fault, pair, tmp_path):
+    run = tmp_path / "run"
+    for sub, (engine, reference) in (("logic", fault[:2]), ("precision", pair)):
+        (run / sub).mkdir(parents=True)
+        (run / sub / "engine.h5").symlink_to(engine)
+        (run / sub / "reference.h5").symlink_to(reference)
+    assert plot.main([str(run), "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "logic" / "heatmap_Qrope-0_step0.png").exists()
+    assert (tmp_path / "plots" / "precision" / "errors_by_op_step0.png").exists()
+    assert plot.main([str(tmp_path), "--out", str(tmp_path / "x")]) == 2
 
 
 def test_layer_errors_and_default_heatmap(pair, tmp_path):
@@ -70,7 +135,9 @@ def test_token_by_channel_layouts():
     assert (m[1] == np.concatenate([v[0, 1], v[1, 1]])).all()
 
 
-def test_bad_dump_exits_2(tmp_path):
+def test_bad_input_exits_2(tmp_path):
     bogus = tmp_path / "x.h5"
     bogus.write_text("not hdf5")
     assert plot.main([str(bogus), str(bogus), "--out", str(tmp_path)]) == 2
+    assert plot.main([str(bogus), str(bogus), "--out", str(tmp_path), "--report", str(bogus)]) == 2
+    assert plot.main([str(bogus), str(bogus), "--out", str(tmp_path), "--diffrun", str(bogus)]) == 2
