@@ -1,7 +1,9 @@
 // Benchmark of the CUDA engine: prefill and decode tokens/s, hooks off and on, and the fraction of the
 // memory-bandwidth roofline that decode reaches. Prints figures; not a test.
 //
-//   bench_cuda_engine [--precision f16|f32] [--steps N] MODEL.gguf [MODEL.gguf ...]
+//   bench_cuda_engine [--precision f16|f32] [--steps N] [--json FILE] MODEL.gguf [MODEL.gguf ...]
+//
+// --json FILE appends one JSON object per model and line (scripts/bench_vs_llamacpp.sh reads it).
 //
 // Roofline: a decode step reads every weight once, so its floor is weight_bytes / bandwidth. The
 // bandwidth is measured here with a device-to-device cudaMemcpy of 1 GiB (read + write bytes
@@ -117,7 +119,8 @@ double time_decode(diffrun::CudaEngine& eng, int steps, diffrun::Sink& sink, boo
   return median(times);
 }
 
-void bench_model(const std::string& path, const std::string& precision, int steps, double bandwidth) {
+void bench_model(const std::string& path, const std::string& precision, int steps, double bandwidth,
+                 const std::string& json) {
   auto file = diffrun::GgufFile::open(path);
   const diffrun::ModelConfig cfg = diffrun::config_from_gguf(*file);
   const int ctx = 512 + steps + 64;
@@ -135,8 +138,10 @@ void bench_model(const std::string& path, const std::string& precision, int step
               diffrun::describe(cfg).c_str(), precision.c_str(), wb / (1 << 20), load_s);
   for (const auto& [k, v] : eng->facts()) std::printf("  %s: %s\n", k.c_str(), v.c_str());
 
+  double prefill_off[2] = {0, 0};
   for (int T : {32, 512}) {
     const double off = time_prefill(*eng, T, none);
+    prefill_off[T == 512] = off;
     all.bytes = 0;
     const double on = time_prefill(*eng, T, all);
     std::printf("  prefill %3d tokens: %9.1f tok/s hooks off (%.3f ms), %9.1f tok/s hooks on (%.3f ms, %.1f MiB "
@@ -161,6 +166,17 @@ void bench_model(const std::string& path, const std::string& precision, int step
               1 / dec_hooks, dec_hooks * 1e3, dec_hooks / dec, double(all.bytes) / steps / (1 << 20));
   std::printf("    weights read per token %.1f MiB -> %.0f GB/s achieved\n", wb / (1 << 20), wb / dec / 1e9);
   std::fflush(stdout);
+  if (!json.empty()) {
+    FILE* f = std::fopen(json.c_str(), "a");
+    if (!f) throw diffrun::Error("cannot open " + json + " for writing");
+    std::fprintf(f,
+                 "{\"model\": \"%s\", \"precision\": \"%s\", \"quantized_weights\": \"%s\", \"weight_bytes\": %.0f, "
+                 "\"bandwidth\": %.0f, \"decode_tok_s\": %.2f, \"decode_roofline\": %.4f, \"decode_nograph_tok_s\": "
+                 "%.2f, \"decode_hooks_tok_s\": %.2f, \"prefill32_tok_s\": %.1f, \"prefill512_tok_s\": %.1f}\n",
+                 path.c_str(), precision.c_str(), eng->facts().at("quantized_weights").c_str(), wb, bandwidth, 1 / dec,
+                 roof, 1 / dec_nograph, 1 / dec_hooks, 32 / prefill_off[0], 512 / prefill_off[1]);
+    std::fclose(f);
+  }
 }
 
 }  // namespace
@@ -168,6 +184,7 @@ void bench_model(const std::string& path, const std::string& precision, int step
 int main(int argc, char** argv) {
   std::string precision = "f16";
   int steps = 128;
+  std::string json;
   std::vector<std::string> models;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -175,15 +192,18 @@ int main(int argc, char** argv) {
       precision = argv[++i];
     } else if (a == "--steps" && i + 1 < argc) {
       steps = std::atoi(argv[++i]);
+    } else if (a == "--json" && i + 1 < argc) {
+      json = argv[++i];
     } else if (a == "-h" || a == "--help") {
-      std::printf("usage: %s [--precision f16|f32] [--steps N] MODEL.gguf [MODEL.gguf ...]\n", argv[0]);
+      std::printf("usage: %s [--precision f16|f32] [--steps N] [--json FILE] MODEL.gguf [MODEL.gguf ...]\n", argv[0]);
       return 0;
     } else {
       models.push_back(a);
     }
   }
   if (models.empty() || steps < 1) {
-    std::fprintf(stderr, "usage: %s [--precision f16|f32] [--steps N] MODEL.gguf [MODEL.gguf ...]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s [--precision f16|f32] [--steps N] [--json FILE] MODEL.gguf [MODEL.gguf ...]\n",
+                 argv[0]);
     return 2;
   }
   try {
@@ -193,7 +213,7 @@ int main(int argc, char** argv) {
     BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
     const double bw = copy_bandwidth();
     std::printf("device %s; device-to-device copy bandwidth %.0f GB/s (read + write)\n", prop.name, bw / 1e9);
-    for (const std::string& m : models) bench_model(m, precision, steps, bw);
+    for (const std::string& m : models) bench_model(m, precision, steps, bw, json);
   } catch (const diffrun::Error& e) {
     std::fprintf(stderr, "bench_cuda_engine: %s\n", e.what());
     return 2;

@@ -23,7 +23,9 @@
 //   only): matmul_cat (Wq|Wk|Wv and Wgate|Wup concatenated at load, one GEMV per group when T = 1),
 //   rope_qk (q and k in one launch, with the KV cache write) and add_rms_norm (ffn_inp + ffn_norm;
 //   l_out + the next layer's attn_norm or result_norm). Decode T = 1 projections run our GEMV
-//   kernel, prefill the cuBLAS GEMM (bench/NOTES.md has the figures).
+//   kernel, prefill the cuBLAS GEMM (bench/NOTES.md has the figures). Quantized matrices stay GGUF
+//   blocks on the device (engine/weights.cuh): the quantized GEMV at T = 1, at T > 1 their rows
+//   dequantized into a scratch for the same cuBLAS GEMM; the "quantized_weights" fact lists them.
 // - Isolation replay replaces the inputs an op reads, never recomputes an output by another code
 //   path: a fused op runs on replaced inputs (rope_qk on the reference's Kcur and Vcur, add_rms_norm
 //   on its attn_out and residual), each of its outputs is recorded as the op computed it, then
@@ -181,6 +183,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"cublas_compute_type", "CUBLAS_COMPUTE_32F"},
         {"tf32", cublas_.tf32_enabled() ? "on" : "off"},
         {"weights_dtype", kF16 ? "f16" : "f32"},
+        {"quantized_weights", weights_.quantized_summary()},
         {"gemm_input_dtype", kF16 ? "f16" : "f32"},
         {"activations_dtype", "f32"},
         {"kv_cache_dtype", "f32"},
@@ -269,7 +272,7 @@ class CudaEngineImpl final : public CudaEngine {
     CUDA_CHECK(cudaMemcpyAsync(d_n_past_.get(), h_n_past_.get(), sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
 
     if (faults_.has(Fault::embd_transposed))
-      embedding_transposed(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_);
+      embedding_transposed(a.x.get(), a.tokens.get(), dense_rows(weights_.token_embd, V, stream_), n, D, V, stream_);
     else
       embedding(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_);
     cp(sink, step, "embd", -1, a.x.get(), {n, D});
@@ -359,7 +362,7 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "kqv_out", l, a.kqv.get(), {n, H, Dh});
 
     if (faults_.has(Fault::attn_out_transposed))
-      gemm_wrong_lda(a.attn_out.get(), a.kqv.get(), w.wo, n, Q, D, cublas_, stream_);
+      gemm_wrong_lda(a.attn_out.get(), a.kqv.get(), dense_rows(w.wo, D, stream_), n, Q, D, cublas_, stream_);
     else
       matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_);
     cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});
@@ -381,7 +384,7 @@ class CudaEngineImpl final : public CudaEngine {
     swiglu(a.act.get(), swap ? a.up.get() : a.gate.get(), swap ? a.gate.get() : a.up.get(), int64_t(n) * F, stream_);
     cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});
     if (faults_.has(Fault::ffn_down_transposed))
-      gemm_wrong_lda(a.ffn_out.get(), a.act.get(), w.w_down, n, F, D, cublas_, stream_);
+      gemm_wrong_lda(a.ffn_out.get(), a.act.get(), dense_rows(w.w_down, D, stream_), n, F, D, cublas_, stream_);
     else
       matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_);
     cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});
@@ -439,10 +442,8 @@ class CudaEngineImpl final : public CudaEngine {
     attention_flaws_.f16_exp = faults_.has(Fault::softmax_f16_overflow);
     rms_norm_flaws_.off_by_one = faults_.has(Fault::rms_norm_off_by_one);
     rms_norm_flaws_.eps_outside_sqrt = faults_.has(Fault::rms_eps_outside_sqrt);
-    if (faults_.has(Fault::weight_row_nan)) {  // the weights are ours once uploaded: one row of layer 0's W_q
-      W* wq = const_cast<W*>(weights_.layers.at(0).wq);
-      fill_nan(wq + size_t(kFaultNanWeightRow) * cfg_.n_embd, cfg_.n_embd, stream_);
-    }
+    if (faults_.has(Fault::weight_row_nan))  // the weights are ours once uploaded: one row of layer 0's W_q
+      weights_.fill_row_nan(weights_.layers.at(0).wq, kFaultNanWeightRow, stream_);
     if (faults_.has(Fault::rms_norm_weight_twice)) {
       auto twice = [&](const float* w, int64_t n) {
         if (w == nullptr || squared_norms_.count(w)) return;
@@ -596,7 +597,7 @@ void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_c
                                               (cfg.head_dim + 2));
   const uint64_t other =
       Activations<W>::bytes(cfg, 1) + uint64_t(cfg.n_vocab) * sizeof(float) + kCublasWorkspaceBytes + attn;
-  const uint64_t needed = wf.weight_bytes + wf.staging_bytes + kv + other;
+  const uint64_t needed = wf.weight_bytes + wf.staging_bytes + wf.scratch_bytes + kv + other;
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   if (needed > free_b) {
@@ -605,7 +606,8 @@ void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_c
     cudaDeviceProp prop{};
     CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
     throw Error("not enough device memory for " + file.path() + ": need " + mib(needed) + " (weights " +
-                mib(wf.weight_bytes) + ", upload staging " + mib(wf.staging_bytes) + ", KV cache " + mib(kv) +
+                mib(wf.weight_bytes) + ", upload staging " + mib(wf.staging_bytes) +
+                ", dequantization scratch " + mib(wf.scratch_bytes) + ", KV cache " + mib(kv) +
                 " for " + std::to_string(max_ctx) + " positions, activations, attention scratch and cuBLAS workspace " +
                 mib(other) + "), " + mib(free_b) + " free of " + mib(total_b) + " on " + prop.name);
   }

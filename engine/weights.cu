@@ -1,7 +1,9 @@
-// Upload of the GGUF tensors into one device arena: raw bytes through a staging buffer, then the
-// device dequantization kernel of their format.
+// Upload of the GGUF tensors into one device arena: quantized matrices as their raw blocks, the rest
+// as raw bytes through a staging buffer, then the device dequantization kernel of their format.
 #include "engine/weights.cuh"
 
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <string>
 
@@ -10,6 +12,8 @@
 #include "engine/cuda_check.cuh"
 #include "checkpoints/faults.hpp"
 #include "engine/dequant.cuh"
+#include "engine/faults/fault_ops.cuh"
+#include "engine/ops/qgemv.cuh"
 #include "model/error.hpp"
 
 namespace diffrun::engine {
@@ -28,19 +32,46 @@ bool continues_previous(const std::string& name) {
   return false;
 }
 
+// The members of the concatenation group of `name` (itself alone outside a group).
+std::vector<std::string> group_of(const std::string& name) {
+  auto with = [&](const char* suffix, std::initializer_list<const char*> members) {
+    const std::string stem = name.substr(0, name.size() - std::strlen(suffix));
+    std::vector<std::string> out;
+    for (const char* m : members) out.push_back(stem + m);
+    return out;
+  };
+  for (const char* s : {".attn_q.weight", ".attn_k.weight", ".attn_v.weight"})
+    if (name.ends_with(s)) return with(s, {".attn_q.weight", ".attn_k.weight", ".attn_v.weight"});
+  for (const char* s : {".ffn_gate.weight", ".ffn_up.weight"})
+    if (name.ends_with(s)) return with(s, {".ffn_gate.weight", ".ffn_up.weight"});
+  return {name};
+}
+
+bool quantized_weights_enabled() {
+  const char* v = std::getenv("DIFFRUN_QUANT_WEIGHTS");
+  return !(v != nullptr && std::strcmp(v, "0") == 0);
+}
+
 // One tensor to upload: `rows` rows of ne[0] values (fewer than the file holds for padded vocab).
 struct Planned {
   const TensorInfo* info;
   int64_t n_elements;  // uploaded elements
   uint64_t raw_bytes;  // their bytes in the file
-  bool is_matrix;      // stored in W; vectors in f32
+  bool is_matrix;      // stored in W (or quantized); vectors in f32
+  bool quantized;      // kept as GGUF blocks
   uint64_t offset;     // in the arena
 };
 
 std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t matrix_elem_bytes,
-                          uint64_t* arena_bytes) {
+                          uint64_t* arena_bytes, uint64_t* scratch_elements) {
+  const bool keep_quantized = quantized_weights_enabled();
+  auto quantizable = [&](const std::string& name) {
+    const TensorInfo& t = file.tensor(name);
+    return keep_quantized && t.ne.size() == 2 && qgemv_supported(t.type);
+  };
   std::vector<Planned> out;
-  uint64_t offset = 0;
+  uint64_t offset = 0, group_elements = 0;
+  *scratch_elements = 0;
   for (const ExpectedTensor& e : expected_tensors(cfg)) {
     const TensorInfo& t = file.tensor(e.name);
     if (!device_dequant_supported(t.type))
@@ -52,9 +83,18 @@ std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t
     const int64_t n = rows * cols;
     const uint64_t raw = static_cast<uint64_t>(n / ggml_block_elements(t.type)) * ggml_block_bytes(t.type);
     const bool is_matrix = e.ne.size() == 2;
-    if (!continues_previous(e.name)) offset = align_up(offset);
-    out.push_back({&t, n, raw, is_matrix, offset});
-    offset += static_cast<uint64_t>(n) * (is_matrix ? matrix_elem_bytes : sizeof(float));
+    bool quantized = is_matrix;
+    for (const std::string& member : group_of(e.name)) quantized = quantized && quantizable(member);
+    // A quantized member continues its group only in the same format (else its own aligned segment).
+    const bool continues = continues_previous(e.name) &&
+                           (!quantized || (!out.empty() && out.back().info->type == t.type));
+    if (!continues) offset = align_up(offset);
+    if (quantized) {
+      group_elements = continues_previous(e.name) ? group_elements + n : n;
+      *scratch_elements = std::max<uint64_t>(*scratch_elements, group_elements);
+    }
+    out.push_back({&t, n, raw, is_matrix, quantized, offset});
+    offset += quantized ? raw : static_cast<uint64_t>(n) * (is_matrix ? matrix_elem_bytes : sizeof(float));
   }
   *arena_bytes = align_up(offset);
   return out;
@@ -65,22 +105,37 @@ std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t
 template <typename W>
 WeightFootprint DeviceWeights<W>::footprint(const GgufFile& file, const ModelConfig& cfg) {
   WeightFootprint f;
-  for (const Planned& p : plan(file, cfg, sizeof(W), &f.weight_bytes))
-    f.staging_bytes = std::max(f.staging_bytes, p.raw_bytes);
+  uint64_t scratch = 0;
+  for (const Planned& p : plan(file, cfg, sizeof(W), &f.weight_bytes, &scratch))
+    if (!p.quantized) f.staging_bytes = std::max(f.staging_bytes, p.raw_bytes);
+  f.scratch_bytes = scratch * sizeof(W);
   return f;
 }
 
 template <typename W>
 DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cudaStream_t stream,
                                  bool dequant_scale_offset) {
-  const std::vector<Planned> tensors = plan(file, cfg, sizeof(W), &bytes_);
+  uint64_t scratch_elements = 0;
+  const std::vector<Planned> tensors = plan(file, cfg, sizeof(W), &bytes_, &scratch_elements);
   uint64_t staging_bytes = 0;
-  for (const Planned& p : tensors) staging_bytes = std::max(staging_bytes, p.raw_bytes);
+  std::map<std::string, int> quantized_counts;
+  for (const Planned& p : tensors) {
+    if (!p.quantized) staging_bytes = std::max(staging_bytes, p.raw_bytes);
+    else ++quantized_counts[ggml_type_name(p.info->type)];
+  }
   arena_ = DeviceBuffer<unsigned char>(bytes_, "the model weights");
   DeviceBuffer<unsigned char> staging(staging_bytes, "the weight upload staging buffer");
+  if (scratch_elements > 0) scratch_ = DeviceBuffer<W>(scratch_elements, "the quantized weights' dequantization scratch");
+  if (!quantized_counts.empty()) {
+    quantized_summary_.clear();
+    for (const auto& [type, count] : quantized_counts)
+      quantized_summary_ += (quantized_summary_.empty() ? "" : ", ") + type + " x" + std::to_string(count);
+  }
 
+  std::map<std::string, const Planned*> planned;
   std::map<std::string, const void*> by_name;
   for (const Planned& p : tensors) {
+    planned[p.info->name] = &p;
     void* dst = arena_.get() + p.offset;
     // Stream-ordered: the next tensor's upload into `staging` waits for this dequantization.
     std::span<const std::byte> raw = file.tensor_data(*p.info).first(p.raw_bytes);
@@ -89,17 +144,50 @@ DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cu
       faulty = dequant_fault_bytes(p.info->type, raw);
       raw = faulty;
     }
+    by_name[p.info->name] = dst;
+    if (p.quantized) {  // the blocks as they are in the file
+      CUDA_CHECK(cudaMemcpyAsync(dst, raw.data(), p.raw_bytes, cudaMemcpyHostToDevice, stream));
+      continue;
+    }
     CUDA_CHECK(cudaMemcpyAsync(staging.get(), raw.data(), p.raw_bytes, cudaMemcpyHostToDevice,
                                stream));
     if (p.is_matrix)
       dequantize_device(p.info->type, staging.get(), static_cast<W*>(dst), p.n_elements, stream);
     else
       dequantize_device(p.info->type, staging.get(), static_cast<float*>(dst), p.n_elements, stream);
-    by_name[p.info->name] = dst;
   }
   CUDA_CHECK(cudaStreamSynchronize(stream));  // before `staging` is freed
 
-  auto matrix = [&](const std::string& name) { return static_cast<const W*>(by_name.at(name)); };
+  // A matrix from `name` to the end of its concatenation group: dense rows, or quantized segments
+  // (consecutive members of one format merged, as the arena holds them back to back).
+  auto matrix = [&](const std::string& name) {
+    DeviceMatrix<W> m;
+    const std::vector<std::string> group = group_of(name);
+    bool from_here = false;
+    for (const std::string& member : group) {
+      from_here = from_here || member == name;
+      if (!from_here) continue;
+      const Planned& p = *planned.at(member);
+      m.K = static_cast<int>(p.info->ne[0]);
+      const int rows = static_cast<int>(p.n_elements / m.K);
+      if (!p.quantized) {
+        if (m.rows == 0) m.dense = static_cast<const W*>(by_name.at(member));
+      } else {
+        using Segment = typename DeviceMatrix<W>::Segment;
+        Segment* last = m.n_segments > 0 ? &m.segments[m.n_segments - 1] : nullptr;
+        const auto* raw = static_cast<const unsigned char*>(by_name.at(member));
+        const uint64_t last_bytes =
+            last ? uint64_t(last->rows) * (m.K / ggml_block_elements(last->type)) * ggml_block_bytes(last->type) : 0;
+        if (last && last->type == p.info->type && static_cast<const unsigned char*>(last->raw) + last_bytes == raw)
+          last->rows += rows;
+        else
+          m.segments[m.n_segments++] = Segment{p.info->type, raw, rows};
+        m.scratch = scratch_.get();
+      }
+      m.rows += rows;
+    }
+    return m;
+  };
   auto vector = [&](const std::string& name) { return static_cast<const float*>(by_name.at(name)); };
   token_embd = matrix("token_embd.weight");
   output_norm = vector("output_norm.weight");
@@ -126,6 +214,26 @@ DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cu
     w.w_up = matrix(layer_tensor(l, "ffn_up.weight"));
     w.w_down = matrix(layer_tensor(l, "ffn_down.weight"));
   }
+}
+
+template <typename W>
+void DeviceWeights<W>::fill_row_nan(const DeviceMatrix<W>& m, int64_t row, cudaStream_t stream) {
+  if (row < 0 || row >= m.rows) throw Error("fill_row_nan: row " + std::to_string(row) + " is outside the matrix");
+  if (!m.quantized()) {
+    fill_nan(const_cast<W*>(m.dense) + row * m.K, m.K, stream);
+    return;
+  }
+  int64_t r = row;
+  int s = 0;
+  while (r >= m.segments[s].rows) r -= m.segments[s++].rows;
+  const GgmlType t = m.segments[s].type;
+  const int64_t nb = m.K / ggml_block_elements(t), bb = static_cast<int64_t>(ggml_block_bytes(t));
+  const int64_t d_offset = t == GgmlType::Q6_K ? 208 : 0;  // the block's f16 scale d (last in Q6_K, first elsewhere)
+  auto* dst = static_cast<unsigned char*>(const_cast<void*>(m.segments[s].raw)) + r * nb * bb + d_offset;
+  const std::vector<uint16_t> nan_halves(size_t(nb), uint16_t(0x7E00));
+  CUDA_CHECK(cudaMemcpy2DAsync(dst, size_t(bb), nan_halves.data(), sizeof(uint16_t), sizeof(uint16_t), size_t(nb),
+                               cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));  // before nan_halves goes
 }
 
 template class DeviceWeights<float>;

@@ -2,6 +2,8 @@
 if(DIFFRUN_HAVE_CUDA)
   diffrun_test(test_engine_dequant GPU SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_engine_dequant.cpp
                LIBS diffrun_engine diffrun_model)
+  diffrun_test(test_engine_qgemv GPU SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_engine_qgemv.cpp
+               LIBS diffrun_engine diffrun_model)
   diffrun_test(test_engine_ops GPU SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_engine_ops.cpp
                LIBS diffrun_engine diffrun_reference)
   diffrun_test(test_engine_model GPU SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_engine_model.cpp

@@ -238,6 +238,13 @@ TEST(EngineFaults, TinyQwen3) {
   check_model(test::fixture_path("tiny-qwen3-f32.gguf"), "tiny-qwen3");
 }
 
+// Every fault with the weights kept quantized (Q4_1 blocks read by the quantized GEMV, dequantized
+// for the prefill's cuBLAS and for the faults that read a matrix through cuBLAS or as a table).
+TEST(EngineFaults, TinyQwen2Q4_1) {
+  DIFFRUN_REQUIRE_CUDA();
+  check_model(test::fixture_path("tiny-qwen2-q4_1.gguf"), "tiny-qwen2-q4_1");
+}
+
 TEST(EngineFaults, DequantScaleOffsetOnQ8_0) {
   DIFFRUN_REQUIRE_CUDA();
   check_model(test::fixture_path("tiny-llama-q8_0.gguf"), "llama-q8_0", {Fault::dequant_scale_offset});

@@ -225,11 +225,14 @@ TEST(EngineModel, F16AgainstF32ReferenceOnEnvModels) {
   if (!any) GTEST_SKIP() << "neither DIFFRUN_SMOLLM2_SLICE nor DIFFRUN_QWEN05B is set";
 }
 
+// On dense weights (f16) and quantized ones (Q4_1 with bias; the K-quant mix with a Q5_K attn_v
+// after Q4_K attn_q|attn_k, which the GEMV runs as two segments).
 TEST(EngineModel, HooksDoNotChangeResultsAndGraphDecodeMatches) {
   DIFFRUN_REQUIRE_CUDA();
-  Models m = open_model(test::fixture_path("tiny-qwen2-f16.gguf"));
+  for (const char* fixture : {"tiny-qwen2-f16.gguf", "tiny-qwen2-q4_1.gguf", "tiny-qwen3-kmix.gguf"})
   for (const char* precision : {"f32", "f16"}) {
-    SCOPED_TRACE(precision);
+    SCOPED_TRACE(std::string(fixture) + " " + precision);
+    Models m = open_model(test::fixture_path(fixture));
     auto hooked = make_cuda_engine(*m.file, m.cfg, precision, 32);   // every step launched op by op
     auto plain = make_cuda_engine(*m.file, m.cfg, precision, 32);    // decode steps replay the graph
     auto argmaxer = make_cuda_engine(*m.file, m.cfg, precision, 32); // graph without the logits copy
@@ -245,6 +248,42 @@ TEST(EngineModel, HooksDoNotChangeResultsAndGraphDecodeMatches) {
       EXPECT_EQ(c, host_argmax(b)) << "step " << step;
       EXPECT_FALSE(all.tensors[step].empty());
       tokens = {host_argmax(a)};
+    }
+  }
+}
+
+// Quantized weights kept as blocks against the same model expanded at load (DIFFRUN_QUANT_WEIGHTS=0,
+// the path before quantized kernels): the prefill (cuBLAS on the dequantized scratch) is bit-identical,
+// decode steps (the quantized GEMV) agree to f32 rounding, and the engine says which weights it kept.
+TEST(EngineModel, QuantizedWeightsMatchExpandedWeights) {
+  DIFFRUN_REQUIRE_CUDA();
+  for (const char* fixture : {"tiny-qwen3-kmix.gguf", "tiny-llama-q5_0.gguf"})
+  for (const char* precision : {"f32", "f16"}) {
+    SCOPED_TRACE(std::string(fixture) + " " + precision);
+    Models m = open_model(test::fixture_path(fixture));
+    auto quant = make_cuda_engine(*m.file, m.cfg, precision, 32);
+    setenv("DIFFRUN_QUANT_WEIGHTS", "0", 1);
+    auto expanded = make_cuda_engine(*m.file, m.cfg, precision, 32);
+    unsetenv("DIFFRUN_QUANT_WEIGHTS");
+    EXPECT_NE(quant->facts().at("quantized_weights"), "none");
+    EXPECT_EQ(expanded->facts().at("quantized_weights"), "none");
+    EXPECT_LT(quant->weight_bytes(), expanded->weight_bytes());
+    std::vector<int32_t> tokens = prompt_ids(m.cfg.n_vocab, 5);
+    for (int step = 0; step < 5; ++step) {
+      MemorySink qs, es;
+      const std::vector<float> a = quant->forward(step, tokens, qs);
+      const std::vector<float> b = expanded->forward(step, tokens, es);
+      ASSERT_EQ(qs.tensors[step].size(), es.tensors[step].size());
+      for (const auto& [name, e] : es.tensors[step]) {
+        const test::Recorded& q = qs.tensors[step].at(name);
+        if (step == 0) {
+          EXPECT_EQ(q.data, e.data) << name << ": the prefill differs";
+        } else {
+          // f16: the expanded decode reads f16-rounded weights, the quantized one exact weights.
+          EXPECT_LT(rel_l2(q.data, e.data), std::string(precision) == "f32" ? 1e-5 : 2e-2) << name << " step " << step;
+        }
+      }
+      tokens = {host_argmax(b)};
     }
   }
 }

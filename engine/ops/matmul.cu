@@ -1,27 +1,23 @@
 // Linear layer: the GEMV kernel for one token (bias in its epilogue), else the row-major cuBLAS GEMM
-// then the bias added in f32 (T, K, N).
+// then the bias added in f32 (T, K, N); quantized matrices through engine/ops/qgemv.
 #include "engine/ops/matmul.cuh"
+
+#include <algorithm>
+#include <string>
 
 #include "engine/cuda_check.cuh"
 #include "engine/ops/launch.cuh"
+#include "engine/ops/qgemv.cuh"
 #include "model/error.hpp"
 
 namespace diffrun::engine {
 
 namespace {
 
-constexpr int kMaxParts = 3;
+constexpr int kMaxParts = kGemvMaxParts;
 constexpr int kGemvThreads = 128;  // 4 warps
 constexpr int kGemvBatch = 8;      // 16-byte loads issued together per lane before any is used
 constexpr int kSplitRowsBelow = 4096;  // fewer rows: the block's 4 warps share each row's K
-
-// Where each output row goes: rows [end[p-1], end[p]) of w are part p, written to out[p] + row - end[p-1].
-struct GemvParts {
-  float* out[kMaxParts];
-  const float* bias[kMaxParts];
-  int end[kMaxParts];
-  int n_parts;
-};
 
 __device__ __forceinline__ float dot16(uint4 w, uint4 x, const __half*) {
   const __half2* wh = reinterpret_cast<const __half2*>(&w);
@@ -159,7 +155,78 @@ void linear_cat(std::initializer_list<MatmulPart> parts, const W* x, const W* w,
   }
 }
 
+template <typename W>
+const W* dense_rows_impl(const DeviceMatrix<W>& w, int rows, cudaStream_t stream) {
+  if (rows > w.rows) throw Error("matmul: " + std::to_string(rows) + " rows asked of a matrix of " + std::to_string(w.rows));
+  if (!w.quantized()) return w.dense;
+  int64_t row0 = 0;
+  for (int s = 0; s < w.n_segments && row0 < rows; ++s) {
+    const int n = std::min<int64_t>(w.segments[s].rows, rows - row0);
+    dequant_rows(w.segments[s].type, w.segments[s].raw, n, w.K, w.scratch + row0 * w.K, stream);
+    row0 += w.segments[s].rows;
+  }
+  return w.scratch;
+}
+
+template <typename W>
+void linear_matrix(std::initializer_list<MatmulPart> parts, const W* x, const DeviceMatrix<W>& w, int T, int K,
+                   const CublasHandle& cublas, cudaStream_t stream) {
+  if (parts.size() == 0 || parts.size() > kMaxParts) throw Error("matmul_cat takes 1 to 3 parts");
+  if (K != w.K) throw Error("matmul: K = " + std::to_string(K) + " against a matrix of " + std::to_string(w.K) + " columns");
+  int total = 0;
+  for (const MatmulPart& p : parts) total += p.N;
+  if (w.quantized() && T == 1) {
+    GemvParts g{};
+    int end = 0;
+    for (const MatmulPart& p : parts) {
+      g.out[g.n_parts] = p.out;
+      g.bias[g.n_parts] = p.bias;
+      g.end[g.n_parts++] = end += p.N;
+    }
+    if (total > w.rows) throw Error("matmul: " + std::to_string(total) + " rows asked of a matrix of " + std::to_string(w.rows));
+    int row0 = 0;
+    for (int s = 0; s < w.n_segments && row0 < total; ++s) {
+      qgemv(w.segments[s].type, g, row0, std::min(w.segments[s].rows, total - row0), x, w.segments[s].raw, K, stream);
+      row0 += w.segments[s].rows;
+    }
+    return;
+  }
+  const W* dense = dense_rows_impl(w, total, stream);
+  if (parts.size() == 1)
+    linear(parts.begin()->out, x, dense, parts.begin()->bias, T, K, parts.begin()->N, cublas, stream);
+  else
+    linear_cat(parts, x, dense, T, K, cublas, stream);
+}
+
 }  // namespace
+
+const float* dense_rows(const DeviceMatrix<float>& w, int rows, cudaStream_t stream) {
+  return dense_rows_impl(w, rows, stream);
+}
+
+const __half* dense_rows(const DeviceMatrix<__half>& w, int rows, cudaStream_t stream) {
+  return dense_rows_impl(w, rows, stream);
+}
+
+void matmul(float* out, const float* x, const DeviceMatrix<float>& w, const float* bias, int T, int K, int N,
+            const CublasHandle& cublas, cudaStream_t stream) {
+  linear_matrix({{out, bias, N}}, x, w, T, K, cublas, stream);
+}
+
+void matmul(float* out, const __half* x, const DeviceMatrix<__half>& w, const float* bias, int T, int K, int N,
+            const CublasHandle& cublas, cudaStream_t stream) {
+  linear_matrix({{out, bias, N}}, x, w, T, K, cublas, stream);
+}
+
+void matmul_cat(std::initializer_list<MatmulPart> parts, const float* x, const DeviceMatrix<float>& w, int T, int K,
+                const CublasHandle& cublas, cudaStream_t stream) {
+  linear_matrix(parts, x, w, T, K, cublas, stream);
+}
+
+void matmul_cat(std::initializer_list<MatmulPart> parts, const __half* x, const DeviceMatrix<__half>& w, int T,
+                int K, const CublasHandle& cublas, cudaStream_t stream) {
+  linear_matrix(parts, x, w, T, K, cublas, stream);
+}
 
 void matmul(float* out, const float* x, const float* w, const float* bias, int T, int K, int N,
             const CublasHandle& cublas, cudaStream_t stream) {

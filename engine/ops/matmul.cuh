@@ -1,6 +1,8 @@
 // Linear layer (T, K, N): out = x · wᵀ (+ bias), w a GGUF weight with ne = [K, N]. One token (decode):
 // our GEMV kernel (weights read once in 16-byte loads, f32 accumulation, bias in the epilogue);
-// several tokens: the cuBLAS GEMM of engine/gemm, then the bias kernel.
+// several tokens: the cuBLAS GEMM of engine/gemm, then the bias kernel. A quantized DeviceMatrix:
+// one token runs the quantized GEMV (engine/ops/qgemv.cuh) on its blocks; several tokens dequantize
+// its rows into the shared scratch (the same values the expanded matrix holds), then the dense path.
 #pragma once
 
 #include <initializer_list>
@@ -8,6 +10,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "engine/device_matrix.cuh"
 #include "engine/gemm.cuh"
 
 namespace diffrun::engine {
@@ -17,6 +20,18 @@ void matmul(float* out, const float* x, const float* w, const float* bias, int T
             const CublasHandle& cublas, cudaStream_t stream);
 void matmul(float* out, const __half* x, const __half* w, const float* bias, int T, int K, int N,
             const CublasHandle& cublas, cudaStream_t stream);
+
+// The same on a DeviceMatrix (its first N rows): dense, or quantized as above.
+void matmul(float* out, const float* x, const DeviceMatrix<float>& w, const float* bias, int T, int K, int N,
+            const CublasHandle& cublas, cudaStream_t stream);
+void matmul(float* out, const __half* x, const DeviceMatrix<__half>& w, const float* bias, int T, int K, int N,
+            const CublasHandle& cublas, cudaStream_t stream);
+
+// The first `rows` rows of w as dense W [rows, K]: w.dense, or dequantized into w.scratch on
+// `stream` (valid until the next dequantization into the scratch). For the faults that read a
+// matrix through cuBLAS with a wrong layout or as a table.
+const float* dense_rows(const DeviceMatrix<float>& w, int rows, cudaStream_t stream);
+const __half* dense_rows(const DeviceMatrix<__half>& w, int rows, cudaStream_t stream);
 
 // One part of a concatenated linear layer: out [T, N] f32, bias [N] f32 or nullptr.
 struct MatmulPart {
@@ -33,5 +48,10 @@ void matmul_cat(std::initializer_list<MatmulPart> parts, const float* x, const f
                 const CublasHandle& cublas, cudaStream_t stream);
 void matmul_cat(std::initializer_list<MatmulPart> parts, const __half* x, const __half* w, int T, int K,
                 const CublasHandle& cublas, cudaStream_t stream);
+// The same on a DeviceMatrix covering the parts' rows (a quantized one: one GEMV launch per segment).
+void matmul_cat(std::initializer_list<MatmulPart> parts, const float* x, const DeviceMatrix<float>& w, int T, int K,
+                const CublasHandle& cublas, cudaStream_t stream);
+void matmul_cat(std::initializer_list<MatmulPart> parts, const __half* x, const DeviceMatrix<__half>& w, int T,
+                int K, const CublasHandle& cublas, cudaStream_t stream);
 
 }  // namespace diffrun::engine

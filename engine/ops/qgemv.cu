@@ -1,0 +1,463 @@
+// Quantized GEMV, row dequantization and embedding over GGUF blocks in device memory (see qgemv.cuh).
+//
+// Each format is split into chunks that one lane decodes: two runs of kRun consecutive elements,
+// [a, a+kRun) and [b, b+kRun) within the block (kRun 4 for the 32-element formats, from one 4-byte
+// or two 2-byte loads of quants; 16 for the K-quants, from 16-byte loads where the block allows). The decoding is ggml's dequantize_row_* (the layouts are commented in engine/dequant.cu),
+// with __fmul_rn/__fadd_rn/__fsub_rn so that no FMA contraction changes a weight's value.
+#include "engine/ops/qgemv.cuh"
+
+#include <string>
+
+#include "engine/cuda_check.cuh"
+#include "engine/ops/launch.cuh"
+#include "model/error.hpp"
+
+namespace diffrun::engine {
+
+namespace {
+
+constexpr int kGemvThreads = 128;  // 4 warps
+
+__device__ __forceinline__ uint32_t ld_u16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
+__device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+// 4 bytes at a 2-byte aligned address (blocks of 18, 22, 34 or 210 bytes).
+__device__ __forceinline__ uint32_t ld_u32_a2(const uint8_t* p) {
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
+  return uint32_t(q[0]) | (uint32_t(q[1]) << 16);
+}
+__device__ __forceinline__ float ld_half(const uint8_t* p) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(ld_u16(p))));
+}
+// float(q) for 0 <= q < 2^23, exact: the bits of 2^23 + q minus 2^23 (cheaper than an I2F).
+__device__ __forceinline__ float u2f(uint32_t q) { return __int_as_float(0x4B000000u | q) - 8388608.0f; }
+
+// Byte k (0..11) of the K-quants' 12 scale bytes, held as three words.
+__device__ __forceinline__ uint32_t scale_byte(uint32_t s0, uint32_t s1, uint32_t s2, int k) {
+  const uint32_t w = k < 4 ? s0 : (k < 8 ? s1 : s2);
+  return (w >> (8 * (k & 3))) & 0xFFu;
+}
+// ggml's get_scale_min_k4 for sub-block j (0..7).
+__device__ __forceinline__ void scale_min_k4(int j, uint32_t s0, uint32_t s1, uint32_t s2, float* sc, float* m) {
+  if (j < 4) {
+    *sc = u2f(scale_byte(s0, s1, s2, j) & 63);
+    *m = u2f(scale_byte(s0, s1, s2, j + 4) & 63);
+  } else {
+    *sc = u2f((scale_byte(s0, s1, s2, j + 4) & 0xF) | ((scale_byte(s0, s1, s2, j - 4) >> 6) << 4));
+    *m = u2f((scale_byte(s0, s1, s2, j + 4) >> 4) | ((scale_byte(s0, s1, s2, j) >> 6) << 4));
+  }
+}
+
+// ---- formats: kElems and kBytes per block, kChunks of 2·kRun values; chunk(block, c, v, a, b) ----
+
+struct Q4_0 {
+  static constexpr int kElems = 32, kBytes = 18, kChunks = 4, kRun = 4;
+  __device__ static __forceinline__ void chunk(const uint8_t* p, int c, float* v, int& a, int& b) {
+    const float d = ld_half(p);
+    const uint32_t q = ld_u32_a2(p + 2 + 4 * c);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[i] = __fmul_rn(u2f((q >> (8 * i)) & 0xF) - 8.0f, d);
+      v[4 + i] = __fmul_rn(u2f((q >> (8 * i + 4)) & 0xF) - 8.0f, d);
+    }
+    a = 4 * c;
+    b = 16 + 4 * c;
+  }
+};
+
+struct Q4_1 {
+  static constexpr int kElems = 32, kBytes = 20, kChunks = 4, kRun = 4;
+  __device__ static __forceinline__ void chunk(const uint8_t* p, int c, float* v, int& a, int& b) {
+    const float d = ld_half(p), m = ld_half(p + 2);
+    const uint32_t q = ld_u32(p + 4 + 4 * c);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[i] = __fadd_rn(__fmul_rn(u2f((q >> (8 * i)) & 0xF), d), m);
+      v[4 + i] = __fadd_rn(__fmul_rn(u2f((q >> (8 * i + 4)) & 0xF), d), m);
+    }
+    a = 4 * c;
+    b = 16 + 4 * c;
+  }
+};
+
+struct Q5_0 {
+  static constexpr int kElems = 32, kBytes = 22, kChunks = 4, kRun = 4;
+  __device__ static __forceinline__ void chunk(const uint8_t* p, int c, float* v, int& a, int& b) {
+    const float d = ld_half(p);
+    const uint32_t qh = ld_u32_a2(p + 2);
+    const uint32_t q = ld_u32_a2(p + 6 + 4 * c);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j = 4 * c + i;
+      const uint32_t lo = ((q >> (8 * i)) & 0xF) | (((qh >> j) & 1u) << 4);
+      const uint32_t hi = ((q >> (8 * i + 4)) & 0xF) | (((qh >> (j + 16)) & 1u) << 4);
+      v[i] = __fmul_rn(u2f(lo) - 16.0f, d);
+      v[4 + i] = __fmul_rn(u2f(hi) - 16.0f, d);
+    }
+    a = 4 * c;
+    b = 16 + 4 * c;
+  }
+};
+
+struct Q5_1 {
+  static constexpr int kElems = 32, kBytes = 24, kChunks = 4, kRun = 4;
+  __device__ static __forceinline__ void chunk(const uint8_t* p, int c, float* v, int& a, int& b) {
+    const float d = ld_half(p), m = ld_half(p + 2);
+    const uint32_t qh = ld_u32(p + 4);
+    const uint32_t q = ld_u32(p + 8 + 4 * c);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j = 4 * c + i;
+      const uint32_t lo = ((q >> (8 * i)) & 0xF) | (((qh >> j) & 1u) << 4);
+      const uint32_t hi = ((q >> (8 * i + 4)) & 0xF) | (((qh >> (j + 16)) & 1u) << 4);
+      v[i] = __fadd_rn(__fmul_rn(u2f(lo), d), m);
+      v[4 + i] = __fadd_rn(__fmul_rn(u2f(hi), d), m);
+    }
+    a = 4 * c;
+    b = 16 + 4 * c;
+  }
+};
+
+struct Q8_0 {
+  static constexpr int kElems = 32, kBytes = 34, kChunks = 4, kRun = 4;
+  __device__ static __forceinline__ void chunk(const uint8_t* p, int c, float* v, int& a, int& b) {
+    const float d = ld_half(p);
+    const uint32_t q0 = ld_u32_a2(p + 2 + 8 * c), q1 = ld_u32_a2(p + 6 + 8 * c);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // int8 s as (s + 128) = its byte with the sign bit flipped
+      v[i] = __fmul_rn(u2f(((q0 >> (8 * i)) & 0xFF) ^ 0x80) - 128.0f, d);
+      v[4 + i] = __fmul_rn(u2f(((q1 >> (8 * i)) & 0xFF) ^ 0x80) - 128.0f, d);
+    }
+    a = 8 * c;
+    b = 8 * c + 4;
+  }
+};
+
+// The K-quants decode 32 weights per chunk (two runs of 16), so that a chunk's scale unpacking
+// (two 6-bit scale/min pairs, or two int8 scales) is paid once per 32 weights, not per 8.
+
+struct Q4_K {  // d, dmin, scales[12], qs[128]; 4 groups of 64: low nibbles sub-block 2j, high 2j+1
+  static constexpr int kElems = 256, kBytes = 144, kChunks = 8, kRun = 16;
+  __device__ static __forceinline__ void chunk(const uint8_t* p, int c, float* v, int& a, int& b) {
+    const int j = c >> 1, h = c & 1;
+    const float d = ld_half(p), dmin = ld_half(p + 2);
+    const uint32_t s0 = ld_u32(p + 4), s1 = ld_u32(p + 8), s2 = ld_u32(p + 12);
+    float sc, m;
+    scale_min_k4(2 * j, s0, s1, s2, &sc, &m);
+    const float d1 = __fmul_rn(d, sc), m1 = __fmul_rn(dmin, m);
+    scale_min_k4(2 * j + 1, s0, s1, s2, &sc, &m);
+    const float d2 = __fmul_rn(d, sc), m2 = __fmul_rn(dmin, m);
+    const uint4 q4 = *reinterpret_cast<const uint4*>(p + 16 + 32 * j + 16 * h);  // 144-byte blocks: 16-aligned
+    const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t byte = q[i / 4] >> (8 * (i % 4));
+      v[i] = __fsub_rn(__fmul_rn(d1, u2f(byte & 0xF)), m1);
+      v[16 + i] = __fsub_rn(__fmul_rn(d2, u2f((byte >> 4) & 0xF)), m2);
+    }
+    a = 64 * j + 16 * h;
+    b = a + 32;
+  }
+};
+
+struct Q5_K {  // d, dmin, scales[12], qh[32], qs[128]; group j's fifth bits are qh bits 2j, 2j+1
+  static constexpr int kElems = 256, kBytes = 176, kChunks = 8, kRun = 16;
+  __device__ static __forceinline__ void chunk(const uint8_t* p, int c, float* v, int& a, int& b) {
+    const int j = c >> 1, h = c & 1;
+    const float d = ld_half(p), dmin = ld_half(p + 2);
+    const uint32_t s0 = ld_u32(p + 4), s1 = ld_u32(p + 8), s2 = ld_u32(p + 12);
+    float sc, m;
+    scale_min_k4(2 * j, s0, s1, s2, &sc, &m);
+    const float d1 = __fmul_rn(d, sc), m1 = __fmul_rn(dmin, m);
+    scale_min_k4(2 * j + 1, s0, s1, s2, &sc, &m);
+    const float d2 = __fmul_rn(d, sc), m2 = __fmul_rn(dmin, m);
+    const uint4 h4 = *reinterpret_cast<const uint4*>(p + 16 + 16 * h);  // 176-byte blocks: 16-aligned
+    const uint4 q4 = *reinterpret_cast<const uint4*>(p + 48 + 32 * j + 16 * h);
+    const uint32_t qh[4] = {h4.x, h4.y, h4.z, h4.w}, q[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t byte = q[i / 4] >> (8 * (i % 4)), hb = qh[i / 4] >> (8 * (i % 4) + 2 * j);
+      v[i] = __fsub_rn(__fmul_rn(d1, u2f((byte & 0xF) + ((hb & 1u) << 4))), m1);
+      v[16 + i] = __fsub_rn(__fmul_rn(d2, u2f(((byte >> 4) & 0xF) + ((hb & 2u) << 3))), m2);
+    }
+    a = 64 * j + 16 * h;
+    b = a + 32;
+  }
+};
+
+struct Q6_K {  // ql[128], qh[64], scales[16] (int8), d; two halves of 128 elements
+  static constexpr int kElems = 256, kBytes = 210, kChunks = 8, kRun = 16;
+  __device__ static __forceinline__ void chunk(const uint8_t* p, int c, float* v, int& a, int& b) {
+    const int n = c >> 2, hi = (c >> 1) & 1, s = c & 1, l0 = 16 * s;
+    uint32_t ql[4], qh[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {  // 210-byte blocks: 2-byte aligned only
+      ql[w] = ld_u32_a2(p + 64 * n + 32 * hi + l0 + 4 * w);
+      qh[w] = ld_u32_a2(p + 128 + 32 * n + l0 + 4 * w);
+    }
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 8 * n;
+    const float d = ld_half(p + 208);
+    // hi = 0: q1 (ql low nibble, qh bits 0-1, scale s) and q3 (ql high, bits 4-5, scale s+4);
+    // hi = 1: q2 (ql[l+32] low, bits 2-3, scale s+2) and q4 (ql[l+32] high, bits 6-7, scale s+6).
+    const float da = __fmul_rn(d, static_cast<float>(sc[s + 2 * hi]));
+    const float db = __fmul_rn(d, static_cast<float>(sc[s + 4 + 2 * hi]));
+    const int sha = 2 * hi, shb = 4 + 2 * hi;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t l = ql[i / 4] >> (8 * (i % 4)), h = qh[i / 4] >> (8 * (i % 4));
+      const uint32_t qa = (l & 0xF) | (((h >> sha) & 3u) << 4);
+      const uint32_t qb = ((l >> 4) & 0xF) | (((h >> shb) & 3u) << 4);
+      v[i] = __fmul_rn(da, u2f(qa) - 32.0f);
+      v[16 + i] = __fmul_rn(db, u2f(qb) - 32.0f);
+    }
+    a = 128 * n + 32 * hi + l0;
+    b = a + 64;
+  }
+};
+
+__device__ __forceinline__ void load4(const float* p, float* o) {
+  const float4 f = *reinterpret_cast<const float4*>(p);
+  o[0] = f.x;
+  o[1] = f.y;
+  o[2] = f.z;
+  o[3] = f.w;
+}
+
+__device__ __forceinline__ void load4(const __half* p, float* o) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const float2 f0 = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 f1 = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  o[0] = f0.x;
+  o[1] = f0.y;
+  o[2] = f1.x;
+  o[3] = f1.y;
+}
+
+__device__ __forceinline__ void store4(float* p, const float* v) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+
+__device__ __forceinline__ void store4(__half* p, const float* v) {
+  const __half2 h0 = __floats2half2_rn(v[0], v[1]), h1 = __floats2half2_rn(v[2], v[3]);
+  uint2 u;
+  u.x = *reinterpret_cast<const uint32_t*>(&h0);
+  u.y = *reinterpret_cast<const uint32_t*>(&h1);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+
+// y[row0 + r] = Σ_k w[r, k] · x[k] in f32 (+ bias). kWarpsPerRow warps (1 or 4) share a row; each
+// lane takes every (32·kWarpsPerRow)-th chunk of the row, then a warp reduction and, for 4 warps,
+// one through shared memory in warp order.
+template <typename Q, typename X, int kWarpsPerRow>
+static __global__ void qgemv_kernel(GemvParts parts, int row0, int rows, const X* __restrict__ x,
+                                    const uint8_t* __restrict__ w, int K) {
+  pdl_wait();
+  pdl_trigger();
+  constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
+  constexpr int kLanes = 32 * kWarpsPerRow;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = blockIdx.x * kRowsPerBlock + warp / kWarpsPerRow;
+  const int sub = (warp % kWarpsPerRow) * 32 + lane;
+  float acc = 0.0f;
+  if (r < rows) {
+    const int nb = K / Q::kElems;
+    const uint8_t* wr = w + int64_t(r) * nb * Q::kBytes;
+    const int chunks = nb * Q::kChunks;
+    constexpr int kUnroll = Q::kRun == 4 ? 4 : 1;
+#pragma unroll kUnroll
+    for (int i = sub; i < chunks; i += kLanes) {
+      const int blk = i / Q::kChunks, c = i % Q::kChunks;
+      float v[2 * Q::kRun], xv[2 * Q::kRun];
+      int a, b;
+      Q::chunk(wr + blk * Q::kBytes, c, v, a, b);
+      const X* xb = x + blk * Q::kElems;
+#pragma unroll
+      for (int k = 0; k < Q::kRun; k += 4) {
+        load4(xb + a + k, xv + k);
+        load4(xb + b + k, xv + Q::kRun + k);
+      }
+#pragma unroll
+      for (int k = 0; k < 2 * Q::kRun; ++k) acc = fmaf(v[k], xv[k], acc);
+    }
+  }
+  acc = warp_sum(acc);
+  if constexpr (kWarpsPerRow > 1) {
+    __shared__ float partial[kGemvThreads / 32];
+    if (lane == 0) partial[warp] = acc;
+    __syncthreads();
+    acc = 0.0f;
+    for (int i = 0; i < kWarpsPerRow; ++i) acc += partial[warp - warp % kWarpsPerRow + i];
+  }
+  if (r >= rows || sub != 0) return;
+  const int row = row0 + r;
+  int p = 0, begin = 0;
+  while (row >= parts.end[p]) begin = parts.end[p++];
+  const float* bias = parts.bias[p];
+  parts.out[p][row - begin] = bias ? acc + bias[row - begin] : acc;
+}
+
+template <typename Q, typename Out>
+static __global__ void dequant_rows_kernel(const uint8_t* __restrict__ w, int64_t n_chunks, Out* __restrict__ dst) {
+  pdl_wait();
+  pdl_trigger();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n_chunks; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t blk = i / Q::kChunks;
+    const int c = static_cast<int>(i % Q::kChunks);
+    float v[2 * Q::kRun];
+    int a, b;
+    Q::chunk(w + blk * Q::kBytes, c, v, a, b);
+    Out* y = dst + blk * Q::kElems;
+#pragma unroll
+    for (int k = 0; k < Q::kRun; k += 4) {
+      store4(y + a + k, v + k);
+      store4(y + b + k, v + Q::kRun + k);
+    }
+  }
+}
+
+template <typename Q>
+static __global__ void embedding_q_kernel(float* out, const int32_t* tokens, const uint8_t* __restrict__ table, int D,
+                                          int V, bool round_to_f16) {
+  pdl_wait();
+  pdl_trigger();
+  const int t = blockIdx.x;
+  const int32_t id = tokens[t];
+  float* out_row = out + static_cast<int64_t>(t) * D;
+  if (id < 0 || id >= V) {
+    for (int d = threadIdx.x; d < D; d += blockDim.x) out_row[d] = NAN;
+    return;
+  }
+  const int nb = D / Q::kElems;
+  const uint8_t* row = table + static_cast<int64_t>(id) * nb * Q::kBytes;
+  for (int i = threadIdx.x; i < nb * Q::kChunks; i += blockDim.x) {
+    const int blk = i / Q::kChunks, c = i % Q::kChunks;
+    float v[2 * Q::kRun];
+    int a, b;
+    Q::chunk(row + blk * Q::kBytes, c, v, a, b);
+    if (round_to_f16)
+      for (int k = 0; k < 2 * Q::kRun; ++k) v[k] = __half2float(__float2half_rn(v[k]));
+    float* y = out_row + blk * Q::kElems;
+    for (int k = 0; k < Q::kRun; ++k) {
+      y[a + k] = v[k];
+      y[b + k] = v[Q::kRun + k];
+    }
+  }
+}
+
+// Calls f(Q{}) for the format type t.
+template <typename F>
+void dispatch(GgmlType t, const char* what, F&& f) {
+  switch (t) {
+    case GgmlType::Q4_0: f(Q4_0{}); break;
+    case GgmlType::Q4_1: f(Q4_1{}); break;
+    case GgmlType::Q5_0: f(Q5_0{}); break;
+    case GgmlType::Q5_1: f(Q5_1{}); break;
+    case GgmlType::Q8_0: f(Q8_0{}); break;
+    case GgmlType::Q4_K: f(Q4_K{}); break;
+    case GgmlType::Q5_K: f(Q5_K{}); break;
+    case GgmlType::Q6_K: f(Q6_K{}); break;
+    default: throw Error(std::string(what) + ": no quantized kernel for GGUF type " + ggml_type_name(t));
+  }
+}
+
+// The alignment the format's loads need from a block (blocks of 144 and 176 bytes are read with
+// 16-byte loads, of 20 and 24 bytes with 4-byte loads, the others with 2-byte loads).
+uintptr_t block_alignment(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_K: case GgmlType::Q5_K: return 16;
+    case GgmlType::Q4_1: case GgmlType::Q5_1: return 4;
+    default: return 2;
+  }
+}
+
+void check_blocks(GgmlType t, const void* w, const char* what) {
+  if (reinterpret_cast<uintptr_t>(w) % block_alignment(t) != 0)
+    throw Error(std::string(what) + ": " + ggml_type_name(t) + " blocks must start at a multiple of " +
+                std::to_string(block_alignment(t)) + " bytes");
+}
+
+void check_k(GgmlType t, int K, const char* what) {
+  const int64_t be = ggml_block_elements(t);
+  if (K <= 0 || K % be != 0)
+    throw Error(std::string(what) + ": K = " + std::to_string(K) + " is not a multiple of the " + ggml_type_name(t) +
+                " block size " + std::to_string(be));
+}
+
+template <typename X>
+void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X* x, const void* w, int K,
+                cudaStream_t stream) {
+  check_k(t, K, "qgemv");
+  check_blocks(t, w, "qgemv");
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("qgemv: the activation vector is not 16-byte aligned");
+  if (rows <= 0) return;
+  const auto* wb = static_cast<const uint8_t*>(w);
+  dispatch(t, "qgemv", [&](auto q) {
+    using Q = decltype(q);
+    const int chunks = K / Q::kElems * Q::kChunks;
+    if (rows < 4096 && chunks >= 256) {  // few rows with long K: 4 warps share each row
+      const unsigned blocks = static_cast<unsigned>(rows);
+      launch_pdl(qgemv_kernel<Q, X, 4>, blocks, kGemvThreads, 0, stream, parts, row0, rows, x, wb, K);
+    } else {
+      const unsigned blocks = static_cast<unsigned>((rows + 3) / 4);
+      launch_pdl(qgemv_kernel<Q, X, 1>, blocks, kGemvThreads, 0, stream, parts, row0, rows, x, wb, K);
+    }
+  });
+  check_launch("qgemv", stream);
+}
+
+template <typename Out>
+void dequant_rows_impl(GgmlType t, const void* w, int64_t rows, int K, Out* dst, cudaStream_t stream) {
+  check_k(t, K, "dequant_rows");
+  check_blocks(t, w, "dequant_rows");
+  if (rows <= 0) return;
+  const auto* wb = static_cast<const uint8_t*>(w);
+  dispatch(t, "dequant_rows", [&](auto q) {
+    using Q = decltype(q);
+    const int64_t n_chunks = rows * (K / Q::kElems) * Q::kChunks;
+    launch_pdl(dequant_rows_kernel<Q, Out>, op_grid(n_chunks), kOpThreads, 0, stream, wb, n_chunks, dst);
+  });
+  check_launch("dequant_rows", stream);
+}
+
+}  // namespace
+
+bool qgemv_supported(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q5_0: case GgmlType::Q5_1: case GgmlType::Q8_0:
+    case GgmlType::Q4_K: case GgmlType::Q5_K: case GgmlType::Q6_K:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void qgemv(GgmlType t, const GemvParts& parts, int row0, int rows, const float* x, const void* w, int K,
+           cudaStream_t stream) {
+  qgemv_impl(t, parts, row0, rows, x, w, K, stream);
+}
+
+void qgemv(GgmlType t, const GemvParts& parts, int row0, int rows, const __half* x, const void* w, int K,
+           cudaStream_t stream) {
+  qgemv_impl(t, parts, row0, rows, x, w, K, stream);
+}
+
+void dequant_rows(GgmlType t, const void* w, int64_t rows, int K, float* dst, cudaStream_t stream) {
+  dequant_rows_impl(t, w, rows, K, dst, stream);
+}
+
+void dequant_rows(GgmlType t, const void* w, int64_t rows, int K, __half* dst, cudaStream_t stream) {
+  dequant_rows_impl(t, w, rows, K, dst, stream);
+}
+
+void embedding_quantized(float* out, const int32_t* tokens, GgmlType t, const void* table, int T, int D, int V,
+                         bool round_to_f16, cudaStream_t stream) {
+  check_k(t, D, "embedding");
+  check_blocks(t, table, "embedding");
+  const auto* tb = static_cast<const uint8_t*>(table);
+  dispatch(t, "embedding", [&](auto q) {
+    using Q = decltype(q);
+    launch_pdl(embedding_q_kernel<Q>, T, kOpThreads, 0, stream, out, tokens, tb, D, V, round_to_f16);
+  });
+  check_launch("embedding", stream);
+}
+
+}  // namespace diffrun::engine

@@ -1,0 +1,53 @@
+// Quantized weights read as GGUF blocks from device memory: the decode GEMV (dequantized in registers,
+// f32 accumulation), the rows' dequantization for cuBLAS (steps of several tokens), and the embedding.
+//
+// Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. Every weight is dequantized to the exact
+// f32 value ggml's dequantize_row_* computes (each multiply and add rounded separately, as in
+// engine/dequant.cu), then multiplied into an f32 accumulator with the f32 (or f16, widened)
+// activation. No activation quantization: the only change against the expanded weights is that the
+// f16 engine's decode reads the exact f32 weight instead of its f16 rounding (more precise).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "model/gguf.hpp"
+
+namespace diffrun::engine {
+
+constexpr int kGemvMaxParts = 3;
+
+// Where each output row of a GEMV goes: rows [end[p-1], end[p]) of the (concatenated) weight are
+// part p, written to out[p] + row - end[p-1], plus bias[p][row - end[p-1]] when bias[p] is set.
+struct GemvParts {
+  float* out[kGemvMaxParts];
+  const float* bias[kGemvMaxParts];
+  int end[kGemvMaxParts];
+  int n_parts;
+};
+
+// Formats with quantized kernels here (a matrix in another format is expanded at load).
+bool qgemv_supported(GgmlType t);
+
+// Output rows [row0, row0 + rows) of `parts` (global row numbers) = w · x, where w holds those
+// rows as GGUF blocks of type t (rows × K/block_elements blocks, row-major), x [K] on the device
+// (16-byte aligned). K must be a multiple of the block size (32 or 256).
+void qgemv(GgmlType t, const GemvParts& parts, int row0, int rows, const float* x, const void* w, int K,
+           cudaStream_t stream);
+void qgemv(GgmlType t, const GemvParts& parts, int row0, int rows, const __half* x, const void* w, int K,
+           cudaStream_t stream);
+
+// dst [rows, K] = the rows' dequantized values, bit-identical to dequantize_device (f16: the exact
+// value rounded to nearest even); one thread per 8 values, coalesced stores.
+void dequant_rows(GgmlType t, const void* w, int64_t rows, int K, float* dst, cudaStream_t stream);
+void dequant_rows(GgmlType t, const void* w, int64_t rows, int K, __half* dst, cudaStream_t stream);
+
+// Embedding gather from a quantized table [V, D]: out[t, :] = row tokens[t] (NaN for an id outside
+// [0, V)), each value as the engine of weight type W stores it (f32, or rounded to f16 and widened),
+// so the embd checkpoint is the one the expanded table gives.
+void embedding_quantized(float* out, const int32_t* tokens, GgmlType t, const void* table, int T, int D, int V,
+                         bool round_to_f16, cudaStream_t stream);
+
+}  // namespace diffrun::engine

@@ -1,0 +1,243 @@
+// GPU test: the quantized kernels (engine/ops/qgemv) per format against the CPU dequantization
+// (model/dequant.cpp) with f32 math: the GEMV (f32 and f16 activations, 1 and 4 warps per row,
+// parts, bias, a concatenation of two formats), the row dequantization (bit-exact) and the embedding.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <cuda_fp16.h>
+#include <gtest/gtest.h>
+
+#include "engine/ops/qgemv.cuh"
+#include "model/dequant.hpp"
+#include "model/error.hpp"
+#include "tests/test_engine_common.hpp"
+
+namespace diffrun {
+namespace {
+
+using test::DeviceArray;
+
+struct Format {
+  GgmlType type;
+  std::vector<int> half_fields;  // byte offsets of the f16 scales inside a block
+};
+
+const std::vector<Format>& formats() {
+  static const std::vector<Format> f = {
+      {GgmlType::Q4_0, {0}}, {GgmlType::Q4_1, {0, 2}}, {GgmlType::Q5_0, {0}},    {GgmlType::Q5_1, {0, 2}},
+      {GgmlType::Q8_0, {0}}, {GgmlType::Q4_K, {0, 2}}, {GgmlType::Q5_K, {0, 2}}, {GgmlType::Q6_K, {208}},
+  };
+  return f;
+}
+
+const Format& format_of(GgmlType t) {
+  for (const Format& f : formats())
+    if (f.type == t) return f;
+  throw Error("no test format");
+}
+
+// rows × K/block random blocks; each f16 scale a finite half in [2^-10, 2^-6) of either sign (dmin
+// too), so that products stay in a sane range and a wrong scale or nibble shows.
+std::vector<uint8_t> random_rows(const Format& f, int64_t rows, int K, uint32_t seed) {
+  const int64_t nb = rows * (K / ggml_block_elements(f.type)), bb = ggml_block_bytes(f.type);
+  std::vector<uint8_t> raw(nb * bb);
+  std::mt19937 rng(seed);
+  for (auto& b : raw) b = static_cast<uint8_t>(rng());
+  for (int64_t b = 0; b < nb; ++b)
+    for (int off : f.half_fields) {
+      const uint16_t h = static_cast<uint16_t>((rng() & 0x8000u) | ((5u + rng() % 4) << 10) | (rng() & 0x3FFu));
+      raw[b * bb + off] = h & 0xFF;
+      raw[b * bb + off + 1] = h >> 8;
+    }
+  return raw;
+}
+
+std::vector<float> cpu_dequant(GgmlType t, const std::vector<uint8_t>& raw, int64_t n) {
+  std::vector<float> out(n);
+  dequantize(t, raw.data(), out.data(), n);
+  return out;
+}
+
+// y = w · x (+ bias) in f64 and Σ|w·x| per row (the scale of the f32 rounding error).
+void reference_gemv(const std::vector<float>& w, const std::vector<float>& x, const std::vector<float>& bias,
+                    int rows, int K, std::vector<double>& y, std::vector<double>& mag) {
+  y.assign(rows, 0);
+  mag.assign(rows, 0);
+  for (int r = 0; r < rows; ++r) {
+    for (int k = 0; k < K; ++k) {
+      const double p = double(w[size_t(r) * K + k]) * double(x[k]);
+      y[r] += p;
+      mag[r] += std::fabs(p);
+    }
+    if (!bias.empty()) {
+      y[r] += bias[r];
+      mag[r] += std::fabs(bias[r]);
+    }
+  }
+}
+
+void expect_close(const std::vector<float>& got, const std::vector<double>& want, const std::vector<double>& mag,
+                  const char* what) {
+  int bad = 0;
+  for (size_t r = 0; r < want.size(); ++r) {
+    const double err = std::fabs(double(got[r]) - want[r]);
+    if (!(err <= 1e-5 * mag[r] + 1e-30) && bad++ < 5)
+      ADD_FAILURE() << what << ": row " << r << " got " << got[r] << " want " << want[r] << " (Σ|w·x| " << mag[r]
+                    << ")";
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+std::vector<float> random_floats(size_t n, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& f : v) f = nd(rng);
+  return v;
+}
+
+// One format, one shape: f32 and f16 activations, two parts (the split inside the rows), bias on
+// the second part.
+void check_gemv(const Format& f, int rows, int K, uint32_t seed) {
+  SCOPED_TRACE(std::string(ggml_type_name(f.type)) + " rows " + std::to_string(rows) + " K " + std::to_string(K));
+  const std::vector<uint8_t> raw = random_rows(f, rows, K, seed);
+  const std::vector<float> w = cpu_dequant(f.type, raw, int64_t(rows) * K);
+  const std::vector<float> x32 = random_floats(K, seed + 1, 1.0f);
+  std::vector<__half> x16(K);
+  std::vector<float> x16f(K);
+  for (int k = 0; k < K; ++k) {
+    x16[k] = __float2half_rn(x32[k]);
+    x16f[k] = __half2float(x16[k]);
+  }
+  const int split = rows / 3;
+  std::vector<float> bias(rows, 0.0f);
+  const std::vector<float> b2 = random_floats(rows - split, seed + 2, 0.5f);
+  for (int r = split; r < rows; ++r) bias[r] = b2[r - split];
+
+  DeviceArray<uint8_t> d_raw(raw);
+  DeviceArray<float> d_x32(x32), d_bias(b2), d_out(rows);
+  DeviceArray<__half> d_x16(x16);
+  engine::GemvParts parts{};
+  parts.out[0] = d_out.get();
+  parts.out[1] = d_out.get() + split;
+  parts.bias[1] = d_bias.get();
+  parts.end[0] = split;
+  parts.end[1] = rows;
+  parts.n_parts = 2;
+
+  std::vector<double> want, mag;
+  reference_gemv(w, x32, bias, rows, K, want, mag);
+  engine::qgemv(f.type, parts, 0, rows, d_x32.get(), d_raw.get(), K, nullptr);
+  expect_close(d_out.download(), want, mag, "f32 activations");
+  TEST_CUDA_CHECK(cudaGetLastError());
+
+  reference_gemv(w, x16f, bias, rows, K, want, mag);
+  engine::qgemv(f.type, parts, 0, rows, d_x16.get(), d_raw.get(), K, nullptr);
+  expect_close(d_out.download(), want, mag, "f16 activations");
+  TEST_CUDA_CHECK(cudaGetLastError());
+}
+
+TEST(EngineQgemv, EveryFormatAgainstCpuDequantization) {
+  DIFFRUN_REQUIRE_CUDA();
+  for (const Format& f : formats()) {
+    ASSERT_TRUE(engine::qgemv_supported(f.type));
+    const uint32_t seed = 100 + static_cast<uint32_t>(f.type);
+    check_gemv(f, 70, 2048, seed);    // few rows, long K: 4 warps per row
+    check_gemv(f, 4101, 256, seed);   // many rows: 1 warp per row, a partial last block
+    check_gemv(f, 33, 768, seed + 7); // K not a power of two
+  }
+}
+
+// Rows [0, n1) in Q5_K and [n1, n) in Q6_K (Q5_K_M's attn_q|attn_k and attn_v), parts split inside
+// the first segment, as matmul_cat launches a concatenation of two formats.
+TEST(EngineQgemv, ConcatenationOfTwoFormats) {
+  DIFFRUN_REQUIRE_CUDA();
+  const int K = 512, n1 = 96, n2 = 32, rows = n1 + n2;
+  const Format& fa = format_of(GgmlType::Q5_K);
+  const Format& fb = format_of(GgmlType::Q6_K);
+  const std::vector<uint8_t> ra = random_rows(fa, n1, K, 7), rb = random_rows(fb, n2, K, 8);
+  std::vector<float> w = cpu_dequant(fa.type, ra, int64_t(n1) * K);
+  const std::vector<float> wb = cpu_dequant(fb.type, rb, int64_t(n2) * K);
+  w.insert(w.end(), wb.begin(), wb.end());
+  const std::vector<float> x = random_floats(K, 9, 1.0f);
+  const std::vector<float> bias = random_floats(rows, 10, 0.5f);
+  DeviceArray<uint8_t> da(ra), db(rb);
+  DeviceArray<float> dx(x), dbias(bias), q(64), k(32), v(32);
+  engine::GemvParts parts{{q.get(), k.get(), v.get()}, {dbias.get(), dbias.get() + 64, dbias.get() + 96}, {64, 96, 128}, 3};
+  engine::qgemv(fa.type, parts, 0, n1, dx.get(), da.get(), K, nullptr);
+  engine::qgemv(fb.type, parts, n1, n2, dx.get(), db.get(), K, nullptr);
+  std::vector<float> got = q.download();
+  for (float f : k.download()) got.push_back(f);
+  for (float f : v.download()) got.push_back(f);
+  std::vector<double> want, mag;
+  reference_gemv(w, x, bias, rows, K, want, mag);
+  expect_close(got, want, mag, "Q5_K|Q6_K");
+}
+
+TEST(EngineQgemv, DequantRowsBitExactAndEmbedding) {
+  DIFFRUN_REQUIRE_CUDA();
+  for (const Format& f : formats()) {
+    SCOPED_TRACE(ggml_type_name(f.type));
+    const int rows = 37, K = 512;
+    const int64_t n = int64_t(rows) * K;
+    const std::vector<uint8_t> raw = random_rows(f, rows, K, 55 + static_cast<uint32_t>(f.type));
+    const std::vector<float> cpu = cpu_dequant(f.type, raw, n);
+    DeviceArray<uint8_t> d_raw(raw);
+    DeviceArray<float> d32(n);
+    DeviceArray<__half> d16(n);
+    engine::dequant_rows(f.type, d_raw.get(), rows, K, d32.get(), nullptr);
+    engine::dequant_rows(f.type, d_raw.get(), rows, K, d16.get(), nullptr);
+    const std::vector<float> g32 = d32.download();
+    const std::vector<__half> g16 = d16.download();
+    int64_t bad32 = 0, bad16 = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (std::memcmp(&g32[i], &cpu[i], 4) != 0 && bad32++ == 0)
+        ADD_FAILURE() << "f32: element " << i << " gpu " << g32[i] << " cpu " << cpu[i];
+      uint16_t h;
+      std::memcpy(&h, &g16[i], 2);
+      if (h != f32_to_f16(cpu[i]) && bad16++ == 0) ADD_FAILURE() << "f16: element " << i << " cpu " << cpu[i];
+    }
+    EXPECT_EQ(bad32, 0);
+    EXPECT_EQ(bad16, 0);
+
+    // Embedding: tokens 5, 36, 0 and one outside the table (a NaN row).
+    const std::vector<int32_t> ids = {5, 36, 0, rows};
+    DeviceArray<int32_t> d_ids(ids);
+    DeviceArray<float> out(ids.size() * K);
+    for (bool round : {false, true}) {
+      engine::embedding_quantized(out.get(), d_ids.get(), f.type, d_raw.get(), int(ids.size()), K, rows, round,
+                                  nullptr);
+      const std::vector<float> e = out.download();
+      for (size_t t = 0; t < ids.size(); ++t)
+        for (int k = 0; k < K; ++k) {
+          const float got = e[t * K + k];
+          if (ids[t] >= rows) {
+            ASSERT_TRUE(std::isnan(got)) << "row of an id outside the table";
+            continue;
+          }
+          const float c = cpu[size_t(ids[t]) * K + k];
+          const float want = round ? f16_to_f32(f32_to_f16(c)) : c;
+          ASSERT_EQ(got, want) << "token " << ids[t] << " column " << k << (round ? " (f16)" : "");
+        }
+    }
+    TEST_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+TEST(EngineQgemv, RejectsBadShapesAndFormats) {
+  DIFFRUN_REQUIRE_CUDA();
+  DeviceArray<float> x(512), out(4);
+  engine::GemvParts parts{{out.get()}, {nullptr}, {4}, 1};
+  EXPECT_THROW(engine::qgemv(GgmlType::Q4_K, parts, 0, 4, x.get(), x.get(), 320, nullptr), Error);  // 320 % 256
+  EXPECT_THROW(engine::qgemv(GgmlType::Q2_K, parts, 0, 4, x.get(), x.get(), 256, nullptr), Error);  // no kernel
+  EXPECT_THROW(engine::qgemv(GgmlType::Q4_0, parts, 0, 4, x.get() + 1, x.get(), 256, nullptr), Error);  // unaligned x
+  const auto* off4 = reinterpret_cast<const unsigned char*>(x.get()) + 4;  // Q4_K blocks are read 16 bytes at a time
+  EXPECT_THROW(engine::qgemv(GgmlType::Q4_K, parts, 0, 1, x.get(), off4, 256, nullptr), Error);
+  EXPECT_FALSE(engine::qgemv_supported(GgmlType::F16));
+}
+
+}  // namespace
+}  // namespace diffrun
