@@ -4,6 +4,7 @@
     scripts/gen_fixtures.py --out build/fixtures                  # every tiny fixture (seconds)
     scripts/gen_fixtures.py --out DIR --shape qwen2.5-0.5b        # full-size shape, F16
     scripts/gen_fixtures.py --out DIR --shape tinyllama-1.1b      # full-size shape, Q5_K_M mix
+    scripts/gen_fixtures.py --out DIR --shape smollm2-135m        # full-size shape, Q4_1 (Q8_0 embedding)
 
 Needs only numpy and the gguf package. The tiny set is skipped when a stamp in DIR says it was
 written by the same generator sources, vocabularies and seed (--force rewrites it).

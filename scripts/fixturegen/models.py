@@ -54,8 +54,11 @@ FULL = {s.name: s for s in [
           "qwen2_bpe", n_vocab=151936, qkv_bias=True),
     Shape("tinyllama-1.1b", "tinyllama-1.1b", "llama", 22, 2048, 32, 4, 64, 5632, 2048, 10000.0, 1e-5, False,
           "llama_spm", n_vocab=32000),
+    # SmolLM2-135M's shape (its vocabulary size, not its tokenizer), for benchmarks on hosts without it.
+    Shape("smollm2-135m", "smollm2-135m", "llama", 30, 576, 9, 3, 64, 1536, 8192, 100000.0, 1e-5, True,
+          "llama_spm", n_vocab=49152),
 ]}
-FULL_FORMAT = {"qwen2.5-0.5b": "f16", "tinyllama-1.1b": "q5_k_m"}
+FULL_FORMAT = {"qwen2.5-0.5b": "f16", "tinyllama-1.1b": "q5_k_m", "smollm2-135m": "q4_1_q8_0embd"}
 
 TINY_FORMATS = list(quants.FORMATS) + ["kmix"]
 
@@ -67,7 +70,7 @@ FILE_TYPES = {
     "q2_k": gguf.LlamaFileType.MOSTLY_Q2_K, "q3_k": gguf.LlamaFileType.MOSTLY_Q3_K_S,
     "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S, "q5_k": gguf.LlamaFileType.MOSTLY_Q5_K_S,
     "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K, "kmix": gguf.LlamaFileType.MOSTLY_Q4_K_M,
-    "q5_k_m": gguf.LlamaFileType.MOSTLY_Q5_K_M,
+    "q5_k_m": gguf.LlamaFileType.MOSTLY_Q5_K_M, "q4_1_q8_0embd": gguf.LlamaFileType.MOSTLY_Q4_1,
 }
 
 
@@ -142,6 +145,8 @@ def tensor_type(fmt: str, name: str, n_layer: int) -> QT:
         if name.endswith("attn_v.weight"):
             return QT.Q5_K
         return QT.Q4_K
+    if fmt == "q4_1_q8_0embd":  # like SmolLM2-135M-Instruct.Q4_1.gguf: Q4_1 with a Q8_0 (tied) embedding
+        return QT.Q8_0 if name == "token_embd.weight" else QT.Q4_1
     if fmt == "q5_k_m":  # like llama.cpp's Q5_K_M
         if name == "output.weight":
             return QT.Q6_K
