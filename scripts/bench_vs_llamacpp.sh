@@ -6,7 +6,7 @@
 #   scripts/bench_vs_llamacpp.sh --build-llamacpp    only build llama-bench (start it in the background early)
 #
 # llama.cpp: the vendored source of the llama-cpp-python sdist pinned in vendor/llama.cpp/SOURCE, from
-# --llamacpp-tar (made by --pack: the sdist's vendor/llama.cpp without models/, docs/ and media/, ~9 MB,
+# --llamacpp-tar (made by --pack: the sdist's vendor/llama.cpp without models/, docs/ and media/, ~12 MB,
 # small enough to carry to a GPU host without network) or else from scripts/build_llamacpp.sh --source.
 # Built with CUDA for sm_90 (CUDAARCHS overrides), target llama-bench only, into build/llama.cpp-cuda.
 # diffrun: bench_cuda_engine built in build/ (configured when needed).
@@ -35,7 +35,7 @@ while (($#)); do
     --jobs) jobs=${2:?}; shift ;;
     --pack) mode=pack; pack_out=${2:?}; shift ;;
     --build-llamacpp) mode=build ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) models+=("$1") ;;
   esac
