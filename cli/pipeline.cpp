@@ -111,26 +111,35 @@ struct Shared {
   struct Position {
     int step = 0;
     int64_t count = 0;
-    bool done = false;
+    bool step_done = false;  // the side finished `step`
+    bool done = false;       // the side records nothing more
   };
   std::vector<Position> position[2];  // per side, per pair
 
   int min_ended() const { return *std::min_element(ended.begin(), ended.end()); }
 
-  // Called before a side records a checkpoint of `step`: waits while it is a step or kLead
-  // checkpoints ahead of the other side (which then is never waiting for it), so that what waits
-  // for its counterpart in memory stays bounded.
+  // Called before a side records a checkpoint of `step`: waits while it is kLead checkpoints ahead
+  // of the other side in the same step (which then is never waiting for it), so that what waits for
+  // its counterpart in memory stays bounded. A side that finished the step (or the run) holds no one
+  // back, so sides recording different sets cannot wait for each other; across steps the comparator
+  // bounds them (kLookahead).
   void lockstep(int side, size_t pair, int step) {
     std::unique_lock lock(m);
     Position& me = position[side][pair];
     const Position& other = position[1 - side][pair];
-    if (me.step != step) me = Position{step, 0, false};
+    if (me.step != step) me = Position{step, 0, false, false};
     cv.wait(lock, [&] {
-      return aborted || other.done || me.step < other.step ||
-             (me.step == other.step && me.count < other.count + kLead);
+      return aborted || other.done || other.step != step || other.step_done || me.count < other.count + kLead;
     });
     if (aborted) throw Error("stopped: another part of the run failed");
     ++me.count;
+    cv.notify_all();
+  }
+  void step_done(int side, size_t pair, int step) {
+    std::lock_guard lock(m);
+    Position& me = position[side][pair];
+    if (me.step != step) me = Position{step, 0, false, false};
+    me.step_done = true;
     cv.notify_all();
   }
   void side_done(int side, size_t pair) {
@@ -231,6 +240,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
     }
     const std::vector<float> logits =
         step == 0 ? backend->forward(0, cx.ids, sink) : backend->forward(step, std::span<const int32_t>(&token, 1), sink);
+    cx.sh.step_done(side, p, step);
     Message end(Message::step_end);
     end.step = step;
     end.argmax = argmax(logits);
