@@ -47,6 +47,26 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return out + "]";
 }
 
+// "12.3 MB", "45.6 KB", "789 B".
+std::string size_text(double bytes) {
+  if (bytes >= 1e6) return fmt::format("{:.1f} MB", bytes / 1e6);
+  if (bytes >= 1e3) return fmt::format("{:.1f} KB", bytes / 1e3);
+  return fmt::format("{:.0f} B", bytes);
+}
+
+// "head item, item, ..." wrapped within 100 columns, continuation lines indented by two.
+void print_list(std::string line, const std::vector<std::string>& items) {
+  for (size_t i = 0; i < items.size(); ++i) {
+    const std::string item = " " + items[i] + (i + 1 < items.size() ? "," : "");
+    if (line.size() + item.size() > 100 && line.size() > 2) {
+      fmt::print("{}\n", line);
+      line = " ";
+    }
+    line += item;
+  }
+  fmt::print("{}\n", line);
+}
+
 int run_ls(const LsOptions& o) {
   const std::optional<NameMap> names = o.names.empty() ? std::nullopt : std::optional<NameMap>(NameMap::load(o.names));
   const DumpReader r(o.path, names ? &*names : nullptr);
@@ -71,6 +91,7 @@ int run_ls(const LsOptions& o) {
   fmt::print("\n");
   const bool every = o.all || o.step >= 0;
   std::vector<std::string> kinds, outside;  // per-layer kinds and the rest, in order of first appearance
+  std::vector<std::pair<std::string, uint64_t>> kind_values;  // values per kind, all steps shown
   for (int step : steps) {
     if (o.step >= 0 && step != o.step) continue;
     const auto infos = r.datasets(step);
@@ -82,6 +103,9 @@ int run_ls(const LsOptions& o) {
       const std::string base = d.layer >= 0 ? d.name.substr(0, d.name.rfind('-')) : d.name;
       auto& list = d.layer >= 0 ? kinds : outside;
       if (std::find(list.begin(), list.end(), base) == list.end()) list.push_back(base);
+      auto kv = std::find_if(kind_values.begin(), kind_values.end(), [&](const auto& k) { return k.first == base; });
+      if (kv == kind_values.end()) kv = kind_values.insert(kind_values.end(), {base, 0});
+      kv->second += n;
     }
     if (!every) {
       fmt::print("  step {:<4} {:>5} checkpoints, {:8.2f} MB as float32\n", step, infos.size(),
@@ -95,8 +119,21 @@ int run_ls(const LsOptions& o) {
                  d.stored_dtype, d.native_dtype);
   }
   if (!every) {
-    fmt::print("kinds per layer ({}): {}\n", kinds.size(), fmt::join(kinds, ", "));
-    if (!outside.empty()) fmt::print("outside layers: {}\n", fmt::join(outside, ", "));
+    print_list(fmt::format("kinds per layer ({}):", kinds.size()), kinds);
+    if (!outside.empty()) print_list("outside layers:", outside);
+    // Where the size goes (what --checkpoints can leave out): the largest kinds over the steps.
+    uint64_t total = 0;
+    for (const auto& [base, n] : kind_values) total += n;
+    std::stable_sort(kind_values.begin(), kind_values.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    if (total > 0) {
+      std::vector<std::string> items;
+      for (size_t i = 0; i < kind_values.size() && i < 8; ++i) {
+        const auto& [base, n] = kind_values[i];
+        items.push_back(fmt::format("{} {} ({:.0f}%)", base, size_text(static_cast<double>(n) * 4),
+                                    100.0 * static_cast<double>(n) / static_cast<double>(total)));
+      }
+      print_list(fmt::format("largest kinds ({} in all):", size_text(static_cast<double>(total) * 4)), items);
+    }
     fmt::print("(--all lists every checkpoint, --step N those of one step)\n");
   }
   return 0;

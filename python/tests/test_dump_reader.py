@@ -184,10 +184,33 @@ def test_cli_ls_summarises_by_default(sample):
     out = subprocess.run([diffrun_bin(), "ls", str(sample)], check=True, capture_output=True, text=True).stdout
     assert "backend cpu, precision f32" in out and "argmax   7 13" in out
     assert "Qnorm-1" not in out
-    kinds = next(line for line in out.splitlines() if line.startswith("kinds per layer"))
+
+    def wrapped(head):  # a list line and its continuation lines (indented by two)
+        lines = out.splitlines()
+        i = next(i for i, line in enumerate(lines) if line.startswith(head))
+        j = i + 1
+        while j < len(lines) and lines[j].startswith("  ") and not lines[j].startswith("  step"):
+            j += 1
+        assert all(len(line) <= 100 for line in lines[i:j]), lines[i:j]
+        return " ".join(line.strip() for line in lines[i:j]).split(": ", 1)[1].split(", ")
+
     names = vocabulary.checkpoint_names("qwen3", 2)
     expected = list(dict.fromkeys(n.rsplit("-", 1)[0] for n in names if n.rsplit("-", 1)[-1].isdigit()))
-    assert kinds.split(": ", 1)[1].split(", ") == expected, kinds
+    assert wrapped("kinds per layer") == expected, out
+    # The largest kinds over all steps, as h5py counts their values.
+    sizes = {}
+    with h5py.File(sample) as f:
+        for group in f.values():
+            for name, ds in group.items():
+                base = name.rsplit("-", 1)[0] if name.rsplit("-", 1)[-1].isdigit() else name
+                sizes[base] = sizes.get(base, 0) + ds.size * 4
+    largest = wrapped("largest kinds")
+    assert len(largest) == min(8, len(sizes)), largest
+    top = sorted(sizes.values(), reverse=True)[:len(largest)]
+    for item, size in zip(largest, top):
+        kind, number, unit = item.split()[:3]
+        scale = {"MB": 1e6, "KB": 1e3, "B": 1}[unit]
+        assert sizes[kind] == size and float(number) * scale == pytest.approx(size, abs=0.051 * scale), (item, size)
 
 
 def test_cli_ls_lists_steps_and_checkpoints_in_order(sample):
