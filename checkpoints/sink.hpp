@@ -9,6 +9,8 @@
 
 namespace diffrun {
 
+// A backend makes every call for a step before its forward() returns (the top-level job ends a
+// step there, cli/pipeline.hpp), from any one thread at a time.
 class Sink {
  public:
   virtual ~Sink() = default;

@@ -105,7 +105,6 @@ struct Shared {
   std::exception_ptr error;
   bool aborted = false;
   Progress* progress = nullptr;
-  int total_steps = 0;
 
   // Lockstep of the two sides of a pair: where each has recorded up to (step, count in the step).
   struct Position {
