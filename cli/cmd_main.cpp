@@ -164,9 +164,6 @@ int run_main(const MainOptions& o) {
   const std::string prompt = prompt_text(*file, o.prompt);
 
   const DumpMode dump = parse_dump_mode(o.dump);
-  if (o.isolate && dump != DumpMode::full) {
-    throw InputError("--isolate replays the reference dump: it needs --dump full");
-  }
   PipelineOptions popt;
   popt.steps = o.steps;
   popt.dump = dump;
@@ -197,6 +194,13 @@ int run_main(const MainOptions& o) {
   const int eng_threads = env_threads > 0 && o.threads <= 0 ? env_threads : std::max(1, cores - ref_threads(pairs.front()));
   std::vector<PipelinePair> ppairs;
   std::vector<std::unique_ptr<TempGuard>> guards;
+  // Temporary files of the run (the isolation replay's with --dump divergence|none), removed at the end.
+  struct Scratch : std::vector<std::string> {
+    ~Scratch() {
+      std::error_code ec;
+      for (const std::string& f : *this) std::filesystem::remove(f, ec);
+    }
+  } scratch;
   for (const RunPair& p : pairs) {
     PipelinePair pp;
     pp.title = p.title;
@@ -211,6 +215,18 @@ int run_main(const MainOptions& o) {
       report_stale_temporaries(p.dir, o.remove_stale);
       guards.push_back(std::make_unique<TempGuard>(pp.engine_path));
       guards.push_back(std::make_unique<TempGuard>(pp.reference_path));
+    }
+    // The isolation replay reads the reference's full dump: with --dump divergence or none it is a
+    // temporary file, removed after the replay, so that the report is the same in every mode.
+    if (o.isolate) {
+      pp.replay_path = dump == DumpMode::full ? pp.reference_path
+                                              : (std::filesystem::temp_directory_path() /
+                                                 fmt::format("diffrun-{}-{}-reference.h5", popt.run_id, ppairs.size()))
+                                                    .string();
+      if (dump != DumpMode::full) {
+        scratch.push_back(pp.replay_path);
+        guards.push_back(std::make_unique<TempGuard>(pp.replay_path));
+      }
     }
     ppairs.push_back(pp);
   }
@@ -229,13 +245,18 @@ int run_main(const MainOptions& o) {
     const int steps = static_cast<int>(tokens.size()) - 1;
     for (size_t i = 0; i < pairs.size(); ++i) {
       diff::Comparison& c = comparisons[i];
-      const std::string path = (std::filesystem::path(pairs[i].dir) / "engine-isolated.h5").string();
+      std::string path = (std::filesystem::path(pairs[i].dir) / "engine-isolated.h5").string();
+      if (dump != DumpMode::full) {
+        path = ppairs[i].replay_path.substr(0, ppairs[i].replay_path.size() - 12) + "engine-isolated.h5";
+        scratch.push_back(path);
+      }
       run_backend(*file, cfg, pairs[i].eng, "engine isolated", ids, o, prompt, filter, wopt, tokens, steps, path,
-                  popt.run_id, progress, c.reference_path);
-      const DumpReader isolated(path), reference(c.reference_path);
+                  popt.run_id, progress, ppairs[i].replay_path);
+      const DumpReader isolated(path), reference(ppairs[i].replay_path);
       const diff::CompareOptions copt = compare_options(o.report);
       diff::add_isolation(c, diff::compare_dumps(isolated, reference, tolerances_for(isolated.meta(), reference.meta(), o.report), copt),
                           copt);
+      if (dump != DumpMode::full) c.isolated_path = fmt::format("not written (--dump {})", o.dump);
     }
   }
   const auto token_text = [&](int32_t id) {

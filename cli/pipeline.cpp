@@ -279,6 +279,8 @@ class Comparator {
       writers_[kReference] =
           std::make_unique<DumpWriter>(pair_.reference_path, metas[kReference], cx_.opt.filter, cx_.opt.writer);
     }
+    if (!pair_.replay_path.empty() && pair_.replay_path != pair_.reference_path)
+      replay_ = std::make_unique<DumpWriter>(pair_.replay_path, metas[kReference], cx_.opt.filter, cx_.opt.writer);
     int last = -1;
     for (int step = 0; step <= cx_.opt.steps; ++step) {
       {
@@ -300,10 +302,12 @@ class Comparator {
     }
     for (int side : {kEngine, kReference}) {
       argmax_[side].resize(std::min<size_t>(argmax_[side].size(), last + 1));
-      if (!writers_[side]) continue;
-      writers_[side]->set_attribute("all_token_ids", fed);
-      writers_[side]->set_attribute("argmax", argmax_[side]);
-      writers_[side]->finish();
+      for (DumpWriter* w : {writers_[side].get(), side == kReference ? replay_.get() : nullptr}) {
+        if (!w) continue;
+        w->set_attribute("all_token_ids", fed);
+        w->set_attribute("argmax", argmax_[side]);
+        w->finish();
+      }
     }
     return stream_->finish(writers_[kEngine] ? pair_.engine_path : none,
                            writers_[kReference] ? pair_.reference_path : none, argmax_[kEngine], argmax_[kReference],
@@ -348,8 +352,9 @@ class Comparator {
     return info;
   }
 
-  void write(int side, const Message& m, bool checkpoints) {
-    DumpWriter& w = *writers_[side];
+  void write(int side, const Message& m, bool checkpoints) { write_to(*writers_[side], m, checkpoints); }
+
+  void write_to(DumpWriter& w, const Message& m, bool checkpoints) {
     if (m.kind == Message::ids) {
       w.record_ids(m.step, "tokens", m.tokens);
     } else if (checkpoints && m.row_offset > 0) {
@@ -397,12 +402,14 @@ class Comparator {
           argmax_[side].push_back(m.argmax);
           break;
         case Message::ids:
+          if (replay_ && side == kReference) write_to(*replay_, m, true);
           stream().add_tokens(side_id, step, m.tokens);
           if (cx_.opt.dump == DumpMode::full) write(side, m, true);
           else if (cx_.opt.dump == DumpMode::divergence) current.messages[side].push_back(std::move(m));
           break;
         case Message::checkpoint: {
           DatasetInfo info = info_of(side, m);
+          if (replay_ && side == kReference) write_to(*replay_, m, true);
           std::vector<float> values;
           if (cx_.opt.dump == DumpMode::full) write(side, m, true);
           if (cx_.opt.dump == DumpMode::divergence) {
@@ -449,6 +456,7 @@ class Comparator {
   const PipelinePair& pair_;
   std::optional<diff::StreamComparison> stream_;
   std::unique_ptr<DumpWriter> writers_[2];
+  std::unique_ptr<DumpWriter> replay_;  // the reference's full dump for the isolation replay (replay_path)
   std::vector<int32_t> argmax_[2];
   std::optional<HeldStep> held_;
   int first_nonfinite_ = -1;

@@ -49,6 +49,8 @@ struct PipelinePair {
   std::string title;
   BackendOptions engine, reference;
   std::string engine_path, reference_path;        // the dumps (not written with --dump none)
+  std::string replay_path;  // non-empty: the reference's full dump is also written here, whatever --dump
+                            // says (the isolation replay reads it)
   int engine_threads = 1, reference_threads = 1;  // OpenMP threads of a cpu backend
 };
 

@@ -34,8 +34,8 @@ def job(tmp, name, *extra):
 
 def normalized(text, out):
     """A report with what differs between runs blanked: the dump paths, the run id, the creation time."""
-    text = text.replace("not written (--dump none)", "<dump>")
-    text = re.sub(re.escape(str(out)) + r"/(engine|reference)\.h5", "<dump>", text)
+    text = re.sub(r"not written \(--dump \w+\)", "<dump>", text)
+    text = re.sub(re.escape(str(out)) + r"/(engine|reference|engine-isolated)\.h5", "<dump>", text)
     text = re.sub(r'"run_id": "[^"]*"', '"run_id": ""', text)
     text = re.sub(r'"created_utc": "[^"]*"', '"created_utc": ""', text)
     text = re.sub(r'timestamp="[^"]*"', 'timestamp=""', text)
@@ -125,8 +125,19 @@ def test_threads_reach_the_reference(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["reference"]["facts"]["cpu_threads"] == "2"
 
 
-def test_isolate_needs_full_dumps(tmp_path):
-    r = run(*JOB, "--isolate", "--dump", "none", "--out", str(tmp_path / "iso"))
-    assert r.returncode == 2 and "--isolate" in r.stderr and "--dump full" in r.stderr, r.stderr
+def test_isolate_gives_the_same_reports_in_every_mode(tmp_path):
+    # The replay reads the reference's full dump: a temporary one with --dump divergence or none.
+    runs = {mode: job(tmp_path, mode, "--dump", mode, "--isolate", "--inject", "kv_cache_pos0")
+            for mode in ("full", "divergence", "none")}
+    code, terminal, js, junit, out = runs["full"]
+    assert code == 1 and "in isolation replay" in terminal
+    for mode in ("divergence", "none"):
+        c, t, j, x, o = runs[mode]
+        assert c == code
+        assert normalized(t, o).split() == normalized(terminal, out).split(), mode
+        assert normalized(j, o) == normalized(js, out), mode
+        assert normalized(x, o) == normalized(junit, out), mode
+    assert sorted(p.name for p in runs["divergence"][4].iterdir()) == ["engine.h5", "reference.h5"]
+    assert not runs["none"][4].exists() or not list(runs["none"][4].iterdir())
     r = run(*JOB, "--dump", "partial", "--out", str(tmp_path / "bad"))
     assert r.returncode == 2 and "--dump" in r.stderr, r.stderr
