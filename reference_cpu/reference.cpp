@@ -44,8 +44,8 @@ class CpuBackend final : public Backend {
 
  public:
   CpuBackend(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults,
-             const std::string& precision, const StoragePlan& storage)
-      : cfg_(cfg), max_ctx_(max_ctx), w_(Weights<T>::load(file, cfg, faults, storage.weights_f16)),
+             const std::string& precision, const StoragePlan& storage, WeightHolding holding)
+      : cfg_(cfg), max_ctx_(max_ctx), w_(Weights<T>::load(file, cfg, faults, storage.weights_f16, holding)),
         cache_(cfg.n_layer, max_ctx, cfg.n_head_kv * cfg.head_dim), faults_(faults), precision_(precision),
         storage_(storage) {
     if (w_.token_embd.rows() < cfg_.n_vocab || w_.lm_head().rows() < cfg_.n_vocab) {
@@ -90,7 +90,7 @@ class CpuBackend final : public Backend {
       const int Vt = static_cast<int>(w_.token_embd.rows());
       embedding_transposed(x.data(), tokens.data(), w_.token_embd.data(), n, D, Vt);
     } else {
-      embedding(x.data(), tokens.data(), w_.token_embd.data(), n, D, V);
+      embedding(x.data(), tokens.data(), w_.token_embd, n, D, V);
     }
     cp("embd", -1, {n, D}, x.data());
     for (int l = 0; l < cfg_.n_layer; ++l) layer(l, x, n, cp);
@@ -104,11 +104,11 @@ class CpuBackend final : public Backend {
     const int Vp = faults_.has(Fault::lm_head_padded_vocab) ? fault_padded_vocab(V) : V;
     std::vector<T> logits(static_cast<size_t>(rows) * Vp, T(kFaultUninitialisedLogit));  // [rows,Vp]
     if (Vp == V) {
-      matmul(logits.data(), last_rows, w_.lm_head().data(), kNoBias, rows, D, V);
+      matmul(logits.data(), last_rows, w_.lm_head(), kNoBias, rows, D, V, scratch_);
     } else {
       for (int r = 0; r < rows; ++r) {
-        matmul(&logits[static_cast<size_t>(r) * Vp], last_rows + static_cast<size_t>(r) * D, w_.lm_head().data(),
-               kNoBias, 1, D, V);
+        matmul(&logits[static_cast<size_t>(r) * Vp], last_rows + static_cast<size_t>(r) * D, w_.lm_head(), kNoBias,
+               1, D, V, scratch_);
       }
     }
     if (rows == n) cp("result_output", -1, {n, Vp}, logits.data());
@@ -138,9 +138,9 @@ class CpuBackend final : public Backend {
     std::vector<T> q(static_cast<size_t>(n) * Q);          // [T,H*Dh]
     std::vector<T> k(static_cast<size_t>(n) * KV);         // [T,Hkv*Dh]
     std::vector<T> v(static_cast<size_t>(n) * KV);         // [T,Hkv*Dh]
-    matmul(q.data(), xn.data(), w.wq.data(), bias ? bias_or_null(w.bq) : kNoBias, n, D, Q);  cp("Qcur", l, {n, H, Dh}, q.data());
-    matmul(k.data(), xn.data(), w.wk.data(), bias ? bias_or_null(w.bk) : kNoBias, n, D, KV); cp("Kcur", l, {n, Hkv, Dh}, k.data());
-    matmul(v.data(), xn.data(), w.wv.data(), bias ? bias_or_null(w.bv) : kNoBias, n, D, KV); cp("Vcur", l, {n, Hkv, Dh}, v.data());
+    matmul(q.data(), xn.data(), w.wq, bias ? bias_or_null(w.bq) : kNoBias, n, D, Q, scratch_);  cp("Qcur", l, {n, H, Dh}, q.data());
+    matmul(k.data(), xn.data(), w.wk, bias ? bias_or_null(w.bk) : kNoBias, n, D, KV, scratch_); cp("Kcur", l, {n, Hkv, Dh}, k.data());
+    matmul(v.data(), xn.data(), w.wv, bias ? bias_or_null(w.bv) : kNoBias, n, D, KV, scratch_); cp("Vcur", l, {n, Hkv, Dh}, v.data());
     if (cfg_.qk_norm) {
       norm(q.data(), q.data(), w.q_norm.data(), n * H, Dh);                       cp("Qnorm", l, {n, H, Dh}, q.data());
       norm(k.data(), k.data(), w.k_norm.data(), n * Hkv, Dh);                     cp("Knorm", l, {n, Hkv, Dh}, k.data());
@@ -171,8 +171,8 @@ class CpuBackend final : public Backend {
     store_gemm_input(kqv.data(), kqv.size());                                     cp("kqv_out", l, {n, H, Dh}, kqv.data(), gemm_f16());
 
     std::vector<T> attn_out(nD);                           // [T,D]
-    const T* wo = faults_.has(Fault::attn_out_transposed) ? wo_flawed_[l].data() : w.wo.data();
-    matmul(attn_out.data(), kqv.data(), wo, kNoBias, n, Q, D);                    cp("attn_out", l, {n, D}, attn_out.data());
+    const WeightMatrix<T>& wo = faults_.has(Fault::attn_out_transposed) ? wo_flawed_[l] : w.wo;
+    matmul(attn_out.data(), kqv.data(), wo, kNoBias, n, Q, D, scratch_);          cp("attn_out", l, {n, D}, attn_out.data());
     std::vector<T> ffn_inp(nD);                            // [T,D]
     if (faults_.has(Fault::residual_skipped)) {
       std::copy(attn_out.begin(), attn_out.end(), ffn_inp.begin());
@@ -185,15 +185,15 @@ class CpuBackend final : public Backend {
 
     std::vector<T> gate(static_cast<size_t>(n) * F);       // [T,F]
     std::vector<T> up(static_cast<size_t>(n) * F);         // [T,F]
-    matmul(gate.data(), xn.data(), w.w_gate.data(), kNoBias, n, D, F);            cp("ffn_gate", l, {n, F}, gate.data());
-    matmul(up.data(), xn.data(), w.w_up.data(), kNoBias, n, D, F);                cp("ffn_up", l, {n, F}, up.data());
+    matmul(gate.data(), xn.data(), w.w_gate, kNoBias, n, D, F, scratch_);         cp("ffn_gate", l, {n, F}, gate.data());
+    matmul(up.data(), xn.data(), w.w_up, kNoBias, n, D, F, scratch_);             cp("ffn_up", l, {n, F}, up.data());
     const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
     swiglu(gate.data(), swap ? up.data() : gate.data(), swap ? gate.data() : up.data(),
            static_cast<int64_t>(gate.size()));
     store_gemm_input(gate.data(), gate.size());                                   cp("ffn_swiglu", l, {n, F}, gate.data(), gemm_f16());
     std::vector<T> ffn_out(nD);                            // [T,D]
-    const T* w_down = faults_.has(Fault::ffn_down_transposed) ? w_down_flawed_[l].data() : w.w_down.data();
-    matmul(ffn_out.data(), gate.data(), w_down, kNoBias, n, F, D);                cp("ffn_out", l, {n, D}, ffn_out.data());
+    const WeightMatrix<T>& w_down = faults_.has(Fault::ffn_down_transposed) ? w_down_flawed_[l] : w.w_down;
+    matmul(ffn_out.data(), gate.data(), w_down, kNoBias, n, F, D, scratch_);      cp("ffn_out", l, {n, D}, ffn_out.data());
     add(x.data(), ffn_inp.data(), ffn_out.data(), static_cast<int64_t>(nD));
     store_residual(x.data(), nD);                                                 cp("l_out", l, {n, D}, x.data(), residual_f16());
   }
@@ -220,7 +220,8 @@ class CpuBackend final : public Backend {
       rms_norm(out, x, w, n_rows, D, eps());
   }
 
-  // What the injected faults change before any step: flawed weight views, squared norm weights, a NaN row.
+  // What the injected faults change before any step: flawed weight views, squared norm weights, a NaN row. The
+  // matrices a fault edits or reads out of row order are held dense.
   void prepare_faults() {
     attention_flaws_.no_causal_mask = faults_.has(Fault::causal_mask_missing);
     attention_flaws_.no_scale = faults_.has(Fault::attn_scale_missing);
@@ -228,11 +229,14 @@ class CpuBackend final : public Backend {
     attention_flaws_.f16_exp = faults_.has(Fault::softmax_f16_overflow);
     rms_norm_flaws_.off_by_one = faults_.has(Fault::rms_norm_off_by_one);
     rms_norm_flaws_.eps_outside_sqrt = faults_.has(Fault::rms_eps_outside_sqrt);
+    if (faults_.has(Fault::embd_transposed)) w_.token_embd.densify();
     if (faults_.has(Fault::weight_row_nan))
-      w_.layers.at(0).wq.row(kFaultNanWeightRow).setConstant(std::numeric_limits<T>::quiet_NaN());
+      w_.layers.at(0).wq.densify().row(kFaultNanWeightRow).setConstant(std::numeric_limits<T>::quiet_NaN());
     for (const LayerWeights<T>& w : w_.layers) {
-      if (faults_.has(Fault::attn_out_transposed)) wo_flawed_.push_back(wrong_leading_dimension(w.wo));
-      if (faults_.has(Fault::ffn_down_transposed)) w_down_flawed_.push_back(wrong_leading_dimension(w.w_down));
+      if (faults_.has(Fault::attn_out_transposed))
+        wo_flawed_.emplace_back(wrong_leading_dimension(w.wo.to_dense()));
+      if (faults_.has(Fault::ffn_down_transposed))
+        w_down_flawed_.emplace_back(wrong_leading_dimension(w.w_down.to_dense()));
     }
     if (faults_.has(Fault::rms_norm_weight_twice)) {  // norm(x)·w·w: every RMSNorm weight squared
       auto twice = [](Vector<T>& v) { v = v.cwiseProduct(v); };
@@ -257,15 +261,16 @@ class CpuBackend final : public Backend {
   StoragePlan storage_;
   AttentionFlaws attention_flaws_;
   RmsNormFlaws rms_norm_flaws_;
-  std::vector<Matrix<T>> wo_flawed_;      // [n_layer] W_o read with the wrong leading dimension, attn_out_transposed only
-  std::vector<Matrix<T>> w_down_flawed_;  // [n_layer] W_down likewise, ffn_down_transposed only
+  std::vector<WeightMatrix<T>> wo_flawed_;      // [n_layer] W_o read with the wrong leading dimension, attn_out_transposed only
+  std::vector<WeightMatrix<T>> w_down_flawed_;  // [n_layer] W_down likewise, ffn_down_transposed only
+  std::vector<T> scratch_;  // [N*K] the matrix a prefill GEMM decodes, sized by the largest so far (ops/matmul.hpp)
   int n_past_ = 0;
 };
 
 }  // namespace
 
 std::unique_ptr<Backend> make_cpu_backend(const GgufFile& file, const ModelConfig& cfg, const std::string& precision,
-                                          int max_ctx, const FaultSet& faults) {
+                                          int max_ctx, const FaultSet& faults, WeightHolding holding) {
   if (max_ctx < 1) throw InputError("the CPU reference needs a context of at least 1 position");
   validate_tensors(file, cfg);
   faults.check_applicable(cfg, &file);
@@ -281,8 +286,8 @@ std::unique_ptr<Backend> make_cpu_backend(const GgufFile& file, const ModelConfi
     throw InputError("the cpu backend's precision is f32 or f64, optionally with emulated storage "
                      "(f32-f16store, f64-f16store, f32-f16residual, f64-f16residual), not '" + precision + "'");
   }
-  if (arith == "f32") return std::make_unique<CpuBackend<float>>(file, cfg, max_ctx, faults, precision, storage);
-  return std::make_unique<CpuBackend<double>>(file, cfg, max_ctx, faults, precision, storage);
+  if (arith == "f32") return std::make_unique<CpuBackend<float>>(file, cfg, max_ctx, faults, precision, storage, holding);
+  return std::make_unique<CpuBackend<double>>(file, cfg, max_ctx, faults, precision, storage, holding);
 }
 
 }  // namespace diffrun

@@ -1,10 +1,13 @@
-// Loading the reference's weights: dequantize_tensor<T> per tensor, copied into Eigen row-major storage.
+// Loading the reference's weights: streamed views of the GGUF matrices (decoded row by row), or dense copies.
 #include "reference_cpu/weights.hpp"
 
+#include <algorithm>
 #include <string>
+#include <utility>
 
 #include "model/dequant.hpp"
 #include "model/error.hpp"
+#include "reference_cpu/dequant_rows.hpp"
 #include "reference_cpu/storage.hpp"
 
 namespace diffrun::ref {
@@ -21,19 +24,28 @@ std::vector<T> tensor_values(const GgufFile& file, const TensorInfo& info, bool 
   return values;
 }
 
-// A GGUF tensor as a row-major [ne1*ne2*..., ne0] matrix.
+// A GGUF tensor as a row-major [ne1*ne2*..., ne0] matrix, streamed from the file's bytes or dequantized whole.
 template <typename T>
-Matrix<T> load_matrix(const GgufFile& file, const std::string& name, bool faulty, bool round_to_f16) {
+WeightMatrix<T> load_matrix(const GgufFile& file, const std::string& name, bool faulty, bool round_to_f16,
+                            WeightHolding holding) {
   const TensorInfo& info = file.tensor(name);
-  std::vector<T> values = tensor_values<T>(file, info, faulty);
-  if (round_to_f16) round_f16(values.data(), static_cast<int64_t>(values.size()));
   const int64_t cols = info.ne.empty() ? 1 : info.ne[0];
   const int64_t rows = info.rows();
-  if (static_cast<int64_t>(values.size()) != rows * cols) {
-    throw ModelError(name + ": dequantized " + std::to_string(values.size()) + " values, expected " +
-                     std::to_string(rows * cols));
+  if (rows * cols != info.n_elements) {
+    throw ModelError(name + ": " + std::to_string(info.n_elements) + " values are not " + std::to_string(rows) +
+                     " rows of " + std::to_string(cols));
   }
-  return Eigen::Map<const Matrix<T>>(values.data(), rows, cols);
+  const bool rewrite = faulty && dequant_fault_format(info.type);
+  WeightMatrix<T> m = rewrite ? WeightMatrix<T>(info.type, dequant_fault_bytes(info.type, file.tensor_data(info)),
+                                                rows, cols, round_to_f16)
+                              : WeightMatrix<T>(info.type, file.tensor_data(info).data(), rows, cols, round_to_f16);
+  if (holding == WeightHolding::dense) {
+    // The whole tensor at once (dequantize_tensor's threads), as the reference always did before streaming.
+    std::vector<T> values = tensor_values<T>(file, info, faulty);
+    if (round_to_f16) round_f16(values.data(), static_cast<int64_t>(values.size()));
+    m = WeightMatrix<T>(Matrix<T>(Eigen::Map<const Matrix<T>>(values.data(), rows, cols)));
+  }
+  return m;
 }
 
 template <typename T>
@@ -46,9 +58,64 @@ Vector<T> load_vector(const GgufFile& file, const std::string& name, bool faulty
 }  // namespace
 
 template <typename T>
-Weights<T> Weights<T>::load(const GgufFile& file, const ModelConfig& cfg, const FaultSet& faults, bool matrices_f16) {
+WeightMatrix<T>::WeightMatrix(GgmlType type, const std::byte* bytes, int64_t rows, int64_t cols, bool round_to_f16)
+    : type_(type), bytes_(bytes), rows_(rows), cols_(cols), round_f16_(round_to_f16) {
+  const int64_t be = ggml_block_elements(type);
+  if (be <= 0 || cols % be != 0) {
+    throw ModelError(std::string("a ") + ggml_type_name(type) + " matrix row of " + std::to_string(cols) +
+                     " values is not a whole number of blocks");
+  }
+  row_bytes_ = cols / be * ggml_block_bytes(type);
+}
+
+template <typename T>
+WeightMatrix<T>::WeightMatrix(GgmlType type, std::vector<std::byte> owned, int64_t rows, int64_t cols,
+                              bool round_to_f16)
+    : WeightMatrix(type, nullptr, rows, cols, round_to_f16) {
+  owned_ = std::move(owned);
+}
+
+template <typename T>
+WeightMatrix<T>::WeightMatrix(Matrix<T> values)
+    : rows_(values.rows()), cols_(values.cols()), dense_(std::move(values)) {}
+
+template <typename T>
+void WeightMatrix<T>::decode_rows(T* out /* [n,cols] */, int64_t r0, int64_t n) const {
+  if (dense()) {
+    std::copy_n(dense_.data() + r0 * cols_, n * cols_, out);
+    return;
+  }
+  dequantize_rows(type_, bytes() + r0 * row_bytes_, out, n * cols_);
+  if (round_f16_) round_f16(out, n * cols_);
+}
+
+template <typename T>
+Matrix<T>& WeightMatrix<T>::densify() {
+  if (!dense()) {
+    Matrix<T> all(rows_, cols_);
+    decode_rows(all.data(), 0, rows_);
+    dense_ = std::move(all);
+    owned_.clear();
+    owned_.shrink_to_fit();
+    bytes_ = nullptr;
+  }
+  return dense_;
+}
+
+template <typename T>
+Matrix<T> WeightMatrix<T>::to_dense() const {
+  Matrix<T> all(rows_, cols_);
+  decode_rows(all.data(), 0, rows_);
+  return all;
+}
+
+template <typename T>
+Weights<T> Weights<T>::load(const GgufFile& file, const ModelConfig& cfg, const FaultSet& faults, bool matrices_f16,
+                            WeightHolding holding) {
   const bool faulty = faults.has(Fault::dequant_scale_offset);
-  auto load_matrix = [&](const std::string& name) { return ref::load_matrix<T>(file, name, faulty, matrices_f16); };
+  auto load_matrix = [&](const std::string& name) {
+    return ref::load_matrix<T>(file, name, faulty, matrices_f16, holding);
+  };
   auto load_vector = [&](const std::string& name) { return ref::load_vector<T>(file, name, faulty); };
   Weights<T> w;
   w.token_embd = load_matrix("token_embd.weight");
@@ -79,6 +146,8 @@ Weights<T> Weights<T>::load(const GgufFile& file, const ModelConfig& cfg, const 
   return w;
 }
 
+template class WeightMatrix<float>;
+template class WeightMatrix<double>;
 template struct Weights<float>;
 template struct Weights<double>;
 

@@ -1,7 +1,10 @@
-// The reference's weights: every tensor dequantized once at load into Eigen row-major matrices of the scalar T.
+// The reference's weights: matrices kept as their GGUF bytes (quantized, in the mmap) and decoded row by row where
+// they are read; norm weights and biases dequantized once into Eigen vectors of the scalar T.
 // D model width, H/Hkv heads, Dh head width, F feed-forward width, V real vocabulary, Vt table rows (>= V).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include <Eigen/Core>
@@ -9,6 +12,7 @@
 #include "checkpoints/faults.hpp"
 #include "model/config.hpp"
 #include "model/gguf.hpp"
+#include "reference_cpu/reference.hpp"
 
 namespace diffrun::ref {
 
@@ -17,40 +21,81 @@ using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>
 template <typename T>
 using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
 
+// A weight matrix [rows, cols] (a GGUF tensor [ne0 = cols, ne1 = rows]) as the reference reads it. Streamed
+// (the default): the tensor's bytes stay where they are (the read-only mmap, or an owned copy when the
+// dequant_scale_offset fault rewrites them) and decode_rows dequantizes the rows a matmul needs, exactly as
+// dequantize_tensor would, then rounds them to f16 when the storage plan holds weights in f16. Dense: every value
+// dequantized once (the former way, kept for the faults that edit weights and as the streamed path's oracle).
+// Both give the same values bit for bit.
+template <typename T>
+class WeightMatrix {
+ public:
+  WeightMatrix() = default;
+  // A streamed view of `rows` rows of `cols` values of type `type` at `bytes` (cols a multiple of the block size).
+  WeightMatrix(GgmlType type, const std::byte* bytes, int64_t rows, int64_t cols, bool round_to_f16);
+  // The same over bytes it owns.
+  WeightMatrix(GgmlType type, std::vector<std::byte> owned, int64_t rows, int64_t cols, bool round_to_f16);
+  // A dense matrix of these values.
+  explicit WeightMatrix(Matrix<T> values);
+
+  int64_t rows() const { return rows_; }
+  int64_t cols() const { return cols_; }
+  bool dense() const { return dense_.size() > 0 || rows_ == 0; }
+  const T* data() const { return dense_.data(); }  // [rows, cols], dense only
+
+  // out [n, cols] = rows r0 .. r0+n-1, decoded (streamed) or copied (dense).
+  void decode_rows(T* out /* [n,cols] */, int64_t r0, int64_t n) const;
+
+  // Decodes every row once and holds them (for the faults that edit or reinterpret a matrix); returns them.
+  Matrix<T>& densify();
+  Matrix<T> to_dense() const;
+
+ private:
+  GgmlType type_ = GgmlType::F32;
+  const std::byte* bytes() const { return owned_.empty() ? bytes_ : owned_.data(); }
+
+  const std::byte* bytes_ = nullptr;  // rows_ * row_bytes_ bytes in the mmap, when owned_ is empty
+  int64_t rows_ = 0, cols_ = 0;
+  int64_t row_bytes_ = 0;
+  bool round_f16_ = false;
+  std::vector<std::byte> owned_;  // the rewritten bytes of a fault (dequant_scale_offset), else empty
+  Matrix<T> dense_;               // [rows, cols] once densified
+};
+
 template <typename T>
 struct LayerWeights {
-  Vector<T> attn_norm;    // [D]
-  Matrix<T> wq;           // [H*Dh, D]
-  Matrix<T> wk;           // [Hkv*Dh, D]
-  Matrix<T> wv;           // [Hkv*Dh, D]
-  Vector<T> bq;           // [H*Dh], qwen2 only (empty otherwise)
-  Vector<T> bk;           // [Hkv*Dh], qwen2 only
-  Vector<T> bv;           // [Hkv*Dh], qwen2 only
-  Vector<T> q_norm;       // [Dh], qwen3 only
-  Vector<T> k_norm;       // [Dh], qwen3 only
-  Matrix<T> wo;           // [D, H*Dh]
-  Vector<T> ffn_norm;     // [D]
-  Matrix<T> w_gate;       // [F, D]
-  Matrix<T> w_up;         // [F, D]
-  Matrix<T> w_down;       // [D, F]
+  Vector<T> attn_norm;      // [D]
+  WeightMatrix<T> wq;       // [H*Dh, D]
+  WeightMatrix<T> wk;       // [Hkv*Dh, D]
+  WeightMatrix<T> wv;       // [Hkv*Dh, D]
+  Vector<T> bq;             // [H*Dh], qwen2 only (empty otherwise)
+  Vector<T> bk;             // [Hkv*Dh], qwen2 only
+  Vector<T> bv;             // [Hkv*Dh], qwen2 only
+  Vector<T> q_norm;         // [Dh], qwen3 only
+  Vector<T> k_norm;         // [Dh], qwen3 only
+  WeightMatrix<T> wo;       // [D, H*Dh]
+  Vector<T> ffn_norm;       // [D]
+  WeightMatrix<T> w_gate;   // [F, D]
+  WeightMatrix<T> w_up;     // [F, D]
+  WeightMatrix<T> w_down;   // [D, F]
 };
 
 template <typename T>
 struct Weights {
-  Matrix<T> token_embd;   // [Vt, D]
-  Vector<T> output_norm;  // [D]
-  Matrix<T> output;       // [Vt, D]; empty when the model ties its lm head to token_embd
+  WeightMatrix<T> token_embd;  // [Vt, D]
+  Vector<T> output_norm;       // [D]
+  WeightMatrix<T> output;      // [Vt, D]; empty when the model ties its lm head to token_embd
   std::vector<LayerWeights<T>> layers;
 
   // The lm head: output, or token_embd when tied. Only its first V rows are real vocabulary.
-  const Matrix<T>& lm_head() const { return output.size() ? output : token_embd; }
+  const WeightMatrix<T>& lm_head() const { return output.rows() ? output : token_embd; }
 
-  // Dequantizes every tensor the forward pass reads (validate_tensors must have passed). With the
-  // fault dequant_scale_offset, tensors in the legacy block formats are decoded from
-  // dequant_fault_bytes (their scale read 2 bytes late). matrices_f16: every matrix (2-D tensor) is
-  // rounded to f16 after dequantization, as the f16 engine holds it (reference_cpu/storage.hpp).
+  // Maps every tensor the forward pass reads (validate_tensors must have passed); the file must outlive the
+  // weights when streamed. With the fault dequant_scale_offset, tensors in the legacy block formats are decoded
+  // from dequant_fault_bytes (their scale read 2 bytes late). matrices_f16: every matrix (2-D tensor) is rounded
+  // to f16 after dequantization, as the f16 engine holds it (reference_cpu/storage.hpp).
   static Weights load(const GgufFile& file, const ModelConfig& cfg, const FaultSet& faults = {},
-                      bool matrices_f16 = false);
+                      bool matrices_f16 = false, WeightHolding holding = WeightHolding::streamed);
 };
 
 }  // namespace diffrun::ref

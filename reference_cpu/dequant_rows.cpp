@@ -1,0 +1,246 @@
+// Row dequantization for the reference's streamed weights: model/dequant.cpp's block decoders restated as loops the
+// compiler vectorizes for the host CPU, the same operations in the same order, so the same values bit for bit.
+#include "reference_cpu/dequant_rows.hpp"
+
+#include <bit>
+#include <cstring>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "model/dequant.hpp"
+
+// As in model/dequant.cpp: no fused multiply-add, so the operation order is ggml's by construction (every product
+// here is exact, so a contraction could not change a value; this keeps it so by construction).
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+namespace diffrun::ref {
+
+namespace {
+
+constexpr int QK_K = 256;
+
+// Decoding outruns what the hardware prefetchers fetch from a mapped file (measured on SmolLM2's Q4_1 rows: 0.45
+// ns/weight without, 0.24 with): each block asks for the bytes this far ahead, a few blocks' worth of work.
+constexpr int64_t kPrefetchAhead = 8192;
+
+// Prefetches the cache lines of a block of `bytes` bytes kPrefetchAhead beyond b (never faults).
+inline void prefetch_ahead(const uint8_t* b, int bytes) {
+  for (int c = 0; c < bytes; c += 64) __builtin_prefetch(b + kPrefetchAhead + c);
+}
+
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// IEEE half to float, exact, NaN payload kept (the same bits as model/dequant.cpp's table).
+float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  if ((h & 0x7c00u) != 0x7c00u) return _cvtsh_ss(h);  // finite: the hardware conversion is exact
+#endif
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact
+    const float v = static_cast<float>(mant) * 0x1p-24f;
+    return sign ? -v : v;
+  }
+  if (exp == 31) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
+  return std::bit_cast<float>(sign | ((exp + 127 - 15) << 23) | (mant << 13));
+}
+
+float half_at(const uint8_t* p) { return half_to_float(load_u16(p)); }
+
+// ---- whole rows of blocks into floats ----
+
+void rows_q4_0(const uint8_t* __restrict b, float* __restrict y, int64_t n_blocks) {  // d f16 | qs[16]
+  for (int64_t i = 0; i < n_blocks; ++i, b += 18, y += 32) {
+    if (i % 2 == 0) prefetch_ahead(b, 64);
+    const float d = half_at(b);
+    const uint8_t* qs = b + 2;
+    for (int j = 0; j < 16; ++j) y[j] = static_cast<float>((qs[j] & 0x0f) - 8) * d;
+    for (int j = 0; j < 16; ++j) y[j + 16] = static_cast<float>((qs[j] >> 4) - 8) * d;
+  }
+}
+
+void rows_q4_1(const uint8_t* __restrict b, float* __restrict y, int64_t n_blocks) {  // d f16 | m f16 | qs[16]
+  for (int64_t i = 0; i < n_blocks; ++i, b += 20, y += 32) {
+    if (i % 2 == 0) prefetch_ahead(b, 64);
+    const float d = half_at(b);
+    const float m = half_at(b + 2);
+    const uint8_t* qs = b + 4;
+    for (int j = 0; j < 16; ++j) y[j] = static_cast<float>(qs[j] & 0x0f) * d + m;
+    for (int j = 0; j < 16; ++j) y[j + 16] = static_cast<float>(qs[j] >> 4) * d + m;
+  }
+}
+
+void rows_q8_0(const uint8_t* __restrict b, float* __restrict y, int64_t n_blocks) {  // d f16 | qs int8[32]
+  for (int64_t i = 0; i < n_blocks; ++i, b += 34, y += 32) {
+    prefetch_ahead(b, 64);
+    const float d = half_at(b);
+    const auto* qs = reinterpret_cast<const int8_t*>(b + 2);
+    for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(qs[j]) * d;
+  }
+}
+
+// The 6-bit scale and min of sub-block j of a Q4_K/Q5_K block (ggml's get_scale_min_k4).
+void scale_min_k4(int j, const uint8_t* q, float* d, float* m) {
+  if (j < 4) {
+    *d = static_cast<float>(q[j] & 63);
+    *m = static_cast<float>(q[j + 4] & 63);
+  } else {
+    *d = static_cast<float>((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4));
+    *m = static_cast<float>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+  }
+}
+
+void rows_q4_k(const uint8_t* __restrict b, float* __restrict y, int64_t n_blocks) {  // d f16 | dmin f16 | scales[12] | qs[128]
+  for (int64_t i = 0; i < n_blocks; ++i, b += 144) {
+    prefetch_ahead(b, 144);
+    const float d = half_at(b);
+    const float min = half_at(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* q = b + 16;
+    for (int is = 0; is < 8; is += 2, q += 32, y += 64) {
+      float sc, m;
+      scale_min_k4(is + 0, scales, &sc, &m);
+      const float d1 = d * sc;
+      const float m1 = min * m;
+      scale_min_k4(is + 1, scales, &sc, &m);
+      const float d2 = d * sc;
+      const float m2 = min * m;
+      for (int l = 0; l < 32; ++l) y[l] = d1 * static_cast<float>(q[l] & 0xf) - m1;
+      for (int l = 0; l < 32; ++l) y[l + 32] = d2 * static_cast<float>(q[l] >> 4) - m2;
+    }
+  }
+}
+
+void rows_q5_k(const uint8_t* __restrict b, float* __restrict y, int64_t n_blocks) {  // d f16 | dmin f16 | scales[12] | qh[32] | qs[128]
+  for (int64_t i = 0; i < n_blocks; ++i, b += 176) {
+    prefetch_ahead(b, 176);
+    const float d = half_at(b);
+    const float min = half_at(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* ql = b + 48;
+    for (int is = 0, shift = 0; is < 8; is += 2, shift += 2, ql += 32, y += 64) {
+      float sc, m;
+      scale_min_k4(is + 0, scales, &sc, &m);
+      const float d1 = d * sc;
+      const float m1 = min * m;
+      scale_min_k4(is + 1, scales, &sc, &m);
+      const float d2 = d * sc;
+      const float m2 = min * m;
+      for (int l = 0; l < 32; ++l) y[l] = d1 * static_cast<float>((ql[l] & 0xf) | (((qh[l] >> shift) & 1) << 4)) - m1;
+      for (int l = 0; l < 32; ++l)
+        y[l + 32] = d2 * static_cast<float>((ql[l] >> 4) | (((qh[l] >> (shift + 1)) & 1) << 4)) - m2;
+    }
+  }
+}
+
+void rows_q6_k(const uint8_t* __restrict b, float* __restrict y, int64_t n_blocks) {  // ql[128] | qh[64] | scales int8[16] | d f16
+  for (int64_t i = 0; i < n_blocks; ++i, b += 210) {
+    prefetch_ahead(b, 210);
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_at(b + 208);
+    for (int n = 0; n < QK_K; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
+      for (int half = 0; half < 2; ++half) {  // l in [16*half, 16*half + 16) reads scales sc[half + 0, 2, 4, 6]
+        const float s1 = d * static_cast<float>(sc[half + 0]);
+        const float s2 = d * static_cast<float>(sc[half + 2]);
+        const float s3 = d * static_cast<float>(sc[half + 4]);
+        const float s4 = d * static_cast<float>(sc[half + 6]);
+        for (int l = 16 * half; l < 16 * half + 16; ++l) {
+          const int q1 = ((ql[l + 0] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32;
+          const int q2 = ((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32;
+          const int q3 = ((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+          const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+          y[l + 0] = s1 * static_cast<float>(q1);
+          y[l + 32] = s2 * static_cast<float>(q2);
+          y[l + 64] = s3 * static_cast<float>(q3);
+          y[l + 96] = s4 * static_cast<float>(q4);
+        }
+      }
+    }
+  }
+}
+
+void rows_f16(const uint8_t* __restrict s, float* __restrict y, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  // The hardware conversion is exact except that it quiets a signalling NaN: such lanes are redone by hand.
+  for (; i + 8 <= n; i += 8) {
+    if (i % 32 == 0) __builtin_prefetch(s + 2 * i + kPrefetchAhead);
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 2 * i));
+    _mm256_storeu_ps(y + i, _mm256_cvtph_ps(h));
+    const __m128i nan = _mm_cmpgt_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)), _mm_set1_epi16(0x7c00));
+    if (!_mm_testz_si128(nan, nan)) {
+      for (int64_t k = i; k < i + 8; ++k) y[k] = half_to_float(load_u16(s + 2 * k));
+    }
+  }
+#endif
+  for (; i < n; ++i) y[i] = half_to_float(load_u16(s + 2 * i));
+}
+
+void rows_bf16(const uint8_t* __restrict s, float* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = std::bit_cast<float>(static_cast<uint32_t>(load_u16(s + 2 * i)) << 16);
+}
+
+using RowsFn = void (*)(const uint8_t*, float*, int64_t);
+
+// The decoder of a block format and its block size, or null where dequantize does it.
+RowsFn rows_fn(GgmlType t, int64_t* block) {
+  switch (t) {
+    case GgmlType::Q4_0: *block = 32; return rows_q4_0;
+    case GgmlType::Q4_1: *block = 32; return rows_q4_1;
+    case GgmlType::Q8_0: *block = 32; return rows_q8_0;
+    case GgmlType::Q4_K: *block = QK_K; return rows_q4_k;
+    case GgmlType::Q5_K: *block = QK_K; return rows_q5_k;
+    case GgmlType::Q6_K: *block = QK_K; return rows_q6_k;
+    default: return nullptr;
+  }
+}
+
+void decode(GgmlType type, const uint8_t* s, float* y, int64_t n) {
+  int64_t block = 0;
+  if (const RowsFn fn = rows_fn(type, &block)) {
+    fn(s, y, n / block);
+  } else if (type == GgmlType::F32) {
+    std::memcpy(y, s, static_cast<size_t>(n) * 4);
+  } else if (type == GgmlType::F16) {
+    rows_f16(s, y, n);
+  } else if (type == GgmlType::BF16) {
+    rows_bf16(s, y, n);
+  } else {
+    dequantize(type, s, y, n);
+  }
+}
+
+}  // namespace
+
+void dequantize_rows(GgmlType type, const std::byte* src, float* dst, int64_t n) {
+  decode(type, reinterpret_cast<const uint8_t*>(src), dst, n);
+}
+
+void dequantize_rows(GgmlType type, const std::byte* src, double* dst, int64_t n) {
+  // Through a float chunk of whole blocks, widened (every dequantized value is a float).
+  constexpr int64_t kChunk = 4 * QK_K;
+  float tmp[kChunk];
+  const auto* s = reinterpret_cast<const uint8_t*>(src);
+  const int64_t chunk_bytes = kChunk / ggml_block_elements(type) * ggml_block_bytes(type);
+  for (int64_t i = 0; i < n; i += kChunk, s += chunk_bytes) {
+    const int64_t m = n - i < kChunk ? n - i : kChunk;
+    decode(type, s, tmp, m);
+    for (int64_t k = 0; k < m; ++k) dst[i + k] = tmp[k];
+  }
+}
+
+}  // namespace diffrun::ref

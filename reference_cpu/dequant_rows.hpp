@@ -1,0 +1,17 @@
+// Row dequantization for the reference's streamed weights, built for the host CPU like the rest of reference_cpu/:
+// the values of model/dequant.hpp's dequantize bit for bit, a few times faster for the formats models ship in.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "model/gguf.hpp"
+
+namespace diffrun::ref {
+
+// dst[0..n) = the n values (whole blocks) of type `type` at src, exactly as diffrun::dequantize gives them.
+// F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K are decoded here; the other formats by dequantize.
+void dequantize_rows(GgmlType type, const std::byte* src, float* dst, int64_t n);
+void dequantize_rows(GgmlType type, const std::byte* src, double* dst, int64_t n);
+
+}  // namespace diffrun::ref
