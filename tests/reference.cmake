@@ -7,3 +7,9 @@ diffrun_test(test_reference_model SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_refer
 diffrun_test(test_reference_goldens SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_reference_goldens.cpp
              LIBS diffrun_reference nlohmann_json::nlohmann_json FIXTURES "tiny_models;smollm2" TIMEOUT 300)
 add_dependencies(test_reference_model diffrun)
+diffrun_test(test_reference_weights SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_reference_weights.cpp
+             LIBS diffrun_reference FIXTURES "tiny_models;smollm2" TIMEOUT 600)
+# It holds the reference's Eigen types (weights.hpp), so it is built as reference_cpu/ is (-march=native).
+if(DIFFRUN_REFERENCE_NATIVE AND DIFFRUN_HAVE_MARCH_NATIVE)
+  target_compile_options(test_reference_weights PRIVATE -march=native)
+endif()
