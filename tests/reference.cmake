@@ -10,6 +10,7 @@ add_dependencies(test_reference_model diffrun)
 diffrun_test(test_reference_weights SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_reference_weights.cpp
              LIBS diffrun_reference FIXTURES "tiny_models;smollm2" TIMEOUT 600)
 # It holds the reference's Eigen types (weights.hpp), so it is built as reference_cpu/ is (-march=native).
+target_compile_definitions(test_reference_weights PRIVATE EIGEN_DONT_PARALLELIZE)
 if(DIFFRUN_REFERENCE_NATIVE AND DIFFRUN_HAVE_MARCH_NATIVE)
   target_compile_options(test_reference_weights PRIVATE -march=native)
 endif()
