@@ -5,6 +5,7 @@
     scripts/gen_fixtures.py --out DIR --shape qwen2.5-0.5b        # full-size shape, F16
     scripts/gen_fixtures.py --out DIR --shape tinyllama-1.1b      # full-size shape, Q5_K_M mix
     scripts/gen_fixtures.py --out DIR --shape smollm2-135m        # full-size shape, Q4_1 (Q8_0 embedding)
+    scripts/gen_fixtures.py --out DIR --shape llama-7b-q4k        # llama 7B shape, Q4_K blocks (3.6 GiB, never commit)
 
 Needs only numpy and the gguf package. The tiny set is skipped when a stamp in DIR says it was
 written by the same generator sources, vocabularies and seed (--force rewrites it).
@@ -14,13 +15,17 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fixturegen import models  # noqa: E402
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fixturegen import models, quants  # noqa: E402
 from fixturegen.vocab import VOCAB_DIR  # noqa: E402
 
 STAMP = ".gen_fixtures.stamp"
@@ -46,16 +51,80 @@ def sources_digest(seed: int) -> str:
     return h.hexdigest()
 
 
+LLAMA_7B = models.Shape("llama-7b", "llama-7b", "llama", 32, 4096, 32, 32, 128, 11008, 4096, 10000.0, 1e-5, False,
+                        "llama_spm", n_vocab=32000)
+
+
+def write_llama_7b_q4k(path: Path, seed: int) -> None:
+    """A llama-7B-shaped model (32 layers, D 4096, F 11008, 32 heads, V 32000) whose every matrix is Q4_K, for the
+    reference's memory bound. The blocks are random and written directly (no float weights, no quantizer), one
+    tensor at a time, so it takes seconds per GB and little memory. Each value is d·sc·q - dmin·m with q uniform in
+    0..15, sc uniform in 4..8 and m = round(7.5·sc): about zero mean, and a standard deviation near the tiny fixtures'
+    (0.02; 0.2 for the token table). Norm weights are 1 + 0.1·N(0, 1) in F32, as in every fixture."""
+    shape = LLAMA_7B
+    v = models.load_vocab(shape)
+    rng = np.random.default_rng([seed, 7])
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), shape.arch)
+    w.add_type("model")
+    w.add_name(f"diffrun {path.stem} (random Q4_K blocks, seed {seed})")
+    w.add_block_count(shape.n_layer)
+    w.add_context_length(shape.n_ctx)
+    w.add_embedding_length(shape.n_embd)
+    w.add_feed_forward_length(shape.n_ff)
+    w.add_head_count(shape.n_head)
+    w.add_head_count_kv(shape.n_head_kv)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(shape.rms_eps)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_S)
+    w.add_vocab_size(len(v.tokens))
+    w.add_rope_dimension_count(shape.head_dim)
+    v.write(w)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    block_bytes = 144  # d f16 | dmin f16 | scales[12] | qs[128], 256 values
+    shapes = models.tensor_shapes(shape, len(v.tokens))
+    for name, dims in shapes.items():
+        if len(dims) == 2:
+            w.add_tensor_info(name, (dims[0], dims[1] // quants.QK_K * block_bytes), np.dtype(np.uint8),
+                              dims[0] * dims[1] // quants.QK_K * block_bytes, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        else:
+            w.add_tensor_info(name, dims, np.dtype(np.float32), dims[0] * 4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, dims in shapes.items():
+        if len(dims) == 1:
+            w.write_tensor_data(models.float_weights(shape, name, dims, seed))
+            continue
+        n = dims[0] * dims[1] // quants.QK_K
+        std = 0.2 if name == "token_embd.weight" else 0.02
+        sc = rng.integers(4, 9, size=(n, 8), dtype=np.uint8)
+        mn = np.rint(7.5 * sc).astype(np.uint8)
+        d = (std / 27.7 * rng.uniform(0.8, 1.2, size=(n, 1))).astype(np.float16).view(np.uint8).reshape(n, 2)
+        qs = np.frombuffer(rng.bytes(n * 128), dtype=np.uint8).reshape(n, 128)
+        blocks = np.concatenate([d, d, quants._pack_k_scales(sc, mn), qs], axis=1)  # dmin = d
+        w.write_tensor_data(blocks.reshape(dims[0], -1))
+        del sc, mn, d, qs, blocks
+    w.close()
+    os.replace(tmp, path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="output folder")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--shape", choices=sorted(models.FULL), help="write one full-size shape instead of the tiny set")
+    ap.add_argument("--shape", choices=sorted(models.FULL) + ["llama-7b-q4k"],
+                    help="write one full-size shape instead of the tiny set")
     ap.add_argument("--force", action="store_true", help="rewrite even when the stamp says up to date")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
 
+    if args.shape == "llama-7b-q4k":
+        path = args.out / "llama-7b-q4_k.gguf"
+        write_llama_7b_q4k(path, args.seed)
+        print(f"gen_fixtures: wrote {path} ({path.stat().st_size / 2**20:.1f} MiB) in {time.monotonic() - t0:.1f} s")
+        return 0
     if args.shape:
         shape = models.FULL[args.shape]
         path = args.out / f"{shape.name}-{models.FULL_FORMAT[shape.name]}.gguf"
