@@ -119,6 +119,16 @@ diff::ToleranceSet tolerances_for(const DumpMeta& engine, const DumpMeta& refere
                                 : diff::load_tolerances(opt.tolerances);
 }
 
+void add_isolation_for(diff::Comparison& c, const DumpReader& isolated, const DumpReader& reference,
+                       const ReportOptions& opt) {
+  const std::string local = preset_for(isolated.meta(), reference.meta()) + "_local";
+  diff::CompareOptions copt = compare_options(opt);
+  copt.judge_local = opt.tolerances.empty() && has_preset(local);
+  const diff::ToleranceSet tolerances = copt.judge_local ? diff::preset_tolerances(local)
+                                                         : tolerances_for(isolated.meta(), reference.meta(), opt);
+  diff::add_isolation(c, diff::compare_dumps(isolated, reference, tolerances, copt), copt);
+}
+
 namespace {
 
 // The comparison of one engine dump with one reference dump (and its isolated run), as the options ask.
@@ -137,7 +147,7 @@ diff::Comparison compare(const std::string& engine_path, const std::string& refe
   diff::Comparison c = diff::compare_dumps(engine, reference, tolerances, copt);
   if (!isolated_path.empty()) {
     const DumpReader isolated(isolated_path, engine_names ? &*engine_names : nullptr);
-    diff::add_isolation(c, diff::compare_dumps(isolated, reference, tolerances, copt), copt);
+    add_isolation_for(c, isolated, reference, opt);
   }
   progress.finish();
   return c;

@@ -65,6 +65,13 @@ diff::ToleranceSet tolerances_for(const DumpMeta& engine, const DumpMeta& refere
 // The comparator's options as the report options give them (--force, --jump-factor, --require-coverage).
 diff::CompareOptions compare_options(const ReportOptions& opt);
 
+// Attaches the isolation replay's local errors to `c` (diff::add_isolation). A pair whose preset P
+// has a P_local beside it (f16_vs_f32-f16store_local) judges each op's local error by it
+// (judge_local: a local failure fails the comparison); otherwise, or with --tolerances, the replay
+// takes the comparison's own rules and informs the verdict only.
+void add_isolation_for(diff::Comparison& c, const DumpReader& isolated, const DumpReader& reference,
+                       const ReportOptions& opt);
+
 // Prints and writes the reports of finished comparisons, as compare_and_report (one) or
 // compare_and_report_pairs (several, each under its title) do, and returns their exit code.
 int report_comparisons(const std::vector<std::string>& titles, const std::vector<diff::Comparison>& comparisons,

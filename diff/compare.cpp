@@ -344,13 +344,43 @@ void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptio
   for (const auto& r : isolated.results) {
     if (r.compared() || r.status == CheckpointStatus::shape_mismatch) by_key[{r.step, r.name}] = &r;
   }
-  for (auto& r : c.results) {
+  bool local_only_first = false;  // the first failure fails on its local error alone
+  std::optional<size_t> first_local;
+  for (size_t i = 0; i < c.results.size(); ++i) {
+    CheckpointResult& r = c.results[i];
     auto it = by_key.find({r.step, r.name});
     if (it == by_key.end()) continue;
     const CheckpointResult& iso = *it->second;
     r.local = LocalError{iso.status, iso.metrics ? iso.metrics->rel_l2 : std::nan("")};
+    if (!opt.judge_local || !r.local->failed()) continue;
+    for (const BoundCheck& k : iso.checks)
+      if (!k.pass) r.checks.push_back({"local " + k.metric, k.bound, k.value, k.limit, false});
+    if (!r.failed() && r.compared()) {
+      r.status = CheckpointStatus::fail;
+      --c.n_pass;
+      ++c.n_fail;
+      if (!first_local) first_local = i;
+    }
   }
   c.isolated_path = isolated.engine_path;
+  if (first_local && (!c.first_failure || *first_local < *c.first_failure)) {
+    c.first_failure = first_local;
+    local_only_first = true;
+    c.preceding.clear();
+    for (size_t i = *first_local; i-- > 0 && static_cast<int>(c.preceding.size()) < opt.preceding;) {
+      if (c.results[i].status == CheckpointStatus::pass) c.preceding.insert(c.preceding.begin(), i);
+    }
+  }
+  if (local_only_first) {
+    // Where the error sits: the isolated run's own pattern at this checkpoint (the propagated
+    // tensor is within its bounds, its pattern would say nothing).
+    const CheckpointResult& f = c.results[*c.first_failure];
+    c.pattern.reset();
+    if (isolated.first_failure) {
+      const CheckpointResult& g = isolated.results[*isolated.first_failure];
+      if (g.step == f.step && g.name == f.name) c.pattern = isolated.pattern;
+    }
+  }
   if (c.first_failure) {
     c.verdict = decide_verdict(c.results, *c.first_failure, c.reference_meta.config.n_layer, opt.jump_factor);
   }

@@ -56,6 +56,10 @@ struct CompareOptions {
   // filter; coverage counts the selected ones.
   std::vector<int> steps;
   CheckpointFilter checkpoints;
+  // add_isolation: the isolated comparison used bounds calibrated for local errors (a `<pair>_local`
+  // preset), so a checkpoint whose local error fails them fails the comparison, however small its
+  // propagated error.
+  bool judge_local = false;
 };
 
 struct Coverage {
@@ -134,7 +138,11 @@ void finish_comparison(Comparison& c, const ToleranceSet& tolerances, const Comp
 // Isolation replay: `isolated` compares the engine's isolation-replay dump (each op run on the
 // reference's inputs) with the same reference. Attaches each checkpoint's local error to the
 // matching result of `c` (same step and name) and, when `c` diverged, decides its verdict again
-// with that evidence (rule isolation).
+// with that evidence (rule isolation). With opt.judge_local, a checkpoint that fails in `isolated`
+// fails in `c` too (its failed local bounds are added to its checks as "local <metric>"), and the
+// first divergence, its pattern (from the isolated dump when only the local error fails) and the
+// verdict are decided again: this is how a one-row or one-head error deep in the model is caught
+// where the accumulated rounding of an f16 engine hides it (DESIGN.md, Precision).
 void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptions& opt = {});
 
 }  // namespace diffrun::diff

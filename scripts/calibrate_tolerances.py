@@ -16,24 +16,42 @@ f32-f16store). The summary goes to stdout and DIR/summary.json.
                          text instead), else the ids of --tokens
     --emit-preset PATH   write a preset: per kind, max_rel_l2 = --factor x the worst rel_l2 measured
                          (2 significant digits, rounded up), a rule for layer 0 ("attn_norm-0") before
-                         the rule of the kind ("attn_norm-*"), and the KL bound of the logits
+                         the rule of the kind ("attn_norm-*") unless --single-rule, the KL bound of the
+                         logits; --axis-bounds adds max_row_rel_l2 and max_head_rel_l2 from the worst row
+                         and head, --fail-frac-below X max_fail_frac (atol 0, rtol 0) where the share of
+                         differing elements never passed X
+    --keep-dumps         keep each run's dumps (by default deleted once the run is summarised)
+    --reuse              read an earlier run's reports and kept dumps in --out instead of running
     --merge S.json ...   fold earlier runs' worst values in (--merge-pair logic|precision: that pair's)
     --sensitivity        per kind, the smallest scale error 1+eps of one token row, and of one head of
                          it (per-head kinds), that the preset in use catches at that checkpoint: the
-                         engine's tensor in the dump scaled, rel_l2 and cosine recomputed against the
-                         reference and checked against the rule's bounds (worst over layers and steps)
+                         engine's tensor in the dump scaled, rel_l2, cosine, worst row and head
+                         recomputed against the reference and checked against the rule's bounds (worst
+                         over layers and steps;
+                         max_fail_frac is left out: an unrounded scale error says nothing of f16 flips);
+                         for the default pairs also "default/": per checkpoint the better pair
+    --sensitivity-steps N  only the first N steps of each dump
+
+The isolation replay of a pair against an emulated storage reference (engine-isolated.h5, always run
+there) is compared with its reference too and kept as the pair "local/" (--merge-pair local emits the
+`_local` preset from it).
 """
 import argparse
 import fnmatch
 import json
 import math
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 # metric key in the report -> (bound name, worse is larger)
 METRICS = {"rel_l2": ("max_rel_l2", True), "max_abs": ("max_abs", True), "cosine": ("min_cosine", False)}
+# the worst token (or cache) row's and the worst head's rel L2 (report keys worst_row, worst_head)
+AXIS_METRICS = {"row_rel_l2": ("max_row_rel_l2", True), "head_rel_l2": ("max_head_rel_l2", True),
+                "fail_frac": ("max_fail_frac", True)}
 LOGIT_METRICS = {"top1": ("min_top1", False), "kl_max": ("max_kl", True)}
+PRESETS = Path(__file__).resolve().parent.parent / "fixtures" / "tolerances"
 PER_HEAD = {"Qcur", "Kcur", "Vcur", "Qnorm", "Knorm", "Qrope", "Krope", "kqv_out", "cache_k", "cache_v"}
 
 
@@ -46,6 +64,14 @@ def number(v):
 def run_model(args, model: Path, out: Path, prompt) -> tuple:
     out.mkdir(parents=True, exist_ok=True)
     report = out / "report.json"
+    if args.reuse and report.exists():  # an earlier run's reports (and kept dumps), e.g. for --sensitivity
+        rep = json.loads(report.read_text())
+        pairs = [(p["title"], p["report"]) for p in rep["pairs"]] if "pairs" in rep else [("", rep)]
+        for title, prep in list(pairs):
+            if prep.get("isolated_path") and (Path(prep["isolated_path"]).parent / "local.json").exists():
+                pairs.append(("local: " + (title.split(": ", 1)[-1] if title else "isolation replay"),
+                              json.loads((Path(prep["isolated_path"]).parent / "local.json").read_text())))
+        return rep.get("exit_code", 0), pairs
     cmd = [args.diffrun, "--model", str(model), "--engine", args.engine, "--steps", str(args.steps),
            "--out", str(out), "--report-json", str(report), "--no-color"]
     if args.engine_precision != "default":
@@ -64,6 +90,18 @@ def run_model(args, model: Path, out: Path, prompt) -> tuple:
     rep = json.loads(report.read_text())
     # One pair: the report itself; the default GPU run: {"pairs": [{"title", "exit_code", "report"}]}.
     pairs = [(p["title"], p["report"]) for p in rep["pairs"]] if "pairs" in rep else [("", rep)]
+    # The isolation replay (always run against an emulated f16 storage reference): its own comparison
+    # gives every local metric (row and head included); its failures are already in the pair's report.
+    for title, prep in list(pairs):
+        iso = prep.get("isolated_path")
+        if not iso:
+            continue
+        local = Path(iso).parent / "local.json"
+        c = subprocess.run([args.diffrun, "compare", iso, prep["reference"]["path"], "--report-json", str(local),
+                            "--summary"], capture_output=True, text=True)
+        if c.returncode not in (0, 1) or not local.exists():
+            sys.exit(f"compare {iso}: exit {c.returncode}\n{c.stdout[-2000:]}\n{c.stderr[-2000:]}")
+        pairs.append(("local: " + (title.split(": ", 1)[-1] if title else "isolation replay"), json.loads(local.read_text())))
     return r.returncode, pairs
 
 
@@ -87,31 +125,49 @@ class Preset:
         return self.default
 
 
-def sensitivity(eng_path: Path, ref_path: Path, preset: Preset, worst: dict, pair: str = ""):
-    """Smallest eps (one row, one head of a row) caught per kind; keeps the largest over checkpoints."""
+def sensitivity(eng_path: Path, ref_path: Path, preset: Preset, worst: dict, pair: str = "", run: str = "",
+                each: dict = None, steps: int = None):
+    """Smallest eps (one row, one head of a row) caught per kind; keeps the largest over checkpoints
+    in `worst`, and each checkpoint's per pair in `each[(run, step, name, what)][pair]`."""
     import h5py
     import numpy as np
 
-    eps_grid = [1e-4 * 1.25 ** i for i in range(60)]  # 1e-4 .. ~5
+    grid = np.array([1e-4 * 1.25 ** i for i in range(60)])  # eps from 1e-4 to ~5
 
-    def caught(a, b, sl, rule):
-        # a' = a with a[sl] scaled by 1+eps: closed forms of |a'-b|^2 and <a',b>, |a'|^2 in eps.
+    def per_axis(x, axis):  # sums over every axis but `axis`
+        return x.sum(axis=tuple(i for i in range(x.ndim) if i != axis))
+
+    def caught(a, b, sl, rule, axes):
+        # a' = a with a[sl] scaled by 1+eps: closed forms of |a'-b|^2 and <a',b>, |a'|^2 in eps, for the
+        # tensor and for each token (or cache) row and head (axes: {"max_row_rel_l2": axis, ...}), over
+        # the whole grid at once; the smallest eps that fails a bound of the rule.
         d = a - b
         nb2, nd2, na2, ab = float((b * b).sum()), float((d * d).sum()), float((a * a).sum()), float((a * b).sum())
         a_s, d_s, b_s = a[sl], d[sl], b[sl]
         da, aa, ba = float((d_s * a_s).sum()), float((a_s * a_s).sum()), float((b_s * a_s).sum())
         if nb2 <= 0:
             return math.inf
-        for eps in eps_grid:
-            rel = math.sqrt(max(nd2 + 2 * eps * da + eps * eps * aa, 0.0) / nb2)
-            nap2 = na2 + (2 * eps + eps * eps) * aa
-            cos = (ab + eps * ba) / math.sqrt(nap2 * nb2) if nap2 > 0 else 0.0
-            if ("max_rel_l2" in rule and rel > rule["max_rel_l2"]) or ("min_cosine" in rule and cos < rule["min_cosine"]):
-                return eps
-        return math.inf
+        fails = np.zeros(len(grid), dtype=bool)
+        if "max_rel_l2" in rule:
+            fails |= np.sqrt(np.maximum(nd2 + 2 * grid * da + grid * grid * aa, 0.0) / nb2) > rule["max_rel_l2"]
+        if "min_cosine" in rule:
+            nap2 = na2 + (2 * grid + grid * grid) * aa
+            fails |= (ab + grid * ba) / np.sqrt(np.maximum(nap2 * nb2, 1e-300)) < rule["min_cosine"]
+        for bound, axis in axes.items():
+            if bound not in rule or axis is None:
+                continue
+            da_m, aa_m = np.zeros_like(a), np.zeros_like(a)
+            da_m[sl], aa_m[sl] = d_s * a_s, a_s * a_s
+            d2, b2 = per_axis(d * d, axis), np.maximum(per_axis(b * b, axis), 1e-300)
+            dax, aax = per_axis(da_m, axis), per_axis(aa_m, axis)
+            rel = np.sqrt(np.maximum(d2[None, :] + 2 * grid[:, None] * dax[None, :] + (grid * grid)[:, None] * aax[None, :], 0.0)
+                          / b2[None, :])
+            fails |= rel.max(axis=1) > rule[bound]
+        hit = np.flatnonzero(fails)
+        return float(grid[hit[0]]) if hit.size else math.inf
 
     with h5py.File(eng_path, "r") as fe, h5py.File(ref_path, "r") as fr:
-        for step in sorted(k for k in fr.keys() if k.startswith("step_")):
+        for step in sorted(k for k in fr.keys() if k.startswith("step_"))[:steps]:
             if step not in fe:
                 continue
             for name, ds in fr[step].items():
@@ -125,15 +181,19 @@ def sensitivity(eng_path: Path, ref_path: Path, preset: Preset, worst: dict, pai
                 rule = preset.rule(name)
                 if base == "kq_soft_max":  # [H, T, S]: the last token's row of head 0, and of every head
                     row, head = (slice(None), -1), (0, -1)
-                else:  # [T, ...]: the last token's row, and head 0 of it
+                    axes = {"max_row_rel_l2": 1, "max_head_rel_l2": 0}
+                else:  # [T, ...] (cache: [S, ...]): the last token's row, and head 0 of it
                     row, head = (-1,), (-1, 0)
-                results = {"row": caught(a, b, row, rule)}
+                    axes = {"max_row_rel_l2": 0, "max_head_rel_l2": 1 if a.ndim == 3 else None}
+                results = {"row": caught(a, b, row, rule, axes)}
                 if base in PER_HEAD or base == "kq_soft_max":
-                    results["head"] = caught(a, b, head, rule)
+                    results["head"] = caught(a, b, head, rule, axes)
                 for what, eps in results.items():
+                    if each is not None:
+                        each.setdefault((run, step, name, what), {})[pair] = eps
                     key = (f"{pair}{base}", what)
                     if key not in worst or eps > worst[key][0]:
-                        worst[key] = (eps, f"{eng_path.parent.name} {step} {name}")
+                        worst[key] = (eps, f"{run or eng_path.parent.name} {step} {name}")
 
 
 def emit_preset(args, worst, path: Path):
@@ -150,11 +210,20 @@ def emit_preset(args, worst, path: Path):
             kinds.append(b)
     where = args.where or f"{len(args.models)} model(s), {max(1, len(args.prompt_list))} prompt(s), {args.steps} steps"
     for b in kinds:
-        for layer0 in ([True, False] if f"{b}@0:rel_l2" in {f"{x}:{y}" for x, y in worst} else [False]):
+        layer0_rules = not args.single_rule and (f"{b}@0", "rel_l2") in worst
+        for layer0 in ([True, False] if layer0_rules else [False]):
             key = (f"{b}@0" if layer0 else b, "rel_l2")
             v, w = worst[key]
             rule = {"match": f"{b}-0" if layer0 else (b if b in ("embd", "result_norm", "result_output") else f"{b}-*"),
                     "max_rel_l2": float(f"{max(up(v), args.floor):.2g}")}
+            for metric, bound in (("row_rel_l2", "max_row_rel_l2"), ("head_rel_l2", "max_head_rel_l2")):
+                if args.axis_bounds and (key[0], metric) in worst and math.isfinite(worst[(key[0], metric)][0]):
+                    rule[bound] = float(f"{max(up(worst[(key[0], metric)][0]), args.floor):.2g}")
+            # Where nearly every element is bit-equal (a tensor stored in f16: one-ulp flips are rare), the
+            # share that differ catches a small systematic change that its rel_l2 cannot tell from a flip.
+            ff = worst.get((key[0], "fail_frac"), (math.nan,))[0]
+            if args.fail_frac_below and 0 < ff <= args.fail_frac_below:
+                rule["atol"], rule["rtol"], rule["max_fail_frac"] = 0, 0, float(f"{min(up(ff), 1.0):.2g}")
             if b == "result_output" and (b, "kl_max") in worst:
                 rule["max_kl"] = float(f"{max(up(worst[(b, 'kl_max')][0]), 1e-9):.2g}")
             if b == "kq_soft_max" and (b, "cosine") in worst:
@@ -171,6 +240,10 @@ def emit_preset(args, worst, path: Path):
     print(f"wrote {path} ({len(rules)} rules)")
 
 
+def stop(*_):
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--diffrun", required=True)
@@ -184,11 +257,23 @@ def main() -> int:
     ap.add_argument("--emit-preset", type=Path)
     ap.add_argument("--factor", type=float, default=4.0)
     ap.add_argument("--floor", type=float, default=1e-6, help="smallest max_rel_l2 an emitted rule gets")
+    ap.add_argument("--single-rule", action="store_true", help="--emit-preset: one rule per kind, no layer-0 rule")
+    ap.add_argument("--axis-bounds", action="store_true",
+                    help="--emit-preset: also max_row_rel_l2 and max_head_rel_l2, --factor x the worst row's and head's")
+    ap.add_argument("--fail-frac-below", type=float, default=0.0,
+                    help="--emit-preset: for a kind whose share of differing elements (atol 0, rtol 0) never passed "
+                         "this, also max_fail_frac = --factor x its worst")
     ap.add_argument("--description", default="")
     ap.add_argument("--where", default="", help="what the emitted reasons say was measured")
     ap.add_argument("--sensitivity", action="store_true")
+    ap.add_argument("--sensitivity-steps", type=int, help="--sensitivity over the first N steps only (default all)")
+    ap.add_argument("--keep-dumps", action="store_true", help="keep each run's HDF5 dumps (deleted once read)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="read the reports an earlier run left in --out instead of running (with --keep-dumps dumps: "
+                         "--sensitivity under the presets as they are now)")
     ap.add_argument("--merge", type=Path, nargs="*", help="summary.json files of earlier runs to fold into the worst values")
-    ap.add_argument("--merge-pair", default="", help="with --merge: take that pair's values (logic or precision)")
+    ap.add_argument("--merge-pair", default="",
+                    help="with --merge: take that pair's values (logic, precision, or local: the precision pair's isolation replay)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("models", nargs="*", type=Path)
     args = ap.parse_args()
@@ -198,55 +283,83 @@ def main() -> int:
 
     worst = {}  # (base or base@0, metric) -> (value, where)
     sens = {}  # (base, "row"|"head") -> (eps, where)
+    each = {}  # (run, step, name, "row"|"head") -> {pair prefix: eps}
     tokens, alarms, runs = {}, [], 0
-    for model in args.models:
-        for i, prompt in enumerate(args.prompt_list or [None]):
-            out = args.out / (model.stem + (f"-p{i:03d}" if prompt is not None else ""))
-            code, pairs = run_model(args, model, out, prompt)
-            runs += 1
-            for title, rep in pairs:
-                if rep["summary"]["diverged"]:
-                    alarms.append(f"{model.stem} prompt {i} {title}: {first_divergence(rep)}")
-                for c in rep["checkpoints"]:
-                    m = c.get("metrics")
-                    if not m:
-                        continue
-                    where = f"{model.stem}{f' p{i}' if prompt is not None else ''} step {c['step']}" + (
-                        f" layer {c['layer']}" if c["layer"] >= 0 else "")
-                    prefix = f"{title.split(':')[0]}/" if title else ""  # the default pairs: logic/, precision/
-                    values = {k: number(m[k]) for k in METRICS}
-                    if m.get("logits"):
-                        values.update({k: number(m["logits"][k]) for k in LOGIT_METRICS})
-                    for k, v in values.items():
-                        larger = {**METRICS, **LOGIT_METRICS}[k][1]
-                        for key in [(prefix + c["base"], k)] + ([(prefix + c["base"] + "@0", k)] if c["layer"] == 0 else []):
-                            old = worst.get(key)
-                            if old is None or math.isnan(v) or (v > old[0] if larger else v < old[0]):
-                                worst[key] = (v, where)
-                decode = [t for t in rep["tokens"] if t["step"] > 0]
-                tk = tokens.setdefault(f"{model.stem} {title}".strip(), {"agree": 0, "total": 0})
-                tk["agree"] += sum(1 for t in decode if t["match"])
-                tk["total"] += len(decode)
-                if args.sensitivity:
-                    preset = Preset(args.tolerances) if args.tolerances else Preset(
-                        Path(__file__).resolve().parent.parent / "fixtures" / "tolerances" / f"{rep['tolerances']['preset']}.json")
-                    sub = out if not title else out / ("logic" if title.startswith("logic") else "precision")
-                    sensitivity(sub / "engine.h5", sub / "reference.h5", preset, sens,
-                                f"{title.split(':')[0]}/" if title else "")
+    # A SIGTERM (timeout) ends the runs early; what was measured so far is still summarised.
+    signal.signal(signal.SIGTERM, stop)
+    interrupted = False
+    try:
+        for model in args.models:
+            for i, prompt in enumerate(args.prompt_list or [None]):
+                out = args.out / (model.stem + (f"-p{i:03d}" if prompt is not None else ""))
+                code, pairs = run_model(args, model, out, prompt)
+                runs += 1
+                print(f"  run {runs}: {out.name} exit {code}", flush=True)
+                for title, rep in pairs:
+                    if rep["summary"]["diverged"] and not title.startswith("local"):  # local: in its pair's report
+                        alarms.append(f"{model.stem} prompt {i} {title}: {first_divergence(rep)}")
+                        print(f"  divergence: {alarms[-1]}", flush=True)
+                    for c in rep["checkpoints"]:
+                        m = c.get("metrics")
+                        if not m:
+                            continue
+                        where = f"{model.stem}{f' p{i}' if prompt is not None else ''} step {c['step']}" + (
+                            f" layer {c['layer']}" if c["layer"] >= 0 else "")
+                        prefix = f"{title.split(':')[0]}/" if title else ""  # the default pairs: logic/, precision/
+                        values = {k: number(m[k]) for k in METRICS}
+                        if m.get("atol") == 0 and m.get("rtol") == 0:  # the share of elements not bit-equal
+                            values["fail_frac"] = number(m["fail_frac"])
+                        for k, axis in (("row_rel_l2", "worst_row"), ("head_rel_l2", "worst_head")):
+                            if m.get(axis):
+                                values[k] = number(m[axis]["rel_l2"])
+                        if m.get("logits"):
+                            values.update({k: number(m["logits"][k]) for k in LOGIT_METRICS})
+                        for k, v in values.items():
+                            larger = {**METRICS, **AXIS_METRICS, **LOGIT_METRICS}[k][1]
+                            for key in [(prefix + c["base"], k)] + ([(prefix + c["base"] + "@0", k)] if c["layer"] == 0 else []):
+                                old = worst.get(key)
+                                if old is None or math.isnan(v) or (v > old[0] if larger else v < old[0]):
+                                    worst[key] = (v, where)
+                    decode = [t for t in rep["tokens"] if t["step"] > 0]
+                    tk = tokens.setdefault(f"{model.stem} {title}".strip(), {"agree": 0, "total": 0})
+                    tk["agree"] += sum(1 for t in decode if t["match"])
+                    tk["total"] += len(decode)
+                    if args.sensitivity:
+                        name = rep["tolerances"]["preset"] + ("_local" if title.startswith("local") else "")
+                        preset = Preset(args.tolerances) if args.tolerances else Preset(PRESETS / f"{name}.json")
+                        sensitivity(Path(rep["engine"]["path"]), Path(rep["reference"]["path"]), preset, sens,
+                                    f"{title.split(':')[0]}/" if title else "", out.name, each, args.sensitivity_steps)
+                if not args.keep_dumps:  # a 30-layer model on a long prompt writes gigabytes per run
+                    for h5 in out.rglob("*.h5"):
+                        h5.unlink()
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"  interrupted after {runs} runs: summarising those", flush=True)
 
+    # The default run fails when any of its pairs does (the precision pair on its local errors too):
+    # its sensitivity per kind is the best of the pairs'.
+    for (run, step, name, what), by_pair in each.items():
+        if len(by_pair) < 2:
+            continue
+        base = name.rsplit("-", 1)[0] if name[-1].isdigit() and "-" in name else name
+        eps = min(by_pair.values())
+        key = ("default/" + base, what)
+        if key not in sens or eps > sens[key][0]:
+            sens[key] = (eps, f"{run} {step} {name}")
     for path in args.merge or []:  # earlier runs' worst values, of --merge-pair's pair when they ran both
         want = f"{args.merge_pair}/" if args.merge_pair else ""
         for key, e in json.loads(path.read_text())["worst"].items():
             bk, k = key.rsplit(":", 1)
-            if "/" in bk and not (want and bk.startswith(want)):
-                continue  # the other pair's
+            if ("/" in bk and not (want and bk.startswith(want))) or ("/" not in bk and want == "local/"):
+                continue  # the other pair's (a one-pair run's values are that pair's, never local errors)
             bk = bk[len(want):] if want and bk.startswith(want) else bk
-            v, larger, old = number(e["value"]), {**METRICS, **LOGIT_METRICS}[k][1], worst.get((bk, k))
+            v, larger, old = number(e["value"]), {**METRICS, **AXIS_METRICS, **LOGIT_METRICS}[k][1], worst.get((bk, k))
             if old is None or (v > old[0] if larger else v < old[0]):
                 worst[(bk, k)] = (v, f"{e['where']} ({path.stem})")
     summary = {"engine": args.engine, "engine_precision": args.engine_precision,
                "reference_precision": args.reference_precision, "steps": args.steps,
                "models": [str(m) for m in args.models], "prompts": len(args.prompt_list), "runs": runs,
+               "interrupted": interrupted,
                "false_alarms": alarms, "top1": tokens,
                "worst": {f"{b}:{k}": {"value": v, "where": w} for (b, k), (v, w) in sorted(worst.items())},
                "sensitivity": {f"{b}:{k}": {"eps": v, "where": w} for (b, k), (v, w) in sorted(sens.items())}}

@@ -371,6 +371,53 @@ TEST_F(Compare, RowAndHeadBoundsCatchWhatTheTensorBoundDilutes) {
   EXPECT_NE(render_terminal(c).find("slices    worst row T=1 rel_l2"), std::string::npos) << render_terminal(c);
 }
 
+// The precision pair judges each op's local error (isolation replay) by its own tight bounds: an
+// error of one op deep in the model that the propagated tensor's loose bound lets through fails
+// there, as the first divergence, with verdict local and the isolated run's pattern; without
+// judge_local the same local error only informs the verdict.
+TEST_F(Compare, LocalErrorsJudgedByTheirOwnBounds) {
+  // Propagated: every checkpoint from layer 1 on carries accumulated noise of 1e-3, under a 5e-3 bound.
+  SyntheticDump e = engine_dump();
+  e.perturb = [](int, const std::string& name, std::vector<float>& v) {
+    if (name.back() != '0' && name.find('-') != std::string::npos)
+      for (size_t i = 0; i < v.size(); ++i) v[i] *= 1.0f + 1e-3f * ((i % 2) ? 1.0f : -1.0f);
+  };
+  const ToleranceSet loose = rel(5e-3);
+  Comparison c = run(e, loose);
+  ASSERT_FALSE(c.diverged());
+  // Isolated: exact but for one token row of ffn_out-2 at step 1, 2e-3 off.
+  SyntheticDump iso = engine_dump();
+  iso.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step == 1 && name == "ffn_out-2")
+      for (float& x : v) x *= 1.002f;
+  };
+  iso.write(path("isolated.h5"));
+  const DumpReader ir(path("isolated.h5")), r(path("reference.h5"));
+  const ToleranceSet local = parse_tolerances(
+      R"({"preset": "t_local", "rules": [], "default": {"max_rel_l2": 1e-4, "max_row_rel_l2": 1e-4, "reason": "local"}})",
+      "t_local.json");
+  Comparison informed = c;
+  add_isolation(informed, compare_dumps(ir, r, local));
+  EXPECT_FALSE(informed.diverged());
+  CompareOptions judge;
+  judge.judge_local = true;
+  add_isolation(c, compare_dumps(ir, r, local, judge), judge);
+  ASSERT_TRUE(c.diverged());
+  EXPECT_EQ(first(c).name, "ffn_out-2");
+  EXPECT_EQ(first(c).step, 1);
+  EXPECT_EQ(c.n_fail, 1);
+  EXPECT_EQ(c.verdict.kind, VerdictKind::local);
+  EXPECT_EQ(c.verdict.rule, "isolation");
+  ASSERT_TRUE(c.pattern.has_value());
+  bool local_check = false;
+  for (const auto& k : first(c).checks) local_check |= !k.pass && k.metric == "local rel_l2";
+  EXPECT_TRUE(local_check);
+  EXPECT_FALSE(c.preceding.empty());
+  EXPECT_EQ(exit_code(c), 1);
+  const std::string text = render_terminal(c);
+  EXPECT_NE(text.find("local rel_l2"), std::string::npos) << text;
+}
+
 TEST_F(Compare, ShapeMismatchIsAFailureNotACrash) {
   SyntheticDump e = engine_dump();
   e.shrink = "cache_k-1";

@@ -1,18 +1,21 @@
 // GPU: catalog faults injected into the CUDA engine are found where the catalog says; isolation replay; sensitivity.
 //
-// Engine f32 against the f64 reference (preset f32_vs_f64) and engine f16 against the f32 reference
-// (preset f16_vs_f32), on the tiny llama/qwen2/qwen3 f32 fixtures, a Q8_0 fixture for
-// dequant_scale_offset, and the SmolLM2 slice when DIFFRUN_SMOLLM2_SLICE names it. Each applicable
-// fault must diverge first at its catalog checkpoint and step with the verdict "local", and in
-// isolation replay its local error must be at least 100x the largest local error of the clean
-// run (for a fault that makes NaN/Inf: non-finite values in isolation too), and only the fault's
-// own ops (the catalog's `ops`) may fail locally; the clean engine passes in isolation everywhere. The subtle RMSNorm
-// faults (rms_eps_1e5, rms_norm_off_by_one, rms_eps_outside_sqrt) move attn_norm-0 by 1e-4 to 3e-3,
-// under the f16 presets' bounds (the catalog says so): the f16 checks print them but assert nothing
-// until a reference of the engine's precision with tighter bounds exists; the f32 ones keep them.
-// rms_eps_outside_sqrt on models with rms_eps 1e-6 moves attn_norm-0 by only 7e-6 (tiny qwen2/qwen3):
-// found by the f32_vs_f64 bound at layer 0, its isolation local error is not 100x the clean run's
-// largest (which comes from other kinds), so that ratio is not asserted for it. rope_cache_unrotated is the fused-write check of isolation: its cache_k-0 must
+// The two pairs of the default GPU run: engine f32 against the f64 reference (logic, preset
+// f32_vs_f64) and engine f16 against the reference that emulates its f16 storage (precision, preset
+// f16_vs_f32-f16store, its isolation replay judged by f16_vs_f32-f16store_local), on the tiny
+// llama/qwen2/qwen3 f32 fixtures, a Q8_0 fixture for dequant_scale_offset, and the SmolLM2 slice when
+// DIFFRUN_SMOLLM2_SLICE names it. Each applicable fault must diverge first at its catalog checkpoint
+// and step with the verdict "local", and in isolation replay its local error must be at least 100x
+// the largest local error of the clean run (for a fault that makes NaN/Inf: non-finite values in
+// isolation too), and only the fault's own ops (the catalog's `ops`) may fail locally; the clean
+// engine passes in isolation everywhere. The subtle RMSNorm faults (rms_eps_1e5, rms_norm_off_by_one,
+// rms_eps_outside_sqrt) move attn_norm-0 by 7e-6 to 3e-3: the logic pair finds each; the precision
+// pair finds rms_norm_off_by_one (1.5e-3..3e-3) by its local error, and prints the two under 1e-3,
+// which one f16 flip of an outlier element can give in attn_norm's local error (H100: rms_eps_1e5
+// then reads as drift at attn_norm-0, rms_eps_outside_sqrt is not seen). rms_eps_outside_sqrt on
+// models with rms_eps 1e-6 moves attn_norm-0 by only 7e-6 (tiny qwen2/qwen3): its isolation local
+// error is not 100x the clean run's largest (which comes from other kinds), so that ratio is not
+// asserted for it. rope_cache_unrotated is the fused-write check of isolation: its cache_k-0 must
 // be local in isolation as in the plain run.
 //
 // Printed figures (for the project notes): one line per fault and configuration ("fault-table"),
@@ -144,13 +147,17 @@ double max_local(const diff::Comparison& isolated) {
   return mx;
 }
 
-// Engine precision, its reference precision and preset.
+// Engine precision, its reference precision and preset, and the preset of its local errors (the
+// isolation replay judged on its own, as the default run does for the precision pair) or "".
 struct Pair {
   const char* engine;
   const char* reference;
   const char* preset;
+  const char* local_preset;
 };
-constexpr Pair kPairs[] = {{"f32", "f64", "f32_vs_f64"}, {"f16", "f32", "f16_vs_f32"}};
+// The two pairs of the default GPU run: logic and precision.
+constexpr Pair kPairs[] = {{"f32", "f64", "f32_vs_f64", ""},
+                           {"f16", "f32-f16store", "f16_vs_f32-f16store", "f16_vs_f32-f16store_local"}};
 
 // Every applicable fault (or only `only`) on one model, both precision pairs.
 void check_model(const std::string& path, const std::string& label, std::vector<Fault> only = {}) {
@@ -165,8 +172,11 @@ void check_model(const std::string& path, const std::string& label, std::vector<
     const Dump clean = engine_dump(m, p.engine, {}, ref.argmax, label + "-clean-" + p.engine);
     const diff::Comparison cc = compare(clean.path, ref.path, p.preset);
     EXPECT_FALSE(cc.diverged()) << "clean engine diverges at " << first_of(cc);
+    const std::string local_preset = *p.local_preset ? p.local_preset : p.preset;
+    diff::CompareOptions iopt;
+    iopt.judge_local = *p.local_preset != 0;
     const Dump clean_iso = engine_dump(m, p.engine, {}, ref.argmax, label + "-clean-iso-" + p.engine, &ref_reader);
-    const diff::Comparison clean_ci = compare(clean_iso.path, ref.path, p.preset);
+    const diff::Comparison clean_ci = compare(clean_iso.path, ref.path, local_preset);
     EXPECT_FALSE(clean_ci.diverged()) << "a clean op fails in isolation at " << first_of(clean_ci);
     const double clean_local = max_local(clean_ci);
     std::printf("fault-table %-12s %-4s %-24s local max %.3g (clean)\n", label.c_str(), p.engine, "none", clean_local);
@@ -176,16 +186,19 @@ void check_model(const std::string& path, const std::string& label, std::vector<
       if (!fault_not_applicable(info.id, m.cfg, m.file.get()).empty()) continue;
       const bool rms_subtle = info.id == Fault::rms_eps_1e5 || info.id == Fault::rms_norm_off_by_one ||
                               info.id == Fault::rms_eps_outside_sqrt;
-      const bool subtle = rms_subtle && std::string(p.engine) == "f16";
       const bool tiny_effect = info.id == Fault::rms_eps_outside_sqrt && m.cfg.rms_eps < 5e-6;
+      // Under 1e-3 at attn_norm-0 (rms_eps_1e5 3e-4, rms_eps_outside_sqrt 7e-5 or 7e-6) is within what
+      // one f16 flip gives there in the f16 path's local error (its bound 9.1e-4): the logic pair finds it.
+      const bool subtle = std::string(p.engine) == "f16" &&
+                          (info.id == Fault::rms_eps_1e5 || info.id == Fault::rms_eps_outside_sqrt);
       SCOPED_TRACE(info.name);
       const std::string expected = expected_checkpoint(info.id, m.cfg, m.file.get());
       const std::string name = label + "-" + info.name + "-" + p.engine;
       const Dump faulty = engine_dump(m, p.engine, FaultSet{info.id}, ref.argmax, name);
       diff::Comparison c = compare(faulty.path, ref.path, p.preset);
       const Dump iso = engine_dump(m, p.engine, FaultSet{info.id}, ref.argmax, name + "-iso", &ref_reader);
-      const diff::Comparison ci = compare(iso.path, ref.path, p.preset);
-      diff::add_isolation(c, ci);
+      const diff::Comparison ci = compare(iso.path, ref.path, local_preset);
+      diff::add_isolation(c, ci, iopt);
 
       std::string local = "-";
       double local_err = 0;
@@ -212,11 +225,14 @@ void check_model(const std::string& path, const std::string& label, std::vector<
       EXPECT_TRUE(f.local->failed()) << "local rel_l2 " << f.local->rel_l2;
       // Isolation measures the op under test, fused or not: only the fault's own ops fail locally.
       const std::string ops = std::string(",") + info.ops + ",";
-      for (const auto& r : ci.results)
-        if (r.failed())
+      for (const auto& r : ci.results) {
+        if (r.failed()) {
           EXPECT_NE(ops.find("," + r.base + ","), std::string::npos)
               << r.name << " at step " << r.step << " fails in isolation; the fault changes only " << info.ops;
-      if (!local_shape && !local_nonfinite && !tiny_effect) {
+        }
+      }
+      // The f16 path's clean local errors (one-ulp f16 flips, up to ~1e-4) leave the subtle faults no 100x.
+      if (!local_shape && !local_nonfinite && !tiny_effect && !(rms_subtle && std::string(p.engine) == "f16")) {
         EXPECT_GE(local_err, 100 * clean_local) << "local error against the clean run's largest local error";
       }
     }
