@@ -10,12 +10,12 @@
 // isolation too), and only the fault's own ops (the catalog's `ops`) may fail locally; the clean
 // engine passes in isolation everywhere. The subtle RMSNorm faults (rms_eps_1e5, rms_norm_off_by_one,
 // rms_eps_outside_sqrt) move attn_norm-0 by 7e-6 to 3e-3: the logic pair finds each; the precision
-// pair finds rms_norm_off_by_one (1.5e-3..3e-3) by its local error, and prints the two under 1e-3,
-// which one f16 flip of an outlier element can give in attn_norm's local error (H100: rms_eps_1e5
-// then reads as drift at attn_norm-0, rms_eps_outside_sqrt is not seen). rms_eps_outside_sqrt on
-// models with rms_eps 1e-6 moves attn_norm-0 by only 7e-6 (tiny qwen2/qwen3): its isolation local
-// error is not 100x the clean run's largest (which comes from other kinds), so that ratio is not
-// asserted for it. rope_cache_unrotated is the fused-write check of isolation: its cache_k-0 must
+// pair finds them by their local error, the ones under 1e-3 (within what one f16 flip of an outlier
+// element gives in rel_l2) by the share of attn_norm's f16 values that differ (max_fail_frac of the
+// _local preset). rms_eps_outside_sqrt on models with rms_eps 1e-6 moves attn_norm-0 by only 7e-6
+// (tiny qwen2/qwen3), which changes almost no f16 value: the f16 check prints it and asserts nothing.
+// For these three the local error is not asserted to be 100x the clean run's largest (which comes from
+// other kinds, and in the f16 path from single flips). rope_cache_unrotated is the fused-write check of isolation: its cache_k-0 must
 // be local in isolation as in the plain run.
 //
 // Printed figures (for the project notes): one line per fault and configuration ("fault-table"),
@@ -187,10 +187,8 @@ void check_model(const std::string& path, const std::string& label, std::vector<
       const bool rms_subtle = info.id == Fault::rms_eps_1e5 || info.id == Fault::rms_norm_off_by_one ||
                               info.id == Fault::rms_eps_outside_sqrt;
       const bool tiny_effect = info.id == Fault::rms_eps_outside_sqrt && m.cfg.rms_eps < 5e-6;
-      // Under 1e-3 at attn_norm-0 (rms_eps_1e5 3e-4, rms_eps_outside_sqrt 7e-5 or 7e-6) is within what
-      // one f16 flip gives there in the f16 path's local error (its bound 9.1e-4): the logic pair finds it.
-      const bool subtle = std::string(p.engine) == "f16" &&
-                          (info.id == Fault::rms_eps_1e5 || info.id == Fault::rms_eps_outside_sqrt);
+      // 7e-6 at attn_norm-0 (tiny_effect) changes almost no f16 value: the f16 path cannot show it.
+      const bool subtle = std::string(p.engine) == "f16" && tiny_effect;
       SCOPED_TRACE(info.name);
       const std::string expected = expected_checkpoint(info.id, m.cfg, m.file.get());
       const std::string name = label + "-" + info.name + "-" + p.engine;
