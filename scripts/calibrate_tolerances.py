@@ -365,8 +365,9 @@ def main() -> int:
                "sensitivity": {f"{b}:{k}": {"eps": v, "where": w} for (b, k), (v, w) in sorted(sens.items())}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"{args.engine}/{args.engine_precision} engine vs {args.reference_precision} reference, {args.steps} steps, "
-          f"{runs} runs")
+    pairs = ("diffrun's default pairs" if args.engine_precision == "default" else
+             f"{args.engine_precision} engine vs {args.reference_precision} reference")
+    print(f"{args.engine}: {pairs}, {args.steps} steps, {runs} runs")
     for (b, k), (v, w) in sorted(worst.items()):
         print(f"  {b:16s} {k:8s} {v:.3e}  ({w})")
     for name, t in tokens.items():
