@@ -143,15 +143,20 @@ void bench_model(const std::string& path, const std::string& precision, int n_de
   fmt::print("{} ({})\n", path, precision);
   fmt::print("  {} layers, D {}, H {}/{}, F {}, V {}; {} threads\n", cfg.n_layer, cfg.n_embd, cfg.n_head,
              cfg.n_head_kv, cfg.n_ff, cfg.n_vocab, omp_get_max_threads());
-  fmt::print("                               streamed     dense\n");
-  fmt::print("  load                     {:9.2f} s {:9.2f} s\n", load_streamed, load_dense);
+  // One column per backend: streamed, then dense unless only_streamed.
+  auto row = [&](const std::string& label, double streamed_value, double dense_value, const char* unit) {
+    std::string line = fmt::format("  {:<25}{:9.2f} {:<6}", label, streamed_value, unit);
+    if (n_backends == 2) line += fmt::format("{:9.2f} {}", dense_value, unit);
+    fmt::print("{}\n", line);
+  };
   auto rate = [&](int b, const std::vector<double>* s, int tokens) {
     return b < n_backends ? tokens / median(s[b]) : 0.0;
   };
-  fmt::print("  prefill {:3d} tokens (med.) {:7.1f} tok/s {:7.1f} tok/s\n", n_prompt, rate(0, prefill_s, n_prompt),
-             rate(1, prefill_s, n_prompt));
-  fmt::print("  decode (median of {:3d})   {:7.1f} tok/s {:7.1f} tok/s\n", n_decode, rate(0, decode_s, 1),
-             rate(1, decode_s, 1));
+  fmt::print("  {:<25}{:>16}{}\n", "", "streamed", n_backends == 2 ? "            dense" : "");
+  row("load", load_streamed, load_dense, "s");
+  row(fmt::format("prefill {} tokens (med.)", n_prompt), rate(0, prefill_s, n_prompt), rate(1, prefill_s, n_prompt),
+      "tok/s");
+  row(fmt::format("decode (median of {})", n_decode), rate(0, decode_s, 1), rate(1, decode_s, 1), "tok/s");
   if (n_backends == 2) {
     fmt::print("  decode time streamed/dense, median of per-step ratios: {:.3f}\n", median(ratio));
   }
