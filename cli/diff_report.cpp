@@ -58,7 +58,8 @@ void ReportOptions::add_options(CLI::App& app) {
                  "of the precision pair (f32_vs_f64, f16_vs_f32, ...)");
   app.add_option("--report-json", report_json, "Write the full report as JSON to this file");
   app.add_option("--report-junit", report_junit,
-                 "Write JUnit XML to this file: one test case per checkpoint, the first divergence the failing one");
+                 "Write JUnit XML to this file: one test case per checkpoint, the first divergence the failing one, its "
+                 "consequences one skipped case per step");
   app.add_flag("--force", force, "Compare dumps of different models, token ids or configs anyway");
   app.add_flag("--no-color", no_color, "No ANSI colours (also: NO_COLOR set, or stdout not a terminal)");
   app.add_option("--jump-factor", jump_factor,

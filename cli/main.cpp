@@ -52,8 +52,10 @@ int main(int argc, char** argv) {
   diffrun --prompt "What is the capital of France?" --chat     reference vs engine, report
   diffrun --prompt "The capital of France is" --engine cpu --inject rope_theta_10000
   diffrun compare diffrun-out/engine.h5 diffrun-out/reference.h5 --report-junit junit.xml
+  diffrun compare diffrun-out --steps 0 --full                 the last run's report again
   diffrun show diffrun-out/engine.h5 diffrun-out/reference.h5 Qrope-0 --slice T=3
   diffrun ls diffrun-out/engine.h5;  diffrun faults;  diffrun SUBCOMMAND --help
+  python3 -m diffrun.plot diffrun-out --out plots              error by op and by layer, |a-b| heatmap
 
 Exit codes:
   0  every compared checkpoint within tolerance (or the subcommand succeeded)
