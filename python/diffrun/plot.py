@@ -36,6 +36,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .dump import Dump, DumpFormatError, open as open_dump  # noqa: E402
 from .metrics import dim_sizes, tensor_metrics  # noqa: E402
@@ -312,12 +313,15 @@ def plot_heatmap(engine: Dump, reference: Dump, name: str, step: int, path: str,
     # Exact elements (|a-b| = 0, masked) pale green; NaN / Inf (over the top) cyan.
     cmap = plt.get_cmap("magma").with_extremes(bad="#c8e6c9", over="#00e5ff")
     shown = np.ma.masked_where(diff == 0, diff)
+    # x in the checkpoint's own column indices, also when blocks of columns are pooled.
+    extent = (-0.5, block * diff.shape[1] - 0.5, diff.shape[0] - 0.5, -0.5)
     if positive.size:
         lo, hi = positive.min(), positive.max()
         norm = LogNorm(vmin=lo, vmax=hi if hi > lo else lo * 10)
-        im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
+        im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm, extent=extent)
     else:
-        im = ax.imshow(np.ma.masked_all(diff.shape), aspect="auto", interpolation="nearest", cmap=cmap)
+        im = ax.imshow(np.ma.masked_all(diff.shape), aspect="auto", interpolation="nearest", cmap=cmap, extent=extent)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     bar = fig.colorbar(im, ax=ax, extend="max" if np.isinf(diff).any() else "neither")
     bar.set_label("|engine - reference| (log)" + ("; cyan: NaN/Inf" if np.isinf(diff).any() else ""))
     # Head boundaries on the channel axis of per-head checkpoints.
