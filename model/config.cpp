@@ -22,6 +22,14 @@ int positive_int(const GgufFile& file, const std::string& key, int64_t v) {
   return static_cast<int>(v);
 }
 
+// A float that is finite and within (lo, hi] (hi included), else ModelError naming the key: +inf, NaN
+// or an absurd value would run without a word and make every activation meaningless.
+double bounded_float(const GgufFile& file, const std::string& key, double v, double lo, double hi, const char* range) {
+  if (!(v > lo && v <= hi))
+    throw ModelError(fmt::format("{}: metadata key '{}' = {} must be a finite number {}", file.path(), key, v, range));
+  return v;
+}
+
 }  // namespace
 
 ModelConfig config_from_gguf(const GgufFile& file) {
@@ -40,7 +48,7 @@ ModelConfig config_from_gguf(const GgufFile& file) {
     c.qk_norm = true;
   } else {
     throw ModelError(fmt::format("{}: unsupported architecture '{}'; diffrun supports llama, qwen2, qwen3",
-                                 file.path(), arch));
+                                 file.path(), printable(arch)));
   }
   auto key = [&](const char* suffix) { return arch + "." + suffix; };
   auto req = [&](const char* suffix) {
@@ -74,16 +82,21 @@ ModelConfig config_from_gguf(const GgufFile& file) {
                                  file.path(), key("rope.dimension_count"), r, c.head_dim));
   if (c.head_dim % 2 != 0)
     throw ModelError(fmt::format("{}: head dim {} is odd; RoPE needs pairs", file.path(), c.head_dim));
-  c.rope_theta = file.get_float(key("rope.freq_base"), 10000.0);
-  c.rms_eps = file.get_float(key("attention.layer_norm_rms_epsilon"));
-  if (!(c.rope_theta > 0))
-    throw ModelError(fmt::format("{}: {} = {} must be positive", file.path(), key("rope.freq_base"), c.rope_theta));
-  if (!(c.rms_eps > 0))
-    throw ModelError(fmt::format("{}: {} = {} must be positive", file.path(),
-                                 key("attention.layer_norm_rms_epsilon"), c.rms_eps));
+  c.rope_theta = bounded_float(file, key("rope.freq_base"), file.get_float(key("rope.freq_base"), 10000.0), 1.0, 1e12,
+                               "above 1 and at most 1e12");
+  c.rms_eps = bounded_float(file, key("attention.layer_norm_rms_epsilon"),
+                            file.get_float(key("attention.layer_norm_rms_epsilon")), 0.0, 0.1,
+                            "above 0 and at most 0.1");
   const GgufValue& tokens = file.get("tokenizer.ggml.tokens");
   c.n_vocab = positive_int(file, "tokenizer.ggml.tokens",
                            static_cast<int64_t>(tokens.as_array("tokenizer.ggml.tokens").items.size()));
+  // llama.cpp takes the vocabulary size from this key when present: one that disagrees with the token
+  // list would size the logits differently there than here.
+  if (file.find(key("vocab_size"))) {
+    if (const int64_t v = file.get_int(key("vocab_size")); v != c.n_vocab)
+      throw ModelError(fmt::format("{}: {} = {} disagrees with the {} entries of tokenizer.ggml.tokens", file.path(),
+                                   key("vocab_size"), v, c.n_vocab));
+  }
   c.tied_output = file.find_tensor("output.weight") == nullptr;
   return c;
 }

@@ -2,8 +2,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace diffrun {
 
@@ -35,5 +37,64 @@ struct InputError : Error {
 struct DumpError : Error {
   using Error::Error;
 };
+
+// A value from a file or the command line made safe to echo in one error line: backslash, the quote
+// character `quote` (0: none), newline, tab, other control bytes (C0, DEL, UTF-8-encoded C1, so no
+// ANSI escape reaches the terminal) and bytes that are not valid UTF-8 are escaped (\\, \n, \t,
+// \xNN); past `max_bytes` bytes of the value the rest is cut and "... (N bytes)" says how long it was.
+// The one helper for this: `inspect` shows GGUF strings through it too.
+inline std::string printable(std::string_view s, size_t max_bytes = 200, char quote = '\'') {
+  auto hex = [](unsigned char c) {
+    char buf[5];
+    std::snprintf(buf, sizeof buf, "\\x%02x", c);
+    return std::string(buf);
+  };
+  std::string out;
+  size_t i = 0;
+  while (i < s.size()) {
+    if (i >= max_bytes) {
+      out += "... (" + std::to_string(s.size()) + " bytes)";
+      break;
+    }
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c < 0x80) {
+      if (c == '\\' || (quote && c == static_cast<unsigned char>(quote))) {
+        out += '\\';
+        out += static_cast<char>(c);
+      } else if (c == '\n') {
+        out += "\\n";
+      } else if (c == '\t') {
+        out += "\\t";
+      } else if (c < 0x20 || c == 0x7f) {
+        out += hex(c);
+      } else {
+        out += static_cast<char>(c);
+      }
+      ++i;
+      continue;
+    }
+    // A well-formed UTF-8 sequence (no overlong form, no surrogate, at most U+10FFFF) passes whole.
+    const size_t n = c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc2 ? 2 : 0;
+    bool ok = n > 0 && c <= 0xf4 && i + n <= s.size();
+    for (size_t k = 1; ok && k < n; ++k) ok = (static_cast<unsigned char>(s[i + k]) & 0xc0) == 0x80;
+    if (ok && n >= 3) {
+      const auto c1 = static_cast<unsigned char>(s[i + 1]);
+      if (c == 0xe0 && c1 < 0xa0) ok = false;   // overlong
+      if (c == 0xed && c1 >= 0xa0) ok = false;  // surrogate
+      if (c == 0xf0 && c1 < 0x90) ok = false;   // overlong
+      if (c == 0xf4 && c1 >= 0x90) ok = false;  // past U+10FFFF
+    }
+    const bool c1_control = ok && n == 2 && c == 0xc2 && static_cast<unsigned char>(s[i + 1]) < 0xa0;
+    if (!ok || c1_control) {
+      const size_t bad = ok ? 2 : 1;
+      for (size_t k = 0; k < bad; ++k) out += hex(static_cast<unsigned char>(s[i + k]));
+      i += bad;
+      continue;
+    }
+    out.append(s.substr(i, n));
+    i += n;
+  }
+  return out;
+}
 
 }  // namespace diffrun

@@ -163,26 +163,11 @@ const GgufArray& GgufValue::as_array(std::string_view key) const {
 }
 
 namespace {
-std::string quote(const std::string& s, size_t max_chars) {
-  std::string out = "\"";
-  size_t n = 0;
-  for (unsigned char c : s) {
-    if (n++ == max_chars) {
-      out += "...";
-      break;
-    }
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c < 0x20 || c == 0x7f) {
-      out += fmt::format("\\x{:02x}", c);
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out + "\"";
+std::string quote(const std::string& s, size_t max_bytes) {
+  std::string out(1, '"');
+  out += printable(s, max_bytes, '"');
+  out += '"';
+  return out;
 }
 }  // namespace
 
@@ -329,7 +314,7 @@ class GgufParser {
       uint64_t at = pos_;
       std::string key = str("metadata key");
       if (key.empty()) fail(at, "empty metadata key");
-      if (!seen.insert(key).second) fail(at, fmt::format("duplicate metadata key '{}'", key));
+      if (!seen.insert(key).second) fail(at, fmt::format("duplicate metadata key '{}'", printable(key)));
       uint64_t at_type = pos_;
       GgufValueType t = value_type(u32("truncated metadata value type"), at_type);
       uint64_t at_value = pos_;
@@ -361,33 +346,33 @@ class GgufParser {
       if (t.name.size() >= kMaxTensorName)
         fail(at, fmt::format("tensor name of {} bytes is longer than ggml's limit of {}", t.name.size(),
                              kMaxTensorName - 1));
-      if (!seen.insert(t.name).second) fail(at, fmt::format("duplicate tensor name '{}'", t.name));
+      if (!seen.insert(t.name).second) fail(at, fmt::format("duplicate tensor name '{}'", printable(t.name)));
       uint64_t at_dims = pos_;
       uint32_t n_dims = u32("truncated tensor info");
       if (n_dims == 0 || n_dims > 4)
-        fail(at_dims, fmt::format("tensor '{}' has n_dims {}, expected 1 to 4", t.name, n_dims));
+        fail(at_dims, fmt::format("tensor '{}' has n_dims {}, expected 1 to 4", printable(t.name), n_dims));
       int64_t n_elements = 1;
       for (uint32_t d = 0; d < n_dims; ++d) {
         uint64_t at_dim = pos_;
         uint64_t ne = u64("truncated tensor info");
         if (ne > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-          fail(at_dim, fmt::format("tensor '{}' has dimension {} = {} (negative as int64)", t.name, d, ne));
+          fail(at_dim, fmt::format("tensor '{}' has dimension {} = {} (negative as int64)", printable(t.name), d, ne));
         t.ne.push_back(static_cast<int64_t>(ne));
         if (__builtin_mul_overflow(n_elements, static_cast<int64_t>(ne), &n_elements))
-          fail(at_dim, fmt::format("tensor '{}': the product of its dimensions overflows int64", t.name));
+          fail(at_dim, fmt::format("tensor '{}': the product of its dimensions overflows int64", printable(t.name)));
       }
       uint64_t at_type = pos_;
       uint32_t raw_type = u32("truncated tensor info");
       if (!ggml_type_known(raw_type))
-        fail(at_type, fmt::format("tensor '{}' has unknown dtype {}", t.name, raw_type));
+        fail(at_type, fmt::format("tensor '{}' has unknown dtype {}", printable(t.name), raw_type));
       t.type = static_cast<GgmlType>(raw_type);
       int64_t be = ggml_block_elements(t.type);
       if (t.ne[0] % be != 0)
-        fail(at_dims, fmt::format("tensor '{}': ne[0] = {} is not a multiple of the {} block size {}", t.name,
+        fail(at_dims, fmt::format("tensor '{}': ne[0] = {} is not a multiple of the {} block size {}", printable(t.name),
                                   t.ne[0], ggml_type_name(t.type), be));
       int64_t n_bytes = 0;
       if (__builtin_mul_overflow(n_elements / be, ggml_block_bytes(t.type), &n_bytes))
-        fail(at_dims, fmt::format("tensor '{}': its byte size overflows int64", t.name));
+        fail(at_dims, fmt::format("tensor '{}': its byte size overflows int64", printable(t.name)));
       t.n_elements = n_elements;
       t.n_bytes = static_cast<uint64_t>(n_bytes);
       t.offset = u64("truncated tensor info");
@@ -402,12 +387,12 @@ class GgufParser {
       const TensorInfo& t = f_.tensors_[i];
       uint64_t at = tensor_info_offsets_[i];
       if (t.offset % f_.alignment_ != 0)
-        fail(at, fmt::format("tensor '{}' data offset {} is not a multiple of the alignment {}", t.name, t.offset,
+        fail(at, fmt::format("tensor '{}' data offset {} is not a multiple of the alignment {}", printable(t.name), t.offset,
                              f_.alignment_));
       uint64_t start = 0, end = 0;
       if (__builtin_add_overflow(data, t.offset, &start) || __builtin_add_overflow(start, t.n_bytes, &end) ||
           end > size_)
-        fail(at, fmt::format("tensor '{}' data [{}, +{}) runs past the end of the file ({} bytes)", t.name,
+        fail(at, fmt::format("tensor '{}' data [{}, +{}) runs past the end of the file ({} bytes)", printable(t.name),
                              t.offset, t.n_bytes, size_));
     }
   }

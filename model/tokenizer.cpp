@@ -140,7 +140,7 @@ TokenizerVocab read_tokenizer_vocab(const GgufFile& file) {
   } else if (model == "llama") {
     v.kind = VocabKind::spm;
   } else {
-    throw ModelError(file.path() + ": tokenizer.ggml.model '" + model +
+    throw ModelError(file.path() + ": tokenizer.ggml.model '" + printable(model) +
                      "' is not supported (gpt2 for byte-level BPE, llama for SentencePiece)");
   }
   v.tokens = file.get_string_array("tokenizer.ggml.tokens");

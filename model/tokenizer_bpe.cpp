@@ -56,7 +56,7 @@ class BpeTokenizer final : public VocabTokenizer {
       const std::string& m = v_.merges[r];
       const size_t sp = m.find(' ', 1);
       if (sp == std::string::npos || sp + 1 == m.size())
-        throw ModelError("tokenizer.ggml.merges[" + std::to_string(r) + "] = '" + m + "' is not 'left right'");
+        throw ModelError("tokenizer.ggml.merges[" + std::to_string(r) + "] = '" + printable(m) + "' is not 'left right'");
       const std::string_view left(m.data(), sp);
       const std::string_view right(m.data() + sp + 1, m.size() - sp - 1);
       const int32_t l = intern(left);
@@ -139,7 +139,7 @@ class BpeTokenizer final : public VocabTokenizer {
     } else if (v_.unk >= 0) {
       throw InputError(fmt::format("byte 0x{:02x} has no token in this vocabulary, and its unknown token '{}' is a "
                                    "control token",
-                                   b, v_.tokens[static_cast<size_t>(v_.unk)]));
+                                   b, printable(v_.tokens[static_cast<size_t>(v_.unk)])));
     } else {
       throw InputError(fmt::format("byte 0x{:02x} has no token in this vocabulary and the model has no unknown token", b));
     }

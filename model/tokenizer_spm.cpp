@@ -146,7 +146,7 @@ class SpmTokenizer final : public VocabTokenizer {
       }
       if (ok) return std::string(1, static_cast<char>(v));
     }
-    throw ModelError("token " + std::to_string(id) + " '" + p + "' has type byte but is not <0xNN>");
+    throw ModelError("token " + std::to_string(id) + " '" + printable(p) + "' has type byte but is not <0xNN>");
   }
 
   std::array<int32_t, 256> byte_id_{};  // <0xNN> token of each byte (or the byte's own piece, or unk)

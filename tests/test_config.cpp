@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <set>
 #include <string>
 #include <vector>
@@ -365,6 +366,48 @@ TEST_F(ConfigCrafted, UndequantizableDtypeNamesTensorAndType) {
   const std::string e = error_of(s);
   EXPECT_NE(e.find("blk.0.ffn_gate.weight"), std::string::npos) << e;
   EXPECT_NE(e.find("IQ4_XS"), std::string::npos) << e;
+}
+
+// Non-finite or absurd floats once ran without a word (+inf freq_base); a vocab_size that disagrees
+// with the token list too; raw control bytes of a GGUF string reached the error line unescaped.
+TEST_F(ConfigCrafted, NonFiniteAbsurdOrInconsistentMetadataNamesTheKey) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  for (float bad : {inf, -inf, nan, 0.0f, -1.0f, 0.5f, 1e30f}) {
+    Spec s = llama_spec();
+    s.floats = {{"attention.layer_norm_rms_epsilon", 1e-6f}, {"rope.freq_base", bad}};
+    const std::string e = error_of(s);
+    EXPECT_NE(e.find("metadata key 'llama.rope.freq_base' = "), std::string::npos) << bad << ": " << e;
+    EXPECT_NE(e.find("must be a finite number above 1"), std::string::npos) << bad << ": " << e;
+  }
+  for (float bad : {inf, nan, 0.0f, -1e-6f, 0.5f}) {
+    Spec s = llama_spec();
+    s.floats = {{"attention.layer_norm_rms_epsilon", bad}, {"rope.freq_base", 5e5f}};
+    const std::string e = error_of(s);
+    EXPECT_NE(e.find("'llama.attention.layer_norm_rms_epsilon' = "), std::string::npos) << bad << ": " << e;
+  }
+  Spec s = llama_spec();
+  set_int(s, "vocab_size", 6);
+  EXPECT_NE(error_of(s).find("llama.vocab_size = 6 disagrees with the 5 entries of tokenizer.ggml.tokens"),
+            std::string::npos)
+      << error_of(s);
+  set_int(s, "vocab_size", 5);
+  EXPECT_EQ(error_of(s), "");
+
+  s = llama_spec();
+  s.arch = std::string("ll\x1b[31mama\n\0evil", 16) + std::string(5000, 'x');
+  const std::string e = error_of(s);
+  EXPECT_NE(e.find("unsupported architecture 'll\\x1b[31mama\\n\\x00evil"), std::string::npos) << e;
+  EXPECT_EQ(e.find_first_of(std::string("\n\x1b\0", 3)), std::string::npos) << e;
+  EXPECT_NE(e.find("... (5016 bytes)"), std::string::npos) << e;
+  EXPECT_LT(e.size(), 600u) << e;
+}
+
+TEST(Config, PrintableEscapesAndTruncates) {
+  EXPECT_EQ(printable("plain caf\u00e9 \u65e5"), "plain caf\u00e9 \u65e5");
+  EXPECT_EQ(printable(std::string("a\0b\n\t\x1b[0m'\\", 11)), "a\\x00b\\n\\t\\x1b[0m\\'\\\\");
+  EXPECT_EQ(printable("say \"x\"", 200, '"'), "say \\\"x\\\"");
+  EXPECT_EQ(printable("\xff\xc3(\xed\xa0\x80\xc2\x9b"), "\\xff\\xc3(\\xed\\xa0\\x80\\xc2\\x9b");
+  EXPECT_EQ(printable(std::string(300, 'y'), 4), "yyyy... (300 bytes)");
 }
 
 TEST(Config, Names) {
