@@ -10,6 +10,7 @@
 #include "checkpoints/dump.hpp"
 #include "checkpoints/replay_sink.hpp"
 #include "cli/command.hpp"
+#include "cli/options.hpp"
 #include "cli/interrupt.hpp"
 #include "cli/run.hpp"
 #include "model/config.hpp"
@@ -38,6 +39,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 int run_dump(const DumpOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
+  check_output_file("--out", o.out);
   const CheckpointFilter filter(o.checkpoints);
   fmt::print(stderr, "diffrun dump: loading {}\n", o.model);
   const auto file = GgufFile::open(o.model);
@@ -94,7 +96,7 @@ const CommandRegistrar reg("dump", "Run one backend and write its checkpoints to
   o->prompt.add_options(app);
   o->backend.add_options(app);
   app.add_option("--steps", o->steps, "Greedy decode steps after the prefill")->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(count_in(0));
   app.add_option("--out,-o", o->out, "Dump file to write (HDF5)")->required();
   app.add_flag("--remove-stale", o->remove_stale,
                "Remove the dump temporaries (*.tmp-PID) that killed runs left beside --out (otherwise only listed)");

@@ -7,6 +7,7 @@
 #include <fmt/core.h>
 
 #include "cli/command.hpp"
+#include "cli/options.hpp"
 #include "cli/run.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
@@ -90,7 +91,7 @@ const CommandRegistrar reg("generate", "Greedy generation with one backend, stre
   o->backend.add_options(app);
   app.add_option("-n,--n-predict", o->n_predict, "Most new tokens to generate (stops earlier at end of generation)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(count_in(1));
   return [o] { return run_generate(*o); };
 });
 

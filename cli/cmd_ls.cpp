@@ -11,6 +11,7 @@
 #include "checkpoints/dump.hpp"
 #include "checkpoints/name_map.hpp"
 #include "cli/command.hpp"
+#include "cli/options.hpp"
 
 namespace diffrun::cli {
 namespace {
@@ -143,7 +144,7 @@ const CommandRegistrar reg("ls", "Summarise a dump: metadata, a line per step, t
   auto o = std::make_shared<LsOptions>();
   app.add_option("dump", o->path, "HDF5 dump")->required();
   app.add_option("--names", o->names, "Name map of the dump: llamacpp, hf or a JSON file (fixtures/names/README.md)");
-  app.add_option("--step", o->step, "Every checkpoint of this step")->check(CLI::NonNegativeNumber);
+  app.add_option("--step", o->step, "Every checkpoint of this step")->check(count_in(0));
   app.add_flag("--all", o->all, "Every checkpoint of every step (default: one line per step and the kinds)");
   return [o] { return run_ls(*o); };
 });

@@ -12,6 +12,7 @@
 #include "checkpoints/dump.hpp"
 #include "checkpoints/replay_sink.hpp"
 #include "cli/command.hpp"
+#include "cli/options.hpp"
 #include "cli/diff_report.hpp"
 #include "cli/interrupt.hpp"
 #include "cli/pipeline.hpp"
@@ -147,6 +148,9 @@ StepsResult run_backend(const GgufFile& file, const ModelConfig& cfg, const Back
 
 int run_main(const MainOptions& o) {
   Progress progress("diffrun");
+  check_output_dir("--out", o.out);
+  if (!o.report.report_json.empty()) check_output_file("--report-json", o.report.report_json);
+  if (!o.report.report_junit.empty()) check_output_file("--report-junit", o.report.report_junit);
   const CheckpointFilter filter(o.checkpoints);
   const std::vector<RunPair> pairs = run_pairs(o, progress);
 
@@ -286,8 +290,7 @@ const CommandRegistrar registrar{
       o->model = default_model_path();
       o->prompt.add_options(app);
       app.add_option("--model,-m", o->model, "GGUF model")->capture_default_str();
-      app.add_option("--steps", o->steps, "Decode steps after the prefill")->capture_default_str()->check(
-          CLI::NonNegativeNumber);
+      app.add_option("--steps", o->steps, "Decode steps after the prefill")->capture_default_str()->check(count_in(0));
       app.add_option("--engine", o->engine, "Engine side: auto (cuda when a device exists, else cpu), cuda or cpu")
           ->capture_default_str()
           ->check(CLI::IsMember({"auto", "cuda", "cpu"}));

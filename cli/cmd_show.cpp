@@ -14,6 +14,7 @@
 #include "checkpoints/name_map.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "cli/command.hpp"
+#include "cli/options.hpp"
 #include "model/error.hpp"
 
 namespace diffrun::cli {
@@ -297,12 +298,12 @@ const CommandRegistrar reg("show", "One checkpoint of one dump (stats, a slice) 
       ->required()
       ->expected(2, 3);
   app.add_option("--names", o->names, "Name map of the dump(s): llamacpp, hf or a JSON file (fixtures/names/README.md)");
-  app.add_option("--step", o->step, "Step (0 is the prefill)")->capture_default_str()->check(CLI::NonNegativeNumber);
-  app.add_option("--rows", o->rows, "Rows of the slice")->capture_default_str()->check(CLI::NonNegativeNumber);
-  app.add_option("--cols", o->cols, "Columns of the slice")->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--step", o->step, "Step (0 is the prefill)")->capture_default_str()->check(count_in(0));
+  app.add_option("--rows", o->rows, "Rows of the slice")->capture_default_str()->check(count_in(0));
+  app.add_option("--cols", o->cols, "Columns of the slice")->capture_default_str()->check(count_in(0));
   app.add_option("--top", o->top, "With two dumps: how many worst coordinates to list")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(count_in(0));
   app.add_option("--slice", o->slice, "Fix coordinates by layout letter, e.g. T=3 or H=1,T=0 (diffrun ls shows layouts)");
   return [o] {
     o->name = o->args.back();

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoints/dump.hpp"
+#include "cli/options.hpp"
 #include "checkpoints/name_map.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "diff/compare.hpp"
@@ -64,7 +65,7 @@ void ReportOptions::add_options(CLI::App& app) {
   app.add_flag("--no-color", no_color, "No ANSI colours (also: NO_COLOR set, or stdout not a terminal)");
   app.add_option("--jump-factor", jump_factor,
                  "Verdict: an error this many times its inputs' is a local bug (default 10)")
-      ->check(CLI::PositiveNumber);
+      ->check(finite_positive());
   app.add_option("--names", names,
                  "Name map of the engine dump: llamacpp, hf or a JSON file (fixtures/names/README.md)");
   app.add_option("--reference-names", reference_names, "Name map of the reference dump (as --names)");
@@ -240,7 +241,7 @@ int report_comparisons(const std::vector<std::string>& titles, const std::vector
       std::fputs(fmt::format("  {}: {}\n", titles[i],
                              json["pairs"][i]["exit_code"].get<int>() == 0 ? "PASS" : "DIVERGED").c_str(), stdout);
   }
-  if (!opt.report_json.empty()) write_text_file(opt.report_json, json.dump(1) + "\n", "JSON");
+  if (!opt.report_json.empty()) write_text_file(opt.report_json, json.dump(1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n", "JSON");
   if (!opt.report_junit.empty()) {
     std::string out = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
     out += fmt::format("<testsuites name=\"diffrun\" tests=\"{}\" failures=\"{}\" errors=\"0\" skipped=\"{}\">\n", total,

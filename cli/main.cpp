@@ -2,12 +2,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <memory>
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
 #include "cli/command.hpp"
+#include "cli/error_report.hpp"
 #include "cli/interrupt.hpp"
 #include "model/error.hpp"
 
@@ -62,11 +64,17 @@ Exit codes:
   1  a divergence, a NaN/Inf, or coverage below --require-coverage (validate: problems found)
   2  the run could not be done: bad input, missing or unreadable file, no GPU for --engine cuda
   130, 143  interrupted by SIGINT, SIGTERM (the run's dump temporaries are removed))");
+  // Exit 2 with one error line; the reports asked for (--report-json, --report-junit) say it too.
+  auto fail = [&](const char* kind, const std::string& what) {
+    write_error_reports(argc, argv, what);
+    fmt::print(stderr, "diffrun: {}: {}\n", kind, what);
+    return 2;
+  };
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    int rc = app.exit(e);
-    return rc == 0 ? 0 : 2;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    return fail("error", diffrun::printable(e.what(), 400, 0) + " (--help lists the options)");
   }
   try {
     if (run) return run();
@@ -74,10 +82,13 @@ Exit codes:
     std::fputs(app.help().c_str(), stdout);
     return 2;
   } catch (const diffrun::Error& e) {
-    fmt::print(stderr, "diffrun: error: {}\n", e.what());
-    return 2;
+    return fail("error", e.what());
+  } catch (const std::filesystem::filesystem_error& e) {
+    // A directory that cannot be made or a file that cannot be moved: what and where, not "internal".
+    std::string what = e.code().message();
+    if (!e.path1().empty()) what = fmt::format("{}: {}", diffrun::printable(e.path1().string()), what);
+    return fail("error", what);
   } catch (const std::exception& e) {
-    fmt::print(stderr, "diffrun: internal error: {}\n", e.what());
-    return 2;
+    return fail("internal error", e.what());
   }
 }

@@ -9,6 +9,7 @@
 
 #include "checkpoints/faults.hpp"
 #include "checkpoints/vocabulary.hpp"
+#include "cli/options.hpp"
 #include "model/chat_template.hpp"
 #include "model/error.hpp"
 #include "reference_cpu/reference.hpp"
@@ -211,7 +212,7 @@ void DumpSizeOptions::add_options(CLI::App& app) {
   app.add_option("--softmax-rows", softmax_rows,
                  "Record kq_soft_max for the last N query rows of each step only (0 = every row; default: every row "
                  "unless the dump would pass --max-dump-size, then as many as fit)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(count_in(0));
 }
 
 DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, int steps, const CheckpointFilter& filter,

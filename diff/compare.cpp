@@ -44,21 +44,26 @@ struct Entry {
   const DatasetInfo* reference;
 };
 
-// Both sides' float datasets of one step, reference order first, engine-only ones by their order.
+// The input ids of a step, checked for equality before the comparison, never compared as data.
+bool is_token_ids(const DatasetInfo& d) { return d.is_int && d.name == "tokens"; }
+
+// Both sides' datasets of one step but the token ids, reference order first, engine-only ones by their
+// order. An integer dataset outside the vocabulary (positions, ids of a foreign writer) is compared
+// as values like any checkpoint, also against a float one of the same name.
 std::vector<Entry> merged_entries(const std::vector<DatasetInfo>& eng, const std::vector<DatasetInfo>& ref) {
   std::vector<Entry> out;
   std::map<std::string, const DatasetInfo*> eng_by_name;
   for (const auto& d : eng) {
-    if (!d.is_int) eng_by_name[d.name] = &d;
+    if (!is_token_ids(d)) eng_by_name[d.name] = &d;
   }
   for (const auto& d : ref) {
-    if (d.is_int) continue;
+    if (is_token_ids(d)) continue;
     auto it = eng_by_name.find(d.name);
     out.push_back({d.order, d.name, it == eng_by_name.end() ? nullptr : it->second, &d});
     if (it != eng_by_name.end()) eng_by_name.erase(it);
   }
   for (const auto& d : eng) {
-    if (d.is_int || !eng_by_name.count(d.name)) continue;
+    if (is_token_ids(d) || !eng_by_name.count(d.name)) continue;
     auto pos = std::find_if(out.begin(), out.end(), [&](const Entry& x) { return x.order > d.order; });
     out.insert(pos, {d.order, d.name, &d, nullptr});
   }

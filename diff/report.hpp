@@ -39,6 +39,12 @@ std::string render_json(const Comparison& c);
 // first NaN/Inf) fail; the checkpoints failing downstream of it are skipped as its consequences.
 std::string render_junit(const Comparison& c);
 
+// The reports of a run that could not be done (exit 2: bad input, a missing file, no GPU), so CI
+// shows why: JSON {"report_version", "exit_code": 2, "title", "error"}; JUnit one test case of
+// suite `title` with an <error> carrying the message.
+std::string render_json_error(const std::string& title, const std::string& error);
+std::string render_junit_error(const std::string& title, const std::string& error);
+
 // ▁▂▃▄▅▆▇█ over log10 of the values between lo (▁) and hi (█), both > 0; by default the
 // smallest and largest positive finite value. '·' for an exact zero, '!' for inf, ' ' for NaN (absent).
 std::string sparkline(std::span<const double> values, double lo = 0, double hi = 0);

@@ -52,6 +52,8 @@
 //                            "argmax_engine": [int], "argmax_reference": [int]}}}],
 //   "tokens": [{"step", "reference", "engine", "match"}]        // -1 where unknown
 // }
+// A run that could not be done (exit 2) writes {"report_version": 2, "exit_code": 2, "title", "error"}
+// instead (render_json_error). Strings that are not valid UTF-8 (a prompt) hold U+FFFD.
 #include <cmath>
 #include <set>
 
@@ -267,7 +269,17 @@ nlohmann::ordered_json report_json(const Comparison& c) {
 }
 
 std::string render_json(const Comparison& c) {
-  return report_json(c).dump(1) + "\n";
+  // Bytes that are not valid UTF-8 (a prompt, a token's piece) become U+FFFD instead of failing the dump.
+  return report_json(c).dump(1, ' ', false, json::error_handler_t::replace) + "\n";
+}
+
+std::string render_json_error(const std::string& title, const std::string& error) {
+  json j;
+  j["report_version"] = 2;
+  j["exit_code"] = 2;
+  j["title"] = title;
+  j["error"] = error;
+  return j.dump(1, ' ', false, json::error_handler_t::replace) + "\n";
 }
 
 }  // namespace diffrun::diff

@@ -10,16 +10,26 @@
 
 #include "diff/pattern.hpp"
 #include "diff/report.hpp"
+#include "model/error.hpp"
 
 namespace diffrun::diff {
 namespace {
 
 // Escapes text for XML attributes (line breaks as character references) or character data;
-// drops the control characters XML 1.0 cannot carry.
+// drops the control characters XML 1.0 cannot carry and replaces bytes that are not valid UTF-8
+// (a prompt may hold any bytes) and U+FFFE/U+FFFF by U+FFFD, so the file always parses.
 std::string xml_escape(std::string_view in, bool attribute = true) {
   std::string out;
   out.reserve(in.size());
-  for (char ch : in) {
+  for (size_t i = 0; i < in.size();) {
+    const size_t n = utf8_sequence_length(in, i);
+    if (n != 1) {
+      const bool nonchar = n == 3 && in.substr(i, 2) == "\xef\xbf" && static_cast<unsigned char>(in[i + 2]) >= 0xbe;
+      out += n == 0 || nonchar ? std::string_view("\xef\xbf\xbd") : in.substr(i, n);
+      i += n == 0 ? 1 : n;
+      continue;
+    }
+    const char ch = in[i++];
     switch (ch) {
       case '&': out += "&amp;"; break;
       case '<': out += "&lt;"; break;
@@ -244,6 +254,16 @@ std::string render_junit(const Comparison& c) {
     out += "  </testsuite>\n";
   }
   out += "</testsuites>\n";
+  return out;
+}
+
+std::string render_junit_error(const std::string& title, const std::string& error) {
+  std::string out = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+  out += fmt::format("<testsuites name=\"diffrun\" tests=\"1\" failures=\"0\" errors=\"1\" skipped=\"0\">\n");
+  out += fmt::format("  <testsuite name=\"{}\" tests=\"1\" failures=\"0\" errors=\"1\" skipped=\"0\">\n", xml_escape(title));
+  out += fmt::format("    <testcase classname=\"{}\" name=\"run\" time=\"0\">\n", xml_escape(title));
+  out += fmt::format("      <error type=\"exit 2\" message=\"{}\">{}</error>\n", xml_escape(error), xml_escape(error, false));
+  out += "    </testcase>\n  </testsuite>\n</testsuites>\n";
   return out;
 }
 

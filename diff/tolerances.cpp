@@ -112,7 +112,7 @@ class LineTree {
           for (size_t i = 0; i < node.keys.size(); ++i) {
             if (node.keys[i] == key) {
               throw InputError(fmt::format("{}:{}: duplicate key \"{}\" (first on line {})", source_, key_line,
-                                           key, node.kids[i].line));
+                                           printable(key, 80, '"'), node.kids[i].line));
             }
           }
           skip_ws();
@@ -211,18 +211,18 @@ class Parser {
   }
 
   double number(const json& v, const Node& at, const std::string& key, Range range) const {
-    if (!v.is_number()) fail(at, fmt::format("\"{}\" must be a number, not {}", key, v.dump()));
+    if (!v.is_number()) fail(at, fmt::format("\"{}\" must be a number, not {}", key, printable(v.dump(), 80)));
     double x = v.get<double>();
     if (!std::isfinite(x)) fail(at, fmt::format("\"{}\" must be finite", key));
     switch (range) {
       case Range::non_negative:
-        if (x < 0) fail(at, fmt::format("\"{}\" must be >= 0, got {}", key, v.dump()));
+        if (x < 0) fail(at, fmt::format("\"{}\" must be >= 0, got {}", key, printable(v.dump(), 80)));
         break;
       case Range::fraction:
-        if (x < 0 || x > 1) fail(at, fmt::format("\"{}\" must be in [0, 1], got {}", key, v.dump()));
+        if (x < 0 || x > 1) fail(at, fmt::format("\"{}\" must be in [0, 1], got {}", key, printable(v.dump(), 80)));
         break;
       case Range::cosine:
-        if (x < -1 || x > 1) fail(at, fmt::format("\"{}\" must be in [-1, 1], got {}", key, v.dump()));
+        if (x < -1 || x > 1) fail(at, fmt::format("\"{}\" must be in [-1, 1], got {}", key, printable(v.dump(), 80)));
         break;
       case Range::any:
         break;
@@ -231,7 +231,7 @@ class Parser {
   }
 
   std::string string(const json& v, const Node& at, const std::string& key) const {
-    if (!v.is_string()) fail(at, fmt::format("\"{}\" must be a string, not {}", key, v.dump()));
+    if (!v.is_string()) fail(at, fmt::format("\"{}\" must be a string, not {}", key, printable(v.dump(), 80)));
     return v.get<std::string>();
   }
 
@@ -246,10 +246,10 @@ class Parser {
         r.match = string(v, at, key);
         if (!valid_pattern_chars(r.match)) {
           fail(at, fmt::format("bad pattern \"{}\": use checkpoint names with * and ? (letters, digits, _ - .)",
-                               r.match));
+                               printable(r.match, 80, '"')));
         }
         if (!matches_some_checkpoint(r.match)) {
-          fail(at, fmt::format("pattern \"{}\" matches no checkpoint name", r.match));
+          fail(at, fmt::format("pattern \"{}\" matches no checkpoint name", printable(r.match, 80, '"')));
         }
       } else if (key == "reason") {
         r.reason = string(v, at, key);
@@ -266,7 +266,7 @@ class Parser {
           }
         }
         if (!found) {
-          fail(at, fmt::format("unknown key \"{}\" in {} (known: {})", key,
+          fail(at, fmt::format("unknown key \"{}\" in {} (known: {})", printable(key, 80, '"'),
                                is_default ? "the default rule" : "a rule", known_rule_keys(!is_default)));
         }
       }
@@ -319,7 +319,7 @@ class Parser {
         set.default_rule = rule(v, at, true);
         have_default = true;
       } else {
-        fail(at, fmt::format("unknown key \"{}\" (known: preset, description, rules, default)", key));
+        fail(at, fmt::format("unknown key \"{}\" (known: preset, description, rules, default)", printable(key, 80, '"')));
       }
     }
     if (!have_default) fail(root, "missing \"default\" rule");

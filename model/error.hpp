@@ -38,6 +38,22 @@ struct DumpError : Error {
   using Error::Error;
 };
 
+// The length of the well-formed UTF-8 sequence that starts at s[i] (1 to 4 bytes; no overlong form,
+// no surrogate, at most U+10FFFF), or 0 where the bytes there are not valid UTF-8.
+inline size_t utf8_sequence_length(std::string_view s, size_t i) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  if (c < 0x80) return 1;
+  const size_t n = c >= 0xf5 ? 0 : c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc2 ? 2 : 0;
+  if (n == 0 || i + n > s.size()) return 0;
+  for (size_t k = 1; k < n; ++k)
+    if ((static_cast<unsigned char>(s[i + k]) & 0xc0) != 0x80) return 0;
+  const auto c1 = static_cast<unsigned char>(s[i + 1]);
+  if ((c == 0xe0 && c1 < 0xa0) || (c == 0xf0 && c1 < 0x90)) return 0;  // overlong
+  if (c == 0xed && c1 >= 0xa0) return 0;                                 // surrogate
+  if (c == 0xf4 && c1 >= 0x90) return 0;                                 // past U+10FFFF
+  return n;
+}
+
 // A value from a file or the command line made safe to echo in one error line: backslash, the quote
 // character `quote` (0: none), newline, tab, other control bytes (C0, DEL, UTF-8-encoded C1, so no
 // ANSI escape reaches the terminal) and bytes that are not valid UTF-8 are escaped (\\, \n, \t,
@@ -57,42 +73,22 @@ inline std::string printable(std::string_view s, size_t max_bytes = 200, char qu
       break;
     }
     const auto c = static_cast<unsigned char>(s[i]);
-    if (c < 0x80) {
-      if (c == '\\' || (quote && c == static_cast<unsigned char>(quote))) {
-        out += '\\';
-        out += static_cast<char>(c);
-      } else if (c == '\n') {
-        out += "\\n";
-      } else if (c == '\t') {
-        out += "\\t";
-      } else if (c < 0x20 || c == 0x7f) {
-        out += hex(c);
-      } else {
-        out += static_cast<char>(c);
-      }
-      ++i;
-      continue;
+    const size_t n = utf8_sequence_length(s, i);
+    if (n == 1 && (c == '\\' || (quote && c == static_cast<unsigned char>(quote)))) {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (n == 0 || c < 0x20 || c == 0x7f) {
+      out += hex(c);
+    } else if (n == 2 && c == 0xc2 && static_cast<unsigned char>(s[i + 1]) < 0xa0) {  // C1 control
+      out += hex(c) + hex(static_cast<unsigned char>(s[i + 1]));
+    } else {
+      out.append(s.substr(i, n));
     }
-    // A well-formed UTF-8 sequence (no overlong form, no surrogate, at most U+10FFFF) passes whole.
-    const size_t n = c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc2 ? 2 : 0;
-    bool ok = n > 0 && c <= 0xf4 && i + n <= s.size();
-    for (size_t k = 1; ok && k < n; ++k) ok = (static_cast<unsigned char>(s[i + k]) & 0xc0) == 0x80;
-    if (ok && n >= 3) {
-      const auto c1 = static_cast<unsigned char>(s[i + 1]);
-      if (c == 0xe0 && c1 < 0xa0) ok = false;   // overlong
-      if (c == 0xed && c1 >= 0xa0) ok = false;  // surrogate
-      if (c == 0xf0 && c1 < 0x90) ok = false;   // overlong
-      if (c == 0xf4 && c1 >= 0x90) ok = false;  // past U+10FFFF
-    }
-    const bool c1_control = ok && n == 2 && c == 0xc2 && static_cast<unsigned char>(s[i + 1]) < 0xa0;
-    if (!ok || c1_control) {
-      const size_t bad = ok ? 2 : 1;
-      for (size_t k = 0; k < bad; ++k) out += hex(static_cast<unsigned char>(s[i + k]));
-      i += bad;
-      continue;
-    }
-    out.append(s.substr(i, n));
-    i += n;
+    i += n == 0 ? 1 : n;
   }
   return out;
 }
