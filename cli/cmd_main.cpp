@@ -318,11 +318,11 @@ const CommandRegistrar registrar{
                      "End the run N steps after the step of the first divergence (no value: 0, that step)")
           ->expected(0, 1)
           ->default_str("0")
-          ->check(CLI::NonNegativeNumber);
+          ->check(count_in(0));
       app.add_option("--threads", o->threads,
                      "OpenMP threads of each CPU reference (default: the cores the engine side leaves; a CPU engine "
                      "gets the rest)")
-          ->check(CLI::PositiveNumber);
+          ->check(count_in(1, 4096));
       app.add_flag("--remove-stale", o->remove_stale,
                    "Remove the dump temporaries (*.tmp-PID) that killed runs left in --out (otherwise only listed)");
       o->report.add_options(app);
