@@ -205,6 +205,24 @@ TEST(Tolerances, EveryPresetParsesAndThePairsExist) {
   EXPECT_DOUBLE_EQ(*preset_tolerances("f32_vs_f32").default_rule.max_abs, 0.0);
 }
 
+// A pattern must match a checkpoint name of some layer up to 255; found by fuzzing: a file of long
+// "*a*a*..." patterns once took minutes to check, and patterns are now at most 64 characters.
+TEST(Tolerances, PatternsAreCheckedAgainstTheVocabularyInLinearTime) {
+  auto rule = [](const std::string& match) {
+    return R"({"rules": [{"match": ")" + match + R"(", "max_abs": 1, "reason": "r"}], "default": {"max_abs": 1, "reason": "r"}})";
+  };
+  for (const char* ok : {"*", "Qcur-2?", "Qcur-2??", "*-255", "result_output", "result_*", "l_out-1?0", "?mbd", "*_*"})
+    EXPECT_EQ(error_of(rule(ok)), "(no error)") << ok;
+  for (const char* bad : {"Qcur-3??", "*-256", "x*", "result_output?", "Qcur-", "Qcur-?-*"})
+    EXPECT_NE(error_of(rule(bad)).find("matches no checkpoint name"), std::string::npos) << bad << ": " << error_of(rule(bad));
+  EXPECT_NE(error_of(rule(std::string(65, '*'))).find("pattern of 65 characters is longer than 64"), std::string::npos);
+  // 300 rules of the costliest patterns allowed (the test's time limit bounds the check).
+  std::string rules;
+  for (int i = 0; i < 300; ++i) rules += std::string(i ? "," : "") + R"({"match": ")" + std::string(31, '*') + "a" + std::string(31, '*') + "b" + R"(", "max_abs": 1, "reason": "r"})";
+  EXPECT_NE(error_of(R"({"rules": [)" + rules + R"(], "default": {"max_abs": 1, "reason": "r"}})").find("matches no checkpoint name"),
+            std::string::npos);
+}
+
 TEST(Tolerances, CheckBounds) {
   ToleranceSet t = parse_tolerances(kValid, "tol.json");
   TensorMetrics m;
