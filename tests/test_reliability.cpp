@@ -230,3 +230,12 @@ TEST_F(Reliability, IntegerCheckpointsAreCompared) {
   EXPECT_EQ(r.rc, 1) << r.out << r.err;
   EXPECT_EQ(python(compared + "fail', c\n"), 0);
 }
+
+// Found by fuzz_dump: a dump whose root attributes fail HDF5's checksum once made `validate` crash
+// (exit 139) inside HDF5 1.10 reading a damaged global heap; such a file is now refused unread.
+TEST_F(Reliability, DamagedDumpIsRefusedByEveryReader) {
+  const std::string damaged = diffrun::test::source_dir() + "/tests/data/fuzz-damaged-global-heap.h5";
+  expect_error(run("validate " + quote(damaged)), "damaged: its root attributes cannot be read (HDF5: incorrect metadata checksum");
+  expect_error(run("compare " + quote(damaged) + " " + quote(damaged)), "(HDF5: incorrect metadata checksum");
+  expect_error(run("ls " + quote(damaged)), "(HDF5: incorrect metadata checksum");
+}
