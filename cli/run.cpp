@@ -29,7 +29,7 @@ void PromptOptions::add_options(CLI::App& app) {
   app.add_option("--prompt", prompt, "Prompt text");
   app.add_flag("--chat", chat, "Wrap the prompt in the model's chat template (one user turn)");
   app.add_option("--system", system, "System message for --chat (default: the template's own)");
-  app.add_option("--template", tmpl, "Chat template: chatml, zephyr, llama2, llama3 (default: detected)");
+  app.add_option("--template", tmpl, "Chat template: chatml, zephyr, llama2, llama3, gemma (default: detected)");
   app.add_option("--tokens", tokens, "Prompt as token ids instead of text, e.g. 1,2,3");
   app.add_flag("--no-parse-special", no_parse_special,
                "Tokenize special tokens (<|im_start|>...) as plain text");

@@ -1,4 +1,4 @@
-// Chat templates for one user turn: ChatML, Zephyr, Llama 2 [INST], Llama 3; detection from the GGUF's
+// Chat templates for one user turn: ChatML, Zephyr, Llama 2 [INST], Llama 3, Gemma; detection from the GGUF's
 // Jinja source by the markers each family uses (as llama.cpp's llm_chat_detect_template does).
 #include "model/chat_template.hpp"
 
@@ -9,8 +9,8 @@ namespace diffrun {
 namespace {
 
 constexpr ChatTemplate all_templates[] = {ChatTemplate::chatml, ChatTemplate::zephyr, ChatTemplate::llama2,
-                                          ChatTemplate::llama3};
-constexpr const char* choices = "chatml, zephyr, llama2, llama3";
+                                          ChatTemplate::llama3, ChatTemplate::gemma};
+constexpr const char* choices = "chatml, zephyr, llama2, llama3, gemma";
 
 }  // namespace
 
@@ -20,6 +20,7 @@ const char* chat_template_name(ChatTemplate t) {
     case ChatTemplate::zephyr: return "zephyr";
     case ChatTemplate::llama2: return "llama2";
     case ChatTemplate::llama3: return "llama3";
+    case ChatTemplate::gemma: return "gemma";
   }
   return "?";
 }
@@ -36,11 +37,23 @@ std::optional<ChatTemplate> detect_chat_template_source(std::string_view jinja) 
   if (has("<|start_header_id|>") && has("<|end_header_id|>")) return ChatTemplate::llama3;
   if (has("<|user|>") && has("<|assistant|>")) return ChatTemplate::zephyr;
   if (has("[INST]")) return ChatTemplate::llama2;
+  if (has("<start_of_turn>")) return ChatTemplate::gemma;
   return std::nullopt;
 }
 
 ChatTemplate detect_chat_template(const GgufFile& file) {
   const GgufValue* v = file.find("tokenizer.chat_template");
+  if (!v && file.find("tokenizer.ggml.tokens")) {
+    // Gemma 3 GGUFs often ship without a template; their vocabulary names the turn markers.
+    bool start = false, end = false;
+    for (const GgufValue& t : file.get("tokenizer.ggml.tokens").as_array("tokenizer.ggml.tokens").items) {
+      if (t.type != GgufValueType::STRING) continue;
+      const std::string& piece = t.as_string("tokenizer.ggml.tokens");
+      start |= piece == "<start_of_turn>";
+      end |= piece == "<end_of_turn>";
+    }
+    if (start && end) return ChatTemplate::gemma;
+  }
   if (!v)
     throw ModelError(file.path() + ": the model has no tokenizer.chat_template; choose one with --template (" +
                      choices + ")");
@@ -105,6 +118,10 @@ std::string render_chat_template(ChatTemplate t, std::string_view system, std::s
       if (!sys.empty()) s += "<|start_header_id|>system<|end_header_id|>\n\n" + sys + "<|eot_id|>";
       s += "<|start_header_id|>user<|end_header_id|>\n\n" + usr +
            "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n";
+      break;
+    case ChatTemplate::gemma:  // no system role: Gemma's template puts it at the head of the first user turn
+      s += "<start_of_turn>user\n" + (sys.empty() ? "" : sys + "\n\n") + usr +
+           "<end_of_turn>\n<start_of_turn>model\n";
       break;
   }
   return s;

@@ -1,4 +1,4 @@
-// Chat templates for the families diffrun runs: ChatML, Zephyr, Llama 2 [INST], Llama 3.
+// Chat templates for the families diffrun runs: ChatML, Zephyr, Llama 2 [INST], Llama 3, Gemma.
 #pragma once
 
 #include <optional>
@@ -9,13 +9,14 @@
 
 namespace diffrun {
 
-enum class ChatTemplate { chatml, zephyr, llama2, llama3 };
+enum class ChatTemplate { chatml, zephyr, llama2, llama3, gemma };
 
 const char* chat_template_name(ChatTemplate t);
 ChatTemplate parse_chat_template(std::string_view name);  // throws InputError listing the choices
 
-// Detects the template from tokenizer.chat_template; throws ModelError when there is none or it is
-// not recognised (the message suggests --template).
+// Detects the template from tokenizer.chat_template (or, where the file has none, from a vocabulary
+// holding Gemma's <start_of_turn> and <end_of_turn>); throws ModelError when there is none or it is not
+// recognised (the message suggests --template).
 ChatTemplate detect_chat_template(const GgufFile& file);
 
 // One user turn (with an optional system turn) followed by the assistant prefix. An empty `system`

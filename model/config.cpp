@@ -1,6 +1,8 @@
-// ModelConfig from GGUF metadata for llama, qwen2 and qwen3, and the tensor table check before compute.
+// ModelConfig from GGUF metadata for llama, qwen2, qwen3 and gemma3, and the tensor table check before compute.
 #include "model/config.hpp"
 
+#include <cmath>
+#include <functional>
 #include <limits>
 #include <string_view>
 #include <unordered_map>
@@ -30,26 +32,55 @@ double bounded_float(const GgufFile& file, const std::string& key, double v, dou
   return v;
 }
 
+// Gemma 3's metadata as llama.cpp's gemma3 model reads it: a sliding window on every layer but each
+// 6th (or the layers attention.sliding_window_pattern names), local layers with rope.freq_base_swa
+// (default 10000), q·k scaled by 1/sqrt(key_length) (1/sqrt(D/H) for the 62-layer 27B), and
+// final_logit_softcapping when present. Gemma 3 has no attention softcapping.
+void read_gemma3(const GgufFile& file, ModelConfig& c, const std::function<std::string(const char*)>& key) {
+  const int64_t window = file.get_int(key("attention.sliding_window"), 0);
+  if (window < 0 || window > std::numeric_limits<int>::max())
+    throw ModelError(fmt::format("{}: {} = {} is not a window size", file.path(), key("attention.sliding_window"),
+                                 window));
+  c.sliding_window = static_cast<int>(window);
+  if (c.sliding_window > 0) {
+    c.swa_layers.assign(c.n_layer, 0);
+    const std::string pk = key("attention.sliding_window_pattern");
+    const GgufValue* pattern = file.find(pk);
+    if (pattern && pattern->type == GgufValueType::ARRAY) {
+      const auto& items = pattern->as_array(pk).items;
+      if (items.size() != static_cast<size_t>(c.n_layer))
+        throw ModelError(fmt::format("{}: {} holds {} entries for {} layers", file.path(), pk, items.size(),
+                                     c.n_layer));
+      for (int l = 0; l < c.n_layer; ++l) c.swa_layers[l] = items[l].as_bool(pk) ? 1 : 0;
+    } else {
+      const int64_t n = pattern ? file.get_int(pk) : 6;
+      if (n < 0) throw ModelError(fmt::format("{}: {} = {} is negative", file.path(), pk, n));
+      for (int l = 0; l < c.n_layer; ++l) c.swa_layers[l] = n == 0 || l % n < n - 1 ? 1 : 0;
+    }
+    c.rope_theta_swa = file.get_float(key("rope.freq_base_swa"), 10000.0);
+    if (!(c.rope_theta_swa > 0) || !std::isfinite(c.rope_theta_swa))
+      throw ModelError(fmt::format("{}: {} = {} must be positive", file.path(), key("rope.freq_base_swa"),
+                                   c.rope_theta_swa));
+  }
+  c.final_logit_softcap = file.get_float(key("final_logit_softcapping"), 0.0);
+  if (c.final_logit_softcap < 0 || !std::isfinite(c.final_logit_softcap))
+    throw ModelError(fmt::format("{}: {} = {} must be a positive number", file.path(), key("final_logit_softcapping"),
+                                 c.final_logit_softcap));
+  c.attn_scale = c.n_layer == 62 ? 1.0 / std::sqrt(double(c.n_embd / c.n_head)) : 1.0 / std::sqrt(double(c.head_dim));
+}
+
 }  // namespace
 
 ModelConfig config_from_gguf(const GgufFile& file) {
   ModelConfig c;
   const std::string arch = file.get_string("general.architecture");
-  if (arch == "llama") {
-    c.arch = Arch::llama;
-    c.rope_type = RopeType::norm;
-  } else if (arch == "qwen2") {
-    c.arch = Arch::qwen2;
-    c.rope_type = RopeType::neox;
-    c.qkv_bias = true;
-  } else if (arch == "qwen3") {
-    c.arch = Arch::qwen3;
-    c.rope_type = RopeType::neox;
-    c.qk_norm = true;
-  } else {
-    throw ModelError(fmt::format("{}: unsupported architecture '{}'; diffrun supports llama, qwen2, qwen3",
+  bool known = false;
+  for (Arch a : all_archs())
+    if (arch == arch_name(a)) c.arch = a, known = true;
+  if (!known)
+    throw ModelError(fmt::format("{}: unsupported architecture '{}'; diffrun supports llama, qwen2, qwen3, gemma3",
                                  file.path(), printable(arch)));
-  }
+  set_arch_features(c);
   auto key = [&](const char* suffix) { return arch + "." + suffix; };
   auto req = [&](const char* suffix) {
     const std::string k = key(suffix);
@@ -98,6 +129,7 @@ ModelConfig config_from_gguf(const GgufFile& file) {
                                    key("vocab_size"), v, c.n_vocab));
   }
   c.tied_output = file.find_tensor("output.weight") == nullptr;
+  if (c.arch == Arch::gemma3) read_gemma3(file, c, key);
   return c;
 }
 
@@ -126,10 +158,12 @@ std::vector<ExpectedTensor> expected_tensors(const ModelConfig& cfg) {
       add("attn_k_norm.weight", {Dh});
     }
     add("attn_output.weight", {Dq, D});
+    if (cfg.post_norms) add("post_attention_norm.weight", {D});
     add("ffn_norm.weight", {D});
     add("ffn_gate.weight", {D, F});
     add("ffn_up.weight", {D, F});
     add("ffn_down.weight", {F, D});
+    if (cfg.post_norms) add("post_ffw_norm.weight", {D});
   }
   return t;
 }
@@ -178,14 +212,32 @@ void validate_tensors(const GgufFile& file, const ModelConfig& cfg) {
   }
 }
 
+namespace {
+std::string gemma_text(const ModelConfig& cfg) {
+  std::string s;
+  if (cfg.embd_scale) s += ", embeddings scaled by sqrt(D)";
+  if (cfg.post_norms) s += ", post-attention and post-FFN norms";
+  if (cfg.ffn_act == FfnAct::gelu_tanh) s += ", GeGLU (tanh) FFN";
+  if (cfg.sliding_window > 0) {
+    int local = 0;
+    for (uint8_t v : cfg.swa_layers) local += v;
+    s += fmt::format(", sliding window {} on {} of {} layers (rope theta {:g})", cfg.sliding_window, local,
+                     cfg.n_layer, cfg.rope_theta_swa);
+  }
+  if (cfg.attn_scale > 0) s += fmt::format(", attention scale {:g}", cfg.attn_scale);
+  if (cfg.final_logit_softcap > 0) s += fmt::format(", final logit softcap {:g}", cfg.final_logit_softcap);
+  return s;
+}
+}  // namespace
+
 std::string describe(const ModelConfig& cfg) {
   return fmt::format(
       "arch {}: {} layers, n_embd (D) {}, heads (H) {}, kv heads (Hkv) {}, head dim (Dh) {}, n_ff (F) {}, "
-      "vocab (V) {}, context {}, rope {} theta {:g}, rms eps {:g}, output {}{}{}",
+      "vocab (V) {}, context {}, rope {} theta {:g}, rms eps {:g}, output {}{}{}{}",
       arch_name(cfg.arch), cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.n_vocab,
       cfg.n_ctx, rope_type_name(cfg.rope_type), cfg.rope_theta, cfg.rms_eps,
       cfg.tied_output ? "tied to token_embd" : "untied", cfg.qkv_bias ? ", q/k/v biases" : "",
-      cfg.qk_norm ? ", q/k norms" : "");
+      cfg.qk_norm ? ", q/k norms" : "", gemma_text(cfg));
 }
 
 }  // namespace diffrun

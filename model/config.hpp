@@ -8,11 +8,13 @@
 
 namespace diffrun {
 
-enum class Arch { llama, qwen2, qwen3 };
-enum class RopeType { norm, neox };  // NORM pairs (2i, 2i+1): llama. NEOX pairs (i, i+Dh/2): qwen2/qwen3.
+enum class Arch { llama, qwen2, qwen3, gemma3 };
+enum class RopeType { norm, neox };  // NORM pairs (2i, 2i+1): llama. NEOX pairs (i, i+Dh/2): qwen2/qwen3/gemma3.
+enum class FfnAct { silu, gelu_tanh };  // gated FFN: silu(gate)·up (SwiGLU) or gelu_tanh(gate)·up (GeGLU, gemma3)
 
 const char* arch_name(Arch a);
 const char* rope_type_name(RopeType r);
+const std::vector<Arch>& all_archs();  // every supported architecture, in the order errors list them
 
 struct ModelConfig {
   Arch arch = Arch::llama;
@@ -29,8 +31,27 @@ struct ModelConfig {
   double rms_eps = 1e-5;
   bool tied_output = false;  // no output.weight: token_embd.weight is the lm head
   bool qkv_bias = false;     // qwen2
-  bool qk_norm = false;      // qwen3: attn_q_norm / attn_k_norm of shape [Dh]
+  bool qk_norm = false;      // qwen3, gemma3: attn_q_norm / attn_k_norm of shape [Dh]
+  bool embd_scale = false;   // gemma3: the embedding row times sqrt(D) (checkpoint inp_scaled)
+  bool post_norms = false;   // gemma3: RMSNorm of the attention and FFN outputs before their residual adds
+  FfnAct ffn_act = FfnAct::silu;
+  int sliding_window = 0;            // positions a local layer attends (query included); 0: no local layers
+  std::vector<uint8_t> swa_layers;   // [n_layer] 1 where the layer is local (sliding window); empty: none
+  double rope_theta_swa = 10000.0;   // RoPE base of local layers
+  double attn_scale = 0;             // multiplies q·k; 0 means 1/sqrt(Dh)
+  double final_logit_softcap = 0;    // logits = c·tanh(logits/c) when > 0
+
+  bool layer_is_swa(int l) const { return sliding_window > 0 && l < int(swa_layers.size()) && swa_layers[l]; }
+  // The window of layer l in positions, 0 for a global layer (every earlier position).
+  int layer_window(int l) const { return layer_is_swa(l) ? sliding_window : 0; }
+  double layer_rope_theta(int l) const { return layer_is_swa(l) ? rope_theta_swa : rope_theta; }
+  double attention_scale() const;
 };
+
+// The structural flags an architecture implies (rope type, biases, q/k norms, post-norms, embedding
+// scale, FFN activation), set from cfg.arch; metadata-derived numbers are left alone. Readers of a dump
+// call it after reading `arch`.
+void set_arch_features(ModelConfig& cfg);
 
 // Throws ModelError listing the supported architectures for an unknown general.architecture.
 ModelConfig config_from_gguf(const GgufFile& file);

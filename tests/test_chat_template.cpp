@@ -14,7 +14,8 @@ namespace diffrun {
 namespace {
 
 TEST(ChatTemplate, NamesRoundTripAndUnknownThrows) {
-  for (auto t : {ChatTemplate::chatml, ChatTemplate::zephyr, ChatTemplate::llama2, ChatTemplate::llama3})
+  for (auto t : {ChatTemplate::chatml, ChatTemplate::zephyr, ChatTemplate::llama2, ChatTemplate::llama3,
+                 ChatTemplate::gemma})
     EXPECT_EQ(parse_chat_template(chat_template_name(t)), t);
   EXPECT_THROW(parse_chat_template("vicuna"), InputError);
 }
@@ -26,6 +27,8 @@ TEST(ChatTemplate, DetectsFamiliesFromJinja) {
   EXPECT_EQ(detect_chat_template_source("{{ '<|user|>\n' + c + eos_token }}{{ '<|assistant|>' }}"),
             ChatTemplate::zephyr);
   EXPECT_EQ(detect_chat_template_source("{{ bos_token + '[INST] ' + content + ' [/INST]' }}"), ChatTemplate::llama2);
+  EXPECT_EQ(detect_chat_template_source("{{ '<start_of_turn>' + role + '\n' + content + '<end_of_turn>\n' }}"),
+            ChatTemplate::gemma);
   EXPECT_EQ(detect_chat_template_source("{{ message.content }}"), std::nullopt);
 }
 
@@ -51,6 +54,23 @@ TEST(ChatTemplate, RendersEachFamily) {
   EXPECT_EQ(render_chat_template(ChatTemplate::llama3, "S", "U", "</s>"),
             "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
             "U<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+  // Gemma has no system role: its template puts the system text at the head of the user turn.
+  EXPECT_EQ(render_chat_template(ChatTemplate::gemma, "", "U", "</s>"),
+            "<start_of_turn>user\nU<end_of_turn>\n<start_of_turn>model\n");
+  EXPECT_EQ(render_chat_template(ChatTemplate::gemma, "S", "U", "</s>"),
+            "<start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\n");
+}
+
+// The Gemma 3 GGUF ships without tokenizer.chat_template; its vocabulary's turn markers select Gemma's,
+// and the chat prompt's ids are those llama.cpp gives (llama_tokenize with add_special and parse_special).
+TEST(ChatTemplate, Gemma3FromItsVocabulary) {
+  if (!std::filesystem::exists(test::gemma3_path())) GTEST_SKIP() << test::gemma3_path() << " is missing";
+  auto file = GgufFile::open(test::gemma3_path());
+  ASSERT_EQ(detect_chat_template(*file), ChatTemplate::gemma);
+  const std::string prompt = apply_chat_template(ChatTemplate::gemma, *file, "", "What is the capital of France?");
+  auto tok = Tokenizer::from_gguf(*file);
+  EXPECT_EQ(tok->encode(prompt, true, true),
+            (std::vector<int32_t>{2, 105, 2364, 107, 3689, 563, 506, 5279, 529, 7001, 236881, 106, 107, 105, 4368, 107}));
 }
 
 TEST(ChatTemplate, SmolLM2KeepsItsDefaultSystemLine) {

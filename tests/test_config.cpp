@@ -1,5 +1,6 @@
 // ModelConfig and tensor validation: SmolLM2 and the fixtures as written by other tools, crafted metadata for errors.
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -61,6 +62,36 @@ TEST(ConfigReal, SmolLM2) {
     EXPECT_NE(d.find(part), std::string::npos) << part << " not in: " << d;
 }
 
+// Gemma 3 270M as llama.cpp reads it: 18 layers, layers 5, 11 and 17 global (the default pattern of 6),
+// local layers on RoPE base 10000 with a window of 512, q·k scaled by 1/sqrt(key_length = 256), no
+// softcap in the metadata, tied output, and the post-norm tensors present.
+TEST(ConfigReal, Gemma3) {
+  const std::string model = test::gemma3_path();
+  if (!fs::exists(model)) GTEST_SKIP() << "Gemma 3 270M not fetched (" << model << "); run scripts/fetch_models gemma3";
+  auto f = GgufFile::open(model);
+  const ModelConfig c = config_from_gguf(*f);
+  EXPECT_EQ(c.arch, Arch::gemma3);
+  EXPECT_EQ(c.n_layer, 18);
+  EXPECT_EQ(c.n_embd, 640);
+  EXPECT_EQ(c.n_head, 4);
+  EXPECT_EQ(c.n_head_kv, 1);
+  EXPECT_EQ(c.head_dim, 256);
+  EXPECT_EQ(c.n_ff, 2048);
+  EXPECT_EQ(c.n_vocab, 262144);
+  EXPECT_EQ(c.rope_type, RopeType::neox);
+  EXPECT_EQ(c.rope_theta, 1e6);
+  EXPECT_EQ(c.rope_theta_swa, 10000.0);
+  EXPECT_EQ(c.sliding_window, 512);
+  for (int l = 0; l < 18; ++l) EXPECT_EQ(c.layer_is_swa(l), l % 6 != 5) << "layer " << l;
+  EXPECT_DOUBLE_EQ(c.attention_scale(), 1.0 / 16.0);
+  EXPECT_EQ(c.final_logit_softcap, 0.0);
+  EXPECT_TRUE(c.tied_output && c.qk_norm && c.post_norms && c.embd_scale);
+  EXPECT_FALSE(c.qkv_bias);
+  EXPECT_EQ(c.ffn_act, FfnAct::gelu_tanh);
+  EXPECT_NO_THROW(validate_tensors(*f, c));
+  EXPECT_EQ(names_of(expected_tensors(c)), names_of(*f));
+}
+
 TEST(ConfigReal, EveryFixture) {
   const std::string dir = test::fixture_path("");
   std::vector<fs::path> files;
@@ -81,9 +112,24 @@ TEST(ConfigReal, EveryFixture) {
     EXPECT_EQ(c.n_vocab, static_cast<int>(f->get_string_array("tokenizer.ggml.tokens").size()));
     EXPECT_EQ(c.n_embd, 256);
     EXPECT_EQ(c.n_ff, 512);
-    EXPECT_EQ(c.n_layer, 2);
+    EXPECT_EQ(c.n_layer, name.rfind("tiny-gemma3", 0) == 0 ? 6 : 2);
     EXPECT_EQ(c.n_head % c.n_head_kv, 0);
-    if (name.rfind("tiny-llama", 0) == 0) {
+    if (name.rfind("tiny-gemma3", 0) == 0) {
+      // scripts/fixturegen/models.py EXTRA: window 8 on layers 0-4 (layer 5 global), softcap 30.
+      EXPECT_EQ(c.arch, Arch::gemma3);
+      EXPECT_EQ(c.rope_type, RopeType::neox);
+      EXPECT_TRUE(c.qk_norm && c.post_norms && c.embd_scale);
+      EXPECT_EQ(c.ffn_act, FfnAct::gelu_tanh);
+      EXPECT_EQ(c.head_dim, 128);
+      EXPECT_EQ(c.sliding_window, 8);
+      EXPECT_EQ(c.swa_layers, (std::vector<uint8_t>{1, 1, 1, 1, 1, 0}));
+      EXPECT_EQ(c.layer_window(4), 8);
+      EXPECT_EQ(c.layer_window(5), 0);
+      EXPECT_EQ(c.layer_rope_theta(0), 10000.0);
+      EXPECT_EQ(c.layer_rope_theta(5), 1e6);
+      EXPECT_DOUBLE_EQ(c.attention_scale(), 1.0 / std::sqrt(128.0));
+      EXPECT_DOUBLE_EQ(c.final_logit_softcap, 30.0);
+    } else if (name.rfind("tiny-llama", 0) == 0) {
       ++seen[0];
       EXPECT_EQ(c.arch, Arch::llama);
       EXPECT_EQ(c.rope_type, RopeType::norm);

@@ -35,6 +35,7 @@ nlohmann::json load_json(const std::string& name) {
 
 std::string model_path(const std::string& tokenizer) {
   if (tokenizer == "smollm2") return test::smollm2_path();
+  if (tokenizer == "gemma3") return test::gemma3_path();  // llama.cpp's ids (tests/data/tokenizer/gemma3.json)
   if (tokenizer == "qwen2") return test::fixture_path("tiny-qwen2-f32.gguf");
   return test::fixture_path("tiny-llama-f32.gguf");
 }
@@ -73,7 +74,7 @@ TEST_P(Goldens, MatchHuggingFace) {
   RecordProperty("strings_matched", matched);
 }
 
-INSTANTIATE_TEST_SUITE_P(Tokenizers, Goldens, testing::Values("smollm2", "qwen2", "spm"));
+INSTANTIATE_TEST_SUITE_P(Tokenizers, Goldens, testing::Values("smollm2", "qwen2", "spm", "gemma3"));
 
 TEST(PreTokenize, MatchesHuggingFacePreTokenizers) {
   const auto doc = load_json("pretokenize.json");

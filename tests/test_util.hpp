@@ -45,5 +45,7 @@ struct ScratchDir {
 };
 
 inline std::string smollm2_path() { return models_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf"; }
+// Gemma 3 270M Q4_K_M, fetched on request (scripts/fetch_models gemma3); tests skip without it.
+inline std::string gemma3_path() { return models_dir() + "/gemma-3-270m-q4_k_m.gguf"; }
 
 }  // namespace diffrun::test
