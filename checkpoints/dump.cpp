@@ -287,9 +287,10 @@ struct DumpReader::Impl {
     ModelConfig& c = meta.config;
     const std::string arch = read_str(root, "arch");
     bool known = false;
-    for (Arch a : {Arch::llama, Arch::qwen2, Arch::qwen3})
+    for (Arch a : all_archs())
       if (arch == arch_name(a)) c.arch = a, known = true;
     if (!known) fail("unknown arch '" + arch + "'");
+    set_arch_features(c);  // the flags the attributes below do not carry (post-norms, FFN activation, ...)
     c.n_layer = read_int(root, "n_layer");
     c.n_embd = read_int(root, "n_embd");
     c.n_head = read_int(root, "n_head");

@@ -35,7 +35,7 @@ const std::vector<RootAttribute>& root_attributes() {
       {"precision", AttrType::string, true, "f16|bf16|f32|f64"},
       {"model_path", AttrType::string, true},
       {"model_fingerprint", AttrType::string, true},
-      {"arch", AttrType::string, true, "llama|qwen2|qwen3"},
+      {"arch", AttrType::string, true, "llama|qwen2|qwen3|gemma3"},
       {"n_layer", AttrType::integer, true},
       {"n_embd", AttrType::integer, true},
       {"n_head", AttrType::integer, true},

@@ -288,8 +288,9 @@ RootCheck check_root_attributes(hid_t file) {
   }
   if (config_ok) {
     ModelConfig c;
-    for (Arch a : {Arch::llama, Arch::qwen2, Arch::qwen3})
+    for (Arch a : all_archs())
       if (strings["arch"] == arch_name(a)) c.arch = a;
+    set_arch_features(c);
     c.n_layer = static_cast<int>(ints["n_layer"]);
     c.n_embd = static_cast<int>(ints["n_embd"]);
     c.n_head = static_cast<int>(ints["n_head"]);

@@ -53,16 +53,16 @@ const std::vector<FaultInfo> kCatalog = {
      "kq_soft_max,kqv_out"},
     {Fault::rms_norm_weight_twice, "rms_norm_weight_twice", "every RMSNorm multiplies by its weight twice",
      "attn_norm-0", 0, "all", "the first RMSNorm is attn_norm-0",
-     "attn_norm,Qnorm,Knorm,ffn_norm,result_norm"},
+     "attn_norm,Qnorm,Knorm,attn_post_norm,ffn_norm,ffn_post_norm,result_norm"},
     {Fault::rms_eps_1e5, "rms_eps_1e5", "RMSNorm epsilon 1e-5 instead of the model's rms_eps", "attn_norm-0", 0,
      "models whose rms_eps is not 1e-5 (qwen2, qwen3; not llama)",
      "subtle: the relative change is about (1e-5 - eps) / (2 mean(x^2)), largest on rows of small mean square "
      "(the embeddings). Tiny qwen2/qwen3: attn_norm-0 rel_l2 about 1e-4, 5x the f32_vs_f64 bound (2e-5), caught; "
      "200x under the f16 presets' 0.02, so an f16 engine's run passes it",
-     "attn_norm,Qnorm,Knorm,ffn_norm,result_norm"},
-    {Fault::swiglu_gate_up_swapped, "swiglu_gate_up_swapped", "SwiGLU computes silu(up) · gate", "ffn_swiglu-0", 0,
-     "all", "ffn_gate-0 and ffn_up-0 themselves are right",
-     "ffn_swiglu"},
+     "attn_norm,Qnorm,Knorm,attn_post_norm,ffn_norm,ffn_post_norm,result_norm"},
+    {Fault::swiglu_gate_up_swapped, "swiglu_gate_up_swapped", "SwiGLU computes silu(up) · gate (GeGLU: gelu(up) · gate)",
+     "ffn_swiglu-0", 0, "all", "ffn_gate-0 and ffn_up-0 themselves are right; ffn_geglu-0 on gemma3",
+     "ffn_swiglu,ffn_geglu"},
     {Fault::attn_out_transposed, "attn_out_transposed",
      "attention output projection with W_o read with the wrong leading dimension (GEMM transpose flag flipped)",
      "attn_out-0", 0, "all",
@@ -87,7 +87,8 @@ const std::vector<FaultInfo> kCatalog = {
      "first checkpoint reading such a tensor", 0, "models with a tensor in Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0",
      "embd when token_embd is in one of these formats; Q4_1/Q5_1 then use the min as the scale, Q4_0/Q8_0 two "
      "quant bytes (which may decode to Inf/NaN: the nonfinite rule)",
-     "embd,attn_norm,Qcur,Kcur,Vcur,Qnorm,Knorm,attn_out,ffn_norm,ffn_gate,ffn_up,ffn_out,result_norm,result_output"},
+     "embd,inp_scaled,attn_norm,Qcur,Kcur,Vcur,Qnorm,Knorm,attn_out,attn_post_norm,ffn_norm,ffn_gate,ffn_up,ffn_out,"
+     "ffn_post_norm,result_norm,result_output"},
     {Fault::rms_norm_off_by_one, "rms_norm_off_by_one",
      "every RMSNorm's sum of squares stops one element short (misses x[D-1]) and is still divided by D",
      "attn_norm-0", 0, "all",
@@ -95,7 +96,7 @@ const std::vector<FaultInfo> kCatalog = {
      "attn_norm-0 (D 256) about 2e-3 rel_l2, 100x the f32_vs_f64 bound. Under the f16 presets' 0.02, an f16 engine "
      "against the f32 reference shows it late or not at all (qwen3's Qnorm over Dh 32 moves 2.5e-2 and shows "
      "there): it needs a reference of the engine's precision and tighter bounds",
-     "attn_norm,Qnorm,Knorm,ffn_norm,result_norm"},
+     "attn_norm,Qnorm,Knorm,attn_post_norm,ffn_norm,ffn_post_norm,result_norm"},
     {Fault::rms_eps_outside_sqrt, "rms_eps_outside_sqrt",
      "every RMSNorm scales by 1 / (sqrt(mean(x^2)) + eps) instead of 1 / sqrt(mean(x^2) + eps)",
      "attn_norm-0", 0, "all",
@@ -104,7 +105,7 @@ const std::vector<FaultInfo> kCatalog = {
      "f32_vs_f64 catches both at attn_norm-0, whose bound is one norm's rounding (2.5e-6: layer 0 reads exact "
      "embeddings). "
      "Missed by the f16 presets",
-     "attn_norm,Qnorm,Knorm,ffn_norm,result_norm"},
+     "attn_norm,Qnorm,Knorm,attn_post_norm,ffn_norm,ffn_post_norm,result_norm"},
     {Fault::rope_cache_unrotated, "rope_cache_unrotated",
      "the fused RoPE + KV cache write stores each K row as it was before RoPE; Krope and V are right",
      "cache_k-0", 0, "all",
@@ -123,6 +124,27 @@ const std::vector<FaultInfo> kCatalog = {
      "Qcur-0", 0, "all",
      "Qcur-0 holds NaN in feature 0 (head 0, dim 0) of every token; attn_norm-0 before it is finite",
      "Qcur"},
+    {Fault::embd_scale_missing, "embd_scale_missing",
+     "the embedding rows not multiplied by sqrt(D) (gemma3's inp_scaled)", "inp_scaled", 0,
+     "models that scale their embeddings (gemma3)",
+     "embd is right, inp_scaled is sqrt(D) too small; the norms after it hide most of it downstream",
+     "inp_scaled"},
+    {Fault::post_norm_skipped, "post_norm_skipped",
+     "the RMSNorm of the attention output before its residual add skipped: attn_post_norm = attn_out",
+     "attn_post_norm-0", 0, "models with post-attention norms (gemma3)",
+     "attn_out-0 is right; attn_post_norm-0 is the raw projection",
+     "attn_post_norm"},
+    {Fault::sliding_window_ignored, "sliding_window_ignored",
+     "local (sliding-window) layers attend to every earlier position, as global layers do", "kq_soft_max-0", 0,
+     "models with sliding-window layers (gemma3)",
+     "needs a prompt longer than the window (the tiny gemma3's is 8 positions, the real model's 512); "
+     "kqv_out-0 when kq_soft_max is not recorded",
+     "kq_soft_max,kqv_out"},
+    {Fault::rope_local_theta_global, "rope_local_theta_global",
+     "local (sliding-window) layers rotate with the global rope_theta instead of their own base", "Qrope-0", 0,
+     "models whose local layers have their own RoPE base (gemma3: 10000 against 1e6)",
+     "needs T >= 2 (position 0 rotates by 0 at any base); the first local layer's Qrope, here layer 0",
+     "Qrope,Krope,cache_k"},
 };
 
 // The checkpoint first computed from GGUF tensor `name` ("blk.3.attn_q.weight" -> "Qcur-3").
@@ -136,7 +158,8 @@ std::string checkpoint_of_tensor(const std::string& name) {
   static const std::pair<const char*, const char*> kMap[] = {
       {"attn_norm.", "attn_norm"}, {"attn_q_norm.", "Qnorm"}, {"attn_k_norm.", "Knorm"}, {"attn_q.", "Qcur"},
       {"attn_k.", "Kcur"},         {"attn_v.", "Vcur"},       {"attn_output.", "attn_out"}, {"ffn_norm.", "ffn_norm"},
-      {"ffn_gate.", "ffn_gate"},   {"ffn_up.", "ffn_up"},     {"ffn_down.", "ffn_out"}};
+      {"ffn_gate.", "ffn_gate"},   {"ffn_up.", "ffn_up"},     {"ffn_down.", "ffn_out"},
+      {"post_attention_norm.", "attn_post_norm"}, {"post_ffw_norm.", "ffn_post_norm"}};
   for (const auto& [prefix, base] : kMap) {
     if (std::strncmp(suffix, prefix, std::strlen(prefix)) == 0) return checkpoint_name(base, layer);
   }
@@ -165,6 +188,20 @@ std::string first_legacy_checkpoint(const ModelConfig& cfg, const GgufFile& file
 // GGUF stores rope_theta and rms_eps as f32: 1e-5 arrives as 9.99999975e-06.
 bool same_f32(double a, double b) { return static_cast<float>(a) == static_cast<float>(b); }
 
+// The first layer whose RoPE base is not `theta` (gemma3's local layers have their own), or -1.
+int first_layer_theta_not(const ModelConfig& cfg, double theta) {
+  for (int l = 0; l < cfg.n_layer; ++l)
+    if (!same_f32(cfg.layer_rope_theta(l), theta)) return l;
+  return -1;
+}
+
+// The first sliding-window layer, or -1.
+int first_local_layer(const ModelConfig& cfg) {
+  for (int l = 0; l < cfg.n_layer; ++l)
+    if (cfg.layer_is_swa(l)) return l;
+  return -1;
+}
+
 }  // namespace
 
 const std::vector<FaultInfo>& fault_catalog() { return kCatalog; }
@@ -176,7 +213,16 @@ std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile
     case Fault::qkv_bias_missing:
       return cfg.qkv_bias ? "" : "the model has no q/k/v biases";
     case Fault::rope_theta_10000:
-      return same_f32(cfg.rope_theta, kFaultRopeTheta) ? "the model's rope_theta is already 10000" : "";
+      return first_layer_theta_not(cfg, kFaultRopeTheta) < 0 ? "the model's rope_theta is already 10000" : "";
+    case Fault::embd_scale_missing:
+      return cfg.embd_scale ? "" : "the model does not scale its embeddings";
+    case Fault::post_norm_skipped:
+      return cfg.post_norms ? "" : "the model has no post-attention norm";
+    case Fault::sliding_window_ignored:
+      return first_local_layer(cfg) >= 0 ? "" : "the model has no sliding-window layer";
+    case Fault::rope_local_theta_global:
+      if (first_local_layer(cfg) < 0) return "the model has no sliding-window layer";
+      return same_f32(cfg.rope_theta_swa, cfg.rope_theta) ? "the local layers' RoPE base is the global one" : "";
     case Fault::gqa_head_modulo:
       if (cfg.n_head_kv == 1) return "the model has one KV head: every mapping reads head 0";
       if (cfg.n_head_kv == cfg.n_head) return "the model has as many KV heads as query heads: h % H == h / 1";
@@ -196,6 +242,12 @@ std::string expected_checkpoint(Fault f, const ModelConfig& cfg, const GgufFile*
   const std::string why = fault_not_applicable(f, cfg, file);
   if (!why.empty()) throw InputError(fmt::format("fault {} does not apply: {}", fault_info(f).name, why));
   if (f == Fault::dequant_scale_offset) return first_legacy_checkpoint(cfg, *file);
+  // Where the architecture moves the first change: the first layer whose base is not 10000 (gemma3's
+  // first global one), the first local layer, GeGLU in place of SwiGLU.
+  if (f == Fault::rope_theta_10000) return checkpoint_name("Qrope", first_layer_theta_not(cfg, kFaultRopeTheta));
+  if (f == Fault::rope_local_theta_global) return checkpoint_name("Qrope", first_local_layer(cfg));
+  if (f == Fault::sliding_window_ignored) return checkpoint_name("kq_soft_max", first_local_layer(cfg));
+  if (f == Fault::swiglu_gate_up_swapped && cfg.ffn_act == FfnAct::gelu_tanh) return "ffn_geglu-0";
   return fault_info(f).checkpoint;
 }
 

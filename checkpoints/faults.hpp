@@ -44,8 +44,12 @@ enum class Fault : int {
   rope_cache_unrotated,    // the fused RoPE + KV cache write stores K before RoPE; Krope itself is right
   softmax_f16_overflow,    // softmax exponentials in f16 without the max subtracted: Inf, then Inf/Inf = NaN
   weight_row_nan,          // one row of blk.0.attn_q.weight is NaN (a corrupted or never-written row)
+  embd_scale_missing,      // gemma3: the embedding rows not multiplied by sqrt(D)
+  post_norm_skipped,       // gemma3: the RMSNorm after attention skipped (attn_post_norm = attn_out)
+  sliding_window_ignored,  // gemma3: local layers attend to every earlier position
+  rope_local_theta_global, // gemma3: local layers rotate with the global rope_theta instead of their own base
 };
-inline constexpr int kFaultCount = 22;
+inline constexpr int kFaultCount = 26;
 
 struct FaultInfo {
   Fault id;

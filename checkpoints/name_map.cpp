@@ -141,7 +141,7 @@ NameMap NameMap::parse(std::string_view json, const std::string& source) {
       throw InputError(label + ": \"to\" uses {L} but \"match\" has none");
     for (const auto& a : rule.archs) {
       bool known = false;
-      for (Arch x : {Arch::llama, Arch::qwen2, Arch::qwen3}) known |= a == arch_name(x);
+      for (Arch x : all_archs()) known |= a == arch_name(x);
       if (!known) throw InputError(label + ": unknown arch \"" + a + "\"");
     }
     m.rules_.push_back(std::move(rule));

@@ -26,30 +26,38 @@ const char* native_dtype_name(NativeDType d) {
 const std::vector<CheckpointKind>& checkpoint_kinds() {
   static const std::vector<CheckpointKind> kinds = {
       {"tokens", false, "T", "input ids of the step (int32)", ""},
-      {"embd", false, "T,D", "token embeddings, any model scaling applied", ""},
+      {"embd", false, "T,D", "token embedding rows, before any model scaling", ""},
+      {"inp_scaled", false, "T,D", "embeddings times sqrt(D) (gemma3)", "embd", KindNeeds::embd_scale},
       {"attn_norm", true, "T,D", "RMSNorm(x) * attn_norm weight", "l_out@prev"},
       {"Qcur", true, "T,H,Dh", "q projection, bias added, before RoPE", "attn_norm"},
       {"Kcur", true, "T,Hkv,Dh", "k projection, bias added, before RoPE", "attn_norm"},
       {"Vcur", true, "T,Hkv,Dh", "v projection, bias added", "attn_norm"},
-      {"Qnorm", true, "T,H,Dh", "q after its per-head RMSNorm, before RoPE", "Qcur", true},
-      {"Knorm", true, "T,Hkv,Dh", "k after its per-head RMSNorm, before RoPE", "Kcur", true},
+      {"Qnorm", true, "T,H,Dh", "q after its per-head RMSNorm, before RoPE", "Qcur", KindNeeds::qk_norm},
+      {"Knorm", true, "T,Hkv,Dh", "k after its per-head RMSNorm, before RoPE", "Kcur", KindNeeds::qk_norm},
       {"Qrope", true, "T,H,Dh", "q after RoPE", "Qnorm|Qcur"},
       {"Krope", true, "T,Hkv,Dh", "k after RoPE", "Knorm|Kcur"},
       {"cache_k", true, "S,Hkv,Dh", "KV cache keys valid after the step", "Krope"},
       {"cache_v", true, "S,Hkv,Dh", "KV cache values valid after the step", "Vcur"},
-      {"kq_soft_max", true, "H,T,S", "attention probabilities (causal mask applied)", "Qrope,cache_k|Krope"},
+      {"kq_soft_max", true, "H,T,S", "attention probabilities (causal mask and sliding window applied)",
+       "Qrope,cache_k|Krope"},
       {"kqv_out", true, "T,H,Dh", "attention context, before the output projection",
        "kq_soft_max,cache_v|Vcur"},
       {"attn_out", true, "T,D", "after the attention output projection", "kqv_out"},
-      {"ffn_inp", true, "T,D", "residual after attention", "attn_out,l_out@prev"},
+      {"attn_post_norm", true, "T,D", "RMSNorm(attn_out) * post_attention_norm weight (gemma3)", "attn_out",
+       KindNeeds::post_norms},
+      {"ffn_inp", true, "T,D", "residual after attention", "attn_post_norm|attn_out,l_out@prev"},
       {"ffn_norm", true, "T,D", "RMSNorm(x) * ffn_norm weight", "ffn_inp"},
       {"ffn_gate", true, "T,F", "gate projection", "ffn_norm"},
       {"ffn_up", true, "T,F", "up projection", "ffn_norm"},
-      {"ffn_swiglu", true, "T,F", "silu(gate) * up", "ffn_gate,ffn_up"},
-      {"ffn_out", true, "T,D", "down projection", "ffn_swiglu"},
-      {"l_out", true, "T,D", "layer output (residual)", "ffn_out,ffn_inp"},
+      {"ffn_swiglu", true, "T,F", "silu(gate) * up", "ffn_gate,ffn_up", KindNeeds::ffn_silu},
+      {"ffn_geglu", true, "T,F", "gelu_tanh(gate) * up (gemma3)", "ffn_gate,ffn_up", KindNeeds::ffn_gelu},
+      {"ffn_out", true, "T,D", "down projection", "ffn_geglu|ffn_swiglu"},
+      {"ffn_post_norm", true, "T,D", "RMSNorm(ffn_out) * post_ffw_norm weight (gemma3)", "ffn_out",
+       KindNeeds::post_norms},
+      {"l_out", true, "T,D", "layer output (residual)", "ffn_post_norm|ffn_out,ffn_inp"},
       {"result_norm", false, "T,D", "final RMSNorm(x) * output_norm weight", "l_out@last"},
-      {"result_output", false, "T,V", "logits over the real vocabulary", "result_norm"},
+      {"result_output", false, "T,V", "logits over the real vocabulary (softcapped where the model says)",
+       "result_norm"},
   };
   return kinds;
 }
@@ -60,12 +68,27 @@ const CheckpointKind* find_checkpoint_kind(std::string_view base) {
   return nullptr;
 }
 
-bool kind_applies(const CheckpointKind& k, const ModelConfig& cfg) { return !k.qk_norm_only || cfg.qk_norm; }
+bool kind_applies(const CheckpointKind& k, const ModelConfig& cfg) {
+  switch (k.needs) {
+    case KindNeeds::none: return true;
+    case KindNeeds::qk_norm: return cfg.qk_norm;
+    case KindNeeds::embd_scale: return cfg.embd_scale;
+    case KindNeeds::post_norms: return cfg.post_norms;
+    case KindNeeds::ffn_silu: return cfg.ffn_act == FfnAct::silu;
+    case KindNeeds::ffn_gelu: return cfg.ffn_act == FfnAct::gelu_tanh;
+  }
+  return true;
+}
 
 std::vector<Arch> kind_archs(const CheckpointKind& k) {
-  // Only qwen3 carries per-head q/k norms (ModelConfig::qk_norm) among the supported architectures.
-  if (k.qk_norm_only) return {Arch::qwen3};
-  return {Arch::llama, Arch::qwen2, Arch::qwen3};
+  std::vector<Arch> out;
+  for (Arch a : all_archs()) {
+    ModelConfig c;
+    c.arch = a;
+    set_arch_features(c);
+    if (kind_applies(k, c)) out.push_back(a);
+  }
+  return out;
 }
 
 std::vector<std::string> checkpoint_inputs(std::string_view base, int layer, int n_layer,
@@ -78,7 +101,7 @@ std::vector<std::string> checkpoint_inputs(std::string_view base, int layer, int
     if (const size_t a = name.find('@'); a != std::string_view::npos) {
       at = name.substr(a + 1) == "prev" ? layer - 1 : n_layer - 1;
       name = name.substr(0, a);
-      if (at < 0) return std::string("embd");  // the stream before the first layer
+      if (at < 0) return std::string(recorded("inp_scaled") ? "inp_scaled" : "embd");  // the stream before layer 0
     }
     const CheckpointKind* k = find_checkpoint_kind(name);
     return checkpoint_name(name, k && k->per_layer ? at : -1);
@@ -103,8 +126,23 @@ std::vector<std::string> checkpoint_inputs(std::string_view base, int layer, int
 
 namespace {
 
-// Kinds outside layers that run before the layers (tokens, embd).
-constexpr int kLeadingKinds = 2;
+// Whether a kind outside layers runs before the layers (tokens, embd, inp_scaled): it comes before the
+// first per-layer kind in the table.
+bool leading_kind(const CheckpointKind& k) {
+  for (const auto& kk : checkpoint_kinds()) {
+    if (kk.per_layer) return false;
+    if (&kk == &k) return true;
+  }
+  return false;
+}
+
+// Applicable kinds outside layers that run before the layers.
+int leading_count(const ModelConfig& cfg) {
+  int n = 0;
+  for (const auto& k : checkpoint_kinds())
+    if (!k.per_layer && leading_kind(k) && kind_applies(k, cfg)) ++n;
+  return n;
+}
 
 // Index of a per-layer kind within a layer for this config, or -1.
 int index_in_layer(const ModelConfig& cfg, std::string_view base) {
@@ -153,19 +191,21 @@ int checkpoint_order(const ModelConfig& cfg, std::string_view base, int layer) {
   if (!k) throw InputError("unknown checkpoint '" + name + "' (not in the checkpoint vocabulary)");
   if (!kind_applies(*k, cfg))
     throw InputError("checkpoint '" + name + "' does not exist for architecture " + arch_name(cfg.arch) +
-                     " without per-head q/k norms");
+                     (k->needs == KindNeeds::qk_norm ? " without per-head q/k norms" : ""));
   const int per_layer = checkpoints_per_layer(cfg);
+  const int lead = leading_count(cfg);
   if (k->per_layer) {
     if (layer < 0 || layer >= cfg.n_layer)
       throw InputError("checkpoint '" + name + "': layer " + std::to_string(layer) + " outside 0.." +
                        std::to_string(cfg.n_layer - 1));
-    return kLeadingKinds + layer * per_layer + index_in_layer(cfg, base);
+    return lead + layer * per_layer + index_in_layer(cfg, base);
   }
   if (layer >= 0) throw InputError("checkpoint '" + std::string(base) + "' is not per-layer (got '" + name + "')");
+  const bool leading = leading_kind(*k);
   int i = 0;
   for (const auto& kk : checkpoint_kinds()) {
-    if (kk.per_layer) continue;
-    if (base == kk.base) return i < kLeadingKinds ? i : kLeadingKinds + cfg.n_layer * per_layer + (i - kLeadingKinds);
+    if (kk.per_layer || leading_kind(kk) != leading || !kind_applies(kk, cfg)) continue;
+    if (base == kk.base) return leading ? i : lead + cfg.n_layer * per_layer + i;
     ++i;
   }
   return -1;  // unreachable: k was found above
@@ -175,12 +215,8 @@ std::vector<std::string> checkpoint_names(const ModelConfig& cfg) {
   std::vector<std::string> names;
   const auto& kinds = checkpoint_kinds();
   auto non_layer = [&](bool leading) {
-    int i = 0;
-    for (const auto& k : kinds) {
-      if (k.per_layer) continue;
-      if ((i < kLeadingKinds) == leading) names.emplace_back(k.base);
-      ++i;
-    }
+    for (const auto& k : kinds)
+      if (!k.per_layer && leading_kind(k) == leading && kind_applies(k, cfg)) names.emplace_back(k.base);
   };
   non_layer(true);
   for (int l = 0; l < cfg.n_layer; ++l)

@@ -23,20 +23,32 @@ const char* native_dtype_name(NativeDType d);
 //
 // `inputs` is the kind's dataflow: the checkpoints its operands are, comma-separated. A name is the
 // same layer's checkpoint for a per-layer kind; "@prev" is the previous layer's (the stream before the
-// layers, embd, at layer 0) and "@last" the last layer's. "A|B": A where A was recorded, else B.
+// layers, inp_scaled or embd, at layer 0) and "@last" the last layer's. "A|B": A where A was recorded,
+// else B.
+//
+// `needs` is the config feature a kind exists for (KindNeeds); kinds with none exist for every config.
+enum class KindNeeds : uint8_t {
+  none,
+  qk_norm,     // ModelConfig::qk_norm: qwen3, gemma3
+  embd_scale,  // ModelConfig::embd_scale: gemma3
+  post_norms,  // ModelConfig::post_norms: gemma3
+  ffn_silu,    // ModelConfig::ffn_act == silu: llama, qwen2, qwen3
+  ffn_gelu,    // ModelConfig::ffn_act == gelu_tanh: gemma3
+};
+
 struct CheckpointKind {
   const char* base;    // "Qcur"
   bool per_layer;
   const char* layout;  // dimension letters of the stored array, e.g. "T,H,Dh" or "H,T,S"
   const char* what;    // one line for help and reports
   const char* inputs;  // dataflow inputs, e.g. "Qrope,cache_k|Krope"; "" for none
-  bool qk_norm_only = false;  // emitted only by models with per-head q/k RMSNorm (qwen3)
+  KindNeeds needs = KindNeeds::none;
 };
 
 // Every kind, in execution order within a step (per-layer kinds in their order inside a layer).
 const std::vector<CheckpointKind>& checkpoint_kinds();
 const CheckpointKind* find_checkpoint_kind(std::string_view base);  // nullptr if unknown
-bool kind_applies(const CheckpointKind& k, const ModelConfig& cfg);  // qwen3 adds Qnorm/Knorm
+bool kind_applies(const CheckpointKind& k, const ModelConfig& cfg);  // whether the config has k.needs
 std::vector<Arch> kind_archs(const CheckpointKind& k);  // the architectures that emit this kind
 
 // The direct dataflow inputs of checkpoint `base` at `layer` (-1 outside layers) in a model of

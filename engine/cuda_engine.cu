@@ -66,9 +66,11 @@
 #include "engine/ops/argmax.cuh"
 #include "engine/ops/attention.cuh"
 #include "engine/ops/embedding.cuh"
+#include "engine/ops/geglu.cuh"
 #include "engine/ops/matmul.cuh"
 #include "engine/ops/rms_norm.cuh"
 #include "engine/ops/rope_qk.cuh"
+#include "engine/ops/scale.cuh"
 #include "engine/ops/swiglu.cuh"
 #include "engine/weights.cuh"
 #include "model/error.hpp"
@@ -276,6 +278,11 @@ class CudaEngineImpl final : public CudaEngine {
     else
       embedding(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_);
     cp(sink, step, "embd", -1, a.x.get(), {n, D});
+    if (cfg_.embd_scale) {  // gemma3: the embedding rows times sqrt(D); embd_scale_missing skips it
+      if (!faults_.has(Fault::embd_scale_missing))
+        scale(a.x.get(), a.x.get(), sqrtf(static_cast<float>(D)), int64_t(n) * D, stream_);
+      cp(sink, step, "inp_scaled", -1, a.x.get(), {n, D});
+    }
     norm(a.xn.get(), a.x.get(), norm_opening(0), n, D);  // layer 0's attn_norm
     for (int l = 0; l < cfg_.n_layer; ++l) layer(step, l, n, sink);
     set_op_context(step, -1);
@@ -293,6 +300,8 @@ class CudaEngineImpl final : public CudaEngine {
         matmul(logits_.get() + size_t(r) * Vp, last_rows + size_t(r) * D, weights_.lm_head, nullptr, 1, D, V, cublas_,
                stream_);
     }
+    if (cfg_.final_logit_softcap > 0)
+      softcap(logits_.get(), logits_.get(), static_cast<float>(cfg_.final_logit_softcap), int64_t(rows) * Vp, stream_);
     if (rows == n) cp(sink, step, "result_output", -1, logits_.get(), {n, Vp});
 
     const float* last = logits_.get() + size_t(rows - 1) * Vp;  // [Vp]
@@ -309,7 +318,11 @@ class CudaEngineImpl final : public CudaEngine {
     Activations<W>& a = *act_;
     const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, F = cfg_.n_ff;
     const int Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n;
-    const float theta = static_cast<float>(faults_.has(Fault::rope_theta_10000) ? kFaultRopeTheta : cfg_.rope_theta);
+    // rope_local_theta_global: local layers on the global base; sliding_window_ignored: no window.
+    const double base = faults_.has(Fault::rope_local_theta_global) ? cfg_.rope_theta : cfg_.layer_rope_theta(l);
+    const float theta = static_cast<float>(faults_.has(Fault::rope_theta_10000) ? kFaultRopeTheta : base);
+    const float att_scale = static_cast<float>(cfg_.attention_scale());
+    const int window = faults_.has(Fault::sliding_window_ignored) ? 0 : cfg_.layer_window(l);
     const bool neox = (cfg_.rope_type != RopeType::norm) != faults_.has(Fault::rope_pairing_swapped);
     const bool bias = !faults_.has(Fault::qkv_bias_missing);
     const int32_t* n_past = d_n_past_.get();  // [1] device; also the position of token 0
@@ -349,14 +362,15 @@ class CudaEngineImpl final : public CudaEngine {
     float* probs = nullptr;  // [H, T, S_att]
     if (split_attention(n)) {
       probs = attn_probs_.get();
-      attention_split(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh,
+      attention_split(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window,
                       {attn_partial_.get(), attn_counters_.get(), attn_splits_}, stream_);
     } else {
       probs = want_probs ? probs_.get() : nullptr;
       if (attention_flaws_.any())
-        attention_flawed(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, attention_flaws_, stream_);
+        attention_flawed(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window,
+                         attention_flaws_, stream_);
       else
-        attention(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, stream_);
+        attention(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window, stream_);
     }
     if (want_probs) record_only(step, "kq_soft_max", l, probs, {H, n, S_att});
     cp(sink, step, "kqv_out", l, a.kqv.get(), {n, H, Dh});
@@ -366,6 +380,10 @@ class CudaEngineImpl final : public CudaEngine {
     else
       matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_);
     cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});
+    if (cfg_.post_norms) {  // gemma3: RMSNorm of the attention output before the residual add
+      if (!faults_.has(Fault::post_norm_skipped)) norm(a.attn_out.get(), a.attn_out.get(), norm_w(w.attn_post_norm), n, D);
+      cp(sink, step, "attn_post_norm", l, a.attn_out.get(), {n, D});
+    }
     if (faults_.has(Fault::residual_skipped)) {  // ffn_inp = attn_out: the residual add skipped, then a plain norm
       CUDA_CHECK(cudaMemcpyAsync(a.ffn_inp.get(), a.attn_out.get(), size_t(n) * D * sizeof(float),
                                  cudaMemcpyDeviceToDevice, stream_));
@@ -381,13 +399,24 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "ffn_gate", l, a.gate.get(), {n, F});
     cp(sink, step, "ffn_up", l, a.up.get(), {n, F});
     const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
-    swiglu(a.act.get(), swap ? a.up.get() : a.gate.get(), swap ? a.gate.get() : a.up.get(), int64_t(n) * F, stream_);
-    cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});
+    const float* act_in = swap ? a.up.get() : a.gate.get();    // [T, F]
+    const float* act_mul = swap ? a.gate.get() : a.up.get();   // [T, F]
+    if (cfg_.ffn_act == FfnAct::gelu_tanh) {
+      geglu(a.act.get(), act_in, act_mul, int64_t(n) * F, stream_);
+      cp(sink, step, "ffn_geglu", l, a.act.get(), {n, F});
+    } else {
+      swiglu(a.act.get(), act_in, act_mul, int64_t(n) * F, stream_);
+      cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});
+    }
     if (faults_.has(Fault::ffn_down_transposed))
       gemm_wrong_lda(a.ffn_out.get(), a.act.get(), dense_rows(w.w_down, D, stream_), n, F, D, cublas_, stream_);
     else
       matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_);
     cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});
+    if (cfg_.post_norms) {  // gemma3: RMSNorm of the FFN output before the residual add
+      norm(a.ffn_out.get(), a.ffn_out.get(), norm_w(w.ffn_post_norm), n, D);
+      cp(sink, step, "ffn_post_norm", l, a.ffn_out.get(), {n, D});
+    }
     // l_out, and the norm that opens the next layer (attn_norm, or result_norm after the last).
     add_norm(a.x.get(), a.xn.get(), a.ffn_inp.get(), a.ffn_out.get(), norm_opening(l + 1), n, D);
     cp(sink, step, "l_out", l, a.x.get(), {n, D});
@@ -455,6 +484,8 @@ class CudaEngineImpl final : public CudaEngine {
       for (const DeviceLayerWeights<W>& w : weights_.layers) {
         twice(w.attn_norm, cfg_.n_embd);
         twice(w.ffn_norm, cfg_.n_embd);
+        twice(w.attn_post_norm, cfg_.n_embd);
+        twice(w.ffn_post_norm, cfg_.n_embd);
         twice(w.q_norm, cfg_.head_dim);
         twice(w.k_norm, cfg_.head_dim);
       }

@@ -209,10 +209,12 @@ DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cu
       w.k_norm = vector(layer_tensor(l, "attn_k_norm.weight"));
     }
     w.wo = matrix(layer_tensor(l, "attn_output.weight"));
+    if (cfg.post_norms) w.attn_post_norm = vector(layer_tensor(l, "post_attention_norm.weight"));
     w.ffn_norm = vector(layer_tensor(l, "ffn_norm.weight"));
     w.w_gate = matrix(layer_tensor(l, "ffn_gate.weight"));
     w.w_up = matrix(layer_tensor(l, "ffn_up.weight"));
     w.w_down = matrix(layer_tensor(l, "ffn_down.weight"));
+    if (cfg.post_norms) w.ffn_post_norm = vector(layer_tensor(l, "post_ffw_norm.weight"));
   }
 }
 

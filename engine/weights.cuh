@@ -35,13 +35,15 @@ struct DeviceLayerWeights {
   const float* bq = nullptr;         // [H*Dh], qwen2 only (else null)
   const float* bk = nullptr;         // [Hkv*Dh], qwen2 only
   const float* bv = nullptr;         // [Hkv*Dh], qwen2 only
-  const float* q_norm = nullptr;     // [Dh], qwen3 only
-  const float* k_norm = nullptr;     // [Dh], qwen3 only
+  const float* q_norm = nullptr;     // [Dh], qwen3 and gemma3 only
+  const float* k_norm = nullptr;     // [Dh], qwen3 and gemma3 only
   DeviceMatrix<W> wo;            // [D, H*Dh]
+  const float* attn_post_norm = nullptr;  // [D], gemma3 only
   const float* ffn_norm = nullptr;   // [D]
   DeviceMatrix<W> w_gate;        // [F, D]
   DeviceMatrix<W> w_up;          // [F, D]
   DeviceMatrix<W> w_down;        // [D, F]
+  const float* ffn_post_norm = nullptr;  // [D], gemma3 only
 };
 
 // Device bytes the weights take in type W, and the largest raw tensor (the upload staging buffer).

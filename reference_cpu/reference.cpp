@@ -4,6 +4,7 @@
 #include "reference_cpu/reference.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -19,9 +20,11 @@
 #include "reference_cpu/ops/add.hpp"
 #include "reference_cpu/ops/attention.hpp"
 #include "reference_cpu/ops/embedding.hpp"
+#include "reference_cpu/ops/geglu.hpp"
 #include "reference_cpu/ops/matmul.hpp"
 #include "reference_cpu/ops/rms_norm.hpp"
 #include "reference_cpu/ops/rope.hpp"
+#include "reference_cpu/ops/scale.hpp"
 #include "reference_cpu/ops/swiglu.hpp"
 #include "reference_cpu/recorder.hpp"
 #include "reference_cpu/storage.hpp"
@@ -65,7 +68,7 @@ class CpuBackend final : public Backend {
     if (!faults_.empty()) f["injected_faults"] = faults_.names();
     if (storage_.any()) {
       f["weights_dtype"] = storage_.weights_f16 ? "f16" : precision_.substr(0, 3);
-      f["emulated_f16_storage"] = storage_.gemm_inputs_f16 ? "attn_norm,ffn_norm,result_norm,kqv_out,ffn_swiglu"
+      f["emulated_f16_storage"] = storage_.gemm_inputs_f16 ? "attn_norm,ffn_norm,result_norm,kqv_out,ffn_swiglu/ffn_geglu"
                                                            : "ffn_inp,l_out";
     }
     return f;
@@ -93,6 +96,10 @@ class CpuBackend final : public Backend {
       embedding(x.data(), tokens.data(), w_.token_embd, n, D, V);
     }
     cp("embd", -1, {n, D}, x.data());
+    if (cfg_.embd_scale) {  // embd_scale_missing: the op skipped
+      if (!faults_.has(Fault::embd_scale_missing)) scale(x.data(), x.data(), T(std::sqrt(T(D))), nD_of(n));
+      cp("inp_scaled", -1, {n, D}, x.data());
+    }
     for (int l = 0; l < cfg_.n_layer; ++l) layer(l, x, n, cp);
 
     std::vector<T> xn(x.size());                   // [T,D]
@@ -111,6 +118,7 @@ class CpuBackend final : public Backend {
                1, D, V, scratch_);
       }
     }
+    if (cfg_.final_logit_softcap > 0) softcap(logits.data(), logits.data(), T(cfg_.final_logit_softcap), int64_t(logits.size()));
     if (rows == n) cp("result_output", -1, {n, Vp}, logits.data());
 
     n_past_ += n;
@@ -123,7 +131,9 @@ class CpuBackend final : public Backend {
     const LayerWeights<T>& w = w_.layers[l];
     const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, F = cfg_.n_ff;
     const int Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n, pos0 = n_past_;
-    const T theta = T(faults_.has(Fault::rope_theta_10000) ? kFaultRopeTheta : cfg_.rope_theta);
+    // rope_local_theta_global: local layers on the global base.
+    const double base = faults_.has(Fault::rope_local_theta_global) ? cfg_.rope_theta : cfg_.layer_rope_theta(l);
+    const T theta = T(faults_.has(Fault::rope_theta_10000) ? kFaultRopeTheta : base);
     const bool neox = (cfg_.rope_type == RopeType::neox) != faults_.has(Fault::rope_pairing_swapped);
     const auto rope = neox ? rope_neox<T> : rope_norm<T>;
     const bool bias = !faults_.has(Fault::qkv_bias_missing);
@@ -162,10 +172,13 @@ class CpuBackend final : public Backend {
     std::vector<T> kqv(static_cast<size_t>(n) * Q);        // [T,H*Dh]
     const T* keys = read_cache ? cache_k : k.data();
     const T* values = read_cache ? cache_v : v.data();
+    const T att_scale = T(cfg_.attention_scale());
+    const int window = faults_.has(Fault::sliding_window_ignored) ? 0 : cfg_.layer_window(l);
     if (attention_flaws_.any()) {
-      attention_flawed(kqv.data(), probs.data(), q.data(), keys, values, n, past, H, Hkv, Dh, attention_flaws_);
+      attention_flawed(kqv.data(), probs.data(), q.data(), keys, values, n, past, H, Hkv, Dh, att_scale, window,
+                       attention_flaws_);
     } else {
-      attention(kqv.data(), probs.data(), q.data(), keys, values, n, past, H, Hkv, Dh);
+      attention(kqv.data(), probs.data(), q.data(), keys, values, n, past, H, Hkv, Dh, att_scale, window);
     }
     cp("kq_soft_max", l, {H, n, S_att}, std::as_const(probs).data());  // read by no later op: never replaced
     store_gemm_input(kqv.data(), kqv.size());                                     cp("kqv_out", l, {n, H, Dh}, kqv.data(), gemm_f16());
@@ -173,6 +186,10 @@ class CpuBackend final : public Backend {
     std::vector<T> attn_out(nD);                           // [T,D]
     const WeightMatrix<T>& wo = faults_.has(Fault::attn_out_transposed) ? wo_flawed_[l] : w.wo;
     matmul(attn_out.data(), kqv.data(), wo, kNoBias, n, Q, D, scratch_);          cp("attn_out", l, {n, D}, attn_out.data());
+    if (cfg_.post_norms) {  // post_norm_skipped: the op skipped
+      if (!faults_.has(Fault::post_norm_skipped)) norm(attn_out.data(), attn_out.data(), w.attn_post_norm.data(), n, D);
+      cp("attn_post_norm", l, {n, D}, attn_out.data());
+    }
     std::vector<T> ffn_inp(nD);                            // [T,D]
     if (faults_.has(Fault::residual_skipped)) {
       std::copy(attn_out.begin(), attn_out.end(), ffn_inp.begin());
@@ -188,12 +205,16 @@ class CpuBackend final : public Backend {
     matmul(gate.data(), xn.data(), w.w_gate, kNoBias, n, D, F, scratch_);         cp("ffn_gate", l, {n, F}, gate.data());
     matmul(up.data(), xn.data(), w.w_up, kNoBias, n, D, F, scratch_);             cp("ffn_up", l, {n, F}, up.data());
     const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
-    swiglu(gate.data(), swap ? up.data() : gate.data(), swap ? gate.data() : up.data(),
-           static_cast<int64_t>(gate.size()));
-    store_gemm_input(gate.data(), gate.size());                                   cp("ffn_swiglu", l, {n, F}, gate.data(), gemm_f16());
+    const auto act = cfg_.ffn_act == FfnAct::gelu_tanh ? geglu<T> : swiglu<T>;
+    act(gate.data(), swap ? up.data() : gate.data(), swap ? gate.data() : up.data(), static_cast<int64_t>(gate.size()));
+    store_gemm_input(gate.data(), gate.size());
+    cp(cfg_.ffn_act == FfnAct::gelu_tanh ? "ffn_geglu" : "ffn_swiglu", l, {n, F}, gate.data(), gemm_f16());
     std::vector<T> ffn_out(nD);                            // [T,D]
     const WeightMatrix<T>& w_down = faults_.has(Fault::ffn_down_transposed) ? w_down_flawed_[l] : w.w_down;
     matmul(ffn_out.data(), gate.data(), w_down, kNoBias, n, F, D, scratch_);      cp("ffn_out", l, {n, D}, ffn_out.data());
+    if (cfg_.post_norms) {
+      norm(ffn_out.data(), ffn_out.data(), w.ffn_post_norm.data(), n, D);         cp("ffn_post_norm", l, {n, D}, ffn_out.data());
+    }
     add(x.data(), ffn_inp.data(), ffn_out.data(), static_cast<int64_t>(nD));
     store_residual(x.data(), nD);                                                 cp("l_out", l, {n, D}, x.data(), residual_f16());
   }
@@ -244,6 +265,10 @@ class CpuBackend final : public Backend {
       for (LayerWeights<T>& w : w_.layers) {
         twice(w.attn_norm);
         twice(w.ffn_norm);
+        if (cfg_.post_norms) {
+          twice(w.attn_post_norm);
+          twice(w.ffn_post_norm);
+        }
         if (cfg_.qk_norm) {
           twice(w.q_norm);
           twice(w.k_norm);

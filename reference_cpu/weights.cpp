@@ -138,10 +138,12 @@ Weights<T> Weights<T>::load(const GgufFile& file, const ModelConfig& cfg, const 
       lw.k_norm = load_vector(layer_tensor(l, "attn_k_norm.weight"));
     }
     lw.wo = load_matrix(layer_tensor(l, "attn_output.weight"));
+    if (cfg.post_norms) lw.attn_post_norm = load_vector(layer_tensor(l, "post_attention_norm.weight"));
     lw.ffn_norm = load_vector(layer_tensor(l, "ffn_norm.weight"));
     lw.w_gate = load_matrix(layer_tensor(l, "ffn_gate.weight"));
     lw.w_up = load_matrix(layer_tensor(l, "ffn_up.weight"));
     lw.w_down = load_matrix(layer_tensor(l, "ffn_down.weight"));
+    if (cfg.post_norms) lw.ffn_post_norm = load_vector(layer_tensor(l, "post_ffw_norm.weight"));
   }
   return w;
 }

@@ -71,13 +71,15 @@ struct LayerWeights {
   Vector<T> bq;             // [H*Dh], qwen2 only (empty otherwise)
   Vector<T> bk;             // [Hkv*Dh], qwen2 only
   Vector<T> bv;             // [Hkv*Dh], qwen2 only
-  Vector<T> q_norm;         // [Dh], qwen3 only
-  Vector<T> k_norm;         // [Dh], qwen3 only
+  Vector<T> q_norm;         // [Dh], qwen3 and gemma3 only
+  Vector<T> k_norm;         // [Dh], qwen3 and gemma3 only
   WeightMatrix<T> wo;       // [D, H*Dh]
+  Vector<T> attn_post_norm; // [D], gemma3 only
   Vector<T> ffn_norm;       // [D]
   WeightMatrix<T> w_gate;   // [F, D]
   WeightMatrix<T> w_up;     // [F, D]
   WeightMatrix<T> w_down;   // [D, F]
+  Vector<T> ffn_post_norm;  // [D], gemma3 only
 };
 
 template <typename T>

@@ -2,7 +2,7 @@
 """compare_transformers.py: checks a diffrun reference dump against Hugging Face transformers on the same GGUF.
 
 transformers dequantizes the GGUF weights itself (through the `gguf` package) and runs its own
-Llama/Qwen2/Qwen3 code, so agreement here is agreement with an implementation diffrun did not write.
+Llama/Qwen2/Qwen3/Gemma 3 code, so agreement here is agreement with an implementation diffrun did not write.
 It runs the dump's token ids (prompt then the fed decode tokens) through one causal forward pass, which
 gives, row for row, what each of diffrun's steps computed: step 0 is positions 0..T-1, step i is
 position T+i-1. It compares, for every step, l_out-L of every layer, result_norm and result_output

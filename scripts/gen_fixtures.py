@@ -32,7 +32,13 @@ STAMP = ".gen_fixtures.stamp"
 
 
 def tiny_files() -> list[tuple[models.Shape, str, str]]:
-    return [(s, fmt, f"{s.name}-{fmt}.gguf") for s in models.TINY.values() for fmt in models.TINY_FORMATS]
+    return [(s, fmt, f"{s.name}-{fmt}.gguf") for s in models.TINY.values() for fmt in models.TINY_FORMATS] + \
+        extra_files()
+
+
+def extra_files() -> list[tuple[models.Shape, str, str]]:
+    """The architectures written in a few formats only (models.EXTRA): tiny-gemma3."""
+    return [(s, fmt, f"{s.name}-{fmt}.gguf") for s in models.EXTRA.values() for fmt in models.EXTRA_FORMATS]
 
 
 def gguf_version() -> str:

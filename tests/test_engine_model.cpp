@@ -145,6 +145,23 @@ TEST(EngineModel, F32MatchesF64ReferenceOnEveryTinyFixture) {
               open_model(test::fixture_path("tiny-qwen3-f32.gguf")).cfg, overall);
 }
 
+// tiny-gemma3 (window 8 on layers 0-4, softcap 30): 7 prompt tokens and 4 decode steps, so the decode
+// steps attend past the window, in each of its formats.
+TEST(EngineModel, F32MatchesF64ReferenceOnTinyGemma3) {
+  DIFFRUN_REQUIRE_CUDA();
+  WorstByKind overall;
+  for (const char* fmt : {"f32", "q8_0", "kmix"}) {
+    const std::string path = test::fixture_path(std::string("tiny-gemma3-") + fmt + ".gguf");
+    SCOPED_TRACE(path);
+    ASSERT_TRUE(std::filesystem::exists(path)) << "missing fixture (scripts/gen_fixtures.py --out DIR)";
+    for (const auto& [base, w] : f32_agreement(path, 4))
+      if (!(w.rel <= overall[base].rel) || overall[base].name.empty())
+        overall[base] = {w.rel, std::string("gemma3-") + fmt + " " + w.name, w.step};
+  }
+  print_worst("f32 engine vs f64 reference, tiny gemma3 (worst over its formats):",
+              open_model(test::fixture_path("tiny-gemma3-f32.gguf")).cfg, overall);
+}
+
 void f32_agreement_on_env_model(const char* env) {
   const char* path = std::getenv(env);
   if (!path || !*path) GTEST_SKIP() << env << " is not set (path of the model to check)";
@@ -155,6 +172,11 @@ void f32_agreement_on_env_model(const char* env) {
 TEST(EngineModel, F32MatchesF64ReferenceOnSmolLM2Slice) {
   DIFFRUN_REQUIRE_CUDA();
   f32_agreement_on_env_model("DIFFRUN_SMOLLM2_SLICE");
+}
+
+TEST(EngineModel, F32MatchesF64ReferenceOnGemma3) {
+  DIFFRUN_REQUIRE_CUDA();
+  f32_agreement_on_env_model("DIFFRUN_GEMMA3");
 }
 
 TEST(EngineModel, F32MatchesF64ReferenceOnQwen05BShape) {
@@ -206,7 +228,8 @@ void f16_agreement(const std::string& path) {
 
 TEST(EngineModel, F16AgainstF32ReferenceOnTinyFixtures) {
   DIFFRUN_REQUIRE_CUDA();
-  for (const char* name : {"tiny-llama-f16.gguf", "tiny-qwen2-q8_0.gguf", "tiny-qwen3-kmix.gguf"}) {
+  for (const char* name : {"tiny-llama-f16.gguf", "tiny-qwen2-q8_0.gguf", "tiny-qwen3-kmix.gguf",
+                           "tiny-gemma3-kmix.gguf"}) {
     SCOPED_TRACE(name);
     f16_agreement(test::fixture_path(name));
   }

@@ -16,20 +16,24 @@
 #include "engine/ops/argmax.cuh"
 #include "engine/ops/attention.cuh"
 #include "engine/ops/embedding.cuh"
+#include "engine/ops/geglu.cuh"
 #include "engine/ops/kv_store.cuh"
 #include "engine/ops/matmul.cuh"
 #include "engine/ops/rms_norm.cuh"
 #include "engine/ops/rope_neox.cuh"
 #include "engine/ops/rope_norm.cuh"
 #include "engine/ops/rope_qk.cuh"
+#include "engine/ops/scale.cuh"
 #include "engine/ops/swiglu.cuh"
 #include "model/dequant.hpp"
 #include "reference_cpu/ops/add.hpp"
 #include "reference_cpu/ops/attention.hpp"
 #include "reference_cpu/ops/embedding.hpp"
+#include "reference_cpu/ops/geglu.hpp"
 #include "reference_cpu/ops/matmul.hpp"
 #include "reference_cpu/ops/rms_norm.hpp"
 #include "reference_cpu/ops/rope.hpp"
+#include "reference_cpu/ops/scale.hpp"
 #include "reference_cpu/ops/swiglu.hpp"
 #include "tests/test_engine_common.hpp"
 
@@ -341,30 +345,36 @@ TEST(EngineOps, AddRmsNormMatchesAddThenRmsNorm) {
 
 TEST(EngineOps, AttentionMatchesReference) {
   DIFFRUN_REQUIRE_CUDA();
-  for (auto [T, n_past, H, Hkv, Dh] : {std::tuple{5, 4, 6, 2, 40}, std::tuple{1, 37, 14, 2, 64},
-                                       std::tuple{9, 0, 4, 4, 128}, std::tuple{3, 2, 8, 1, 256}}) {
+  // window > 0: a sliding window (gemma3's local layers) with its own scale, in prefill and past it in decode.
+  for (auto [T, n_past, H, Hkv, Dh, window] :
+       {std::tuple{5, 4, 6, 2, 40, 0}, std::tuple{1, 37, 14, 2, 64, 0}, std::tuple{9, 0, 4, 4, 128, 0},
+        std::tuple{3, 2, 8, 1, 256, 0}, std::tuple{9, 3, 4, 1, 256, 5}, std::tuple{1, 40, 4, 1, 256, 16}}) {
     SCOPED_TRACE("T " + std::to_string(T) + " n_past " + std::to_string(n_past) + " H " + std::to_string(H) +
-                 " Hkv " + std::to_string(Hkv) + " Dh " + std::to_string(Dh));
+                 " Hkv " + std::to_string(Hkv) + " Dh " + std::to_string(Dh) + " window " + std::to_string(window));
     const int S = n_past + T, Q = H * Dh, KV = Hkv * Dh;
+    const float scale = window > 0 ? 0.0625f : 1.0f / std::sqrt(float(Dh));
     const auto q = random_vec(T * Q, 8), kc = random_vec(S * KV, 9), vc = random_vec(S * KV, 10);
     std::vector<double> out_ref(T * Q), probs_ref(size_t(H) * T * S);
     ref::attention(out_ref.data(), probs_ref.data(), widen(q).data(), widen(kc).data(), widen(vc).data(), T, n_past,
-                   H, Hkv, Dh);
+                   H, Hkv, Dh, double(scale), window);
 
     DeviceArray<float> dq(q), dk(kc), dv(vc), out(T * Q), probs(size_t(H) * T * S);
     DeviceArray<int32_t> dnp(std::vector<int32_t>{n_past});
-    engine::attention(out.get(), probs.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, nullptr);
+    engine::attention(out.get(), probs.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale, window,
+                      nullptr);
     const auto got = out.download();
     EXPECT_LT(rel_l2(got, narrow(out_ref)), 1e-5);
     EXPECT_LT(rel_l2(probs.download(), narrow(probs_ref)), 1e-5);
 
     // Without probs the output is bit-identical (the same kernel runs).
     DeviceArray<float> out2(T * Q);
-    engine::attention(out2.get(), nullptr, dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, nullptr);
+    engine::attention(out2.get(), nullptr, dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale, window,
+                      nullptr);
     EXPECT_EQ(out2.download(), got);
 
     DeviceArray<__half> out16(T * Q);
-    engine::attention(out16.get(), nullptr, dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, nullptr);
+    engine::attention(out16.get(), nullptr, dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale, window,
+                      nullptr);
     EXPECT_LT(rel_l2(from_half(out16.download()), narrow(out_ref)), 1e-3);
   }
 }
@@ -375,27 +385,28 @@ TEST(EngineOps, AttentionMatchesReference) {
 TEST(EngineOps, AttentionSplitMatchesReference) {
   DIFFRUN_REQUIRE_CUDA();
   struct Case {
-    int T, n_past, H, Hkv, Dh, splits;
+    int T, n_past, H, Hkv, Dh, splits, window = 0;
   };
   for (const Case c : {Case{1, 37, 14, 2, 64, 19}, Case{1, 0, 14, 2, 64, 19}, Case{1, 200, 6, 3, 40, 7},
                        Case{1, 5, 4, 4, 128, 1}, Case{3, 2, 8, 1, 256, 5}, Case{4, 300, 6, 2, 40, 64},
-                       Case{2, 1, 5, 5, 18, 3}}) {
-    const int T = c.T, n_past = c.n_past, H = c.H, Hkv = c.Hkv, Dh = c.Dh;
+                       Case{2, 1, 5, 5, 18, 3}, Case{1, 600, 4, 1, 256, 64, 512}, Case{3, 20, 4, 1, 256, 7, 8}}) {
+    const int T = c.T, n_past = c.n_past, H = c.H, Hkv = c.Hkv, Dh = c.Dh, window = c.window;
+    const float scale = window > 0 ? 0.0625f : 1.0f / std::sqrt(float(Dh));
     SCOPED_TRACE("T " + std::to_string(T) + " n_past " + std::to_string(n_past) + " H " + std::to_string(H) +
                  " Hkv " + std::to_string(Hkv) + " Dh " + std::to_string(Dh) + " splits " + std::to_string(c.splits));
     const int S = n_past + T, Q = H * Dh, KV = Hkv * Dh;
     const auto q = random_vec(T * Q, 40, 2.0f), kc = random_vec(S * KV, 41), vc = random_vec(S * KV, 42);
     std::vector<double> out_ref(T * Q), probs_ref(size_t(H) * T * S);
     ref::attention(out_ref.data(), probs_ref.data(), widen(q).data(), widen(kc).data(), widen(vc).data(), T, n_past,
-                   H, Hkv, Dh);
+                   H, Hkv, Dh, double(scale), window);
 
     DeviceArray<float> dq(q), dk(kc), dv(vc), out(T * Q), probs(std::vector<float>(size_t(H) * T * S, NAN));
     DeviceArray<float> partial(size_t(T) * H * c.splits * (Dh + 2));
     DeviceArray<uint32_t> counters(std::vector<uint32_t>(size_t(T) * H, 0u));
     DeviceArray<int32_t> dnp(std::vector<int32_t>{n_past});
     const engine::AttentionSplitScratch scratch{partial.get(), counters.get(), c.splits};
-    engine::attention_split(out.get(), probs.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scratch,
-                            nullptr);
+    engine::attention_split(out.get(), probs.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale,
+                            window, scratch, nullptr);
     const auto got = out.download(), got_probs = probs.download();
     EXPECT_LT(rel_l2(got, narrow(out_ref)), 1e-5);
     EXPECT_LT(rel_l2(got_probs, narrow(probs_ref)), 1e-5);
@@ -404,7 +415,7 @@ TEST(EngineOps, AttentionSplitMatchesReference) {
         double row = 0;
         for (int s = 0; s < S; ++s) {
           const float p = got_probs[(size_t(h) * T + t) * S + s];
-          if (s > n_past + t) {
+          if (s > n_past + t || (window > 0 && s <= n_past + t - window)) {
             EXPECT_EQ(p, 0.0f) << "h " << h << " t " << t << " s " << s;
           }
           row += p;
@@ -414,19 +425,20 @@ TEST(EngineOps, AttentionSplitMatchesReference) {
     EXPECT_EQ(counters.download(), std::vector<uint32_t>(size_t(T) * H, 0u));
 
     DeviceArray<float> out_one(T * Q), probs_one(size_t(H) * T * S);
-    engine::attention(out_one.get(), probs_one.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, nullptr);
+    engine::attention(out_one.get(), probs_one.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale,
+                      window, nullptr);
     EXPECT_LT(rel_l2(got, out_one.download()), 1e-5);
     EXPECT_LT(rel_l2(got_probs, probs_one.download()), 1e-5);
 
     DeviceArray<float> out2(T * Q), probs2(size_t(H) * T * S);
-    engine::attention_split(out2.get(), probs2.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh,
-                            scratch, nullptr);
+    engine::attention_split(out2.get(), probs2.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale,
+                            window, scratch, nullptr);
     EXPECT_EQ(out2.download(), got);
     EXPECT_EQ(probs2.download(), got_probs);
 
     DeviceArray<__half> out16(T * Q);
-    engine::attention_split(out16.get(), probs2.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh,
-                            scratch, nullptr);
+    engine::attention_split(out16.get(), probs2.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale,
+                            window, scratch, nullptr);
     EXPECT_LT(rel_l2(from_half(out16.download()), narrow(out_ref)), 1e-3);
   }
 }
@@ -436,6 +448,27 @@ TEST(EngineOps, AttentionSplitCount) {
   EXPECT_EQ(engine::attention_split_count(14, 132), 19);
   EXPECT_EQ(engine::attention_split_count(64, 16), 1);
   EXPECT_EQ(engine::attention_split_count(1, 132), engine::kAttentionSplitMaxSplits);
+}
+
+// gemma3's ops: GeGLU (f32 and f16 out), the embedding scale and the logit softcap against their CPU twins.
+TEST(EngineOps, GegluScaleSoftcapMatchReference) {
+  DIFFRUN_REQUIRE_CUDA();
+  const int64_t n = 1001;
+  const auto g = random_vec(n, 13, 4.0f), u = random_vec(n, 14);
+  std::vector<double> ref(n), scaled(n), capped(n);
+  ref::geglu(ref.data(), widen(g).data(), widen(u).data(), n);
+  ref::scale(scaled.data(), widen(g).data(), std::sqrt(640.0), n);
+  ref::softcap(capped.data(), widen(g).data(), 3.0, n);
+  DeviceArray<float> dg(g), du(u), out(n), out2(n);
+  engine::geglu(out.get(), dg.get(), du.get(), n, nullptr);
+  EXPECT_LT(rel_l2(out.download(), narrow(ref)), 1e-6);
+  DeviceArray<__half> out16(n);
+  engine::geglu(out16.get(), dg.get(), du.get(), n, nullptr);
+  EXPECT_LT(rel_l2(from_half(out16.download()), narrow(ref)), 1e-3);
+  engine::scale(out.get(), dg.get(), std::sqrt(640.0f), n, nullptr);
+  EXPECT_LT(rel_l2(out.download(), narrow(scaled)), 1e-7);
+  engine::softcap(out2.get(), dg.get(), 3.0f, n, nullptr);
+  EXPECT_LT(rel_l2(out2.download(), narrow(capped)), 1e-6);
 }
 
 TEST(EngineOps, SwigluAndAddMatchReference) {

@@ -225,6 +225,58 @@ TEST(TinyFixtures, EveryArchAndFormatGivesFiniteLogits) {
   EXPECT_EQ(ran, static_cast<int>(archs.size() * formats.size()));
 }
 
+// tiny-gemma3 (window 8 on layers 0-4, layer 5 global, softcap 30) in each of its formats: a 12-token
+// prompt and three decode steps, so the window cuts attention in prefill and decode alike. The gemma3
+// kinds are recorded, f32 agrees with f64, the embedding scale is sqrt(D) and the softcap bounds the logits.
+TEST(TinyFixtures, Gemma3WindowScaleAndSoftcap) {
+  if (!std::filesystem::exists(test::fixture_path("tiny-gemma3-f32.gguf")))
+    GTEST_SKIP() << "tiny fixtures not generated in " << test::fixture_path("") << " (ctest fixture tiny_models)";
+  const std::vector<int32_t> prompt = {2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50};
+  for (const char* fmt : {"f32", "q8_0", "kmix"}) {
+    const std::string path = test::fixture_path(std::string("tiny-gemma3-") + fmt + ".gguf");
+    SCOPED_TRACE(path);
+    auto file = GgufFile::open(path);
+    const ModelConfig cfg = config_from_gguf(*file);
+    MemorySink runs[2];
+    for (int p = 0; p < 2; ++p) {
+      auto backend = make_cpu_backend(*file, cfg, p == 0 ? "f64" : "f32", 32);
+      cli::run_steps(*backend, prompt, 3, {}, runs[p], /*keep_logits=*/false);
+    }
+    const auto& ref = runs[0].entries;
+    for (const char* name : {"inp_scaled", "attn_post_norm-0", "ffn_geglu-5", "ffn_post_norm-5", "Qnorm-3"})
+      EXPECT_EQ(ref.count({0, name}), 1u) << name;
+    EXPECT_EQ(ref.count({0, "ffn_swiglu-0"}), 0u);
+    // inp_scaled = embd · sqrt(D) (f64: exact to rounding).
+    const auto& embd = ref.at({0, "embd"}).values;
+    const auto& scaled = ref.at({0, "inp_scaled"}).values;
+    for (size_t i = 0; i < embd.size(); i += 97)
+      EXPECT_NEAR(scaled[i], embd[i] * std::sqrt(256.0), 1e-5 * std::abs(scaled[i]) + 1e-6);
+    // The window: a local layer's last query row sees its own and the 7 positions before it, the global one all.
+    for (int step : {0, 3}) {
+      const int T = step == 0 ? 12 : 1, S = 12 + step;
+      for (int l : {0, 5}) {
+        const auto& probs = ref.at({step, "kq_soft_max-" + std::to_string(l)}).values;  // [H,T,S]
+        int nonzero = 0;
+        for (int s = 0; s < S; ++s) nonzero += probs[static_cast<size_t>(T - 1) * S + s] != 0.0f;
+        EXPECT_EQ(nonzero, l == 5 ? S : 8) << "step " << step << " layer " << l;
+      }
+    }
+    // f32 against f64 on every checkpoint of every step, and the softcap.
+    double worst = 0;
+    for (const auto& [key, e] : ref) {
+      const auto& b = runs[1].entries.at(key).values;
+      double d = 0, n = 0;
+      for (size_t i = 0; i < e.values.size(); ++i) {
+        d += (double(b[i]) - e.values[i]) * (double(b[i]) - e.values[i]);
+        n += double(e.values[i]) * e.values[i];
+      }
+      if (n > 0) worst = std::max(worst, std::sqrt(d / n));
+    }
+    EXPECT_LT(worst, 1e-5);
+    for (float v : ref.at({0, "result_output"}).values) ASSERT_LT(std::abs(v), 30.0f);
+  }
+}
+
 // `diffrun dump` and `diffrun generate` through the built binary.
 class Cli : public ::testing::Test {
  protected:

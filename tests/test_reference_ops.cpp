@@ -10,9 +10,11 @@
 #include "reference_cpu/ops/add.hpp"
 #include "reference_cpu/ops/attention.hpp"
 #include "reference_cpu/ops/embedding.hpp"
+#include "reference_cpu/ops/geglu.hpp"
 #include "reference_cpu/ops/matmul.hpp"
 #include "reference_cpu/ops/rms_norm.hpp"
 #include "reference_cpu/ops/rope.hpp"
+#include "reference_cpu/ops/scale.hpp"
 #include "reference_cpu/ops/swiglu.hpp"
 
 namespace diffrun::ref {
@@ -150,28 +152,35 @@ TYPED_TEST(ReferenceOps, RopeNormAndNeoxMatchNaivePairings) {
 
 TYPED_TEST(ReferenceOps, AttentionMatchesNaiveWithCausalMaskAndGqa) {
   using T = TypeParam;
-  for (auto [H, Hkv] : {std::pair{kH, kHkv}, std::pair{4, 2}}) {
+  // (H, Hkv, scale, window): llama's 1/sqrt(Dh) over every position, and a gemma3-like scale with a
+  // sliding window of 2 positions (the query and the one before it).
+  struct Case { int H, Hkv; double scale; int window; };
+  for (Case c : {Case{kH, kHkv, 0, 0}, Case{4, 2, 0, 0}, Case{4, 2, 0.3, 2}}) {
+    const int H = c.H, Hkv = c.Hkv;
     const int n_past = 2, S = n_past + kT, Dh = kDh;  // S = 5
+    const double scale = c.scale > 0 ? c.scale : 1.0 / std::sqrt(static_cast<double>(Dh));
     const auto q = random_values(kT * H * Dh, 8, -2, 2);
     const auto k = random_values(S * Hkv * Dh, 9, -2, 2);
     const auto v = random_values(S * Hkv * Dh, 10);
     std::vector<T> out(kT * H * Dh), probs(H * kT * S, T(-7));
-    attention(out.data(), probs.data(), as<T>(q).data(), as<T>(k).data(), as<T>(v).data(), kT, n_past, H, Hkv, Dh);
+    attention(out.data(), probs.data(), as<T>(q).data(), as<T>(k).data(), as<T>(v).data(), kT, n_past, H, Hkv, Dh,
+              T(scale), c.window);
     std::vector<double> want_out(out.size()), want_probs(probs.size(), 0.0);
     for (int h = 0; h < H; ++h) {
       const int kvh = h / (H / Hkv);
       for (int t = 0; t < kT; ++t) {
+        const int first = c.window > 0 ? std::max(0, n_past + t + 1 - c.window) : 0;
         std::vector<double> score(S, -INFINITY);
         double mx = -INFINITY;
-        for (int s = 0; s <= n_past + t; ++s) {
+        for (int s = first; s <= n_past + t; ++s) {
           double dot = 0;
           for (int d = 0; d < Dh; ++d) dot += q[(t * H + h) * Dh + d] * k[(s * Hkv + kvh) * Dh + d];
-          score[s] = dot / std::sqrt(static_cast<double>(Dh));
+          score[s] = dot * scale;
           mx = std::max(mx, score[s]);
         }
         double sum = 0;
-        for (int s = 0; s <= n_past + t; ++s) sum += std::exp(score[s] - mx);
-        for (int s = 0; s <= n_past + t; ++s) {
+        for (int s = first; s <= n_past + t; ++s) sum += std::exp(score[s] - mx);
+        for (int s = first; s <= n_past + t; ++s) {
           const double p = std::exp(score[s] - mx) / sum;
           want_probs[(h * kT + t) * S + s] = p;
           for (int d = 0; d < Dh; ++d) want_out[(t * H + h) * Dh + d] += p * v[(s * Hkv + kvh) * Dh + d];
@@ -182,7 +191,37 @@ TYPED_TEST(ReferenceOps, AttentionMatchesNaiveWithCausalMaskAndGqa) {
     expect_near_all(out, want_out, tolerance<T>());
     // Masked positions are exactly zero: the first new token sees n_past + 1 positions.
     for (int h = 0; h < H; ++h) EXPECT_EQ(probs[(h * kT + 0) * S + n_past + 1], T(0));
+    // Outside the window too: the last token (position 4) with a window of 2 sees positions 3 and 4 only.
+    if (c.window == 2)
+      for (int h = 0; h < H; ++h) EXPECT_EQ(probs[(h * kT + kT - 1) * S + 2], T(0));
   }
+}
+
+TYPED_TEST(ReferenceOps, GegluScaleAndSoftcapMatchTheirFormulas) {
+  using T = TypeParam;
+  const auto gate = random_values(64, 21, -4, 4);
+  const auto up = random_values(64, 22, -2, 2);
+  std::vector<T> out(64), scaled(64), capped(64);
+  geglu(out.data(), as<T>(gate).data(), as<T>(up).data(), 64);
+  scale(scaled.data(), as<T>(gate).data(), T(25.298221281347036), 64);  // sqrt(640)
+  softcap(capped.data(), as<T>(gate).data(), T(3), 64);
+  std::vector<double> want(64), want_scaled(64), want_capped(64);
+  for (int i = 0; i < 64; ++i) {
+    const double g = gate[i];
+    // GELU's tanh approximation (transformers' gelu_pytorch_tanh, ggml_gelu).
+    want[i] = 0.5 * g * (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g))) * up[i];
+    want_scaled[i] = g * std::sqrt(640.0);
+    want_capped[i] = 3 * std::tanh(g / 3);
+  }
+  expect_near_all(out, want, tolerance<T>());
+  expect_near_all(scaled, want_scaled, tolerance<T>() * 30);
+  expect_near_all(capped, want_capped, tolerance<T>());
+  // gelu_tanh(0) = 0, and it is close to the identity for large inputs.
+  const std::vector<double> edge_gate = {0, 6}, edge_up = {1, 1};
+  std::vector<T> edge(2);
+  geglu(edge.data(), as<T>(edge_gate).data(), as<T>(edge_up).data(), 2);
+  EXPECT_EQ(edge[0], T(0));
+  EXPECT_NEAR(static_cast<double>(edge[1]), 6.0, 1e-6);
 }
 
 TYPED_TEST(ReferenceOps, AttentionSoftmaxIsStableForLargeScores) {
@@ -192,7 +231,7 @@ TYPED_TEST(ReferenceOps, AttentionSoftmaxIsStableForLargeScores) {
   const std::vector<double> k = {100, 100, 100, 100, 99, 99, 99, 99};
   const std::vector<double> v = {1, 2, 3, 4, 5, 6, 7, 8};
   std::vector<T> out(Dh), probs(2);
-  attention(out.data(), probs.data(), as<T>(q).data(), as<T>(k).data(), as<T>(v).data(), 1, 1, 1, 1, Dh);
+  attention(out.data(), probs.data(), as<T>(q).data(), as<T>(k).data(), as<T>(v).data(), 1, 1, 1, 1, Dh, T(0.5), 0);
   // scores 20000 and 19800 (after 1/sqrt(4)): without max subtraction exp overflows.
   EXPECT_NEAR(static_cast<double>(probs[0]), 1.0, 1e-6);
   EXPECT_TRUE(std::isfinite(static_cast<double>(out[0])));

@@ -20,9 +20,7 @@ ModelConfig tiny(Arch arch) {
   c.n_ff = 12;
   c.n_vocab = 17;
   c.n_ctx = 64;
-  c.qkv_bias = arch == Arch::qwen2;
-  c.qk_norm = arch == Arch::qwen3;
-  c.rope_type = arch == Arch::llama ? RopeType::norm : RopeType::neox;
+  set_arch_features(c);
   return c;
 }
 
@@ -56,8 +54,38 @@ TEST(Vocabulary, Qwen3AddsQnormKnormBeforeRope) {
   EXPECT_EQ(names[22], "attn_norm-1");
 }
 
+// Gemma 3 as llama.cpp's gemma3 graph: inp_scaled after embd, q/k norms, a norm after attention and
+// after the FFN, GeGLU in place of SwiGLU.
+TEST(Vocabulary, Gemma3AddsScaledEmbeddingPostNormsAndGeglu) {
+  const ModelConfig c = tiny(Arch::gemma3);
+  const auto names = checkpoint_names(c);
+  EXPECT_EQ(checkpoints_per_layer(c), 22);
+  ASSERT_EQ(names.size(), 3u + 3u * 22u + 2u);
+  EXPECT_EQ(std::vector<std::string>(names.begin(), names.begin() + 3),
+            (std::vector<std::string>{"tokens", "embd", "inp_scaled"}));
+  const std::vector<std::string> layer0(names.begin() + 3, names.begin() + 25);
+  const std::vector<std::string> expected = {
+      "attn_norm-0", "Qcur-0", "Kcur-0", "Vcur-0", "Qnorm-0", "Knorm-0", "Qrope-0", "Krope-0", "cache_k-0",
+      "cache_v-0", "kq_soft_max-0", "kqv_out-0", "attn_out-0", "attn_post_norm-0", "ffn_inp-0", "ffn_norm-0",
+      "ffn_gate-0", "ffn_up-0", "ffn_geglu-0", "ffn_out-0", "ffn_post_norm-0", "l_out-0"};
+  EXPECT_EQ(layer0, expected);
+  EXPECT_EQ(names.back(), "result_output");
+  EXPECT_THROW(checkpoint_order(c, "ffn_swiglu", 0), InputError);
+  EXPECT_THROW(checkpoint_order(tiny(Arch::llama), "inp_scaled", -1), InputError);
+  // The dataflow: the first layer reads inp_scaled, ffn_inp the post-normed attention, l_out the post-normed FFN.
+  const auto all = [](const std::string&) { return true; };
+  EXPECT_EQ(checkpoint_inputs("attn_norm", 0, 3, all), std::vector<std::string>{"inp_scaled"});
+  EXPECT_EQ(checkpoint_inputs("ffn_inp", 1, 3, all), (std::vector<std::string>{"attn_post_norm-1", "l_out-0"}));
+  EXPECT_EQ(checkpoint_inputs("ffn_out", 1, 3, all), std::vector<std::string>{"ffn_geglu-1"});
+  const auto llama = [](const std::string& n) { return n.find("post_norm") == std::string::npos &&
+                                                       n.find("geglu") == std::string::npos && n != "inp_scaled"; };
+  EXPECT_EQ(checkpoint_inputs("attn_norm", 0, 3, llama), std::vector<std::string>{"embd"});
+  EXPECT_EQ(checkpoint_inputs("ffn_out", 1, 3, llama), std::vector<std::string>{"ffn_swiglu-1"});
+  EXPECT_EQ(checkpoint_inputs("l_out", 2, 3, llama), (std::vector<std::string>{"ffn_out-2", "ffn_inp-2"}));
+}
+
 TEST(Vocabulary, OrderIsIndexInTheFullList) {
-  for (Arch a : {Arch::llama, Arch::qwen2, Arch::qwen3}) {
+  for (Arch a : all_archs()) {
     const ModelConfig c = tiny(a);
     const auto names = checkpoint_names(c);
     for (size_t i = 0; i < names.size(); ++i) {
@@ -133,15 +161,17 @@ TEST(Vocabulary, NamesParseAndFormat) {
 }
 
 TEST(Vocabulary, ArchsAndJson) {
-  EXPECT_EQ(kind_archs(*find_checkpoint_kind("Knorm")), std::vector<Arch>{Arch::qwen3});
-  EXPECT_EQ(kind_archs(*find_checkpoint_kind("Kcur")).size(), 3u);
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("Knorm")), (std::vector<Arch>{Arch::qwen3, Arch::gemma3}));
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("Kcur")).size(), 4u);
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("ffn_swiglu")), (std::vector<Arch>{Arch::llama, Arch::qwen2, Arch::qwen3}));
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("ffn_geglu")), std::vector<Arch>{Arch::gemma3});
   const auto doc = nlohmann::json::parse(vocabulary_json());
   ASSERT_EQ(doc["kinds"].size(), checkpoint_kinds().size());
   EXPECT_EQ(doc["kinds"][0]["base"], "tokens");
-  EXPECT_EQ(doc["kinds"][6]["base"], "Qnorm");
-  EXPECT_EQ(doc["kinds"][6]["archs"], nlohmann::json::array({"qwen3"}));
-  EXPECT_EQ(doc["kinds"][3]["layout"], "T,H,Dh");
-  EXPECT_EQ(doc["kinds"][3]["per_layer"], true);
+  EXPECT_EQ(doc["kinds"][7]["base"], "Qnorm");
+  EXPECT_EQ(doc["kinds"][7]["archs"], nlohmann::json::array({"qwen3", "gemma3"}));
+  EXPECT_EQ(doc["kinds"][4]["layout"], "T,H,Dh");
+  EXPECT_EQ(doc["kinds"][4]["per_layer"], true);
 }
 
 // Every dataflow input names a kind of the vocabulary that runs before it (or the previous/last
@@ -162,8 +192,11 @@ TEST(Vocabulary, DataflowInputsNameEarlierKinds) {
         EXPECT_LT(k - kinds.data(), static_cast<ptrdiff_t>(i)) << kinds[i].base << " <- " << name;
     }
   }
-  const auto all = [](const std::string&) { return true; };
-  const auto no_cache = [](const std::string& n) { return n.rfind("cache_", 0) != 0; };
+  // What a llama dump records: every kind but gemma3's.
+  const auto all = [](const std::string& n) {
+    return n.find("post_norm") == std::string::npos && n.find("geglu") == std::string::npos && n != "inp_scaled";
+  };
+  const auto no_cache = [&](const std::string& n) { return all(n) && n.rfind("cache_", 0) != 0; };
   using V = std::vector<std::string>;
   EXPECT_EQ(checkpoint_inputs("kqv_out", 2, 4, all), (V{"kq_soft_max-2", "cache_v-2"}));
   EXPECT_EQ(checkpoint_inputs("kqv_out", 2, 4, no_cache), (V{"kq_soft_max-2", "Vcur-2"}));

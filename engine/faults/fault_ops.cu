@@ -31,8 +31,8 @@ static __global__ void embedding_transposed_kernel(float* out, const int32_t* to
 template <typename Out>
 static __global__ void __launch_bounds__(kWarps * 32)
 attention_flawed_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                        const int32_t* n_past, int H, int Hkv, int Dh, float scale, bool causal, bool head_modulo,
-                        bool f16_exp) {
+                        const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, bool causal,
+                        bool head_modulo, bool f16_exp) {
   pdl_wait();
   pdl_trigger();
   const int t = blockIdx.x;
@@ -43,6 +43,7 @@ attention_flawed_kernel(Out* out, float* probs, const float* q, const float* k_c
   const int64_t kv_stride = static_cast<int64_t>(Hkv) * Dh;
   const int S = *n_past + T;
   const int n_keys = causal ? *n_past + t + 1 : S;
+  const int first = causal && window > 0 ? max(0, n_keys - window) : 0;
 
   float qr[kMaxDhPerLane];
   const float* qh = q + (static_cast<int64_t>(t) * H + h) * Dh;
@@ -70,7 +71,7 @@ attention_flawed_kernel(Out* out, float* probs, const float* q, const float* k_c
 
   __shared__ float red[kWarps];
   float m = -INFINITY;
-  for (int s = warp; s < n_keys; s += kWarps) m = fmaxf(m, score(s));
+  for (int s = first + warp; s < n_keys; s += kWarps) m = fmaxf(m, score(s));
   if (lane == 0) red[warp] = m;
   __syncthreads();
   m = red[0];
@@ -80,7 +81,7 @@ attention_flawed_kernel(Out* out, float* probs, const float* q, const float* k_c
   float acc[kMaxDhPerLane];
 #pragma unroll
   for (int j = 0; j < kMaxDhPerLane; ++j) acc[j] = 0.0f;
-  for (int s = warp; s < n_keys; s += kWarps) {
+  for (int s = first + warp; s < n_keys; s += kWarps) {
     const float p = weight(s, m);
     sum += p;
     const float* vr = v_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
@@ -108,7 +109,7 @@ attention_flawed_kernel(Out* out, float* probs, const float* q, const float* k_c
   if (probs != nullptr) {
     float* prow = probs + (static_cast<int64_t>(h) * T + t) * S;
     for (int s = warp; s < S; s += kWarps) {
-      const float p = s < n_keys ? weight(s, m) / total : 0.0f;
+      const float p = s >= first && s < n_keys ? weight(s, m) / total : 0.0f;
       if (lane == 0) prow[s] = p;
     }
   }
@@ -206,7 +207,8 @@ void launch_embedding(float* out, const int32_t* tokens, const W* table, int T, 
 
 template <typename Out>
 void launch_attention(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                      const int32_t* n_past, int H, int Hkv, int Dh, AttentionFlaws flaws, cudaStream_t stream) {
+                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, AttentionFlaws flaws,
+                      cudaStream_t stream) {
   if (Dh > 32 * kMaxDhPerLane || Dh <= 0)
     throw ModelError("attention: head dim " + std::to_string(Dh) + " is not supported (at most " +
                      std::to_string(32 * kMaxDhPerLane) + ")");
@@ -214,9 +216,9 @@ void launch_attention(Out* out, float* probs, const float* q, const float* k_cac
     throw ModelError("attention: n_head " + std::to_string(H) + " is not a multiple of n_head_kv " +
                      std::to_string(Hkv));
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H));
-  const float scale = flaws.no_scale ? 1.0f : 1.0f / sqrtf(static_cast<float>(Dh));
+  if (flaws.no_scale) scale = 1.0f;
   launch_pdl(attention_flawed_kernel<Out>, grid, kWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past, H,
-             Hkv, Dh, scale, !flaws.no_causal_mask, flaws.head_modulo, flaws.f16_exp);
+             Hkv, Dh, scale, window, !flaws.no_causal_mask, flaws.head_modulo, flaws.f16_exp);
   check_launch("attention_flawed", stream);
 }
 
@@ -259,13 +261,15 @@ void embedding_transposed(float* out, const int32_t* tokens, const __half* table
 }
 
 void attention_flawed(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                      const int32_t* n_past, int H, int Hkv, int Dh, AttentionFlaws flaws, cudaStream_t stream) {
-  launch_attention(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, flaws, stream);
+                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, AttentionFlaws flaws,
+                      cudaStream_t stream) {
+  launch_attention(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, flaws, stream);
 }
 
 void attention_flawed(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                      const int32_t* n_past, int H, int Hkv, int Dh, AttentionFlaws flaws, cudaStream_t stream) {
-  launch_attention(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, flaws, stream);
+                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, AttentionFlaws flaws,
+                      cudaStream_t stream) {
+  launch_attention(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, flaws, stream);
 }
 
 void gemm_wrong_lda(float* y, const float* x, const float* w, int T, int K, int N, const CublasHandle& handle,

@@ -1,4 +1,4 @@
-// Attention kernels (T, S, H, Hkv, Dh).
+// Attention kernels (T, S, H, Hkv, Dh), causal, optionally within a sliding window of keys.
 // attention: one block per (token, head), one warp per key at a time. Pass 1 finds the row max of
 // the scores; pass 2 sums exp(score − max) and accumulates the weighted V rows per lane (lane owns
 // dims lane, lane+32, ...); warps combine in fixed order. When probs is requested, a third pass
@@ -27,7 +27,7 @@ constexpr int kMaxSplits = kAttentionSplitMaxSplits;
 template <typename Out>
 static __global__ void __launch_bounds__(kWarps * 32)
 attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                 const int32_t* n_past, int H, int Hkv, int Dh, float scale) {
+                 const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window) {
   pdl_wait();
   pdl_trigger();
   const int t = blockIdx.x;
@@ -37,6 +37,7 @@ attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, c
   const int lane = threadIdx.x % 32;
   const int64_t kv_stride = static_cast<int64_t>(Hkv) * Dh;
   const int n_keys = *n_past + t + 1;  // causal: positions 0..n_past+t
+  const int first = window > 0 ? max(0, n_keys - window) : 0;  // sliding window: the last `window` of them
   const int S = *n_past + T;
 
   float qr[kMaxDhPerLane];
@@ -59,7 +60,7 @@ attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, c
 
   __shared__ float red[kWarps];
   float m = -INFINITY;
-  for (int s = warp; s < n_keys; s += kWarps) m = fmaxf(m, score(s));
+  for (int s = first + warp; s < n_keys; s += kWarps) m = fmaxf(m, score(s));
   if (lane == 0) red[warp] = m;
   __syncthreads();
   m = red[0];
@@ -69,7 +70,7 @@ attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, c
   float acc[kMaxDhPerLane];
 #pragma unroll
   for (int j = 0; j < kMaxDhPerLane; ++j) acc[j] = 0.0f;
-  for (int s = warp; s < n_keys; s += kWarps) {
+  for (int s = first + warp; s < n_keys; s += kWarps) {
     const float p = expf(score(s) - m);
     sum += p;
     const float* vr = v_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
@@ -97,7 +98,7 @@ attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, c
   if (probs != nullptr) {
     float* prow = probs + (static_cast<int64_t>(h) * T + t) * S;
     for (int s = warp; s < S; s += kWarps) {
-      const float p = s < n_keys ? expf(score(s) - m) / total : 0.0f;
+      const float p = s >= first && s < n_keys ? expf(score(s) - m) / total : 0.0f;
       if (lane == 0) prow[s] = p;
     }
   }
@@ -108,7 +109,7 @@ constexpr int kSplitWarps = 4;
 template <typename Out>
 static __global__ void __launch_bounds__(kSplitWarps * 32)
 attention_split_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                       const int32_t* n_past, int H, int Hkv, int Dh, float scale, float* partial,
+                       const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, float* partial,
                        uint32_t* counters) {
   pdl_wait();
   pdl_trigger();
@@ -121,9 +122,10 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
   const int lane = threadIdx.x % 32;
   const int64_t kv_stride = static_cast<int64_t>(Hkv) * Dh;
   const int n_keys = *n_past + t + 1;  // causal: positions 0..n_past+t
+  const int first = window > 0 ? max(0, n_keys - window) : 0;  // sliding window: keys first..n_keys-1
   const int S = *n_past + T;
-  const int chunk = (n_keys + n_splits - 1) / n_splits;
-  const int s_begin = min(split * chunk, n_keys);
+  const int chunk = (n_keys - first + n_splits - 1) / n_splits;
+  const int s_begin = min(first + split * chunk, n_keys);
   const int s_end = min(s_begin + chunk, n_keys);
   float* prow = probs + (static_cast<int64_t>(h) * T + t) * S;  // scores first, probabilities after the combine
   const int part_stride = Dh + 2;  // per split: Dh unnormalised outputs, the chunk max, the chunk exp-sum
@@ -223,7 +225,7 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
     store_act(out, (static_cast<int64_t>(t) * H + h) * Dh + d, o / L);
   }
   for (int s = threadIdx.x; s < S; s += blockDim.x)
-    prow[s] = s < n_keys ? expf(__ldcg(prow + s) - M) / L : 0.0f;
+    prow[s] = s >= first && s < n_keys ? expf(__ldcg(prow + s) - M) / L : 0.0f;
 }
 
 void check_shape(int H, int Hkv, int Dh) {
@@ -237,8 +239,8 @@ void check_shape(int H, int Hkv, int Dh) {
 
 template <typename Out>
 void launch_split(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                  const int32_t* n_past, int H, int Hkv, int Dh, const AttentionSplitScratch& scratch,
-                  cudaStream_t stream) {
+                  const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
+                  const AttentionSplitScratch& scratch, cudaStream_t stream) {
   check_shape(H, Hkv, Dh);
   if (T < 1 || T > kAttentionSplitMaxT)
     throw Error("attention_split: " + std::to_string(T) + " tokens, the split kernel takes 1.." +
@@ -250,30 +252,30 @@ void launch_split(Out* out, float* probs, const float* q, const float* k_cache, 
     throw Error("attention_split: probs and the scratch buffers are required");
   const dim3 grid(static_cast<unsigned>(scratch.splits), static_cast<unsigned>(H), static_cast<unsigned>(T));
   launch_pdl(attention_split_kernel<Out>, grid, kSplitWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past,
-             H, Hkv, Dh, 1.0f / sqrtf(static_cast<float>(Dh)), scratch.partial, scratch.counters);
+             H, Hkv, Dh, scale, window, scratch.partial, scratch.counters);
   check_launch("attention_split", stream);
 }
 
 template <typename Out>
 void launch(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-            const int32_t* n_past, int H, int Hkv, int Dh, cudaStream_t stream) {
+            const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
   check_shape(H, Hkv, Dh);
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H));
   launch_pdl(attention_kernel<Out>, grid, kWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past, H, Hkv,
-             Dh, 1.0f / sqrtf(static_cast<float>(Dh)));
+             Dh, scale, window);
   check_launch("attention", stream);
 }
 
 }  // namespace
 
 void attention(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-               const int32_t* n_past, int H, int Hkv, int Dh, cudaStream_t stream) {
-  launch(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, stream);
+               const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
+  launch(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream);
 }
 
 void attention(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-               const int32_t* n_past, int H, int Hkv, int Dh, cudaStream_t stream) {
-  launch(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, stream);
+               const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
+  launch(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream);
 }
 
 int attention_split_count(int H, int sm_count) {
@@ -282,15 +284,15 @@ int attention_split_count(int H, int sm_count) {
 }
 
 void attention_split(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                     const int32_t* n_past, int H, int Hkv, int Dh, const AttentionSplitScratch& scratch,
-                     cudaStream_t stream) {
-  launch_split(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scratch, stream);
+                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
+                     const AttentionSplitScratch& scratch, cudaStream_t stream) {
+  launch_split(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, scratch, stream);
 }
 
 void attention_split(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                     const int32_t* n_past, int H, int Hkv, int Dh, const AttentionSplitScratch& scratch,
-                     cudaStream_t stream) {
-  launch_split(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scratch, stream);
+                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
+                     const AttentionSplitScratch& scratch, cudaStream_t stream) {
+  launch_split(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, scratch, stream);
 }
 
 }  // namespace diffrun::engine

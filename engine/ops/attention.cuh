@@ -1,7 +1,8 @@
-// Causal GQA attention over the KV cache (T, S, H, Hkv, Dh).
+// Causal GQA attention over the KV cache (T, S, H, Hkv, Dh), the twin of reference_cpu/ops/attention.
 // Query t (at position n_past + t) of head h attends to cache rows s = 0..n_past + t of KV head
-// h / (H / Hkv): score = (q·k) / sqrt(Dh); p = exp(score − max) / Σ exp(score − max) in f32;
-// out = Σ p·v. S = n_past + T positions are attended by the step.
+// h / (H / Hkv), and with window > 0 only to s > n_past + t − window: score = scale·(q·k) (scale
+// 1/sqrt(Dh) for most models); p = exp(score − max) / Σ exp(score − max) in f32; out = Σ p·v.
+// S = n_past + T positions are attended by the step.
 // attention (any T, prefill): probabilities written to `probs` only when it is non-null (the
 // kq_soft_max checkpoint); the kernel and the output are the same either way.
 // attention_split (T ≤ kAttentionSplitMaxT, decode): the keys of each (token, head) split over
@@ -21,9 +22,9 @@ namespace diffrun::engine {
 // 0..S-1 valid; n_past [1] device (read on the device so a captured decode step replays at any
 // position). Dh ≤ 256, H a multiple of Hkv.
 void attention(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-               const int32_t* n_past, int H, int Hkv, int Dh, cudaStream_t stream);
+               const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream);
 void attention(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-               const int32_t* n_past, int H, int Hkv, int Dh, cudaStream_t stream);
+               const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream);
 
 constexpr int kAttentionSplitMaxT = 4;         // the most tokens a step may pass to attention_split
 constexpr int kAttentionSplitMaxSplits = 64;   // the most splits per (token, head)
@@ -41,10 +42,10 @@ int attention_split_count(int H, int sm_count);
 // As attention, with probs [H, T, S] required; T ≤ kAttentionSplitMaxT; scratch sized for T, H, Dh
 // and its splits. The result does not depend on which split finishes last (fixed combine order).
 void attention_split(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                     const int32_t* n_past, int H, int Hkv, int Dh, const AttentionSplitScratch& scratch,
-                     cudaStream_t stream);
+                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
+                     const AttentionSplitScratch& scratch, cudaStream_t stream);
 void attention_split(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                     const int32_t* n_past, int H, int Hkv, int Dh, const AttentionSplitScratch& scratch,
-                     cudaStream_t stream);
+                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
+                     const AttentionSplitScratch& scratch, cudaStream_t stream);
 
 }  // namespace diffrun::engine

@@ -30,7 +30,7 @@ ROOT_ATTRIBUTES: list[tuple[str, str, bool, str | None]] = [
     ("precision", "string", True, "f16|bf16|f32|f64"),
     ("model_path", "string", True, None),
     ("model_fingerprint", "string", True, None),
-    ("arch", "string", True, "llama|qwen2|qwen3"),
+    ("arch", "string", True, "llama|qwen2|qwen3|gemma3"),
     ("n_layer", "integer", True, None),
     ("n_embd", "integer", True, None),
     ("n_head", "integer", True, None),
@@ -312,6 +312,8 @@ def _order_error(cfg: _Config, base: str, layer: int) -> str | None:
         return f"unknown checkpoint '{name}' (not in the checkpoint vocabulary)"
     if base in ("Qnorm", "Knorm") and not cfg.qk_norm:
         return f"checkpoint '{name}' does not exist for architecture {cfg.arch} without per-head q/k norms"
+    if base not in ("Qnorm", "Knorm") and cfg.arch not in kind.archs:
+        return f"checkpoint '{name}' does not exist for architecture {cfg.arch}"
     if kind.per_layer:
         if layer < 0 or layer >= cfg.n_layer:
             return f"checkpoint '{name}': layer {layer} outside 0..{cfg.n_layer - 1}"
@@ -322,9 +324,10 @@ def _order_error(cfg: _Config, base: str, layer: int) -> str | None:
 
 
 def _order(cfg: _Config, name: str) -> int:
-    kinds = [k for k in vocabulary.KINDS if k.base not in ("Qnorm", "Knorm") or cfg.qk_norm]
-    lead = [k.base for k in kinds if not k.per_layer][:2]
-    tail = [k.base for k in kinds if not k.per_layer][2:]
+    kinds = [k for k in vocabulary.KINDS
+             if (cfg.qk_norm if k.base in ("Qnorm", "Knorm") else cfg.arch in k.archs)]
+    lead = [k.base for k in kinds if not k.per_layer and k.base in vocabulary._LEADING]
+    tail = [k.base for k in kinds if not k.per_layer and k.base not in vocabulary._LEADING]
     names = lead + [vocabulary.checkpoint_name(k.base, L) for L in range(cfg.n_layer) for k in kinds if k.per_layer]
     return (names + tail).index(name)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-ALL_ARCHS = ("llama", "qwen2", "qwen3")
+ALL_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+SILU_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -28,12 +29,13 @@ class Kind:
 KINDS: tuple[Kind, ...] = (
     Kind("tokens", False, "T"),
     Kind("embd", False, "T,D"),
+    Kind("inp_scaled", False, "T,D", ("gemma3",)),
     Kind("attn_norm", True, "T,D"),
     Kind("Qcur", True, "T,H,Dh"),
     Kind("Kcur", True, "T,Hkv,Dh"),
     Kind("Vcur", True, "T,Hkv,Dh"),
-    Kind("Qnorm", True, "T,H,Dh", ("qwen3",)),
-    Kind("Knorm", True, "T,Hkv,Dh", ("qwen3",)),
+    Kind("Qnorm", True, "T,H,Dh", ("qwen3", "gemma3")),
+    Kind("Knorm", True, "T,Hkv,Dh", ("qwen3", "gemma3")),
     Kind("Qrope", True, "T,H,Dh"),
     Kind("Krope", True, "T,Hkv,Dh"),
     Kind("cache_k", True, "S,Hkv,Dh"),
@@ -41,19 +43,23 @@ KINDS: tuple[Kind, ...] = (
     Kind("kq_soft_max", True, "H,T,S"),
     Kind("kqv_out", True, "T,H,Dh"),
     Kind("attn_out", True, "T,D"),
+    Kind("attn_post_norm", True, "T,D", ("gemma3",)),
     Kind("ffn_inp", True, "T,D"),
     Kind("ffn_norm", True, "T,D"),
     Kind("ffn_gate", True, "T,F"),
     Kind("ffn_up", True, "T,F"),
-    Kind("ffn_swiglu", True, "T,F"),
+    Kind("ffn_swiglu", True, "T,F", SILU_ARCHS),
+    Kind("ffn_geglu", True, "T,F", ("gemma3",)),
     Kind("ffn_out", True, "T,D"),
+    Kind("ffn_post_norm", True, "T,D", ("gemma3",)),
     Kind("l_out", True, "T,D"),
     Kind("result_norm", False, "T,D"),
     Kind("result_output", False, "T,V"),
 )
 
 _BY_BASE = {k.base: k for k in KINDS}
-_LEADING = 2  # tokens, embd run before the layers
+# Kinds outside layers listed before the first per-layer kind (tokens, embd, inp_scaled) run before the layers.
+_LEADING = {k.base for k in KINDS[:next(i for i, k in enumerate(KINDS) if k.per_layer)]}
 
 
 def find_kind(base: str) -> Kind | None:
@@ -75,10 +81,10 @@ def checkpoint_name(base: str, layer: int) -> str:
 def checkpoint_names(arch: str, n_layer: int) -> list[str]:
     """Every name a full step records for this architecture, in execution order."""
     applies = [k for k in KINDS if arch in k.archs]
-    names = [k.base for k in applies if not k.per_layer][:_LEADING]
+    names = [k.base for k in applies if not k.per_layer and k.base in _LEADING]
     for layer in range(n_layer):
         names += [checkpoint_name(k.base, layer) for k in applies if k.per_layer]
-    names += [k.base for k in applies if not k.per_layer][_LEADING:]
+    names += [k.base for k in applies if not k.per_layer and k.base not in _LEADING]
     return names
 
 

@@ -1,6 +1,7 @@
 // Flawed variants of reference ops for fault injection: transposed embedding read, flawed attention and RMSNorm, wrong-lda weights.
 #include "reference_cpu/faults/fault_ops.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -27,21 +28,23 @@ void embedding_transposed(T* out /* [T,D] */, const int32_t* tokens /* [T] */, c
 template <typename T>
 void attention_flawed(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q /* [T,H*Dh] */,
                       const T* k_cache /* [S,Hkv*Dh] */, const T* v_cache /* [S,Hkv*Dh] */, int n_tokens, int n_past,
-                      int H, int Hkv, int Dh, AttentionFlaws flaws) {
+                      int H, int Hkv, int Dh, T scale, int window, AttentionFlaws flaws) {
   const int S = n_past + n_tokens;
   const int group = H / Hkv;
   const int64_t q_stride = static_cast<int64_t>(H) * Dh;
   const int64_t kv_stride = static_cast<int64_t>(Hkv) * Dh;
-  const T scale = flaws.no_scale ? T(1) : T(1) / std::sqrt(T(Dh));
+  if (flaws.no_scale) scale = T(1);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int h = 0; h < H; ++h) {
     for (int t = 0; t < n_tokens; ++t) {
       const int kvh = flaws.head_modulo ? h % Hkv : h / group;
       const int n_visible = flaws.no_causal_mask ? S : n_past + t + 1;
+      const int first = window > 0 && !flaws.no_causal_mask ? std::max(0, n_visible - window) : 0;
       const T* qt = q + t * q_stride + static_cast<int64_t>(h) * Dh;
       T* p = probs + (static_cast<int64_t>(h) * n_tokens + t) * S;
       T max_score = -std::numeric_limits<T>::infinity();
-      for (int s = 0; s < n_visible; ++s) {
+      for (int s = 0; s < first; ++s) p[s] = 0;
+      for (int s = first; s < n_visible; ++s) {
         const T* ks = k_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
         T dot = 0;
         for (int d = 0; d < Dh; ++d) dot += qt[d] * ks[d];
@@ -49,7 +52,7 @@ void attention_flawed(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q 
         if (p[s] > max_score) max_score = p[s];
       }
       T sum = 0;
-      for (int s = 0; s < n_visible; ++s) {
+      for (int s = first; s < n_visible; ++s) {
         if (flaws.f16_exp) {  // exp of the raw score rounded to f16 (Inf above 65504), then ^scale
           const T e = T(static_cast<float>(Eigen::half(static_cast<float>(std::exp(p[s])))));
           p[s] = std::pow(e, scale);
@@ -58,11 +61,11 @@ void attention_flawed(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q 
         }
         sum += p[s];
       }
-      for (int s = 0; s < n_visible; ++s) p[s] /= sum;
+      for (int s = first; s < n_visible; ++s) p[s] /= sum;
       for (int s = n_visible; s < S; ++s) p[s] = 0;
       T* ot = out + t * q_stride + static_cast<int64_t>(h) * Dh;
       for (int d = 0; d < Dh; ++d) ot[d] = 0;
-      for (int s = 0; s < n_visible; ++s) {
+      for (int s = first; s < n_visible; ++s) {
         const T* vs = v_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
         for (int d = 0; d < Dh; ++d) ot[d] += p[s] * vs[d];
       }
@@ -93,9 +96,9 @@ Matrix<T> wrong_leading_dimension(const Matrix<T>& w /* [N,K] */) {
 template void embedding_transposed<float>(float*, const int32_t*, const float*, int, int, int);
 template void embedding_transposed<double>(double*, const int32_t*, const double*, int, int, int);
 template void attention_flawed<float>(float*, float*, const float*, const float*, const float*, int, int, int, int,
-                                      int, AttentionFlaws);
+                                      int, float, int, AttentionFlaws);
 template void attention_flawed<double>(double*, double*, const double*, const double*, const double*, int, int, int,
-                                       int, int, AttentionFlaws);
+                                       int, int, double, int, AttentionFlaws);
 template void rms_norm_flawed<float>(float*, const float*, const float*, int, int, float, RmsNormFlaws);
 template void rms_norm_flawed<double>(double*, const double*, const double*, int, int, double, RmsNormFlaws);
 template Matrix<float> wrong_leading_dimension<float>(const Matrix<float>&);

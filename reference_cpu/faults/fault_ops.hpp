@@ -17,17 +17,17 @@ void embedding_transposed(T* out /* [T,D] */, const int32_t* tokens /* [T] */, c
 // What the flawed attention gets wrong (any combination).
 struct AttentionFlaws {
   bool no_causal_mask = false;  // every query attends to all S positions
-  bool no_scale = false;        // scores without 1/sqrt(Dh)
+  bool no_scale = false;        // scores without the model's scale (1/sqrt(Dh))
   bool head_modulo = false;     // query head h reads KV head h % Hkv
   bool f16_exp = false;         // softmax_f16_overflow: weights f16(exp(q·k))^scale, no max subtracted
   bool any() const { return no_causal_mask || no_scale || head_modulo || f16_exp; }
 };
 
-// The clean attention's algorithm (ops/attention.hpp) with the given flaws.
+// The clean attention's algorithm (ops/attention.hpp) with the given flaws (no_causal_mask also drops the window).
 template <typename T>
 void attention_flawed(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q /* [T,H*Dh] */,
                       const T* k_cache /* [S,Hkv*Dh] */, const T* v_cache /* [S,Hkv*Dh] */, int n_tokens, int n_past,
-                      int H, int Hkv, int Dh, AttentionFlaws flaws);
+                      int H, int Hkv, int Dh, T scale, int window, AttentionFlaws flaws);
 
 // What the flawed RMSNorm gets wrong (either or both).
 struct RmsNormFlaws {

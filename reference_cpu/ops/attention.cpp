@@ -1,6 +1,7 @@
-// Causal GQA attention over the KV cache. T new tokens, S = n_past + T positions, H/Hkv heads, Dh width.
+// Causal GQA attention over the KV cache, optionally within a sliding window. T new tokens, S = n_past + T positions, H/Hkv heads, Dh width.
 #include "reference_cpu/ops/attention.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -10,21 +11,22 @@ namespace diffrun::ref {
 template <typename T>
 void attention(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q /* [T,H*Dh] */,
                const T* k_cache /* [S,Hkv*Dh] */, const T* v_cache /* [S,Hkv*Dh] */, int n_tokens, int n_past,
-               int H, int Hkv, int Dh) {
+               int H, int Hkv, int Dh, T scale, int window) {
   const int S = n_past + n_tokens;
   const int group = H / Hkv;
   const int64_t q_stride = static_cast<int64_t>(H) * Dh;
   const int64_t kv_stride = static_cast<int64_t>(Hkv) * Dh;
-  const T scale = T(1) / std::sqrt(T(Dh));
 #pragma omp parallel for collapse(2) schedule(static)
   for (int h = 0; h < H; ++h) {
     for (int t = 0; t < n_tokens; ++t) {
       const int kvh = h / group;
       const int n_visible = n_past + t + 1;  // causal: positions 0..n_past+t
+      const int first = window > 0 ? std::max(0, n_visible - window) : 0;  // sliding window: the last `window`
       const T* qt = q + t * q_stride + static_cast<int64_t>(h) * Dh;
       T* p = probs + (static_cast<int64_t>(h) * n_tokens + t) * S;
       T max_score = -std::numeric_limits<T>::infinity();
-      for (int s = 0; s < n_visible; ++s) {
+      for (int s = 0; s < first; ++s) p[s] = 0;
+      for (int s = first; s < n_visible; ++s) {
         const T* ks = k_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
         T dot = 0;
         for (int d = 0; d < Dh; ++d) dot += qt[d] * ks[d];
@@ -32,15 +34,15 @@ void attention(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q /* [T,H
         if (p[s] > max_score) max_score = p[s];
       }
       T sum = 0;
-      for (int s = 0; s < n_visible; ++s) {
+      for (int s = first; s < n_visible; ++s) {
         p[s] = std::exp(p[s] - max_score);
         sum += p[s];
       }
-      for (int s = 0; s < n_visible; ++s) p[s] /= sum;
+      for (int s = first; s < n_visible; ++s) p[s] /= sum;
       for (int s = n_visible; s < S; ++s) p[s] = 0;
       T* ot = out + t * q_stride + static_cast<int64_t>(h) * Dh;
       for (int d = 0; d < Dh; ++d) ot[d] = 0;
-      for (int s = 0; s < n_visible; ++s) {
+      for (int s = first; s < n_visible; ++s) {
         const T* vs = v_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
         for (int d = 0; d < Dh; ++d) ot[d] += p[s] * vs[d];
       }
@@ -48,8 +50,9 @@ void attention(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q /* [T,H
   }
 }
 
-template void attention<float>(float*, float*, const float*, const float*, const float*, int, int, int, int, int);
+template void attention<float>(float*, float*, const float*, const float*, const float*, int, int, int, int, int,
+                               float, int);
 template void attention<double>(double*, double*, const double*, const double*, const double*, int, int, int, int,
-                                int);
+                                int, double, int);
 
 }  // namespace diffrun::ref

@@ -23,7 +23,7 @@ from . import quants, vocab
 class Shape:
     name: str          # file stem: <name>-<fmt>.gguf
     family: str        # weight seed key
-    arch: str          # llama | qwen2 | qwen3
+    arch: str          # llama | qwen2 | qwen3 | gemma3
     n_layer: int
     n_embd: int        # D
     n_head: int        # H
@@ -38,6 +38,8 @@ class Shape:
     n_vocab: int = 0   # 0: the vocabulary's own size, else padded to this
     qkv_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int = 0     # gemma3: positions a local layer attends (every 6th layer is global)
+    logit_softcap: float = 0.0  # gemma3: final_logit_softcapping when > 0
 
 
 TINY = {s.name: s for s in [
@@ -48,6 +50,15 @@ TINY = {s.name: s for s in [
     Shape("tiny-qwen3", "tiny-qwen3", "qwen3", 2, 256, 8, 4, 32, 512, 256, 1e6, 1e-6, True, "qwen2_bpe",
           qk_norm=True),
 ]}
+
+# Architectures beyond the tiny set's matrix of formats, written in a few formats only (EXTRA_FORMATS).
+# tiny-gemma3: 6 layers (0-4 local, 5 global), q width 4·128 ≠ D, a window of 8 positions so a prompt
+# of more than 8 tokens exercises it, and a final logit softcap (the real Gemma 3 has none).
+EXTRA = {s.name: s for s in [
+    Shape("tiny-gemma3", "tiny-gemma3", "gemma3", 6, 256, 4, 1, 128, 512, 256, 1e6, 1e-6, True, "llama_spm",
+          qk_norm=True, sliding_window=8, logit_softcap=30.0),
+]}
+EXTRA_FORMATS = ["f32", "q8_0", "kmix"]
 
 FULL = {s.name: s for s in [
     Shape("qwen2.5-0.5b", "qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 64, 4864, 32768, 1e6, 1e-6, True,
@@ -97,10 +108,14 @@ def tensor_shapes(shape: Shape, n_vocab: int) -> dict[str, tuple[int, ...]]:
             out[b + "attn_q_norm.weight"] = (shape.head_dim,)
             out[b + "attn_k_norm.weight"] = (shape.head_dim,)
         out[b + "attn_output.weight"] = (D, q_dim)
+        if shape.arch == "gemma3":
+            out[b + "post_attention_norm.weight"] = (D,)
         out[b + "ffn_norm.weight"] = (D,)
         out[b + "ffn_gate.weight"] = (F, D)
         out[b + "ffn_up.weight"] = (F, D)
         out[b + "ffn_down.weight"] = (D, F)
+        if shape.arch == "gemma3":
+            out[b + "post_ffw_norm.weight"] = (D,)
     out["output_norm.weight"] = (D,)
     if not shape.tied:
         out["output.weight"] = (n_vocab, D)
@@ -170,9 +185,13 @@ def write_model(shape: Shape, fmt: str, path: Path, seed: int) -> None:
     w.add_feed_forward_length(shape.n_ff)
     w.add_head_count(shape.n_head)
     w.add_head_count_kv(shape.n_head_kv)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
+    if shape.sliding_window:
+        w.add_sliding_window(shape.sliding_window)
+    if shape.logit_softcap:
+        w.add_final_logit_softcapping(shape.logit_softcap)
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_file_type(FILE_TYPES[fmt])
