@@ -45,11 +45,7 @@ class Cli : public ::testing::Test {
   void SetUp() override {
     bin_ = diffrun::test::env_or("DIFFRUN_BIN", "build/cli/diffrun");
     python_ = diffrun::test::env_or("PYTHON", "python3");
-    dir_ = fs::temp_directory_path() /
-           ("diffrun_test_cli_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
-            std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = diffrun::test::make_scratch_dir("test-cli-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     reference_.write(path("reference.h5"));
   }
   void TearDown() override { fs::remove_all(dir_); }

@@ -13,6 +13,7 @@
 #include "diff/verdict.hpp"
 #include "model/error.hpp"
 #include "tests/diff_dumps.hpp"
+#include "tests/test_util.hpp"
 
 using namespace diffrun;
 using namespace diffrun::diff;
@@ -23,9 +24,7 @@ namespace {
 class Compare : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::filesystem::temp_directory_path() /
-           ("diffrun_test_compare_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    std::filesystem::create_directories(dir_);
+    dir_ = test::make_scratch_dir("test-compare-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     reference.write(path("reference.h5"));
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }

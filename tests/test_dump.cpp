@@ -5,11 +5,11 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
-#include <random>
 #include <regex>
 
 #include "checkpoints/dump.hpp"
 #include "model/error.hpp"
+#include "tests/test_util.hpp"
 
 namespace diffrun {
 namespace {
@@ -60,9 +60,7 @@ std::vector<float> ramp(size_t n, float start) {
 class DumpTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::random_device rd;
-    dir_ = fs::temp_directory_path() / ("diffrun-test-dump-" + std::to_string(rd()));
-    fs::create_directories(dir_);
+    dir_ = test::make_scratch_dir("test-dump");
   }
   void TearDown() override { fs::remove_all(dir_); }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }

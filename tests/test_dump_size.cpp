@@ -6,6 +6,7 @@
 #include "checkpoints/dump.hpp"
 #include "checkpoints/dump_size.hpp"
 #include "model/error.hpp"
+#include "tests/test_util.hpp"
 
 namespace diffrun {
 namespace {
@@ -67,8 +68,7 @@ uint64_t write_dump(const fs::path& path, const ModelConfig& cfg, const DumpPlan
 class DumpSizeTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("diffrun_test_dump_size_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
+    dir_ = test::make_scratch_dir("test-dump-size");
   }
   void TearDown() override { fs::remove_all(dir_); }
   // The estimate within `tolerance` (relative) of the written size.

@@ -281,11 +281,7 @@ TEST(TinyFixtures, Gemma3WindowScaleAndSoftcap) {
 class Cli : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::filesystem::temp_directory_path() /
-           ("diffrun_test_reference_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
-            std::to_string(::getpid()));  // per process: concurrent runs must not delete each other's files
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_);
+    dir_ = test::make_scratch_dir("test-reference-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
 

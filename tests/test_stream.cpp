@@ -11,6 +11,7 @@
 #include "diff/stream.hpp"
 #include "model/error.hpp"
 #include "tests/diff_dumps.hpp"
+#include "tests/test_util.hpp"
 
 using namespace diffrun;
 using namespace diffrun::diff;
@@ -21,9 +22,7 @@ namespace {
 class Stream : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::filesystem::temp_directory_path() /
-           ("diffrun_test_stream_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    std::filesystem::create_directories(dir_);
+    dir_ = test::make_scratch_dir("test-stream-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     engine.meta = test::synthetic_meta("cpu", "f32");
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }

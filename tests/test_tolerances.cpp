@@ -10,6 +10,7 @@
 
 #include "diff/tolerances.hpp"
 #include "model/error.hpp"
+#include "tests/test_util.hpp"
 
 using namespace diffrun::diff;
 using diffrun::InputError;
@@ -110,10 +111,10 @@ TEST(Tolerances, UnreadableFileIsAnInputErrorNamingIt) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("no/such/tolerances.json"), std::string::npos);
   }
-  auto path = std::filesystem::temp_directory_path() / "diffrun_test_tolerances.json";
+  const diffrun::test::ScratchDir dir("test-tolerances");
+  const std::string path = dir.path + "/tolerances.json";
   std::ofstream(path) << kValid;
-  EXPECT_EQ(load_tolerances(path.string()).source, path.string());
-  std::filesystem::remove(path);
+  EXPECT_EQ(load_tolerances(path).source, path);
 }
 
 TEST(Tolerances, UnbalancedBracketsAreInvalidJsonNotAMemoryBlowUp) {
@@ -164,8 +165,8 @@ TEST(Tolerances, RulesWithoutABoundAreRefused) {
 
 TEST(Tolerances, OnlyRegularFilesAreRead) {
   namespace fs = std::filesystem;
-  fs::path dir = fs::temp_directory_path() / ("diffrun_test_tolerances_files_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
+  const diffrun::test::ScratchDir scratch("test-tolerances-files");
+  const fs::path dir = scratch.path;
   auto load_error = [](const fs::path& p) -> std::string {
     try {
       load_tolerances(p.string());
@@ -186,7 +187,6 @@ TEST(Tolerances, OnlyRegularFilesAreRead) {
   std::ofstream(huge).close();
   fs::resize_file(huge, uint64_t{17} << 20);  // sparse: takes no disk
   EXPECT_NE(load_error(huge).find("more than the 16777216 bytes"), std::string::npos) << load_error(huge);
-  fs::remove_all(dir);
 }
 
 TEST(Tolerances, EveryPresetParsesAndThePairsExist) {

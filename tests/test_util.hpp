@@ -1,6 +1,8 @@
-// Paths to test inputs: generated fixtures and the fetched SmolLM2 model.
+// Paths to test inputs (generated fixtures, the fetched SmolLM2 model) and per-process scratch directories.
 #pragma once
 
+#include <cctype>
+#include <cerrno>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -28,14 +30,23 @@ inline std::string models_dir() {
   return env_or("HOME", ".") + "/.cache/diffrun/models";
 }
 
-// A scratch directory <tmp>/diffrun-<name>-<pid>, removed with everything in it when destroyed.
+// A new, empty directory <tmp>/diffrun-<name>-XXXXXX made by mkdtemp (<tmp> is TMPDIR, else /tmp):
+// unique to the call, so concurrent runs (ctest -j, two checkouts on one machine) never share or
+// delete each other's files. Characters other than [A-Za-z0-9_-] in `name` (e.g. the '/' of a
+// parameterized test's name) become '_'. The caller removes it.
+inline std::filesystem::path make_scratch_dir(const std::string& name) {
+  std::string safe = name;
+  for (char& c : safe)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-')) c = '_';
+  std::string tmpl = (std::filesystem::temp_directory_path() / ("diffrun-" + safe + "-XXXXXX")).string();
+  if (::mkdtemp(tmpl.data()) == nullptr) throw std::system_error(errno, std::generic_category(), "mkdtemp " + tmpl);
+  return tmpl;
+}
+
+// A make_scratch_dir directory, removed with everything in it when destroyed.
 struct ScratchDir {
   std::string path;
-  explicit ScratchDir(const std::string& name)
-      : path((std::filesystem::temp_directory_path() / ("diffrun-" + name + "-" + std::to_string(::getpid())))
-                 .string()) {
-    std::filesystem::create_directories(path);
-  }
+  explicit ScratchDir(const std::string& name) : path(make_scratch_dir(name).string()) {}
   ~ScratchDir() {
     std::error_code ec;
     std::filesystem::remove_all(path, ec);
