@@ -548,7 +548,9 @@ TEST_F(Compare, ReportsCarryTheFirstDivergence) {
   EXPECT_NE(text.find("Relative L2 error by layer"), std::string::npos);
   EXPECT_NE(text.find("Tokens (reference's next token vs engine argmax)"), std::string::npos);
   EXPECT_EQ(text.find("\033["), std::string::npos);  // no colour unless asked
-  EXPECT_NE(render_terminal(c, {.color = true}).find("\033["), std::string::npos);
+  TerminalOptions colored;
+  colored.color = true;
+  EXPECT_NE(render_terminal(c, colored).find("\033["), std::string::npos);
 
   nlohmann::json j = nlohmann::json::parse(render_json(c));
   EXPECT_EQ(j["exit_code"], 1);

@@ -228,22 +228,25 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ArchCase{"tiny-llama-f32.gguf",
                                {Fault::qkv_bias_missing, Fault::rope_theta_10000, Fault::rms_eps_1e5,
                                 Fault::dequant_scale_offset, Fault::embd_scale_missing, Fault::post_norm_skipped,
-                                Fault::sliding_window_ignored, Fault::rope_local_theta_global}},
+                                Fault::sliding_window_ignored, Fault::rope_local_theta_global},
+                               {}},
                       ArchCase{"tiny-qwen2-f32.gguf",
                                {Fault::dequant_scale_offset, Fault::embd_scale_missing, Fault::post_norm_skipped,
-                                Fault::sliding_window_ignored, Fault::rope_local_theta_global}},
+                                Fault::sliding_window_ignored, Fault::rope_local_theta_global},
+                               {}},
                       ArchCase{"tiny-qwen3-f32.gguf",
                                {Fault::qkv_bias_missing, Fault::dequant_scale_offset, Fault::embd_scale_missing,
                                 Fault::post_norm_skipped, Fault::sliding_window_ignored,
-                                Fault::rope_local_theta_global}},
+                                Fault::rope_local_theta_global},
+                               {}},
                       // 9 prompt tokens against a window of 8: sliding_window_ignored shows in prefill. The
                       // embeddings scaled by sqrt(D) make mean(x^2) large, so an eps fault moves attn_norm-0
                       // below the f32_vs_f64 bound: checked f32 vs f32.
                       ArchCase{"tiny-gemma3-f32.gguf",
                                {Fault::qkv_bias_missing, Fault::gqa_head_modulo, Fault::dequant_scale_offset},
                                {Fault::rms_eps_1e5, Fault::rms_eps_outside_sqrt}}),
-    [](const auto& info) {
-      std::string name = info.param.fixture;
+    [](const auto& param_info) {
+      std::string name = param_info.param.fixture;
       name = name.substr(5, name.find('-', 5) - 5);  // "tiny-qwen2-f32.gguf" -> "qwen2"
       return name;
     });
