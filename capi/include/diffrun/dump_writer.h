@@ -45,6 +45,17 @@ enum {
   DIFFRUN_DUMP_E_INTERNAL = 6    /* out of memory or an unexpected failure */
 };
 
+/* HDF5 in the host process. This library writes through the process's HDF5 library and changes
+ * two of its settings; a host engine that uses HDF5 itself must know:
+ * - Automatic error printing off: every diffrun_dump_open calls H5Eset_auto2(H5E_DEFAULT, NULL,
+ *   NULL), for the calling thread's default error stack (HDF5 built thread-safe; the whole process
+ *   otherwise). Failures are reported through diffrun_dump_last_error instead of HDF5's stack
+ *   traces on stderr. A host that wants them back sets its own handler again after the call.
+ * - No cleanup at exit: the first diffrun_dump_open in a process that has not yet used HDF5 calls
+ *   H5dont_atexit(), so HDF5 runs no H5close at exit (after a failed close, e.g. a full disk, that
+ *   cleanup crashes). The host closes its own HDF5 files and objects before exiting. In a process
+ *   that used HDF5 before, the call has no effect and the host's setting stays. */
+
 /* Creates a dump to be written at `path`: the data go to "<path>.tmp-<pid>", renamed to `path` by
  * diffrun_dump_close, so an interrupted run never leaves a file that looks whole. Writes format,
  * format_version, created_utc (now) and diffrun_version; the other root attributes come from the
