@@ -188,8 +188,9 @@ TEST(Vocabulary, DataflowInputsNameEarlierKinds) {
       name = name.substr(0, name.find('@'));
       const CheckpointKind* k = find_checkpoint_kind(name);
       ASSERT_NE(k, nullptr) << kinds[i].base << " names an unknown input '" << name << "'";
-      if (!other_layer)
+      if (!other_layer) {
         EXPECT_LT(k - kinds.data(), static_cast<ptrdiff_t>(i)) << kinds[i].base << " <- " << name;
+      }
     }
   }
   // What a llama dump records: every kind but gemma3's.
