@@ -1,6 +1,11 @@
-// Dump write benchmark: a full checkpoint set of a SmolLM2-135M-shaped config (32-token prefill plus
-// 8 decode steps, random values), written several times; prints the median write MB/s and file size.
-// Usage: bench_dump [DIR] [RUNS] [PROMPT]   (DIR: the system temp directory, RUNS: 7, PROMPT: 32 tokens)
+// Dump write benchmark: a full checkpoint set of a SmolLM2-135M- or Qwen2.5-0.5B-shaped config (a prompt-token
+// prefill plus 8 decode steps, random values), written several times; prints the median write MB/s and file size.
+// Usage: bench_dump [--shape smollm2|0.5b] [--cache-rows step|all] [--compress LEVEL] [DIR] [RUNS] [PROMPT]
+//   (shape smollm2, cache rows step (DumpWriter's default), not compressed, DIR the system temp directory,
+//   RUNS 7, PROMPT 32 tokens)
+// MB/s counts the values written (DumpWriter::bytes_written) over the wall time from opening the writer to
+// finish() returning (the file renamed: everything on its way to disk); "caller" is the time spent inside
+// record() alone, what a backend waits for.
 // Dims: T tokens of the step, S cached positions after it.
 #include <algorithm>
 #include <chrono>
@@ -35,15 +40,36 @@ ModelConfig smollm2_config() {
   return c;
 }
 
+ModelConfig qwen05b_config() {
+  ModelConfig c;
+  c.arch = Arch::qwen2;
+  c.n_layer = 24;
+  c.n_embd = 896;
+  c.n_head = 14;
+  c.n_head_kv = 2;
+  c.head_dim = 64;
+  c.n_ff = 4864;
+  c.n_vocab = 151936;
+  c.n_ctx = 32768;
+  c.rope_theta = 1000000.0;
+  c.rope_type = RopeType::neox;
+  c.tied_output = true;
+  c.qkv_bias = true;
+  return c;
+}
+
 struct RunResult {
   double seconds;      // wall clock
   double cpu_seconds;  // process CPU time (user + system)
+  double caller_seconds;  // inside record() and record_ids()
   uint64_t bytes;      // checkpoint values written
   uint64_t file_size;  // bytes on disk
   size_t datasets;
 };
 
-RunResult write_once(const std::string& path, const ModelConfig& cfg, const std::vector<float>& noise, int prompt) {
+RunResult write_once(const std::string& path, const ModelConfig& cfg, const std::vector<float>& noise, int prompt,
+                     const DumpWriterOptions& options) {
+  using Clock = std::chrono::steady_clock;
   constexpr int kDecode = 8;
   DumpMeta meta;
   meta.backend = "bench";
@@ -57,7 +83,8 @@ RunResult write_once(const std::string& path, const ModelConfig& cfg, const std:
   size_t datasets = 0;
   const auto t0 = std::chrono::steady_clock::now();
   const std::clock_t c0 = std::clock();
-  DumpWriter w(path, meta);
+  double caller = 0;
+  DumpWriter w(path, meta, {}, options);
   int n_past = 0;
   for (int step = 0; step <= kDecode; ++step) {
     const int T = step == 0 ? prompt : 1;
@@ -67,6 +94,7 @@ RunResult write_once(const std::string& path, const ModelConfig& cfg, const std:
     for (const auto& name : names) {
       const auto parsed = parse_checkpoint_name(name);
       const CheckpointKind& kind = *find_checkpoint_kind(parsed.base);
+      const auto c0 = Clock::now();
       if (name == "tokens") {
         w.record_ids(step, name, ids);
       } else {
@@ -78,6 +106,7 @@ RunResult write_once(const std::string& path, const ModelConfig& cfg, const std:
                  std::span<const float>(noise.data() + offset, n));
         offset += 4099;  // different values per checkpoint without copying
       }
+      caller += std::chrono::duration<double>(Clock::now() - c0).count();
       ++datasets;
     }
     n_past = S;
@@ -85,28 +114,49 @@ RunResult write_once(const std::string& path, const ModelConfig& cfg, const std:
   w.finish();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double cpu_seconds = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
-  return {seconds, cpu_seconds, w.bytes_written(), std::filesystem::file_size(path), datasets};
+  return {seconds, cpu_seconds, caller, w.bytes_written(), std::filesystem::file_size(path), datasets};
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string dir = argc > 1 ? argv[1] : std::filesystem::temp_directory_path().string();
-  const int runs = argc > 2 ? std::max(1, std::stoi(argv[2])) : 7;
-  const int prompt = argc > 3 ? std::max(1, std::stoi(argv[3])) : 32;
-  const ModelConfig cfg = smollm2_config();
+  std::vector<std::string> args(argv + 1, argv + argc);
+  std::string shape = "smollm2";
+  DumpWriterOptions options;
+  for (size_t i = 0; i < args.size();) {
+    if (args[i] == "--shape" && i + 1 < args.size()) {
+      shape = args[i + 1];
+    } else if (args[i] == "--cache-rows" && i + 1 < args.size()) {
+      options.cache_all_rows = args[i + 1] == "all";
+    } else if (args[i] == "--compress" && i + 1 < args.size()) {
+      options.compress = std::stoi(args[i + 1]);
+    } else {
+      ++i;
+      continue;
+    }
+    args.erase(args.begin() + static_cast<std::ptrdiff_t>(i), args.begin() + static_cast<std::ptrdiff_t>(i) + 2);
+  }
+  if (shape != "smollm2" && shape != "0.5b") {
+    fmt::print(stderr, "bench_dump: --shape is smollm2 or 0.5b\n");
+    return 2;
+  }
+  const std::string dir = !args.empty() ? args[0] : std::filesystem::temp_directory_path().string();
+  const int runs = args.size() > 1 ? std::max(1, std::stoi(args[1])) : 7;
+  const int prompt = args.size() > 2 ? std::max(1, std::stoi(args[2])) : 32;
+  const ModelConfig cfg = shape == "0.5b" ? qwen05b_config() : smollm2_config();
   // Large enough for the biggest checkpoint (result_output of the prefill: prompt x V).
-  std::vector<float> noise(static_cast<size_t>(prompt) * cfg.n_vocab + static_cast<size_t>(prompt) * prompt * 9);
+  std::vector<float> noise(static_cast<size_t>(prompt) * cfg.n_vocab + static_cast<size_t>(prompt) * prompt * cfg.n_head);
   std::mt19937 rng(1234);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (auto& x : noise) x = normal(rng);
 
   const std::string path = dir + "/bench_dump.h5";
-  std::vector<double> rates, cpu_rates;
+  std::vector<double> rates, cpu_rates, caller_rates;
   RunResult last{};
   try {
     for (int i = 0; i < runs; ++i) {
-      last = write_once(path, cfg, noise, prompt);
+      last = write_once(path, cfg, noise, prompt, options);
+      caller_rates.push_back(static_cast<double>(last.bytes) / 1e6 / last.caller_seconds);
       rates.push_back(static_cast<double>(last.bytes) / 1e6 / last.seconds);
       cpu_rates.push_back(static_cast<double>(last.bytes) / 1e6 / last.cpu_seconds);
     }
@@ -117,9 +167,13 @@ int main(int argc, char** argv) {
   std::filesystem::remove(path);
   std::sort(rates.begin(), rates.end());
   std::sort(cpu_rates.begin(), cpu_rates.end());
+  std::sort(caller_rates.begin(), caller_rates.end());
   const double cpu_median = cpu_rates[cpu_rates.size() / 2];
-  fmt::print("dump write, SmolLM2-135M shape (30 layers, D=576, F=1536, V=49152), {}-token prefill + 8 decode steps\n",
-             prompt);
+  fmt::print("dump write, {} shape ({} layers, D={}, F={}, V={}), {}-token prefill + 8 decode steps; cache rows {}, "
+             "{}\n",
+             shape == "0.5b" ? "Qwen2.5-0.5B" : "SmolLM2-135M", cfg.n_layer, cfg.n_embd, cfg.n_ff, cfg.n_vocab, prompt,
+             options.cache_all_rows ? "all" : "of the step",
+             options.compress > 0 ? fmt::format("gzip level {}", options.compress) : std::string("not compressed"));
   fmt::print("  datasets       {}\n", last.datasets);
   fmt::print("  values         {:.1f} MB\n", static_cast<double>(last.bytes) / 1e6);
   fmt::print("  file size      {:.1f} MB ({:+.2f}% over the values)\n", static_cast<double>(last.file_size) / 1e6,
@@ -127,6 +181,9 @@ int main(int argc, char** argv) {
   fmt::print("  write          {:.0f} MB/s median of {} runs (min {:.0f}, max {:.0f}), {:.1f} ms per dump\n",
              rates[rates.size() / 2], runs, rates.front(), rates.back(),
              static_cast<double>(last.bytes) / 1e3 / rates[rates.size() / 2]);
+  fmt::print("  caller         {:.0f} MB/s median ({:.1f} ms inside record() per dump)\n",
+             caller_rates[caller_rates.size() / 2],
+             static_cast<double>(last.bytes) / 1e3 / caller_rates[caller_rates.size() / 2]);
   // On a busy machine the wall clock includes time spent waiting for a core; CPU time does not.
   fmt::print("  write per CPU  {:.0f} MB/s median ({:.1f} ms CPU per dump)\n", cpu_median,
              static_cast<double>(last.bytes) / 1e3 / cpu_median);

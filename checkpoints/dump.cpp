@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <iterator>
+#include <mutex>
 #include <array>
 #include <cstdint>
 #include <cstdio>
@@ -57,6 +59,8 @@ struct DumpWriter::Impl {
   CheckpointFilter filter;
   DumpWriterOptions options;
   std::unique_ptr<DumpFile> file;
+  std::map<int, int64_t> step_tokens;  // T of each step, from its `tokens` (the cache's new rows)
+  std::vector<float> scratch;          // rows gathered for a cut
 
   [[noreturn]] void fail(const std::string& what, std::string_view dataset = {}) const {
     std::string msg = file->path() + ": " + (dataset.empty() ? "" : "dataset '" + std::string(dataset) + "': ") + what;
@@ -131,6 +135,7 @@ DumpWriter::DumpWriter(const std::string& path, const DumpMeta& meta, Checkpoint
   if (m.meta.created_utc.empty()) m.meta.created_utc = utc_now_iso8601();
   if (m.meta.diffrun_version.empty()) m.meta.diffrun_version = DIFFRUN_VERSION;
   m.file = std::make_unique<DumpFile>(path);
+  m.file->set_compression(options.compress);
   m.write_root_attributes();
 }
 
@@ -151,17 +156,35 @@ void DumpWriter::record(int step, std::string_view name, int layer, std::string_
   if (n != data.size())
     m.fail("shape holds " + std::to_string(n) + " values but " + std::to_string(data.size()) + " were passed", name);
   DatasetAttributes attrs{order, layer, std::string(layout), native_dtype_name(native), std::nullopt};
-  // --softmax-rows: kq_soft_max [H, T, S] keeps its last rows, [H, rows, S] from row_offset = T - rows.
-  const int64_t keep = m.options.softmax_rows;
-  if (keep > 0 && shape.size() == 3 && shape[1] > keep && parse_checkpoint_name(name).base == "kq_soft_max") {
-    const int64_t h = shape[0], t = shape[1], s = shape[2];
-    std::vector<float> rows(static_cast<size_t>(h * keep * s));
-    for (int64_t i = 0; i < h; ++i)
-      std::copy_n(data.data() + (i * t + (t - keep)) * s, keep * s, rows.data() + i * keep * s);
-    const int64_t cropped[3] = {h, keep, s};
-    attrs.row_offset = static_cast<int>(t - keep);
-    m.file->write(step, name, StoredDType::f32, cropped, rows.data(), attrs);
-    return;
+  // Row cuts (DumpWriterOptions): the last rows of the row dimension, from row_offset on.
+  const int rd = row_dim(layout);
+  if (rd >= 0 && static_cast<size_t>(rd) < shape.size() && shape[rd] > 0) {
+    const int64_t rows = shape[rd];
+    int64_t keep = rows;
+    if (is_cache_layout(layout)) {
+      auto t = m.step_tokens.find(step);
+      if (!m.options.cache_all_rows && t != m.step_tokens.end()) keep = std::min<int64_t>(rows, t->second);
+    } else {
+      keep = kept_rows(parse_checkpoint_name(name).base,
+                       rows, {m.options.softmax_rows, m.options.logits_rows, m.options.token_rows});
+    }
+    if (keep < rows) {
+      int64_t outer = 1, inner = 1;
+      for (int i = 0; i < rd; ++i) outer *= shape[i];
+      for (size_t i = rd + 1; i < shape.size(); ++i) inner *= shape[i];
+      std::vector<int64_t> cropped(shape.begin(), shape.end());
+      cropped[rd] = keep;
+      attrs.row_offset = static_cast<int>(rows - keep);
+      const float* src = data.data() + (rows - keep) * inner;
+      if (outer > 1) {
+        m.scratch.resize(static_cast<size_t>(outer * keep * inner));
+        for (int64_t i = 0; i < outer; ++i)
+          std::copy_n(data.data() + (i * rows + (rows - keep)) * inner, keep * inner, m.scratch.data() + i * keep * inner);
+        src = m.scratch.data();
+      }
+      m.file->write(step, name, StoredDType::f32, cropped, src, attrs);
+      return;
+    }
   }
   m.file->write(step, name, StoredDType::f32, shape, data.data(), attrs);
 }
@@ -170,6 +193,7 @@ void DumpWriter::record_ids(int step, std::string_view name, std::span<const int
   if (!wants(name)) return;
   Impl& m = *impl_;
   const int order = m.checked_order(step, name, -1, "T", 1);
+  if (name == "tokens") m.step_tokens[step] = static_cast<int64_t>(ids.size());
   const int64_t shape[1] = {static_cast<int64_t>(ids.size())};
   m.file->write(step, name, StoredDType::i32, shape, ids.data(), {order, -1, "T", native_dtype_name(NativeDType::i32), std::nullopt});
 }
@@ -378,6 +402,17 @@ struct DumpReader::Impl {
     std::vector<int> perm;      // presented dim i is data dim perm[i]
   };
   std::map<std::pair<int, std::string>, Transform> transforms;
+  // A cache put back together: rows [from, to) of each step's dataset, in row order.
+  struct Piece {
+    int step;
+    int64_t from, to;
+  };
+  std::map<std::pair<int, std::string>, std::vector<Piece>> pieces;
+  std::map<std::pair<int, std::string>, int64_t> stored_row_offset;  // as the file says (0 when absent)
+  std::map<int, int64_t> step_rows;                                  // S after each step
+  // Rows read for an assembled cache, kept: every later step needs them again.
+  mutable std::map<std::pair<int, std::string>, std::vector<float>> piece_data;
+  mutable std::mutex piece_mutex;
   std::vector<std::pair<int, std::string>> dropped;
   const NameMap* names = nullptr;
 
@@ -648,15 +683,18 @@ struct DumpReader::Impl {
         const std::string stored_layout = n.rule && !n.rule->layout.empty() ? n.rule->layout : r.layout.value_or("");
         info.layout = stored_layout.empty() && kind ? kind->layout : stored_layout;
         std::vector<int64_t> shape;
-        // kq_soft_max with row_offset (--softmax-rows) holds the query rows row_offset..T-1.
+        // row_offset: the dataset holds rows row_offset.. of its row dimension only (T; S for the
+        // cache), docs/dump-format.md "Rows".
         auto step_sizes = sizes;
-        if (r.row_offset && parsed.base == "kq_soft_max") {
-          if (*r.row_offset < 0 || (T >= 0 && *r.row_offset >= T))
+        if (r.row_offset && kind && !r.is_int && row_dim(kind->layout) >= 0) {
+          const std::string letter = layout_dims(kind->layout)[row_dim(kind->layout)];
+          const int64_t total = letter == "S" ? (T >= 0 ? S : -1) : T;
+          if (*r.row_offset < 0 || (total >= 0 && *r.row_offset >= total))
             fail("attribute 'row_offset' = " + std::to_string(*r.row_offset) + " is outside the step's " +
-                     std::to_string(T) + " query rows",
+                     std::to_string(total) + (letter == "S" ? " cache rows" : " token rows"),
                  where);
           info.row_offset = *r.row_offset;
-          if (T >= 0) step_sizes["T"] = T - *r.row_offset;
+          if (total >= 0) step_sizes[letter] = total - *r.row_offset;
         }
         if (kind && !r.is_int &&
             plan(*kind, stored_layout, n.rule ? n.rule->crop : std::vector<std::string>{}, step_sizes, r.shape, t, shape)) {
@@ -669,11 +707,47 @@ struct DumpReader::Impl {
           for (size_t i = 0; i < r.shape.size(); ++i) t.perm.push_back(static_cast<int>(i));
         }
         transforms[{step, n.name}] = std::move(t);
+        stored_row_offset[{step, n.name}] = info.row_offset;
         infos.push_back(std::move(info));
       }
       std::sort(infos.begin(), infos.end(), [](const DatasetInfo& a, const DatasetInfo& b) {
         return a.order != b.order ? a.order < b.order : a.name < b.name;
       });
+      step_rows[step] = S;
+    }
+    assemble_caches();
+  }
+
+  // The cache rows a step wrote (cache_k/cache_v with row_offset, DumpWriter's default) are put
+  // back together with the rows of the steps before it into [S, Hkv, Dh], when those steps hold
+  // every earlier row; otherwise the dataset stays the rows it holds (row_offset).
+  void assemble_caches() {
+    // Latest step first: the steps before it still hold their rows as stored.
+    for (auto st = steps.rbegin(); st != steps.rend(); ++st) {
+      const int step = st->first;
+      for (auto& info : st->second) {
+        if (info.row_offset <= 0 || !is_cache_layout(info.layout) || info.shape.size() != 3) continue;
+        std::vector<Piece> parts;
+        int64_t need = info.row_offset;  // rows 0..need-1 still missing
+        for (auto it = std::make_reverse_iterator(steps.find(step)); it != steps.rend() && need > 0; ++it) {
+          const DatasetInfo* prev = nullptr;
+          for (const auto& d : it->second)
+            if (d.name == info.name) prev = &d;
+          const auto stored_from = stored_row_offset.find({it->first, info.name});
+          if (!prev || stored_from == stored_row_offset.end() || prev->shape.size() != 3 ||
+              stored_from->second + prev->shape[0] < need)
+            break;
+          const int64_t from = stored_from->second;
+          parts.push_back({it->first, from, need});
+          need = from;
+        }
+        if (need > 0) continue;
+        std::reverse(parts.begin(), parts.end());
+        parts.push_back({step, info.row_offset, info.row_offset + info.shape[0]});
+        info.shape[0] += info.row_offset;
+        info.row_offset = 0;
+        pieces[{step, info.name}] = std::move(parts);
+      }
     }
   }
 
@@ -701,6 +775,32 @@ struct DumpReader::Impl {
   }
 
   std::vector<float> read_floats(int step, const std::string& name) const {
+    auto p = pieces.find({step, name});
+    if (p == pieces.end()) return read_stored(step, name);
+    const DatasetInfo* info = find_info(step, name);
+    const size_t row = static_cast<size_t>(info->shape[1] * info->shape[2]);
+    std::vector<float> out;
+    out.reserve(static_cast<size_t>(info->shape[0]) * row);
+    for (const Piece& piece : p->second) {
+      const int64_t from = stored_row_offset.at({piece.step, name});
+      const auto append = [&](const std::vector<float>& rows) {
+        out.insert(out.end(), rows.begin() + static_cast<std::ptrdiff_t>((piece.from - from) * row),
+                   rows.begin() + static_cast<std::ptrdiff_t>((piece.to - from) * row));
+      };
+      if (piece.step == step) {
+        append(read_stored(step, name));
+        continue;
+      }
+      std::lock_guard<std::mutex> lock(piece_mutex);
+      auto cached = piece_data.find({piece.step, name});
+      if (cached == piece_data.end()) cached = piece_data.emplace(std::make_pair(piece.step, name), read_stored(piece.step, name)).first;
+      append(cached->second);
+    }
+    return out;
+  }
+
+  // One dataset as stored (its rows only), in the vocabulary's layout.
+  std::vector<float> read_stored(int step, const std::string& name) const {
     const std::string where = step_group_name(step) + "/" + name;
     const DatasetInfo* info = find_info(step, name);
     if (!info) fail("no such dataset", where);

@@ -9,6 +9,7 @@
 
 #include "checkpoints/dump_format.hpp"
 #include "checkpoints/name_map.hpp"
+#include "checkpoints/rows.hpp"
 #include "checkpoints/sink.hpp"
 #include "model/config.hpp"
 
@@ -29,11 +30,23 @@ struct DumpMeta {
   int format_version = kDumpFormatVersion;
 };
 
-// How DumpWriter stores what it is given.
+// How DumpWriter stores what it is given. A checkpoint cut to its last rows carries the dataset
+// attribute row_offset, the first row it holds (docs/dump-format.md, "Rows").
 struct DumpWriterOptions {
-  // > 0: kq_soft_max keeps only the last softmax_rows query rows of each step ([H, rows, S]), with
-  // the dataset attribute row_offset = T - rows (docs/dump-format.md); 0: every row.
+  // > 0: kq_soft_max keeps only the last softmax_rows query rows of each step ([H, rows, S]); 0: every row.
   int64_t softmax_rows = 0;
+  // > 0: result_output keeps only its last logits_rows rows of each step ([rows, V]) (the prefill
+  // computes a row per prompt token); 0: every row.
+  int64_t logits_rows = 64;
+  // > 0: every per-token checkpoint (layout with T; kq_soft_max and result_output too) keeps only
+  // its last token_rows rows of each step; 0: every row. The cache is not cut by it.
+  int64_t token_rows = 0;
+  // false: cache_k/cache_v keep the rows written in the step ([T, Hkv, Dh], row_offset = S - T),
+  // which readers put back together into [S, Hkv, Dh]; true: every valid row, every step (what
+  // `dump` and the top-level job do unless the dump would pass --max-dump-size).
+  bool cache_all_rows = false;
+  // 1..9: datasets are chunked and gzip-compressed at this level (deflate, built into HDF5); 0: not.
+  int compress = 0;
 };
 
 // Writes to "<path>.tmp-<pid>" and renames to `path` in finish(); destroying an unfinished writer
@@ -75,7 +88,10 @@ struct DatasetInfo {
   std::string source;        // the dataset's name in the file ("Qcur-0#3" under a name map)
   std::string stored_dtype;  // "float32", "float64", "float16", "bfloat16", "int32", "int64", ...
   std::vector<int64_t> stored_shape;
-  int64_t row_offset = 0;  // kq_soft_max holding only the query rows row_offset..T-1 (--softmax-rows)
+  // The dataset holds only rows row_offset.. of its row dimension (T; S for cache_k/cache_v), and
+  // `shape` counts those (docs/dump-format.md, "Rows"). A cache holding the rows its step wrote is
+  // presented whole ([S, Hkv, Dh], row_offset 0) when the steps before it hold the other rows.
+  int64_t row_offset = 0;
 };
 
 // Reads dumps of any writer, tolerantly (docs/dump-format.md):

@@ -1,11 +1,13 @@
 // The dump format's file layer on the HDF5 1.10 C API: the root-attribute table and DumpFile, the one writer of dump files.
 // Strings are scalar variable-length UTF-8 (h5py reads them as str); booleans are h5py's enum
 // {FALSE=0, TRUE=1} over int8 (h5py reads numpy.bool_); float16 is h5py's half type. Datasets are
-// contiguous, uncompressed, without fill values or timestamps.
+// contiguous, uncompressed (or chunked with shuffle + deflate, set_compression), without fill values
+// or timestamps.
 #include "checkpoints/dump_format.hpp"
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <ctime>
@@ -210,6 +212,7 @@ struct DumpFile::Impl {
   Hid file;
   Hid dcpl;    // dataset creation: contiguous, no fill, no timestamps
   Hid scalar;  // scalar dataspace for attributes
+  int compress = 0;  // gzip level of float datasets, 0: contiguous
   int step = -1;
   Hid group;   // the group of `step`
   std::set<std::string, std::less<>> step_names;  // datasets written in `step`
@@ -422,7 +425,19 @@ void DumpFile::write(int step, std::string_view name, StoredDType type, std::spa
   Hid space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
   if (!space.valid()) m.fail("cannot create its dataspace", where);
   const std::string dname(name);
-  Hid ds(H5Dcreate2(g, dname.c_str(), file_type, space.get(), H5P_DEFAULT, m.dcpl.get(), H5P_DEFAULT), H5Dclose);
+  Hid chunked;
+  if (m.compress > 0 && type != StoredDType::i32 && n >= 1024) {
+    // Chunks of whole rows of the first dimension, about 1 MiB each.
+    std::vector<hsize_t> chunk = dims;
+    const hsize_t row = n / dims[0] * stored_dtype_size(type);
+    chunk[0] = std::clamp<hsize_t>((hsize_t(1) << 20) / std::max<hsize_t>(row, 1), 1, dims[0]);
+    chunked = Hid(H5Pcopy(m.dcpl.get()), H5Pclose);
+    if (!chunked.valid() || H5Pset_chunk(chunked.get(), static_cast<int>(chunk.size()), chunk.data()) < 0 ||
+        H5Pset_shuffle(chunked.get()) < 0 || H5Pset_deflate(chunked.get(), static_cast<unsigned>(m.compress)) < 0)
+      m.fail("cannot set up its compression", where);
+  }
+  const hid_t dcpl = chunked.valid() ? chunked.get() : m.dcpl.get();
+  Hid ds(H5Dcreate2(g, dname.c_str(), file_type, space.get(), H5P_DEFAULT, dcpl, H5P_DEFAULT), H5Dclose);
   if (!ds.valid()) m.fail("cannot create the dataset", where);
   if (n > 0 && H5Dwrite(ds.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0) m.fail("cannot write the data", where);
   if (attrs.order) m.attr_int(ds.get(), "order", *attrs.order, where);
@@ -443,6 +458,11 @@ bool DumpFile::has_dataset(int step, std::string_view name) const {
   p.push_back('/');
   p.append(name);
   return H5Lexists(m.file.get(), p.c_str(), H5P_DEFAULT) > 0;
+}
+
+void DumpFile::set_compression(int level) {
+  if (level < 0 || level > 9) impl_->fail("compression level " + std::to_string(level) + " is outside 0..9");
+  impl_->compress = level;
 }
 
 void DumpFile::finish() {

@@ -133,6 +133,10 @@ class DumpFile {
   void write(int step, std::string_view name, StoredDType type, std::span<const int64_t> shape, const void* data,
              const DatasetAttributes& attrs);
   bool has_dataset(int step, std::string_view name) const;
+  // 1..9: float datasets written from now on of at least 1024 values are chunked (about 1 MiB a
+  // chunk, whole rows of the first dimension), byte-shuffled and gzip-compressed at this level:
+  // HDF5's built-in filters, which h5py reads with no plugin. 0 (the default): contiguous.
+  void set_compression(int level);
 
   void finish();  // closes and renames; throws when either fails
   void abort();   // closes and removes the temporary file; never throws

@@ -7,6 +7,7 @@
 #include <cctype>
 #include <cmath>
 
+#include "checkpoints/rows.hpp"
 #include "model/error.hpp"
 
 namespace diffrun {
@@ -38,9 +39,14 @@ Counted count(const ModelConfig& cfg, const DumpPlan& plan) {
       const ParsedCheckpointName parsed = parse_checkpoint_name(name);
       const CheckpointKind* kind = find_checkpoint_kind(parsed.base);
       const bool softmax = parsed.base == "kq_soft_max";
-      const int64_t rows = softmax && plan.softmax_rows > 0 ? std::min(t, plan.softmax_rows) : t;
       uint64_t n = 1;
-      for (int64_t d : checkpoint_shape(cfg, *kind, rows, n_kv)) n *= static_cast<uint64_t>(d);
+      if (is_cache_kind(parsed.base)) {
+        // The rows written in the step (all of them at the prefill), or every valid row.
+        for (int64_t d : checkpoint_shape(cfg, *kind, t, plan.cache_all_rows ? n_kv : t)) n *= static_cast<uint64_t>(d);
+      } else {
+        const int64_t keep = kept_rows(parsed.base, t, {plan.softmax_rows, plan.logits_rows, plan.token_rows});
+        for (int64_t d : checkpoint_shape(cfg, *kind, keep, n_kv)) n *= static_cast<uint64_t>(d);
+      }
       c.total += kDatasetOverhead + 4 * n;
       if (softmax) c.softmax += 4 * n;
     }
@@ -54,18 +60,30 @@ uint64_t estimate_dump_size(const ModelConfig& cfg, const DumpPlan& plan) { retu
 
 uint64_t estimate_softmax_bytes(const ModelConfig& cfg, const DumpPlan& plan) { return count(cfg, plan).softmax; }
 
-int64_t softmax_rows_within(const ModelConfig& cfg, DumpPlan plan, uint64_t max_bytes) {
-  plan.softmax_rows = 0;
+namespace {
+
+int64_t rows_within(const ModelConfig& cfg, DumpPlan plan, uint64_t max_bytes, int64_t DumpPlan::*rows) {
+  plan.*rows = 0;
   if (estimate_dump_size(cfg, plan) <= max_bytes) return 0;
   // The size grows with the rows kept; the largest count that fits, by bisection over 1..prompt.
   int64_t lo = 0, hi = std::max<int64_t>(plan.prompt_tokens, 1);
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo + 1) / 2;
-    plan.softmax_rows = mid;
+    plan.*rows = mid;
     if (estimate_dump_size(cfg, plan) <= max_bytes) lo = mid;
     else hi = mid - 1;
   }
   return lo == 0 ? -1 : lo;
+}
+
+}  // namespace
+
+int64_t softmax_rows_within(const ModelConfig& cfg, DumpPlan plan, uint64_t max_bytes) {
+  return rows_within(cfg, std::move(plan), max_bytes, &DumpPlan::softmax_rows);
+}
+
+int64_t token_rows_within(const ModelConfig& cfg, DumpPlan plan, uint64_t max_bytes) {
+  return rows_within(cfg, std::move(plan), max_bytes, &DumpPlan::token_rows);
 }
 
 std::string format_bytes(uint64_t bytes) {

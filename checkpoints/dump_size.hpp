@@ -10,12 +10,16 @@
 namespace diffrun {
 
 // What a run records: step 0 is the prefill of `prompt_tokens`, then `steps` one-token decode steps.
-// softmax_rows > 0 keeps only the last softmax_rows query rows of kq_soft_max per step (DumpWriter).
+// The row limits are DumpWriterOptions' (checkpoints/dump.hpp): > 0 keeps only the last rows of a
+// step, 0 every row.
 struct DumpPlan {
   int64_t prompt_tokens = 0;
   int64_t steps = 0;
   CheckpointFilter filter;  // `tokens` is always recorded
-  int64_t softmax_rows = 0;  // 0: every row
+  int64_t softmax_rows = 0;  // kq_soft_max's last query rows
+  int64_t logits_rows = 64;  // result_output's last rows (DumpWriterOptions' default)
+  int64_t token_rows = 0;    // every per-token checkpoint's last rows (kq_soft_max and result_output too)
+  bool cache_all_rows = false;  // cache_k/cache_v: every row each step, instead of the rows written in it
 };
 
 // Bytes the dump of `plan` will take on disk: the data of every dataset (4 bytes a value, float32 or
@@ -28,6 +32,8 @@ uint64_t estimate_softmax_bytes(const ModelConfig& cfg, const DumpPlan& plan);
 // The largest softmax_rows (>= 1) that keeps the estimate within max_bytes, or 0 when every row
 // fits already; -1 when even one row per step does not fit.
 int64_t softmax_rows_within(const ModelConfig& cfg, DumpPlan plan, uint64_t max_bytes);
+// The same for token_rows (softmax_rows and logits_rows as in `plan`).
+int64_t token_rows_within(const ModelConfig& cfg, DumpPlan plan, uint64_t max_bytes);
 
 // "4.0 GB", "86.1 MB", "12.3 kB" (powers of 1000, as the dump command prints sizes).
 std::string format_bytes(uint64_t bytes);

@@ -1,5 +1,6 @@
 // Dump validation against docs/dump-format.md on the HDF5 C API: every root attribute, step group and dataset, all problems listed.
 // Reads attributes and shapes only (the data of `tokens` aside), so validating a large dump is quick.
+#include "checkpoints/rows.hpp"
 #include "checkpoints/dump_validate.hpp"
 
 #include <algorithm>
@@ -581,8 +582,11 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
       const auto native = scalar_str("native_dtype", native_a);
       const auto dtype_attr = scalar_str("dtype", dtype_a);
       const auto row_offset = scalar_int("row_offset", row_offset_a);
-      if (row_offset && parsed.base != "kq_soft_max")
-        problem(where, "attribute 'row_offset' is only for kq_soft_max (its last query rows, --softmax-rows)");
+      const CheckpointKind* row_kind = find_checkpoint_kind(parsed.base);
+      const int rd = row_kind && parsed.base != "tokens" ? row_dim(row_kind->layout) : -1;
+      if (row_offset && rd < 0)
+        problem(where, "attribute 'row_offset' is only for checkpoints with token or cache rows (kq_soft_max, result_output, "
+                       "cache_k, per-token checkpoints)");
       if (layer && *layer != parsed.layer)
         problem(where, "attribute 'layer' is " + std::to_string(*layer) + " but the name says " +
                            std::to_string(parsed.layer));
@@ -643,17 +647,19 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
         }
         continue;
       }
-      // kq_soft_max with row_offset holds the step's query rows row_offset..T-1 only.
-      int64_t rows = *n_tokens;
-      if (row_offset && parsed.base == "kq_soft_max") {
-        if (*row_offset < 0 || *row_offset >= *n_tokens) {
+      // row_offset: the dataset holds rows row_offset.. of its row dimension only (T; S for the cache).
+      int64_t rows = *n_tokens, kv_rows = kv;
+      if (row_offset && rd >= 0) {
+        const bool cache = is_cache_layout(row_kind->layout);
+        const int64_t total = cache ? kv : *n_tokens;
+        if (*row_offset < 0 || *row_offset >= total) {
           problem(where, "attribute 'row_offset' is " + std::to_string(*row_offset) + ", outside the step's " +
-                             std::to_string(*n_tokens) + " query rows");
+                             std::to_string(total) + (cache ? " cache rows" : " token rows"));
           continue;
         }
-        rows = *n_tokens - *row_offset;
+        (cache ? kv_rows : rows) = total - *row_offset;
       }
-      const std::string p = check_checkpoint(*cfg, name, parsed.layer, shape, layout.value_or(""), rows, kv);
+      const std::string p = check_checkpoint(*cfg, name, parsed.layer, shape, layout.value_or(""), rows, kv_rows);
       if (!p.empty()) problem(where, p);
     }
   }

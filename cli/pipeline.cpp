@@ -18,6 +18,7 @@
 #include <fmt/core.h>
 
 #include "checkpoints/dump_format.hpp"
+#include "checkpoints/rows.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "diff/stream.hpp"
 #include "model/error.hpp"
@@ -44,14 +45,16 @@ constexpr int kEngine = 0, kReference = 1;
 constexpr int kLookahead = 2;  // a backend starts step s once its comparator has finished step s - kLookahead
 constexpr int64_t kLead = 32;  // checkpoints one side of a pair may record ahead of the other
 
-// The rows of a checkpoint the dump writer stores (DumpWriterOptions: kq_soft_max's last rows),
-// along the layout's token dimension T: the dimension and the first row kept (0: every row).
+// The rows of a checkpoint the dump writer stores (DumpWriterOptions: the last rows of kq_soft_max,
+// result_output, every per-token checkpoint), along the layout's token dimension T: the dimension
+// and the first row kept (0: every row). The cache travels whole: readers put the rows each step
+// stored back together.
 std::pair<int, int64_t> writer_rows(std::string_view name, std::string_view layout, std::span<const int64_t> shape,
                                     const DumpWriterOptions& w) {
-  const std::vector<std::string> dims = layout_dims(layout);
-  const int rd = static_cast<int>(std::find(dims.begin(), dims.end(), "T") - dims.begin());
-  const int64_t keep = parse_checkpoint_name(name).base == "kq_soft_max" ? w.softmax_rows : 0;
-  if (keep <= 0 || rd >= static_cast<int>(shape.size()) || shape[rd] <= keep) return {-1, 0};
+  const int rd = row_dim(layout);
+  if (rd < 0 || is_cache_layout(layout) || rd >= static_cast<int>(shape.size())) return {-1, 0};
+  const int64_t keep = kept_rows(parse_checkpoint_name(name).base, shape[rd], {w.softmax_rows, w.logits_rows, w.token_rows});
+  if (keep >= shape[rd]) return {-1, 0};
   return {rd, shape[rd] - keep};
 }
 

@@ -213,6 +213,26 @@ void DumpSizeOptions::add_options(CLI::App& app) {
                  "Record kq_soft_max for the last N query rows of each step only (0 = every row; default: every row "
                  "unless the dump would pass --max-dump-size, then as many as fit)")
       ->check(count_in(0));
+  app.add_option("--token-rows", token_rows,
+                 "Record every per-token checkpoint for the last N rows of each step only (0 = every row; default: "
+                 "every row unless the dump would pass --max-dump-size with --softmax-rows, then as many as fit)")
+      ->check(count_in(0));
+  app.add_option("--logits-rows", logits_rows,
+                 "Record result_output for the last N rows of each step only (the prefill has one per prompt token; "
+                 "0 = every row)")
+      ->capture_default_str()
+      ->check(count_in(0));
+  app.add_option("--cache-rows", cache_rows,
+                 "cache_k/cache_v: 'step' records the rows each step wrote (readers put the cache back together), "
+                 "'all' every valid row at every step, 'auto' every row unless the dump would pass --max-dump-size")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "step", "all"}));
+  app.add_option("--compress", compress,
+                 "Store datasets chunked and gzip-compressed at this level (1-9, 4 without a value; plain h5py reads "
+                 "them; 0 = not compressed)")
+      ->expected(0, 1)
+      ->default_str("4")
+      ->check(CLI::Range(0, 9));
 }
 
 DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, int steps, const CheckpointFilter& filter,
@@ -223,13 +243,35 @@ DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, 
   plan.steps = steps;
   plan.filter = filter;
   plan.softmax_rows = std::max<int64_t>(opt.softmax_rows, 0);
+  plan.token_rows = std::max<int64_t>(opt.token_rows, 0);
+  plan.logits_rows = opt.logits_rows;
+  plan.cache_all_rows = opt.cache_rows != "step";
   const uint64_t full = estimate_dump_size(cfg, plan);
-  if (opt.softmax_rows < 0 && limit > 0 && full > limit) {
+  if (opt.cache_rows == "auto" && limit > 0 && full > limit) {
+    plan.cache_all_rows = false;
+    say(fmt::format("a full dump would take about {}: cache_k/cache_v keep the rows each step wrote (readers put the "
+                    "cache back together) to stay within --max-dump-size {} (--cache-rows all keeps every row)",
+                    format_bytes(full), format_bytes(limit)));
+  }
+  if (opt.softmax_rows < 0 && limit > 0 && estimate_dump_size(cfg, plan) > limit) {
     const int64_t rows = softmax_rows_within(cfg, plan, limit);
     if (rows > 0) {
       plan.softmax_rows = rows;
       say(fmt::format("a full dump would take about {}: kq_soft_max keeps its last {} rows of each step to stay within "
                       "--max-dump-size {} (--softmax-rows 0 keeps every row)",
+                      format_bytes(full), rows, format_bytes(limit)));
+    }
+  }
+  if (opt.token_rows < 0 && limit > 0 && estimate_dump_size(cfg, plan) > limit) {
+    // Every kq_soft_max row that could go is gone: the other per-token checkpoints keep their last rows.
+    DumpPlan cut = plan;
+    if (opt.softmax_rows < 0) cut.softmax_rows = 0;  // token_rows cuts kq_soft_max too
+    const int64_t rows = token_rows_within(cfg, cut, limit);
+    if (rows > 0) {
+      plan = cut;
+      plan.token_rows = rows;
+      say(fmt::format("a full dump would take about {}: every per-token checkpoint keeps its last {} rows of each step "
+                      "(the cache keeps every row) to stay within --max-dump-size {} (--token-rows 0 keeps every row)",
                       format_bytes(full), rows, format_bytes(limit)));
     }
   }
@@ -245,10 +287,16 @@ DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, 
         format_bytes(size), format_bytes(limit), prompt_tokens, steps, format_bytes(softmax),
         format_bytes(estimate_dump_size(cfg, one))));
   }
-  say(fmt::format("each dump will take about {}{}", format_bytes(size),
-                  plan.softmax_rows > 0 ? fmt::format(" (kq_soft_max: last {} rows)", plan.softmax_rows) : ""));
+  say(fmt::format("each dump will take about {}{}{}{}", format_bytes(size),
+                  plan.softmax_rows > 0 ? fmt::format(" (kq_soft_max: last {} rows)", plan.softmax_rows) : "",
+                  plan.token_rows > 0 ? fmt::format(" (per-token checkpoints: last {} rows)", plan.token_rows) : "",
+                  opt.compress > 0 ? " before compression" : ""));
   DumpWriterOptions w;
   w.softmax_rows = plan.softmax_rows;
+  w.token_rows = plan.token_rows;
+  w.logits_rows = plan.logits_rows;
+  w.cache_all_rows = plan.cache_all_rows;
+  w.compress = opt.compress;
   return w;
 }
 

@@ -88,16 +88,25 @@ StepsResult run_steps(Backend& backend, std::span<const int32_t> prompt, int ste
 DumpMeta dump_meta(const GgufFile& file, const Backend& backend, const std::string& prompt,
                    std::span<const int32_t> prompt_ids);
 
-// The size guard of a run's dumps: --max-dump-size, --softmax-rows.
+// The size guard of a run's dumps: --max-dump-size, --softmax-rows, --token-rows, --logits-rows,
+// --cache-rows; and how they are stored: --compress.
 struct DumpSizeOptions {
   std::string max_dump_size = "4GB";  // 0: no limit
   int64_t softmax_rows = -1;          // -1: auto (every row unless the dump would pass the limit); 0: every row
+  int64_t token_rows = -1;            // -1: auto (every row unless the dump would still pass the limit); 0: every row
+  int64_t logits_rows = 64;           // 0: every row
+  std::string cache_rows = "auto";    // "step": the rows written in the step; "all": every row, every step;
+                                      // "auto": every row unless the dump would pass the limit
+  int compress = 0;                   // gzip level 1..9; 0: not compressed
   void add_options(CLI::App& app);
 };
 
 // Estimates each dump of a run (checkpoints/dump_size.hpp) and says so through `say`. With
-// --softmax-rows auto, a dump over the limit keeps only as many kq_soft_max rows as fit. Throws
-// InputError (exit 2) with the estimate and what to do when a dump would still pass the limit.
+// --cache-rows auto, a dump over the limit first keeps the cache rows each step wrote; with
+// --softmax-rows auto, then only as many kq_soft_max rows as fit; with
+// --token-rows auto, if that is not enough, every per-token checkpoint keeps as many last rows as
+// fit. Throws InputError (exit 2) with the estimate and what to do when a dump would still pass the
+// limit.
 DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, int steps, const CheckpointFilter& filter,
                                  const DumpSizeOptions& opt, const std::function<void(const std::string&)>& say);
 

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "checkpoints/rows.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "model/error.hpp"
 
@@ -84,18 +85,22 @@ bool has_tokens(const DumpReader& d, int step) {
   return info && info->is_int;
 }
 
-// kq_soft_max of the last query rows only (--softmax-rows, row_offset): keeps the rows from row_lo
-// of a [H, T, S] tensor whose first row is `offset` (the shape alone when data is null).
-void keep_rows(std::vector<int64_t>& shape, int64_t offset, int64_t row_lo, std::vector<float>* data) {
-  if (offset == row_lo || shape.size() != 3 || shape[1] < row_lo - offset) return;
-  const int64_t h = shape[0], t = shape[1], n_s = shape[2], drop = row_lo - offset;
+// A checkpoint holding its last rows only (row_offset, docs/dump-format.md "Rows"): keeps the rows
+// from row_lo of dimension rd (row_dim of its layout) of a tensor whose first row is `offset` (the
+// shape alone when data is null).
+void keep_rows(std::vector<int64_t>& shape, int64_t offset, int64_t row_lo, int rd, std::vector<float>* data) {
+  if (offset >= row_lo || rd < 0 || static_cast<size_t>(rd) >= shape.size() || shape[rd] < row_lo - offset) return;
+  const int64_t rows = shape[rd], drop = row_lo - offset;
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < rd; ++i) outer *= shape[i];
+  for (size_t i = rd + 1; i < shape.size(); ++i) inner *= shape[i];
   if (data) {
-    std::vector<float> kept(static_cast<size_t>(h * (t - drop) * n_s));
-    for (int64_t i = 0; i < h; ++i)
-      std::copy_n(data->begin() + (i * t + drop) * n_s, (t - drop) * n_s, kept.begin() + i * (t - drop) * n_s);
+    std::vector<float> kept(static_cast<size_t>(outer * (rows - drop) * inner));
+    for (int64_t i = 0; i < outer; ++i)
+      std::copy_n(data->begin() + (i * rows + drop) * inner, (rows - drop) * inner, kept.begin() + i * (rows - drop) * inner);
     *data = std::move(kept);
   }
-  shape[1] = t - drop;
+  shape[rd] = rows - drop;
 }
 
 }  // namespace
@@ -155,9 +160,11 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
     r.status = engine ? CheckpointStatus::only_engine : CheckpointStatus::only_reference;
     return r;
   }
+  const int rd = row_dim(r.layout);
   const int64_t row_lo = std::max(engine->row_offset, reference->row_offset);
-  keep_rows(r.shape_engine, engine->row_offset, row_lo, nullptr);
-  keep_rows(r.shape_reference, reference->row_offset, row_lo, nullptr);
+  keep_rows(r.shape_engine, engine->row_offset, row_lo, rd, nullptr);
+  keep_rows(r.shape_reference, reference->row_offset, row_lo, rd, nullptr);
+  r.row_offset = row_lo;
   if (r.shape_engine != r.shape_reference) {
     r.status = CheckpointStatus::shape_mismatch;
     return r;
@@ -165,8 +172,8 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
   std::vector<float> a, b;
   read(a, b);
   std::vector<int64_t> shape_a = engine->shape, shape_b = reference->shape;
-  keep_rows(shape_a, engine->row_offset, row_lo, &a);
-  keep_rows(shape_b, reference->row_offset, row_lo, &b);
+  keep_rows(shape_a, engine->row_offset, row_lo, rd, &a);
+  keep_rows(shape_b, reference->row_offset, row_lo, rd, &b);
   TensorMetrics m = compute_metrics(a, b, r.shape_reference, r.layout, dims, rule.element);
   if (r.base == "result_output" && r.shape_reference.size() == 2) {
     m.logits = compute_logit_metrics(a, b, r.shape_reference[0], r.shape_reference[1]);

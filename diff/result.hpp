@@ -29,6 +29,7 @@ struct CheckpointResult {
   int order = 0;
   std::string layout;
   std::vector<int64_t> shape_engine, shape_reference;
+  int64_t row_offset = 0;  // first row compared along the row dimension (a side holding its last rows only)
   std::string native_engine, native_reference;  // each side's native dtype ("f16", "f32", ...; "" unknown)
   CheckpointStatus status = CheckpointStatus::pass;
   std::optional<TensorMetrics> metrics;  // absent unless both sides exist with the same shape

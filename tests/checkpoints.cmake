@@ -41,3 +41,10 @@ add_test(NAME test_dump_size_cli
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_dump_size_cli PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
   ENVIRONMENT "${DIFFRUN_TEST_ENV}")
+
+# Dump volume: cache rows per step, --logits-rows, --token-rows, --compress, read by h5py, the readers, compare, validate.
+add_test(NAME test_dump_rows_cli
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_dump_rows.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_dump_rows_cli PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
+  ENVIRONMENT "${DIFFRUN_TEST_ENV}")

@@ -69,8 +69,9 @@ def test_cpp_copy_of_a_reference_compares_equal(tmp_path: Path):
     if not model.exists():
         pytest.skip(f"{model} missing: run ctest -R fixtures_generate first")
     ref = tmp_path / "ref.h5"
+    # --cache-rows all: the copy program reads each dataset as stored and puts it whole.
     r = run(DIFFRUN, "dump", "--backend", "cpu", "--precision", "f64", "--model", str(model), "--tokens", "5,6,7",
-            "--steps", "2", "--out", str(ref))
+            "--steps", "2", "--cache-rows", "all", "--out", str(ref))
     assert r.returncode == 0, r.stderr
     out = tmp_path / "copy.h5"
     r = run(CAPI_CPP, str(ref), str(out))

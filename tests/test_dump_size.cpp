@@ -42,6 +42,9 @@ uint64_t write_dump(const fs::path& path, const ModelConfig& cfg, const DumpPlan
   meta.prompt = "a prompt";
   meta.token_ids.assign(static_cast<size_t>(plan.prompt_tokens), 7);
   opt.softmax_rows = plan.softmax_rows;
+  opt.logits_rows = plan.logits_rows;
+  opt.token_rows = plan.token_rows;
+  opt.cache_all_rows = plan.cache_all_rows;
   DumpWriter writer(path.string(), meta, plan.filter, opt);
   for (int64_t s = 0; s <= plan.steps; ++s) {
     const int64_t t = s == 0 ? plan.prompt_tokens : 1;
@@ -141,6 +144,40 @@ TEST_F(DumpSizeTest, SoftmaxRowsWithinALimit) {
   EXPECT_GT(estimate_dump_size(cfg, plan), full * 6 / 10);
   plan.softmax_rows = 0;
   EXPECT_EQ(softmax_rows_within(cfg, plan, 1000), -1);  // not even one row fits
+}
+
+TEST_F(DumpSizeTest, TokenLogitsAndCacheRowsCutTheEstimateAndTheDump) {
+  const ModelConfig cfg = config(4, 64, 8, 4, 128, 500, false);
+  DumpPlan plan;
+  plan.prompt_tokens = 200;
+  plan.steps = 6;
+  plan.logits_rows = 0;
+  plan.cache_all_rows = true;
+  expect_close(cfg, plan, 0.03);
+  const uint64_t all = estimate_dump_size(cfg, plan);
+  // The cache rows each step wrote: decode steps store 1 of S rows, [1, Hkv, Dh] a layer and kind.
+  plan.cache_all_rows = false;
+  expect_close(cfg, plan, 0.03);
+  uint64_t cache_saved = 0;
+  for (int s = 1; s <= 6; ++s) cache_saved += 4ull * 2 * 4 * (200 + s - 1) * 4 * 8;  // layers, kinds, bytes, rows, Hkv, Dh
+  EXPECT_EQ(all - estimate_dump_size(cfg, plan), cache_saved);
+  // The prefill's logits: the last 64 rows of [200, 500].
+  const uint64_t before = estimate_dump_size(cfg, plan);
+  plan.logits_rows = 64;
+  expect_close(cfg, plan, 0.03);
+  EXPECT_EQ(before - estimate_dump_size(cfg, plan), 4ull * (200 - 64) * 500);
+  // Every per-token checkpoint's last 10 rows, and the largest count within a limit.
+  plan.token_rows = 10;
+  expect_close(cfg, plan, 0.05);
+  EXPECT_LT(estimate_dump_size(cfg, plan), before / 5);
+  plan.token_rows = 0;
+  const uint64_t limit = estimate_dump_size(cfg, plan) / 4;
+  const int64_t rows = token_rows_within(cfg, plan, limit);
+  ASSERT_GT(rows, 0);
+  plan.token_rows = rows;
+  EXPECT_LE(estimate_dump_size(cfg, plan), limit);
+  plan.token_rows = rows + 1;
+  EXPECT_GT(estimate_dump_size(cfg, plan), limit);
 }
 
 TEST(DumpSize, ParseAndFormatBytes) {

@@ -31,9 +31,10 @@ def runs(tmp_path_factory):
     out = {}
     for arch in ("qwen2", "llama", "qwen3"):
         d = tmp_path_factory.mktemp(arch)
-        # prefill of 5 tokens and 2 decode steps: S grows 5, 6, 7
+        # prefill of 5 tokens and 2 decode steps: S grows 5, 6, 7; the whole cache at every step, as the
+        # foreign engines these dumps stand for record it
         run("--model", Path(FIXTURES) / f"tiny-{arch}-f32.gguf", "--tokens", "1,2,3,4,5", "--steps", "2",
-            "--engine", "cpu", "--out", d, "--no-color", check_rc=0)
+            "--engine", "cpu", "--cache-rows", "all", "--out", d, "--no-color", check_rc=0)
         out[arch] = d
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -42,8 +43,10 @@ class DatasetInfo:
     # returns: a [T, H*Dh] per-head array, or a layout attribute that permutes the vocabulary's letters.
     stored_layout: str | None = None
     stored_shape: tuple[int, ...] | None = None
-    # kq_soft_max recorded for its last query rows only (diffrun --softmax-rows): the rows it holds are
-    # row_offset .. T-1 of the step, so shape is [H, T - row_offset, S].
+    # A checkpoint recorded for its last rows only (docs/dump-format.md, "Rows"): it holds rows
+    # row_offset.. of its row dimension (T; S for cache_k/cache_v) and shape counts those, e.g.
+    # kq_soft_max [H, T - row_offset, S]. A cache holding the rows its step wrote comes back whole
+    # ([S, Hkv, Dh], row_offset 0) when the steps before it hold the other rows.
     row_offset: int = 0
 
     @property
@@ -158,9 +161,37 @@ class Dump:
                         row_offset=int(a.get("row_offset", 0)),
                     )
                 )
+            infos = [self._assembled(i) for i in infos]
             infos.sort(key=lambda i: (i.order, i.name))
             self._infos[step] = infos
         return self._infos[step]
+
+    def _cache_pieces(self, info: DatasetInfo) -> list[tuple[int, int, int]] | None:
+        """(step, first row, end row) of each earlier step's rows that make cache `info` whole, in row
+        order, or None when the earlier steps do not hold them all."""
+        pieces = []
+        need = info.row_offset
+        for step in reversed([s for s in self._steps if s < info.step]):
+            if need == 0:
+                break
+            key = f"{_group_name(step)}/{info.name}"
+            ds = self._file.get(key)
+            if not isinstance(ds, h5py.Dataset) or ds.ndim != 3:
+                return None
+            start = int(ds.attrs.get("row_offset", 0))
+            if start + ds.shape[0] < need:
+                return None
+            pieces.append((step, start, need))
+            need = start
+        return None if need > 0 else pieces[::-1]
+
+    def _assembled(self, info: DatasetInfo) -> DatasetInfo:
+        kind = vocabulary.find_kind(vocabulary.parse_name(info.name)[0]) if info.row_offset > 0 else None
+        if kind is None or kind.dims[0] != "S" or info.stored_layout is not None or len(info.shape) != 3:
+            return info
+        if self._cache_pieces(info) is None:
+            return info
+        return dataclasses.replace(info, shape=(info.row_offset + info.shape[0],) + info.shape[1:], row_offset=0)
 
     def _canonical_shape(self, kind: vocabulary.Kind, layout: str, shape: tuple[int, ...], where: str):
         """The vocabulary-layout shape of an array stored [T, H*Dh] or in a permuted layout."""
@@ -203,6 +234,18 @@ class Dump:
         """The checkpoint as a numpy array in its stored dtype (float32 as diffrun writes it, int32 for ids;
         bf16 comes back as float32), read from disk now, in the vocabulary's layout: a per-head checkpoint
         stored [T, H*Dh] comes back [T, H, Dh], a permuted layout (e.g. "H,T,Dh") is permuted back."""
+        info = self.info(name, step)
+        stored_offset = int(self._file[f"{_group_name(step)}/{name}"].attrs.get("row_offset", 0))
+        if stored_offset > info.row_offset:
+            # a cache put back together: rows start..end-1 of each earlier step, then this step's
+            pieces = self._cache_pieces(dataclasses.replace(info, row_offset=stored_offset)) or []
+            parts = [self._stored(name, s)[: end - start] for s, start, end in pieces]
+            parts.append(self._stored(name, step))
+            return np.concatenate(parts, axis=0)
+        return self._stored(name, step)
+
+    def _stored(self, name: str, step: int) -> np.ndarray:
+        """The rows a dataset holds, in the vocabulary's layout."""
         info = self.info(name, step)
         where = f"{_group_name(step)}/{name}"
         try:

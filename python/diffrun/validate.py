@@ -535,8 +535,13 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
 
             order, layer = scalar_int("order"), scalar_int("layer")
             row_offset = scalar_int("row_offset")
-            if row_offset is not None and base != "kq_soft_max":
-                problem(where, "attribute 'row_offset' is only for kq_soft_max (its last query rows, --softmax-rows)")
+            row_kind = vocabulary.find_kind(base)
+            row_letter = None  # the dimension a row_offset counts: T, or S for the cache
+            if row_kind is not None and base != "tokens":
+                row_letter = "S" if row_kind.dims[0] == "S" else ("T" if "T" in row_kind.dims else None)
+            if row_offset is not None and row_letter is None:
+                problem(where, "attribute 'row_offset' is only for checkpoints with token or cache rows (kq_soft_max, "
+                               "result_output, cache_k, per-token checkpoints)")
                 row_offset = None
             layout, native, dtype_attr = scalar_str("layout"), scalar_str("native_dtype"), scalar_str("dtype")
             if layer is not None and layer != parsed_layer:
@@ -571,13 +576,18 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
                 if err:
                     problem(where, err)
                 continue
-            rows = n_tokens  # kq_soft_max with row_offset holds the step's query rows row_offset .. T-1
+            rows, kv_rows = n_tokens, n_kv  # with row_offset: rows row_offset.. of T (S for the cache)
             if row_offset is not None:
-                if not 0 <= row_offset < n_tokens:
-                    problem(where, f"attribute 'row_offset' is {row_offset}, outside the step's {n_tokens} query rows")
+                total = n_kv if row_letter == "S" else n_tokens
+                if not 0 <= row_offset < total:
+                    what = "cache" if row_letter == "S" else "token"
+                    problem(where, f"attribute 'row_offset' is {row_offset}, outside the step's {total} {what} rows")
                     continue
-                rows = n_tokens - row_offset
-            p = check_checkpoint(cfg, name, parsed_layer, tuple(ds.shape), layout or "", rows, n_kv)
+                if row_letter == "S":
+                    kv_rows = n_kv - row_offset
+                else:
+                    rows = n_tokens - row_offset
+            p = check_checkpoint(cfg, name, parsed_layer, tuple(ds.shape), layout or "", rows, kv_rows)
             if p:
                 problem(where, p)
     return result

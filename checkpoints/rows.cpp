@@ -1,0 +1,37 @@
+// Row cuts of a dump: the row dimension of a layout and the rows a writer keeps (checkpoints/rows.hpp).
+#include "checkpoints/rows.hpp"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "checkpoints/vocabulary.hpp"
+
+namespace diffrun {
+
+int row_dim(std::string_view layout) {
+  const std::vector<std::string> dims = layout_dims(layout);
+  if (!dims.empty() && dims[0] == "S") return 0;
+  const auto t = std::find(dims.begin(), dims.end(), "T");
+  return t == dims.end() ? -1 : static_cast<int>(t - dims.begin());
+}
+
+bool is_cache_layout(std::string_view layout) { return row_dim(layout) == 0 && layout.substr(0, 1) == "S"; }
+
+bool is_cache_kind(std::string_view base) {
+  const CheckpointKind* kind = find_checkpoint_kind(base);
+  return kind && is_cache_layout(kind->layout);
+}
+
+int64_t kept_rows(std::string_view base, int64_t t, const RowLimits& limits) {
+  int64_t keep = t;
+  const auto cut = [&](int64_t n) {
+    if (n > 0) keep = std::min(keep, n);
+  };
+  if (base == "kq_soft_max") cut(limits.softmax_rows);
+  if (base == "result_output") cut(limits.logits_rows);
+  if (base != "tokens") cut(limits.token_rows);
+  return keep;
+}
+
+}  // namespace diffrun

@@ -1,0 +1,28 @@
+// Row cuts of a dump (docs/dump-format.md, "Rows"): which dimension a checkpoint's rows are, how many a writer keeps.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+namespace diffrun {
+
+// How many last rows of a step a writer keeps (0: every row); DumpWriterOptions and DumpPlan carry them.
+struct RowLimits {
+  int64_t softmax_rows = 0;  // kq_soft_max [H, T, S]: the last query rows
+  int64_t logits_rows = 0;   // result_output [T, V]: the last rows
+  int64_t token_rows = 0;    // every per-token checkpoint (kq_soft_max and result_output too)
+};
+
+// The dimension of `layout` that holds a checkpoint's rows: the cache position S where the layout
+// starts with it (cache_k, cache_v: "S,Hkv,Dh"), else the token T ("T,D": 0, "H,T,S": 1); -1 when
+// it has neither.
+int row_dim(std::string_view layout);
+
+// Whether the layout's rows are cache positions (cache_k, cache_v).
+bool is_cache_layout(std::string_view layout);
+bool is_cache_kind(std::string_view base);
+
+// Rows a writer keeps of a per-token checkpoint `base` in a step of t tokens under `limits`.
+int64_t kept_rows(std::string_view base, int64_t t, const RowLimits& limits);
+
+}  // namespace diffrun
