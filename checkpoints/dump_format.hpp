@@ -130,6 +130,8 @@ class DumpFile {
 
   // Creates /step_NNNN/name with `shape` from `data` (host values of `type`; bf16 and f16 as their
   // 16-bit patterns) and its attributes (plus dtype = "bf16" for bf16). Throws when the dataset exists.
+  // `data` is copied before this returns; the bytes of a contiguous dataset reach the file from a
+  // writer thread, so a failure to write them (a full disk) is thrown by a later write() or finish().
   void write(int step, std::string_view name, StoredDType type, std::span<const int64_t> shape, const void* data,
              const DatasetAttributes& attrs);
   bool has_dataset(int step, std::string_view name) const;
