@@ -409,7 +409,6 @@ struct DumpReader::Impl {
   };
   std::map<std::pair<int, std::string>, std::vector<Piece>> pieces;
   std::map<std::pair<int, std::string>, int64_t> stored_row_offset;  // as the file says (0 when absent)
-  std::map<int, int64_t> step_rows;                                  // S after each step
   // Rows read for an assembled cache, kept: every later step needs them again.
   mutable std::map<std::pair<int, std::string>, std::vector<float>> piece_data;
   mutable std::mutex piece_mutex;
@@ -637,7 +636,7 @@ struct DumpReader::Impl {
       int64_t T = -1;
       for (const auto& n : named)
         if (n.name == "tokens" && n.raw->is_int && !n.raw->shape.empty()) T = n.raw->shape[0];
-      S = T >= 0 ? S + T : -1;
+      S = T >= 0 && S >= 0 ? S + T : -1;  // unknown from a step without tokens on
       const auto sizes = letter_sizes(T, T >= 0 ? S : -1);
 
       auto& infos = steps[step];
@@ -713,7 +712,6 @@ struct DumpReader::Impl {
       std::sort(infos.begin(), infos.end(), [](const DatasetInfo& a, const DatasetInfo& b) {
         return a.order != b.order ? a.order < b.order : a.name < b.name;
       });
-      step_rows[step] = S;
     }
     assemble_caches();
   }
