@@ -5,6 +5,8 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -38,6 +40,9 @@ std::string render_json(const Comparison& c);
 // One <testsuite> per step, one <testcase> per checkpoint: the first divergence (and an independent
 // first NaN/Inf) fail; the checkpoints failing downstream of it are skipped as its consequences.
 std::string render_junit(const Comparison& c);
+// Several comparisons in one document (the top-level job's pairs): each one's suites named
+// "TITLE: step_NNNN", the document's counts their sums.
+std::string render_junit(const std::vector<std::pair<std::string, const Comparison*>>& titled);
 
 // The reports of a run that could not be done (exit 2: bad input, a missing file, no GPU), so CI
 // shows why: JSON {"report_version", "exit_code": 2, "title", "error"}; JUnit one test case of

@@ -137,7 +137,15 @@ std::string pattern_text(const std::optional<ErrorPattern>& p) {
 // consequences are one skipped test case ("consequences of NAME (step S)", listing their kinds and
 // layers), so a CI page shows one red line per independent problem and the XML stays small
 // (every checkpoint is in the JSON report).
-std::string render_junit(const Comparison& c) {
+namespace {
+
+// One comparison's <testsuite> elements, each suite's name led by `prefix`, and their counts.
+struct JunitSuites {
+  std::string xml;
+  int total = 0, failures = 0, skipped = 0;
+};
+
+JunitSuites junit_suites(const Comparison& c, const std::string& prefix) {
   const CheckpointResult* first = c.first_failure ? &c.results[*c.first_failure] : nullptr;
   const CheckpointResult* first_nf = c.first_nonfinite ? &c.results[*c.first_nonfinite] : nullptr;
   const bool nf_independent = first_nf && first_nf != first && c.nonfinite_verdict.kind == VerdictKind::local;
@@ -167,12 +175,10 @@ std::string render_junit(const Comparison& c) {
   const bool cov_case = cov.required > 0;
   if (cov_case) ++total;
   if (!cov.met()) ++failures;
-  std::string out = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
-  out += fmt::format("<testsuites name=\"diffrun\" tests=\"{}\" failures=\"{}\" errors=\"0\" skipped=\"{}\">\n", total,
-                     failures, skipped);
+  std::string out;
   if (cov_case) {
-    out += fmt::format("  <testsuite name=\"coverage\" tests=\"1\" failures=\"{}\" errors=\"0\" skipped=\"0\">\n",
-                       cov.met() ? 0 : 1);
+    out += fmt::format("  <testsuite name=\"{}coverage\" tests=\"1\" failures=\"{}\" errors=\"0\" skipped=\"0\">\n",
+                       xml_escape(prefix), cov.met() ? 0 : 1);
     out += "    <testcase classname=\"coverage\" name=\"coverage\" time=\"0\"";
     out += cov.met() ? fmt::format(">\n      <system-out>{}</system-out>\n    </testcase>\n", xml_escape(cov_text, false))
                      : fmt::format(">\n      <failure type=\"coverage\" message=\"{}\"/>\n    </testcase>\n",
@@ -189,8 +195,8 @@ std::string render_junit(const Comparison& c) {
       else ++n;
     }
     if (!consequences.empty()) ++s, ++n;
-    out += fmt::format("  <testsuite name=\"{}\" tests=\"{}\" failures=\"{}\" errors=\"0\" skipped=\"{}\">\n",
-                       step_name(step), n, f, s);
+    out += fmt::format("  <testsuite name=\"{}{}\" tests=\"{}\" failures=\"{}\" errors=\"0\" skipped=\"{}\">\n",
+                       xml_escape(prefix), step_name(step), n, f, s);
     if (step == by_step.begin()->first) {
       out += "    <properties>\n";
       auto prop = [&](const char* name, const std::string& value) {
@@ -253,8 +259,28 @@ std::string render_junit(const Comparison& c) {
     }
     out += "  </testsuite>\n";
   }
+  return {std::move(out), total, failures, skipped};
+}
+
+std::string junit_document(const std::vector<JunitSuites>& parts) {
+  int total = 0, failures = 0, skipped = 0;
+  for (const auto& p : parts) total += p.total, failures += p.failures, skipped += p.skipped;
+  std::string out = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+  out += fmt::format("<testsuites name=\"diffrun\" tests=\"{}\" failures=\"{}\" errors=\"0\" skipped=\"{}\">\n", total,
+                     failures, skipped);
+  for (const auto& p : parts) out += p.xml;
   out += "</testsuites>\n";
   return out;
+}
+
+}  // namespace
+
+std::string render_junit(const Comparison& c) { return junit_document({junit_suites(c, "")}); }
+
+std::string render_junit(const std::vector<std::pair<std::string, const Comparison*>>& titled) {
+  std::vector<JunitSuites> parts;
+  for (const auto& [title, c] : titled) parts.push_back(junit_suites(*c, title + ": "));
+  return junit_document(parts);
 }
 
 std::string render_junit_error(const std::string& title, const std::string& error) {
