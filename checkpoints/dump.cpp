@@ -125,9 +125,26 @@ struct DumpWriter::Impl {
   }
 };
 
+namespace {
+
+// An HDF5 built without its thread-safety option must not be entered by two threads at once: the
+// pipeline writes each pair's dumps from that pair's thread, so there every writer call holds this
+// lock. A thread-safe HDF5 (Debian's, conda-forge's) serializes itself and the lock stays untaken.
+std::unique_lock<std::recursive_mutex> hdf5_lock() {
+  static const bool threadsafe = [] {
+    hbool_t ts = false;
+    return H5is_library_threadsafe(&ts) >= 0 && ts;
+  }();
+  static std::recursive_mutex m;
+  return threadsafe ? std::unique_lock<std::recursive_mutex>() : std::unique_lock<std::recursive_mutex>(m);
+}
+
+}  // namespace
+
 DumpWriter::DumpWriter(const std::string& path, const DumpMeta& meta, CheckpointFilter filter,
                        DumpWriterOptions options)
     : impl_(std::make_unique<Impl>()) {
+  const auto lock = hdf5_lock();
   Impl& m = *impl_;
   m.meta = meta;
   m.filter = std::move(filter);
@@ -139,13 +156,17 @@ DumpWriter::DumpWriter(const std::string& path, const DumpMeta& meta, Checkpoint
   m.write_root_attributes();
 }
 
-DumpWriter::~DumpWriter() = default;
+DumpWriter::~DumpWriter() {
+  const auto lock = hdf5_lock();
+  impl_.reset();
+}
 
 bool DumpWriter::wants(std::string_view name) const { return name == "tokens" || impl_->filter.matches(name); }
 
 void DumpWriter::record(int step, std::string_view name, int layer, std::string_view layout,
                         std::span<const int64_t> shape, NativeDType native, std::span<const float> data) {
   if (!wants(name)) return;
+  const auto lock = hdf5_lock();
   Impl& m = *impl_;
   const int order = m.checked_order(step, name, layer, layout, shape.size());
   uint64_t n = 1;
@@ -191,6 +212,7 @@ void DumpWriter::record(int step, std::string_view name, int layer, std::string_
 
 void DumpWriter::record_ids(int step, std::string_view name, std::span<const int32_t> ids) {
   if (!wants(name)) return;
+  const auto lock = hdf5_lock();
   Impl& m = *impl_;
   const int order = m.checked_order(step, name, -1, "T", 1);
   if (name == "tokens") m.step_tokens[step] = static_cast<int64_t>(ids.size());
@@ -199,13 +221,17 @@ void DumpWriter::record_ids(int step, std::string_view name, std::span<const int
 }
 
 void DumpWriter::set_attribute(const std::string& key, const std::vector<int32_t>& values) {
+  const auto lock = hdf5_lock();
   Impl& m = *impl_;
   if (m.file->finished()) m.fail("set_attribute('" + key + "') after finish()");
   if (is_format_attribute(key)) m.fail("attribute '" + key + "' is a format attribute");
   m.file->set_ints(key, values);
 }
 
-void DumpWriter::finish() { impl_->file->finish(); }
+void DumpWriter::finish() {
+  const auto lock = hdf5_lock();
+  impl_->file->finish();
+}
 
 uint64_t DumpWriter::bytes_written() const { return impl_->file->bytes_written(); }
 
