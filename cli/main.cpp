@@ -10,6 +10,7 @@
 
 #include "cli/command.hpp"
 #include "cli/error_report.hpp"
+#include "cli/help_format.hpp"
 #include "cli/interrupt.hpp"
 #include "model/error.hpp"
 
@@ -36,6 +37,7 @@ int main(int argc, char** argv) {
   install_interrupt_handlers();
   CLI::App app{"diffrun: layer-by-layer differential debugging of LLM inference engines"};
   app.set_version_flag("--version", std::string("diffrun ") + DIFFRUN_VERSION);
+  app.formatter(help_formatter());  // before the subcommands, which inherit it
   app.require_subcommand(0, 1);
 
   std::function<int()> run;
@@ -57,7 +59,7 @@ int main(int argc, char** argv) {
   diffrun compare diffrun-out --steps 0 --full                 the last run's report again
   diffrun show diffrun-out/engine.h5 diffrun-out/reference.h5 Qrope-0 --slice T=3
   diffrun ls diffrun-out/engine.h5;  diffrun faults;  diffrun SUBCOMMAND --help
-  python3 -m diffrun.plot diffrun-out --out plots              error by op and by layer, |a-b| heatmap
+  python3 -m diffrun.plot diffrun-out --out plots     error by op and by layer, |a-b| heatmap
 
 Exit codes:
   0  every compared checkpoint within tolerance (or the subcommand succeeded)

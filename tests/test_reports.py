@@ -252,3 +252,16 @@ def test_show_pair_matches_h5py(fault_run):
     assert rel == pytest.approx(np.linalg.norm(a - b) / np.linalg.norm(b), rel=1e-3)
     r = run("show", str(eng), str(ref), "Qrope-0", "--slice", "X=1")
     assert r.returncode == 2 and "--slice 'X=1'" in r.stderr, r.stderr
+
+
+def test_help_fits_in_100_columns():
+    top = subprocess.run([DIFFRUN, "--help"], capture_output=True, text=True)
+    assert top.returncode == 0, top.stderr
+    check_width(top.stdout)
+    subcommands = re.findall(r"^  ([a-z]+) {2,}\S", top.stdout.split("Subcommands:")[1], re.M)
+    assert {"compare", "dump", "validate"} <= set(subcommands), top.stdout
+    for sub in subcommands:
+        r = subprocess.run([DIFFRUN, sub, "--help"], capture_output=True, text=True)
+        assert r.returncode == 0, (sub, r.stderr)
+        check_width(r.stdout)
+        assert r.stdout.count("\n") > 3, (sub, r.stdout)
