@@ -196,6 +196,11 @@ class CudaEngineImpl final : public CudaEngine {
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
     CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));
     CUDA_CHECK(cudaMemsetAsync(argmax_scratch_.get(), 0, argmax_scratch_.size() * sizeof(unsigned long long), stream_));
+    if (!cfg_.rope_freq_factors.empty()) {  // Llama 3's rope_freqs, uploaded once; prepare_faults synchronizes
+      d_rope_freqs_ = DeviceBuffer<float>(cfg_.rope_freq_factors.size(), "rope frequency factors");
+      CUDA_CHECK(cudaMemcpyAsync(d_rope_freqs_.get(), cfg_.rope_freq_factors.data(), d_rope_freqs_.bytes(),
+                                 cudaMemcpyHostToDevice, stream_));
+    }
     prepare_faults();  // synchronizes
   }
 
@@ -343,10 +348,10 @@ class CudaEngineImpl final : public CudaEngine {
     const int32_t* write_pos = faults_.has(Fault::kv_cache_pos0) ? d_zero_.get() : n_past;  // kv_cache_pos0: row 0
     if (faults_.has(Fault::rope_cache_unrotated))
       rope_qk_cache_unrotated(a.q.get(), a.k.get(), cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh,
-                              n_past, write_pos, theta, neox, stream_);
+                              n_past, write_pos, theta, d_rope_freqs_.get(), neox, stream_);
     else
       rope_qk(a.q.get(), a.k.get(), cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, n_past, write_pos,
-              theta, neox, stream_);
+              theta, d_rope_freqs_.get(), neox, stream_);
     cp(sink, step, "Qrope", l, a.q.get(), {n, H, Dh});
     cp(sink, step, "Krope", l, a.k.get(), {n, Hkv, Dh});  // replaced: the cache keeps rope_qk's rows (see the top)
     cp(sink, step, "cache_k", l, cache_k, {S, Hkv, Dh});
@@ -592,6 +597,7 @@ class CudaEngineImpl final : public CudaEngine {
   RmsNormFlaws rms_norm_flaws_;
   std::map<const float*, DeviceBuffer<float>> squared_norms_;  // norm weight -> its square, rms_norm_weight_twice only
   DeviceBuffer<int32_t> d_zero_{1, "step state"};              // [1] position 0 (kv_cache_pos0, kv_cache_not_read)
+  DeviceBuffer<float> d_rope_freqs_;                           // [Dh/2] cfg_.rope_freq_factors, empty when none
   Stream stream_;
   CublasHandle cublas_;
   DeviceWeights<W> weights_;

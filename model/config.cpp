@@ -1,6 +1,7 @@
 // ModelConfig from GGUF metadata for llama, qwen2, qwen3 and gemma3, and the tensor table check before compute.
 #include "model/config.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -69,6 +70,48 @@ void read_gemma3(const GgufFile& file, ModelConfig& c, const std::function<std::
   c.attn_scale = c.n_layer == 62 ? 1.0 / std::sqrt(double(c.n_embd / c.n_head)) : 1.0 / std::sqrt(double(c.head_dim));
 }
 
+// Llama 3 RoPE scaling as llama.cpp applies it (ggml_rope_ext with freq_factors and freq_scale): pair i's
+// angle is pos · theta^(-2i/Dh) / rope_freqs[i] · (1 / rope.scaling.factor). Fills c.rope_freq_factors with
+// both folded together; leaves it empty when the file has neither. YaRN and LongRoPE are refused.
+void rope_scaling(const GgufFile& file, const std::string& arch, ModelConfig& c) {
+  const std::string type_key = arch + ".rope.scaling.type";
+  const std::string type = file.find(type_key) ? file.get_string(type_key) : "";
+  if (!type.empty() && type != "none" && type != "linear")
+    throw ModelError(fmt::format("{}: {} = '{}' is not supported; diffrun supports none and linear scaling and "
+                                 "Llama 3's rope_freqs.weight",
+                                 file.path(), type_key, type));
+  std::string factor_key = arch + ".rope.scaling.factor";
+  if (!file.find(factor_key)) factor_key = arch + ".rope.scale_linear";  // the older key llama.cpp also reads
+  const double factor = file.find(factor_key) ? file.get_float(factor_key) : 0.0;
+  if (!(std::isfinite(factor) && factor >= 0))
+    throw ModelError(fmt::format("{}: {} = {} must be a finite non-negative number", file.path(), factor_key,
+                                 factor));
+  const float scale = factor == 0.0 ? 1.0f : static_cast<float>(factor);  // 0 means none, as in llama.cpp
+
+  const int half = c.head_dim / 2;
+  if (const TensorInfo* t = file.find_tensor("rope_freqs.weight")) {
+    if (t->n_elements != half || t->rows() != 1)
+      throw ModelError(fmt::format("{}: tensor 'rope_freqs.weight' has {} elements in {} rows, expected one row of "
+                                   "{} (one factor per rotary pair, head dim {} / 2)",
+                                   file.path(), t->n_elements, t->rows(), half, c.head_dim));
+    if (!dequant_supported(t->type))
+      throw ModelError(fmt::format("{}: tensor 'rope_freqs.weight' has dtype {}, which diffrun cannot dequantize",
+                                   file.path(), ggml_type_name(t->type)));
+    c.rope_freq_factors.resize(half);
+    dequantize(t->type, file.tensor_data(*t).data(), c.rope_freq_factors.data(), half);
+    for (int i = 0; i < half; ++i) {
+      if (!(std::isfinite(c.rope_freq_factors[i]) && c.rope_freq_factors[i] > 0))
+        throw ModelError(fmt::format("{}: tensor 'rope_freqs.weight' element {} is {}; every factor must be finite "
+                                     "and positive",
+                                     file.path(), i, c.rope_freq_factors[i]));
+    }
+  }
+  if (scale != 1.0f) {
+    if (c.rope_freq_factors.empty()) c.rope_freq_factors.assign(half, 1.0f);
+    for (float& f : c.rope_freq_factors) f *= scale;
+  }
+}
+
 }  // namespace
 
 ModelConfig config_from_gguf(const GgufFile& file) {
@@ -118,6 +161,7 @@ ModelConfig config_from_gguf(const GgufFile& file) {
   c.rms_eps = bounded_float(file, key("attention.layer_norm_rms_epsilon"),
                             file.get_float(key("attention.layer_norm_rms_epsilon")), 0.0, 0.1,
                             "above 0 and at most 0.1");
+  rope_scaling(file, arch, c);
   const GgufValue& tokens = file.get("tokenizer.ggml.tokens");
   c.n_vocab = positive_int(file, "tokenizer.ggml.tokens",
                            static_cast<int64_t>(tokens.as_array("tokenizer.ggml.tokens").items.size()));
@@ -233,9 +277,15 @@ std::string gemma_text(const ModelConfig& cfg) {
 std::string describe(const ModelConfig& cfg) {
   return fmt::format(
       "arch {}: {} layers, n_embd (D) {}, heads (H) {}, kv heads (Hkv) {}, head dim (Dh) {}, n_ff (F) {}, "
-      "vocab (V) {}, context {}, rope {} theta {:g}, rms eps {:g}, output {}{}{}{}",
+      "vocab (V) {}, context {}, rope {} theta {:g}{}, rms eps {:g}, output {}{}{}{}",
       arch_name(cfg.arch), cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.n_vocab,
-      cfg.n_ctx, rope_type_name(cfg.rope_type), cfg.rope_theta, cfg.rms_eps,
+      cfg.n_ctx, rope_type_name(cfg.rope_type), cfg.rope_theta,
+      cfg.rope_freq_factors.empty()
+          ? std::string()
+          : fmt::format(" with freq factors {:g}..{:g}",
+                        *std::min_element(cfg.rope_freq_factors.begin(), cfg.rope_freq_factors.end()),
+                        *std::max_element(cfg.rope_freq_factors.begin(), cfg.rope_freq_factors.end())),
+      cfg.rms_eps,
       cfg.tied_output ? "tied to token_embd" : "untied", cfg.qkv_bias ? ", q/k/v biases" : "",
       cfg.qk_norm ? ", q/k norms" : "", gemma_text(cfg));
 }

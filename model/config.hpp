@@ -28,6 +28,9 @@ struct ModelConfig {
   int n_ctx = 0;        // context length the model was trained for
   double rope_theta = 10000.0;
   RopeType rope_type = RopeType::norm;
+  // Per rotary pair i in [0, Dh/2): its frequency is divided by rope_freq_factors[i] (Llama 3.1+'s
+  // rope_freqs.weight, times the linear rope.scaling.factor); empty: no scaling.
+  std::vector<float> rope_freq_factors;
   double rms_eps = 1e-5;
   bool tied_output = false;  // no output.weight: token_embd.weight is the lm head
   bool qkv_bias = false;     // qwen2
@@ -59,7 +62,8 @@ ModelConfig config_from_gguf(const GgufFile& file);
 // GGUF tensor names (llama.cpp's), e.g. layer_tensor(3, "attn_q.weight") == "blk.3.attn_q.weight".
 std::string layer_tensor(int layer, const char* suffix);
 
-// One entry per tensor the forward pass reads, with its expected GGUF dims (ne order).
+// One entry per weight tensor the forward pass reads, with its expected GGUF dims (ne order);
+// rope_freqs.weight is read by config_from_gguf into rope_freq_factors and is not listed.
 struct ExpectedTensor {
   std::string name;
   std::vector<int64_t> ne;

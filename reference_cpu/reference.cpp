@@ -136,6 +136,8 @@ class CpuBackend final : public Backend {
     const T theta = T(faults_.has(Fault::rope_theta_10000) ? kFaultRopeTheta : base);
     const bool neox = (cfg_.rope_type == RopeType::neox) != faults_.has(Fault::rope_pairing_swapped);
     const auto rope = neox ? rope_neox<T> : rope_norm<T>;
+    const std::vector<T> freq_factors(cfg_.rope_freq_factors.begin(), cfg_.rope_freq_factors.end());  // [Dh/2] or empty
+    const T* ff = freq_factors.empty() ? nullptr : freq_factors.data();
     const bool bias = !faults_.has(Fault::qkv_bias_missing);
     const size_t nD = static_cast<size_t>(n) * D;
     T* cache_k = cache_.k[l].data();  // [C,Hkv*Dh]; rows 0..S-1 valid after this step
@@ -157,8 +159,8 @@ class CpuBackend final : public Backend {
     }
     // rope_cache_unrotated: the cache write stores K as it was before RoPE.
     const std::vector<T> k_before_rope = faults_.has(Fault::rope_cache_unrotated) ? k : std::vector<T>();  // [T,Hkv*Dh]
-    rope(q.data(), q.data(), n, H, Dh, pos0, theta);                              cp("Qrope", l, {n, H, Dh}, q.data());
-    rope(k.data(), k.data(), n, Hkv, Dh, pos0, theta);                            cp("Krope", l, {n, Hkv, Dh}, k.data());
+    rope(q.data(), q.data(), n, H, Dh, pos0, theta, ff);                          cp("Qrope", l, {n, H, Dh}, q.data());
+    rope(k.data(), k.data(), n, Hkv, Dh, pos0, theta, ff);                        cp("Krope", l, {n, Hkv, Dh}, k.data());
 
     const int write_pos = faults_.has(Fault::kv_cache_pos0) ? 0 : pos0;  // kv_cache_pos0: row 0 every step
     const std::vector<T>& k_row = k_before_rope.empty() ? k : k_before_rope;  // [T,Hkv*Dh] what the cache gets

@@ -57,6 +57,38 @@ def sources_digest(seed: int) -> str:
     return h.hexdigest()
 
 
+def llama3_rope_factors(head_dim: int, base: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, old_context_len: int) -> np.ndarray:
+    """rope_freqs.weight as Llama 3.1's conversion computes it (convert_hf_to_gguf.py, rope_type llama3): 1 for
+    wavelengths below old_context_len / high_freq_factor, `factor` above old_context_len / low_freq_factor, and
+    the smooth interpolation between."""
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    low_wavelen, high_wavelen = old_context_len / low_freq_factor, old_context_len / high_freq_factor
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+# tiny-llama with Llama 3 RoPE scaling: a rope_freqs.weight with factors 1 (pairs 0-8), smooth (9-12) and 8
+# (13-31), from factor 8, low/high frequency factors 1/4 and an original context of 256.
+LLAMA3_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, old_context_len=256)
+LLAMA3_ROPE_FILE = "tiny-llama3rope-f32.gguf"
+
+
+def write_llama3_rope(path: Path, seed: int) -> None:
+    shape = models.TINY["tiny-llama"]
+    factors = llama3_rope_factors(shape.head_dim, shape.rope_theta, **LLAMA3_ROPE)
+    models.write_model(shape, "f32", path, seed, extra_tensors={"rope_freqs.weight": factors})
+
+
 LLAMA_7B = models.Shape("llama-7b", "llama-7b", "llama", 32, 4096, 32, 32, 128, 11008, 4096, 10000.0, 1e-5, False,
                         "llama_spm", n_vocab=32000)
 
@@ -142,7 +174,7 @@ def main() -> int:
     stamp = args.out / STAMP
     digest = sources_digest(args.seed)
     if (not args.force and stamp.exists() and stamp.read_text().strip() == digest
-            and all((args.out / f).exists() for _, _, f in files)):
+            and all((args.out / f).exists() for _, _, f in files) and (args.out / LLAMA3_ROPE_FILE).exists()):
         print(f"gen_fixtures: {len(files)} tiny fixtures in {args.out} are up to date")
         return 0
     stamp.unlink(missing_ok=True)
@@ -150,6 +182,9 @@ def main() -> int:
     for shape, fmt, fname in files:
         models.write_model(shape, fmt, args.out / fname, args.seed)
         total += (args.out / fname).stat().st_size
+    write_llama3_rope(args.out / LLAMA3_ROPE_FILE, args.seed)
+    total += (args.out / LLAMA3_ROPE_FILE).stat().st_size
+    files.append((models.TINY["tiny-llama"], "f32", LLAMA3_ROPE_FILE))
     stamp.write_text(digest + "\n")
     print(f"gen_fixtures: wrote {len(files)} tiny fixtures ({total / 2**20:.1f} MiB) to {args.out} "
           f"in {time.monotonic() - t0:.1f} s")

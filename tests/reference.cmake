@@ -14,3 +14,9 @@ target_compile_definitions(test_reference_weights PRIVATE EIGEN_DONT_PARALLELIZE
 if(DIFFRUN_REFERENCE_NATIVE AND DIFFRUN_HAVE_MARCH_NATIVE)
   target_compile_options(test_reference_weights PRIVATE -march=native)
 endif()
+# Llama 3 RoPE scaling: the reference's Qrope/Krope on tiny-llama3rope against numpy with the gguf package's factors.
+add_test(NAME test_reference_rope_scaling
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_rope_scaling.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_reference_rope_scaling PROPERTIES LABELS cpu FIXTURES_REQUIRED tiny_models TIMEOUT 300
+  ENVIRONMENT "${DIFFRUN_TEST_ENV}")

@@ -162,6 +162,15 @@ TEST(EngineModel, F32MatchesF64ReferenceOnTinyGemma3) {
               open_model(test::fixture_path("tiny-gemma3-f32.gguf")).cfg, overall);
 }
 
+// Llama 3 RoPE scaling (rope_freqs.weight with factors 1, smooth and 8): the engine's rope with freq factors.
+TEST(EngineModel, F32MatchesF64ReferenceOnLlama3RopeFixture) {
+  DIFFRUN_REQUIRE_CUDA();
+  const std::string path = test::fixture_path("tiny-llama3rope-f32.gguf");
+  ASSERT_TRUE(std::filesystem::exists(path)) << "missing fixture (scripts/gen_fixtures.py --out DIR)";
+  ASSERT_FALSE(open_model(path).cfg.rope_freq_factors.empty());
+  print_worst("f32 engine vs f64 reference, " + path + ":", open_model(path).cfg, f32_agreement(path, 4));
+}
+
 void f32_agreement_on_env_model(const char* env) {
   const char* path = std::getenv(env);
   if (!path || !*path) GTEST_SKIP() << env << " is not set (path of the model to check)";

@@ -244,21 +244,35 @@ TEST(EngineOps, RmsNormMatchesReference) {
 TEST(EngineOps, RopeMatchesReference) {
   DIFFRUN_REQUIRE_CUDA();
   const int T = 5, nh = 3, Dh = 18, pos0 = 7;  // Dh/2 = 9 pairs: odd
-  for (double theta : {10000.0, 1e6}) {
+  // Llama 3-style frequency factors (1 at high frequencies, 8 at low, smooth between).
+  const std::vector<float> factors = {1.0f, 1.0f, 1.0f, 1.4f, 2.5f, 5.0f, 8.0f, 8.0f, 8.0f};  // [Dh/2]
+  const std::vector<double> factors_d(factors.begin(), factors.end());
+  DeviceArray<float> dfactors(factors);
+  for (double theta : {10000.0, 1e6})
+  for (bool scaled : {false, true}) {
     const auto x = random_vec(T * nh * Dh, 7);
     DeviceArray<int32_t> dpos(std::vector<int32_t>{pos0});
+    const double* ff = scaled ? factors_d.data() : nullptr;
+    const float* dff = scaled ? dfactors.get() : nullptr;
     for (bool neox : {false, true}) {
-      SCOPED_TRACE(std::string(neox ? "neox" : "norm") + " theta " + std::to_string(theta));
+      SCOPED_TRACE(std::string(neox ? "neox" : "norm") + " theta " + std::to_string(theta) +
+                   (scaled ? " freq factors" : ""));
       std::vector<double> ref(x.size());
       if (neox)
-        ref::rope_neox(ref.data(), widen(x).data(), T, nh, Dh, pos0, theta);
+        ref::rope_neox(ref.data(), widen(x).data(), T, nh, Dh, pos0, theta, ff);
       else
-        ref::rope_norm(ref.data(), widen(x).data(), T, nh, Dh, pos0, theta);
+        ref::rope_norm(ref.data(), widen(x).data(), T, nh, Dh, pos0, theta, ff);
       DeviceArray<float> dx(x), out(x.size());
       if (neox)
-        engine::rope_neox(out.get(), dx.get(), T, nh, Dh, dpos.get(), float(theta), nullptr);
+        engine::rope_neox(out.get(), dx.get(), T, nh, Dh, dpos.get(), float(theta), dff, nullptr);
       else
-        engine::rope_norm(out.get(), dx.get(), T, nh, Dh, dpos.get(), float(theta), nullptr);
+        engine::rope_norm(out.get(), dx.get(), T, nh, Dh, dpos.get(), float(theta), dff, nullptr);
+      if (scaled) {  // the factors matter: the unscaled rotation must not pass
+        std::vector<double> plain(x.size());
+        (neox ? ref::rope_neox<double> : ref::rope_norm<double>)(plain.data(), widen(x).data(), T, nh, Dh, pos0,
+                                                                 theta, nullptr);
+        EXPECT_GT(rel_l2(out.download(), narrow(plain)), 1e-2);
+      }
       EXPECT_LT(rel_l2(out.download(), narrow(ref)), 1e-6);
       // The pairing matters: the other pairing must not pass.
       std::vector<double> other(x.size());
@@ -279,24 +293,27 @@ TEST(EngineOps, RopeQkMatchesRopeTwinsAndKvStore) {
   DIFFRUN_REQUIRE_CUDA();
   const int T = 3, H = 5, Hkv = 2, Dh = 18, pos0 = 11, write_pos = 4, C = 17, KV = Hkv * Dh;
   const double theta = 1e6;
+  const std::vector<float> factors = {1.0f, 1.0f, 1.0f, 1.4f, 2.5f, 5.0f, 8.0f, 8.0f, 8.0f};  // [Dh/2]
+  const std::vector<double> factors_d(factors.begin(), factors.end());
+  DeviceArray<float> dff(factors);
   const auto q = random_vec(T * H * Dh, 30), k = random_vec(T * KV, 31), v = random_vec(T * KV, 35);
   DeviceArray<int32_t> dpos(std::vector<int32_t>{pos0}), dwrite(std::vector<int32_t>{write_pos});
   for (bool neox : {false, true}) {
     SCOPED_TRACE(neox ? "neox" : "norm");
     std::vector<double> rq(q.size()), rk(k.size());
     const auto rope_ref = neox ? ref::rope_neox<double> : ref::rope_norm<double>;
-    rope_ref(rq.data(), widen(q).data(), T, H, Dh, pos0, theta);
-    rope_ref(rk.data(), widen(k).data(), T, Hkv, Dh, pos0, theta);
+    rope_ref(rq.data(), widen(q).data(), T, H, Dh, pos0, theta, factors_d.data());
+    rope_ref(rk.data(), widen(k).data(), T, Hkv, Dh, pos0, theta, factors_d.data());
     const std::vector<float> canary(size_t(C) * KV, -7.0f);
     DeviceArray<float> dq(q), dk(k), dv(v), oq(q.size()), ok(k.size()), kc(canary), vc(canary);
     engine::rope_qk(oq.get(), ok.get(), kc.get(), vc.get(), dq.get(), dk.get(), dv.get(), T, H, Hkv, Dh, dpos.get(),
-                    dwrite.get(), float(theta), neox, nullptr);
+                    dwrite.get(), float(theta), dff.get(), neox, nullptr);
     EXPECT_LT(rel_l2(oq.download(), narrow(rq)), 1e-6);
     EXPECT_LT(rel_l2(ok.download(), narrow(rk)), 1e-6);
     const auto rope_one = neox ? engine::rope_neox : engine::rope_norm;
     DeviceArray<float> sq(q.size()), sk(k.size()), kc2(canary), vc2(canary);
-    rope_one(sq.get(), dq.get(), T, H, Dh, dpos.get(), float(theta), nullptr);
-    rope_one(sk.get(), dk.get(), T, Hkv, Dh, dpos.get(), float(theta), nullptr);
+    rope_one(sq.get(), dq.get(), T, H, Dh, dpos.get(), float(theta), dff.get(), nullptr);
+    rope_one(sk.get(), dk.get(), T, Hkv, Dh, dpos.get(), float(theta), dff.get(), nullptr);
     engine::kv_store(kc2.get(), vc2.get(), sk.get(), dv.get(), T, dwrite.get(), KV, nullptr);
     EXPECT_EQ(oq.download(), sq.download());
     EXPECT_EQ(ok.download(), sk.download());
@@ -311,10 +328,10 @@ TEST(EngineOps, RopeQkMatchesRopeTwinsAndKvStore) {
   // In place (q_out = q, k_out = k), as the engine calls it.
   DeviceArray<float> iq(q), ik(k), dv(v), kc(size_t(C) * KV), vc(size_t(C) * KV), sq(q.size()), sk(k.size());
   engine::rope_qk(iq.get(), ik.get(), kc.get(), vc.get(), iq.get(), ik.get(), dv.get(), T, H, Hkv, Dh, dpos.get(),
-                  dpos.get(), float(theta), true, nullptr);
+                  dpos.get(), float(theta), nullptr, true, nullptr);
   DeviceArray<float> dq(q), dk(k);
-  engine::rope_neox(sq.get(), dq.get(), T, H, Dh, dpos.get(), float(theta), nullptr);
-  engine::rope_neox(sk.get(), dk.get(), T, Hkv, Dh, dpos.get(), float(theta), nullptr);
+  engine::rope_neox(sq.get(), dq.get(), T, H, Dh, dpos.get(), float(theta), nullptr, nullptr);
+  engine::rope_neox(sk.get(), dk.get(), T, Hkv, Dh, dpos.get(), float(theta), nullptr, nullptr);
   EXPECT_EQ(iq.download(), sq.download());
   EXPECT_EQ(ik.download(), sk.download());
 }

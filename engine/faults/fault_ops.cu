@@ -152,7 +152,7 @@ template <bool kNeox>
 static __global__ void rope_qk_cache_unrotated_kernel(float* q_out, float* k_out, float* k_cache, float* v_cache,
                                                       const float* q, const float* k, const float* v, int T, int H,
                                                       int Hkv, int Dh, const int32_t* pos0, const int32_t* write_pos,
-                                                      float theta) {
+                                                      float theta, const float* freq_factors) {
   pdl_wait();
   pdl_trigger();
   const int half = Dh / 2;
@@ -169,7 +169,8 @@ static __global__ void rope_qk_cache_unrotated_kernel(float* q_out, float* k_out
     const int64_t head_row = j / half;  // t · n_head + h
     const int t = static_cast<int>(head_row / n_head);
     const float inv_freq = powf(theta, -2.0f * static_cast<float>(i) / static_cast<float>(Dh));
-    const float angle = static_cast<float>(*pos0 + t) * inv_freq;
+    const float angle = freq_factors ? static_cast<float>(*pos0 + t) * inv_freq / freq_factors[i]
+                                     : static_cast<float>(*pos0 + t) * inv_freq;
     float s, c;
     sincosf(angle, &s, &c);
     const int64_t i0 = head_row * Dh + (kNeox ? i : 2 * i);
@@ -304,14 +305,15 @@ void add_rms_norm_flawed(float* sum, __half* out, const float* a, const float* b
 
 void rope_qk_cache_unrotated(float* q_out, float* k_out, float* k_cache, float* v_cache, const float* q,
                              const float* k, const float* v, int T, int H, int Hkv, int Dh, const int32_t* pos0,
-                             const int32_t* write_pos, float theta, bool neox, cudaStream_t stream) {
+                             const int32_t* write_pos, float theta, const float* freq_factors, bool neox,
+                             cudaStream_t stream) {
   const int64_t total = static_cast<int64_t>(T) * (H + Hkv) * (Dh / 2);
   if (neox)
     launch_pdl(rope_qk_cache_unrotated_kernel<true>, op_grid(total), kOpThreads, 0, stream, q_out, k_out, k_cache,
-               v_cache, q, k, v, T, H, Hkv, Dh, pos0, write_pos, theta);
+               v_cache, q, k, v, T, H, Hkv, Dh, pos0, write_pos, theta, freq_factors);
   else
     launch_pdl(rope_qk_cache_unrotated_kernel<false>, op_grid(total), kOpThreads, 0, stream, q_out, k_out, k_cache,
-               v_cache, q, k, v, T, H, Hkv, Dh, pos0, write_pos, theta);
+               v_cache, q, k, v, T, H, Hkv, Dh, pos0, write_pos, theta, freq_factors);
   check_launch("rope_qk_cache_unrotated", stream);
 }
 

@@ -68,7 +68,8 @@ void add_rms_norm_flawed(float* sum, __half* out, const float* a, const float* b
 // each K pair as read, before the rotation; q_out, k_out and the V rows are right.
 void rope_qk_cache_unrotated(float* q_out, float* k_out, float* k_cache, float* v_cache, const float* q,
                              const float* k, const float* v, int T, int H, int Hkv, int Dh, const int32_t* pos0,
-                             const int32_t* write_pos, float theta, bool neox, cudaStream_t stream);
+                             const int32_t* write_pos, float theta, const float* freq_factors, bool neox,
+                             cudaStream_t stream);
 
 // weight_row_nan: n elements from p set to NaN (a weight row in device memory).
 void fill_nan(float* p, int64_t n, cudaStream_t stream);

@@ -9,7 +9,7 @@ namespace diffrun::engine {
 namespace {
 
 static __global__ void rope_neox_kernel(float* out, const float* x, int T, int n_head, int Dh, const int32_t* pos0,
-                                        float theta) {
+                                        float theta, const float* freq_factors) {
   pdl_wait();
   pdl_trigger();
   const int half = Dh / 2;
@@ -20,7 +20,8 @@ static __global__ void rope_neox_kernel(float* out, const float* x, int T, int n
     const int64_t head_row = idx / half;  // t · n_head + h
     const int t = static_cast<int>(head_row / n_head);
     const float inv_freq = powf(theta, -2.0f * static_cast<float>(i) / static_cast<float>(Dh));
-    const float angle = static_cast<float>(*pos0 + t) * inv_freq;
+    const float angle = freq_factors ? static_cast<float>(*pos0 + t) * inv_freq / freq_factors[i]
+                                     : static_cast<float>(*pos0 + t) * inv_freq;
     float s, c;
     sincosf(angle, &s, &c);
     const int64_t base = head_row * Dh;
@@ -34,9 +35,9 @@ static __global__ void rope_neox_kernel(float* out, const float* x, int T, int n
 }  // namespace
 
 void rope_neox(float* out, const float* x, int T, int n_head, int Dh, const int32_t* pos0, float theta,
-               cudaStream_t stream) {
+               const float* freq_factors, cudaStream_t stream) {
   const int64_t total = static_cast<int64_t>(T) * n_head * (Dh / 2);
-  launch_pdl(rope_neox_kernel, op_grid(total), kOpThreads, 0, stream, out, x, T, n_head, Dh, pos0, theta);
+  launch_pdl(rope_neox_kernel, op_grid(total), kOpThreads, 0, stream, out, x, T, n_head, Dh, pos0, theta, freq_factors);
   check_launch("rope_neox", stream);
 }
 

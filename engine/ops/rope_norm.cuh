@@ -12,8 +12,9 @@
 namespace diffrun::engine {
 
 // out [T, n_head·Dh] (may alias x); x [T, n_head·Dh]; pos0 [1] device: the position of token 0
-// (read on the device so a captured decode step replays at any position).
+// (read on the device so a captured decode step replays at any position); freq_factors [Dh/2] device or
+// null: pair i's angle is divided by freq_factors[i] (Llama 3's rope_freqs, as the reference's twin).
 void rope_norm(float* out, const float* x, int T, int n_head, int Dh, const int32_t* pos0, float theta,
-               cudaStream_t stream);
+               const float* freq_factors, cudaStream_t stream);
 
 }  // namespace diffrun::engine

@@ -171,8 +171,9 @@ def tensor_type(fmt: str, name: str, n_layer: int) -> QT:
     raise ValueError(f"unknown format {fmt!r}")
 
 
-def write_model(shape: Shape, fmt: str, path: Path, seed: int) -> None:
-    """Writes one fixture GGUF atomically (temporary name, then rename)."""
+def write_model(shape: Shape, fmt: str, path: Path, seed: int,
+                extra_tensors: dict[str, np.ndarray] | None = None) -> None:
+    """Writes one fixture GGUF atomically (temporary name, then rename); extra_tensors (F32) go first."""
     v = load_vocab(shape)
     arch = shape.arch
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -200,6 +201,8 @@ def write_model(shape: Shape, fmt: str, path: Path, seed: int) -> None:
     v.write(w)
     if fmt not in ("f32", "f16"):
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for name, data in (extra_tensors or {}).items():
+        w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     for name, dims in tensor_shapes(shape, len(v.tokens)).items():
         data = float_weights(shape, name, dims, seed)
         qtype = tensor_type(fmt, name, shape.n_layer)
