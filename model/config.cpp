@@ -79,7 +79,7 @@ void rope_scaling(const GgufFile& file, const std::string& arch, ModelConfig& c)
   if (!type.empty() && type != "none" && type != "linear")
     throw ModelError(fmt::format("{}: {} = '{}' is not supported; diffrun supports none and linear scaling and "
                                  "Llama 3's rope_freqs.weight",
-                                 file.path(), type_key, type));
+                                 file.path(), type_key, printable(type)));
   std::string factor_key = arch + ".rope.scaling.factor";
   if (!file.find(factor_key)) factor_key = arch + ".rope.scale_linear";  // the older key llama.cpp also reads
   const double factor = file.find(factor_key) ? file.get_float(factor_key) : 0.0;
