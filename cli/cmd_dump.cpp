@@ -43,7 +43,7 @@ int run_dump(const DumpOptions& o) {
   const CheckpointFilter filter(o.checkpoints);
   fmt::print(stderr, "diffrun dump: loading {}\n", o.model);
   const auto file = GgufFile::open(o.model);
-  const ModelConfig cfg = config_from_gguf(*file);
+  const ModelConfig cfg = load_config(*file);
   check_run_options(*file, cfg, o.backend, filter);
   const auto tok = load_tokenizer(*file);
   const std::vector<int32_t> ids = prompt_tokens(*file, *tok, o.prompt);

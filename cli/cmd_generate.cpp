@@ -42,7 +42,7 @@ size_t complete_utf8_prefix(const std::string& text) {
 int run_generate(const GenerateOptions& o) {
   fmt::print(stderr, "diffrun generate: loading {}\n", o.model);
   const auto file = GgufFile::open(o.model);
-  const ModelConfig cfg = config_from_gguf(*file);
+  const ModelConfig cfg = load_config(*file);
   const auto tok = load_tokenizer(*file);
   const std::vector<int32_t> ids = prompt_tokens(*file, *tok, o.prompt);
   const int64_t needed = static_cast<int64_t>(ids.size()) + o.n_predict;

@@ -156,7 +156,7 @@ int run_main(const MainOptions& o) {
 
   progress.message(fmt::format("loading {}", o.model));
   const auto file = GgufFile::open(o.model);
-  const ModelConfig cfg = config_from_gguf(*file);
+  const ModelConfig cfg = load_config(*file);
   validate_tensors(*file, cfg);
   // Every option is checked before the reference runs (it may take minutes).
   for (const RunPair& p : pairs) {

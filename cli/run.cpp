@@ -19,6 +19,12 @@
 
 namespace diffrun::cli {
 
+ModelConfig load_config(const GgufFile& file) {
+  ModelConfig cfg = config_from_gguf(file);
+  for (const std::string& n : cfg.notes) fmt::print(stderr, "diffrun: note: {}\n", n);
+  return cfg;
+}
+
 std::unique_ptr<Tokenizer> load_tokenizer(const GgufFile& file) {
   auto tok = Tokenizer::from_gguf(file);
   for (const std::string& w : tok->warnings()) fmt::print(stderr, "diffrun: warning: {}\n", w);

@@ -14,6 +14,7 @@
 #include "checkpoints/dump.hpp"
 #include "checkpoints/dump_size.hpp"
 #include "checkpoints/sink.hpp"
+#include "model/config.hpp"
 #include "model/gguf.hpp"
 #include "model/tokenizer.hpp"
 
@@ -34,6 +35,9 @@ struct PromptOptions {
 // The prompt's ids. Throws InputError: empty prompt, both or neither of --prompt/--tokens, ids
 // outside the vocabulary.
 std::vector<int32_t> prompt_tokens(const GgufFile& file, const Tokenizer& tok, const PromptOptions& opt);
+
+// The model's config (config_from_gguf); its notes (metadata llama.cpp does not apply either) are printed on stderr.
+ModelConfig load_config(const GgufFile& file);
 
 // The model's tokenizer; its warnings (e.g. an unknown pre-tokenizer) are printed on stderr.
 std::unique_ptr<Tokenizer> load_tokenizer(const GgufFile& file);

@@ -174,6 +174,14 @@ ModelConfig config_from_gguf(const GgufFile& file) {
   }
   c.tied_output = file.find_tensor("output.weight") == nullptr;
   if (c.arch == Arch::gemma3) read_gemma3(file, c, key);
+  // llama.cpp reads attention.sliding_window only for architectures with local layers (gemma3 here);
+  // its llama, qwen2 and qwen3 attend every earlier position whatever the key says, and its converter
+  // never writes the key for Mistral. Followed here, and said.
+  if (c.arch != Arch::gemma3)
+    if (const GgufValue* w = file.find(key("attention.sliding_window")))
+      c.notes.push_back(fmt::format("{} = {} is not applied: llama.cpp's {} architecture attends every earlier "
+                                    "position, and so does diffrun",
+                                    key("attention.sliding_window"), w->to_display(), arch));
   return c;
 }
 
@@ -275,7 +283,7 @@ std::string gemma_text(const ModelConfig& cfg) {
 }  // namespace
 
 std::string describe(const ModelConfig& cfg) {
-  return fmt::format(
+  std::string s = fmt::format(
       "arch {}: {} layers, n_embd (D) {}, heads (H) {}, kv heads (Hkv) {}, head dim (Dh) {}, n_ff (F) {}, "
       "vocab (V) {}, context {}, rope {} theta {:g}{}, rms eps {:g}, output {}{}{}{}",
       arch_name(cfg.arch), cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.n_vocab,
@@ -288,6 +296,8 @@ std::string describe(const ModelConfig& cfg) {
       cfg.rms_eps,
       cfg.tied_output ? "tied to token_embd" : "untied", cfg.qkv_bias ? ", q/k/v biases" : "",
       cfg.qk_norm ? ", q/k norms" : "", gemma_text(cfg));
+  for (const std::string& note : cfg.notes) s += "\n  note: " + note;
+  return s;
 }
 
 }  // namespace diffrun

@@ -43,6 +43,9 @@ struct ModelConfig {
   double rope_theta_swa = 10000.0;   // RoPE base of local layers
   double attn_scale = 0;             // multiplies q·k; 0 means 1/sqrt(Dh)
   double final_logit_softcap = 0;    // logits = c·tanh(logits/c) when > 0
+  // Metadata read but not applied because llama.cpp does not apply it either (e.g. a llama file's
+  // attention.sliding_window), one sentence each; describe() lists them and the CLI prints them on stderr.
+  std::vector<std::string> notes;
 
   bool layer_is_swa(int l) const { return sliding_window > 0 && l < int(swa_layers.size()) && swa_layers[l]; }
   // The window of layer l in positions, 0 for a global layer (every earlier position).

@@ -13,6 +13,7 @@ written by the same generator sources, vocabularies and seed (--force rewrites i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib.metadata
 import os
@@ -87,6 +88,20 @@ def write_llama3_rope(path: Path, seed: int) -> None:
     shape = models.TINY["tiny-llama"]
     factors = llama3_rope_factors(shape.head_dim, shape.rope_theta, **LLAMA3_ROPE)
     models.write_model(shape, "f32", path, seed, extra_tensors={"rope_freqs.weight": factors})
+
+
+# tiny-llama (same weights) with Mistral 7B v0.1's metadata key llama.attention.sliding_window, at 8 so a prompt of
+# more than 8 tokens reaches past it. llama.cpp does not apply the key on the llama architecture; neither does diffrun.
+MISTRAL = dataclasses.replace(models.TINY["tiny-llama"], name="tiny-mistral", sliding_window=8)
+MISTRAL_FILE = "tiny-mistral-f32.gguf"
+
+
+def write_mistral(path: Path, seed: int) -> None:
+    models.write_model(MISTRAL, "f32", path, seed)
+
+
+# Single-format variants beyond the tiny set: file name -> writer.
+ONE_OFF = {LLAMA3_ROPE_FILE: write_llama3_rope, MISTRAL_FILE: write_mistral}
 
 
 LLAMA_7B = models.Shape("llama-7b", "llama-7b", "llama", 32, 4096, 32, 32, 128, 11008, 4096, 10000.0, 1e-5, False,
@@ -174,19 +189,19 @@ def main() -> int:
     stamp = args.out / STAMP
     digest = sources_digest(args.seed)
     if (not args.force and stamp.exists() and stamp.read_text().strip() == digest
-            and all((args.out / f).exists() for _, _, f in files) and (args.out / LLAMA3_ROPE_FILE).exists()):
-        print(f"gen_fixtures: {len(files)} tiny fixtures in {args.out} are up to date")
+            and all((args.out / f).exists() for f in [*(f for _, _, f in files), *ONE_OFF])):
+        print(f"gen_fixtures: {len(files) + len(ONE_OFF)} tiny fixtures in {args.out} are up to date")
         return 0
     stamp.unlink(missing_ok=True)
     total = 0
     for shape, fmt, fname in files:
         models.write_model(shape, fmt, args.out / fname, args.seed)
         total += (args.out / fname).stat().st_size
-    write_llama3_rope(args.out / LLAMA3_ROPE_FILE, args.seed)
-    total += (args.out / LLAMA3_ROPE_FILE).stat().st_size
-    files.append((models.TINY["tiny-llama"], "f32", LLAMA3_ROPE_FILE))
+    for fname, write in ONE_OFF.items():
+        write(args.out / fname, args.seed)
+        total += (args.out / fname).stat().st_size
     stamp.write_text(digest + "\n")
-    print(f"gen_fixtures: wrote {len(files)} tiny fixtures ({total / 2**20:.1f} MiB) to {args.out} "
+    print(f"gen_fixtures: wrote {len(files) + len(ONE_OFF)} tiny fixtures ({total / 2**20:.1f} MiB) to {args.out} "
           f"in {time.monotonic() - t0:.1f} s")
     return 0
 

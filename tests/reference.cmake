@@ -20,3 +20,9 @@ add_test(NAME test_reference_rope_scaling
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_reference_rope_scaling PROPERTIES LABELS cpu FIXTURES_REQUIRED tiny_models TIMEOUT 300
   ENVIRONMENT "${DIFFRUN_TEST_ENV}")
+# Mistral's sliding window on llama: tiny-mistral's key read, not applied (as llama.cpp), kq_soft_max against numpy.
+add_test(NAME test_reference_sliding_window
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_sliding_window.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_reference_sliding_window PROPERTIES LABELS cpu FIXTURES_REQUIRED tiny_models TIMEOUT 300
+  ENVIRONMENT "${DIFFRUN_TEST_ENV}")

@@ -118,6 +118,7 @@ TEST(ConfigReal, EveryFixture) {
     EXPECT_EQ(c.n_ff, 512);
     EXPECT_EQ(c.n_layer, name.rfind("tiny-gemma3", 0) == 0 ? 6 : 2);
     EXPECT_EQ(c.n_head % c.n_head_kv, 0);
+    EXPECT_EQ(c.notes.empty(), name.rfind("tiny-mistral", 0) != 0);
     if (name.rfind("tiny-gemma3", 0) == 0) {
       // scripts/fixturegen/models.py EXTRA: window 8 on layers 0-4 (layer 5 global), softcap 30.
       EXPECT_EQ(c.arch, Arch::gemma3);
@@ -133,6 +134,16 @@ TEST(ConfigReal, EveryFixture) {
       EXPECT_EQ(c.layer_rope_theta(5), 1e6);
       EXPECT_DOUBLE_EQ(c.attention_scale(), 1.0 / std::sqrt(128.0));
       EXPECT_DOUBLE_EQ(c.final_logit_softcap, 30.0);
+    } else if (name.rfind("tiny-mistral", 0) == 0) {
+      // llama with llama.attention.sliding_window = 8: read, not applied (llama.cpp's llama attends every
+      // earlier position), and said.
+      EXPECT_EQ(c.arch, Arch::llama);
+      EXPECT_EQ(c.sliding_window, 0);
+      EXPECT_TRUE(c.swa_layers.empty());
+      EXPECT_EQ(c.layer_window(0), 0);
+      ASSERT_EQ(c.notes.size(), 1u);
+      EXPECT_EQ(c.notes[0].rfind("llama.attention.sliding_window = 8 is not applied", 0), 0u) << c.notes[0];
+      EXPECT_NE(describe(c).find("note: " + c.notes[0]), std::string::npos) << describe(c);
     } else if (name.rfind("tiny-llama", 0) == 0) {
       ++seen[0];
       EXPECT_EQ(c.arch, Arch::llama);

@@ -171,6 +171,16 @@ TEST(EngineModel, F32MatchesF64ReferenceOnLlama3RopeFixture) {
   print_worst("f32 engine vs f64 reference, " + path + ":", open_model(path).cfg, f32_agreement(path, 4));
 }
 
+// tiny-mistral (llama with llama.attention.sliding_window = 8, not applied as in llama.cpp): 7 prompt tokens
+// and 4 decode steps, so the last steps attend past the window in both backends.
+TEST(EngineModel, F32MatchesF64ReferenceOnMistralFixture) {
+  DIFFRUN_REQUIRE_CUDA();
+  const std::string path = test::fixture_path("tiny-mistral-f32.gguf");
+  ASSERT_TRUE(std::filesystem::exists(path)) << "missing fixture (scripts/gen_fixtures.py --out DIR)";
+  ASSERT_FALSE(open_model(path).cfg.notes.empty());
+  print_worst("f32 engine vs f64 reference, " + path + ":", open_model(path).cfg, f32_agreement(path, 4));
+}
+
 void f32_agreement_on_env_model(const char* env) {
   const char* path = std::getenv(env);
   if (!path || !*path) GTEST_SKIP() << env << " is not set (path of the model to check)";

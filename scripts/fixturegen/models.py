@@ -38,7 +38,8 @@ class Shape:
     n_vocab: int = 0   # 0: the vocabulary's own size, else padded to this
     qkv_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int = 0     # gemma3: positions a local layer attends (every 6th layer is global)
+    sliding_window: int = 0     # {arch}.attention.sliding_window: gemma3's local layers (every 6th is global); on
+                                # llama (tiny-mistral) written but not applied, as in llama.cpp
     logit_softcap: float = 0.0  # gemma3: final_logit_softcapping when > 0
 
 
