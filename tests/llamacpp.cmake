@@ -10,3 +10,10 @@ foreach(mode f32 q41)
   set_tests_properties(llamacpp_smollm2_${mode} PROPERTIES LABELS llamacpp SKIP_RETURN_CODE 77 TIMEOUT 600
                        ENVIRONMENT "${DIFFRUN_TEST_ENV};DIFFRUN_LLAMACPP_BIN=${_diffrun_llamacpp_bin}")
 endforeach()
+# Llama 3 RoPE scaling and Mistral's sliding_window key (not applied) on their tiny fixtures, through llama.cpp's graph.
+foreach(fixture tiny-llama3rope-f32 tiny-mistral-f32)
+  add_test(NAME llamacpp_${fixture} COMMAND tests/llamacpp_fixture.sh ${fixture} WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+  set_tests_properties(llamacpp_${fixture} PROPERTIES LABELS llamacpp SKIP_RETURN_CODE 77 TIMEOUT 300
+                       FIXTURES_REQUIRED tiny_models
+                       ENVIRONMENT "${DIFFRUN_TEST_ENV};DIFFRUN_LLAMACPP_BIN=${_diffrun_llamacpp_bin}")
+endforeach()
