@@ -2,7 +2,10 @@
 // memory-bandwidth roofline that decode reaches. Prints figures; not a test.
 //
 //   bench_cuda_engine [--precision f16|f32] [--steps N] [--json FILE] MODEL.gguf [MODEL.gguf ...]
+//   bench_cuda_engine [--precision f16|f32] --profile-prefill T MODEL.gguf
 //
+// --profile-prefill T runs one warm-up prefill of T tokens, then one between cudaProfilerStart and
+// cudaProfilerStop (for `ncu --profile-from-start off`), and prints nothing else.
 // --json FILE appends one JSON object per model and line (scripts/bench_vs_llamacpp.sh reads it).
 //
 // Roofline: a decode step reads every weight once, so its floor is weight_bytes / bandwidth. The
@@ -16,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include "checkpoints/sink.hpp"
@@ -179,12 +183,30 @@ void bench_model(const std::string& path, const std::string& precision, int step
   }
 }
 
+// One warm-up prefill of T tokens, then one inside the profiler's range (hooks off).
+void profile_prefill(const std::string& path, const std::string& precision, int T) {
+  auto file = diffrun::GgufFile::open(path);
+  const diffrun::ModelConfig cfg = diffrun::config_from_gguf(*file);
+  auto eng = diffrun::make_cuda_engine(*file, cfg, precision, T + 64);
+  diffrun::NullSink none;
+  const std::vector<int32_t> ids = prompt(T, cfg.n_vocab);
+  eng->reset();
+  eng->forward_argmax(0, ids, none);
+  eng->reset();
+  BENCH_CUDA(cudaDeviceSynchronize());
+  BENCH_CUDA(cudaProfilerStart());
+  eng->forward_argmax(0, ids, none);
+  BENCH_CUDA(cudaDeviceSynchronize());
+  BENCH_CUDA(cudaProfilerStop());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string precision = "f16";
   int steps = 128;
   std::string json;
+  int profile_T = 0;
   std::vector<std::string> models;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -194,6 +216,12 @@ int main(int argc, char** argv) {
       steps = std::atoi(argv[++i]);
     } else if (a == "--json" && i + 1 < argc) {
       json = argv[++i];
+    } else if (a == "--profile-prefill" && i + 1 < argc) {
+      profile_T = std::atoi(argv[++i]);
+      if (profile_T < 1) {
+        std::fprintf(stderr, "bench_cuda_engine: --profile-prefill takes a token count >= 1, got '%s'\n", argv[i]);
+        return 2;
+      }
     } else if (a == "-h" || a == "--help") {
       std::printf("usage: %s [--precision f16|f32] [--steps N] [--json FILE] MODEL.gguf [MODEL.gguf ...]\n", argv[0]);
       return 0;
@@ -209,6 +237,10 @@ int main(int argc, char** argv) {
   try {
     std::string why;
     if (!diffrun::cuda_device_available(&why)) throw diffrun::Error("no CUDA device: " + why);
+    if (profile_T > 0) {
+      for (const std::string& m : models) profile_prefill(m, precision, profile_T);
+      return 0;
+    }
     cudaDeviceProp prop{};
     BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
     const double bw = copy_bandwidth();
