@@ -35,8 +35,11 @@
 //   own, computed from the reference's inputs.
 // - Steps of up to kAttentionSplitMaxT tokens (decode) run attention_split, which spreads each head's
 //   keys over enough blocks to fill the GPU and always writes the probabilities into attn_probs_
-//   (its scores live there), so kq_soft_max costs only its copy; longer steps run attention, which
-//   writes probabilities only when recorded. Both scratches are sized for max_ctx at construction,
+//   (its scores live there), so kq_soft_max costs only its copy; longer steps (prefill) take their
+//   output from attention_tiled (K/V tiles in shared memory, online softmax) with hooks on or off,
+//   and when kq_soft_max is recorded, attention writes the probabilities alone beside it
+//   (DIFFRUN_TILED_ATTENTION=0: attention writes both, as before; the "prefill_attention" fact
+//   says which). Both scratches are sized for max_ctx at construction,
 //   so a captured decode graph stays valid at every position. The attention faults run the flawed
 //   variant of attention at every T; their fault is the flaw, found against the reference.
 // - Fault injection (checkpoints/faults.hpp, --inject): each fault is chosen at its call site (a
@@ -165,7 +168,8 @@ class CudaEngineImpl final : public CudaEngine {
         attn_counters_(size_t(kAttentionSplitMaxT) * cfg.n_head, "attention scratch"),
         argmax_scratch_(2, "step state"),
         names_(checkpoint_names(cfg)),
-        graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS")) {
+        graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS")),
+        tiled_attention_(!env_is_zero("DIFFRUN_TILED_ATTENTION")) {
     int device = 0;
     CUDA_CHECK(cudaGetDevice(&device));
     cudaDeviceProp prop{};
@@ -191,6 +195,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"kv_cache_dtype", "f32"},
         {"cuda_graphs", graphs_enabled_ ? "decode steps without hooks" : "off"},
         {"attention_splits", std::to_string(attn_splits_)},
+        {"prefill_attention", tiled_attention_ ? "tiled" : "one block per (token, head)"},
         {"pdl", pdl_enabled() ? "on" : "off"},
     };
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
@@ -374,8 +379,14 @@ class CudaEngineImpl final : public CudaEngine {
       if (attention_flaws_.any())
         attention_flawed(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window,
                          attention_flaws_, stream_);
-      else
+      else if (!tiled_attention_)
         attention(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window, stream_);
+      else {  // the output from attention_tiled, hooks or not; the probabilities (when recorded) from attention
+        if (probs)
+          attention(static_cast<W*>(nullptr), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window,
+                    stream_);
+        attention_tiled(a.kqv.get(), a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window, stream_);
+      }
     }
     if (want_probs) record_only(step, "kq_soft_max", l, probs, {H, n, S_att});
     cp(sink, step, "kqv_out", l, a.kqv.get(), {n, H, Dh});
@@ -620,6 +631,7 @@ class CudaEngineImpl final : public CudaEngine {
   CheckpointStager stager_;
   std::vector<std::string> names_;  // every checkpoint name of a step, in order
   bool graphs_enabled_;
+  bool tiled_attention_;  // steps over kAttentionSplitMaxT tokens take their output from attention_tiled
   cudaGraphExec_t graphs_[2] = {nullptr, nullptr};  // decode step without / with the logits copy
   std::map<std::string, std::string> facts_;
   int n_past_ = 0;

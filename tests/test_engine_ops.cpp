@@ -460,6 +460,71 @@ TEST(EngineOps, AttentionSplitMatchesReference) {
   }
 }
 
+// The tiled prefill kernel against the one-block-per-(token, head) kernel and the CPU twin: GQA, sliding
+// windows, T up to 600 with and without cached rows, head widths of every template (18 .. 256), f32 and
+// f16 outputs, every element written (the output starts as NaN). attention with out null writes the
+// same probabilities as with out.
+TEST(EngineOps, AttentionTiledMatchesAttention) {
+  DIFFRUN_REQUIRE_CUDA();
+  struct Case {
+    int T, n_past, H, Hkv, Dh, window = 0;
+  };
+  uint32_t seed = 100;
+  for (const Case c : {Case{512, 0, 14, 2, 64}, Case{600, 0, 8, 2, 64, 100}, Case{33, 7, 6, 3, 40}, Case{5, 0, 4, 4, 18},
+                       Case{97, 300, 4, 1, 128}, Case{200, 0, 4, 1, 256, 64}, Case{64, 40, 8, 8, 256, 17},
+                       Case{450, 150, 6, 2, 128, 512}, Case{1, 9, 2, 1, 64}, Case{31, 0, 3, 1, 96, 1}}) {
+    const int T = c.T, n_past = c.n_past, H = c.H, Hkv = c.Hkv, Dh = c.Dh, window = c.window;
+    SCOPED_TRACE("T " + std::to_string(T) + " n_past " + std::to_string(n_past) + " H " + std::to_string(H) +
+                 " Hkv " + std::to_string(Hkv) + " Dh " + std::to_string(Dh) + " window " + std::to_string(window));
+    const float scale = window > 0 ? 0.0625f : 1.0f / std::sqrt(float(Dh));
+    const int S = n_past + T, Q = H * Dh, KV = Hkv * Dh;
+    const auto q = random_vec(size_t(T) * Q, seed++, 2.0f), kc = random_vec(size_t(S) * KV, seed++),
+               vc = random_vec(size_t(S) * KV, seed++);
+    DeviceArray<float> dq(q), dk(kc), dv(vc), probs(size_t(H) * T * S), probs_only(size_t(H) * T * S);
+    DeviceArray<int32_t> dnp(std::vector<int32_t>{n_past});
+    DeviceArray<float> want(size_t(T) * Q), got(std::vector<float>(size_t(T) * Q, NAN));
+    engine::attention(want.get(), probs.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale, window,
+                      nullptr);
+    engine::attention_tiled(got.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale, window, nullptr);
+    const auto w = want.download(), g = got.download();
+    double max_abs = 0;
+    for (size_t i = 0; i < g.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(g[i])) << "element " << i << " not written or not finite";
+      max_abs = std::max(max_abs, double(std::fabs(g[i] - w[i])));
+    }
+    EXPECT_LT(rel_l2(g, w), 1e-6);
+    EXPECT_LT(max_abs, 1e-5);
+    if (T <= 100) {  // the CPU twin (quadratic in T on the host)
+      std::vector<double> out_ref(size_t(T) * Q), probs_ref(size_t(H) * T * S);
+      ref::attention(out_ref.data(), probs_ref.data(), widen(q).data(), widen(kc).data(), widen(vc).data(), T, n_past,
+                     H, Hkv, Dh, double(scale), window);
+      EXPECT_LT(rel_l2(g, narrow(out_ref)), 2e-6);
+    }
+
+    engine::attention(static_cast<float*>(nullptr), probs_only.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H,
+                      Hkv, Dh, scale, window, nullptr);
+    EXPECT_EQ(probs_only.download(), probs.download());
+
+    DeviceArray<__half> want16(size_t(T) * Q), got16(std::vector<__half>(size_t(T) * Q, __float2half(NAN)));
+    engine::attention(want16.get(), nullptr, dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale, window,
+                      nullptr);
+    engine::attention_tiled(got16.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale, window,
+                            nullptr);
+    const auto w16 = from_half(want16.download()), g16 = from_half(got16.download());
+    size_t ulps = 0;
+    for (size_t i = 0; i < g16.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(g16[i])) << "f16 element " << i << " not written or not finite";
+      if (g16[i] != w16[i]) {
+        ++ulps;
+        // f32 results within rounding of each other round to the same f16 or to neighbours
+        EXPECT_LE(std::fabs(g16[i] - w16[i]), std::fabs(w16[i]) * 1e-3f + 1e-7f) << "f16 element " << i;
+      }
+    }
+    EXPECT_LT(rel_l2(g16, w16), 1e-3);
+    EXPECT_LT(double(ulps), 0.01 * double(g16.size()) + 1) << "f16 outputs off by a rounding step";
+  }
+}
+
 // The split count: two blocks per SM for one token, within 1..kAttentionSplitMaxSplits.
 TEST(EngineOps, AttentionSplitCount) {
   EXPECT_EQ(engine::attention_split_count(14, 132), 19);

@@ -2,7 +2,8 @@
 // attention: one block per (token, head), one warp per key at a time. Pass 1 finds the row max of
 // the scores; pass 2 sums exp(score − max) and accumulates the weighted V rows per lane (lane owns
 // dims lane, lane+32, ...); warps combine in fixed order. When probs is requested, a third pass
-// recomputes each score (bit-identical) to write p.
+// recomputes each score (bit-identical) to write p. out may be null (probabilities only).
+// attention_tiled (the prefill's output) is in attention_tiled.cu.
 // attention_split (flash-decoding): one block per (split, head, token), each over a contiguous chunk
 // of the causal keys, writing its scores into probs and its chunk max, exp-sum and unnormalised
 // output into the scratch; the last block of a (token, head) to finish (an atomic ticket) combines
@@ -89,10 +90,12 @@ attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, c
   __syncthreads();
   float total = 0.0f;
   for (int w = 0; w < kWarps; ++w) total += sum_sh[w];
-  for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
-    float o = 0.0f;
-    for (int w = 0; w < kWarps; ++w) o += acc_sh[w][d];
-    store_act(out, (static_cast<int64_t>(t) * H + h) * Dh + d, o / total);
+  if (out != nullptr) {
+    for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
+      float o = 0.0f;
+      for (int w = 0; w < kWarps; ++w) o += acc_sh[w][d];
+      store_act(out, (static_cast<int64_t>(t) * H + h) * Dh + d, o / total);
+    }
   }
 
   if (probs != nullptr) {

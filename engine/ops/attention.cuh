@@ -3,8 +3,11 @@
 // h / (H / Hkv), and with window > 0 only to s > n_past + t − window: score = scale·(q·k) (scale
 // 1/sqrt(Dh) for most models); p = exp(score − max) / Σ exp(score − max) in f32; out = Σ p·v.
 // S = n_past + T positions are attended by the step.
-// attention (any T, prefill): probabilities written to `probs` only when it is non-null (the
-// kq_soft_max checkpoint); the kernel and the output are the same either way.
+// attention (any T): probabilities written to `probs` only when it is non-null (the kq_soft_max
+// checkpoint); the kernel and the output are the same either way; with out null it writes the
+// probabilities alone (the engine's prefill then takes its output from attention_tiled).
+// attention_tiled (any T, the prefill's output): one block per (head, 32 queries), K/V tiles in shared
+// memory, online softmax in f32; no probabilities. Same function as attention, another summation order.
 // attention_split (T ≤ kAttentionSplitMaxT, decode): the keys of each (token, head) split over
 // `splits` blocks (flash-decoding) so that a one-token step uses every SM; the probabilities are
 // always written (the split softmax keeps its scores there), so hooks only add the copy.
@@ -17,7 +20,7 @@
 
 namespace diffrun::engine {
 
-// out [T, H·Dh] (f32, or f16 when it feeds an f16 GEMM); probs [H, T, S] f32 or nullptr, zero
+// out [T, H·Dh] (f32, or f16 when it feeds an f16 GEMM) or nullptr; probs [H, T, S] f32 or nullptr, zero
 // above the diagonal; q [T, H·Dh] f32 (after RoPE); k_cache, v_cache [≥ S, Hkv·Dh] f32 with rows
 // 0..S-1 valid; n_past [1] device (read on the device so a captured decode step replays at any
 // position). Dh ≤ 256, H a multiple of Hkv.
@@ -25,6 +28,12 @@ void attention(float* out, float* probs, const float* q, const float* k_cache, c
                const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream);
 void attention(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream);
+
+// As attention without probabilities; Dh ≤ 256, H a multiple of Hkv.
+void attention_tiled(float* out, const float* q, const float* k_cache, const float* v_cache, int T,
+                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream);
+void attention_tiled(__half* out, const float* q, const float* k_cache, const float* v_cache, int T,
+                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream);
 
 constexpr int kAttentionSplitMaxT = 4;         // the most tokens a step may pass to attention_split
 constexpr int kAttentionSplitMaxSplits = 64;   // the most splits per (token, head)
