@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <random>
 #include <vector>
 
@@ -511,17 +512,19 @@ TEST(EngineOps, AttentionTiledMatchesAttention) {
     engine::attention_tiled(got16.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale, window,
                             nullptr);
     const auto w16 = from_half(want16.download()), g16 = from_half(got16.download());
-    size_t ulps = 0;
+    size_t flips = 0;
     for (size_t i = 0; i < g16.size(); ++i) {
       ASSERT_TRUE(std::isfinite(g16[i])) << "f16 element " << i << " not written or not finite";
       if (g16[i] != w16[i]) {
-        ++ulps;
-        // f32 results within rounding of each other round to the same f16 or to neighbours
-        EXPECT_LE(std::fabs(g16[i] - w16[i]), std::fabs(w16[i]) * 1e-3f + 1e-7f) << "f16 element " << i;
+        ++flips;
+        // f32 results within 1e-5 of each other (above) round to f16 values within that plus one f16 step
+        EXPECT_LE(std::fabs(g16[i] - w16[i]), std::fabs(w16[i]) * 1e-3f + 1e-5f) << "f16 element " << i;
       }
     }
     EXPECT_LT(rel_l2(g16, w16), 1e-3);
-    EXPECT_LT(double(ulps), 0.01 * double(g16.size()) + 1) << "f16 outputs off by a rounding step";
+    EXPECT_LT(double(flips), 0.02 * double(g16.size()) + 1) << "f16 outputs that differ by a rounding step";
+    std::printf("  T %d Dh %d: f32 rel_l2 %.3g, max abs %.3g; f16 elements that differ %.3f%%\n", T, Dh, rel_l2(g, w),
+                max_abs, 100.0 * double(flips) / double(g16.size()));
   }
 }
 
