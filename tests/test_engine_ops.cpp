@@ -268,11 +268,11 @@ TEST(EngineOps, RopeMatchesReference) {
         engine::rope_neox(out.get(), dx.get(), T, nh, Dh, dpos.get(), float(theta), dff, nullptr);
       else
         engine::rope_norm(out.get(), dx.get(), T, nh, Dh, dpos.get(), float(theta), dff, nullptr);
-      if (scaled) {  // the factors matter: the unscaled rotation must not pass
+      if (scaled) {  // the factors matter: the unscaled rotation is far outside the 1e-6 below
         std::vector<double> plain(x.size());
         (neox ? ref::rope_neox<double> : ref::rope_norm<double>)(plain.data(), widen(x).data(), T, nh, Dh, pos0,
                                                                  theta, nullptr);
-        EXPECT_GT(rel_l2(out.download(), narrow(plain)), 1e-2);
+        EXPECT_GT(rel_l2(out.download(), narrow(plain)), 1e-3);  // 8e-3 at theta 1e6, where low pairs turn little
       }
       EXPECT_LT(rel_l2(out.download(), narrow(ref)), 1e-6);
       // The pairing matters: the other pairing must not pass.

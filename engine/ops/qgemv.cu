@@ -7,6 +7,7 @@
 #include "engine/ops/qgemv.cuh"
 
 #include <string>
+#include <type_traits>
 
 #include "engine/cuda_check.cuh"
 #include "engine/ops/launch.cuh"
@@ -269,6 +270,10 @@ static __global__ void qgemv_kernel(GemvParts parts, int row0, int rows, const X
       float v[2 * Q::kRun], xv[2 * Q::kRun];
       int a, b;
       Q::chunk(wr + blk * Q::kBytes, c, v, a, b);
+      if constexpr (std::is_same_v<X, __half>) {  // the f16 engine's weights are f16 (see qgemv.cuh)
+#pragma unroll
+        for (int k = 0; k < 2 * Q::kRun; ++k) v[k] = __half2float(__float2half_rn(v[k]));
+      }
       const X* xb = x + blk * Q::kElems;
 #pragma unroll
       for (int k = 0; k < Q::kRun; k += 4) {

@@ -4,8 +4,9 @@
 // Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. Every weight is dequantized to the exact
 // f32 value ggml's dequantize_row_* computes (each multiply and add rounded separately, as in
 // engine/dequant.cu), then multiplied into an f32 accumulator with the f32 (or f16, widened)
-// activation. No activation quantization: the only change against the expanded weights is that the
-// f16 engine's decode reads the exact f32 weight instead of its f16 rounding (more precise).
+// activation. With f16 activations (the f16 engine) each weight is first rounded to f16, the value
+// the expanded matrix and the prefill's dequantized scratch hold: the f16 engine has f16 weights in
+// every step, as the precision-matched reference (f32-f16store) emulates. No activation quantization.
 #pragma once
 
 #include <cstdint>
