@@ -16,3 +16,6 @@ add_test(NAME test_capi_install
          COMMAND bash tests/capi/install_test.sh ${CMAKE_BINARY_DIR} $<TARGET_FILE:diffrun>
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_capi_install PROPERTIES LABELS cpu SKIP_RETURN_CODE 77 TIMEOUT 300)
+if(DIFFRUN_SANITIZE)
+  set_tests_properties(test_capi_install PROPERTIES ENVIRONMENT "DIFFRUN_SANITIZE_FLAGS=-fsanitize=address,undefined")
+endif()

@@ -6,6 +6,8 @@ build=$1
 diffrun=$2
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cc=${CC:-cc}
+# A sanitizer build's library needs its runtime in the consumers too (tests/capi.cmake sets this).
+read -r -a san <<<"${DIFFRUN_SANITIZE_FLAGS:-}"
 if ! command -v pkg-config >/dev/null || ! command -v "$cc" >/dev/null; then
   echo "install_test: SKIPPED (needs pkg-config and a C compiler)"
   exit 77
@@ -22,7 +24,8 @@ done
 ls "$prefix"/lib/libdiffrun-dump-writer.so* >/dev/null
 
 # find_package(diffrun)
-cmake -S "$here/consumer" -B "$tmp/cmake-build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake -S "$here/consumer" -B "$tmp/cmake-build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_C_FLAGS="${san[*]:-}" -DCMAKE_EXE_LINKER_FLAGS="${san[*]:-}" >/dev/null
 cmake --build "$tmp/cmake-build" >/dev/null
 "$tmp/cmake-build/consumer" "$tmp/cmake.h5"
 "$diffrun" validate "$tmp/cmake.h5"
@@ -31,7 +34,7 @@ cmake --build "$tmp/cmake-build" >/dev/null
 export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
 libdir=$(pkg-config --variable=libdir diffrun-dump-writer)
 # shellcheck disable=SC2046
-"$cc" "$here/consumer/consumer.c" $(pkg-config --cflags --libs diffrun-dump-writer) -Wl,-rpath,"$libdir" -o "$tmp/pc-consumer"
+"$cc" ${san[@]+"${san[@]}"} "$here/consumer/consumer.c" $(pkg-config --cflags --libs diffrun-dump-writer) -Wl,-rpath,"$libdir" -o "$tmp/pc-consumer"
 "$tmp/pc-consumer" "$tmp/pkgconfig.h5"
 "$diffrun" validate "$tmp/pkgconfig.h5"
 
