@@ -1,7 +1,11 @@
 """diffrun.adapters.transformers against diffrun's f64 CPU reference: every checkpoint within the f32_vs_f64 tolerances.
 
-Tiny llama/qwen2/qwen3 fixtures and SmolLM2 (a slice of its first 12 layers: DIFFRUN_SMOLLM2_SLICE, or cut
-here from the fetched model with scripts/slice_gguf.py). Prints the worst rel_l2 per checkpoint kind.
+Tiny llama/qwen2/qwen3/gemma3 fixtures, SmolLM2 (a slice of its first 12 layers: DIFFRUN_SMOLLM2_SLICE, or cut
+here from the fetched model with scripts/slice_gguf.py) and Gemma 3 270M (scripts/fetch_models gemma3, or
+DIFFRUN_GEMMA3). Gemma 3 also runs in float64 (compared under the f32_vs_f64 rules: transformers computes its
+norms, RoPE tables and softmax in float32 whatever the dtype), and every Gemma 3 checkpoint must agree to
+1e-5 relative L2. The tiny gemma3's window (8) is shorter than its run (9 positions). Prints the worst
+rel_l2 per checkpoint kind.
 Needs torch, transformers, gguf (run_torch_tests.py skips without them), DIFFRUN_BIN and DIFFRUN_FIXTURE_DIR.
 """
 
@@ -24,13 +28,21 @@ FIXTURES = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", ""))
 SMOL_LAYERS = 12
 
 
+def models_dir() -> Path:
+    return Path(os.environ.get("DIFFRUN_MODELS") or
+                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "diffrun" / "models")
+
+
+def gemma3_270m() -> Path | None:
+    path = Path(os.environ.get("DIFFRUN_GEMMA3") or models_dir() / "gemma-3-270m-q4_k_m.gguf")
+    return path if path.exists() else None
+
+
 def smollm2_slice(tmp_path_factory) -> Path | None:
     given = os.environ.get("DIFFRUN_SMOLLM2_SLICE")
     if given:
         return Path(given)
-    models = Path(os.environ.get("DIFFRUN_MODELS") or
-                  Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "diffrun" / "models")
-    full = models / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    full = models_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not full.exists():
         return None
     out = tmp_path_factory.mktemp("smol") / f"SmolLM2-135M-Instruct.Q4_1.{SMOL_LAYERS}l.gguf"
@@ -39,26 +51,37 @@ def smollm2_slice(tmp_path_factory) -> Path | None:
     return out
 
 
-CASES = [("tiny-llama-q8_0.gguf", ["--tokens", "1,5,9,13,200,31"]),
-         ("tiny-qwen2-q8_0.gguf", ["--tokens", "1,5,9,13,200,31"]),
-         ("tiny-qwen3-q8_0.gguf", ["--tokens", "1,5,9,13,200,31"]),
-         ("SmolLM2", ["--prompt", "The capital of France is"])]
+TINY = ["--tokens", "1,5,9,13,200,31"]
+CASES = [("tiny-llama-q8_0.gguf", TINY, "float32"),
+         ("tiny-qwen2-q8_0.gguf", TINY, "float32"),
+         ("tiny-qwen3-q8_0.gguf", TINY, "float32"),
+         ("tiny-gemma3-f32.gguf", TINY, "float32"),
+         ("tiny-gemma3-q8_0.gguf", TINY, "float64"),
+         ("SmolLM2", ["--prompt", "The capital of France is"], "float32"),
+         ("Gemma3-270M", ["--chat", "--prompt", "What is the capital of France?"], "float64")]
+GEMMA3_MAX_REL_L2 = 1e-5
 
 
-@pytest.mark.parametrize("model, prompt", CASES, ids=[c[0].split(".")[0] for c in CASES])
-def test_every_checkpoint_within_f32_vs_f64(model, prompt, tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("model, prompt, dtype", CASES, ids=[c[0].split(".")[0] + "-" + c[2] for c in CASES])
+def test_every_checkpoint_within_f32_vs_f64(model, prompt, dtype, tmp_path, tmp_path_factory):
     if not BIN or not FIXTURES.is_dir():
         pytest.fail("DIFFRUN_BIN and DIFFRUN_FIXTURE_DIR must be set (run through ctest)")
-    path = smollm2_slice(tmp_path_factory) if model == "SmolLM2" else FIXTURES / model
+    if model == "SmolLM2":
+        path = smollm2_slice(tmp_path_factory)
+    elif model == "Gemma3-270M":
+        path = gemma3_270m()
+    else:
+        path = FIXTURES / model
     if path is None:
-        pytest.skip("SmolLM2 is not fetched (scripts/fetch_models) and DIFFRUN_SMOLLM2_SLICE is unset")
+        pytest.skip(f"{model} is not fetched (scripts/fetch_models) and its DIFFRUN_ variable is unset")
     ref, out, report = tmp_path / "ref.h5", tmp_path / "hf.h5", tmp_path / "report.json"
     subprocess.run([BIN, "dump", "--backend", "cpu", "--precision", "f64", "--model", str(path), *prompt,
                     "--steps", "3", "--out", str(ref)], check=True, capture_output=True)
     r = subprocess.run([sys.executable, "-m", "diffrun.adapters.transformers", "--model", str(path), "--reference",
-                        str(ref), "--out", str(out)], capture_output=True, text=True)
+                        str(ref), "--out", str(out), "--dtype", dtype], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    c = subprocess.run([BIN, "compare", str(out), str(ref), "--no-color", "--report-json", str(report)],
+    rules = ["--tolerances", str(REPO / "fixtures/tolerances/f32_vs_f64.json")] if dtype == "float64" else []
+    c = subprocess.run([BIN, "compare", str(out), str(ref), "--no-color", "--report-json", str(report), *rules],
                        capture_output=True, text=True)
     result = json.loads(report.read_text())
     worst: dict[str, float] = defaultdict(float)
@@ -69,10 +92,13 @@ def test_every_checkpoint_within_f32_vs_f64(model, prompt, tmp_path, tmp_path_fa
     with diffrun.open(ref) as d:
         n_float = sum(1 for s in d.steps() for n in d.names(s) if n != "tokens")
     compared = sum(1 for cp in result["checkpoints"] if cp["name"] != "tokens" and cp.get("metrics"))
-    print(f"\n{path.name}: {compared}/{n_float} checkpoints compared; worst rel_l2 by kind:")
+    print(f"\n{path.name} ({dtype}): {compared}/{n_float} checkpoints compared; worst rel_l2 by kind:")
     print("  " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+    print("  " + r.stdout.strip().replace("\n", "\n  "))
     assert c.returncode == 0, c.stdout
     assert compared == n_float
+    if "gemma" in path.name.lower():
+        assert max(worst.values()) <= GEMMA3_MAX_REL_L2, {k: v for k, v in worst.items() if v > GEMMA3_MAX_REL_L2}
 
 
 def _has_names_option() -> bool:

@@ -5,11 +5,23 @@
     diffrun compare hf.h5 ref.h5
 
 --model is a GGUF (loaded with AutoModelForCausalLM.from_pretrained(dir, gguf_file=...), which dequantizes
-it) or a Hugging Face model directory. Llama, Qwen2 and Qwen3, eager attention, float32 (or float64)
-weights. The reference's token ids are fed step by step (step 0 the prompt, then one token per decode
-step through past_key_values), and forward hooks plus a wrapped apply_rotary_pos_emb record embd,
-attn_norm, Qcur/Kcur/Vcur, Qnorm/Knorm (qwen3), Qrope/Krope, cache_k/cache_v, kq_soft_max, kqv_out,
-attn_out, ffn_inp, ffn_norm, ffn_gate/up/swiglu, ffn_out, l_out, result_norm and result_output.
+it) or a Hugging Face model directory. Llama, Qwen2, Qwen3 and Gemma 3, eager attention, float32 (or
+float64) weights. The reference's token ids are fed step by step (step 0 the prompt, then one token per
+decode step through past_key_values), and forward hooks plus a wrapped apply_rotary_pos_emb record embd,
+inp_scaled (gemma3), attn_norm, Qcur/Kcur/Vcur, Qnorm/Knorm (qwen3, gemma3: the inputs of the RoPE),
+Qrope/Krope, cache_k/cache_v, kq_soft_max, kqv_out, attn_out, attn_post_norm (gemma3), ffn_inp, ffn_norm,
+ffn_gate/up, ffn_swiglu or ffn_geglu, ffn_out, ffn_post_norm (gemma3), l_out, result_norm and
+result_output (the model's logits, softcapped where the model is).
+
+Gemma 3 GGUFs: the Gemma3TextConfig is built from the GGUF's metadata as llama.cpp reads it (local
+layers: every one but each 6th or attention.sliding_window_pattern, with rope.freq_base_swa and
+attention.sliding_window; q·k scaled by 1/sqrt(key_length); final_logit_softcapping), since transformers'
+GGUF config mapping leaves some of these at Gemma3TextConfig's defaults. The weights come from
+transformers' GGUF loader when it loads the file and agrees with the gguf package's dequantization under
+the names below (the norms stored as 1 + weight, as llama.cpp's converter writes them); otherwise from
+the gguf package's dequantization, and the dump's `weights` attribute says which. The KV cache keeps
+every position on local layers too (the mask applies the window), so cache_k, cache_v and kq_soft_max
+have the reference's shapes.
 
 Llama GGUFs store q/k rows permuted for llama.cpp's interleaved RoPE (pairs 2i, 2i+1), which
 transformers' loader undoes (its rotate_half pairs i, i+Dh/2). For a reference whose rope_type is
@@ -47,6 +59,197 @@ def gguf_head_dim(path: Path) -> int | None:
     return int(field.parts[field.data[0]][0]) if field is not None else None
 
 
+def gguf_arch(path: Path) -> str:
+    """general.architecture of a GGUF file."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def _gguf_value(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    if len(field.data) != 1:
+        return [field.parts[i][0].item() for i in field.data]
+    value = field.parts[field.data[0]]
+    return bytes(value).decode() if field.types[0].name == "STRING" else value[0].item()
+
+
+# Gemma 3's GGUF tensors (llama.cpp's names) -> Gemma3ForCausalLM's, and whether the GGUF holds 1 + weight.
+GEMMA3_LAYER_TENSORS = [
+    ("attn_norm", "input_layernorm", True),
+    ("attn_q", "self_attn.q_proj", False),
+    ("attn_k", "self_attn.k_proj", False),
+    ("attn_v", "self_attn.v_proj", False),
+    ("attn_q_norm", "self_attn.q_norm", True),
+    ("attn_k_norm", "self_attn.k_norm", True),
+    ("attn_output", "self_attn.o_proj", False),
+    ("post_attention_norm", "post_attention_layernorm", True),
+    ("ffn_norm", "pre_feedforward_layernorm", True),
+    ("ffn_gate", "mlp.gate_proj", False),
+    ("ffn_up", "mlp.up_proj", False),
+    ("ffn_down", "mlp.down_proj", False),
+    ("post_ffw_norm", "post_feedforward_layernorm", True),
+]
+
+
+def gemma3_settings(path: Path) -> dict:
+    """Gemma3TextConfig's arguments from a gemma3 GGUF, read as llama.cpp (and diffrun's config) reads them."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def key(suffix, default=None):
+        return _gguf_value(reader, f"gemma3.{suffix}", default)
+
+    n_layer, n_embd, n_head = int(key("block_count")), int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", n_embd // n_head))
+    window = int(key("attention.sliding_window", 0))
+    pattern = key("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        local = [bool(x) for x in pattern]
+    else:
+        local = [window > 0 and (int(pattern) == 0 or L % int(pattern) < int(pattern) - 1) for L in range(n_layer)]
+    if key("rope.scaling.type", "none") not in ("none", None):
+        raise ValueError(f"{path}: gemma3.rope.scaling.type '{key('rope.scaling.type')}' is not handled here")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    softcap = float(key("final_logit_softcapping", 0.0))
+    return dict(
+        vocab_size=int(key("vocab_size", len(tokens.data) if tokens is not None else 0)),
+        hidden_size=n_embd,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_head,
+        num_key_value_heads=int(key("attention.head_count_kv", n_head)),
+        head_dim=head_dim,
+        max_position_embeddings=int(key("context_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_local_base_freq=float(key("rope.freq_base_swa", 10000.0)),
+        sliding_window=window if window > 0 else None,
+        layer_types=["sliding_attention" if x else "full_attention" for x in local],
+        # llama.cpp: 1/sqrt(n_embd/n_head) for the 62-layer 27B, else 1/sqrt(key_length)
+        query_pre_attn_scalar=(n_embd // n_head) if n_layer == 62 else head_dim,
+        final_logit_softcapping=softcap if softcap > 0 else None,
+        attn_logit_softcapping=None,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+    )
+
+
+def gemma3_config(path: Path):
+    """A Gemma3TextConfig from the GGUF's metadata (RoPE bases also set in rope_parameters where it has them)."""
+    from transformers import Gemma3TextConfig
+
+    s = gemma3_settings(path)
+    config = Gemma3TextConfig(**s)
+    config.layer_types = s["layer_types"]
+    rp = getattr(config, "rope_parameters", None)
+    if isinstance(rp, dict) and "full_attention" in rp:
+        rp["full_attention"] = {"rope_type": "default", "rope_theta": s["rope_theta"]}
+        rp["sliding_attention"] = {"rope_type": "default", "rope_theta": s["rope_local_base_freq"]}
+    return config
+
+
+def gemma3_weights(path: Path) -> dict:
+    """Gemma3ForCausalLM's state dict (float32 numpy) dequantized from the GGUF by the gguf package."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name: str, minus_one: bool = False) -> np.ndarray:
+        t = tensors[name]
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(n) for n in reversed(t.shape)])
+        return w - np.float32(1) if minus_one else w
+
+    out = {"model.embed_tokens.weight": get("token_embd.weight"),
+           "model.norm.weight": get("output_norm.weight", True)}
+    if "output.weight" in tensors:
+        out["lm_head.weight"] = get("output.weight")
+    L = 0
+    while f"blk.{L}.attn_q.weight" in tensors:
+        for src, dst, minus_one in GEMMA3_LAYER_TENSORS:
+            out[f"model.layers.{L}.{dst}.weight"] = get(f"blk.{L}.{src}.weight", minus_one)
+        L += 1
+    return out
+
+
+def _check_gemma3(hf, s: dict) -> str:
+    """Raises ValueError where the built model does not do what the GGUF says; else a one-line summary."""
+    wrong = []
+    core = hf.model
+    for L, layer in enumerate(core.layers):
+        a = layer.self_attn
+        local = s["layer_types"][L] == "sliding_attention"
+        if abs(a.scaling - s["query_pre_attn_scalar"] ** -0.5) > 1e-12:
+            wrong.append(f"layer {L} attention scale {a.scaling}")
+        if getattr(a, "sliding_window", None) != (s["sliding_window"] if local else None):
+            wrong.append(f"layer {L} window {getattr(a, 'sliding_window', None)}")
+    dh = s["head_dim"]
+    for kind, base in (("full_attention", s["rope_theta"]), ("sliding_attention", s["rope_local_base_freq"])):
+        rotary = core.rotary_emb
+        inv = getattr(rotary, f"{kind}_inv_freq", None)
+        if inv is None:  # transformers before per-layer-type RoPE: rotary_emb and rotary_emb_local
+            rotary = getattr(core, "rotary_emb_local", None) if kind == "sliding_attention" else core.rotary_emb
+            inv = getattr(rotary, "inv_freq", None)
+        if inv is None:
+            wrong.append(f"no RoPE table found for {kind}")
+        elif abs(float(inv[1]) / base ** (-2.0 / dh) - 1) > 1e-6:
+            wrong.append(f"{kind} RoPE base {float(inv[1]) ** (-dh / 2.0):.6g}, not {base:.6g}")
+    if (hf.config.final_logit_softcapping or None) != s["final_logit_softcapping"]:
+        wrong.append(f"final softcap {hf.config.final_logit_softcapping}")
+    if wrong:
+        raise ValueError("the transformers model does not follow the GGUF: " + "; ".join(wrong))
+    n_local = s["layer_types"].count("sliding_attention")
+    return (f"gemma3: {len(core.layers)} layers ({n_local} local, window {s['sliding_window']}), RoPE bases "
+            f"{s['rope_theta']:g}/{s['rope_local_base_freq']:g}, scale 1/sqrt({s['query_pre_attn_scalar']}), "
+            f"final softcap {s['final_logit_softcapping']}")
+
+
+def _load_gemma3(path: Path, dtype_kw: str):
+    """Gemma3ForCausalLM (float32) from a gemma3 GGUF, with a config from its metadata; see the module doc."""
+    torch = _torch()
+    from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
+
+    config = gemma3_config(path)
+    expected = gemma3_weights(path)
+    if config.tie_word_embeddings:
+        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
+                                                  attn_implementation="eager", **{dtype_kw: torch.float32})
+        state = hf.state_dict()
+        differ = []
+        for name, w in expected.items():
+            got = state.get(name)
+            if got is None or tuple(got.shape) != w.shape:
+                differ.append(f"{name} (missing or shape {None if got is None else tuple(got.shape)})")
+            elif (err := float(np.max(np.abs(got.detach().float().cpu().numpy() - w)))) > 1e-6:
+                differ.append(f"{name} (max |diff| {err:.3g})")
+        if not differ:
+            hf.diffrun_weights = "transformers GGUF loader (equal to the gguf package's dequantization)"
+            return hf
+        reason = f"its weights differ from the gguf package's: {', '.join(differ[:4])}" + \
+            (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+    except Exception as e:  # transformers' GGUF loader does not read this file
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    config._attn_implementation = "eager"
+    hf = Gemma3ForCausalLM(config)
+    state = {k: torch.from_numpy(v.copy()) for k, v in expected.items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("embed_scale")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: Gemma3ForCausalLM's weights do not match the GGUF's: missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]}")
+    hf.diffrun_weights = f"the gguf package's dequantization (transformers GGUF loader not used: {reason})"
+    return hf
+
+
 def load_model(model: str | os.PathLike[str], dtype: str = "float32", device: str = "cpu"):
     """An eager-attention causal LM from a GGUF file or a Hugging Face directory, in `dtype`, in eval mode."""
     torch = _torch()
@@ -54,7 +257,13 @@ def load_model(model: str | os.PathLike[str], dtype: str = "float32", device: st
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch_dtype = {"float32": torch.float32, "float64": torch.float64}[dtype]
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
     path = Path(model)
+    if path.is_file() and gguf_arch(path) == "gemma3":
+        hf = _load_gemma3(path, dtype_kw)
+        hf.diffrun_config = _check_gemma3(hf, gemma3_settings(path))
+        return hf.to(torch_dtype).to(device).eval()
     kwargs: dict = {}
     if path.is_file():
         kwargs = {"gguf_file": path.name}
@@ -65,8 +274,6 @@ def load_model(model: str | os.PathLike[str], dtype: str = "float32", device: st
         path = path.parent
     else:
         config = AutoConfig.from_pretrained(str(path))
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
     hf = AutoModelForCausalLM.from_pretrained(str(path), config=config, attn_implementation="eager",
                                               **{dtype_kw: torch_dtype}, **kwargs)
     hf.to(device).eval()
@@ -82,7 +289,7 @@ def gguf_order(x, n_heads: int):
 
 
 class TransformersRecorder:
-    """Hooks on a Llama/Qwen2/Qwen3 model that put every vocabulary checkpoint of a step into a writer."""
+    """Hooks on a Llama/Qwen2/Qwen3/Gemma 3 model that put every vocabulary checkpoint of a step into a writer."""
 
     def __init__(self, model, writer: Writer, n_vocab: int, interleaved_rope: bool):
         torch = _torch()
@@ -95,7 +302,16 @@ class TransformersRecorder:
         self.layer: int | None = None
         self.handles: list = []
         core = model.model
-        self._hook(core.embed_tokens, "embd")
+        if hasattr(core.embed_tokens, "embed_scale"):
+            # Gemma 3's embedding module scales its rows: embd is the rows it looks up, inp_scaled its output
+            def embd(module, inputs):
+                self.put("embd", torch.nn.functional.embedding(inputs[0], module.weight)[0])
+
+            self.handles.append(core.embed_tokens.register_forward_pre_hook(embd))
+            self._hook(core.embed_tokens, "inp_scaled")
+        else:
+            self._hook(core.embed_tokens, "embd")
+        self.qk_norm = hasattr(core.layers[0].self_attn, "q_norm")
         for L, layer in enumerate(core.layers):
             a, m = layer.self_attn, layer.mlp
             self.handles.append(a.register_forward_pre_hook(lambda *_, L=L: setattr(self, "layer", L)))
@@ -103,26 +319,35 @@ class TransformersRecorder:
             self._hook(a.q_proj, f"Qcur-{L}", heads=self.H, permute=True)
             self._hook(a.k_proj, f"Kcur-{L}", heads=self.Hkv, permute=True)
             self._hook(a.v_proj, f"Vcur-{L}", heads=self.Hkv)
-            if hasattr(a, "q_norm"):
-                self._hook(a.q_norm, f"Qnorm-{L}", heads=self.H)
-                self._hook(a.k_norm, f"Knorm-{L}", heads=self.Hkv)
             self._hook(a.o_proj, f"kqv_out-{L}", heads=self.H, pre=True)
             self._hook(a, f"kq_soft_max-{L}", index=1)
             self._hook(a, f"attn_out-{L}", index=0)
-            self._hook(layer.post_attention_layernorm, f"ffn_inp-{L}", pre=True)
-            self._hook(layer.post_attention_layernorm, f"ffn_norm-{L}")
+            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: norms after attention and the FFN
+                self._hook(layer.post_attention_layernorm, f"attn_post_norm-{L}")
+                self._hook(layer.pre_feedforward_layernorm, f"ffn_inp-{L}", pre=True)
+                self._hook(layer.pre_feedforward_layernorm, f"ffn_norm-{L}")
+                self._hook(layer.post_feedforward_layernorm, f"ffn_post_norm-{L}")
+                act = "ffn_geglu"
+            else:
+                self._hook(layer.post_attention_layernorm, f"ffn_inp-{L}", pre=True)
+                self._hook(layer.post_attention_layernorm, f"ffn_norm-{L}")
+                act = "ffn_swiglu"
             self._hook(m.gate_proj, f"ffn_gate-{L}")
             self._hook(m.up_proj, f"ffn_up-{L}")
-            self._hook(m.down_proj, f"ffn_swiglu-{L}", pre=True)
+            self._hook(m.down_proj, f"{act}-{L}", pre=True)
             self._hook(m.down_proj, f"ffn_out-{L}")
             self._hook(layer, f"l_out-{L}", index=0)
         self._hook(core.norm, "result_norm")
-        self._hook(model.lm_head, "result_output", crop=n_vocab)
-        # Qrope/Krope: the attention module's apply_rotary_pos_emb, wrapped for the time of the recording.
+        # result_output: the model's logits (after Gemma's final softcap), put by run()
+        # Qnorm/Knorm (q/k-norm models) and Qrope/Krope: the inputs and outputs of the attention module's
+        # apply_rotary_pos_emb, wrapped for the time of the recording.
         self._module = sys.modules[type(core.layers[0].self_attn).__module__]
         self._rope = self._module.apply_rotary_pos_emb
 
         def rope(q, k, *args, **kwargs):
+            if self.qk_norm:
+                self.put(f"Qnorm-{self.layer}", q[0].transpose(0, 1), permute=True)
+                self.put(f"Knorm-{self.layer}", k[0].transpose(0, 1), permute=True)
             qe, ke = self._rope(q, k, *args, **kwargs)
             # [B, heads, T, Dh] -> [T, heads, Dh]
             self.put(f"Qrope-{self.layer}", qe[0].transpose(0, 1), permute=True)
@@ -176,6 +401,12 @@ def run(model, reference: diffrun.Dump, writer: Writer, device: str = "cpu") -> 
     rec = TransformersRecorder(model, writer, int(reference.meta["n_vocab"]),
                                interleaved_rope=reference.meta["rope_type"] == "norm")
     cache = None
+    if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
+        # A cache built from the config would keep only the last window-1 positions on local layers; a plain
+        # one keeps them all (the sliding-window mask is built from the config either way).
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
     try:
         with torch.no_grad():
             for step in reference.steps():
@@ -184,6 +415,7 @@ def run(model, reference: diffrun.Dump, writer: Writer, device: str = "cpu") -> 
                 writer.put("tokens", ids)
                 out = model(input_ids=torch.tensor(ids[None, :].astype(np.int64), device=device),
                             past_key_values=cache, use_cache=True)
+                rec.put("result_output", out.logits[0], crop=rec.n_vocab)
                 cache = out.past_key_values
                 rec.record_cache(cache)
     finally:
@@ -217,14 +449,17 @@ def main(argv: list[str] | None = None) -> int:
     except diffrun.DumpFormatError as e:
         return fail(str(e))
     with ref:
-        if ref.meta["arch"] not in ("llama", "qwen2", "qwen3"):
-            return fail(f"{args.reference}: arch '{ref.meta['arch']}' is not llama, qwen2 or qwen3")
+        if ref.meta["arch"] not in ("llama", "qwen2", "qwen3", "gemma3"):
+            return fail(f"{args.reference}: arch '{ref.meta['arch']}' is not llama, qwen2, qwen3 or gemma3")
         if model_path.is_file() and diffrun.fingerprint(model_path) != ref.meta["model_fingerprint"]:
             return fail(f"{model_path} is not the model of {args.reference} (fingerprints differ)")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = load_model(model_path, args.dtype, device)
         facts = {"transformers": transformers.__version__, "torch": torch.__version__, "device": device,
                  "attn_implementation": "eager"}
+        if hasattr(model, "diffrun_weights"):
+            facts["weights"] = model.diffrun_weights
+            print(f"{model.diffrun_config}\nweights: {model.diffrun_weights}")
         if device.startswith("cuda"):
             facts["device"] = torch.cuda.get_device_name()
             facts["tf32"] = "on" if torch.backends.cuda.matmul.allow_tf32 else "off"
