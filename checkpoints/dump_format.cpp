@@ -234,34 +234,38 @@ class DataWriter {
 
   // Queues `bytes` bytes at file offset `offset`; `where` names the dataset in an error.
   void put(uint64_t offset, const void* data, size_t bytes, const std::string& where) {
-    std::vector<unsigned char> buf;
+    Buffer buf;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      if (queued_ + bytes > kMaxQueued && !jobs_.empty()) work_.notify_one();
       room_.wait(lock, [&] { return queued_ + bytes <= kMaxQueued || jobs_.empty(); });
-      // A spare buffer large enough (best fit), else a new one.
-      size_t best = spare_.size();
-      for (size_t i = 0; i < spare_.size(); ++i)
-        if (spare_[i].capacity() >= bytes && (best == spare_.size() || spare_[i].capacity() < spare_[best].capacity()))
-          best = i;
-      if (best < spare_.size()) {
-        buf = std::move(spare_[best]);
-        spare_bytes_ -= buf.capacity();
-        spare_.erase(spare_.begin() + static_cast<std::ptrdiff_t>(best));
+      // A spare buffer of the size class, else a new one.
+      std::vector<Buffer>& spare = spare_[size_class(bytes)];
+      if (!spare.empty()) {
+        buf = std::move(spare.back());
+        spare.pop_back();
+        spare_bytes_ -= buf.capacity;
       }
       queued_ += bytes;
     }
-    buf.resize(bytes);
-    std::memcpy(buf.data(), data, bytes);
+    if (!buf.data) buf = Buffer(size_t(1) << size_class(bytes));  // uninitialized: the copy below fills it
+    buf.size = bytes;
+    std::memcpy(buf.data.get(), data, bytes);
+    bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
       jobs_.push_back({offset, std::move(buf), where});
+      // The thread sleeps only when it found no job: no wake-up call while it works, and a sleeping
+      // one is woken for a batch (a wake-up costs more than writing a small dataset), or by drain().
+      wake = idle_ && (queued_ >= kWakeBytes || jobs_.size() >= kWakeJobs);
     }
-    work_.notify_one();
+    if (wake) work_.notify_one();
   }
 
   // Waits until everything queued is written; returns the first failure ("" when none).
   std::string drain() {
     std::unique_lock<std::mutex> lock(mu_);
+    work_.notify_one();
     room_.wait(lock, [&] { return jobs_.empty() && !busy_; });
     return error_;
   }
@@ -273,16 +277,26 @@ class DataWriter {
  private:
   static constexpr size_t kMaxQueued = size_t(256) << 20;
   static constexpr size_t kMaxSpare = size_t(256) << 20;
+  static constexpr size_t kWakeBytes = size_t(4) << 20;
+  static constexpr size_t kWakeJobs = 64;
+  struct Buffer {
+    Buffer() = default;
+    explicit Buffer(size_t n) : data(new unsigned char[n]), capacity(n) {}
+    std::unique_ptr<unsigned char[]> data;
+    size_t capacity = 0, size = 0;
+  };
   struct Job {
     uint64_t offset;
-    std::vector<unsigned char> bytes;
+    Buffer bytes;
     std::string where;
   };
 
   void loop() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
+      idle_ = true;
       work_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      idle_ = false;
       if (jobs_.empty()) return;  // stop_
       Job job = std::move(jobs_.front());
       jobs_.pop_front();
@@ -294,18 +308,18 @@ class DataWriter {
       lock.lock();
       busy_ = false;
       if (error_.empty() && !err.empty()) error_ = err;
-      queued_ -= job.bytes.size();
-      if (spare_bytes_ + job.bytes.capacity() <= kMaxSpare) {
-        spare_bytes_ += job.bytes.capacity();
-        spare_.push_back(std::move(job.bytes));
+      queued_ -= job.bytes.size;
+      if (spare_bytes_ + job.bytes.capacity <= kMaxSpare) {
+        spare_bytes_ += job.bytes.capacity;
+        spare_[size_class(job.bytes.size)].push_back(std::move(job.bytes));
       }
       room_.notify_all();
     }
   }
 
   std::string write_all(const Job& job) const {
-    const unsigned char* p = job.bytes.data();
-    size_t left = job.bytes.size();
+    const unsigned char* p = job.bytes.data.get();
+    size_t left = job.bytes.size;
     off_t at = static_cast<off_t>(job.offset);
     while (left > 0) {
       const ssize_t n = ::pwrite(fd_, p, left, at);
@@ -321,9 +335,15 @@ class DataWriter {
   std::mutex mu_;
   std::condition_variable work_, room_;
   std::deque<Job> jobs_;
-  std::vector<std::vector<unsigned char>> spare_;
+  // Buffers are powers of two of at least 4 KiB; spare ones are kept per size (class = log2).
+  static int size_class(size_t bytes) {
+    int c = 12;
+    while ((size_t(1) << c) < bytes) ++c;
+    return c;
+  }
+  std::array<std::vector<Buffer>, 64> spare_;
   size_t queued_ = 0, spare_bytes_ = 0;
-  bool stop_ = false, busy_ = false;
+  bool stop_ = false, busy_ = false, idle_ = false;
   std::string error_;
   std::thread thread_;  // last: started once the rest is set up
 };
