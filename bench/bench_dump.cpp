@@ -94,7 +94,7 @@ RunResult write_once(const std::string& path, const ModelConfig& cfg, const std:
     for (const auto& name : names) {
       const auto parsed = parse_checkpoint_name(name);
       const CheckpointKind& kind = *find_checkpoint_kind(parsed.base);
-      const auto c0 = Clock::now();
+      const auto put0 = Clock::now();
       if (name == "tokens") {
         w.record_ids(step, name, ids);
       } else {
@@ -106,7 +106,7 @@ RunResult write_once(const std::string& path, const ModelConfig& cfg, const std:
                  std::span<const float>(noise.data() + offset, n));
         offset += 4099;  // different values per checkpoint without copying
       }
-      caller += std::chrono::duration<double>(Clock::now() - c0).count();
+      caller += std::chrono::duration<double>(Clock::now() - put0).count();
       ++datasets;
     }
     n_past = S;

@@ -194,7 +194,7 @@ void put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, in
              at + "id " + std::to_string(ids[0]) + " but all_token_ids feeds " +
                  std::to_string((*d->all_token_ids)[i]) + " at this step (teacher forcing)");
     }
-    d->file->write(d->step, name, diffrun::StoredDType::i32, shape, data, {0, -1, "T", "i32"});
+    d->file->write(d->step, name, diffrun::StoredDType::i32, shape, data, {0, -1, "T", "i32", std::nullopt});
     d->step_has_tokens = true;
     d->n_tokens = n;
     d->n_kv += n;
@@ -205,7 +205,7 @@ void put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, in
   need(d->step_has_tokens, DIFFRUN_DUMP_E_STEP, at + "put \"tokens\" first in every step (T and S come from it)");
   if (foreign) {
     // Stored as given, no order/layer/layout: `diffrun compare --names MAP` maps it.
-    d->file->write(d->step, name, *diffrun::parse_stored_dtype(type), shape, data, {std::nullopt, std::nullopt, "", native});
+    d->file->write(d->step, name, *diffrun::parse_stored_dtype(type), shape, data, {std::nullopt, std::nullopt, "", native, std::nullopt});
     return;
   }
   const std::string layout = layout_c ? layout_c : "";
@@ -218,7 +218,7 @@ void put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, in
   const int order = diffrun::checkpoint_order(cfg, parsed.base, parsed.layer);
   // Merged heads are stored in the vocabulary's shape (same bytes).
   d->file->write(d->step, name, *diffrun::parse_stored_dtype(type), canonical, data,
-                 {order, layer, layout.empty() ? std::string(kind->layout) : layout, native});
+                 {order, layer, layout.empty() ? std::string(kind->layout) : layout, native, std::nullopt});
 }
 
 }  // namespace

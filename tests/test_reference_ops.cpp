@@ -192,8 +192,9 @@ TYPED_TEST(ReferenceOps, AttentionMatchesNaiveWithCausalMaskAndGqa) {
     // Masked positions are exactly zero: the first new token sees n_past + 1 positions.
     for (int h = 0; h < H; ++h) EXPECT_EQ(probs[(h * kT + 0) * S + n_past + 1], T(0));
     // Outside the window too: the last token (position 4) with a window of 2 sees positions 3 and 4 only.
-    if (c.window == 2)
+    if (c.window == 2) {
       for (int h = 0; h < H; ++h) EXPECT_EQ(probs[(h * kT + kT - 1) * S + 2], T(0));
+    }
   }
 }
 
