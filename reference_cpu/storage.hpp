@@ -29,10 +29,9 @@ struct StoragePlan {
   bool any() const { return weights_f16 || gemm_inputs_f16 || residual_f16; }
 };
 
-// Rounds n values to the nearest f16 (ties to even, overflow to ±inf), in place, kept in T.
-template <typename T>
-void round_f16(T* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<T>(static_cast<float>(Eigen::half(static_cast<float>(x[i]))));
-}
+// Rounds n values to the nearest f16 (ties to even, overflow to ±inf), in place, kept in their type
+// (a double through float first, as Eigen::half(float(x)) does). In reference_cpu/dequant_rows.cpp.
+void round_f16(float* x, int64_t n);
+void round_f16(double* x, int64_t n);
 
 }  // namespace diffrun::ref

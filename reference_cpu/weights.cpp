@@ -86,7 +86,8 @@ void WeightMatrix<T>::decode_rows(T* out /* [n,cols] */, int64_t r0, int64_t n) 
     return;
   }
   dequantize_rows(type_, bytes() + r0 * row_bytes_, out, n * cols_);
-  if (round_f16_) round_f16(out, n * cols_);
+  // An F16 matrix's values are halves already: rounding them is the identity, skipped.
+  if (round_f16_ && type_ != GgmlType::F16) round_f16(out, n * cols_);
 }
 
 template <typename T>

@@ -71,6 +71,44 @@ TEST(DequantRows, F16TakesEveryHalfExactly) {
   }
 }
 
+// round_f16 (eight values at a time where the CPU converts halves) against Eigen::half one value at a
+// time: every half, its float neighbours and the midpoints to the next half (ties), overflow, NaN,
+// and random bit patterns, in a length that leaves a tail.
+TEST(RoundF16, EqualsEigenHalfValueByValue) {
+  std::vector<float> in;
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float v = static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(static_cast<uint16_t>(h)));
+    uint32_t b;
+    std::memcpy(&b, &v, 4);
+    for (uint32_t d : {0u, 1u, 0xfffu, 0x1000u, 0x1001u, 0x1fffu}) {
+      for (uint32_t bits : {b + d, b - d}) {
+        float f;
+        std::memcpy(&f, &bits, 4);
+        in.push_back(f);
+      }
+    }
+  }
+  std::mt19937 rng(11);
+  for (int i = 0; i < (1 << 20); ++i) {
+    const uint32_t bits = rng();
+    float f;
+    std::memcpy(&f, &bits, 4);
+    in.push_back(f);
+  }
+  for (float f : {65504.0f, 65519.99f, 65520.0f, 1e30f, -65520.0f, 5.96e-8f, 2.98e-8f, 2.99e-8f, 0.0f, -0.0f}) in.push_back(f);
+  in.push_back(1.0f);  // an odd count: the last values go through the one-at-a-time tail
+  std::vector<float> got = in;
+  std::vector<double> got64(in.begin(), in.end());
+  ref::round_f16(got.data(), static_cast<int64_t>(got.size()));
+  ref::round_f16(got64.data(), static_cast<int64_t>(got64.size()));
+  for (size_t i = 0; i < in.size(); ++i) {
+    const float want = static_cast<float>(Eigen::half(in[i]));
+    const double want64 = static_cast<double>(want);
+    ASSERT_EQ(std::memcmp(&want, &got[i], 4), 0) << "value " << i << " " << in[i];
+    ASSERT_EQ(std::memcmp(&want64, &got64[i], 8), 0) << "value " << i << " " << in[i];
+  }
+}
+
 // Every matrix of a tiny fixture: out = x · Wᵀ streamed from the GGUF bytes and from the dequantized matrix.
 template <typename T>
 void expect_streamed_matmul_equals_dense(const GgufFile& file, const TensorInfo& info, bool round_to_f16) {
