@@ -141,7 +141,8 @@ std::vector<std::string> incompatibilities(const DumpMeta& a, const DumpMeta& b)
 }
 
 CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const DatasetInfo* reference,
-                                    const ToleranceSet& tolerances, const DimSizes& dims, const ReadValues& read,
+                                    const ToleranceSet& tolerances, const DimSizes& dims, int64_t positions,
+                                    const ReadValues& read,
                                     std::vector<float>* a_out, std::vector<float>* b_out) {
   CheckpointResult r;
   const DatasetInfo& any = reference ? *reference : *engine;
@@ -178,7 +179,7 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
   if (r.base == "result_output" && r.shape_reference.size() == 2) {
     m.logits = compute_logit_metrics(a, b, r.shape_reference[0], r.shape_reference[1]);
   }
-  r.checks = check_bounds(m, rule);
+  r.checks = check_bounds(m, rule, positions);
   r.metrics = std::move(m);
   const bool ok = std::all_of(r.checks.begin(), r.checks.end(), [](const BoundCheck& k) { return k.pass; });
   r.status = ok ? CheckpointStatus::pass : CheckpointStatus::fail;
@@ -311,9 +312,14 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
 
   const DimSizes dims = dim_sizes(reference.meta().config);
   const std::vector<DatasetInfo> none;
+  std::map<int, int64_t> positions;  // the KV length after each step: its tokens and every earlier step's
+  int64_t n_kv = 0;
   for (int step : all_steps) {
     const bool in_e = std::count(eng_steps.begin(), eng_steps.end(), step) > 0;
     const bool in_r = std::count(ref_steps.begin(), ref_steps.end(), step) > 0;
+    const DumpReader& tokens_from = in_r ? reference : engine;
+    if (const DatasetInfo* t = tokens_from.find(step, "tokens"); t && !t->shape.empty()) n_kv += t->shape[0];
+    positions[step] = n_kv;
     std::vector<DatasetInfo> eng_ds = in_e ? engine.datasets(step) : none;
     std::vector<DatasetInfo> ref_ds = in_r ? reference.datasets(step) : none;
     if (!opt.checkpoints.all()) {
@@ -322,7 +328,7 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
       std::erase_if(ref_ds, unselected);
     }
     add_step_results(c, eng_ds, ref_ds, [&](const DatasetInfo* e, const DatasetInfo* r) {
-      return compare_checkpoint(step, e, r, tolerances, dims, [&](std::vector<float>& a, std::vector<float>& b) {
+      return compare_checkpoint(step, e, r, tolerances, dims, n_kv, [&](std::vector<float>& a, std::vector<float>& b) {
         a = engine.read(step, e->name);
         b = reference.read(step, r->name);
       });
@@ -341,7 +347,7 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
         // The same values compare_checkpoint compared (the rows both sides hold).
         const CheckpointResult& r = c.results[i];
         compare_checkpoint(r.step, engine.find(r.step, r.name), reference.find(r.step, r.name), tolerances, dims,
-                           [&](std::vector<float>& x, std::vector<float>& y) {
+                           positions[r.step], [&](std::vector<float>& x, std::vector<float>& y) {
                              x = engine.read(r.step, r.name);
                              y = reference.read(r.step, r.name);
                            },

@@ -115,9 +115,11 @@ using ReadValues = std::function<void(std::vector<float>& a, std::vector<float>&
 
 // One checkpoint of one step (either side may be null: only_engine / only_reference). `read` is
 // called only when both sides hold it with the same shape. a_out/b_out (optional) receive the values
-// compared (the rows both sides hold).
+// compared (the rows both sides hold). `positions`: the KV length after the step (the sum of the
+// token counts of the steps up to it), for rules whose bounds grow with it (rel_l2_per_position).
 CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const DatasetInfo* reference,
-                                    const ToleranceSet& tolerances, const DimSizes& dims, const ReadValues& read,
+                                    const ToleranceSet& tolerances, const DimSizes& dims, int64_t positions,
+                                    const ReadValues& read,
                                     std::vector<float>* a_out = nullptr, std::vector<float>* b_out = nullptr);
 
 // Appends one step's results to c in the comparator's order (the reference's datasets by order,

@@ -49,7 +49,7 @@ void StreamComparison::add(StreamSide side, DatasetInfo info, std::vector<float>
   Pending& ref = s == 0 ? other->second : mine;
   std::vector<float> a, b;
   CheckpointResult r = compare_checkpoint(
-      eng.info.step, &eng.info, &ref.info, tolerances_, dims_,
+      eng.info.step, &eng.info, &ref.info, tolerances_, dims_, positions_through(eng.info.step),
       [&](std::vector<float>& x, std::vector<float>& y) {
         x = std::move(eng.values);
         y = std::move(ref.values);
@@ -60,6 +60,19 @@ void StreamComparison::add(StreamSide side, DatasetInfo info, std::vector<float>
     keep_candidate(first_nonfinite_, r, a, b);
   step.results.emplace(r.name, std::move(r));
   pending_[1 - s].erase(other);
+}
+
+// The KV length after `step`: the token counts of the steps up to it (the reference's, else the
+// engine's), as compare_dumps counts them from the dumps. Every writer records a step's tokens
+// before its checkpoints, so they are known when a checkpoint of the step arrives.
+int64_t StreamComparison::positions_through(int step) const {
+  int64_t n = 0;
+  for (const auto& [k, st] : steps_) {
+    if (k > step) break;
+    if (st.has_tokens[1]) n += static_cast<int64_t>(st.tokens[1].size());
+    else if (st.has_tokens[0]) n += static_cast<int64_t>(st.tokens[0].size());
+  }
+  return n;
 }
 
 void StreamComparison::add_tokens(StreamSide side, int step, std::vector<int32_t> tokens) {
@@ -97,7 +110,8 @@ StreamComparison::StepEnd StreamComparison::end_step(int step) {
   Comparison part;
   add_step_results(part, st.infos[0], st.infos[1], [&](const DatasetInfo* e, const DatasetInfo* r) {
     if (e && r) return std::move(st.results.at(e->name));
-    return compare_checkpoint(step, e, r, tolerances_, dims_, [](std::vector<float>&, std::vector<float>&) {});
+    return compare_checkpoint(step, e, r, tolerances_, dims_, positions_through(step),
+                              [](std::vector<float>&, std::vector<float>&) {});
   });
   st.results.clear();
   st.ordered = std::move(part.results);

@@ -77,6 +77,7 @@ class StreamComparison {
     std::vector<CheckpointResult> ordered;             // after end_step
   };
 
+  int64_t positions_through(int step) const;
   void keep_candidate(std::optional<Kept>& slot, const CheckpointResult& r, std::vector<float>& a,
                       std::vector<float>& b);
 

@@ -174,7 +174,7 @@ const std::vector<BoundKey>& bound_keys() {
 }
 
 std::string known_rule_keys(bool with_match) {
-  std::string s = with_match ? "match, reason, atol, rtol" : "reason, atol, rtol";
+  std::string s = with_match ? "match, reason, atol, rtol, rel_l2_per_position" : "reason, atol, rtol, rel_l2_per_position";
   for (const auto& k : bound_keys()) s += std::string(", ") + k.key;
   return s;
 }
@@ -307,6 +307,8 @@ class Parser {
         r.element.atol = number(v, at, key, Range::non_negative);
       } else if (key == "rtol") {
         r.element.rtol = number(v, at, key, Range::non_negative);
+      } else if (key == "rel_l2_per_position") {
+        r.rel_l2_per_position = number(v, at, key, Range::non_negative);
       } else {
         bool found = false;
         for (const auto& b : bound_keys()) {
@@ -426,7 +428,7 @@ std::string preset_name(std::string_view engine_precision, std::string_view refe
   return fmt::format("{}_vs_{}", engine_precision, reference_precision);
 }
 
-std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule& rule) {
+std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule& rule, int64_t positions) {
   std::vector<BoundCheck> out;
   if (!m.finite()) {
     // A NaN or Inf on either side fails, also the same one on both sides; the metric bounds are
@@ -442,13 +444,19 @@ std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule
   };
   upper("max_abs", "max_abs", m.max_abs, rule.max_abs);
   upper("mean_abs", "max_mean_abs", m.mean_abs, rule.max_mean_abs);
-  upper("rel_l2", "max_rel_l2", m.rel_l2, rule.max_rel_l2);
+  // The rel L2 bounds grow with the positions the step reaches (rel_l2_per_position): an f32 RoPE
+  // angle, pos times a rounded frequency, is off by an amount proportional to pos.
+  const double grow = rule.rel_l2_per_position.value_or(0.0) * static_cast<double>(std::max<int64_t>(positions, 0));
+  const auto grown = [&](const std::optional<double>& limit) {
+    return limit ? std::optional<double>(*limit + grow) : std::nullopt;
+  };
+  upper("rel_l2", "max_rel_l2", m.rel_l2, grown(rule.max_rel_l2));
   upper("nmse", "max_nmse", m.nmse, rule.max_nmse);
   lower("cosine", "min_cosine", m.cosine, rule.min_cosine);
   lower("sqnr_db", "min_sqnr_db", m.sqnr_db, rule.min_sqnr_db);
   upper("fail_frac", "max_fail_frac", m.fail_frac, rule.max_fail_frac);
-  if (m.row.extent > 0) upper("row_rel_l2", "max_row_rel_l2", m.row.rel_l2, rule.max_row_rel_l2);
-  if (m.head.extent > 0) upper("head_rel_l2", "max_head_rel_l2", m.head.rel_l2, rule.max_head_rel_l2);
+  if (m.row.extent > 0) upper("row_rel_l2", "max_row_rel_l2", m.row.rel_l2, grown(rule.max_row_rel_l2));
+  if (m.head.extent > 0) upper("head_rel_l2", "max_head_rel_l2", m.head.rel_l2, grown(rule.max_head_rel_l2));
   if (m.logits) {
     lower("top1", "min_top1", m.logits->top1, rule.min_top1);
     lower("top5_overlap", "min_top5", m.logits->top5_overlap, rule.min_top5);

@@ -11,7 +11,8 @@
 //     "default": {"max_rel_l2": 1e-5, "reason": "..."}   // required; used when no rule matches
 //   }
 // Keys of a rule: match (glob with * and ?, over full names such as "Qcur-3"; not in "default"),
-// reason, atol, rtol (element tolerance for fail_frac, worst element and min_rtol), and the bounds
+// reason, atol, rtol (element tolerance for fail_frac, worst element and min_rtol),
+// rel_l2_per_position (the rel L2 bounds grow by it times the step's KV length), and the bounds
 // max_abs, max_mean_abs, max_rel_l2, max_nmse, min_cosine, min_sqnr_db, max_fail_frac,
 // max_row_rel_l2 (the worst token row's rel L2, or the worst cache row's for cache_k/cache_v),
 // max_head_rel_l2 (the worst head's, for per-head layouts; ignored where there are no heads), and
@@ -23,6 +24,7 @@
 // load_tolerances reads only a regular file of at most 16 MiB (a FIFO or a device is refused unopened).
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -38,6 +40,9 @@ struct ToleranceRule {
   ElementTolerance element;
   std::optional<double> max_abs, max_mean_abs, max_rel_l2, max_nmse, min_cosine, min_sqnr_db,
       max_fail_frac, max_row_rel_l2, max_head_rel_l2, min_top1, min_top5, max_kl;
+  // Not a bound: max_rel_l2, max_row_rel_l2 and max_head_rel_l2 grow by this times the positions
+  // the step reaches (its KV length), for errors that grow with the position (f32 RoPE angles).
+  std::optional<double> rel_l2_per_position;
   int line = 0;  // where the rule starts in its file
 };
 
@@ -73,7 +78,8 @@ std::string preset_name(std::string_view engine_precision, std::string_view refe
 
 // Every bound of `rule` against `m`. A NaN or Inf on either side (the same on both included) gives
 // one failing "nonfinite" check (value: the number of non-finite elements on both sides) and nothing
-// else: the metrics are undefined there.
-std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule& rule);
+// else: the metrics are undefined there. `positions`: the KV length after the step (the rel L2
+// bounds grow by rule.rel_l2_per_position times it).
+std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule& rule, int64_t positions = 0);
 
 }  // namespace diffrun::diff

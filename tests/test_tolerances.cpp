@@ -283,3 +283,42 @@ TEST(Tolerances, CheckBounds) {
   EXPECT_FALSE(lc[0].pass);
   EXPECT_TRUE(lc[1].pass);
 }
+
+// rel_l2_per_position grows the rel L2 bounds (tensor, row, head) with the step's KV length; it is
+// not a bound by itself, and the other bounds stay as they are.
+TEST(Tolerances, RelL2BoundsGrowWithThePositions) {
+  const ToleranceSet t = parse_tolerances(R"({
+    "rules": [{"match": "Qrope-*", "max_rel_l2": 2e-5, "max_row_rel_l2": 5e-5, "max_abs": 1e-3,
+               "rel_l2_per_position": 2e-8, "reason": "f32 RoPE angles"}],
+    "default": {"max_rel_l2": 1e-5, "reason": "rest"}})",
+                                          "tol.json");
+  const ToleranceRule& rule = t.rule_for("Qrope-0");
+  ASSERT_TRUE(rule.rel_l2_per_position);
+  TensorMetrics m;
+  m.rel_l2 = 3e-5;
+  m.max_abs = 1e-4;
+  m.row.extent = 4;
+  m.row.rel_l2 = 9e-5;
+  const auto bound = [](const std::vector<BoundCheck>& checks, const std::string& name) {
+    for (const auto& c : checks)
+      if (c.bound == name) return c;
+    ADD_FAILURE() << "no " << name;
+    return BoundCheck{};
+  };
+  // 32 positions: 2e-5 + 6.4e-7 and 5e-5 + 6.4e-7; both fail.
+  auto at32 = check_bounds(m, rule, 32);
+  EXPECT_FALSE(bound(at32, "max_rel_l2").pass);
+  EXPECT_FALSE(bound(at32, "max_row_rel_l2").pass);
+  EXPECT_NEAR(bound(at32, "max_rel_l2").limit, 2e-5 + 32 * 2e-8, 1e-15);
+  // 4,096 positions: 2e-5 + 8.2e-5 and 5e-5 + 8.2e-5; both pass, max_abs unchanged.
+  auto at4k = check_bounds(m, rule, 4096);
+  EXPECT_TRUE(bound(at4k, "max_rel_l2").pass);
+  EXPECT_TRUE(bound(at4k, "max_row_rel_l2").pass);
+  EXPECT_DOUBLE_EQ(bound(at4k, "max_abs").limit, 1e-3);
+  // Without the key the positions change nothing.
+  EXPECT_DOUBLE_EQ(bound(check_bounds(m, t.default_rule, 4096), "max_rel_l2").limit, 1e-5);
+  // Alone it bounds nothing.
+  EXPECT_THROW(parse_tolerances(R"({"default": {"rel_l2_per_position": 1e-8, "reason": "r"}})", "t.json"), InputError);
+  EXPECT_THROW(parse_tolerances(R"({"default": {"max_rel_l2": 1e-5, "rel_l2_per_position": -1, "reason": "r"}})", "t.json"),
+               InputError);
+}
