@@ -21,24 +21,9 @@ using diffrun::test::SyntheticDump;
 
 namespace {
 
-struct Result {
-  int rc;
-  std::string out;
-  std::string err;
-};
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += (c == '\'') ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
+using Result = diffrun::test::CommandResult;
+using diffrun::test::shell_quote;
+using diffrun::test::slurp;
 
 class Cli : public ::testing::Test {
  protected:
@@ -52,18 +37,14 @@ class Cli : public ::testing::Test {
 
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
 
-  Result run(const std::string& args) const {
-    const std::string cmd = quote(bin_) + " " + args + " >" + quote(path("stdout.txt")) + " 2>" + quote(path("stderr.txt"));
-    int status = std::system(cmd.c_str());
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(path("stdout.txt")), slurp(path("stderr.txt"))};
-  }
+  Result run(const std::string& args) const { return diffrun::test::run_command(bin_, args, dir_); }
 
   Result compare(const std::string& engine, const std::string& extra = "") const {
-    return run("compare " + quote(engine) + " " + quote(path("reference.h5")) + " --no-color " + extra);
+    return run("compare " + shell_quote(engine) + " " + shell_quote(path("reference.h5")) + " --no-color " + extra);
   }
 
   int python(const std::string& code) const {
-    return std::system((quote(python_) + " -c " + quote(code)).c_str());
+    return std::system((shell_quote(python_) + " -c " + shell_quote(code)).c_str());
   }
 
   static SyntheticDump engine_dump() {
@@ -108,7 +89,7 @@ TEST_F(Cli, PerturbedDumpExitsOneWithValidReports) {
     if (step == 1 && name == "attn_out-2") v[3] += 0.25f;
   };
   e.write(path("engine.h5"));
-  Result r = compare(path("engine.h5"), "--report-json " + quote(path("r.json")) + " --report-junit " + quote(path("r.xml")));
+  Result r = compare(path("engine.h5"), "--report-json " + shell_quote(path("r.json")) + " --report-junit " + shell_quote(path("r.xml")));
   EXPECT_EQ(r.rc, 1) << r.out << r.err;
   EXPECT_NE(r.out.find("FIRST DIVERGENCE  attn_out-2  (step 1, layer 2)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("verdict   LOCAL (rule jump)"), std::string::npos) << r.out;
@@ -117,7 +98,7 @@ TEST_F(Cli, PerturbedDumpExitsOneWithValidReports) {
   EXPECT_EQ(j["first_divergence"]["name"], "attn_out-2");
   EXPECT_EQ(j["tolerances"]["preset"], "f32_vs_f64");
   // The JUnit file is well-formed XML with one failing test case.
-  EXPECT_EQ(python("import xml.etree.ElementTree as E; r = E.parse(" + quote(path("r.xml")) + ").getroot(); "
+  EXPECT_EQ(python("import xml.etree.ElementTree as E; r = E.parse(" + shell_quote(path("r.xml")) + ").getroot(); "
                    "assert r.tag == 'testsuites' and r.get('failures') == '1', r.attrib; "
                    "assert len(r.findall('testsuite')) == 3; "
                    "f = [c for c in r.iter('testcase') if c.find('failure') is not None]; "
@@ -137,16 +118,16 @@ TEST_F(Cli, SameNaNInBothDumpsExitsOne) {
   SyntheticDump e = engine_dump();
   e.perturb = nan_at_vcur1;
   e.write(path("engine.h5"));
-  Result r = compare(path("engine.h5"), "--tolerances " + quote(path("tol.json")) + " --report-json " +
-                                            quote(path("r.json")) + " --report-junit " + quote(path("r.xml")));
+  Result r = compare(path("engine.h5"), "--tolerances " + shell_quote(path("tol.json")) + " --report-json " +
+                                            shell_quote(path("r.json")) + " --report-junit " + shell_quote(path("r.xml")));
   ASSERT_EQ(r.rc, 2) << r.out << r.err;  // no tolerance file yet
   std::ofstream(path("tol.json")) << R"({"rules": [], "default": {"max_fail_frac": 1, "reason": "the loosest bound"}})";
-  r = compare(path("engine.h5"), "--tolerances " + quote(path("tol.json")) + " --report-json " + quote(path("r.json")) +
-                                     " --report-junit " + quote(path("r.xml")));
+  r = compare(path("engine.h5"), "--tolerances " + shell_quote(path("tol.json")) + " --report-json " + shell_quote(path("r.json")) +
+                                     " --report-junit " + shell_quote(path("r.xml")));
   EXPECT_EQ(r.rc, 1) << r.out << r.err;
   EXPECT_NE(r.out.find("FIRST DIVERGENCE  Vcur-1  (step 2, layer 1)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("reference NaN 1, Inf 0, first nan at T=0, Hkv=0, Dh=1"), std::string::npos) << r.out;
-  EXPECT_EQ(python("import json; j = json.load(open(" + quote(path("r.json")) + ")); "
+  EXPECT_EQ(python("import json; j = json.load(open(" + shell_quote(path("r.json")) + ")); "
                    "n = j['first_nonfinite']; assert (n['name'], n['step']) == ('Vcur-1', 2), n; "
                    "m = j['checkpoints'][n['index']]['metrics']; "
                    "assert m['rel_l2'] is None and m['cosine'] is None, m; "
@@ -163,7 +144,7 @@ TEST_F(Cli, TruncatedHdf5) {
 }
 
 TEST_F(Cli, ForeignHdf5AndNotHdf5) {
-  ASSERT_EQ(python("import h5py, numpy; f = h5py.File(" + quote(path("foreign.h5")) +
+  ASSERT_EQ(python("import h5py, numpy; f = h5py.File(" + shell_quote(path("foreign.h5")) +
                    ", 'w'); f['x'] = numpy.zeros(3); f.close()"),
             0);
   expect_error(compare(path("foreign.h5")), "foreign.h5");
@@ -173,16 +154,16 @@ TEST_F(Cli, ForeignHdf5AndNotHdf5) {
   // A FIFO is refused unopened (opening it would block) and a directory is named as one, in every command.
   ASSERT_EQ(::mkfifo(path("fifo.h5").c_str(), 0600), 0);
   expect_error(compare(path("fifo.h5")), "fifo.h5: is a FIFO (named pipe), not a regular file");
-  expect_error(run("show " + quote(path("fifo.h5")) + " embd"), "fifo.h5: is a FIFO");
-  expect_error(run("ls " + quote(path("fifo.h5"))), "fifo.h5: is a FIFO");
+  expect_error(run("show " + shell_quote(path("fifo.h5")) + " embd"), "fifo.h5: is a FIFO");
+  expect_error(run("ls " + shell_quote(path("fifo.h5"))), "fifo.h5: is a FIFO");
   fs::create_directories(path("dir.h5"));
   expect_error(compare(path("dir.h5")), "dir.h5: is a directory, not a regular file");
-  expect_error(run("ls " + quote(path("dir.h5"))), "dir.h5: is a directory");
+  expect_error(run("ls " + shell_quote(path("dir.h5"))), "dir.h5: is a directory");
 }
 
 TEST_F(Cli, WrongFormatVersion) {
   engine_dump().write(path("engine.h5"));
-  ASSERT_EQ(python("import h5py; f = h5py.File(" + quote(path("engine.h5")) +
+  ASSERT_EQ(python("import h5py; f = h5py.File(" + shell_quote(path("engine.h5")) +
                    ", 'r+'); f.attrs['format_version'] = 99; f.close()"),
             0);
   expect_error(compare(path("engine.h5")), "engine.h5");
@@ -198,24 +179,24 @@ TEST_F(Cli, MissingTokensDataset) {
 TEST_F(Cli, DumpsThatLieAboutTheirSize) {
   // A root attribute n_layer = 2e9 once drove compare to 21 GB before anything was checked.
   engine_dump().write(path("engine.h5"));
-  ASSERT_EQ(python("import h5py; f = h5py.File(" + quote(path("engine.h5")) + ", 'r+'); "
+  ASSERT_EQ(python("import h5py; f = h5py.File(" + shell_quote(path("engine.h5")) + ", 'r+'); "
                    "f.attrs['n_layer'] = 2000000000; f.close()"),
             0);
   expect_error(compare(path("engine.h5")), "engine.h5: attribute 'n_layer' is 2000000000, outside 1..4096");
-  expect_error(run("ls " + quote(path("engine.h5"))), "attribute 'n_layer' is 2000000000");
+  expect_error(run("ls " + shell_quote(path("engine.h5"))), "attribute 'n_layer' is 2000000000");
   // A dataset whose shape declares 1.6 GB with nothing stored: refused before it is allocated.
   engine_dump().write(path("engine.h5"));
-  ASSERT_EQ(python("import h5py; f = h5py.File(" + quote(path("engine.h5")) + ", 'r+'); g = f['step_0000']; "
+  ASSERT_EQ(python("import h5py; f = h5py.File(" + shell_quote(path("engine.h5")) + ", 'r+'); g = f['step_0000']; "
                    "a = dict(g['embd'].attrs); del g['embd']; d = g.create_dataset('embd', shape=(3, 2**27), dtype='f4'); "
                    "[d.attrs.__setitem__(k, v) for k, v in a.items()]; f.close()"),
             0);
   const std::string lie = "dataset 'step_0000/embd': its shape declares 1610612736 bytes but 0 bytes are stored";
   expect_error(compare(path("engine.h5")), lie);
-  expect_error(run("show " + quote(path("engine.h5")) + " embd"), lie);
-  expect_error(run("ls " + quote(path("engine.h5"))), lie);
+  expect_error(run("show " + shell_quote(path("engine.h5")) + " embd"), lie);
+  expect_error(run("ls " + shell_quote(path("engine.h5"))), lie);
   // Compressed data stores fewer bytes than it declares and is read as usual.
   engine_dump().write(path("engine.h5"));
-  ASSERT_EQ(python("import h5py; f = h5py.File(" + quote(path("engine.h5")) + ", 'r+'); g = f['step_0000']; "
+  ASSERT_EQ(python("import h5py; f = h5py.File(" + shell_quote(path("engine.h5")) + ", 'r+'); g = f['step_0000']; "
                    "a = dict(g['embd'].attrs); v = g['embd'][()]; del g['embd']; "
                    "d = g.create_dataset('embd', data=v, compression='gzip', chunks=True); "
                    "[d.attrs.__setitem__(k, x) for k, x in a.items()]; f.close()"),
@@ -257,23 +238,23 @@ TEST_F(Cli, DifferentModelRefusedUnlessForced) {
 
 TEST_F(Cli, BadToleranceFiles) {
   engine_dump().write(path("engine.h5"));
-  expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("none.json"))), "none.json: cannot read");
+  expect_error(compare(path("engine.h5"), "--tolerances " + shell_quote(path("none.json"))), "none.json: cannot read");
   std::ofstream(path("bad.json")) << "{\n  \"rules\": [],\n  \"default\": {\"max_rel\": 1, \"reason\": \"r\"}\n}\n";
-  expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("bad.json"))), "bad.json:3: unknown key \"max_rel\"");
+  expect_error(compare(path("engine.h5"), "--tolerances " + shell_quote(path("bad.json"))), "bad.json:3: unknown key \"max_rel\"");
   std::ofstream(path("broken.json")) << "{\n  \"rules\": [,\n";
-  expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("broken.json"))), "broken.json:2: invalid JSON");
+  expect_error(compare(path("engine.h5"), "--tolerances " + shell_quote(path("broken.json"))), "broken.json:2: invalid JSON");
   // Typos that once grew memory without end, a FIFO that once blocked forever, a directory.
   std::ofstream(path("open.json")) << "{\"rules\": [\n  \"default\": {\"max_abs\": 1, \"reason\": \"r\"}\n}\n";
-  expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("open.json"))), "open.json:2: invalid JSON");
+  expect_error(compare(path("engine.h5"), "--tolerances " + shell_quote(path("open.json"))), "open.json:2: invalid JSON");
   std::ofstream(path("deep.json")) << std::string(20000, '[') + std::string(20000, ']');
-  expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("deep.json"))), "deep.json:1: JSON nested deeper");
+  expect_error(compare(path("engine.h5"), "--tolerances " + shell_quote(path("deep.json"))), "deep.json:1: JSON nested deeper");
   ASSERT_EQ(::mkfifo(path("fifo.json").c_str(), 0600), 0);
-  expect_error(compare(path("engine.h5"), "--tolerances " + quote(path("fifo.json"))),
+  expect_error(compare(path("engine.h5"), "--tolerances " + shell_quote(path("fifo.json"))),
                "fifo.json: cannot read the tolerance file: it is a FIFO");
-  expect_error(compare(path("engine.h5"), "--tolerances " + quote(dir_.string())), "it is a directory");
+  expect_error(compare(path("engine.h5"), "--tolerances " + shell_quote(dir_.string())), "it is a directory");
   // A tolerance file that makes identical dumps fail is still a clean run: exit 0 needs no bound to fail.
   std::ofstream(path("strict.json")) << R"({"rules": [], "default": {"max_abs": 0, "reason": "exact"}})";
-  EXPECT_EQ(compare(path("engine.h5"), "--tolerances " + quote(path("strict.json"))).rc, 0);
+  EXPECT_EQ(compare(path("engine.h5"), "--tolerances " + shell_quote(path("strict.json"))).rc, 0);
 }
 
 TEST_F(Cli, NoPresetForThePrecisionPair) {
@@ -285,15 +266,15 @@ TEST_F(Cli, NoPresetForThePrecisionPair) {
 
 TEST_F(Cli, UnwritableReport) {
   engine_dump().write(path("engine.h5"));
-  expect_error(compare(path("engine.h5"), "--report-json " + quote(path("no/such/dir/r.json"))), "cannot write");
+  expect_error(compare(path("engine.h5"), "--report-json " + shell_quote(path("no/such/dir/r.json"))), "cannot write");
 }
 
 TEST_F(Cli, PromptEndToEndOnATinyFixture) {
   const std::string model = diffrun::test::fixture_path("tiny-llama-q4_0.gguf");
   if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model << " (run the fixtures_generate test)";
   const std::string out = path("run");
-  Result r = run("--model " + quote(model) + " --tokens 1,2,3 --steps 3 --engine cpu --no-color --out " + quote(out) +
-                 " --report-json " + quote(path("run.json")) + " --report-junit " + quote(path("run.xml")));
+  Result r = run("--model " + shell_quote(model) + " --tokens 1,2,3 --steps 3 --engine cpu --no-color --out " + shell_quote(out) +
+                 " --report-json " + shell_quote(path("run.json")) + " --report-junit " + shell_quote(path("run.xml")));
   EXPECT_EQ(r.rc, 0) << r.out << r.err;
   EXPECT_TRUE(fs::exists(out + "/reference.h5"));
   EXPECT_TRUE(fs::exists(out + "/engine.h5"));
@@ -303,16 +284,16 @@ TEST_F(Cli, PromptEndToEndOnATinyFixture) {
   EXPECT_EQ(j["summary"]["steps"], 4);
   EXPECT_EQ(j["tokens"].size(), 4u);
   for (const auto& t : j["tokens"]) EXPECT_TRUE(t["match"].get<bool>()) << t;
-  EXPECT_EQ(python("import xml.etree.ElementTree as E; E.parse(" + quote(path("run.xml")) + ")"), 0);
+  EXPECT_EQ(python("import xml.etree.ElementTree as E; E.parse(" + shell_quote(path("run.xml")) + ")"), 0);
   // The same precision on both sides agrees bit for bit under the exact preset.
-  Result same = run("--model " + quote(model) + " --tokens 1,2,3 --steps 2 --engine cpu --engine-precision f32 "
-                    "--reference-precision f32 --no-color --out " + quote(out));
+  Result same = run("--model " + shell_quote(model) + " --tokens 1,2,3 --steps 2 --engine cpu --engine-precision f32 "
+                    "--reference-precision f32 --no-color --out " + shell_quote(out));
   EXPECT_EQ(same.rc, 0) << same.out << same.err;
   EXPECT_NE(same.out.find("f32_vs_f32"), std::string::npos) << same.out;
   // A filter records fewer checkpoints; tokens are always kept so the comparison still runs.
   // --engine auto (the default) says in one line when it falls back to the CPU backend.
-  Result filtered = run("--model " + quote(model) + " --tokens 1,2,3 --steps 1 --checkpoints 'l_out-*' "
-                        "--no-color --out " + quote(out));
+  Result filtered = run("--model " + shell_quote(model) + " --tokens 1,2,3 --steps 1 --checkpoints 'l_out-*' "
+                        "--no-color --out " + shell_quote(out));
   EXPECT_EQ(filtered.rc, 0) << filtered.out << filtered.err;
   EXPECT_TRUE(filtered.err.find("the engine side is the CPU backend at f32 against an f64 reference") != std::string::npos ||
               filtered.out.find("engine     cuda/") != std::string::npos)
@@ -325,9 +306,9 @@ TEST_F(Cli, ErrorPatternOfCatalogFaults) {
   const std::string model = diffrun::test::fixture_path("tiny-qwen2-f32.gguf");  // H 8, Hkv 2
   if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model << " (run the fixtures_generate test)";
   auto inject = [&](const std::string& fault) {
-    Result r = run("--model " + quote(model) + " --tokens 1,17,42,7,99,3,120,5,63 --steps 1 --engine cpu --no-color --inject " +
-                   fault + " --out " + quote(path(fault)) + " --report-json " + quote(path(fault + ".json")) +
-                   " --report-junit " + quote(path(fault.substr(0, 3) + ".xml")));
+    Result r = run("--model " + shell_quote(model) + " --tokens 1,17,42,7,99,3,120,5,63 --steps 1 --engine cpu --no-color --inject " +
+                   fault + " --out " + shell_quote(path(fault)) + " --report-json " + shell_quote(path(fault + ".json")) +
+                   " --report-junit " + shell_quote(path(fault.substr(0, 3) + ".xml")));
     EXPECT_EQ(r.rc, 1) << r.out << r.err;
     return std::make_pair(r.out, nlohmann::json::parse(slurp(path(fault + ".json")))["first_divergence"]);
   };
@@ -353,13 +334,13 @@ TEST_F(Cli, ErrorPatternOfCatalogFaults) {
 TEST_F(Cli, PromptBadInputs) {
   const std::string model = diffrun::test::fixture_path("tiny-llama-q4_0.gguf");
   if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model;
-  expect_error(run("--model " + quote(model) + " --tokens 1,2 --engine cpu --engine-precision f16"), "f16");
-  expect_error(run("--model " + quote(path("none.gguf")) + " --prompt hi"), "none.gguf");
-  expect_error(run("--model " + quote(model) + " --prompt ''"), "empty prompt");
+  expect_error(run("--model " + shell_quote(model) + " --tokens 1,2 --engine cpu --engine-precision f16"), "f16");
+  expect_error(run("--model " + shell_quote(path("none.gguf")) + " --prompt hi"), "none.gguf");
+  expect_error(run("--model " + shell_quote(model) + " --prompt ''"), "empty prompt");
   Result help = run("");
   EXPECT_EQ(help.rc, 2);
   EXPECT_NE(help.out.find("--prompt"), std::string::npos);
-  EXPECT_EQ(run("--model " + quote(model) + " --tokens 1 --steps -1").rc, 2);
+  EXPECT_EQ(run("--model " + shell_quote(model) + " --tokens 1 --steps -1").rc, 2);
 }
 
 // The reference that emulates the f16 engine's storage (f32-f16store) against the same storage in f64
@@ -370,15 +351,15 @@ TEST_F(Cli, EmulatedF16StoragePair) {
   const std::string model = diffrun::test::fixture_path("tiny-qwen2-q8_0.gguf");
   if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model << " (run the fixtures_generate test)";
   const std::string out = path("run");
-  const std::string pair = "--model " + quote(model) + " --tokens 1,17,42,7,99,3,120 --steps 3 --engine cpu "
+  const std::string pair = "--model " + shell_quote(model) + " --tokens 1,17,42,7,99,3,120 --steps 3 --engine cpu "
                            "--engine-precision f32-f16store --reference-precision f64-f16store --no-color --out " +
-                           quote(out) + " --report-json " + quote(path("run.json"));
+                           shell_quote(out) + " --report-json " + shell_quote(path("run.json"));
   Result clean = run(pair);
   EXPECT_EQ(clean.rc, 0) << clean.out << clean.err;
   nlohmann::json j = nlohmann::json::parse(slurp(path("run.json")));
   EXPECT_EQ(j["tolerances"]["preset"], "f16_vs_f32-f16store");
   EXPECT_EQ(python("import h5py, numpy as np\n"
-                   "f = h5py.File(" + quote(out + "/reference.h5") + ", 'r')\n"
+                   "f = h5py.File(" + shell_quote(out + "/reference.h5") + ", 'r')\n"
                    "for n in ['attn_norm-0', 'kqv_out-1', 'ffn_swiglu-0', 'ffn_norm-1', 'result_norm']:\n"
                    "    d = f['step_0000'][n]; a = d[()]\n"
                    "    assert d.attrs['native_dtype'] in ('f16', b'f16'), (n, d.attrs['native_dtype'])\n"
@@ -391,7 +372,7 @@ TEST_F(Cli, EmulatedF16StoragePair) {
   EXPECT_EQ(fault.rc, 1) << fault.out << fault.err;
   j = nlohmann::json::parse(slurp(path("run.json")));
   EXPECT_EQ(j["first_divergence"]["name"], "attn_norm-0") << fault.out;
-  Result bad = run("--model " + quote(model) + " --tokens 1,2 --engine cpu --engine-precision f32-f16stor");
+  Result bad = run("--model " + shell_quote(model) + " --tokens 1,2 --engine cpu --engine-precision f32-f16stor");
   EXPECT_EQ(bad.rc, 2);
   EXPECT_NE(bad.err.find("f32-f16stor"), std::string::npos) << bad.err;
 }
@@ -402,9 +383,9 @@ TEST_F(Cli, EmulatedF16StoragePair) {
 TEST_F(Cli, ResidualInF16IsPrecisionDrift) {
   const std::string model = diffrun::test::fixture_path("tiny-llama-q4_0.gguf");
   if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model;
-  const std::string args = "--model " + quote(model) + " --tokens 1,2,3,4,5 --steps 2 --engine cpu "
-                           "--engine-precision f32-f16residual --no-color --out " + quote(path("run")) +
-                           " --report-json " + quote(path("run.json"));
+  const std::string args = "--model " + shell_quote(model) + " --tokens 1,2,3,4,5 --steps 2 --engine cpu "
+                           "--engine-precision f32-f16residual --no-color --out " + shell_quote(path("run")) +
+                           " --report-json " + shell_quote(path("run.json"));
   Result r = run(args);
   EXPECT_EQ(r.rc, 1) << r.out << r.err;
   nlohmann::json j = nlohmann::json::parse(slurp(path("run.json")));

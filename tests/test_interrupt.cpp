@@ -21,12 +21,7 @@ using diffrun::test::ScratchDir;
 
 namespace {
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using diffrun::test::slurp;
 
 std::vector<std::string> temporaries(const fs::path& dir) {
   std::vector<std::string> out;

@@ -20,18 +20,9 @@ using diffrun::test::SyntheticDump;
 
 namespace {
 
-struct Result {
-  int rc;
-  std::string out;
-  std::string err;
-};
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using Result = diffrun::test::CommandResult;
+using diffrun::test::shell_quote;
+using diffrun::test::slurp;
 
 // A Python string literal of s (ASCII text).
 std::string pystr(const std::string& s) {
@@ -40,40 +31,29 @@ std::string pystr(const std::string& s) {
   return q + "\"";
 }
 
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += (c == '\'') ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
 class Reliability : public ::testing::Test {
  protected:
   void SetUp() override {
     bin_ = diffrun::test::env_or("DIFFRUN_BIN", "build/cli/diffrun");
     python_ = diffrun::test::env_or("PYTHON", "python3");
     model_ = diffrun::test::fixture_path("tiny-llama-f32.gguf");
-    dir_ = fs::temp_directory_path() /
-           ("diffrun_test_reliability_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) +
-            "_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = diffrun::test::make_scratch_dir("test-reliability-" +
+                                           std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
   }
   void TearDown() override { fs::remove_all(dir_); }
 
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
 
-  Result run(const std::string& args) const {
-    const std::string cmd = quote(bin_) + " " + args + " >" + quote(path("stdout.txt")) + " 2>" + quote(path("stderr.txt"));
-    const int status = std::system(cmd.c_str());
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(path("stdout.txt")), slurp(path("stderr.txt"))};
-  }
+  Result run(const std::string& args) const { return diffrun::test::run_command(bin_, args, dir_); }
 
   // The top-level job on the tiny fixture with `extra` options.
   Result job(const std::string& extra) const {
-    return run("--model " + quote(model_) + " --tokens 1,2,3 --steps 1 --engine cpu --no-color " + extra);
+    return run("--model " + shell_quote(model_) + " --tokens 1,2,3 --steps 1 --engine cpu --no-color " + extra);
   }
 
-  int python(const std::string& code) const { return std::system((quote(python_) + " -c " + quote(code)).c_str()); }
+  int python(const std::string& code) const {
+    return std::system((shell_quote(python_) + " -c " + shell_quote(code)).c_str());
+  }
 
   bool have_model() const { return fs::exists(model_); }
 
@@ -104,18 +84,18 @@ class Reliability : public ::testing::Test {
 TEST_F(Reliability, OutputPathsAreCheckedBeforeAnyCompute) {
   if (!have_model()) GTEST_SKIP() << "fixture missing: " << model_ << " (run the fixtures_generate test)";
   std::ofstream(path("file")) << "x";
-  expect_error(job("--out " + quote(path("file") + "/run")), "--out " + path("file") + "/run: " + path("file") + " is not a directory");
-  expect_error(job("--out " + quote(path("file"))), "--out " + path("file") + ": exists and is not a directory");
+  expect_error(job("--out " + shell_quote(path("file") + "/run")), "--out " + path("file") + "/run: " + path("file") + " is not a directory");
+  expect_error(job("--out " + shell_quote(path("file"))), "--out " + path("file") + ": exists and is not a directory");
   expect_error(job("--out ''"), "--out: empty path");
-  expect_error(job("--out " + quote(path("run")) + " --report-json " + quote(path("none/r.json"))),
+  expect_error(job("--out " + shell_quote(path("run")) + " --report-json " + shell_quote(path("none/r.json"))),
                "--report-json " + path("none/r.json") + ": directory " + path("none") + " does not exist");
   EXPECT_FALSE(fs::exists(path("run")));
   fs::create_directories(path("dir.h5"));
-  expect_error(run("dump --model " + quote(model_) + " --tokens 1,2 --out " + quote(path("dir.h5"))),
+  expect_error(run("dump --model " + shell_quote(model_) + " --tokens 1,2 --out " + shell_quote(path("dir.h5"))),
                "--out " + path("dir.h5") + ": is a directory");
-  expect_error(run("dump --model " + quote(model_) + " --tokens 1,2 --out " + quote(path("file/d.h5"))),
+  expect_error(run("dump --model " + shell_quote(model_) + " --tokens 1,2 --out " + shell_quote(path("file/d.h5"))),
                path("file") + " is not a directory");
-  expect_error(run("dump --model " + quote(model_) + " --tokens 1,2 --out ''"), "--out: empty path");
+  expect_error(run("dump --model " + shell_quote(model_) + " --tokens 1,2 --out ''"), "--out: empty path");
 }
 
 // Counts and factors: "abc" once gave a range with a 300-digit bound, -n 0 "0 not in range 0 to ...",
@@ -138,13 +118,13 @@ TEST_F(Reliability, NumbersAreRefusedWithWhatIsWrong) {
 // A run that ends with exit 2 still writes the reports it was asked for, with the error in them:
 // after the command line was read, and when the command line itself was refused.
 TEST_F(Reliability, ExitTwoStillWritesTheReports) {
-  const std::string reports = " --report-json " + quote(path("r.json")) + " --report-junit " + quote(path("r.xml"));
+  const std::string reports = " --report-json " + shell_quote(path("r.json")) + " --report-junit " + shell_quote(path("r.xml"));
   auto check = [&](const std::string& title, const std::string& error) {
     EXPECT_EQ(python("import json, xml.etree.ElementTree as E\n"
-                     "j = json.load(open(" + quote(path("r.json")) + "))\n"
+                     "j = json.load(open(" + shell_quote(path("r.json")) + "))\n"
                      "assert j['exit_code'] == 2 and j['title'] == " + pystr(title) + ", j\n"
                      "assert " + pystr(error) + " in j['error'], j\n"
-                     "r = E.parse(" + quote(path("r.xml")) + ").getroot()\n"
+                     "r = E.parse(" + shell_quote(path("r.xml")) + ").getroot()\n"
                      "assert r.tag == 'testsuites' and r.get('errors') == '1', r.attrib\n"
                      "e = r.find('testsuite/testcase/error')\n"
                      "assert " + pystr(error) + " in e.get('message') and " + pystr(error) + " in e.text, e.attrib\n"
@@ -154,14 +134,14 @@ TEST_F(Reliability, ExitTwoStillWritesTheReports) {
     fs::remove(path("r.json"));
     fs::remove(path("r.xml"));
   };
-  expect_error(run("compare " + quote(path("missing.h5")) + " " + quote(path("other.h5")) + reports), "missing.h5: no such file");
+  expect_error(run("compare " + shell_quote(path("missing.h5")) + " " + shell_quote(path("other.h5")) + reports), "missing.h5: no such file");
   check("diffrun compare", "missing.h5: no such file");
-  expect_error(run("--model " + quote(path("none.gguf")) + " --tokens 1" + reports), "none.gguf");
+  expect_error(run("--model " + shell_quote(path("none.gguf")) + " --tokens 1" + reports), "none.gguf");
   check("diffrun", "none.gguf");
   expect_error(run("--tokens 1 --steps abc" + reports), "--steps: 'abc'");
   check("diffrun", "--steps: 'abc' is not a whole number");
   // The error holds bytes that are not UTF-8 and control bytes: both reports still parse.
-  expect_error(run("compare " + quote(path("bad\xff.h5")) + " b.h5" + reports), "no such file");
+  expect_error(run("compare " + shell_quote(path("bad\xff.h5")) + " b.h5" + reports), "no such file");
   check("diffrun compare", "no such file");
 }
 
@@ -170,15 +150,15 @@ TEST_F(Reliability, ExitTwoStillWritesTheReports) {
 TEST_F(Reliability, PromptWithInvalidUtf8GivesParsableReports) {
   if (!have_model()) GTEST_SKIP() << "fixture missing: " << model_ << " (run the fixtures_generate test)";
   const std::string prompt = "caf\xc3\xa9 \xff\xfe half \xe6\x97 ctl \x01\x1b[0m \xef\xbf\xbf end";
-  Result r = run("--model " + quote(model_) + " --prompt " + quote(prompt) + " --steps 1 --engine cpu --no-color --out " +
-                 quote(path("run")) + " --report-json " + quote(path("r.json")) + " --report-junit " + quote(path("r.xml")));
+  Result r = run("--model " + shell_quote(model_) + " --prompt " + shell_quote(prompt) + " --steps 1 --engine cpu --no-color --out " +
+                 shell_quote(path("run")) + " --report-json " + shell_quote(path("r.json")) + " --report-junit " + shell_quote(path("r.xml")));
   EXPECT_EQ(r.rc, 0) << r.out << r.err;
   EXPECT_EQ(python("import json, xml.etree.ElementTree as E\n"
-                   "j = json.load(open(" + quote(path("r.json")) + ", encoding='utf-8'))\n"
+                   "j = json.load(open(" + shell_quote(path("r.json")) + ", encoding='utf-8'))\n"
                    "p = j['engine']['prompt']\n"
                    "assert p.startswith('caf\\u00e9 \\ufffd\\ufffd half \\ufffd'), repr(p)\n"
                    "assert p.endswith(' end'), repr(p)\n"
-                   "E.parse(" + quote(path("r.xml")) + ")\n"),
+                   "E.parse(" + shell_quote(path("r.xml")) + ")\n"),
             0);
 }
 
@@ -188,7 +168,7 @@ TEST_F(Reliability, GgufStringsAreEscapedAndTruncatedInErrors) {
   const std::string evil = std::string("ll\x1b[2J\x00\nama\x9b", 12) + std::string(5u << 20, 'x');
   b.header(0, 1).kv_string("general.architecture", evil);
   b.write(path("evil.gguf"));
-  Result r = run("--model " + quote(path("evil.gguf")) + " --tokens 1");
+  Result r = run("--model " + shell_quote(path("evil.gguf")) + " --tokens 1");
   expect_error(r, "unsupported architecture 'll\\x1b[2J\\x00\\nama\\x9bxxx");
   EXPECT_NE(r.err.find("... (5242892 bytes)"), std::string::npos) << r.err.substr(0, 500);
   EXPECT_LT(r.err.size(), 2000u);
@@ -196,8 +176,8 @@ TEST_F(Reliability, GgufStringsAreEscapedAndTruncatedInErrors) {
   diffrun::test::GgufBuilder d;
   d.header(0, 2).kv_string("k\x1b[31m", "a").kv_string("k\x1b[31m", "b");
   d.write(path("dup.gguf"));
-  expect_error(run("--model " + quote(path("dup.gguf")) + " --tokens 1"), "duplicate metadata key 'k\\x1b[31m'");
-  expect_error(run("inspect " + quote(path("dup.gguf"))), "duplicate metadata key 'k\\x1b[31m'");
+  expect_error(run("--model " + shell_quote(path("dup.gguf")) + " --tokens 1"), "duplicate metadata key 'k\\x1b[31m'");
+  expect_error(run("inspect " + shell_quote(path("dup.gguf"))), "duplicate metadata key 'k\\x1b[31m'");
 }
 
 // An integer dataset outside the vocabulary was skipped, and reported as "in one dump only" when the
@@ -209,24 +189,24 @@ TEST_F(Reliability, IntegerCheckpointsAreCompared) {
   eng.meta = diffrun::test::synthetic_meta("cpu", "f32");
   eng.write(path("engine.h5"));
   auto add = [&](const std::string& file, const std::string& dtype, const std::string& values) {
-    return python("import h5py, numpy as np\nf = h5py.File(" + quote(path(file)) +
+    return python("import h5py, numpy as np\nf = h5py.File(" + shell_quote(path(file)) +
                   ", 'r+')\nf['step_0000'].create_dataset('inp_pos', data=np.array(" + values + ", dtype='" + dtype +
                   "'))\nf.close()\n");
   };
   ASSERT_EQ(add("reference.h5", "int32", "[0, 1, 2]"), 0);
   ASSERT_EQ(add("engine.h5", "float32", "[0, 1, 2]"), 0);
-  const std::string report = " --no-color --report-json " + quote(path("r.json"));
-  Result r = run("compare " + quote(path("engine.h5")) + " " + quote(path("reference.h5")) + report);
+  const std::string report = " --no-color --report-json " + shell_quote(path("r.json"));
+  Result r = run("compare " + shell_quote(path("engine.h5")) + " " + shell_quote(path("reference.h5")) + report);
   EXPECT_EQ(r.rc, 0) << r.out << r.err;
   EXPECT_EQ(r.out.find("one dump only"), std::string::npos) << r.out;
-  const std::string compared = "import json\nj = json.load(open(" + quote(path("r.json")) + "))\n"
+  const std::string compared = "import json\nj = json.load(open(" + shell_quote(path("r.json")) + "))\n"
                                "c = [x for x in j['checkpoints'] if x['name'] == 'inp_pos']\n"
                                "assert len(c) == 1 and c[0]['status'] == '";
   EXPECT_EQ(python(compared + "pass', c\n"), 0);
   // Both integer, one position wrong: the first divergence.
   eng.write(path("engine.h5"));
   ASSERT_EQ(add("engine.h5", "int32", "[0, 1, 3]"), 0);
-  r = run("compare " + quote(path("engine.h5")) + " " + quote(path("reference.h5")) + report);
+  r = run("compare " + shell_quote(path("engine.h5")) + " " + shell_quote(path("reference.h5")) + report);
   EXPECT_EQ(r.rc, 1) << r.out << r.err;
   EXPECT_EQ(python(compared + "fail', c\n"), 0);
 }
@@ -235,7 +215,7 @@ TEST_F(Reliability, IntegerCheckpointsAreCompared) {
 // (exit 139) inside HDF5 1.10 reading a damaged global heap; such a file is now refused unread.
 TEST_F(Reliability, DamagedDumpIsRefusedByEveryReader) {
   const std::string damaged = diffrun::test::source_dir() + "/tests/data/fuzz-damaged-global-heap.h5";
-  expect_error(run("validate " + quote(damaged)), "damaged: its root attributes cannot be read (HDF5: incorrect metadata checksum");
-  expect_error(run("compare " + quote(damaged) + " " + quote(damaged)), "(HDF5: incorrect metadata checksum");
-  expect_error(run("ls " + quote(damaged)), "(HDF5: incorrect metadata checksum");
+  expect_error(run("validate " + shell_quote(damaged)), "damaged: its root attributes cannot be read (HDF5: incorrect metadata checksum");
+  expect_error(run("compare " + shell_quote(damaged) + " " + shell_quote(damaged)), "(HDF5: incorrect metadata checksum");
+  expect_error(run("ls " + shell_quote(damaged)), "(HDF5: incorrect metadata checksum");
 }

@@ -1,13 +1,17 @@
-// Paths to test inputs (generated fixtures, the fetched SmolLM2 model) and per-process scratch directories.
+// Paths to test inputs (generated fixtures, the fetched SmolLM2 model), per-process scratch directories,
+// and running a command line with its output captured.
 #pragma once
 
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <system_error>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 namespace diffrun::test {
@@ -58,5 +62,36 @@ struct ScratchDir {
 inline std::string smollm2_path() { return models_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf"; }
 // Gemma 3 270M Q4_K_M, fetched on request (scripts/fetch_models gemma3); tests skip without it.
 inline std::string gemma3_path() { return models_dir() + "/gemma-3-270m-q4_k_m.gguf"; }
+
+// The whole file as bytes ("" when it cannot be read).
+inline std::string slurp(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// s as one POSIX shell word.
+inline std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += (c == '\'') ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+struct CommandResult {
+  int rc;  // the exit status, -1 when killed by a signal
+  std::string out;
+  std::string err;
+};
+
+// Runs `program args` (args already shell-quoted where needed) through the shell, stdout and stderr
+// captured through stdout.txt and stderr.txt in `dir`.
+inline CommandResult run_command(const std::string& program, const std::string& args, const std::filesystem::path& dir) {
+  const std::filesystem::path out = dir / "stdout.txt", err = dir / "stderr.txt";
+  const std::string cmd = shell_quote(program) + " " + args + " >" + shell_quote(out.string()) + " 2>" +
+                          shell_quote(err.string());
+  const int status = std::system(cmd.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+}
 
 }  // namespace diffrun::test
