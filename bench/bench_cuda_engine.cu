@@ -3,9 +3,13 @@
 //
 //   bench_cuda_engine [--precision f16|f32] [--steps N] [--json FILE] MODEL.gguf [MODEL.gguf ...]
 //   bench_cuda_engine [--precision f16|f32] --profile-prefill T MODEL.gguf
+//   bench_cuda_engine [--precision f16|f32] --profile-decode N MODEL.gguf
 //
 // --profile-prefill T runs one warm-up prefill of T tokens, then one between cudaProfilerStart and
 // cudaProfilerStop (for `ncu --profile-from-start off`), and prints nothing else.
+// --profile-decode N runs a 32-token prefill and 4 warm-up decode steps (the CUDA graph captured), then
+// N decode steps (hooks off, argmax only) inside the profiler's range: with `ncu --graph-profiling node`
+// every node of the decode graph is one profiled kernel.
 // --json FILE appends one JSON object per model and line (scripts/bench_vs_llamacpp.sh reads it).
 //
 // Roofline: a decode step reads every weight once, so its floor is weight_bytes / bandwidth. The
@@ -200,6 +204,30 @@ void profile_prefill(const std::string& path, const std::string& precision, int 
   BENCH_CUDA(cudaProfilerStop());
 }
 
+// A 32-token prefill and 4 warm-up decode steps, then `steps` decode steps inside the profiler's range.
+void profile_decode(const std::string& path, const std::string& precision, int steps) {
+  auto file = diffrun::GgufFile::open(path);
+  const diffrun::ModelConfig cfg = diffrun::config_from_gguf(*file);
+  auto eng = diffrun::make_cuda_engine(*file, cfg, precision, 32 + 4 + steps + 64);
+  diffrun::NullSink none;
+  eng->reset();
+  int32_t next = eng->forward_argmax(0, prompt(32, cfg.n_vocab), none);
+  int step = 1;
+  std::vector<int32_t> tok(1);
+  for (; step <= 4; ++step) {
+    tok[0] = std::max(next, 0);
+    next = eng->forward_argmax(step, tok, none);
+  }
+  BENCH_CUDA(cudaDeviceSynchronize());
+  BENCH_CUDA(cudaProfilerStart());
+  for (int s = 0; s < steps; ++s, ++step) {
+    tok[0] = std::max(next, 0);
+    next = eng->forward_argmax(step, tok, none);
+  }
+  BENCH_CUDA(cudaDeviceSynchronize());
+  BENCH_CUDA(cudaProfilerStop());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -207,6 +235,7 @@ int main(int argc, char** argv) {
   int steps = 128;
   std::string json;
   int profile_T = 0;
+  int profile_decode_steps = 0;
   std::vector<std::string> models;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -220,6 +249,12 @@ int main(int argc, char** argv) {
       profile_T = std::atoi(argv[++i]);
       if (profile_T < 1) {
         std::fprintf(stderr, "bench_cuda_engine: --profile-prefill takes a token count >= 1, got '%s'\n", argv[i]);
+        return 2;
+      }
+    } else if (a == "--profile-decode" && i + 1 < argc) {
+      profile_decode_steps = std::atoi(argv[++i]);
+      if (profile_decode_steps < 1) {
+        std::fprintf(stderr, "bench_cuda_engine: --profile-decode takes a step count >= 1, got '%s'\n", argv[i]);
         return 2;
       }
     } else if (a == "-h" || a == "--help") {
@@ -239,6 +274,10 @@ int main(int argc, char** argv) {
     if (!diffrun::cuda_device_available(&why)) throw diffrun::Error("no CUDA device: " + why);
     if (profile_T > 0) {
       for (const std::string& m : models) profile_prefill(m, precision, profile_T);
+      return 0;
+    }
+    if (profile_decode_steps > 0) {
+      for (const std::string& m : models) profile_decode(m, precision, profile_decode_steps);
       return 0;
     }
     cudaDeviceProp prop{};

@@ -5,26 +5,38 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 
 #include <fmt/core.h>
 
 namespace diffrun::cli {
 
 Progress::Progress(std::string prefix, bool enabled)
-    : prefix_(std::move(prefix)), enabled_(enabled), tty_(isatty(fileno(stderr)) != 0) {}
+    : prefix_(std::move(prefix)), enabled_(enabled), tty_(isatty(fileno(stderr)) != 0) {
+  const char* t = std::getenv("DIFFRUN_PROGRESS_TIMES");
+  times_ = t && *t && std::strcmp(t, "0") != 0;
+  start_ = std::chrono::steady_clock::now();
+}
+
+std::string Progress::stamp() const {
+  if (!times_) return {};
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  return fmt::format("[+{:.3f} s] ", s);
+}
 
 Progress::~Progress() { finish(); }
 
 void Progress::message(std::string_view text) {
   if (!enabled_) return;
   finish();
-  fmt::print(stderr, "{}: {}\n", prefix_, text);
+  fmt::print(stderr, "{}: {}{}\n", prefix_, stamp(), text);
 }
 
 void Progress::update(std::string_view what, int done, int total) {
   if (!enabled_) return;
   if (!tty_) {
-    fmt::print(stderr, "{}: {} {}/{}\n", prefix_, what, done, total);
+    fmt::print(stderr, "{}: {}{} {}/{}\n", prefix_, stamp(), what, done, total);
     return;
   }
   constexpr int kWidth = 30;

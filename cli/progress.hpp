@@ -1,6 +1,9 @@
 // Progress on stderr while loading, running and comparing: a bar on a TTY, plain lines otherwise.
+// DIFFRUN_PROGRESS_TIMES=1 starts every plain line with the seconds since the Progress was made
+// ("[+1.234 s]"): the phases of a run, for benchmarks.
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <string_view>
 
@@ -28,6 +31,9 @@ class Progress {
   bool enabled_;
   bool tty_;
   bool open_ = false;
+  bool times_ = false;
+  std::chrono::steady_clock::time_point start_;
+  std::string stamp() const;
 };
 
 }  // namespace diffrun::cli

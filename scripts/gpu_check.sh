@@ -8,7 +8,8 @@
 #
 # The SmolLM2 slice (a 12-layer slice made by scripts/slice_gguf.py) can also be given as
 # DIFFRUN_SMOLLM2_SLICE; without one, its checks are skipped. BUILD (default build) and JOBS
-# (default 16) can be overridden. Exit status: 0 when every stage passed, 1 otherwise.
+# (default 16) can be overridden; BENCH=0 skips the benchmark (for a run beside other work, whose
+# timings would mean nothing). Exit status: 0 when every stage passed, 1 otherwise.
 set -uo pipefail
 
 BUILD=${BUILD:-build}
@@ -84,6 +85,9 @@ else
 fi
 
 BENCH_MODELS=()
+if [ "${BENCH:-1}" = 0 ]; then
+  echo "benchmark skipped (BENCH=0)"
+else
 [ -n "$DIFFRUN_QWEN05B" ] && BENCH_MODELS+=("$DIFFRUN_QWEN05B")
 [ -n "$DIFFRUN_SMOLLM2_SLICE" ] && BENCH_MODELS+=("$DIFFRUN_SMOLLM2_SLICE")
 if [ ${#BENCH_MODELS[@]} -gt 0 ]; then
@@ -91,6 +95,7 @@ if [ ${#BENCH_MODELS[@]} -gt 0 ]; then
 else
   echo "no model to benchmark"
   failed+=("bench")
+fi
 fi
 
 echo
