@@ -115,15 +115,21 @@ std::vector<RunPair> run_pairs(const MainOptions& o, Progress& progress) {
 }
 
 // Runs `backend_opt` on the prompt, teacher-forced with `forced` unless empty, into a dump at `path`
-// (through isolation replay of `replay_of` when given).
+// (through isolation replay of `replay_of` when given). `reuse`, when given, is an engine of the same
+// options already loaded (the pipeline's): reset and run instead of loading another.
 StepsResult run_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& backend_opt,
                         const std::string& role, const std::vector<int32_t>& ids, const MainOptions& o,
                         const std::string& prompt, const CheckpointFilter& filter, const DumpWriterOptions& wopt,
                         const std::vector<int32_t>& forced, int steps,
                         const std::string& path, const std::string& run_id, Progress& progress,
-                        const std::string& replay_of = {}) {
+                        const std::string& replay_of = {}, std::unique_ptr<Backend> reuse = {}) {
   const int64_t needed = static_cast<int64_t>(ids.size()) + steps;
-  auto backend = make_backend(file, cfg, backend_opt, static_cast<int>(needed));
+  std::unique_ptr<Backend> backend = std::move(reuse);
+  if (backend && backend->max_ctx() >= needed) {
+    backend->reset();
+  } else {
+    backend = make_backend(file, cfg, backend_opt, static_cast<int>(needed));
+  }
   // Every dump of the run carries its id, so compare refuses a new reference beside an interrupted run's old engine.
   DumpMeta meta = dump_meta(file, *backend, prompt, ids);
   meta.facts["run_id"] = run_id;
@@ -239,6 +245,7 @@ int run_main(const MainOptions& o) {
         guards.push_back(std::make_unique<TempGuard>(pp.replay_path));
       }
     }
+    pp.keep_engine = p.isolate;
     ppairs.push_back(pp);
   }
   std::string threads;
@@ -246,7 +253,8 @@ int run_main(const MainOptions& o) {
   progress.message(fmt::format("{} prompt tokens, {} decode steps; {} pair{} at once, reference threads {}{}", ids.size(),
                                o.steps, n_pairs, n_pairs == 1 ? "" : "s", threads,
                                cpu_engine ? fmt::format(", engine threads {}", eng_threads) : std::string()));
-  std::vector<diff::Comparison> comparisons = run_pipeline(*file, cfg, ppairs, ids, popt, progress);
+  std::vector<std::unique_ptr<Backend>> engines;  // the isolated pairs' engines, loaded once for the run
+  std::vector<diff::Comparison> comparisons = run_pipeline(*file, cfg, ppairs, ids, popt, progress, &engines);
   guards.clear();
 
   // Isolation replay: the engine again, each checkpoint recorded and then replaced by the reference's.
@@ -263,7 +271,7 @@ int run_main(const MainOptions& o) {
         scratch.push_back(path);
       }
       run_backend(*file, cfg, pairs[i].eng, "engine isolated", ids, o, prompt, filter, wopt, tokens, steps, path,
-                  popt.run_id, progress, ppairs[i].replay_path);
+                  popt.run_id, progress, ppairs[i].replay_path, std::move(engines[i]));
       const DumpReader isolated(path), reference(ppairs[i].replay_path);
       add_isolation_for(c, isolated, reference, o.report);
       if (dump != DumpMode::full) c.isolated_path = fmt::format("not written (--dump {})", o.dump);

@@ -210,6 +210,7 @@ struct Context {
   const std::vector<int32_t>& ids;
   const PipelineOptions& opt;
   Shared& sh;
+  std::vector<std::unique_ptr<Backend>>* kept = nullptr;  // engines handed back (PipelinePair::keep_engine)
 };
 
 // One backend: steps 0..opt.steps unless the run stops earlier; the first pair's reference feeds the tokens.
@@ -254,6 +255,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
   }
   cx.sh.push(side, p, Message(Message::done));
   cx.sh.side_done(side, p);
+  if (side == kEngine && pair.keep_engine && cx.kept) (*cx.kept)[p] = std::move(backend);
 }
 
 // The checkpoints of one step of one side, held until --dump divergence knows whether they are written.
@@ -477,7 +479,8 @@ void comparator_thread(const Context& cx, size_t p, diff::Comparison& out) {
 
 std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConfig& cfg,
                                            const std::vector<PipelinePair>& pairs, const std::vector<int32_t>& ids,
-                                           const PipelineOptions& opt, Progress& progress) {
+                                           const PipelineOptions& opt, Progress& progress,
+                                           std::vector<std::unique_ptr<Backend>>* kept) {
   Shared sh;
   sh.ended.assign(pairs.size(), -1);
   sh.queue[kEngine].resize(pairs.size());
@@ -485,7 +488,8 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
   sh.position[kEngine].resize(pairs.size());
   sh.position[kReference].resize(pairs.size());
   sh.progress = &progress;
-  const Context cx{file, cfg, pairs, ids, opt, sh};
+  if (kept) kept->resize(pairs.size());
+  const Context cx{file, cfg, pairs, ids, opt, sh, kept};
   std::vector<diff::Comparison> out(pairs.size());
   std::vector<std::thread> threads;
   const auto guarded = [&sh](auto fn) {

@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,7 @@ struct PipelinePair {
   std::string replay_path;  // non-empty: the reference's full dump is also written here, whatever --dump
                             // says (the isolation replay reads it)
   int engine_threads = 1, reference_threads = 1;  // OpenMP threads of a cpu backend
+  bool keep_engine = false;  // hand the engine back when the pair is done (the isolation replay reuses it)
 };
 
 struct PipelineOptions {
@@ -69,9 +71,11 @@ struct PipelineOptions {
 int available_cores();
 
 // Runs every pair on the prompt `ids` and returns one comparison per pair (dump paths as given, or
-// "not written (--dump none)"). Throws what a backend, a writer or the comparison throws.
+// "not written (--dump none)"). Throws what a backend, a writer or the comparison throws. With `kept`,
+// (*kept)[p] receives the engine of each pair p whose keep_engine is set (loaded once for the run).
 std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConfig& cfg,
                                            const std::vector<PipelinePair>& pairs, const std::vector<int32_t>& ids,
-                                           const PipelineOptions& opt, Progress& progress);
+                                           const PipelineOptions& opt, Progress& progress,
+                                           std::vector<std::unique_ptr<Backend>>* kept = nullptr);
 
 }  // namespace diffrun::cli

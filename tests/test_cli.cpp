@@ -403,3 +403,21 @@ TEST_F(Cli, ResidualInF16IsPrecisionDrift) {
   EXPECT_EQ(j["first_divergence"]["name"], "ffn_inp-0");
   EXPECT_EQ(j["first_divergence"]["verdict"]["kind"], "local") << bug.out;
 }
+
+// The isolation replay of the top-level job reuses the pipeline's engine (reset, not loaded again): its
+// dump holds exactly what a fresh engine replaying the same reference dump records (`dump --replay`).
+TEST_F(Cli, IsolationReplayReusingTheEngineEqualsAFreshReplay) {
+  const std::string model = diffrun::test::fixture_path("tiny-qwen2-q8_0.gguf");
+  if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model << " (run the fixtures_generate test)";
+  const std::string out = path("run");
+  Result job = run("--model " + shell_quote(model) + " --tokens 1,17,42,7 --steps 3 --engine cpu --isolate --no-color --out " +
+                   shell_quote(out));
+  EXPECT_EQ(job.rc, 0) << job.out << job.err;
+  Result fresh = run("dump --backend cpu --precision f32 --model " + shell_quote(model) + " --tokens 1,17,42,7 --steps 3 "
+                     "--replay " + shell_quote(out + "/reference.h5") + " --out " + shell_quote(path("fresh.h5")));
+  ASSERT_EQ(fresh.rc, 0) << fresh.out << fresh.err;
+  Result same = run("compare " + shell_quote(path("fresh.h5")) + " " + shell_quote(out + "/engine-isolated.h5") +
+                   " --no-color");
+  EXPECT_EQ(same.rc, 0) << same.out << same.err;
+  EXPECT_NE(same.out.find("PASS"), std::string::npos) << same.out;
+}
