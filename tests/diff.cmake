@@ -36,3 +36,9 @@ add_test(NAME test_readme_commands
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_readme_commands PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 600
   ENVIRONMENT "${DIFFRUN_TEST_ENV}")
+
+# The shipped presets keep the invariants scripts/calibrate_tolerances.py writes them with.
+add_test(NAME test_presets
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_presets.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_presets PROPERTIES LABELS "cpu;python" TIMEOUT 120 ENVIRONMENT "${DIFFRUN_TEST_ENV}")
