@@ -179,7 +179,8 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
   if (r.base == "result_output" && r.shape_reference.size() == 2) {
     m.logits = compute_logit_metrics(a, b, r.shape_reference[0], r.shape_reference[1]);
   }
-  r.checks = check_bounds(m, rule, positions);
+  r.bound_scale = tolerances.length_scale(positions);
+  r.checks = check_bounds(m, rule, positions, r.bound_scale);
   r.metrics = std::move(m);
   const bool ok = std::all_of(r.checks.begin(), r.checks.end(), [](const BoundCheck& k) { return k.pass; });
   r.status = ok ? CheckpointStatus::pass : CheckpointStatus::fail;

@@ -201,7 +201,7 @@ json checkpoint_json(const CheckpointResult& r) {
           {"status", checkpoint_status_name(r.status)},
           {"shape_engine", r.status == CheckpointStatus::only_reference ? json(nullptr) : json(r.shape_engine)},
           {"shape_reference", r.status == CheckpointStatus::only_engine ? json(nullptr) : json(r.shape_reference)},
-          {"rule", {{"match", r.rule_match}, {"reason", r.rule_reason}}},
+          {"rule", {{"match", r.rule_match}, {"reason", r.rule_reason}, {"bound_scale", r.bound_scale}}},
           {"checks", checks},
           {"local", r.local ? json{{"status", checkpoint_status_name(r.local->status)}, {"rel_l2", number(r.local->rel_l2)}}
                             : json(nullptr)},

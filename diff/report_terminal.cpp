@@ -95,6 +95,11 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s, boo
   out += s.red(fmt::format("FIRST DIVERGENCE  {}  ({})", f.name, where(f))) + "\n";
   out += notes ? fmt::format("  rule      {}: {}\n", rule_label(f), f.rule_reason)
                : fmt::format("  rule      {}\n", rule_label(f));
+  if (f.bound_scale > 1.0) {
+    out += fmt::format("  context   rel L2 bounds x{:.2f} (KL x{:.2f}): this step's context is longer than the preset's\n"
+                       "            calibration (calibrated_positions)\n",
+                       f.bound_scale, f.bound_scale * f.bound_scale);
+  }
   if (f.status == CheckpointStatus::shape_mismatch) {
     out += fmt::format("  shape     engine {} vs reference {} (layout {})\n", shape_str(f.shape_engine),
                        shape_str(f.shape_reference), f.layout);

@@ -36,6 +36,7 @@ struct CheckpointResult {
   std::vector<BoundCheck> checks;
   std::string rule_match;  // the pattern of the rule applied ("" for the default rule)
   std::string rule_reason;
+  double bound_scale = 1.0;  // the rel L2 bounds' long-context scaling at this step (ToleranceSet::length_scale)
   std::optional<LocalError> local;  // set by add_isolation when the isolated run recorded it
 
   bool failed() const { return status == CheckpointStatus::fail || status == CheckpointStatus::shape_mismatch; }

@@ -370,8 +370,15 @@ class Parser {
       } else if (key == "default") {
         set.default_rule = rule(v, at, true);
         have_default = true;
+      } else if (key == "calibrated_positions") {
+        const double n = number(v, at, key, Range::non_negative);
+        if (n < 1 || n != std::floor(n) || n > 1e12) {
+          fail(at, fmt::format("\"calibrated_positions\" must be a whole number >= 1, got {}", printable(v.dump(), 80)));
+        }
+        set.calibrated_positions = static_cast<int64_t>(n);
       } else {
-        fail(at, fmt::format("unknown key \"{}\" (known: preset, description, rules, default)", printable(key, 80, '"')));
+        fail(at, fmt::format("unknown key \"{}\" (known: preset, description, calibrated_positions, rules, default)",
+                             printable(key, 80, '"')));
       }
     }
     if (!have_default) fail(root, "missing \"default\" rule");
@@ -428,7 +435,13 @@ std::string preset_name(std::string_view engine_precision, std::string_view refe
   return fmt::format("{}_vs_{}", engine_precision, reference_precision);
 }
 
-std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule& rule, int64_t positions) {
+double ToleranceSet::length_scale(int64_t positions) const {
+  if (!calibrated_positions || positions <= *calibrated_positions) return 1.0;
+  return std::sqrt(static_cast<double>(positions) / static_cast<double>(*calibrated_positions));
+}
+
+std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule& rule, int64_t positions,
+                                     double length_scale) {
   std::vector<BoundCheck> out;
   if (!m.finite()) {
     // A NaN or Inf on either side fails, also the same one on both sides; the metric bounds are
@@ -448,7 +461,7 @@ std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule
   // angle, pos times a rounded frequency, is off by an amount proportional to pos.
   const double grow = rule.rel_l2_per_position.value_or(0.0) * static_cast<double>(std::max<int64_t>(positions, 0));
   const auto grown = [&](const std::optional<double>& limit) {
-    return limit ? std::optional<double>(*limit + grow) : std::nullopt;
+    return limit ? std::optional<double>((*limit + grow) * length_scale) : std::nullopt;
   };
   upper("rel_l2", "max_rel_l2", m.rel_l2, grown(rule.max_rel_l2));
   upper("nmse", "max_nmse", m.nmse, rule.max_nmse);
@@ -460,7 +473,8 @@ std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule
   if (m.logits) {
     lower("top1", "min_top1", m.logits->top1, rule.min_top1);
     lower("top5_overlap", "min_top5", m.logits->top5_overlap, rule.min_top5);
-    upper("kl_max", "max_kl", m.logits->kl_max, rule.max_kl);
+    upper("kl_max", "max_kl", m.logits->kl_max,
+          rule.max_kl ? std::optional<double>(*rule.max_kl * length_scale * length_scale) : std::nullopt);
   }
   return out;
 }

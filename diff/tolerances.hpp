@@ -61,8 +61,15 @@ struct ToleranceSet {
   std::string description;
   std::vector<ToleranceRule> rules;
   ToleranceRule default_rule;
+  // The longest context (KV length) the bounds were calibrated on. Beyond it every rel L2 bound
+  // (max_rel_l2, max_row_rel_l2, max_head_rel_l2) is scaled by sqrt(positions / calibrated_positions)
+  // and max_kl by its square: rounding in sums over the context grows like the square root of its
+  // length, and the worst of more rows is larger. Absent: no scaling.
+  std::optional<int64_t> calibrated_positions;
 
   const ToleranceRule& rule_for(std::string_view checkpoint) const;
+  // The factor the rel L2 bounds are scaled by at a step reaching `positions` (1 within calibration).
+  double length_scale(int64_t positions) const;
 };
 
 // Throws InputError "<source>:<line>: ..." for anything wrong in the text.
@@ -79,7 +86,9 @@ std::string preset_name(std::string_view engine_precision, std::string_view refe
 // Every bound of `rule` against `m`. A NaN or Inf on either side (the same on both included) gives
 // one failing "nonfinite" check (value: the number of non-finite elements on both sides) and nothing
 // else: the metrics are undefined there. `positions`: the KV length after the step (the rel L2
-// bounds grow by rule.rel_l2_per_position times it).
-std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule& rule, int64_t positions = 0);
+// bounds grow by rule.rel_l2_per_position times it). `length_scale` (ToleranceSet::length_scale)
+// multiplies the grown rel L2 bounds, and max_kl by its square.
+std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule& rule, int64_t positions = 0,
+                                     double length_scale = 1.0);
 
 }  // namespace diffrun::diff

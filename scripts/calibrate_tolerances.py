@@ -275,7 +275,12 @@ def emit_preset(args, worst, path: Path):
     default = max(r["max_rel_l2"] for r in rules)
     preset = {"preset": path.stem, "description": args.description or f"calibrated by scripts/calibrate_tolerances.py ({where})",
               "rules": rules, "default": {"max_rel_l2": default, "reason": "a kind not measured: the loosest bound above"}}
+    # The longest context the bounds hold for unscaled: --calibrated-positions, else the replaced file's.
+    cal_positions = args.calibrated_positions
+    if cal_positions is None and path.exists():
+        cal_positions = json.loads(path.read_text()).get("calibrated_positions")
     lines = ["{", f'  "preset": {json.dumps(preset["preset"])},', f'  "description": {json.dumps(preset["description"])},',
+             *([f'  "calibrated_positions": {int(cal_positions)},'] if cal_positions else []),
              '  "rules": [', ",\n".join("    " + json.dumps(r) for r in rules), "  ],",
              f'  "default": {json.dumps(preset["default"])}', "}"]
     path.write_text("\n".join(lines) + "\n")
@@ -298,6 +303,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=Path, help="one prompt per line, run with --chat ('@N': N filler ids)")
     ap.add_argument("--emit-preset", type=Path)
     ap.add_argument("--factor", type=float, default=4.0)
+    ap.add_argument("--calibrated-positions", type=int, default=None,
+                    help="the longest context (prompt + steps) calibrated on; beyond it the comparison scales the rel L2 "
+                         "bounds by sqrt(positions / this) (default: the replaced preset's value)")
     ap.add_argument("--floor", type=float, default=1e-6, help="smallest max_rel_l2 an emitted rule gets")
     ap.add_argument("--single-rule", action="store_true", help="--emit-preset: one rule per kind, no layer-0 rule")
     ap.add_argument("--axis-bounds", action="store_true",

@@ -1,4 +1,5 @@
 // Unit tests of diff/tolerances: parsing, first-match rules, errors that name the line, presets, bound checks.
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -321,4 +322,66 @@ TEST(Tolerances, RelL2BoundsGrowWithThePositions) {
   EXPECT_THROW(parse_tolerances(R"({"default": {"rel_l2_per_position": 1e-8, "reason": "r"}})", "t.json"), InputError);
   EXPECT_THROW(parse_tolerances(R"({"default": {"max_rel_l2": 1e-5, "rel_l2_per_position": -1, "reason": "r"}})", "t.json"),
                InputError);
+}
+
+// calibrated_positions: beyond it the rel L2 bounds (tensor, row, head, after rel_l2_per_position)
+// scale by sqrt(positions / calibrated_positions) and max_kl by its square; within it nothing changes.
+TEST(Tolerances, BoundsScaleBeyondTheCalibratedContext) {
+  const ToleranceSet t = parse_tolerances(R"({
+    "calibrated_positions": 600,
+    "rules": [{"match": "kq_soft_max-*", "max_rel_l2": 5e-5, "max_row_rel_l2": 1.2e-4, "max_head_rel_l2": 1.5e-4,
+               "max_abs": 1e-3, "reason": "r"},
+              {"match": "result_output", "max_rel_l2": 1e-4, "max_kl": 1e-8, "reason": "r"}],
+    "default": {"max_rel_l2": 1e-5, "reason": "rest"}})",
+                                          "tol.json");
+  ASSERT_EQ(t.calibrated_positions, 600);
+  EXPECT_DOUBLE_EQ(t.length_scale(1), 1.0);
+  EXPECT_DOUBLE_EQ(t.length_scale(600), 1.0);
+  EXPECT_DOUBLE_EQ(t.length_scale(2400), 2.0);
+  TensorMetrics m;
+  m.rel_l2 = 4e-5;
+  m.max_abs = 1e-4;
+  m.row.extent = 586;
+  m.row.rel_l2 = 1.9e-4;  // the worst of a 4,782-token prompt's rows (SmolLM2, cpu f32 vs f64)
+  m.head.extent = 9;
+  m.head.rel_l2 = 5e-5;
+  const auto bound = [](const std::vector<BoundCheck>& checks, const std::string& name) {
+    for (const auto& c : checks)
+      if (c.bound == name) return c;
+    ADD_FAILURE() << "no " << name;
+    return BoundCheck{};
+  };
+  const ToleranceRule& rule = t.rule_for("kq_soft_max-0");
+  EXPECT_FALSE(bound(check_bounds(m, rule, 550, t.length_scale(550)), "max_row_rel_l2").pass);
+  const auto at4782 = check_bounds(m, rule, 4782, t.length_scale(4782));
+  EXPECT_TRUE(bound(at4782, "max_row_rel_l2").pass);
+  EXPECT_NEAR(bound(at4782, "max_row_rel_l2").limit, 1.2e-4 * std::sqrt(4782.0 / 600.0), 1e-12);
+  EXPECT_NEAR(bound(at4782, "max_head_rel_l2").limit, 1.5e-4 * std::sqrt(4782.0 / 600.0), 1e-12);
+  EXPECT_DOUBLE_EQ(bound(at4782, "max_abs").limit, 1e-3);  // not a relative bound: unscaled
+  // A real bug's error (one row 10x off) still fails at any length.
+  m.row.rel_l2 = 0.1;
+  EXPECT_FALSE(bound(check_bounds(m, rule, 4782, t.length_scale(4782)), "max_row_rel_l2").pass);
+  TensorMetrics logits;
+  logits.rel_l2 = 1e-6;
+  logits.logits = LogitMetrics{};
+  logits.logits->kl_max = 2.4e-8;
+  logits.logits->top1 = 1;
+  logits.logits->top5_overlap = 1;
+  EXPECT_FALSE(bound(check_bounds(logits, t.rule_for("result_output"), 600, t.length_scale(600)), "max_kl").pass);
+  const auto kl = bound(check_bounds(logits, t.rule_for("result_output"), 4800, t.length_scale(4800)), "max_kl");
+  EXPECT_TRUE(kl.pass);
+  EXPECT_NEAR(kl.limit, 8e-8, 1e-20);
+  // Without the key: no scaling. Bad values name the key.
+  EXPECT_DOUBLE_EQ(parse_tolerances(R"({"default": {"max_rel_l2": 1e-5, "reason": "r"}})", "t.json").length_scale(1 << 20),
+                   1.0);
+  for (const char* bad : {"0", "-5", "2.5", "\"600\"", "1e13"}) {
+    try {
+      parse_tolerances(std::string(R"({"calibrated_positions": )") + bad + R"(, "default": {"max_rel_l2": 1, "reason": "r"}})",
+                       "t.json");
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("calibrated_positions"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("t.json:1"), std::string::npos) << e.what();
+    }
+  }
 }
