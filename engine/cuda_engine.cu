@@ -34,7 +34,9 @@
 //   the norm). Where the reference dump lacks the second output, the next op reads the fused op's
 //   own, computed from the reference's inputs.
 // - Steps of up to kAttentionSplitMaxT tokens (decode) run attention_split, which spreads each head's
-//   keys over enough blocks to fill the GPU and always writes the probabilities into attn_probs_
+//   keys over enough blocks to fill the GPU once there are enough keys (one split per
+//   DIFFRUN_ATTENTION_SPLIT_MIN_KEYS keys, default kAttentionSplitMinKeys; 1 = every split at any
+//   length, as before; the "attention_split_min_keys" fact) and always writes the probabilities into attn_probs_
 //   (its scores live there), so kq_soft_max costs only its copy; longer steps (prefill) take their
 //   output from attention_tiled (K/V tiles in shared memory, online softmax) with hooks on or off,
 //   and when kq_soft_max is recorded, attention writes the probabilities alone beside it
@@ -89,6 +91,17 @@ constexpr uint64_t kCublasWorkspaceBytes = uint64_t(32) << 20;
 bool env_is_zero(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr && std::strcmp(v, "0") == 0;
+}
+
+// A positive integer from the environment, or `fallback` when the variable is unset or empty.
+int env_positive_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 1 || n > (1 << 30))
+    throw InputError(std::string(name) + "=" + v + ": expected a positive integer");
+  return static_cast<int>(n);
 }
 
 // Activations of one step, for up to `capacity` tokens; a longer step reallocates, decode reuses.
@@ -163,6 +176,7 @@ class CudaEngineImpl final : public CudaEngine {
         h_argmax_(1, "step state"),
         h_logits_(size_t(logit_columns()), "logits"),
         attn_splits_(attention_split_count(cfg.n_head, sm_count())),
+        attn_min_keys_(env_positive_int("DIFFRUN_ATTENTION_SPLIT_MIN_KEYS", kAttentionSplitMinKeys)),
         attn_probs_(attn_probs_floats(cfg, max_ctx), "attention scratch"),
         attn_partial_(attn_partial_floats(cfg, attn_splits_), "attention scratch"),
         attn_counters_(size_t(kAttentionSplitMaxT) * cfg.n_head, "attention scratch"),
@@ -195,6 +209,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"kv_cache_dtype", "f32"},
         {"cuda_graphs", graphs_enabled_ ? "decode steps without hooks" : "off"},
         {"attention_splits", std::to_string(attn_splits_)},
+        {"attention_split_min_keys", std::to_string(attn_min_keys_)},
         {"prefill_attention", tiled_attention_ ? "tiled" : "one block per (token, head)"},
         {"pdl", pdl_enabled() ? "on" : "off"},
     };
@@ -373,7 +388,7 @@ class CudaEngineImpl final : public CudaEngine {
     if (split_attention(n)) {
       probs = attn_probs_.get();
       attention_split(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window,
-                      {attn_partial_.get(), attn_counters_.get(), attn_splits_}, stream_);
+                      {attn_partial_.get(), attn_counters_.get(), attn_splits_, attn_min_keys_}, stream_);
     } else {
       probs = want_probs ? probs_.get() : nullptr;
       if (attention_flaws_.any())
@@ -624,6 +639,7 @@ class CudaEngineImpl final : public CudaEngine {
   PinnedBuffer<int32_t> h_argmax_;  // [1]
   PinnedBuffer<float> h_logits_;    // [V] the last token's logits
   int attn_splits_;                          // attention_split blocks per (token, head)
+  int attn_min_keys_;                        // keys per split a query needs to use another split
   DeviceBuffer<float> attn_probs_;           // [H, T, S] of attention_split steps, T ≤ kAttentionSplitMaxT
   DeviceBuffer<float> attn_partial_;         // [T, H, splits, Dh + 2] attention_split partials
   DeviceBuffer<uint32_t> attn_counters_;     // [T, H] attention_split tickets, zero between launches

@@ -399,19 +399,30 @@ TEST(EngineOps, AttentionMatchesReference) {
 
 // The split (flash-decoding) kernel: against the CPU twin and the one-block kernel, with S not a
 // multiple of the splits, splits left empty (S < splits), one split, GQA and T > 1 causal; the
-// scratch tickets left at zero (a second launch on the same scratch gives the same bits).
+// scratch tickets left at zero (a second launch on the same scratch gives the same bits). Each case
+// runs with the default min_keys (short queries in one block, long ones over several splits) and
+// with min_keys 1 (every query over all its splits, the combine and empty chunks at small S).
 TEST(EngineOps, AttentionSplitMatchesReference) {
   DIFFRUN_REQUIRE_CUDA();
   struct Case {
-    int T, n_past, H, Hkv, Dh, splits, window = 0;
+    int T, n_past, H, Hkv, Dh, splits, window = 0, min_keys = engine::kAttentionSplitMinKeys;
   };
+  std::vector<Case> cases;
   for (const Case c : {Case{1, 37, 14, 2, 64, 19}, Case{1, 0, 14, 2, 64, 19}, Case{1, 200, 6, 3, 40, 7},
                        Case{1, 5, 4, 4, 128, 1}, Case{3, 2, 8, 1, 256, 5}, Case{4, 300, 6, 2, 40, 64},
-                       Case{2, 1, 5, 5, 18, 3}, Case{1, 600, 4, 1, 256, 64, 512}, Case{3, 20, 4, 1, 256, 7, 8}}) {
+                       Case{2, 1, 5, 5, 18, 3}, Case{1, 600, 4, 1, 256, 64, 512}, Case{3, 20, 4, 1, 256, 7, 8},
+                       Case{1, 1000, 14, 2, 64, 19}, Case{2, 5000, 4, 1, 64, 19}, Case{1, 3000, 32, 4, 64, 9},
+                       Case{4, 700, 3, 1, 100, 64, 0, 50}}) {
+    cases.push_back(c);
+    cases.push_back(c);
+    cases.back().min_keys = 1;
+  }
+  for (const Case c : cases) {
     const int T = c.T, n_past = c.n_past, H = c.H, Hkv = c.Hkv, Dh = c.Dh, window = c.window;
     const float scale = window > 0 ? 0.0625f : 1.0f / std::sqrt(float(Dh));
     SCOPED_TRACE("T " + std::to_string(T) + " n_past " + std::to_string(n_past) + " H " + std::to_string(H) +
-                 " Hkv " + std::to_string(Hkv) + " Dh " + std::to_string(Dh) + " splits " + std::to_string(c.splits));
+                 " Hkv " + std::to_string(Hkv) + " Dh " + std::to_string(Dh) + " splits " + std::to_string(c.splits) +
+                 " window " + std::to_string(window) + " min_keys " + std::to_string(c.min_keys));
     const int S = n_past + T, Q = H * Dh, KV = Hkv * Dh;
     const auto q = random_vec(T * Q, 40, 2.0f), kc = random_vec(S * KV, 41), vc = random_vec(S * KV, 42);
     std::vector<double> out_ref(T * Q), probs_ref(size_t(H) * T * S);
@@ -422,7 +433,7 @@ TEST(EngineOps, AttentionSplitMatchesReference) {
     DeviceArray<float> partial(size_t(T) * H * c.splits * (Dh + 2));
     DeviceArray<uint32_t> counters(std::vector<uint32_t>(size_t(T) * H, 0u));
     DeviceArray<int32_t> dnp(std::vector<int32_t>{n_past});
-    const engine::AttentionSplitScratch scratch{partial.get(), counters.get(), c.splits};
+    const engine::AttentionSplitScratch scratch{partial.get(), counters.get(), c.splits, c.min_keys};
     engine::attention_split(out.get(), probs.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale,
                             window, scratch, nullptr);
     const auto got = out.download(), got_probs = probs.download();
@@ -533,6 +544,14 @@ TEST(EngineOps, AttentionSplitCount) {
   EXPECT_EQ(engine::attention_split_count(14, 132), 19);
   EXPECT_EQ(engine::attention_split_count(64, 16), 1);
   EXPECT_EQ(engine::attention_split_count(1, 132), engine::kAttentionSplitMaxSplits);
+  // Splits used per query: one per min_keys keys, at least 1, at most the grid's.
+  EXPECT_EQ(engine::attention_splits_used(37, 19, 128), 1);
+  EXPECT_EQ(engine::attention_splits_used(255, 19, 128), 1);
+  EXPECT_EQ(engine::attention_splits_used(256, 19, 128), 2);
+  EXPECT_EQ(engine::attention_splits_used(100000, 19, 128), 19);
+  EXPECT_EQ(engine::attention_splits_used(37, 19, 1), 19);
+  EXPECT_EQ(engine::attention_splits_used(5, 19, 1), 5);
+  EXPECT_EQ(engine::attention_splits_used(1, 1, 128), 1);
 }
 
 // gemma3's ops: GeGLU (f32 and f16 out), the embedding scale and the logit softcap against their CPU twins.
