@@ -226,7 +226,9 @@ TEST(EngineOps, EmbeddingMatchesReference) {
 
 TEST(EngineOps, RmsNormMatchesReference) {
   DIFFRUN_REQUIRE_CUDA();
-  for (auto [rows, D] : {std::pair{7, 97}, std::pair{15, 18}, std::pair{2, 896}}) {
+  // D ≤ 2048 rows are held in registers, longer ones read back from memory (both paths).
+  for (auto [rows, D] : {std::pair{7, 97}, std::pair{15, 18}, std::pair{2, 896}, std::pair{3, 2048},
+                         std::pair{2, 2049}, std::pair{2, 5000}}) {
     SCOPED_TRACE("rows " + std::to_string(rows) + " D " + std::to_string(D));
     const auto x = random_vec(rows * D, 5, 3.0f), w = random_vec(D, 6);
     std::vector<double> ref(rows * D);
@@ -337,10 +339,12 @@ TEST(EngineOps, RopeQkMatchesRopeTwinsAndKvStore) {
   EXPECT_EQ(ik.download(), sk.download());
 }
 
-// Residual add then RMSNorm in one launch: both outputs bit-identical to add followed by rms_norm.
+// Residual add then RMSNorm in one launch: both outputs bit-identical to add followed by rms_norm,
+// with rows held in registers (D ≤ 2048) and read back from memory (longer).
 TEST(EngineOps, AddRmsNormMatchesAddThenRmsNorm) {
   DIFFRUN_REQUIRE_CUDA();
-  for (auto [rows, D] : {std::pair{1, 896}, std::pair{7, 97}}) {
+  for (auto [rows, D] : {std::pair{1, 896}, std::pair{7, 97}, std::pair{1, 2048}, std::pair{2, 2049},
+                         std::pair{1, 5000}}) {
     SCOPED_TRACE("rows " + std::to_string(rows) + " D " + std::to_string(D));
     const auto a = random_vec(rows * D, 32, 2.0f), b = random_vec(rows * D, 33), w = random_vec(D, 34);
     std::vector<double> sum_ref(rows * D), norm_ref(rows * D);
@@ -358,6 +362,9 @@ TEST(EngineOps, AddRmsNormMatchesAddThenRmsNorm) {
     engine::add_rms_norm(sum.get(), n16.get(), da.get(), db.get(), dw.get(), rows, D, 1e-6f, nullptr);
     engine::rms_norm(n16b.get(), sum2.get(), dw.get(), rows, D, 1e-6f, nullptr);
     EXPECT_EQ(from_half(n16.download()), from_half(n16b.download()));
+    engine::add_rms_norm(da.get(), norm.get(), da.get(), db.get(), dw.get(), rows, D, 1e-6f, nullptr);  // sum = a
+    EXPECT_EQ(da.download(), sum2.download());
+    EXPECT_EQ(norm.download(), norm2.download());
   }
 }
 

@@ -29,6 +29,22 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The sum of v over a block of kOpThreads threads: each warp's warp_sum, then the warps' sums in warp
+// order (every thread gets the same bits). The order rms_norm and add_rms_norm share.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[kOpThreads / 32];
+  v = warp_sum(v);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kOpThreads / 32; ++i) total += partial[i];
+  return total;
+}
+
+// Row elements per thread that rms_norm and add_rms_norm keep in registers (D ≤ 2048 at 256 threads).
+constexpr int kNormRegs = 8;
+
 // Programmatic Dependent Launch (sm_90+): a kernel launched by launch_pdl may start while the
 // kernel before it in the stream (or graph) finishes. Such a kernel calls pdl_wait() before its
 // first global read or write (it returns once the preceding grid has completed and its memory is
