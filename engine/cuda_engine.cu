@@ -14,7 +14,9 @@
 //   launch the same kernels one by one.
 // - Every op kernel (not cuBLAS) is launched with Programmatic Dependent Launch on sm_90+: it waits
 //   for the preceding grid first thing, so its launch overlaps the previous kernel's tail, in the
-//   graph and out of it. DIFFRUN_PDL=0 turns it off (the "pdl" fact says which ran).
+//   graph and out of it. DIFFRUN_PDL=0 turns it off (the "pdl" fact says which ran). The GEMVs
+//   also ask L2 for their weight rows before that wait (DIFFRUN_GEMV_PREFETCH=0 turns it off; the
+//   "gemv_prefetch" fact), so the weights stream in while the preceding small kernel runs.
 // - As in the reference, the lm head computes every token's logits only when result_output is
 //   recorded, else the last token's alone.
 // - Hooks off: no copies, no synchronization, no extra kernels. On: cudaMemcpyAsync into pinned
@@ -212,6 +214,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"attention_split_min_keys", std::to_string(attn_min_keys_)},
         {"prefill_attention", tiled_attention_ ? "tiled" : "one block per (token, head)"},
         {"pdl", pdl_enabled() ? "on" : "off"},
+        {"gemv_prefetch", gemv_prefetch_enabled() ? "on" : "off"},
     };
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
     CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));

@@ -62,6 +62,20 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// Starts bringing the bytes [p, p + n) into L2 (sm_90+: one bulk prefetch of the 16-byte granules
+// inside the range; a hint, nothing before sm_90). L2 is coherent for the whole device, so this is
+// correct on any memory; a kernel calls it before pdl_wait() for data the preceding kernel does not
+// write (weights), so their fetch overlaps that kernel.
+__device__ __forceinline__ void prefetch_l2(const void* p, size_t n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t(15);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) & ~uintptr_t(15);
+  if (end > begin)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(begin), "r"(static_cast<uint32_t>(end - begin))
+                 : "memory");
+#endif
+}
+
 // Launches a kernel that calls pdl_wait() first thing, with programmatic stream serialization
 // allowed unless pdl_enabled() is false (a plain launch then).
 template <typename... Params, typename... Args>

@@ -40,13 +40,19 @@ __device__ __forceinline__ float dot16(uint4 w, uint4 x, const float*) {
 // y[row] = Σ_k w[row, k] · x[k] in f32, then + bias. kWarpsPerRow warps (1 or 4) share a row: each
 // lane takes every (32·kWarpsPerRow)-th 16-byte chunk, a batch of kGemvBatch loads in flight at
 // once (predicated, no tail loop), then a warp reduction and, for 4 warps, one through shared
-// memory in warp order. kVec: rows and x 16-byte aligned (K · sizeof(W) a multiple of 16).
+// memory in warp order. kVec: rows and x 16-byte aligned (K · sizeof(W) a multiple of 16). With
+// prefetch, thread 0 first asks L2 for the block's weight rows (before the PDL wait: the weights are
+// not written by the preceding kernel), so their fetch overlaps it; the values and order are the same.
 template <typename W, bool kVec, int kWarpsPerRow>
 static __global__ void gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, int K,
-                                   int N) {
+                                   int N, bool prefetch) {
+  constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
+  if (prefetch && threadIdx.x == 0) {  // the block's rows (contiguous), while the preceding kernel runs
+    const int first = blockIdx.x * kRowsPerBlock;
+    prefetch_l2(w + int64_t(first) * K, size_t(min(kRowsPerBlock, N - first)) * K * sizeof(W));
+  }
   pdl_wait();
   pdl_trigger();
-  constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
   constexpr int kLanes = 32 * kWarpsPerRow;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.x * kRowsPerBlock + warp / kWarpsPerRow;
@@ -92,7 +98,8 @@ template <typename W, bool kVec, int kWarpsPerRow>
 void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream) {
   constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
   const unsigned blocks = static_cast<unsigned>((N + kRowsPerBlock - 1) / kRowsPerBlock);
-  launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow>, blocks, kGemvThreads, 0, stream, parts, x, w, K, N);
+  launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow>, blocks, kGemvThreads, 0, stream, parts, x, w, K, N,
+             gemv_prefetch_enabled());
 }
 
 template <typename W>

@@ -247,13 +247,19 @@ __device__ __forceinline__ void store4(__half* p, const float* v) {
 
 // y[row0 + r] = Σ_k w[r, k] · x[k] in f32 (+ bias). kWarpsPerRow warps (1 or 4) share a row; each
 // lane takes every (32·kWarpsPerRow)-th chunk of the row, then a warp reduction and, for 4 warps,
-// one through shared memory in warp order.
+// one through shared memory in warp order. With prefetch, thread 0 first asks L2 for the block's
+// rows before the PDL wait (as gemv_kernel in matmul.cu).
 template <typename Q, typename X, int kWarpsPerRow>
 static __global__ void qgemv_kernel(GemvParts parts, int row0, int rows, const X* __restrict__ x,
-                                    const uint8_t* __restrict__ w, int K) {
+                                    const uint8_t* __restrict__ w, int K, bool prefetch) {
+  constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
+  if (prefetch && threadIdx.x == 0) {  // the block's rows (contiguous), while the preceding kernel runs
+    const int first = blockIdx.x * kRowsPerBlock;
+    const int64_t row_bytes = int64_t(K / Q::kElems) * Q::kBytes;
+    prefetch_l2(w + first * row_bytes, size_t(min(kRowsPerBlock, rows - first)) * row_bytes);
+  }
   pdl_wait();
   pdl_trigger();
-  constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
   constexpr int kLanes = 32 * kWarpsPerRow;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = blockIdx.x * kRowsPerBlock + warp / kWarpsPerRow;
@@ -400,10 +406,12 @@ void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X*
     const int chunks = K / Q::kElems * Q::kChunks;
     if (rows < 4096 && chunks >= 256) {  // few rows with long K: 4 warps share each row
       const unsigned blocks = static_cast<unsigned>(rows);
-      launch_pdl(qgemv_kernel<Q, X, 4>, blocks, kGemvThreads, 0, stream, parts, row0, rows, x, wb, K);
+      launch_pdl(qgemv_kernel<Q, X, 4>, blocks, kGemvThreads, 0, stream, parts, row0, rows, x, wb, K,
+                 gemv_prefetch_enabled());
     } else {
       const unsigned blocks = static_cast<unsigned>((rows + 3) / 4);
-      launch_pdl(qgemv_kernel<Q, X, 1>, blocks, kGemvThreads, 0, stream, parts, row0, rows, x, wb, K);
+      launch_pdl(qgemv_kernel<Q, X, 1>, blocks, kGemvThreads, 0, stream, parts, row0, rows, x, wb, K,
+                 gemv_prefetch_enabled());
     }
   });
   check_launch("qgemv", stream);
