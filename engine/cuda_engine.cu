@@ -24,7 +24,12 @@
 // - Fused ops, each writing every checkpoint tensor of the twins it combines (so hooks stay copies
 //   only): matmul_cat (Wq|Wk|Wv and Wgate|Wup concatenated at load, one GEMV per group when T = 1),
 //   rope_qk (q and k in one launch, with the KV cache write) and add_rms_norm (ffn_inp + ffn_norm;
-//   l_out + the next layer's attn_norm or result_norm). Decode T = 1 projections run our GEMV
+//   l_out + the next layer's attn_norm or result_norm). One-token steps without hooks also fuse the
+//   SwiGLU into the gate|up GEMV (matmul_gate_up_swiglu: each block computes a gate row and its up
+//   row, then writes their act; bit-identical to matmul_cat + swiglu, which hooked steps run so the
+//   hooks-invariance test compares the two; DIFFRUN_SWIGLU_IN_GEMV=0 turns it off, the
+//   "swiglu_in_gate_up_gemv" fact says which; a quantized Wgate|Wup of two formats stays unfused).
+//   Decode T = 1 projections run our GEMV
 //   kernel, prefill the cuBLAS GEMM (bench/NOTES.md has the figures). Quantized matrices stay GGUF
 //   blocks on the device (engine/weights.cuh): the quantized GEMV at T = 1, at T > 1 their rows
 //   dequantized into a scratch for the same cuBLAS GEMM; the "quantized_weights" fact lists them.
@@ -185,7 +190,8 @@ class CudaEngineImpl final : public CudaEngine {
         argmax_scratch_(2, "step state"),
         names_(checkpoint_names(cfg)),
         graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS")),
-        tiled_attention_(!env_is_zero("DIFFRUN_TILED_ATTENTION")) {
+        tiled_attention_(!env_is_zero("DIFFRUN_TILED_ATTENTION")),
+        swiglu_in_gemv_(!env_is_zero("DIFFRUN_SWIGLU_IN_GEMV")) {
     int device = 0;
     CUDA_CHECK(cudaGetDevice(&device));
     cudaDeviceProp prop{};
@@ -215,6 +221,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"prefill_attention", tiled_attention_ ? "tiled" : "one block per (token, head)"},
         {"pdl", pdl_enabled() ? "on" : "off"},
         {"gemv_prefetch", gemv_prefetch_enabled() ? "on" : "off"},
+        {"swiglu_in_gate_up_gemv", swiglu_in_gemv_ ? "one-token steps without hooks" : "off"},
     };
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
     CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));
@@ -311,6 +318,7 @@ class CudaEngineImpl final : public CudaEngine {
         scale(a.x.get(), a.x.get(), sqrtf(static_cast<float>(D)), int64_t(n) * D, stream_);
       cp(sink, step, "inp_scaled", -1, a.x.get(), {n, D});
     }
+    step_hooked_ = hooked(step, sink);
     norm(a.xn.get(), a.x.get(), norm_opening(0), n, D);  // layer 0's attn_norm
     for (int l = 0; l < cfg_.n_layer; ++l) layer(step, l, n, sink);
     set_op_context(step, -1);
@@ -429,13 +437,20 @@ class CudaEngineImpl final : public CudaEngine {
     }
     cp(sink, step, "ffn_norm", l, a.xn.get(), {n, D});
 
-    matmul_cat({{a.gate.get(), nullptr, F}, {a.up.get(), nullptr, F}}, a.xn.get(), w.w_gate, n, D, cublas_, stream_);
+    const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
+    // One token without hooks: the gate|up GEMV writes the SwiGLU too (bit-identical; see the top).
+    const bool fused_swiglu = swiglu_in_gemv_ && n == 1 && !step_hooked_ && !swap && cfg_.ffn_act != FfnAct::gelu_tanh &&
+                              matmul_gate_up_swiglu(a.gate.get(), a.up.get(), a.act.get(), a.xn.get(), w.w_gate, D, F,
+                                                    stream_);
+    if (!fused_swiglu)
+      matmul_cat({{a.gate.get(), nullptr, F}, {a.up.get(), nullptr, F}}, a.xn.get(), w.w_gate, n, D, cublas_, stream_);
     cp(sink, step, "ffn_gate", l, a.gate.get(), {n, F});
     cp(sink, step, "ffn_up", l, a.up.get(), {n, F});
-    const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
     const float* act_in = swap ? a.up.get() : a.gate.get();    // [T, F]
     const float* act_mul = swap ? a.gate.get() : a.up.get();   // [T, F]
-    if (cfg_.ffn_act == FfnAct::gelu_tanh) {
+    if (fused_swiglu) {
+      cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});  // not hooked: records and replaces nothing
+    } else if (cfg_.ffn_act == FfnAct::gelu_tanh) {
       geglu(a.act.get(), act_in, act_mul, int64_t(n) * F, stream_);
       cp(sink, step, "ffn_geglu", l, a.act.get(), {n, F});
     } else {
@@ -651,6 +666,8 @@ class CudaEngineImpl final : public CudaEngine {
   std::vector<std::string> names_;  // every checkpoint name of a step, in order
   bool graphs_enabled_;
   bool tiled_attention_;  // steps over kAttentionSplitMaxT tokens take their output from attention_tiled
+  bool swiglu_in_gemv_;   // one-token steps without hooks: matmul_gate_up_swiglu (DIFFRUN_SWIGLU_IN_GEMV=0: off)
+  bool step_hooked_ = false;  // the step being enqueued records or replaces a tensor checkpoint
   cudaGraphExec_t graphs_[2] = {nullptr, nullptr};  // decode step without / with the logits copy
   std::map<std::string, std::string> facts_;
   int n_past_ = 0;

@@ -203,6 +203,48 @@ TEST(EngineOps, MatmulCatMatchesReferencePerPart) {
   }
 }
 
+// The gate|up GEMV with the SwiGLU epilogue (one token, dense Wgate|Wup) against matmul_cat then
+// swiglu: gate, up and act bit-identical, f32 and f16, 4-warp rows (2F < 4096) and 1-warp rows,
+// 16-byte rows and rows of odd K (the scalar loop), F odd (a half-filled last block).
+TEST(EngineOps, MatmulGateUpSwigluMatchesMatmulCatThenSwiglu) {
+  DIFFRUN_REQUIRE_CUDA();
+  engine::CublasHandle h32(engine::EnginePrecision::f32), h16(engine::EnginePrecision::f16);
+  for (auto [F, K] : {std::pair{37, 96}, std::pair{2051, 64}, std::pair{45, 97}, std::pair{2049, 33}}) {
+    SCOPED_TRACE("F " + std::to_string(F) + " K " + std::to_string(K));
+    const auto w = random_vec(size_t(2 * F) * K, 60, 0.3f), x = random_vec(K, 61);
+    DeviceArray<float> dx(x), dw(w);
+    DeviceArray<__half> hx(to_half(x)), hw(to_half(w));
+    engine::DeviceMatrix<float> m32;
+    m32.dense = dw.get();
+    m32.K = K;
+    m32.rows = 2 * F;
+    engine::DeviceMatrix<__half> m16;
+    m16.dense = hw.get();
+    m16.K = K;
+    m16.rows = 2 * F;
+    const std::vector<float> nan(F, std::nanf(""));
+    for (bool f16 : {false, true}) {
+      SCOPED_TRACE(f16 ? "f16" : "f32");
+      DeviceArray<float> g1(nan), u1(nan), g2(nan), u2(nan), a1(nan), a2(nan);
+      DeviceArray<__half> a1h(to_half(nan)), a2h(to_half(nan));
+      if (f16) {
+        engine::matmul_cat({{g1.get(), nullptr, F}, {u1.get(), nullptr, F}}, hx.get(), m16, 1, K, h16, nullptr);
+        engine::swiglu(a1h.get(), g1.get(), u1.get(), F, nullptr);
+        ASSERT_TRUE(engine::matmul_gate_up_swiglu(g2.get(), u2.get(), a2h.get(), hx.get(), m16, K, F, nullptr));
+        EXPECT_EQ(from_half(a2h.download()), from_half(a1h.download()));
+      } else {
+        engine::matmul_cat({{g1.get(), nullptr, F}, {u1.get(), nullptr, F}}, dx.get(), m32, 1, K, h32, nullptr);
+        engine::swiglu(a1.get(), g1.get(), u1.get(), F, nullptr);
+        ASSERT_TRUE(engine::matmul_gate_up_swiglu(g2.get(), u2.get(), a2.get(), dx.get(), m32, K, F, nullptr));
+        EXPECT_EQ(a2.download(), a1.download());
+      }
+      EXPECT_EQ(g2.download(), g1.download());
+      EXPECT_EQ(u2.download(), u1.download());
+      TEST_CUDA_CHECK(cudaGetLastError());
+    }
+  }
+}
+
 TEST(EngineOps, EmbeddingMatchesReference) {
   DIFFRUN_REQUIRE_CUDA();
   const int V = 37, D = 29, T = 6;

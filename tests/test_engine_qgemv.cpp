@@ -1,6 +1,7 @@
 // GPU test: the quantized kernels (engine/ops/qgemv) per format against the CPU dequantization
 // (model/dequant.cpp) with f32 math: the GEMV (f32 and f16 activations, 1 and 4 warps per row,
-// parts, bias, a concatenation of two formats), the row dequantization (bit-exact) and the embedding.
+// parts, bias, a concatenation of two formats, the SwiGLU epilogue), the row dequantization (bit-exact)
+// and the embedding.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -11,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/ops/qgemv.cuh"
+#include "engine/ops/swiglu.cuh"
 #include "model/dequant.hpp"
 #include "model/error.hpp"
 #include "tests/test_engine_common.hpp"
@@ -177,6 +179,52 @@ TEST(EngineQgemv, ConcatenationOfTwoFormats) {
   std::vector<double> want, mag;
   reference_gemv(w, x, bias, rows, K, want, mag);
   expect_close(got, want, mag, "Q5_K|Q6_K");
+}
+
+// The quantized gate|up GEMV with the SwiGLU epilogue against qgemv over the same 2F rows then the
+// swiglu kernel: gate, up and act bit-identical, every format, f32 and f16 activations, 4-warp rows
+// (2F < 4096, long K) and 1-warp rows, F odd (a half-filled last block).
+TEST(EngineQgemv, SwigluEpilogueMatchesQgemvThenSwiglu) {
+  DIFFRUN_REQUIRE_CUDA();
+  for (const Format& f : formats())
+    for (auto [F, K] : {std::pair{35, 2048}, std::pair{2051, 256}, std::pair{17, 768}}) {
+      SCOPED_TRACE(std::string(ggml_type_name(f.type)) + " F " + std::to_string(F) + " K " + std::to_string(K));
+      const int rows = 2 * F;
+      const uint32_t seed = 300 + static_cast<uint32_t>(f.type);
+      const std::vector<uint8_t> raw = random_rows(f, rows, K, seed);
+      const std::vector<float> x32 = random_floats(K, seed + 1, 1.0f);
+      std::vector<__half> x16(K);
+      for (int k = 0; k < K; ++k) x16[k] = __float2half_rn(x32[k]);
+      const std::vector<float> nan(F, std::nanf(""));
+      std::vector<__half> nan16(F);
+      for (__half& h : nan16) h = __float2half_rn(std::nanf(""));
+      DeviceArray<uint8_t> d_raw(raw);
+      DeviceArray<float> dx32(x32);
+      DeviceArray<__half> dx16(x16);
+      for (bool f16 : {false, true}) {
+        SCOPED_TRACE(f16 ? "f16 activations" : "f32 activations");
+        DeviceArray<float> g1(nan), u1(nan), g2(nan), u2(nan), a1(nan), a2(nan);
+        DeviceArray<__half> a1h(nan16), a2h(nan16);
+        const engine::GemvParts parts{{g1.get(), u1.get()}, {nullptr, nullptr}, {F, rows}, 2};
+        if (f16) {
+          engine::qgemv(f.type, parts, 0, rows, dx16.get(), d_raw.get(), K, nullptr);
+          engine::swiglu(a1h.get(), g1.get(), u1.get(), F, nullptr);
+          engine::qgemv_swiglu(f.type, g2.get(), u2.get(), a2h.get(), dx16.get(), d_raw.get(), K, F, nullptr);
+          std::vector<float> got, want;
+          for (__half h : a2h.download()) got.push_back(__half2float(h));
+          for (__half h : a1h.download()) want.push_back(__half2float(h));
+          EXPECT_EQ(got, want);
+        } else {
+          engine::qgemv(f.type, parts, 0, rows, dx32.get(), d_raw.get(), K, nullptr);
+          engine::swiglu(a1.get(), g1.get(), u1.get(), F, nullptr);
+          engine::qgemv_swiglu(f.type, g2.get(), u2.get(), a2.get(), dx32.get(), d_raw.get(), K, F, nullptr);
+          EXPECT_EQ(a2.download(), a1.download());
+        }
+        EXPECT_EQ(g2.download(), g1.download());
+        EXPECT_EQ(u2.download(), u1.download());
+        TEST_CUDA_CHECK(cudaGetLastError());
+      }
+    }
 }
 
 TEST(EngineQgemv, DequantRowsBitExactAndEmbedding) {

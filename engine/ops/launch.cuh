@@ -94,6 +94,10 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, c
   CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
+// SwiGLU of one element, silu(g)·u = g / (1 + exp(−g)) · u in f32: the swiglu kernel's value and the
+// one the gate|up GEMV's SwiGLU epilogue writes (the same expression, so the same bits).
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
 __device__ __forceinline__ void store_act(float* p, int64_t i, float v) { p[i] = v; }
 __device__ __forceinline__ void store_act(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
 __device__ __forceinline__ float load_act(const float* p, int64_t i) { return p[i]; }

@@ -19,6 +19,12 @@ constexpr int kGemvThreads = 128;  // 4 warps
 constexpr int kGemvBatch = 8;      // 16-byte loads issued together per lane before any is used
 constexpr int kSplitRowsBelow = 4096;  // fewer rows: the block's 4 warps share each row's K
 
+// Threads of a GEMV block: 4 warps, twice that when a SwiGLU block of 4-warp rows holds a gate row
+// and its up row.
+__host__ __device__ constexpr int gemv_threads(int warps_per_row, bool swiglu) {
+  return swiglu && warps_per_row > 1 ? 2 * kGemvThreads : kGemvThreads;
+}
+
 __device__ __forceinline__ float dot16(uint4 w, uint4 x, const __half*) {
   const __half2* wh = reinterpret_cast<const __half2*>(&w);
   const __half2* xh = reinterpret_cast<const __half2*>(&x);
@@ -43,19 +49,37 @@ __device__ __forceinline__ float dot16(uint4 w, uint4 x, const float*) {
 // memory in warp order. kVec: rows and x 16-byte aligned (K · sizeof(W) a multiple of 16). With
 // prefetch, thread 0 first asks L2 for the block's weight rows (before the PDL wait: the weights are
 // not written by the preceding kernel), so their fetch overlaps it; the values and order are the same.
-template <typename W, bool kVec, int kWarpsPerRow>
-static __global__ void gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, int K,
-                                   int N, bool prefetch) {
-  constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
-  if (prefetch && threadIdx.x == 0) {  // the block's rows (contiguous), while the preceding kernel runs
-    const int first = blockIdx.x * kRowsPerBlock;
-    prefetch_l2(w + int64_t(first) * K, size_t(min(kRowsPerBlock, N - first)) * K * sizeof(W));
+// kSwiglu (w = Wgate|Wup, N = 2F, parts gate and up): a block computes gate rows i.. and the up rows
+// F + i.. of the same i (twice the threads when 4 warps share a row), each row exactly as above, then
+// writes act[i] = silu_mul(gate_i, up_i) as the swiglu kernel does.
+template <typename W, bool kVec, int kWarpsPerRow, bool kSwiglu>
+static __global__ void __launch_bounds__(gemv_threads(kWarpsPerRow, kSwiglu))
+gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, int K, int N, bool prefetch,
+            W* __restrict__ act) {
+  constexpr int kThreads = gemv_threads(kWarpsPerRow, kSwiglu);
+  constexpr int kRowsPerBlock = kThreads / 32 / kWarpsPerRow;
+  constexpr int kPairs = kRowsPerBlock / 2;  // kSwiglu: gate rows, then as many up rows
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slot = warp / kWarpsPerRow;
+  int row, pair = 0;
+  if constexpr (kSwiglu) {
+    const int F = N / 2;
+    pair = blockIdx.x * kPairs + slot % kPairs;
+    row = pair < F ? pair + (slot < kPairs ? 0 : F) : N;  // N: no row
+    if (prefetch && threadIdx.x % (kThreads / 2) == 0) {  // the gate rows, the up rows
+      const int first = blockIdx.x * kPairs + (threadIdx.x == 0 ? 0 : F);
+      prefetch_l2(w + int64_t(first) * K, size_t(min(kPairs, F - blockIdx.x * kPairs)) * K * sizeof(W));
+    }
+  } else {
+    row = blockIdx.x * kRowsPerBlock + slot;
+    if (prefetch && threadIdx.x == 0) {  // the block's rows (contiguous), while the preceding kernel runs
+      const int first = blockIdx.x * kRowsPerBlock;
+      prefetch_l2(w + int64_t(first) * K, size_t(min(kRowsPerBlock, N - first)) * K * sizeof(W));
+    }
   }
   pdl_wait();
   pdl_trigger();
   constexpr int kLanes = 32 * kWarpsPerRow;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = blockIdx.x * kRowsPerBlock + warp / kWarpsPerRow;
   const int sub = (warp % kWarpsPerRow) * 32 + lane;
   float acc = 0.0f;
   if (row < N) {
@@ -81,37 +105,57 @@ static __global__ void gemv_kernel(GemvParts parts, const W* __restrict__ x, con
   }
   acc = warp_sum(acc);
   if constexpr (kWarpsPerRow > 1) {
-    __shared__ float partial[kGemvThreads / 32];
+    __shared__ float partial[kThreads / 32];
     if (lane == 0) partial[warp] = acc;
     __syncthreads();
     acc = 0.0f;
     for (int i = 0; i < kWarpsPerRow; ++i) acc += partial[warp - warp % kWarpsPerRow + i];
   }
-  if (row >= N || sub != 0) return;
-  int p = 0, begin = 0;
-  while (row >= parts.end[p]) begin = parts.end[p++];
-  const float* bias = parts.bias[p];
-  parts.out[p][row - begin] = bias ? acc + bias[row - begin] : acc;
+  if (row < N && sub == 0) {
+    int p = 0, begin = 0;
+    while (row >= parts.end[p]) begin = parts.end[p++];
+    const float* bias = parts.bias[p];
+    parts.out[p][row - begin] = bias ? acc + bias[row - begin] : acc;
+  }
+  if constexpr (kSwiglu) {
+    __shared__ float value[kRowsPerBlock];
+    if (sub == 0) value[slot] = acc;
+    __syncthreads();
+    if (slot < kPairs && sub == 0 && row < N) store_act(act, pair, silu_mul(value[slot], value[slot + kPairs]));
+  }
 }
 
-template <typename W, bool kVec, int kWarpsPerRow>
-void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream) {
-  constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
-  const unsigned blocks = static_cast<unsigned>((N + kRowsPerBlock - 1) / kRowsPerBlock);
-  launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow>, blocks, kGemvThreads, 0, stream, parts, x, w, K, N,
-             gemv_prefetch_enabled());
+template <typename W, bool kVec, int kWarpsPerRow, bool kSwiglu = false>
+void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream,
+                 W* act = nullptr) {
+  constexpr int kThreads = gemv_threads(kWarpsPerRow, kSwiglu);
+  constexpr int kRowsPerBlock = kThreads / 32 / kWarpsPerRow;
+  constexpr int kBlockRows = kSwiglu ? kRowsPerBlock / 2 : kRowsPerBlock;  // gate rows for kSwiglu
+  const int rows = kSwiglu ? N / 2 : N;
+  const unsigned blocks = static_cast<unsigned>((rows + kBlockRows - 1) / kBlockRows);
+  launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow, kSwiglu>, blocks, kThreads, 0, stream, parts, x, w, K, N,
+             gemv_prefetch_enabled(), act);
 }
 
+// With act (parts gate and up of F rows each): the kSwiglu kernel, the same launch choice by N = 2F.
 template <typename W>
-void gemv(const GemvParts& parts, const W* x, const W* w, int K, const char* what, cudaStream_t stream) {
+void gemv(const GemvParts& parts, const W* x, const W* w, int K, const char* what, cudaStream_t stream,
+          W* act = nullptr) {
   const int N = parts.end[parts.n_parts - 1];
   const bool vec = (K * sizeof(W)) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(w) % 16 == 0;
   const bool split = N < kSplitRowsBelow;
-  if (vec && split) launch_gemv<W, true, 4>(parts, x, w, K, N, stream);
-  else if (vec) launch_gemv<W, true, 1>(parts, x, w, K, N, stream);
-  else if (split) launch_gemv<W, false, 4>(parts, x, w, K, N, stream);
-  else launch_gemv<W, false, 1>(parts, x, w, K, N, stream);
+  if (act) {
+    if (vec && split) launch_gemv<W, true, 4, true>(parts, x, w, K, N, stream, act);
+    else if (vec) launch_gemv<W, true, 1, true>(parts, x, w, K, N, stream, act);
+    else if (split) launch_gemv<W, false, 4, true>(parts, x, w, K, N, stream, act);
+    else launch_gemv<W, false, 1, true>(parts, x, w, K, N, stream, act);
+  } else {
+    if (vec && split) launch_gemv<W, true, 4>(parts, x, w, K, N, stream);
+    else if (vec) launch_gemv<W, true, 1>(parts, x, w, K, N, stream);
+    else if (split) launch_gemv<W, false, 4>(parts, x, w, K, N, stream);
+    else launch_gemv<W, false, 1>(parts, x, w, K, N, stream);
+  }
   check_launch(what, stream);
 }
 
@@ -205,7 +249,32 @@ void linear_matrix(std::initializer_list<MatmulPart> parts, const W* x, const De
     linear_cat(parts, x, dense, T, K, cublas, stream);
 }
 
+template <typename W>
+bool gate_up_swiglu_impl(float* gate, float* up, W* act, const W* x, const DeviceMatrix<W>& w, int K, int F,
+                         cudaStream_t stream) {
+  if (K != w.K) throw Error("matmul_gate_up_swiglu: K = " + std::to_string(K) + " against a matrix of " + std::to_string(w.K) + " columns");
+  if (2 * F > w.rows) throw Error("matmul_gate_up_swiglu: " + std::to_string(2 * F) + " rows asked of a matrix of " + std::to_string(w.rows));
+  if (!w.quantized()) {
+    gemv(GemvParts{{gate, up}, {nullptr, nullptr}, {F, 2 * F}, 2}, x, w.dense, K, "matmul_gate_up_swiglu gemv", stream,
+         act);
+    return true;
+  }
+  if (w.n_segments < 1 || w.segments[0].rows < 2 * F) return false;  // gate and up in different formats
+  qgemv_swiglu(w.segments[0].type, gate, up, act, x, w.segments[0].raw, K, F, stream);
+  return true;
+}
+
 }  // namespace
+
+bool matmul_gate_up_swiglu(float* gate, float* up, float* act, const float* x, const DeviceMatrix<float>& w, int K,
+                           int F, cudaStream_t stream) {
+  return gate_up_swiglu_impl(gate, up, act, x, w, K, F, stream);
+}
+
+bool matmul_gate_up_swiglu(float* gate, float* up, __half* act, const __half* x, const DeviceMatrix<__half>& w, int K,
+                           int F, cudaStream_t stream) {
+  return gate_up_swiglu_impl(gate, up, act, x, w, K, F, stream);
+}
 
 const float* dense_rows(const DeviceMatrix<float>& w, int rows, cudaStream_t stream) {
   return dense_rows_impl(w, rows, stream);

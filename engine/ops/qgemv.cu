@@ -19,6 +19,12 @@ namespace {
 
 constexpr int kGemvThreads = 128;  // 4 warps
 
+// Threads of a qgemv block: 4 warps, twice that when a SwiGLU block of 4-warp rows holds a gate row
+// and its up row.
+__host__ __device__ constexpr int qgemv_threads(int warps_per_row, bool swiglu) {
+  return swiglu && warps_per_row > 1 ? 2 * kGemvThreads : kGemvThreads;
+}
+
 __device__ __forceinline__ uint32_t ld_u16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
 __device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 // 4 bytes at a 2-byte aligned address (blocks of 18, 22, 34 or 210 bytes).
@@ -248,21 +254,38 @@ __device__ __forceinline__ void store4(__half* p, const float* v) {
 // y[row0 + r] = Σ_k w[r, k] · x[k] in f32 (+ bias). kWarpsPerRow warps (1 or 4) share a row; each
 // lane takes every (32·kWarpsPerRow)-th chunk of the row, then a warp reduction and, for 4 warps,
 // one through shared memory in warp order. With prefetch, thread 0 first asks L2 for the block's
-// rows before the PDL wait (as gemv_kernel in matmul.cu).
-template <typename Q, typename X, int kWarpsPerRow>
-static __global__ void qgemv_kernel(GemvParts parts, int row0, int rows, const X* __restrict__ x,
-                                    const uint8_t* __restrict__ w, int K, bool prefetch) {
-  constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
-  if (prefetch && threadIdx.x == 0) {  // the block's rows (contiguous), while the preceding kernel runs
-    const int first = blockIdx.x * kRowsPerBlock;
-    const int64_t row_bytes = int64_t(K / Q::kElems) * Q::kBytes;
-    prefetch_l2(w + first * row_bytes, size_t(min(kRowsPerBlock, rows - first)) * row_bytes);
+// rows before the PDL wait (as gemv_kernel in matmul.cu). kSwiglu (row0 0, rows = 2F of Wgate|Wup,
+// parts gate and up): a block computes gate rows i.. and up rows F + i.. of the same i (twice the
+// threads for 4-warp rows), each row exactly as above, then writes act[i] = silu_mul(gate_i, up_i).
+template <typename Q, typename X, int kWarpsPerRow, bool kSwiglu>
+static __global__ void __launch_bounds__(qgemv_threads(kWarpsPerRow, kSwiglu))
+qgemv_kernel(GemvParts parts, int row0, int rows, const X* __restrict__ x, const uint8_t* __restrict__ w, int K,
+             bool prefetch, X* __restrict__ act) {
+  constexpr int kThreads = qgemv_threads(kWarpsPerRow, kSwiglu);
+  constexpr int kRowsPerBlock = kThreads / 32 / kWarpsPerRow;
+  constexpr int kPairs = kRowsPerBlock / 2;  // kSwiglu: gate rows, then as many up rows
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slot = warp / kWarpsPerRow;
+  const int64_t row_bytes = int64_t(K / Q::kElems) * Q::kBytes;
+  int r, pair = 0;
+  if constexpr (kSwiglu) {
+    const int F = rows / 2;
+    pair = blockIdx.x * kPairs + slot % kPairs;
+    r = pair < F ? pair + (slot < kPairs ? 0 : F) : rows;  // rows: no row
+    if (prefetch && threadIdx.x % (kThreads / 2) == 0) {  // the gate rows, the up rows
+      const int first = blockIdx.x * kPairs + (threadIdx.x == 0 ? 0 : F);
+      prefetch_l2(w + first * row_bytes, size_t(min(kPairs, F - int(blockIdx.x) * kPairs)) * row_bytes);
+    }
+  } else {
+    r = blockIdx.x * kRowsPerBlock + slot;
+    if (prefetch && threadIdx.x == 0) {  // the block's rows (contiguous), while the preceding kernel runs
+      const int first = blockIdx.x * kRowsPerBlock;
+      prefetch_l2(w + first * row_bytes, size_t(min(kRowsPerBlock, rows - first)) * row_bytes);
+    }
   }
   pdl_wait();
   pdl_trigger();
   constexpr int kLanes = 32 * kWarpsPerRow;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r = blockIdx.x * kRowsPerBlock + warp / kWarpsPerRow;
   const int sub = (warp % kWarpsPerRow) * 32 + lane;
   float acc = 0.0f;
   if (r < rows) {
@@ -292,18 +315,25 @@ static __global__ void qgemv_kernel(GemvParts parts, int row0, int rows, const X
   }
   acc = warp_sum(acc);
   if constexpr (kWarpsPerRow > 1) {
-    __shared__ float partial[kGemvThreads / 32];
+    __shared__ float partial[kThreads / 32];
     if (lane == 0) partial[warp] = acc;
     __syncthreads();
     acc = 0.0f;
     for (int i = 0; i < kWarpsPerRow; ++i) acc += partial[warp - warp % kWarpsPerRow + i];
   }
-  if (r >= rows || sub != 0) return;
-  const int row = row0 + r;
-  int p = 0, begin = 0;
-  while (row >= parts.end[p]) begin = parts.end[p++];
-  const float* bias = parts.bias[p];
-  parts.out[p][row - begin] = bias ? acc + bias[row - begin] : acc;
+  if (r < rows && sub == 0) {
+    const int row = row0 + r;
+    int p = 0, begin = 0;
+    while (row >= parts.end[p]) begin = parts.end[p++];
+    const float* bias = parts.bias[p];
+    parts.out[p][row - begin] = bias ? acc + bias[row - begin] : acc;
+  }
+  if constexpr (kSwiglu) {
+    __shared__ float value[kRowsPerBlock];
+    if (sub == 0) value[slot] = acc;
+    __syncthreads();
+    if (slot < kPairs && sub == 0 && r < rows) store_act(act, pair, silu_mul(value[slot], value[slot + kPairs]));
+  }
 }
 
 template <typename Q, typename Out>
@@ -395,7 +425,8 @@ void check_k(GgmlType t, int K, const char* what) {
 
 template <typename X>
 void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X* x, const void* w, int K,
-                cudaStream_t stream) {
+                cudaStream_t stream, X* act = nullptr) {
+  if (act && (row0 != 0 || rows % 2 != 0)) throw Error("qgemv swiglu: rows 0..2F of Wgate|Wup expected");
   check_k(t, K, "qgemv");
   check_blocks(t, w, "qgemv");
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("qgemv: the activation vector is not 16-byte aligned");
@@ -405,16 +436,24 @@ void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X*
     using Q = decltype(q);
     const int chunks = K / Q::kElems * Q::kChunks;
     if (rows < 4096 && chunks >= 256) {  // few rows with long K: 4 warps share each row
-      const unsigned blocks = static_cast<unsigned>(rows);
-      launch_pdl(qgemv_kernel<Q, X, 4>, blocks, kGemvThreads, 0, stream, parts, row0, rows, x, wb, K,
-                 gemv_prefetch_enabled());
+      if (act) {  // one block per (gate row, up row)
+        launch_pdl(qgemv_kernel<Q, X, 4, true>, static_cast<unsigned>(rows / 2), qgemv_threads(4, true), 0, stream,
+                   parts, row0, rows, x, wb, K, gemv_prefetch_enabled(), act);
+      } else {
+        launch_pdl(qgemv_kernel<Q, X, 4, false>, static_cast<unsigned>(rows), kGemvThreads, 0, stream, parts, row0,
+                   rows, x, wb, K, gemv_prefetch_enabled(), act);
+      }
     } else {
-      const unsigned blocks = static_cast<unsigned>((rows + 3) / 4);
-      launch_pdl(qgemv_kernel<Q, X, 1>, blocks, kGemvThreads, 0, stream, parts, row0, rows, x, wb, K,
-                 gemv_prefetch_enabled());
+      if (act) {  // two (gate row, up row) pairs per block
+        launch_pdl(qgemv_kernel<Q, X, 1, true>, static_cast<unsigned>((rows / 2 + 1) / 2), kGemvThreads, 0, stream,
+                   parts, row0, rows, x, wb, K, gemv_prefetch_enabled(), act);
+      } else {
+        launch_pdl(qgemv_kernel<Q, X, 1, false>, static_cast<unsigned>((rows + 3) / 4), kGemvThreads, 0, stream,
+                   parts, row0, rows, x, wb, K, gemv_prefetch_enabled(), act);
+      }
     }
   });
-  check_launch("qgemv", stream);
+  check_launch(act ? "qgemv swiglu" : "qgemv", stream);
 }
 
 template <typename Out>
@@ -451,6 +490,16 @@ void qgemv(GgmlType t, const GemvParts& parts, int row0, int rows, const float* 
 void qgemv(GgmlType t, const GemvParts& parts, int row0, int rows, const __half* x, const void* w, int K,
            cudaStream_t stream) {
   qgemv_impl(t, parts, row0, rows, x, w, K, stream);
+}
+
+void qgemv_swiglu(GgmlType t, float* gate, float* up, float* act, const float* x, const void* w, int K, int F,
+                  cudaStream_t stream) {
+  qgemv_impl(t, GemvParts{{gate, up}, {nullptr, nullptr}, {F, 2 * F}, 2}, 0, 2 * F, x, w, K, stream, act);
+}
+
+void qgemv_swiglu(GgmlType t, float* gate, float* up, __half* act, const __half* x, const void* w, int K, int F,
+                  cudaStream_t stream) {
+  qgemv_impl(t, GemvParts{{gate, up}, {nullptr, nullptr}, {F, 2 * F}, 2}, 0, 2 * F, x, w, K, stream, act);
 }
 
 void dequant_rows(GgmlType t, const void* w, int64_t rows, int K, float* dst, cudaStream_t stream) {

@@ -40,6 +40,14 @@ void qgemv(GgmlType t, const GemvParts& parts, int row0, int rows, const float* 
 void qgemv(GgmlType t, const GemvParts& parts, int row0, int rows, const __half* x, const void* w, int K,
            cudaStream_t stream);
 
+// Fused twin of qgemv over rows 0..2F of Wgate|Wup (one format) then swiglu: gate [F] = rows 0..F-1,
+// up [F] = rows F..2F-1, each the value qgemv writes (same launch shape for 2F rows), and
+// act [F] = silu(gate)·up as the swiglu kernel writes it (f32, or f16 with f16 activations).
+void qgemv_swiglu(GgmlType t, float* gate, float* up, float* act, const float* x, const void* w, int K, int F,
+                  cudaStream_t stream);
+void qgemv_swiglu(GgmlType t, float* gate, float* up, __half* act, const __half* x, const void* w, int K, int F,
+                  cudaStream_t stream);
+
 // dst [rows, K] = the rows' dequantized values, bit-identical to dequantize_device (f16: the exact
 // value rounded to nearest even); one thread per 8 values, coalesced stores.
 void dequant_rows(GgmlType t, const void* w, int64_t rows, int K, float* dst, cudaStream_t stream);
