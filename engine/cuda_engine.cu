@@ -43,9 +43,9 @@
 // - Steps of up to kAttentionSplitMaxT tokens (decode) run attention_split, which spreads each head's
 //   keys over enough blocks to fill the GPU once there are enough keys (one split per
 //   DIFFRUN_ATTENTION_SPLIT_MIN_KEYS keys, default kAttentionSplitMinKeys; 1 = every split at any
-//   length, as before; the "attention_split_min_keys" fact) and always writes the probabilities into attn_probs_
-//   (its scores live there), so kq_soft_max costs only its copy; longer steps (prefill) take their
-//   output from attention_tiled (K/V tiles in shared memory, online softmax) with hooks on or off,
+//   length, as before; the "attention_split_min_keys" fact) and always writes the probabilities into
+//   attn_probs_ (its scores live there), so kq_soft_max costs only its copy; longer steps (prefill)
+//   take their output from attention_tiled (K/V tiles in shared memory, online softmax) with hooks on or off,
 //   and when kq_soft_max is recorded, attention writes the probabilities alone beside it
 //   (DIFFRUN_TILED_ATTENTION=0: attention writes both, as before; the "prefill_attention" fact
 //   says which). Both scratches are sized for max_ctx at construction,
@@ -439,9 +439,9 @@ class CudaEngineImpl final : public CudaEngine {
 
     const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
     // One token without hooks: the gate|up GEMV writes the SwiGLU too (bit-identical; see the top).
-    const bool fused_swiglu = swiglu_in_gemv_ && n == 1 && !step_hooked_ && !swap && cfg_.ffn_act != FfnAct::gelu_tanh &&
-                              matmul_gate_up_swiglu(a.gate.get(), a.up.get(), a.act.get(), a.xn.get(), w.w_gate, D, F,
-                                                    stream_);
+    const bool fused_swiglu =
+        swiglu_in_gemv_ && n == 1 && !step_hooked_ && !swap && cfg_.ffn_act != FfnAct::gelu_tanh &&
+        matmul_gate_up_swiglu(a.gate.get(), a.up.get(), a.act.get(), a.xn.get(), w.w_gate, D, F, stream_);
     if (!fused_swiglu)
       matmul_cat({{a.gate.get(), nullptr, F}, {a.up.get(), nullptr, F}}, a.xn.get(), w.w_gate, n, D, cublas_, stream_);
     cp(sink, step, "ffn_gate", l, a.gate.get(), {n, F});

@@ -68,7 +68,7 @@ gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, i
     row = pair < F ? pair + (slot < kPairs ? 0 : F) : N;  // N: no row
     if (prefetch && threadIdx.x % (kThreads / 2) == 0) {  // the gate rows, the up rows
       const int first = blockIdx.x * kPairs + (threadIdx.x == 0 ? 0 : F);
-      prefetch_l2(w + int64_t(first) * K, size_t(min(kPairs, F - blockIdx.x * kPairs)) * K * sizeof(W));
+      prefetch_l2(w + int64_t(first) * K, size_t(min(kPairs, F - int(blockIdx.x) * kPairs)) * K * sizeof(W));
     }
   } else {
     row = blockIdx.x * kRowsPerBlock + slot;
@@ -252,8 +252,12 @@ void linear_matrix(std::initializer_list<MatmulPart> parts, const W* x, const De
 template <typename W>
 bool gate_up_swiglu_impl(float* gate, float* up, W* act, const W* x, const DeviceMatrix<W>& w, int K, int F,
                          cudaStream_t stream) {
-  if (K != w.K) throw Error("matmul_gate_up_swiglu: K = " + std::to_string(K) + " against a matrix of " + std::to_string(w.K) + " columns");
-  if (2 * F > w.rows) throw Error("matmul_gate_up_swiglu: " + std::to_string(2 * F) + " rows asked of a matrix of " + std::to_string(w.rows));
+  if (K != w.K)
+    throw Error("matmul_gate_up_swiglu: K = " + std::to_string(K) + " against a matrix of " + std::to_string(w.K) +
+                " columns");
+  if (2 * F > w.rows)
+    throw Error("matmul_gate_up_swiglu: " + std::to_string(2 * F) + " rows asked of a matrix of " +
+                std::to_string(w.rows));
   if (!w.quantized()) {
     gemv(GemvParts{{gate, up}, {nullptr, nullptr}, {F, 2 * F}, 2}, x, w.dense, K, "matmul_gate_up_swiglu gemv", stream,
          act);
