@@ -28,7 +28,10 @@
 //   SwiGLU into the gate|up GEMV (matmul_gate_up_swiglu: each block computes a gate row and its up
 //   row, then writes their act; bit-identical to matmul_cat + swiglu, which hooked steps run so the
 //   hooks-invariance test compares the two; DIFFRUN_SWIGLU_IN_GEMV=0 turns it off, the
-//   "swiglu_in_gate_up_gemv" fact says which; a quantized Wgate|Wup of two formats stays unfused).
+//   "swiglu_in_gate_up_gemv" fact says which; a quantized Wgate|Wup of two formats stays unfused), and
+//   the RoPE and cache write into the qkv GEMV (matmul_qkv_rope: each block computes the two rows of
+//   a rotated pair, then rotates them with rope_qk's arithmetic; not with q/k norms or the
+//   rope_cache_unrotated fault; DIFFRUN_ROPE_IN_GEMV=0, the "rope_in_qkv_gemv" fact).
 //   Decode T = 1 projections run our GEMV
 //   kernel, prefill the cuBLAS GEMM (bench/NOTES.md has the figures). Quantized matrices stay GGUF
 //   blocks on the device (engine/weights.cuh): the quantized GEMV at T = 1, at T > 1 their rows
@@ -191,7 +194,8 @@ class CudaEngineImpl final : public CudaEngine {
         names_(checkpoint_names(cfg)),
         graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS")),
         tiled_attention_(!env_is_zero("DIFFRUN_TILED_ATTENTION")),
-        swiglu_in_gemv_(!env_is_zero("DIFFRUN_SWIGLU_IN_GEMV")) {
+        swiglu_in_gemv_(!env_is_zero("DIFFRUN_SWIGLU_IN_GEMV")),
+        rope_in_gemv_(!env_is_zero("DIFFRUN_ROPE_IN_GEMV")) {
     int device = 0;
     CUDA_CHECK(cudaGetDevice(&device));
     cudaDeviceProp prop{};
@@ -222,6 +226,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"pdl", pdl_enabled() ? "on" : "off"},
         {"gemv_prefetch", gemv_prefetch_enabled() ? "on" : "off"},
         {"swiglu_in_gate_up_gemv", swiglu_in_gemv_ ? "one-token steps without hooks" : "off"},
+        {"rope_in_qkv_gemv", rope_in_gemv_ ? "one-token steps without hooks" : "off"},
     };
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
     CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));
@@ -367,8 +372,18 @@ class CudaEngineImpl final : public CudaEngine {
 
     // a.xn = rms_norm(a.x) · attn_norm, written by the op before the layer (rms_norm or add_rms_norm).
     cp(sink, step, "attn_norm", l, a.xn.get(), {n, D});
-    matmul_cat({{a.q.get(), bias ? w.bq : nullptr, Q}, {a.k.get(), bias ? w.bk : nullptr, KV}, {a.v.get(), bias ? w.bv : nullptr, KV}},
-               a.xn.get(), w.wq, n, D, cublas_, stream_);
+    const int32_t* write_pos = faults_.has(Fault::kv_cache_pos0) ? d_zero_.get() : n_past;  // kv_cache_pos0: row 0
+    // One token without hooks: the qkv GEMV applies the RoPE and writes the cache too (bit-identical).
+    const bool fused_rope =
+        rope_in_gemv_ && n == 1 && !step_hooked_ && !cfg_.qk_norm && !faults_.has(Fault::rope_cache_unrotated) &&
+        matmul_qkv_rope(a.q.get(), a.k.get(), a.v.get(), bias ? w.bq : nullptr, bias ? w.bk : nullptr,
+                        bias ? w.bv : nullptr, a.xn.get(), w.wq, D,
+                        GemvRope{cache_k, cache_v, n_past, write_pos, d_rope_freqs_.get(), theta, H, Hkv, Dh, neox},
+                        stream_);
+    if (!fused_rope)
+      matmul_cat({{a.q.get(), bias ? w.bq : nullptr, Q}, {a.k.get(), bias ? w.bk : nullptr, KV},
+                  {a.v.get(), bias ? w.bv : nullptr, KV}},
+                 a.xn.get(), w.wq, n, D, cublas_, stream_);
     cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
     cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
     cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
@@ -376,11 +391,10 @@ class CudaEngineImpl final : public CudaEngine {
       norm(a.q.get(), a.q.get(), norm_w(w.q_norm), n * H, Dh);   cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
       norm(a.k.get(), a.k.get(), norm_w(w.k_norm), n * Hkv, Dh); cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
     }
-    const int32_t* write_pos = faults_.has(Fault::kv_cache_pos0) ? d_zero_.get() : n_past;  // kv_cache_pos0: row 0
     if (faults_.has(Fault::rope_cache_unrotated))
       rope_qk_cache_unrotated(a.q.get(), a.k.get(), cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh,
                               n_past, write_pos, theta, d_rope_freqs_.get(), neox, stream_);
-    else
+    else if (!fused_rope)  // fused: matmul_qkv_rope rotated q and k and wrote the cache rows
       rope_qk(a.q.get(), a.k.get(), cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, n_past, write_pos,
               theta, d_rope_freqs_.get(), neox, stream_);
     cp(sink, step, "Qrope", l, a.q.get(), {n, H, Dh});
@@ -667,6 +681,7 @@ class CudaEngineImpl final : public CudaEngine {
   bool graphs_enabled_;
   bool tiled_attention_;  // steps over kAttentionSplitMaxT tokens take their output from attention_tiled
   bool swiglu_in_gemv_;   // one-token steps without hooks: matmul_gate_up_swiglu (DIFFRUN_SWIGLU_IN_GEMV=0: off)
+  bool rope_in_gemv_;     // one-token steps without hooks: matmul_qkv_rope (DIFFRUN_ROPE_IN_GEMV=0: off)
   bool step_hooked_ = false;  // the step being enqueued records or replaces a tensor checkpoint
   cudaGraphExec_t graphs_[2] = {nullptr, nullptr};  // decode step without / with the logits copy
   std::map<std::string, std::string> facts_;

@@ -245,6 +245,69 @@ TEST(EngineOps, MatmulGateUpSwigluMatchesMatmulCatThenSwiglu) {
   }
 }
 
+// The qkv GEMV with the RoPE epilogue (one token, dense Wq|Wk|Wv) against matmul_cat then rope_qk:
+// q, k, v and both caches (every row, the written one and the others) bit-identical, f32 and f16,
+// neox and norm pairing, biases or none, freq factors or none, 4-warp rows (N < 4096) and 1-warp
+// rows, 16-byte rows and odd K, a cache row apart from the position (kv_cache_pos0's write_pos).
+TEST(EngineOps, MatmulQkvRopeMatchesMatmulCatThenRopeQk) {
+  DIFFRUN_REQUIRE_CUDA();
+  struct Case {
+    int H, Hkv, Dh, K, pos, write_pos;
+    bool neox, bias, factors;
+  };
+  engine::CublasHandle h32(engine::EnginePrecision::f32), h16(engine::EnginePrecision::f16);
+  for (const Case c : {Case{14, 2, 64, 96, 37, 37, true, true, false}, Case{4, 2, 18, 97, 5, 5, false, false, true},
+                       Case{32, 4, 128, 64, 300, 300, true, false, true}, Case{9, 3, 64, 33, 7, 0, false, true, false}}) {
+    SCOPED_TRACE("H " + std::to_string(c.H) + " Hkv " + std::to_string(c.Hkv) + " Dh " + std::to_string(c.Dh) +
+                 " K " + std::to_string(c.K) + (c.neox ? " neox" : " norm"));
+    const int Q = c.H * c.Dh, KV = c.Hkv * c.Dh, N = Q + 2 * KV, K = c.K, ctx = 320;
+    const auto w = random_vec(size_t(N) * K, 70, 0.3f), x = random_vec(K, 71), b = random_vec(N, 72);
+    const auto factors = random_vec(c.Dh / 2, 73);
+    std::vector<float> ff(factors.size());
+    for (size_t i = 0; i < ff.size(); ++i) ff[i] = 1.0f + std::fabs(factors[i]);
+    const auto cache0 = random_vec(size_t(ctx) * KV, 74);
+    DeviceArray<float> dx(x), dw(w), db(b), dff(ff);
+    DeviceArray<__half> hx(to_half(x)), hw(to_half(w));
+    DeviceArray<int32_t> dpos(std::vector<int32_t>{c.pos}), dwpos(std::vector<int32_t>{c.write_pos});
+    engine::DeviceMatrix<float> m32;
+    m32.dense = dw.get();
+    m32.K = K;
+    m32.rows = N;
+    engine::DeviceMatrix<__half> m16;
+    m16.dense = hw.get();
+    m16.K = K;
+    m16.rows = N;
+    const float* bq = c.bias ? db.get() : nullptr;
+    const float* bk = c.bias ? db.get() + Q : nullptr;
+    const float* bv = c.bias ? db.get() + Q + KV : nullptr;
+    const float* dfactors = c.factors ? dff.get() : nullptr;
+    for (bool f16 : {false, true}) {
+      SCOPED_TRACE(f16 ? "f16" : "f32");
+      const std::vector<float> nq(Q, std::nanf("")), nkv(KV, std::nanf(""));
+      DeviceArray<float> q1(nq), k1(nkv), v1(nkv), q2(nq), k2(nkv), v2(nkv);
+      DeviceArray<float> kc1(cache0), vc1(cache0), kc2(cache0), vc2(cache0);
+      if (f16)
+        engine::matmul_cat({{q1.get(), bq, Q}, {k1.get(), bk, KV}, {v1.get(), bv, KV}}, hx.get(), m16, 1, K, h16, nullptr);
+      else
+        engine::matmul_cat({{q1.get(), bq, Q}, {k1.get(), bk, KV}, {v1.get(), bv, KV}}, dx.get(), m32, 1, K, h32, nullptr);
+      engine::rope_qk(q1.get(), k1.get(), kc1.get(), vc1.get(), q1.get(), k1.get(), v1.get(), 1, c.H, c.Hkv, c.Dh,
+                      dpos.get(), dwpos.get(), 10000.0f, dfactors, c.neox, nullptr);
+      const engine::GemvRope rope{kc2.get(), vc2.get(), dpos.get(), dwpos.get(), dfactors, 10000.0f,
+                                  c.H,       c.Hkv,     c.Dh,       c.neox};
+      if (f16)
+        ASSERT_TRUE(engine::matmul_qkv_rope(q2.get(), k2.get(), v2.get(), bq, bk, bv, hx.get(), m16, K, rope, nullptr));
+      else
+        ASSERT_TRUE(engine::matmul_qkv_rope(q2.get(), k2.get(), v2.get(), bq, bk, bv, dx.get(), m32, K, rope, nullptr));
+      EXPECT_EQ(q2.download(), q1.download());
+      EXPECT_EQ(k2.download(), k1.download());
+      EXPECT_EQ(v2.download(), v1.download());
+      EXPECT_EQ(kc2.download(), kc1.download());
+      EXPECT_EQ(vc2.download(), vc1.download());
+      TEST_CUDA_CHECK(cudaGetLastError());
+    }
+  }
+}
+
 TEST(EngineOps, EmbeddingMatchesReference) {
   DIFFRUN_REQUIRE_CUDA();
   const int V = 37, D = 29, T = 6;

@@ -1,6 +1,6 @@
 // GPU test: the quantized kernels (engine/ops/qgemv) per format against the CPU dequantization
 // (model/dequant.cpp) with f32 math: the GEMV (f32 and f16 activations, 1 and 4 warps per row,
-// parts, bias, a concatenation of two formats, the SwiGLU epilogue), the row dequantization (bit-exact)
+// parts, bias, a concatenation of two formats, the SwiGLU and RoPE epilogues), the row dequantization (bit-exact)
 // and the embedding.
 #include <cmath>
 #include <cstdint>
@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/ops/qgemv.cuh"
+#include "engine/ops/rope_qk.cuh"
 #include "engine/ops/swiglu.cuh"
 #include "model/dequant.hpp"
 #include "model/error.hpp"
@@ -222,6 +223,59 @@ TEST(EngineQgemv, SwigluEpilogueMatchesQgemvThenSwiglu) {
         }
         EXPECT_EQ(g2.download(), g1.download());
         EXPECT_EQ(u2.download(), u1.download());
+        TEST_CUDA_CHECK(cudaGetLastError());
+      }
+    }
+}
+
+// The quantized qkv GEMV with the RoPE epilogue against qgemv over the same rows then rope_qk: q, k,
+// v and both caches bit-identical, every format, f32 and f16 activations, 4-warp rows (N < 4096,
+// long K) and 1-warp rows, neox and norm pairing, with biases.
+TEST(EngineQgemv, RopeEpilogueMatchesQgemvThenRopeQk) {
+  DIFFRUN_REQUIRE_CUDA();
+  struct Case {
+    int H, Hkv, Dh, K;
+    bool neox;
+  };
+  for (const Format& f : formats())
+    for (const Case c : {Case{9, 3, 64, 2048, true}, Case{32, 4, 128, 256, false}, Case{6, 2, 32, 768, false}}) {
+      SCOPED_TRACE(std::string(ggml_type_name(f.type)) + " H " + std::to_string(c.H) + " Dh " + std::to_string(c.Dh) +
+                   " K " + std::to_string(c.K) + (c.neox ? " neox" : " norm"));
+      const int Q = c.H * c.Dh, KV = c.Hkv * c.Dh, N = Q + 2 * KV, K = c.K, ctx = 64, pos = 41;
+      const uint32_t seed = 500 + static_cast<uint32_t>(f.type);
+      const std::vector<uint8_t> raw = random_rows(f, N, K, seed);
+      const std::vector<float> x32 = random_floats(K, seed + 1, 1.0f), bias = random_floats(N, seed + 2, 0.5f);
+      const std::vector<float> cache0 = random_floats(size_t(ctx) * KV, seed + 3, 1.0f);
+      std::vector<__half> x16(K);
+      for (int k = 0; k < K; ++k) x16[k] = __float2half_rn(x32[k]);
+      DeviceArray<uint8_t> d_raw(raw);
+      DeviceArray<float> dx32(x32), dbias(bias);
+      DeviceArray<__half> dx16(x16);
+      DeviceArray<int32_t> dpos(std::vector<int32_t>{pos});
+      for (bool f16 : {false, true}) {
+        SCOPED_TRACE(f16 ? "f16 activations" : "f32 activations");
+        const std::vector<float> nq(Q, std::nanf("")), nkv(KV, std::nanf(""));
+        DeviceArray<float> q1(nq), k1(nkv), v1(nkv), q2(nq), k2(nkv), v2(nkv);
+        DeviceArray<float> kc1(cache0), vc1(cache0), kc2(cache0), vc2(cache0);
+        const float* b = dbias.get();
+        const engine::GemvParts p1{{q1.get(), k1.get(), v1.get()}, {b, b + Q, b + Q + KV}, {Q, Q + KV, N}, 3};
+        const engine::GemvParts p2{{q2.get(), k2.get(), v2.get()}, {b, b + Q, b + Q + KV}, {Q, Q + KV, N}, 3};
+        const engine::GemvRope rope{kc2.get(), vc2.get(), dpos.get(), dpos.get(), nullptr, 10000.0f,
+                                    c.H,       c.Hkv,     c.Dh,       c.neox};
+        if (f16) {
+          engine::qgemv(f.type, p1, 0, N, dx16.get(), d_raw.get(), K, nullptr);
+          engine::qgemv_rope(f.type, p2, rope, dx16.get(), d_raw.get(), K, nullptr);
+        } else {
+          engine::qgemv(f.type, p1, 0, N, dx32.get(), d_raw.get(), K, nullptr);
+          engine::qgemv_rope(f.type, p2, rope, dx32.get(), d_raw.get(), K, nullptr);
+        }
+        engine::rope_qk(q1.get(), k1.get(), kc1.get(), vc1.get(), q1.get(), k1.get(), v1.get(), 1, c.H, c.Hkv, c.Dh,
+                        dpos.get(), dpos.get(), 10000.0f, nullptr, c.neox, nullptr);
+        EXPECT_EQ(q2.download(), q1.download());
+        EXPECT_EQ(k2.download(), k1.download());
+        EXPECT_EQ(v2.download(), v1.download());
+        EXPECT_EQ(kc2.download(), kc1.download());
+        EXPECT_EQ(vc2.download(), vc1.download());
         TEST_CUDA_CHECK(cudaGetLastError());
       }
     }

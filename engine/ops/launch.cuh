@@ -98,6 +98,20 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, c
 // one the gate|up GEMV's SwiGLU epilogue writes (the same expression, so the same bits).
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+// RoPE of one pair (x0, x1) at position pos, pair index i of a head of Dh: the angle pos·θ^(−2i/Dh)
+// (divided by freq_factors[i] when given) and the rotation in f32; rope_qk's arithmetic and the
+// qkv GEMV's RoPE epilogue's (the same expression, so the same bits).
+__device__ __forceinline__ void rope_pair(float x0, float x1, int pos, int i, int Dh, float theta,
+                                          const float* freq_factors, float& y0, float& y1) {
+  const float inv_freq = powf(theta, -2.0f * static_cast<float>(i) / static_cast<float>(Dh));
+  const float angle = freq_factors ? static_cast<float>(pos) * inv_freq / freq_factors[i]
+                                   : static_cast<float>(pos) * inv_freq;
+  float s, c;
+  sincosf(angle, &s, &c);
+  y0 = x0 * c - x1 * s;
+  y1 = x0 * s + x1 * c;
+}
+
 __device__ __forceinline__ void store_act(float* p, int64_t i, float v) { p[i] = v; }
 __device__ __forceinline__ void store_act(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
 __device__ __forceinline__ float load_act(const float* p, int64_t i) { return p[i]; }

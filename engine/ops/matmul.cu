@@ -6,6 +6,7 @@
 #include <string>
 
 #include "engine/cuda_check.cuh"
+#include "engine/ops/gemv_epilogue.cuh"
 #include "engine/ops/launch.cuh"
 #include "engine/ops/qgemv.cuh"
 #include "model/error.hpp"
@@ -15,15 +16,8 @@ namespace diffrun::engine {
 namespace {
 
 constexpr int kMaxParts = kGemvMaxParts;
-constexpr int kGemvThreads = 128;  // 4 warps
 constexpr int kGemvBatch = 8;      // 16-byte loads issued together per lane before any is used
 constexpr int kSplitRowsBelow = 4096;  // fewer rows: the block's 4 warps share each row's K
-
-// Threads of a GEMV block: 4 warps, twice that when a SwiGLU block of 4-warp rows holds a gate row
-// and its up row.
-__host__ __device__ constexpr int gemv_threads(int warps_per_row, bool swiglu) {
-  return swiglu && warps_per_row > 1 ? 2 * kGemvThreads : kGemvThreads;
-}
 
 __device__ __forceinline__ float dot16(uint4 w, uint4 x, const __half*) {
   const __half2* wh = reinterpret_cast<const __half2*>(&w);
@@ -47,40 +41,33 @@ __device__ __forceinline__ float dot16(uint4 w, uint4 x, const float*) {
 // lane takes every (32·kWarpsPerRow)-th 16-byte chunk, a batch of kGemvBatch loads in flight at
 // once (predicated, no tail loop), then a warp reduction and, for 4 warps, one through shared
 // memory in warp order. kVec: rows and x 16-byte aligned (K · sizeof(W) a multiple of 16). With
-// prefetch, thread 0 first asks L2 for the block's weight rows (before the PDL wait: the weights are
-// not written by the preceding kernel), so their fetch overlaps it; the values and order are the same.
-// kSwiglu (w = Wgate|Wup, N = 2F, parts gate and up): a block computes gate rows i.. and the up rows
-// F + i.. of the same i (twice the threads when 4 warps share a row), each row exactly as above, then
-// writes act[i] = silu_mul(gate_i, up_i) as the swiglu kernel does.
-template <typename W, bool kVec, int kWarpsPerRow, bool kSwiglu>
-static __global__ void __launch_bounds__(gemv_threads(kWarpsPerRow, kSwiglu))
+// prefetch, the block first asks L2 for its weight rows (before the PDL wait: the weights are not
+// written by the preceding kernel), so their fetch overlaps it; the values and order are the same.
+// kEpi: kGemvPlain, or a paired epilogue of engine/ops/gemv_epilogue.cuh (SwiGLU into act, RoPE).
+template <typename W, bool kVec, int kWarpsPerRow, int kEpi>
+static __global__ void __launch_bounds__(gemv_block_threads(kWarpsPerRow, kEpi))
 gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, int K, int N, bool prefetch,
-            W* __restrict__ act) {
-  constexpr int kThreads = gemv_threads(kWarpsPerRow, kSwiglu);
-  constexpr int kRowsPerBlock = kThreads / 32 / kWarpsPerRow;
-  constexpr int kPairs = kRowsPerBlock / 2;  // kSwiglu: gate rows, then as many up rows
+            W* __restrict__ act, GemvRope rope) {
+  constexpr int kRowsPerBlock = gemv_block_rows(kWarpsPerRow, kEpi);
+  constexpr int kPairs = kRowsPerBlock / 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int slot = warp / kWarpsPerRow;
-  int row, pair = 0;
-  if constexpr (kSwiglu) {
-    const int F = N / 2;
-    pair = blockIdx.x * kPairs + slot % kPairs;
-    row = pair < F ? pair + (slot < kPairs ? 0 : F) : N;  // N: no row
-    if (prefetch && threadIdx.x % (kThreads / 2) == 0) {  // the gate rows, the up rows
-      const int first = blockIdx.x * kPairs + (threadIdx.x == 0 ? 0 : F);
-      prefetch_l2(w + int64_t(first) * K, size_t(min(kPairs, F - int(blockIdx.x) * kPairs)) * K * sizeof(W));
-    }
-  } else {
-    row = blockIdx.x * kRowsPerBlock + slot;
-    if (prefetch && threadIdx.x == 0) {  // the block's rows (contiguous), while the preceding kernel runs
-      const int first = blockIdx.x * kRowsPerBlock;
-      prefetch_l2(w + int64_t(first) * K, size_t(min(kRowsPerBlock, N - first)) * K * sizeof(W));
+  const int sub = (warp % kWarpsPerRow) * 32 + lane;
+  int pair;
+  const int row = gemv_slot_row<kEpi, kRowsPerBlock>(blockIdx.x, slot, N, rope, pair);
+  if (prefetch) {  // the block's rows, while the preceding kernel runs
+    if constexpr (kEpi == kGemvPlain) {
+      if (threadIdx.x == 0) {
+        const int first = blockIdx.x * kRowsPerBlock;
+        prefetch_l2(w + int64_t(first) * K, size_t(min(kRowsPerBlock, N - first)) * K * sizeof(W));
+      }
+    } else if (sub == 0 && row < N) {
+      prefetch_l2(w + int64_t(row) * K, size_t(K) * sizeof(W));
     }
   }
   pdl_wait();
   pdl_trigger();
   constexpr int kLanes = 32 * kWarpsPerRow;
-  const int sub = (warp % kWarpsPerRow) * 32 + lane;
   float acc = 0.0f;
   if (row < N) {
     const W* wr = w + int64_t(row) * K;
@@ -105,58 +92,52 @@ gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, i
   }
   acc = warp_sum(acc);
   if constexpr (kWarpsPerRow > 1) {
-    __shared__ float partial[kThreads / 32];
+    __shared__ float partial[gemv_block_threads(kWarpsPerRow, kEpi) / 32];
     if (lane == 0) partial[warp] = acc;
     __syncthreads();
     acc = 0.0f;
     for (int i = 0; i < kWarpsPerRow; ++i) acc += partial[warp - warp % kWarpsPerRow + i];
   }
+  float y = 0.0f;
+  float* out = nullptr;
   if (row < N && sub == 0) {
-    int p = 0, begin = 0;
-    while (row >= parts.end[p]) begin = parts.end[p++];
-    const float* bias = parts.bias[p];
-    parts.out[p][row - begin] = bias ? acc + bias[row - begin] : acc;
+    y = gemv_row_value(parts, row, acc, out);
+    if constexpr (kEpi != kGemvRope) *out = y;  // RoPE: its epilogue writes every output
   }
-  if constexpr (kSwiglu) {
+  if constexpr (kEpi != kGemvPlain) {
     __shared__ float value[kRowsPerBlock];
-    if (sub == 0) value[slot] = acc;
+    if (sub == 0) value[slot] = y;
     __syncthreads();
-    if (slot < kPairs && sub == 0 && row < N) store_act(act, pair, silu_mul(value[slot], value[slot + kPairs]));
+    if (slot < kPairs && sub == 0 && row < N)
+      gemv_pair_epilogue<kEpi>(parts, act, rope, pair, value[slot], value[slot + kPairs]);
   }
 }
 
-template <typename W, bool kVec, int kWarpsPerRow, bool kSwiglu = false>
-void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream,
-                 W* act = nullptr) {
-  constexpr int kThreads = gemv_threads(kWarpsPerRow, kSwiglu);
-  constexpr int kRowsPerBlock = kThreads / 32 / kWarpsPerRow;
-  constexpr int kBlockRows = kSwiglu ? kRowsPerBlock / 2 : kRowsPerBlock;  // gate rows for kSwiglu
-  const int rows = kSwiglu ? N / 2 : N;
-  const unsigned blocks = static_cast<unsigned>((rows + kBlockRows - 1) / kBlockRows);
-  launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow, kSwiglu>, blocks, kThreads, 0, stream, parts, x, w, K, N,
-             gemv_prefetch_enabled(), act);
+template <typename W, bool kVec, int kWarpsPerRow, int kEpi>
+void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream, W* act,
+                 const GemvRope& rope) {
+  const unsigned blocks = static_cast<unsigned>(gemv_blocks(kWarpsPerRow, kEpi, N));
+  launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow, kEpi>, blocks, gemv_block_threads(kWarpsPerRow, kEpi), 0, stream,
+             parts, x, w, K, N, gemv_prefetch_enabled(), act, rope);
 }
 
-// With act (parts gate and up of F rows each): the kSwiglu kernel, the same launch choice by N = 2F.
-template <typename W>
-void gemv(const GemvParts& parts, const W* x, const W* w, int K, const char* what, cudaStream_t stream,
-          W* act = nullptr) {
+template <typename W, int kEpi>
+void gemv_epi(const GemvParts& parts, const W* x, const W* w, int K, const char* what, cudaStream_t stream, W* act,
+              const GemvRope& rope) {
   const int N = parts.end[parts.n_parts - 1];
   const bool vec = (K * sizeof(W)) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(w) % 16 == 0;
-  const bool split = N < kSplitRowsBelow;
-  if (act) {
-    if (vec && split) launch_gemv<W, true, 4, true>(parts, x, w, K, N, stream, act);
-    else if (vec) launch_gemv<W, true, 1, true>(parts, x, w, K, N, stream, act);
-    else if (split) launch_gemv<W, false, 4, true>(parts, x, w, K, N, stream, act);
-    else launch_gemv<W, false, 1, true>(parts, x, w, K, N, stream, act);
-  } else {
-    if (vec && split) launch_gemv<W, true, 4>(parts, x, w, K, N, stream);
-    else if (vec) launch_gemv<W, true, 1>(parts, x, w, K, N, stream);
-    else if (split) launch_gemv<W, false, 4>(parts, x, w, K, N, stream);
-    else launch_gemv<W, false, 1>(parts, x, w, K, N, stream);
-  }
+  const bool split = N < kSplitRowsBelow;  // the same choice for every epilogue of the same N
+  if (vec && split) launch_gemv<W, true, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
+  else if (vec) launch_gemv<W, true, 1, kEpi>(parts, x, w, K, N, stream, act, rope);
+  else if (split) launch_gemv<W, false, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
+  else launch_gemv<W, false, 1, kEpi>(parts, x, w, K, N, stream, act, rope);
   check_launch(what, stream);
+}
+
+template <typename W>
+void gemv(const GemvParts& parts, const W* x, const W* w, int K, const char* what, cudaStream_t stream) {
+  gemv_epi<W, kGemvPlain>(parts, x, w, K, what, stream, nullptr, GemvRope{});
 }
 
 static __global__ void add_bias_kernel(float* y, const float* bias, int64_t total, int N) {
@@ -259,8 +240,8 @@ bool gate_up_swiglu_impl(float* gate, float* up, W* act, const W* x, const Devic
     throw Error("matmul_gate_up_swiglu: " + std::to_string(2 * F) + " rows asked of a matrix of " +
                 std::to_string(w.rows));
   if (!w.quantized()) {
-    gemv(GemvParts{{gate, up}, {nullptr, nullptr}, {F, 2 * F}, 2}, x, w.dense, K, "matmul_gate_up_swiglu gemv", stream,
-         act);
+    gemv_epi<W, kGemvSwiglu>(GemvParts{{gate, up}, {nullptr, nullptr}, {F, 2 * F}, 2}, x, w.dense, K,
+                             "matmul_gate_up_swiglu gemv", stream, act, GemvRope{});
     return true;
   }
   if (w.n_segments < 1 || w.segments[0].rows < 2 * F) return false;  // gate and up in different formats
@@ -268,7 +249,37 @@ bool gate_up_swiglu_impl(float* gate, float* up, W* act, const W* x, const Devic
   return true;
 }
 
+template <typename W>
+bool qkv_rope_impl(float* q, float* k, float* v, const float* bq, const float* bk, const float* bv, const W* x,
+                   const DeviceMatrix<W>& w, int K, const GemvRope& rope, cudaStream_t stream) {
+  const int Q = rope.H * rope.Dh, KV = rope.Hkv * rope.Dh, N = Q + 2 * KV;
+  if (K != w.K)
+    throw Error("matmul_qkv_rope: K = " + std::to_string(K) + " against a matrix of " + std::to_string(w.K) +
+                " columns");
+  if (N > w.rows)
+    throw Error("matmul_qkv_rope: " + std::to_string(N) + " rows asked of a matrix of " + std::to_string(w.rows));
+  if (rope.Dh % 2 != 0) return false;
+  const GemvParts g{{q, k, v}, {bq, bk, bv}, {Q, Q + KV, N}, 3};
+  if (!w.quantized()) {
+    gemv_epi<W, kGemvRope>(g, x, w.dense, K, "matmul_qkv_rope gemv", stream, nullptr, rope);
+    return true;
+  }
+  if (w.n_segments < 1 || w.segments[0].rows < N) return false;  // Wv in another format (Q5_K_M's Q6_K)
+  qgemv_rope(w.segments[0].type, g, rope, x, w.segments[0].raw, K, stream);
+  return true;
+}
+
 }  // namespace
+
+bool matmul_qkv_rope(float* q, float* k, float* v, const float* bq, const float* bk, const float* bv, const float* x,
+                     const DeviceMatrix<float>& w, int K, const GemvRope& rope, cudaStream_t stream) {
+  return qkv_rope_impl(q, k, v, bq, bk, bv, x, w, K, rope, stream);
+}
+
+bool matmul_qkv_rope(float* q, float* k, float* v, const float* bq, const float* bk, const float* bv, const __half* x,
+                     const DeviceMatrix<__half>& w, int K, const GemvRope& rope, cudaStream_t stream) {
+  return qkv_rope_impl(q, k, v, bq, bk, bv, x, w, K, rope, stream);
+}
 
 bool matmul_gate_up_swiglu(float* gate, float* up, float* act, const float* x, const DeviceMatrix<float>& w, int K,
                            int F, cudaStream_t stream) {
