@@ -52,6 +52,14 @@ bool pdl_enabled() {
   return enabled;
 }
 
+bool gemv_prefetch_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("DIFFRUN_GEMV_PREFETCH");
+    return !(v != nullptr && std::strcmp(v, "0") == 0);
+  }();
+  return enabled;
+}
+
 void set_op_context(int step, int layer) {
   g_step = step;
   g_layer = layer;

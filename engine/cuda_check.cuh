@@ -23,6 +23,10 @@ bool sync_check_enabled();
 // capability 9.0 and later unless DIFFRUN_PDL=0.
 bool pdl_enabled();
 
+// GEMV weight prefetch (read once): the GEMV kernels start bringing their block's weight rows into L2
+// before the PDL wait (so under PDL while the preceding kernel runs), unless DIFFRUN_GEMV_PREFETCH=0.
+bool gemv_prefetch_enabled();
+
 // Where the forward pass is (step, layer; layer -1 outside layers), named in op errors. Cheap.
 void set_op_context(int step, int layer);
 

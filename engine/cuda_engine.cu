@@ -14,7 +14,9 @@
 //   launch the same kernels one by one.
 // - Every op kernel (not cuBLAS) is launched with Programmatic Dependent Launch on sm_90+: it waits
 //   for the preceding grid first thing, so its launch overlaps the previous kernel's tail, in the
-//   graph and out of it. DIFFRUN_PDL=0 turns it off (the "pdl" fact says which ran).
+//   graph and out of it. DIFFRUN_PDL=0 turns it off (the "pdl" fact says which ran). The GEMVs
+//   also ask L2 for their weight rows before that wait (DIFFRUN_GEMV_PREFETCH=0 turns it off; the
+//   "gemv_prefetch" fact), so the weights stream in while the preceding small kernel runs.
 // - As in the reference, the lm head computes every token's logits only when result_output is
 //   recorded, else the last token's alone.
 // - Hooks off: no copies, no synchronization, no extra kernels. On: cudaMemcpyAsync into pinned
@@ -22,7 +24,15 @@
 // - Fused ops, each writing every checkpoint tensor of the twins it combines (so hooks stay copies
 //   only): matmul_cat (Wq|Wk|Wv and Wgate|Wup concatenated at load, one GEMV per group when T = 1),
 //   rope_qk (q and k in one launch, with the KV cache write) and add_rms_norm (ffn_inp + ffn_norm;
-//   l_out + the next layer's attn_norm or result_norm). Decode T = 1 projections run our GEMV
+//   l_out + the next layer's attn_norm or result_norm). One-token steps without hooks also fuse the
+//   SwiGLU into the gate|up GEMV (matmul_gate_up_swiglu: each block computes a gate row and its up
+//   row, then writes their act; bit-identical to matmul_cat + swiglu, which hooked steps run so the
+//   hooks-invariance test compares the two; DIFFRUN_SWIGLU_IN_GEMV=0 turns it off, the
+//   "swiglu_in_gate_up_gemv" fact says which; a quantized Wgate|Wup of two formats stays unfused), and
+//   the RoPE and cache write into the qkv GEMV (matmul_qkv_rope: each block computes the two rows of
+//   a rotated pair, then rotates them with rope_qk's arithmetic; not with q/k norms or the
+//   rope_cache_unrotated fault; DIFFRUN_ROPE_IN_GEMV=0, the "rope_in_qkv_gemv" fact).
+//   Decode T = 1 projections run our GEMV
 //   kernel, prefill the cuBLAS GEMM (bench/NOTES.md has the figures). Quantized matrices stay GGUF
 //   blocks on the device (engine/weights.cuh): the quantized GEMV at T = 1, at T > 1 their rows
 //   dequantized into a scratch for the same cuBLAS GEMM; the "quantized_weights" fact lists them.
@@ -34,9 +44,11 @@
 //   the norm). Where the reference dump lacks the second output, the next op reads the fused op's
 //   own, computed from the reference's inputs.
 // - Steps of up to kAttentionSplitMaxT tokens (decode) run attention_split, which spreads each head's
-//   keys over enough blocks to fill the GPU and always writes the probabilities into attn_probs_
-//   (its scores live there), so kq_soft_max costs only its copy; longer steps (prefill) take their
-//   output from attention_tiled (K/V tiles in shared memory, online softmax) with hooks on or off,
+//   keys over enough blocks to fill the GPU once there are enough keys (one split per
+//   DIFFRUN_ATTENTION_SPLIT_MIN_KEYS keys, default kAttentionSplitMinKeys; 1 = every split at any
+//   length, as before; the "attention_split_min_keys" fact) and always writes the probabilities into
+//   attn_probs_ (its scores live there), so kq_soft_max costs only its copy; longer steps (prefill)
+//   take their output from attention_tiled (K/V tiles in shared memory, online softmax) with hooks on or off,
 //   and when kq_soft_max is recorded, attention writes the probabilities alone beside it
 //   (DIFFRUN_TILED_ATTENTION=0: attention writes both, as before; the "prefill_attention" fact
 //   says which). Both scratches are sized for max_ctx at construction,
@@ -89,6 +101,17 @@ constexpr uint64_t kCublasWorkspaceBytes = uint64_t(32) << 20;
 bool env_is_zero(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr && std::strcmp(v, "0") == 0;
+}
+
+// A positive integer from the environment, or `fallback` when the variable is unset or empty.
+int env_positive_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 1 || n > (1 << 30))
+    throw InputError(std::string(name) + "=" + v + ": expected a positive integer");
+  return static_cast<int>(n);
 }
 
 // Activations of one step, for up to `capacity` tokens; a longer step reallocates, decode reuses.
@@ -163,13 +186,16 @@ class CudaEngineImpl final : public CudaEngine {
         h_argmax_(1, "step state"),
         h_logits_(size_t(logit_columns()), "logits"),
         attn_splits_(attention_split_count(cfg.n_head, sm_count())),
+        attn_min_keys_(env_positive_int("DIFFRUN_ATTENTION_SPLIT_MIN_KEYS", kAttentionSplitMinKeys)),
         attn_probs_(attn_probs_floats(cfg, max_ctx), "attention scratch"),
         attn_partial_(attn_partial_floats(cfg, attn_splits_), "attention scratch"),
         attn_counters_(size_t(kAttentionSplitMaxT) * cfg.n_head, "attention scratch"),
         argmax_scratch_(2, "step state"),
         names_(checkpoint_names(cfg)),
         graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS")),
-        tiled_attention_(!env_is_zero("DIFFRUN_TILED_ATTENTION")) {
+        tiled_attention_(!env_is_zero("DIFFRUN_TILED_ATTENTION")),
+        swiglu_in_gemv_(!env_is_zero("DIFFRUN_SWIGLU_IN_GEMV")),
+        rope_in_gemv_(!env_is_zero("DIFFRUN_ROPE_IN_GEMV")) {
     int device = 0;
     CUDA_CHECK(cudaGetDevice(&device));
     cudaDeviceProp prop{};
@@ -195,8 +221,12 @@ class CudaEngineImpl final : public CudaEngine {
         {"kv_cache_dtype", "f32"},
         {"cuda_graphs", graphs_enabled_ ? "decode steps without hooks" : "off"},
         {"attention_splits", std::to_string(attn_splits_)},
+        {"attention_split_min_keys", std::to_string(attn_min_keys_)},
         {"prefill_attention", tiled_attention_ ? "tiled" : "one block per (token, head)"},
         {"pdl", pdl_enabled() ? "on" : "off"},
+        {"gemv_prefetch", gemv_prefetch_enabled() ? "on" : "off"},
+        {"swiglu_in_gate_up_gemv", swiglu_in_gemv_ ? "one-token steps without hooks" : "off"},
+        {"rope_in_qkv_gemv", rope_in_gemv_ ? "one-token steps without hooks" : "off"},
     };
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
     CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));
@@ -293,6 +323,7 @@ class CudaEngineImpl final : public CudaEngine {
         scale(a.x.get(), a.x.get(), sqrtf(static_cast<float>(D)), int64_t(n) * D, stream_);
       cp(sink, step, "inp_scaled", -1, a.x.get(), {n, D});
     }
+    step_hooked_ = hooked(step, sink);
     norm(a.xn.get(), a.x.get(), norm_opening(0), n, D);  // layer 0's attn_norm
     for (int l = 0; l < cfg_.n_layer; ++l) layer(step, l, n, sink);
     set_op_context(step, -1);
@@ -341,8 +372,18 @@ class CudaEngineImpl final : public CudaEngine {
 
     // a.xn = rms_norm(a.x) · attn_norm, written by the op before the layer (rms_norm or add_rms_norm).
     cp(sink, step, "attn_norm", l, a.xn.get(), {n, D});
-    matmul_cat({{a.q.get(), bias ? w.bq : nullptr, Q}, {a.k.get(), bias ? w.bk : nullptr, KV}, {a.v.get(), bias ? w.bv : nullptr, KV}},
-               a.xn.get(), w.wq, n, D, cublas_, stream_);
+    const int32_t* write_pos = faults_.has(Fault::kv_cache_pos0) ? d_zero_.get() : n_past;  // kv_cache_pos0: row 0
+    // One token without hooks: the qkv GEMV applies the RoPE and writes the cache too (bit-identical).
+    const bool fused_rope =
+        rope_in_gemv_ && n == 1 && !step_hooked_ && !cfg_.qk_norm && !faults_.has(Fault::rope_cache_unrotated) &&
+        matmul_qkv_rope(a.q.get(), a.k.get(), a.v.get(), bias ? w.bq : nullptr, bias ? w.bk : nullptr,
+                        bias ? w.bv : nullptr, a.xn.get(), w.wq, D,
+                        GemvRope{cache_k, cache_v, n_past, write_pos, d_rope_freqs_.get(), theta, H, Hkv, Dh, neox},
+                        stream_);
+    if (!fused_rope)
+      matmul_cat({{a.q.get(), bias ? w.bq : nullptr, Q}, {a.k.get(), bias ? w.bk : nullptr, KV},
+                  {a.v.get(), bias ? w.bv : nullptr, KV}},
+                 a.xn.get(), w.wq, n, D, cublas_, stream_);
     cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
     cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
     cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
@@ -350,11 +391,10 @@ class CudaEngineImpl final : public CudaEngine {
       norm(a.q.get(), a.q.get(), norm_w(w.q_norm), n * H, Dh);   cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
       norm(a.k.get(), a.k.get(), norm_w(w.k_norm), n * Hkv, Dh); cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
     }
-    const int32_t* write_pos = faults_.has(Fault::kv_cache_pos0) ? d_zero_.get() : n_past;  // kv_cache_pos0: row 0
     if (faults_.has(Fault::rope_cache_unrotated))
       rope_qk_cache_unrotated(a.q.get(), a.k.get(), cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh,
                               n_past, write_pos, theta, d_rope_freqs_.get(), neox, stream_);
-    else
+    else if (!fused_rope)  // fused: matmul_qkv_rope rotated q and k and wrote the cache rows
       rope_qk(a.q.get(), a.k.get(), cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, n_past, write_pos,
               theta, d_rope_freqs_.get(), neox, stream_);
     cp(sink, step, "Qrope", l, a.q.get(), {n, H, Dh});
@@ -373,7 +413,7 @@ class CudaEngineImpl final : public CudaEngine {
     if (split_attention(n)) {
       probs = attn_probs_.get();
       attention_split(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window,
-                      {attn_partial_.get(), attn_counters_.get(), attn_splits_}, stream_);
+                      {attn_partial_.get(), attn_counters_.get(), attn_splits_, attn_min_keys_}, stream_);
     } else {
       probs = want_probs ? probs_.get() : nullptr;
       if (attention_flaws_.any())
@@ -411,13 +451,20 @@ class CudaEngineImpl final : public CudaEngine {
     }
     cp(sink, step, "ffn_norm", l, a.xn.get(), {n, D});
 
-    matmul_cat({{a.gate.get(), nullptr, F}, {a.up.get(), nullptr, F}}, a.xn.get(), w.w_gate, n, D, cublas_, stream_);
+    const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
+    // One token without hooks: the gate|up GEMV writes the SwiGLU too (bit-identical; see the top).
+    const bool fused_swiglu =
+        swiglu_in_gemv_ && n == 1 && !step_hooked_ && !swap && cfg_.ffn_act != FfnAct::gelu_tanh &&
+        matmul_gate_up_swiglu(a.gate.get(), a.up.get(), a.act.get(), a.xn.get(), w.w_gate, D, F, stream_);
+    if (!fused_swiglu)
+      matmul_cat({{a.gate.get(), nullptr, F}, {a.up.get(), nullptr, F}}, a.xn.get(), w.w_gate, n, D, cublas_, stream_);
     cp(sink, step, "ffn_gate", l, a.gate.get(), {n, F});
     cp(sink, step, "ffn_up", l, a.up.get(), {n, F});
-    const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
     const float* act_in = swap ? a.up.get() : a.gate.get();    // [T, F]
     const float* act_mul = swap ? a.gate.get() : a.up.get();   // [T, F]
-    if (cfg_.ffn_act == FfnAct::gelu_tanh) {
+    if (fused_swiglu) {
+      cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});  // not hooked: records and replaces nothing
+    } else if (cfg_.ffn_act == FfnAct::gelu_tanh) {
       geglu(a.act.get(), act_in, act_mul, int64_t(n) * F, stream_);
       cp(sink, step, "ffn_geglu", l, a.act.get(), {n, F});
     } else {
@@ -624,6 +671,7 @@ class CudaEngineImpl final : public CudaEngine {
   PinnedBuffer<int32_t> h_argmax_;  // [1]
   PinnedBuffer<float> h_logits_;    // [V] the last token's logits
   int attn_splits_;                          // attention_split blocks per (token, head)
+  int attn_min_keys_;                        // keys per split a query needs to use another split
   DeviceBuffer<float> attn_probs_;           // [H, T, S] of attention_split steps, T ≤ kAttentionSplitMaxT
   DeviceBuffer<float> attn_partial_;         // [T, H, splits, Dh + 2] attention_split partials
   DeviceBuffer<uint32_t> attn_counters_;     // [T, H] attention_split tickets, zero between launches
@@ -632,6 +680,9 @@ class CudaEngineImpl final : public CudaEngine {
   std::vector<std::string> names_;  // every checkpoint name of a step, in order
   bool graphs_enabled_;
   bool tiled_attention_;  // steps over kAttentionSplitMaxT tokens take their output from attention_tiled
+  bool swiglu_in_gemv_;   // one-token steps without hooks: matmul_gate_up_swiglu (DIFFRUN_SWIGLU_IN_GEMV=0: off)
+  bool rope_in_gemv_;     // one-token steps without hooks: matmul_qkv_rope (DIFFRUN_ROPE_IN_GEMV=0: off)
+  bool step_hooked_ = false;  // the step being enqueued records or replaces a tensor checkpoint
   cudaGraphExec_t graphs_[2] = {nullptr, nullptr};  // decode step without / with the logits copy
   std::map<std::string, std::string> facts_;
   int n_past_ = 0;

@@ -294,6 +294,37 @@ TEST(EngineModel, HooksDoNotChangeResultsAndGraphDecodeMatches) {
   }
 }
 
+// The decode fusions of one-token steps without hooks (SwiGLU in the gate|up GEMV, RoPE and the cache
+// write in the qkv GEMV) against the same engine with both off: the same logits bit for bit, on norm
+// and neox pairing, freq factors (llama3rope), biases (qwen2), dense and quantized weights.
+TEST(EngineModel, FusedDecodeMatchesUnfusedDecode) {
+  DIFFRUN_REQUIRE_CUDA();
+  for (const char* fixture : {"tiny-llama-f32.gguf", "tiny-llama-q4_k.gguf", "tiny-llama3rope-f32.gguf",
+                              "tiny-mistral-f32.gguf", "tiny-qwen2-q8_0.gguf"})
+  for (const char* precision : {"f32", "f16"}) {
+    SCOPED_TRACE(std::string(fixture) + " " + precision);
+    Models m = open_model(test::fixture_path(fixture));
+    auto fused = make_cuda_engine(*m.file, m.cfg, precision, 32);
+    setenv("DIFFRUN_SWIGLU_IN_GEMV", "0", 1);
+    setenv("DIFFRUN_ROPE_IN_GEMV", "0", 1);
+    auto unfused = make_cuda_engine(*m.file, m.cfg, precision, 32);
+    unsetenv("DIFFRUN_SWIGLU_IN_GEMV");
+    unsetenv("DIFFRUN_ROPE_IN_GEMV");
+    EXPECT_EQ(fused->facts().at("swiglu_in_gate_up_gemv"), "one-token steps without hooks");
+    EXPECT_EQ(fused->facts().at("rope_in_qkv_gemv"), "one-token steps without hooks");
+    EXPECT_EQ(unfused->facts().at("swiglu_in_gate_up_gemv"), "off");
+    EXPECT_EQ(unfused->facts().at("rope_in_qkv_gemv"), "off");
+    NullSink none;
+    std::vector<int32_t> tokens = prompt_ids(m.cfg.n_vocab, 5);
+    for (int step = 0; step < 6; ++step) {
+      const std::vector<float> a = fused->forward(step, tokens, none);
+      const std::vector<float> b = unfused->forward(step, tokens, none);
+      EXPECT_EQ(a, b) << "logits differ, step " << step;
+      tokens = {host_argmax(a)};
+    }
+  }
+}
+
 // Quantized weights kept as blocks against the same model expanded at load (DIFFRUN_QUANT_WEIGHTS=0,
 // the path before quantized kernels): the prefill (cuBLAS on the dequantized scratch) is bit-identical,
 // decode steps (the quantized GEMV) agree to f32 rounding, and the engine says which weights it kept.

@@ -203,6 +203,111 @@ TEST(EngineOps, MatmulCatMatchesReferencePerPart) {
   }
 }
 
+// The gate|up GEMV with the SwiGLU epilogue (one token, dense Wgate|Wup) against matmul_cat then
+// swiglu: gate, up and act bit-identical, f32 and f16, 4-warp rows (2F < 4096) and 1-warp rows,
+// 16-byte rows and rows of odd K (the scalar loop), F odd (a half-filled last block).
+TEST(EngineOps, MatmulGateUpSwigluMatchesMatmulCatThenSwiglu) {
+  DIFFRUN_REQUIRE_CUDA();
+  engine::CublasHandle h32(engine::EnginePrecision::f32), h16(engine::EnginePrecision::f16);
+  for (auto [F, K] : {std::pair{37, 96}, std::pair{2051, 64}, std::pair{45, 97}, std::pair{2049, 33}}) {
+    SCOPED_TRACE("F " + std::to_string(F) + " K " + std::to_string(K));
+    const auto w = random_vec(size_t(2 * F) * K, 60, 0.3f), x = random_vec(K, 61);
+    DeviceArray<float> dx(x), dw(w);
+    DeviceArray<__half> hx(to_half(x)), hw(to_half(w));
+    engine::DeviceMatrix<float> m32;
+    m32.dense = dw.get();
+    m32.K = K;
+    m32.rows = 2 * F;
+    engine::DeviceMatrix<__half> m16;
+    m16.dense = hw.get();
+    m16.K = K;
+    m16.rows = 2 * F;
+    const std::vector<float> nan(F, std::nanf(""));
+    for (bool f16 : {false, true}) {
+      SCOPED_TRACE(f16 ? "f16" : "f32");
+      DeviceArray<float> g1(nan), u1(nan), g2(nan), u2(nan), a1(nan), a2(nan);
+      DeviceArray<__half> a1h(to_half(nan)), a2h(to_half(nan));
+      if (f16) {
+        engine::matmul_cat({{g1.get(), nullptr, F}, {u1.get(), nullptr, F}}, hx.get(), m16, 1, K, h16, nullptr);
+        engine::swiglu(a1h.get(), g1.get(), u1.get(), F, nullptr);
+        ASSERT_TRUE(engine::matmul_gate_up_swiglu(g2.get(), u2.get(), a2h.get(), hx.get(), m16, K, F, nullptr));
+        EXPECT_EQ(from_half(a2h.download()), from_half(a1h.download()));
+      } else {
+        engine::matmul_cat({{g1.get(), nullptr, F}, {u1.get(), nullptr, F}}, dx.get(), m32, 1, K, h32, nullptr);
+        engine::swiglu(a1.get(), g1.get(), u1.get(), F, nullptr);
+        ASSERT_TRUE(engine::matmul_gate_up_swiglu(g2.get(), u2.get(), a2.get(), dx.get(), m32, K, F, nullptr));
+        EXPECT_EQ(a2.download(), a1.download());
+      }
+      EXPECT_EQ(g2.download(), g1.download());
+      EXPECT_EQ(u2.download(), u1.download());
+      TEST_CUDA_CHECK(cudaGetLastError());
+    }
+  }
+}
+
+// The qkv GEMV with the RoPE epilogue (one token, dense Wq|Wk|Wv) against matmul_cat then rope_qk:
+// q, k, v and both caches (every row, the written one and the others) bit-identical, f32 and f16,
+// neox and norm pairing, biases or none, freq factors or none, 4-warp rows (N < 4096) and 1-warp
+// rows, 16-byte rows and odd K, a cache row apart from the position (kv_cache_pos0's write_pos).
+TEST(EngineOps, MatmulQkvRopeMatchesMatmulCatThenRopeQk) {
+  DIFFRUN_REQUIRE_CUDA();
+  struct Case {
+    int H, Hkv, Dh, K, pos, write_pos;
+    bool neox, bias, factors;
+  };
+  engine::CublasHandle h32(engine::EnginePrecision::f32), h16(engine::EnginePrecision::f16);
+  for (const Case c : {Case{14, 2, 64, 96, 37, 37, true, true, false}, Case{4, 2, 18, 97, 5, 5, false, false, true},
+                       Case{32, 4, 128, 64, 300, 300, true, false, true}, Case{9, 3, 64, 33, 7, 0, false, true, false}}) {
+    SCOPED_TRACE("H " + std::to_string(c.H) + " Hkv " + std::to_string(c.Hkv) + " Dh " + std::to_string(c.Dh) +
+                 " K " + std::to_string(c.K) + (c.neox ? " neox" : " norm"));
+    const int Q = c.H * c.Dh, KV = c.Hkv * c.Dh, N = Q + 2 * KV, K = c.K, ctx = 320;
+    const auto w = random_vec(size_t(N) * K, 70, 0.3f), x = random_vec(K, 71), b = random_vec(N, 72);
+    const auto factors = random_vec(c.Dh / 2, 73);
+    std::vector<float> ff(factors.size());
+    for (size_t i = 0; i < ff.size(); ++i) ff[i] = 1.0f + std::fabs(factors[i]);
+    const auto cache0 = random_vec(size_t(ctx) * KV, 74);
+    DeviceArray<float> dx(x), dw(w), db(b), dff(ff);
+    DeviceArray<__half> hx(to_half(x)), hw(to_half(w));
+    DeviceArray<int32_t> dpos(std::vector<int32_t>{c.pos}), dwpos(std::vector<int32_t>{c.write_pos});
+    engine::DeviceMatrix<float> m32;
+    m32.dense = dw.get();
+    m32.K = K;
+    m32.rows = N;
+    engine::DeviceMatrix<__half> m16;
+    m16.dense = hw.get();
+    m16.K = K;
+    m16.rows = N;
+    const float* bq = c.bias ? db.get() : nullptr;
+    const float* bk = c.bias ? db.get() + Q : nullptr;
+    const float* bv = c.bias ? db.get() + Q + KV : nullptr;
+    const float* dfactors = c.factors ? dff.get() : nullptr;
+    for (bool f16 : {false, true}) {
+      SCOPED_TRACE(f16 ? "f16" : "f32");
+      const std::vector<float> nq(Q, std::nanf("")), nkv(KV, std::nanf(""));
+      DeviceArray<float> q1(nq), k1(nkv), v1(nkv), q2(nq), k2(nkv), v2(nkv);
+      DeviceArray<float> kc1(cache0), vc1(cache0), kc2(cache0), vc2(cache0);
+      if (f16)
+        engine::matmul_cat({{q1.get(), bq, Q}, {k1.get(), bk, KV}, {v1.get(), bv, KV}}, hx.get(), m16, 1, K, h16, nullptr);
+      else
+        engine::matmul_cat({{q1.get(), bq, Q}, {k1.get(), bk, KV}, {v1.get(), bv, KV}}, dx.get(), m32, 1, K, h32, nullptr);
+      engine::rope_qk(q1.get(), k1.get(), kc1.get(), vc1.get(), q1.get(), k1.get(), v1.get(), 1, c.H, c.Hkv, c.Dh,
+                      dpos.get(), dwpos.get(), 10000.0f, dfactors, c.neox, nullptr);
+      const engine::GemvRope rope{kc2.get(), vc2.get(), dpos.get(), dwpos.get(), dfactors, 10000.0f,
+                                  c.H,       c.Hkv,     c.Dh,       c.neox};
+      if (f16)
+        ASSERT_TRUE(engine::matmul_qkv_rope(q2.get(), k2.get(), v2.get(), bq, bk, bv, hx.get(), m16, K, rope, nullptr));
+      else
+        ASSERT_TRUE(engine::matmul_qkv_rope(q2.get(), k2.get(), v2.get(), bq, bk, bv, dx.get(), m32, K, rope, nullptr));
+      EXPECT_EQ(q2.download(), q1.download());
+      EXPECT_EQ(k2.download(), k1.download());
+      EXPECT_EQ(v2.download(), v1.download());
+      EXPECT_EQ(kc2.download(), kc1.download());
+      EXPECT_EQ(vc2.download(), vc1.download());
+      TEST_CUDA_CHECK(cudaGetLastError());
+    }
+  }
+}
+
 TEST(EngineOps, EmbeddingMatchesReference) {
   DIFFRUN_REQUIRE_CUDA();
   const int V = 37, D = 29, T = 6;
@@ -226,7 +331,9 @@ TEST(EngineOps, EmbeddingMatchesReference) {
 
 TEST(EngineOps, RmsNormMatchesReference) {
   DIFFRUN_REQUIRE_CUDA();
-  for (auto [rows, D] : {std::pair{7, 97}, std::pair{15, 18}, std::pair{2, 896}}) {
+  // D ≤ 2048 rows are held in registers, longer ones read back from memory (both paths).
+  for (auto [rows, D] : {std::pair{7, 97}, std::pair{15, 18}, std::pair{2, 896}, std::pair{3, 2048},
+                         std::pair{2, 2049}, std::pair{2, 5000}}) {
     SCOPED_TRACE("rows " + std::to_string(rows) + " D " + std::to_string(D));
     const auto x = random_vec(rows * D, 5, 3.0f), w = random_vec(D, 6);
     std::vector<double> ref(rows * D);
@@ -337,10 +444,12 @@ TEST(EngineOps, RopeQkMatchesRopeTwinsAndKvStore) {
   EXPECT_EQ(ik.download(), sk.download());
 }
 
-// Residual add then RMSNorm in one launch: both outputs bit-identical to add followed by rms_norm.
+// Residual add then RMSNorm in one launch: both outputs bit-identical to add followed by rms_norm,
+// with rows held in registers (D ≤ 2048) and read back from memory (longer).
 TEST(EngineOps, AddRmsNormMatchesAddThenRmsNorm) {
   DIFFRUN_REQUIRE_CUDA();
-  for (auto [rows, D] : {std::pair{1, 896}, std::pair{7, 97}}) {
+  for (auto [rows, D] : {std::pair{1, 896}, std::pair{7, 97}, std::pair{1, 2048}, std::pair{2, 2049},
+                         std::pair{1, 5000}}) {
     SCOPED_TRACE("rows " + std::to_string(rows) + " D " + std::to_string(D));
     const auto a = random_vec(rows * D, 32, 2.0f), b = random_vec(rows * D, 33), w = random_vec(D, 34);
     std::vector<double> sum_ref(rows * D), norm_ref(rows * D);
@@ -358,6 +467,9 @@ TEST(EngineOps, AddRmsNormMatchesAddThenRmsNorm) {
     engine::add_rms_norm(sum.get(), n16.get(), da.get(), db.get(), dw.get(), rows, D, 1e-6f, nullptr);
     engine::rms_norm(n16b.get(), sum2.get(), dw.get(), rows, D, 1e-6f, nullptr);
     EXPECT_EQ(from_half(n16.download()), from_half(n16b.download()));
+    engine::add_rms_norm(da.get(), norm.get(), da.get(), db.get(), dw.get(), rows, D, 1e-6f, nullptr);  // sum = a
+    EXPECT_EQ(da.download(), sum2.download());
+    EXPECT_EQ(norm.download(), norm2.download());
   }
 }
 
@@ -399,19 +511,30 @@ TEST(EngineOps, AttentionMatchesReference) {
 
 // The split (flash-decoding) kernel: against the CPU twin and the one-block kernel, with S not a
 // multiple of the splits, splits left empty (S < splits), one split, GQA and T > 1 causal; the
-// scratch tickets left at zero (a second launch on the same scratch gives the same bits).
+// scratch tickets left at zero (a second launch on the same scratch gives the same bits). Each case
+// runs with the default min_keys (short queries in one block, long ones over several splits) and
+// with min_keys 1 (every query over all its splits, the combine and empty chunks at small S).
 TEST(EngineOps, AttentionSplitMatchesReference) {
   DIFFRUN_REQUIRE_CUDA();
   struct Case {
-    int T, n_past, H, Hkv, Dh, splits, window = 0;
+    int T, n_past, H, Hkv, Dh, splits, window = 0, min_keys = engine::kAttentionSplitMinKeys;
   };
+  std::vector<Case> cases;
   for (const Case c : {Case{1, 37, 14, 2, 64, 19}, Case{1, 0, 14, 2, 64, 19}, Case{1, 200, 6, 3, 40, 7},
                        Case{1, 5, 4, 4, 128, 1}, Case{3, 2, 8, 1, 256, 5}, Case{4, 300, 6, 2, 40, 64},
-                       Case{2, 1, 5, 5, 18, 3}, Case{1, 600, 4, 1, 256, 64, 512}, Case{3, 20, 4, 1, 256, 7, 8}}) {
+                       Case{2, 1, 5, 5, 18, 3}, Case{1, 600, 4, 1, 256, 64, 512}, Case{3, 20, 4, 1, 256, 7, 8},
+                       Case{1, 1000, 14, 2, 64, 19}, Case{2, 5000, 4, 1, 64, 19}, Case{1, 3000, 32, 4, 64, 9},
+                       Case{4, 700, 3, 1, 100, 64, 0, 50}}) {
+    cases.push_back(c);
+    cases.push_back(c);
+    cases.back().min_keys = 1;
+  }
+  for (const Case c : cases) {
     const int T = c.T, n_past = c.n_past, H = c.H, Hkv = c.Hkv, Dh = c.Dh, window = c.window;
     const float scale = window > 0 ? 0.0625f : 1.0f / std::sqrt(float(Dh));
     SCOPED_TRACE("T " + std::to_string(T) + " n_past " + std::to_string(n_past) + " H " + std::to_string(H) +
-                 " Hkv " + std::to_string(Hkv) + " Dh " + std::to_string(Dh) + " splits " + std::to_string(c.splits));
+                 " Hkv " + std::to_string(Hkv) + " Dh " + std::to_string(Dh) + " splits " + std::to_string(c.splits) +
+                 " window " + std::to_string(window) + " min_keys " + std::to_string(c.min_keys));
     const int S = n_past + T, Q = H * Dh, KV = Hkv * Dh;
     const auto q = random_vec(T * Q, 40, 2.0f), kc = random_vec(S * KV, 41), vc = random_vec(S * KV, 42);
     std::vector<double> out_ref(T * Q), probs_ref(size_t(H) * T * S);
@@ -422,7 +545,7 @@ TEST(EngineOps, AttentionSplitMatchesReference) {
     DeviceArray<float> partial(size_t(T) * H * c.splits * (Dh + 2));
     DeviceArray<uint32_t> counters(std::vector<uint32_t>(size_t(T) * H, 0u));
     DeviceArray<int32_t> dnp(std::vector<int32_t>{n_past});
-    const engine::AttentionSplitScratch scratch{partial.get(), counters.get(), c.splits};
+    const engine::AttentionSplitScratch scratch{partial.get(), counters.get(), c.splits, c.min_keys};
     engine::attention_split(out.get(), probs.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale,
                             window, scratch, nullptr);
     const auto got = out.download(), got_probs = probs.download();
@@ -533,6 +656,14 @@ TEST(EngineOps, AttentionSplitCount) {
   EXPECT_EQ(engine::attention_split_count(14, 132), 19);
   EXPECT_EQ(engine::attention_split_count(64, 16), 1);
   EXPECT_EQ(engine::attention_split_count(1, 132), engine::kAttentionSplitMaxSplits);
+  // Splits used per query: one per min_keys keys, at least 1, at most the grid's.
+  EXPECT_EQ(engine::attention_splits_used(37, 19, 128), 1);
+  EXPECT_EQ(engine::attention_splits_used(255, 19, 128), 1);
+  EXPECT_EQ(engine::attention_splits_used(256, 19, 128), 2);
+  EXPECT_EQ(engine::attention_splits_used(100000, 19, 128), 19);
+  EXPECT_EQ(engine::attention_splits_used(37, 19, 1), 19);
+  EXPECT_EQ(engine::attention_splits_used(5, 19, 1), 5);
+  EXPECT_EQ(engine::attention_splits_used(1, 1, 128), 1);
 }
 
 // gemma3's ops: GeGLU (f32 and f16 out), the embedding scale and the logit softcap against their CPU twins.

@@ -1,6 +1,7 @@
 // GPU test: the quantized kernels (engine/ops/qgemv) per format against the CPU dequantization
 // (model/dequant.cpp) with f32 math: the GEMV (f32 and f16 activations, 1 and 4 warps per row,
-// parts, bias, a concatenation of two formats), the row dequantization (bit-exact) and the embedding.
+// parts, bias, a concatenation of two formats, the SwiGLU and RoPE epilogues), the row dequantization (bit-exact)
+// and the embedding.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -11,6 +12,8 @@
 #include <gtest/gtest.h>
 
 #include "engine/ops/qgemv.cuh"
+#include "engine/ops/rope_qk.cuh"
+#include "engine/ops/swiglu.cuh"
 #include "model/dequant.hpp"
 #include "model/error.hpp"
 #include "tests/test_engine_common.hpp"
@@ -177,6 +180,105 @@ TEST(EngineQgemv, ConcatenationOfTwoFormats) {
   std::vector<double> want, mag;
   reference_gemv(w, x, bias, rows, K, want, mag);
   expect_close(got, want, mag, "Q5_K|Q6_K");
+}
+
+// The quantized gate|up GEMV with the SwiGLU epilogue against qgemv over the same 2F rows then the
+// swiglu kernel: gate, up and act bit-identical, every format, f32 and f16 activations, 4-warp rows
+// (2F < 4096, long K) and 1-warp rows, F odd (a half-filled last block).
+TEST(EngineQgemv, SwigluEpilogueMatchesQgemvThenSwiglu) {
+  DIFFRUN_REQUIRE_CUDA();
+  for (const Format& f : formats())
+    for (auto [F, K] : {std::pair{35, 2048}, std::pair{2051, 256}, std::pair{17, 768}}) {
+      SCOPED_TRACE(std::string(ggml_type_name(f.type)) + " F " + std::to_string(F) + " K " + std::to_string(K));
+      const int rows = 2 * F;
+      const uint32_t seed = 300 + static_cast<uint32_t>(f.type);
+      const std::vector<uint8_t> raw = random_rows(f, rows, K, seed);
+      const std::vector<float> x32 = random_floats(K, seed + 1, 1.0f);
+      std::vector<__half> x16(K);
+      for (int k = 0; k < K; ++k) x16[k] = __float2half_rn(x32[k]);
+      const std::vector<float> nan(F, std::nanf(""));
+      std::vector<__half> nan16(F);
+      for (__half& h : nan16) h = __float2half_rn(std::nanf(""));
+      DeviceArray<uint8_t> d_raw(raw);
+      DeviceArray<float> dx32(x32);
+      DeviceArray<__half> dx16(x16);
+      for (bool f16 : {false, true}) {
+        SCOPED_TRACE(f16 ? "f16 activations" : "f32 activations");
+        DeviceArray<float> g1(nan), u1(nan), g2(nan), u2(nan), a1(nan), a2(nan);
+        DeviceArray<__half> a1h(nan16), a2h(nan16);
+        const engine::GemvParts parts{{g1.get(), u1.get()}, {nullptr, nullptr}, {F, rows}, 2};
+        if (f16) {
+          engine::qgemv(f.type, parts, 0, rows, dx16.get(), d_raw.get(), K, nullptr);
+          engine::swiglu(a1h.get(), g1.get(), u1.get(), F, nullptr);
+          engine::qgemv_swiglu(f.type, g2.get(), u2.get(), a2h.get(), dx16.get(), d_raw.get(), K, F, nullptr);
+          std::vector<float> got, want;
+          for (__half h : a2h.download()) got.push_back(__half2float(h));
+          for (__half h : a1h.download()) want.push_back(__half2float(h));
+          EXPECT_EQ(got, want);
+        } else {
+          engine::qgemv(f.type, parts, 0, rows, dx32.get(), d_raw.get(), K, nullptr);
+          engine::swiglu(a1.get(), g1.get(), u1.get(), F, nullptr);
+          engine::qgemv_swiglu(f.type, g2.get(), u2.get(), a2.get(), dx32.get(), d_raw.get(), K, F, nullptr);
+          EXPECT_EQ(a2.download(), a1.download());
+        }
+        EXPECT_EQ(g2.download(), g1.download());
+        EXPECT_EQ(u2.download(), u1.download());
+        TEST_CUDA_CHECK(cudaGetLastError());
+      }
+    }
+}
+
+// The quantized qkv GEMV with the RoPE epilogue against qgemv over the same rows then rope_qk: q, k,
+// v and both caches bit-identical, every format, f32 and f16 activations, 4-warp rows (N < 4096,
+// long K) and 1-warp rows, neox and norm pairing, with biases.
+TEST(EngineQgemv, RopeEpilogueMatchesQgemvThenRopeQk) {
+  DIFFRUN_REQUIRE_CUDA();
+  struct Case {
+    int H, Hkv, Dh, K;
+    bool neox;
+  };
+  for (const Format& f : formats())
+    for (const Case c : {Case{9, 3, 64, 2048, true}, Case{32, 4, 128, 256, false}, Case{6, 2, 32, 768, false}}) {
+      SCOPED_TRACE(std::string(ggml_type_name(f.type)) + " H " + std::to_string(c.H) + " Dh " + std::to_string(c.Dh) +
+                   " K " + std::to_string(c.K) + (c.neox ? " neox" : " norm"));
+      const int Q = c.H * c.Dh, KV = c.Hkv * c.Dh, N = Q + 2 * KV, K = c.K, ctx = 64, pos = 41;
+      const uint32_t seed = 500 + static_cast<uint32_t>(f.type);
+      const std::vector<uint8_t> raw = random_rows(f, N, K, seed);
+      const std::vector<float> x32 = random_floats(K, seed + 1, 1.0f), bias = random_floats(N, seed + 2, 0.5f);
+      const std::vector<float> cache0 = random_floats(size_t(ctx) * KV, seed + 3, 1.0f);
+      std::vector<__half> x16(K);
+      for (int k = 0; k < K; ++k) x16[k] = __float2half_rn(x32[k]);
+      DeviceArray<uint8_t> d_raw(raw);
+      DeviceArray<float> dx32(x32), dbias(bias);
+      DeviceArray<__half> dx16(x16);
+      DeviceArray<int32_t> dpos(std::vector<int32_t>{pos});
+      for (bool f16 : {false, true}) {
+        SCOPED_TRACE(f16 ? "f16 activations" : "f32 activations");
+        const std::vector<float> nq(Q, std::nanf("")), nkv(KV, std::nanf(""));
+        DeviceArray<float> q1(nq), k1(nkv), v1(nkv), q2(nq), k2(nkv), v2(nkv);
+        DeviceArray<float> kc1(cache0), vc1(cache0), kc2(cache0), vc2(cache0);
+        const float* b = dbias.get();
+        const engine::GemvParts p1{{q1.get(), k1.get(), v1.get()}, {b, b + Q, b + Q + KV}, {Q, Q + KV, N}, 3};
+        const engine::GemvParts p2{{q2.get(), k2.get(), v2.get()}, {b, b + Q, b + Q + KV}, {Q, Q + KV, N}, 3};
+        const engine::GemvRope rope{kc2.get(), vc2.get(), dpos.get(), dpos.get(), nullptr, 10000.0f,
+                                    c.H,       c.Hkv,     c.Dh,       c.neox};
+        if (f16) {
+          engine::qgemv(f.type, p1, 0, N, dx16.get(), d_raw.get(), K, nullptr);
+          engine::qgemv_rope(f.type, p2, rope, dx16.get(), d_raw.get(), K, nullptr);
+        } else {
+          engine::qgemv(f.type, p1, 0, N, dx32.get(), d_raw.get(), K, nullptr);
+          engine::qgemv_rope(f.type, p2, rope, dx32.get(), d_raw.get(), K, nullptr);
+        }
+        engine::rope_qk(q1.get(), k1.get(), kc1.get(), vc1.get(), q1.get(), k1.get(), v1.get(), 1, c.H, c.Hkv, c.Dh,
+                        dpos.get(), dpos.get(), 10000.0f, nullptr, c.neox, nullptr);
+        EXPECT_EQ(q2.download(), q1.download());
+        EXPECT_EQ(k2.download(), k1.download());
+        EXPECT_EQ(v2.download(), v1.download());
+        EXPECT_EQ(kc2.download(), kc1.download());
+        EXPECT_EQ(vc2.download(), vc1.download());
+        TEST_CUDA_CHECK(cudaGetLastError());
+      }
+    }
 }
 
 TEST(EngineQgemv, DequantRowsBitExactAndEmbedding) {

@@ -1,5 +1,6 @@
 // Residual add + RMSNorm kernel (rows, D): one block per row, the add's elementwise sum, then the
-// rms_norm kernel's f32 sum of squares and block reduction in the same order.
+// rms_norm kernel's f32 sum of squares and block reduction in the same order (block_sum in
+// launch.cuh), the row and the weights held in registers as rms_norm holds them.
 #include "engine/ops/add_rms_norm.cuh"
 
 #include "engine/cuda_check.cuh"
@@ -10,27 +11,54 @@ namespace diffrun::engine {
 namespace {
 
 template <typename Out>
-static __global__ void add_rms_norm_kernel(float* sum, Out* out, const float* a, const float* b, const float* w,
-                                           int D, float eps) {
+static __global__ void __launch_bounds__(kOpThreads)
+add_rms_norm_kernel(float* sum, Out* out, const float* a, const float* b, const float* w, int D, float eps) {
+  // Rows of up to kNormRegs·kOpThreads elements stay in registers; the weights are constant, so they
+  // are loaded before the wait for the preceding kernel (its tail hides their latency).
+  const bool in_regs = D <= kNormRegs * kOpThreads;
+  float wv[kNormRegs];
+#pragma unroll
+  for (int i = 0; i < kNormRegs; ++i) {
+    const int d = threadIdx.x + i * kOpThreads;
+    wv[i] = in_regs && d < D ? w[d] : 0.0f;
+  }
   pdl_wait();
   pdl_trigger();
   const int64_t row = blockIdx.x;
   float* sr = sum + row * D;
   float ss = 0.0f;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    const float s = a[row * D + d] + b[row * D + d];
-    sr[d] = s;
-    ss += s * s;
+  float sv[kNormRegs];
+  if (in_regs) {
+#pragma unroll
+    for (int i = 0; i < kNormRegs; ++i) {  // every load in flight before the first store (sum may alias a or b)
+      const int d = threadIdx.x + i * kOpThreads;
+      sv[i] = d < D ? a[row * D + d] + b[row * D + d] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kNormRegs; ++i) {
+      const int d = threadIdx.x + i * kOpThreads;
+      if (d < D) {
+        sr[d] = sv[i];
+        ss += sv[i] * sv[i];
+      }
+    }
+  } else {
+    for (int d = threadIdx.x; d < D; d += kOpThreads) {
+      const float s = a[row * D + d] + b[row * D + d];
+      sr[d] = s;
+      ss += s * s;
+    }
   }
-  ss = warp_sum(ss);
-  __shared__ float partial[kOpThreads / 32];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) partial[warp] = ss;
-  __syncthreads();
-  float total = 0.0f;
-  for (int i = 0; i < static_cast<int>(blockDim.x / 32); ++i) total += partial[i];
-  const float scale = 1.0f / sqrtf(total / static_cast<float>(D) + eps);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) store_act(out, row * D + d, sr[d] * scale * w[d]);
+  const float scale = 1.0f / sqrtf(block_sum(ss) / static_cast<float>(D) + eps);
+  if (in_regs) {
+#pragma unroll
+    for (int i = 0; i < kNormRegs; ++i) {
+      const int d = threadIdx.x + i * kOpThreads;
+      if (d < D) store_act(out, row * D + d, sv[i] * scale * wv[i]);
+    }
+  } else {
+    for (int d = threadIdx.x; d < D; d += kOpThreads) store_act(out, row * D + d, sr[d] * scale * w[d]);
+  }
 }
 
 template <typename Out>

@@ -7,7 +7,11 @@
 // attention_split (flash-decoding): one block per (split, head, token), each over a contiguous chunk
 // of the causal keys, writing its scores into probs and its chunk max, exp-sum and unnormalised
 // output into the scratch; the last block of a (token, head) to finish (an atomic ticket) combines
-// the splits in fixed order, normalises the probabilities in place and resets the ticket.
+// the splits in fixed order, normalises the probabilities in place and resets the ticket. The grid
+// has the most splits; a query uses one per min_keys keys (read on the device, so a captured graph
+// adapts to the position), and a query of one split normalises in its block without the scratch.
+// Each warp keeps kKeyBatch keys' loads in flight; the combine reads the splits' statistics in one
+// round (warp 0, two splits per lane) instead of one split after another.
 #include "engine/ops/attention.cuh"
 
 #include <algorithm>
@@ -107,17 +111,17 @@ attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, c
   }
 }
 
-constexpr int kSplitWarps = 4;
+constexpr int kSplitWarps = 8;
+constexpr int kKeyBatch = 4;  // keys per warp whose loads are in flight together
 
 template <typename Out>
 static __global__ void __launch_bounds__(kSplitWarps * 32)
 attention_split_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                        const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, float* partial,
-                       uint32_t* counters) {
+                       uint32_t* counters, int min_keys) {
   pdl_wait();
   pdl_trigger();
   const int split = blockIdx.x;
-  const int n_splits = gridDim.x;
   const int h = blockIdx.y;
   const int t = blockIdx.z;
   const int kvh = h / (H / Hkv);
@@ -127,12 +131,16 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
   const int n_keys = *n_past + t + 1;  // causal: positions 0..n_past+t
   const int first = window > 0 ? max(0, n_keys - window) : 0;  // sliding window: keys first..n_keys-1
   const int S = *n_past + T;
+  const int n_splits = attention_splits_used(n_keys - first, static_cast<int>(gridDim.x), min_keys);
+  if (split >= n_splits) return;  // a short query leaves the spare splits of the grid idle
   const int chunk = (n_keys - first + n_splits - 1) / n_splits;
   const int s_begin = min(first + split * chunk, n_keys);
   const int s_end = min(s_begin + chunk, n_keys);
   float* prow = probs + (static_cast<int64_t>(h) * T + t) * S;  // scores first, probabilities after the combine
   const int part_stride = Dh + 2;  // per split: Dh unnormalised outputs, the chunk max, the chunk exp-sum
-  float* part = partial + (static_cast<int64_t>(t) * H + h) * n_splits * part_stride;
+  float* part = partial + (static_cast<int64_t>(t) * H + h) * gridDim.x * part_stride;
+  const float* k_head = k_cache + static_cast<int64_t>(kvh) * Dh;
+  const float* v_head = v_cache + static_cast<int64_t>(kvh) * Dh;
 
   float qr[kMaxDhPerLane];
   const float* qh = q + (static_cast<int64_t>(t) * H + h) * Dh;
@@ -142,19 +150,41 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
     qr[j] = d < Dh ? qh[d] : 0.0f;
   }
 
+  // Warp w takes keys s_begin + w, + kSplitWarps, ...; kKeyBatch of them at a time, every load issued
+  // before any is used (a key past the chunk loads the chunk's last row and is then ignored).
+  constexpr int kStep = kSplitWarps * kKeyBatch;
   __shared__ float red[kSplitWarps];
   float m = -INFINITY;
-  for (int s = s_begin + warp; s < s_end; s += kSplitWarps) {
-    const float* kr = k_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
-    float dot = 0.0f;
+  for (int s0 = s_begin + warp; s0 < s_end; s0 += kStep) {
+    float kv[kKeyBatch][kMaxDhPerLane];
 #pragma unroll
-    for (int j = 0; j < kMaxDhPerLane; ++j) {
-      const int d = lane + 32 * j;
-      if (d < Dh) dot += qr[j] * kr[d];
+    for (int u = 0; u < kKeyBatch; ++u) {
+      const float* kr = k_head + min(s0 + u * kSplitWarps, s_end - 1) * kv_stride;
+#pragma unroll
+      for (int j = 0; j < kMaxDhPerLane; ++j) {
+        const int d = lane + 32 * j;
+        kv[u][j] = d < Dh ? kr[d] : 0.0f;
+      }
     }
-    const float x = warp_sum(dot) * scale;
-    if (lane == 0) prow[s] = x;
-    m = fmaxf(m, x);
+    float dot[kKeyBatch];
+#pragma unroll
+    for (int u = 0; u < kKeyBatch; ++u) {
+      dot[u] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kMaxDhPerLane; ++j)
+        if (lane + 32 * j < Dh) dot[u] += qr[j] * kv[u][j];
+    }
+#pragma unroll
+    for (int u = 0; u < kKeyBatch; ++u) dot[u] = warp_sum(dot[u]);
+#pragma unroll
+    for (int u = 0; u < kKeyBatch; ++u) {
+      const int s = s0 + u * kSplitWarps;
+      if (s < s_end) {
+        const float x = dot[u] * scale;
+        if (lane == 0) prow[s] = x;
+        m = fmaxf(m, x);
+      }
+    }
   }
   if (lane == 0) red[warp] = m;
   __syncthreads();  // also makes lane 0's score writes visible to the block
@@ -165,14 +195,28 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
   float acc[kMaxDhPerLane];
 #pragma unroll
   for (int j = 0; j < kMaxDhPerLane; ++j) acc[j] = 0.0f;
-  for (int s = s_begin + warp; s < s_end; s += kSplitWarps) {
-    const float p = expf(prow[s] - m);
-    sum += p;
-    const float* vr = v_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
+  for (int s0 = s_begin + warp; s0 < s_end; s0 += kStep) {
+    float sc[kKeyBatch];
+    float vv[kKeyBatch][kMaxDhPerLane];
 #pragma unroll
-    for (int j = 0; j < kMaxDhPerLane; ++j) {
-      const int d = lane + 32 * j;
-      if (d < Dh) acc[j] += p * vr[d];
+    for (int u = 0; u < kKeyBatch; ++u) {
+      const int s = min(s0 + u * kSplitWarps, s_end - 1);
+      sc[u] = prow[s];
+      const float* vr = v_head + s * kv_stride;
+#pragma unroll
+      for (int j = 0; j < kMaxDhPerLane; ++j) {
+        const int d = lane + 32 * j;
+        vv[u][j] = d < Dh ? vr[d] : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kKeyBatch; ++u) {
+      if (s0 + u * kSplitWarps < s_end) {  // in key order within the warp
+        const float p = expf(sc[u] - m);
+        sum += p;
+#pragma unroll
+        for (int j = 0; j < kMaxDhPerLane; ++j) acc[j] += p * vv[u][j];
+      }
     }
   }
 
@@ -182,6 +226,21 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
   for (int j = 0; j < kMaxDhPerLane; ++j) acc_sh[warp][lane + 32 * j] = acc[j];
   if (lane == 0) sum_sh[warp] = sum;
   __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < kSplitWarps; ++w) total += sum_sh[w];
+  const int64_t out_row = (static_cast<int64_t>(t) * H + h) * Dh;
+
+  if (n_splits == 1) {  // the whole row in this block: normalise here
+    for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
+      float o = 0.0f;
+      for (int w = 0; w < kSplitWarps; ++w) o += acc_sh[w][d];
+      store_act(out, out_row + d, o / total);
+    }
+    for (int s = threadIdx.x; s < S; s += blockDim.x)
+      prow[s] = s >= first && s < n_keys ? expf(prow[s] - m) / total : 0.0f;
+    return;
+  }
+
   float* mine = part + split * part_stride;
   for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
     float o = 0.0f;
@@ -189,8 +248,6 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
     mine[d] = o;
   }
   if (threadIdx.x == 0) {
-    float total = 0.0f;
-    for (int w = 0; w < kSplitWarps; ++w) total += sum_sh[w];
     mine[Dh] = m;  // -inf for an empty chunk, whose sum and outputs are 0
     mine[Dh + 1] = total;
   }
@@ -204,28 +261,35 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
   __syncthreads();
   if (!is_last) return;
 
+  // Warp 0 reads every split's max and exp-sum at once (lane i: splits i and i + 32).
+  static_assert(kMaxSplits <= 64, "two splits per lane");
   __shared__ float weight[kMaxSplits];  // exp(m_split − M)
   __shared__ float stats[2];            // M, L
-  if (threadIdx.x == 0) {
-    float M = -INFINITY;
-    for (int i = 0; i < n_splits; ++i) M = fmaxf(M, __ldcg(part + i * part_stride + Dh));
-    float L = 0.0f;
-    for (int i = 0; i < n_splits; ++i) {
-      const float mi = __ldcg(part + i * part_stride + Dh);
-      const float wi = mi == -INFINITY ? 0.0f : expf(mi - M);  // chunk 0 is never empty: M is finite
-      weight[i] = wi;
-      L += wi * __ldcg(part + i * part_stride + Dh + 1);
+  if (warp == 0) {
+    const bool has0 = lane < n_splits, has1 = lane + 32 < n_splits;
+    const float m0 = has0 ? __ldcg(part + lane * part_stride + Dh) : -INFINITY;
+    const float m1 = has1 ? __ldcg(part + (lane + 32) * part_stride + Dh) : -INFINITY;
+    const float l0 = has0 ? __ldcg(part + lane * part_stride + Dh + 1) : 0.0f;
+    const float l1 = has1 ? __ldcg(part + (lane + 32) * part_stride + Dh + 1) : 0.0f;
+    const float M = warp_max(fmaxf(m0, m1));  // chunk 0 is never empty: M is finite
+    const float w0 = m0 == -INFINITY ? 0.0f : expf(m0 - M);
+    const float w1 = m1 == -INFINITY ? 0.0f : expf(m1 - M);
+    weight[lane] = w0;
+    weight[lane + 32] = w1;
+    const float L = warp_sum(w0 * l0 + w1 * l1);
+    if (lane == 0) {
+      stats[0] = M;
+      stats[1] = L;
+      *ticket = 0;  // ready for the next launch
     }
-    stats[0] = M;
-    stats[1] = L;
-    *ticket = 0;  // ready for the next launch
   }
   __syncthreads();
   const float M = stats[0], L = stats[1];
   for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
     float o = 0.0f;
+#pragma unroll 8
     for (int i = 0; i < n_splits; ++i) o += weight[i] * __ldcg(part + i * part_stride + d);
-    store_act(out, (static_cast<int64_t>(t) * H + h) * Dh + d, o / L);
+    store_act(out, out_row + d, o / L);
   }
   for (int s = threadIdx.x; s < S; s += blockDim.x)
     prow[s] = s >= first && s < n_keys ? expf(__ldcg(prow + s) - M) / L : 0.0f;
@@ -253,9 +317,11 @@ void launch_split(Out* out, float* probs, const float* q, const float* k_cache, 
                 std::to_string(kMaxSplits));
   if (probs == nullptr || scratch.partial == nullptr || scratch.counters == nullptr)
     throw Error("attention_split: probs and the scratch buffers are required");
+  if (scratch.min_keys < 1)
+    throw Error("attention_split: min_keys " + std::to_string(scratch.min_keys) + ", at least 1");
   const dim3 grid(static_cast<unsigned>(scratch.splits), static_cast<unsigned>(H), static_cast<unsigned>(T));
   launch_pdl(attention_split_kernel<Out>, grid, kSplitWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past,
-             H, Hkv, Dh, scale, window, scratch.partial, scratch.counters);
+             H, Hkv, Dh, scale, window, scratch.partial, scratch.counters, scratch.min_keys);
   check_launch("attention_split", stream);
 }
 

@@ -8,9 +8,12 @@
 // probabilities alone (the engine's prefill then takes its output from attention_tiled).
 // attention_tiled (any T, the prefill's output): one block per (head, 32 queries), K/V tiles in shared
 // memory, online softmax in f32; no probabilities. Same function as attention, another summation order.
-// attention_split (T ≤ kAttentionSplitMaxT, decode): the keys of each (token, head) split over
-// `splits` blocks (flash-decoding) so that a one-token step uses every SM; the probabilities are
-// always written (the split softmax keeps its scores there), so hooks only add the copy.
+// attention_split (T ≤ kAttentionSplitMaxT, decode): the keys of each (token, head) split over up to
+// `splits` blocks (flash-decoding) so that a long one-token step uses every SM; the probabilities are
+// always written (the split softmax keeps its scores there), so hooks only add the copy. The number
+// of splits a launch uses is chosen on the device from the key count (n_past is read there): at most
+// one split per `min_keys` keys, so a short step runs one block per (token, head) that writes the
+// output and the probabilities itself (no partials, no ticket, no combine).
 #pragma once
 
 #include <cstdint>
@@ -37,16 +40,26 @@ void attention_tiled(__half* out, const float* q, const float* k_cache, const fl
 
 constexpr int kAttentionSplitMaxT = 4;         // the most tokens a step may pass to attention_split
 constexpr int kAttentionSplitMaxSplits = 64;   // the most splits per (token, head)
+constexpr int kAttentionSplitMinKeys = 128;    // default keys per split: fewer keys run in fewer splits
 
 // Device scratch of attention_split, owned by the caller and reused by every launch.
 struct AttentionSplitScratch {
   float* partial = nullptr;      // [T, H, splits, Dh + 2]: per split, the unnormalised output, max, exp-sum
   uint32_t* counters = nullptr;  // [T, H] zero before the first launch; each launch leaves them zero
   int splits = 1;                // blocks per (token, head), 1..kAttentionSplitMaxSplits
+  // A launch uses clamp(keys / min_keys, 1, splits) of them for a query with `keys` keys (≥ 1;
+  // 1 spreads every query over all splits with at least one key each).
+  int min_keys = kAttentionSplitMinKeys;
 };
 
 // The number of splits that gives a one-token step of H heads two blocks per SM.
 int attention_split_count(int H, int sm_count);
+
+// The splits a query with `keys` keys (≥ 1) uses: clamp(keys / min_keys, 1, splits).
+__host__ __device__ inline int attention_splits_used(int keys, int splits, int min_keys) {
+  const int by_keys = keys / (min_keys > 1 ? min_keys : 1);
+  return by_keys < 1 ? 1 : (by_keys < splits ? by_keys : splits);
+}
 
 // As attention, with probs [H, T, S] required; T ≤ kAttentionSplitMaxT; scratch sized for T, H, Dh
 // and its splits. The result does not depend on which split finishes last (fixed combine order).

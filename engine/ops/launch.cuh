@@ -29,6 +29,22 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The sum of v over a block of kOpThreads threads: each warp's warp_sum, then the warps' sums in warp
+// order (every thread gets the same bits). The order rms_norm and add_rms_norm share.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[kOpThreads / 32];
+  v = warp_sum(v);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kOpThreads / 32; ++i) total += partial[i];
+  return total;
+}
+
+// Row elements per thread that rms_norm and add_rms_norm keep in registers (D ≤ 2048 at 256 threads).
+constexpr int kNormRegs = 8;
+
 // Programmatic Dependent Launch (sm_90+): a kernel launched by launch_pdl may start while the
 // kernel before it in the stream (or graph) finishes. Such a kernel calls pdl_wait() before its
 // first global read or write (it returns once the preceding grid has completed and its memory is
@@ -43,6 +59,20 @@ __device__ __forceinline__ void pdl_wait() {
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Starts bringing the bytes [p, p + n) into L2 (sm_90+: one bulk prefetch of the 16-byte granules
+// inside the range; a hint, nothing before sm_90). L2 is coherent for the whole device, so this is
+// correct on any memory; a kernel calls it before pdl_wait() for data the preceding kernel does not
+// write (weights), so their fetch overlaps that kernel.
+__device__ __forceinline__ void prefetch_l2(const void* p, size_t n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t(15);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) & ~uintptr_t(15);
+  if (end > begin)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(begin), "r"(static_cast<uint32_t>(end - begin))
+                 : "memory");
 #endif
 }
 
@@ -62,6 +92,24 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, c
   config.attrs = &attr;
   config.numAttrs = pdl_enabled() ? 1 : 0;
   CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// SwiGLU of one element, silu(g)·u = g / (1 + exp(−g)) · u in f32: the swiglu kernel's value and the
+// one the gate|up GEMV's SwiGLU epilogue writes (the same expression, so the same bits).
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// RoPE of one pair (x0, x1) at position pos, pair index i of a head of Dh: the angle pos·θ^(−2i/Dh)
+// (divided by freq_factors[i] when given) and the rotation in f32; rope_qk's arithmetic and the
+// qkv GEMV's RoPE epilogue's (the same expression, so the same bits).
+__device__ __forceinline__ void rope_pair(float x0, float x1, int pos, int i, int Dh, float theta,
+                                          const float* freq_factors, float& y0, float& y1) {
+  const float inv_freq = powf(theta, -2.0f * static_cast<float>(i) / static_cast<float>(Dh));
+  const float angle = freq_factors ? static_cast<float>(pos) * inv_freq / freq_factors[i]
+                                   : static_cast<float>(pos) * inv_freq;
+  float s, c;
+  sincosf(angle, &s, &c);
+  y0 = x0 * c - x1 * s;
+  y1 = x0 * s + x1 * c;
 }
 
 __device__ __forceinline__ void store_act(float* p, int64_t i, float v) { p[i] = v; }

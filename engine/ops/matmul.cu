@@ -6,6 +6,7 @@
 #include <string>
 
 #include "engine/cuda_check.cuh"
+#include "engine/ops/gemv_epilogue.cuh"
 #include "engine/ops/launch.cuh"
 #include "engine/ops/qgemv.cuh"
 #include "model/error.hpp"
@@ -15,7 +16,6 @@ namespace diffrun::engine {
 namespace {
 
 constexpr int kMaxParts = kGemvMaxParts;
-constexpr int kGemvThreads = 128;  // 4 warps
 constexpr int kGemvBatch = 8;      // 16-byte loads issued together per lane before any is used
 constexpr int kSplitRowsBelow = 4096;  // fewer rows: the block's 4 warps share each row's K
 
@@ -40,17 +40,34 @@ __device__ __forceinline__ float dot16(uint4 w, uint4 x, const float*) {
 // y[row] = Σ_k w[row, k] · x[k] in f32, then + bias. kWarpsPerRow warps (1 or 4) share a row: each
 // lane takes every (32·kWarpsPerRow)-th 16-byte chunk, a batch of kGemvBatch loads in flight at
 // once (predicated, no tail loop), then a warp reduction and, for 4 warps, one through shared
-// memory in warp order. kVec: rows and x 16-byte aligned (K · sizeof(W) a multiple of 16).
-template <typename W, bool kVec, int kWarpsPerRow>
-static __global__ void gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, int K,
-                                   int N) {
+// memory in warp order. kVec: rows and x 16-byte aligned (K · sizeof(W) a multiple of 16). With
+// prefetch, the block first asks L2 for its weight rows (before the PDL wait: the weights are not
+// written by the preceding kernel), so their fetch overlaps it; the values and order are the same.
+// kEpi: kGemvPlain, or a paired epilogue of engine/ops/gemv_epilogue.cuh (SwiGLU into act, RoPE).
+template <typename W, bool kVec, int kWarpsPerRow, int kEpi>
+static __global__ void __launch_bounds__(gemv_block_threads(kWarpsPerRow, kEpi))
+gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, int K, int N, bool prefetch,
+            W* __restrict__ act, GemvRope rope) {
+  constexpr int kRowsPerBlock = gemv_block_rows(kWarpsPerRow, kEpi);
+  constexpr int kPairs = kRowsPerBlock / 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slot = warp / kWarpsPerRow;
+  const int sub = (warp % kWarpsPerRow) * 32 + lane;
+  int pair;
+  const int row = gemv_slot_row<kEpi, kRowsPerBlock>(blockIdx.x, slot, N, rope, pair);
+  if (prefetch) {  // the block's rows, while the preceding kernel runs
+    if constexpr (kEpi == kGemvPlain) {
+      if (threadIdx.x == 0) {
+        const int first = blockIdx.x * kRowsPerBlock;
+        prefetch_l2(w + int64_t(first) * K, size_t(min(kRowsPerBlock, N - first)) * K * sizeof(W));
+      }
+    } else if (sub == 0 && row < N) {
+      prefetch_l2(w + int64_t(row) * K, size_t(K) * sizeof(W));
+    }
+  }
   pdl_wait();
   pdl_trigger();
-  constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
   constexpr int kLanes = 32 * kWarpsPerRow;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = blockIdx.x * kRowsPerBlock + warp / kWarpsPerRow;
-  const int sub = (warp % kWarpsPerRow) * 32 + lane;
   float acc = 0.0f;
   if (row < N) {
     const W* wr = w + int64_t(row) * K;
@@ -75,37 +92,52 @@ static __global__ void gemv_kernel(GemvParts parts, const W* __restrict__ x, con
   }
   acc = warp_sum(acc);
   if constexpr (kWarpsPerRow > 1) {
-    __shared__ float partial[kGemvThreads / 32];
+    __shared__ float partial[gemv_block_threads(kWarpsPerRow, kEpi) / 32];
     if (lane == 0) partial[warp] = acc;
     __syncthreads();
     acc = 0.0f;
     for (int i = 0; i < kWarpsPerRow; ++i) acc += partial[warp - warp % kWarpsPerRow + i];
   }
-  if (row >= N || sub != 0) return;
-  int p = 0, begin = 0;
-  while (row >= parts.end[p]) begin = parts.end[p++];
-  const float* bias = parts.bias[p];
-  parts.out[p][row - begin] = bias ? acc + bias[row - begin] : acc;
+  float y = 0.0f;
+  float* out = nullptr;
+  if (row < N && sub == 0) {
+    y = gemv_row_value(parts, row, acc, out);
+    if constexpr (kEpi != kGemvRope) *out = y;  // RoPE: its epilogue writes every output
+  }
+  if constexpr (kEpi != kGemvPlain) {
+    __shared__ float value[kRowsPerBlock];
+    if (sub == 0) value[slot] = y;
+    __syncthreads();
+    if (slot < kPairs && sub == 0 && row < N)
+      gemv_pair_epilogue<kEpi>(parts, act, rope, pair, value[slot], value[slot + kPairs]);
+  }
 }
 
-template <typename W, bool kVec, int kWarpsPerRow>
-void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream) {
-  constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
-  const unsigned blocks = static_cast<unsigned>((N + kRowsPerBlock - 1) / kRowsPerBlock);
-  launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow>, blocks, kGemvThreads, 0, stream, parts, x, w, K, N);
+template <typename W, bool kVec, int kWarpsPerRow, int kEpi>
+void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream, W* act,
+                 const GemvRope& rope) {
+  const unsigned blocks = static_cast<unsigned>(gemv_blocks(kWarpsPerRow, kEpi, N));
+  launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow, kEpi>, blocks, gemv_block_threads(kWarpsPerRow, kEpi), 0, stream,
+             parts, x, w, K, N, gemv_prefetch_enabled(), act, rope);
+}
+
+template <typename W, int kEpi>
+void gemv_epi(const GemvParts& parts, const W* x, const W* w, int K, const char* what, cudaStream_t stream, W* act,
+              const GemvRope& rope) {
+  const int N = parts.end[parts.n_parts - 1];
+  const bool vec = (K * sizeof(W)) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(w) % 16 == 0;
+  const bool split = N < kSplitRowsBelow;  // the same choice for every epilogue of the same N
+  if (vec && split) launch_gemv<W, true, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
+  else if (vec) launch_gemv<W, true, 1, kEpi>(parts, x, w, K, N, stream, act, rope);
+  else if (split) launch_gemv<W, false, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
+  else launch_gemv<W, false, 1, kEpi>(parts, x, w, K, N, stream, act, rope);
+  check_launch(what, stream);
 }
 
 template <typename W>
 void gemv(const GemvParts& parts, const W* x, const W* w, int K, const char* what, cudaStream_t stream) {
-  const int N = parts.end[parts.n_parts - 1];
-  const bool vec = (K * sizeof(W)) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(w) % 16 == 0;
-  const bool split = N < kSplitRowsBelow;
-  if (vec && split) launch_gemv<W, true, 4>(parts, x, w, K, N, stream);
-  else if (vec) launch_gemv<W, true, 1>(parts, x, w, K, N, stream);
-  else if (split) launch_gemv<W, false, 4>(parts, x, w, K, N, stream);
-  else launch_gemv<W, false, 1>(parts, x, w, K, N, stream);
-  check_launch(what, stream);
+  gemv_epi<W, kGemvPlain>(parts, x, w, K, what, stream, nullptr, GemvRope{});
 }
 
 static __global__ void add_bias_kernel(float* y, const float* bias, int64_t total, int N) {
@@ -198,7 +230,66 @@ void linear_matrix(std::initializer_list<MatmulPart> parts, const W* x, const De
     linear_cat(parts, x, dense, T, K, cublas, stream);
 }
 
+template <typename W>
+bool gate_up_swiglu_impl(float* gate, float* up, W* act, const W* x, const DeviceMatrix<W>& w, int K, int F,
+                         cudaStream_t stream) {
+  if (K != w.K)
+    throw Error("matmul_gate_up_swiglu: K = " + std::to_string(K) + " against a matrix of " + std::to_string(w.K) +
+                " columns");
+  if (2 * F > w.rows)
+    throw Error("matmul_gate_up_swiglu: " + std::to_string(2 * F) + " rows asked of a matrix of " +
+                std::to_string(w.rows));
+  if (!w.quantized()) {
+    gemv_epi<W, kGemvSwiglu>(GemvParts{{gate, up}, {nullptr, nullptr}, {F, 2 * F}, 2}, x, w.dense, K,
+                             "matmul_gate_up_swiglu gemv", stream, act, GemvRope{});
+    return true;
+  }
+  if (w.n_segments < 1 || w.segments[0].rows < 2 * F) return false;  // gate and up in different formats
+  qgemv_swiglu(w.segments[0].type, gate, up, act, x, w.segments[0].raw, K, F, stream);
+  return true;
+}
+
+template <typename W>
+bool qkv_rope_impl(float* q, float* k, float* v, const float* bq, const float* bk, const float* bv, const W* x,
+                   const DeviceMatrix<W>& w, int K, const GemvRope& rope, cudaStream_t stream) {
+  const int Q = rope.H * rope.Dh, KV = rope.Hkv * rope.Dh, N = Q + 2 * KV;
+  if (K != w.K)
+    throw Error("matmul_qkv_rope: K = " + std::to_string(K) + " against a matrix of " + std::to_string(w.K) +
+                " columns");
+  if (N > w.rows)
+    throw Error("matmul_qkv_rope: " + std::to_string(N) + " rows asked of a matrix of " + std::to_string(w.rows));
+  if (rope.Dh % 2 != 0) return false;
+  const GemvParts g{{q, k, v}, {bq, bk, bv}, {Q, Q + KV, N}, 3};
+  if (!w.quantized()) {
+    gemv_epi<W, kGemvRope>(g, x, w.dense, K, "matmul_qkv_rope gemv", stream, nullptr, rope);
+    return true;
+  }
+  if (w.n_segments < 1 || w.segments[0].rows < N) return false;  // Wv in another format (Q5_K_M's Q6_K)
+  qgemv_rope(w.segments[0].type, g, rope, x, w.segments[0].raw, K, stream);
+  return true;
+}
+
 }  // namespace
+
+bool matmul_qkv_rope(float* q, float* k, float* v, const float* bq, const float* bk, const float* bv, const float* x,
+                     const DeviceMatrix<float>& w, int K, const GemvRope& rope, cudaStream_t stream) {
+  return qkv_rope_impl(q, k, v, bq, bk, bv, x, w, K, rope, stream);
+}
+
+bool matmul_qkv_rope(float* q, float* k, float* v, const float* bq, const float* bk, const float* bv, const __half* x,
+                     const DeviceMatrix<__half>& w, int K, const GemvRope& rope, cudaStream_t stream) {
+  return qkv_rope_impl(q, k, v, bq, bk, bv, x, w, K, rope, stream);
+}
+
+bool matmul_gate_up_swiglu(float* gate, float* up, float* act, const float* x, const DeviceMatrix<float>& w, int K,
+                           int F, cudaStream_t stream) {
+  return gate_up_swiglu_impl(gate, up, act, x, w, K, F, stream);
+}
+
+bool matmul_gate_up_swiglu(float* gate, float* up, __half* act, const __half* x, const DeviceMatrix<__half>& w, int K,
+                           int F, cudaStream_t stream) {
+  return gate_up_swiglu_impl(gate, up, act, x, w, K, F, stream);
+}
 
 const float* dense_rows(const DeviceMatrix<float>& w, int rows, cudaStream_t stream) {
   return dense_rows_impl(w, rows, stream);

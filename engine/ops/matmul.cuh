@@ -12,6 +12,7 @@
 
 #include "engine/device_matrix.cuh"
 #include "engine/gemm.cuh"
+#include "engine/ops/qgemv.cuh"
 
 namespace diffrun::engine {
 
@@ -53,5 +54,26 @@ void matmul_cat(std::initializer_list<MatmulPart> parts, const float* x, const D
                 const CublasHandle& cublas, cudaStream_t stream);
 void matmul_cat(std::initializer_list<MatmulPart> parts, const __half* x, const DeviceMatrix<__half>& w, int T,
                 int K, const CublasHandle& cublas, cudaStream_t stream);
+
+// Fused twin of matmul_cat({gate, up}) on Wgate|Wup for one token followed by swiglu: gate [F] and
+// up [F] f32 bit-identical to matmul_cat's (the same GEMV per row, the same launch shape), and act [F]
+// = silu(gate)·up bit-identical to the swiglu kernel's (f32, or f16 in the f16 engine); one launch.
+// Returns false, launching nothing, when w cannot run it (a quantized matrix whose 2F rows are not
+// one format): then run matmul_cat and swiglu.
+bool matmul_gate_up_swiglu(float* gate, float* up, float* act, const float* x, const DeviceMatrix<float>& w, int K,
+                           int F, cudaStream_t stream);
+bool matmul_gate_up_swiglu(float* gate, float* up, __half* act, const __half* x, const DeviceMatrix<__half>& w, int K,
+                           int F, cudaStream_t stream);
+
+// Fused twin of matmul_cat({q, bq, H·Dh}, {k, bk, Hkv·Dh}, {v, bv, Hkv·Dh}) on Wq|Wk|Wv for one token
+// followed by rope_qk (T = 1, rope's H, Hkv, Dh, positions, θ, freq factors and pairing): q and k
+// rotated, v, and the cache rows of k and v at *rope.write_pos, each bit-identical to the two ops
+// (the same GEMV per row and launch shape, rope_qk's arithmetic). Returns false, launching nothing,
+// when w cannot run it (a quantized matrix whose rows are not one format, or Dh odd): then run
+// matmul_cat and rope_qk.
+bool matmul_qkv_rope(float* q, float* k, float* v, const float* bq, const float* bk, const float* bv, const float* x,
+                     const DeviceMatrix<float>& w, int K, const GemvRope& rope, cudaStream_t stream);
+bool matmul_qkv_rope(float* q, float* k, float* v, const float* bq, const float* bk, const float* bv, const __half* x,
+                     const DeviceMatrix<__half>& w, int K, const GemvRope& rope, cudaStream_t stream);
 
 }  // namespace diffrun::engine

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "engine/cuda_check.cuh"
+#include "engine/ops/gemv_epilogue.cuh"
 #include "engine/ops/launch.cuh"
 #include "model/error.hpp"
 
@@ -17,7 +18,7 @@ namespace diffrun::engine {
 
 namespace {
 
-constexpr int kGemvThreads = 128;  // 4 warps
+
 
 __device__ __forceinline__ uint32_t ld_u16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
 __device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
@@ -247,17 +248,34 @@ __device__ __forceinline__ void store4(__half* p, const float* v) {
 
 // y[row0 + r] = Σ_k w[r, k] · x[k] in f32 (+ bias). kWarpsPerRow warps (1 or 4) share a row; each
 // lane takes every (32·kWarpsPerRow)-th chunk of the row, then a warp reduction and, for 4 warps,
-// one through shared memory in warp order.
-template <typename Q, typename X, int kWarpsPerRow>
-static __global__ void qgemv_kernel(GemvParts parts, int row0, int rows, const X* __restrict__ x,
-                                    const uint8_t* __restrict__ w, int K) {
+// one through shared memory in warp order. With prefetch, the block first asks L2 for its rows
+// before the PDL wait (as gemv_kernel in matmul.cu). kEpi: kGemvPlain, or a paired epilogue of
+// engine/ops/gemv_epilogue.cuh (row0 0, rows the whole concatenation).
+template <typename Q, typename X, int kWarpsPerRow, int kEpi>
+static __global__ void __launch_bounds__(gemv_block_threads(kWarpsPerRow, kEpi))
+qgemv_kernel(GemvParts parts, int row0, int rows, const X* __restrict__ x, const uint8_t* __restrict__ w, int K,
+             bool prefetch, X* __restrict__ act, GemvRope rope) {
+  constexpr int kRowsPerBlock = gemv_block_rows(kWarpsPerRow, kEpi);
+  constexpr int kPairs = kRowsPerBlock / 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slot = warp / kWarpsPerRow;
+  const int sub = (warp % kWarpsPerRow) * 32 + lane;
+  const int64_t row_bytes = int64_t(K / Q::kElems) * Q::kBytes;
+  int pair;
+  const int r = gemv_slot_row<kEpi, kRowsPerBlock>(blockIdx.x, slot, rows, rope, pair);
+  if (prefetch) {  // the block's rows, while the preceding kernel runs
+    if constexpr (kEpi == kGemvPlain) {
+      if (threadIdx.x == 0) {
+        const int first = blockIdx.x * kRowsPerBlock;
+        prefetch_l2(w + first * row_bytes, size_t(min(kRowsPerBlock, rows - first)) * row_bytes);
+      }
+    } else if (sub == 0 && r < rows) {
+      prefetch_l2(w + r * row_bytes, size_t(row_bytes));
+    }
+  }
   pdl_wait();
   pdl_trigger();
-  constexpr int kRowsPerBlock = kGemvThreads / 32 / kWarpsPerRow;
   constexpr int kLanes = 32 * kWarpsPerRow;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r = blockIdx.x * kRowsPerBlock + warp / kWarpsPerRow;
-  const int sub = (warp % kWarpsPerRow) * 32 + lane;
   float acc = 0.0f;
   if (r < rows) {
     const int nb = K / Q::kElems;
@@ -286,18 +304,25 @@ static __global__ void qgemv_kernel(GemvParts parts, int row0, int rows, const X
   }
   acc = warp_sum(acc);
   if constexpr (kWarpsPerRow > 1) {
-    __shared__ float partial[kGemvThreads / 32];
+    __shared__ float partial[gemv_block_threads(kWarpsPerRow, kEpi) / 32];
     if (lane == 0) partial[warp] = acc;
     __syncthreads();
     acc = 0.0f;
     for (int i = 0; i < kWarpsPerRow; ++i) acc += partial[warp - warp % kWarpsPerRow + i];
   }
-  if (r >= rows || sub != 0) return;
-  const int row = row0 + r;
-  int p = 0, begin = 0;
-  while (row >= parts.end[p]) begin = parts.end[p++];
-  const float* bias = parts.bias[p];
-  parts.out[p][row - begin] = bias ? acc + bias[row - begin] : acc;
+  float y = 0.0f;
+  float* out = nullptr;
+  if (r < rows && sub == 0) {
+    y = gemv_row_value(parts, row0 + r, acc, out);
+    if constexpr (kEpi != kGemvRope) *out = y;  // RoPE: its epilogue writes every output
+  }
+  if constexpr (kEpi != kGemvPlain) {
+    __shared__ float value[kRowsPerBlock];
+    if (sub == 0) value[slot] = y;
+    __syncthreads();
+    if (slot < kPairs && sub == 0 && r < rows)
+      gemv_pair_epilogue<kEpi>(parts, act, rope, pair, value[slot], value[slot + kPairs]);
+  }
 }
 
 template <typename Q, typename Out>
@@ -387,26 +412,30 @@ void check_k(GgmlType t, int K, const char* what) {
                 " block size " + std::to_string(be));
 }
 
-template <typename X>
+template <typename X, int kEpi>
 void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X* x, const void* w, int K,
-                cudaStream_t stream) {
+                cudaStream_t stream, X* act, const GemvRope& rope) {
   check_k(t, K, "qgemv");
   check_blocks(t, w, "qgemv");
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("qgemv: the activation vector is not 16-byte aligned");
+  if (kEpi != kGemvPlain && (row0 != 0 || rows % 2 != 0))
+    throw Error("qgemv: a paired epilogue takes the whole concatenation (row 0, an even row count)");
   if (rows <= 0) return;
   const auto* wb = static_cast<const uint8_t*>(w);
   dispatch(t, "qgemv", [&](auto q) {
     using Q = decltype(q);
     const int chunks = K / Q::kElems * Q::kChunks;
     if (rows < 4096 && chunks >= 256) {  // few rows with long K: 4 warps share each row
-      const unsigned blocks = static_cast<unsigned>(rows);
-      launch_pdl(qgemv_kernel<Q, X, 4>, blocks, kGemvThreads, 0, stream, parts, row0, rows, x, wb, K);
+      launch_pdl(qgemv_kernel<Q, X, 4, kEpi>, static_cast<unsigned>(gemv_blocks(4, kEpi, rows)),
+                 gemv_block_threads(4, kEpi), 0, stream, parts, row0, rows, x, wb, K, gemv_prefetch_enabled(), act,
+                 rope);
     } else {
-      const unsigned blocks = static_cast<unsigned>((rows + 3) / 4);
-      launch_pdl(qgemv_kernel<Q, X, 1>, blocks, kGemvThreads, 0, stream, parts, row0, rows, x, wb, K);
+      launch_pdl(qgemv_kernel<Q, X, 1, kEpi>, static_cast<unsigned>(gemv_blocks(1, kEpi, rows)),
+                 gemv_block_threads(1, kEpi), 0, stream, parts, row0, rows, x, wb, K, gemv_prefetch_enabled(), act,
+                 rope);
     }
   });
-  check_launch("qgemv", stream);
+  check_launch(kEpi == kGemvPlain ? "qgemv" : kEpi == kGemvSwiglu ? "qgemv swiglu" : "qgemv rope", stream);
 }
 
 template <typename Out>
@@ -437,12 +466,34 @@ bool qgemv_supported(GgmlType t) {
 
 void qgemv(GgmlType t, const GemvParts& parts, int row0, int rows, const float* x, const void* w, int K,
            cudaStream_t stream) {
-  qgemv_impl(t, parts, row0, rows, x, w, K, stream);
+  qgemv_impl<float, kGemvPlain>(t, parts, row0, rows, x, w, K, stream, nullptr, GemvRope{});
 }
 
 void qgemv(GgmlType t, const GemvParts& parts, int row0, int rows, const __half* x, const void* w, int K,
            cudaStream_t stream) {
-  qgemv_impl(t, parts, row0, rows, x, w, K, stream);
+  qgemv_impl<__half, kGemvPlain>(t, parts, row0, rows, x, w, K, stream, nullptr, GemvRope{});
+}
+
+void qgemv_swiglu(GgmlType t, float* gate, float* up, float* act, const float* x, const void* w, int K, int F,
+                  cudaStream_t stream) {
+  qgemv_impl<float, kGemvSwiglu>(t, GemvParts{{gate, up}, {nullptr, nullptr}, {F, 2 * F}, 2}, 0, 2 * F, x, w, K,
+                                 stream, act, GemvRope{});
+}
+
+void qgemv_swiglu(GgmlType t, float* gate, float* up, __half* act, const __half* x, const void* w, int K, int F,
+                  cudaStream_t stream) {
+  qgemv_impl<__half, kGemvSwiglu>(t, GemvParts{{gate, up}, {nullptr, nullptr}, {F, 2 * F}, 2}, 0, 2 * F, x, w, K,
+                                  stream, act, GemvRope{});
+}
+
+void qgemv_rope(GgmlType t, const GemvParts& qkv, const GemvRope& rope, const float* x, const void* w, int K,
+                cudaStream_t stream) {
+  qgemv_impl<float, kGemvRope>(t, qkv, 0, qkv.end[2], x, w, K, stream, nullptr, rope);
+}
+
+void qgemv_rope(GgmlType t, const GemvParts& qkv, const GemvRope& rope, const __half* x, const void* w, int K,
+                cudaStream_t stream) {
+  qgemv_impl<__half, kGemvRope>(t, qkv, 0, qkv.end[2], x, w, K, stream, nullptr, rope);
 }
 
 void dequant_rows(GgmlType t, const void* w, int64_t rows, int K, float* dst, cudaStream_t stream) {

@@ -29,6 +29,18 @@ struct GemvParts {
   int n_parts;
 };
 
+// The RoPE epilogue of a one-token Wq|Wk|Wv GEMV (matmul_qkv_rope): rope_qk's arguments for T = 1.
+struct GemvRope {
+  float* k_cache = nullptr;            // [max_ctx, Hkv·Dh] (one layer): row write_pos ← rotated k
+  float* v_cache = nullptr;            // [max_ctx, Hkv·Dh]: row write_pos ← v
+  const int32_t* pos0 = nullptr;       // [1] device: the token's position
+  const int32_t* write_pos = nullptr;  // [1] device: its cache row
+  const float* freq_factors = nullptr; // [Dh/2] device or null
+  float theta = 0.0f;
+  int H = 0, Hkv = 0, Dh = 0;
+  bool neox = false;
+};
+
 // Formats with quantized kernels here (a matrix in another format is expanded at load).
 bool qgemv_supported(GgmlType t);
 
@@ -39,6 +51,23 @@ void qgemv(GgmlType t, const GemvParts& parts, int row0, int rows, const float* 
            cudaStream_t stream);
 void qgemv(GgmlType t, const GemvParts& parts, int row0, int rows, const __half* x, const void* w, int K,
            cudaStream_t stream);
+
+// Fused twin of qgemv over rows 0..2F of Wgate|Wup (one format) then swiglu: gate [F] = rows 0..F-1,
+// up [F] = rows F..2F-1, each the value qgemv writes (same launch shape for 2F rows), and
+// act [F] = silu(gate)·up as the swiglu kernel writes it (f32, or f16 with f16 activations).
+void qgemv_swiglu(GgmlType t, float* gate, float* up, float* act, const float* x, const void* w, int K, int F,
+                  cudaStream_t stream);
+void qgemv_swiglu(GgmlType t, float* gate, float* up, __half* act, const __half* x, const void* w, int K, int F,
+                  cudaStream_t stream);
+
+// Fused twin of qgemv over Wq|Wk|Wv (one format; qkv: parts q [H·Dh], k and v [Hkv·Dh], with their
+// biases or null) for one token then rope_qk: q and k rotated at *rope.pos0, k and v written to cache
+// row *rope.write_pos, each value bit-identical to qgemv followed by rope_qk (same launch shape as
+// qgemv over the Q + 2·KV rows). Dh even.
+void qgemv_rope(GgmlType t, const GemvParts& qkv, const GemvRope& rope, const float* x, const void* w, int K,
+                cudaStream_t stream);
+void qgemv_rope(GgmlType t, const GemvParts& qkv, const GemvRope& rope, const __half* x, const void* w, int K,
+                cudaStream_t stream);
 
 // dst [rows, K] = the rows' dequantized values, bit-identical to dequantize_device (f16: the exact
 // value rounded to nearest even); one thread per 8 values, coalesced stores.

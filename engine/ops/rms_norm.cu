@@ -1,4 +1,6 @@
-// RMSNorm kernel (rows, D): one block per row, f32 sum of squares, block reduction.
+// RMSNorm kernel (rows, D): one block per row of kOpThreads threads, f32 sum of squares (thread i
+// over elements i, i + kOpThreads, ...), block reduction (block_sum in launch.cuh); rows of up to
+// kNormRegs·kOpThreads elements and their weights are held in registers.
 #include "engine/ops/rms_norm.cuh"
 
 #include "engine/cuda_check.cuh"
@@ -9,22 +11,45 @@ namespace diffrun::engine {
 namespace {
 
 template <typename Out>
-static __global__ void rms_norm_kernel(Out* out, const float* x, const float* w, int D, float eps) {
+static __global__ void __launch_bounds__(kOpThreads)
+rms_norm_kernel(Out* out, const float* x, const float* w, int D, float eps) {
+  // Rows of up to kNormRegs·kOpThreads elements stay in registers; the weights are constant, so they
+  // are loaded before the wait for the preceding kernel (its tail hides their latency).
+  const bool in_regs = D <= kNormRegs * kOpThreads;
+  float wv[kNormRegs];
+#pragma unroll
+  for (int i = 0; i < kNormRegs; ++i) {
+    const int d = threadIdx.x + i * kOpThreads;
+    wv[i] = in_regs && d < D ? w[d] : 0.0f;
+  }
   pdl_wait();
   pdl_trigger();
   const int64_t row = blockIdx.x;
   const float* xr = x + row * D;
   float ss = 0.0f;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) ss += xr[d] * xr[d];
-  ss = warp_sum(ss);
-  __shared__ float partial[kOpThreads / 32];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) partial[warp] = ss;
-  __syncthreads();
-  float total = 0.0f;
-  for (int i = 0; i < static_cast<int>(blockDim.x / 32); ++i) total += partial[i];
-  const float scale = 1.0f / sqrtf(total / static_cast<float>(D) + eps);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) store_act(out, row * D + d, xr[d] * scale * w[d]);
+  float xv[kNormRegs];
+  if (in_regs) {
+#pragma unroll
+    for (int i = 0; i < kNormRegs; ++i) {
+      const int d = threadIdx.x + i * kOpThreads;
+      xv[i] = d < D ? xr[d] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kNormRegs; ++i)
+      if (threadIdx.x + i * kOpThreads < D) ss += xv[i] * xv[i];
+  } else {
+    for (int d = threadIdx.x; d < D; d += kOpThreads) ss += xr[d] * xr[d];
+  }
+  const float scale = 1.0f / sqrtf(block_sum(ss) / static_cast<float>(D) + eps);
+  if (in_regs) {
+#pragma unroll
+    for (int i = 0; i < kNormRegs; ++i) {
+      const int d = threadIdx.x + i * kOpThreads;
+      if (d < D) store_act(out, row * D + d, xv[i] * scale * wv[i]);  // out may alias x: read before
+    }
+  } else {
+    for (int d = threadIdx.x; d < D; d += kOpThreads) store_act(out, row * D + d, xr[d] * scale * w[d]);
+  }
 }
 
 template <typename Out>

@@ -19,16 +19,11 @@ static __global__ void rope_neox_kernel(float* out, const float* x, int T, int n
     const int i = static_cast<int>(idx % half);
     const int64_t head_row = idx / half;  // t · n_head + h
     const int t = static_cast<int>(head_row / n_head);
-    const float inv_freq = powf(theta, -2.0f * static_cast<float>(i) / static_cast<float>(Dh));
-    const float angle = freq_factors ? static_cast<float>(*pos0 + t) * inv_freq / freq_factors[i]
-                                     : static_cast<float>(*pos0 + t) * inv_freq;
-    float s, c;
-    sincosf(angle, &s, &c);
     const int64_t base = head_row * Dh;
-    const float x0 = x[base + i];
-    const float x1 = x[base + i + half];
-    out[base + i] = x0 * c - x1 * s;
-    out[base + i + half] = x0 * s + x1 * c;
+    float y0, y1;
+    rope_pair(x[base + i], x[base + i + half], *pos0 + t, i, Dh, theta, freq_factors, y0, y1);
+    out[base + i] = y0;
+    out[base + i + half] = y1;
   }
 }
 

@@ -29,17 +29,10 @@ static __global__ void rope_qk_kernel(float* q_out, float* k_out, float* k_cache
     const int i = static_cast<int>(j % half);
     const int64_t head_row = j / half;  // t · n_head + h
     const int t = static_cast<int>(head_row / n_head);
-    const float inv_freq = powf(theta, -2.0f * static_cast<float>(i) / static_cast<float>(Dh));
-    const float angle = freq_factors ? static_cast<float>(*pos0 + t) * inv_freq / freq_factors[i]
-                                     : static_cast<float>(*pos0 + t) * inv_freq;
-    float s, c;
-    sincosf(angle, &s, &c);
     const int64_t i0 = head_row * Dh + (kNeox ? i : 2 * i);
     const int64_t i1 = kNeox ? i0 + half : i0 + 1;
-    const float x0 = x[i0];
-    const float x1 = x[i1];
-    const float y0 = x0 * c - x1 * s;
-    const float y1 = x0 * s + x1 * c;
+    float y0, y1;
+    rope_pair(x[i0], x[i1], *pos0 + t, i, Dh, theta, freq_factors, y0, y1);
     out[i0] = y0;
     out[i1] = y1;
     if (!is_q) {  // [T, Hkv·Dh] row t lands on cache row write_pos + t: offset write_pos · Hkv·Dh

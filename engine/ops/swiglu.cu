@@ -13,8 +13,7 @@ static __global__ void swiglu_kernel(Out* out, const float* gate, const float* u
   pdl_wait();
   pdl_trigger();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float g = gate[i];
-    store_act(out, i, g / (1.0f + expf(-g)) * up[i]);
+    store_act(out, i, silu_mul(gate[i], up[i]));
   }
 }
 

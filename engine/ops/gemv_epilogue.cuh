@@ -1,0 +1,103 @@
+// The paired epilogues of the one-token GEMV kernels (engine/ops/matmul.cu gemv_kernel and
+// engine/ops/qgemv.cu qgemv_kernel). A paired launch gives each block pairs of rows whose outputs one
+// thread then combines: the SwiGLU (gate row i with up row F + i: act[i] = silu_mul) and RoPE (the two
+// rows of each rotated pair of Wq|Wk|Wv's heads: rotated q and k, the cache rows of k and v). Every row
+// is computed exactly as the plain launch of the same N computes it (same warps per row, same lanes,
+// same order), and the epilogue applies the expression of the kernel it replaces (silu_mul, rope_pair
+// in launch.cuh), so the outputs are bit-identical to the unfused ops.
+#pragma once
+
+#include <cstdint>
+
+#include "engine/ops/launch.cuh"
+#include "engine/ops/qgemv.cuh"
+
+namespace diffrun::engine {
+
+enum GemvEpilogue : int {
+  kGemvPlain = 0,   // each row to its part's output (+ bias)
+  kGemvSwiglu = 1,  // Wgate|Wup (N = 2F, parts gate and up): also act[i] = silu(gate_i)·up_i
+  kGemvRope = 2,    // Wq|Wk|Wv (parts q, k, v): q and k rotated, k and v rows to the cache (rope_qk)
+};
+
+// Threads of a block: 4 warps; 8 for a paired launch whose rows take 4 warps each (a pair per block).
+__host__ __device__ constexpr int gemv_block_threads(int warps_per_row, int epi) {
+  return epi != kGemvPlain && warps_per_row > 1 ? 256 : 128;
+}
+
+// Rows per block of a launch: the block's warps over warps_per_row.
+__host__ __device__ constexpr int gemv_block_rows(int warps_per_row, int epi) {
+  return gemv_block_threads(warps_per_row, epi) / 32 / warps_per_row;
+}
+
+// Blocks of a launch over N rows (a paired one: N / 2 pairs, half the block's rows each).
+__host__ __device__ constexpr int gemv_blocks(int warps_per_row, int epi, int N) {
+  return epi == kGemvPlain ? (N + gemv_block_rows(warps_per_row, epi) - 1) / gemv_block_rows(warps_per_row, epi)
+                           : (N / 2 + gemv_block_rows(warps_per_row, epi) / 2 - 1) / (gemv_block_rows(warps_per_row, epi) / 2);
+}
+
+// The row that slot `slot` of block `block` computes (N when none): plain, consecutive rows; paired,
+// the first rows of the block's pairs, then their second rows.
+template <int kEpi, int kRowsPerBlock>
+__device__ __forceinline__ int gemv_slot_row(int block, int slot, int N, const GemvRope& rope, int& pair) {
+  if constexpr (kEpi == kGemvPlain) {
+    pair = 0;
+    return block * kRowsPerBlock + slot;
+  } else {
+    constexpr int kPairs = kRowsPerBlock / 2;
+    pair = block * kPairs + slot % kPairs;
+    const bool second = slot >= kPairs;
+    if (pair >= N / 2) return N;
+    if constexpr (kEpi == kGemvSwiglu) {
+      return pair + (second ? N / 2 : 0);
+    } else {
+      const int half = rope.Dh / 2, head_row = pair / half, i = pair % half;
+      const int r0 = head_row * rope.Dh + (rope.neox ? i : 2 * i);
+      return second ? (rope.neox ? r0 + half : r0 + 1) : r0;
+    }
+  }
+}
+
+// A row's output as the plain launch writes it: its part's row, + bias.
+__device__ __forceinline__ float gemv_row_value(const GemvParts& parts, int row, float acc, float*& out) {
+  int p = 0, begin = 0;
+  while (row >= parts.end[p]) begin = parts.end[p++];
+  const float* bias = parts.bias[p];
+  out = parts.out[p] + (row - begin);
+  return bias ? acc + bias[row - begin] : acc;
+}
+
+// The combined outputs of pair `pair` from its rows' values ya (first row) and yb (second row).
+template <int kEpi, typename A>
+__device__ __forceinline__ void gemv_pair_epilogue(const GemvParts& parts, A* act, const GemvRope& rope, int pair,
+                                                   float ya, float yb) {
+  if constexpr (kEpi == kGemvSwiglu) {
+    store_act(act, pair, silu_mul(ya, yb));
+  } else if constexpr (kEpi == kGemvRope) {
+    const int Dh = rope.Dh, half = Dh / 2, head_row = pair / half, i = pair % half;
+    const int ra = head_row * Dh + (rope.neox ? i : 2 * i), rb = rope.neox ? ra + half : ra + 1;
+    const int Q = rope.H * Dh, KV = rope.Hkv * Dh;
+    if (head_row < rope.H + rope.Hkv) {  // q or k: rotated at position pos0 (the step's one token)
+      float y0, y1;
+      rope_pair(ya, yb, *rope.pos0, i, Dh, rope.theta, rope.freq_factors, y0, y1);
+      if (head_row < rope.H) {
+        parts.out[0][ra] = y0;
+        parts.out[0][rb] = y1;
+      } else {
+        const int64_t row0 = static_cast<int64_t>(*rope.write_pos) * KV;
+        parts.out[1][ra - Q] = y0;
+        parts.out[1][rb - Q] = y1;
+        rope.k_cache[row0 + ra - Q] = y0;
+        rope.k_cache[row0 + rb - Q] = y1;
+      }
+    } else {  // v: as computed, and to the cache
+      const int64_t row0 = static_cast<int64_t>(*rope.write_pos) * KV;
+      parts.out[2][ra - Q - KV] = ya;
+      parts.out[2][rb - Q - KV] = yb;
+      rope.v_cache[row0 + ra - Q - KV] = ya;
+      rope.v_cache[row0 + rb - Q - KV] = yb;
+    }
+  }
+}
+
+}  // namespace diffrun::engine
