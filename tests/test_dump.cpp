@@ -327,7 +327,7 @@ TEST_F(DumpTest, ReaderErrorsNameTheFile) {
     DumpWriter w(newer, m);
     w.finish();
   }
-  expect_dump_error([&] { DumpReader r(newer); }, {newer, "format_version 2", "not supported"});
+  expect_dump_error([&] { DumpReader r(newer); }, {newer, "format_version 3", "not supported"});
 
   // A missing dataset and ids read from a float dataset.
   const DumpReader r(whole);
@@ -355,19 +355,50 @@ TEST_F(DumpTest, DatasetsAreContiguousFloat32WithTypedAttributes) {
   EXPECT_EQ(H5Pget_layout(dcpl), H5D_CONTIGUOUS);
   EXPECT_EQ(H5Pget_nfilters(dcpl), 0);
   H5Pclose(dcpl);
-  hid_t a = H5Aopen(ds, "layout", H5P_DEFAULT);
+  // Format version 2: no attributes on the datasets, one attribute table per step.
+  EXPECT_EQ(H5Aexists(ds, "layout"), 0);
+  EXPECT_EQ(H5Aexists(ds, "order"), 0);
+  H5Dclose(ds);
+  ds = H5Dopen2(f, "/step_0000/_attributes", H5P_DEFAULT);
+  ASSERT_GE(ds, 0);
+  t = H5Dget_type(ds);
+  ASSERT_EQ(H5Tget_class(t), H5T_COMPOUND);
+  for (const char* col : {"name", "layout", "native_dtype", "dtype"}) {
+    const int i = H5Tget_member_index(t, col);
+    ASSERT_GE(i, 0) << col;
+    hid_t mt = H5Tget_member_type(t, static_cast<unsigned>(i));
+    EXPECT_EQ(H5Tget_class(mt), H5T_STRING) << col;
+    EXPECT_EQ(H5Tis_variable_str(mt), 0) << col;
+    EXPECT_EQ(H5Tget_cset(mt), H5T_CSET_UTF8) << col;
+    H5Tclose(mt);
+  }
+  for (const char* col : {"order", "layer", "row_offset"}) {
+    const int i = H5Tget_member_index(t, col);
+    ASSERT_GE(i, 0) << col;
+    hid_t mt = H5Tget_member_type(t, static_cast<unsigned>(i));
+    EXPECT_TRUE(H5Tequal(mt, H5T_STD_I32LE) > 0) << col;
+    H5Tclose(mt);
+  }
+  H5Tclose(t);
+  H5Dclose(ds);
+  // Root strings are fixed-length, sized to the value.
+  hid_t a = H5Aopen(f, "format", H5P_DEFAULT);
   hid_t at = H5Aget_type(a);
   EXPECT_EQ(H5Tget_class(at), H5T_STRING);
-  EXPECT_GT(H5Tis_variable_str(at), 0);
+  EXPECT_EQ(H5Tis_variable_str(at), 0);
+  EXPECT_EQ(H5Tget_size(at), std::string(kDumpFormat).size());
   EXPECT_EQ(H5Tget_cset(at), H5T_CSET_UTF8);
   H5Tclose(at);
   H5Aclose(a);
-  a = H5Aopen(ds, "order", H5P_DEFAULT);
-  at = H5Aget_type(a);
-  EXPECT_TRUE(H5Tequal(at, H5T_STD_I32LE) > 0);
-  H5Tclose(at);
-  H5Aclose(a);
-  H5Dclose(ds);
+  hid_t g = H5Gopen2(f, "step_0000", H5P_DEFAULT);
+  const std::vector<AttributeRow> rows = read_attribute_table(g, "step_0000", 1 << 30);
+  H5Gclose(g);
+  ASSERT_FALSE(rows.empty());
+  EXPECT_EQ(rows[0].name, "tokens");
+  EXPECT_EQ(rows[0].attrs.order, 0);
+  EXPECT_EQ(rows[0].attrs.layout, "T");
+  EXPECT_EQ(rows[0].attrs.native_dtype, "i32");
+  EXPECT_FALSE(rows[0].attrs.row_offset.has_value());
   ds = H5Dopen2(f, "/step_0000/tokens", H5P_DEFAULT);
   t = H5Dget_type(ds);
   EXPECT_TRUE(H5Tequal(t, H5T_STD_I32LE) > 0);
