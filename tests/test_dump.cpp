@@ -337,6 +337,55 @@ TEST_F(DumpTest, ReaderErrorsNameTheFile) {
   expect_dump_error([&] { (void)r.datasets(4); }, {whole, "step_0004"});
 }
 
+// A version-1 reference stored its strings variable-length: copying them (the C API's
+// diffrun_dump_copy_meta) writes fixed-length ones, as version 2 stores every string.
+TEST_F(DumpTest, CopiedVariableLengthStringsBecomeFixedLength) {
+  const std::string src = path("v1-meta.h5");
+  {
+    hid_t f = H5Fcreate(src.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    hid_t vlen = H5Tcopy(H5T_C_S1);
+    H5Tset_size(vlen, H5T_VARIABLE);
+    H5Tset_cset(vlen, H5T_CSET_UTF8);
+    hid_t scalar = H5Screate(H5S_SCALAR);
+    for (const auto& [name, value] : {std::pair<const char*, const char*>{"model_fingerprint", "123:00ff"},
+                                      {"prompt", "Caf\xc3\xa9"}}) {
+      hid_t a = H5Acreate2(f, name, vlen, scalar, H5P_DEFAULT, H5P_DEFAULT);
+      const char* p = value;
+      ASSERT_GE(H5Awrite(a, vlen, &p), 0);
+      H5Aclose(a);
+    }
+    const int32_t n = 7;
+    hid_t a = H5Acreate2(f, "n_layer", H5T_STD_I32LE, scalar, H5P_DEFAULT, H5P_DEFAULT);
+    H5Awrite(a, H5T_NATIVE_INT32, &n);
+    H5Aclose(a);
+    H5Sclose(scalar);
+    H5Tclose(vlen);
+    H5Fclose(f);
+  }
+  const std::string out = path("copied.h5");
+  DumpFile d(out);
+  const std::vector<std::string> copied = d.copy_attributes(src, [](std::string_view) { return true; });
+  EXPECT_EQ(copied, (std::vector<std::string>{"model_fingerprint", "n_layer", "prompt"}));
+  d.finish();
+  hid_t f = H5Fopen(out.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  for (const auto& [name, value] : {std::pair<const char*, std::string>{"model_fingerprint", "123:00ff"},
+                                    {"prompt", "Caf\xc3\xa9"}}) {
+    hid_t a = H5Aopen(f, name, H5P_DEFAULT);
+    hid_t t = H5Aget_type(a);
+    EXPECT_EQ(H5Tis_variable_str(t), 0) << name;
+    EXPECT_EQ(H5Tget_size(t), value.size()) << name;
+    EXPECT_EQ(H5Tget_cset(t), H5T_CSET_UTF8) << name;
+    std::string got(H5Tget_size(t), '\0');
+    EXPECT_GE(H5Aread(a, t, got.data()), 0);
+    EXPECT_EQ(got, value) << name;
+    H5Tclose(t);
+    H5Aclose(a);
+  }
+  H5Fclose(f);
+}
+
 TEST_F(DumpTest, DatasetsAreContiguousFloat32WithTypedAttributes) {
   const std::string p = path("types.h5");
   {
