@@ -2,7 +2,8 @@
 // The writer checks checkpoints against the vocabulary and writes through DumpFile
 // (checkpoints/dump_format.hpp), the one implementation of the file format, shared with the C API:
 // root attributes (meta), groups /step_NNNN, one contiguous float32 (int32 for ids) dataset per
-// checkpoint with attributes order, layer, layout, native_dtype. HDF5's automatic error printing is
+// checkpoint, their order, layer, layout and native_dtype in the step's attribute table (format
+// version 2; the reader also reads version 1, where they are dataset attributes). HDF5's automatic error printing is
 // turned off; every failure is a DumpError naming the file (and dataset), with HDF5's innermost
 // message appended.
 #include "checkpoints/dump.hpp"
@@ -70,6 +71,9 @@ struct DumpWriter::Impl {
   void write_root_attributes() {
     DumpFile& f = *file;
     const ModelConfig& c = meta.config;
+    if (meta.format_version < kDumpFormatVersion)
+      fail("format_version " + std::to_string(meta.format_version) + ": this writer writes version " +
+           std::to_string(kDumpFormatVersion));
     f.set_string("format", kDumpFormat);
     f.set_int("format_version", meta.format_version);
     f.set_string("backend", meta.backend);
@@ -247,6 +251,9 @@ struct DumpReader::Impl {
   DumpMeta meta;
   std::map<int, std::vector<DatasetInfo>> steps;
   std::vector<std::string> int_attribute_names;
+  // Version 1 stored strings as variable-length ones; from version 2 on they are refused before
+  // they are read (HDF5 1.10 crashes on some damaged global heaps, found by fuzz_dump).
+  bool vlen_strings_ok = true;
 
   [[noreturn]] void fail(const std::string& what, std::string_view dataset = {}) const {
     std::string msg = path + ": " + (dataset.empty() ? "" : "dataset '" + std::string(dataset) + "': ") + what;
@@ -268,7 +275,13 @@ struct DumpReader::Impl {
     Hid space(H5Aget_space(a.get()), H5Sclose);
     if (H5Sget_simple_extent_npoints(space.get()) != 1)
       fail(std::string("attribute '") + name + "' is not a scalar string", where);
-    if (H5Tis_variable_str(ftype.get()) > 0) {
+    const htri_t vlen = H5Tis_variable_str(ftype.get());
+    if (vlen < 0) fail(std::string("cannot read the type of attribute '") + name + "'", where);
+    if (vlen > 0 && !vlen_strings_ok)
+      fail(std::string(where.empty() ? "root attribute '" : "attribute '") + name + "' is a variable-length string; format version " +
+               std::to_string(meta.format_version) + " stores fixed-length strings",
+           where);
+    if (vlen > 0) {
       Hid mtype(H5Tcopy(H5T_C_S1), H5Tclose);
       H5Tset_size(mtype.get(), H5T_VARIABLE);
       H5Tset_cset(mtype.get(), H5Tget_cset(ftype.get()));
@@ -324,12 +337,17 @@ struct DumpReader::Impl {
   void read_meta() {
     const hid_t root = file.get();
     if (H5Aexists(root, "format") <= 0) fail("not a diffrun dump (no 'format' root attribute)");
+    // The version first: it says whether strings may be variable-length (version 1) before any is read.
+    if (H5Aexists(root, "format_version") > 0) {
+      meta.format_version = read_int(root, "format_version");
+      vlen_strings_ok = meta.format_version < 2;
+    }
     const std::string format = read_str(root, "format");
     if (format != kDumpFormat) fail("not a diffrun dump (format is '" + format + "', expected '" + kDumpFormat + "')");
     meta.format_version = read_int(root, "format_version");
-    if (meta.format_version != kDumpFormatVersion)
-      fail("format_version " + std::to_string(meta.format_version) + " is not supported (this diffrun reads version " +
-           std::to_string(kDumpFormatVersion) + ")");
+    if (meta.format_version < kDumpFormatOldestVersion || meta.format_version > kDumpFormatVersion)
+      fail("format_version " + std::to_string(meta.format_version) + " is not supported (this diffrun reads versions " +
+           std::to_string(kDumpFormatOldestVersion) + " to " + std::to_string(kDumpFormatVersion) + ")");
     meta.backend = read_str(root, "backend");
     meta.precision = read_str(root, "precision");
     meta.model_path = read_str(root, "model_path");
@@ -460,7 +478,9 @@ struct DumpReader::Impl {
     return read_int(obj, name, where);
   }
 
-  Raw read_raw(hid_t g, const std::string& gname, const std::string& name) const {
+  // `row`: the dataset's row of the step's attribute table (version 2; nullptr: none). Version 1
+  // dumps carry the attributes on the datasets.
+  Raw read_raw(hid_t g, const std::string& gname, const std::string& name, const AttributeRow* row) const {
     const std::string where = gname + "/" + name;
     Hid ds(H5Dopen2(g, name.c_str(), H5P_DEFAULT), H5Dclose);
     if (!ds.valid()) fail("cannot open the dataset", where);
@@ -475,7 +495,10 @@ struct DumpReader::Impl {
     Hid t(H5Dget_type(ds.get()), H5Tclose);
     const H5T_class_t cls = H5Tget_class(t.get());
     const size_t size = H5Tget_size(t.get());
-    const std::optional<std::string> dtype_attr = opt_str(ds.get(), "dtype", where);
+    const bool v1 = meta.format_version < 2;
+    const std::optional<std::string> dtype_attr =
+        v1 ? opt_str(ds.get(), "dtype", where)
+           : (row && !row->dtype.empty() ? std::optional<std::string>(row->dtype) : std::nullopt);
     if (dtype_attr && *dtype_attr == "bf16") {
       if ((cls != H5T_INTEGER && cls != H5T_OPAQUE) || size != 2)
         fail("attribute dtype = \"bf16\" on a dataset that is not 16-bit unsigned integer or opaque", where);
@@ -492,11 +515,19 @@ struct DumpReader::Impl {
       fail("not a numeric dataset (a 16-bit dataset holding bfloat16 needs the attribute dtype = \"bf16\")", where);
     }
     check_storage(ds.get(), t.get(), r.shape, where);
-    r.order = opt_int(ds.get(), "order", where);
-    r.layer = opt_int(ds.get(), "layer", where);
-    r.layout = opt_str(ds.get(), "layout", where);
-    r.native_dtype = opt_str(ds.get(), "native_dtype", where);
-    r.row_offset = opt_int(ds.get(), "row_offset", where);
+    if (v1) {
+      r.order = opt_int(ds.get(), "order", where);
+      r.layer = opt_int(ds.get(), "layer", where);
+      r.layout = opt_str(ds.get(), "layout", where);
+      r.native_dtype = opt_str(ds.get(), "native_dtype", where);
+      r.row_offset = opt_int(ds.get(), "row_offset", where);
+    } else if (row) {
+      r.order = row->attrs.order;
+      r.layer = row->attrs.layer;
+      if (!row->attrs.layout.empty()) r.layout = row->attrs.layout;
+      if (!row->attrs.native_dtype.empty()) r.native_dtype = row->attrs.native_dtype;
+      r.row_offset = row->attrs.row_offset;
+    }
     return r;
   }
 
@@ -625,7 +656,24 @@ struct DumpReader::Impl {
               &names) < 0)
         fail("cannot list group '" + gname + "'");
       auto& list = raws[step];
-      for (const auto& name : names) list.push_back(read_raw(g.get(), gname, name));
+      if (meta.format_version < 2) {
+        for (const auto& name : names) list.push_back(read_raw(g.get(), gname, name, nullptr));
+        continue;
+      }
+      std::vector<AttributeRow> table;
+      try {
+        table = read_attribute_table(g.get(), gname, file_size);
+      } catch (const DumpError& e) {
+        fail(e.what());
+      }
+      std::map<std::string, const AttributeRow*> by_name;
+      for (const auto& row : table) by_name[row.name] = &row;
+      // Rows naming no dataset of the step (one deleted afterwards) are ignored; validate reports them.
+      for (const auto& name : names) {
+        if (name == kAttributeTable) continue;
+        const auto it = by_name.find(name);
+        list.push_back(read_raw(g.get(), gname, name, it == by_name.end() ? nullptr : it->second));
+      }
     }
 
     int64_t S = 0;  // positions after the step

@@ -1,5 +1,6 @@
 // The dump format's file layer on the HDF5 1.10 C API: the root-attribute table and DumpFile, the one writer of dump files.
-// Strings are scalar variable-length UTF-8 (h5py reads them as str); booleans are h5py's enum
+// Strings are scalar fixed-length UTF-8, sized to the value (h5py reads them as bytes); a step's
+// dataset attributes are one compound table per step group (format version 2); booleans are h5py's enum
 // {FALSE=0, TRUE=1} over int8 (h5py reads numpy.bool_); float16 is h5py's half type. Datasets are
 // contiguous, uncompressed (or chunked with shuffle + deflate, set_compression), without fill values
 // or timestamps.
@@ -19,6 +20,7 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include "model/error.hpp"
@@ -181,11 +183,8 @@ std::string detail() {
 namespace {
 
 struct Types {
-  Hid str, boolean, half;
+  Hid boolean, half;
   Types() {
-    str = Hid(H5Tcopy(H5T_C_S1), H5Tclose);
-    H5Tset_size(str.get(), H5T_VARIABLE);
-    H5Tset_cset(str.get(), H5T_CSET_UTF8);
     boolean = Hid(H5Tenum_create(H5T_NATIVE_INT8), H5Tclose);
     int8_t f = 0, t = 1;
     H5Tenum_insert(boolean.get(), "FALSE", &f);
@@ -205,13 +204,113 @@ const Types& types() {
 
 }  // namespace
 
-hid_t string_type() { return types().str.get(); }
 hid_t bool_type() { return types().boolean.get(); }
 hid_t float16_type() { return types().half.get(); }
+
+Hid fixed_string_type(size_t n) {
+  Hid t(H5Tcopy(H5T_C_S1), H5Tclose);
+  H5Tset_size(t.get(), std::max<size_t>(n, 1));
+  H5Tset_cset(t.get(), H5T_CSET_UTF8);
+  H5Tset_strpad(t.get(), H5T_STR_NULLPAD);
+  return t;
+}
 
 }  // namespace h5
 
 using h5::Hid;
+
+std::vector<AttributeRow> read_attribute_table(hid_t group, const std::string& group_name, uint64_t file_size) {
+  const std::string where = group_name + "/" + kAttributeTable;
+  auto fail = [&](const std::string& what) -> void { throw DumpError(where + ": " + what + h5::detail()); };
+  std::vector<AttributeRow> rows;
+  if (H5Lexists(group, kAttributeTable, H5P_DEFAULT) <= 0) return rows;
+  H5O_info_t oinfo;
+  if (H5Oget_info_by_name(group, kAttributeTable, &oinfo, H5P_DEFAULT) < 0 || oinfo.type != H5O_TYPE_DATASET)
+    fail("is not a dataset (the attribute table is a compound dataset)");
+  Hid ds(H5Dopen2(group, kAttributeTable, H5P_DEFAULT), H5Dclose);
+  if (!ds.valid()) fail("cannot be opened");
+  Hid type(H5Dget_type(ds.get()), H5Tclose);
+  if (H5Tget_class(type.get()) != H5T_COMPOUND) fail("is not a compound dataset (one row per dataset of the step)");
+  Hid space(H5Dget_space(ds.get()), H5Sclose);
+  if (H5Sget_simple_extent_ndims(space.get()) != 1) fail("is not one-dimensional (one row per dataset of the step)");
+  hsize_t n = 0;
+  H5Sget_simple_extent_dims(space.get(), &n, nullptr);
+  // The bytes the table declares must be stored (a damaged header declaring 2^40 rows is refused
+  // before anything is allocated).
+  const size_t row_size = H5Tget_size(type.get());
+  if (row_size == 0 || n > (uint64_t(64) << 20) / row_size) fail("declares " + std::to_string(n) + " rows of " + std::to_string(row_size) + " bytes: more than 64 MiB");
+  const uint64_t declared = n * row_size;
+  Hid dcpl(H5Dget_create_plist(ds.get()), H5Pclose);
+  const bool filtered = dcpl.valid() && H5Pget_nfilters(dcpl.get()) > 0;
+  const uint64_t stored = H5Dget_storage_size(ds.get());
+  if (stored < (filtered ? declared / 1100 : declared) || stored > file_size)
+    fail("declares " + std::to_string(declared) + " bytes but " + std::to_string(stored) + " are stored");
+  rows.resize(n);
+  if (n == 0) return rows;
+
+  // Each known column is read on its own through a one-member compound type, after its type was checked.
+  const int members = H5Tget_nmembers(type.get());
+  if (members < 0) fail("cannot list its columns");
+  auto column = [&](const char* col) -> Hid {
+    for (int i = 0; i < members; ++i) {
+      char* mname = H5Tget_member_name(type.get(), static_cast<unsigned>(i));
+      const bool match = mname && std::strcmp(mname, col) == 0;
+      H5free_memory(mname);
+      if (match) return Hid(H5Tget_member_type(type.get(), static_cast<unsigned>(i)), H5Tclose);
+    }
+    return Hid();
+  };
+  auto read_column = [&](const char* col, hid_t mem_member, size_t size, void* buf) {
+    Hid mem(H5Tcreate(H5T_COMPOUND, size), H5Tclose);
+    if (!mem.valid() || H5Tinsert(mem.get(), col, 0, mem_member) < 0 ||
+        H5Dread(ds.get(), mem.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, buf) < 0)
+      fail(std::string("cannot read its column '") + col + "'");
+  };
+  auto strings = [&](const char* col, bool required, auto set) {
+    Hid t = column(col);
+    if (!t.valid()) {
+      if (required) fail(std::string("has no column '") + col + "'");
+      return;
+    }
+    if (H5Tget_class(t.get()) != H5T_STRING) fail(std::string("column '") + col + "' is not a string");
+    if (H5Tis_variable_str(t.get()) != 0)
+      fail(std::string("column '") + col + "' is a variable-length string (format version 2 stores fixed-length strings)");
+    const size_t size = H5Tget_size(t.get());
+    if (size == 0 || size > 65536) fail(std::string("column '") + col + "' has strings of " + std::to_string(size) + " bytes");
+    std::vector<char> buf(n * size);
+    read_column(col, t.get(), size, buf.data());
+    for (hsize_t i = 0; i < n; ++i) {
+      const char* p = buf.data() + i * size;
+      set(rows[i], std::string(p, strnlen(p, size)));
+    }
+  };
+  auto ints = [&](const char* col, auto set) {
+    Hid t = column(col);
+    if (!t.valid()) return;
+    if (H5Tget_class(t.get()) != H5T_INTEGER) fail(std::string("column '") + col + "' is not an integer");
+    std::vector<int64_t> buf(n);
+    read_column(col, H5T_NATIVE_INT64, sizeof(int64_t), buf.data());
+    for (hsize_t i = 0; i < n; ++i) {
+      if (buf[i] == kAbsentInt) continue;
+      if (buf[i] < INT32_MIN || buf[i] > INT32_MAX)
+        fail(std::string("column '") + col + "' holds " + std::to_string(buf[i]) + ", outside int32");
+      set(rows[i], static_cast<int>(buf[i]));
+    }
+  };
+  strings("name", true, [](AttributeRow& r, std::string v) { r.name = std::move(v); });
+  strings("layout", false, [](AttributeRow& r, std::string v) { r.attrs.layout = std::move(v); });
+  strings("native_dtype", false, [](AttributeRow& r, std::string v) { r.attrs.native_dtype = std::move(v); });
+  strings("dtype", false, [](AttributeRow& r, std::string v) { r.dtype = std::move(v); });
+  ints("order", [](AttributeRow& r, int v) { r.attrs.order = v; });
+  ints("layer", [](AttributeRow& r, int v) { r.attrs.layer = v; });
+  ints("row_offset", [](AttributeRow& r, int v) { r.attrs.row_offset = v; });
+  std::set<std::string_view> seen;
+  for (const auto& r : rows) {
+    if (r.name.empty()) fail("a row without a name");
+    if (!seen.insert(r.name).second) fail("names '" + r.name + "' twice");
+  }
+  return rows;
+}
 
 namespace {
 
@@ -369,6 +468,7 @@ struct DumpFile::Impl {
   Hid group;   // the group of `step`
   std::set<std::string, std::less<>> step_names;  // datasets written in `step`
   std::set<int> steps_started;
+  std::map<int, std::vector<AttributeRow>> tables;  // each step's attribute table, written by finish()
   uint64_t bytes = 0;
   bool finished = false;
   int fd = -1;                          // the temporary file, for the data writer
@@ -416,8 +516,63 @@ struct DumpFile::Impl {
     if (!a.valid() || H5Awrite(a.get(), mem_type, value) < 0) fail("cannot write attribute '" + name + "'", where);
   }
   void attr_str(hid_t obj, const std::string& name, const std::string& value, std::string_view where = {}) {
-    const char* p = value.c_str();
-    attr_raw(obj, name, h5::string_type(), h5::string_type(), scalar.get(), &p, where);
+    const Hid t = h5::fixed_string_type(value.size());
+    std::string padded = value;
+    padded.resize(std::max<size_t>(value.size(), 1), '\0');
+    attr_raw(obj, name, t.get(), t.get(), scalar.get(), padded.data(), where);
+  }
+
+  // Each step's attribute table: a compound dataset, one row per dataset in the order written,
+  // strings fixed-length and sized to the longest value of the column.
+  void write_tables() {
+    for (const auto& [s, rows] : tables) {
+      const std::string where = dump_step_group_name(s) + "/" + kAttributeTable;
+      size_t name_n = 1, layout_n = 1, native_n = 1, dtype_n = 1;
+      for (const auto& r : rows) {
+        name_n = std::max(name_n, r.name.size());
+        layout_n = std::max(layout_n, r.attrs.layout.size());
+        native_n = std::max(native_n, r.attrs.native_dtype.size());
+        dtype_n = std::max(dtype_n, r.dtype.size());
+      }
+      // Packed rows: name, order, layer, layout, native_dtype, row_offset, dtype.
+      const size_t o_order = name_n, o_layer = o_order + 4, o_layout = o_layer + 4, o_native = o_layout + layout_n,
+                   o_row = o_native + native_n, o_dtype = o_row + 4, row = o_dtype + dtype_n;
+      const Hid s_name = h5::fixed_string_type(name_n), s_layout = h5::fixed_string_type(layout_n),
+                s_native = h5::fixed_string_type(native_n), s_dtype = h5::fixed_string_type(dtype_n);
+      Hid ftype(H5Tcreate(H5T_COMPOUND, row), H5Tclose), mtype(H5Tcreate(H5T_COMPOUND, row), H5Tclose);
+      for (auto [t, ints] : {std::pair{ftype.get(), H5T_STD_I32LE}, std::pair{mtype.get(), H5T_NATIVE_INT32}}) {
+        if (H5Tinsert(t, "name", 0, s_name.get()) < 0 || H5Tinsert(t, "order", o_order, ints) < 0 ||
+            H5Tinsert(t, "layer", o_layer, ints) < 0 || H5Tinsert(t, "layout", o_layout, s_layout.get()) < 0 ||
+            H5Tinsert(t, "native_dtype", o_native, s_native.get()) < 0 || H5Tinsert(t, "row_offset", o_row, ints) < 0 ||
+            H5Tinsert(t, "dtype", o_dtype, s_dtype.get()) < 0)
+          fail("cannot build the attribute table's type", where);
+      }
+      std::vector<char> buf(rows.size() * row, '\0');
+      for (size_t i = 0; i < rows.size(); ++i) {
+        char* p = buf.data() + i * row;
+        const AttributeRow& r = rows[i];
+        auto put_int = [&](size_t at, const std::optional<int>& v) {
+          const int32_t x = v.value_or(kAbsentInt);
+          std::memcpy(p + at, &x, 4);
+        };
+        std::memcpy(p, r.name.data(), r.name.size());
+        put_int(o_order, r.attrs.order);
+        put_int(o_layer, r.attrs.layer);
+        std::memcpy(p + o_layout, r.attrs.layout.data(), r.attrs.layout.size());
+        std::memcpy(p + o_native, r.attrs.native_dtype.data(), r.attrs.native_dtype.size());
+        put_int(o_row, r.attrs.row_offset);
+        std::memcpy(p + o_dtype, r.dtype.data(), r.dtype.size());
+      }
+      hsize_t n = rows.size();
+      Hid space(H5Screate_simple(1, &n, nullptr), H5Sclose);
+      Hid g(H5Gopen2(file.get(), dump_step_group_name(s).c_str(), H5P_DEFAULT), H5Gclose);
+      if (!space.valid() || !g.valid()) fail("cannot open its step group", where);
+      Hid ds(H5Dcreate2(g.get(), kAttributeTable, ftype.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+             H5Dclose);
+      if (!ds.valid() || (n > 0 && H5Dwrite(ds.get(), mtype.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data()) < 0))
+        fail("cannot write the attribute table", where);
+    }
+    tables.clear();
   }
   void attr_int(hid_t obj, const std::string& name, int32_t value, std::string_view where = {}) {
     attr_raw(obj, name, H5T_STD_I32LE, H5T_NATIVE_INT32, scalar.get(), &value, where);
@@ -554,18 +709,27 @@ std::vector<std::string> DumpFile::copy_attributes(const std::string& source_pat
     const hssize_t n = H5Sget_simple_extent_npoints(space.get());
     const size_t size = H5Tget_size(type.get());
     if (n < 0 || size == 0) throw DumpError(source_path + ": cannot size attribute '" + name + "'" + h5::detail());
-    // Read and write in the stored type; variable-length parts are freed after the write.
+    // The format stores no variable-length data: a scalar variable-length string (how version 1
+    // stored strings) is written as a fixed-length one; other variable-length attributes are left out.
+    if (H5Tis_variable_str(type.get()) > 0) {
+      if (n != 1) continue;
+      Hid mtype(H5Tcopy(H5T_C_S1), H5Tclose);
+      H5Tset_size(mtype.get(), H5T_VARIABLE);
+      H5Tset_cset(mtype.get(), H5Tget_cset(type.get()));
+      char* p = nullptr;
+      if (H5Aread(a.get(), mtype.get(), &p) < 0)
+        throw DumpError(source_path + ": cannot read attribute '" + name + "'" + h5::detail());
+      const std::string value = p ? p : "";
+      H5free_memory(p);
+      m.attr_str(m.file.get(), name, value);
+      copied.push_back(name);
+      continue;
+    }
+    if (H5Tdetect_class(type.get(), H5T_VLEN) > 0 || H5Tdetect_class(type.get(), H5T_REFERENCE) > 0) continue;
     std::vector<unsigned char> buf(static_cast<size_t>(n) * size + 1);
     if (n > 0 && H5Aread(a.get(), type.get(), buf.data()) < 0)
       throw DumpError(source_path + ": cannot read attribute '" + name + "'" + h5::detail());
-    const bool has_vlen = H5Tis_variable_str(type.get()) > 0 || H5Tdetect_class(type.get(), H5T_VLEN) > 0;
-    try {
-      m.attr_raw(m.file.get(), name, type.get(), type.get(), space.get(), buf.data(), {});
-    } catch (...) {
-      if (has_vlen && n > 0) H5Dvlen_reclaim(type.get(), space.get(), H5P_DEFAULT, buf.data());
-      throw;
-    }
-    if (has_vlen && n > 0) H5Dvlen_reclaim(type.get(), space.get(), H5P_DEFAULT, buf.data());
+    m.attr_raw(m.file.get(), name, type.get(), type.get(), space.get(), buf.data(), {});
     copied.push_back(name);
   }
   return copied;
@@ -578,6 +742,7 @@ void DumpFile::write(int step, std::string_view name, StoredDType type, std::spa
   if (m.finished || !m.file.valid()) m.fail("write after the dump was closed", where);
   if (name.empty() || name.find('/') != std::string_view::npos || name == "." || name == "..")
     m.fail("not a valid dataset name (empty, or holds '/')", where);
+  if (name == kAttributeTable) m.fail("the name of the step's attribute table", where);
   hid_t g = m.group_for(step);
   if (m.step_names.count(name)) m.fail("recorded twice in this step", where);
   std::vector<hsize_t> dims;
@@ -621,12 +786,7 @@ void DumpFile::write(int step, std::string_view name, StoredDType type, std::spa
       m.fail("cannot write the data", where);
     }
   }
-  if (attrs.order) m.attr_int(ds.get(), "order", *attrs.order, where);
-  if (attrs.layer) m.attr_int(ds.get(), "layer", *attrs.layer, where);
-  if (!attrs.layout.empty()) m.attr_str(ds.get(), "layout", attrs.layout, where);
-  if (!attrs.native_dtype.empty()) m.attr_str(ds.get(), "native_dtype", attrs.native_dtype, where);
-  if (attrs.row_offset) m.attr_int(ds.get(), "row_offset", *attrs.row_offset, where);
-  if (type == StoredDType::bf16) m.attr_str(ds.get(), "dtype", "bf16", where);
+  m.tables[step].push_back({dname, attrs, type == StoredDType::bf16 ? "bf16" : ""});
   m.step_names.insert(dname);
   m.bytes += n * stored_dtype_size(type);
 }
@@ -649,8 +809,9 @@ void DumpFile::set_compression(int level) {
 void DumpFile::finish() {
   Impl& m = *impl_;
   if (m.finished) return;
-  if (const std::string err = m.stop_data(); !err.empty()) m.fail(err);
   m.group.reset();
+  m.write_tables();
+  if (const std::string err = m.stop_data(); !err.empty()) m.fail(err);
   if (!m.file.close()) m.fail("cannot close '" + m.tmp_path + "'");
   std::error_code ec;
   std::filesystem::rename(m.tmp_path, m.path, ec);

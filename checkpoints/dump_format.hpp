@@ -16,7 +16,12 @@
 namespace diffrun {
 
 inline constexpr const char* kDumpFormat = "diffrun-dump";
-inline constexpr int kDumpFormatVersion = 1;
+inline constexpr int kDumpFormatVersion = 2;      // what DumpFile writes
+inline constexpr int kDumpFormatOldestVersion = 1;  // the oldest version readers still read
+// Version 2: each step group's dataset attributes are one table, this compound dataset of the group.
+inline constexpr const char* kAttributeTable = "_attributes";
+// An integer column's value for "absent" (the dataset has no such attribute).
+inline constexpr int32_t kAbsentInt = INT32_MIN;
 
 // How a root attribute is stored (docs/dump-format.md, "Types").
 enum class AttrType { string, integer, real, boolean, int_array };
@@ -86,7 +91,8 @@ class Hid {
   herr_t (*close_)(hid_t) = nullptr;
 };
 
-hid_t string_type();   // variable-length UTF-8 string
+// A fixed-length UTF-8 string type of max(1, n) bytes, NUL-padded (h5py reads it as bytes).
+Hid fixed_string_type(size_t n);
 hid_t bool_type();     // h5py's bool: enum of int8 {FALSE = 0, TRUE = 1}
 hid_t float16_type();  // IEEE half, as h5py writes numpy.float16
 
@@ -100,6 +106,21 @@ struct DatasetAttributes {
   std::string native_dtype;
   std::optional<int> row_offset;  // kq_soft_max holding its rows from this one on (--softmax-rows)
 };
+
+// One row of a step's attribute table (format version 2): the attributes of the dataset `name`.
+struct AttributeRow {
+  std::string name;
+  DatasetAttributes attrs;
+  std::string dtype;  // "bf16" on uint16 data holding bfloat16 bits, else ""
+};
+
+// Reads a step group's attribute table (docs/dump-format.md, "Attribute table"). Checks the table's
+// types before reading anything: a 1-D compound dataset with a fixed-length string column `name`,
+// optional fixed-length string columns layout, native_dtype, dtype and integer columns order,
+// layer, row_offset (kAbsentInt: absent); other columns are ignored. Its bytes must be stored
+// (at most `file_size`). Throws DumpError("<group>/_attributes: what is wrong") otherwise, and for
+// a name given twice. Returns no rows when the group has no table.
+std::vector<AttributeRow> read_attribute_table(hid_t group, const std::string& group_name, uint64_t file_size);
 
 // Writes one dump file: root attributes, /step_NNNN groups, one dataset per checkpoint. Knows the
 // file format, not the vocabulary (callers check names and shapes). Writes to "<path>.tmp-<pid>"
@@ -129,7 +150,8 @@ class DumpFile {
                                            const std::function<bool(std::string_view)>& keep);
 
   // Creates /step_NNNN/name with `shape` from `data` (host values of `type`; bf16 and f16 as their
-  // 16-bit patterns) and its attributes (plus dtype = "bf16" for bf16). Throws when the dataset exists.
+  // 16-bit patterns); its attributes (plus dtype = "bf16" for bf16) go to the step's attribute
+  // table, written by finish(). Throws when the dataset exists or the name is the table's.
   // `data` is copied before this returns; the bytes of a contiguous dataset reach the file from a
   // writer thread, so a failure to write them (a full disk) is thrown by a later write() or finish().
   void write(int step, std::string_view name, StoredDType type, std::span<const int64_t> shape, const void* data,
@@ -140,7 +162,7 @@ class DumpFile {
   // HDF5's built-in filters, which h5py reads with no plugin. 0 (the default): contiguous.
   void set_compression(int level);
 
-  void finish();  // closes and renames; throws when either fails
+  void finish();  // writes the attribute tables, closes and renames; throws when any fails
   void abort();   // closes and removes the temporary file; never throws
   bool finished() const;
   uint64_t bytes_written() const;

@@ -14,12 +14,13 @@ namespace diffrun {
 
 namespace {
 
-// HDF5 overhead measured on DumpWriter's files (v1.8+ object headers, contiguous datasets, four
-// attributes each): a dataset's object header and its link in the step group; a step group; the
-// superblock, root group and root attributes (token_ids adds its 4 bytes an id).
-constexpr uint64_t kDatasetOverhead = 410;
-constexpr uint64_t kStepOverhead = 1200;
-constexpr uint64_t kFileOverhead = 8000;
+// HDF5 overhead measured on DumpWriter's files (format version 2: v1.8+ object headers, contiguous
+// datasets without attributes): a dataset's object header, its link in the step group and its row
+// of the step's attribute table; a step group and its table; the superblock, root group and root
+// attributes (token_ids adds its 4 bytes an id).
+constexpr uint64_t kDatasetOverhead = 340;
+constexpr uint64_t kStepOverhead = 400;
+constexpr uint64_t kFileOverhead = 9600;
 
 struct Counted {
   uint64_t total = 0;

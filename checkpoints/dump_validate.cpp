@@ -39,6 +39,7 @@ struct AttrShape {
   bool is_signed = true;
   int rank = 0;
   hssize_t n = 0;
+  bool vlen = false;  // a variable-length string
 };
 
 AttrShape inspect_attr(hid_t obj, const char* name) {
@@ -51,18 +52,24 @@ AttrShape inspect_attr(hid_t obj, const char* name) {
   Hid sp(H5Aget_space(a.get()), H5Sclose);
   s.cls = H5Tget_class(t.get());
   s.size = H5Tget_size(t.get());
+  s.vlen = s.cls == H5T_STRING && H5Tis_variable_str(t.get()) != 0;
   if (s.cls == H5T_INTEGER) s.is_signed = H5Tget_sign(t.get()) == H5T_SGN_2;
   s.rank = H5Sget_simple_extent_ndims(sp.get());
   s.n = H5Sget_simple_extent_npoints(sp.get());
   return s;
 }
 
-std::optional<std::string> read_string(hid_t obj, const char* name) {
+// A string attribute's value; a variable-length one only when `vlen_ok` (format version 1): from
+// version 2 on the type is checked before anything is read (HDF5 1.10 crashes on some damaged
+// global heaps, found by fuzz_dump).
+std::optional<std::string> read_string(hid_t obj, const char* name, bool vlen_ok) {
   Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
   if (!a.valid()) return std::nullopt;
   Hid ftype(H5Aget_type(a.get()), H5Tclose);
   if (H5Tget_class(ftype.get()) != H5T_STRING) return std::nullopt;
-  if (H5Tis_variable_str(ftype.get()) > 0) {
+  const htri_t vlen = H5Tis_variable_str(ftype.get());
+  if (vlen < 0 || (vlen > 0 && !vlen_ok)) return std::nullopt;
+  if (vlen > 0) {
     Hid mtype(H5Tcopy(H5T_C_S1), H5Tclose);
     H5Tset_size(mtype.get(), H5T_VARIABLE);
     H5Tset_cset(mtype.get(), H5Tget_cset(ftype.get()));
@@ -201,6 +208,12 @@ RootCheck check_root_attributes(hid_t file) {
   std::map<std::string, int64_t> ints;
   std::map<std::string, double> reals;
   std::map<std::string, std::vector<int64_t>> arrays;
+  // The version first: from version 2 on, strings are fixed-length and a variable-length one is
+  // reported without being read.
+  if (const AttrShape s = inspect_attr(file, "format_version"); s.exists && s.cls == H5T_INTEGER && s.n == 1)
+    if (auto v = read_ints(file, "format_version"); v && v->size() == 1 && (*v)[0] >= 1 && (*v)[0] <= INT32_MAX)
+      r.format_version = static_cast<int>((*v)[0]);
+  r.vlen_strings_ok = r.format_version < 2;
   for (const RootAttribute& a : root_attributes()) {
     const AttrShape s = inspect_attr(file, a.name);
     if (!s.exists) {
@@ -211,9 +224,14 @@ RootCheck check_root_attributes(hid_t file) {
       problem(a.name, p);
       continue;
     }
+    if (s.vlen && !r.vlen_strings_ok) {
+      problem(a.name, "is a variable-length string; format version " + std::to_string(r.format_version) +
+                          " stores fixed-length strings");
+      continue;
+    }
     switch (a.type) {
       case AttrType::string: {
-        auto v = read_string(file, a.name);
+        auto v = read_string(file, a.name, r.vlen_strings_ok);
         if (!v) {
           problem(a.name, "cannot be read as a string");
           break;
@@ -258,9 +276,10 @@ RootCheck check_root_attributes(hid_t file) {
     }
   }
 
-  if (ints.count("format_version") && ints["format_version"] != kDumpFormatVersion)
-    problem("format_version", "is " + std::to_string(ints["format_version"]) + ", this diffrun reads version " +
-                                  std::to_string(kDumpFormatVersion));
+  if (ints.count("format_version") &&
+      (ints["format_version"] < kDumpFormatOldestVersion || ints["format_version"] > kDumpFormatVersion))
+    problem("format_version", "is " + std::to_string(ints["format_version"]) + ", this diffrun reads versions " +
+                                  std::to_string(kDumpFormatOldestVersion) + " to " + std::to_string(kDumpFormatVersion));
 
   // The config, when every part of it is there and sane.
   bool config_ok = strings.count("arch") && strings.count("rope_type") && reals.count("rope_theta") &&
@@ -420,8 +439,12 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
       &facts);
   for (auto it = facts.begin(); it != facts.end();) {
     const AttrShape s = inspect_attr(file.get(), it->first.c_str());
-    std::optional<std::string> v = s.cls == H5T_STRING && s.n == 1 ? read_string(file.get(), it->first.c_str())
-                                                                  : std::nullopt;
+    if (s.vlen && !root.vlen_strings_ok)
+      problem("root attribute '" + it->first + "'", "is a variable-length string; format version " +
+                                                        std::to_string(root.format_version) + " stores fixed-length strings");
+    std::optional<std::string> v = s.cls == H5T_STRING && s.n == 1
+                                       ? read_string(file.get(), it->first.c_str(), root.vlen_strings_ok)
+                                       : std::nullopt;
     if (v) {
       it->second = *v;
       ++it;
@@ -479,7 +502,26 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
       kv_known = false;
       continue;
     }
-    const std::vector<std::string> names = list_links(g.get());
+    std::vector<std::string> names = list_links(g.get());
+    // Version 2: the datasets' attributes are the step's attribute table.
+    const bool v2 = root.format_version >= 2;
+    std::map<std::string, AttributeRow> table;
+    if (v2) {
+      const auto at = std::find(names.begin(), names.end(), kAttributeTable);
+      if (at != names.end()) {
+        names.erase(at);
+        try {
+          for (auto& row : read_attribute_table(g.get(), gname, std::filesystem::file_size(path, ec)))
+            table[row.name] = std::move(row);
+        } catch (const DumpError& e) {
+          const std::string msg = e.what(), prefix = gname + "/" + kAttributeTable + ": ";
+          problem(gname + "/" + kAttributeTable, msg.rfind(prefix, 0) == 0 ? msg.substr(prefix.size()) : msg);
+        }
+        for (const auto& [tname, row] : table)
+          if (std::find(names.begin(), names.end(), tname) == names.end())
+            problem(gname + "/" + kAttributeTable, "names '" + tname + "', which the step does not hold");
+      }
+    }
 
     // tokens first: T of this step.
     std::optional<int64_t> n_tokens;
@@ -551,37 +593,50 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
         continue;
       }
 
-      // Dataset attributes (each optional).
-      const AttrShape order_a = inspect_attr(ds.get(), "order");
-      const AttrShape layer_a = inspect_attr(ds.get(), "layer");
-      const AttrShape layout_a = inspect_attr(ds.get(), "layout");
-      const AttrShape native_a = inspect_attr(ds.get(), "native_dtype");
-      const AttrShape dtype_a = inspect_attr(ds.get(), "dtype");
-      const AttrShape row_offset_a = inspect_attr(ds.get(), "row_offset");
-      auto scalar_int = [&](const char* attr, const AttrShape& a) -> std::optional<int64_t> {
-        if (!a.exists) return std::nullopt;
-        if (a.cls != H5T_INTEGER || a.n != 1) {
-          problem(where, std::string("attribute '") + attr + "' " + "is " + class_text(a.cls) +
-                             (a.n != 1 ? " array" : "") + ", expected a scalar integer");
-          return std::nullopt;
+      // Dataset attributes (each optional): the dataset's row of the attribute table (version 2),
+      // else attributes of the dataset (version 1).
+      std::optional<int64_t> order, layer, row_offset;
+      std::optional<std::string> layout, native, dtype_attr;
+      if (v2) {
+        if (const auto it = table.find(name); it != table.end()) {
+          const AttributeRow& row = it->second;
+          order = row.attrs.order, layer = row.attrs.layer, row_offset = row.attrs.row_offset;
+          if (!row.attrs.layout.empty()) layout = row.attrs.layout;
+          if (!row.attrs.native_dtype.empty()) native = row.attrs.native_dtype;
+          if (!row.dtype.empty()) dtype_attr = row.dtype;
         }
-        auto v = read_ints(ds.get(), attr);
-        return v && v->size() == 1 ? std::optional<int64_t>((*v)[0]) : std::nullopt;
-      };
-      auto scalar_str = [&](const char* attr, const AttrShape& a) -> std::optional<std::string> {
-        if (!a.exists) return std::nullopt;
-        if (a.cls != H5T_STRING || a.n != 1) {
-          problem(where, std::string("attribute '") + attr + "' is " + class_text(a.cls) + ", expected a string");
-          return std::nullopt;
-        }
-        return read_string(ds.get(), attr);
-      };
-      const auto order = scalar_int("order", order_a);
-      const auto layer = scalar_int("layer", layer_a);
-      const auto layout = scalar_str("layout", layout_a);
-      const auto native = scalar_str("native_dtype", native_a);
-      const auto dtype_attr = scalar_str("dtype", dtype_a);
-      const auto row_offset = scalar_int("row_offset", row_offset_a);
+      } else {
+        const AttrShape order_a = inspect_attr(ds.get(), "order");
+        const AttrShape layer_a = inspect_attr(ds.get(), "layer");
+        const AttrShape layout_a = inspect_attr(ds.get(), "layout");
+        const AttrShape native_a = inspect_attr(ds.get(), "native_dtype");
+        const AttrShape dtype_a = inspect_attr(ds.get(), "dtype");
+        const AttrShape row_offset_a = inspect_attr(ds.get(), "row_offset");
+        auto scalar_int = [&](const char* attr, const AttrShape& a) -> std::optional<int64_t> {
+          if (!a.exists) return std::nullopt;
+          if (a.cls != H5T_INTEGER || a.n != 1) {
+            problem(where, std::string("attribute '") + attr + "' " + "is " + class_text(a.cls) +
+                               (a.n != 1 ? " array" : "") + ", expected a scalar integer");
+            return std::nullopt;
+          }
+          auto v = read_ints(ds.get(), attr);
+          return v && v->size() == 1 ? std::optional<int64_t>((*v)[0]) : std::nullopt;
+        };
+        auto scalar_str = [&](const char* attr, const AttrShape& a) -> std::optional<std::string> {
+          if (!a.exists) return std::nullopt;
+          if (a.cls != H5T_STRING || a.n != 1) {
+            problem(where, std::string("attribute '") + attr + "' is " + class_text(a.cls) + ", expected a string");
+            return std::nullopt;
+          }
+          return read_string(ds.get(), attr, true);
+        };
+        order = scalar_int("order", order_a);
+        layer = scalar_int("layer", layer_a);
+        layout = scalar_str("layout", layout_a);
+        native = scalar_str("native_dtype", native_a);
+        dtype_attr = scalar_str("dtype", dtype_a);
+        row_offset = scalar_int("row_offset", row_offset_a);
+      }
       const CheckpointKind* row_kind = find_checkpoint_kind(parsed.base);
       const int rd = row_kind && parsed.base != "tokens" ? row_dim(row_kind->layout) : -1;
       if (row_offset && rd < 0)

@@ -30,6 +30,8 @@ struct RootCheck {
   std::vector<int32_t> token_ids;
   std::optional<std::vector<int32_t>> all_token_ids;
   std::optional<std::vector<int32_t>> argmax;
+  int format_version = 0;        // 0: unknown (missing or unreadable)
+  bool vlen_strings_ok = true;   // version 1 (or unknown): strings may be variable-length
 };
 RootCheck check_root_attributes(hid_t file);
 

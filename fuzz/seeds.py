@@ -5,9 +5,10 @@ Usage: fuzz/seeds.py gguf|tolerances|dump OUT_DIR [BASE_DUMP]
   gguf        tiny GGUF files made with the gguf package's GGUFWriter: every metadata type, the
               dequantizable tensor types, a runnable one-layer qwen2
   tolerances  the presets in fixtures/tolerances and small hand-written rule files
-  dump        BASE_DUMP (a small dump written by `diffrun dump`) and variants of it made with h5py in
-              the forms readers accept: float16, bfloat16 as uint16, no per-dataset attributes, per-head
-              tensors 2-D or permuted, llama.cpp names, row_offset, gzip chunks, an integer dataset
+  dump        BASE_DUMP (a small dump written by `diffrun dump`, format version 2) and variants of it
+              made with h5py in the forms readers accept: float16, bfloat16 as uint16, no attribute
+              table, per-head tensors 2-D or permuted, llama.cpp names, row_offset, gzip chunks, an
+              integer dataset
 """
 import os
 import shutil
@@ -106,13 +107,32 @@ def dump_seeds(out, base):
         with h5py.File(path, "r+") as f:
             change(f)
 
-    def replace(g, name, data, attrs=None, **kw):
-        old = dict(g[name].attrs) if attrs is None else attrs
+    def replace(g, name, data, **kw):
         del g[name]
-        d = g.create_dataset(name, data=data, **kw)
-        for k, v in old.items():
-            d.attrs[k] = v
-        return d
+        return g.create_dataset(name, data=data, **kw)
+
+    def edit_table(g, change):
+        """Rewrites the step's attribute table (_attributes) after change(rows), rows a list of dicts;
+        string columns are resized to their longest value."""
+        t = g["_attributes"][()]
+        rows = [{k: row[k] for k in t.dtype.names} for row in t]
+        change(rows)
+        cols = []
+        for k in t.dtype.names:
+            if t.dtype[k].kind == "S":
+                cols.append((k, f"S{max([1] + [len(r[k]) for r in rows])}"))
+            else:
+                cols.append((k, t.dtype[k]))
+        new = np.array([tuple(r[k] for k in t.dtype.names) for r in rows], dtype=cols)
+        del g["_attributes"]
+        g.create_dataset("_attributes", data=new)
+
+    def set_attr(g, name, key, value):
+        def change(rows):
+            for r in rows:
+                if r["name"] == name.encode():
+                    r[key] = value.encode() if isinstance(value, str) else value
+        edit_table(g, change)
 
     def f16(f):
         g = f["step_0000"]
@@ -121,14 +141,12 @@ def dump_seeds(out, base):
     def bf16(f):
         g = f["step_0000"]
         bits = (g["embd"][()].astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-        replace(g, "embd", bits).attrs["dtype"] = "bf16"
+        replace(g, "embd", bits)
+        set_attr(g, "embd", "dtype", "bf16")
 
     def bare(f):
         for s in f.values():
-            for d in s.values():
-                for k in ("order", "layer", "layout", "native_dtype"):
-                    if k in d.attrs:
-                        del d.attrs[k]
+            del s["_attributes"]
 
     def merged(f):
         g = f["step_0000"]
@@ -137,19 +155,21 @@ def dump_seeds(out, base):
 
     def permuted(f):
         g = f["step_0000"]
-        replace(g, "Qcur-0", np.ascontiguousarray(g["Qcur-0"][()].transpose(1, 0, 2))).attrs["layout"] = "H,T,Dh"
+        replace(g, "Qcur-0", np.ascontiguousarray(g["Qcur-0"][()].transpose(1, 0, 2)))
+        set_attr(g, "Qcur-0", "layout", "H,T,Dh")
 
     def llamacpp(f):
         for s in f.values():
-            if "embd" in s:
-                s.move("embd", "inp_embd")
-            if "Qcur-0" in s:
-                s.move("Qcur-0", "Qcur-0#2")
+            for old, new in (("embd", "inp_embd"), ("Qcur-0", "Qcur-0#2")):
+                if old in s:
+                    s.move(old, new)
+                    set_attr(s, old, "name", new)
 
     def row_offset(f):
         g = f["step_0000"]
         p = g["kq_soft_max-0"][()]
-        replace(g, "kq_soft_max-0", p[:, 1:, :]).attrs["row_offset"] = 1
+        replace(g, "kq_soft_max-0", p[:, 1:, :])
+        set_attr(g, "kq_soft_max-0", "row_offset", 1)
 
     def gzip(f):
         g = f["step_0001"]

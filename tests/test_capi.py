@@ -9,6 +9,8 @@ import h5py
 import numpy as np
 import pytest
 
+import dump_h5
+
 DIFFRUN = os.environ.get("DIFFRUN_BIN", "build/cli/diffrun")
 CAPI_C = os.environ.get("DIFFRUN_CAPI_C", "build/tests/test_capi_c")
 CAPI_CPP = os.environ.get("DIFFRUN_CAPI_CPP", "build/tests/test_capi_cpp")
@@ -32,24 +34,25 @@ def test_c_program_writes_a_valid_dump(tmp_path: Path):
 
     with h5py.File(out, "r") as f:
         a = f.attrs
-        assert a["format"] == "diffrun-dump" and a["format_version"] == 1 and a["backend"] == "c-test"
+        assert a["format"] == b"diffrun-dump" and a["format_version"] == 2 and a["backend"] == b"c-test"
         assert a["tied_output"].dtype == np.bool_ and bool(a["tied_output"]) and not bool(a["qk_norm"])
-        assert a["rope_theta"] == 10000.0 and a["n_vocab"] == 32 and a["device"] == "a C test"
+        assert a["rope_theta"] == 10000.0 and a["n_vocab"] == 32 and a["device"] == b"a C test"
         assert list(a["token_ids"]) == [3, 5, 7] and list(a["argmax"]) == [9, 4]
         s0, s1 = f["step_0000"], f["step_0001"]
+        t0 = dump_h5.table(s0)  # the step's attribute table
         assert list(s0["tokens"][...]) == [3, 5, 7] and list(s1["tokens"][...]) == [9]
-        assert s0["attn_norm-0"].dtype == np.float16 and s0["attn_norm-0"].attrs["native_dtype"] == "f16"
+        assert s0["attn_norm-0"].dtype == np.float16 and t0["attn_norm-0"]["native_dtype"] == "f16"
         assert s0["Vcur-0"].dtype == np.float64
         up = s0["ffn_up-0"]
-        assert up.dtype == np.uint16 and up.attrs["dtype"] == "bf16" and up.attrs["native_dtype"] == "bf16"
+        assert up.dtype == np.uint16 and t0["ffn_up-0"]["dtype"] == "bf16" and t0["ffn_up-0"]["native_dtype"] == "bf16"
         expected = np.array([0.25 * ((i * 7) % 23) - 2.0 for i in range(3 * 12)], np.float32).reshape(3, 12)
         assert np.array_equal((up[...].astype(np.uint32) << 16).view(np.float32), expected)
         assert np.array_equal(s0["attn_norm-0"][...].astype(np.float32), expected.ravel()[:24].reshape(3, 8))
-        assert s0["Qcur-0"].shape == (3, 2, 4) and s0["Qcur-0"].attrs["layout"] == "T,H,Dh"  # merged heads stored 3-D
+        assert s0["Qcur-0"].shape == (3, 2, 4) and t0["Qcur-0"]["layout"] == "T,H,Dh"  # merged heads stored 3-D
         q = s0["Qrope-0"]
-        assert q.shape == (2, 3, 4) and q.attrs["layout"] == "H,T,Dh" and q.attrs["native_dtype"] == "f16"
+        assert q.shape == (2, 3, 4) and t0["Qrope-0"]["layout"] == "H,T,Dh" and t0["Qrope-0"]["native_dtype"] == "f16"
         assert s1["cache_k-0"].shape == (4, 1, 4) and s1["kq_soft_max-0"].shape == (2, 1, 4)
-        assert [s0[n].attrs["order"] for n in ("tokens", "embd", "attn_norm-0", "result_output")] == [0, 1, 2, 21]
+        assert [t0[n]["order"] for n in ("tokens", "embd", "attn_norm-0", "result_output")] == [0, 1, 2, 21]
 
 
 def test_python_reader_reads_the_c_dump(tmp_path: Path):
@@ -82,6 +85,6 @@ def test_cpp_copy_of_a_reference_compares_equal(tmp_path: Path):
     assert c.returncode == 0, c.stdout + c.stderr
     with h5py.File(out, "r") as f, h5py.File(ref, "r") as g:
         assert f.attrs["model_fingerprint"] == g.attrs["model_fingerprint"]
-        assert f.attrs["backend"] == "capi-copy" and "eigen_version" not in f.attrs  # facts are not copied
+        assert f.attrs["backend"] == b"capi-copy" and "eigen_version" not in f.attrs  # facts are not copied
         assert list(f.attrs["all_token_ids"]) == list(g.attrs["all_token_ids"])
         assert f["step_0001/ffn_up-0"].dtype == np.float64

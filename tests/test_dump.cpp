@@ -327,7 +327,7 @@ TEST_F(DumpTest, ReaderErrorsNameTheFile) {
     DumpWriter w(newer, m);
     w.finish();
   }
-  expect_dump_error([&] { DumpReader r(newer); }, {newer, "format_version 2", "not supported"});
+  expect_dump_error([&] { DumpReader r(newer); }, {newer, "format_version 3", "not supported"});
 
   // A missing dataset and ids read from a float dataset.
   const DumpReader r(whole);
@@ -335,6 +335,55 @@ TEST_F(DumpTest, ReaderErrorsNameTheFile) {
   expect_dump_error([&] { (void)r.read(3, "embd"); }, {whole, "step_0003/embd"});
   expect_dump_error([&] { (void)r.read_ids(0, "embd"); }, {whole, "step_0000/embd"});
   expect_dump_error([&] { (void)r.datasets(4); }, {whole, "step_0004"});
+}
+
+// A version-1 reference stored its strings variable-length: copying them (the C API's
+// diffrun_dump_copy_meta) writes fixed-length ones, as version 2 stores every string.
+TEST_F(DumpTest, CopiedVariableLengthStringsBecomeFixedLength) {
+  const std::string src = path("v1-meta.h5");
+  {
+    hid_t f = H5Fcreate(src.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    hid_t vlen = H5Tcopy(H5T_C_S1);
+    H5Tset_size(vlen, H5T_VARIABLE);
+    H5Tset_cset(vlen, H5T_CSET_UTF8);
+    hid_t scalar = H5Screate(H5S_SCALAR);
+    for (const auto& [name, value] : {std::pair<const char*, const char*>{"model_fingerprint", "123:00ff"},
+                                      {"prompt", "Caf\xc3\xa9"}}) {
+      hid_t a = H5Acreate2(f, name, vlen, scalar, H5P_DEFAULT, H5P_DEFAULT);
+      const char* p = value;
+      ASSERT_GE(H5Awrite(a, vlen, &p), 0);
+      H5Aclose(a);
+    }
+    const int32_t n = 7;
+    hid_t a = H5Acreate2(f, "n_layer", H5T_STD_I32LE, scalar, H5P_DEFAULT, H5P_DEFAULT);
+    H5Awrite(a, H5T_NATIVE_INT32, &n);
+    H5Aclose(a);
+    H5Sclose(scalar);
+    H5Tclose(vlen);
+    H5Fclose(f);
+  }
+  const std::string out = path("copied.h5");
+  DumpFile d(out);
+  const std::vector<std::string> copied = d.copy_attributes(src, [](std::string_view) { return true; });
+  EXPECT_EQ(copied, (std::vector<std::string>{"model_fingerprint", "n_layer", "prompt"}));
+  d.finish();
+  hid_t f = H5Fopen(out.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  for (const auto& [name, value] : {std::pair<const char*, std::string>{"model_fingerprint", "123:00ff"},
+                                    {"prompt", "Caf\xc3\xa9"}}) {
+    hid_t a = H5Aopen(f, name, H5P_DEFAULT);
+    hid_t t = H5Aget_type(a);
+    EXPECT_EQ(H5Tis_variable_str(t), 0) << name;
+    EXPECT_EQ(H5Tget_size(t), value.size()) << name;
+    EXPECT_EQ(H5Tget_cset(t), H5T_CSET_UTF8) << name;
+    std::string got(H5Tget_size(t), '\0');
+    EXPECT_GE(H5Aread(a, t, got.data()), 0);
+    EXPECT_EQ(got, value) << name;
+    H5Tclose(t);
+    H5Aclose(a);
+  }
+  H5Fclose(f);
 }
 
 TEST_F(DumpTest, DatasetsAreContiguousFloat32WithTypedAttributes) {
@@ -355,19 +404,50 @@ TEST_F(DumpTest, DatasetsAreContiguousFloat32WithTypedAttributes) {
   EXPECT_EQ(H5Pget_layout(dcpl), H5D_CONTIGUOUS);
   EXPECT_EQ(H5Pget_nfilters(dcpl), 0);
   H5Pclose(dcpl);
-  hid_t a = H5Aopen(ds, "layout", H5P_DEFAULT);
+  // Format version 2: no attributes on the datasets, one attribute table per step.
+  EXPECT_EQ(H5Aexists(ds, "layout"), 0);
+  EXPECT_EQ(H5Aexists(ds, "order"), 0);
+  H5Dclose(ds);
+  ds = H5Dopen2(f, "/step_0000/_attributes", H5P_DEFAULT);
+  ASSERT_GE(ds, 0);
+  t = H5Dget_type(ds);
+  ASSERT_EQ(H5Tget_class(t), H5T_COMPOUND);
+  for (const char* col : {"name", "layout", "native_dtype", "dtype"}) {
+    const int i = H5Tget_member_index(t, col);
+    ASSERT_GE(i, 0) << col;
+    hid_t mt = H5Tget_member_type(t, static_cast<unsigned>(i));
+    EXPECT_EQ(H5Tget_class(mt), H5T_STRING) << col;
+    EXPECT_EQ(H5Tis_variable_str(mt), 0) << col;
+    EXPECT_EQ(H5Tget_cset(mt), H5T_CSET_UTF8) << col;
+    H5Tclose(mt);
+  }
+  for (const char* col : {"order", "layer", "row_offset"}) {
+    const int i = H5Tget_member_index(t, col);
+    ASSERT_GE(i, 0) << col;
+    hid_t mt = H5Tget_member_type(t, static_cast<unsigned>(i));
+    EXPECT_TRUE(H5Tequal(mt, H5T_STD_I32LE) > 0) << col;
+    H5Tclose(mt);
+  }
+  H5Tclose(t);
+  H5Dclose(ds);
+  // Root strings are fixed-length, sized to the value.
+  hid_t a = H5Aopen(f, "format", H5P_DEFAULT);
   hid_t at = H5Aget_type(a);
   EXPECT_EQ(H5Tget_class(at), H5T_STRING);
-  EXPECT_GT(H5Tis_variable_str(at), 0);
+  EXPECT_EQ(H5Tis_variable_str(at), 0);
+  EXPECT_EQ(H5Tget_size(at), std::string(kDumpFormat).size());
   EXPECT_EQ(H5Tget_cset(at), H5T_CSET_UTF8);
   H5Tclose(at);
   H5Aclose(a);
-  a = H5Aopen(ds, "order", H5P_DEFAULT);
-  at = H5Aget_type(a);
-  EXPECT_TRUE(H5Tequal(at, H5T_STD_I32LE) > 0);
-  H5Tclose(at);
-  H5Aclose(a);
-  H5Dclose(ds);
+  hid_t g = H5Gopen2(f, "step_0000", H5P_DEFAULT);
+  const std::vector<AttributeRow> rows = read_attribute_table(g, "step_0000", 1 << 30);
+  H5Gclose(g);
+  ASSERT_FALSE(rows.empty());
+  EXPECT_EQ(rows[0].name, "tokens");
+  EXPECT_EQ(rows[0].attrs.order, 0);
+  EXPECT_EQ(rows[0].attrs.layout, "T");
+  EXPECT_EQ(rows[0].attrs.native_dtype, "i32");
+  EXPECT_FALSE(rows[0].attrs.row_offset.has_value());
   ds = H5Dopen2(f, "/step_0000/tokens", H5P_DEFAULT);
   t = H5Dget_type(ds);
   EXPECT_TRUE(H5Tequal(t, H5T_STD_I32LE) > 0);

@@ -12,6 +12,8 @@ import h5py
 import numpy as np
 import pytest
 
+import dump_h5
+
 DIFFRUN = os.environ.get("DIFFRUN_BIN", "build/cli/diffrun")
 FIXTURES = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", "build/fixtures"))
 MODEL = FIXTURES / "tiny-llama-f32.gguf"
@@ -59,11 +61,11 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
 def test_cache_holds_the_rows_each_step_wrote(dumps):
     default, full = dumps["default"], dumps["all"]
     with h5py.File(default, "r") as f, h5py.File(full, "r") as g:
-        assert f["step_0000/cache_k-0"].shape[0] == 12 and "row_offset" not in f["step_0000/cache_k-0"].attrs
+        assert f["step_0000/cache_k-0"].shape[0] == 12 and "row_offset" not in dump_h5.attrs(f, 0, "cache_k-0")
         for step in range(1, STEPS + 1):
             for name in ("cache_k-1", "cache_v-0"):
                 ds = f[f"step_{step:04d}/{name}"]
-                assert ds.shape[0] == 1 and int(ds.attrs["row_offset"]) == 11 + step
+                assert ds.shape[0] == 1 and dump_h5.attrs(f, step, name)["row_offset"] == 11 + step
                 whole = g[f"step_{step:04d}/{name}"][()]
                 assert whole.shape[0] == 12 + step
                 np.testing.assert_array_equal(ds[()], whole[-1:])
@@ -75,7 +77,7 @@ def test_cache_holds_the_rows_each_step_wrote(dumps):
 def test_the_cache_keeps_every_row_unless_over_the_limit(dumps, tmp_path: Path):
     out = dump(tmp_path / "auto.h5")
     with h5py.File(out, "r") as f:
-        assert f["step_0002/cache_k-0"].shape[0] == 14 and "row_offset" not in f["step_0002/cache_k-0"].attrs
+        assert f["step_0002/cache_k-0"].shape[0] == 14 and "row_offset" not in dump_h5.attrs(f, 2, "cache_k-0")
     r = run("dump", "--model", str(MODEL), "--tokens", TOKENS, "--steps", str(STEPS), "--out", str(tmp_path / "x.h5"),
             "--max-dump-size", "0")
     est = float(re.search(r"each dump will take about ([0-9.]+) kB", r.stderr).group(1)) * 1e3
@@ -152,9 +154,9 @@ def test_logits_rows(dumps, tmp_path: Path):
     out = dump(tmp_path / "logits.h5", "--logits-rows", "4")
     with h5py.File(out, "r") as f, h5py.File(full, "r") as g:
         ds = f["step_0000/result_output"]
-        assert ds.shape[0] == 4 and int(ds.attrs["row_offset"]) == 8
+        assert ds.shape[0] == 4 and dump_h5.attrs(f, 0, "result_output")["row_offset"] == 8
         np.testing.assert_array_equal(ds[()], g["step_0000/result_output"][()][8:])
-        assert "row_offset" not in f["step_0001/result_output"].attrs
+        assert "row_offset" not in dump_h5.attrs(f, 1, "result_output")
     with dump_reader.open(out) as d:
         assert d.info("result_output", 0).row_offset == 8 and d.get("result_output", 0).shape[0] == 4
     valid(out)
@@ -172,7 +174,7 @@ def test_token_rows(dumps, tmp_path: Path):
     with h5py.File(out, "r") as f, h5py.File(full, "r") as g:
         for name, rd in (("attn_norm-0", 0), ("Qcur-1", 0), ("ffn_up-0", 0), ("kq_soft_max-1", 1), ("result_output", 0)):
             ds = f[f"step_0000/{name}"]
-            assert ds.shape[rd] == 5 and int(ds.attrs["row_offset"]) == 7, name
+            assert ds.shape[rd] == 5 and dump_h5.attrs(f, 0, name)["row_offset"] == 7, name
             want = g[f"step_0000/{name}"][()]
             np.testing.assert_array_equal(ds[()], want[7:] if rd == 0 else want[:, 7:])
         assert f["step_0000/cache_k-0"].shape[0] == 12  # the cache keeps every row

@@ -11,6 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
+import dump_h5
+
 DIFFRUN = os.environ.get("DIFFRUN_BIN", "build/cli/diffrun")
 FIXTURES = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", "build/fixtures"))
 MODEL = FIXTURES / "tiny-llama-f32.gguf"
@@ -83,8 +85,8 @@ def test_each_class_of_root_problem_is_named(ref_dump: Path, tmp_path: Path):
     bad = copy(ref_dump, tmp_path, "bad_root.h5")
     with h5py.File(bad, "r+") as f:
         f.attrs["rope_type"] = np.int32(0)            # mistyped root attribute
-        f.attrs["arch"] = "mistral"                    # bad enum string
-        f.attrs["tied_output"] = "true"                # boolean stored as a string
+        f.attrs["arch"] = dump_h5.fixed("mistral")     # bad enum string
+        f.attrs["tied_output"] = dump_h5.fixed("true")  # boolean stored as a string
         del f.attrs["model_fingerprint"]               # missing
         f.attrs["n_head"] = np.float64(4.0)            # integer stored as a real
         f.attrs["format_version"] = np.int32(7)        # unknown version
@@ -96,7 +98,7 @@ def test_each_class_of_root_problem_is_named(ref_dump: Path, tmp_path: Path):
         "root attribute 'tied_output': is a string, expected a boolean",
         "root attribute 'model_fingerprint': missing",
         "root attribute 'n_head': is a float, expected an int32 scalar",
-        "root attribute 'format_version': is 7, this diffrun reads version 1",
+        "root attribute 'format_version': is 7, this diffrun reads versions 1 to 2",
         "/: datasets are not checked against the vocabulary",
     ]
     for e in expected:
@@ -109,10 +111,11 @@ def test_each_class_of_dataset_problem_is_named(ref_dump: Path, tmp_path: Path):
     with h5py.File(bad, "r+") as f:
         s0 = f["step_0000"]
         s0["foo_bar"] = np.zeros(3, np.float32)        # unknown name
-        s0["Kcur-1"].attrs["order"] = np.int32(99)     # order contradicts the vocabulary
-        s0["Vcur-1"].attrs["layer"] = np.int32(0)      # layer contradicts the name
-        s0["ffn_up-0"].attrs["native_dtype"] = "fp8"   # bad enum string on a dataset
-        s0["ffn_gate-0"].attrs["layout"] = "T,D"       # layout not a permutation of the vocabulary's
+        dump_h5.set_attr(s0, "Kcur-1", "order", 99)           # order contradicts the vocabulary
+        dump_h5.set_attr(s0, "Vcur-1", "layer", 0)            # layer contradicts the name
+        dump_h5.set_attr(s0, "ffn_up-0", "native_dtype", "fp8")  # bad enum string on a dataset
+        dump_h5.set_attr(s0, "ffn_gate-0", "layout", "T,D")   # layout not a permutation of the vocabulary's
+        dump_h5.set_attr(f["step_0001"], "gone-0", "order", 3)  # a table row naming no dataset
         data = s0["ffn_out-0"][...]
         del s0["ffn_out-0"]
         s0["ffn_out-0"] = data.astype(np.int32)        # float checkpoint stored as integers
@@ -127,6 +130,7 @@ def test_each_class_of_dataset_problem_is_named(ref_dump: Path, tmp_path: Path):
         "step_0000/ffn_up-0: attribute 'native_dtype' is \"fp8\"",
         "step_0000/ffn_gate-0: layout 'T,D' is not a permutation of the vocabulary's 'T,F'",
         "step_0000/ffn_out-0: is an integer of 4 bytes",
+        "step_0001/_attributes: names 'gone-0', which the step does not hold",
         "step_0002: missing: steps are numbered from 0 without gaps",
         "root attribute 'argmax': holds 2 ids for 3 steps",
         "root attribute 'all_token_ids': holds 5 ids; 3 decode steps after a prompt of 3 need at least 6",
@@ -134,6 +138,58 @@ def test_each_class_of_dataset_problem_is_named(ref_dump: Path, tmp_path: Path):
     for e in expected:
         assert any(e in line for line in lines), (e, lines)
     assert lines[-1].endswith(f"{len(expected)} problems"), lines
+
+
+def test_variable_length_strings_and_damaged_tables_are_named(ref_dump: Path, tmp_path: Path):
+    """Version 2 stores no variable-length string: one is reported without being read; a table of the
+    wrong form is named."""
+    bad = copy(ref_dump, tmp_path, "vlen.h5")
+    vlen = h5py.string_dtype("utf-8")
+    with h5py.File(bad, "r+") as f:
+        del f.attrs["prompt"]
+        f.attrs.create("prompt", "1,17,42", dtype=vlen)
+        f.attrs.create("device", "a fact", dtype=vlen)
+        g = f["step_0001"]
+        t = g["_attributes"][()]
+        del g["_attributes"]
+        g.create_dataset("_attributes", data=np.array([(n.decode(),) for n in t["name"]],
+                                                      dtype=[("name", vlen)]))
+        del f["step_0002/_attributes"]
+        f["step_0002/_attributes"] = np.zeros((2, 2), np.int32)
+    rc, lines = validate(bad)
+    assert rc == 1, lines
+    expected = [
+        "root attribute 'prompt': is a variable-length string; format version 2 stores fixed-length strings",
+        "root attribute 'device': is a variable-length string; format version 2 stores fixed-length strings",
+        "step_0001/_attributes: column 'name' is a variable-length string",
+        "step_0002/_attributes: is not a compound dataset",
+    ]
+    for e in expected:
+        assert any(e in line for line in lines), (e, lines)
+    assert lines[-1].endswith(f"{len(expected)} problems"), lines
+    r = run("ls", str(bad))
+    assert r.returncode == 2 and "root attribute 'prompt' is a variable-length string" in r.stderr, r.stderr
+
+
+def test_version_1_dumps_stay_valid_and_compare_alike(ref_dump: Path, tmp_path: Path):
+    """The old form (format_version 1: per-dataset attributes, variable-length strings) is valid, and
+    compares against the version-2 dump it was made from exactly as that dump against itself."""
+    old = copy(ref_dump, tmp_path, "v1.h5")
+    dump_h5.to_version_1(old)
+    rc, lines = validate(old)
+    assert rc == 0, lines
+    assert lines[-1].endswith("valid diffrun dump (3 steps, 120 datasets)"), lines
+    with h5py.File(old, "r+") as f:
+        f["step_0000/Kcur-1"].attrs["order"] = np.int32(99)
+    rc, lines = validate(old)
+    assert rc == 1 and any("step_0000/Kcur-1: attribute 'order' is 99" in line for line in lines), lines
+    with h5py.File(old, "r+") as f:
+        f["step_0000/Kcur-1"].attrs["order"] = np.int32(22)
+    same = run("compare", str(ref_dump), str(ref_dump), "--no-color")
+    mixed = run("compare", str(old), str(ref_dump), "--no-color")
+    assert same.returncode == mixed.returncode == 0, mixed.stdout + mixed.stderr
+    strip = lambda out: [line.replace(str(old), "X").replace(str(ref_dump), "X") for line in out.splitlines()]
+    assert strip(mixed.stdout) == strip(same.stdout)
 
 
 def test_shape_problems_are_checked_against_the_config(ref_dump: Path, tmp_path: Path):
@@ -172,14 +228,14 @@ def test_tolerated_forms_are_valid(ref_dump: Path, tmp_path: Path):
         s0 = f["step_0000"]
         for name in ("embd", "attn_norm-0"):
             for a in ("order", "layer", "layout", "native_dtype"):
-                del s0[name].attrs[a]
+                dump_h5.set_attr(s0, name, a, None)
         q = s0["Qcur-0"][...]
         del s0["Qcur-0"]
         s0["Qcur-0"] = q.reshape(q.shape[0], -1)                      # [T, H*Dh]
         k = s0["Krope-1"][...]
         del s0["Krope-1"]
         s0["Krope-1"] = np.ascontiguousarray(k.transpose(1, 0, 2))    # [Hkv, T, Dh]
-        s0["Krope-1"].attrs["layout"] = "Hkv,T,Dh"
+        dump_h5.set_attr(s0, "Krope-1", "layout", "Hkv,T,Dh")
         x = s0["ffn_out-0"][...]
         del s0["ffn_out-0"]
         s0["ffn_out-0"] = x.astype(np.float16)
@@ -189,12 +245,12 @@ def test_tolerated_forms_are_valid(ref_dump: Path, tmp_path: Path):
         z = s0["l_out-1"][...]
         del s0["l_out-1"]
         s0["l_out-1"] = (z.view(np.uint32) >> 16).astype(np.uint16)  # bf16 bits (truncated)
-        s0["l_out-1"].attrs["dtype"] = "bf16"
-        f.attrs["device"] = "a backend fact"
+        dump_h5.set_attr(s0, "l_out-1", "dtype", "bf16")
+        f.attrs["device"] = dump_h5.fixed("a backend fact")
     rc, lines = validate(ok)
     assert rc == 0, lines
     with h5py.File(ok, "r+") as f:
-        del f["step_0000/l_out-1"].attrs["dtype"]
+        dump_h5.set_attr(f["step_0000"], "l_out-1", "dtype", None)
     rc, lines = validate(ok)
     assert rc == 1 and any("l_out-1: is uint16 without the attribute dtype" in line for line in lines), lines
 
@@ -224,24 +280,28 @@ def test_skeleton_and_a_dump_written_by_hand_with_h5py(ref_dump: Path, tmp_path:
             elif a["type"] == "bool":
                 f.attrs[a["name"]] = np.bool_(v)
             elif a["type"] == "string" and v is not None:
-                f.attrs[a["name"]] = v
-        f.attrs.update({"backend": "h5py-by-hand", "precision": "f32", "prompt": "1,17,42",
-                        "token_ids": np.asarray(prompt_ids, np.int32), "created_utc": "2026-11-23T05:00:00Z",
-                        "diffrun_version": "hand", "all_token_ids": np.asarray(all_ids, np.int32)})
+                f.attrs[a["name"]] = np.bytes_(v.encode())  # fixed-length strings (numpy bytes)
+        f.attrs.update({"backend": np.bytes_(b"h5py-by-hand"), "precision": np.bytes_(b"f32"),
+                        "prompt": np.bytes_(b"1,17,42"), "token_ids": np.asarray(prompt_ids, np.int32),
+                        "created_utc": np.bytes_(b"2026-11-23T05:00:00Z"), "diffrun_version": np.bytes_(b"hand"),
+                        "all_token_ids": np.asarray(all_ids, np.int32)})
         n_kv = 0
         for step in range(3):
             ids = prompt_ids if step == 0 else all_ids[len(prompt_ids) + step - 1: len(prompt_ids) + step]
             T = len(ids)
             n_kv += T
             g = f.create_group(f"step_{step:04d}")
+            rows = []
             for d in sk["datasets"]:
                 shape = [T if s == "T" else n_kv if s == "S" else s for s in d["shape"]]
                 if d["name"] == "tokens":
-                    ds = g.create_dataset("tokens", data=np.asarray(ids, np.int32))
+                    g.create_dataset("tokens", data=np.asarray(ids, np.int32))
                 else:
-                    ds = g.create_dataset(d["name"], data=rng.standard_normal(shape).astype(np.float32))
-                ds.attrs.update({"order": np.int32(d["order"]), "layer": np.int32(d["layer"]), "layout": d["layout"],
-                                 "native_dtype": "i32" if d["name"] == "tokens" else "f32"})
+                    g.create_dataset(d["name"], data=rng.standard_normal(shape).astype(np.float32))
+                rows.append((d["name"], d["order"], d["layer"], d["layout"], "i32" if d["name"] == "tokens" else "f32"))
+            # the step's attribute table: a numpy structured array (only the columns used)
+            g["_attributes"] = np.array(rows, dtype=[("name", "S32"), ("order", "<i4"), ("layer", "<i4"),
+                                                     ("layout", "S16"), ("native_dtype", "S4")])
     rc, lines = validate(hand)
     assert rc == 0, lines
     # diffrun's C++ reader reads it: compare runs (random data diverges: exit 1, not 2)

@@ -14,7 +14,12 @@ import numpy as np
 from . import vocabulary
 
 FORMAT = "diffrun-dump"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what diffrun.writer writes
+FORMAT_VERSIONS = (1, 2)  # what the reader reads
+ATTRIBUTE_TABLE = "_attributes"  # version 2: a step group's dataset attributes, one compound row per dataset
+ABSENT_INT = -(2**31)  # an integer column's value for "absent"
+_TABLE_STRINGS = ("name", "layout", "native_dtype", "dtype")
+_TABLE_INTS = ("order", "layer", "row_offset")
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -63,9 +68,49 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _stored_dtype_name(ds: h5py.Dataset) -> str:
+def read_attribute_table(group: h5py.Group, where: str) -> dict[str, dict[str, Any]]:
+    """A version-2 step group's attribute table as {dataset name: {attribute: value}}, absent
+    attributes left out. Raises ValueError naming what is wrong; {} when the group has none."""
+    if ATTRIBUTE_TABLE not in group:
+        return {}
+    ds = group[ATTRIBUTE_TABLE]
+    if not isinstance(ds, h5py.Dataset) or ds.dtype.names is None or ds.ndim != 1:
+        raise ValueError(f"{where}: not a 1-D compound dataset (one row per dataset of the step)")
+    fields = ds.dtype.fields
+    if "name" not in fields:
+        raise ValueError(f"{where}: has no column 'name'")
+    for col in _TABLE_STRINGS + _TABLE_INTS:
+        if col not in fields:
+            continue
+        dt = fields[col][0]
+        if col in _TABLE_STRINGS and dt.kind != "S":
+            what = "a variable-length string" if h5py.check_string_dtype(dt) else f"{dt}"
+            raise ValueError(f"{where}: column '{col}' is {what}, expected a fixed-length string")
+        if col in _TABLE_INTS and dt.kind not in "iu":
+            raise ValueError(f"{where}: column '{col}' is {dt}, expected an integer")
+    rows = ds[()]
+    table: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        attrs: dict[str, Any] = {}
+        for col in _TABLE_STRINGS:
+            if col in fields and row[col]:
+                attrs[col] = bytes(row[col]).decode("utf-8")
+        for col in _TABLE_INTS:
+            if col in fields and int(row[col]) != ABSENT_INT:
+                attrs[col] = int(row[col])
+        name = attrs.pop("name", "")
+        if not name:
+            raise ValueError(f"{where}: a row without a name")
+        if name in table:
+            raise ValueError(f"{where}: names '{name}' twice")
+        table[name] = attrs
+    return table
+
+
+def _stored_dtype_name(ds: h5py.Dataset, attrs: Any = None) -> str:
     """f32, f64, f16, i32 ..., and bf16 for 16-bit data marked with the attribute dtype = "bf16"."""
-    if ds.dtype.itemsize == 2 and ds.dtype.kind in "uiV" and _plain(ds.attrs.get("dtype", "")) == "bf16":
+    attrs = ds.attrs if attrs is None else attrs
+    if ds.dtype.itemsize == 2 and ds.dtype.kind in "uiV" and _plain(attrs.get("dtype", "")) == "bf16":
         return "bf16"
     return {"f": "f", "i": "i", "u": "u"}.get(ds.dtype.kind, "x") + str(8 * ds.dtype.itemsize)
 
@@ -92,9 +137,21 @@ class Dump:
             self._file.close()
             raise
         self._infos: dict[int, list[DatasetInfo]] = {}
+        self._tables: dict[int, dict[str, dict[str, Any]]] = {}
 
     def _read_meta(self) -> dict[str, Any]:
         try:
+            # From version 2 on strings are fixed-length: a variable-length one is refused before it is
+            # read (HDF5 1.10 crashes on some damaged global heaps).
+            version = self._file.attrs.get("format_version") if "format_version" in self._file.attrs else None
+            if isinstance(version, (int, np.integer)) and version >= 2:
+                for k in self._file.attrs:
+                    dt = self._file.attrs.get_id(k).dtype
+                    if dt.kind == "O" and h5py.check_string_dtype(dt) is not None:
+                        raise DumpFormatError(
+                            self.path,
+                            f"root attribute '{k}' is a variable-length string; format version {int(version)} "
+                            "stores fixed-length strings")
             attrs = {k: _plain(v) for k, v in self._file.attrs.items()}
         except (OSError, KeyError) as e:
             raise DumpFormatError(self.path, f"cannot read root attributes: {e}") from None
@@ -104,11 +161,27 @@ class Dump:
         if fmt != FORMAT:
             raise DumpFormatError(self.path, f"not a diffrun dump (format is '{fmt}', expected '{FORMAT}')")
         version = attrs.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in FORMAT_VERSIONS:
             raise DumpFormatError(
-                self.path, f"format_version {version} is not supported (this reader reads version {FORMAT_VERSION})"
+                self.path,
+                f"format_version {version} is not supported (this reader reads versions "
+                f"{FORMAT_VERSIONS[0]} to {FORMAT_VERSIONS[-1]})",
             )
         return attrs
+
+    def _attrs(self, step: int, name: str) -> Any:
+        """The attributes of dataset `name` of a step: its row of the step's attribute table (version
+        2), else the dataset's own attributes (version 1)."""
+        if self.meta.get("format_version", 1) < 2:
+            return self._file[f"{_group_name(step)}/{name}"].attrs
+        if step not in self._tables:
+            where = f"{_group_name(step)}/{ATTRIBUTE_TABLE}"
+            try:
+                table = read_attribute_table(self._group(step), where)
+            except (ValueError, OSError) as e:
+                raise DumpFormatError(self.path, str(e)) from None
+            self._tables[step] = table  # rows naming no dataset of the step are ignored (validate reports them)
+        return self._tables[step].get(name, {})
 
     def _find_steps(self) -> list[int]:
         steps = []
@@ -129,11 +202,11 @@ class Dump:
             infos = []
             for name, ds in group.items():
                 where = f"{_group_name(step)}/{name}"
-                if not isinstance(ds, h5py.Dataset):
+                if not isinstance(ds, h5py.Dataset) or (name == ATTRIBUTE_TABLE and self.meta["format_version"] >= 2):
                     continue
                 # order, layer, layout and native_dtype are optional (docs/dump-format.md): absent ones
                 # come from the name through the vocabulary, native_dtype from the stored dtype.
-                a = ds.attrs
+                a = self._attrs(step, name)
                 base, parsed_layer = vocabulary.parse_name(name)
                 kind = vocabulary.find_kind(base)
                 order = a.get("order")
@@ -145,7 +218,7 @@ class Dump:
                 if kind is not None and (layout != kind.layout or len(shape) != len(kind.dims)):
                     stored_layout, stored_shape = layout, shape
                     layout, shape = kind.layout, self._canonical_shape(kind, layout, shape, where)
-                stored = _stored_dtype_name(ds)
+                stored = _stored_dtype_name(ds, a)
                 infos.append(
                     DatasetInfo(
                         step=step,
@@ -178,7 +251,7 @@ class Dump:
             ds = self._file.get(key)
             if not isinstance(ds, h5py.Dataset) or ds.ndim != 3:
                 return None
-            start = int(ds.attrs.get("row_offset", 0))
+            start = int(self._attrs(step, info.name).get("row_offset", 0))
             if start + ds.shape[0] < need:
                 return None
             pieces.append((step, start, need))
@@ -235,7 +308,7 @@ class Dump:
         bf16 comes back as float32), read from disk now, in the vocabulary's layout: a per-head checkpoint
         stored [T, H*Dh] comes back [T, H, Dh], a permuted layout (e.g. "H,T,Dh") is permuted back."""
         info = self.info(name, step)
-        stored_offset = int(self._file[f"{_group_name(step)}/{name}"].attrs.get("row_offset", 0))
+        stored_offset = int(self._attrs(step, name).get("row_offset", 0))
         if stored_offset > info.row_offset:
             # a cache put back together: rows start..end-1 of each earlier step, then this step's
             pieces = self._cache_pieces(dataclasses.replace(info, row_offset=stored_offset)) or []
@@ -251,7 +324,7 @@ class Dump:
         try:
             ds = self._file[where]
             data = ds[()]
-            if _stored_dtype_name(ds) == "bf16":
+            if _stored_dtype_name(ds, self._attrs(step, name)) == "bf16":
                 data = (data.astype(np.uint32) << 16).view(np.float32)
         except (OSError, KeyError) as e:
             raise DumpFormatError(self.path, f"cannot read: {e}", where) from None

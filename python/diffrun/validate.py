@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 
 from . import vocabulary
-from .dump import FORMAT_VERSION, DumpFormatError
+from .dump import ATTRIBUTE_TABLE, FORMAT_VERSIONS, DumpFormatError, read_attribute_table
 
 # (name, type, required, enum values)
 ROOT_ATTRIBUTES: list[tuple[str, str, bool, str | None]] = [
@@ -111,6 +111,7 @@ class _AttrShape:
     cls: int = -1
     rank: int = 0
     n: int = 0
+    vlen: bool = False  # a variable-length string
 
 
 def _inspect(obj: Any, name: str) -> _AttrShape:
@@ -119,7 +120,8 @@ def _inspect(obj: Any, name: str) -> _AttrShape:
     a = h5py.h5a.open(obj.id, name.encode())
     t, space = a.get_type(), a.get_space()
     rank = space.get_simple_extent_ndims() if space.get_simple_extent_type() != h5py.h5s.NULL else 0
-    return _AttrShape(True, t.get_class(), rank, int(space.get_select_npoints()))
+    vlen = t.get_class() == h5py.h5t.STRING and t.is_variable_str()
+    return _AttrShape(True, t.get_class(), rank, int(space.get_select_npoints()), vlen)
 
 
 def _read(obj: Any, name: str) -> Any:
@@ -198,6 +200,7 @@ class _Root:
     token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] | None = None
     argmax: list[int] | None = None
+    format_version: int = 0  # 0: unknown (missing or unreadable)
 
 
 def _check_root(f: h5py.File) -> _Root:
@@ -210,6 +213,13 @@ def _check_root(f: h5py.File) -> _Root:
     ints: dict[str, int] = {}
     reals: dict[str, float] = {}
     arrays: dict[str, list[int]] = {}
+    # The version first: from version 2 on strings are fixed-length, and a variable-length one is
+    # reported without being read (HDF5 1.10 crashes on some damaged global heaps).
+    s = _inspect(f, "format_version")
+    if s.exists and s.cls == h5py.h5t.INTEGER and s.n == 1:
+        v = _read_ints(f, "format_version")
+        if v and len(v) == 1 and 1 <= v[0] <= INT32_MAX:
+            r.format_version = v[0]
     for name, kind, required, values in ROOT_ATTRIBUTES:
         s = _inspect(f, name)
         if not s.exists:
@@ -219,6 +229,9 @@ def _check_root(f: h5py.File) -> _Root:
         p = _type_problem(kind, values, s)
         if p:
             problem(name, p)
+            continue
+        if s.vlen and r.format_version >= 2:
+            problem(name, f"is a variable-length string; format version {r.format_version} stores fixed-length strings")
             continue
         if kind == "string":
             v = _read_string(f, name)
@@ -255,8 +268,9 @@ def _check_root(f: h5py.File) -> _Root:
             else:
                 arrays[name] = v
 
-    if "format_version" in ints and ints["format_version"] != FORMAT_VERSION:
-        problem("format_version", f"is {ints['format_version']}, this diffrun reads version {FORMAT_VERSION}")
+    if "format_version" in ints and ints["format_version"] not in FORMAT_VERSIONS:
+        problem("format_version", f"is {ints['format_version']}, this diffrun reads versions "
+                                  f"{FORMAT_VERSIONS[0]} to {FORMAT_VERSIONS[-1]}")
 
     ok = all(k in strings for k in ("arch", "rope_type")) and all(k in reals for k in ("rope_theta", "rms_eps"))
     for k in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab", "n_ctx"):
@@ -462,6 +476,20 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
         result.n_steps += 1
         g = f[gname]
         names = sorted(g.keys())
+        # Version 2: the datasets' attributes are the step's attribute table.
+        v2 = root.format_version >= 2
+        table: dict[str, dict] = {}
+        if v2 and ATTRIBUTE_TABLE in names:
+            names.remove(ATTRIBUTE_TABLE)
+            twhere_ = f"{gname}/{ATTRIBUTE_TABLE}"
+            try:
+                table = read_attribute_table(g, twhere_)
+            except (ValueError, OSError) as e:
+                msg = str(e)
+                problem(twhere_, msg[len(twhere_) + 2:] if msg.startswith(twhere_ + ": ") else msg)
+            for tname in table:
+                if tname not in names:
+                    problem(twhere_, f"names '{tname}', which the step does not hold")
         n_tokens: int | None = None
         twhere = f"{gname}/tokens"
         if "tokens" not in names:
@@ -513,7 +541,11 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
                         "not a checkpoint name of the vocabulary (diffrun vocab lists them; foreign names need --names)")
                 continue
 
+            row = table.get(name, {})
+
             def scalar_int(attr: str) -> int | None:
+                if v2:
+                    return row.get(attr)
                 a = _inspect(ds, attr)
                 if not a.exists:
                     return None
@@ -525,6 +557,8 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
                 return v[0] if v and len(v) == 1 else None
 
             def scalar_str(attr: str) -> str | None:
+                if v2:
+                    return row.get(attr)
                 a = _inspect(ds, attr)
                 if not a.exists:
                     return None

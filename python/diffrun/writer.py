@@ -12,7 +12,9 @@ The file is written to PATH.tmp-<pid> and renamed to PATH when the writer closes
 exception inside the `with` block removes the temporary file, so a half-written dump never looks whole.
 Values are stored as float32 (exact for f16/bf16; f64 is rounded) with `native_dtype` naming what the
 engine computed in, like the C++ writer; keep_dtype=True stores them as given instead (bf16 as uint16
-with the dataset attribute dtype = "bf16").
+marked dtype = "bf16"). Format version 2: strings are fixed-length, and each step's dataset attributes
+(order, layer, layout, native_dtype, row_offset, dtype) are one row each of the step's attribute table
+`_attributes`, written when the writer closes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import h5py
 import numpy as np
 
 from . import vocabulary
-from .dump import FORMAT, FORMAT_VERSION, Dump
+from .dump import ABSENT_INT, ATTRIBUTE_TABLE, FORMAT, FORMAT_VERSION, Dump
 
 DIFFRUN_VERSION = "0.1.0"
 
@@ -44,7 +46,29 @@ _FROM_REFERENCE = [k for k in ROOT_ATTRIBUTES
 
 _NATIVE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.float64): "f64",
            np.dtype(np.uint16): "bf16", np.dtype(np.int32): "i32"}
-_STR = h5py.string_dtype("utf-8")
+
+
+def _fixed_str(value: str) -> np.ndarray:
+    """A scalar fixed-length UTF-8 string sized to the value (at least 1 byte), as diffrun's C++ writer stores it."""
+    b = str(value).encode("utf-8")
+    return np.array(b, dtype=h5py.string_dtype("utf-8", max(1, len(b))))
+
+
+def _table(rows: list[tuple[str, dict[str, Any]]]) -> np.ndarray:
+    """A step's attribute table: one row per dataset, strings fixed-length and sized to the column's
+    longest value, absent integers ABSENT_INT."""
+    enc = [(name, {k: (v.encode("utf-8") if isinstance(v, str) else v) for k, v in a.items()}) for name, a in rows]
+    width = {c: max([1] + [len(a.get(c, b"")) for _, a in enc]) for c in ("layout", "native_dtype", "dtype")}
+    utf8 = lambda n: h5py.string_dtype("utf-8", n)  # noqa: E731 - fixed-length UTF-8, NUL-padded
+    dtype = np.dtype([("name", utf8(max([1] + [len(n.encode("utf-8")) for n, _ in enc]))), ("order", "<i4"),
+                      ("layer", "<i4"), ("layout", utf8(width["layout"])), ("native_dtype", utf8(width["native_dtype"])),
+                      ("row_offset", "<i4"), ("dtype", utf8(width["dtype"]))])
+    table = np.zeros(len(enc), dtype=dtype)
+    for i, (name, a) in enumerate(enc):
+        table[i] = (name.encode("utf-8"), a.get("order", ABSENT_INT), a.get("layer", ABSENT_INT),
+                    a.get("layout", b""), a.get("native_dtype", b""), a.get("row_offset", ABSENT_INT),
+                    a.get("dtype", b""))
+    return table
 
 
 class DumpWriteError(Exception):
@@ -114,6 +138,7 @@ class Writer:
             raise DumpWriteError(self.path, f"cannot create '{self._tmp}': {e}") from None
         self._step: int | None = None
         self._written: dict[int, list[str]] = {}
+        self._rows: dict[int, list[tuple[str, dict[str, Any]]]] = {}  # each step's attribute table
         self._write_root(attrs)
 
     # -- root attributes -------------------------------------------------------------------------
@@ -123,7 +148,7 @@ class Writer:
             kind = ROOT_ATTRIBUTES.get(key)
             try:
                 if kind == "str":
-                    a.create(key, str(value), dtype=_STR)
+                    a.create(key, _fixed_str(value))
                 elif kind == "int":
                     a.create(key, np.int32(value))
                 elif kind == "float":
@@ -135,7 +160,7 @@ class Writer:
                 elif isinstance(value, (list, tuple, np.ndarray)) and np.asarray(value).dtype.kind in "iu":
                     a.create(key, np.asarray(value, dtype=np.int32).reshape(-1))  # like set_attribute()
                 else:
-                    a.create(key, str(value), dtype=_STR)  # a backend fact
+                    a.create(key, _fixed_str(value))  # a backend fact
             except (TypeError, ValueError, OverflowError) as e:
                 self.abort()
                 raise DumpWriteError(self.path, f"root attribute '{key}' = {value!r}: {e}") from None
@@ -167,6 +192,8 @@ class Writer:
         where = f"step_{step:04d}/{name}"
         if name in self._written[step]:
             raise DumpWriteError(self.path, "recorded twice in this step", where)
+        if name == ATTRIBUTE_TABLE:
+            raise DumpWriteError(self.path, "the name of the step's attribute table", where)
         data = _as_numpy(array)
         if name == "tokens" and data.dtype.kind in "iu" and data.dtype != np.int32:
             data = data.astype(np.int32)
@@ -221,13 +248,10 @@ class Writer:
                                       fill_time="never")
         except (TypeError, ValueError) as e:
             raise DumpWriteError(self.path, f"cannot write: {e}", where) from None
-        ds.attrs.create("order", np.int32(order))
-        ds.attrs.create("layer", np.int32(layer))
+        attrs.update(order=int(order), layer=int(layer), native_dtype=str(native))
         if layout is not None:
-            ds.attrs.create("layout", layout, dtype=_STR)
-        ds.attrs.create("native_dtype", str(native), dtype=_STR)
-        for k, v in attrs.items():
-            ds.attrs.create(k, v, dtype=_STR)
+            attrs["layout"] = layout
+        self._rows.setdefault(step, []).append((name, attrs))
         self._written[step].append(name)
 
     @property
@@ -244,6 +268,9 @@ class Writer:
         """Closes the file and renames it into place."""
         if self._file is None:
             return
+        for step, rows in self._rows.items():
+            self._file[f"step_{step:04d}"].create_dataset(ATTRIBUTE_TABLE, data=_table(rows), track_times=False)
+        self._rows = {}
         if "all_token_ids" not in self._file.attrs:
             # every token fed, step by step (docs/dump-format.md): what a replay of this dump needs
             ids = [self._file[f"step_{s:04d}/tokens"][()] for s in sorted(self._written)

@@ -6,6 +6,8 @@ Needs DIFFRUN_DUMP_SAMPLE (the tests/dump_sample program; ctest sets it) and the
 import json
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -14,15 +16,18 @@ import pytest
 import diffrun
 from diffrun import vocabulary
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+import dump_h5  # noqa: E402  (plain-h5py table access, the version-1 form)
+
 SAMPLE = os.environ.get("DIFFRUN_DUMP_SAMPLE", "")
 
 ROOT_ATTRS = {
-    "format": str, "format_version": np.integer, "backend": str, "precision": str, "model_path": str,
-    "model_fingerprint": str, "arch": str, "n_layer": np.integer, "n_embd": np.integer, "n_head": np.integer,
+    "format": bytes, "format_version": np.integer, "backend": bytes, "precision": bytes, "model_path": bytes,
+    "model_fingerprint": bytes, "arch": bytes, "n_layer": np.integer, "n_embd": np.integer, "n_head": np.integer,
     "n_head_kv": np.integer, "head_dim": np.integer, "n_ff": np.integer, "n_vocab": np.integer,
-    "n_ctx": np.integer, "rope_theta": np.floating, "rope_type": str, "rms_eps": np.floating,
-    "tied_output": np.bool_, "qkv_bias": np.bool_, "qk_norm": np.bool_, "prompt": str, "token_ids": np.ndarray,
-    "created_utc": str, "diffrun_version": str,
+    "n_ctx": np.integer, "rope_theta": np.floating, "rope_type": bytes, "rms_eps": np.floating,
+    "tied_output": np.bool_, "qkv_bias": np.bool_, "qk_norm": np.bool_, "prompt": bytes, "token_ids": np.ndarray,
+    "created_utc": bytes, "diffrun_version": bytes,
 }
 
 
@@ -44,46 +49,58 @@ def test_plain_h5py_sees_the_documented_layout(sample):
         for key, kind in ROOT_ATTRS.items():
             assert key in f.attrs, key
             assert isinstance(f.attrs[key], kind), (key, type(f.attrs[key]))
-        assert f.attrs["format"] == "diffrun-dump"
-        assert f.attrs["format_version"] == 1
-        assert f.attrs["arch"] == "qwen3"
-        assert f.attrs["prompt"] == "Café ✓"
+            if kind is bytes:  # fixed-length UTF-8, sized to the value
+                t = f.attrs.get_id(key).get_type()
+                assert not t.is_variable_str() and t.get_cset() == h5py.h5t.CSET_UTF8, key
+                assert t.get_size() == max(1, len(f.attrs[key])), key
+        assert f.attrs["format"] == b"diffrun-dump"
+        assert f.attrs["format_version"] == 2
+        assert f.attrs["arch"] == b"qwen3"
+        assert f.attrs["prompt"].decode("utf-8") == "Café ✓"
         assert f.attrs["token_ids"].dtype == np.int32
         assert list(f.attrs["token_ids"]) == [2, 3, 5, 7, 11]
         assert bool(f.attrs["qk_norm"]) and bool(f.attrs["tied_output"]) and not bool(f.attrs["qkv_bias"])
-        assert f.attrs["device"] == "sample" and f.attrs["tf32"] == "off"
+        assert f.attrs["device"] == b"sample" and f.attrs["tf32"] == b"off"
         assert list(f.attrs["argmax"]) == [7, 13]
-        assert __import__("re").fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", f.attrs["created_utc"])
+        assert __import__("re").fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", f.attrs["created_utc"].decode())
         assert sorted(f.keys()) == ["step_0000", "step_0001"]
 
         names = vocabulary.checkpoint_names("qwen3", int(f.attrs["n_layer"]))
         for step, (T, S) in enumerate([(5, 5), (1, 6)]):
             group = f[f"step_{step:04d}"]
-            assert sorted(group.keys()) == sorted(names)
+            assert sorted(group.keys()) == sorted(names + ["_attributes"])
+            # the attribute table: a numpy structured array, one row per dataset, in the order written
+            t = group["_attributes"][()]
+            assert t.dtype.names == ("name", "order", "layer", "layout", "native_dtype", "row_offset", "dtype")
+            assert [n.decode() for n in t["name"]] == names and list(t["order"]) == list(range(len(names)))
+            assert t.dtype["name"].itemsize == max(len(n) for n in names)
+            table = dump_h5.table(group)
             sizes = vocabulary.dim_sizes(f.attrs, T, S)
             for order, name in enumerate(names):
                 ds = group[name]
+                a = table[name]
+                assert len(ds.attrs) == 0, name  # version 2: no attributes on the datasets
                 base, layer = vocabulary.parse_name(name)
                 kind = vocabulary.find_kind(base)
-                assert ds.attrs["order"] == order
-                assert ds.attrs["layer"] == layer
-                assert ds.attrs["layout"] == kind.layout
-                assert isinstance(ds.attrs["layout"], str) and isinstance(ds.attrs["native_dtype"], str)
+                assert a["order"] == order
+                assert a["layer"] == layer
+                assert a["layout"] == kind.layout
+                assert isinstance(a["native_dtype"], str)
                 want = tuple(sizes[d] for d in kind.dims)
                 cut = kind.dims[0] == "S" and S > T  # the cache rows the step wrote (docs/dump-format.md, Rows)
                 if cut:
-                    assert ds.attrs["row_offset"] == S - T, name
+                    assert a["row_offset"] == S - T, name
                     want = (T,) + want[1:]
                 else:
-                    assert "row_offset" not in ds.attrs, name
+                    assert "row_offset" not in a, name
                 assert ds.shape == want, name
                 assert ds.chunks is None and ds.compression is None
                 if name == "tokens":
-                    assert ds.dtype == np.dtype("<i4") and ds.attrs["native_dtype"] == "i32"
+                    assert ds.dtype == np.dtype("<i4") and a["native_dtype"] == "i32"
                     assert list(ds[()]) == [2, 3, 5, 7, 11, 13][S - T:S]
                 else:
                     assert ds.dtype == np.dtype("<f4")
-                    assert ds.attrs["native_dtype"] == ("f16" if base == "Qnorm" else "f32")
+                    assert a["native_dtype"] == ("f16" if base == "Qnorm" else "f32")
                     full = expected_values(step, order, int(np.prod([sizes[d] for d in kind.dims])))
                     np.testing.assert_array_equal(ds[()].ravel(), full[full.size - ds.size:])
 
@@ -117,9 +134,10 @@ def test_only_requested_tensors_are_read(sample, monkeypatch):
         for step in d.steps():
             d.names(step)
         d.info("l_out-1", step=1)
-        assert reads == []
+        # the steps' attribute tables only (format version 2), once each
+        assert reads == ["/step_0000/_attributes", "/step_0001/_attributes"]
         d.get("l_out-1", step=1)
-    assert reads == ["/step_0001/l_out-1"]
+    assert reads[2:] == ["/step_0001/l_out-1"]
 
 
 def test_errors_name_the_file_and_dataset(sample, tmp_path):
@@ -155,9 +173,71 @@ def test_errors_name_the_file_and_dataset(sample, tmp_path):
     newer = tmp_path / "newer.h5"
     newer.write_bytes(sample.read_bytes())
     with h5py.File(newer, "r+") as f:
-        f.attrs["format_version"] = np.int32(2)
-    with pytest.raises(diffrun.DumpFormatError, match="newer.h5: format_version 2 is not supported"):
+        f.attrs["format_version"] = np.int32(3)
+    with pytest.raises(diffrun.DumpFormatError, match="newer.h5: format_version 3 is not supported"):
         diffrun.open(newer)
+
+    # Version 2 holds no variable-length strings: one is refused before it is read.
+    vlen = tmp_path / "vlen.h5"
+    vlen.write_bytes(sample.read_bytes())
+    with h5py.File(vlen, "r+") as f:
+        del f.attrs["device"]
+        f.attrs.create("device", "sample", dtype=h5py.string_dtype("utf-8"))
+    with pytest.raises(diffrun.DumpFormatError,
+                       match="vlen.h5: root attribute 'device' is a variable-length string; format version 2"):
+        diffrun.open(vlen)
+
+    # A damaged attribute table: a row naming no dataset, a name twice, a variable-length column.
+    bad = tmp_path / "table-missing.h5"
+    bad.write_bytes(sample.read_bytes())
+    with h5py.File(bad, "r+") as f:
+        dump_h5.set_attr(f["step_0000"], "nothing-here", "order", 1)
+    with diffrun.open(bad) as d:  # ignored by the reader (a dataset deleted afterwards); validate reports it
+        assert d.names(0) == vocabulary.checkpoint_names("qwen3", 2)
+    problems = [f"{p.where}: {p.what}" for p in diffrun.validate.validate(bad).problems]
+    assert problems == ["step_0000/_attributes: names 'nothing-here', which the step does not hold"], problems
+    bad = tmp_path / "table-twice.h5"
+    bad.write_bytes(sample.read_bytes())
+    with h5py.File(bad, "r+") as f:
+        g = f["step_0000"]
+        t = g["_attributes"][()]
+        del g["_attributes"]
+        g.create_dataset("_attributes", data=np.concatenate([t, t[1:2]]))
+    with pytest.raises(diffrun.DumpFormatError, match="step_0000/_attributes: names 'embd' twice"):
+        diffrun.open(bad).names(0)
+    bad = tmp_path / "table-vlen.h5"
+    bad.write_bytes(sample.read_bytes())
+    with h5py.File(bad, "r+") as f:
+        g = f["step_0000"]
+        t = g["_attributes"][()]
+        dt = np.dtype([("name", h5py.string_dtype("utf-8")), ("order", "<i4")])
+        rows = np.array([(n.decode(), o) for n, o in zip(t["name"], t["order"])], dtype=dt)
+        del g["_attributes"]
+        g.create_dataset("_attributes", data=rows)
+    with pytest.raises(diffrun.DumpFormatError, match="column 'name' is a variable-length string"):
+        diffrun.open(bad).names(0)
+
+
+def test_version_1_dumps_read_as_before(sample, tmp_path):
+    """The old form (format_version 1: per-dataset attributes, variable-length strings) reads exactly
+    like the version-2 dump it was made from."""
+    old = tmp_path / "v1.h5"
+    old.write_bytes(sample.read_bytes())
+    dump_h5.to_version_1(old)
+    with h5py.File(old, "r") as f:
+        assert f.attrs["format_version"] == 1 and "_attributes" not in f["step_0000"]
+        assert f.attrs.get_id("arch").get_type().is_variable_str()
+        assert f["step_0000/Qnorm-1"].attrs["layout"] == "T,H,Dh"
+    with diffrun.open(sample) as new, diffrun.open(old) as d:
+        assert d.meta["format_version"] == 1
+        def plain(meta):
+            return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in meta.items() if k != "format_version"}
+        assert plain(d.meta) == plain(new.meta) and d.meta["arch"] == "qwen3"
+        assert d.steps() == new.steps()
+        for step in d.steps():
+            assert [d.info(n, step) for n in d.names(step)] == [new.info(n, step) for n in new.names(step)]
+            for name in d.names(step):
+                np.testing.assert_array_equal(d.get(name, step), new.get(name, step))
 
 
 def test_vocabulary_mirror_matches_cpp():

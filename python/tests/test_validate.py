@@ -19,6 +19,9 @@ import pytest
 
 from diffrun import validate
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+import dump_h5  # noqa: E402  (plain-h5py edits of the attribute table)
+
 BIN = os.environ.get("DIFFRUN_BIN", "")
 FIXTURES = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", ""))
 
@@ -35,26 +38,19 @@ def good(tmp_path_factory) -> Path:
 
 
 def _replace(g, name, data, **attrs):
-    old = {k: g[name].attrs[k] for k in g[name].attrs} if name in g else {}
+    """Replaces a dataset; its row of the step's attribute table stays, with `attrs` set on it."""
     if name in g:
         del g[name]
     g.create_dataset(name, data=data)
-    for k, v in {**old, **attrs}.items():
-        if v is None:
-            continue
-        g[name].attrs[k] = v
-
-
-def _drop_attr(obj, key):
-    if key in obj.attrs:
-        del obj.attrs[key]
+    for k, v in attrs.items():
+        dump_h5.set_attr(g, name, k, v)
 
 
 def break_root(f):
     del f.attrs["n_ff"]
-    f.attrs["precision"] = "fp32"
-    f.attrs["backend"] = ""
-    f.attrs["format_version"] = np.int32(2)
+    f.attrs["precision"] = dump_h5.fixed("fp32")
+    f.attrs["backend"] = dump_h5.fixed("")
+    f.attrs["format_version"] = np.int32(3)
     f.attrs["all_token_ids"] = np.array([9, 9, 9, 9, 9], np.int32)
 
 
@@ -71,9 +67,9 @@ def break_datasets(f):
     _replace(g, "Qcur-0", q.reshape(3, -1))                                   # [T, H*Dh]: fine
     _replace(g, "Kcur-0", g["Kcur-0"][()].transpose(1, 0, 2).copy())          # permuted, layout says T,Hkv,Dh
     _replace(g, "Vcur-0", g["Vcur-0"][()], layout="T,H,Dh")                   # not a permutation
-    g["ffn_up-1"].attrs["layer"] = np.int32(0)
-    g["ffn_gate-1"].attrs["order"] = np.int32(3)
-    g["ffn_out-1"].attrs["native_dtype"] = "q8"
+    dump_h5.set_attr(g, "ffn_up-1", "layer", 0)
+    dump_h5.set_attr(g, "ffn_gate-1", "order", 3)
+    dump_h5.set_attr(g, "ffn_out-1", "native_dtype", "q8")
     _replace(g, "l_out-0", np.zeros((3, 256), np.uint16))                     # bf16 bits without dtype
     _replace(g, "l_out-1", np.zeros((3, 256), np.int64))
     _replace(g, "embd", g["embd"][()], dtype="bf16")                          # dtype on float data
@@ -82,14 +78,14 @@ def break_datasets(f):
     g.create_dataset("my_engine.extra", data=np.zeros(3, np.float32))
     g.create_dataset("Qnorm-0", data=q)                                       # llama has no q norm
     g.create_dataset("Qcur-7", data=q)                                        # layer outside the model
-    g["tokens"].attrs["layout"] = "S"
+    dump_h5.set_attr(g, "tokens", "layout", "S")
 
 
 def no_config(f):
     del f.attrs["arch"]
     f.attrs["n_head_kv"] = np.int32(3)
     f.attrs["rms_eps"] = -1.0
-    f.attrs["qk_norm"] = "yes"
+    f.attrs["qk_norm"] = dump_h5.fixed("yes")
 
 
 BREAKS = {"root": break_root, "steps": break_steps, "datasets": break_datasets, "no_config": no_config}
@@ -117,7 +113,7 @@ def test_a_diffrun_dump_is_valid(good):
         ("root attribute 'precision'", 'is "fp32", expected "f16", "bf16", "f32" or "f64"'),
         ("root attribute 'backend'", "is empty (name the engine that wrote the dump)"),
         ("root attribute 'n_ff'", "missing (an int32 scalar)"),
-        ("root attribute 'format_version'", "is 2, this diffrun reads version 1"),
+        ("root attribute 'format_version'", "is 3, this diffrun reads versions 1 to 2"),
         ("root attribute 'all_token_ids'", "does not start with token_ids"),
         ("/", "datasets are not checked against the vocabulary: the config attributes are incomplete"),
     ]),

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -18,6 +19,9 @@ import pytest
 import diffrun
 from diffrun import writer
 from diffrun.fingerprint import GgufError, data_offset, fingerprint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+import dump_h5  # noqa: E402  (plain-h5py edits of the attribute table)
 
 BIN = os.environ.get("DIFFRUN_BIN", "")
 FIXTURES = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", ""))
@@ -85,28 +89,39 @@ def test_root_attributes_have_the_cpp_writers_types(reference, tmp_path):
     out = tmp_path / "copy.h5"
     copy_dump(reference, out)
 
-    def signature(attrs, key):
-        t = attrs.get_id(key).get_type()
-        sig = [type(t).__name__, t.get_size() if not isinstance(t, h5py.h5t.TypeStringID) or not t.is_variable_str()
-               else "vlen"]
-        if isinstance(t, h5py.h5t.TypeStringID):
-            sig.append(t.get_cset())
+    def type_signature(t):
+        if isinstance(t, h5py.h5t.TypeStringID):  # fixed-length, sized to the value: the size is not compared
+            return [type(t).__name__, "vlen" if t.is_variable_str() else "fixed", t.get_cset(), t.get_strpad()]
+        sig = [type(t).__name__, t.get_size()]
         if isinstance(t, h5py.h5t.TypeEnumID):
             sig.append([t.get_member_name(i) for i in range(t.get_nmembers())])
-        return sig, attrs.get_id(key).shape
+        if isinstance(t, h5py.h5t.TypeCompoundID):
+            sig.append([(t.get_member_name(i), type_signature(t.get_member_type(i))) for i in range(t.get_nmembers())])
+        return sig
+
+    def signature(attrs, key):
+        return type_signature(attrs.get_id(key).get_type()), attrs.get_id(key).shape
 
     with h5py.File(reference) as r, h5py.File(out) as p:
         for key in writer.ROOT_ATTRIBUTES:
             assert signature(p.attrs, key) == signature(r.attrs, key), key
+            t = p.attrs.get_id(key).get_type()
+            if isinstance(t, h5py.h5t.TypeStringID):
+                assert not t.is_variable_str() and t.get_size() == max(1, len(p.attrs[key])), key
         for key in ("model_fingerprint", "arch", "n_layer", "rope_theta", "qk_norm", "prompt"):
             assert p.attrs[key] == r.attrs[key]
         assert list(p.attrs["token_ids"]) == list(r.attrs["token_ids"])
-        assert p.attrs["backend"] == "python" and p.attrs["precision"] == "f32"
+        assert p.attrs["backend"] == b"python" and p.attrs["precision"] == b"f32"
+        # the attribute tables: the same columns and types, the same rows but native_dtype
+        pt, rt = p["step_0001/_attributes"], r["step_0001/_attributes"]
+        assert type_signature(pt.id.get_type()) == type_signature(rt.id.get_type())
+        prow = {row["name"]: row for row in pt[()]}
+        rrow = {row["name"]: row for row in rt[()]}
+        for name in (b"tokens", b"Qnorm-0", b"kq_soft_max-1", b"result_output"):
+            for key in ("order", "layer", "layout", "row_offset", "dtype"):
+                assert prow[name][key] == rrow[name][key], (name, key)
         for name in ("tokens", "Qnorm-0", "kq_soft_max-1", "result_output"):
-            for key in ("order", "layer", "layout", "native_dtype"):
-                assert signature(p["step_0001"][name].attrs, key) == signature(r["step_0001"][name].attrs, key)
-                if key != "native_dtype":
-                    assert p["step_0001"][name].attrs[key] == r["step_0001"][name].attrs[key], (name, key)
+            assert len(p["step_0001"][name].attrs) == 0
             assert p["step_0001"][name].dtype == r["step_0001"][name].dtype
             assert p["step_0001"][name].chunks is None
 
@@ -145,7 +160,8 @@ def test_dtypes_native_names_and_keep_dtype(tmp_path):
     with h5py.File(tmp_path / "b.h5") as f:
         g = f["step_0000"]
         assert (g["embd"].dtype, g["attn_norm-0"].dtype, g["attn_out-0"].dtype) == (np.float16, np.uint16, np.float64)
-        assert g["attn_norm-0"].attrs["dtype"] == "bf16"
+        table = {row["name"]: row for row in g["_attributes"][()]}
+        assert table[b"attn_norm-0"]["dtype"] == b"bf16" and table[b"embd"]["dtype"] == b""
     with diffrun.open(tmp_path / "b.h5") as d:
         np.testing.assert_array_equal(d.get("attn_norm-0"), writer.bf16_to_f32(bf16))
         assert d.get("attn_out-0").dtype == np.float64
@@ -195,8 +211,8 @@ def test_twice_and_missing_meta(tmp_path):
             w.put("embd", np.zeros((2, 4), np.float32))
         w.put("my_engine.custom", np.zeros(3, np.float32))  # a foreign name is stored as given
     with h5py.File(tmp_path / "x.h5") as f:
-        ds = f["step_0002/my_engine.custom"]
-        assert "layout" not in ds.attrs and ds.attrs["layer"] == -1
+        row = {r["name"]: r for r in f["step_0002/_attributes"][()]}[b"my_engine.custom"]
+        assert row["layout"] == b"" and row["layer"] == -1  # layout absent
     meta = meta_numbers()
     del meta["n_ff"], meta["rope_type"]
     with pytest.raises(writer.DumpWriteError, match="missing root attributes n_ff, rope_type"):
@@ -211,9 +227,7 @@ def test_reader_is_tolerant_of_absent_optional_attributes(tmp_path):
         w.put("ffn_up-0", np.ones((2, 8), np.float32))
         w.put("embd", np.ones((2, 4), np.float32))
     with h5py.File(path, "a") as f:
-        for ds in f["step_0000"].values():
-            for key in ("order", "layer", "layout", "native_dtype"):
-                del ds.attrs[key]
+        del f["step_0000/_attributes"]  # no dataset has any attribute
     with diffrun.open(path) as d:
         assert d.names(0) == ["tokens", "embd", "ffn_up-0"]
         i = d.info("ffn_up-0")
@@ -286,14 +300,17 @@ def test_reader_takes_2d_per_head_and_permuted_layouts(tmp_path):
         g = f["step_0000"]
         del g["Qcur-0"]
         g.create_dataset("Qcur-0", data=q.transpose(1, 0, 2))  # stored H,T,Dh
-        g["Qcur-0"].attrs["layout"] = "H,T,Dh"
+        rows = dump_h5.table(g)
+        rows["Qcur-0"]["layout"] = "H,T,Dh"
         data = np.zeros((2, 2), np.float32)
         del g["Krope-0"]
         g.create_dataset("Krope-0", data=data)  # [T, Hkv*Dh], no attributes
+        del rows["Krope-0"]
         sm = g["kq_soft_max-0"][()]
         del g["kq_soft_max-0"]
         g.create_dataset("kq_soft_max-0", data=sm.transpose(1, 0, 2))
-        g["kq_soft_max-0"].attrs["layout"] = "T,H,S"
+        rows["kq_soft_max-0"]["layout"] = "T,H,S"
+        dump_h5.write_table(g, rows)
     with diffrun.open(path) as d:
         np.testing.assert_array_equal(d.get("Qcur-0"), q)
         assert d.info("Qcur-0").layout == "T,H,Dh" and d.info("Qcur-0").stored_layout == "H,T,Dh"

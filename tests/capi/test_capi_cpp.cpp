@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,14 +32,42 @@ using Dump = std::unique_ptr<diffrun_dump, Closer>;
 struct Entry {
   int order;
   std::string name;
+  int layer;
 };
 
-int int_attr(hid_t obj, const char* name) {
-  int v = -1;
-  hid_t a = H5Aopen(obj, name, H5P_DEFAULT);
-  H5Aread(a, H5T_NATIVE_INT, &v);
-  H5Aclose(a);
-  return v;
+// A step's datasets from its attribute table (format version 2: the compound dataset _attributes,
+// one row per dataset, fixed-length string names) with their order and layer columns.
+std::vector<Entry> read_table(hid_t g) {
+  std::vector<Entry> out;
+  hid_t ds = H5Dopen2(g, "_attributes", H5P_DEFAULT);
+  check(ds >= 0, "the step has an attribute table");
+  if (ds < 0) return out;
+  hid_t ftype = H5Dget_type(ds);
+  hid_t name_t = H5Tget_member_type(ftype, static_cast<unsigned>(H5Tget_member_index(ftype, "name")));
+  const size_t name_n = H5Tget_size(name_t);
+  const size_t row = name_n + 2 * sizeof(int32_t);
+  hid_t mtype = H5Tcreate(H5T_COMPOUND, row);
+  H5Tinsert(mtype, "name", 0, name_t);
+  H5Tinsert(mtype, "order", name_n, H5T_NATIVE_INT32);
+  H5Tinsert(mtype, "layer", name_n + sizeof(int32_t), H5T_NATIVE_INT32);
+  hid_t space = H5Dget_space(ds);
+  const hssize_t n = H5Sget_simple_extent_npoints(space);
+  std::vector<char> buf(static_cast<size_t>(n) * row);
+  check(H5Dread(ds, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data()) >= 0, "read the attribute table");
+  for (hssize_t i = 0; i < n; ++i) {
+    const char* p = buf.data() + i * row;
+    Entry e;
+    e.name.assign(p, strnlen(p, name_n));
+    std::memcpy(&e.order, p + name_n, sizeof(int32_t));
+    std::memcpy(&e.layer, p + name_n + sizeof(int32_t), sizeof(int32_t));
+    out.push_back(e);
+  }
+  H5Sclose(space);
+  H5Tclose(mtype);
+  H5Tclose(name_t);
+  H5Tclose(ftype);
+  H5Dclose(ds);
+  return out;
 }
 
 }  // namespace
@@ -71,16 +100,7 @@ int main(int argc, char** argv) {
     if (H5Lexists(file, gname, H5P_DEFAULT) <= 0) break;
     check(diffrun_dump_step(d.get(), step) == DIFFRUN_DUMP_OK, std::string("step: ") + diffrun_dump_last_error(d.get()));
     hid_t g = H5Gopen2(file, gname, H5P_DEFAULT);
-    std::vector<Entry> entries;
-    hsize_t n_links = 0;
-    H5Gget_num_objs(g, &n_links);
-    for (hsize_t i = 0; i < n_links; ++i) {
-      char name[256];
-      H5Lget_name_by_idx(g, ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name, H5P_DEFAULT);
-      hid_t ds = H5Dopen2(g, name, H5P_DEFAULT);
-      entries.push_back({int_attr(ds, "order"), name});
-      H5Dclose(ds);
-    }
+    std::vector<Entry> entries = read_table(g);
     std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.order < b.order; });
     for (const Entry& e : entries) {
       hid_t ds = H5Dopen2(g, e.name.c_str(), H5P_DEFAULT);
@@ -91,7 +111,7 @@ int main(int argc, char** argv) {
       std::vector<int64_t> dims(hd.begin(), hd.end());
       size_t n = 1;
       for (hsize_t x : hd) n *= x;
-      const int layer = int_attr(ds, "layer");
+      const int layer = e.layer;
       int rc;
       if (e.name == "tokens") {
         std::vector<int32_t> ids(n);

@@ -16,7 +16,7 @@ extern "C" {
 #endif
 
 /* The dump format version this library writes (root attribute format_version). */
-#define DIFFRUN_DUMP_FORMAT_VERSION 1
+#define DIFFRUN_DUMP_FORMAT_VERSION 2
 
 /* One dump being written. Opaque; one handle is not to be used from two threads at once. */
 typedef struct diffrun_dump diffrun_dump;
