@@ -285,6 +285,14 @@ TEST(Tolerances, CheckBounds) {
   EXPECT_TRUE(lc[1].pass);
 }
 
+// The check of bound `name` among `checks` (a failure when absent).
+static BoundCheck bound(const std::vector<BoundCheck>& checks, const std::string& name) {
+  for (const auto& c : checks)
+    if (c.bound == name) return c;
+  ADD_FAILURE() << "no " << name;
+  return BoundCheck{};
+}
+
 // rel_l2_per_position grows the rel L2 bounds (tensor, row, head) with the step's KV length; it is
 // not a bound by itself, and the other bounds stay as they are.
 TEST(Tolerances, RelL2BoundsGrowWithThePositions) {
@@ -300,12 +308,6 @@ TEST(Tolerances, RelL2BoundsGrowWithThePositions) {
   m.max_abs = 1e-4;
   m.row.extent = 4;
   m.row.rel_l2 = 9e-5;
-  const auto bound = [](const std::vector<BoundCheck>& checks, const std::string& name) {
-    for (const auto& c : checks)
-      if (c.bound == name) return c;
-    ADD_FAILURE() << "no " << name;
-    return BoundCheck{};
-  };
   // 32 positions: 2e-5 + 6.4e-7 and 5e-5 + 6.4e-7; both fail.
   auto at32 = check_bounds(m, rule, 32);
   EXPECT_FALSE(bound(at32, "max_rel_l2").pass);
@@ -345,12 +347,6 @@ TEST(Tolerances, BoundsScaleBeyondTheCalibratedContext) {
   m.row.rel_l2 = 1.9e-4;  // the worst of a 4,782-token prompt's rows (SmolLM2, cpu f32 vs f64)
   m.head.extent = 9;
   m.head.rel_l2 = 5e-5;
-  const auto bound = [](const std::vector<BoundCheck>& checks, const std::string& name) {
-    for (const auto& c : checks)
-      if (c.bound == name) return c;
-    ADD_FAILURE() << "no " << name;
-    return BoundCheck{};
-  };
   const ToleranceRule& rule = t.rule_for("kq_soft_max-0");
   EXPECT_FALSE(bound(check_bounds(m, rule, 550, t.length_scale(550)), "max_row_rel_l2").pass);
   const auto at4782 = check_bounds(m, rule, 4782, t.length_scale(4782));
