@@ -100,4 +100,38 @@ __device__ __forceinline__ void gemv_pair_epilogue(const GemvParts& parts, A* ac
   }
 }
 
+// The end of both one-token GEMV kernels, for the block's thread with lanes' partial sum `acc`: the
+// row's sum (warp_sum, then the row's warps in order), its output (+ bias) and, in a paired launch,
+// the pair's epilogue. `row`: the global row of the thread's slot; `valid`: the slot has a row.
+template <int kWarpsPerRow, int kEpi, typename A>
+__device__ __forceinline__ void gemv_finish(const GemvParts& parts, A* act, const GemvRope& rope, float acc, int pair,
+                                            int row, bool valid) {
+  constexpr int kRowsPerBlock = gemv_block_rows(kWarpsPerRow, kEpi);
+  constexpr int kPairs = kRowsPerBlock / 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slot = warp / kWarpsPerRow;
+  const int sub = (warp % kWarpsPerRow) * 32 + lane;
+  acc = warp_sum(acc);
+  if constexpr (kWarpsPerRow > 1) {
+    __shared__ float partial[gemv_block_threads(kWarpsPerRow, kEpi) / 32];
+    if (lane == 0) partial[warp] = acc;
+    __syncthreads();
+    acc = 0.0f;
+    for (int i = 0; i < kWarpsPerRow; ++i) acc += partial[warp - warp % kWarpsPerRow + i];
+  }
+  float y = 0.0f;
+  float* out = nullptr;
+  if (valid && sub == 0) {
+    y = gemv_row_value(parts, row, acc, out);
+    if constexpr (kEpi != kGemvRope) *out = y;  // RoPE: its epilogue writes every output
+  }
+  if constexpr (kEpi != kGemvPlain) {
+    __shared__ float value[kRowsPerBlock];
+    if (sub == 0) value[slot] = y;
+    __syncthreads();
+    if (slot < kPairs && sub == 0 && valid)
+      gemv_pair_epilogue<kEpi>(parts, act, rope, pair, value[slot], value[slot + kPairs]);
+  }
+}
+
 }  // namespace diffrun::engine

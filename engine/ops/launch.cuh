@@ -45,6 +45,7 @@ __device__ __forceinline__ float block_sum(float v) {
 // Row elements per thread that rms_norm and add_rms_norm keep in registers (D ≤ 2048 at 256 threads).
 constexpr int kNormRegs = 8;
 
+
 // Programmatic Dependent Launch (sm_90+): a kernel launched by launch_pdl may start while the
 // kernel before it in the stream (or graph) finishes. Such a kernel calls pdl_wait() before its
 // first global read or write (it returns once the preceding grid has completed and its memory is
@@ -116,5 +117,31 @@ __device__ __forceinline__ void store_act(float* p, int64_t i, float v) { p[i] =
 __device__ __forceinline__ void store_act(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
 __device__ __forceinline__ float load_act(const float* p, int64_t i) { return p[i]; }
 __device__ __forceinline__ float load_act(const __half* p, int64_t i) { return __half2float(p[i]); }
+
+// A norm's weights for this thread's elements d = threadIdx.x + i·kOpThreads, held in registers when
+// the row fits (in_regs); constant, so loaded before pdl_wait (the preceding kernel hides them).
+__device__ __forceinline__ void norm_load_weights(float (&wv)[kNormRegs], const float* w, int D, bool in_regs) {
+#pragma unroll
+  for (int i = 0; i < kNormRegs; ++i) {
+    const int d = threadIdx.x + i * kOpThreads;
+    wv[i] = in_regs && d < D ? w[d] : 0.0f;
+  }
+}
+
+// A norm's output row: x·scale·w, from the registers (v, wv) when the row fits, else from memory.
+template <typename Out>
+__device__ __forceinline__ void norm_store(Out* out_row, const float (&v)[kNormRegs], const float* x_row,
+                                           const float (&wv)[kNormRegs], const float* w, int D, float scale,
+                                           bool in_regs) {
+  if (in_regs) {
+#pragma unroll
+    for (int i = 0; i < kNormRegs; ++i) {
+      const int d = threadIdx.x + i * kOpThreads;
+      if (d < D) store_act(out_row, d, v[i] * scale * wv[i]);
+    }
+  } else {
+    for (int d = threadIdx.x; d < D; d += kOpThreads) store_act(out_row, d, x_row[d] * scale * w[d]);
+  }
+}
 
 }  // namespace diffrun::engine

@@ -49,7 +49,6 @@ static __global__ void __launch_bounds__(gemv_block_threads(kWarpsPerRow, kEpi))
 gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, int K, int N, bool prefetch,
             W* __restrict__ act, GemvRope rope) {
   constexpr int kRowsPerBlock = gemv_block_rows(kWarpsPerRow, kEpi);
-  constexpr int kPairs = kRowsPerBlock / 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int slot = warp / kWarpsPerRow;
   const int sub = (warp % kWarpsPerRow) * 32 + lane;
@@ -90,27 +89,7 @@ gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, i
       for (int k = sub; k < K; k += kLanes) acc = fmaf(load_act(wr, k), load_act(x, k), acc);
     }
   }
-  acc = warp_sum(acc);
-  if constexpr (kWarpsPerRow > 1) {
-    __shared__ float partial[gemv_block_threads(kWarpsPerRow, kEpi) / 32];
-    if (lane == 0) partial[warp] = acc;
-    __syncthreads();
-    acc = 0.0f;
-    for (int i = 0; i < kWarpsPerRow; ++i) acc += partial[warp - warp % kWarpsPerRow + i];
-  }
-  float y = 0.0f;
-  float* out = nullptr;
-  if (row < N && sub == 0) {
-    y = gemv_row_value(parts, row, acc, out);
-    if constexpr (kEpi != kGemvRope) *out = y;  // RoPE: its epilogue writes every output
-  }
-  if constexpr (kEpi != kGemvPlain) {
-    __shared__ float value[kRowsPerBlock];
-    if (sub == 0) value[slot] = y;
-    __syncthreads();
-    if (slot < kPairs && sub == 0 && row < N)
-      gemv_pair_epilogue<kEpi>(parts, act, rope, pair, value[slot], value[slot + kPairs]);
-  }
+  gemv_finish<kWarpsPerRow, kEpi>(parts, act, rope, acc, pair, row, row < N);
 }
 
 template <typename W, bool kVec, int kWarpsPerRow, int kEpi>

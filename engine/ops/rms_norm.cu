@@ -17,11 +17,7 @@ rms_norm_kernel(Out* out, const float* x, const float* w, int D, float eps) {
   // are loaded before the wait for the preceding kernel (its tail hides their latency).
   const bool in_regs = D <= kNormRegs * kOpThreads;
   float wv[kNormRegs];
-#pragma unroll
-  for (int i = 0; i < kNormRegs; ++i) {
-    const int d = threadIdx.x + i * kOpThreads;
-    wv[i] = in_regs && d < D ? w[d] : 0.0f;
-  }
+  norm_load_weights(wv, w, D, in_regs);
   pdl_wait();
   pdl_trigger();
   const int64_t row = blockIdx.x;
@@ -41,15 +37,7 @@ rms_norm_kernel(Out* out, const float* x, const float* w, int D, float eps) {
     for (int d = threadIdx.x; d < D; d += kOpThreads) ss += xr[d] * xr[d];
   }
   const float scale = 1.0f / sqrtf(block_sum(ss) / static_cast<float>(D) + eps);
-  if (in_regs) {
-#pragma unroll
-    for (int i = 0; i < kNormRegs; ++i) {
-      const int d = threadIdx.x + i * kOpThreads;
-      if (d < D) store_act(out, row * D + d, xv[i] * scale * wv[i]);  // out may alias x: read before
-    }
-  } else {
-    for (int d = threadIdx.x; d < D; d += kOpThreads) store_act(out, row * D + d, xr[d] * scale * w[d]);
-  }
+  norm_store(out + row * D, xv, xr, wv, w, D, scale, in_regs);  // out may alias x: read before
 }
 
 template <typename Out>
