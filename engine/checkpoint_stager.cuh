@@ -1,6 +1,17 @@
-// Checkpoint hooks, the recording side: asynchronous device-to-host copies into pinned memory
+// Checkpoint hooks, the recording side: copies of the recorded device tensors into pinned host memory
 // (allocated in chunks on first use and reused every step), handed to the sink after the step's
 // synchronization as f32 with their native dtype; and isolation-replay uploads of replacements.
+//
+// Two ways to copy (DIFFRUN_CHECKPOINT_COPY):
+// - "gather" (the default where the device addresses pinned host memory directly): stage() only notes
+//   the tensor; flush() copies every tensor noted since the last flush with one kernel launch per up
+//   to kGatherBatch tensors, writing f32 straight into the pinned memory (f16 widened on the device).
+//   The engine calls flush() before an op overwrites a buffer it staged (an in-place op, a buffer
+//   reused later in the step) and at the end of the step. A decode step records ~20 tensors a layer
+//   with ~3 flushes, where one cudaMemcpyAsync each costs a copy-engine round trip (~6 µs).
+// - "memcpy": one cudaMemcpyAsync per tensor at stage() (f16 widened on the host); flush() does
+//   nothing. The path before gather, kept for A/B and as the fallback.
+// Both record the same values, in the same order (EngineModel.CheckpointCopyModesRecordTheSameValues).
 #pragma once
 
 #include <cstdint>
@@ -17,21 +28,32 @@ namespace diffrun::engine {
 
 class CheckpointStager {
  public:
-  // Enqueues the copy of the row-major tensor `dev` of `shape` (f32 or f16 device memory) on `stream`.
+  CheckpointStager();
+
+  // Notes (gather) or enqueues the copy (memcpy) of the row-major tensor `dev` of `shape` (f32 or f16
+  // device memory). In gather mode `dev` must keep its values until the next flush() on `stream`.
   void stage(int step, std::string name, int layer, const char* layout, std::vector<int64_t> shape,
              const float* dev, cudaStream_t stream);
   void stage(int step, std::string name, int layer, const char* layout, std::vector<int64_t> shape,
              const __half* dev, cudaStream_t stream);
 
-  // Enqueues the upload of n replacement values (host f32) over `dev`, converted to dev's type.
+  // Enqueues the copies of everything staged since the last flush (gather mode; else nothing).
+  void flush(cudaStream_t stream);
+
+  // Enqueues the upload of n replacement values (host f32) over `dev`, converted to dev's type,
+  // after flushing what was staged (a staged copy of `dev` records the values before replacement).
   void replace(const float* host, float* dev, int64_t n, cudaStream_t stream);
   void replace(const float* host, __half* dev, int64_t n, cudaStream_t stream);
 
-  // After the stream has been synchronized: records every staged checkpoint, in staging order,
-  // then starts the next step on the same pinned memory.
+  // After a flush() and the stream's synchronization: records every staged checkpoint, in staging
+  // order, then starts the next step on the same pinned memory.
   void deliver(Sink& sink);
   // Drops what was staged (a step that failed).
   void discard();
+
+  bool gathers() const { return gather_; }
+  // The copy mode, for the engine's facts.
+  const char* mode() const;
 
  private:
   struct Pending {
@@ -40,21 +62,33 @@ class CheckpointStager {
     int layer;
     const char* layout;
     std::vector<int64_t> shape;
-    bool is_f16;
+    bool native_f16;  // the device tensor's dtype
+    bool host_f16;    // the pinned copy holds halves, widened at delivery (memcpy mode)
     const void* host;  // pinned
     int64_t n;
   };
+  struct Copy {
+    const void* src;  // device
+    float* dst;       // pinned host memory, as the device addresses it
+    int64_t n;
+    bool f16;
+  };
   struct Chunk {
     PinnedBuffer<unsigned char> mem;
+    unsigned char* mapped = nullptr;  // gather: mem as the device addresses it
     size_t used = 0;
   };
 
   void* reserve(size_t bytes);
+  void note(int step, std::string name, int layer, const char* layout, std::vector<int64_t> shape, const void* dev,
+            bool f16, cudaStream_t stream);
 
+  bool gather_;
   std::vector<Chunk> chunks_;
   size_t current_ = 0;
   std::vector<Pending> pending_;
-  std::vector<float> widened_;  // f16 → f32 conversion scratch
+  std::vector<Copy> copies_;    // gather: staged, not yet flushed
+  std::vector<float> widened_;  // memcpy: f16 → f32 conversion scratch
 };
 
 }  // namespace diffrun::engine

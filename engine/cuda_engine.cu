@@ -19,8 +19,12 @@
 //   "gemv_prefetch" fact), so the weights stream in while the preceding small kernel runs.
 // - As in the reference, the lm head computes every token's logits only when result_output is
 //   recorded, else the last token's alone.
-// - Hooks off: no copies, no synchronization, no extra kernels. On: cudaMemcpyAsync into pinned
-//   staging right after the op, delivered to the sink after the step's one synchronization.
+// - Hooks off: no copies, no synchronization, no extra kernels. On: each recorded tensor is staged
+//   right after its op, and copied into pinned memory by a batched gather kernel (CheckpointStager)
+//   before the next op that overwrites one of the staged buffers (stager_.flush: before an in-place
+//   op, before each add_rms_norm, at the end of the step), then delivered to the sink after the step's
+//   one synchronization. DIFFRUN_CHECKPOINT_COPY=memcpy copies each with cudaMemcpyAsync right after
+//   its op instead (the "checkpoint_copies" fact).
 // - Fused ops, each writing every checkpoint tensor of the twins it combines (so hooks stay copies
 //   only): matmul_cat (Wq|Wk|Wv and Wgate|Wup concatenated at load, one GEMV per group when T = 1),
 //   rope_qk (q and k in one launch, with the KV cache write) and add_rms_norm (ffn_inp + ffn_norm;
@@ -227,6 +231,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"gemv_prefetch", gemv_prefetch_enabled() ? "on" : "off"},
         {"swiglu_in_gate_up_gemv", swiglu_in_gemv_ ? "one-token steps without hooks" : "off"},
         {"rope_in_qkv_gemv", rope_in_gemv_ ? "one-token steps without hooks" : "off"},
+        {"checkpoint_copies", stager_.mode()},
     };
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
     CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));
@@ -319,6 +324,7 @@ class CudaEngineImpl final : public CudaEngine {
       embedding(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_);
     cp(sink, step, "embd", -1, a.x.get(), {n, D});
     if (cfg_.embd_scale) {  // gemma3: the embedding rows times sqrt(D); embd_scale_missing skips it
+      stager_.flush(stream_);  // before the in-place scale (embd is a.x)
       if (!faults_.has(Fault::embd_scale_missing))
         scale(a.x.get(), a.x.get(), sqrtf(static_cast<float>(D)), int64_t(n) * D, stream_);
       cp(sink, step, "inp_scaled", -1, a.x.get(), {n, D});
@@ -344,6 +350,7 @@ class CudaEngineImpl final : public CudaEngine {
     if (cfg_.final_logit_softcap > 0)
       softcap(logits_.get(), logits_.get(), static_cast<float>(cfg_.final_logit_softcap), int64_t(rows) * Vp, stream_);
     if (rows == n) cp(sink, step, "result_output", -1, logits_.get(), {n, Vp});
+    stager_.flush(stream_);  // the step's last staged copies
 
     const float* last = logits_.get() + size_t(rows - 1) * Vp;  // [Vp]
     argmax(d_argmax_.get(), last, Vp, argmax_scratch_.get(), stream_);
@@ -387,9 +394,11 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
     cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
     cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
+    stager_.flush(stream_);  // q and k are normalized and rotated in place below
     if (cfg_.qk_norm) {
       norm(a.q.get(), a.q.get(), norm_w(w.q_norm), n * H, Dh);   cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
       norm(a.k.get(), a.k.get(), norm_w(w.k_norm), n * Hkv, Dh); cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
+      stager_.flush(stream_);
     }
     if (faults_.has(Fault::rope_cache_unrotated))
       rope_qk_cache_unrotated(a.q.get(), a.k.get(), cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh,
@@ -437,9 +446,11 @@ class CudaEngineImpl final : public CudaEngine {
       matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_);
     cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});
     if (cfg_.post_norms) {  // gemma3: RMSNorm of the attention output before the residual add
+      stager_.flush(stream_);  // in place over attn_out
       if (!faults_.has(Fault::post_norm_skipped)) norm(a.attn_out.get(), a.attn_out.get(), norm_w(w.attn_post_norm), n, D);
       cp(sink, step, "attn_post_norm", l, a.attn_out.get(), {n, D});
     }
+    stager_.flush(stream_);  // a.xn (attn_norm) becomes ffn_norm below
     if (faults_.has(Fault::residual_skipped)) {  // ffn_inp = attn_out: the residual add skipped, then a plain norm
       CUDA_CHECK(cudaMemcpyAsync(a.ffn_inp.get(), a.attn_out.get(), size_t(n) * D * sizeof(float),
                                  cudaMemcpyDeviceToDevice, stream_));
@@ -477,10 +488,12 @@ class CudaEngineImpl final : public CudaEngine {
       matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_);
     cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});
     if (cfg_.post_norms) {  // gemma3: RMSNorm of the FFN output before the residual add
+      stager_.flush(stream_);  // in place over ffn_out
       norm(a.ffn_out.get(), a.ffn_out.get(), norm_w(w.ffn_post_norm), n, D);
       cp(sink, step, "ffn_post_norm", l, a.ffn_out.get(), {n, D});
     }
     // l_out, and the norm that opens the next layer (attn_norm, or result_norm after the last).
+    stager_.flush(stream_);  // a.x and a.xn are overwritten; every other buffer is the next layer's
     add_norm(a.x.get(), a.xn.get(), a.ffn_inp.get(), a.ffn_out.get(), norm_opening(l + 1), n, D);
     cp(sink, step, "l_out", l, a.x.get(), {n, D});
   }

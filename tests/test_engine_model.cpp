@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -290,6 +291,51 @@ TEST(EngineModel, HooksDoNotChangeResultsAndGraphDecodeMatches) {
       EXPECT_EQ(c, host_argmax(b)) << "step " << step;
       EXPECT_FALSE(all.tensors[step].empty());
       tokens = {host_argmax(a)};
+    }
+  }
+}
+
+// The two ways of copying recorded checkpoints (engine/checkpoint_stager.cuh): batched gather kernels
+// flushed before each overwrite, and one cudaMemcpyAsync per tensor right after its op. Every tensor of
+// a prefill and three decode steps, in the same order with the same bits, on biases (qwen2), q/k norms
+// (qwen3), gemma3's post-norms, embedding scale and softcap, and a fault that changes the dataflow
+// (residual_skipped copies attn_out into ffn_inp).
+TEST(EngineModel, CheckpointCopyModesRecordTheSameValues) {
+  DIFFRUN_REQUIRE_CUDA();
+  struct Case {
+    const char* fixture;
+    const char* faults;
+  };
+  for (const Case& c : {Case{"tiny-qwen2-f16.gguf", ""}, Case{"tiny-qwen3-kmix.gguf", ""},
+                        Case{"tiny-gemma3-f32.gguf", ""}, Case{"tiny-llama-f32.gguf", "residual_skipped"}})
+  for (const char* precision : {"f32", "f16"}) {
+    SCOPED_TRACE(std::string(c.fixture) + " " + precision + " " + c.faults);
+    Models m = open_model(test::fixture_path(c.fixture));
+    const FaultSet faults = parse_faults(c.faults);
+    setenv("DIFFRUN_CHECKPOINT_COPY", "gather", 1);
+    auto gather = make_cuda_engine(*m.file, m.cfg, precision, 32, faults);
+    setenv("DIFFRUN_CHECKPOINT_COPY", "memcpy", 1);
+    auto memcpy_each = make_cuda_engine(*m.file, m.cfg, precision, 32, faults);
+    unsetenv("DIFFRUN_CHECKPOINT_COPY");
+    EXPECT_EQ(gather->facts().at("checkpoint_copies").rfind("gather", 0), 0u);
+    EXPECT_EQ(memcpy_each->facts().at("checkpoint_copies").rfind("memcpy", 0), 0u);
+    MemorySink a, b;
+    std::vector<int32_t> tokens = prompt_ids(m.cfg.n_vocab, 5);
+    for (int step = 0; step < 4; ++step) {
+      const std::vector<float> la = gather->forward(step, tokens, a);
+      const std::vector<float> lb = memcpy_each->forward(step, tokens, b);
+      EXPECT_EQ(la, lb) << "logits, step " << step;
+      ASSERT_EQ(a.order[step], b.order[step]) << "recording order, step " << step;
+      for (const std::string& name : a.order[step]) {
+        const test::Recorded& x = a.tensors[step].at(name);
+        const test::Recorded& y = b.tensors[step].at(name);
+        EXPECT_EQ(x.shape, y.shape) << name << " step " << step;
+        EXPECT_EQ(x.native, y.native) << name << " step " << step;
+        EXPECT_TRUE(x.data.size() == y.data.size() &&
+                    std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)) == 0)
+            << name << " differs, step " << step;
+      }
+      tokens = {host_argmax(la)};
     }
   }
 }
