@@ -1,5 +1,5 @@
-// Pinned staging of checkpoint copies: chunked arena reused across steps; batched copy kernels into the
-// pinned memory (gather) or one cudaMemcpyAsync per tensor (memcpy).
+// Pinned staging of checkpoint copies: chunked pinned memory reused across steps; batched copy kernels
+// into a device arena copied out on a second stream (gather), or one cudaMemcpyAsync per tensor (memcpy).
 #include "engine/checkpoint_stager.cuh"
 
 #include <algorithm>
@@ -8,6 +8,7 @@
 #include <span>
 
 #include "engine/cuda_check.cuh"
+#include "engine/ops/launch.cuh"
 #include "model/dequant.hpp"
 #include "model/error.hpp"
 
@@ -20,6 +21,9 @@ constexpr size_t kAlign = 256;
 constexpr int kGatherBatch = 32;      // tensors per gather launch (its parameters: 32 × 32 bytes)
 constexpr int kGatherThreads = 256;
 constexpr unsigned kGatherBlocks = 64;  // blocks per tensor, at most (each loops over its share)
+constexpr size_t kArenaKiB = 32 << 10;  // DIFFRUN_CHECKPOINT_ARENA_KIB overrides (tests: a small one)
+
+size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 int64_t elements(const std::vector<int64_t>& shape) {
   int64_t n = 1;
@@ -38,9 +42,12 @@ struct GatherBatch {
   GatherCopy copy[kGatherBatch];
 };
 
-// Tensor blockIdx.y of the batch, f32 (f16 widened) into pinned host memory through the device's
-// mapping of it; blocks stride over the tensor.
+// Tensor blockIdx.y of the batch, f32 (f16 widened) into the arena or pinned host memory; blocks
+// stride over the tensor. Launched with PDL: the kernel after it waits for its completion before
+// touching memory (pdl_wait), so the trigger only lets that kernel's launch overlap this one.
 __global__ void gather_kernel(const GatherBatch batch) {
+  pdl_wait();
+  pdl_trigger();
   const GatherCopy c = batch.copy[blockIdx.y];
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -68,16 +75,40 @@ bool gather_wanted() {
   return unified != 0;
 }
 
+size_t arena_bytes() {
+  const char* v = std::getenv("DIFFRUN_CHECKPOINT_ARENA_KIB");
+  if (v == nullptr || *v == '\0') return size_t(kArenaKiB) << 10;
+  char* end = nullptr;
+  const long kib = std::strtol(v, &end, 10);
+  if (*end != '\0' || kib < 1 || kib > (1 << 22))
+    throw InputError(std::string("DIFFRUN_CHECKPOINT_ARENA_KIB is '") + v + "': expected 1 to 4194304");
+  return size_t(kib) << 10;
+}
+
 }  // namespace
 
-CheckpointStager::CheckpointStager() : gather_(gather_wanted()) {}
+CheckpointStager::CheckpointStager() : gather_(gather_wanted()) {
+  if (!gather_) return;
+  arena_bytes_ = arena_bytes();
+  CUDA_CHECK(cudaStreamCreateWithFlags(&copier_, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaEventCreateWithFlags(&gathered_, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming));
+}
+
+CheckpointStager::~CheckpointStager() {
+  if (copier_) cudaStreamSynchronize(copier_);
+  if (gathered_) cudaEventDestroy(gathered_);
+  if (copied_) cudaEventDestroy(copied_);
+  if (copier_) cudaStreamDestroy(copier_);
+}
 
 const char* CheckpointStager::mode() const {
-  return gather_ ? "gather (batched copy kernels into pinned memory)" : "memcpy (one cudaMemcpyAsync per tensor)";
+  return gather_ ? "gather (batched copy kernels into a device arena, copied out beside the compute)"
+                 : "memcpy (one cudaMemcpyAsync per tensor)";
 }
 
 void* CheckpointStager::reserve(size_t bytes) {
-  bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+  bytes = aligned(bytes);
   while (current_ < chunks_.size()) {
     Chunk& c = chunks_[current_];
     if (c.mem.size() - c.used >= bytes) {
@@ -104,10 +135,22 @@ void CheckpointStager::note(int step, std::string name, int layer, const char* l
                             const void* dev, bool f16, cudaStream_t stream) {
   const int64_t n = elements(shape);
   if (gather_) {
-    void* host = reserve(n * sizeof(float));
-    const Chunk& c = chunks_[current_];  // the chunk reserve() took it from
-    float* mapped = reinterpret_cast<float*>(c.mapped + (static_cast<unsigned char*>(host) - c.mem.get()));
-    copies_.push_back({dev, mapped, n, f16});
+    const size_t bytes = aligned(n * sizeof(float));
+    const bool in_arena = bytes <= arena_bytes_ / 2;
+    if (in_arena && arena_used_ + bytes > arena_.size() && arena_used_ > 0) {
+      finish(stream);  // the arena is full: its copies out must end before it is reused
+      arena_used_ = 0;
+    }
+    void* host = reserve(bytes);
+    if (in_arena) {
+      if (arena_.size() == 0) arena_ = DeviceBuffer<unsigned char>(arena_bytes_, "checkpoint staging");
+      copies_.push_back({dev, reinterpret_cast<float*>(arena_.get() + arena_used_), n, f16, host, true, current_});
+      arena_used_ += bytes;
+    } else {
+      const Chunk& c = chunks_[current_];  // the chunk reserve() took it from
+      float* mapped = reinterpret_cast<float*>(c.mapped + (static_cast<unsigned char*>(host) - c.mem.get()));
+      copies_.push_back({dev, mapped, n, f16, host, false, current_});
+    }
     pending_.push_back({step, std::move(name), layer, layout, std::move(shape), f16, false, host, n});
   } else {
     const size_t bytes = n * (f16 ? sizeof(__half) : sizeof(float));
@@ -139,10 +182,44 @@ void CheckpointStager::flush(cudaStream_t stream) {
     }
     const int64_t blocks = (longest + kGatherThreads - 1) / kGatherThreads;
     const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, kGatherBlocks)), static_cast<unsigned>(count));
-    gather_kernel<<<grid, kGatherThreads, 0, stream>>>(batch);
+    launch_pdl(gather_kernel, grid, dim3(kGatherThreads), 0, stream, batch);
     check_launch("checkpoint gather", stream);
   }
+  // The arena's new part to pinned memory on the copy stream, in runs contiguous on both sides and
+  // inside one pinned chunk (two chunks may be adjacent in memory; one copy may not span both).
+  bool waited = false;
+  for (size_t i = 0; i < copies_.size();) {
+    if (!copies_[i].in_arena) {
+      ++i;
+      continue;
+    }
+    const unsigned char* from = reinterpret_cast<const unsigned char*>(copies_[i].dst);
+    unsigned char* to = static_cast<unsigned char*>(copies_[i].host);
+    const size_t chunk = copies_[i].chunk;
+    size_t bytes = aligned(copies_[i].n * sizeof(float));
+    for (++i; i < copies_.size() && copies_[i].in_arena && copies_[i].chunk == chunk &&
+              reinterpret_cast<const unsigned char*>(copies_[i].dst) == from + bytes &&
+              static_cast<unsigned char*>(copies_[i].host) == to + bytes;
+         ++i)
+      bytes += aligned(copies_[i].n * sizeof(float));
+    if (!waited) {
+      CUDA_CHECK(cudaEventRecord(gathered_, stream));
+      CUDA_CHECK(cudaStreamWaitEvent(copier_, gathered_, 0));
+      waited = true;
+    }
+    CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToHost, copier_));
+  }
+  if (waited) {
+    CUDA_CHECK(cudaEventRecord(copied_, copier_));
+    copying_ = true;
+  }
   copies_.clear();
+}
+
+void CheckpointStager::finish(cudaStream_t stream) {
+  flush(stream);
+  if (copying_) CUDA_CHECK(cudaStreamWaitEvent(stream, copied_, 0));
+  copying_ = false;
 }
 
 void CheckpointStager::replace(const float* host, float* dev, int64_t n, cudaStream_t stream) {
@@ -178,6 +255,9 @@ void CheckpointStager::deliver(Sink& sink) {
 }
 
 void CheckpointStager::discard() {
+  if (copier_) cudaStreamSynchronize(copier_);  // a failed step's copies may still be running
+  copying_ = false;
+  arena_used_ = 0;
   pending_.clear();
   copies_.clear();
   for (Chunk& c : chunks_) c.used = 0;

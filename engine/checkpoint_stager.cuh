@@ -4,11 +4,15 @@
 //
 // Two ways to copy (DIFFRUN_CHECKPOINT_COPY):
 // - "gather" (the default where the device addresses pinned host memory directly): stage() only notes
-//   the tensor; flush() copies every tensor noted since the last flush with one kernel launch per up
-//   to kGatherBatch tensors, writing f32 straight into the pinned memory (f16 widened on the device).
-//   The engine calls flush() before an op overwrites a buffer it staged (an in-place op, a buffer
-//   reused later in the step) and at the end of the step. A decode step records ~20 tensors a layer
-//   with ~3 flushes, where one cudaMemcpyAsync each costs a copy-engine round trip (~6 µs).
+//   the tensor; flush() copies every tensor noted since the last flush into a device arena (f32, f16
+//   widened on the device), one kernel launch per up to kGatherBatch tensors, then a second stream
+//   copies that part of the arena to pinned memory while the compute goes on. The engine calls
+//   flush() before an op overwrites a buffer it staged (an in-place op, a buffer reused later in the
+//   step) and finish() at the end of the step. A decode step records ~20 tensors a layer with ~3
+//   flushes, where one cudaMemcpyAsync each on the compute stream costs a copy-engine round trip
+//   (~6 µs) between two kernels. A tensor larger than half the arena (32 MiB;
+//   DIFFRUN_CHECKPOINT_ARENA_KIB) is written by the gather kernel straight into the pinned memory
+//   through the device's mapping of it; a full arena waits for its copies out before it is reused.
 // - "memcpy": one cudaMemcpyAsync per tensor at stage() (f16 widened on the host); flush() does
 //   nothing. The path before gather, kept for A/B and as the fallback.
 // Both record the same values, in the same order (EngineModel.CheckpointCopyModesRecordTheSameValues).
@@ -29,6 +33,9 @@ namespace diffrun::engine {
 class CheckpointStager {
  public:
   CheckpointStager();
+  ~CheckpointStager();
+  CheckpointStager(const CheckpointStager&) = delete;
+  CheckpointStager& operator=(const CheckpointStager&) = delete;
 
   // Notes (gather) or enqueues the copy (memcpy) of the row-major tensor `dev` of `shape` (f32 or f16
   // device memory). In gather mode `dev` must keep its values until the next flush() on `stream`.
@@ -39,6 +46,9 @@ class CheckpointStager {
 
   // Enqueues the copies of everything staged since the last flush (gather mode; else nothing).
   void flush(cudaStream_t stream);
+  // flush(), then makes `stream` wait for the copies to pinned memory: the step's end, before the
+  // synchronization that precedes deliver().
+  void finish(cudaStream_t stream);
 
   // Enqueues the upload of n replacement values (host f32) over `dev`, converted to dev's type,
   // after flushing what was staged (a staged copy of `dev` records the values before replacement).
@@ -69,9 +79,12 @@ class CheckpointStager {
   };
   struct Copy {
     const void* src;  // device
-    float* dst;       // pinned host memory, as the device addresses it
+    float* dst;       // the arena, or pinned host memory as the device addresses it
     int64_t n;
     bool f16;
+    void* host;       // pinned: where the values end up
+    bool in_arena;    // then copied from dst to host after the gather
+    size_t chunk;     // the pinned chunk holding host
   };
   struct Chunk {
     PinnedBuffer<unsigned char> mem;
@@ -84,6 +97,15 @@ class CheckpointStager {
             bool f16, cudaStream_t stream);
 
   bool gather_;
+  // gather: the device arena, its bytes in use this step, the stream that copies it to pinned memory,
+  // and the events between the two streams (gathered → copy; copied → compute stream's next reuse).
+  DeviceBuffer<unsigned char> arena_;  // allocated at the first use
+  size_t arena_bytes_ = 0;
+  size_t arena_used_ = 0;
+  cudaStream_t copier_ = nullptr;
+  cudaEvent_t gathered_ = nullptr;
+  cudaEvent_t copied_ = nullptr;
+  bool copying_ = false;  // copies to pinned memory enqueued since the compute stream last waited
   std::vector<Chunk> chunks_;
   size_t current_ = 0;
   std::vector<Pending> pending_;

@@ -20,10 +20,10 @@
 // - As in the reference, the lm head computes every token's logits only when result_output is
 //   recorded, else the last token's alone.
 // - Hooks off: no copies, no synchronization, no extra kernels. On: each recorded tensor is staged
-//   right after its op, and copied into pinned memory by a batched gather kernel (CheckpointStager)
+//   right after its op, and copied into a device arena by a batched gather kernel (CheckpointStager)
 //   before the next op that overwrites one of the staged buffers (stager_.flush: before an in-place
-//   op, before each add_rms_norm, at the end of the step), then delivered to the sink after the step's
-//   one synchronization. DIFFRUN_CHECKPOINT_COPY=memcpy copies each with cudaMemcpyAsync right after
+//   op, before each add_rms_norm; finish at the end of the step), from there to pinned memory on a
+//   second stream, then delivered to the sink after the step's one synchronization. DIFFRUN_CHECKPOINT_COPY=memcpy copies each with cudaMemcpyAsync right after
 //   its op instead (the "checkpoint_copies" fact).
 // - Fused ops, each writing every checkpoint tensor of the twins it combines (so hooks stay copies
 //   only): matmul_cat (Wq|Wk|Wv and Wgate|Wup concatenated at load, one GEMV per group when T = 1),
@@ -125,8 +125,11 @@ struct Activations {
       : capacity(cap),
         x(size_t(cap) * c.n_embd, "activations"),
         xn(size_t(cap) * c.n_embd, "activations"),
+        ffn_xn(size_t(cap) * c.n_embd, "activations"),
         q(size_t(cap) * c.n_head * c.head_dim, "activations"),
         k(size_t(cap) * c.n_head_kv * c.head_dim, "activations"),
+        q_rope(size_t(cap) * c.n_head * c.head_dim, "activations"),
+        k_rope(size_t(cap) * c.n_head_kv * c.head_dim, "activations"),
         v(size_t(cap) * c.n_head_kv * c.head_dim, "activations"),
         kqv(size_t(cap) * c.n_head * c.head_dim, "activations"),
         attn_out(size_t(cap) * c.n_embd, "activations"),
@@ -140,14 +143,17 @@ struct Activations {
   static uint64_t bytes(const ModelConfig& c, int cap) {
     const uint64_t D = c.n_embd, Q = uint64_t(c.n_head) * c.head_dim, KV = uint64_t(c.n_head_kv) * c.head_dim,
                    F = c.n_ff;
-    return uint64_t(cap) * (4 * (D + Q + 2 * KV + 3 * D + 2 * F) + sizeof(W) * (D + Q + F) + sizeof(int32_t));
+    return uint64_t(cap) * (4 * (D + 2 * Q + 3 * KV + 3 * D + 2 * F) + sizeof(W) * (2 * D + Q + F) + sizeof(int32_t));
   }
 
   int capacity;
   DeviceBuffer<float> x;         // [T, D] residual stream
-  DeviceBuffer<W> xn;            // [T, D] RMSNorm output (GEMM input)
-  DeviceBuffer<float> q;         // [T, H*Dh]
+  DeviceBuffer<W> xn;            // [T, D] RMSNorm output (GEMM input): attn_norm, result_norm
+  DeviceBuffer<W> ffn_xn;        // [T, D] ffn_norm (GEMM input)
+  DeviceBuffer<float> q;         // [T, H*Dh] Qcur (Qnorm in place)
   DeviceBuffer<float> k;         // [T, Hkv*Dh]
+  DeviceBuffer<float> q_rope;    // [T, H*Dh] rope_qk's output (the fused qkv GEMV rotates q and k in place)
+  DeviceBuffer<float> k_rope;    // [T, Hkv*Dh]
   DeviceBuffer<float> v;         // [T, Hkv*Dh]
   DeviceBuffer<W> kqv;           // [T, H*Dh] attention context (GEMM input)
   DeviceBuffer<float> attn_out;  // [T, D]
@@ -350,7 +356,7 @@ class CudaEngineImpl final : public CudaEngine {
     if (cfg_.final_logit_softcap > 0)
       softcap(logits_.get(), logits_.get(), static_cast<float>(cfg_.final_logit_softcap), int64_t(rows) * Vp, stream_);
     if (rows == n) cp(sink, step, "result_output", -1, logits_.get(), {n, Vp});
-    stager_.flush(stream_);  // the step's last staged copies
+    stager_.finish(stream_);  // the step's last staged copies, and the wait for their copies out
 
     const float* last = logits_.get() + size_t(rows - 1) * Vp;  // [Vp]
     argmax(d_argmax_.get(), last, Vp, argmax_scratch_.get(), stream_);
@@ -394,20 +400,23 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
     cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
     cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
-    stager_.flush(stream_);  // q and k are normalized and rotated in place below
     if (cfg_.qk_norm) {
+      stager_.flush(stream_);  // q and k are normalized in place
       norm(a.q.get(), a.q.get(), norm_w(w.q_norm), n * H, Dh);   cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
       norm(a.k.get(), a.k.get(), norm_w(w.k_norm), n * Hkv, Dh); cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
-      stager_.flush(stream_);
     }
+    // Rotated q and k: rope_qk's, out of place (so Qcur/Qnorm stay for the recording copies), or
+    // matmul_qkv_rope's, in place.
+    float* q_rot = fused_rope ? a.q.get() : a.q_rope.get();
+    float* k_rot = fused_rope ? a.k.get() : a.k_rope.get();
     if (faults_.has(Fault::rope_cache_unrotated))
-      rope_qk_cache_unrotated(a.q.get(), a.k.get(), cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh,
+      rope_qk_cache_unrotated(q_rot, k_rot, cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh,
                               n_past, write_pos, theta, d_rope_freqs_.get(), neox, stream_);
     else if (!fused_rope)  // fused: matmul_qkv_rope rotated q and k and wrote the cache rows
-      rope_qk(a.q.get(), a.k.get(), cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, n_past, write_pos,
+      rope_qk(q_rot, k_rot, cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, n_past, write_pos,
               theta, d_rope_freqs_.get(), neox, stream_);
-    cp(sink, step, "Qrope", l, a.q.get(), {n, H, Dh});
-    cp(sink, step, "Krope", l, a.k.get(), {n, Hkv, Dh});  // replaced: the cache keeps rope_qk's rows (see the top)
+    cp(sink, step, "Qrope", l, q_rot, {n, H, Dh});
+    cp(sink, step, "Krope", l, k_rot, {n, Hkv, Dh});  // replaced: the cache keeps rope_qk's rows (see the top)
     cp(sink, step, "cache_k", l, cache_k, {S, Hkv, Dh});
     cp(sink, step, "cache_v", l, cache_v, {S, Hkv, Dh});
 
@@ -415,26 +424,26 @@ class CudaEngineImpl final : public CudaEngine {
     const bool read_cache = !faults_.has(Fault::kv_cache_not_read);
     const int S_att = read_cache ? S : n;
     const bool want_probs = sink.wants(checkpoint_name("kq_soft_max", l));
-    const float* keys = read_cache ? cache_k : a.k.get();
+    const float* keys = read_cache ? cache_k : k_rot;
     const float* values = read_cache ? cache_v : a.v.get();
     const int32_t* past = read_cache ? n_past : d_zero_.get();
     float* probs = nullptr;  // [H, T, S_att]
     if (split_attention(n)) {
       probs = attn_probs_.get();
-      attention_split(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window,
+      attention_split(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv, Dh, att_scale, window,
                       {attn_partial_.get(), attn_counters_.get(), attn_splits_, attn_min_keys_}, stream_);
     } else {
       probs = want_probs ? probs_.get() : nullptr;
       if (attention_flaws_.any())
-        attention_flawed(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window,
+        attention_flawed(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv, Dh, att_scale, window,
                          attention_flaws_, stream_);
       else if (!tiled_attention_)
-        attention(a.kqv.get(), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window, stream_);
+        attention(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv, Dh, att_scale, window, stream_);
       else {  // the output from attention_tiled, hooks or not; the probabilities (when recorded) from attention
         if (probs)
-          attention(static_cast<W*>(nullptr), probs, a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window,
+          attention(static_cast<W*>(nullptr), probs, q_rot, keys, values, n, past, H, Hkv, Dh, att_scale, window,
                     stream_);
-        attention_tiled(a.kqv.get(), a.q.get(), keys, values, n, past, H, Hkv, Dh, att_scale, window, stream_);
+        attention_tiled(a.kqv.get(), q_rot, keys, values, n, past, H, Hkv, Dh, att_scale, window, stream_);
       }
     }
     if (want_probs) record_only(step, "kq_soft_max", l, probs, {H, n, S_att});
@@ -450,25 +459,24 @@ class CudaEngineImpl final : public CudaEngine {
       if (!faults_.has(Fault::post_norm_skipped)) norm(a.attn_out.get(), a.attn_out.get(), norm_w(w.attn_post_norm), n, D);
       cp(sink, step, "attn_post_norm", l, a.attn_out.get(), {n, D});
     }
-    stager_.flush(stream_);  // a.xn (attn_norm) becomes ffn_norm below
     if (faults_.has(Fault::residual_skipped)) {  // ffn_inp = attn_out: the residual add skipped, then a plain norm
       CUDA_CHECK(cudaMemcpyAsync(a.ffn_inp.get(), a.attn_out.get(), size_t(n) * D * sizeof(float),
                                  cudaMemcpyDeviceToDevice, stream_));
       cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D});
-      norm(a.xn.get(), a.ffn_inp.get(), norm_w(w.ffn_norm), n, D);
+      norm(a.ffn_xn.get(), a.ffn_inp.get(), norm_w(w.ffn_norm), n, D);
     } else {
-      add_norm(a.ffn_inp.get(), a.xn.get(), a.x.get(), a.attn_out.get(), norm_w(w.ffn_norm), n, D);
+      add_norm(a.ffn_inp.get(), a.ffn_xn.get(), a.x.get(), a.attn_out.get(), norm_w(w.ffn_norm), n, D);
       cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D});
     }
-    cp(sink, step, "ffn_norm", l, a.xn.get(), {n, D});
+    cp(sink, step, "ffn_norm", l, a.ffn_xn.get(), {n, D});
 
     const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
     // One token without hooks: the gate|up GEMV writes the SwiGLU too (bit-identical; see the top).
     const bool fused_swiglu =
         swiglu_in_gemv_ && n == 1 && !step_hooked_ && !swap && cfg_.ffn_act != FfnAct::gelu_tanh &&
-        matmul_gate_up_swiglu(a.gate.get(), a.up.get(), a.act.get(), a.xn.get(), w.w_gate, D, F, stream_);
+        matmul_gate_up_swiglu(a.gate.get(), a.up.get(), a.act.get(), a.ffn_xn.get(), w.w_gate, D, F, stream_);
     if (!fused_swiglu)
-      matmul_cat({{a.gate.get(), nullptr, F}, {a.up.get(), nullptr, F}}, a.xn.get(), w.w_gate, n, D, cublas_, stream_);
+      matmul_cat({{a.gate.get(), nullptr, F}, {a.up.get(), nullptr, F}}, a.ffn_xn.get(), w.w_gate, n, D, cublas_, stream_);
     cp(sink, step, "ffn_gate", l, a.gate.get(), {n, F});
     cp(sink, step, "ffn_up", l, a.up.get(), {n, F});
     const float* act_in = swap ? a.up.get() : a.gate.get();    // [T, F]
@@ -494,6 +502,7 @@ class CudaEngineImpl final : public CudaEngine {
     }
     // l_out, and the norm that opens the next layer (attn_norm, or result_norm after the last).
     stager_.flush(stream_);  // a.x and a.xn are overwritten; every other buffer is the next layer's
+                             // (a layer's one flush without q/k norms or post-norms)
     add_norm(a.x.get(), a.xn.get(), a.ffn_inp.get(), a.ffn_out.get(), norm_opening(l + 1), n, D);
     cp(sink, step, "l_out", l, a.x.get(), {n, D});
   }

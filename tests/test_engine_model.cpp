@@ -296,7 +296,8 @@ TEST(EngineModel, HooksDoNotChangeResultsAndGraphDecodeMatches) {
 }
 
 // The two ways of copying recorded checkpoints (engine/checkpoint_stager.cuh): batched gather kernels
-// flushed before each overwrite, and one cudaMemcpyAsync per tensor right after its op. Every tensor of
+// flushed before each overwrite (with the default arena, and with a 16 KiB one that fills mid-step and
+// sends the larger tensors straight to pinned memory), and one cudaMemcpyAsync per tensor. Every tensor of
 // a prefill and three decode steps, in the same order with the same bits, on biases (qwen2), q/k norms
 // (qwen3), gemma3's post-norms, embedding scale and softcap, and a fault that changes the dataflow
 // (residual_skipped copies attn_out into ffn_inp).
@@ -314,26 +315,33 @@ TEST(EngineModel, CheckpointCopyModesRecordTheSameValues) {
     const FaultSet faults = parse_faults(c.faults);
     setenv("DIFFRUN_CHECKPOINT_COPY", "gather", 1);
     auto gather = make_cuda_engine(*m.file, m.cfg, precision, 32, faults);
+    setenv("DIFFRUN_CHECKPOINT_ARENA_KIB", "16", 1);  // a full arena mid-step, large tensors written directly
+    auto small_arena = make_cuda_engine(*m.file, m.cfg, precision, 32, faults);
+    unsetenv("DIFFRUN_CHECKPOINT_ARENA_KIB");
     setenv("DIFFRUN_CHECKPOINT_COPY", "memcpy", 1);
     auto memcpy_each = make_cuda_engine(*m.file, m.cfg, precision, 32, faults);
     unsetenv("DIFFRUN_CHECKPOINT_COPY");
     EXPECT_EQ(gather->facts().at("checkpoint_copies").rfind("gather", 0), 0u);
     EXPECT_EQ(memcpy_each->facts().at("checkpoint_copies").rfind("memcpy", 0), 0u);
-    MemorySink a, b;
+    MemorySink a, b, c2;
     std::vector<int32_t> tokens = prompt_ids(m.cfg.n_vocab, 5);
     for (int step = 0; step < 4; ++step) {
       const std::vector<float> la = gather->forward(step, tokens, a);
       const std::vector<float> lb = memcpy_each->forward(step, tokens, b);
+      const std::vector<float> lc = small_arena->forward(step, tokens, c2);
       EXPECT_EQ(la, lb) << "logits, step " << step;
-      ASSERT_EQ(a.order[step], b.order[step]) << "recording order, step " << step;
-      for (const std::string& name : a.order[step]) {
-        const test::Recorded& x = a.tensors[step].at(name);
-        const test::Recorded& y = b.tensors[step].at(name);
-        EXPECT_EQ(x.shape, y.shape) << name << " step " << step;
-        EXPECT_EQ(x.native, y.native) << name << " step " << step;
-        EXPECT_TRUE(x.data.size() == y.data.size() &&
-                    std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)) == 0)
-            << name << " differs, step " << step;
+      EXPECT_EQ(lc, lb) << "logits, step " << step;
+      for (const MemorySink* other : {&a, &c2}) {
+        ASSERT_EQ(other->order.at(step), b.order[step]) << "recording order, step " << step;
+        for (const std::string& name : b.order[step]) {
+          const test::Recorded& x = other->tensors.at(step).at(name);
+          const test::Recorded& y = b.tensors[step].at(name);
+          EXPECT_EQ(x.shape, y.shape) << name << " step " << step;
+          EXPECT_EQ(x.native, y.native) << name << " step " << step;
+          EXPECT_TRUE(x.data.size() == y.data.size() &&
+                      std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)) == 0)
+              << name << " differs, step " << step << (other == &c2 ? " (16 KiB arena)" : "");
+        }
       }
       tokens = {host_argmax(la)};
     }

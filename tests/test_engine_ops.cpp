@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 #include <gtest/gtest.h>
 
+#include "engine/checkpoint_stager.cuh"
 #include "engine/gemm.cuh"
 #include "engine/ops/add.cuh"
 #include "engine/ops/add_rms_norm.cuh"
@@ -777,6 +778,63 @@ TEST(EngineOps, KvStoreWritesRowsAtNPast) {
       EXPECT_EQ(hk[s * width + j], written ? k[(s - n_past) * width + j] : 0.0f);
       EXPECT_EQ(hv[s * width + j], written ? v[(s - n_past) * width + j] : 0.0f);
     }
+}
+
+
+// The checkpoint stager on its own: 24 tensors of ~6 MB (f32, and f16 widened), more than its 32 MiB
+// device arena holds (it fills and waits for its copies out mid-step) and spread over several 16 MiB
+// pinned chunks (two may be adjacent in memory: one copy out must not span them), staged in two
+// flushes; every value delivered as staged, in order, in both copy modes. Then a second step on the
+// same memory.
+TEST(EngineOps, CheckpointStagerDeliversWhatWasStaged) {
+  DIFFRUN_REQUIRE_CUDA();
+  auto tensor_name = [](int i) {
+    std::string name = "t";
+    name += std::to_string(i);
+    return name;
+  };
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
+  const size_t N = 1536 * 1024;
+  std::vector<float> host(N);
+  for (float& v : host) v = dist(rng);
+  DeviceArray<float> d32(host);
+  DeviceArray<__half> d16(to_half(host));
+  for (const char* mode : {"gather", "memcpy"}) {
+    SCOPED_TRACE(mode);
+    setenv("DIFFRUN_CHECKPOINT_COPY", mode, 1);
+    engine::CheckpointStager stager;
+    unsetenv("DIFFRUN_CHECKPOINT_COPY");
+    EXPECT_EQ(stager.gathers(), std::string(mode) == "gather");
+    for (int step = 0; step < 2; ++step) {
+      test::MemorySink sink;
+      for (int i = 0; i < 24; ++i) {
+        const int64_t n = int64_t(N) - 4099 * i;
+        const std::string name = tensor_name(i);
+        if (i % 2 == 0)
+          stager.stage(step, name, -1, "T,D", {n}, d32.get() + i, nullptr);
+        else
+          stager.stage(step, name, -1, "T,D", {n}, d16.get() + i, nullptr);
+        if (i == 11) stager.flush(nullptr);
+      }
+      stager.finish(nullptr);
+      ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+      stager.deliver(sink);
+      ASSERT_EQ(sink.order[step].size(), 24u);
+      for (int i = 0; i < 24; ++i) {
+        const test::Recorded& r = sink.tensors[step].at(tensor_name(i));
+        const int64_t n = int64_t(N) - 4099 * i;
+        ASSERT_EQ(int64_t(r.data.size()), n);
+        EXPECT_EQ(r.native, i % 2 == 0 ? NativeDType::f32 : NativeDType::f16);
+        int64_t wrong = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          const float want = i % 2 == 0 ? host[i + j] : __half2float(__float2half_rn(host[i + j]));
+          wrong += r.data[j] != want;
+        }
+        EXPECT_EQ(wrong, 0) << "t" << i << " step " << step;
+      }
+    }
+  }
 }
 
 }  // namespace
