@@ -26,7 +26,7 @@ const float* ReplaySink::replacement(int step, std::string_view name) const {
   auto it = values_.find(name);
   if (it == values_.end()) {
     const DatasetInfo* info = reference_.find(step, std::string(name));
-    if (!info || info->is_int) return nullptr;
+    if (!info || info->is_int || info->row_offset > 0) return nullptr;  // absent, ids, or its last rows only
     it = values_.emplace(std::string(name), reference_.read(step, std::string(name))).first;
   }
   if (auto rec = recorded_n_.find(name);

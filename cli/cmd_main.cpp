@@ -10,6 +10,7 @@
 #include <fmt/core.h>
 
 #include "checkpoints/dump.hpp"
+#include "checkpoints/dump_size.hpp"
 #include "checkpoints/replay_sink.hpp"
 #include "cli/command.hpp"
 #include "cli/options.hpp"
@@ -176,8 +177,14 @@ int run_main(const MainOptions& o) {
     throw InputError(fmt::format("the prompt ({} tokens) plus {} steps exceeds the model's context of {}", ids.size(),
                                  o.steps, cfg.n_ctx));
   }
+  uint64_t held_bytes = 0;  // a reference's checkpoints in memory, the cache whole
   const DumpWriterOptions wopt = plan_dump_size(cfg, static_cast<int64_t>(ids.size()), o.steps, filter, o.size,
-                                                [&](const std::string& s) { progress.message(s); });
+                                                [&](const std::string& s) { progress.message(s); }, &held_bytes);
+  // The isolation replay takes the reference's checkpoints from memory when they fit in 1 GiB (no
+  // dump written for it or read back), else from the reference's dump. DIFFRUN_ISOLATION_HOLD_MAX
+  // (bytes) sets another limit (0: always from the dump; the tests compare the two ways).
+  uint64_t hold_limit = uint64_t(1) << 30;
+  if (const char* v = std::getenv("DIFFRUN_ISOLATION_HOLD_MAX"); v && *v) hold_limit = parse_bytes(v);
   const std::string prompt = prompt_text(*file, o.prompt);
 
   const DumpMode dump = parse_dump_mode(o.dump);
@@ -233,9 +240,11 @@ int run_main(const MainOptions& o) {
       guards.push_back(std::make_unique<TempGuard>(pp.engine_path));
       guards.push_back(std::make_unique<TempGuard>(pp.reference_path));
     }
-    // The isolation replay reads the reference's full dump: with --dump divergence or none it is a
-    // temporary file, removed after the replay, so that the report is the same in every mode.
-    if (p.isolate) {
+    // The isolation replay reads the reference's checkpoints from memory when they fit hold_limit;
+    // else its full dump: with --dump divergence or none a temporary file, removed after the replay,
+    // so that the report is the same in every mode.
+    pp.hold_reference = p.isolate && held_bytes <= hold_limit;
+    if (p.isolate && !pp.hold_reference) {
       pp.replay_path = dump == DumpMode::full ? pp.reference_path
                                               : (std::filesystem::temp_directory_path() /
                                                  fmt::format("diffrun-{}-{}-reference.h5", popt.run_id, ppairs.size()))
@@ -254,7 +263,8 @@ int run_main(const MainOptions& o) {
                                o.steps, n_pairs, n_pairs == 1 ? "" : "s", threads,
                                cpu_engine ? fmt::format(", engine threads {}", eng_threads) : std::string()));
   std::vector<std::unique_ptr<Backend>> engines;  // the isolated pairs' engines, loaded once for the run
-  std::vector<diff::Comparison> comparisons = run_pipeline(*file, cfg, ppairs, ids, popt, progress, &engines);
+  std::vector<HeldReference> held;                 // the isolated pairs' references, when held in memory
+  std::vector<diff::Comparison> comparisons = run_pipeline(*file, cfg, ppairs, ids, popt, progress, &engines, &held);
   guards.clear();
 
   // Isolation replay: the engine again, each checkpoint recorded and then replaced by the reference's.
@@ -266,6 +276,15 @@ int run_main(const MainOptions& o) {
       if (!pairs[i].isolate) continue;
       diff::Comparison& c = comparisons[i];
       std::string path = (std::filesystem::path(pairs[i].dir) / "engine-isolated.h5").string();
+      if (ppairs[i].hold_reference) {
+        const std::string not_written = fmt::format("not written (--dump {})", o.dump);
+        if (!engines[i] || engines[i]->max_ctx() < static_cast<int>(ids.size()) + steps)
+          engines[i] = make_backend(*file, cfg, pairs[i].eng, static_cast<int>(ids.size()) + steps);
+        add_isolation_held(c, *file, cfg, *engines[i], held[i], ids, popt, dump == DumpMode::full ? path : "",
+                           dump == DumpMode::full ? path : not_written,
+                           dump == DumpMode::full ? ppairs[i].reference_path : not_written, progress);
+        continue;
+      }
       if (dump != DumpMode::full) {
         path = ppairs[i].replay_path.substr(0, ppairs[i].replay_path.size() - 12) + "engine-isolated.h5";
         scratch.push_back(path);

@@ -107,14 +107,19 @@ diff::ToleranceSet tolerances_for(const DumpMeta& engine, const DumpMeta& refere
                                 : diff::load_tolerances(opt.tolerances);
 }
 
+IsolationRules isolation_rules(const DumpMeta& isolated, const DumpMeta& reference, const ReportOptions& opt) {
+  const std::string local = preset_for(isolated, reference) + "_local";
+  IsolationRules r;
+  r.copt = compare_options(opt);
+  r.copt.judge_local = opt.tolerances.empty() && has_preset(local);
+  r.tolerances = r.copt.judge_local ? diff::preset_tolerances(local) : tolerances_for(isolated, reference, opt);
+  return r;
+}
+
 void add_isolation_for(diff::Comparison& c, const DumpReader& isolated, const DumpReader& reference,
                        const ReportOptions& opt) {
-  const std::string local = preset_for(isolated.meta(), reference.meta()) + "_local";
-  diff::CompareOptions copt = compare_options(opt);
-  copt.judge_local = opt.tolerances.empty() && has_preset(local);
-  const diff::ToleranceSet tolerances = copt.judge_local ? diff::preset_tolerances(local)
-                                                         : tolerances_for(isolated.meta(), reference.meta(), opt);
-  diff::add_isolation(c, diff::compare_dumps(isolated, reference, tolerances, copt), copt);
+  const IsolationRules r = isolation_rules(isolated.meta(), reference.meta(), opt);
+  diff::add_isolation(c, diff::compare_dumps(isolated, reference, r.tolerances, r.copt), r.copt);
 }
 
 namespace {

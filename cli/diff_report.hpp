@@ -72,6 +72,13 @@ diff::CompareOptions compare_options(const ReportOptions& opt);
 void add_isolation_for(diff::Comparison& c, const DumpReader& isolated, const DumpReader& reference,
                        const ReportOptions& opt);
 
+// The rules add_isolation_for compares an isolated run with its reference by (from their metadata).
+struct IsolationRules {
+  diff::ToleranceSet tolerances;
+  diff::CompareOptions copt;
+};
+IsolationRules isolation_rules(const DumpMeta& isolated, const DumpMeta& reference, const ReportOptions& opt);
+
 // Prints and writes the reports of finished comparisons, as compare_and_report (one) or
 // compare_and_report_pairs (several, each under its title) do, and returns their exit code.
 int report_comparisons(const std::vector<std::string>& titles, const std::vector<diff::Comparison>& comparisons,

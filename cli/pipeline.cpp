@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -20,6 +21,7 @@
 #include "checkpoints/dump_format.hpp"
 #include "checkpoints/rows.hpp"
 #include "checkpoints/vocabulary.hpp"
+#include "cli/interrupt.hpp"
 #include "diff/stream.hpp"
 #include "model/error.hpp"
 
@@ -75,6 +77,32 @@ std::vector<float> rows_from(std::span<const float> values, std::span<const int6
     }
   }
   return out;
+}
+
+// A recorded checkpoint as DumpReader presents it from the dump (its rows as the writer keeps them:
+// rows 0..row_offset-1 of dimension row_dim cut away). `who` names the side in an error.
+DatasetInfo dataset_info(const ModelConfig& cfg, const char* who, int step, const std::string& name, int layer,
+                         const std::string& layout, const std::vector<int64_t>& shape, NativeDType native,
+                         int row_dim, int64_t row_offset) {
+  DatasetInfo info;
+  info.step = step;
+  info.name = name;
+  const ParsedCheckpointName parsed = parse_checkpoint_name(name);
+  try {
+    info.order = checkpoint_order(cfg, parsed.base, parsed.layer);
+  } catch (const InputError& e) {
+    throw DumpError(fmt::format("the {} recorded '{}' at step {}: {}", who, name, step, e.what()));
+  }
+  info.layer = layer;
+  info.layout = layout;
+  info.native_dtype = native_dtype_name(native);
+  info.shape = shape;
+  if (row_offset > 0) info.shape[row_dim] -= row_offset;
+  info.row_offset = row_offset;
+  info.is_int = false;
+  info.stored_dtype = "float32";
+  info.stored_shape = info.shape;
+  return info;
 }
 
 // What a backend thread hands its comparator, in its recording order.
@@ -211,6 +239,7 @@ struct Context {
   const PipelineOptions& opt;
   Shared& sh;
   std::vector<std::unique_ptr<Backend>>* kept = nullptr;  // engines handed back (PipelinePair::keep_engine)
+  std::vector<HeldReference>* held = nullptr;             // references held (PipelinePair::hold_reference)
 };
 
 // One backend: steps 0..opt.steps unless the run stops earlier; the first pair's reference feeds the tokens.
@@ -286,6 +315,10 @@ class Comparator {
     }
     if (!pair_.replay_path.empty() && pair_.replay_path != pair_.reference_path)
       replay_ = std::make_unique<DumpWriter>(pair_.replay_path, metas[kReference], cx_.opt.filter, cx_.opt.writer);
+    if (pair_.hold_reference && cx_.held) {
+      held_ref_ = &(*cx_.held)[p_];
+      held_ref_->meta = metas[kReference];
+    }
     int last = -1;
     for (int step = 0; step <= cx_.opt.steps; ++step) {
       {
@@ -304,6 +337,11 @@ class Comparator {
     {
       std::lock_guard lock(cx_.sh.m);
       fed.insert(fed.end(), cx_.sh.feed.begin(), cx_.sh.feed.begin() + std::min<size_t>(cx_.sh.feed.size(), last));
+    }
+    if (held_ref_) {
+      held_ref_->steps.resize(std::min<size_t>(held_ref_->steps.size(), last + 1));
+      held_ref_->argmax.assign(argmax_[kReference].begin(),
+                               argmax_[kReference].begin() + std::min<size_t>(argmax_[kReference].size(), last + 1));
     }
     for (int side : {kEngine, kReference}) {
       argmax_[side].resize(std::min<size_t>(argmax_[side].size(), last + 1));
@@ -335,26 +373,8 @@ class Comparator {
 
   // The checkpoint as DumpReader presents it from the dump (its rows as the writer keeps them).
   DatasetInfo info_of(int side, const Message& m) const {
-    DatasetInfo info;
-    info.step = m.step;
-    info.name = m.name;
-    const ParsedCheckpointName parsed = parse_checkpoint_name(m.name);
-    try {
-      info.order = checkpoint_order(cx_.cfg, parsed.base, parsed.layer);
-    } catch (const InputError& e) {
-      throw DumpError(fmt::format("the {} recorded '{}' at step {}: {}", side == kEngine ? "engine" : "reference", m.name,
-                                  m.step, e.what()));
-    }
-    info.layer = m.layer;
-    info.layout = m.layout;
-    info.native_dtype = native_dtype_name(m.native);
-    info.shape = m.shape;
-    if (m.row_offset > 0) info.shape[m.row_dim] -= m.row_offset;
-    info.row_offset = m.row_offset;
-    info.is_int = false;
-    info.stored_dtype = "float32";
-    info.stored_shape = info.shape;
-    return info;
+    return dataset_info(cx_.cfg, side == kEngine ? "engine" : "reference", m.step, m.name, m.layer, m.layout, m.shape,
+                        m.native, m.row_dim, m.row_offset);
   }
 
   void write(int side, const Message& m, bool checkpoints) { write_to(*writers_[side], m, checkpoints); }
@@ -371,6 +391,11 @@ class Comparator {
     } else if (checkpoints) {
       w.record(m.step, m.name, m.layer, m.layout, m.shape, m.native, m.values);
     }
+  }
+
+  HeldReference::Step& held_step(int step) {
+    if (held_ref_->steps.size() <= static_cast<size_t>(step)) held_ref_->steps.resize(step + 1);
+    return held_ref_->steps[step];
   }
 
   void write_held(bool checkpoints) {
@@ -408,6 +433,7 @@ class Comparator {
           break;
         case Message::ids:
           if (replay_ && side == kReference) write_to(*replay_, m, true);
+          if (held_ref_ && side == kReference) held_step(step).tokens = m.tokens;
           stream().add_tokens(side_id, step, m.tokens);
           if (cx_.opt.dump == DumpMode::full) write(side, m, true);
           else if (cx_.opt.dump == DumpMode::divergence) current.messages[side].push_back(std::move(m));
@@ -415,6 +441,7 @@ class Comparator {
         case Message::checkpoint: {
           DatasetInfo info = info_of(side, m);
           if (replay_ && side == kReference) write_to(*replay_, m, true);
+          if (held_ref_ && side == kReference) held_step(step).tensors.push_back({info, m.values});
           std::vector<float> values;
           if (cx_.opt.dump == DumpMode::full) write(side, m, true);
           if (cx_.opt.dump == DumpMode::divergence) {
@@ -462,6 +489,7 @@ class Comparator {
   std::optional<diff::StreamComparison> stream_;
   std::unique_ptr<DumpWriter> writers_[2];
   std::unique_ptr<DumpWriter> replay_;  // the reference's full dump for the isolation replay (replay_path)
+  HeldReference* held_ref_ = nullptr;    // the reference's checkpoints kept for replay_held
   std::vector<int32_t> argmax_[2];
   std::optional<HeldStep> held_;
   int first_nonfinite_ = -1;
@@ -475,12 +503,78 @@ void comparator_thread(const Context& cx, size_t p, diff::Comparison& out) {
   }
 }
 
+
+// The sink of replay_held: each checkpoint the engine records goes to the isolated dump (when written)
+// and, cut to the rows that dump keeps, to the comparison; replacements come from the held reference.
+class HeldReplaySink final : public Sink {
+ public:
+  HeldReplaySink(const ModelConfig& cfg, const PipelineOptions& opt, HeldReference& ref, diff::StreamComparison& sc,
+                 DumpWriter* writer)
+      : cfg_(cfg), opt_(opt), ref_(ref), sc_(sc), writer_(writer) {}
+
+  bool wants(std::string_view name) const override { return name == "tokens" || opt_.filter.matches(name); }
+
+  void record(int step, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
+              NativeDType native, std::span<const float> data) override {
+    if (!wants(name)) return;
+    if (writer_) writer_->record(step, name, layer, layout, shape, native, data);
+    recorded_n_[std::string(name)] = static_cast<int64_t>(data.size());
+    const auto [rd, offset] = writer_rows(name, layout, shape, opt_.writer);
+    std::vector<float> values = offset > 0 ? rows_from(data, shape, rd, offset) : std::vector<float>(data.begin(), data.end());
+    sc_.add(diff::StreamSide::engine,
+            dataset_info(cfg_, "engine", step, std::string(name), layer, std::string(layout),
+                         std::vector<int64_t>(shape.begin(), shape.end()), native, rd, offset),
+            std::move(values));
+  }
+
+  void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override {
+    if (name != "tokens") return;
+    if (writer_) writer_->record_ids(step, name, ids);
+    sc_.add_tokens(diff::StreamSide::engine, step, std::vector<int32_t>(ids.begin(), ids.end()));
+  }
+
+  // The reference's tensor of this step and name, whole and of the size the engine recorded (if it
+  // did already); else null, and the engine continues from its own values (ReplaySink's rules).
+  const float* replacement(int step, std::string_view name) const override {
+    start_step(step);
+    auto it = index_.find(name);
+    if (it == index_.end()) return nullptr;
+    const HeldReference::Tensor& t = ref_.steps[step].tensors[it->second];
+    if (t.info.row_offset > 0 || t.info.is_int) return nullptr;
+    if (auto rec = recorded_n_.find(name); rec != recorded_n_.end() && rec->second != static_cast<int64_t>(t.values.size()))
+      return nullptr;
+    return t.values.data();
+  }
+
+  // Starts `step`: indexes the held tensors of the step by name.
+  void start_step(int step) const {
+    if (step == step_) return;
+    step_ = step;
+    index_.clear();
+    recorded_n_.clear();
+    if (step < 0 || static_cast<size_t>(step) >= ref_.steps.size()) return;
+    const auto& tensors = ref_.steps[step].tensors;
+    for (size_t i = 0; i < tensors.size(); ++i) index_.emplace(tensors[i].info.name, i);
+  }
+
+ private:
+  const ModelConfig& cfg_;
+  const PipelineOptions& opt_;
+  HeldReference& ref_;
+  diff::StreamComparison& sc_;
+  DumpWriter* writer_;
+  mutable int step_ = -1;
+  mutable std::map<std::string, size_t, std::less<>> index_;
+  mutable std::map<std::string, int64_t, std::less<>> recorded_n_;
+};
+
 }  // namespace
 
 std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConfig& cfg,
                                            const std::vector<PipelinePair>& pairs, const std::vector<int32_t>& ids,
                                            const PipelineOptions& opt, Progress& progress,
-                                           std::vector<std::unique_ptr<Backend>>* kept) {
+                                           std::vector<std::unique_ptr<Backend>>* kept,
+                                           std::vector<HeldReference>* held) {
   Shared sh;
   sh.ended.assign(pairs.size(), -1);
   sh.queue[kEngine].resize(pairs.size());
@@ -489,7 +583,8 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
   sh.position[kReference].resize(pairs.size());
   sh.progress = &progress;
   if (kept) kept->resize(pairs.size());
-  const Context cx{file, cfg, pairs, ids, opt, sh, kept};
+  if (held) held->assign(pairs.size(), HeldReference{});
+  const Context cx{file, cfg, pairs, ids, opt, sh, kept, held};
   std::vector<diff::Comparison> out(pairs.size());
   std::vector<std::thread> threads;
   const auto guarded = [&sh](auto fn) {
@@ -510,6 +605,55 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
   progress.finish();
   if (sh.error) std::rethrow_exception(sh.error);
   return out;
+}
+
+
+void add_isolation_held(diff::Comparison& c, const GgufFile& file, const ModelConfig& cfg, Backend& engine,
+                        HeldReference& reference, const std::vector<int32_t>& ids, const PipelineOptions& opt,
+                        const std::string& isolated_path, const std::string& engine_name,
+                        const std::string& reference_name, Progress& progress) {
+  const int steps = static_cast<int>(reference.steps.size()) - 1;
+  if (steps < 0) throw Error("the isolation replay has no reference step to replay");
+  if (engine.max_ctx() < static_cast<int>(ids.size()) + steps)
+    throw Error("the isolation replay's engine holds too short a context");
+  engine.reset();
+  DumpMeta meta = dump_meta(file, engine, opt.prompt, ids);
+  meta.facts["run_id"] = opt.run_id;
+  meta.created_utc = utc_now_iso8601();
+  meta.diffrun_version = DIFFRUN_VERSION;
+  const IsolationRules rules = isolation_rules(meta, reference.meta, opt.report);
+  diff::StreamComparison sc(meta, reference.meta, rules.tolerances, rules.copt);
+  std::optional<TempGuard> guard;
+  std::optional<DumpWriter> writer;
+  if (!isolated_path.empty()) {
+    guard.emplace(isolated_path);
+    writer.emplace(isolated_path, meta, opt.filter, opt.writer);
+  }
+  HeldReplaySink sink(cfg, opt, reference, sc, writer ? &*writer : nullptr);
+  const std::string what = fmt::format("engine isolated {}/{} step", engine.name(), engine.precision());
+  std::vector<int32_t> fed(ids.begin(), ids.end()), argmaxes;
+  for (int step = 0; step <= steps; ++step) {
+    HeldReference::Step& held = reference.steps[step];
+    if (step > 0 && held.tokens.size() != 1)
+      throw Error(fmt::format("the held reference's step {} has {} tokens (expected 1)", step, held.tokens.size()));
+    const std::vector<int32_t> tokens = step == 0 ? ids : held.tokens;
+    if (step > 0) fed.push_back(tokens[0]);
+    sink.start_step(step);
+    argmaxes.push_back(argmax(engine.forward(step, tokens, sink)));
+    // The reference's side of the step, once the engine no longer needs its values.
+    sc.add_tokens(diff::StreamSide::reference, step, std::move(held.tokens));
+    for (HeldReference::Tensor& t : held.tensors) sc.add(diff::StreamSide::reference, std::move(t.info), std::move(t.values));
+    held.tensors.clear();
+    sc.end_step(step);
+    progress.update(what, step + 1, steps + 1);
+  }
+  progress.finish();
+  if (writer) {
+    writer->set_attribute("all_token_ids", fed);
+    writer->set_attribute("argmax", argmaxes);
+    writer->finish();
+  }
+  diff::add_isolation(c, sc.finish(engine_name, reference_name, argmaxes, reference.argmax), rules.copt);
 }
 
 }  // namespace diffrun::cli

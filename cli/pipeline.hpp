@@ -23,6 +23,12 @@
 // goes on: the reports and the dumps hold the steps 0..first+N exactly, whatever the backends had
 // started beyond them.
 //
+// Isolation replay from memory (PipelinePair::hold_reference): the comparator keeps the reference's
+// checkpoints as its dump would present them, and replay_held runs the engine again on them after
+// the pipeline, each checkpoint compared as it is recorded: no dump is read back. The job holds
+// them when the reference's planned dump is small enough (cmd_main.cpp), else it replays from the
+// reference's dump file as `compare --isolated` would.
+//
 // Errors in any thread stop every thread; the first is rethrown by run_pipeline.
 #pragma once
 
@@ -54,6 +60,23 @@ struct PipelinePair {
                             // says (the isolation replay reads it)
   int engine_threads = 1, reference_threads = 1;  // OpenMP threads of a cpu backend
   bool keep_engine = false;  // hand the engine back when the pair is done (the isolation replay reuses it)
+  bool hold_reference = false;  // keep the reference's checkpoints in memory (HeldReference) for replay_held
+};
+
+// A reference's run as its dump would present it (DumpReader's DatasetInfo, the values as stored),
+// every step, kept by the pipeline's comparator for the isolation replay.
+struct HeldReference {
+  struct Tensor {
+    DatasetInfo info;
+    std::vector<float> values;
+  };
+  struct Step {
+    std::vector<int32_t> tokens;
+    std::vector<Tensor> tensors;  // in recording order
+  };
+  DumpMeta meta;
+  std::vector<Step> steps;
+  std::vector<int32_t> argmax;  // the reference's greedy choice after each step
 };
 
 struct PipelineOptions {
@@ -73,9 +96,23 @@ int available_cores();
 // Runs every pair on the prompt `ids` and returns one comparison per pair (dump paths as given, or
 // "not written (--dump none)"). Throws what a backend, a writer or the comparison throws. With `kept`,
 // (*kept)[p] receives the engine of each pair p whose keep_engine is set (loaded once for the run).
+// With `held`, (*held)[p] receives the reference's checkpoints of each pair p whose hold_reference is set.
 std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConfig& cfg,
                                            const std::vector<PipelinePair>& pairs, const std::vector<int32_t>& ids,
                                            const PipelineOptions& opt, Progress& progress,
-                                           std::vector<std::unique_ptr<Backend>>* kept = nullptr);
+                                           std::vector<std::unique_ptr<Backend>>* kept = nullptr,
+                                           std::vector<HeldReference>* held = nullptr);
+
+// The isolation replay of `engine` (reset first) on a held reference, attached to `c` as
+// add_isolation_for attaches a replay's dump: the engine fed the reference's tokens, each checkpoint
+// recorded and then replaced by the reference's (ReplaySink's rules: a checkpoint the reference
+// lacks, or holds only the last rows of, is not replaced), compared on arrival as compare_dumps would
+// compare the isolated dump with the reference's. Writes the isolated dump at `isolated_path` unless
+// it is empty. Consumes the held values. The isolated comparison names `engine_name` and
+// `reference_name` as its dumps.
+void add_isolation_held(diff::Comparison& c, const GgufFile& file, const ModelConfig& cfg, Backend& engine,
+                        HeldReference& reference, const std::vector<int32_t>& ids, const PipelineOptions& opt,
+                        const std::string& isolated_path, const std::string& engine_name,
+                        const std::string& reference_name, Progress& progress);
 
 }  // namespace diffrun::cli

@@ -242,7 +242,8 @@ void DumpSizeOptions::add_options(CLI::App& app) {
 }
 
 DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, int steps, const CheckpointFilter& filter,
-                                 const DumpSizeOptions& opt, const std::function<void(const std::string&)>& say) {
+                                 const DumpSizeOptions& opt, const std::function<void(const std::string&)>& say,
+                                 uint64_t* whole_cache_bytes) {
   const uint64_t limit = parse_bytes(opt.max_dump_size);
   DumpPlan plan;
   plan.prompt_tokens = prompt_tokens;
@@ -292,6 +293,11 @@ DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, 
         "fewer --steps, or raise --max-dump-size (0 = no limit)",
         format_bytes(size), format_bytes(limit), prompt_tokens, steps, format_bytes(softmax),
         format_bytes(estimate_dump_size(cfg, one))));
+  }
+  if (whole_cache_bytes) {
+    DumpPlan whole = plan;
+    whole.cache_all_rows = true;
+    *whole_cache_bytes = estimate_dump_size(cfg, whole);
   }
   say(fmt::format("each dump will take about {}{}{}{}", format_bytes(size),
                   plan.softmax_rows > 0 ? fmt::format(" (kq_soft_max: last {} rows)", plan.softmax_rows) : "",

@@ -111,8 +111,11 @@ struct DumpSizeOptions {
 // --token-rows auto, if that is not enough, every per-token checkpoint keeps as many last rows as
 // fit. Throws InputError (exit 2) with the estimate and what to do when a dump would still pass the
 // limit.
+// With `whole_cache_bytes`, also the size of the same plan with every cache row in every step (what a
+// run's checkpoints take in memory as recorded, the cache whole).
 DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, int steps, const CheckpointFilter& filter,
-                                 const DumpSizeOptions& opt, const std::function<void(const std::string&)>& say);
+                                 const DumpSizeOptions& opt, const std::function<void(const std::string&)>& say,
+                                 uint64_t* whole_cache_bytes = nullptr);
 
 // Index of the largest value (the first one on ties).
 int32_t argmax(std::span<const float> logits);

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 
 import dump_h5
@@ -143,3 +144,44 @@ def test_isolate_gives_the_same_reports_in_every_mode(tmp_path):
     assert not runs["none"][4].exists() or not list(runs["none"][4].iterdir())
     r = run(*JOB, "--dump", "partial", "--out", str(tmp_path / "bad"))
     assert r.returncode == 2 and "--dump" in r.stderr, r.stderr
+
+
+def datasets(path):
+    """Every dataset of a dump by "step/name", its values as stored."""
+    with h5py.File(path, "r") as f:
+        return {f"{k}/{n}": f[k][n][()] for k in f.keys() for n in f[k].keys() if n != "_attributes"}
+
+
+def without_paths(report):
+    report = json.loads(report)
+    for side in ("engine", "reference"):
+        report[side]["path"] = ""
+    report["isolated_path"] = ""
+    return report
+
+
+@pytest.mark.parametrize("cut", [[], ["--tokens", LONG, "--token-rows", "8"]])
+def test_isolation_from_memory_is_the_replay_of_the_dump(tmp_path, cut, monkeypatch):
+    # The job replays from the reference's checkpoints held in memory (no dump read back); with
+    # DIFFRUN_ISOLATION_HOLD_MAX=0 from the reference's dump file, as before. The same reports, the
+    # same isolated dump, and `compare --isolated` of the written dumps gives the same report too.
+    # cut: a long prompt whose per-token checkpoints the dumps keep the last 8 rows of (those are
+    # not replaced: the reference holds only part of them).
+    extra = ["--dump", "full", "--isolate", "--inject", "kv_cache_pos0", *cut]
+    held = job(tmp_path, "held", *extra)
+    monkeypatch.setenv("DIFFRUN_ISOLATION_HOLD_MAX", "0")
+    read = job(tmp_path, "read", *extra)
+    monkeypatch.delenv("DIFFRUN_ISOLATION_HOLD_MAX")
+    assert held[0] == read[0] == 1
+    assert normalized(held[1], held[4]).split() == normalized(read[1], read[4]).split()
+    assert normalized(held[2], held[4]) == normalized(read[2], read[4])
+    assert normalized(held[3], held[4]) == normalized(read[3], read[4])
+    a, b = datasets(held[4] / "engine-isolated.h5"), datasets(read[4] / "engine-isolated.h5")
+    assert a.keys() == b.keys() and len(a) > 0
+    for key in a:
+        assert np.array_equal(a[key], b[key], equal_nan=a[key].dtype.kind == "f"), key
+    out = held[4]
+    r = run("compare", str(out / "engine.h5"), str(out / "reference.h5"), "--isolated", str(out / "engine-isolated.h5"),
+            "--no-color", "--require-coverage", "100", "--report-json", str(tmp_path / "compare.json"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert without_paths((tmp_path / "compare.json").read_text()) == without_paths(held[2])
