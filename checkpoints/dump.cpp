@@ -253,7 +253,7 @@ struct DumpReader::Impl {
   std::vector<std::string> int_attribute_names;
   // Version 1 stored strings as variable-length ones; from version 2 on they are refused before
   // they are read (HDF5 1.10 crashes on some damaged global heaps, found by fuzz_dump).
-  bool vlen_strings_ok = true;
+  bool vlen_strings_ok = version1_reads_allowed();  // until format_version says otherwise
 
   [[noreturn]] void fail(const std::string& what, std::string_view dataset = {}) const {
     std::string msg = path + ": " + (dataset.empty() ? "" : "dataset '" + std::string(dataset) + "': ") + what;
@@ -278,8 +278,10 @@ struct DumpReader::Impl {
     const htri_t vlen = H5Tis_variable_str(ftype.get());
     if (vlen < 0) fail(std::string("cannot read the type of attribute '") + name + "'", where);
     if (vlen > 0 && !vlen_strings_ok)
-      fail(std::string(where.empty() ? "root attribute '" : "attribute '") + name + "' is a variable-length string; format version " +
-               std::to_string(meta.format_version) + " stores fixed-length strings",
+      fail(std::string(where.empty() ? "root attribute '" : "attribute '") + name + "' is a variable-length string; " +
+               (meta.format_version >= 2 ? "format version " + std::to_string(meta.format_version) +
+                                               " stores fixed-length strings"
+                                         : version1_refused()),
            where);
     if (vlen > 0) {
       Hid mtype(H5Tcopy(H5T_C_S1), H5Tclose);
@@ -340,6 +342,7 @@ struct DumpReader::Impl {
     // The version first: it says whether strings may be variable-length (version 1) before any is read.
     if (H5Aexists(root, "format_version") > 0) {
       meta.format_version = read_int(root, "format_version");
+      if (meta.format_version < 2 && !version1_reads_allowed()) fail(version1_refused());
       vlen_strings_ok = meta.format_version < 2;
     }
     const std::string format = read_str(root, "format");

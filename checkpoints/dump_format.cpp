@@ -13,6 +13,7 @@
 #include <array>
 #include <cerrno>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -115,6 +116,16 @@ std::optional<StoredDType> parse_stored_dtype(std::string_view name) {
   for (StoredDType d : {StoredDType::f32, StoredDType::f64, StoredDType::f16, StoredDType::bf16, StoredDType::i32})
     if (name == stored_dtype_name(d)) return d;
   return std::nullopt;
+}
+
+bool version1_reads_allowed() {
+  const char* v = std::getenv("DIFFRUN_READ_V1");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
+std::string version1_refused() {
+  return "format version 1 stores variable-length strings, which HDF5 1.10 can loop or crash on when the file is "
+         "damaged; set DIFFRUN_READ_V1=1 to read a version-1 dump you trust (docs/dump-format.md, \"Versioning\")";
 }
 
 std::string dump_step_group_name(int step) {
@@ -713,6 +724,8 @@ std::vector<std::string> DumpFile::copy_attributes(const std::string& source_pat
     // stored strings) is written as a fixed-length one; other variable-length attributes are left out.
     if (H5Tis_variable_str(type.get()) > 0) {
       if (n != 1) continue;
+      if (!version1_reads_allowed())
+        throw DumpError(source_path + ": attribute '" + name + "' is a variable-length string: " + version1_refused());
       Hid mtype(H5Tcopy(H5T_C_S1), H5Tclose);
       H5Tset_size(mtype.get(), H5T_VARIABLE);
       H5Tset_cset(mtype.get(), H5Tget_cset(type.get()));

@@ -18,6 +18,12 @@ namespace diffrun {
 inline constexpr const char* kDumpFormat = "diffrun-dump";
 inline constexpr int kDumpFormatVersion = 2;      // what DumpFile writes
 inline constexpr int kDumpFormatOldestVersion = 1;  // the oldest version readers still read
+// Version 1 stored its strings variable-length, which HDF5 1.10 reads from the file's global heap,
+// where a damaged file can make the library loop or crash (fuzz/README.md). Readers read a version-1
+// dump, or any variable-length string, only when DIFFRUN_READ_V1=1 says its files are trusted.
+bool version1_reads_allowed();
+// The error for a version-1 dump (or variable-length string) read without DIFFRUN_READ_V1=1.
+std::string version1_refused();
 // Version 2: each step group's dataset attributes are one table, this compound dataset of the group.
 inline constexpr const char* kAttributeTable = "_attributes";
 // An integer column's value for "absent" (the dataset has no such attribute).

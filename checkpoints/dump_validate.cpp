@@ -213,7 +213,8 @@ RootCheck check_root_attributes(hid_t file) {
   if (const AttrShape s = inspect_attr(file, "format_version"); s.exists && s.cls == H5T_INTEGER && s.n == 1)
     if (auto v = read_ints(file, "format_version"); v && v->size() == 1 && (*v)[0] >= 1 && (*v)[0] <= INT32_MAX)
       r.format_version = static_cast<int>((*v)[0]);
-  r.vlen_strings_ok = r.format_version < 2;
+  r.vlen_strings_ok = r.format_version == 1 && version1_reads_allowed();
+  if (r.format_version == 1 && !r.vlen_strings_ok) problem("format_version", "is 1: " + version1_refused());
   for (const RootAttribute& a : root_attributes()) {
     const AttrShape s = inspect_attr(file, a.name);
     if (!s.exists) {
@@ -225,8 +226,9 @@ RootCheck check_root_attributes(hid_t file) {
       continue;
     }
     if (s.vlen && !r.vlen_strings_ok) {
-      problem(a.name, "is a variable-length string; format version " + std::to_string(r.format_version) +
-                          " stores fixed-length strings");
+      problem(a.name, r.format_version == 1 ? std::string("is a variable-length string, not read (format version 1)")
+                                            : "is a variable-length string; format version " +
+                                                  std::to_string(r.format_version) + " stores fixed-length strings");
       continue;
     }
     switch (a.type) {
@@ -424,6 +426,7 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
   }
   ValidateResult result;
   RootCheck root = check_root_attributes(file.get());
+  if (root.format_version == 1 && !version1_reads_allowed()) throw DumpError(path + ": " + version1_refused());
   result.problems = std::move(root.problems);
   auto problem = [&](const std::string& where, const std::string& what) { result.problems.push_back({where, what}); };
   const std::optional<ModelConfig>& cfg = root.config;
@@ -441,7 +444,7 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
     const AttrShape s = inspect_attr(file.get(), it->first.c_str());
     if (s.vlen && !root.vlen_strings_ok)
       problem("root attribute '" + it->first + "'", "is a variable-length string; format version " +
-                                                        std::to_string(root.format_version) + " stores fixed-length strings");
+                                                        std::to_string(root.format_version) + " stores fixed-length strings");  // (version 1 is refused above)
     std::optional<std::string> v = s.cls == H5T_STRING && s.n == 1
                                        ? read_string(file.get(), it->first.c_str(), root.vlen_strings_ok)
                                        : std::nullopt;
