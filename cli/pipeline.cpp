@@ -614,6 +614,8 @@ void add_isolation_held(diff::Comparison& c, const GgufFile& file, const ModelCo
                         const std::string& reference_name, Progress& progress) {
   const int steps = static_cast<int>(reference.steps.size()) - 1;
   if (steps < 0) throw Error("the isolation replay has no reference step to replay");
+  progress.message(fmt::format("isolation replay: the {}/{} engine on the reference's checkpoints", engine.name(),
+                               engine.precision()));
   if (engine.max_ctx() < static_cast<int>(ids.size()) + steps)
     throw Error("the isolation replay's engine holds too short a context");
   engine.reset();

@@ -8,7 +8,7 @@ Usage: fuzz/seeds.py gguf|tolerances|dump OUT_DIR [BASE_DUMP]
   dump        BASE_DUMP (a small dump written by `diffrun dump`, format version 2) and variants of it
               made with h5py in the forms readers accept: float16, bfloat16 as uint16, no attribute
               table, per-head tensors 2-D or permuted, llama.cpp names, row_offset, gzip chunks, an
-              integer dataset
+              integer dataset; and the base in the version-1 form (refused without DIFFRUN_READ_V1=1)
 """
 import os
 import shutil
@@ -181,6 +181,15 @@ def dump_seeds(out, base):
     for name, change in [("f16", f16), ("bf16", bf16), ("bare", bare), ("merged", merged), ("permuted", permuted),
                          ("llamacpp", llamacpp), ("row_offset", row_offset), ("gzip", gzip), ("extra_int", extra_int)]:
         variant(name, change)
+
+    # The version-1 form (variable-length strings): read only with DIFFRUN_READ_V1=1, so a reader
+    # must refuse it, and its mutations, before reading a string.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import dump_h5
+
+    v1 = os.path.join(out, "version1.h5")
+    shutil.copy(base, v1)
+    dump_h5.to_version_1(v1)
 
 
 def main():
