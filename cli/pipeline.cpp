@@ -644,8 +644,11 @@ void add_isolation_held(diff::Comparison& c, const GgufFile& file, const ModelCo
     argmaxes.push_back(argmax(engine.forward(step, tokens, sink)));
     // The reference's side of the step, once the engine no longer needs its values.
     sc.add_tokens(diff::StreamSide::reference, step, std::move(held.tokens));
-    for (HeldReference::Tensor& t : held.tensors) sc.add(diff::StreamSide::reference, std::move(t.info), std::move(t.values));
+    std::vector<std::pair<DatasetInfo, std::vector<float>>> batch;
+    batch.reserve(held.tensors.size());
+    for (HeldReference::Tensor& t : held.tensors) batch.emplace_back(std::move(t.info), std::move(t.values));
     held.tensors.clear();
+    sc.add_all(diff::StreamSide::reference, std::move(batch));  // the step's comparisons, in parallel
     sc.end_step(step);
     progress.update(what, step + 1, steps + 1);
   }

@@ -27,8 +27,8 @@ void StreamComparison::keep_candidate(std::optional<Kept>& slot, const Checkpoin
   slot = Kept{r.step, r.order, r.name, a, b};
 }
 
-void StreamComparison::add(StreamSide side, DatasetInfo info, std::vector<float> values) {
-  const int s = static_cast<int>(side);
+std::optional<std::map<std::pair<int, std::string>, StreamComparison::Pending>::iterator> StreamComparison::arrive(
+    int s, const DatasetInfo& info) {
   if (info.step <= last_ended_) {
     throw Error(fmt::format("{} checkpoint {} of step {} arrived after the step ended", s ? "reference" : "engine",
                             info.name, info.step));
@@ -38,28 +38,73 @@ void StreamComparison::add(StreamSide side, DatasetInfo info, std::vector<float>
     throw Error(fmt::format("{} recorded {} twice in step {}", s ? "the reference" : "the engine", info.name, info.step));
   }
   step.infos[s].push_back(info);
-  const std::pair<int, std::string> key(info.step, info.name);
-  auto other = pending_[1 - s].find(key);
-  if (other == pending_[1 - s].end()) {
-    pending_[s].emplace(key, Pending{std::move(info), std::move(values)});
-    return;
-  }
-  Pending mine{std::move(info), std::move(values)};
-  Pending& eng = s == 0 ? mine : other->second;
-  Pending& ref = s == 0 ? other->second : mine;
-  std::vector<float> a, b;
-  CheckpointResult r = compare_checkpoint(
+  auto other = pending_[1 - s].find(std::make_pair(info.step, info.name));
+  if (other == pending_[1 - s].end()) return std::nullopt;
+  return other;
+}
+
+CheckpointResult StreamComparison::compare_pair(Pending& eng, Pending& ref, std::vector<float>& a,
+                                                std::vector<float>& b) const {
+  return compare_checkpoint(
       eng.info.step, &eng.info, &ref.info, tolerances_, dims_, positions_through(eng.info.step),
       [&](std::vector<float>& x, std::vector<float>& y) {
         x = std::move(eng.values);
         y = std::move(ref.values);
       },
       &a, &b);
+}
+
+void StreamComparison::settle(CheckpointResult r, std::vector<float>& a, std::vector<float>& b) {
   if (r.failed() && r.metrics && (first_failed_step_ < 0 || r.step <= first_failed_step_)) keep_candidate(first_failure_, r, a, b);
   if (r.metrics && !r.metrics->finite() && (first_nonfinite_step_ < 0 || r.step <= first_nonfinite_step_))
     keep_candidate(first_nonfinite_, r, a, b);
-  step.results.emplace(r.name, std::move(r));
-  pending_[1 - s].erase(other);
+  steps_[r.step].results.emplace(r.name, std::move(r));
+}
+
+void StreamComparison::add(StreamSide side, DatasetInfo info, std::vector<float> values) {
+  const int s = static_cast<int>(side);
+  const auto other = arrive(s, info);
+  if (!other) {
+    const std::pair<int, std::string> key(info.step, info.name);
+    pending_[s].emplace(key, Pending{std::move(info), std::move(values)});
+    return;
+  }
+  Pending mine{std::move(info), std::move(values)};
+  std::vector<float> a, b;
+  CheckpointResult r = s == 0 ? compare_pair(mine, (*other)->second, a, b) : compare_pair((*other)->second, mine, a, b);
+  settle(std::move(r), a, b);
+  pending_[1 - s].erase(*other);
+}
+
+void StreamComparison::add_all(StreamSide side, std::vector<std::pair<DatasetInfo, std::vector<float>>> batch) {
+  const int s = static_cast<int>(side);
+  struct Job {
+    Pending mine;
+    std::map<std::pair<int, std::string>, Pending>::iterator other;
+    CheckpointResult result;
+    std::vector<float> a, b;
+  };
+  std::vector<Job> jobs;
+  for (auto& [info, values] : batch) {
+    const auto other = arrive(s, info);
+    if (!other) {
+      const std::pair<int, std::string> key(info.step, info.name);
+      pending_[s].emplace(key, Pending{std::move(info), std::move(values)});
+    } else {
+      jobs.push_back(Job{Pending{std::move(info), std::move(values)}, *other, {}, {}, {}});
+    }
+  }
+  const int64_t n = static_cast<int64_t>(jobs.size());
+  // Dynamic: the checkpoints' sizes differ by 1000x (a norm's row against the prefill's logits).
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; ++i) {
+    Job& j = jobs[i];
+    j.result = s == 0 ? compare_pair(j.mine, j.other->second, j.a, j.b) : compare_pair(j.other->second, j.mine, j.a, j.b);
+  }
+  for (Job& j : jobs) {  // in arrival order, as add() would
+    settle(std::move(j.result), j.a, j.b);
+    pending_[1 - s].erase(j.other);
+  }
 }
 
 // The KV length after `step`: the token counts of the steps up to it (the reference's, else the

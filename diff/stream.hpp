@@ -38,6 +38,10 @@ class StreamComparison {
   // sides hold it. Throws Error when a side records the same checkpoint twice.
   void add(StreamSide side, DatasetInfo info, std::vector<float> values);
 
+  // add() of each checkpoint of `batch` in order, the comparisons of those whose other side is
+  // already held computed in parallel (OpenMP): the same state as the adds one by one.
+  void add_all(StreamSide side, std::vector<std::pair<DatasetInfo, std::vector<float>>> batch);
+
   // The `tokens` of a step (each side's): the two must be equal.
   void add_tokens(StreamSide side, int step, std::vector<int32_t> tokens);
 
@@ -78,6 +82,12 @@ class StreamComparison {
   };
 
   int64_t positions_through(int step) const;
+  // add()'s bookkeeping of `info` for `side`: the pending counterpart when the other side holds one.
+  std::optional<std::map<std::pair<int, std::string>, Pending>::iterator> arrive(int s, const DatasetInfo& info);
+  // The comparison of a checkpoint held on both sides (values moved into the result's check).
+  CheckpointResult compare_pair(Pending& eng, Pending& ref, std::vector<float>& a, std::vector<float>& b) const;
+  // Records a comparison's result (and its values, when a report may need its pattern).
+  void settle(CheckpointResult r, std::vector<float>& a, std::vector<float>& b);
   void keep_candidate(std::optional<Kept>& slot, const CheckpointResult& r, std::vector<float>& a,
                       std::vector<float>& b);
 

@@ -1,4 +1,5 @@
-// Unit tests of diff/stream: the streamed comparison equals compare_dumps of the same dumps, whatever the arrival order.
+// Unit tests of diff/stream: the streamed comparison equals compare_dumps of the same dumps, whatever the arrival order
+// (one by one or a step's worth at once, compared in parallel).
 #include <filesystem>
 #include <limits>
 #include <string>
@@ -35,9 +36,10 @@ class Stream : public ::testing::Test {
   }
 
   // Feeds what the two dumps hold to a StreamComparison, step by step: the engine's checkpoints
-  // first (it runs ahead), or interleaved with the reference's, and returns finish(last_step).
+  // first (it runs ahead), or interleaved with the reference's, or the engine's first and then the
+  // reference's step at once (add_all, as the isolation replay does), and returns finish(last_step).
   Comparison streamed(const DumpReader& e, const DumpReader& r, const ToleranceSet& tol, bool engine_first,
-                      int last_step = -1) {
+                      int last_step = -1, bool batched = false) {
     StreamComparison s(e.meta(), r.meta(), tol);
     for (int step : r.steps()) {
       const std::vector<DatasetInfo> de = e.datasets(step), dr = r.datasets(step);
@@ -45,7 +47,15 @@ class Stream : public ::testing::Test {
         if (info.is_int) s.add_tokens(side, step, d.read_ids(step, info.name));
         else s.add(side, info, d.read(step, info.name));
       };
-      if (engine_first) {
+      if (engine_first && batched) {
+        for (const auto& i : de) feed(StreamSide::engine, e, i);
+        std::vector<std::pair<DatasetInfo, std::vector<float>>> batch;
+        for (const auto& i : dr) {
+          if (i.is_int) s.add_tokens(StreamSide::reference, step, r.read_ids(step, i.name));
+          else batch.emplace_back(i, r.read(step, i.name));
+        }
+        s.add_all(StreamSide::reference, std::move(batch));
+      } else if (engine_first) {
         for (const auto& i : de) feed(StreamSide::engine, e, i);
         for (const auto& i : dr) feed(StreamSide::reference, r, i);
       } else {
@@ -67,6 +77,7 @@ class Stream : public ::testing::Test {
     const std::string files = render_json(compare_dumps(e, r, tol));
     EXPECT_EQ(render_json(streamed(e, r, tol, true)), files);
     EXPECT_EQ(render_json(streamed(e, r, tol, false)), files);
+    EXPECT_EQ(render_json(streamed(e, r, tol, true, -1, true)), files);
   }
 
   std::filesystem::path dir_;
