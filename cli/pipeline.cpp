@@ -504,13 +504,13 @@ void comparator_thread(const Context& cx, size_t p, diff::Comparison& out) {
 }
 
 
-// The sink of replay_held: each checkpoint the engine records goes to the isolated dump (when written)
-// and, cut to the rows that dump keeps, to the comparison; replacements come from the held reference.
+// The sink of the isolation replay on a held reference: each checkpoint the engine records goes to
+// the isolated dump (when written) and, cut to the rows that dump keeps, to the comparison;
+// replacements come from the held reference's current step.
 class HeldReplaySink final : public Sink {
  public:
-  HeldReplaySink(const ModelConfig& cfg, const PipelineOptions& opt, HeldReference& ref, diff::StreamComparison& sc,
-                 DumpWriter* writer)
-      : cfg_(cfg), opt_(opt), ref_(ref), sc_(sc), writer_(writer) {}
+  HeldReplaySink(const ModelConfig& cfg, const PipelineOptions& opt, diff::StreamComparison& sc, DumpWriter* writer)
+      : cfg_(cfg), opt_(opt), sc_(sc), writer_(writer) {}
 
   bool wants(std::string_view name) const override { return name == "tokens" || opt_.filter.matches(name); }
 
@@ -536,36 +536,107 @@ class HeldReplaySink final : public Sink {
   // The reference's tensor of this step and name, whole and of the size the engine recorded (if it
   // did already); else null, and the engine continues from its own values (ReplaySink's rules).
   const float* replacement(int step, std::string_view name) const override {
-    start_step(step);
+    if (step != step_ || !held_) return nullptr;
     auto it = index_.find(name);
     if (it == index_.end()) return nullptr;
-    const HeldReference::Tensor& t = ref_.steps[step].tensors[it->second];
+    const HeldReference::Tensor& t = held_->tensors[it->second];
     if (t.info.row_offset > 0 || t.info.is_int) return nullptr;
     if (auto rec = recorded_n_.find(name); rec != recorded_n_.end() && rec->second != static_cast<int64_t>(t.values.size()))
       return nullptr;
     return t.values.data();
   }
 
-  // Starts `step`: indexes the held tensors of the step by name.
-  void start_step(int step) const {
-    if (step == step_) return;
+  // Starts `step` on the reference's `held` checkpoints of it (indexed by name).
+  void start_step(int step, const HeldReference::Step& held) {
     step_ = step;
+    held_ = &held;
     index_.clear();
     recorded_n_.clear();
-    if (step < 0 || static_cast<size_t>(step) >= ref_.steps.size()) return;
-    const auto& tensors = ref_.steps[step].tensors;
-    for (size_t i = 0; i < tensors.size(); ++i) index_.emplace(tensors[i].info.name, i);
+    for (size_t i = 0; i < held.tensors.size(); ++i) index_.emplace(held.tensors[i].info.name, i);
   }
 
  private:
   const ModelConfig& cfg_;
   const PipelineOptions& opt_;
-  HeldReference& ref_;
   diff::StreamComparison& sc_;
   DumpWriter* writer_;
-  mutable int step_ = -1;
-  mutable std::map<std::string, size_t, std::less<>> index_;
-  mutable std::map<std::string, int64_t, std::less<>> recorded_n_;
+  int step_ = -1;
+  const HeldReference::Step* held_ = nullptr;
+  std::map<std::string, size_t, std::less<>> index_;
+  std::map<std::string, int64_t, std::less<>> recorded_n_;
+};
+
+// The isolation replay of an engine on a held reference, one step at a time: the engine fed the
+// reference's tokens, each checkpoint recorded, replaced by the reference's, and compared.
+class HeldReplay {
+ public:
+  HeldReplay(const GgufFile& file, const ModelConfig& cfg, Backend& engine, const DumpMeta& reference_meta,
+             const std::vector<int32_t>& ids, const PipelineOptions& opt, const std::string& isolated_path)
+      : engine_(engine),
+        ids_(ids),
+        meta_(meta_of(file, engine, ids, opt)),
+        rules_(isolation_rules(meta_, reference_meta, opt.report)),
+        sc_(meta_, reference_meta, rules_.tolerances, rules_.copt),
+        fed_(ids.begin(), ids.end()) {
+    engine.reset();
+    if (!isolated_path.empty()) {
+      guard_.emplace(isolated_path);
+      writer_.emplace(isolated_path, meta_, opt.filter, opt.writer);
+    }
+    sink_.emplace(cfg, opt, sc_, writer_ ? &*writer_ : nullptr);
+  }
+
+  // Step `step` (in order from 0) on the reference's `held` checkpoints of it, which it consumes.
+  void step(int step, HeldReference::Step& held) {
+    if (step > 0 && held.tokens.size() != 1)
+      throw Error(fmt::format("the held reference's step {} has {} tokens (expected 1)", step, held.tokens.size()));
+    if (ids_.size() + step > static_cast<size_t>(engine_.max_ctx()))
+      throw Error("the isolation replay's engine holds too short a context");
+    const std::vector<int32_t> tokens = step == 0 ? ids_ : held.tokens;
+    if (step > 0) fed_.push_back(tokens[0]);
+    sink_->start_step(step, held);
+    argmax_.push_back(argmax(engine_.forward(step, tokens, *sink_)));
+    // The reference's side of the step, once the engine no longer needs its values.
+    sc_.add_tokens(diff::StreamSide::reference, step, std::move(held.tokens));
+    std::vector<std::pair<DatasetInfo, std::vector<float>>> batch;
+    batch.reserve(held.tensors.size());
+    for (HeldReference::Tensor& t : held.tensors) batch.emplace_back(std::move(t.info), std::move(t.values));
+    held.tensors.clear();
+    held.tensors.shrink_to_fit();
+    sc_.add_all(diff::StreamSide::reference, std::move(batch));  // the step's comparisons, in parallel
+    sc_.end_step(step);
+  }
+
+  // Attaches the replay's local errors to `c` (diff::add_isolation) and writes the isolated dump.
+  void attach(diff::Comparison& c, const std::string& engine_name, const std::string& reference_name,
+              const std::vector<int32_t>& reference_argmax) {
+    if (writer_) {
+      writer_->set_attribute("all_token_ids", fed_);
+      writer_->set_attribute("argmax", argmax_);
+      writer_->finish();
+    }
+    diff::add_isolation(c, sc_.finish(engine_name, reference_name, argmax_, reference_argmax), rules_.copt);
+  }
+
+ private:
+  static DumpMeta meta_of(const GgufFile& file, const Backend& engine, const std::vector<int32_t>& ids,
+                          const PipelineOptions& opt) {
+    DumpMeta meta = dump_meta(file, engine, opt.prompt, ids);
+    meta.facts["run_id"] = opt.run_id;
+    meta.created_utc = utc_now_iso8601();
+    meta.diffrun_version = DIFFRUN_VERSION;
+    return meta;
+  }
+
+  Backend& engine_;
+  const std::vector<int32_t>& ids_;
+  DumpMeta meta_;
+  IsolationRules rules_;
+  diff::StreamComparison sc_;
+  std::optional<TempGuard> guard_;
+  std::optional<DumpWriter> writer_;
+  std::optional<HeldReplaySink> sink_;
+  std::vector<int32_t> fed_, argmax_;
 };
 
 }  // namespace
@@ -616,49 +687,14 @@ void add_isolation_held(diff::Comparison& c, const GgufFile& file, const ModelCo
   if (steps < 0) throw Error("the isolation replay has no reference step to replay");
   progress.message(fmt::format("isolation replay: the {}/{} engine on the reference's checkpoints", engine.name(),
                                engine.precision()));
-  if (engine.max_ctx() < static_cast<int>(ids.size()) + steps)
-    throw Error("the isolation replay's engine holds too short a context");
-  engine.reset();
-  DumpMeta meta = dump_meta(file, engine, opt.prompt, ids);
-  meta.facts["run_id"] = opt.run_id;
-  meta.created_utc = utc_now_iso8601();
-  meta.diffrun_version = DIFFRUN_VERSION;
-  const IsolationRules rules = isolation_rules(meta, reference.meta, opt.report);
-  diff::StreamComparison sc(meta, reference.meta, rules.tolerances, rules.copt);
-  std::optional<TempGuard> guard;
-  std::optional<DumpWriter> writer;
-  if (!isolated_path.empty()) {
-    guard.emplace(isolated_path);
-    writer.emplace(isolated_path, meta, opt.filter, opt.writer);
-  }
-  HeldReplaySink sink(cfg, opt, reference, sc, writer ? &*writer : nullptr);
+  HeldReplay replay(file, cfg, engine, reference.meta, ids, opt, isolated_path);
   const std::string what = fmt::format("engine isolated {}/{} step", engine.name(), engine.precision());
-  std::vector<int32_t> fed(ids.begin(), ids.end()), argmaxes;
   for (int step = 0; step <= steps; ++step) {
-    HeldReference::Step& held = reference.steps[step];
-    if (step > 0 && held.tokens.size() != 1)
-      throw Error(fmt::format("the held reference's step {} has {} tokens (expected 1)", step, held.tokens.size()));
-    const std::vector<int32_t> tokens = step == 0 ? ids : held.tokens;
-    if (step > 0) fed.push_back(tokens[0]);
-    sink.start_step(step);
-    argmaxes.push_back(argmax(engine.forward(step, tokens, sink)));
-    // The reference's side of the step, once the engine no longer needs its values.
-    sc.add_tokens(diff::StreamSide::reference, step, std::move(held.tokens));
-    std::vector<std::pair<DatasetInfo, std::vector<float>>> batch;
-    batch.reserve(held.tensors.size());
-    for (HeldReference::Tensor& t : held.tensors) batch.emplace_back(std::move(t.info), std::move(t.values));
-    held.tensors.clear();
-    sc.add_all(diff::StreamSide::reference, std::move(batch));  // the step's comparisons, in parallel
-    sc.end_step(step);
+    replay.step(step, reference.steps[step]);
     progress.update(what, step + 1, steps + 1);
   }
   progress.finish();
-  if (writer) {
-    writer->set_attribute("all_token_ids", fed);
-    writer->set_attribute("argmax", argmaxes);
-    writer->finish();
-  }
-  diff::add_isolation(c, sc.finish(engine_name, reference_name, argmaxes, reference.argmax), rules.copt);
+  replay.attach(c, engine_name, reference_name, reference.argmax);
 }
 
 }  // namespace diffrun::cli
