@@ -244,6 +244,16 @@ int run_main(const MainOptions& o) {
     // else its full dump: with --dump divergence or none a temporary file, removed after the replay,
     // so that the report is the same in every mode.
     pp.hold_reference = p.isolate && held_bytes <= hold_limit;
+    // A CUDA engine's replay runs beside the pipeline (a second engine on the device), a CPU engine's
+    // after it (the cores are the references').
+    pp.replay_beside = pp.hold_reference && p.eng.backend == "cuda";
+    {
+      const std::string not_written = fmt::format("not written (--dump {})", o.dump);
+      const std::string isolated = (std::filesystem::path(p.dir) / "engine-isolated.h5").string();
+      pp.isolated_path = dump == DumpMode::full ? isolated : "";
+      pp.isolated_engine_name = dump == DumpMode::full ? isolated : not_written;
+      pp.isolated_reference_name = dump == DumpMode::full ? pp.reference_path : not_written;
+    }
     if (p.isolate && !pp.hold_reference) {
       pp.replay_path = dump == DumpMode::full ? pp.reference_path
                                               : (std::filesystem::temp_directory_path() /
@@ -276,13 +286,15 @@ int run_main(const MainOptions& o) {
       if (!pairs[i].isolate) continue;
       diff::Comparison& c = comparisons[i];
       std::string path = (std::filesystem::path(pairs[i].dir) / "engine-isolated.h5").string();
+      if (!c.isolated_path.empty()) {  // replayed beside the pipeline
+        engines[i].reset();
+        continue;
+      }
       if (ppairs[i].hold_reference) {
-        const std::string not_written = fmt::format("not written (--dump {})", o.dump);
         if (!engines[i] || engines[i]->max_ctx() < static_cast<int>(ids.size()) + steps)
           engines[i] = make_backend(*file, cfg, pairs[i].eng, static_cast<int>(ids.size()) + steps);
-        add_isolation_held(c, *file, cfg, *engines[i], held[i], ids, popt, dump == DumpMode::full ? path : "",
-                           dump == DumpMode::full ? path : not_written,
-                           dump == DumpMode::full ? ppairs[i].reference_path : not_written, progress);
+        add_isolation_held(c, *file, cfg, *engines[i], held[i], ids, popt, ppairs[i].isolated_path,
+                           ppairs[i].isolated_engine_name, ppairs[i].isolated_reference_name, progress);
         continue;
       }
       if (dump != DumpMode::full) {

@@ -132,6 +132,8 @@ struct Shared {
   std::vector<int32_t> feed;  // the first pair's reference's argmax after each step
   int stop_step = INT_MAX;    // the last step the run computes
   std::vector<int> ended;     // per pair: the last step its comparator finished
+  std::vector<char> compared_all;  // per pair: its comparator is done (no step beyond `ended`)
+  std::vector<char> prefilled;     // per pair: its engine finished step 0 (its largest allocations)
   std::vector<std::deque<Message>> queue[2];  // per side, per pair
   std::exception_ptr error;
   bool aborted = false;
@@ -273,6 +275,11 @@ void backend_thread(const Context& cx, size_t p, int side) {
     const std::vector<float> logits =
         step == 0 ? backend->forward(0, cx.ids, sink) : backend->forward(step, std::span<const int32_t>(&token, 1), sink);
     cx.sh.step_done(side, p, step);
+    if (side == kEngine && step == 0) {
+      std::lock_guard lock(cx.sh.m);
+      cx.sh.prefilled[p] = 1;
+      cx.sh.cv.notify_all();
+    }
     Message end(Message::step_end);
     end.step = step;
     end.argmax = argmax(logits);
@@ -339,6 +346,7 @@ class Comparator {
       fed.insert(fed.end(), cx_.sh.feed.begin(), cx_.sh.feed.begin() + std::min<size_t>(cx_.sh.feed.size(), last));
     }
     if (held_ref_) {
+      std::lock_guard lock(cx_.sh.m);  // the replay beside the pipeline reads the steps under it
       held_ref_->steps.resize(std::min<size_t>(held_ref_->steps.size(), last + 1));
       held_ref_->argmax.assign(argmax_[kReference].begin(),
                                argmax_[kReference].begin() + std::min<size_t>(argmax_[kReference].size(), last + 1));
@@ -351,6 +359,11 @@ class Comparator {
         w->set_attribute("argmax", argmax_[side]);
         w->finish();
       }
+    }
+    {
+      std::lock_guard lock(cx_.sh.m);
+      cx_.sh.compared_all[p_] = 1;
+      cx_.sh.cv.notify_all();
     }
     return stream_->finish(writers_[kEngine] ? pair_.engine_path : none,
                            writers_[kReference] ? pair_.reference_path : none, argmax_[kEngine], argmax_[kReference],
@@ -393,7 +406,10 @@ class Comparator {
     }
   }
 
+  // The held step `step` (the deque grows under the lock, which the replay beside the pipeline reads
+  // it under; a step's own contents are written before its comparison ends, read after).
   HeldReference::Step& held_step(int step) {
+    std::lock_guard lock(cx_.sh.m);
     if (held_ref_->steps.size() <= static_cast<size_t>(step)) held_ref_->steps.resize(step + 1);
     return held_ref_->steps[step];
   }
@@ -639,6 +655,53 @@ class HeldReplay {
   std::vector<int32_t> fed_, argmax_;
 };
 
+// The isolation replay beside the pipeline (PipelinePair::replay_beside): a second engine, loaded once
+// the pipeline's engine has done its prefill (its largest allocations), replays each held step once
+// the pair's comparator has finished it.
+struct BesideReplay {
+  std::unique_ptr<Backend> engine;  // declared first: the replay refers to it
+  std::optional<HeldReplay> replay;
+};
+
+void replay_thread(const Context& cx, size_t p, BesideReplay& out) {
+  const PipelinePair& pair = cx.pairs[p];
+  HeldReference& held = (*cx.held)[p];
+  const auto say = [&](const std::string& text) {
+    std::lock_guard lock(cx.sh.m);
+    if (cx.sh.progress) cx.sh.progress->message(text);
+  };
+  {
+    std::unique_lock lock(cx.sh.m);
+    cx.sh.cv.wait(lock, [&] { return cx.sh.aborted || cx.sh.prefilled[p] || cx.sh.compared_all[p]; });
+    if (cx.sh.aborted || !cx.sh.prefilled[p]) return;
+  }
+  for (int step = 0;; ++step) {
+    HeldReference::Step* st = nullptr;
+    {
+      std::unique_lock lock(cx.sh.m);
+      cx.sh.cv.wait(lock, [&] { return cx.sh.aborted || cx.sh.ended[p] >= step || cx.sh.compared_all[p]; });
+      if (cx.sh.aborted) return;
+      if (cx.sh.ended[p] < step) break;  // the comparator is done: no such step
+      st = &held.steps[step];
+    }
+    if (step > 0) {
+      out.replay->step(step, *st);
+      continue;
+    }
+    // A second engine that does not fit (device memory) leaves the replay to after the pipeline.
+    try {
+      out.engine = make_backend(cx.file, cx.cfg, pair.engine, static_cast<int>(cx.ids.size()) + cx.opt.steps);
+      out.replay.emplace(cx.file, cx.cfg, *out.engine, held.meta, cx.ids, cx.opt, pair.isolated_path);
+      out.replay->step(0, *st);
+    } catch (const Error& e) {
+      out.replay.reset();
+      out.engine.reset();
+      say(fmt::format("the isolation replay runs after the pipeline: {}", e.what()));
+      return;
+    }
+  }
+}
+
 }  // namespace
 
 std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConfig& cfg,
@@ -654,7 +717,10 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
   sh.position[kReference].resize(pairs.size());
   sh.progress = &progress;
   if (kept) kept->resize(pairs.size());
+  sh.compared_all.assign(pairs.size(), 0);
+  sh.prefilled.assign(pairs.size(), 0);
   if (held) held->assign(pairs.size(), HeldReference{});
+  std::vector<BesideReplay> beside(pairs.size());
   const Context cx{file, cfg, pairs, ids, opt, sh, kept, held};
   std::vector<diff::Comparison> out(pairs.size());
   std::vector<std::thread> threads;
@@ -671,10 +737,18 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
     threads.emplace_back(guarded([&cx, p] { backend_thread(cx, p, kReference); }));
     threads.emplace_back(guarded([&cx, p] { backend_thread(cx, p, kEngine); }));
     threads.emplace_back(guarded([&cx, p, &out] { comparator_thread(cx, p, out[p]); }));
+    if (held && pairs[p].hold_reference && pairs[p].replay_beside)
+      threads.emplace_back(guarded([&cx, p, &beside] { replay_thread(cx, p, beside[p]); }));
   }
   for (std::thread& t : threads) t.join();
   progress.finish();
   if (sh.error) std::rethrow_exception(sh.error);
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    if (!beside[p].replay) continue;
+    beside[p].replay->attach(out[p], pairs[p].isolated_engine_name, pairs[p].isolated_reference_name, (*held)[p].argmax);
+    beside[p].replay.reset();
+    beside[p].engine.reset();
+  }
   return out;
 }
 

@@ -24,15 +24,18 @@
 // started beyond them.
 //
 // Isolation replay from memory (PipelinePair::hold_reference): the comparator keeps the reference's
-// checkpoints as its dump would present them, and replay_held runs the engine again on them after
-// the pipeline, each checkpoint compared as it is recorded: no dump is read back. The job holds
-// them when the reference's planned dump is small enough (cmd_main.cpp), else it replays from the
-// reference's dump file as `compare --isolated` would.
+// checkpoints as its dump would present them, and the engine runs again on them, each checkpoint
+// compared as it is recorded: no dump is read back. With a CUDA engine the replay runs beside the
+// pipeline on a second engine (one more thread per pair, a step behind the comparator:
+// replay_beside), else after it (add_isolation_held). The job holds them when the reference's
+// planned dump is small enough (cmd_main.cpp), else it replays from the reference's dump file as
+// `compare --isolated` would.
 //
 // Errors in any thread stop every thread; the first is rethrown by run_pipeline.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,6 +64,14 @@ struct PipelinePair {
   int engine_threads = 1, reference_threads = 1;  // OpenMP threads of a cpu backend
   bool keep_engine = false;  // hand the engine back when the pair is done (the isolation replay reuses it)
   bool hold_reference = false;  // keep the reference's checkpoints in memory (HeldReference) for replay_held
+  // With hold_reference: run the isolation replay beside the pipeline, on a second engine fed each held
+  // step once its comparator has finished it; the comparison comes back with the local errors
+  // attached (Comparison::isolated_path set). Where the second engine cannot be loaded (device
+  // memory), nothing is attached and the caller replays after the pipeline (add_isolation_held).
+  bool replay_beside = false;
+  std::string isolated_path;            // where the isolated dump is written (empty: not written)
+  std::string isolated_engine_name;     // what the isolated comparison calls its dumps
+  std::string isolated_reference_name;
 };
 
 // A reference's run as its dump would present it (DumpReader's DatasetInfo, the values as stored),
@@ -75,7 +86,7 @@ struct HeldReference {
     std::vector<Tensor> tensors;  // in recording order
   };
   DumpMeta meta;
-  std::vector<Step> steps;
+  std::deque<Step> steps;  // a deque: a step stays where it is while later ones are added
   std::vector<int32_t> argmax;  // the reference's greedy choice after each step
 };
 

@@ -38,7 +38,7 @@ def job(tmp, name, *extra):
 def normalized(text, out):
     """A report with what differs between runs blanked: the dump paths, the run id, the creation time."""
     text = re.sub(r"not written \(--dump \w+\)", "<dump>", text)
-    text = re.sub(re.escape(str(out)) + r"/(engine|reference|engine-isolated)\.h5", "<dump>", text)
+    text = re.sub(re.escape(str(out)) + r"(/logic|/precision)?/(engine|reference|engine-isolated)\.h5", "<dump>", text)
     text = re.sub(r'"run_id": "[^"]*"', '"run_id": ""', text)
     text = re.sub(r'"created_utc": "[^"]*"', '"created_utc": ""', text)
     text = re.sub(r'timestamp="[^"]*"', 'timestamp=""', text)
@@ -185,3 +185,41 @@ def test_isolation_from_memory_is_the_replay_of_the_dump(tmp_path, cut, monkeypa
             "--no-color", "--require-coverage", "100", "--report-json", str(tmp_path / "compare.json"))
     assert r.returncode == 1, r.stdout + r.stderr
     assert without_paths((tmp_path / "compare.json").read_text()) == without_paths(held[2])
+
+
+def test_cuda_isolation_beside_the_pipeline_is_the_replay_of_the_dump(tmp_path, monkeypatch):
+    # On a CUDA engine the precision pair's replay runs beside the pipeline on a second engine, on the
+    # reference's checkpoints held in memory; DIFFRUN_ISOLATION_HOLD_MAX=0 replays from the
+    # reference's dump after the pipeline (the path before). The same reports in --dump full and
+    # none, the same isolated dump bit for bit.
+    base = ["-m", str(MODEL), "--tokens", "1,2,3,4,5,6", "--steps", "4", "--engine", "cuda", "--no-color",
+            "--inject", "kv_cache_pos0"]
+    first = run(*base, "--dump", "none")
+    if first.returncode == 2 and ("without the CUDA engine" in first.stderr or "CUDA device" in first.stderr):
+        pytest.skip(first.stderr.strip().splitlines()[-1])
+    runs = {}
+    for mode in ("full", "none"):
+        for how, limit in (("beside", None), ("file", "0")):
+            if limit is None:
+                monkeypatch.delenv("DIFFRUN_ISOLATION_HOLD_MAX", raising=False)
+            else:
+                monkeypatch.setenv("DIFFRUN_ISOLATION_HOLD_MAX", limit)
+            name = f"{how}-{mode}"
+            out = tmp_path / name
+            r = run(*base, "--dump", mode, "--out", str(out), "--report-json", str(tmp_path / f"{name}.json"),
+                    "--report-junit", str(tmp_path / f"{name}.xml"))
+            assert r.returncode == 1, r.stdout + r.stderr
+            assert "runs after the pipeline" not in r.stderr, r.stderr
+            runs[name] = (r.stdout, (tmp_path / f"{name}.json").read_text(), (tmp_path / f"{name}.xml").read_text(), out)
+    monkeypatch.delenv("DIFFRUN_ISOLATION_HOLD_MAX", raising=False)
+    full = runs["beside-full"]
+    assert "in isolation replay" in full[0]
+    for name, (t, j, x, o) in runs.items():
+        assert normalized(t, o).split() == normalized(full[0], full[3]).split(), name
+        assert normalized(j, o) == normalized(full[1], full[3]), name
+        assert normalized(x, o) == normalized(full[2], full[3]), name
+    a = datasets(runs["beside-full"][3] / "precision" / "engine-isolated.h5")
+    b = datasets(runs["file-full"][3] / "precision" / "engine-isolated.h5")
+    assert a.keys() == b.keys() and len(a) > 0
+    for key in a:
+        assert np.array_equal(a[key], b[key], equal_nan=a[key].dtype.kind == "f"), key
