@@ -34,7 +34,8 @@ class Backend {
   // Positions the KV cache holds (prompt plus decode steps may not exceed it).
   virtual int max_ctx() const { return config().n_ctx; }
 
-  // Empties the KV cache.
+  // Empties the KV cache: n_past 0, every row zero as at construction (a reset backend computes what
+  // a fresh one does, even where a fault reads rows it never wrote).
   virtual void reset() = 0;
 };
 

@@ -240,6 +240,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"checkpoint_copies", stager_.mode()},
     };
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
+    clear_kv_cache();
     CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));
     CUDA_CHECK(cudaMemsetAsync(argmax_scratch_.get(), 0, argmax_scratch_.size() * sizeof(unsigned long long), stream_));
     if (!cfg_.rope_freq_factors.empty()) {  // Llama 3's rope_freqs, uploaded once; prepare_faults synchronizes
@@ -258,7 +259,12 @@ class CudaEngineImpl final : public CudaEngine {
   std::map<std::string, std::string> facts() const override { return facts_; }
   int n_past() const override { return n_past_; }
   int max_ctx() const override { return max_ctx_; }
-  void reset() override { n_past_ = 0; }
+  // Empties the cache: n_past 0 and every row zero, as at construction (a reset engine is a fresh one:
+  // a fault that reads rows it never wrote, kv_cache_pos0, reads zeros either way).
+  void reset() override {
+    n_past_ = 0;
+    clear_kv_cache();
+  }
   int32_t last_argmax() const override { return *h_argmax_.get(); }
   uint64_t weight_bytes() const override { return weights_.bytes(); }
 
@@ -576,6 +582,11 @@ class CudaEngineImpl final : public CudaEngine {
       }
     }
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  void clear_kv_cache() {
+    CUDA_CHECK(cudaMemsetAsync(k_cache_.get(), 0, k_cache_.bytes(), stream_));
+    CUDA_CHECK(cudaMemsetAsync(v_cache_.get(), 0, v_cache_.bytes(), stream_));
   }
 
   static const char* layout_of(const char* base) {

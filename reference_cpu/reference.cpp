@@ -75,7 +75,12 @@ class CpuBackend final : public Backend {
   }
   int n_past() const override { return n_past_; }
   int max_ctx() const override { return max_ctx_; }
-  void reset() override { n_past_ = 0; }
+  // Empties the cache: n_past 0 and every row zero, as at construction (the engine's twin).
+  void reset() override {
+    n_past_ = 0;
+    for (auto& m : cache_.k) m.setZero();
+    for (auto& m : cache_.v) m.setZero();
+  }
 
   std::vector<float> forward(int step, std::span<const int32_t> tokens, Sink& sink) override {
     const int n = static_cast<int>(tokens.size());

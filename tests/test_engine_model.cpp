@@ -348,6 +348,30 @@ TEST(EngineModel, CheckpointCopyModesRecordTheSameValues) {
   }
 }
 
+// reset() empties the cache (zero rows, as at construction): an engine reset after a longer prompt
+// computes what a fresh one does, even under kv_cache_pos0, whose decode steps read rows that the
+// short prompt never wrote (device memory is not zeroed by cudaMalloc).
+TEST(EngineModel, ResetEngineEqualsAFreshOne) {
+  DIFFRUN_REQUIRE_CUDA();
+  Models m = open_model(test::fixture_path("tiny-llama-f32.gguf"));
+  for (const char* faults : {"", "kv_cache_pos0"})
+  for (const char* precision : {"f32", "f16"}) {
+    SCOPED_TRACE(std::string(faults) + " " + precision);
+    auto used = make_cuda_engine(*m.file, m.cfg, precision, 16, parse_faults(faults));
+    NullSink none;
+    std::vector<int32_t> tokens = {3, 1, 4, 1, 5, 9, 2};
+    for (int step = 0; step < 3; ++step) tokens = {host_argmax(used->forward(step, tokens, none))};
+    used->reset();
+    auto fresh = make_cuda_engine(*m.file, m.cfg, precision, 16, parse_faults(faults));
+    std::vector<int32_t> a = {2, 7}, b = {2, 7};
+    for (int step = 0; step < 4; ++step) {
+      const std::vector<float> la = used->forward(step, a, none), lb = fresh->forward(step, b, none);
+      EXPECT_EQ(la, lb) << "step " << step;
+      a = b = {host_argmax(lb)};
+    }
+  }
+}
+
 // The decode fusions of one-token steps without hooks (SwiGLU in the gate|up GEMV, RoPE and the cache
 // write in the qkv GEMV) against the same engine with both off: the same logits bit for bit, on norm
 // and neox pairing, freq factors (llama3rope), biases (qwen2), dense and quantized weights.

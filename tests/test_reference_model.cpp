@@ -225,6 +225,27 @@ TEST(TinyFixtures, EveryArchAndFormatGivesFiniteLogits) {
   EXPECT_EQ(ran, static_cast<int>(archs.size() * formats.size()));
 }
 
+// reset() empties the cache: a backend reset after a longer prompt computes what a fresh one does,
+// even under kv_cache_pos0, whose decode steps read cache rows that the short prompt never wrote.
+TEST(TinyFixtures, ResetBackendEqualsAFreshOne) {
+  const std::string path = test::fixture_path("tiny-llama-f32.gguf");
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " missing (run through ctest: fixture tiny_models)";
+  auto file = GgufFile::open(path);
+  const ModelConfig cfg = config_from_gguf(*file);
+  for (const char* faults : {"", "kv_cache_pos0"}) {
+    SCOPED_TRACE(faults);
+    auto used = make_cpu_backend(*file, cfg, "f32", 16, parse_faults(faults));
+    auto fresh = make_cpu_backend(*file, cfg, "f32", 16, parse_faults(faults));
+    NullSink none;
+    (void)cli::run_steps(*used, std::vector<int32_t>{3, 1, 4, 1, 5, 9, 2}, 2, {}, none);
+    used->reset();
+    const std::vector<int32_t> prompt = {2, 7};
+    const cli::StepsResult a = cli::run_steps(*used, prompt, 3, {}, none, /*keep_logits=*/true);
+    const cli::StepsResult b = cli::run_steps(*fresh, prompt, 3, {}, none, /*keep_logits=*/true);
+    EXPECT_EQ(a.last_logits, b.last_logits);
+  }
+}
+
 // tiny-gemma3 (window 8 on layers 0-4, layer 5 global, softcap 30) in each of its formats: a 12-token
 // prompt and three decode steps, so the window cuts attention in prefill and decode alike. The gemma3
 // kinds are recorded, f32 agrees with f64, the embedding scale is sqrt(D) and the softcap bounds the logits.
