@@ -295,7 +295,7 @@ class CpuBackend final : public Backend {
   RmsNormFlaws rms_norm_flaws_;
   std::vector<WeightMatrix<T>> wo_flawed_;      // [n_layer] W_o read with the wrong leading dimension, attn_out_transposed only
   std::vector<WeightMatrix<T>> w_down_flawed_;  // [n_layer] W_down likewise, ffn_down_transposed only
-  std::vector<T> scratch_;  // [N*K] the matrix a prefill GEMM decodes, sized by the largest so far (ops/matmul.hpp)
+  ref::Scratch<T> scratch_;  // [N*K] the matrix a prefill GEMM decodes, sized by the largest so far (ops/matmul.hpp)
   int n_past_ = 0;
 };
 

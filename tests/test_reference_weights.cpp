@@ -129,7 +129,8 @@ void expect_streamed_matmul_equals_dense(const GgufFile& file, const TensorInfo&
       SCOPED_TRACE(info.name + " tokens " + std::to_string(n_tokens) + " threads " + std::to_string(threads) +
                    (round_to_f16 ? " f16" : ""));
       omp_set_num_threads(threads);
-      std::vector<T> want(static_cast<size_t>(n_tokens) * N), got(want.size()), scratch;
+      std::vector<T> want(static_cast<size_t>(n_tokens) * N), got(want.size());
+      ref::Scratch<T> scratch;
       ref::matmul(want.data(), x.data(), dense.data(), bias.data(), n_tokens, K, N);
       ref::matmul(got.data(), x.data(), streamed, bias.data(), n_tokens, K, N, scratch);
       EXPECT_TRUE(same_bits(want, got));

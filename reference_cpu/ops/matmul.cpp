@@ -78,7 +78,7 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const T* W /* [N,K] */, 
 
 template <typename T>
 void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const WeightMatrix<T>& W /* [>=N,K] */,
-            const T* bias /* [N] or null */, int n_tokens, int K, int N, std::vector<T>& scratch /* [N*K] */) {
+            const T* bias /* [N] or null */, int n_tokens, int K, int N, Scratch<T>& scratch /* [N*K] */) {
   if (W.cols() != K || W.rows() < N) {
     throw ModelError("matmul: a [" + std::to_string(W.rows()) + ", " + std::to_string(W.cols()) +
                      "] weight cannot give " + std::to_string(N) + " outputs of " + std::to_string(K) + " inputs");
@@ -106,13 +106,12 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const WeightMatrix<T>& W
     return;
   }
   // Prefill: the same column blocks and GEMMs as the pointer path, each on its block decoded into scratch.
-  const size_t need = static_cast<size_t>(N) * K;
-  if (scratch.size() < need) scratch.resize(need);
+  T* const decoded = scratch.reserve(static_cast<size_t>(N) * K);
 #pragma omp parallel
   {
     const auto [n0, n1] = column_block(N, omp_get_thread_num(), omp_get_num_threads());
     if (n1 > n0) {
-      T* block = scratch.data() + static_cast<int64_t>(n0) * K;  // [n1-n0,K]
+      T* block = decoded + static_cast<int64_t>(n0) * K;  // [n1-n0,K], written by the decode before the GEMM reads it
       W.decode_rows(block, n0, n1 - n0);
       gemm_block(out, x, block, bias, n_tokens, K, N, n0, n1);
     }
@@ -122,8 +121,8 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const WeightMatrix<T>& W
 template void matmul<float>(float*, const float*, const float*, const float*, int, int, int);
 template void matmul<double>(double*, const double*, const double*, const double*, int, int, int);
 template void matmul<float>(float*, const float*, const WeightMatrix<float>&, const float*, int, int, int,
-                            std::vector<float>&);
+                            Scratch<float>&);
 template void matmul<double>(double*, const double*, const WeightMatrix<double>&, const double*, int, int, int,
-                             std::vector<double>&);
+                             Scratch<double>&);
 
 }  // namespace diffrun::ref
