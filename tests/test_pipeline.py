@@ -160,13 +160,14 @@ def without_paths(report):
     return report
 
 
-@pytest.mark.parametrize("cut", [[], ["--tokens", LONG, "--token-rows", "8"]])
+@pytest.mark.parametrize("cut", [[], ["--tokens", LONG, "--token-rows", "8"], ["--stop-at-first", "0"]])
 def test_isolation_from_memory_is_the_replay_of_the_dump(tmp_path, cut, monkeypatch):
     # The job replays from the reference's checkpoints held in memory (no dump read back); with
     # DIFFRUN_ISOLATION_HOLD_MAX=0 from the reference's dump file, as before. The same reports, the
     # same isolated dump, and `compare --isolated` of the written dumps gives the same report too.
     # cut: a long prompt whose per-token checkpoints the dumps keep the last 8 rows of (those are
-    # not replaced: the reference holds only part of them).
+    # not replaced: the reference holds only part of them); or a run ended at its first divergence
+    # (step 1), whose replay covers steps 0-1 only.
     extra = ["--dump", "full", "--isolate", "--inject", "kv_cache_pos0", *cut]
     held = job(tmp_path, "held", *extra)
     monkeypatch.setenv("DIFFRUN_ISOLATION_HOLD_MAX", "0")
