@@ -656,7 +656,7 @@ class HeldReplay {
 };
 
 // The isolation replay beside the pipeline (PipelinePair::replay_beside): a second engine, loaded once
-// the pipeline's engine has done its prefill (its largest allocations), replays each held step once
+// every pair's engine has done its prefill (their largest allocations), replays each held step once
 // the pair's comparator has finished it.
 struct BesideReplay {
   std::unique_ptr<Backend> engine;  // declared first: the replay refers to it
@@ -671,9 +671,13 @@ void replay_thread(const Context& cx, size_t p, BesideReplay& out) {
     if (cx.sh.progress) cx.sh.progress->message(text);
   };
   {
+    // Every pair's engine has made its largest allocations (its prefill) before a third one loads.
     std::unique_lock lock(cx.sh.m);
-    cx.sh.cv.wait(lock, [&] { return cx.sh.aborted || cx.sh.prefilled[p] || cx.sh.compared_all[p]; });
-    if (cx.sh.aborted || !cx.sh.prefilled[p]) return;
+    const auto all_prefilled = [&] {
+      return std::all_of(cx.sh.prefilled.begin(), cx.sh.prefilled.end(), [](char c) { return c != 0; });
+    };
+    cx.sh.cv.wait(lock, [&] { return cx.sh.aborted || all_prefilled() || cx.sh.compared_all[p]; });
+    if (cx.sh.aborted || !all_prefilled()) return;
   }
   for (int step = 0;; ++step) {
     HeldReference::Step* st = nullptr;

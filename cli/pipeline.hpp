@@ -64,8 +64,9 @@ struct PipelinePair {
   int engine_threads = 1, reference_threads = 1;  // OpenMP threads of a cpu backend
   bool keep_engine = false;  // hand the engine back when the pair is done (the isolation replay reuses it)
   bool hold_reference = false;  // keep the reference's checkpoints in memory (HeldReference) for replay_held
-  // With hold_reference: run the isolation replay beside the pipeline, on a second engine fed each held
-  // step once its comparator has finished it; the comparison comes back with the local errors
+  // With hold_reference: run the isolation replay beside the pipeline, on a second engine (loaded once
+  // every pair's engine has done its prefill) fed each held step once its comparator has finished
+  // it; the comparison comes back with the local errors
   // attached (Comparison::isolated_path set). Where the second engine cannot be loaded (device
   // memory), nothing is attached and the caller replays after the pipeline (add_isolation_held).
   bool replay_beside = false;
