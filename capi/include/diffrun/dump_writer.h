@@ -65,7 +65,9 @@ DIFFRUN_DUMP_API int diffrun_dump_open(const char* path, diffrun_dump** out);
 
 /* Copies the run's root attributes from a reference dump: model, config, prompt, token_ids,
  * all_token_ids (everything but backend, precision, created_utc, diffrun_version, argmax and the
- * reference's backend facts). Set backend and precision afterwards. */
+ * reference's backend facts). Set backend and precision afterwards. A reference in format version 1
+ * (variable-length strings) fails unless the environment has DIFFRUN_READ_V1=1
+ * (docs/dump-format.md, "Versioning"). */
 DIFFRUN_DUMP_API int diffrun_dump_copy_meta(diffrun_dump* d, const char* reference_path);
 
 /* The token ids step `step` is fed, from the root attributes token_ids (step 0, the prompt) and
