@@ -28,6 +28,20 @@ namespace diffrun {
 //   stages its copies) replace only buffers at least as large as the reference's tensor.
 // - The reference's tensors of one step stay in memory until the next step starts, so a backend
 //   may upload from them asynchronously until it synchronizes at the end of the step.
+// The rule above for any source of the reference's tensors (this sink's dump, the top-level job's
+// checkpoints held in memory): per step, the element counts the backend recorded, and whether a
+// reference tensor may replace the backend's.
+class ReplacementRule {
+ public:
+  void start_step() { recorded_.clear(); }
+  void recorded(std::string_view name, int64_t n) { recorded_[std::string(name)] = n; }
+  // A float tensor the dump holds whole, of the element count the backend recorded for it (if it did).
+  bool allows(const DatasetInfo& reference) const;
+
+ private:
+  std::map<std::string, int64_t, std::less<>> recorded_;
+};
+
 class ReplaySink final : public Sink {
  public:
   ReplaySink(Sink& out, const DumpReader& reference) : out_(out), reference_(reference) {}
@@ -45,7 +59,7 @@ class ReplaySink final : public Sink {
   const DumpReader& reference_;
   mutable int step_ = -1;
   mutable std::map<std::string, std::vector<float>, std::less<>> values_;  // this step's reference tensors
-  mutable std::map<std::string, int64_t, std::less<>> recorded_n_;        // this step's recorded element counts
+  mutable ReplacementRule rule_;
 };
 
 }  // namespace diffrun
