@@ -247,13 +247,7 @@ int run_main(const MainOptions& o) {
     // A CUDA engine's replay runs beside the pipeline (a second engine on the device), a CPU engine's
     // after it (the cores are the references').
     pp.replay_beside = pp.hold_reference && p.eng.backend == "cuda";
-    {
-      const std::string not_written = fmt::format("not written (--dump {})", o.dump);
-      const std::string isolated = (std::filesystem::path(p.dir) / "engine-isolated.h5").string();
-      pp.isolated_path = dump == DumpMode::full ? isolated : "";
-      pp.isolated_engine_name = dump == DumpMode::full ? isolated : not_written;
-      pp.isolated_reference_name = dump == DumpMode::full ? pp.reference_path : not_written;
-    }
+    if (dump == DumpMode::full) pp.isolated_path = (std::filesystem::path(p.dir) / "engine-isolated.h5").string();
     if (p.isolate && !pp.hold_reference) {
       pp.replay_path = dump == DumpMode::full ? pp.reference_path
                                               : (std::filesystem::temp_directory_path() /
@@ -293,8 +287,7 @@ int run_main(const MainOptions& o) {
       if (ppairs[i].hold_reference) {
         if (!engines[i] || engines[i]->max_ctx() < static_cast<int>(ids.size()) + steps)
           engines[i] = make_backend(*file, cfg, pairs[i].eng, static_cast<int>(ids.size()) + steps);
-        add_isolation_held(c, *file, cfg, *engines[i], held[i], ids, popt, ppairs[i].isolated_path,
-                           ppairs[i].isolated_engine_name, ppairs[i].isolated_reference_name, progress);
+        add_isolation_held(c, *file, cfg, *engines[i], held[i], ppairs[i], ids, popt, progress);
         continue;
       }
       if (dump != DumpMode::full) {
@@ -305,7 +298,7 @@ int run_main(const MainOptions& o) {
                   popt.run_id, progress, ppairs[i].replay_path, std::move(engines[i]));
       const DumpReader isolated(path), reference(ppairs[i].replay_path);
       add_isolation_for(c, isolated, reference, o.report);
-      if (dump != DumpMode::full) c.isolated_path = fmt::format("not written (--dump {})", o.dump);
+      if (dump != DumpMode::full) c.isolated_path = not_written(dump);
     }
   }
   const auto token_text = [&](int32_t id) {

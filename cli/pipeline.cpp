@@ -19,6 +19,7 @@
 #include <fmt/core.h>
 
 #include "checkpoints/dump_format.hpp"
+#include "checkpoints/replay_sink.hpp"
 #include "checkpoints/rows.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "cli/interrupt.hpp"
@@ -26,6 +27,11 @@
 #include "model/error.hpp"
 
 namespace diffrun::cli {
+
+std::string not_written(DumpMode mode) {
+  return std::string("not written (--dump ") +
+         (mode == DumpMode::full ? "full" : mode == DumpMode::divergence ? "divergence" : "none") + ")";
+}
 
 DumpMode parse_dump_mode(const std::string& s) {
   if (s == "full") return DumpMode::full;
@@ -339,7 +345,7 @@ class Comparator {
       last = step;
     }
     if (held_) write_held(false);
-    const std::string none = "not written (--dump none)";
+    const std::string none = not_written(DumpMode::none);
     std::vector<int32_t> fed(cx_.ids.begin(), cx_.ids.end());
     {
       std::lock_guard lock(cx_.sh.m);
@@ -409,7 +415,7 @@ class Comparator {
   // The held step `step` (the deque grows under the lock, which the replay beside the pipeline reads
   // it under; a step's own contents are written before its comparison ends, read after).
   HeldReference::Step& held_step(int step) {
-    std::lock_guard lock(cx_.sh.m);
+    std::lock_guard lock(cx_.sh.m);  // once per step
     if (held_ref_->steps.size() <= static_cast<size_t>(step)) held_ref_->steps.resize(step + 1);
     return held_ref_->steps[step];
   }
@@ -421,6 +427,7 @@ class Comparator {
   }
 
   void run_step(int step) {
+    HeldReference::Step* held = held_ref_ ? &held_step(step) : nullptr;  // the reference's, kept for the replay
     bool ended[2] = {false, false};
     HeldStep current;
     current.step = step;
@@ -449,7 +456,7 @@ class Comparator {
           break;
         case Message::ids:
           if (replay_ && side == kReference) write_to(*replay_, m, true);
-          if (held_ref_ && side == kReference) held_step(step).tokens = m.tokens;
+          if (held && side == kReference) held->tokens = m.tokens;
           stream().add_tokens(side_id, step, m.tokens);
           if (cx_.opt.dump == DumpMode::full) write(side, m, true);
           else if (cx_.opt.dump == DumpMode::divergence) current.messages[side].push_back(std::move(m));
@@ -457,7 +464,7 @@ class Comparator {
         case Message::checkpoint: {
           DatasetInfo info = info_of(side, m);
           if (replay_ && side == kReference) write_to(*replay_, m, true);
-          if (held_ref_ && side == kReference) held_step(step).tensors.push_back({info, m.values});
+          if (held && side == kReference) held->tensors.push_back({info, m.values});
           std::vector<float> values;
           if (cx_.opt.dump == DumpMode::full) write(side, m, true);
           if (cx_.opt.dump == DumpMode::divergence) {
@@ -505,7 +512,7 @@ class Comparator {
   std::optional<diff::StreamComparison> stream_;
   std::unique_ptr<DumpWriter> writers_[2];
   std::unique_ptr<DumpWriter> replay_;  // the reference's full dump for the isolation replay (replay_path)
-  HeldReference* held_ref_ = nullptr;    // the reference's checkpoints kept for replay_held
+  HeldReference* held_ref_ = nullptr;    // the reference's checkpoints kept for the isolation replay
   std::vector<int32_t> argmax_[2];
   std::optional<HeldStep> held_;
   int first_nonfinite_ = -1;
@@ -534,7 +541,7 @@ class HeldReplaySink final : public Sink {
               NativeDType native, std::span<const float> data) override {
     if (!wants(name)) return;
     if (writer_) writer_->record(step, name, layer, layout, shape, native, data);
-    recorded_n_[std::string(name)] = static_cast<int64_t>(data.size());
+    rule_.recorded(name, static_cast<int64_t>(data.size()));
     const auto [rd, offset] = writer_rows(name, layout, shape, opt_.writer);
     std::vector<float> values = offset > 0 ? rows_from(data, shape, rd, offset) : std::vector<float>(data.begin(), data.end());
     sc_.add(diff::StreamSide::engine,
@@ -549,17 +556,14 @@ class HeldReplaySink final : public Sink {
     sc_.add_tokens(diff::StreamSide::engine, step, std::vector<int32_t>(ids.begin(), ids.end()));
   }
 
-  // The reference's tensor of this step and name, whole and of the size the engine recorded (if it
-  // did already); else null, and the engine continues from its own values (ReplaySink's rules).
+  // The reference's tensor of this step and name where ReplaySink's rule allows it; else null, and the
+  // engine continues from its own values.
   const float* replacement(int step, std::string_view name) const override {
     if (step != step_ || !held_) return nullptr;
     auto it = index_.find(name);
     if (it == index_.end()) return nullptr;
     const HeldReference::Tensor& t = held_->tensors[it->second];
-    if (t.info.row_offset > 0 || t.info.is_int) return nullptr;
-    if (auto rec = recorded_n_.find(name); rec != recorded_n_.end() && rec->second != static_cast<int64_t>(t.values.size()))
-      return nullptr;
-    return t.values.data();
+    return rule_.allows(t.info) ? t.values.data() : nullptr;
   }
 
   // Starts `step` on the reference's `held` checkpoints of it (indexed by name).
@@ -567,7 +571,7 @@ class HeldReplaySink final : public Sink {
     step_ = step;
     held_ = &held;
     index_.clear();
-    recorded_n_.clear();
+    rule_.start_step();
     for (size_t i = 0; i < held.tensors.size(); ++i) index_.emplace(held.tensors[i].info.name, i);
   }
 
@@ -579,7 +583,7 @@ class HeldReplaySink final : public Sink {
   int step_ = -1;
   const HeldReference::Step* held_ = nullptr;
   std::map<std::string, size_t, std::less<>> index_;
-  std::map<std::string, int64_t, std::less<>> recorded_n_;
+  ReplacementRule rule_;
 };
 
 // The isolation replay of an engine on a held reference, one step at a time: the engine fed the
@@ -658,6 +662,12 @@ class HeldReplay {
 // The isolation replay beside the pipeline (PipelinePair::replay_beside): a second engine, loaded once
 // every pair's engine has done its prefill (their largest allocations), replays each held step once
 // the pair's comparator has finished it.
+// What the isolated comparison calls its dumps: the isolated dump and the reference's, or "not written".
+std::pair<std::string, std::string> isolated_names(const PipelinePair& pair, DumpMode mode) {
+  return {pair.isolated_path.empty() ? not_written(mode) : pair.isolated_path,
+          mode == DumpMode::full ? pair.reference_path : not_written(mode)};
+}
+
 struct BesideReplay {
   std::unique_ptr<Backend> engine;  // declared first: the replay refers to it
   std::optional<HeldReplay> replay;
@@ -749,7 +759,8 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
   if (sh.error) std::rethrow_exception(sh.error);
   for (size_t p = 0; p < pairs.size(); ++p) {
     if (!beside[p].replay) continue;
-    beside[p].replay->attach(out[p], pairs[p].isolated_engine_name, pairs[p].isolated_reference_name, (*held)[p].argmax);
+    const auto [engine_name, reference_name] = isolated_names(pairs[p], opt.dump);
+    beside[p].replay->attach(out[p], engine_name, reference_name, (*held)[p].argmax);
     beside[p].replay.reset();
     beside[p].engine.reset();
   }
@@ -758,20 +769,20 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
 
 
 void add_isolation_held(diff::Comparison& c, const GgufFile& file, const ModelConfig& cfg, Backend& engine,
-                        HeldReference& reference, const std::vector<int32_t>& ids, const PipelineOptions& opt,
-                        const std::string& isolated_path, const std::string& engine_name,
-                        const std::string& reference_name, Progress& progress) {
+                        HeldReference& reference, const PipelinePair& pair, const std::vector<int32_t>& ids,
+                        const PipelineOptions& opt, Progress& progress) {
   const int steps = static_cast<int>(reference.steps.size()) - 1;
   if (steps < 0) throw Error("the isolation replay has no reference step to replay");
   progress.message(fmt::format("isolation replay: the {}/{} engine on the reference's checkpoints", engine.name(),
                                engine.precision()));
-  HeldReplay replay(file, cfg, engine, reference.meta, ids, opt, isolated_path);
+  HeldReplay replay(file, cfg, engine, reference.meta, ids, opt, pair.isolated_path);
   const std::string what = fmt::format("engine isolated {}/{} step", engine.name(), engine.precision());
   for (int step = 0; step <= steps; ++step) {
     replay.step(step, reference.steps[step]);
     progress.update(what, step + 1, steps + 1);
   }
   progress.finish();
+  const auto [engine_name, reference_name] = isolated_names(pair, opt.dump);
   replay.attach(c, engine_name, reference_name, reference.argmax);
 }
 

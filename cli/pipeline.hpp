@@ -53,6 +53,8 @@ namespace diffrun::cli {
 enum class DumpMode { full, divergence, none };
 // "full", "divergence", "none"; InputError otherwise.
 DumpMode parse_dump_mode(const std::string& s);
+// What a report names a dump the mode did not write: "not written (--dump none)".
+std::string not_written(DumpMode mode);
 
 // One engine/reference pair of the job.
 struct PipelinePair {
@@ -63,16 +65,14 @@ struct PipelinePair {
                             // says (the isolation replay reads it)
   int engine_threads = 1, reference_threads = 1;  // OpenMP threads of a cpu backend
   bool keep_engine = false;  // hand the engine back when the pair is done (the isolation replay reuses it)
-  bool hold_reference = false;  // keep the reference's checkpoints in memory (HeldReference) for replay_held
+  bool hold_reference = false;  // keep the reference's checkpoints in memory (HeldReference) for the replay
   // With hold_reference: run the isolation replay beside the pipeline, on a second engine (loaded once
   // every pair's engine has done its prefill) fed each held step once its comparator has finished
   // it; the comparison comes back with the local errors
   // attached (Comparison::isolated_path set). Where the second engine cannot be loaded (device
   // memory), nothing is attached and the caller replays after the pipeline (add_isolation_held).
   bool replay_beside = false;
-  std::string isolated_path;            // where the isolated dump is written (empty: not written)
-  std::string isolated_engine_name;     // what the isolated comparison calls its dumps
-  std::string isolated_reference_name;
+  std::string isolated_path;  // where the isolated dump is written (empty: not written)
 };
 
 // A reference's run as its dump would present it (DumpReader's DatasetInfo, the values as stored),
@@ -119,12 +119,11 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
 // add_isolation_for attaches a replay's dump: the engine fed the reference's tokens, each checkpoint
 // recorded and then replaced by the reference's (ReplaySink's rules: a checkpoint the reference
 // lacks, or holds only the last rows of, is not replaced), compared on arrival as compare_dumps would
-// compare the isolated dump with the reference's. Writes the isolated dump at `isolated_path` unless
-// it is empty. Consumes the held values. The isolated comparison names `engine_name` and
-// `reference_name` as its dumps.
+// compare the isolated dump with the reference's. Writes the isolated dump at pair.isolated_path
+// unless it is empty; the report names pair.isolated_path and pair.reference_path, or "not written".
+// Consumes the held values.
 void add_isolation_held(diff::Comparison& c, const GgufFile& file, const ModelConfig& cfg, Backend& engine,
-                        HeldReference& reference, const std::vector<int32_t>& ids, const PipelineOptions& opt,
-                        const std::string& isolated_path, const std::string& engine_name,
-                        const std::string& reference_name, Progress& progress);
+                        HeldReference& reference, const PipelinePair& pair, const std::vector<int32_t>& ids,
+                        const PipelineOptions& opt, Progress& progress);
 
 }  // namespace diffrun::cli
