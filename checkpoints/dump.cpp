@@ -165,7 +165,7 @@ DumpWriter::~DumpWriter() {
   impl_.reset();
 }
 
-bool DumpWriter::wants(std::string_view name) const { return name == "tokens" || impl_->filter.matches(name); }
+bool DumpWriter::wants(std::string_view name) const { return impl_->filter.records(name); }
 
 void DumpWriter::record(int step, std::string_view name, int layer, std::string_view layout,
                         std::span<const int64_t> shape, NativeDType native, std::span<const float> data) {

@@ -85,12 +85,17 @@ int checkpoint_order(const ModelConfig& cfg, std::string_view base, int layer);
 // Every checkpoint name a full step records for this config, in execution order.
 std::vector<std::string> checkpoint_names(const ModelConfig& cfg);
 
+// The checkpoint holding a step's input token ids (int32 [T]); every dump records it.
+inline constexpr std::string_view kTokensCheckpoint = "tokens";
+
 // `--checkpoints 'attn_*,result_*'`: comma-separated globs (* and ?) over full names; empty = all.
 class CheckpointFilter {
  public:
   CheckpointFilter() = default;  // matches everything
   explicit CheckpointFilter(std::string_view spec);  // throws InputError on an empty pattern
   bool matches(std::string_view name) const;
+  // What a dump writer records under this filter: the matching checkpoints, and always `tokens`.
+  bool records(std::string_view name) const { return name == kTokensCheckpoint || matches(name); }
   bool all() const { return patterns_.empty(); }
   const std::string& spec() const { return spec_; }
 

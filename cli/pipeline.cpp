@@ -204,7 +204,7 @@ class QueueSink final : public Sink {
  public:
   QueueSink(Shared& sh, int side, size_t pair, const CheckpointFilter& filter, const DumpWriterOptions& writer)
       : sh_(sh), side_(side), pair_(pair), filter_(filter), writer_(writer) {}
-  bool wants(std::string_view name) const override { return name == "tokens" || filter_.matches(name); }
+  bool wants(std::string_view name) const override { return filter_.records(name); }
   void record(int step, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
               NativeDType native, std::span<const float> data) override {
     if (!wants(name)) return;
@@ -223,7 +223,7 @@ class QueueSink final : public Sink {
     sh_.push(side_, pair_, std::move(msg));
   }
   void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override {
-    if (name != "tokens") return;
+    if (name != kTokensCheckpoint) return;
     sh_.lockstep(side_, pair_, step);
     Message msg(Message::ids);
     msg.step = step;
@@ -535,7 +535,7 @@ class HeldReplaySink final : public Sink {
   HeldReplaySink(const ModelConfig& cfg, const PipelineOptions& opt, diff::StreamComparison& sc, DumpWriter* writer)
       : cfg_(cfg), opt_(opt), sc_(sc), writer_(writer) {}
 
-  bool wants(std::string_view name) const override { return name == "tokens" || opt_.filter.matches(name); }
+  bool wants(std::string_view name) const override { return opt_.filter.records(name); }
 
   void record(int step, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
               NativeDType native, std::span<const float> data) override {
@@ -551,7 +551,7 @@ class HeldReplaySink final : public Sink {
   }
 
   void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override {
-    if (name != "tokens") return;
+    if (name != kTokensCheckpoint) return;
     if (writer_) writer_->record_ids(step, name, ids);
     sc_.add_tokens(diff::StreamSide::engine, step, std::vector<int32_t>(ids.begin(), ids.end()));
   }
