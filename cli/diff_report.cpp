@@ -192,12 +192,15 @@ int report_comparisons(const std::vector<std::string>& titles, const std::vector
   topt.title = opt.title;
   topt.full = opt.full;
   topt.explain = opt.explain;
+  // The JSON report (every checkpoint of every step: ~0.3 s for the 0.5B shape's two pairs) only when asked for.
   nlohmann::ordered_json json = {{"pairs", nlohmann::ordered_json::array()}};
   int code = 0;
+  std::vector<int> codes;
   for (size_t i = 0; i < comparisons.size(); ++i) {
     const diff::Comparison& c = comparisons[i];
     const std::string& title = titles[i];
     const int pair_code = diff::exit_code(c);
+    codes.push_back(pair_code);
     code = std::max(code, pair_code);
     if (opt.summary) {  // one line per pair, led by its title
       std::fputs(fmt::format("{}: {}", title.substr(0, title.find(':')), diff::render_summary(c)).c_str(), stdout);
@@ -206,7 +209,8 @@ int report_comparisons(const std::vector<std::string>& titles, const std::vector
       std::fputs(diff::render_terminal(c, topt).c_str(), stdout);
     }
     std::fflush(stdout);
-    json["pairs"].push_back({{"title", title}, {"exit_code", pair_code}, {"report", diff::report_json(c)}});
+    if (!opt.report_json.empty())
+      json["pairs"].push_back({{"title", title}, {"exit_code", pair_code}, {"report", diff::report_json(c)}});
   }
   json["exit_code"] = code;
   if (!opt.summary) {
@@ -214,7 +218,7 @@ int report_comparisons(const std::vector<std::string>& titles, const std::vector
                stdout);
     for (size_t i = 0; i < comparisons.size(); ++i)
       std::fputs(fmt::format("  {}: {}\n", titles[i],
-                             json["pairs"][i]["exit_code"].get<int>() == 0 ? "PASS" : "DIVERGED").c_str(), stdout);
+                             codes[i] == 0 ? "PASS" : "DIVERGED").c_str(), stdout);
   }
   if (!opt.report_json.empty()) write_text_file(opt.report_json, json.dump(1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n", "JSON");
   if (!opt.report_junit.empty()) {
