@@ -11,6 +11,7 @@
 #include "cli/command.hpp"
 #include "cli/error_report.hpp"
 #include "cli/help_format.hpp"
+#include "cli/progress.hpp"
 #include "cli/interrupt.hpp"
 #include "model/error.hpp"
 
@@ -80,7 +81,11 @@ Exit codes:
   }
   try {
     if (run) return run();
-    if (top_level) return top_level();
+    if (top_level) {
+      const int rc = top_level();
+      Progress().timing("the job returned");
+      return rc;
+    }
     std::fputs(app.help().c_str(), stdout);
     return 2;
   } catch (const diffrun::Error& e) {

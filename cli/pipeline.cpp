@@ -5,10 +5,14 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -51,7 +55,21 @@ namespace {
 
 constexpr int kEngine = 0, kReference = 1;
 constexpr int kLookahead = 2;  // a backend starts step s once its comparator has finished step s - kLookahead
-constexpr int64_t kLead = 32;  // checkpoints one side of a pair may record ahead of the other
+// One side of a pair may record ahead of the other in a step by kLead checkpoints or, with many
+// cores (spare_cores), kLeadBytes of values, whichever allows more: a reference's prefill goes on
+// while its CUDA engine loads.
+constexpr int64_t kLead = 32;
+constexpr int64_t kLeadBytes = int64_t{256} << 20;
+
+// Cores enough for the work beside the backends to run on threads of its own (the dump writes, a
+// side running ahead, parallel comparisons). On fewer, every core already runs a backend, and that
+// work costs more than it overlaps (the README's CPU-only job on 2 cores: up to 0.25 s longer with it).
+// DIFFRUN_SPARE_CORES=0|1 decides instead (the tests run both ways on any machine).
+bool spare_cores() {
+  if (const char* v = std::getenv("DIFFRUN_SPARE_CORES"); v && *v) return std::strcmp(v, "0") != 0;
+  return available_cores() >= 8;
+}
+constexpr size_t kBatchBytes = size_t{64} << 20;  // of checkpoints a comparator takes from a queue at once
 
 // The rows of a checkpoint the dump writer stores (DumpWriterOptions: the last rows of kq_soft_max,
 // result_output, every per-token checkpoint), along the layout's token dimension T: the dimension
@@ -144,11 +162,19 @@ struct Shared {
   std::exception_ptr error;
   bool aborted = false;
   Progress* progress = nullptr;
+  int64_t lead_bytes = 0;  // kLeadBytes with spare_cores(), else 0
+
+  // A timing() line of the progress (DIFFRUN_PROGRESS_TIMES), under the lock.
+  void timing(const std::string& text) {
+    std::lock_guard lock(m);
+    if (progress) progress->timing(text);
+  }
 
   // Lockstep of the two sides of a pair: where each has recorded up to (step, count in the step).
   struct Position {
     int step = 0;
     int64_t count = 0;
+    int64_t bytes = 0;  // of the values recorded in the step
     bool step_done = false;  // the side finished `step`
     bool done = false;       // the side records nothing more
   };
@@ -156,27 +182,29 @@ struct Shared {
 
   int min_ended() const { return *std::min_element(ended.begin(), ended.end()); }
 
-  // Called before a side records a checkpoint of `step`: waits while it is kLead checkpoints ahead
-  // of the other side in the same step (which then is never waiting for it), so that what waits for
-  // its counterpart in memory stays bounded. A side that finished the step (or the run) holds no one
-  // back, so sides recording different sets cannot wait for each other; across steps the comparator
-  // bounds them (kLookahead).
-  void lockstep(int side, size_t pair, int step) {
+  // Called before a side records a checkpoint of `step` (`bytes` of values): waits while it is both
+  // kLead checkpoints and lead_bytes ahead of the other side in the same step (which then is never
+  // waiting for it), so that what waits for its counterpart in memory stays bounded. A side that
+  // finished the step (or the run) holds no one back, so sides recording different sets cannot wait
+  // for each other; across steps the comparator bounds them (kLookahead).
+  void lockstep(int side, size_t pair, int step, int64_t bytes) {
     std::unique_lock lock(m);
     Position& me = position[side][pair];
     const Position& other = position[1 - side][pair];
-    if (me.step != step) me = Position{step, 0, false, false};
+    if (me.step != step) me = Position{step};
     cv.wait(lock, [&] {
-      return aborted || other.done || other.step != step || other.step_done || me.count < other.count + kLead;
+      return aborted || other.done || other.step != step || other.step_done || me.count < other.count + kLead ||
+             me.bytes + bytes <= other.bytes + lead_bytes;
     });
     if (aborted) throw Error("stopped: another part of the run failed");
     ++me.count;
+    me.bytes += bytes;
     cv.notify_all();
   }
   void step_done(int side, size_t pair, int step) {
     std::lock_guard lock(m);
     Position& me = position[side][pair];
-    if (me.step != step) me = Position{step, 0, false, false};
+    if (me.step != step) me = Position{step};
     me.step_done = true;
     cv.notify_all();
   }
@@ -208,7 +236,7 @@ class QueueSink final : public Sink {
   void record(int step, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
               NativeDType native, std::span<const float> data) override {
     if (!wants(name)) return;
-    sh_.lockstep(side_, pair_, step);
+    sh_.lockstep(side_, pair_, step, static_cast<int64_t>(data.size_bytes()));
     Message msg(Message::checkpoint);
     msg.step = step;
     msg.name = std::string(name);
@@ -224,7 +252,7 @@ class QueueSink final : public Sink {
   }
   void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override {
     if (name != kTokensCheckpoint) return;
-    sh_.lockstep(side_, pair_, step);
+    sh_.lockstep(side_, pair_, step, static_cast<int64_t>(ids.size_bytes()));
     Message msg(Message::ids);
     msg.step = step;
     msg.tokens.assign(ids.begin(), ids.end());
@@ -257,7 +285,10 @@ void backend_thread(const Context& cx, size_t p, int side) {
   if (bo.backend == "cpu") omp_set_num_threads(side == kEngine ? pair.engine_threads : pair.reference_threads);
   const bool source = p == 0 && side == kReference;
   const int needed = static_cast<int>(cx.ids.size()) + cx.opt.steps;
+  const std::string who = fmt::format("pair {} {} {}/{}", p + 1, side == kEngine ? "engine" : "reference", bo.backend,
+                                      bo.precision);
   auto backend = make_backend(cx.file, cx.cfg, bo, needed);
+  cx.sh.timing(who + ": loaded");
   Message meta(Message::meta);
   meta.dump_meta = dump_meta(cx.file, *backend, cx.opt.prompt, cx.ids);
   meta.dump_meta.facts["run_id"] = cx.opt.run_id;
@@ -281,6 +312,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
     const std::vector<float> logits =
         step == 0 ? backend->forward(0, cx.ids, sink) : backend->forward(step, std::span<const int32_t>(&token, 1), sink);
     cx.sh.step_done(side, p, step);
+    cx.sh.timing(fmt::format("{}: step {} done", who, step));
     if (side == kEngine && step == 0) {
       std::lock_guard lock(cx.sh.m);
       cx.sh.prefilled[p] = 1;
@@ -299,6 +331,97 @@ void backend_thread(const Context& cx, size_t p, int side) {
   cx.sh.side_done(side, p);
   if (side == kEngine && pair.keep_engine && cx.kept) (*cx.kept)[p] = std::move(backend);
 }
+
+// A comparator's dump writes, on a thread of their own and in the order posted: HDF5's calls are
+// serialized process-wide and cost ~50 us a dataset, which the comparison (and through kLookahead
+// the backends) would otherwise wait for. post() waits while kBacklogBytes of values are queued;
+// the first error a task throws is rethrown by the next post() or drain(). Without spare_cores()
+// post() runs the task at once, on the caller's thread.
+class WriteQueue {
+ public:
+  static constexpr int64_t kBacklogBytes = int64_t{256} << 20;
+
+  WriteQueue() {
+    if (spare_cores()) thread_ = std::thread([this] { loop(); });
+  }
+  ~WriteQueue() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard lock(m_);
+      stop_ = true;
+      tasks_.clear();
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  WriteQueue(const WriteQueue&) = delete;
+  WriteQueue& operator=(const WriteQueue&) = delete;
+
+  void post(std::function<void()> task, int64_t bytes) {
+    if (!thread_.joinable()) {
+      task();
+      return;
+    }
+    std::unique_lock lock(m_);
+    cv_.wait(lock, [&] { return error_ || queued_ + bytes <= kBacklogBytes || tasks_.empty(); });
+    if (error_) std::rethrow_exception(error_);
+    tasks_.push_back({std::move(task), bytes});
+    queued_ += bytes;
+    cv_.notify_all();
+  }
+
+  bool threaded() const { return thread_.joinable(); }
+
+  // Waits until every task posted has run.
+  void drain() {
+    if (!thread_.joinable()) return;
+    std::unique_lock lock(m_);
+    cv_.wait(lock, [&] { return error_ || (tasks_.empty() && !busy_); });
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  struct Task {
+    std::function<void()> fn;
+    int64_t bytes;
+  };
+
+  void loop() {
+    std::unique_lock lock(m_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (stop_) return;
+      Task t = std::move(tasks_.front());
+      tasks_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      std::exception_ptr e;
+      try {
+        t.fn();
+      } catch (...) {
+        e = std::current_exception();
+      }
+      t.fn = nullptr;  // its values freed outside the lock
+      lock.lock();
+      busy_ = false;
+      queued_ -= t.bytes;
+      if (e && !error_) {
+        error_ = e;
+        tasks_.clear();
+      }
+      cv_.notify_all();
+    }
+  }
+
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<Task> tasks_;
+  int64_t queued_ = 0;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;  // last: starts once the rest is made; not started without spare_cores()
+};
 
 // The checkpoints of one step of one side, held until --dump divergence knows whether they are written.
 struct HeldStep {
@@ -361,11 +484,16 @@ class Comparator {
       argmax_[side].resize(std::min<size_t>(argmax_[side].size(), last + 1));
       for (DumpWriter* w : {writers_[side].get(), side == kReference ? replay_.get() : nullptr}) {
         if (!w) continue;
-        w->set_attribute("all_token_ids", fed);
-        w->set_attribute("argmax", argmax_[side]);
-        w->finish();
+        writes_.post(
+            [w, fed, argmax = argmax_[side]] {
+              w->set_attribute("all_token_ids", fed);
+              w->set_attribute("argmax", argmax);
+              w->finish();
+            },
+            0);
       }
     }
+    writes_.drain();
     {
       std::lock_guard lock(cx_.sh.m);
       cx_.sh.compared_all[p_] = 1;
@@ -396,9 +524,27 @@ class Comparator {
                         m.native, m.row_dim, m.row_offset);
   }
 
+  // Writes `m` to the dump of `side` (or to `w`), on the write queue's thread when it has one (a
+  // message still needed is copied for it).
   void write(int side, const Message& m, bool checkpoints) { write_to(*writers_[side], m, checkpoints); }
+  void write(int side, Message&& m, bool checkpoints) { write_to(*writers_[side], std::move(m), checkpoints); }
 
   void write_to(DumpWriter& w, const Message& m, bool checkpoints) {
+    if (writes_.threaded()) write_to(w, Message(m), checkpoints);
+    else record_to(w, m, checkpoints);
+  }
+
+  void write_to(DumpWriter& w, Message&& m, bool checkpoints) {
+    if (m.kind != Message::ids && !checkpoints) return;
+    if (!writes_.threaded()) {
+      record_to(w, m, checkpoints);
+      return;
+    }
+    const auto bytes = static_cast<int64_t>(m.values.size() * sizeof(float));
+    writes_.post([&w, m = std::move(m), checkpoints] { record_to(w, m, checkpoints); }, bytes);
+  }
+
+  static void record_to(DumpWriter& w, const Message& m, bool checkpoints) {
     if (m.kind == Message::ids) {
       w.record_ids(m.step, "tokens", m.tokens);
     } else if (checkpoints && m.row_offset > 0) {
@@ -422,7 +568,7 @@ class Comparator {
 
   void write_held(bool checkpoints) {
     for (int side : {kEngine, kReference})
-      for (const Message& m : held_->messages[side]) write(side, m, checkpoints);
+      for (Message& m : held_->messages[side]) write(side, std::move(m), checkpoints);
     held_.reset();
   }
 
@@ -431,10 +577,22 @@ class Comparator {
     bool ended[2] = {false, false};
     HeldStep current;
     current.step = step;
+    using clk = std::chrono::steady_clock;
+    double t_wait = 0, t_write = 0, t_cmp = 0;
+    auto t0 = clk::now();
+    const auto lap = [&](double& acc) {
+      const auto t = clk::now();
+      acc += std::chrono::duration<double>(t - t0).count();
+      t0 = t;
+    };
+    std::vector<Message> run;  // messages of one side taken at once
+    std::vector<std::pair<DatasetInfo, std::vector<float>>> batch;
     while (!ended[kEngine] || !ended[kReference]) {
-      // Both sides record step by step; take whichever has news (the engine's usually comes first).
+      // Both sides record step by step; take whichever has news (the engine's usually comes first),
+      // and with a checkpoint the checkpoints queued behind it (up to kBatchBytes), whose comparisons
+      // then run in parallel: a comparator behind its backends catches up.
       int side = -1;
-      Message m;
+      run.clear();
       {
         std::unique_lock lock(cx_.sh.m);
         cx_.sh.cv.wait(lock, [&] {
@@ -443,43 +601,65 @@ class Comparator {
         });
         if (cx_.sh.aborted) throw Aborted();
         side = !ended[kReference] && !cx_.sh.queue[kReference][p_].empty() ? kReference : kEngine;
-        m = std::move(cx_.sh.queue[side][p_].front());
-        cx_.sh.queue[side][p_].pop_front();
+        auto& q = cx_.sh.queue[side][p_];
+        size_t bytes = 0;
+        do {
+          bytes += q.front().values.size() * sizeof(float);
+          run.push_back(std::move(q.front()));
+          q.pop_front();
+        } while (run.back().kind == Message::checkpoint && !q.empty() && q.front().kind == Message::checkpoint &&
+                 bytes < batch_bytes_);
       }
+      lap(t_wait);
       const auto side_id = side == kEngine ? diff::StreamSide::engine : diff::StreamSide::reference;
-      if (m.kind == Message::done) throw Error(fmt::format("{} stopped before step {}", side == kEngine ? "the engine" : "the reference", step));
-      if (m.step != step) throw Error(fmt::format("step {} arrived while comparing step {}", m.step, step));
-      switch (m.kind) {
-        case Message::step_end:
-          ended[side] = true;
-          argmax_[side].push_back(m.argmax);
-          break;
-        case Message::ids:
-          if (replay_ && side == kReference) write_to(*replay_, m, true);
-          if (held && side == kReference) held->tokens = m.tokens;
-          stream().add_tokens(side_id, step, m.tokens);
-          if (cx_.opt.dump == DumpMode::full) write(side, m, true);
-          else if (cx_.opt.dump == DumpMode::divergence) current.messages[side].push_back(std::move(m));
-          break;
-        case Message::checkpoint: {
-          DatasetInfo info = info_of(side, m);
-          if (replay_ && side == kReference) write_to(*replay_, m, true);
-          if (held && side == kReference) held->tensors.push_back({info, m.values});
-          std::vector<float> values;
-          if (cx_.opt.dump == DumpMode::full) write(side, m, true);
-          if (cx_.opt.dump == DumpMode::divergence) {
-            values = m.values;
-            current.messages[side].push_back(std::move(m));
-          } else {
-            values = std::move(m.values);
+      batch.clear();
+      for (Message& m : run) {
+        if (m.kind == Message::done) throw Error(fmt::format("{} stopped before step {}", side == kEngine ? "the engine" : "the reference", step));
+        if (m.step != step) throw Error(fmt::format("step {} arrived while comparing step {}", m.step, step));
+        switch (m.kind) {
+          case Message::step_end:
+            ended[side] = true;
+            argmax_[side].push_back(m.argmax);
+            if (held && side == kReference) {  // the replay beside the pipeline may take the step now
+              std::lock_guard lock(cx_.sh.m);
+              held->complete = true;
+              cx_.sh.cv.notify_all();
+            }
+            break;
+          case Message::ids:
+            if (replay_ && side == kReference) write_to(*replay_, m, true);
+            if (held && side == kReference) held->tokens = m.tokens;
+            stream().add_tokens(side_id, step, m.tokens);
+            if (cx_.opt.dump == DumpMode::full) write(side, m, true);
+            else if (cx_.opt.dump == DumpMode::divergence) current.messages[side].push_back(std::move(m));
+            break;
+          case Message::checkpoint: {
+            DatasetInfo info = info_of(side, m);
+            if (replay_ && side == kReference) write_to(*replay_, m, true);
+            if (held && side == kReference) held->tensors.push_back({info, m.values});
+            std::vector<float> values;
+            if (cx_.opt.dump == DumpMode::full) write(side, m, true);
+            if (cx_.opt.dump == DumpMode::divergence) {
+              values = m.values;
+              current.messages[side].push_back(std::move(m));
+            } else {
+              values = std::move(m.values);
+            }
+            batch.emplace_back(std::move(info), std::move(values));
+            break;
           }
-          stream().add(side_id, std::move(info), std::move(values));
-          break;
+          default: throw Error("unexpected message from a backend");
         }
-        default: throw Error("unexpected message from a backend");
       }
+      lap(t_write);
+      if (batch.size() == 1) stream().add(side_id, std::move(batch[0].first), std::move(batch[0].second));
+      else if (!batch.empty()) stream().add_all(side_id, std::move(batch));
+      lap(t_cmp);
     }
     const diff::StreamComparison::StepEnd e = stream().end_step(step);
+    lap(t_cmp);
+    cx_.sh.timing(fmt::format("pair {} comparator: step {}: waited {:.3f} s, wrote {:.3f} s, compared {:.3f} s", p_ + 1,
+                              step, t_wait, t_write, t_cmp));
     if (e.nonfinite && first_nonfinite_ < 0) first_nonfinite_ = step;
     if (cx_.opt.dump == DumpMode::divergence) {
       // Around the first divergence k: steps k-1, k, k+1, and the step of the first NaN/Inf.
@@ -512,13 +692,23 @@ class Comparator {
   std::optional<diff::StreamComparison> stream_;
   std::unique_ptr<DumpWriter> writers_[2];
   std::unique_ptr<DumpWriter> replay_;  // the reference's full dump for the isolation replay (replay_path)
+  WriteQueue writes_;                    // after the writers: its thread stops before they are destroyed
+  const size_t batch_bytes_ = spare_cores() ? kBatchBytes : 0;  // one checkpoint at a time without
   HeldReference* held_ref_ = nullptr;    // the reference's checkpoints kept for the isolation replay
   std::vector<int32_t> argmax_[2];
   std::optional<HeldStep> held_;
   int first_nonfinite_ = -1;
 };
 
+// OpenMP threads of a comparator's or a replay's batch of comparisons (StreamComparison::add_all):
+// a share of the cores where there are many (the backends mostly wait on the comparators once the
+// prefill is done), else one.
+int comparison_threads(const Context& cx) {
+  return spare_cores() ? std::max(2, available_cores() / (2 * static_cast<int>(cx.pairs.size()))) : 1;
+}
+
 void comparator_thread(const Context& cx, size_t p, diff::Comparison& out) {
+  omp_set_num_threads(comparison_threads(cx));
   Comparator c(cx, p);
   try {
     out = c.run();
@@ -532,15 +722,25 @@ void comparator_thread(const Context& cx, size_t p, diff::Comparison& out) {
 // replacements come from the held reference's current step.
 class HeldReplaySink final : public Sink {
  public:
-  HeldReplaySink(const ModelConfig& cfg, const PipelineOptions& opt, diff::StreamComparison& sc, DumpWriter* writer)
-      : cfg_(cfg), opt_(opt), sc_(sc), writer_(writer) {}
+  // `writer` (may be null) is written on `writes`' thread.
+  HeldReplaySink(const ModelConfig& cfg, const PipelineOptions& opt, diff::StreamComparison& sc, DumpWriter* writer,
+                 WriteQueue& writes)
+      : cfg_(cfg), opt_(opt), sc_(sc), writer_(writer), writes_(writes) {}
 
   bool wants(std::string_view name) const override { return opt_.filter.records(name); }
 
   void record(int step, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
               NativeDType native, std::span<const float> data) override {
     if (!wants(name)) return;
-    if (writer_) writer_->record(step, name, layer, layout, shape, native, data);
+    if (writer_) {
+      writes_.post(
+          [w = writer_, step, name = std::string(name), layer, layout = std::string(layout),
+           shape = std::vector<int64_t>(shape.begin(), shape.end()), native,
+           values = std::vector<float>(data.begin(), data.end())] {
+            w->record(step, name, layer, layout, shape, native, values);
+          },
+          static_cast<int64_t>(data.size_bytes()));
+    }
     rule_.recorded(name, static_cast<int64_t>(data.size()));
     const auto [rd, offset] = writer_rows(name, layout, shape, opt_.writer);
     std::vector<float> values = offset > 0 ? rows_from(data, shape, rd, offset) : std::vector<float>(data.begin(), data.end());
@@ -552,7 +752,11 @@ class HeldReplaySink final : public Sink {
 
   void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override {
     if (name != kTokensCheckpoint) return;
-    if (writer_) writer_->record_ids(step, name, ids);
+    if (writer_) {
+      writes_.post([w = writer_, step, tokens = std::vector<int32_t>(ids.begin(), ids.end())] {
+        w->record_ids(step, kTokensCheckpoint, tokens);
+      }, 0);
+    }
     sc_.add_tokens(diff::StreamSide::engine, step, std::vector<int32_t>(ids.begin(), ids.end()));
   }
 
@@ -580,6 +784,7 @@ class HeldReplaySink final : public Sink {
   const PipelineOptions& opt_;
   diff::StreamComparison& sc_;
   DumpWriter* writer_;
+  WriteQueue& writes_;
   int step_ = -1;
   const HeldReference::Step* held_ = nullptr;
   std::map<std::string, size_t, std::less<>> index_;
@@ -603,7 +808,7 @@ class HeldReplay {
       guard_.emplace(isolated_path);
       writer_.emplace(isolated_path, meta_, opt.filter, opt.writer);
     }
-    sink_.emplace(cfg, opt, sc_, writer_ ? &*writer_ : nullptr);
+    sink_.emplace(cfg, opt, sc_, writer_ ? &*writer_ : nullptr, writes_);
   }
 
   // Step `step` (in order from 0) on the reference's `held` checkpoints of it, which it consumes.
@@ -615,7 +820,9 @@ class HeldReplay {
     const std::vector<int32_t> tokens = step == 0 ? ids_ : held.tokens;
     if (step > 0) fed_.push_back(tokens[0]);
     sink_->start_step(step, held);
+    const auto t0 = std::chrono::steady_clock::now();
     argmax_.push_back(argmax(engine_.forward(step, tokens, *sink_)));
+    forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     // The reference's side of the step, once the engine no longer needs its values.
     sc_.add_tokens(diff::StreamSide::reference, step, std::move(held.tokens));
     std::vector<std::pair<DatasetInfo, std::vector<float>>> batch;
@@ -627,13 +834,18 @@ class HeldReplay {
     sc_.end_step(step);
   }
 
+  double forward_s = 0;  // the last step's forward, its records and replacements included
+
   // Attaches the replay's local errors to `c` (diff::add_isolation) and writes the isolated dump.
   void attach(diff::Comparison& c, const std::string& engine_name, const std::string& reference_name,
               const std::vector<int32_t>& reference_argmax) {
     if (writer_) {
-      writer_->set_attribute("all_token_ids", fed_);
-      writer_->set_attribute("argmax", argmax_);
-      writer_->finish();
+      writes_.post([this] {
+        writer_->set_attribute("all_token_ids", fed_);
+        writer_->set_attribute("argmax", argmax_);
+        writer_->finish();
+      }, 0);
+      writes_.drain();
     }
     diff::add_isolation(c, sc_.finish(engine_name, reference_name, argmax_, reference_argmax), rules_.copt);
   }
@@ -655,32 +867,55 @@ class HeldReplay {
   diff::StreamComparison sc_;
   std::optional<TempGuard> guard_;
   std::optional<DumpWriter> writer_;
+  WriteQueue writes_;  // after the writer: its thread stops before the writer is destroyed
   std::optional<HeldReplaySink> sink_;
   std::vector<int32_t> fed_, argmax_;
 };
 
-// The isolation replay beside the pipeline (PipelinePair::replay_beside): a second engine, loaded once
-// every pair's engine has done its prefill (their largest allocations), replays each held step once
-// the pair's comparator has finished it.
 // What the isolated comparison calls its dumps: the isolated dump and the reference's, or "not written".
 std::pair<std::string, std::string> isolated_names(const PipelinePair& pair, DumpMode mode) {
   return {pair.isolated_path.empty() ? not_written(mode) : pair.isolated_path,
           mode == DumpMode::full ? pair.reference_path : not_written(mode)};
 }
 
+// The isolation replay beside the pipeline (PipelinePair::replay_beside): a second engine replays
+// each held step once the pair's comparator has taken the reference's side of it.
 struct BesideReplay {
   std::unique_ptr<Backend> engine;  // declared first: the replay refers to it
   std::optional<HeldReplay> replay;
 };
 
+// When every engine of the run fits the device twice over (cuda_engines_fit, checked as they load:
+// what they hold already only makes it stricter), the second engine loads at once.
 void replay_thread(const Context& cx, size_t p, BesideReplay& out) {
   const PipelinePair& pair = cx.pairs[p];
   HeldReference& held = (*cx.held)[p];
+  const int max_ctx = static_cast<int>(cx.ids.size()) + cx.opt.steps;
+  std::vector<BackendOptions> engines;
+  for (const PipelinePair& pp : cx.pairs) {
+    engines.push_back(pp.engine);
+    if (pp.hold_reference && pp.replay_beside) engines.push_back(pp.engine);
+  }
+  const bool at_once = cuda_engines_fit(cx.file, cx.cfg, engines, max_ctx, static_cast<int>(cx.ids.size()));
+  omp_set_num_threads(comparison_threads(cx));
   const auto say = [&](const std::string& text) {
     std::lock_guard lock(cx.sh.m);
     if (cx.sh.progress) cx.sh.progress->message(text);
   };
-  {
+  const auto after = [&](const Error& e) {
+    out.replay.reset();
+    out.engine.reset();
+    say(fmt::format("the isolation replay runs after the pipeline: {}", e.what()));
+  };
+  if (at_once) {
+    try {
+      out.engine = make_backend(cx.file, cx.cfg, pair.engine, max_ctx);
+    } catch (const Error& e) {
+      after(e);
+      return;
+    }
+    cx.sh.timing(fmt::format("pair {} isolation replay: engine loaded", p + 1));
+  } else {
     // Every pair's engine has made its largest allocations (its prefill) before a third one loads.
     std::unique_lock lock(cx.sh.m);
     const auto all_prefilled = [&] {
@@ -692,25 +927,31 @@ void replay_thread(const Context& cx, size_t p, BesideReplay& out) {
   for (int step = 0;; ++step) {
     HeldReference::Step* st = nullptr;
     {
+      // The step once the comparator has taken all of the reference's side of it (before it has
+      // compared them all).
       std::unique_lock lock(cx.sh.m);
-      cx.sh.cv.wait(lock, [&] { return cx.sh.aborted || cx.sh.ended[p] >= step || cx.sh.compared_all[p]; });
+      const auto complete = [&] { return held.steps.size() > static_cast<size_t>(step) && held.steps[step].complete; };
+      cx.sh.cv.wait(lock, [&] { return cx.sh.aborted || complete() || cx.sh.compared_all[p]; });
       if (cx.sh.aborted) return;
-      if (cx.sh.ended[p] < step) break;  // the comparator is done: no such step
+      if (!complete()) break;  // the comparator is done: no such step
       st = &held.steps[step];
     }
     if (step > 0) {
       out.replay->step(step, *st);
+      cx.sh.timing(fmt::format("pair {} isolation replay: step {} done (forward {:.3f} s)", p + 1, step, out.replay->forward_s));
       continue;
     }
     // A second engine that does not fit (device memory) leaves the replay to after the pipeline.
     try {
-      out.engine = make_backend(cx.file, cx.cfg, pair.engine, static_cast<int>(cx.ids.size()) + cx.opt.steps);
+      if (!out.engine) {
+        out.engine = make_backend(cx.file, cx.cfg, pair.engine, max_ctx);
+        cx.sh.timing(fmt::format("pair {} isolation replay: engine loaded", p + 1));
+      }
       out.replay.emplace(cx.file, cx.cfg, *out.engine, held.meta, cx.ids, cx.opt, pair.isolated_path);
       out.replay->step(0, *st);
+      cx.sh.timing(fmt::format("pair {} isolation replay: step 0 done (forward {:.3f} s)", p + 1, out.replay->forward_s));
     } catch (const Error& e) {
-      out.replay.reset();
-      out.engine.reset();
-      say(fmt::format("the isolation replay runs after the pipeline: {}", e.what()));
+      after(e);
       return;
     }
   }
@@ -730,6 +971,7 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
   sh.position[kEngine].resize(pairs.size());
   sh.position[kReference].resize(pairs.size());
   sh.progress = &progress;
+  sh.lead_bytes = spare_cores() ? kLeadBytes : 0;
   if (kept) kept->resize(pairs.size());
   sh.compared_all.assign(pairs.size(), 0);
   sh.prefilled.assign(pairs.size(), 0);
@@ -752,9 +994,11 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
     threads.emplace_back(guarded([&cx, p] { backend_thread(cx, p, kEngine); }));
     threads.emplace_back(guarded([&cx, p, &out] { comparator_thread(cx, p, out[p]); }));
     if (held && pairs[p].hold_reference && pairs[p].replay_beside)
-      threads.emplace_back(guarded([&cx, p, &beside] { replay_thread(cx, p, beside[p]); }));
+      threads.emplace_back(
+          guarded([&cx, p, &beside] { replay_thread(cx, p, beside[p]); }));
   }
   for (std::thread& t : threads) t.join();
+  progress.timing("pipeline threads joined");
   progress.finish();
   if (sh.error) std::rethrow_exception(sh.error);
   for (size_t p = 0; p < pairs.size(); ++p) {
@@ -763,6 +1007,7 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
     beside[p].replay->attach(out[p], engine_name, reference_name, (*held)[p].argmax);
     beside[p].replay.reset();
     beside[p].engine.reset();
+    progress.timing(fmt::format("pair {} isolation replay attached", p + 1));
   }
   return out;
 }

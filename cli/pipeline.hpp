@@ -26,7 +26,7 @@
 // Isolation replay from memory (PipelinePair::hold_reference): the comparator keeps the reference's
 // checkpoints as its dump would present them, and the engine runs again on them, each checkpoint
 // compared as it is recorded: no dump is read back. With a CUDA engine the replay runs beside the
-// pipeline on a second engine (one more thread per pair, a step behind the comparator:
+// pipeline on a second engine (one more thread per pair, as the reference's steps arrive:
 // replay_beside), else after it (add_isolation_held). The job holds them when the reference's
 // planned dump is small enough (cmd_main.cpp), else it replays from the reference's dump file as
 // `compare --isolated` would.
@@ -66,11 +66,12 @@ struct PipelinePair {
   int engine_threads = 1, reference_threads = 1;  // OpenMP threads of a cpu backend
   bool keep_engine = false;  // hand the engine back when the pair is done (the isolation replay reuses it)
   bool hold_reference = false;  // keep the reference's checkpoints in memory (HeldReference) for the replay
-  // With hold_reference: run the isolation replay beside the pipeline, on a second engine (loaded once
-  // every pair's engine has done its prefill) fed each held step once its comparator has finished
-  // it; the comparison comes back with the local errors
-  // attached (Comparison::isolated_path set). Where the second engine cannot be loaded (device
-  // memory), nothing is attached and the caller replays after the pipeline (add_isolation_held).
+  // With hold_reference: run the isolation replay beside the pipeline, on a second engine (loaded at
+  // the start when every engine of the run fits the device's free memory twice over, else once every
+  // pair's engine has done its prefill) fed each held step once its comparator has taken the
+  // reference's side of it; the comparison comes back with the local errors attached
+  // (Comparison::isolated_path set). Where the second engine cannot be loaded (device memory),
+  // nothing is attached and the caller replays after the pipeline (add_isolation_held).
   bool replay_beside = false;
   std::string isolated_path;  // where the isolated dump is written (empty: not written)
 };
@@ -85,6 +86,7 @@ struct HeldReference {
   struct Step {
     std::vector<int32_t> tokens;
     std::vector<Tensor> tensors;  // in recording order
+    bool complete = false;        // every tensor of the step is in (set under the pipeline's lock)
   };
   DumpMeta meta;
   std::deque<Step> steps;  // a deque: a step stays where it is while later ones are added

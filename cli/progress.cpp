@@ -12,11 +12,17 @@
 
 namespace diffrun::cli {
 
+namespace {
+// The stamps count from the program's start (static initialization), so that they include what
+// runs before a command makes its Progress.
+const std::chrono::steady_clock::time_point kProgramStart = std::chrono::steady_clock::now();
+}  // namespace
+
 Progress::Progress(std::string prefix, bool enabled)
     : prefix_(std::move(prefix)), enabled_(enabled), tty_(isatty(fileno(stderr)) != 0) {
   const char* t = std::getenv("DIFFRUN_PROGRESS_TIMES");
   times_ = t && *t && std::strcmp(t, "0") != 0;
-  start_ = std::chrono::steady_clock::now();
+  start_ = kProgramStart;
 }
 
 std::string Progress::stamp() const {
@@ -31,6 +37,10 @@ void Progress::message(std::string_view text) {
   if (!enabled_) return;
   finish();
   fmt::print(stderr, "{}: {}{}\n", prefix_, stamp(), text);
+}
+
+void Progress::timing(std::string_view text) {
+  if (times_) message(text);
 }
 
 void Progress::update(std::string_view what, int done, int total) {

@@ -1,6 +1,6 @@
 // Progress on stderr while loading, running and comparing: a bar on a TTY, plain lines otherwise.
-// DIFFRUN_PROGRESS_TIMES=1 starts every plain line with the seconds since the Progress was made
-// ("[+1.234 s]"): the phases of a run, for benchmarks.
+// DIFFRUN_PROGRESS_TIMES=1 starts every plain line with the seconds since the program started
+// ("[+1.234 s]") and adds timing() lines: the phases of a run, for benchmarks.
 #pragma once
 
 #include <chrono>
@@ -23,6 +23,8 @@ class Progress {
   void update(std::string_view what, int done, int total);
   // Ends an open bar line.
   void finish();
+  // A line only under DIFFRUN_PROGRESS_TIMES (the inner phases of a run: each backend's load and steps).
+  void timing(std::string_view text);
 
   bool tty() const { return tty_; }
 

@@ -131,6 +131,20 @@ std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& c
   throw InputError("unknown backend '" + opt.backend + "' (expected cpu or cuda)");
 }
 
+bool cuda_engines_fit(const GgufFile& file, const ModelConfig& cfg, const std::vector<BackendOptions>& engines,
+                      int max_ctx, int tokens) {
+#ifdef DIFFRUN_HAVE_CUDA
+  uint64_t need = 0;
+  for (const BackendOptions& e : engines) {
+    if (e.backend == "cuda") need += cuda_engine_device_bytes(file, cfg, e.precision, max_ctx, tokens);
+  }
+  return need > 0 && 2 * need <= cuda_free_device_bytes();
+#else
+  (void)file, (void)cfg, (void)engines, (void)max_ctx, (void)tokens;
+  return false;
+#endif
+}
+
 void check_run_options(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
                        const CheckpointFilter& filter, bool to_compare) {
   parse_faults(opt.inject).check_applicable(cfg, &file);

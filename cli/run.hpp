@@ -66,6 +66,12 @@ std::string default_reference_precision(const std::string& engine_precision);
 std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
                                       int max_ctx);
 
+// True when the CUDA engines among `engines` (each with a max_ctx-position cache and steps of up to
+// `tokens` tokens) fit twice over in the device memory free now: the isolation replay's engine may
+// then load beside the others from the start. False without a device or without CUDA.
+bool cuda_engines_fit(const GgufFile& file, const ModelConfig& cfg, const std::vector<BackendOptions>& engines,
+                      int max_ctx, int tokens);
+
 // Everything make_backend would refuse (unknown backend, no CUDA, an unknown fault or one that does
 // not apply to the model) and a --checkpoints pattern that matches no checkpoint of the model,
 // checked before any compute. Throws InputError (Error for a missing CUDA engine or device).

@@ -721,16 +721,32 @@ class CudaEngineImpl final : public CudaEngine {
   int n_past_ = 0;
 };
 
+// Device bytes of an engine: its weights, upload staging, dequantization scratch, KV cache, and
+// activations for steps of `tokens` tokens (with the logits, attention scratch and cuBLAS workspace).
+struct DeviceNeed {
+  WeightFootprint wf;
+  uint64_t kv = 0, other = 0;
+  uint64_t total() const { return wf.weight_bytes + wf.staging_bytes + wf.scratch_bytes + kv + other; }
+};
+
 template <typename W>
-void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_ctx) {
-  const WeightFootprint wf = DeviceWeights<W>::footprint(file, cfg);
-  const uint64_t kv = 2ull * cfg.n_layer * uint64_t(max_ctx) * cfg.n_head_kv * cfg.head_dim * sizeof(float);
+DeviceNeed device_need(const GgufFile& file, const ModelConfig& cfg, int max_ctx, int tokens) {
+  DeviceNeed n;
+  n.wf = DeviceWeights<W>::footprint(file, cfg);
+  n.kv = 2ull * cfg.n_layer * uint64_t(max_ctx) * cfg.n_head_kv * cfg.head_dim * sizeof(float);
   const uint64_t attn = sizeof(float) * (uint64_t(cfg.n_head) * kAttentionSplitMaxT * max_ctx +
                                           uint64_t(kAttentionSplitMaxT) * cfg.n_head * kAttentionSplitMaxSplits *
                                               (cfg.head_dim + 2));
-  const uint64_t other =
-      Activations<W>::bytes(cfg, 1) + uint64_t(cfg.n_vocab) * sizeof(float) + kCublasWorkspaceBytes + attn;
-  const uint64_t needed = wf.weight_bytes + wf.staging_bytes + wf.scratch_bytes + kv + other;
+  n.other = Activations<W>::bytes(cfg, tokens) + uint64_t(tokens) * cfg.n_vocab * sizeof(float) +
+            kCublasWorkspaceBytes + attn;
+  return n;
+}
+
+template <typename W>
+void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_ctx) {
+  const DeviceNeed need = device_need<W>(file, cfg, max_ctx, 1);
+  const WeightFootprint& wf = need.wf;
+  const uint64_t kv = need.kv, other = need.other, needed = need.total();
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   if (needed > free_b) {
@@ -785,6 +801,22 @@ std::unique_ptr<CudaEngine> make_cuda_engine(const GgufFile& file, const ModelCo
   faults.check_applicable(cfg, &file);
   if (precision == "f16") return create<__half>(file, cfg, max_ctx, faults);
   return create<float>(file, cfg, max_ctx, faults);
+}
+
+uint64_t cuda_engine_device_bytes(const GgufFile& file, const ModelConfig& cfg, const std::string& precision,
+                                  int max_ctx, int tokens) {
+  return (precision == "f16" ? device_need<__half>(file, cfg, max_ctx, tokens)
+                             : device_need<float>(file, cfg, max_ctx, tokens))
+      .total();
+}
+
+uint64_t cuda_free_device_bytes() {
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return free_b;
 }
 
 std::unique_ptr<Backend> make_cuda_backend(const GgufFile& file, const ModelConfig& cfg,

@@ -37,6 +37,13 @@ class CudaEngine : public Backend {
 // their call sites in the forward pass (InputError for one that does not apply to the model).
 std::unique_ptr<CudaEngine> make_cuda_engine(const GgufFile& file, const ModelConfig& cfg,
                                              const std::string& precision, int max_ctx, const FaultSet& faults = {});
+// Device bytes an engine of `precision` needs for a max_ctx-position KV cache and steps of up to
+// `tokens` tokens (make_cuda_engine checks the one-token figure), and the device's free bytes now
+// (0 when there is no device).
+uint64_t cuda_engine_device_bytes(const GgufFile& file, const ModelConfig& cfg, const std::string& precision,
+                                  int max_ctx, int tokens);
+uint64_t cuda_free_device_bytes();
+
 std::unique_ptr<Backend> make_cuda_backend(const GgufFile& file, const ModelConfig& cfg,
                                            const std::string& precision, int max_ctx, const FaultSet& faults = {});
 

@@ -406,6 +406,26 @@ TEST_F(Cli, ResidualInF16IsPrecisionDrift) {
   EXPECT_EQ(j["first_divergence"]["verdict"]["kind"], "local") << bug.out;
 }
 
+// A replay that replaced only the recorded checkpoints would judge a chain of ops by one op's bound:
+// --isolate with --checkpoints is refused before anything runs, and the f16store pair, which runs the
+// replay by default, goes without it under a filter and says so.
+TEST_F(Cli, IsolationNeedsEveryCheckpoint) {
+  const std::string model = diffrun::test::fixture_path("tiny-qwen2-q8_0.gguf");
+  if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model << " (run the fixtures_generate test)";
+  Result refused = run("--model " + shell_quote(model) + " --tokens 1,17,42,7 --steps 1 --engine cpu --isolate "
+                       "--checkpoints 'l_out-*' --no-color --out " + shell_quote(path("refused")));
+  EXPECT_EQ(refused.rc, 2) << refused.out << refused.err;
+  EXPECT_NE(refused.err.find("--isolate needs every checkpoint"), std::string::npos) << refused.err;
+  EXPECT_FALSE(fs::exists(path("refused") + "/reference.h5"));
+  Result filtered = run("--model " + shell_quote(model) + " --tokens 1,17,42,7 --steps 1 --engine cpu "
+                        "--engine-precision f32-f16store --reference-precision f32-f16store --checkpoints 'l_out-*' "
+                        "--no-color --out " + shell_quote(path("filtered")));
+  EXPECT_EQ(filtered.rc, 0) << filtered.out << filtered.err;
+  EXPECT_NE(filtered.err.find("runs without the isolation replay: --checkpoints records only some"), std::string::npos)
+      << filtered.err;
+  EXPECT_FALSE(fs::exists(path("filtered") + "/engine-isolated.h5"));
+}
+
 // The isolation replay of the top-level job reuses the pipeline's engine (reset, not loaded again): its
 // dump holds exactly what a fresh engine replaying the same reference dump records (`dump --replay`).
 TEST_F(Cli, IsolationReplayReusingTheEngineEqualsAFreshReplay) {

@@ -100,6 +100,30 @@ def test_every_dump_mode_gives_the_same_reports(tmp_path, fault, cut):
     assert v.returncode == 0, v.stdout + v.stderr
 
 
+@pytest.mark.parametrize("extra", [[], ["--isolate"], ["--dump", "divergence"], ["--tokens", LONG, "--token-rows", "8"]])
+def test_spare_cores_work_gives_the_same_reports_and_dumps(tmp_path, extra, monkeypatch):
+    # With many cores the job writes dumps on threads of their own, lets a side run ahead and
+    # compares checkpoints in parallel batches (DIFFRUN_SPARE_CORES=1 forces it, 0 turns it off):
+    # the same reports, the same dumps value for value.
+    runs = {}
+    for spare in ("0", "1"):
+        monkeypatch.setenv("DIFFRUN_SPARE_CORES", spare)
+        runs[spare] = job(tmp_path, f"spare{spare}", "--inject", "kv_cache_pos0", *extra)
+    monkeypatch.delenv("DIFFRUN_SPARE_CORES")
+    a, b = runs["0"], runs["1"]
+    assert a[0] == b[0] == 1
+    assert normalized(a[1], a[4]).split() == normalized(b[1], b[4]).split()
+    assert normalized(a[2], a[4]) == normalized(b[2], b[4])
+    assert normalized(a[3], a[4]) == normalized(b[3], b[4])
+    names = sorted(p.name for p in a[4].glob("*.h5"))
+    assert names == sorted(p.name for p in b[4].glob("*.h5")) and "engine.h5" in names
+    for name in names:
+        x, y = datasets(a[4] / name), datasets(b[4] / name)
+        assert x.keys() == y.keys() and len(x) > 0, name
+        for key in x:
+            assert np.array_equal(x[key], y[key], equal_nan=x[key].dtype.kind == "f"), (name, key)
+
+
 @pytest.mark.parametrize("after", [0, 2])
 def test_stop_at_first_ends_the_run_after_the_divergence(tmp_path, after):
     code, terminal, js, _, out = job(tmp_path, "stop", "--inject", "kv_cache_pos0", "--stop-at-first", str(after))
