@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/core.h>
@@ -171,6 +172,11 @@ int run_main(const MainOptions& o) {
   if (!o.report.report_junit.empty()) check_output_file("--report-junit", o.report.report_junit);
   const CheckpointFilter filter(o.checkpoints);
   const std::vector<RunPair> pairs = run_pairs(o, progress);
+#ifdef DIFFRUN_HAVE_CUDA
+  // The CUDA context is made while the model loads and the references start (the engines wait for it).
+  std::jthread warm_up;
+  if (pairs.front().eng.backend == "cuda") warm_up = std::jthread([] { cuda_warm_up(); });
+#endif
 
   progress.message(fmt::format("loading {}", o.model));
   const auto file = GgufFile::open(o.model);

@@ -810,6 +810,10 @@ uint64_t cuda_engine_device_bytes(const GgufFile& file, const ModelConfig& cfg, 
       .total();
 }
 
+void cuda_warm_up() {
+  if (cudaFree(nullptr) != cudaSuccess) (void)cudaGetLastError();
+}
+
 uint64_t cuda_free_device_bytes() {
   size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
