@@ -2,6 +2,7 @@
 #include "cli/pipeline.hpp"
 
 #include <omp.h>
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -65,6 +66,9 @@ constexpr int64_t kLeadBytes = int64_t{256} << 20;
 // side running ahead, parallel comparisons). On fewer, every core already runs a backend, and that
 // work costs more than it overlaps (the README's CPU-only job on 2 cores: up to 0.25 s longer with it).
 // DIFFRUN_SPARE_CORES=0|1 decides instead (the tests run both ways on any machine).
+// Names the calling thread (at most 15 characters shown), for profilers and debuggers.
+void name_thread(const std::string& name) { pthread_setname_np(pthread_self(), name.substr(0, 15).c_str()); }
+
 bool spare_cores() {
   if (const char* v = std::getenv("DIFFRUN_SPARE_CORES"); v && *v) return std::strcmp(v, "0") != 0;
   return available_cores() >= 8;
@@ -152,7 +156,11 @@ struct Message {
 // State shared by every thread of the run; one mutex guards it all.
 struct Shared {
   std::mutex m;
+  // Under m: cv for the rare events (a step compared, a token fed, a prefill done, the end); per pair,
+  // queue_cv for its comparator's messages and lock_cv for its two sides' lockstep, so that each of
+  // the thousands of checkpoints a step records wakes the one thread that waits for it.
   std::condition_variable cv;
+  std::unique_ptr<std::condition_variable[]> queue_cv, lock_cv;
   std::vector<int32_t> feed;  // the first pair's reference's argmax after each step
   int stop_step = INT_MAX;    // the last step the run computes
   std::vector<int> ended;     // per pair: the last step its comparator finished
@@ -192,26 +200,26 @@ struct Shared {
     Position& me = position[side][pair];
     const Position& other = position[1 - side][pair];
     if (me.step != step) me = Position{step};
-    cv.wait(lock, [&] {
+    lock_cv[pair].wait(lock, [&] {
       return aborted || other.done || other.step != step || other.step_done || me.count < other.count + kLead ||
              me.bytes + bytes <= other.bytes + lead_bytes;
     });
     if (aborted) throw Error("stopped: another part of the run failed");
     ++me.count;
     me.bytes += bytes;
-    cv.notify_all();
+    lock_cv[pair].notify_all();
   }
   void step_done(int side, size_t pair, int step) {
     std::lock_guard lock(m);
     Position& me = position[side][pair];
     if (me.step != step) me = Position{step};
     me.step_done = true;
-    cv.notify_all();
+    lock_cv[pair].notify_all();
   }
   void side_done(int side, size_t pair) {
     std::lock_guard lock(m);
     position[side][pair].done = true;
-    cv.notify_all();
+    lock_cv[pair].notify_all();
   }
 
   void fail(std::exception_ptr e) {
@@ -219,11 +227,15 @@ struct Shared {
     if (!error) error = e;
     aborted = true;
     cv.notify_all();
+    for (size_t p = 0; p < ended.size(); ++p) {
+      queue_cv[p].notify_all();
+      lock_cv[p].notify_all();
+    }
   }
   void push(int side, size_t pair, Message msg) {
     std::lock_guard lock(m);
     queue[side][pair].push_back(std::move(msg));
-    cv.notify_all();
+    queue_cv[pair].notify_all();
   }
 };
 
@@ -284,6 +296,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
   const BackendOptions& bo = side == kEngine ? pair.engine : pair.reference;
   if (bo.backend == "cpu") omp_set_num_threads(side == kEngine ? pair.engine_threads : pair.reference_threads);
   const bool source = p == 0 && side == kReference;
+  name_thread(fmt::format("{}{}", side == kEngine ? "engine" : "reference", p + 1));
   const int needed = static_cast<int>(cx.ids.size()) + cx.opt.steps;
   const std::string who = fmt::format("pair {} {} {}/{}", p + 1, side == kEngine ? "engine" : "reference", bo.backend,
                                       bo.precision);
@@ -324,6 +337,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
     if (source) {
       std::lock_guard lock(cx.sh.m);
       cx.sh.feed.push_back(end.argmax);
+      cx.sh.cv.notify_all();  // the other backends wait for the token
     }
     cx.sh.push(side, p, std::move(end));
   }
@@ -387,6 +401,7 @@ class WriteQueue {
   };
 
   void loop() {
+    name_thread("dump writes");
     std::unique_lock lock(m_);
     for (;;) {
       cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
@@ -509,7 +524,7 @@ class Comparator {
   Message next(int side) {
     std::unique_lock lock(cx_.sh.m);
     auto& q = cx_.sh.queue[side][p_];
-    cx_.sh.cv.wait(lock, [&] { return cx_.sh.aborted || !q.empty(); });
+    cx_.sh.queue_cv[p_].wait(lock, [&] { return cx_.sh.aborted || !q.empty(); });
     if (cx_.sh.aborted) throw Aborted();
     Message m = std::move(q.front());
     q.pop_front();
@@ -595,7 +610,7 @@ class Comparator {
       run.clear();
       {
         std::unique_lock lock(cx_.sh.m);
-        cx_.sh.cv.wait(lock, [&] {
+        cx_.sh.queue_cv[p_].wait(lock, [&] {
           return cx_.sh.aborted || (!ended[kEngine] && !cx_.sh.queue[kEngine][p_].empty()) ||
                  (!ended[kReference] && !cx_.sh.queue[kReference][p_].empty());
         });
@@ -708,6 +723,7 @@ int comparison_threads(const Context& cx) {
 }
 
 void comparator_thread(const Context& cx, size_t p, diff::Comparison& out) {
+  name_thread(fmt::format("comparator{}", p + 1));
   omp_set_num_threads(comparison_threads(cx));
   Comparator c(cx, p);
   try {
@@ -888,6 +904,7 @@ struct BesideReplay {
 // When every engine of the run fits the device twice over (cuda_engines_fit, checked as they load:
 // what they hold already only makes it stricter), the second engine loads at once.
 void replay_thread(const Context& cx, size_t p, BesideReplay& out) {
+  name_thread(fmt::format("replay{}", p + 1));
   const PipelinePair& pair = cx.pairs[p];
   HeldReference& held = (*cx.held)[p];
   const int max_ctx = static_cast<int>(cx.ids.size()) + cx.opt.steps;
@@ -972,6 +989,8 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
   sh.position[kReference].resize(pairs.size());
   sh.progress = &progress;
   sh.lead_bytes = spare_cores() ? kLeadBytes : 0;
+  sh.queue_cv = std::make_unique<std::condition_variable[]>(pairs.size());
+  sh.lock_cv = std::make_unique<std::condition_variable[]>(pairs.size());
   if (kept) kept->resize(pairs.size());
   sh.compared_all.assign(pairs.size(), 0);
   sh.prefilled.assign(pairs.size(), 0);
