@@ -328,30 +328,43 @@ LogitMetrics compute_logit_metrics(std::span<const float> a, std::span<const flo
   LogitMetrics lm;
   lm.tokens = rows;
   if (rows <= 0 || vocab <= 0) return lm;
-  int64_t agree = 0;
-  double overlap_sum = 0, kl_sum = 0;
-  bool finite = true;
+  // Each row on its own (in parallel where the caller's OpenMP threads allow: a prefill's logits are
+  // ~15M exps), then the sums in row order, as one loop would take them.
+  struct Row {
+    int32_t argmax_a = -1, argmax_b = -1;
+    double overlap = 0, kl = kNaN;
+  };
+  std::vector<Row> row(static_cast<size_t>(rows));
+#pragma omp parallel for schedule(dynamic, 1) if (rows > 1)
   for (int64_t t = 0; t < rows; ++t) {
     auto ra = a.subspan(static_cast<size_t>(t * vocab), static_cast<size_t>(vocab));
     auto rb = b.subspan(static_cast<size_t>(t * vocab), static_cast<size_t>(vocab));
-    lm.argmax_a.push_back(argmax(ra));
-    lm.argmax_b.push_back(argmax(rb));
-    if (lm.argmax_a.back() == lm.argmax_b.back()) ++agree;
+    Row& r = row[static_cast<size_t>(t)];
+    r.argmax_a = argmax(ra);
+    r.argmax_b = argmax(rb);
     std::vector<int32_t> ka = top_k(ra, 5), kb = top_k(rb, 5);
     int64_t common = 0;
     for (int32_t i : ka) common += std::count(kb.begin(), kb.end(), i);
-    overlap_sum += static_cast<double>(common) / static_cast<double>(std::min<int64_t>(5, vocab));
+    r.overlap = static_cast<double>(common) / static_cast<double>(std::min<int64_t>(5, vocab));
     std::vector<double> la = log_softmax(ra), lb = log_softmax(rb);
-    double kl = kNaN;
     if (!la.empty() && !lb.empty()) {
-      kl = 0;
+      double kl = 0;
       for (int64_t v = 0; v < vocab; ++v) kl += std::exp(lb[v]) * (lb[v] - la[v]);
-      kl = std::max(kl, 0.0);
+      r.kl = std::max(kl, 0.0);
     }
-    lm.kl.push_back(kl);
-    kl_sum += kl;
-    lm.kl_max = std::max(lm.kl_max, kl);
-    finite = finite && !std::isnan(kl);
+  }
+  int64_t agree = 0;
+  double overlap_sum = 0, kl_sum = 0;
+  bool finite = true;
+  for (const Row& r : row) {
+    lm.argmax_a.push_back(r.argmax_a);
+    lm.argmax_b.push_back(r.argmax_b);
+    if (r.argmax_a == r.argmax_b) ++agree;
+    overlap_sum += r.overlap;
+    lm.kl.push_back(r.kl);
+    kl_sum += r.kl;
+    lm.kl_max = std::max(lm.kl_max, r.kl);
+    finite = finite && !std::isnan(r.kl);
   }
   lm.top1 = static_cast<double>(agree) / static_cast<double>(rows);
   lm.top5_overlap = overlap_sum / static_cast<double>(rows);
