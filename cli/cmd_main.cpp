@@ -361,7 +361,8 @@ const CommandRegistrar registrar{
       app.add_option("--inject", o->inject,
                      "Inject faults into the engine side (diffrun faults lists them), e.g. rope_theta_10000,kv_cache_pos0");
       app.add_flag("--isolate", o->isolate,
-                   "Also run the engine in isolation replay (each op on the reference's inputs): local error per checkpoint");
+                   "Also run the engine in isolation replay (each op on the reference's inputs): local error per "
+                   "checkpoint. Needs every checkpoint (not with --checkpoints)");
       app.add_option("--dump", o->dump,
                      "Dumps to write: full (every checkpoint of every step), divergence (every step's tokens, the "
                      "checkpoints of the steps around the first divergence), none. The report is the same")
