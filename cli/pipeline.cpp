@@ -172,10 +172,13 @@ struct Shared {
   Progress* progress = nullptr;
   int64_t lead_bytes = 0;  // kLeadBytes with spare_cores(), else 0
 
-  // A timing() line of the progress (DIFFRUN_PROGRESS_TIMES), under the lock.
-  void timing(const std::string& text) {
+  // A timing() line of the progress (DIFFRUN_PROGRESS_TIMES), under the lock; formatted only then.
+  template <typename... Args>
+  void timing(fmt::format_string<Args...> format, Args&&... args) {
+    if (!progress || !progress->times()) return;
+    const std::string text = fmt::format(format, std::forward<Args>(args)...);
     std::lock_guard lock(m);
-    if (progress) progress->timing(text);
+    progress->timing(text);
   }
 
   // Lockstep of the two sides of a pair: where each has recorded up to (step, count in the step).
@@ -301,7 +304,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
   const std::string who = fmt::format("pair {} {} {}/{}", p + 1, side == kEngine ? "engine" : "reference", bo.backend,
                                       bo.precision);
   auto backend = make_backend(cx.file, cx.cfg, bo, needed);
-  cx.sh.timing(who + ": loaded");
+  cx.sh.timing("{}: loaded", who);
   Message meta(Message::meta);
   meta.dump_meta = dump_meta(cx.file, *backend, cx.opt.prompt, cx.ids);
   meta.dump_meta.facts["run_id"] = cx.opt.run_id;
@@ -325,7 +328,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
     const std::vector<float> logits =
         step == 0 ? backend->forward(0, cx.ids, sink) : backend->forward(step, std::span<const int32_t>(&token, 1), sink);
     cx.sh.step_done(side, p, step);
-    cx.sh.timing(fmt::format("{}: step {} done", who, step));
+    cx.sh.timing("{}: step {} done", who, step);
     if (side == kEngine && step == 0) {
       std::lock_guard lock(cx.sh.m);
       cx.sh.prefilled[p] = 1;
@@ -561,7 +564,7 @@ class Comparator {
 
   static void record_to(DumpWriter& w, const Message& m, bool checkpoints) {
     if (m.kind == Message::ids) {
-      w.record_ids(m.step, "tokens", m.tokens);
+      w.record_ids(m.step, kTokensCheckpoint, m.tokens);
     } else if (checkpoints && m.row_offset > 0) {
       // The writer takes the checkpoint as recorded and keeps the same last rows (writer_rows): the
       // rows it drops are put back as zeros for the call.
@@ -667,14 +670,13 @@ class Comparator {
         }
       }
       lap(t_write);
-      if (batch.size() == 1) stream().add(side_id, std::move(batch[0].first), std::move(batch[0].second));
-      else if (!batch.empty()) stream().add_all(side_id, std::move(batch));
+      if (!batch.empty()) stream().add_all(side_id, std::move(batch));
       lap(t_cmp);
     }
     const diff::StreamComparison::StepEnd e = stream().end_step(step);
     lap(t_cmp);
-    cx_.sh.timing(fmt::format("pair {} comparator: step {}: waited {:.3f} s, wrote {:.3f} s, compared {:.3f} s", p_ + 1,
-                              step, t_wait, t_write, t_cmp));
+    cx_.sh.timing("pair {} comparator: step {}: waited {:.3f} s, wrote {:.3f} s, compared {:.3f} s", p_ + 1,
+                              step, t_wait, t_write, t_cmp);
     if (e.nonfinite && first_nonfinite_ < 0) first_nonfinite_ = step;
     if (cx_.opt.dump == DumpMode::divergence) {
       // Around the first divergence k: steps k-1, k, k+1, and the step of the first NaN/Inf.
@@ -931,7 +933,7 @@ void replay_thread(const Context& cx, size_t p, BesideReplay& out) {
       after(e);
       return;
     }
-    cx.sh.timing(fmt::format("pair {} isolation replay: engine loaded", p + 1));
+    cx.sh.timing("pair {} isolation replay: engine loaded", p + 1);
   } else {
     // Every pair's engine has made its largest allocations (its prefill) before a third one loads.
     std::unique_lock lock(cx.sh.m);
@@ -955,18 +957,18 @@ void replay_thread(const Context& cx, size_t p, BesideReplay& out) {
     }
     if (step > 0) {
       out.replay->step(step, *st);
-      cx.sh.timing(fmt::format("pair {} isolation replay: step {} done (forward {:.3f} s)", p + 1, step, out.replay->forward_s));
+      cx.sh.timing("pair {} isolation replay: step {} done (forward {:.3f} s)", p + 1, step, out.replay->forward_s);
       continue;
     }
     // A second engine that does not fit (device memory) leaves the replay to after the pipeline.
     try {
       if (!out.engine) {
         out.engine = make_backend(cx.file, cx.cfg, pair.engine, max_ctx);
-        cx.sh.timing(fmt::format("pair {} isolation replay: engine loaded", p + 1));
+        cx.sh.timing("pair {} isolation replay: engine loaded", p + 1);
       }
       out.replay.emplace(cx.file, cx.cfg, *out.engine, held.meta, cx.ids, cx.opt, pair.isolated_path);
       out.replay->step(0, *st);
-      cx.sh.timing(fmt::format("pair {} isolation replay: step 0 done (forward {:.3f} s)", p + 1, out.replay->forward_s));
+      cx.sh.timing("pair {} isolation replay: step 0 done (forward {:.3f} s)", p + 1, out.replay->forward_s);
     } catch (const Error& e) {
       after(e);
       return;

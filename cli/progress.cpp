@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -22,12 +23,11 @@ Progress::Progress(std::string prefix, bool enabled)
     : prefix_(std::move(prefix)), enabled_(enabled), tty_(isatty(fileno(stderr)) != 0) {
   const char* t = std::getenv("DIFFRUN_PROGRESS_TIMES");
   times_ = t && *t && std::strcmp(t, "0") != 0;
-  start_ = kProgramStart;
 }
 
 std::string Progress::stamp() const {
   if (!times_) return {};
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - kProgramStart).count();
   return fmt::format("[+{:.3f} s] ", s);
 }
 

@@ -3,7 +3,6 @@
 // ("[+1.234 s]") and adds timing() lines: the phases of a run, for benchmarks.
 #pragma once
 
-#include <chrono>
 #include <string>
 #include <string_view>
 
@@ -27,6 +26,7 @@ class Progress {
   void timing(std::string_view text);
 
   bool tty() const { return tty_; }
+  bool times() const { return times_; }  // DIFFRUN_PROGRESS_TIMES: timing() prints
 
  private:
   std::string prefix_;
@@ -34,7 +34,6 @@ class Progress {
   bool tty_;
   bool open_ = false;
   bool times_ = false;
-  std::chrono::steady_clock::time_point start_;
   std::string stamp() const;
 };
 

@@ -62,18 +62,9 @@ void StreamComparison::settle(CheckpointResult r, std::vector<float>& a, std::ve
 }
 
 void StreamComparison::add(StreamSide side, DatasetInfo info, std::vector<float> values) {
-  const int s = static_cast<int>(side);
-  const auto other = arrive(s, info);
-  if (!other) {
-    const std::pair<int, std::string> key(info.step, info.name);
-    pending_[s].emplace(key, Pending{std::move(info), std::move(values)});
-    return;
-  }
-  Pending mine{std::move(info), std::move(values)};
-  std::vector<float> a, b;
-  CheckpointResult r = s == 0 ? compare_pair(mine, (*other)->second, a, b) : compare_pair((*other)->second, mine, a, b);
-  settle(std::move(r), a, b);
-  pending_[1 - s].erase(*other);
+  std::vector<std::pair<DatasetInfo, std::vector<float>>> one;
+  one.emplace_back(std::move(info), std::move(values));
+  add_all(side, std::move(one));
 }
 
 void StreamComparison::add_all(StreamSide side, std::vector<std::pair<DatasetInfo, std::vector<float>>> batch) {
@@ -96,7 +87,7 @@ void StreamComparison::add_all(StreamSide side, std::vector<std::pair<DatasetInf
   }
   const int64_t n = static_cast<int64_t>(jobs.size());
   // Dynamic: the checkpoints' sizes differ by 1000x (a norm's row against the prefill's logits).
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
   for (int64_t i = 0; i < n; ++i) {
     Job& j = jobs[i];
     j.result = s == 0 ? compare_pair(j.mine, j.other->second, j.a, j.b) : compare_pair(j.other->second, j.mine, j.a, j.b);
