@@ -60,6 +60,18 @@ bool gemv_prefetch_enabled() {
   return enabled;
 }
 
+bool qgemv_mma_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("DIFFRUN_QGEMV_MMA");
+    if (v != nullptr && std::strcmp(v, "0") == 0) return false;
+    int device = 0, major = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major >= 8;
+  }();
+  return enabled;
+}
+
 void set_op_context(int step, int layer) {
   g_step = step;
   g_layer = layer;

@@ -27,6 +27,10 @@ bool pdl_enabled();
 // before the PDL wait (so under PDL while the preceding kernel runs), unless DIFFRUN_GEMV_PREFETCH=0.
 bool gemv_prefetch_enabled();
 
+// The f16 engine's Q4_K/Q5_K/Q6_K GEMV on tensor cores (read once): on for devices of compute
+// capability 8.0 and later unless DIFFRUN_QGEMV_MMA=0 (the SIMT kernel of the other formats then).
+bool qgemv_mma_enabled();
+
 // Where the forward pass is (step, layer; layer -1 outside layers), named in op errors. Cheap.
 void set_op_context(int step, int layer);
 

@@ -38,7 +38,8 @@
 //   rope_cache_unrotated fault; DIFFRUN_ROPE_IN_GEMV=0, the "rope_in_qkv_gemv" fact).
 //   Decode T = 1 projections run our GEMV
 //   kernel, prefill the cuBLAS GEMM (bench/NOTES.md has the figures). Quantized matrices stay GGUF
-//   blocks on the device (engine/weights.cuh): the quantized GEMV at T = 1, at T > 1 their rows
+//   blocks on the device (engine/weights.cuh): the quantized GEMV at T = 1 (Q4_K/Q5_K/Q6_K on tensor
+//   cores in the f16 engine; DIFFRUN_QGEMV_MMA=0, the "kquant_gemv" fact), at T > 1 their rows
 //   dequantized into a scratch for the same cuBLAS GEMM; the "quantized_weights" fact lists them.
 // - Isolation replay replaces the inputs an op reads, never recomputes an output by another code
 //   path: a fused op runs on replaced inputs (rope_qk on the reference's Kcur and Vcur, add_rms_norm
@@ -235,6 +236,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"prefill_attention", tiled_attention_ ? "tiled" : "one block per (token, head)"},
         {"pdl", pdl_enabled() ? "on" : "off"},
         {"gemv_prefetch", gemv_prefetch_enabled() ? "on" : "off"},
+        {"kquant_gemv", kF16 && qgemv_mma_enabled() ? "tensor cores (f16 weights, f32 sums)" : "simt"},
         {"swiglu_in_gate_up_gemv", swiglu_in_gemv_ ? "one-token steps without hooks" : "off"},
         {"rope_in_qkv_gemv", rope_in_gemv_ ? "one-token steps without hooks" : "off"},
         {"checkpoint_copies", stager_.mode()},

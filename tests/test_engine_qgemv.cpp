@@ -1,5 +1,6 @@
 // GPU test: the quantized kernels (engine/ops/qgemv) per format against the CPU dequantization
-// (model/dequant.cpp) with f32 math: the GEMV (f32 and f16 activations, 1 and 4 warps per row,
+// (model/dequant.cpp) with f32 math: the GEMV (f32 and f16 activations, 1 and 4 warps per row, the
+// K-quants' tensor-core kernel with f16 activations,
 // parts, bias, a concatenation of two formats, the SwiGLU and RoPE epilogues), the row dequantization (bit-exact)
 // and the embedding.
 #include <cmath>
@@ -153,6 +154,7 @@ TEST(EngineQgemv, EveryFormatAgainstCpuDequantization) {
     check_gemv(f, 70, 2048, seed);    // few rows, long K: 4 warps per row
     check_gemv(f, 4101, 256, seed);   // many rows: 1 warp per row, a partial last block
     check_gemv(f, 33, 768, seed + 7); // K not a power of two
+    check_gemv(f, 40, 5632, seed + 9); // more super-blocks than the tensor-core kernel's warps
   }
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "engine/cuda_check.cuh"
 #include "engine/ops/gemv_epilogue.cuh"
@@ -224,10 +225,12 @@ bool gate_up_swiglu_impl(float* gate, float* up, W* act, const W* x, const Devic
     return true;
   }
   if (w.n_segments < 1 || w.segments[0].rows < 2 * F) return false;  // gate and up in different formats
-  // Super-block formats stay unfused: their gate|up GEMV is issue-bound and the epilogue's row pairing
-  // lengthens it (TinyLlama Q5_K_M, H100: 1.503 ms/token fused, 1.434 unfused; bench/NOTES.md, v7).
+  // Super-block formats on the SIMT kernel (f32 activations, or DIFFRUN_QGEMV_MMA=0) stay unfused: that
+  // GEMV is issue-bound and the epilogue's row pairing lengthens it (TinyLlama Q5_K_M, H100: 1.503
+  // ms/token fused, 1.434 unfused; bench/NOTES.md, v7). The tensor-core kernel pairs rows within a tile.
   const GgmlType t = w.segments[0].type;
-  if (t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K) return false;
+  const bool mma = std::is_same_v<W, __half> && qgemv_mma_enabled();
+  if (!mma && (t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K)) return false;
   qgemv_swiglu(w.segments[0].type, gate, up, act, x, w.segments[0].raw, K, F, stream);
   return true;
 }

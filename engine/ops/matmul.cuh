@@ -59,7 +59,8 @@ void matmul_cat(std::initializer_list<MatmulPart> parts, const __half* x, const 
 // up [F] f32 bit-identical to matmul_cat's (the same GEMV per row, the same launch shape), and act [F]
 // = silu(gate)·up bit-identical to the swiglu kernel's (f32, or f16 in the f16 engine); one launch.
 // Returns false, launching nothing, when w cannot run it (a quantized matrix whose 2F rows are not
-// one format) or would run it slower (Q4_K, Q5_K, Q6_K): then run matmul_cat and swiglu.
+// one format) or would run it slower (Q4_K, Q5_K, Q6_K on the SIMT quantized kernel, i.e. with f32
+// activations or DIFFRUN_QGEMV_MMA=0): then run matmul_cat and swiglu.
 bool matmul_gate_up_swiglu(float* gate, float* up, float* act, const float* x, const DeviceMatrix<float>& w, int K,
                            int F, cudaStream_t stream);
 bool matmul_gate_up_swiglu(float* gate, float* up, __half* act, const __half* x, const DeviceMatrix<__half>& w, int K,

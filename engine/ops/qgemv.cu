@@ -304,6 +304,209 @@ qgemv_kernel(GemvParts parts, int row0, int rows, const X* __restrict__ x, const
   gemv_finish<kWarpsPerRow, kEpi>(parts, act, rope, acc, pair, row0 + r, r < rows);
 }
 
+// ---- the f16 engine's K-quant GEMV on tensor cores (Q4_K, Q5_K, Q6_K with f16 activations) ----
+//
+// A block of kMmaWarps warps computes a tile of 16 output rows with mma.m16n8k16 (f16 A and B, f32
+// accumulators). Lane (g, t) = (lane / 4, lane % 4) holds the A fragment's rows g and g + 8; for each
+// 32-weight sub-block it decodes positions 8t..8t+7 of both rows, each weight the value qgemv_kernel
+// computes and rounds to f16. The mma's k-slots are a permutation of those positions: slice s (0, 1)
+// of a sub-block gives lane t's slots 2t, 2t+1 the positions 8t+4s, 8t+4s+1 and its slots 2t+8, 2t+9
+// the positions 8t+4s+2, 8t+4s+3; B holds x at the same positions in all 8 columns, so every column
+// of C is the tile's w·x. Warp w takes super-blocks w, w + kMmaWarps, ...; the warps' sums are added
+// in warp order. A row's value depends on its own weights and x only, never on the tile's other rows,
+// so the paired epilogues (a pair in rows m and m + 8 of a tile) match the plain launch bit for bit.
+
+constexpr int kMmaWarps = 8;
+
+// The f16x2 bits of (lo, hi), each rounded to nearest even.
+__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// 2^23 + byte i of v, as a float (the byte in the mantissa of 2^23).
+template <int i>
+__device__ __forceinline__ float byte_2p23(uint32_t v) {
+  return __int_as_float(static_cast<int>(__byte_perm(v, 0x4B000000u, 0x7440u | i)));
+}
+
+// 8 bytes at a 2-byte aligned address.
+__device__ __forceinline__ uint2 ld_u64_a2(const uint8_t* p) { return make_uint2(ld_u32_a2(p), ld_u32_a2(p + 4)); }
+
+// The f16x2 words of 8 weights d1·q − m1 (Q4_K, Q5_K) whose quants are the bytes of b0 (positions
+// 0..3) and b1 (4..7): out[k] holds positions 2k, 2k + 1. d1·q is exact in f32 (d1 has at most 17
+// significant bits, q at most 5), so fmaf(d1, q, −m1) is __fsub_rn(__fmul_rn(d1, q), m1).
+__device__ __forceinline__ void kquant_min8(uint32_t b0, uint32_t b1, float d1, float m1, uint32_t* out) {
+  constexpr float k2p23 = 8388608.0f;
+  out[0] = pack_h2(fmaf(d1, byte_2p23<0>(b0) - k2p23, -m1), fmaf(d1, byte_2p23<1>(b0) - k2p23, -m1));
+  out[1] = pack_h2(fmaf(d1, byte_2p23<2>(b0) - k2p23, -m1), fmaf(d1, byte_2p23<3>(b0) - k2p23, -m1));
+  out[2] = pack_h2(fmaf(d1, byte_2p23<0>(b1) - k2p23, -m1), fmaf(d1, byte_2p23<1>(b1) - k2p23, -m1));
+  out[3] = pack_h2(fmaf(d1, byte_2p23<2>(b1) - k2p23, -m1), fmaf(d1, byte_2p23<3>(b1) - k2p23, -m1));
+}
+
+// Lane t's 8 weights of each sub-block u of one super-block at p, as f16x2 words w[u][0..3]
+// (positions 8t..8t+7 of elements 32u..32u+31).
+template <typename Q>
+struct MmaLane;
+
+template <>
+struct MmaLane<Q4_K> {
+  __device__ static __forceinline__ void decode(const uint8_t* p, int t, uint32_t (&w)[8][4]) {
+    const uint4 hd = *reinterpret_cast<const uint4*>(p);  // d, dmin, scales[12]
+    uint2 qs[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) qs[j] = *reinterpret_cast<const uint2*>(p + 16 + 32 * j + 8 * t);
+    const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x & 0xFFFF)));
+    const float dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x >> 16)));
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      float sc, m;
+      scale_min_k4(u, hd.y, hd.z, hd.w, &sc, &m);
+      const int sh = 4 * (u & 1);
+      kquant_min8((qs[u / 2].x >> sh) & 0x0F0F0F0Fu, (qs[u / 2].y >> sh) & 0x0F0F0F0Fu, __fmul_rn(d, sc),
+                  __fmul_rn(dmin, m), w[u]);
+    }
+  }
+};
+
+template <>
+struct MmaLane<Q5_K> {
+  __device__ static __forceinline__ void decode(const uint8_t* p, int t, uint32_t (&w)[8][4]) {
+    const uint4 hd = *reinterpret_cast<const uint4*>(p);                 // d, dmin, scales[12]
+    const uint2 qh = *reinterpret_cast<const uint2*>(p + 16 + 8 * t);    // fifth bits: bit u for sub-block u
+    uint2 qs[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) qs[j] = *reinterpret_cast<const uint2*>(p + 48 + 32 * j + 8 * t);
+    const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x & 0xFFFF)));
+    const float dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x >> 16)));
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      float sc, m;
+      scale_min_k4(u, hd.y, hd.z, hd.w, &sc, &m);
+      const int sh = 4 * (u & 1);
+      const uint32_t b0 = ((qs[u / 2].x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> u) & 0x01010101u) << 4);
+      const uint32_t b1 = ((qs[u / 2].y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> u) & 0x01010101u) << 4);
+      kquant_min8(b0, b1, __fmul_rn(d, sc), __fmul_rn(dmin, m), w[u]);
+    }
+  }
+};
+
+template <>
+struct MmaLane<Q6_K> {  // ql[128], qh[64], scales[16] (int8), d; sub-block u = 4n + k (see Q6_K above)
+  __device__ static __forceinline__ void decode(const uint8_t* p, int t, uint32_t (&w)[8][4]) {
+    uint2 ql[2][2], qh[2];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {  // 210-byte blocks: 2-byte aligned only
+      ql[n][0] = ld_u64_a2(p + 64 * n + 8 * t);
+      ql[n][1] = ld_u64_a2(p + 64 * n + 32 + 8 * t);
+      qh[n] = ld_u64_a2(p + 128 + 32 * n + 8 * t);
+    }
+    uint32_t scw[8];  // the two scale bytes 8n + 2k, 8n + 2k + 1; lane t uses byte t / 2 (positions 8t.. in one half)
+#pragma unroll
+    for (int u = 0; u < 8; ++u) scw[u] = ld_u16(p + 192 + 2 * u);
+    const float d = ld_half(p + 208);
+    constexpr float k2p23_32 = 8388640.0f;  // 2^23 + 32: q − 32 from 2^23 + q
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int n = u / 4, k = u % 4, shl = 4 * (k >> 1), shh = 2 * k;
+      const uint2 l = ql[n][k & 1];
+      const uint32_t b0 = ((l.x >> shl) & 0x0F0F0F0Fu) | (((qh[n].x >> shh) & 0x03030303u) << 4);
+      const uint32_t b1 = ((l.y >> shl) & 0x0F0F0F0Fu) | (((qh[n].y >> shh) & 0x03030303u) << 4);
+      const float da =
+          __fmul_rn(d, static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(scw[u] >> (8 * (t >> 1))))));
+      w[u][0] = pack_h2(__fmul_rn(da, byte_2p23<0>(b0) - k2p23_32), __fmul_rn(da, byte_2p23<1>(b0) - k2p23_32));
+      w[u][1] = pack_h2(__fmul_rn(da, byte_2p23<2>(b0) - k2p23_32), __fmul_rn(da, byte_2p23<3>(b0) - k2p23_32));
+      w[u][2] = pack_h2(__fmul_rn(da, byte_2p23<0>(b1) - k2p23_32), __fmul_rn(da, byte_2p23<1>(b1) - k2p23_32));
+      w[u][3] = pack_h2(__fmul_rn(da, byte_2p23<2>(b1) - k2p23_32), __fmul_rn(da, byte_2p23<3>(b1) - k2p23_32));
+    }
+  }
+};
+
+// c += A·B for one m16n8k16 tile (A row-major f16, B column-major f16, f32 accumulators).
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();  // the host launches this kernel on compute capability 8.0+ only (qgemv_mma_enabled)
+#endif
+}
+
+template <typename Q, int kEpi>
+static __global__ void __launch_bounds__(kMmaWarps * 32)
+qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__ x, const uint8_t* __restrict__ w,
+                 int K, bool prefetch, __half* __restrict__ act, GemvRope rope) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t row_bytes = int64_t(K / Q::kElems) * Q::kBytes;
+  int pair_a, pair_b;
+  const int ra = gemv_slot_row<kEpi, 16>(blockIdx.x, g, rows, rope, pair_a);
+  const int rb = gemv_slot_row<kEpi, 16>(blockIdx.x, g + 8, rows, rope, pair_b);
+  if (prefetch) {  // the tile's rows, while the preceding kernel runs
+    if constexpr (kEpi == kGemvPlain) {
+      if (threadIdx.x == 0) {
+        const int first = blockIdx.x * 16;
+        prefetch_l2(w + first * row_bytes, size_t(min(16, rows - first)) * row_bytes);
+      }
+    } else if (warp == 0 && t == 0) {
+      if (ra < rows) prefetch_l2(w + ra * row_bytes, size_t(row_bytes));
+      if (rb < rows) prefetch_l2(w + rb * row_bytes, size_t(row_bytes));
+    }
+  }
+  pdl_wait();
+  pdl_trigger();
+  // A slot without a row (the last tile) computes row 0 again; its value is never written.
+  const uint8_t* wa = w + int64_t(ra < rows ? ra : 0) * row_bytes;
+  const uint8_t* wb = w + int64_t(rb < rows ? rb : 0) * row_bytes;
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const int nb = K / Q::kElems;
+  for (int sb = warp; sb < nb; sb += kMmaWarps) {
+    uint32_t A[8][4], B[8][4];
+    MmaLane<Q>::decode(wa + int64_t(sb) * Q::kBytes, t, A);
+    MmaLane<Q>::decode(wb + int64_t(sb) * Q::kBytes, t, B);
+    const __half* xs = x + int64_t(sb) * Q::kElems + 8 * t;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const uint4 xv = *reinterpret_cast<const uint4*>(xs + 32 * u);
+      mma_16816(c, A[u][0], B[u][0], A[u][1], B[u][1], xv.x, xv.y);  // positions 8t + 0..3
+      mma_16816(c, A[u][2], B[u][2], A[u][3], B[u][3], xv.z, xv.w);  // positions 8t + 4..7
+    }
+  }
+  // Column 0 of C: lane (g, 0) holds rows g (c[0]) and g + 8 (c[2]).
+  __shared__ float part[kMmaWarps][16];
+  __shared__ float value[16];
+  if (t == 0) {
+    part[warp][g] = c[0];
+    part[warp][g + 8] = c[2];
+  }
+  __syncthreads();
+  const int m = threadIdx.x;
+  int pair = 0, r = rows;
+  if (m < 16) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kMmaWarps; ++i) acc += part[i][m];
+    r = gemv_slot_row<kEpi, 16>(blockIdx.x, m, rows, rope, pair);
+    float y = 0.0f;
+    if (r < rows) {
+      float* out = nullptr;
+      y = gemv_row_value(parts, row0 + r, acc, out);
+      if constexpr (kEpi != kGemvRope) *out = y;  // RoPE: its epilogue writes every output
+    }
+    value[m] = y;
+  }
+  if constexpr (kEpi != kGemvPlain) {
+    __syncthreads();
+    if (m < 8 && r < rows) gemv_pair_epilogue<kEpi>(parts, act, rope, pair, value[m], value[m + 8]);
+  }
+}
+
+template <typename Q>
+constexpr bool kHasMmaLane = std::is_same_v<Q, Q4_K> || std::is_same_v<Q, Q5_K> || std::is_same_v<Q, Q6_K>;
+
 template <typename Q, typename Out>
 static __global__ void dequant_rows_kernel(const uint8_t* __restrict__ w, int64_t n_chunks, Out* __restrict__ dst) {
   pdl_wait();
@@ -403,6 +606,14 @@ void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X*
   const auto* wb = static_cast<const uint8_t*>(w);
   dispatch(t, "qgemv", [&](auto q) {
     using Q = decltype(q);
+    if constexpr (std::is_same_v<X, __half> && kHasMmaLane<Q>) {
+      if (qgemv_mma_enabled()) {
+        const int tiles = kEpi == kGemvPlain ? (rows + 15) / 16 : (rows / 2 + 7) / 8;
+        launch_pdl(qgemv_mma_kernel<Q, kEpi>, static_cast<unsigned>(tiles), kMmaWarps * 32, 0, stream, parts, row0,
+                   rows, x, wb, K, gemv_prefetch_enabled(), act, rope);
+        return;
+      }
+    }
     const int chunks = K / Q::kElems * Q::kChunks;
     if (rows < 4096 && chunks >= 256) {  // few rows with long K: 4 warps share each row
       launch_pdl(qgemv_kernel<Q, X, 4, kEpi>, static_cast<unsigned>(gemv_blocks(4, kEpi, rows)),

@@ -7,6 +7,10 @@
 // activation. With f16 activations (the f16 engine) each weight is first rounded to f16, the value
 // the expanded matrix and the prefill's dequantized scratch hold: the f16 engine has f16 weights in
 // every step, as the precision-matched reference (f32-f16store) emulates. No activation quantization.
+// Q4_K, Q5_K and Q6_K with f16 activations run on tensor cores (mma.m16n8k16 on those f16 weights,
+// f32 accumulators; compute capability 8.0+, DIFFRUN_QGEMV_MMA=0 turns it off): the same weights and
+// products, another summation order. Every launch of a matrix sums each row in the same order, so the
+// fused epilogues stay bit-identical to qgemv followed by the unfused op.
 #pragma once
 
 #include <cstdint>
