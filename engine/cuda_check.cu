@@ -40,35 +40,36 @@ bool sync_check_enabled() {
   return enabled;
 }
 
+namespace {
+
+// The environment variable `name` is "0".
+bool switched_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, "0") == 0;
+}
+
+// The current device's compute capability major version.
+int device_major() {
+  int device = 0, major = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major;
+}
+
+}  // namespace
+
 bool pdl_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("DIFFRUN_PDL");
-    if (v != nullptr && std::strcmp(v, "0") == 0) return false;
-    int device = 0, major = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    return major >= 9;
-  }();
+  static const bool enabled = !switched_off("DIFFRUN_PDL") && device_major() >= 9;
   return enabled;
 }
 
 bool gemv_prefetch_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("DIFFRUN_GEMV_PREFETCH");
-    return !(v != nullptr && std::strcmp(v, "0") == 0);
-  }();
+  static const bool enabled = !switched_off("DIFFRUN_GEMV_PREFETCH");
   return enabled;
 }
 
 bool qgemv_mma_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("DIFFRUN_QGEMV_MMA");
-    if (v != nullptr && std::strcmp(v, "0") == 0) return false;
-    int device = 0, major = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    return major >= 8;
-  }();
+  static const bool enabled = !switched_off("DIFFRUN_QGEMV_MMA") && device_major() >= 8;
   return enabled;
 }
 

@@ -4,6 +4,11 @@ if(DIFFRUN_HAVE_CUDA)
                LIBS diffrun_engine diffrun_model)
   diffrun_test(test_engine_qgemv GPU SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_engine_qgemv.cpp
                LIBS diffrun_engine diffrun_model)
+  # The same tests with the K-quants' f16 GEMV on the SIMT kernel (DIFFRUN_QGEMV_MMA=0) instead of tensor cores.
+  add_test(NAME test_engine_qgemv_simt COMMAND ${PROJECT_SOURCE_DIR}/tests/run_gtest.sh $<TARGET_FILE:test_engine_qgemv>
+           WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+  set_tests_properties(test_engine_qgemv_simt PROPERTIES ENVIRONMENT "${DIFFRUN_TEST_ENV};DIFFRUN_QGEMV_MMA=0"
+                       SKIP_RETURN_CODE 77 LABELS gpu)
   diffrun_test(test_engine_ops GPU SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_engine_ops.cpp
                LIBS diffrun_engine diffrun_reference)
   diffrun_test(test_engine_model GPU SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_engine_model.cpp

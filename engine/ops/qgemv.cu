@@ -349,34 +349,17 @@ __device__ __forceinline__ void kquant_min8(uint32_t b0, uint32_t b1, float d1, 
 template <typename Q>
 struct MmaLane;
 
-template <>
-struct MmaLane<Q4_K> {
+// Q4_K and Q5_K: d, dmin, scales[12], then (Q5_K) qh[32], then qs[128]; group j's bytes 32j + l hold
+// sub-block 2j's element l (low nibble) and 2j + 1's (high); Q5_K's fifth bit of sub-block u is bit u
+// of qh[l].
+template <bool kFifthBit>
+struct MmaLaneK4 {
   __device__ static __forceinline__ void decode(const uint8_t* p, int t, uint32_t (&w)[8][4]) {
     const uint4 hd = *reinterpret_cast<const uint4*>(p);  // d, dmin, scales[12]
+    const uint2 qh = kFifthBit ? *reinterpret_cast<const uint2*>(p + 16 + 8 * t) : make_uint2(0, 0);
     uint2 qs[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) qs[j] = *reinterpret_cast<const uint2*>(p + 16 + 32 * j + 8 * t);
-    const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x & 0xFFFF)));
-    const float dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x >> 16)));
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      float sc, m;
-      scale_min_k4(u, hd.y, hd.z, hd.w, &sc, &m);
-      const int sh = 4 * (u & 1);
-      kquant_min8((qs[u / 2].x >> sh) & 0x0F0F0F0Fu, (qs[u / 2].y >> sh) & 0x0F0F0F0Fu, __fmul_rn(d, sc),
-                  __fmul_rn(dmin, m), w[u]);
-    }
-  }
-};
-
-template <>
-struct MmaLane<Q5_K> {
-  __device__ static __forceinline__ void decode(const uint8_t* p, int t, uint32_t (&w)[8][4]) {
-    const uint4 hd = *reinterpret_cast<const uint4*>(p);                 // d, dmin, scales[12]
-    const uint2 qh = *reinterpret_cast<const uint2*>(p + 16 + 8 * t);    // fifth bits: bit u for sub-block u
-    uint2 qs[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) qs[j] = *reinterpret_cast<const uint2*>(p + 48 + 32 * j + 8 * t);
+    for (int j = 0; j < 4; ++j) qs[j] = *reinterpret_cast<const uint2*>(p + (kFifthBit ? 48 : 16) + 32 * j + 8 * t);
     const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x & 0xFFFF)));
     const float dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x >> 16)));
 #pragma unroll
@@ -390,6 +373,12 @@ struct MmaLane<Q5_K> {
     }
   }
 };
+
+template <>
+struct MmaLane<Q4_K> : MmaLaneK4<false> {};
+
+template <>
+struct MmaLane<Q5_K> : MmaLaneK4<true> {};
 
 template <>
 struct MmaLane<Q6_K> {  // ql[128], qh[64], scales[16] (int8), d; sub-block u = 4n + k (see Q6_K above)
