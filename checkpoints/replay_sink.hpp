@@ -21,7 +21,8 @@ namespace diffrun {
 //   the op under test, fused or not, is what a local error measures (DESIGN.md, isolation).
 // - A checkpoint the reference dump lacks (filtered out), or holds only the last rows of (a long
 //   prompt's row cuts, DumpWriterOptions), is not replaced: the backend continues from its own
-//   values there.
+//   values there. The isolated error of an op after it spans several ops; diff::add_isolation gives
+//   such checkpoints no local error.
 // - replacement() returns null when the backend already recorded this checkpoint with another
 //   element count than the reference's (a fault that changes a shape), so a backend never copies
 //   a tensor of the wrong size over its buffer. Backends that record after replacing (the engine

@@ -1,4 +1,5 @@
 // `diffrun dump`: runs one backend (prefill, then greedy decode steps) and writes every checkpoint to an HDF5 dump.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -73,6 +74,19 @@ int run_dump(const DumpOptions& o) {
                                    o.replay, o.steps));
     }
     forced.assign(all.begin() + static_cast<std::ptrdiff_t>(ids.size()), all.end());
+    // A checkpoint the reference lacks is not replaced: the op after it runs on this backend's own
+    // values, so its isolated error spans several ops (compare --isolated gives it no local error).
+    const std::vector<std::string> names = checkpoint_names(cfg);
+    const auto held = std::count_if(names.begin(), names.end(), [&](const std::string& n) {
+      return n == "tokens" || reference->find(0, n) != nullptr;
+    });
+    if (held < static_cast<std::ptrdiff_t>(names.size())) {
+      fmt::print(stderr,
+                 "diffrun dump: warning: --replay {} holds {} of this model's {} checkpoints at step 0; the ops whose "
+                 "inputs it lacks run on this backend's own values, so their isolated errors span several ops "
+                 "(compare --isolated gives those no local error)\n",
+                 o.replay, held, names.size());
+    }
     replay = std::make_unique<ReplaySink>(writer, *reference);
   }
   Sink& sink = replay ? static_cast<Sink&>(*replay) : writer;

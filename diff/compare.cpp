@@ -358,17 +358,53 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
   return c;
 }
 
+namespace {
+
+using ResultIndex = std::map<std::pair<int, std::string>, const CheckpointResult*>;
+
+// Whether the replay could give the op that writes `name` (step, layer) the reference's values of
+// everything it reads: every direct dataflow input (the vocabulary's) held by the reference at that
+// step, whole (a replay replaces only those: ReplaySink, ReplacementRule). Two exceptions, both of the
+// backends' design: kq_soft_max is never read back (attention recomputes it from its own inputs, which
+// stand in for it), and the cache's rows of earlier steps, which a dump keeps only where each step wrote
+// them, are the replay's own rows (written by its own ops on the reference's inputs).
+bool inputs_replaced(int step, std::string_view base, int layer, int n_layer, const ResultIndex& reference,
+                     int depth = 0) {
+  const auto held = [&](const std::string& name) { return reference.count({step, name}) > 0; };
+  for (const std::string& in : checkpoint_inputs(base, layer, n_layer, held)) {
+    const ParsedCheckpointName p = parse_checkpoint_name(in);
+    if (p.base == "kq_soft_max") {
+      if (depth > 8 || !inputs_replaced(step, p.base, p.layer, n_layer, reference, depth + 1)) return false;
+      continue;
+    }
+    const auto it = reference.find({step, in});
+    if (it == reference.end()) return false;
+    if (it->second->row_offset > 0 && p.base != "cache_k" && p.base != "cache_v") return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptions& opt) {
-  std::map<std::pair<int, std::string>, const CheckpointResult*> by_key;
+  ResultIndex by_key, in_reference;
   for (const auto& r : isolated.results) {
     if (r.compared() || r.status == CheckpointStatus::shape_mismatch) by_key[{r.step, r.name}] = &r;
+    if (r.status != CheckpointStatus::only_engine) in_reference[{r.step, r.name}] = &r;
   }
+  const int n_layer = c.reference_meta.config.n_layer;
+  int chained = 0;  // isolated errors that span more than their op: no local error
+  std::string chained_example;
   bool local_only_first = false;  // the first failure fails on its local error alone
   std::optional<size_t> first_local;
   for (size_t i = 0; i < c.results.size(); ++i) {
     CheckpointResult& r = c.results[i];
     auto it = by_key.find({r.step, r.name});
     if (it == by_key.end()) continue;
+    if (!inputs_replaced(r.step, r.base, r.layer, n_layer, in_reference)) {
+      if (chained++ == 0) chained_example = fmt::format("{} at step {}", r.name, r.step);
+      continue;
+    }
     const CheckpointResult& iso = *it->second;
     r.local = LocalError{iso.status, iso.metrics ? iso.metrics->rel_l2 : std::nan("")};
     if (!opt.judge_local || !r.local->failed()) continue;
@@ -382,6 +418,13 @@ void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptio
     }
   }
   c.isolated_path = isolated.engine_path;
+  if (chained > 0) {
+    c.warnings.push_back(fmt::format(
+        "isolation: {} checkpoint(s) have no local error ({} the first): an input of their op is missing from the "
+        "reference or holds only its last rows, so the replay ran it on the engine's own values and the isolated "
+        "error spans several ops",
+        chained, chained_example));
+  }
   if (first_local && (!c.first_failure || *first_local < *c.first_failure)) {
     c.first_failure = first_local;
     local_only_first = true;

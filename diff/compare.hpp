@@ -75,7 +75,7 @@ struct Comparison {
   std::string engine_path, reference_path;
   DumpMeta engine_meta, reference_meta;
   std::string tolerance_source, tolerance_preset;
-  std::vector<std::string> warnings;  // refusals overridden by --force
+  std::vector<std::string> warnings;  // refusals overridden by --force; local errors add_isolation left out
   std::vector<CheckpointResult> results;  // step 0 first, then execution order
   std::optional<size_t> first_failure;    // index into results
   std::vector<size_t> preceding;          // indices of the passing checkpoints just before it
@@ -139,7 +139,9 @@ void finish_comparison(Comparison& c, const ToleranceSet& tolerances, const Comp
 
 // Isolation replay: `isolated` compares the engine's isolation-replay dump (each op run on the
 // reference's inputs) with the same reference. Attaches each checkpoint's local error to the
-// matching result of `c` (same step and name) and, when `c` diverged, decides its verdict again
+// matching result of `c` (same step and name), where the replay could replace every input of its op
+// (each dataflow input held whole by the reference at that step; else the isolated error spans
+// several ops, and a warning counts the checkpoints left without one), and, when `c` diverged, decides its verdict again
 // with that evidence (rule isolation). With opt.judge_local, a checkpoint that fails in `isolated`
 // fails in `c` too (its failed local bounds are added to its checks as "local <metric>"), and the
 // first divergence, its pattern (from the isolated dump when only the local error fails) and the

@@ -438,8 +438,28 @@ TEST_F(Cli, IsolationReplayReusingTheEngineEqualsAFreshReplay) {
   Result fresh = run("dump --backend cpu --precision f32 --model " + shell_quote(model) + " --tokens 1,17,42,7 --steps 3 "
                      "--replay " + shell_quote(out + "/reference.h5") + " --out " + shell_quote(path("fresh.h5")));
   ASSERT_EQ(fresh.rc, 0) << fresh.out << fresh.err;
+  EXPECT_EQ(fresh.err.find("warning"), std::string::npos) << fresh.err;  // the job's reference holds every checkpoint
   Result same = run("compare " + shell_quote(path("fresh.h5")) + " " + shell_quote(out + "/engine-isolated.h5") +
                    " --no-color");
   EXPECT_EQ(same.rc, 0) << same.out << same.err;
   EXPECT_NE(same.out.find("PASS"), std::string::npos) << same.out;
+}
+
+// A replay from a reference recorded with a filter replaces only what it holds: `dump --replay` says
+// so, and `compare --isolated` gives the checkpoints whose op inputs were not replaced no local error.
+TEST_F(Cli, ReplayFromAFilteredReferenceGivesNoLocalErrors) {
+  const std::string model = diffrun::test::fixture_path("tiny-qwen2-q8_0.gguf");
+  if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model << " (run the fixtures_generate test)";
+  const std::string common = "--model " + shell_quote(model) + " --tokens 1,17,42,7 --steps 1 --out ";
+  Result ref = run("dump --backend cpu --precision f64 --checkpoints 'l_out-*' " + common + shell_quote(path("ref.h5")));
+  ASSERT_EQ(ref.rc, 0) << ref.out << ref.err;
+  Result eng = run("dump --backend cpu --precision f32 " + common + shell_quote(path("eng.h5")));
+  ASSERT_EQ(eng.rc, 0) << eng.out << eng.err;
+  Result iso = run("dump --backend cpu --precision f32 --replay " + shell_quote(path("ref.h5")) + " " + common +
+                   shell_quote(path("iso.h5")));
+  ASSERT_EQ(iso.rc, 0) << iso.out << iso.err;
+  EXPECT_NE(iso.err.find("warning: --replay"), std::string::npos) << iso.err;
+  Result cmp = run("compare " + shell_quote(path("eng.h5")) + " " + shell_quote(path("ref.h5")) + " --isolated " +
+                   shell_quote(path("iso.h5")) + " --no-color --report-json " + shell_quote(path("r.json")));
+  EXPECT_NE(cmp.out.find("have no local error (l_out-0 at step 0 the first)"), std::string::npos) << cmp.out;
 }

@@ -417,6 +417,47 @@ TEST_F(Compare, LocalErrorsJudgedByTheirOwnBounds) {
   EXPECT_NE(text.find("local rel_l2"), std::string::npos) << text;
 }
 
+// A replay from a reference that lacks an op's inputs (here one recorded with a filter, l_out alone) ran
+// the op on the engine's own values there: its isolated error spans the whole layer, so it is no local
+// error. add_isolation leaves it out (and says so), where the same replay against the full reference
+// makes l_out-2 a local failure.
+TEST_F(Compare, NoLocalErrorWhereTheReplayCouldNotReplaceTheInputs) {
+  SyntheticDump filtered_reference = reference;
+  filtered_reference.skip = [](int, const std::string& name) {
+    return name != "tokens" && name.rfind("l_out-", 0) != 0;
+  };
+  filtered_reference.write(path("reference-l_out.h5"));
+  SyntheticDump iso = engine_dump();
+  iso.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step == 1 && name == "l_out-2")
+      for (float& x : v) x *= 1.002f;
+  };
+  iso.write(path("isolated.h5"));
+  engine_dump().write(path("engine.h5"));
+  const ToleranceSet local = parse_tolerances(
+      R"({"preset": "t_local", "rules": [], "default": {"max_rel_l2": 1e-4, "reason": "local"}})", "t_local.json");
+  CompareOptions judge;
+  judge.judge_local = true;
+  const DumpReader e(path("engine.h5")), ir(path("isolated.h5"));
+
+  const DumpReader full(path("reference.h5"));
+  Comparison with_inputs = compare_dumps(e, full, rel(5e-3));
+  add_isolation(with_inputs, compare_dumps(ir, full, local, judge), judge);
+  ASSERT_TRUE(with_inputs.diverged());
+  EXPECT_EQ(first(with_inputs).name, "l_out-2");
+  EXPECT_EQ(with_inputs.verdict.kind, VerdictKind::local);
+  EXPECT_TRUE(with_inputs.warnings.empty());
+
+  const DumpReader part(path("reference-l_out.h5"));
+  Comparison c = compare_dumps(e, part, rel(5e-3));
+  add_isolation(c, compare_dumps(ir, part, local, judge), judge);
+  EXPECT_FALSE(c.diverged());
+  for (const CheckpointResult& r : c.results) EXPECT_FALSE(r.local.has_value()) << r.name << " step " << r.step;
+  ASSERT_EQ(c.warnings.size(), 1u);
+  EXPECT_NE(c.warnings[0].find("l_out-0 at step 0 the first"), std::string::npos) << c.warnings[0];
+  EXPECT_NE(render_terminal(c).find("have no local error"), std::string::npos);
+}
+
 TEST_F(Compare, ShapeMismatchIsAFailureNotACrash) {
   SyntheticDump e = engine_dump();
   e.shrink = "cache_k-1";
