@@ -368,17 +368,22 @@ using ResultIndex = std::map<std::pair<int, std::string>, const CheckpointResult
 // backends' design: kq_soft_max is never read back (attention recomputes it from its own inputs, which
 // stand in for it), and the cache's rows of earlier steps, which a dump keeps only where each step wrote
 // them, are the replay's own rows (written by its own ops on the reference's inputs).
+// `selected`: the checkpoints the comparison looked at (compare --checkpoints); of the others nothing
+// is known, and they count as held.
 bool inputs_replaced(int step, std::string_view base, int layer, int n_layer, const ResultIndex& reference,
-                     int depth = 0) {
+                     const CheckpointFilter& selected, int depth = 0) {
   const auto held = [&](const std::string& name) { return reference.count({step, name}) > 0; };
   for (const std::string& in : checkpoint_inputs(base, layer, n_layer, held)) {
     const ParsedCheckpointName p = parse_checkpoint_name(in);
     if (p.base == "kq_soft_max") {
-      if (depth > 8 || !inputs_replaced(step, p.base, p.layer, n_layer, reference, depth + 1)) return false;
+      if (depth > 8 || !inputs_replaced(step, p.base, p.layer, n_layer, reference, selected, depth + 1)) return false;
       continue;
     }
     const auto it = reference.find({step, in});
-    if (it == reference.end()) return false;
+    if (it == reference.end()) {
+      if (selected.matches(in)) return false;
+      continue;
+    }
     if (it->second->row_offset > 0 && p.base != "cache_k" && p.base != "cache_v") return false;
   }
   return true;
@@ -401,7 +406,7 @@ void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptio
     CheckpointResult& r = c.results[i];
     auto it = by_key.find({r.step, r.name});
     if (it == by_key.end()) continue;
-    if (!inputs_replaced(r.step, r.base, r.layer, n_layer, in_reference)) {
+    if (!inputs_replaced(r.step, r.base, r.layer, n_layer, in_reference, opt.checkpoints)) {
       if (chained++ == 0) chained_example = fmt::format("{} at step {}", r.name, r.step);
       continue;
     }

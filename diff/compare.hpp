@@ -140,8 +140,9 @@ void finish_comparison(Comparison& c, const ToleranceSet& tolerances, const Comp
 // Isolation replay: `isolated` compares the engine's isolation-replay dump (each op run on the
 // reference's inputs) with the same reference. Attaches each checkpoint's local error to the
 // matching result of `c` (same step and name), where the replay could replace every input of its op
-// (each dataflow input held whole by the reference at that step; else the isolated error spans
-// several ops, and a warning counts the checkpoints left without one), and, when `c` diverged, decides its verdict again
+// (each dataflow input held whole by the reference at that step, judged among the checkpoints
+// opt.checkpoints selects; else the isolated error spans several ops, and a warning counts the
+// checkpoints left without one), and, when `c` diverged, decides its verdict again
 // with that evidence (rule isolation). With opt.judge_local, a checkpoint that fails in `isolated`
 // fails in `c` too (its failed local bounds are added to its checks as "local <metric>"), and the
 // first divergence, its pattern (from the isolated dump when only the local error fails) and the

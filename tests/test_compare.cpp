@@ -447,6 +447,14 @@ TEST_F(Compare, NoLocalErrorWhereTheReplayCouldNotReplaceTheInputs) {
   EXPECT_EQ(first(with_inputs).name, "l_out-2");
   EXPECT_EQ(with_inputs.verdict.kind, VerdictKind::local);
   EXPECT_TRUE(with_inputs.warnings.empty());
+  // Comparing a part (compare --checkpoints) says nothing of what the replay replaced: the same local error.
+  CompareOptions part_of_it = judge;
+  part_of_it.checkpoints = CheckpointFilter("l_out-*");
+  Comparison selected = compare_dumps(e, full, rel(5e-3), part_of_it);
+  add_isolation(selected, compare_dumps(ir, full, local, part_of_it), part_of_it);
+  ASSERT_TRUE(selected.diverged());
+  EXPECT_EQ(first(selected).name, "l_out-2");
+  EXPECT_TRUE(selected.warnings.empty());
 
   const DumpReader part(path("reference-l_out.h5"));
   Comparison c = compare_dumps(e, part, rel(5e-3));
