@@ -362,7 +362,7 @@ namespace {
 
 using ResultIndex = std::map<std::pair<int, std::string>, const CheckpointResult*>;
 
-// Whether the replay could give the op that writes `name` (step, layer) the reference's values of
+// Whether the replay could give the op that writes checkpoint `base` at `layer` the reference's values of
 // everything it reads: every direct dataflow input (the vocabulary's) held by the reference at that
 // step, whole (a replay replaces only those: ReplaySink, ReplacementRule). Two exceptions, both of the
 // backends' design: kq_soft_max is never read back (attention recomputes it from its own inputs, which
