@@ -6,11 +6,29 @@ target_link_libraries(test_capi_c PRIVATE diffrun::dump_writer)
 add_executable(test_capi_cpp capi/test_capi_cpp.cpp)
 target_link_libraries(test_capi_cpp PRIVATE diffrun::dump_writer hdf5::hdf5 diffrun_warnings)
 
+# The same API from Rust (extern "C", no crates), where rustc is installed (scripts/setup --tests installs it).
+find_program(DIFFRUN_RUSTC rustc)
+set(diffrun_capi_rust "")
+if(DIFFRUN_RUSTC)
+  set(diffrun_capi_rust ${CMAKE_CURRENT_BINARY_DIR}/test_capi_rust)
+  add_custom_command(
+    OUTPUT ${diffrun_capi_rust}
+    COMMAND ${DIFFRUN_RUSTC} --edition 2021 -O --crate-name test_capi_rust
+            -L native=$<TARGET_FILE_DIR:diffrun_dump_writer>
+            -C link-arg=-Wl,-rpath,$<TARGET_FILE_DIR:diffrun_dump_writer>
+            -o ${diffrun_capi_rust} ${CMAKE_CURRENT_SOURCE_DIR}/capi/test_capi_rust.rs
+    DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/capi/test_capi_rust.rs diffrun_dump_writer
+    COMMENT "Building the Rust C API test with ${DIFFRUN_RUSTC}")
+  add_custom_target(capi_rust_program ALL DEPENDS ${diffrun_capi_rust})
+else()
+  message(STATUS "rustc not found: the Rust C API test skips")
+endif()
+
 add_test(NAME test_capi
          COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_capi.py
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_capi PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
-  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;DIFFRUN_CAPI_C=$<TARGET_FILE:test_capi_c>;DIFFRUN_CAPI_CPP=$<TARGET_FILE:test_capi_cpp>")
+  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;DIFFRUN_CAPI_C=$<TARGET_FILE:test_capi_c>;DIFFRUN_CAPI_CPP=$<TARGET_FILE:test_capi_cpp>;DIFFRUN_CAPI_RUST=${diffrun_capi_rust}")
 
 add_test(NAME test_capi_install
          COMMAND bash tests/capi/install_test.sh ${CMAKE_BINARY_DIR} $<TARGET_FILE:diffrun>

@@ -1,6 +1,7 @@
-"""The C API writer end to end: its C test program's dump passes diffrun validate and reads back in h5py; a C++ teacher-forced copy of a reference compares equal."""
+"""The C API writer end to end: its C test program's dump passes diffrun validate and reads back in h5py; a C++ teacher-forced copy of a reference compares equal; a Rust engine loop's wrong embedding is found."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -14,6 +15,7 @@ import dump_h5
 DIFFRUN = os.environ.get("DIFFRUN_BIN", "build/cli/diffrun")
 CAPI_C = os.environ.get("DIFFRUN_CAPI_C", "build/tests/test_capi_c")
 CAPI_CPP = os.environ.get("DIFFRUN_CAPI_CPP", "build/tests/test_capi_cpp")
+CAPI_RUST = os.environ.get("DIFFRUN_CAPI_RUST", "build/tests/test_capi_rust")
 FIXTURES = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", "build/fixtures"))
 
 
@@ -88,3 +90,32 @@ def test_cpp_copy_of_a_reference_compares_equal(tmp_path: Path):
         assert f.attrs["backend"] == b"capi-copy" and "eigen_version" not in f.attrs  # facts are not copied
         assert list(f.attrs["all_token_ids"]) == list(g.attrs["all_token_ids"])
         assert f["step_0001/ffn_up-0"].dtype == np.float64
+
+
+def test_rust_engine_loop_is_diagnosed(tmp_path: Path):
+    # The README's loop written in Rust (extern "C"): fed the reference's tokens step by step, its
+    # embedding rows are zeros; validate accepts the dump and compare names embd, step 0.
+    if not CAPI_RUST or not Path(CAPI_RUST).exists():
+        pytest.skip("rustc not found when configuring: the Rust C API test program was not built")
+    model = FIXTURES / "tiny-qwen2-f32.gguf"
+    if not model.exists():
+        pytest.skip(f"{model} missing: run ctest -R fixtures_generate first")
+    ref = tmp_path / "ref.h5"
+    r = run(DIFFRUN, "dump", "--backend", "cpu", "--precision", "f64", "--model", str(model), "--tokens", "5,6,7",
+            "--steps", "2", "--out", str(ref))
+    assert r.returncode == 0, r.stderr
+    with h5py.File(ref, "r") as f:
+        n_embd = int(f.attrs["n_embd"])
+    out = tmp_path / "rust.h5"
+    r = run(CAPI_RUST, str(ref), str(out), str(n_embd))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == "test_capi_rust: wrote 3 steps", r.stdout
+    v = run(DIFFRUN, "validate", str(out))
+    assert v.returncode == 0, v.stdout + v.stderr
+    report = tmp_path / "report.json"
+    c = run(DIFFRUN, "compare", str(out), str(ref), "--no-color", "--report-json", str(report))
+    assert c.returncode == 1, c.stdout + c.stderr
+    first = json.loads(report.read_text())["first_divergence"]
+    assert (first["name"], first["step"]) == ("embd", 0), first
+    with h5py.File(out, "r") as f:
+        assert f.attrs["backend"] == b"rust-test" and list(f["step_0002/tokens"][...]) == [int(f.attrs["all_token_ids"][4])]
