@@ -9,6 +9,13 @@ target_link_libraries(test_capi_cpp PRIVATE diffrun::dump_writer hdf5::hdf5 diff
 # The same API from Rust (extern "C", no crates), where rustc is installed (scripts/setup --tests installs it).
 find_program(DIFFRUN_RUSTC rustc)
 set(diffrun_capi_rust "")
+if(DIFFRUN_RUSTC)  # a rustup shim without a toolchain is found but cannot run: ask it first
+  execute_process(COMMAND ${DIFFRUN_RUSTC} --version RESULT_VARIABLE diffrun_rustc_rc OUTPUT_QUIET ERROR_QUIET)
+  if(NOT diffrun_rustc_rc EQUAL 0)
+    message(STATUS "${DIFFRUN_RUSTC} --version failed: the Rust C API test skips")
+    set(DIFFRUN_RUSTC "")
+  endif()
+endif()
 if(DIFFRUN_RUSTC)
   set(diffrun_capi_rust ${CMAKE_CURRENT_BINARY_DIR}/test_capi_rust)
   add_custom_command(
