@@ -39,7 +39,7 @@ const std::vector<CheckpointKind>& checkpoint_kinds() {
       {"cache_k", true, "S,Hkv,Dh", "KV cache keys valid after the step", "Krope"},
       {"cache_v", true, "S,Hkv,Dh", "KV cache values valid after the step", "Vcur"},
       {"kq_soft_max", true, "H,T,S", "attention probabilities (causal mask and sliding window applied)",
-       "Qrope,cache_k|Krope"},
+       "Qrope,cache_k|Krope", KindNeeds::none, false},
       {"kqv_out", true, "T,H,Dh", "attention context, before the output projection",
        "kq_soft_max,cache_v|Vcur"},
       {"attn_out", true, "T,D", "after the attention output projection", "kqv_out"},

@@ -27,6 +27,8 @@ const char* native_dtype_name(NativeDType d);
 // else B.
 //
 // `needs` is the config feature a kind exists for (KindNeeds); kinds with none exist for every config.
+// `read_back`: a later op reads this tensor, so an isolation replay replaces it; false for a tensor only
+// recorded (kq_soft_max: attention computes its output from Qrope and the cache, not from it).
 enum class KindNeeds : uint8_t {
   none,
   qk_norm,     // ModelConfig::qk_norm: qwen3, gemma3
@@ -43,6 +45,7 @@ struct CheckpointKind {
   const char* what;    // one line for help and reports
   const char* inputs;  // dataflow inputs, e.g. "Qrope,cache_k|Krope"; "" for none
   KindNeeds needs = KindNeeds::none;
+  bool read_back = true;
 };
 
 // Every kind, in execution order within a step (per-layer kinds in their order inside a layer).

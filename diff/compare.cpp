@@ -365,9 +365,10 @@ using ResultIndex = std::map<std::pair<int, std::string>, const CheckpointResult
 // Whether the replay could give the op that writes checkpoint `base` at `layer` the reference's values of
 // everything it reads: every direct dataflow input (the vocabulary's) held by the reference at that
 // step, whole (a replay replaces only those: ReplaySink, ReplacementRule). Two exceptions, both of the
-// backends' design: kq_soft_max is never read back (attention recomputes it from its own inputs, which
-// stand in for it), and the cache's rows of earlier steps, which a dump keeps only where each step wrote
-// them, are the replay's own rows (written by its own ops on the reference's inputs).
+// backends' design: a kind no later op reads back (the vocabulary's read_back: kq_soft_max, which
+// attention recomputes) stands for its own inputs, and the cache's rows of earlier steps, which a
+// dump keeps only where each step wrote them, are the replay's own rows (written by its own ops on the
+// reference's inputs).
 // `selected`: the checkpoints the comparison looked at (compare --checkpoints); of the others nothing
 // is known, and they count as held.
 bool inputs_replaced(int step, std::string_view base, int layer, int n_layer, const ResultIndex& reference,
@@ -375,7 +376,7 @@ bool inputs_replaced(int step, std::string_view base, int layer, int n_layer, co
   const auto held = [&](const std::string& name) { return reference.count({step, name}) > 0; };
   for (const std::string& in : checkpoint_inputs(base, layer, n_layer, held)) {
     const ParsedCheckpointName p = parse_checkpoint_name(in);
-    if (p.base == "kq_soft_max") {
+    if (const CheckpointKind* kind = find_checkpoint_kind(p.base); kind && !kind->read_back) {
       if (depth > 8 || !inputs_replaced(step, p.base, p.layer, n_layer, reference, selected, depth + 1)) return false;
       continue;
     }
@@ -384,7 +385,7 @@ bool inputs_replaced(int step, std::string_view base, int layer, int n_layer, co
       if (selected.matches(in)) return false;
       continue;
     }
-    if (it->second->row_offset > 0 && p.base != "cache_k" && p.base != "cache_v") return false;
+    if (it->second->row_offset > 0 && !is_cache_kind(p.base)) return false;
   }
   return true;
 }
