@@ -62,13 +62,13 @@ constexpr int kLookahead = 2;  // a backend starts step s once its comparator ha
 constexpr int64_t kLead = 32;
 constexpr int64_t kLeadBytes = int64_t{256} << 20;
 
+// Names the calling thread (at most 15 characters shown), for profilers and debuggers.
+void name_thread(const std::string& name) { pthread_setname_np(pthread_self(), name.substr(0, 15).c_str()); }
+
 // Cores enough for the work beside the backends to run on threads of its own (the dump writes, a
 // side running ahead, parallel comparisons). On fewer, every core already runs a backend, and that
 // work costs more than it overlaps (the README's CPU-only job on 2 cores: up to 0.25 s longer with it).
 // DIFFRUN_SPARE_CORES=0|1 decides instead (the tests run both ways on any machine).
-// Names the calling thread (at most 15 characters shown), for profilers and debuggers.
-void name_thread(const std::string& name) { pthread_setname_np(pthread_self(), name.substr(0, 15).c_str()); }
-
 bool spare_cores() {
   if (const char* v = std::getenv("DIFFRUN_SPARE_CORES"); v && *v) return std::strcmp(v, "0") != 0;
   return available_cores() >= 8;
@@ -830,7 +830,8 @@ class HeldReplay {
   }
 
   // Step `step` (in order from 0) on the reference's `held` checkpoints of it, which it consumes.
-  void step(int step, HeldReference::Step& held) {
+  // Returns the seconds of the engine's forward (its records and replacements included).
+  double step(int step, HeldReference::Step& held) {
     if (step > 0 && held.tokens.size() != 1)
       throw Error(fmt::format("the held reference's step {} has {} tokens (expected 1)", step, held.tokens.size()));
     if (ids_.size() + step > static_cast<size_t>(engine_.max_ctx()))
@@ -840,7 +841,7 @@ class HeldReplay {
     sink_->start_step(step, held);
     const auto t0 = std::chrono::steady_clock::now();
     argmax_.push_back(argmax(engine_.forward(step, tokens, *sink_)));
-    forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     // The reference's side of the step, once the engine no longer needs its values.
     sc_.add_tokens(diff::StreamSide::reference, step, std::move(held.tokens));
     std::vector<std::pair<DatasetInfo, std::vector<float>>> batch;
@@ -850,9 +851,8 @@ class HeldReplay {
     held.tensors.shrink_to_fit();
     sc_.add_all(diff::StreamSide::reference, std::move(batch));  // the step's comparisons, in parallel
     sc_.end_step(step);
+    return forward_s;
   }
-
-  double forward_s = 0;  // the last step's forward, its records and replacements included
 
   // Attaches the replay's local errors to `c` (diff::add_isolation) and writes the isolated dump.
   void attach(diff::Comparison& c, const std::string& engine_name, const std::string& reference_name,
@@ -956,8 +956,8 @@ void replay_thread(const Context& cx, size_t p, BesideReplay& out) {
       st = &held.steps[step];
     }
     if (step > 0) {
-      out.replay->step(step, *st);
-      cx.sh.timing("pair {} isolation replay: step {} done (forward {:.3f} s)", p + 1, step, out.replay->forward_s);
+      const double forward_s = out.replay->step(step, *st);
+      cx.sh.timing("pair {} isolation replay: step {} done (forward {:.3f} s)", p + 1, step, forward_s);
       continue;
     }
     // A second engine that does not fit (device memory) leaves the replay to after the pipeline.
@@ -967,8 +967,8 @@ void replay_thread(const Context& cx, size_t p, BesideReplay& out) {
         cx.sh.timing("pair {} isolation replay: engine loaded", p + 1);
       }
       out.replay.emplace(cx.file, cx.cfg, *out.engine, held.meta, cx.ids, cx.opt, pair.isolated_path);
-      out.replay->step(0, *st);
-      cx.sh.timing("pair {} isolation replay: step 0 done (forward {:.3f} s)", p + 1, out.replay->forward_s);
+      const double forward_s = out.replay->step(0, *st);
+      cx.sh.timing("pair {} isolation replay: step 0 done (forward {:.3f} s)", p + 1, forward_s);
     } catch (const Error& e) {
       after(e);
       return;
@@ -1015,8 +1015,7 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
     threads.emplace_back(guarded([&cx, p] { backend_thread(cx, p, kEngine); }));
     threads.emplace_back(guarded([&cx, p, &out] { comparator_thread(cx, p, out[p]); }));
     if (held && pairs[p].hold_reference && pairs[p].replay_beside)
-      threads.emplace_back(
-          guarded([&cx, p, &beside] { replay_thread(cx, p, beside[p]); }));
+      threads.emplace_back(guarded([&cx, p, &beside] { replay_thread(cx, p, beside[p]); }));
   }
   for (std::thread& t : threads) t.join();
   progress.timing("pipeline threads joined");
