@@ -78,7 +78,7 @@ int run_dump(const DumpOptions& o) {
     // values, so its isolated error spans several ops (compare --isolated gives it no local error).
     const std::vector<std::string> names = checkpoint_names(cfg);
     const auto held = std::count_if(names.begin(), names.end(), [&](const std::string& n) {
-      return n == "tokens" || reference->find(0, n) != nullptr;
+      return n == kTokensCheckpoint || reference->find(0, n) != nullptr;
     });
     if (held < static_cast<std::ptrdiff_t>(names.size())) {
       fmt::print(stderr,
