@@ -9,6 +9,10 @@ every checkpoint of diffrun's vocabulary through the public Python API (diffrun.
     python3 examples/numpy_engine/numpy_engine.py --model M.gguf --reference ref.h5 --out mine.h5
     diffrun compare mine.h5 ref.h5
 
+--isolated ISO.h5 also writes the isolation replay: each op is run again on the reference's inputs (every
+recorded tensor is replaced by the reference's before the next op reads it), so each checkpoint of ISO.h5 is
+that op's own, local error; `diffrun compare mine.h5 ref.h5 --isolated ISO.h5` adds it to the report.
+
 --bug NAME seeds one bug, to see how diffrun reports it:
     rope_neox     RoPE rotates pairs (i, i+Dh/2) instead of llama's (2i, 2i+1)  -> Qrope-0
     gqa_modulo    query head h reads KV head h % Hkv instead of h // (H/Hkv)     -> kq_soft_max-0
@@ -17,6 +21,7 @@ Exit status: 0 written, 2 bad input.
 """
 
 import argparse
+import contextlib
 import sys
 
 import numpy as np
@@ -63,16 +68,17 @@ class Engine:
         self.cache_v = [np.zeros((0, self.Hkv, self.Dh), np.float32) for _ in range(self.L)]
 
     def step(self, ids, put):
-        """One forward pass over the step's ids; put(name, array) records a checkpoint."""
+        """One forward pass over the step's ids; put(name, array) records a checkpoint and returns the tensor the
+        pass goes on with: the array itself, or in the isolation replay the reference's tensor of that name."""
         T, pos0 = len(ids), self.cache_k[0].shape[0]
         put("tokens", np.asarray(ids, np.int32))
         x = self.w["token_embd.weight"][ids]
-        put("embd", x)
+        x = put("embd", x)
         pos = np.arange(pos0, pos0 + T, dtype=np.float64)
         for l in range(self.L):
             x = self.layer(l, x, pos, put)
         x = rms_norm(x, self.w["output_norm.weight"], self.eps)
-        put("result_norm", x)
+        x = put("result_norm", x)
         lm_head = self.w.get("output.weight", self.w["token_embd.weight"])
         put("result_output", (x @ lm_head.T)[:, : self.V])
 
@@ -80,17 +86,18 @@ class Engine:
         w = {k[len(f"blk.{l}."):-len(".weight")]: v for k, v in self.w.items() if k.startswith(f"blk.{l}.")}
         T, H, Hkv, Dh = x.shape[0], self.H, self.Hkv, self.Dh
         xn = rms_norm(x, w["attn_norm"], self.eps)
-        put(f"attn_norm-{l}", xn)
+        xn = put(f"attn_norm-{l}", xn)
         q = (xn @ w["attn_q"].T).reshape(T, H, Dh)
         k = (xn @ w["attn_k"].T).reshape(T, Hkv, Dh)
         v = (xn @ w["attn_v"].T).reshape(T, Hkv, Dh)
-        put(f"Qcur-{l}", q), put(f"Kcur-{l}", k), put(f"Vcur-{l}", v)
+        q, k, v = put(f"Qcur-{l}", q), put(f"Kcur-{l}", k), put(f"Vcur-{l}", v)
         q = rope(q, pos, self.theta, self.bug == "rope_neox")
         k = rope(k, pos, self.theta, self.bug == "rope_neox")
-        put(f"Qrope-{l}", q), put(f"Krope-{l}", k)
+        q, k = put(f"Qrope-{l}", q), put(f"Krope-{l}", k)
         self.cache_k[l] = np.concatenate([self.cache_k[l], k])
         self.cache_v[l] = np.concatenate([self.cache_v[l], v])
-        put(f"cache_k-{l}", self.cache_k[l]), put(f"cache_v-{l}", self.cache_v[l])
+        self.cache_k[l] = put(f"cache_k-{l}", self.cache_k[l])
+        self.cache_v[l] = put(f"cache_v-{l}", self.cache_v[l])
         keys, values = self.cache_k[l], self.cache_v[l]
         if self.bug == "cache_unread":
             keys, values = k, v
@@ -102,24 +109,37 @@ class Engine:
         scores = np.where(mask[None], -np.inf, scores)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
-        put(f"kq_soft_max-{l}", probs)
+        probs = put(f"kq_soft_max-{l}", probs)
         kqv = np.einsum("hts,shd->thd", probs, values[:, kv_head])
-        put(f"kqv_out-{l}", kqv)
+        kqv = put(f"kqv_out-{l}", kqv)
         attn_out = kqv.reshape(T, H * Dh) @ w["attn_output"].T
-        put(f"attn_out-{l}", attn_out)
+        attn_out = put(f"attn_out-{l}", attn_out)
         x = x + attn_out
-        put(f"ffn_inp-{l}", x)
+        x = put(f"ffn_inp-{l}", x)
         xn = rms_norm(x, w["ffn_norm"], self.eps)
-        put(f"ffn_norm-{l}", xn)
+        xn = put(f"ffn_norm-{l}", xn)
         gate, up = xn @ w["ffn_gate"].T, xn @ w["ffn_up"].T
-        put(f"ffn_gate-{l}", gate), put(f"ffn_up-{l}", up)
+        gate, up = put(f"ffn_gate-{l}", gate), put(f"ffn_up-{l}", up)
         swiglu = gate / (np.float32(1) + np.exp(-gate)) * up
-        put(f"ffn_swiglu-{l}", swiglu)
+        swiglu = put(f"ffn_swiglu-{l}", swiglu)
         ffn_out = swiglu @ w["ffn_down"].T
-        put(f"ffn_out-{l}", ffn_out)
+        ffn_out = put(f"ffn_out-{l}", ffn_out)
         x = x + ffn_out
-        put(f"l_out-{l}", x)
-        return x
+        return put(f"l_out-{l}", x)
+
+
+def recorder(writer, reference=None, step=None):
+    """put(name, array) for Engine.step: writes the array to `writer` and returns the tensor the pass goes on with,
+    the array itself or, given the reference dump, the reference's tensor of that name and step (the replay)."""
+    held = set(reference.names(step)) - {"tokens"} if reference is not None else set()
+
+    def put(name, array):
+        writer.put(name, array)
+        if name not in held:
+            return array
+        theirs = reference.get(name, step).astype(np.float32)
+        return theirs if theirs.shape == array.shape else array  # a wrong shape is the comparison's to report
+    return put
 
 
 def main(argv=None):
@@ -127,6 +147,7 @@ def main(argv=None):
     ap.add_argument("--model", required=True, help="the GGUF the reference dump was made from")
     ap.add_argument("--reference", required=True, help="diffrun's reference dump: the token ids of every step")
     ap.add_argument("--out", required=True, help="the dump this engine writes")
+    ap.add_argument("--isolated", metavar="ISO", help="also write the isolation replay's dump (local errors)")
     ap.add_argument("--bug", choices=BUGS, help="seed one bug")
     args = ap.parse_args(argv)
     try:
@@ -143,13 +164,22 @@ def main(argv=None):
             print(f"numpy_engine: {args.model} is not the model of {args.reference} (fingerprints differ)",
                   file=sys.stderr)
             return 2
-        engine = Engine(load_weights(args.model), ref.meta, args.bug)
+        weights = load_weights(args.model)
+        engine, replay = Engine(weights, ref.meta, args.bug), Engine(weights, ref.meta, args.bug)
         facts = {"bug": args.bug} if args.bug else {}
-        with diffrun.writer.open(args.out, backend="numpy", precision="f32", like=ref, meta=facts) as out:
+        with contextlib.ExitStack() as stack:
+            out = stack.enter_context(diffrun.writer.open(args.out, backend="numpy", precision="f32", like=ref,
+                                                          meta=facts))
+            iso = args.isolated and stack.enter_context(
+                diffrun.writer.open(args.isolated, backend="numpy", precision="f32", like=ref, meta=facts))
             for step in ref.steps():
+                ids = ref.get("tokens", step)
                 out.step(step)
-                engine.step(ref.get("tokens", step), out.put)
-    print(f"wrote {args.out}: {len(ref.steps())} steps")
+                engine.step(ids, recorder(out))
+                if iso:
+                    iso.step(step)
+                    replay.step(ids, recorder(iso, ref, step))
+    print(f"wrote {args.out}{' and ' + args.isolated if args.isolated else ''}: {len(ref.steps())} steps")
     return 0
 
 

@@ -27,16 +27,16 @@ def reference(tmp_path_factory):
     return out
 
 
-def run_engine(reference, out, bug=None):
+def run_engine(reference, out, bug=None, isolated=None):
     cmd = [sys.executable, str(HERE / "numpy_engine.py"), "--model", str(MODEL), "--reference", str(reference),
-           "--out", str(out)] + (["--bug", bug] if bug else [])
+           "--out", str(out)] + (["--bug", bug] if bug else []) + (["--isolated", str(isolated)] if isolated else [])
     return subprocess.run(cmd, capture_output=True, text=True, cwd="/")  # any directory: the package is installed
 
 
-def compare(engine, reference, tmp_path):
+def compare(engine, reference, tmp_path, isolated=None):
     report = tmp_path / "report.json"
-    r = subprocess.run([BIN, "compare", str(engine), str(reference), "--no-color", "--report-json", str(report)],
-                       capture_output=True, text=True)
+    r = subprocess.run([BIN, "compare", str(engine), str(reference), "--no-color", "--report-json", str(report)]
+                       + (["--isolated", str(isolated)] if isolated else []), capture_output=True, text=True)
     return r.returncode, json.loads(report.read_text()), r.stdout
 
 
@@ -62,6 +62,28 @@ def test_seeded_bug_is_the_first_divergence(reference, tmp_path, bug, name, step
     first = report["first_divergence"]
     assert (first["name"], first["step"]) == (name, step), text
     assert first["verdict"]["kind"] == "local"
+
+
+@pytest.mark.parametrize("bug", [None, "gqa_modulo", "cache_unread"])
+def test_isolation_replay_of_an_outside_engine(reference, tmp_path, bug):
+    """The replay an outside engine writes (each op on the reference's inputs) gives every checkpoint its local error:
+    clean, every local error passes; with a bug, only the ops that read the wrong KV head or cache rows fail alone."""
+    mine, iso = tmp_path / "mine.h5", tmp_path / "iso.h5"
+    r = run_engine(reference, mine, bug, isolated=iso)
+    assert r.returncode == 0, r.stderr
+    rc, report, text = compare(mine, reference, tmp_path, isolated=iso)
+    assert report["isolated_path"] == str(iso)
+    local = {(cp["name"], cp["step"]): cp["local"]["status"] for cp in report["checkpoints"] if cp.get("local")}
+    assert len(local) > 100, text
+    failing = {name.rsplit("-", 1)[0] for (name, _), status in local.items() if status != "pass"}
+    if bug is None:
+        assert rc == 0 and not failing, text
+        return
+    assert rc == 1, text
+    first = report["first_divergence"]
+    assert first["name"] == "kq_soft_max-0" and first["verdict"]["kind"] == "local", text
+    assert local[(first["name"], first["step"])] != "pass", text
+    assert failing <= {"kq_soft_max", "kqv_out"}, failing  # the ops whose code has the bug; nothing downstream
 
 
 def test_wrong_model_and_bad_reference_exit_2(reference, tmp_path):
