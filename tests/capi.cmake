@@ -35,7 +35,7 @@ add_test(NAME test_capi
          COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_capi.py
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_capi PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
-  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;DIFFRUN_CAPI_C=$<TARGET_FILE:test_capi_c>;DIFFRUN_CAPI_CPP=$<TARGET_FILE:test_capi_cpp>;DIFFRUN_CAPI_RUST=${diffrun_capi_rust}")
+  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;DIFFRUN_CAPI_C=$<TARGET_FILE:test_capi_c>;DIFFRUN_CAPI_CPP=$<TARGET_FILE:test_capi_cpp>;DIFFRUN_CAPI_RUST=${diffrun_capi_rust};DIFFRUN_CAPI_LIB=$<TARGET_FILE:diffrun_dump_writer>;DIFFRUN_CC=${CMAKE_C_COMPILER}")
 
 add_test(NAME test_capi_install
          COMMAND bash tests/capi/install_test.sh ${CMAKE_BINARY_DIR} $<TARGET_FILE:diffrun>
@@ -43,4 +43,5 @@ add_test(NAME test_capi_install
 set_tests_properties(test_capi_install PROPERTIES LABELS cpu SKIP_RETURN_CODE 77 TIMEOUT 300)
 if(DIFFRUN_SANITIZE)
   set_tests_properties(test_capi_install PROPERTIES ENVIRONMENT "DIFFRUN_SANITIZE_FLAGS=-fsanitize=address,undefined")
+  set_property(TEST test_capi APPEND PROPERTY ENVIRONMENT "DIFFRUN_SANITIZE_FLAGS=-fsanitize=address,undefined")
 endif()

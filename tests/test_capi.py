@@ -119,3 +119,50 @@ def test_rust_engine_loop_is_diagnosed(tmp_path: Path):
     assert (first["name"], first["step"]) == ("embd", 0), first
     with h5py.File(out, "r") as f:
         assert f.attrs["backend"] == b"rust-test" and list(f["step_0002/tokens"][...]) == [int(f.attrs["all_token_ids"][4])]
+
+
+def readme_c_loop() -> str:
+    """The C block of the README's "From C, C++ or Rust" section, as printed."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("### From C, C++ or Rust"):]
+    start = section.index("```c\n") + len("```c\n")
+    return section[start:section.index("```", start)]
+
+
+def test_readme_c_loop_compiles_and_runs(tmp_path: Path):
+    # The README's C loop, verbatim, inside main() beside an empty my_forward: built as C99 with -pedantic
+    # against the C API, it copies a reference's meta and writes every step's tokens in the reference's order.
+    lib = os.environ.get("DIFFRUN_CAPI_LIB", "")
+    cc = os.environ.get("DIFFRUN_CC") or "cc"
+    if not lib or not Path(lib).exists():
+        pytest.skip("DIFFRUN_CAPI_LIB is not set (run through ctest)")
+    model = FIXTURES / "tiny-llama-q8_0.gguf"
+    if not model.exists():
+        pytest.skip(f"{model} missing: run ctest -R fixtures_generate first")
+    body = readme_c_loop()
+    includes = [line for line in body.splitlines() if line.startswith("#include")]
+    statements = [line for line in body.splitlines() if not line.startswith("#include")]
+    source = tmp_path / "readme_loop.c"
+    source.write_text("\n".join(["#include <stdio.h>", "#include <stdint.h>", *includes,
+                                 "static void my_forward(const int32_t* ids, size_t n) { (void)ids; (void)n; }",
+                                 "int main(void) {", *statements, "  return 0;", "}", ""]))
+    include_dir = Path(__file__).resolve().parents[1] / "capi" / "include"
+    lib_dir = str(Path(lib).parent)
+    sanitize = os.environ.get("DIFFRUN_SANITIZE_FLAGS", "").split()
+    exe = tmp_path / "readme_loop"
+    b = run(cc, *sanitize, "-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-I", str(include_dir),
+            str(source), "-o", str(exe), "-L", lib_dir, "-ldiffrun-dump-writer", f"-Wl,-rpath,{lib_dir}")
+    assert b.returncode == 0, source.read_text() + b.stdout + b.stderr
+    r = run(DIFFRUN, "dump", "--backend", "cpu", "--precision", "f64", "--model", str(model), "--tokens", "1,5,9",
+            "--steps", "3", "--out", str(tmp_path / "ref.h5"))
+    assert r.returncode == 0, r.stderr
+    e = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert e.returncode == 0 and not e.stderr, e.stdout + e.stderr
+    v = run(DIFFRUN, "validate", str(tmp_path / "mine.h5"))
+    assert v.returncode == 0, v.stdout + v.stderr
+    with h5py.File(tmp_path / "mine.h5", "r") as f, h5py.File(tmp_path / "ref.h5", "r") as g:
+        assert f.attrs["backend"] == b"mine" and f.attrs["precision"] == b"f16"
+        steps = sorted(k for k in g if k.startswith("step_"))
+        assert sorted(k for k in f if k.startswith("step_")) == steps and len(steps) == 4
+        for s in steps:
+            assert list(f[s]["tokens"][...]) == list(g[s]["tokens"][...])
