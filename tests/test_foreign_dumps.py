@@ -204,6 +204,31 @@ def test_bf16_without_marker_is_a_clear_error(runs, tmp_path):
     assert r.returncode == 2 and "step_0000/embd" in r.stderr and 'dtype = "bf16"' in r.stderr, r.stderr
 
 
+def test_same_precision_across_backends_takes_the_cross_preset(runs, tmp_path):
+    """Two f32 dumps are judged bit for bit (f32_vs_f32) only when one backend wrote both; an f32 engine of another
+    backend against an f32 reference (cuda against cpu: other summation orders) takes f32_vs_f32_cross."""
+    d = runs["llama"]
+    same = rewrite(d / "engine.h5", tmp_path / "same.h5", lambda s, n, a, t: [(n, a, t)])
+    other = rewrite(d / "engine.h5", tmp_path / "other.h5", lambda s, n, a, t: [(n, a, t)])
+    with h5py.File(other, "r+") as f:
+        f.attrs["backend"] = np.bytes_("cuda")
+    _, report = compare(same, d / "engine.h5", rc=0)
+    assert report["tolerances"]["preset"] == "f32_vs_f32"
+    _, report = compare(other, d / "engine.h5", rc=0)
+    assert report["tolerances"]["preset"] == "f32_vs_f32_cross"
+    # one f32 element moved by 1e-6 relative: a difference of summation order, inside the cross preset only
+    def nudge(step, name, arr, attrs):
+        if (step, name) == (0, "attn_out-0"):
+            arr = arr.copy()
+            arr.flat[0] *= np.float32(1 + 1e-6)
+        return [(name, arr, attrs)]
+    nudged = rewrite(d / "engine.h5", tmp_path / "nudged.h5", nudge)
+    compare(nudged, d / "engine.h5", rc=1)
+    with h5py.File(nudged, "r+") as f:
+        f.attrs["backend"] = np.bytes_("cuda")
+    compare(nudged, d / "engine.h5", rc=0)
+
+
 def test_coverage_l_out_only(runs, tmp_path):
     d = runs["qwen2"]
 
