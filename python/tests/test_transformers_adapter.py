@@ -25,7 +25,8 @@ import diffrun
 REPO = Path(__file__).resolve().parents[2]
 BIN = os.environ.get("DIFFRUN_BIN", "")
 FIXTURES = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", ""))
-SMOL_LAYERS = 12
+# SmolLM2's layers in the run: a 12-layer slice by default (it fits what travels to a GPU host); 0, the whole model.
+SMOL_LAYERS = int(os.environ.get("DIFFRUN_SMOLLM2_LAYERS", "12"))
 
 
 def models_dir() -> Path:
@@ -42,9 +43,11 @@ def smollm2_slice(tmp_path_factory) -> Path | None:
     given = os.environ.get("DIFFRUN_SMOLLM2_SLICE")
     if given:
         return Path(given)
-    full = models_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    full = Path(os.environ.get("DIFFRUN_SMOLLM2") or models_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not full.exists():
         return None
+    if SMOL_LAYERS == 0:
+        return full
     out = tmp_path_factory.mktemp("smol") / f"SmolLM2-135M-Instruct.Q4_1.{SMOL_LAYERS}l.gguf"
     subprocess.run([sys.executable, str(REPO / "scripts/slice_gguf.py"), str(full), str(out), "--layers",
                     str(SMOL_LAYERS)], check=True, capture_output=True)
@@ -99,6 +102,37 @@ def test_every_checkpoint_within_f32_vs_f64(model, prompt, dtype, tmp_path, tmp_
     assert compared == n_float
     if "gemma" in path.name.lower():
         assert max(worst.values()) <= GEMMA3_MAX_REL_L2, {k: v for k, v in worst.items() if v > GEMMA3_MAX_REL_L2}
+
+
+@pytest.mark.parametrize("model", ["tiny-llama-q8_0.gguf", "tiny-qwen2-q8_0.gguf"])
+def test_hugging_face_directory(model, tmp_path):
+    """The adapter on a Hugging Face directory (config.json and safetensors, no GGUF): the model transformers loads
+    from the GGUF, saved with save_pretrained, compares clean against the f64 reference of that GGUF; for llama the
+    directory holds transformers' half-split q/k rows, put back in the GGUF's order from the reference's rope_type."""
+    if not BIN or not FIXTURES.is_dir():
+        pytest.fail("DIFFRUN_BIN and DIFFRUN_FIXTURE_DIR must be set (run through ctest)")
+    from diffrun.adapters.transformers import load_model
+
+    path = FIXTURES / model
+    hf_dir = tmp_path / "hf"
+    loaded = load_model(path, "float32")  # from the GGUF: marked as quantized, which save_pretrained refuses
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(str(hf_dir))
+    assert (hf_dir / "config.json").exists() and not list(hf_dir.glob("*.gguf"))
+    ref, out, report = tmp_path / "ref.h5", tmp_path / "hf.h5", tmp_path / "report.json"
+    subprocess.run([BIN, "dump", "--backend", "cpu", "--precision", "f64", "--model", str(path), *TINY,
+                    "--steps", "2", "--out", str(ref)], check=True, capture_output=True)
+    r = subprocess.run([sys.executable, "-m", "diffrun.adapters.transformers", "--model", str(hf_dir), "--reference",
+                        str(ref), "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    c = subprocess.run([BIN, "compare", str(out), str(ref), "--no-color", "--report-json", str(report),
+                        "--require-coverage", "100"], capture_output=True, text=True)
+    assert c.returncode == 0, c.stdout + c.stderr
+    print(f"\n{model} as a Hugging Face directory: " + c.stdout.strip().splitlines()[-1])
 
 
 def _has_names_option() -> bool:
