@@ -248,8 +248,9 @@ void DumpSizeOptions::add_options(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "step", "all"}));
   app.add_option("--compress", compress,
-                 "Store datasets chunked and gzip-compressed at this level (1-9, 4 without a value; plain h5py reads "
-                 "them; 0 = not compressed)")
+                 "Off unless given (datasets stored contiguous, not compressed). --compress alone stores them chunked "
+                 "and gzip-compressed at level 4 (the 4 shown), --compress N at level N (1-9; 0 = off); plain h5py "
+                 "reads them")
       ->expected(0, 1)
       ->default_str("4")
       ->check(CLI::Range(0, 9));
