@@ -284,6 +284,16 @@ TEST_F(Cli, PromptEndToEndOnATinyFixture) {
   EXPECT_EQ(j["summary"]["steps"], 4);
   EXPECT_EQ(j["tokens"].size(), 4u);
   for (const auto& t : j["tokens"]) EXPECT_TRUE(t["match"].get<bool>()) << t;
+  // Progress counts the 4 steps (the prefill and 3 decode steps) from 1 to 4.
+  EXPECT_NE(r.err.find("compared step 1/4"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("compared step 4/4"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("step 0/"), std::string::npos) << r.err;
+  Result dumped = run("dump --backend cpu --model " + shell_quote(model) + " --tokens 1,2,3 --steps 2 --out " +
+                      shell_quote(path("progress.h5")));
+  EXPECT_EQ(dumped.rc, 0) << dumped.err;
+  EXPECT_NE(dumped.err.find("step 1/3 done"), std::string::npos) << dumped.err;
+  EXPECT_NE(dumped.err.find("step 3/3 done"), std::string::npos) << dumped.err;
+  EXPECT_EQ(dumped.err.find("step 0/"), std::string::npos) << dumped.err;
   EXPECT_EQ(python("import xml.etree.ElementTree as E; E.parse(" + shell_quote(path("run.xml")) + ")"), 0);
   // The same precision on both sides agrees bit for bit under the exact preset.
   Result same = run("--model " + shell_quote(model) + " --tokens 1,2,3 --steps 2 --engine cpu --engine-precision f32 "
