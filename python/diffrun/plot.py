@@ -12,7 +12,8 @@ writes, for the step of the first divergence (--step chooses another):
     heatmap_<name>_step<k>.png    |engine - reference| of one checkpoint over (token x channel), log colours
 The default heatmap is the first divergence. It, each checkpoint's status and its rel_l2 bound come from
 diffrun's own comparison: the JSON report of --report (diffrun --report-json), else `diffrun compare` is run
-(--diffrun PATH, $DIFFRUN_BIN, `diffrun` on PATH, or the checkout's build/cli/diffrun). Without either, the
+(--diffrun PATH, $DIFFRUN_BIN, `diffrun` on PATH, or build/cli/diffrun in the current directory or in the
+checkout this module is in). Without either, the
 errors are computed here and the heatmap shows the largest jump of the error along the execution order.
 """
 
@@ -63,14 +64,16 @@ class Point:
 # --- diffrun's comparison -------------------------------------------------------------------------
 
 def find_diffrun(explicit: str | None = None) -> str | None:
-    """The diffrun executable: explicit (an error when it is not one), $DIFFRUN_BIN, on PATH, or the
-    checkout's build/cli/diffrun."""
+    """The diffrun executable: explicit (an error when it is not one), $DIFFRUN_BIN, on PATH, or build/cli/diffrun
+    in the current directory (the README's commands run from the checkout, where the installed package is not) or
+    in the checkout this module is in."""
     if explicit:
         if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
             raise DumpFormatError(explicit, "--diffrun: not an executable")
         return explicit
-    checkout = Path(__file__).resolve().parents[2] / "build" / "cli" / "diffrun"
-    for candidate in (os.environ.get("DIFFRUN_BIN"), shutil.which("diffrun"), str(checkout)):
+    built = Path("build") / "cli" / "diffrun"
+    checkouts = (Path.cwd() / built, Path(__file__).resolve().parents[2] / built)
+    for candidate in (os.environ.get("DIFFRUN_BIN"), shutil.which("diffrun"), *map(str, checkouts)):
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     return None

@@ -97,6 +97,21 @@ def test_without_diffrun_the_largest_jump_is_shown(fault, tmp_path, monkeypatch,
         assert not any(p.status for p in points)  # no tolerances here
 
 
+def test_diffrun_found_in_the_current_checkout(tmp_path, monkeypatch):
+    """The README runs `python3 -m diffrun.plot` from the checkout, with the package installed elsewhere and diffrun
+    not on PATH: build/cli/diffrun under the current directory is the comparison's executable."""
+    built = tmp_path / "build" / "cli" / "diffrun"
+    built.parent.mkdir(parents=True)
+    built.write_text("#!/bin/sh\n")
+    built.chmod(0o755)
+    monkeypatch.delenv("DIFFRUN_BIN", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.chdir(tmp_path)
+    assert plot.find_diffrun() == str(built)
+    built.chmod(0o644)  # not executable: not taken
+    assert plot.find_diffrun() != str(built)
+
+
 def test_run_directory_with_two_pairs(fault, pair, tmp_path):
     run = tmp_path / "run"
     for sub, (engine, reference) in (("logic", fault[:2]), ("precision", pair)):
