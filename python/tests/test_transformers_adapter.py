@@ -43,7 +43,7 @@ def smollm2_slice(tmp_path_factory) -> Path | None:
     given = os.environ.get("DIFFRUN_SMOLLM2_SLICE")
     if given:
         return Path(given)
-    full = Path(os.environ.get("DIFFRUN_SMOLLM2") or models_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    full = models_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not full.exists():
         return None
     if SMOL_LAYERS == 0:
