@@ -55,7 +55,11 @@ int available_cores() {
 namespace {
 
 constexpr int kEngine = 0, kReference = 1;
-constexpr int kLookahead = 2;  // a backend starts step s once its comparator has finished step s - kLookahead
+// A backend starts step s once its comparator has finished step s - kLookahead or, with many cores
+// (spare_cores), while its pair's queues hold under kLeadBytes of values: the references' decode
+// steps then go on while the CUDA engines make their context and prefill, and the comparison of the
+// prefill follows them instead of holding them.
+constexpr int kLookahead = 2;
 // One side of a pair may record ahead of the other in a step by kLead checkpoints or, with many
 // cores (spare_cores), kLeadBytes of values, whichever allows more: a reference's prefill goes on
 // while its CUDA engine loads.
@@ -153,6 +157,10 @@ struct Message {
   int32_t argmax = -1;                       // step_end
 };
 
+int64_t message_bytes(const Message& m) {
+  return static_cast<int64_t>(m.values.size() * sizeof(float) + m.tokens.size() * sizeof(int32_t));
+}
+
 // State shared by every thread of the run; one mutex guards it all.
 struct Shared {
   std::mutex m;
@@ -167,6 +175,7 @@ struct Shared {
   std::vector<char> compared_all;  // per pair: its comparator is done (no step beyond `ended`)
   std::vector<char> prefilled;     // per pair: its engine finished step 0 (its largest allocations)
   std::vector<std::deque<Message>> queue[2];  // per side, per pair
+  std::vector<int64_t> queued;                // per pair: bytes of values in its two queues
   std::exception_ptr error;
   bool aborted = false;
   Progress* progress = nullptr;
@@ -237,6 +246,7 @@ struct Shared {
   }
   void push(int side, size_t pair, Message msg) {
     std::lock_guard lock(m);
+    queued[pair] += message_bytes(msg);
     queue[side][pair].push_back(std::move(msg));
     queue_cv[pair].notify_all();
   }
@@ -319,7 +329,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
       std::unique_lock lock(cx.sh.m);
       cx.sh.cv.wait(lock, [&] {
         return cx.sh.aborted || step > cx.sh.stop_step ||
-               (cx.sh.ended[p] >= step - kLookahead &&
+               ((cx.sh.ended[p] >= step - kLookahead || cx.sh.queued[p] < cx.sh.lead_bytes) &&
                 (source || step == 0 || static_cast<int>(cx.sh.feed.size()) >= step));
       });
       if (cx.sh.aborted || step > cx.sh.stop_step) break;
@@ -531,6 +541,7 @@ class Comparator {
     if (cx_.sh.aborted) throw Aborted();
     Message m = std::move(q.front());
     q.pop_front();
+    cx_.sh.queued[p_] -= message_bytes(m);
     return m;
   }
 
@@ -621,12 +632,18 @@ class Comparator {
         side = !ended[kReference] && !cx_.sh.queue[kReference][p_].empty() ? kReference : kEngine;
         auto& q = cx_.sh.queue[side][p_];
         size_t bytes = 0;
+        int64_t taken = 0;
         do {
           bytes += q.front().values.size() * sizeof(float);
+          taken += message_bytes(q.front());
           run.push_back(std::move(q.front()));
           q.pop_front();
         } while (run.back().kind == Message::checkpoint && !q.empty() && q.front().kind == Message::checkpoint &&
                  bytes < batch_bytes_);
+        int64_t& queued = cx_.sh.queued[p_];
+        // Backends waiting for room to start a step (kLookahead) may go on.
+        if (queued >= cx_.sh.lead_bytes && queued - taken < cx_.sh.lead_bytes) cx_.sh.cv.notify_all();
+        queued -= taken;
       }
       lap(t_wait);
       const auto side_id = side == kEngine ? diff::StreamSide::engine : diff::StreamSide::reference;
@@ -987,6 +1004,7 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
   sh.ended.assign(pairs.size(), -1);
   sh.queue[kEngine].resize(pairs.size());
   sh.queue[kReference].resize(pairs.size());
+  sh.queued.assign(pairs.size(), 0);
   sh.position[kEngine].resize(pairs.size());
   sh.position[kReference].resize(pairs.size());
   sh.progress = &progress;
