@@ -24,6 +24,7 @@
 #include <set>
 #include <utility>
 
+#include "checkpoints/dump_target.hpp"
 #include "model/error.hpp"
 #include "model/file_check.hpp"
 
@@ -59,7 +60,7 @@ struct DumpWriter::Impl {
   DumpMeta meta;
   CheckpointFilter filter;
   DumpWriterOptions options;
-  std::unique_ptr<DumpFile> file;
+  std::unique_ptr<DumpTarget> file;
   std::map<int, int64_t> step_tokens;  // T of each step, from its `tokens` (the cache's new rows)
   std::vector<float> scratch;          // rows gathered for a cut
 
@@ -69,7 +70,7 @@ struct DumpWriter::Impl {
   }
 
   void write_root_attributes() {
-    DumpFile& f = *file;
+    DumpTarget& f = *file;
     const ModelConfig& c = meta.config;
     if (meta.format_version < kDumpFormatVersion)
       fail("format_version " + std::to_string(meta.format_version) + ": this writer writes version " +
@@ -143,25 +144,30 @@ std::unique_lock<std::recursive_mutex> hdf5_lock() {
   return threadsafe ? std::unique_lock<std::recursive_mutex>() : std::unique_lock<std::recursive_mutex>(m);
 }
 
+// The lock for a writer's calls: none when its file is written by a child process.
+std::unique_lock<std::recursive_mutex> hdf5_lock(const DumpTarget* target) {
+  return target && !target->in_process() ? std::unique_lock<std::recursive_mutex>() : hdf5_lock();
+}
+
 }  // namespace
 
 DumpWriter::DumpWriter(const std::string& path, const DumpMeta& meta, CheckpointFilter filter,
                        DumpWriterOptions options)
     : impl_(std::make_unique<Impl>()) {
-  const auto lock = hdf5_lock();
   Impl& m = *impl_;
   m.meta = meta;
   m.filter = std::move(filter);
   m.options = options;
   if (m.meta.created_utc.empty()) m.meta.created_utc = utc_now_iso8601();
   if (m.meta.diffrun_version.empty()) m.meta.diffrun_version = DIFFRUN_VERSION;
-  m.file = std::make_unique<DumpFile>(path);
-  m.file->set_compression(options.compress);
+  if (options.child_process) m.file = child_dump_target(path, options.compress);
+  const auto lock = hdf5_lock(m.file.get());
+  if (!m.file) m.file = local_dump_target(path, options.compress);
   m.write_root_attributes();
 }
 
 DumpWriter::~DumpWriter() {
-  const auto lock = hdf5_lock();
+  const auto lock = hdf5_lock(impl_->file.get());
   impl_.reset();
 }
 
@@ -170,7 +176,7 @@ bool DumpWriter::wants(std::string_view name) const { return impl_->filter.recor
 void DumpWriter::record(int step, std::string_view name, int layer, std::string_view layout,
                         std::span<const int64_t> shape, NativeDType native, std::span<const float> data) {
   if (!wants(name)) return;
-  const auto lock = hdf5_lock();
+  const auto lock = hdf5_lock(impl_->file.get());
   Impl& m = *impl_;
   const int order = m.checked_order(step, name, layer, layout, shape.size());
   uint64_t n = 1;
@@ -216,7 +222,7 @@ void DumpWriter::record(int step, std::string_view name, int layer, std::string_
 
 void DumpWriter::record_ids(int step, std::string_view name, std::span<const int32_t> ids) {
   if (!wants(name)) return;
-  const auto lock = hdf5_lock();
+  const auto lock = hdf5_lock(impl_->file.get());
   Impl& m = *impl_;
   const int order = m.checked_order(step, name, -1, "T", 1);
   if (name == "tokens") m.step_tokens[step] = static_cast<int64_t>(ids.size());
@@ -225,7 +231,7 @@ void DumpWriter::record_ids(int step, std::string_view name, std::span<const int
 }
 
 void DumpWriter::set_attribute(const std::string& key, const std::vector<int32_t>& values) {
-  const auto lock = hdf5_lock();
+  const auto lock = hdf5_lock(impl_->file.get());
   Impl& m = *impl_;
   if (m.file->finished()) m.fail("set_attribute('" + key + "') after finish()");
   if (is_format_attribute(key)) m.fail("attribute '" + key + "' is a format attribute");
@@ -233,7 +239,7 @@ void DumpWriter::set_attribute(const std::string& key, const std::vector<int32_t
 }
 
 void DumpWriter::finish() {
-  const auto lock = hdf5_lock();
+  const auto lock = hdf5_lock(impl_->file.get());
   impl_->file->finish();
 }
 

@@ -47,6 +47,11 @@ struct DumpWriterOptions {
   bool cache_all_rows = false;
   // 1..9: datasets are chunked and gzip-compressed at this level (deflate, built into HDF5); 0: not.
   int compress = 0;
+  // true: the HDF5 calls run in a diffrun-dump-child process (checkpoints/dump_target.hpp), so that
+  // dumps written at once do not wait for each other on HDF5's process-wide lock; where that
+  // executable is missing, in this process. The file is the same either way. record() then checks
+  // names and shapes as before, but an error of the file itself (a full disk) comes from a later call.
+  bool child_process = false;
 };
 
 // Writes to "<path>.tmp-<pid>" and renames to `path` in finish(); destroying an unfinished writer

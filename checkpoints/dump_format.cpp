@@ -616,11 +616,11 @@ struct DumpFile::Impl {
   }
 };
 
-DumpFile::DumpFile(const std::string& path) : impl_(std::make_unique<Impl>()) {
+DumpFile::DumpFile(const std::string& path, long tmp_pid) : impl_(std::make_unique<Impl>()) {
   h5::silence();
   Impl& m = *impl_;
   m.path = path;
-  m.tmp_path = path + ".tmp-" + std::to_string(::getpid());
+  m.tmp_path = path + ".tmp-" + std::to_string(tmp_pid > 0 ? tmp_pid : static_cast<long>(::getpid()));
   Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
   // v1.8+ object headers: large attributes (long token_ids) and many root attributes are allowed.
   H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_LATEST);

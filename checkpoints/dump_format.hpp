@@ -134,7 +134,8 @@ std::vector<AttributeRow> read_attribute_table(hid_t group, const std::string& g
 // temporary file. Every failure throws DumpError naming the file (and dataset).
 class DumpFile {
  public:
-  explicit DumpFile(const std::string& path);
+  // tmp_pid > 0 names the temporary "<path>.tmp-<tmp_pid>" (a writer process working for that one).
+  explicit DumpFile(const std::string& path, long tmp_pid = 0);
   ~DumpFile();
   DumpFile(const DumpFile&) = delete;
   DumpFile& operator=(const DumpFile&) = delete;

@@ -77,6 +77,16 @@ bool spare_cores() {
   if (const char* v = std::getenv("DIFFRUN_SPARE_CORES"); v && *v) return std::strcmp(v, "0") != 0;
   return available_cores() >= 8;
 }
+
+// The dump writers' options for this run: with spare cores each dump is written from a process of its
+// own (DumpWriterOptions::child_process), so that the run's dumps (up to five) do not queue for HDF5's
+// one lock. DIFFRUN_DUMP_PROCESSES=0|1 decides instead.
+DumpWriterOptions writer_options(const DumpWriterOptions& writer) {
+  DumpWriterOptions w = writer;
+  const char* v = std::getenv("DIFFRUN_DUMP_PROCESSES");
+  w.child_process = v && *v ? std::strcmp(v, "0") != 0 : spare_cores();
+  return w;
+}
 constexpr size_t kBatchBytes = size_t{64} << 20;  // of checkpoints a comparator takes from a queue at once
 
 // The rows of a checkpoint the dump writer stores (DumpWriterOptions: the last rows of kq_soft_max,
@@ -473,12 +483,13 @@ class Comparator {
     stream_.emplace(metas[kEngine], metas[kReference], tolerances_for(metas[kEngine], metas[kReference], cx_.opt.report),
                     compare_options(cx_.opt.report));
     if (cx_.opt.dump != DumpMode::none) {
-      writers_[kEngine] = std::make_unique<DumpWriter>(pair_.engine_path, metas[kEngine], cx_.opt.filter, cx_.opt.writer);
-      writers_[kReference] =
-          std::make_unique<DumpWriter>(pair_.reference_path, metas[kReference], cx_.opt.filter, cx_.opt.writer);
+      const DumpWriterOptions w = writer_options(cx_.opt.writer);
+      writers_[kEngine] = std::make_unique<DumpWriter>(pair_.engine_path, metas[kEngine], cx_.opt.filter, w);
+      writers_[kReference] = std::make_unique<DumpWriter>(pair_.reference_path, metas[kReference], cx_.opt.filter, w);
     }
     if (!pair_.replay_path.empty() && pair_.replay_path != pair_.reference_path)
-      replay_ = std::make_unique<DumpWriter>(pair_.replay_path, metas[kReference], cx_.opt.filter, cx_.opt.writer);
+      replay_ = std::make_unique<DumpWriter>(pair_.replay_path, metas[kReference], cx_.opt.filter,
+                                             writer_options(cx_.opt.writer));
     if (pair_.hold_reference && cx_.held) {
       held_ref_ = &(*cx_.held)[p_];
       held_ref_->meta = metas[kReference];
@@ -841,7 +852,7 @@ class HeldReplay {
     engine.reset();
     if (!isolated_path.empty()) {
       guard_.emplace(isolated_path);
-      writer_.emplace(isolated_path, meta_, opt.filter, opt.writer);
+      writer_.emplace(isolated_path, meta_, opt.filter, writer_options(opt.writer));
     }
     sink_.emplace(cfg, opt, sc_, writer_ ? &*writer_ : nullptr, writes_);
   }

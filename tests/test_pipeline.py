@@ -248,3 +248,61 @@ def test_cuda_isolation_beside_the_pipeline_is_the_replay_of_the_dump(tmp_path, 
     assert a.keys() == b.keys() and len(a) > 0
     for key in a:
         assert np.array_equal(a[key], b[key], equal_nan=a[key].dtype.kind == "f"), key
+
+
+def dump_contents(path):
+    """A dump as comparable data: root attributes but the run's own, every attribute table, every dataset."""
+    with h5py.File(path, "r") as f:
+        root = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in f.attrs.items()
+                if k not in ("created_utc", "run_id")}
+        tables = {k: f[k]["_attributes"][()].tolist() for k in f.keys()}
+        values = {f"{k}/{n}": f[k][n][()] for k in f.keys() for n in f[k].keys() if n != "_attributes"}
+    return root, tables, values
+
+
+def test_dump_processes_write_the_same_files(tmp_path, monkeypatch):
+    # With spare cores each dump is written from a diffrun-dump-child process (HDF5 serializes the
+    # calls of one process); DIFFRUN_DUMP_PROCESSES=0 writes them in the job's own process. A wrapper
+    # named by DIFFRUN_DUMP_CHILD logs each start, so the test knows the children wrote the files.
+    child = Path(DIFFRUN).parent / "diffrun-dump-child"
+    assert os.access(child, os.X_OK), f"{child} is built with diffrun"
+    log = tmp_path / "children.log"
+    wrapper = tmp_path / "child.sh"
+    wrapper.write_text(f"#!/bin/sh\necho started >> {log}\nexec {child.resolve()}\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("DIFFRUN_SPARE_CORES", "1")
+    monkeypatch.setenv("DIFFRUN_DUMP_CHILD", str(wrapper))
+    runs = {}
+    for processes in ("0", "1"):
+        monkeypatch.setenv("DIFFRUN_DUMP_PROCESSES", processes)
+        runs[processes] = job(tmp_path, f"processes{processes}", "--inject", "kv_cache_pos0", "--isolate")
+    a, b = runs["0"], runs["1"]
+    names = sorted(p.relative_to(a[4]).as_posix() for p in a[4].rglob("*.h5"))
+    assert names == sorted(p.relative_to(b[4]).as_posix() for p in b[4].rglob("*.h5")) and len(names) >= 3, names
+    assert log.read_text().split() == ["started"] * len(names), "one child per dump, and none without processes"
+    assert not [p for p in b[4].rglob("*") if ".tmp-" in p.name]
+    assert normalized(a[2], a[4]) == normalized(b[2], b[4])
+    for name in names:
+        (ra, ta, va), (rb, tb, vb) = dump_contents(a[4] / name), dump_contents(b[4] / name)
+        assert ra.keys() == rb.keys() and all(np.array_equal(ra[k], rb[k]) for k in ra), name
+        assert ta == tb, name
+        assert va.keys() == vb.keys() and len(va) > 0, name
+        for key in va:
+            assert va[key].dtype == vb[key].dtype and np.array_equal(va[key], vb[key], equal_nan=va[key].dtype.kind == "f"), (name, key)
+
+
+def test_a_dump_process_that_fails_stops_the_job_cleanly(tmp_path, monkeypatch):
+    # A writer process that ends without a word (here: one that exits at once) is an error naming the
+    # dump and the process: exit 2, and no temporary or half-written dump is left.
+    wrapper = tmp_path / "child.sh"
+    wrapper.write_text("#!/bin/sh\nexit 3\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("DIFFRUN_SPARE_CORES", "1")
+    monkeypatch.setenv("DIFFRUN_DUMP_PROCESSES", "1")
+    monkeypatch.setenv("DIFFRUN_DUMP_CHILD", str(wrapper))
+    out = tmp_path / "out"
+    r = run(*JOB, "--out", str(out))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "the dump writer process" in r.stderr and "exited with status 3" in r.stderr and ".h5" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "terminate called" not in r.stderr
+    assert not list(out.rglob("*.h5")) and not [p for p in out.rglob("*") if ".tmp-" in p.name]
