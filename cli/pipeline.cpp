@@ -4,6 +4,8 @@
 #include <omp.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -76,6 +78,19 @@ void name_thread(const std::string& name) { pthread_setname_np(pthread_self(), n
 bool spare_cores() {
   if (const char* v = std::getenv("DIFFRUN_SPARE_CORES"); v && *v) return std::strcmp(v, "0") != 0;
   return available_cores() >= 8;
+}
+
+// With spare cores and a CUDA engine beside it, a CPU reference's threads (this one and the OpenMP
+// threads it starts, which inherit it) run at nice kReferenceNice: the engines' kernel launches and the
+// comparisons are the run's critical path, and the references, which finish their steps before the
+// comparators need them, would otherwise take the cores those wait for. DIFFRUN_REFERENCE_NICE=N
+// sets N (0: as the rest).
+constexpr int kReferenceNice = 10;
+
+void lower_reference_priority() {
+  int nice = kReferenceNice;
+  if (const char* v = std::getenv("DIFFRUN_REFERENCE_NICE"); v && *v) nice = std::clamp(std::atoi(v), 0, 19);
+  if (nice > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), getpriority(PRIO_PROCESS, 0) + nice);
 }
 
 // The dump writers' options for this run: with spare cores each dump is written from a process of its
@@ -318,6 +333,8 @@ void backend_thread(const Context& cx, size_t p, int side) {
   const PipelinePair& pair = cx.pairs[p];
   const BackendOptions& bo = side == kEngine ? pair.engine : pair.reference;
   if (bo.backend == "cpu") omp_set_num_threads(side == kEngine ? pair.engine_threads : pair.reference_threads);
+  if (side == kReference && bo.backend == "cpu" && pair.engine.backend == "cuda" && spare_cores())
+    lower_reference_priority();
   const bool source = p == 0 && side == kReference;
   name_thread(fmt::format("{}{}", side == kEngine ? "engine" : "reference", p + 1));
   const int needed = static_cast<int>(cx.ids.size()) + cx.opt.steps;
