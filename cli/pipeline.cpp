@@ -232,11 +232,13 @@ struct Shared {
   // waiting for it), so that what waits for its counterpart in memory stays bounded. A side that
   // finished the step (or the run) holds no one back, so sides recording different sets cannot wait
   // for each other; across steps the comparator bounds them (kLookahead).
-  void lockstep(int side, size_t pair, int step, int64_t bytes) {
+  // Returns the seconds it waited.
+  double lockstep(int side, size_t pair, int step, int64_t bytes) {
     std::unique_lock lock(m);
     Position& me = position[side][pair];
     const Position& other = position[1 - side][pair];
     if (me.step != step) me = Position{step};
+    const auto t0 = std::chrono::steady_clock::now();
     lock_cv[pair].wait(lock, [&] {
       return aborted || other.done || other.step != step || other.step_done || me.count < other.count + kLead ||
              me.bytes + bytes <= other.bytes + lead_bytes;
@@ -245,6 +247,7 @@ struct Shared {
     ++me.count;
     me.bytes += bytes;
     lock_cv[pair].notify_all();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   void step_done(int side, size_t pair, int step) {
     std::lock_guard lock(m);
@@ -286,7 +289,8 @@ class QueueSink final : public Sink {
   void record(int step, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
               NativeDType native, std::span<const float> data) override {
     if (!wants(name)) return;
-    sh_.lockstep(side_, pair_, step, static_cast<int64_t>(data.size_bytes()));
+    const auto t0 = std::chrono::steady_clock::now();
+    waited_ += sh_.lockstep(side_, pair_, step, static_cast<int64_t>(data.size_bytes()));
     Message msg(Message::checkpoint);
     msg.step = step;
     msg.name = std::string(name);
@@ -299,10 +303,11 @@ class QueueSink final : public Sink {
     if (msg.row_offset > 0) msg.values = rows_from(data, shape, msg.row_dim, msg.row_offset);
     else msg.values.assign(data.begin(), data.end());
     sh_.push(side_, pair_, std::move(msg));
+    recording_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override {
     if (name != kTokensCheckpoint) return;
-    sh_.lockstep(side_, pair_, step, static_cast<int64_t>(ids.size_bytes()));
+    waited_ += sh_.lockstep(side_, pair_, step, static_cast<int64_t>(ids.size_bytes()));
     Message msg(Message::ids);
     msg.step = step;
     msg.tokens.assign(ids.begin(), ids.end());
@@ -315,6 +320,9 @@ class QueueSink final : public Sink {
   size_t pair_;
   const CheckpointFilter& filter_;
   const DumpWriterOptions& writer_;
+
+ public:
+  double recording_ = 0, waited_ = 0;  // seconds in record() and, of them, waiting in lockstep
 };
 
 struct Context {
@@ -362,10 +370,14 @@ void backend_thread(const Context& cx, size_t p, int side) {
       if (cx.sh.aborted || step > cx.sh.stop_step) break;
       if (step > 0) token = cx.sh.feed[step - 1];
     }
+    const auto t0 = std::chrono::steady_clock::now();
+    sink.recording_ = sink.waited_ = 0;
     const std::vector<float> logits =
         step == 0 ? backend->forward(0, cx.ids, sink) : backend->forward(step, std::span<const int32_t>(&token, 1), sink);
     cx.sh.step_done(side, p, step);
-    cx.sh.timing("{}: step {} done", who, step);
+    cx.sh.timing("{}: step {} done (forward {:.3f} s, of it recording {:.3f} s, waiting for the other side {:.3f} s)",
+                 who, step, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                 sink.recording_, sink.waited_);
     if (side == kEngine && step == 0) {
       std::lock_guard lock(cx.sh.m);
       cx.sh.prefilled[p] = 1;
