@@ -3,9 +3,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <future>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/core.h>
@@ -51,15 +53,45 @@ struct MainOptions {
   ReportOptions report;
 };
 
-// The engine backend: cuda when asked or (auto) when built with it and a device exists.
-std::string engine_backend_name(const MainOptions& o, std::string* why) {
-  if (o.engine != "auto") return o.engine;
-  *why = "diffrun was built without the CUDA engine";
+// Whether a CUDA device exists, asked once at the start on a thread of its own (the driver takes
+// ~0.1 s to answer), which then makes the device's context (several tenths) while the model loads.
+class DeviceProbe {
+ public:
+  explicit DeviceProbe(const MainOptions& o) {
 #ifdef DIFFRUN_HAVE_CUDA
-  return cuda_device_available(why) ? "cuda" : "cpu";
+    if (o.engine != "auto" && o.engine != "cuda") return;
+    thread_ = std::jthread([this] {
+      std::string why;
+      const bool available = cuda_device_available(&why);
+      answer_.set_value({available, why});
+      if (available) cuda_warm_up();
+    });
+    future_ = answer_.get_future();
 #else
-  return "cpu";
+    (void)o;
 #endif
+  }
+  // A device exists; else false and `why` says why not.
+  bool available(std::string* why) {
+    if (!future_.valid()) {
+      *why = "diffrun was built without the CUDA engine";
+      return false;
+    }
+    const auto [ok, reason] = future_.get();
+    if (!ok) *why = reason;
+    return ok;
+  }
+
+ private:
+  std::promise<std::pair<bool, std::string>> answer_;
+  std::future<std::pair<bool, std::string>> future_;
+  std::jthread thread_;  // last: joined (the context made) before the promise goes
+};
+
+// The engine backend: cuda when asked or (auto) when built with it and a device exists.
+std::string engine_backend_name(const MainOptions& o, DeviceProbe& probe, std::string* why) {
+  if (o.engine != "auto") return o.engine;
+  return probe.available(why) ? "cuda" : "cpu";
 }
 
 // One engine/reference pair to run and compare; `dir` holds its dumps.
@@ -76,13 +108,13 @@ struct RunPair {
 // one: the given engine precision (f16 on cuda, f32 on cpu) against the given reference precision
 // (default_reference_precision: f32-f16store for f16, f64 for the rest). A pair against an emulated
 // f16 storage reference (-f16store) runs the isolation replay too.
-std::vector<RunPair> run_pairs(const MainOptions& o, Progress& progress) {
+std::vector<RunPair> run_pairs(const MainOptions& o, DeviceProbe& probe, Progress& progress) {
   if (o.isolate && !o.checkpoints.empty()) {
     throw InputError("--isolate needs every checkpoint: with --checkpoints the replay would replace only those, and "
                      "each local error would span the ops between two of them (drop one of the two options)");
   }
   std::string why;
-  const std::string backend = engine_backend_name(o, &why);
+  const std::string backend = engine_backend_name(o, probe, &why);
   auto pair = [&](const std::string& title, const std::string& eng_precision, const std::string& ref_precision,
                   const std::string& dir) {
     RunPair p;
@@ -171,17 +203,14 @@ int run_main(const MainOptions& o) {
   if (!o.report.report_json.empty()) check_output_file("--report-json", o.report.report_json);
   if (!o.report.report_junit.empty()) check_output_file("--report-junit", o.report.report_junit);
   const CheckpointFilter filter(o.checkpoints);
-  const std::vector<RunPair> pairs = run_pairs(o, progress);
-#ifdef DIFFRUN_HAVE_CUDA
-  // The CUDA context is made while the model loads and the references start (the engines wait for it).
-  std::jthread warm_up;
-  if (pairs.front().eng.backend == "cuda") warm_up = std::jthread([] { cuda_warm_up(); });
-#endif
-
+  // The CUDA driver starts and makes the context while the model loads and the references start (the
+  // engines wait for it).
+  DeviceProbe probe(o);
   progress.message(fmt::format("loading {}", o.model));
   const auto file = GgufFile::open(o.model);
   const ModelConfig cfg = load_config(*file);
   validate_tensors(*file, cfg);
+  const std::vector<RunPair> pairs = run_pairs(o, probe, progress);
   // Every option is checked before the reference runs (it may take minutes).
   for (const RunPair& p : pairs) {
     check_run_options(*file, cfg, p.eng, filter, true);
