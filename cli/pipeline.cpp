@@ -85,7 +85,7 @@ bool spare_cores() {
 // comparisons are the run's critical path, and the references, which finish their steps before the
 // comparators need them, would otherwise take the cores those wait for. DIFFRUN_REFERENCE_NICE=N
 // sets N (0: as the rest).
-constexpr int kReferenceNice = 10;
+constexpr int kReferenceNice = 5;
 
 void lower_reference_priority() {
   int nice = kReferenceNice;
@@ -1023,6 +1023,7 @@ void replay_thread(const Context& cx, size_t p, BesideReplay& out) {
         out.engine = make_backend(cx.file, cx.cfg, pair.engine, max_ctx);
         cx.sh.timing("pair {} isolation replay: engine loaded", p + 1);
       }
+      cx.sh.timing("pair {} isolation replay: the reference's step 0 is held", p + 1);
       out.replay.emplace(cx.file, cx.cfg, *out.engine, held.meta, cx.ids, cx.opt, pair.isolated_path);
       const double forward_s = out.replay->step(0, *st);
       cx.sh.timing("pair {} isolation replay: step 0 done (forward {:.3f} s)", p + 1, forward_s);
@@ -1083,6 +1084,7 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
     if (!beside[p].replay) continue;
     const auto [engine_name, reference_name] = isolated_names(pairs[p], opt.dump);
     beside[p].replay->attach(out[p], engine_name, reference_name, (*held)[p].argmax);
+    progress.timing(fmt::format("pair {} isolation replay: its dump finished, its comparison attached", p + 1));
     beside[p].replay.reset();
     beside[p].engine.reset();
     progress.timing(fmt::format("pair {} isolation replay attached", p + 1));
