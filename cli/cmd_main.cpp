@@ -210,13 +210,15 @@ int run_main(const MainOptions& o) {
   const auto file = GgufFile::open(o.model);
   const ModelConfig cfg = load_config(*file);
   validate_tensors(*file, cfg);
+  const auto tok = load_tokenizer(*file);
+  progress.timing("model and tokenizer loaded");
   const std::vector<RunPair> pairs = run_pairs(o, probe, progress);
+  progress.timing("pairs chosen");
   // Every option is checked before the reference runs (it may take minutes).
   for (const RunPair& p : pairs) {
     check_run_options(*file, cfg, p.eng, filter, true);
     check_run_options(*file, cfg, p.ref, filter, true);
   }
-  const auto tok = load_tokenizer(*file);
   const std::vector<int32_t> ids = prompt_tokens(*file, *tok, o.prompt);
   const int64_t needed = static_cast<int64_t>(ids.size()) + o.steps;
   if (needed > cfg.n_ctx) {
