@@ -69,6 +69,18 @@ TEST(DequantRows, F16TakesEveryHalfExactly) {
   for (uint32_t h = 0; h < 65536; ++h) {
     ASSERT_EQ(std::memcmp(&want[h], &got[h], 4), 0) << "half 0x" << std::hex << h;
   }
+  // Into doubles (halves converted straight, eight at a time, NaN lanes by hand), from offsets that
+  // leave a tail of every length.
+  std::vector<double> want64(all.size()), got64(all.size());
+  dequantize(GgmlType::F16, all.data(), want64.data(), static_cast<int64_t>(all.size()));
+  for (int64_t start : {0, 1, 3, 7}) {
+    const int64_t n = static_cast<int64_t>(all.size()) - 2 * start;  // tails of 0, 6, 2 and 2 values
+    std::fill(got64.begin(), got64.end(), 0.0);
+    ref::dequantize_rows(GgmlType::F16, reinterpret_cast<const std::byte*>(all.data() + start), got64.data() + start, n);
+    for (int64_t h = start; h < start + n; ++h) {
+      ASSERT_EQ(std::memcmp(&want64[h], &got64[h], 8), 0) << "half 0x" << std::hex << h;
+    }
+  }
 }
 
 // round_f16 (eight values at a time where the CPU converts halves) against Eigen::half one value at a
