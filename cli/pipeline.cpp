@@ -177,13 +177,15 @@ struct Message {
   NativeDType native = NativeDType::f32;     // checkpoint
   int row_dim = -1;                          // checkpoint: the dimension cut to its last rows
   int64_t row_offset = 0;                    // checkpoint: rows 0..row_offset-1 of row_dim are not in values
-  std::vector<float> values;                 // checkpoint, as the dump stores it
+  // checkpoint, as the dump stores it; one buffer for every reader (the comparison, the dump writes, the
+  // held step), made as a (non-const) std::vector<float> (diff::StreamComparison::Values)
+  diff::StreamComparison::Values values;
   std::vector<int32_t> tokens;               // ids
   int32_t argmax = -1;                       // step_end
 };
 
 int64_t message_bytes(const Message& m) {
-  return static_cast<int64_t>(m.values.size() * sizeof(float) + m.tokens.size() * sizeof(int32_t));
+  return static_cast<int64_t>((m.values ? m.values->size() : 0) * sizeof(float) + m.tokens.size() * sizeof(int32_t));
 }
 
 // State shared by every thread of the run; one mutex guards it all.
@@ -300,8 +302,8 @@ class QueueSink final : public Sink {
     msg.native = native;
     // Only the rows the dump keeps travel (a long prompt's kq_soft_max is mostly cut away).
     std::tie(msg.row_dim, msg.row_offset) = writer_rows(name, layout, shape, writer_);
-    if (msg.row_offset > 0) msg.values = rows_from(data, shape, msg.row_dim, msg.row_offset);
-    else msg.values.assign(data.begin(), data.end());
+    msg.values = std::make_shared<std::vector<float>>(msg.row_offset > 0 ? rows_from(data, shape, msg.row_dim, msg.row_offset)
+                                                                         : std::vector<float>(data.begin(), data.end()));
     sh_.push(side_, pair_, std::move(msg));
     recording_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
@@ -609,7 +611,7 @@ class Comparator {
       record_to(w, m, checkpoints);
       return;
     }
-    const auto bytes = static_cast<int64_t>(m.values.size() * sizeof(float));
+    const auto bytes = message_bytes(m);
     writes_.post([&w, m = std::move(m), checkpoints] { record_to(w, m, checkpoints); }, bytes);
   }
 
@@ -621,9 +623,9 @@ class Comparator {
       // rows it drops are put back as zeros for the call.
       std::vector<int64_t> kept = m.shape;
       kept[m.row_dim] -= m.row_offset;
-      w.record(m.step, m.name, m.layer, m.layout, m.shape, m.native, rows_from(m.values, kept, m.row_dim, -m.row_offset));
+      w.record(m.step, m.name, m.layer, m.layout, m.shape, m.native, rows_from(*m.values, kept, m.row_dim, -m.row_offset));
     } else if (checkpoints) {
-      w.record(m.step, m.name, m.layer, m.layout, m.shape, m.native, m.values);
+      w.record(m.step, m.name, m.layer, m.layout, m.shape, m.native, *m.values);
     }
   }
 
@@ -655,7 +657,7 @@ class Comparator {
       t0 = t;
     };
     std::vector<Message> run;  // messages of one side taken at once
-    std::vector<std::pair<DatasetInfo, std::vector<float>>> batch;
+    std::vector<std::pair<DatasetInfo, diff::StreamComparison::Values>> batch;
     while (!ended[kEngine] || !ended[kReference]) {
       // Both sides record step by step; take whichever has news (the engine's usually comes first),
       // and with a checkpoint the checkpoints queued behind it (up to kBatchBytes), whose comparisons
@@ -674,7 +676,7 @@ class Comparator {
         size_t bytes = 0;
         int64_t taken = 0;
         do {
-          bytes += q.front().values.size() * sizeof(float);
+          bytes += static_cast<size_t>(message_bytes(q.front()));
           taken += message_bytes(q.front());
           run.push_back(std::move(q.front()));
           q.pop_front();
@@ -711,15 +713,12 @@ class Comparator {
           case Message::checkpoint: {
             DatasetInfo info = info_of(side, m);
             if (replay_ && side == kReference) write_to(*replay_, m, true);
+            // One buffer for every reader: the held step, the dump writes and the comparison (which
+            // copies it in its parallel loop only while another still holds it).
             if (held && side == kReference) held->tensors.push_back({info, m.values});
-            std::vector<float> values;
             if (cx_.opt.dump == DumpMode::full) write(side, m, true);
-            if (cx_.opt.dump == DumpMode::divergence) {
-              values = m.values;
-              current.messages[side].push_back(std::move(m));
-            } else {
-              values = std::move(m.values);
-            }
+            diff::StreamComparison::Values values = m.values;
+            if (cx_.opt.dump == DumpMode::divergence) current.messages[side].push_back(std::move(m));
             batch.emplace_back(std::move(info), std::move(values));
             break;
           }
@@ -807,22 +806,23 @@ class HeldReplaySink final : public Sink {
   void record(int step, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
               NativeDType native, std::span<const float> data) override {
     if (!wants(name)) return;
+    // One copy of the values for the dump write and the comparison (unless the dump keeps fewer rows).
+    diff::StreamComparison::Values all = std::make_shared<std::vector<float>>(data.begin(), data.end());
     if (writer_) {
       writes_.post(
           [w = writer_, step, name = std::string(name), layer, layout = std::string(layout),
-           shape = std::vector<int64_t>(shape.begin(), shape.end()), native,
-           values = std::vector<float>(data.begin(), data.end())] {
-            w->record(step, name, layer, layout, shape, native, values);
+           shape = std::vector<int64_t>(shape.begin(), shape.end()), native, all] {
+            w->record(step, name, layer, layout, shape, native, *all);
           },
           static_cast<int64_t>(data.size_bytes()));
     }
     rule_.recorded(name, static_cast<int64_t>(data.size()));
     const auto [rd, offset] = writer_rows(name, layout, shape, opt_.writer);
-    std::vector<float> values = offset > 0 ? rows_from(data, shape, rd, offset) : std::vector<float>(data.begin(), data.end());
-    sc_.add(diff::StreamSide::engine,
-            dataset_info(cfg_, "engine", step, std::string(name), layer, std::string(layout),
-                         std::vector<int64_t>(shape.begin(), shape.end()), native, rd, offset),
-            std::move(values));
+    std::vector<std::pair<DatasetInfo, diff::StreamComparison::Values>> one;
+    one.emplace_back(dataset_info(cfg_, "engine", step, std::string(name), layer, std::string(layout),
+                                  std::vector<int64_t>(shape.begin(), shape.end()), native, rd, offset),
+                     offset > 0 ? std::make_shared<std::vector<float>>(rows_from(data, shape, rd, offset)) : std::move(all));
+    sc_.add_all(diff::StreamSide::engine, std::move(one));
   }
 
   void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override {
@@ -842,7 +842,7 @@ class HeldReplaySink final : public Sink {
     auto it = index_.find(name);
     if (it == index_.end()) return nullptr;
     const HeldReference::Tensor& t = held_->tensors[it->second];
-    return rule_.allows(t.info) ? t.values.data() : nullptr;
+    return rule_.allows(t.info) ? t.values->data() : nullptr;
   }
 
   // Starts `step` on the reference's `held` checkpoints of it (indexed by name).
@@ -901,7 +901,7 @@ class HeldReplay {
     const double forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     // The reference's side of the step, once the engine no longer needs its values.
     sc_.add_tokens(diff::StreamSide::reference, step, std::move(held.tokens));
-    std::vector<std::pair<DatasetInfo, std::vector<float>>> batch;
+    std::vector<std::pair<DatasetInfo, diff::StreamComparison::Values>> batch;
     batch.reserve(held.tensors.size());
     for (HeldReference::Tensor& t : held.tensors) batch.emplace_back(std::move(t.info), std::move(t.values));
     held.tensors.clear();

@@ -45,6 +45,7 @@
 #include "cli/progress.hpp"
 #include "cli/run.hpp"
 #include "diff/compare.hpp"
+#include "diff/stream.hpp"
 #include "model/config.hpp"
 #include "model/gguf.hpp"
 
@@ -81,7 +82,7 @@ struct PipelinePair {
 struct HeldReference {
   struct Tensor {
     DatasetInfo info;
-    std::vector<float> values;
+    diff::StreamComparison::Values values;  // shared with the comparison and the dump writes
   };
   struct Step {
     std::vector<int32_t> tokens;

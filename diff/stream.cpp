@@ -43,13 +43,24 @@ std::optional<std::map<std::pair<int, std::string>, StreamComparison::Pending>::
   return other;
 }
 
+namespace {
+
+// The values of `v`, moved out when no one else holds them (they were made non-const: see add and
+// the pipeline), else copied.
+std::vector<float> take(StreamComparison::Values v) {
+  if (v.use_count() == 1) return std::move(const_cast<std::vector<float>&>(*v));
+  return *v;
+}
+
+}  // namespace
+
 CheckpointResult StreamComparison::compare_pair(Pending& eng, Pending& ref, std::vector<float>& a,
                                                 std::vector<float>& b) const {
   return compare_checkpoint(
       eng.info.step, &eng.info, &ref.info, tolerances_, dims_, positions_through(eng.info.step),
       [&](std::vector<float>& x, std::vector<float>& y) {
-        x = std::move(eng.values);
-        y = std::move(ref.values);
+        x = take(std::move(eng.values));
+        y = take(std::move(ref.values));
       },
       &a, &b);
 }
@@ -62,12 +73,12 @@ void StreamComparison::settle(CheckpointResult r, std::vector<float>& a, std::ve
 }
 
 void StreamComparison::add(StreamSide side, DatasetInfo info, std::vector<float> values) {
-  std::vector<std::pair<DatasetInfo, std::vector<float>>> one;
-  one.emplace_back(std::move(info), std::move(values));
+  std::vector<std::pair<DatasetInfo, Values>> one;
+  one.emplace_back(std::move(info), std::make_shared<std::vector<float>>(std::move(values)));
   add_all(side, std::move(one));
 }
 
-void StreamComparison::add_all(StreamSide side, std::vector<std::pair<DatasetInfo, std::vector<float>>> batch) {
+void StreamComparison::add_all(StreamSide side, std::vector<std::pair<DatasetInfo, Values>> batch) {
   const int s = static_cast<int>(side);
   struct Job {
     Pending mine;
@@ -94,7 +105,7 @@ void StreamComparison::add_all(StreamSide side, std::vector<std::pair<DatasetInf
   constexpr size_t kLarge = size_t{1} << 20;
   std::vector<Job*> small;
   for (Job& j : jobs) {
-    if (j.mine.values.size() >= kLarge) compare(j);
+    if (j.mine.values->size() >= kLarge) compare(j);
     else small.push_back(&j);
   }
   const int64_t n = static_cast<int64_t>(small.size());

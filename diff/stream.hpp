@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -38,9 +39,13 @@ class StreamComparison {
   // sides hold it. Throws Error when a side records the same checkpoint twice.
   void add(StreamSide side, DatasetInfo info, std::vector<float> values);
 
+  // Values shared with whoever else still reads them (a dump write, a held step): the comparison
+  // copies them, in its parallel loop, unless it holds the last reference.
+  using Values = std::shared_ptr<const std::vector<float>>;
+
   // add() of each checkpoint of `batch` in order, the comparisons of those whose other side is
   // already held computed in parallel (OpenMP): the same state as the adds one by one.
-  void add_all(StreamSide side, std::vector<std::pair<DatasetInfo, std::vector<float>>> batch);
+  void add_all(StreamSide side, std::vector<std::pair<DatasetInfo, Values>> batch);
 
   // The `tokens` of a step (each side's): the two must be equal.
   void add_tokens(StreamSide side, int step, std::vector<int32_t> tokens);
@@ -65,7 +70,7 @@ class StreamComparison {
  private:
   struct Pending {
     DatasetInfo info;
-    std::vector<float> values;
+    Values values;
   };
   struct Kept {  // the values behind a result a report may need the pattern of
     int step = -1;

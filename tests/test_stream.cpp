@@ -1,6 +1,7 @@
 // Unit tests of diff/stream: the streamed comparison equals compare_dumps of the same dumps, whatever the arrival order
 // (one by one or a step's worth at once, compared in parallel).
 #include <filesystem>
+#include <memory>
 #include <limits>
 #include <string>
 
@@ -49,10 +50,17 @@ class Stream : public ::testing::Test {
       };
       if (engine_first && batched) {
         for (const auto& i : de) feed(StreamSide::engine, e, i);
-        std::vector<std::pair<DatasetInfo, std::vector<float>>> batch;
+        // Every second checkpoint's values also held elsewhere (as a dump write holds them): those
+        // the comparison copies, the others it takes.
+        std::vector<std::pair<DatasetInfo, StreamComparison::Values>> batch;
+        std::vector<StreamComparison::Values> also_held;
         for (const auto& i : dr) {
-          if (i.is_int) s.add_tokens(StreamSide::reference, step, r.read_ids(step, i.name));
-          else batch.emplace_back(i, r.read(step, i.name));
+          if (i.is_int) {
+            s.add_tokens(StreamSide::reference, step, r.read_ids(step, i.name));
+            continue;
+          }
+          batch.emplace_back(i, std::make_shared<std::vector<float>>(r.read(step, i.name)));
+          if (batch.size() % 2 == 0) also_held.push_back(batch.back().second);
         }
         s.add_all(StreamSide::reference, std::move(batch));
       } else if (engine_first) {
