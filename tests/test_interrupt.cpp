@@ -119,6 +119,58 @@ TEST_F(Interrupt, SignalsRemoveTheTemporariesAndExitConventionally) {
   EXPECT_FALSE(fs::exists(dump));
 }
 
+// The pids of the running processes whose parent is `parent`.
+std::vector<pid_t> children_of(pid_t parent) {
+  std::vector<pid_t> out;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(e.path() / "stat");
+    std::string line;
+    if (!std::getline(stat, line)) continue;
+    const size_t close = line.rfind(')');  // "pid (comm) state ppid ..."
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    char state = 0;
+    long ppid = 0;
+    if (rest >> state >> ppid && ppid == parent) out.push_back(static_cast<pid_t>(std::stol(name)));
+  }
+  return out;
+}
+
+TEST_F(Interrupt, SignalsWithDumpProcessesLeaveNothing) {
+  // With spare cores each dump is written by a diffrun-dump-child process: SIGINT removes the job's
+  // temporaries (named with its pid) and the children, reading the end of their input, end too.
+  ScratchDir dir("interrupt-children");
+  const fs::path out = fs::path(dir.path) / "run";
+  const fs::path err = fs::path(dir.path) / "err.txt";
+  ::setenv("DIFFRUN_SPARE_CORES", "1", 1);
+  ::setenv("DIFFRUN_DUMP_PROCESSES", "1", 1);
+  Child c = spawn(job(out, 250), err);
+  const fs::path tmp = out / ("reference.h5.tmp-" + std::to_string(c.pid));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(tmp) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ::unsetenv("DIFFRUN_SPARE_CORES");
+  ::unsetenv("DIFFRUN_DUMP_PROCESSES");
+  ASSERT_TRUE(fs::exists(tmp)) << slurp(err);
+  const std::vector<pid_t> children = children_of(c.pid);
+  EXPECT_GE(children.size(), 2u) << "a writer process per dump";
+  ::kill(c.pid, SIGINT);
+  EXPECT_EQ(wait_exit(c), 130) << slurp(err);
+  const auto gone = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (pid_t child : children) {
+    while (::kill(child, 0) == 0 && std::chrono::steady_clock::now() < gone) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_NE(::kill(child, 0), 0) << "writer process " << child << " outlived the job";
+  }
+  EXPECT_TRUE(temporaries(out).empty()) << temporaries(out)[0];
+  EXPECT_FALSE(fs::exists(out / "reference.h5"));
+  EXPECT_FALSE(fs::exists(out / "engine.h5"));
+}
+
 TEST_F(Interrupt, CompareRefusesAPairFromTwoRuns) {
   ScratchDir dir("interrupt-pairs");
   const fs::path a = fs::path(dir.path) / "a", b = fs::path(dir.path) / "b";
@@ -189,7 +241,13 @@ TEST_F(Interrupt, FullDiskExitsTwoAndLeavesNothing) {
       "done\n"
       "'" + bin + "' --model '" + model_ + "' --tokens 1,2,3 --steps 40 --engine cpu --no-color --out " + mnt.string() +
       "/run >/dev/null 2>" + mnt.string() + "/../err.txt; echo \"job rc=$?\"; tail -1 " + mnt.string() +
-      "/../err.txt; echo left: $(ls -A " + mnt.string() + "/run)\n";
+      "/../err.txt; echo left: $(ls -A " + mnt.string() + "/run)\n"
+      // The same job with each dump written by a diffrun-dump-child process.
+      "rm -rf " + mnt.string() + "/run\n"
+      "DIFFRUN_SPARE_CORES=1 DIFFRUN_DUMP_PROCESSES=1 '" + bin + "' --model '" + model_ +
+      "' --tokens 1,2,3 --steps 40 --engine cpu --no-color --out " + mnt.string() + "/run >/dev/null 2>" + mnt.string() +
+      "/../err.txt; echo \"children job rc=$?\"; tail -1 " + mnt.string() + "/../err.txt; echo left: $(ls -A " +
+      mnt.string() + "/run)\n";
   std::ofstream(fs::path(dir.path) / "full.sh") << script;
   ASSERT_EQ(std::system(("unshare -rm sh " + (fs::path(dir.path) / "full.sh").string() + " >" + log.string() + " 2>&1").c_str()), 0)
       << slurp(log);
@@ -200,15 +258,16 @@ TEST_F(Interrupt, FullDiskExitsTwoAndLeavesNothing) {
   EXPECT_NE(out.find("dump rc=2\n"), std::string::npos) << out;
   EXPECT_EQ(out.find("dump rc=0"), std::string::npos) << out;
   EXPECT_NE(out.find("job rc=2\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("children job rc=2\n"), std::string::npos) << out;
   size_t errors = 0;
   for (size_t at = 0; (at = out.find("file write failed: No space left on device)\n", at)) != std::string::npos; ++at)
     ++errors;
-  EXPECT_EQ(errors, 3u) << out;
+  EXPECT_EQ(errors, 4u) << out;
   EXPECT_EQ(out.find("Segmentation"), std::string::npos) << out;
   // Nothing left: no temporary, no final file.
   size_t empty = 0;
   for (size_t at = 0; (at = out.find("left:\n", at)) != std::string::npos; ++at) ++empty;
-  EXPECT_EQ(empty, 3u) << out;
+  EXPECT_EQ(empty, 4u) << out;
 }
 
 // Options that cannot work are refused before the reference runs: exit 2, nothing written.
