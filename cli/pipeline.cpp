@@ -287,12 +287,18 @@ class QueueSink final : public Sink {
  public:
   QueueSink(Shared& sh, int side, size_t pair, const CheckpointFilter& filter, const DumpWriterOptions& writer)
       : sh_(sh), side_(side), pair_(pair), filter_(filter), writer_(writer) {}
+  // Seconds in record() and, of them, waiting in lockstep for the other side (DIFFRUN_PROGRESS_TIMES).
+  struct Times {
+    double recording = 0, waiting = 0;
+  };
+  Times& times() { return times_; }
+
   bool wants(std::string_view name) const override { return filter_.records(name); }
   void record(int step, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
               NativeDType native, std::span<const float> data) override {
     if (!wants(name)) return;
     const auto t0 = std::chrono::steady_clock::now();
-    waited_ += sh_.lockstep(side_, pair_, step, static_cast<int64_t>(data.size_bytes()));
+    times_.waiting += sh_.lockstep(side_, pair_, step, static_cast<int64_t>(data.size_bytes()));
     Message msg(Message::checkpoint);
     msg.step = step;
     msg.name = std::string(name);
@@ -305,11 +311,11 @@ class QueueSink final : public Sink {
     msg.values = std::make_shared<std::vector<float>>(msg.row_offset > 0 ? rows_from(data, shape, msg.row_dim, msg.row_offset)
                                                                          : std::vector<float>(data.begin(), data.end()));
     sh_.push(side_, pair_, std::move(msg));
-    recording_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    times_.recording += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override {
     if (name != kTokensCheckpoint) return;
-    waited_ += sh_.lockstep(side_, pair_, step, static_cast<int64_t>(ids.size_bytes()));
+    times_.waiting += sh_.lockstep(side_, pair_, step, static_cast<int64_t>(ids.size_bytes()));
     Message msg(Message::ids);
     msg.step = step;
     msg.tokens.assign(ids.begin(), ids.end());
@@ -322,9 +328,7 @@ class QueueSink final : public Sink {
   size_t pair_;
   const CheckpointFilter& filter_;
   const DumpWriterOptions& writer_;
-
- public:
-  double recording_ = 0, waited_ = 0;  // seconds in record() and, of them, waiting in lockstep
+  Times times_;
 };
 
 struct Context {
@@ -373,13 +377,13 @@ void backend_thread(const Context& cx, size_t p, int side) {
       if (step > 0) token = cx.sh.feed[step - 1];
     }
     const auto t0 = std::chrono::steady_clock::now();
-    sink.recording_ = sink.waited_ = 0;
+    sink.times() = {};
     const std::vector<float> logits =
         step == 0 ? backend->forward(0, cx.ids, sink) : backend->forward(step, std::span<const int32_t>(&token, 1), sink);
     cx.sh.step_done(side, p, step);
     cx.sh.timing("{}: step {} done (forward {:.3f} s, of it recording {:.3f} s, waiting for the other side {:.3f} s)",
                  who, step, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-                 sink.recording_, sink.waited_);
+                 sink.times().recording, sink.times().waiting);
     if (side == kEngine && step == 0) {
       std::lock_guard lock(cx.sh.m);
       cx.sh.prefilled[p] = 1;
