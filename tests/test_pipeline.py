@@ -100,11 +100,13 @@ def test_every_dump_mode_gives_the_same_reports(tmp_path, fault, cut):
     assert v.returncode == 0, v.stdout + v.stderr
 
 
-@pytest.mark.parametrize("extra", [[], ["--isolate"], ["--dump", "divergence"], ["--tokens", LONG, "--token-rows", "8"]])
+@pytest.mark.parametrize("extra", [[], ["--isolate"], ["--dump", "divergence"], ["--tokens", LONG, "--token-rows", "8"],
+                                   ["--stop-at-first", "0"]])
 def test_spare_cores_work_gives_the_same_reports_and_dumps(tmp_path, extra, monkeypatch):
-    # With many cores the job writes dumps on threads of their own, lets a side run ahead and
-    # compares checkpoints in parallel batches (DIFFRUN_SPARE_CORES=1 forces it, 0 turns it off):
-    # the same reports, the same dumps value for value.
+    # With many cores the job writes each dump on a thread and from a process of its own, lets a side
+    # run ahead in a step and a backend into later steps (--stop-at-first then ends steps it may have
+    # started), and compares checkpoints in parallel batches (DIFFRUN_SPARE_CORES=1 forces it, 0 turns
+    # it off): the same reports, the same dumps value for value.
     runs = {}
     for spare in ("0", "1"):
         monkeypatch.setenv("DIFFRUN_SPARE_CORES", spare)
