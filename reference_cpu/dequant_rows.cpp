@@ -174,14 +174,25 @@ void rows_q6_k(const uint8_t* __restrict b, float* __restrict y, int64_t n_block
   }
 }
 
-void rows_f16(const uint8_t* __restrict s, float* __restrict y, int64_t n) {
+#if defined(__F16C__)
+// Eight converted halves to floats or (exactly) to doubles.
+void store8(float* y, __m256 f) { _mm256_storeu_ps(y, f); }
+void store8(double* y, __m256 f) {
+  _mm256_storeu_pd(y, _mm256_cvtps_pd(_mm256_castps256_ps128(f)));
+  _mm256_storeu_pd(y + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
+}
+#endif
+
+// Halves to floats or doubles (every half is exact in both).
+template <typename T>
+void rows_f16(const uint8_t* __restrict s, T* __restrict y, int64_t n) {
   int64_t i = 0;
 #if defined(__F16C__)
   // The hardware conversion is exact except that it quiets a signalling NaN: such lanes are redone by hand.
   for (; i + 8 <= n; i += 8) {
     if (i % 32 == 0) __builtin_prefetch(s + 2 * i + kPrefetchAhead);
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 2 * i));
-    _mm256_storeu_ps(y + i, _mm256_cvtph_ps(h));
+    store8(y + i, _mm256_cvtph_ps(h));
     const __m128i nan = _mm_cmpgt_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)), _mm_set1_epi16(0x7c00));
     if (!_mm_testz_si128(nan, nan)) {
       for (int64_t k = i; k < i + 8; ++k) y[k] = half_to_float(load_u16(s + 2 * k));
@@ -232,28 +243,10 @@ void dequantize_rows(GgmlType type, const std::byte* src, float* dst, int64_t n)
 }
 
 void dequantize_rows(GgmlType type, const std::byte* src, double* dst, int64_t n) {
-#if defined(__F16C__)
-  if (type == GgmlType::F16) {
-    // Halves straight to doubles (exact both ways), eight at a time where no lane is a NaN (the
-    // hardware conversion quiets a signalling one); else one by one, as rows_f16 does.
-    const auto* s = reinterpret_cast<const uint8_t*>(src);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      if (i % 32 == 0) __builtin_prefetch(s + 2 * i + kPrefetchAhead);
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 2 * i));
-      const __m128i nan = _mm_cmpgt_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)), _mm_set1_epi16(0x7c00));
-      if (!_mm_testz_si128(nan, nan)) {
-        for (int64_t k = i; k < i + 8; ++k) dst[k] = half_to_float(load_u16(s + 2 * k));
-        continue;
-      }
-      const __m256 f = _mm256_cvtph_ps(h);
-      _mm256_storeu_pd(dst + i, _mm256_cvtps_pd(_mm256_castps256_ps128(f)));
-      _mm256_storeu_pd(dst + i + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
-    }
-    for (; i < n; ++i) dst[i] = half_to_float(load_u16(s + 2 * i));
+  if (type == GgmlType::F16) {  // halves straight to doubles, not through a float chunk
+    rows_f16(reinterpret_cast<const uint8_t*>(src), dst, n);
     return;
   }
-#endif
   // Through a float chunk of whole blocks, widened (every dequantized value is a float).
   constexpr int64_t kChunk = 4 * QK_K;
   float tmp[kChunk];
