@@ -517,14 +517,13 @@ class Comparator {
     }
     stream_.emplace(metas[kEngine], metas[kReference], tolerances_for(metas[kEngine], metas[kReference], cx_.opt.report),
                     compare_options(cx_.opt.report));
+    const DumpWriterOptions wopt = writer_options(cx_.opt.writer);
     if (cx_.opt.dump != DumpMode::none) {
-      const DumpWriterOptions w = writer_options(cx_.opt.writer);
-      writers_[kEngine] = std::make_unique<DumpWriter>(pair_.engine_path, metas[kEngine], cx_.opt.filter, w);
-      writers_[kReference] = std::make_unique<DumpWriter>(pair_.reference_path, metas[kReference], cx_.opt.filter, w);
+      writers_[kEngine] = std::make_unique<DumpWriter>(pair_.engine_path, metas[kEngine], cx_.opt.filter, wopt);
+      writers_[kReference] = std::make_unique<DumpWriter>(pair_.reference_path, metas[kReference], cx_.opt.filter, wopt);
     }
     if (!pair_.replay_path.empty() && pair_.replay_path != pair_.reference_path)
-      replay_ = std::make_unique<DumpWriter>(pair_.replay_path, metas[kReference], cx_.opt.filter,
-                                             writer_options(cx_.opt.writer));
+      replay_ = std::make_unique<DumpWriter>(pair_.replay_path, metas[kReference], cx_.opt.filter, wopt);
     if (pair_.hold_reference && cx_.held) {
       held_ref_ = &(*cx_.held)[p_];
       held_ref_->meta = metas[kReference];
@@ -677,15 +676,13 @@ class Comparator {
         if (cx_.sh.aborted) throw Aborted();
         side = !ended[kReference] && !cx_.sh.queue[kReference][p_].empty() ? kReference : kEngine;
         auto& q = cx_.sh.queue[side][p_];
-        size_t bytes = 0;
-        int64_t taken = 0;
+        int64_t taken = 0;  // bytes
         do {
-          bytes += static_cast<size_t>(message_bytes(q.front()));
           taken += message_bytes(q.front());
           run.push_back(std::move(q.front()));
           q.pop_front();
         } while (run.back().kind == Message::checkpoint && !q.empty() && q.front().kind == Message::checkpoint &&
-                 bytes < batch_bytes_);
+                 static_cast<size_t>(taken) < batch_bytes_);
         int64_t& queued = cx_.sh.queued[p_];
         // Backends waiting for room to start a step (kLookahead) may go on.
         if (queued >= cx_.sh.lead_bytes && queued - taken < cx_.sh.lead_bytes) cx_.sh.cv.notify_all();
@@ -822,11 +819,10 @@ class HeldReplaySink final : public Sink {
     }
     rule_.recorded(name, static_cast<int64_t>(data.size()));
     const auto [rd, offset] = writer_rows(name, layout, shape, opt_.writer);
-    std::vector<std::pair<DatasetInfo, diff::StreamComparison::Values>> one;
-    one.emplace_back(dataset_info(cfg_, "engine", step, std::string(name), layer, std::string(layout),
-                                  std::vector<int64_t>(shape.begin(), shape.end()), native, rd, offset),
-                     offset > 0 ? std::make_shared<std::vector<float>>(rows_from(data, shape, rd, offset)) : std::move(all));
-    sc_.add_all(diff::StreamSide::engine, std::move(one));
+    sc_.add(diff::StreamSide::engine,
+            dataset_info(cfg_, "engine", step, std::string(name), layer, std::string(layout),
+                         std::vector<int64_t>(shape.begin(), shape.end()), native, rd, offset),
+            offset > 0 ? std::make_shared<std::vector<float>>(rows_from(data, shape, rd, offset)) : std::move(all));
   }
 
   void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override {

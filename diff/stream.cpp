@@ -73,8 +73,12 @@ void StreamComparison::settle(CheckpointResult r, std::vector<float>& a, std::ve
 }
 
 void StreamComparison::add(StreamSide side, DatasetInfo info, std::vector<float> values) {
+  add(side, std::move(info), std::make_shared<std::vector<float>>(std::move(values)));
+}
+
+void StreamComparison::add(StreamSide side, DatasetInfo info, Values values) {
   std::vector<std::pair<DatasetInfo, Values>> one;
-  one.emplace_back(std::move(info), std::make_shared<std::vector<float>>(std::move(values)));
+  one.emplace_back(std::move(info), std::move(values));
   add_all(side, std::move(one));
 }
 

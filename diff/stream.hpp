@@ -40,8 +40,10 @@ class StreamComparison {
   void add(StreamSide side, DatasetInfo info, std::vector<float> values);
 
   // Values shared with whoever else still reads them (a dump write, a held step): the comparison
-  // copies them, in its parallel loop, unless it holds the last reference.
+  // copies them, in its parallel loop, unless it holds the last reference. Made as a (non-const)
+  // std::vector<float>, which the comparison may then move from.
   using Values = std::shared_ptr<const std::vector<float>>;
+  void add(StreamSide side, DatasetInfo info, Values values);
 
   // add() of each checkpoint of `batch` in order, the comparisons of those whose other side is
   // already held computed in parallel (OpenMP): the same state as the adds one by one.
