@@ -68,6 +68,21 @@ bool gemv_prefetch_enabled() {
   return enabled;
 }
 
+int gemv_rows_per_warp(int N) {
+  const char* v = std::getenv("DIFFRUN_GEMV_ROWS_PER_WARP");  // read at each launch: the tests switch it
+  if (!v || !*v || std::strcmp(v, "auto") == 0) return N >= kGemvFourRowsFrom ? 4 : 2;
+  const std::string s(v);
+  if (s == "1" || s == "2" || s == "4") return std::stoi(s);
+  throw InputError("DIFFRUN_GEMV_ROWS_PER_WARP=" + s + ": expected auto, 1, 2 or 4");
+}
+
+std::string gemv_rows_per_warp_name() {
+  const char* v = std::getenv("DIFFRUN_GEMV_ROWS_PER_WARP");
+  if (!v || !*v || std::strcmp(v, "auto") == 0)
+    return "2, 4 from " + std::to_string(kGemvFourRowsFrom) + " rows";
+  return std::to_string(gemv_rows_per_warp(0));
+}
+
 bool qgemv_mma_enabled() {
   static const bool enabled = !switched_off("DIFFRUN_QGEMV_MMA") && device_major() >= 8;
   return enabled;

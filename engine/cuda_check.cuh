@@ -1,6 +1,8 @@
 // CUDA and cuBLAS error checking: CUDA_CHECK, CUBLAS_CHECK, the check after every kernel launch, DIFFRUN_SYNC_CHECK.
 #pragma once
 
+#include <string>
+
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -26,6 +28,15 @@ bool pdl_enabled();
 // GEMV weight prefetch (read once): the GEMV kernels start bringing their block's weight rows into L2
 // before the PDL wait (so under PDL while the preceding kernel runs), unless DIFFRUN_GEMV_PREFETCH=0.
 bool gemv_prefetch_enabled();
+
+// Rows each warp of the one-token dense GEMV computes where one warp takes a row (N >= 4096 rows: the
+// gate|up and lm head GEMVs), the loads of all of them in flight together: by default (auto) 2, and 4
+// from kGemvFourRowsFrom rows (the lm head); DIFFRUN_GEMV_ROWS_PER_WARP=1|2|4 sets it for every launch
+// (read at each launch). Each row's value is the same for every choice (the same lanes and order); an
+// invalid value is an InputError. The name: what the "gemv_rows_per_warp" fact says.
+constexpr int kGemvFourRowsFrom = 32768;
+int gemv_rows_per_warp(int N);
+std::string gemv_rows_per_warp_name();
 
 // The f16 engine's Q4_K/Q5_K/Q6_K GEMV on tensor cores (read once): on for devices of compute
 // capability 8.0 and later unless DIFFRUN_QGEMV_MMA=0 (the SIMT kernel of the other formats then).

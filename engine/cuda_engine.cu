@@ -16,7 +16,10 @@
 //   for the preceding grid first thing, so its launch overlaps the previous kernel's tail, in the
 //   graph and out of it. DIFFRUN_PDL=0 turns it off (the "pdl" fact says which ran). The GEMVs
 //   also ask L2 for their weight rows before that wait (DIFFRUN_GEMV_PREFETCH=0 turns it off; the
-//   "gemv_prefetch" fact), so the weights stream in while the preceding small kernel runs.
+//   "gemv_prefetch" fact), so the weights stream in while the preceding small kernel runs. Where one
+//   warp takes a row (N >= 4096), each warp computes 2 rows (4 for the lm head) with all their loads
+//   in flight together (gemv_rows_per_warp: DIFFRUN_GEMV_ROWS_PER_WARP=1|2|4 sets it; the same values
+//   for each; the "gemv_rows_per_warp" fact).
 // - As in the reference, the lm head computes every token's logits only when result_output is
 //   recorded, else the last token's alone.
 // - Hooks off: no copies, no synchronization, no extra kernels. On: each recorded tensor is staged
@@ -236,6 +239,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"prefill_attention", tiled_attention_ ? "tiled" : "one block per (token, head)"},
         {"pdl", pdl_enabled() ? "on" : "off"},
         {"gemv_prefetch", gemv_prefetch_enabled() ? "on" : "off"},
+        {"gemv_rows_per_warp", gemv_rows_per_warp_name()},
         {"kquant_gemv", kF16 && qgemv_mma_enabled() ? "tensor cores (f16 weights, f32 sums)" : "simt"},
         {"swiglu_in_gate_up_gemv", swiglu_in_gemv_ ? "one-token steps without hooks" : "off"},
         {"rope_in_qkv_gemv", rope_in_gemv_ ? "one-token steps without hooks" : "off"},

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -68,6 +70,13 @@ std::vector<__half> to_half(const std::vector<float>& v) {
   std::vector<__half> h(v.size());
   for (size_t i = 0; i < v.size(); ++i) h[i] = __float2half_rn(v[i]);
   return h;
+}
+
+// The bit patterns of v (vectors with NaNs compare equal when their bits do).
+std::vector<uint32_t> bits(const std::vector<float>& v) {
+  std::vector<uint32_t> b(v.size());
+  std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
+  return b;
 }
 
 std::vector<float> from_half(const std::vector<__half>& h) {
@@ -305,6 +314,67 @@ TEST(EngineOps, MatmulQkvRopeMatchesMatmulCatThenRopeQk) {
       EXPECT_EQ(kc2.download(), kc1.download());
       EXPECT_EQ(vc2.download(), vc1.download());
       TEST_CUDA_CHECK(cudaGetLastError());
+    }
+  }
+}
+
+// The one-warp-per-row GEMV (N >= 4096) with 1, 2 or 4 rows per warp (DIFFRUN_GEMV_ROWS_PER_WARP):
+// every output bit-identical across the three, for the plain launch with a bias, the SwiGLU epilogue
+// and the RoPE epilogue (with its cache rows); f32 and f16; K of 896 (the 0.5B shape, one round of
+// loads), 2048 (several rounds) and 72 (a partial round); N not a multiple of the block's rows.
+TEST(EngineOps, GemvRowsPerWarpGiveTheSameBits) {
+  DIFFRUN_REQUIRE_CUDA();
+  engine::CublasHandle h32(engine::EnginePrecision::f32), h16(engine::EnginePrecision::f16);
+  for (auto [N, K] : {std::pair{4102, 896}, std::pair{9728, 72}, std::pair{4096, 2048}}) {
+    SCOPED_TRACE("N " + std::to_string(N) + " K " + std::to_string(K));
+    const int F = N / 2, H = 32, Hkv = 16, Dh = 64, Q = H * Dh, KV = Hkv * Dh, ctx = 4;  // qkv: 4096 rows
+    const auto x = random_vec(K, 90), w = random_vec(size_t(N) * K, 91, 0.2f), b = random_vec(N, 92);
+    DeviceArray<float> dx(x), dw(w), db(b);
+    DeviceArray<__half> hx(to_half(x)), hw(to_half(w));
+    DeviceArray<int32_t> dpos(std::vector<int32_t>{3});
+    for (bool f16 : {false, true}) {
+      SCOPED_TRACE(f16 ? "f16" : "f32");
+      std::vector<std::vector<uint32_t>> first;
+      for (const char* rows : {"1", "2", "4"}) {
+        SCOPED_TRACE(std::string("rows per warp ") + rows);
+        setenv("DIFFRUN_GEMV_ROWS_PER_WARP", rows, 1);
+        const std::vector<float> nan_n(N, std::nanf("")), nan_f(F, std::nanf(""));
+        const std::vector<float> zq(Q, 0.0f), zkv(KV, 0.0f), zc(size_t(ctx) * KV, 0.0f);
+        DeviceArray<float> y(nan_n), g(nan_f), u(nan_f), act(nan_f), q(zq), k(zkv), v(zkv), kc(zc), vc(zc);
+        DeviceArray<__half> act16(to_half(nan_f));
+        const engine::GemvRope rope{kc.get(), vc.get(), dpos.get(), dpos.get(), nullptr, 10000.0f, H, Hkv, Dh, true};
+        if (f16) {
+          engine::DeviceMatrix<__half> m;
+          m.dense = hw.get();
+          m.K = K;
+          m.rows = N;
+          engine::matmul(y.get(), hx.get(), hw.get(), db.get(), 1, K, N, h16, nullptr);
+          ASSERT_TRUE(engine::matmul_gate_up_swiglu(g.get(), u.get(), act16.get(), hx.get(), m, K, F, nullptr));
+          ASSERT_TRUE(engine::matmul_qkv_rope(q.get(), k.get(), v.get(), db.get(), db.get() + Q, db.get() + Q + KV,
+                                              hx.get(), m, K, rope, nullptr));
+        } else {
+          engine::DeviceMatrix<float> m;
+          m.dense = dw.get();
+          m.K = K;
+          m.rows = N;
+          engine::matmul(y.get(), dx.get(), dw.get(), db.get(), 1, K, N, h32, nullptr);
+          ASSERT_TRUE(engine::matmul_gate_up_swiglu(g.get(), u.get(), act.get(), dx.get(), m, K, F, nullptr));
+          ASSERT_TRUE(engine::matmul_qkv_rope(q.get(), k.get(), v.get(), db.get(), db.get() + Q, db.get() + Q + KV,
+                                              dx.get(), m, K, rope, nullptr));
+        }
+        std::vector<std::vector<uint32_t>> got;
+        for (auto* d : {&y, &g, &u, &act, &q, &k, &v, &kc, &vc}) got.push_back(bits(d->download()));
+        got.push_back(bits(from_half(act16.download())));
+        TEST_CUDA_CHECK(cudaGetLastError());
+        const auto y_host = y.download();
+        EXPECT_TRUE(std::none_of(y_host.begin(), y_host.end(), [](float f) { return std::isnan(f); }));
+        if (first.empty()) {
+          first = got;
+        } else {
+          for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], first[i]) << "output " << i;
+        }
+      }
+      unsetenv("DIFFRUN_GEMV_ROWS_PER_WARP");
     }
   }
 }

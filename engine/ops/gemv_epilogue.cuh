@@ -1,4 +1,4 @@
-// The paired epilogues of the one-token GEMV kernels (engine/ops/matmul.cu gemv_kernel and
+// The paired epilogues of the one-token GEMV kernels (engine/ops/matmul.cu gemv_kernel, gemv_rows_kernel and
 // engine/ops/qgemv.cu qgemv_kernel). A paired launch gives each block pairs of rows whose outputs one
 // thread then combines: the SwiGLU (gate row i with up row F + i: act[i] = silu_mul) and RoPE (the two
 // rows of each rotated pair of Wq|Wk|Wv's heads: rotated q and k, the cache rows of k and v). Every row

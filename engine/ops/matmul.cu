@@ -101,6 +101,86 @@ void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, c
              parts, x, w, K, N, gemv_prefetch_enabled(), act, rope);
 }
 
+// The one-warp-per-row GEMV with kRW rows per warp (kVec): the same rows' values as gemv_kernel
+// (each lane takes chunks lane, lane + 32, ... of a row, summed in that order, then warp_sum), but a
+// warp issues the loads of all its rows (kMultiBatch chunks of each per round) before using any, so
+// a block of 4 warps keeps 4·kRW rows in flight instead of 4. Warp s computes the block's slots
+// s, s + 4, ... (a slot is a row of gemv_slot_row with 4·kRW slots per block, so the paired
+// epilogues see the same pairs as with one row per warp), then the block's pairs are combined.
+constexpr int kMultiBatch = 4;
+template <typename W, int kRW, int kEpi>
+static __global__ void __launch_bounds__(128)
+gemv_rows_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, int K, int N, bool prefetch,
+                 W* __restrict__ act, GemvRope rope) {
+  constexpr int kWarps = 4, kSlots = kWarps * kRW, kPairs = kSlots / 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int row[kRW], pair[kRW];
+#pragma unroll
+  for (int j = 0; j < kRW; ++j) row[j] = gemv_slot_row<kEpi, kSlots>(blockIdx.x, j * kWarps + warp, N, rope, pair[j]);
+  if (prefetch) {  // the block's rows, while the preceding kernel runs
+    if constexpr (kEpi == kGemvPlain) {
+      if (threadIdx.x == 0) {
+        const int first = blockIdx.x * kSlots;
+        prefetch_l2(w + int64_t(first) * K, size_t(min(kSlots, N - first)) * K * sizeof(W));
+      }
+    } else if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < kRW; ++j)
+        if (row[j] < N) prefetch_l2(w + int64_t(row[j]) * K, size_t(K) * sizeof(W));
+    }
+  }
+  pdl_wait();
+  pdl_trigger();
+  const int chunks = K / (16 / sizeof(W));
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  const uint4* w4[kRW];
+#pragma unroll
+  for (int j = 0; j < kRW; ++j) w4[j] = reinterpret_cast<const uint4*>(w + int64_t(row[j] < N ? row[j] : 0) * K);
+  float acc[kRW];
+#pragma unroll
+  for (int j = 0; j < kRW; ++j) acc[j] = 0.0f;
+  for (int c = lane; c < chunks; c += kMultiBatch * 32) {
+    uint4 wv[kRW][kMultiBatch], xv[kMultiBatch];
+#pragma unroll
+    for (int u = 0; u < kMultiBatch; ++u) {
+      const int i = c + u * 32;
+      xv[u] = i < chunks ? __ldg(x4 + i) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int j = 0; j < kRW; ++j) wv[j][u] = row[j] < N && i < chunks ? __ldcs(w4[j] + i) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kRW; ++j)
+#pragma unroll
+      for (int u = 0; u < kMultiBatch; ++u) acc[j] += dot16(wv[j][u], xv[u], x);
+  }
+  __shared__ float value[kEpi != kGemvPlain ? kSlots : 1];
+#pragma unroll
+  for (int j = 0; j < kRW; ++j) {
+    const float a = warp_sum(acc[j]);
+    if (lane == 0 && row[j] < N) {
+      float* out = nullptr;
+      const float y = gemv_row_value(parts, row[j], a, out);
+      if constexpr (kEpi != kGemvRope) *out = y;  // RoPE: its epilogue writes every output
+      if constexpr (kEpi != kGemvPlain) value[j * kWarps + warp] = y;
+    }
+  }
+  if constexpr (kEpi != kGemvPlain) {
+    __syncthreads();
+    const int p = blockIdx.x * kPairs + threadIdx.x;
+    if (threadIdx.x < kPairs && p < N / 2)
+      gemv_pair_epilogue<kEpi>(parts, act, rope, p, value[threadIdx.x], value[threadIdx.x + kPairs]);
+  }
+}
+
+template <typename W, int kRW, int kEpi>
+void launch_gemv_rows(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream, W* act,
+                      const GemvRope& rope) {
+  constexpr int kSlots = 4 * kRW;
+  const int blocks = kEpi == kGemvPlain ? (N + kSlots - 1) / kSlots : (N / 2 + kSlots / 2 - 1) / (kSlots / 2);
+  launch_pdl(gemv_rows_kernel<W, kRW, kEpi>, static_cast<unsigned>(blocks), 128, 0, stream, parts, x, w, K, N,
+             gemv_prefetch_enabled(), act, rope);
+}
+
 template <typename W, int kEpi>
 void gemv_epi(const GemvParts& parts, const W* x, const W* w, int K, const char* what, cudaStream_t stream, W* act,
               const GemvRope& rope) {
@@ -109,6 +189,8 @@ void gemv_epi(const GemvParts& parts, const W* x, const W* w, int K, const char*
                    reinterpret_cast<uintptr_t>(w) % 16 == 0;
   const bool split = N < kSplitRowsBelow;  // the same choice for every epilogue of the same N
   if (vec && split) launch_gemv<W, true, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
+  else if (vec && gemv_rows_per_warp(N) == 4) launch_gemv_rows<W, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
+  else if (vec && gemv_rows_per_warp(N) == 2) launch_gemv_rows<W, 2, kEpi>(parts, x, w, K, N, stream, act, rope);
   else if (vec) launch_gemv<W, true, 1, kEpi>(parts, x, w, K, N, stream, act, rope);
   else if (split) launch_gemv<W, false, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
   else launch_gemv<W, false, 1, kEpi>(parts, x, w, K, N, stream, act, rope);
