@@ -186,11 +186,12 @@ TEST(EngineQgemv, ConcatenationOfTwoFormats) {
 
 // The quantized gate|up GEMV with the SwiGLU epilogue against qgemv over the same 2F rows then the
 // swiglu kernel: gate, up and act bit-identical, every format, f32 and f16 activations, 4-warp rows
-// (2F < 4096, long K) and 1-warp rows, F odd (a half-filled last block).
+// (2F < 4096, long K) and 1-warp rows, F odd (a half-filled last block); K = 4096 with few rows: the
+// tensor-core kernel's 16-warp blocks.
 TEST(EngineQgemv, SwigluEpilogueMatchesQgemvThenSwiglu) {
   DIFFRUN_REQUIRE_CUDA();
   for (const Format& f : formats())
-    for (auto [F, K] : {std::pair{35, 2048}, std::pair{2051, 256}, std::pair{17, 768}}) {
+    for (auto [F, K] : {std::pair{35, 2048}, std::pair{2051, 256}, std::pair{17, 768}, std::pair{40, 4096}}) {
       SCOPED_TRACE(std::string(ggml_type_name(f.type)) + " F " + std::to_string(F) + " K " + std::to_string(K));
       const int rows = 2 * F;
       const uint32_t seed = 300 + static_cast<uint32_t>(f.type);

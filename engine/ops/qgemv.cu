@@ -306,17 +306,21 @@ qgemv_kernel(GemvParts parts, int row0, int rows, const X* __restrict__ x, const
 
 // ---- the f16 engine's K-quant GEMV on tensor cores (Q4_K, Q5_K, Q6_K with f16 activations) ----
 //
-// A block of kMmaWarps warps computes a tile of 16 output rows with mma.m16n8k16 (f16 A and B, f32
+// A block of kWarps warps computes a tile of 16 output rows with mma.m16n8k16 (f16 A and B, f32
 // accumulators). Lane (g, t) = (lane / 4, lane % 4) holds the A fragment's rows g and g + 8; for each
 // 32-weight sub-block it decodes positions 8t..8t+7 of both rows, each weight the value qgemv_kernel
 // computes and rounds to f16. The mma's k-slots are a permutation of those positions: slice s (0, 1)
 // of a sub-block gives lane t's slots 2t, 2t+1 the positions 8t+4s, 8t+4s+1 and its slots 2t+8, 2t+9
 // the positions 8t+4s+2, 8t+4s+3; B holds x at the same positions in all 8 columns, so every column
-// of C is the tile's w·x. Warp w takes super-blocks w, w + kMmaWarps, ...; the warps' sums are added
-// in warp order. A row's value depends on its own weights and x only, never on the tile's other rows,
+// of C is the tile's w·x. Warp w takes super-blocks w, w + kWarps, ...; the warps' sums are added
+// in warp order. kWarps is mma_warps(rows, K): 8, or 16 where a matrix has few tiles and long rows
+// (the down projection), so that each warp's chain of super-blocks is half as long; the same for
+// every launch of a matrix. A row's value depends on its own weights and x only, never on the tile's other rows,
 // so the paired epilogues (a pair in rows m and m + 8 of a tile) match the plain launch bit for bit.
 
-constexpr int kMmaWarps = 8;
+// Warps of a tensor-core GEMV block for a matrix of `rows` rows of K: 16 for at most 4,096 rows
+// (256 tiles, about two an SM) of at least 16 super-blocks, else 8.
+constexpr int mma_warps(int rows, int K) { return rows <= 4096 && K / 256 >= 16 ? 16 : 8; }
 
 // The f16x2 bits of (lo, hi), each rounded to nearest even.
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
@@ -425,8 +429,8 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
 #endif
 }
 
-template <typename Q, int kEpi>
-static __global__ void __launch_bounds__(kMmaWarps * 32)
+template <typename Q, int kEpi, int kWarps>
+static __global__ void __launch_bounds__(kWarps * 32)
 qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__ x, const uint8_t* __restrict__ w,
                  int K, bool prefetch, __half* __restrict__ act, GemvRope rope) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -452,7 +456,7 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
   const uint8_t* wb = w + int64_t(rb < rows ? rb : 0) * row_bytes;
   float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   const int nb = K / Q::kElems;
-  for (int sb = warp; sb < nb; sb += kMmaWarps) {
+  for (int sb = warp; sb < nb; sb += kWarps) {
     uint32_t A[8][4], B[8][4];
     MmaLane<Q>::decode(wa + int64_t(sb) * Q::kBytes, t, A);
     MmaLane<Q>::decode(wb + int64_t(sb) * Q::kBytes, t, B);
@@ -465,7 +469,7 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
     }
   }
   // Column 0 of C: lane (g, 0) holds rows g (c[0]) and g + 8 (c[2]).
-  __shared__ float part[kMmaWarps][16];
+  __shared__ float part[kWarps][16];
   __shared__ float value[16];
   if (t == 0) {
     part[warp][g] = c[0];
@@ -477,7 +481,7 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
   if (m < 16) {
     float acc = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kMmaWarps; ++i) acc += part[i][m];
+    for (int i = 0; i < kWarps; ++i) acc += part[i][m];
     r = gemv_slot_row<kEpi, 16>(blockIdx.x, m, rows, rope, pair);
     float y = 0.0f;
     if (r < rows) {
@@ -598,8 +602,14 @@ void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X*
     if constexpr (std::is_same_v<X, __half> && kHasMmaLane<Q>) {
       if (qgemv_mma_enabled()) {
         const int tiles = kEpi == kGemvPlain ? (rows + 15) / 16 : (rows / 2 + 7) / 8;
-        launch_pdl(qgemv_mma_kernel<Q, kEpi>, static_cast<unsigned>(tiles), kMmaWarps * 32, 0, stream, parts, row0,
-                   rows, x, wb, K, gemv_prefetch_enabled(), act, rope);
+        // The warp count follows the launch's rows and K: a paired launch and the plain one over the
+        // same matrix agree.
+        if (mma_warps(rows, K) == 16)
+          launch_pdl(qgemv_mma_kernel<Q, kEpi, 16>, static_cast<unsigned>(tiles), 16 * 32, 0, stream, parts, row0,
+                     rows, x, wb, K, gemv_prefetch_enabled(), act, rope);
+        else
+          launch_pdl(qgemv_mma_kernel<Q, kEpi, 8>, static_cast<unsigned>(tiles), 8 * 32, 0, stream, parts, row0,
+                     rows, x, wb, K, gemv_prefetch_enabled(), act, rope);
         return;
       }
     }
