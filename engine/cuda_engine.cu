@@ -38,7 +38,8 @@
 //   "swiglu_in_gate_up_gemv" fact says which; a quantized Wgate|Wup of two formats stays unfused), and
 //   the RoPE and cache write into the qkv GEMV (matmul_qkv_rope: each block computes the two rows of
 //   a rotated pair, then rotates them with rope_qk's arithmetic; not with q/k norms or the
-//   rope_cache_unrotated fault; DIFFRUN_ROPE_IN_GEMV=0, the "rope_in_qkv_gemv" fact).
+//   rope_cache_unrotated fault; DIFFRUN_ROPE_IN_GEMV=0, the "rope_in_qkv_gemv" fact; in the f16 engine
+//   also where Wv is another K-quant format than Wq|Wk, as in Q4_K_M and Q5_K_M files).
 //   Decode T = 1 projections run our GEMV
 //   kernel, prefill the cuBLAS GEMM (bench/NOTES.md has the figures). Quantized matrices stay GGUF
 //   blocks on the device (engine/weights.cuh): the quantized GEMV at T = 1 (Q4_K/Q5_K/Q6_K on tensor

@@ -374,11 +374,12 @@ TEST(EngineModel, ResetEngineEqualsAFreshOne) {
 
 // The decode fusions of one-token steps without hooks (SwiGLU in the gate|up GEMV, RoPE and the cache
 // write in the qkv GEMV) against the same engine with both off: the same logits bit for bit, on norm
-// and neox pairing, freq factors (llama3rope), biases (qwen2), dense and quantized weights.
+// and neox pairing, freq factors (llama3rope), biases (qwen2), dense and quantized weights (kmix:
+// Wq|Wk and Wv in two formats, one launch in the f16 engine).
 TEST(EngineModel, FusedDecodeMatchesUnfusedDecode) {
   DIFFRUN_REQUIRE_CUDA();
   for (const char* fixture : {"tiny-llama-f32.gguf", "tiny-llama-q4_k.gguf", "tiny-llama3rope-f32.gguf",
-                              "tiny-mistral-f32.gguf", "tiny-qwen2-q8_0.gguf"})
+                              "tiny-mistral-f32.gguf", "tiny-qwen2-q8_0.gguf", "tiny-llama-kmix.gguf"})
   for (const char* precision : {"f32", "f16"}) {
     SCOPED_TRACE(std::string(fixture) + " " + precision);
     Models m = open_model(test::fixture_path(fixture));

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include <cuda_fp16.h>
@@ -343,25 +344,20 @@ TEST(EngineOps, GemvRowsPerWarpGiveTheSameBits) {
         DeviceArray<float> y(nan_n), g(nan_f), u(nan_f), act(nan_f), q(zq), k(zkv), v(zkv), kc(zc), vc(zc);
         DeviceArray<__half> act16(to_half(nan_f));
         const engine::GemvRope rope{kc.get(), vc.get(), dpos.get(), dpos.get(), nullptr, 10000.0f, H, Hkv, Dh, true};
-        if (f16) {
-          engine::DeviceMatrix<__half> m;
-          m.dense = hw.get();
+        // The three launches for weights and activations of one type (W), the act of that type.
+        const auto run = [&](const auto* xw, const auto* ww, auto* act_w, const engine::CublasHandle& h) {
+          using W = std::remove_cv_t<std::remove_pointer_t<decltype(ww)>>;
+          engine::DeviceMatrix<W> m;
+          m.dense = ww;
           m.K = K;
           m.rows = N;
-          engine::matmul(y.get(), hx.get(), hw.get(), db.get(), 1, K, N, h16, nullptr);
-          ASSERT_TRUE(engine::matmul_gate_up_swiglu(g.get(), u.get(), act16.get(), hx.get(), m, K, F, nullptr));
-          ASSERT_TRUE(engine::matmul_qkv_rope(q.get(), k.get(), v.get(), db.get(), db.get() + Q, db.get() + Q + KV,
-                                              hx.get(), m, K, rope, nullptr));
-        } else {
-          engine::DeviceMatrix<float> m;
-          m.dense = dw.get();
-          m.K = K;
-          m.rows = N;
-          engine::matmul(y.get(), dx.get(), dw.get(), db.get(), 1, K, N, h32, nullptr);
-          ASSERT_TRUE(engine::matmul_gate_up_swiglu(g.get(), u.get(), act.get(), dx.get(), m, K, F, nullptr));
-          ASSERT_TRUE(engine::matmul_qkv_rope(q.get(), k.get(), v.get(), db.get(), db.get() + Q, db.get() + Q + KV,
-                                              dx.get(), m, K, rope, nullptr));
-        }
+          engine::matmul(y.get(), xw, ww, db.get(), 1, K, N, h, nullptr);
+          EXPECT_TRUE(engine::matmul_gate_up_swiglu(g.get(), u.get(), act_w, xw, m, K, F, nullptr));
+          EXPECT_TRUE(engine::matmul_qkv_rope(q.get(), k.get(), v.get(), db.get(), db.get() + Q, db.get() + Q + KV, xw,
+                                              m, K, rope, nullptr));
+        };
+        if (f16) run(hx.get(), hw.get(), act16.get(), h16);
+        else run(dx.get(), dw.get(), act.get(), h32);
         std::vector<std::vector<uint32_t>> got;
         for (auto* d : {&y, &g, &u, &act, &q, &k, &v, &kc, &vc}) got.push_back(bits(d->download()));
         got.push_back(bits(from_half(act16.download())));

@@ -284,6 +284,63 @@ TEST(EngineQgemv, RopeEpilogueMatchesQgemvThenRopeQk) {
     }
 }
 
+// Wq|Wk and Wv in two K-quant formats (Q4_K_M, Q5_K_M files) in one tensor-core launch with the RoPE
+// epilogue (qgemv_rope2) against qgemv on each segment then rope_qk: q, k, v and both caches
+// bit-identical, for each format pair, neox and norm pairing, Dh 32 to 128, 8- and 16-warp tiles
+// (K 4,096: the segments' own launches take 16 warps too). Other pairs and Dh not a multiple of 16 are
+// declined.
+TEST(EngineQgemv, RopeOverTwoFormatsMatchesQgemvThenRopeQk) {
+  DIFFRUN_REQUIRE_CUDA();
+  struct Case {
+    int H, Hkv, Dh, K;
+    bool neox;
+  };
+  for (auto [ta, tb] : {std::pair{GgmlType::Q4_K, GgmlType::Q5_K}, std::pair{GgmlType::Q4_K, GgmlType::Q6_K},
+                        std::pair{GgmlType::Q5_K, GgmlType::Q6_K}})
+    for (const Case c : {Case{32, 4, 64, 2048, true}, Case{8, 2, 128, 512, false}, Case{4, 2, 32, 256, true},
+                         Case{6, 2, 64, 4096, false}}) {
+      SCOPED_TRACE(std::string(ggml_type_name(ta)) + "|" + ggml_type_name(tb) + " H " + std::to_string(c.H) + " Dh " +
+                   std::to_string(c.Dh) + " K " + std::to_string(c.K));
+      const int Q = c.H * c.Dh, KV = c.Hkv * c.Dh, N = Q + 2 * KV, rows_a = Q + KV, K = c.K, ctx = 16, pos = 9;
+      const uint32_t seed = 900 + static_cast<uint32_t>(ta) * 7 + static_cast<uint32_t>(tb);
+      const std::vector<uint8_t> ra = random_rows(format_of(ta), rows_a, K, seed);
+      const std::vector<uint8_t> rb = random_rows(format_of(tb), KV, K, seed + 1);
+      const std::vector<float> x32 = random_floats(K, seed + 2, 1.0f), bias = random_floats(N, seed + 3, 0.5f);
+      const std::vector<float> cache0 = random_floats(size_t(ctx) * KV, seed + 4, 1.0f);
+      std::vector<__half> x16(K);
+      for (int k = 0; k < K; ++k) x16[k] = __float2half_rn(x32[k]);
+      DeviceArray<uint8_t> dra(ra), drb(rb);
+      DeviceArray<float> dbias(bias);
+      DeviceArray<__half> dx16(x16);
+      DeviceArray<int32_t> dpos(std::vector<int32_t>{pos});
+      const std::vector<float> nq(Q, std::nanf("")), nkv(KV, std::nanf(""));
+      DeviceArray<float> q1(nq), k1(nkv), v1(nkv), q2(nq), k2(nkv), v2(nkv);
+      DeviceArray<float> kc1(cache0), vc1(cache0), kc2(cache0), vc2(cache0);
+      const float* b = dbias.get();
+      const engine::GemvParts p1{{q1.get(), k1.get(), v1.get()}, {b, b + Q, b + Q + KV}, {Q, Q + KV, N}, 3};
+      const engine::GemvParts p2{{q2.get(), k2.get(), v2.get()}, {b, b + Q, b + Q + KV}, {Q, Q + KV, N}, 3};
+      engine::qgemv(ta, p1, 0, rows_a, dx16.get(), dra.get(), K, nullptr);
+      engine::qgemv(tb, p1, rows_a, KV, dx16.get(), drb.get(), K, nullptr);
+      engine::rope_qk(q1.get(), k1.get(), kc1.get(), vc1.get(), q1.get(), k1.get(), v1.get(), 1, c.H, c.Hkv, c.Dh,
+                      dpos.get(), dpos.get(), 10000.0f, nullptr, c.neox, nullptr);
+      const engine::GemvRope rope{kc2.get(), vc2.get(), dpos.get(), dpos.get(), nullptr, 10000.0f,
+                                  c.H,       c.Hkv,     c.Dh,       c.neox};
+      ASSERT_TRUE(engine::qgemv_rope2(ta, dra.get(), rows_a, tb, drb.get(), p2, rope, dx16.get(), K, nullptr));
+      EXPECT_EQ(q2.download(), q1.download());
+      EXPECT_EQ(k2.download(), k1.download());
+      EXPECT_EQ(v2.download(), v1.download());
+      EXPECT_EQ(kc2.download(), kc1.download());
+      EXPECT_EQ(vc2.download(), vc1.download());
+      // Declined, nothing launched: the formats the other way round, Dh not a multiple of 16.
+      EXPECT_FALSE(engine::qgemv_rope2(tb, drb.get(), rows_a, ta, dra.get(), p2, rope, dx16.get(), K, nullptr));
+      engine::GemvRope odd = rope;
+      odd.Dh = c.Dh - 8;
+      EXPECT_FALSE(engine::qgemv_rope2(ta, dra.get(), rows_a, tb, drb.get(), p2, odd, dx16.get(), K, nullptr));
+      EXPECT_EQ(q2.download(), q1.download());
+      TEST_CUDA_CHECK(cudaGetLastError());
+    }
+}
+
 TEST(EngineQgemv, DequantRowsBitExactAndEmbedding) {
   DIFFRUN_REQUIRE_CUDA();
   for (const Format& f : formats()) {

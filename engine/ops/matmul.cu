@@ -332,9 +332,17 @@ bool qkv_rope_impl(float* q, float* k, float* v, const float* bq, const float* b
     gemv_epi<W, kGemvRope>(g, x, w.dense, K, "matmul_qkv_rope gemv", stream, nullptr, rope);
     return true;
   }
-  if (w.n_segments < 1 || w.segments[0].rows < N) return false;  // Wv in another format (Q5_K_M's Q6_K)
-  qgemv_rope(w.segments[0].type, g, rope, x, w.segments[0].raw, K, stream);
-  return true;
+  if (w.n_segments >= 1 && w.segments[0].rows >= N) {
+    qgemv_rope(w.segments[0].type, g, rope, x, w.segments[0].raw, K, stream);
+    return true;
+  }
+  // Wv in another format (Q5_K_M's Q6_K attn_v): the f16 tensor-core kernel takes the two segments.
+  if constexpr (std::is_same_v<W, __half>) {
+    if (w.n_segments == 2 && w.segments[0].rows + w.segments[1].rows >= N)
+      return qgemv_rope2(w.segments[0].type, w.segments[0].raw, w.segments[0].rows, w.segments[1].type,
+                         w.segments[1].raw, g, rope, x, K, stream);
+  }
+  return false;
 }
 
 }  // namespace

@@ -70,8 +70,9 @@ bool matmul_gate_up_swiglu(float* gate, float* up, __half* act, const __half* x,
 // followed by rope_qk (T = 1, rope's H, Hkv, Dh, positions, θ, freq factors and pairing): q and k
 // rotated, v, and the cache rows of k and v at *rope.write_pos, each bit-identical to the two ops
 // (the same GEMV per row and launch shape, rope_qk's arithmetic). Returns false, launching nothing,
-// when w cannot run it (a quantized matrix whose rows are not one format, or Dh odd): then run
-// matmul_cat and rope_qk.
+// when w cannot run it (Dh odd, or a quantized matrix whose rows are not one format, except Wq|Wk and
+// Wv in two K-quant formats with f16 activations, which qgemv_rope2 takes): then run matmul_cat and
+// rope_qk.
 bool matmul_qkv_rope(float* q, float* k, float* v, const float* bq, const float* bk, const float* bv, const float* x,
                      const DeviceMatrix<float>& w, int K, const GemvRope& rope, cudaStream_t stream);
 bool matmul_qkv_rope(float* q, float* k, float* v, const float* bq, const float* bk, const float* bv, const __half* x,

@@ -429,32 +429,11 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
 #endif
 }
 
-template <typename Q, int kEpi, int kWarps>
-static __global__ void __launch_bounds__(kWarps * 32)
-qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__ x, const uint8_t* __restrict__ w,
-                 int K, bool prefetch, __half* __restrict__ act, GemvRope rope) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t row_bytes = int64_t(K / Q::kElems) * Q::kBytes;
-  int pair_a, pair_b;
-  const int ra = gemv_slot_row<kEpi, 16>(blockIdx.x, g, rows, rope, pair_a);
-  const int rb = gemv_slot_row<kEpi, 16>(blockIdx.x, g + 8, rows, rope, pair_b);
-  if (prefetch) {  // the tile's rows, while the preceding kernel runs
-    if constexpr (kEpi == kGemvPlain) {
-      if (threadIdx.x == 0) {
-        const int first = blockIdx.x * 16;
-        prefetch_l2(w + first * row_bytes, size_t(min(16, rows - first)) * row_bytes);
-      }
-    } else if (warp == 0 && t == 0) {
-      if (ra < rows) prefetch_l2(w + ra * row_bytes, size_t(row_bytes));
-      if (rb < rows) prefetch_l2(w + rb * row_bytes, size_t(row_bytes));
-    }
-  }
-  pdl_wait();
-  pdl_trigger();
-  // A slot without a row (the last tile) computes row 0 again; its value is never written.
-  const uint8_t* wa = w + int64_t(ra < rows ? ra : 0) * row_bytes;
-  const uint8_t* wb = w + int64_t(rb < rows ? rb : 0) * row_bytes;
-  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+// This warp's share of a tile's sums: c += the mma products of its super-blocks (warp, warp + kWarps,
+// ...) of the rows at wa (A rows g) and wb (rows g + 8).
+template <typename Q, int kWarps>
+__device__ __forceinline__ void mma_tile_sums(const uint8_t* wa, const uint8_t* wb, const __half* x, int K, int warp,
+                                              int t, float (&c)[4]) {
   const int nb = K / Q::kElems;
   for (int sb = warp; sb < nb; sb += kWarps) {
     uint32_t A[8][4], B[8][4];
@@ -468,7 +447,13 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
       mma_16816(c, A[u][2], B[u][2], A[u][3], B[u][3], xv.z, xv.w);  // positions 8t + 4..7
     }
   }
-  // Column 0 of C: lane (g, 0) holds rows g (c[0]) and g + 8 (c[2]).
+}
+
+// The end of a tile: the warps' sums of each row added in warp order, each row's output (+ bias),
+// then the paired epilogue. Column 0 of C: lane (g, 0) holds rows g (c[0]) and g + 8 (c[2]).
+template <int kEpi, int kWarps>
+__device__ __forceinline__ void mma_tile_finish(const GemvParts& parts, int row0, int rows, const GemvRope& rope,
+                                                __half* act, const float (&c)[4], int warp, int g, int t) {
   __shared__ float part[kWarps][16];
   __shared__ float value[16];
   if (t == 0) {
@@ -495,6 +480,70 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
     __syncthreads();
     if (m < 8 && r < rows) gemv_pair_epilogue<kEpi>(parts, act, rope, pair, value[m], value[m + 8]);
   }
+}
+
+template <typename Q, int kEpi, int kWarps>
+static __global__ void __launch_bounds__(kWarps * 32)
+qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__ x, const uint8_t* __restrict__ w,
+                 int K, bool prefetch, __half* __restrict__ act, GemvRope rope) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t row_bytes = int64_t(K / Q::kElems) * Q::kBytes;
+  int pair_a, pair_b;
+  const int ra = gemv_slot_row<kEpi, 16>(blockIdx.x, g, rows, rope, pair_a);
+  const int rb = gemv_slot_row<kEpi, 16>(blockIdx.x, g + 8, rows, rope, pair_b);
+  if (prefetch) {  // the tile's rows, while the preceding kernel runs
+    if constexpr (kEpi == kGemvPlain) {
+      if (threadIdx.x == 0) {
+        const int first = blockIdx.x * 16;
+        prefetch_l2(w + first * row_bytes, size_t(min(16, rows - first)) * row_bytes);
+      }
+    } else if (warp == 0 && t == 0) {
+      if (ra < rows) prefetch_l2(w + ra * row_bytes, size_t(row_bytes));
+      if (rb < rows) prefetch_l2(w + rb * row_bytes, size_t(row_bytes));
+    }
+  }
+  pdl_wait();
+  pdl_trigger();
+  // A slot without a row (the last tile) computes row 0 again; its value is never written.
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma_tile_sums<Q, kWarps>(w + int64_t(ra < rows ? ra : 0) * row_bytes, w + int64_t(rb < rows ? rb : 0) * row_bytes, x,
+                           K, warp, t, c);
+  mma_tile_finish<kEpi, kWarps>(parts, row0, rows, rope, act, c, warp, g, t);
+}
+
+// The RoPE launch over Wq|Wk|Wv in two formats: rows [0, rows_a) (Wq|Wk) are QA blocks at wa, the Wv
+// rows QB blocks at wb. A tile's 16 rows lie in one head (Dh a multiple of 16), so in one segment: the
+// tile runs that segment's decoder, and each row is what its segment's own launch computes.
+template <typename QA, typename QB, int kWarps>
+static __global__ void __launch_bounds__(kWarps * 32)
+qgemv_mma_rope2_kernel(GemvParts parts, int rows, int rows_a, const __half* __restrict__ x,
+                       const uint8_t* __restrict__ wa, const uint8_t* __restrict__ wb, int K, bool prefetch,
+                       GemvRope rope) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  int pair_a, pair_b;
+  const int ra = gemv_slot_row<kGemvRope, 16>(blockIdx.x, g, rows, rope, pair_a);
+  const int rb = gemv_slot_row<kGemvRope, 16>(blockIdx.x, g + 8, rows, rope, pair_b);
+  const int first = gemv_slot_row<kGemvRope, 16>(blockIdx.x, 0, rows, rope, pair_a);
+  const bool in_b = first < rows && first >= rows_a;
+  const int64_t bytes = in_b ? int64_t(K / QB::kElems) * QB::kBytes : int64_t(K / QA::kElems) * QA::kBytes;
+  const uint8_t* seg = in_b ? wb : wa;
+  const int seg_row0 = in_b ? rows_a : 0;
+  // Row r's blocks; a slot without a row (the last tile) computes its segment's first row again (never written).
+  const auto row_at = [&](int r) { return seg + int64_t((r < rows ? r : seg_row0) - seg_row0) * bytes; };
+  if (prefetch && warp == 0 && t == 0) {  // the tile's rows, while the preceding kernel runs
+    if (ra < rows) prefetch_l2(row_at(ra), size_t(bytes));
+    if (rb < rows) prefetch_l2(row_at(rb), size_t(bytes));
+  }
+  pdl_wait();
+  pdl_trigger();
+  const uint8_t* pa = row_at(ra);
+  const uint8_t* pb = row_at(rb);
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (in_b)
+    mma_tile_sums<QB, kWarps>(pa, pb, x, K, warp, t, c);
+  else
+    mma_tile_sums<QA, kWarps>(pa, pb, x, K, warp, t, c);
+  mma_tile_finish<kGemvRope, kWarps>(parts, 0, rows, rope, nullptr, c, warp, g, t);
 }
 
 template <typename Q>
@@ -642,6 +691,40 @@ void dequant_rows_impl(GgmlType t, const void* w, int64_t rows, int K, Out* dst,
 }
 
 }  // namespace
+
+bool qgemv_rope2(GgmlType ta, const void* wa, int rows_a, GgmlType tb, const void* wb, const GemvParts& qkv,
+                 const GemvRope& rope, const __half* x, int K, cudaStream_t stream) {
+  const int N = qkv.end[2], rows_b = N - rows_a;
+  const bool pair_ok = (ta == GgmlType::Q4_K && (tb == GgmlType::Q5_K || tb == GgmlType::Q6_K)) ||
+                       (ta == GgmlType::Q5_K && tb == GgmlType::Q6_K);
+  // Each row summed as its own segment's launch sums it: the same warp count for both and the whole.
+  const int warps = mma_warps(N, K);
+  if (!pair_ok || !qgemv_mma_enabled() || rope.Dh % 16 != 0 || rows_a != (rope.H + rope.Hkv) * rope.Dh ||
+      rows_b != rope.Hkv * rope.Dh || mma_warps(rows_a, K) != warps || mma_warps(rows_b, K) != warps)
+    return false;
+  check_k(ta, K, "qgemv");
+  check_blocks(ta, wa, "qgemv");
+  check_blocks(tb, wb, "qgemv");
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("qgemv: the activation vector is not 16-byte aligned");
+  const auto* a = static_cast<const uint8_t*>(wa);
+  const auto* b = static_cast<const uint8_t*>(wb);
+  const unsigned tiles = static_cast<unsigned>(N / 2 / 8);  // 8 pairs a tile (N / 2 pairs, a multiple of 8)
+  const auto launch = [&](auto qa, auto qb) {
+    using QA = decltype(qa);
+    using QB = decltype(qb);
+    if (warps == 16)
+      launch_pdl(qgemv_mma_rope2_kernel<QA, QB, 16>, tiles, 16 * 32, 0, stream, qkv, N, rows_a, x, a, b, K,
+                 gemv_prefetch_enabled(), rope);
+    else
+      launch_pdl(qgemv_mma_rope2_kernel<QA, QB, 8>, tiles, 8 * 32, 0, stream, qkv, N, rows_a, x, a, b, K,
+                 gemv_prefetch_enabled(), rope);
+  };
+  if (ta == GgmlType::Q4_K && tb == GgmlType::Q5_K) launch(Q4_K{}, Q5_K{});
+  else if (ta == GgmlType::Q4_K) launch(Q4_K{}, Q6_K{});
+  else launch(Q5_K{}, Q6_K{});
+  check_launch("qgemv rope (two formats)", stream);
+  return true;
+}
 
 bool qgemv_supported(GgmlType t) {
   switch (t) {

@@ -73,6 +73,15 @@ void qgemv_rope(GgmlType t, const GemvParts& qkv, const GemvRope& rope, const fl
 void qgemv_rope(GgmlType t, const GemvParts& qkv, const GemvRope& rope, const __half* x, const void* w, int K,
                 cudaStream_t stream);
 
+// qgemv_rope over a Wq|Wk|Wv stored in two formats, as Q4_K_M and Q5_K_M files store it: rows
+// [0, rows_a) = Wq|Wk in format ta at wa, the Wv rows in format tb at wb; f16 activations, one launch on
+// tensor cores, each value bit-identical to qgemv on each segment followed by rope_qk. Returns false,
+// launching nothing, where it cannot run: a format pair other than Q4_K|Q5_K, Q4_K|Q6_K, Q5_K|Q6_K, the
+// tensor-core kernel off, Dh not a multiple of 16, rows_a not (H + Hkv)·Dh, or segments whose own
+// launches would take another number of warps.
+bool qgemv_rope2(GgmlType ta, const void* wa, int rows_a, GgmlType tb, const void* wb, const GemvParts& qkv,
+                 const GemvRope& rope, const __half* x, int K, cudaStream_t stream);
+
 // dst [rows, K] = the rows' dequantized values, bit-identical to dequantize_device (f16: the exact
 // value rounded to nearest even); one thread per 8 values, coalesced stores.
 void dequant_rows(GgmlType t, const void* w, int64_t rows, int K, float* dst, cudaStream_t stream);
