@@ -103,6 +103,28 @@ std::vector<float> random_floats(size_t n, uint32_t seed, float scale) {
   return v;
 }
 
+// The outputs of a qkv GEMV with the RoPE epilogue twice: 1 for the unfused ops (qgemv, rope_qk), 2
+// for the fused launch; q, k, v NaN-filled, both caches from cache0; parts with the biases at bias.
+struct QkvOutputs {
+  QkvOutputs(int Q, int KV, const std::vector<float>& cache0, const float* bias)
+      : q1(std::vector<float>(Q, std::nanf(""))), k1(std::vector<float>(KV, std::nanf(""))),
+        v1(std::vector<float>(KV, std::nanf(""))), q2(std::vector<float>(Q, std::nanf(""))),
+        k2(std::vector<float>(KV, std::nanf(""))), v2(std::vector<float>(KV, std::nanf(""))), kc1(cache0),
+        vc1(cache0), kc2(cache0), vc2(cache0),
+        p1{{q1.get(), k1.get(), v1.get()}, {bias, bias + Q, bias + Q + KV}, {Q, Q + KV, Q + 2 * KV}, 3},
+        p2{{q2.get(), k2.get(), v2.get()}, {bias, bias + Q, bias + Q + KV}, {Q, Q + KV, Q + 2 * KV}, 3} {}
+  // Every output of the fused launch bit-identical to the unfused ops'.
+  void expect_same() const {
+    EXPECT_EQ(q2.download(), q1.download());
+    EXPECT_EQ(k2.download(), k1.download());
+    EXPECT_EQ(v2.download(), v1.download());
+    EXPECT_EQ(kc2.download(), kc1.download());
+    EXPECT_EQ(vc2.download(), vc1.download());
+  }
+  DeviceArray<float> q1, k1, v1, q2, k2, v2, kc1, vc1, kc2, vc2;
+  engine::GemvParts p1, p2;
+};
+
 // One format, one shape: f32 and f16 activations, two parts (the split inside the rows), bias on
 // the second part.
 void check_gemv(const Format& f, int rows, int K, uint32_t seed) {
@@ -257,28 +279,19 @@ TEST(EngineQgemv, RopeEpilogueMatchesQgemvThenRopeQk) {
       DeviceArray<int32_t> dpos(std::vector<int32_t>{pos});
       for (bool f16 : {false, true}) {
         SCOPED_TRACE(f16 ? "f16 activations" : "f32 activations");
-        const std::vector<float> nq(Q, std::nanf("")), nkv(KV, std::nanf(""));
-        DeviceArray<float> q1(nq), k1(nkv), v1(nkv), q2(nq), k2(nkv), v2(nkv);
-        DeviceArray<float> kc1(cache0), vc1(cache0), kc2(cache0), vc2(cache0);
-        const float* b = dbias.get();
-        const engine::GemvParts p1{{q1.get(), k1.get(), v1.get()}, {b, b + Q, b + Q + KV}, {Q, Q + KV, N}, 3};
-        const engine::GemvParts p2{{q2.get(), k2.get(), v2.get()}, {b, b + Q, b + Q + KV}, {Q, Q + KV, N}, 3};
-        const engine::GemvRope rope{kc2.get(), vc2.get(), dpos.get(), dpos.get(), nullptr, 10000.0f,
-                                    c.H,       c.Hkv,     c.Dh,       c.neox};
+        QkvOutputs o(Q, KV, cache0, dbias.get());
+        const engine::GemvRope rope{o.kc2.get(), o.vc2.get(), dpos.get(), dpos.get(), nullptr, 10000.0f,
+                                    c.H,         c.Hkv,       c.Dh,       c.neox};
         if (f16) {
-          engine::qgemv(f.type, p1, 0, N, dx16.get(), d_raw.get(), K, nullptr);
-          engine::qgemv_rope(f.type, p2, rope, dx16.get(), d_raw.get(), K, nullptr);
+          engine::qgemv(f.type, o.p1, 0, N, dx16.get(), d_raw.get(), K, nullptr);
+          engine::qgemv_rope(f.type, o.p2, rope, dx16.get(), d_raw.get(), K, nullptr);
         } else {
-          engine::qgemv(f.type, p1, 0, N, dx32.get(), d_raw.get(), K, nullptr);
-          engine::qgemv_rope(f.type, p2, rope, dx32.get(), d_raw.get(), K, nullptr);
+          engine::qgemv(f.type, o.p1, 0, N, dx32.get(), d_raw.get(), K, nullptr);
+          engine::qgemv_rope(f.type, o.p2, rope, dx32.get(), d_raw.get(), K, nullptr);
         }
-        engine::rope_qk(q1.get(), k1.get(), kc1.get(), vc1.get(), q1.get(), k1.get(), v1.get(), 1, c.H, c.Hkv, c.Dh,
-                        dpos.get(), dpos.get(), 10000.0f, nullptr, c.neox, nullptr);
-        EXPECT_EQ(q2.download(), q1.download());
-        EXPECT_EQ(k2.download(), k1.download());
-        EXPECT_EQ(v2.download(), v1.download());
-        EXPECT_EQ(kc2.download(), kc1.download());
-        EXPECT_EQ(vc2.download(), vc1.download());
+        engine::rope_qk(o.q1.get(), o.k1.get(), o.kc1.get(), o.vc1.get(), o.q1.get(), o.k1.get(), o.v1.get(), 1, c.H,
+                        c.Hkv, c.Dh, dpos.get(), dpos.get(), 10000.0f, nullptr, c.neox, nullptr);
+        o.expect_same();
         TEST_CUDA_CHECK(cudaGetLastError());
       }
     }
@@ -301,11 +314,11 @@ TEST(EngineQgemv, RopeOverTwoFormatsMatchesQgemvThenRopeQk) {
                          Case{6, 2, 64, 4096, false}}) {
       SCOPED_TRACE(std::string(ggml_type_name(ta)) + "|" + ggml_type_name(tb) + " H " + std::to_string(c.H) + " Dh " +
                    std::to_string(c.Dh) + " K " + std::to_string(c.K));
-      const int Q = c.H * c.Dh, KV = c.Hkv * c.Dh, N = Q + 2 * KV, rows_a = Q + KV, K = c.K, ctx = 16, pos = 9;
+      const int Q = c.H * c.Dh, KV = c.Hkv * c.Dh, rows_a = Q + KV, K = c.K, ctx = 16, pos = 9;
       const uint32_t seed = 900 + static_cast<uint32_t>(ta) * 7 + static_cast<uint32_t>(tb);
       const std::vector<uint8_t> ra = random_rows(format_of(ta), rows_a, K, seed);
       const std::vector<uint8_t> rb = random_rows(format_of(tb), KV, K, seed + 1);
-      const std::vector<float> x32 = random_floats(K, seed + 2, 1.0f), bias = random_floats(N, seed + 3, 0.5f);
+      const std::vector<float> x32 = random_floats(K, seed + 2, 1.0f), bias = random_floats(rows_a + KV, seed + 3, 0.5f);
       const std::vector<float> cache0 = random_floats(size_t(ctx) * KV, seed + 4, 1.0f);
       std::vector<__half> x16(K);
       for (int k = 0; k < K; ++k) x16[k] = __float2half_rn(x32[k]);
@@ -313,30 +326,21 @@ TEST(EngineQgemv, RopeOverTwoFormatsMatchesQgemvThenRopeQk) {
       DeviceArray<float> dbias(bias);
       DeviceArray<__half> dx16(x16);
       DeviceArray<int32_t> dpos(std::vector<int32_t>{pos});
-      const std::vector<float> nq(Q, std::nanf("")), nkv(KV, std::nanf(""));
-      DeviceArray<float> q1(nq), k1(nkv), v1(nkv), q2(nq), k2(nkv), v2(nkv);
-      DeviceArray<float> kc1(cache0), vc1(cache0), kc2(cache0), vc2(cache0);
-      const float* b = dbias.get();
-      const engine::GemvParts p1{{q1.get(), k1.get(), v1.get()}, {b, b + Q, b + Q + KV}, {Q, Q + KV, N}, 3};
-      const engine::GemvParts p2{{q2.get(), k2.get(), v2.get()}, {b, b + Q, b + Q + KV}, {Q, Q + KV, N}, 3};
-      engine::qgemv(ta, p1, 0, rows_a, dx16.get(), dra.get(), K, nullptr);
-      engine::qgemv(tb, p1, rows_a, KV, dx16.get(), drb.get(), K, nullptr);
-      engine::rope_qk(q1.get(), k1.get(), kc1.get(), vc1.get(), q1.get(), k1.get(), v1.get(), 1, c.H, c.Hkv, c.Dh,
-                      dpos.get(), dpos.get(), 10000.0f, nullptr, c.neox, nullptr);
-      const engine::GemvRope rope{kc2.get(), vc2.get(), dpos.get(), dpos.get(), nullptr, 10000.0f,
-                                  c.H,       c.Hkv,     c.Dh,       c.neox};
-      ASSERT_TRUE(engine::qgemv_rope2(ta, dra.get(), rows_a, tb, drb.get(), p2, rope, dx16.get(), K, nullptr));
-      EXPECT_EQ(q2.download(), q1.download());
-      EXPECT_EQ(k2.download(), k1.download());
-      EXPECT_EQ(v2.download(), v1.download());
-      EXPECT_EQ(kc2.download(), kc1.download());
-      EXPECT_EQ(vc2.download(), vc1.download());
+      QkvOutputs o(Q, KV, cache0, dbias.get());
+      engine::qgemv(ta, o.p1, 0, rows_a, dx16.get(), dra.get(), K, nullptr);
+      engine::qgemv(tb, o.p1, rows_a, KV, dx16.get(), drb.get(), K, nullptr);
+      engine::rope_qk(o.q1.get(), o.k1.get(), o.kc1.get(), o.vc1.get(), o.q1.get(), o.k1.get(), o.v1.get(), 1, c.H,
+                      c.Hkv, c.Dh, dpos.get(), dpos.get(), 10000.0f, nullptr, c.neox, nullptr);
+      const engine::GemvRope rope{o.kc2.get(), o.vc2.get(), dpos.get(), dpos.get(), nullptr, 10000.0f,
+                                  c.H,         c.Hkv,       c.Dh,       c.neox};
+      ASSERT_TRUE(engine::qgemv_rope2(ta, dra.get(), rows_a, tb, drb.get(), o.p2, rope, dx16.get(), K, nullptr));
+      o.expect_same();
       // Declined, nothing launched: the formats the other way round, Dh not a multiple of 16.
-      EXPECT_FALSE(engine::qgemv_rope2(tb, drb.get(), rows_a, ta, dra.get(), p2, rope, dx16.get(), K, nullptr));
+      EXPECT_FALSE(engine::qgemv_rope2(tb, drb.get(), rows_a, ta, dra.get(), o.p2, rope, dx16.get(), K, nullptr));
       engine::GemvRope odd = rope;
       odd.Dh = c.Dh - 8;
-      EXPECT_FALSE(engine::qgemv_rope2(ta, dra.get(), rows_a, tb, drb.get(), p2, odd, dx16.get(), K, nullptr));
-      EXPECT_EQ(q2.download(), q1.download());
+      EXPECT_FALSE(engine::qgemv_rope2(ta, dra.get(), rows_a, tb, drb.get(), o.p2, odd, dx16.get(), K, nullptr));
+      EXPECT_EQ(o.q2.download(), o.q1.download());
       TEST_CUDA_CHECK(cudaGetLastError());
     }
 }
