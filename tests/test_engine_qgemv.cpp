@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 #include <gtest/gtest.h>
 
+#include "engine/cuda_check.cuh"
 #include "engine/ops/qgemv.cuh"
 #include "engine/ops/rope_qk.cuh"
 #include "engine/ops/swiglu.cuh"
@@ -301,9 +302,11 @@ TEST(EngineQgemv, RopeEpilogueMatchesQgemvThenRopeQk) {
 // epilogue (qgemv_rope2) against qgemv on each segment then rope_qk: q, k, v and both caches
 // bit-identical, for each format pair, neox and norm pairing, Dh 32 to 128, 8- and 16-warp tiles
 // (K 4,096: the segments' own launches take 16 warps too). Other pairs and Dh not a multiple of 16 are
-// declined.
+// declined, and so is every pair while the tensor-core kernel is off (DIFFRUN_QGEMV_MMA=0: the
+// test_engine_qgemv_simt run).
 TEST(EngineQgemv, RopeOverTwoFormatsMatchesQgemvThenRopeQk) {
   DIFFRUN_REQUIRE_CUDA();
+  const bool mma = engine::qgemv_mma_enabled();
   struct Case {
     int H, Hkv, Dh, K;
     bool neox;
@@ -333,6 +336,11 @@ TEST(EngineQgemv, RopeOverTwoFormatsMatchesQgemvThenRopeQk) {
                       c.Hkv, c.Dh, dpos.get(), dpos.get(), 10000.0f, nullptr, c.neox, nullptr);
       const engine::GemvRope rope{o.kc2.get(), o.vc2.get(), dpos.get(), dpos.get(), nullptr, 10000.0f,
                                   c.H,         c.Hkv,       c.Dh,       c.neox};
+      if (!mma) {  // declined, nothing launched
+        EXPECT_FALSE(engine::qgemv_rope2(ta, dra.get(), rows_a, tb, drb.get(), o.p2, rope, dx16.get(), K, nullptr));
+        EXPECT_EQ(o.kc2.download(), cache0);
+        continue;
+      }
       ASSERT_TRUE(engine::qgemv_rope2(ta, dra.get(), rows_a, tb, drb.get(), o.p2, rope, dx16.get(), K, nullptr));
       o.expect_same();
       // Declined, nothing launched: the formats the other way round, Dh not a multiple of 16.
