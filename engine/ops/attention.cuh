@@ -40,7 +40,7 @@ void attention_tiled(__half* out, const float* q, const float* k_cache, const fl
 
 constexpr int kAttentionSplitMaxT = 4;         // the most tokens a step may pass to attention_split
 constexpr int kAttentionSplitMaxSplits = 64;   // the most splits per (token, head)
-constexpr int kAttentionSplitMinKeys = 128;    // default keys per split: fewer keys run in fewer splits
+constexpr int kAttentionSplitMinKeys = 16;     // default keys per split: fewer keys run in fewer splits
 
 // Device scratch of attention_split, owned by the caller and reused by every launch.
 struct AttentionSplitScratch {
