@@ -321,7 +321,8 @@ TEST(EngineQgemv, RopeOverTwoFormatsMatchesQgemvThenRopeQk) {
       const uint32_t seed = 900 + static_cast<uint32_t>(ta) * 7 + static_cast<uint32_t>(tb);
       const std::vector<uint8_t> ra = random_rows(format_of(ta), rows_a, K, seed);
       const std::vector<uint8_t> rb = random_rows(format_of(tb), KV, K, seed + 1);
-      const std::vector<float> x32 = random_floats(K, seed + 2, 1.0f), bias = random_floats(rows_a + KV, seed + 3, 0.5f);
+      const std::vector<float> x32 = random_floats(K, seed + 2, 1.0f);
+      const std::vector<float> bias = random_floats(rows_a + KV, seed + 3, 0.5f);
       const std::vector<float> cache0 = random_floats(size_t(ctx) * KV, seed + 4, 1.0f);
       std::vector<__half> x16(K);
       for (int k = 0; k < K; ++k) x16[k] = __float2half_rn(x32[k]);

@@ -315,8 +315,9 @@ qgemv_kernel(GemvParts parts, int row0, int rows, const X* __restrict__ x, const
 // of C is the tile's w·x. Warp w takes super-blocks w, w + kWarps, ...; the warps' sums are added
 // in warp order. kWarps is mma_warps(rows, K): 8, or 16 where a matrix has few tiles and long rows
 // (the down projection), so that each warp's chain of super-blocks is half as long; the same for
-// every launch of a matrix. A row's value depends on its own weights and x only, never on the tile's other rows,
-// so the paired epilogues (a pair in rows m and m + 8 of a tile) match the plain launch bit for bit.
+// every launch of a matrix. A row's value depends on its own weights and x only, never on the
+// tile's other rows, so the paired epilogues (a pair in rows m and m + 8 of a tile) match the plain
+// launch bit for bit.
 
 // Warps of a tensor-core GEMV block for a matrix of `rows` rows of K: 16 for at most 4,096 rows
 // (256 tiles, about two an SM) of at least 16 super-blocks, else 8.
@@ -528,7 +529,8 @@ qgemv_mma_rope2_kernel(GemvParts parts, int rows, int rows_a, const __half* __re
   const int64_t bytes = in_b ? int64_t(K / QB::kElems) * QB::kBytes : int64_t(K / QA::kElems) * QA::kBytes;
   const uint8_t* seg = in_b ? wb : wa;
   const int seg_row0 = in_b ? rows_a : 0;
-  // Row r's blocks; a slot without a row (the last tile) computes its segment's first row again (never written).
+  // Row r's blocks; a slot without a row (the last tile) computes its segment's first row again
+  // (never written).
   const auto row_at = [&](int r) { return seg + int64_t((r < rows ? r : seg_row0) - seg_row0) * bytes; };
   if (prefetch && warp == 0 && t == 0) {  // the tile's rows, while the preceding kernel runs
     if (ra < rows) prefetch_l2(row_at(ra), size_t(bytes));
