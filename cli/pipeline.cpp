@@ -274,6 +274,12 @@ struct Shared {
       lock_cv[p].notify_all();
     }
   }
+  // The comparator of `pair` took `bytes` of its queues (under m): backends waiting for room to start
+  // a step (kLookahead) may go on once they hold under lead_bytes.
+  void unqueue(size_t pair, int64_t bytes) {
+    if (queued[pair] >= lead_bytes && queued[pair] - bytes < lead_bytes) cv.notify_all();
+    queued[pair] -= bytes;
+  }
   void push(int side, size_t pair, Message msg) {
     std::lock_guard lock(m);
     queued[pair] += message_bytes(msg);
@@ -586,7 +592,7 @@ class Comparator {
     if (cx_.sh.aborted) throw Aborted();
     Message m = std::move(q.front());
     q.pop_front();
-    cx_.sh.queued[p_] -= message_bytes(m);
+    cx_.sh.unqueue(p_, message_bytes(m));
     return m;
   }
 
@@ -683,10 +689,7 @@ class Comparator {
           q.pop_front();
         } while (run.back().kind == Message::checkpoint && !q.empty() && q.front().kind == Message::checkpoint &&
                  static_cast<size_t>(taken) < batch_bytes_);
-        int64_t& queued = cx_.sh.queued[p_];
-        // Backends waiting for room to start a step (kLookahead) may go on.
-        if (queued >= cx_.sh.lead_bytes && queued - taken < cx_.sh.lead_bytes) cx_.sh.cv.notify_all();
-        queued -= taken;
+        cx_.sh.unqueue(p_, taken);
       }
       lap(t_wait);
       const auto side_id = side == kEngine ? diff::StreamSide::engine : diff::StreamSide::reference;
