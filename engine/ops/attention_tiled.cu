@@ -30,6 +30,67 @@ constexpr size_t smem_floats() {
          size_t(kBQ) * kPStride;
 }
 
+// A K or V tile as float4 loads (Dh a multiple of 4, so every row and column group is 16-byte aligned and a
+// group is wholly inside or outside [0, Dh)): float4 number f = threadIdx.x + r·kThreads of the tile is key
+// j = f / (DH/4), columns 4·(f % (DH/4)) .. + 3. A thread holds kTileVec<DH> of them; they are loaded in
+// batches of at most kTileBatch, each batch's loads all in flight before the first is stored.
+template <int DH>
+constexpr int kTileVec = kBK * DH / 4 / kThreads;
+constexpr int kTileBatch = 8;
+
+template <int DH>
+__device__ __forceinline__ void tile_group(int r, int& j, int& d) {
+  const int f = threadIdx.x + r * kThreads;
+  j = f / (DH / 4);
+  d = 4 * (f % (DH / 4));
+}
+
+// Batch `batch` of a tile's float4s into registers: rows kb + j of `base` (one head's column 0, rows kv_stride
+// floats apart), zeros past key_end or Dh.
+template <int DH>
+__device__ __forceinline__ void tile_load(float4 (&r)[kTileBatch], const float* base, int batch, int kb, int key_end,
+                                          int Dh, int64_t kv_stride) {
+#pragma unroll
+  for (int u = 0; u < kTileBatch; ++u) {
+    const int i = batch * kTileBatch + u;
+    if (i >= kTileVec<DH>) break;
+    int j, d;
+    tile_group<DH>(i, j, d);
+    const int s = kb + j;
+    r[u] = s < key_end && d < Dh ? *reinterpret_cast<const float4*>(base + s * kv_stride + d)
+                                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+}
+
+// The batch's K float4s into Kt [DH][kKStride] (transposed).
+template <int DH>
+__device__ __forceinline__ void tile_store_k(float* Kt, const float4 (&r)[kTileBatch], int batch) {
+#pragma unroll
+  for (int u = 0; u < kTileBatch; ++u) {
+    const int i = batch * kTileBatch + u;
+    if (i >= kTileVec<DH>) break;
+    int j, d;
+    tile_group<DH>(i, j, d);
+    Kt[(d + 0) * kKStride + j] = r[u].x;
+    Kt[(d + 1) * kKStride + j] = r[u].y;
+    Kt[(d + 2) * kKStride + j] = r[u].z;
+    Kt[(d + 3) * kKStride + j] = r[u].w;
+  }
+}
+
+// The batch's V float4s into V [kBK][DH].
+template <int DH>
+__device__ __forceinline__ void tile_store_v(float* V, const float4 (&r)[kTileBatch], int batch) {
+#pragma unroll
+  for (int u = 0; u < kTileBatch; ++u) {
+    const int i = batch * kTileBatch + u;
+    if (i >= kTileVec<DH>) break;
+    int j, d;
+    tile_group<DH>(i, j, d);
+    *reinterpret_cast<float4*>(V + j * DH + d) = r[u];
+  }
+}
+
 template <int DH, typename Out>
 static __global__ void __launch_bounds__(kThreads)
 attention_tiled_kernel(Out* out, const float* q, const float* k_cache, const float* v_cache, int T,
@@ -75,12 +136,28 @@ attention_tiled_kernel(Out* out, const float* q, const float* k_cache, const flo
     for (int c = 0; c < kCols; ++c) acc[a][c] = 0.0f;
   }
 
+  // Dh a multiple of 4: the tiles move as float4s with every load of a batch in flight, and where a tile is
+  // one batch (DH 64) the V tile's loads are issued before the scores, so their latency hides behind them.
+  // Else one scalar load and store at a time. Either way the shared tiles hold the same values.
+  const bool vec = Dh % 4 == 0;
+  constexpr bool kEarlyV = kTileVec<DH> <= kTileBatch;
+  float4 vr[kTileBatch];
   for (int kb = key_begin; kb < key_end; kb += kBK) {
     __syncthreads();  // the previous tile's P·V is done with V and P (and Qt is written, first time)
-    for (int idx = tid; idx < kBK * DH; idx += kThreads) {
-      const int j = idx / DH, d = idx % DH;
-      const int s = kb + j;
-      KV[d * kKStride + j] = s < key_end && d < Dh ? kh[s * kv_stride + d] : 0.0f;
+    if (vec) {
+#pragma unroll 1
+      for (int b = 0; b * kTileBatch < kTileVec<DH>; ++b) {
+        float4 kr[kTileBatch];
+        tile_load<DH>(kr, kh, b, kb, key_end, Dh, kv_stride);
+        tile_store_k<DH>(KV, kr, b);
+      }
+      if constexpr (kEarlyV) tile_load<DH>(vr, vh, 0, kb, key_end, Dh, kv_stride);
+    } else {
+      for (int idx = tid; idx < kBK * DH; idx += kThreads) {
+        const int j = idx / DH, d = idx % DH;
+        const int s = kb + j;
+        KV[d * kKStride + j] = s < key_end && d < Dh ? kh[s * kv_stride + d] : 0.0f;
+      }
     }
     __syncthreads();
 
@@ -132,10 +209,22 @@ attention_tiled_kernel(Out* out, const float* q, const float* k_cache, const flo
 #pragma unroll
     for (int a = 0; a < 4; ++a)
       *reinterpret_cast<float4*>(P + (4 * ty + a) * kPStride + 4 * tx) = make_float4(p[a][0], p[a][1], p[a][2], p[a][3]);
-    for (int idx = tid; idx < kBK * DH; idx += kThreads) {
-      const int j = idx / DH, d = idx % DH;
-      const int s = kb + j;
-      KV[j * DH + d] = s < key_end && d < Dh ? vh[s * kv_stride + d] : 0.0f;
+    if (vec) {
+      if constexpr (kEarlyV) {
+        tile_store_v<DH>(KV, vr, 0);
+      } else {
+#pragma unroll 1
+        for (int b = 0; b * kTileBatch < kTileVec<DH>; ++b) {
+          tile_load<DH>(vr, vh, b, kb, key_end, Dh, kv_stride);
+          tile_store_v<DH>(KV, vr, b);
+        }
+      }
+    } else {
+      for (int idx = tid; idx < kBK * DH; idx += kThreads) {
+        const int j = idx / DH, d = idx % DH;
+        const int s = kb + j;
+        KV[j * DH + d] = s < key_end && d < Dh ? vh[s * kv_stride + d] : 0.0f;
+      }
     }
     __syncthreads();
 
