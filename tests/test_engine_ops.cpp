@@ -719,6 +719,40 @@ TEST(EngineOps, AttentionTiledMatchesAttention) {
 }
 
 // The split count: two blocks per SM for one token, within 1..kAttentionSplitMaxSplits.
+
+// attention_tiled moves its K/V tiles as float4s when Dh is a multiple of 4 and the caches are 16-byte
+// aligned, else one float at a time: the same tile values either way, so the same output bits. The
+// caches one float past an aligned address take the scalar path.
+TEST(EngineOps, AttentionTiledFloat4TilesMatchScalarTiles) {
+  DIFFRUN_REQUIRE_CUDA();
+  struct Case {
+    int T, n_past, H, Hkv, Dh, window = 0;
+  };
+  uint32_t seed = 300;
+  for (const Case c : {Case{512, 0, 14, 2, 64}, Case{33, 7, 6, 3, 40}, Case{97, 300, 4, 1, 128},
+                       Case{200, 0, 4, 1, 256, 64}, Case{450, 150, 6, 2, 128, 512}, Case{1, 9, 2, 1, 64}}) {
+    const int T = c.T, n_past = c.n_past, H = c.H, Hkv = c.Hkv, Dh = c.Dh, window = c.window;
+    SCOPED_TRACE("T " + std::to_string(T) + " n_past " + std::to_string(n_past) + " Dh " + std::to_string(Dh));
+    const float scale = 1.0f / std::sqrt(float(Dh));
+    const int S = n_past + T, Q = H * Dh, KV = Hkv * Dh;
+    const auto q = random_vec(size_t(T) * Q, seed++, 2.0f), kc = random_vec(size_t(S) * KV, seed++),
+               vc = random_vec(size_t(S) * KV, seed++);
+    std::vector<float> kc1(kc.size() + 1, 0.0f), vc1(vc.size() + 1, 0.0f);  // the same values one float on
+    std::copy(kc.begin(), kc.end(), kc1.begin() + 1);
+    std::copy(vc.begin(), vc.end(), vc1.begin() + 1);
+    DeviceArray<float> dq(q), dk(kc), dv(vc), dk1(kc1), dv1(vc1);
+    DeviceArray<int32_t> dnp(std::vector<int32_t>{n_past});
+    DeviceArray<float> vec_out(size_t(T) * Q), scalar_out(size_t(T) * Q);
+    engine::attention_tiled(vec_out.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale, window,
+                            nullptr);
+    engine::attention_tiled(scalar_out.get(), dq.get(), dk1.get() + 1, dv1.get() + 1, T, dnp.get(), H, Hkv, Dh, scale,
+                            window, nullptr);
+    const auto a = vec_out.download(), b = scalar_out.download();
+    size_t differ = 0;
+    for (size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    EXPECT_EQ(differ, 0u) << "of " << a.size() << " outputs";
+  }
+}
 TEST(EngineOps, AttentionSplitCount) {
   EXPECT_EQ(engine::attention_split_count(14, 132), 19);
   EXPECT_EQ(engine::attention_split_count(64, 16), 1);

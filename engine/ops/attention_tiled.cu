@@ -136,10 +136,12 @@ attention_tiled_kernel(Out* out, const float* q, const float* k_cache, const flo
     for (int c = 0; c < kCols; ++c) acc[a][c] = 0.0f;
   }
 
-  // Dh a multiple of 4: the tiles move as float4s with every load of a batch in flight, and where a tile is
-  // one batch (DH 64) the V tile's loads are issued before the scores, so their latency hides behind them.
-  // Else one scalar load and store at a time. Either way the shared tiles hold the same values.
-  const bool vec = Dh % 4 == 0;
+  // Dh a multiple of 4 and both caches 16-byte aligned (so is every row then): the tiles move as float4s
+  // with every load of a batch in flight, and where a tile is one batch (DH 64) the V tile's loads are
+  // issued before the scores, so their latency hides behind them. Else one scalar load and store at a
+  // time. Either way the shared tiles hold the same values.
+  const bool vec = Dh % 4 == 0 && reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(v_cache) % 16 == 0;
   constexpr bool kEarlyV = kTileVec<DH> <= kTileBatch;
   float4 vr[kTileBatch];
   for (int kb = key_begin; kb < key_end; kb += kBK) {
