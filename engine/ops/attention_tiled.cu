@@ -38,11 +38,17 @@ template <int DH>
 constexpr int kTileVec = kBK * DH / 4 / kThreads;
 constexpr int kTileBatch = 8;
 
-template <int DH>
-__device__ __forceinline__ void tile_group(int r, int& j, int& d) {
-  const int f = threadIdx.x + r * kThreads;
-  j = f / (DH / 4);
-  d = 4 * (f % (DH / 4));
+// Calls f(u, j, d) for each float4 u of batch `batch` that this thread holds: key j of the tile, columns
+// d .. d + 3.
+template <int DH, typename F>
+__device__ __forceinline__ void for_tile_groups(int batch, F&& f) {
+#pragma unroll
+  for (int u = 0; u < kTileBatch; ++u) {
+    const int i = batch * kTileBatch + u;
+    if (i >= kTileVec<DH>) break;
+    const int g = threadIdx.x + i * kThreads;
+    f(u, g / (DH / 4), 4 * (g % (DH / 4)));
+  }
 }
 
 // Batch `batch` of a tile's float4s into registers: rows kb + j of `base` (one head's column 0, rows kv_stride
@@ -50,45 +56,28 @@ __device__ __forceinline__ void tile_group(int r, int& j, int& d) {
 template <int DH>
 __device__ __forceinline__ void tile_load(float4 (&r)[kTileBatch], const float* base, int batch, int kb, int key_end,
                                           int Dh, int64_t kv_stride) {
-#pragma unroll
-  for (int u = 0; u < kTileBatch; ++u) {
-    const int i = batch * kTileBatch + u;
-    if (i >= kTileVec<DH>) break;
-    int j, d;
-    tile_group<DH>(i, j, d);
+  for_tile_groups<DH>(batch, [&](int u, int j, int d) {
     const int s = kb + j;
     r[u] = s < key_end && d < Dh ? *reinterpret_cast<const float4*>(base + s * kv_stride + d)
                                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
+  });
 }
 
 // The batch's K float4s into Kt [DH][kKStride] (transposed).
 template <int DH>
 __device__ __forceinline__ void tile_store_k(float* Kt, const float4 (&r)[kTileBatch], int batch) {
-#pragma unroll
-  for (int u = 0; u < kTileBatch; ++u) {
-    const int i = batch * kTileBatch + u;
-    if (i >= kTileVec<DH>) break;
-    int j, d;
-    tile_group<DH>(i, j, d);
+  for_tile_groups<DH>(batch, [&](int u, int j, int d) {
     Kt[(d + 0) * kKStride + j] = r[u].x;
     Kt[(d + 1) * kKStride + j] = r[u].y;
     Kt[(d + 2) * kKStride + j] = r[u].z;
     Kt[(d + 3) * kKStride + j] = r[u].w;
-  }
+  });
 }
 
 // The batch's V float4s into V [kBK][DH].
 template <int DH>
 __device__ __forceinline__ void tile_store_v(float* V, const float4 (&r)[kTileBatch], int batch) {
-#pragma unroll
-  for (int u = 0; u < kTileBatch; ++u) {
-    const int i = batch * kTileBatch + u;
-    if (i >= kTileVec<DH>) break;
-    int j, d;
-    tile_group<DH>(i, j, d);
-    *reinterpret_cast<float4*>(V + j * DH + d) = r[u];
-  }
+  for_tile_groups<DH>(batch, [&](int u, int j, int d) { *reinterpret_cast<float4*>(V + j * DH + d) = r[u]; });
 }
 
 template <int DH, typename Out>
