@@ -30,10 +30,16 @@ __host__ __device__ constexpr int gemv_block_rows(int warps_per_row, int epi) {
   return gemv_block_threads(warps_per_row, epi) / 32 / warps_per_row;
 }
 
-// Blocks of a launch over N rows (a paired one: N / 2 pairs, half the block's rows each).
+// Blocks of a launch over N rows whose blocks take rows_per_block rows each (a paired launch: N / 2
+// pairs, rows_per_block / 2 a block). Every one-token GEMV kernel sizes its grid with it.
+__host__ __device__ constexpr int gemv_grid(int rows_per_block, int epi, int N) {
+  return epi == kGemvPlain ? (N + rows_per_block - 1) / rows_per_block
+                           : (N / 2 + rows_per_block / 2 - 1) / (rows_per_block / 2);
+}
+
+// Blocks of a launch of gemv_kernel or qgemv_kernel over N rows.
 __host__ __device__ constexpr int gemv_blocks(int warps_per_row, int epi, int N) {
-  return epi == kGemvPlain ? (N + gemv_block_rows(warps_per_row, epi) - 1) / gemv_block_rows(warps_per_row, epi)
-                           : (N / 2 + gemv_block_rows(warps_per_row, epi) / 2 - 1) / (gemv_block_rows(warps_per_row, epi) / 2);
+  return gemv_grid(gemv_block_rows(warps_per_row, epi), epi, N);
 }
 
 // The row that slot `slot` of block `block` computes (N when none): plain, consecutive rows; paired,

@@ -175,10 +175,8 @@ gemv_rows_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__
 template <typename W, int kRW, int kEpi>
 void launch_gemv_rows(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream, W* act,
                       const GemvRope& rope) {
-  constexpr int kSlots = 4 * kRW;
-  const int blocks = kEpi == kGemvPlain ? (N + kSlots - 1) / kSlots : (N / 2 + kSlots / 2 - 1) / (kSlots / 2);
-  launch_pdl(gemv_rows_kernel<W, kRW, kEpi>, static_cast<unsigned>(blocks), 128, 0, stream, parts, x, w, K, N,
-             gemv_prefetch_enabled(), act, rope);
+  launch_pdl(gemv_rows_kernel<W, kRW, kEpi>, static_cast<unsigned>(gemv_grid(4 * kRW, kEpi, N)), 128, 0, stream, parts,
+             x, w, K, N, gemv_prefetch_enabled(), act, rope);
 }
 
 template <typename W, int kEpi>
@@ -188,9 +186,10 @@ void gemv_epi(const GemvParts& parts, const W* x, const W* w, int K, const char*
   const bool vec = (K * sizeof(W)) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(w) % 16 == 0;
   const bool split = N < kSplitRowsBelow;  // the same choice for every epilogue of the same N
+  const int rows_per_warp = vec && !split ? gemv_rows_per_warp(N) : 1;
   if (vec && split) launch_gemv<W, true, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
-  else if (vec && gemv_rows_per_warp(N) == 4) launch_gemv_rows<W, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
-  else if (vec && gemv_rows_per_warp(N) == 2) launch_gemv_rows<W, 2, kEpi>(parts, x, w, K, N, stream, act, rope);
+  else if (rows_per_warp == 4) launch_gemv_rows<W, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
+  else if (rows_per_warp == 2) launch_gemv_rows<W, 2, kEpi>(parts, x, w, K, N, stream, act, rope);
   else if (vec) launch_gemv<W, true, 1, kEpi>(parts, x, w, K, N, stream, act, rope);
   else if (split) launch_gemv<W, false, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
   else launch_gemv<W, false, 1, kEpi>(parts, x, w, K, N, stream, act, rope);

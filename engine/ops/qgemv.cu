@@ -652,7 +652,7 @@ void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X*
     using Q = decltype(q);
     if constexpr (std::is_same_v<X, __half> && kHasMmaLane<Q>) {
       if (qgemv_mma_enabled()) {
-        const int tiles = kEpi == kGemvPlain ? (rows + 15) / 16 : (rows / 2 + 7) / 8;
+        const int tiles = gemv_grid(16, kEpi, rows);
         // The warp count follows the launch's rows and K: a paired launch and the plain one over the
         // same matrix agree.
         if (mma_warps(rows, K) == 16)
@@ -710,7 +710,7 @@ bool qgemv_rope2(GgmlType ta, const void* wa, int rows_a, GgmlType tb, const voi
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("qgemv: the activation vector is not 16-byte aligned");
   const auto* a = static_cast<const uint8_t*>(wa);
   const auto* b = static_cast<const uint8_t*>(wb);
-  const unsigned tiles = static_cast<unsigned>(N / 2 / 8);  // 8 pairs a tile (N / 2 pairs, a multiple of 8)
+  const unsigned tiles = static_cast<unsigned>(gemv_grid(16, kGemvRope, N));  // 8 pairs a tile
   const auto launch = [&](auto qa, auto qb) {
     using QA = decltype(qa);
     using QB = decltype(qb);
