@@ -810,8 +810,11 @@ class HeldReplaySink final : public Sink {
   void record(int step, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
               NativeDType native, std::span<const float> data) override {
     if (!wants(name)) return;
-    // One copy of the values for the dump write and the comparison (unless the dump keeps fewer rows).
-    diff::StreamComparison::Values all = std::make_shared<std::vector<float>>(data.begin(), data.end());
+    const auto [rd, offset] = writer_rows(name, layout, shape, opt_.writer);
+    // One copy of the values for the dump write and the comparison, made only where one of them takes
+    // every row (the comparison takes the rows the dump keeps).
+    diff::StreamComparison::Values all;
+    if (writer_ || offset == 0) all = std::make_shared<std::vector<float>>(data.begin(), data.end());
     if (writer_) {
       writes_.post(
           [w = writer_, step, name = std::string(name), layer, layout = std::string(layout),
@@ -821,7 +824,6 @@ class HeldReplaySink final : public Sink {
           static_cast<int64_t>(data.size_bytes()));
     }
     rule_.recorded(name, static_cast<int64_t>(data.size()));
-    const auto [rd, offset] = writer_rows(name, layout, shape, opt_.writer);
     sc_.add(diff::StreamSide::engine,
             dataset_info(cfg_, "engine", step, std::string(name), layer, std::string(layout),
                          std::vector<int64_t>(shape.begin(), shape.end()), native, rd, offset),
