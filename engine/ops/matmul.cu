@@ -18,7 +18,7 @@ namespace {
 
 constexpr int kMaxParts = kGemvMaxParts;
 constexpr int kGemvBatch = 8;      // 16-byte loads issued together per lane before any is used
-constexpr int kSplitRowsBelow = 4096;  // fewer rows: the block's 4 warps share each row's K
+constexpr int kSplitRowsBelow = 4096;  // fewer rows of long K: the block's 4 warps share each row's K
 
 __device__ __forceinline__ float dot16(uint4 w, uint4 x, const __half*) {
   const __half2* wh = reinterpret_cast<const __half2*>(&w);
