@@ -151,19 +151,25 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
   }
 
   // Warp w takes keys s_begin + w, + kSplitWarps, ...; kKeyBatch of them at a time, every load issued
-  // before any is used (a key past the chunk loads the chunk's last row and is then ignored).
+  // before any is used (a key past the chunk loads the chunk's last row and is then ignored). A chunk
+  // of at most kStep keys is one round for every warp: its V rows are then loaded with its K rows and
+  // its scores kept in registers, so the second pass waits on no load (the same values, in the same
+  // order, as reading them back).
   constexpr int kStep = kSplitWarps * kKeyBatch;
+  const bool one_round = s_end - s_begin <= kStep;
+  float vv1[kKeyBatch][kMaxDhPerLane], x1[kKeyBatch];
   __shared__ float red[kSplitWarps];
   float m = -INFINITY;
   for (int s0 = s_begin + warp; s0 < s_end; s0 += kStep) {
     float kv[kKeyBatch][kMaxDhPerLane];
 #pragma unroll
     for (int u = 0; u < kKeyBatch; ++u) {
-      const float* kr = k_head + min(s0 + u * kSplitWarps, s_end - 1) * kv_stride;
+      const int64_t r = min(s0 + u * kSplitWarps, s_end - 1) * kv_stride;
 #pragma unroll
       for (int j = 0; j < kMaxDhPerLane; ++j) {
         const int d = lane + 32 * j;
-        kv[u][j] = d < Dh ? kr[d] : 0.0f;
+        kv[u][j] = d < Dh ? k_head[r + d] : 0.0f;
+        if (one_round) vv1[u][j] = d < Dh ? v_head[r + d] : 0.0f;
       }
     }
     float dot[kKeyBatch];
@@ -182,6 +188,7 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
       if (s < s_end) {
         const float x = dot[u] * scale;
         if (lane == 0) prow[s] = x;
+        x1[u] = x;
         m = fmaxf(m, x);
       }
     }
@@ -195,7 +202,18 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
   float acc[kMaxDhPerLane];
 #pragma unroll
   for (int j = 0; j < kMaxDhPerLane; ++j) acc[j] = 0.0f;
-  for (int s0 = s_begin + warp; s0 < s_end; s0 += kStep) {
+  if (one_round && s_begin + warp < s_end) {
+#pragma unroll
+    for (int u = 0; u < kKeyBatch; ++u) {
+      if (s_begin + warp + u * kSplitWarps < s_end) {  // in key order within the warp
+        const float p = expf(x1[u] - m);
+        sum += p;
+#pragma unroll
+        for (int j = 0; j < kMaxDhPerLane; ++j) acc[j] += p * vv1[u][j];
+      }
+    }
+  }
+  for (int s0 = s_begin + warp; !one_round && s0 < s_end; s0 += kStep) {
     float sc[kKeyBatch];
     float vv[kKeyBatch][kMaxDhPerLane];
 #pragma unroll
