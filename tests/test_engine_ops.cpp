@@ -215,12 +215,14 @@ TEST(EngineOps, MatmulCatMatchesReferencePerPart) {
 }
 
 // The gate|up GEMV with the SwiGLU epilogue (one token, dense Wgate|Wup) against matmul_cat then
-// swiglu: gate, up and act bit-identical, f32 and f16, 4-warp rows (2F < 4096) and 1-warp rows,
-// 16-byte rows and rows of odd K (the scalar loop), F odd (a half-filled last block).
+// swiglu: gate, up and act bit-identical, f32 and f16, 4-warp rows (2F < 4096 with long K, or odd K)
+// and whole rows a warp, 16-byte rows and rows of odd K (the scalar loop), F odd (a half-filled last
+// block).
 TEST(EngineOps, MatmulGateUpSwigluMatchesMatmulCatThenSwiglu) {
   DIFFRUN_REQUIRE_CUDA();
   engine::CublasHandle h32(engine::EnginePrecision::f32), h16(engine::EnginePrecision::f16);
-  for (auto [F, K] : {std::pair{37, 96}, std::pair{2051, 64}, std::pair{45, 97}, std::pair{2049, 33}}) {
+  for (auto [F, K] : {std::pair{37, 96}, std::pair{2051, 64}, std::pair{45, 97}, std::pair{2049, 33},
+                      std::pair{40, 1088}}) {
     SCOPED_TRACE("F " + std::to_string(F) + " K " + std::to_string(K));
     const auto w = random_vec(size_t(2 * F) * K, 60, 0.3f), x = random_vec(K, 61);
     DeviceArray<float> dx(x), dw(w);
@@ -258,8 +260,9 @@ TEST(EngineOps, MatmulGateUpSwigluMatchesMatmulCatThenSwiglu) {
 
 // The qkv GEMV with the RoPE epilogue (one token, dense Wq|Wk|Wv) against matmul_cat then rope_qk:
 // q, k, v and both caches (every row, the written one and the others) bit-identical, f32 and f16,
-// neox and norm pairing, biases or none, freq factors or none, 4-warp rows (N < 4096) and 1-warp
-// rows, 16-byte rows and odd K, a cache row apart from the position (kv_cache_pos0's write_pos).
+// neox and norm pairing, biases or none, freq factors or none, 4-warp rows (N < 4096 with long K, or
+// odd K) and whole rows a warp, 16-byte rows and odd K, a cache row apart from the position
+// (kv_cache_pos0's write_pos).
 TEST(EngineOps, MatmulQkvRopeMatchesMatmulCatThenRopeQk) {
   DIFFRUN_REQUIRE_CUDA();
   struct Case {
@@ -268,7 +271,8 @@ TEST(EngineOps, MatmulQkvRopeMatchesMatmulCatThenRopeQk) {
   };
   engine::CublasHandle h32(engine::EnginePrecision::f32), h16(engine::EnginePrecision::f16);
   for (const Case c : {Case{14, 2, 64, 96, 37, 37, true, true, false}, Case{4, 2, 18, 97, 5, 5, false, false, true},
-                       Case{32, 4, 128, 64, 300, 300, true, false, true}, Case{9, 3, 64, 33, 7, 0, false, true, false}}) {
+                       Case{32, 4, 128, 64, 300, 300, true, false, true}, Case{9, 3, 64, 33, 7, 0, false, true, false},
+                       Case{4, 2, 64, 1088, 9, 9, true, true, false}}) {
     SCOPED_TRACE("H " + std::to_string(c.H) + " Hkv " + std::to_string(c.Hkv) + " Dh " + std::to_string(c.Dh) +
                  " K " + std::to_string(c.K) + (c.neox ? " neox" : " norm"));
     const int Q = c.H * c.Dh, KV = c.Hkv * c.Dh, N = Q + 2 * KV, K = c.K, ctx = 320;
