@@ -185,8 +185,9 @@ void gemv_epi(const GemvParts& parts, const W* x, const W* w, int K, const char*
   const int N = parts.end[parts.n_parts - 1];
   const bool vec = (K * sizeof(W)) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(w) % 16 == 0;
-  // The same choice for every epilogue of the same N and K: 4 warps a row for few rows of more chunks
-  // than one round of the rows kernel gives a lane.
+  // The same choice for every epilogue of the same N, K and alignment (so a paired launch computes the
+  // plain one's rows): 4 warps a row for few rows of more chunks than one round of the rows kernel
+  // gives a lane.
   const bool split = N < kSplitRowsBelow && (!vec || K / int(16 / sizeof(W)) > kMultiBatch * 32);
   const int rows_per_warp = vec && !split ? gemv_rows_per_warp(N) : 1;
   if (vec && split) launch_gemv<W, true, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
