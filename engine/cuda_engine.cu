@@ -17,7 +17,7 @@
 //   graph and out of it. DIFFRUN_PDL=0 turns it off (the "pdl" fact says which ran). The GEMVs
 //   also ask L2 for their weight rows before that wait (DIFFRUN_GEMV_PREFETCH=0 turns it off; the
 //   "gemv_prefetch" fact), so the weights stream in while the preceding small kernel runs. Where one
-//   warp takes a row (N >= 4096, or rows of at most 1,024 halves), each warp computes 2 rows (4 for
+//   warp takes a row (N >= 4096, or rows of at most 128 16-byte chunks), each warp computes 2 rows (4 for
 //   the lm head) with all their loads in flight together (gemv_rows_per_warp:
 //   DIFFRUN_GEMV_ROWS_PER_WARP=1|2|4 sets it; the same values for each; the "gemv_rows_per_warp" fact).
 // - As in the reference, the lm head computes every token's logits only when result_output is
