@@ -32,8 +32,9 @@ bool gemv_prefetch_enabled();
 // Rows each warp of the one-token dense GEMV computes where one warp takes a row (N >= 4096 rows, or
 // rows of at most 128 16-byte chunks: on the 0.5B shape every GEMV but the down projection), the loads
 // of all of them in flight together: by default (auto) 2, and 4 from kGemvFourRowsFrom rows (the lm
-// head); DIFFRUN_GEMV_ROWS_PER_WARP=1|2|4 sets it for every launch (read at each launch). Each row's value is the same for every choice (the same lanes and order); an
-// invalid value is an InputError. The name: what the "gemv_rows_per_warp" fact says.
+// head); DIFFRUN_GEMV_ROWS_PER_WARP=1|2|4 sets it for every launch (read at each launch). Each row's
+// value is the same for every choice (the same lanes and order); an invalid value is an InputError.
+// The name: what the "gemv_rows_per_warp" fact says.
 constexpr int kGemvFourRowsFrom = 32768;
 int gemv_rows_per_warp(int N);
 std::string gemv_rows_per_warp_name();
