@@ -10,7 +10,9 @@
 //   to the weights, and f32 keeps the f16 engine's error to the f16 weights and GEMM inputs.
 // - n_past lives in device memory (d_n_past_) and every position-dependent kernel reads it there,
 //   so a decode step (T = 1) without hooks is captured once as a CUDA graph and replayed at any
-//   position. Steps with any hook, prefill steps, DIFFRUN_SYNC_CHECK=1 and DIFFRUN_CUDA_GRAPHS=0
+//   position. The step's first kernel (step_inputs) reads the ids and n_past from mapped pinned
+//   host memory and argmax writes the token there, so the graph holds no host copy nodes (each
+//   cost ~2.5 us of a step; bench/NOTES.md v23). Steps with any hook, prefill steps, DIFFRUN_SYNC_CHECK=1 and DIFFRUN_CUDA_GRAPHS=0
 //   launch the same kernels one by one.
 // - Every op kernel (not cuBLAS) is launched with Programmatic Dependent Launch on sm_90+: it waits
 //   for the preceding grid first thing, so its launch overlaps the previous kernel's tail, in the
@@ -95,6 +97,7 @@
 #include "engine/ops/rms_norm.cuh"
 #include "engine/ops/rope_qk.cuh"
 #include "engine/ops/scale.cuh"
+#include "engine/ops/step_inputs.cuh"
 #include "engine/ops/swiglu.cuh"
 #include "engine/weights.cuh"
 #include "model/error.hpp"
@@ -196,7 +199,6 @@ class CudaEngineImpl final : public CudaEngine {
         k_cache_(size_t(cfg.n_layer) * max_ctx * cfg.n_head_kv * cfg.head_dim, "the KV cache"),
         v_cache_(size_t(cfg.n_layer) * max_ctx * cfg.n_head_kv * cfg.head_dim, "the KV cache"),
         d_n_past_(1, "step state"),
-        d_argmax_(1, "step state"),
         h_n_past_(1, "step state"),
         h_argmax_(1, "step state"),
         h_logits_(size_t(logit_columns()), "logits"),
@@ -329,13 +331,12 @@ class CudaEngineImpl final : public CudaEngine {
     stager_.deliver(sink);
   }
 
-  // The whole step on stream_: uploads ids and n_past, every op and its checkpoint, argmax, logits.
+  // The whole step on stream_: ids and n_past in, every op and its checkpoint, argmax, logits.
   void enqueue_step(int step, int n, Sink& sink, bool copy_logits) {
     const int D = cfg_.n_embd, V = cfg_.n_vocab;
     Activations<W>& a = *act_;
     set_op_context(step, -1);
-    CUDA_CHECK(cudaMemcpyAsync(a.tokens.get(), h_tokens_.get(), n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
-    CUDA_CHECK(cudaMemcpyAsync(d_n_past_.get(), h_n_past_.get(), sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    step_inputs(a.tokens.get(), d_n_past_.get(), h_tokens_.device(), h_n_past_.device(), n, stream_);
 
     if (faults_.has(Fault::embd_transposed))
       embedding_transposed(a.x.get(), a.tokens.get(), dense_rows(weights_.token_embd, V, stream_), n, D, V, stream_);
@@ -372,8 +373,7 @@ class CudaEngineImpl final : public CudaEngine {
     stager_.finish(stream_);  // the step's last staged copies, and the wait for their copies out
 
     const float* last = logits_.get() + size_t(rows - 1) * Vp;  // [Vp]
-    argmax(d_argmax_.get(), last, Vp, argmax_scratch_.get(), stream_);
-    CUDA_CHECK(cudaMemcpyAsync(h_argmax_.get(), d_argmax_.get(), sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+    argmax(h_argmax_.device(), last, Vp, argmax_scratch_.get(), stream_);  // written straight to the host
     if (copy_logits)
       CUDA_CHECK(cudaMemcpyAsync(h_logits_.get(), last, size_t(Vp) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   }
@@ -705,10 +705,9 @@ class CudaEngineImpl final : public CudaEngine {
   DeviceBuffer<float> logits_;   // [rows, V], rows = T when result_output is recorded, else 1
   DeviceBuffer<float> probs_;    // [H, T, S], attention (T > kAttentionSplitMaxT) while kq_soft_max is recorded
   DeviceBuffer<int32_t> d_n_past_;  // [1]
-  DeviceBuffer<int32_t> d_argmax_;  // [1]
-  PinnedBuffer<int32_t> h_tokens_;  // [T]
-  PinnedBuffer<int32_t> h_n_past_;  // [1]
-  PinnedBuffer<int32_t> h_argmax_;  // [1]
+  PinnedBuffer<int32_t> h_tokens_;  // [T] read by step_inputs
+  PinnedBuffer<int32_t> h_n_past_;  // [1] read by step_inputs
+  PinnedBuffer<int32_t> h_argmax_;  // [1] written by argmax
   PinnedBuffer<float> h_logits_;    // [V] the last token's logits
   int attn_splits_;                          // attention_split blocks per (token, head)
   int attn_min_keys_;                        // keys per split a query needs to use another split

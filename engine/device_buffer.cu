@@ -31,13 +31,19 @@ void* device_alloc(size_t bytes, const char* what) {
 
 void* pinned_alloc(size_t bytes, const char* what) {
   void* p = nullptr;
-  const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+  const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocMapped);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     throw CudaError(std::string("cannot allocate ") + mib(bytes) + " of pinned host memory for " + what + ": " +
                     cudaGetErrorString(err));
   }
   return p;
+}
+
+void* pinned_device_address(void* host) {
+  void* d = nullptr;
+  CUDA_CHECK(cudaHostGetDevicePointer(&d, host, 0));
+  return d;
 }
 
 }  // namespace diffrun::engine

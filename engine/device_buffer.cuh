@@ -15,8 +15,11 @@ std::string mib(uint64_t bytes);
 
 // cudaMalloc that throws Error("not enough device memory for <what>: need X MiB, Y MiB free of Z MiB").
 void* device_alloc(size_t bytes, const char* what);
-// cudaHostAlloc (pinned) that throws Error naming `what` and the size.
+// cudaHostAlloc (pinned, mapped) that throws Error naming `what` and the size.
 void* pinned_alloc(size_t bytes, const char* what);
+// The device address of mapped pinned memory from pinned_alloc (the same pointer under unified
+// addressing).
+void* pinned_device_address(void* host);
 
 // n elements of T in device memory (uninitialized).
 template <typename T>
@@ -59,14 +62,24 @@ class PinnedBuffer {
  public:
   PinnedBuffer() = default;
   PinnedBuffer(size_t n, const char* what) : n_(n) {
-    if (n > 0) p_ = static_cast<T*>(pinned_alloc(n * sizeof(T), what));
+    if (n > 0) {
+      p_ = static_cast<T*>(pinned_alloc(n * sizeof(T), what));
+      try {
+        dev_ = static_cast<T*>(pinned_device_address(p_));
+      } catch (...) {
+        release();
+        throw;
+      }
+    }
   }
   ~PinnedBuffer() { release(); }
-  PinnedBuffer(PinnedBuffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  PinnedBuffer(PinnedBuffer&& o) noexcept
+      : p_(std::exchange(o.p_, nullptr)), dev_(std::exchange(o.dev_, nullptr)), n_(std::exchange(o.n_, 0)) {}
   PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
     if (this != &o) {
       release();
       p_ = std::exchange(o.p_, nullptr);
+      dev_ = std::exchange(o.dev_, nullptr);
       n_ = std::exchange(o.n_, 0);
     }
     return *this;
@@ -75,15 +88,20 @@ class PinnedBuffer {
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
 
   T* get() const { return p_; }
+  // The same memory as kernels address it: a kernel may read what the host wrote before the launch,
+  // and its writes are the host's to read after the stream synchronizes.
+  T* device() const { return dev_; }
   size_t size() const { return n_; }
 
  private:
   void release() {
     if (p_) cudaFreeHost(p_);
     p_ = nullptr;
+    dev_ = nullptr;
     n_ = 0;
   }
   T* p_ = nullptr;
+  T* dev_ = nullptr;
   size_t n_ = 0;
 };
 

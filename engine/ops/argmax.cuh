@@ -8,8 +8,9 @@
 
 namespace diffrun::engine {
 
-// out [1] device int32; logits [V] f32 (one row; padded rows beyond V are never read); scratch [2]
-// device, zero before the first launch and left zero by each launch (one scratch per stream).
+// out [1] int32, in device memory or mapped host memory (PinnedBuffer::device()); logits [V] f32
+// (one row; padded rows beyond V are never read); scratch [2] device, zero before the first launch
+// and left zero by each launch (one scratch per stream).
 void argmax(int32_t* out, const float* logits, int V, unsigned long long* scratch, cudaStream_t stream);
 
 }  // namespace diffrun::engine
