@@ -68,11 +68,6 @@ bool gemv_prefetch_enabled() {
   return enabled;
 }
 
-bool attention_split_clusters_enabled() {
-  static const bool enabled = !switched_off("DIFFRUN_ATTENTION_CLUSTER") && device_major() >= 9;
-  return enabled;
-}
-
 int gemv_rows_per_warp(int N) {
   const char* v = std::getenv("DIFFRUN_GEMV_ROWS_PER_WARP");  // read at each launch: the tests switch it
   if (!v || !*v || std::strcmp(v, "auto") == 0) return N >= kGemvFourRowsFrom ? 4 : 2;

@@ -29,10 +29,6 @@ bool pdl_enabled();
 // before the PDL wait (so under PDL while the preceding kernel runs), unless DIFFRUN_GEMV_PREFETCH=0.
 bool gemv_prefetch_enabled();
 
-// attention_split's splits combine as a thread block cluster (read once): on for devices of compute
-// capability 9.0 and later unless DIFFRUN_ATTENTION_CLUSTER=0 (the scratch and an atomic ticket then).
-bool attention_split_clusters_enabled();
-
 // Rows each warp of the one-token dense GEMV computes where one warp takes a row (N >= 4096 rows, or
 // rows of at most 128 16-byte chunks: on the 0.5B shape every GEMV but the down projection), the loads
 // of all of them in flight together: by default (auto) 2, and 4 from kGemvFourRowsFrom rows (the lm

@@ -202,9 +202,7 @@ class CudaEngineImpl final : public CudaEngine {
         h_n_past_(1, "step state"),
         h_argmax_(1, "step state"),
         h_logits_(size_t(logit_columns()), "logits"),
-        attn_splits_(attention_split_count(cfg.n_head, sm_count(),
-                                           attention_split_clusters_enabled() ? kAttentionSplitMaxClusterSplits
-                                                                              : kAttentionSplitMaxSplits)),
+        attn_splits_(attention_split_count(cfg.n_head, sm_count())),
         attn_min_keys_(env_positive_int("DIFFRUN_ATTENTION_SPLIT_MIN_KEYS", kAttentionSplitMinKeys)),
         attn_probs_(attn_probs_floats(cfg, max_ctx), "attention scratch"),
         attn_partial_(attn_partial_floats(cfg, attn_splits_), "attention scratch"),
@@ -241,9 +239,6 @@ class CudaEngineImpl final : public CudaEngine {
         {"cuda_graphs", graphs_enabled_ ? "decode steps without hooks" : "off"},
         {"attention_splits", std::to_string(attn_splits_)},
         {"attention_split_min_keys", std::to_string(attn_min_keys_)},
-        {"attention_split_combine", attention_split_clusters_enabled()
-                                        ? "thread block cluster (distributed shared memory) where one fits"
-                                        : "last block (atomic ticket)"},
         {"prefill_attention", tiled_attention_ ? "tiled" : "one block per (token, head)"},
         {"pdl", pdl_enabled() ? "on" : "off"},
         {"gemv_prefetch", gemv_prefetch_enabled() ? "on" : "off"},

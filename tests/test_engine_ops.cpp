@@ -648,15 +648,6 @@ TEST(EngineOps, AttentionSplitMatchesReference) {
     EXPECT_EQ(out2.download(), got);
     EXPECT_EQ(probs2.download(), got_probs);
 
-    // The other combine (the scratch and the ticket where the first was a cluster) gives the same bits.
-    engine::AttentionSplitScratch ticket = scratch;
-    ticket.cluster = false;
-    DeviceArray<float> out3(T * Q), probs3(std::vector<float>(size_t(H) * T * S, NAN));
-    engine::attention_split(out3.get(), probs3.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale,
-                            window, ticket, nullptr);
-    EXPECT_EQ(out3.download(), got);
-    EXPECT_EQ(probs3.download(), got_probs);
-
     DeviceArray<__half> out16(T * Q);
     engine::attention_split(out16.get(), probs2.get(), dq.get(), dk.get(), dv.get(), T, dnp.get(), H, Hkv, Dh, scale,
                             window, scratch, nullptr);
@@ -770,8 +761,6 @@ TEST(EngineOps, AttentionSplitCount) {
   EXPECT_EQ(engine::attention_split_count(14, 132), 19);
   EXPECT_EQ(engine::attention_split_count(64, 16), 1);
   EXPECT_EQ(engine::attention_split_count(1, 132), engine::kAttentionSplitMaxSplits);
-  EXPECT_EQ(engine::attention_split_count(14, 132, engine::kAttentionSplitMaxClusterSplits), 16);
-  EXPECT_EQ(engine::attention_split_count(32, 132, engine::kAttentionSplitMaxClusterSplits), 9);
   // Splits used per query: one per min_keys keys, at least 1, at most the grid's.
   EXPECT_EQ(engine::attention_splits_used(37, 19, 128), 1);
   EXPECT_EQ(engine::attention_splits_used(255, 19, 128), 1);

@@ -15,12 +15,7 @@
 #include "engine/ops/attention.cuh"
 
 #include <algorithm>
-#include <mutex>
 #include <string>
-#include <utility>
-#include <vector>
-
-#include <cooperative_groups.h>
 
 #include "engine/cuda_check.cuh"
 #include "engine/ops/launch.cuh"
@@ -29,8 +24,6 @@
 namespace diffrun::engine {
 
 namespace {
-
-namespace cg = cooperative_groups;
 
 constexpr int kWarps = 8;
 constexpr int kMaxDhPerLane = 8;  // Dh ≤ 256
@@ -121,35 +114,13 @@ attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, c
 constexpr int kSplitWarps = 8;
 constexpr int kKeyBatch = 4;  // keys per warp whose loads are in flight together
 
-// The cluster barrier (all threads of every block of the cluster; release then acquire, so shared
-// memory written before it is readable by the cluster's other blocks after it).
-__device__ __forceinline__ void cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cg::this_cluster().sync();
-#endif
-}
-
-// Address of `p` (this block's shared memory) in the shared memory of block `rank` of the cluster.
-__device__ __forceinline__ const float* cluster_shared(const float* p, int rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return cg::this_cluster().map_shared_rank(p, static_cast<unsigned>(rank));
-#else
-  return p;
-#endif
-}
-
-// kDpl: head dims per lane (Dh ≤ 32·kDpl; the loops skip the dims past Dh, so every kDpl gives the
-// same bits). kCluster: the splits of a (token, head) are one thread block cluster (sm_90+, launched
-// with cluster dims (splits, 1, 1)); they combine through distributed shared memory at a cluster
-// barrier instead of the scratch, a fence and an atomic ticket, in the same order (the same bits).
-template <typename Out, int kDpl, bool kCluster>
+// kDpl: head dims per lane (Dh ≤ 32·kDpl). The loops skip the dims past Dh, so every kDpl gives the
+// same bits; a kDpl fitted to the head keeps the registers down (Dh = 64: 64 instead of 126).
+template <typename Out, int kDpl>
 static __global__ void __launch_bounds__(kSplitWarps * 32)
 attention_split_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                        const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, float* partial,
                        uint32_t* counters, int min_keys) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900
-  if constexpr (kCluster) __trap();  // never launched below sm_90 (launch_split checks)
-#endif
   pdl_wait();
   pdl_trigger();
   const int split = blockIdx.x;
@@ -163,13 +134,7 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
   const int first = window > 0 ? max(0, n_keys - window) : 0;  // sliding window: keys first..n_keys-1
   const int S = *n_past + T;
   const int n_splits = attention_splits_used(n_keys - first, static_cast<int>(gridDim.x), min_keys);
-  if (split >= n_splits) {  // a short query leaves the spare splits of the grid idle
-    if constexpr (kCluster) {  // an idle block still meets its cluster's two barriers
-      cluster_sync();
-      cluster_sync();
-    }
-    return;
-  }
+  if (split >= n_splits) return;  // a short query leaves the spare splits of the grid idle
   const int chunk = (n_keys - first + n_splits - 1) / n_splits;
   const int s_begin = min(first + split * chunk, n_keys);
   const int s_end = min(s_begin + chunk, n_keys);
@@ -224,7 +189,7 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
       const int s = s0 + u * kSplitWarps;
       if (s < s_end) {
         const float x = dot[u] * scale;
-        if (lane == 0 && !(kCluster && one_round)) prow[s] = x;  // the cluster path keeps one round's in x1
+        if (lane == 0) prow[s] = x;
         x1[u] = x;
         m = fmaxf(m, x);
       }
@@ -284,63 +249,6 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
   float total = 0.0f;
   for (int w = 0; w < kSplitWarps; ++w) total += sum_sh[w];
   const int64_t out_row = (static_cast<int64_t>(t) * H + h) * Dh;
-
-  if constexpr (kCluster) {
-    // This block's unnormalised output, max and exp-sum in its shared memory, for the cluster.
-    __shared__ float part_sh[kDpl * 32 + 2];
-    for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
-      float o = 0.0f;
-      for (int w = 0; w < kSplitWarps; ++w) o += acc_sh[w][d];
-      part_sh[d] = o;
-    }
-    if (threadIdx.x == 0) {
-      part_sh[Dh] = m;
-      part_sh[Dh + 1] = total;
-    }
-    cluster_sync();  // every split's partial is readable cluster-wide
-    // Every block takes M and L (its probabilities need them) as the ticket's last block does: lane i
-    // holds split i (splits ≤ 32, so the second split of a lane is empty), the same sums in the same order.
-    __shared__ float weight[32];  // exp(m_split − M)
-    __shared__ float stats[2];    // M, L
-    if (warp == 0) {
-      const bool has0 = lane < n_splits;
-      const float* theirs = cluster_shared(part_sh, has0 ? lane : 0);
-      const float m0 = has0 ? theirs[Dh] : -INFINITY, m1 = -INFINITY;
-      const float l0 = has0 ? theirs[Dh + 1] : 0.0f, l1 = 0.0f;
-      const float M = warp_max(fmaxf(m0, m1));
-      const float w0 = m0 == -INFINITY ? 0.0f : expf(m0 - M);
-      const float w1 = 0.0f;
-      weight[lane] = w0;
-      const float L = warp_sum(w0 * l0 + w1 * l1);
-      if (lane == 0) {
-        stats[0] = M;
-        stats[1] = L;
-      }
-    }
-    __syncthreads();
-    const float M = stats[0], L = stats[1];
-    if (split == 0) {
-      for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
-        float o = 0.0f;
-        for (int i = 0; i < n_splits; ++i) o += weight[i] * cluster_shared(part_sh, i)[d];
-        store_act(out, out_row + d, o / L);
-      }
-      for (int s = threadIdx.x; s < S; s += blockDim.x)  // the keys outside the causal window
-        if (s < first || s >= n_keys) prow[s] = 0.0f;
-    }
-    if (one_round) {  // this split's probabilities from the scores it kept
-      if (lane == 0)
-#pragma unroll
-        for (int u = 0; u < kKeyBatch; ++u) {
-          const int s = s_begin + warp + u * kSplitWarps;
-          if (s < s_end) prow[s] = expf(x1[u] - M) / L;
-        }
-    } else {
-      for (int s = s_begin + threadIdx.x; s < s_end; s += blockDim.x) prow[s] = expf(prow[s] - M) / L;
-    }
-    cluster_sync();  // no block leaves while another may still read its shared memory
-    return;
-  }
 
   if (n_splits == 1) {  // the whole row in this block: normalise here
     for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
@@ -416,68 +324,6 @@ void check_shape(int H, int Hkv, int Dh) {
                      std::to_string(Hkv));
 }
 
-// Whether the splits of a (token, head) can be one cluster of `splits` blocks of `kernel` here: sm_90+,
-// at most kAttentionSplitMaxClusterSplits, not turned off, and one such cluster fits the device
-// (cudaOccupancyMaxActiveClusters). Asked once per kernel and size.
-template <typename Kernel>
-bool cluster_fits(Kernel kernel, int splits) {
-  static std::mutex mu;
-  static std::vector<std::pair<std::pair<const void*, int>, bool>> known;
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), splits);
-  for (const auto& k : known)
-    if (k.first == key) return k.second;
-  bool fits = splits <= kAttentionSplitMaxClusterSplits && attention_split_clusters_enabled();
-  if (fits && splits > 8)
-    fits = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
-  if (fits) {
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = static_cast<unsigned>(splits);
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(splits), 1, 1);
-    config.blockDim = dim3(kSplitWarps * 32);
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    int clusters = 0;
-    fits = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters >= 1;
-  }
-  (void)cudaGetLastError();  // a refused query is an answer, not a sticky error
-  known.emplace_back(key, fits);
-  return fits;
-}
-
-template <typename Out, int kDpl>
-void launch_split_dpl(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
-                      const AttentionSplitScratch& scratch, cudaStream_t stream) {
-  const bool cluster = scratch.cluster && cluster_fits(attention_split_kernel<Out, kDpl, true>, scratch.splits);
-  cudaLaunchAttribute attrs[2] = {};
-  int n = 0;
-  if (pdl_enabled()) {
-    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster) {
-    attrs[n].id = cudaLaunchAttributeClusterDimension;
-    attrs[n].val.clusterDim.x = static_cast<unsigned>(scratch.splits);
-    attrs[n].val.clusterDim.y = 1;
-    attrs[n++].val.clusterDim.z = 1;
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(scratch.splits), static_cast<unsigned>(H), static_cast<unsigned>(T));
-  config.blockDim = dim3(kSplitWarps * 32);
-  config.stream = stream;
-  config.attrs = attrs;
-  config.numAttrs = static_cast<unsigned>(n);
-  auto* kernel = cluster ? attention_split_kernel<Out, kDpl, true> : attention_split_kernel<Out, kDpl, false>;
-  CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window,
-                                scratch.partial, scratch.counters, scratch.min_keys));
-  check_launch("attention_split", stream);
-}
-
 template <typename Out>
 void launch_split(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                   const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
@@ -493,13 +339,13 @@ void launch_split(Out* out, float* probs, const float* q, const float* k_cache, 
     throw Error("attention_split: probs and the scratch buffers are required");
   if (scratch.min_keys < 1)
     throw Error("attention_split: min_keys " + std::to_string(scratch.min_keys) + ", at least 1");
-  if (Dh <= 64)
-    launch_split_dpl<Out, 2>(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, scratch, stream);
-  else if (Dh <= 128)
-    launch_split_dpl<Out, 4>(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, scratch, stream);
-  else
-    launch_split_dpl<Out, kMaxDhPerLane>(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window,
-                                         scratch, stream);
+  const dim3 grid(static_cast<unsigned>(scratch.splits), static_cast<unsigned>(H), static_cast<unsigned>(T));
+  auto* kernel = Dh <= 64    ? attention_split_kernel<Out, 2>
+                 : Dh <= 128 ? attention_split_kernel<Out, 4>
+                             : attention_split_kernel<Out, kMaxDhPerLane>;
+  launch_pdl(kernel, grid, kSplitWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale,
+             window, scratch.partial, scratch.counters, scratch.min_keys);
+  check_launch("attention_split", stream);
 }
 
 template <typename Out>
@@ -524,11 +370,10 @@ void attention(__half* out, float* probs, const float* q, const float* k_cache, 
   launch(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream);
 }
 
-int attention_split_count(int H, int sm_count, int max_splits) {
+int attention_split_count(int H, int sm_count) {
   const int blocks_wanted = 2 * sm_count;  // two blocks per SM for a one-token step
-  return std::clamp((blocks_wanted + H - 1) / H, 1, std::min(max_splits, kAttentionSplitMaxSplits));
+  return std::clamp((blocks_wanted + H - 1) / H, 1, kAttentionSplitMaxSplits);
 }
-
 
 void attention_split(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,

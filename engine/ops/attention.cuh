@@ -41,7 +41,6 @@ void attention_tiled(__half* out, const float* q, const float* k_cache, const fl
 constexpr int kAttentionSplitMaxT = 4;         // the most tokens a step may pass to attention_split
 constexpr int kAttentionSplitMaxSplits = 64;   // the most splits per (token, head)
 constexpr int kAttentionSplitMinKeys = 16;     // default keys per split: fewer keys run in fewer splits
-constexpr int kAttentionSplitMaxClusterSplits = 16;  // the most splits that combine as one cluster (sm_90)
 
 // Device scratch of attention_split, owned by the caller and reused by every launch.
 struct AttentionSplitScratch {
@@ -51,15 +50,10 @@ struct AttentionSplitScratch {
   // A launch uses clamp(keys / min_keys, 1, splits) of them for a query with `keys` keys (≥ 1;
   // 1 spreads every query over all splits with at least one key each).
   int min_keys = kAttentionSplitMinKeys;
-  // The splits of a (token, head) combine as one thread block cluster, through distributed shared
-  // memory, where attention_split_clusters_enabled() (cuda_check.cuh) and the device fits such a
-  // cluster (splits ≤ kAttentionSplitMaxClusterSplits); else through `partial` and the last block's
-  // ticket. The same bits either way.
-  bool cluster = true;
 };
 
-// The number of splits that gives a one-token step of H heads two blocks per SM, at most max_splits.
-int attention_split_count(int H, int sm_count, int max_splits = kAttentionSplitMaxSplits);
+// The number of splits that gives a one-token step of H heads two blocks per SM.
+int attention_split_count(int H, int sm_count);
 
 // The splits a query with `keys` keys (≥ 1) uses: clamp(keys / min_keys, 1, splits).
 __host__ __device__ inline int attention_splits_used(int keys, int splits, int min_keys) {
