@@ -41,7 +41,10 @@
 //   the RoPE and cache write into the qkv GEMV (matmul_qkv_rope: each block computes the two rows of
 //   a rotated pair, then rotates them with rope_qk's arithmetic; not with q/k norms or the
 //   rope_cache_unrotated fault; DIFFRUN_ROPE_IN_GEMV=0, the "rope_in_qkv_gemv" fact; in the f16 engine
-//   also where Wv is another K-quant format than Wq|Wk, as in Q4_K_M and Q5_K_M files).
+//   also where Wv is another K-quant format than Wq|Wk, as in Q4_K_M and Q5_K_M files), and the
+//   embedding gather into layer 0's attn_norm (embedding_rms_norm: dense token_embd, no embedding
+//   scale; it reads the id from the mapped host memory and waits on step_inputs only at its end, so
+//   the two run side by side; DIFFRUN_EMBEDDING_NORM_FUSED=0, the "embedding_rms_norm" fact).
 //   Decode T = 1 projections run our GEMV
 //   kernel, prefill the cuBLAS GEMM (bench/NOTES.md has the figures). Quantized matrices stay GGUF
 //   blocks on the device (engine/weights.cuh): the quantized GEMV at T = 1 (Q4_K/Q5_K/Q6_K on tensor
@@ -92,6 +95,7 @@
 #include "engine/ops/argmax.cuh"
 #include "engine/ops/attention.cuh"
 #include "engine/ops/embedding.cuh"
+#include "engine/ops/embedding_rms_norm.cuh"
 #include "engine/ops/geglu.cuh"
 #include "engine/ops/matmul.cuh"
 #include "engine/ops/rms_norm.cuh"
@@ -212,7 +216,8 @@ class CudaEngineImpl final : public CudaEngine {
         graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS")),
         tiled_attention_(!env_is_zero("DIFFRUN_TILED_ATTENTION")),
         swiglu_in_gemv_(!env_is_zero("DIFFRUN_SWIGLU_IN_GEMV")),
-        rope_in_gemv_(!env_is_zero("DIFFRUN_ROPE_IN_GEMV")) {
+        rope_in_gemv_(!env_is_zero("DIFFRUN_ROPE_IN_GEMV")),
+        embd_norm_fused_(!env_is_zero("DIFFRUN_EMBEDDING_NORM_FUSED")) {
     int device = 0;
     CUDA_CHECK(cudaGetDevice(&device));
     cudaDeviceProp prop{};
@@ -246,6 +251,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"kquant_gemv", kF16 && qgemv_mma_enabled() ? "tensor cores (f16 weights, f32 sums)" : "simt"},
         {"swiglu_in_gate_up_gemv", swiglu_in_gemv_ ? "one-token steps without hooks" : "off"},
         {"rope_in_qkv_gemv", rope_in_gemv_ ? "one-token steps without hooks" : "off"},
+        {"embedding_rms_norm", embd_norm_fused_ ? "one-token steps without hooks (dense token_embd)" : "off"},
         {"checkpoint_copies", stager_.mode()},
     };
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
@@ -338,19 +344,29 @@ class CudaEngineImpl final : public CudaEngine {
     set_op_context(step, -1);
     step_inputs(a.tokens.get(), d_n_past_.get(), h_tokens_.device(), h_n_past_.device(), n, stream_);
 
-    if (faults_.has(Fault::embd_transposed))
-      embedding_transposed(a.x.get(), a.tokens.get(), dense_rows(weights_.token_embd, V, stream_), n, D, V, stream_);
-    else
-      embedding(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_);
-    cp(sink, step, "embd", -1, a.x.get(), {n, D});
-    if (cfg_.embd_scale) {  // gemma3: the embedding rows times sqrt(D); embd_scale_missing skips it
-      stager_.flush(stream_);  // before the in-place scale (embd is a.x)
-      if (!faults_.has(Fault::embd_scale_missing))
-        scale(a.x.get(), a.x.get(), sqrtf(static_cast<float>(D)), int64_t(n) * D, stream_);
-      cp(sink, step, "inp_scaled", -1, a.x.get(), {n, D});
-    }
     step_hooked_ = hooked(step, sink);
-    norm(a.xn.get(), a.x.get(), norm_opening(0), n, D);  // layer 0's attn_norm
+    // One token without hooks: the gather and layer 0's attn_norm in one kernel that reads the id from
+    // the host memory itself, beside step_inputs (bit-identical; see the top).
+    const bool fused_start = embd_norm_fused_ && n == 1 && !step_hooked_ && !cfg_.embd_scale &&
+                             !faults_.has(Fault::embd_transposed) && !rms_norm_flaws_.any() &&
+                             !weights_.token_embd.quantized() && D <= embedding_rms_norm_max_width();
+    if (fused_start) {
+      embedding_rms_norm(a.x.get(), a.xn.get(), h_tokens_.device(), weights_.token_embd.dense, norm_opening(0), n, D,
+                         V, eps(), stream_);
+    } else {
+      if (faults_.has(Fault::embd_transposed))
+        embedding_transposed(a.x.get(), a.tokens.get(), dense_rows(weights_.token_embd, V, stream_), n, D, V, stream_);
+      else
+        embedding(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_);
+      cp(sink, step, "embd", -1, a.x.get(), {n, D});
+      if (cfg_.embd_scale) {  // gemma3: the embedding rows times sqrt(D); embd_scale_missing skips it
+        stager_.flush(stream_);  // before the in-place scale (embd is a.x)
+        if (!faults_.has(Fault::embd_scale_missing))
+          scale(a.x.get(), a.x.get(), sqrtf(static_cast<float>(D)), int64_t(n) * D, stream_);
+        cp(sink, step, "inp_scaled", -1, a.x.get(), {n, D});
+      }
+      norm(a.xn.get(), a.x.get(), norm_opening(0), n, D);  // layer 0's attn_norm
+    }
     for (int l = 0; l < cfg_.n_layer; ++l) layer(step, l, n, sink);
     set_op_context(step, -1);
 
@@ -721,6 +737,7 @@ class CudaEngineImpl final : public CudaEngine {
   bool tiled_attention_;  // steps over kAttentionSplitMaxT tokens take their output from attention_tiled
   bool swiglu_in_gemv_;   // one-token steps without hooks: matmul_gate_up_swiglu (DIFFRUN_SWIGLU_IN_GEMV=0: off)
   bool rope_in_gemv_;     // one-token steps without hooks: matmul_qkv_rope (DIFFRUN_ROPE_IN_GEMV=0: off)
+  bool embd_norm_fused_;  // one-token steps without hooks: embedding_rms_norm (DIFFRUN_EMBEDDING_NORM_FUSED=0: off)
   bool step_hooked_ = false;  // the step being enqueued records or replaces a tensor checkpoint
   cudaGraphExec_t graphs_[2] = {nullptr, nullptr};  // decode step without / with the logits copy
   std::map<std::string, std::string> facts_;

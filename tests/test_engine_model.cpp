@@ -386,13 +386,17 @@ TEST(EngineModel, FusedDecodeMatchesUnfusedDecode) {
     auto fused = make_cuda_engine(*m.file, m.cfg, precision, 32);
     setenv("DIFFRUN_SWIGLU_IN_GEMV", "0", 1);
     setenv("DIFFRUN_ROPE_IN_GEMV", "0", 1);
+    setenv("DIFFRUN_EMBEDDING_NORM_FUSED", "0", 1);
     auto unfused = make_cuda_engine(*m.file, m.cfg, precision, 32);
     unsetenv("DIFFRUN_SWIGLU_IN_GEMV");
     unsetenv("DIFFRUN_ROPE_IN_GEMV");
+    unsetenv("DIFFRUN_EMBEDDING_NORM_FUSED");
     EXPECT_EQ(fused->facts().at("swiglu_in_gate_up_gemv"), "one-token steps without hooks");
     EXPECT_EQ(fused->facts().at("rope_in_qkv_gemv"), "one-token steps without hooks");
+    EXPECT_EQ(fused->facts().at("embedding_rms_norm"), "one-token steps without hooks (dense token_embd)");
     EXPECT_EQ(unfused->facts().at("swiglu_in_gate_up_gemv"), "off");
     EXPECT_EQ(unfused->facts().at("rope_in_qkv_gemv"), "off");
+    EXPECT_EQ(unfused->facts().at("embedding_rms_norm"), "off");
     NullSink none;
     std::vector<int32_t> tokens = prompt_ids(m.cfg.n_vocab, 5);
     for (int step = 0; step < 6; ++step) {

@@ -15,12 +15,15 @@
 #include <gtest/gtest.h>
 
 #include "engine/checkpoint_stager.cuh"
+#include "engine/device_buffer.cuh"
 #include "engine/gemm.cuh"
 #include "engine/ops/add.cuh"
 #include "engine/ops/add_rms_norm.cuh"
 #include "engine/ops/argmax.cuh"
 #include "engine/ops/attention.cuh"
 #include "engine/ops/embedding.cuh"
+#include "engine/ops/embedding_rms_norm.cuh"
+#include "engine/ops/step_inputs.cuh"
 #include "engine/ops/geglu.cuh"
 #include "engine/ops/kv_store.cuh"
 #include "engine/ops/matmul.cuh"
@@ -31,6 +34,7 @@
 #include "engine/ops/scale.cuh"
 #include "engine/ops/swiglu.cuh"
 #include "model/dequant.hpp"
+#include "model/error.hpp"
 #include "reference_cpu/ops/add.hpp"
 #include "reference_cpu/ops/attention.hpp"
 #include "reference_cpu/ops/embedding.hpp"
@@ -542,6 +546,49 @@ TEST(EngineOps, AddRmsNormMatchesAddThenRmsNorm) {
     EXPECT_EQ(da.download(), sum2.download());
     EXPECT_EQ(norm.download(), norm2.download());
   }
+}
+
+// The gather and the norm in one launch, ids read from mapped pinned host memory: both outputs
+// bit-identical to embedding then rms_norm (f32 and f16 tables and norms; an id outside the vocabulary
+// gives a NaN row as embedding does), and step_inputs copies the ids and n_past from that memory.
+TEST(EngineOps, EmbeddingRmsNormMatchesEmbeddingThenRmsNorm) {
+  DIFFRUN_REQUIRE_CUDA();
+  for (auto [V, D] : {std::pair{37, 29}, std::pair{50, 896}, std::pair{11, 2048}}) {
+    SCOPED_TRACE("V " + std::to_string(V) + " D " + std::to_string(D));
+    const std::vector<int32_t> tokens = {0, V - 1, 5, 5, V, 1};
+    const int T = static_cast<int>(tokens.size());
+    engine::PinnedBuffer<int32_t> host_ids(tokens.size(), "test ids"), host_n_past(1, "test n_past");
+    std::copy(tokens.begin(), tokens.end(), host_ids.get());
+    *host_n_past.get() = 123;
+    DeviceArray<int32_t> ids(std::vector<int32_t>(tokens.size(), -7)), n_past(std::vector<int32_t>{-7});
+    engine::step_inputs(ids.get(), n_past.get(), host_ids.device(), host_n_past.device(), T, nullptr);
+    EXPECT_EQ(ids.download(), tokens);
+    EXPECT_EQ(n_past.download(), std::vector<int32_t>{123});
+
+    const auto table = random_vec(size_t(V) * D, 60, 2.0f), w = random_vec(D, 61);
+    DeviceArray<float> dtab(table), dw(w), x(T * D), xn(T * D), x2(T * D), xn2(T * D);
+    engine::embedding_rms_norm(x.get(), xn.get(), host_ids.device(), dtab.get(), dw.get(), T, D, V, 1e-6f, nullptr);
+    engine::embedding(x2.get(), ids.get(), dtab.get(), T, D, V, nullptr);
+    engine::rms_norm(xn2.get(), x2.get(), dw.get(), T, D, 1e-6f, nullptr);
+    const auto got_x = x.download(), want_x = x2.download();
+    EXPECT_EQ(0, std::memcmp(got_x.data(), want_x.data(), got_x.size() * sizeof(float)));  // NaN rows too
+    const auto got_n = xn.download(), want_n = xn2.download();
+    EXPECT_EQ(0, std::memcmp(got_n.data(), want_n.data(), got_n.size() * sizeof(float)));
+    EXPECT_TRUE(std::isnan(got_x[size_t(4) * D]));  // the id V
+
+    DeviceArray<__half> htab(to_half(table)), h16(T * D), h16b(T * D);
+    engine::embedding_rms_norm(x.get(), h16.get(), host_ids.device(), htab.get(), dw.get(), T, D, V, 1e-6f, nullptr);
+    engine::embedding(x2.get(), ids.get(), htab.get(), T, D, V, nullptr);
+    engine::rms_norm(h16b.get(), x2.get(), dw.get(), T, D, 1e-6f, nullptr);
+    const auto got_x16 = x.download(), want_x16 = x2.download();
+    EXPECT_EQ(0, std::memcmp(got_x16.data(), want_x16.data(), got_x16.size() * sizeof(float)));
+    const auto got_h = h16.download(), want_h = h16b.download();
+    EXPECT_EQ(0, std::memcmp(got_h.data(), want_h.data(), got_h.size() * sizeof(__half)));
+  }
+  DeviceArray<float> x(2049), xn(2049), tab(2049), w(2049);
+  DeviceArray<int32_t> ids(std::vector<int32_t>{0});
+  EXPECT_THROW(engine::embedding_rms_norm(x.get(), xn.get(), ids.get(), tab.get(), w.get(), 1, 2049, 1, 1e-6f, nullptr),
+               Error);
 }
 
 TEST(EngineOps, AttentionMatchesReference) {
