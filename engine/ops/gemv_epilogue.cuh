@@ -73,7 +73,20 @@ __device__ __forceinline__ float gemv_row_value(const GemvParts& parts, int row,
   return bias ? acc + bias[row - begin] : acc;
 }
 
-// The combined outputs of pair `pair` from its rows' values ya (first row) and yb (second row).
+// `rope` with its positions read (the RoPE epilogue's launches; else `rope` as is). Called right
+// after the PDL wait, with the block's first loads.
+template <int kEpi>
+__device__ __forceinline__ GemvRope gemv_rope_positions(const GemvRope& rope) {
+  GemvRope r = rope;
+  if constexpr (kEpi == kGemvRope) {
+    r.pos = *rope.pos0;
+    r.row = *rope.write_pos;
+  }
+  return r;
+}
+
+// The combined outputs of pair `pair` from its rows' values ya (first row) and yb (second row); `rope`
+// from gemv_rope_positions.
 template <int kEpi, typename A>
 __device__ __forceinline__ void gemv_pair_epilogue(const GemvParts& parts, A* act, const GemvRope& rope, int pair,
                                                    float ya, float yb) {
@@ -85,19 +98,19 @@ __device__ __forceinline__ void gemv_pair_epilogue(const GemvParts& parts, A* ac
     const int Q = rope.H * Dh, KV = rope.Hkv * Dh;
     if (head_row < rope.H + rope.Hkv) {  // q or k: rotated at position pos0 (the step's one token)
       float y0, y1;
-      rope_pair(ya, yb, *rope.pos0, i, Dh, rope.theta, rope.freq_factors, y0, y1);
+      rope_pair(ya, yb, rope.pos, i, Dh, rope.theta, rope.freq_factors, y0, y1);
       if (head_row < rope.H) {
         parts.out[0][ra] = y0;
         parts.out[0][rb] = y1;
       } else {
-        const int64_t row0 = static_cast<int64_t>(*rope.write_pos) * KV;
+        const int64_t row0 = static_cast<int64_t>(rope.row) * KV;
         parts.out[1][ra - Q] = y0;
         parts.out[1][rb - Q] = y1;
         rope.k_cache[row0 + ra - Q] = y0;
         rope.k_cache[row0 + rb - Q] = y1;
       }
     } else {  // v: as computed, and to the cache
-      const int64_t row0 = static_cast<int64_t>(*rope.write_pos) * KV;
+      const int64_t row0 = static_cast<int64_t>(rope.row) * KV;
       parts.out[2][ra - Q - KV] = ya;
       parts.out[2][rb - Q - KV] = yb;
       rope.v_cache[row0 + ra - Q - KV] = ya;
