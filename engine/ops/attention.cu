@@ -121,10 +121,6 @@ static __global__ void __launch_bounds__(kSplitWarps * 32)
 attention_split_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                        const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, float* partial,
                        uint32_t* counters, int min_keys) {
-  // n_past before the wait: it was written before the preceding kernel started (by step_inputs, two or
-  // more launches back, each of which triggers only after its own wait, or by a copy), so it is in L2
-  // already, and the key range, the idle splits' exit and the K/V addresses need no load after the wait.
-  const int past = __ldcg(n_past);
   pdl_wait();
   pdl_trigger();
   const int split = blockIdx.x;
@@ -134,9 +130,9 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int64_t kv_stride = static_cast<int64_t>(Hkv) * Dh;
-  const int n_keys = past + t + 1;  // causal: positions 0..n_past+t
+  const int n_keys = *n_past + t + 1;  // causal: positions 0..n_past+t
   const int first = window > 0 ? max(0, n_keys - window) : 0;  // sliding window: keys first..n_keys-1
-  const int S = past + T;
+  const int S = *n_past + T;
   const int n_splits = attention_splits_used(n_keys - first, static_cast<int>(gridDim.x), min_keys);
   if (split >= n_splits) return;  // a short query leaves the spare splits of the grid idle
   const int chunk = (n_keys - first + n_splits - 1) / n_splits;

@@ -63,8 +63,6 @@ __host__ __device__ inline int attention_splits_used(int keys, int splits, int m
 
 // As attention, with probs [H, T, S] required; T ≤ kAttentionSplitMaxT; scratch sized for T, H, Dh
 // and its splits. The result does not depend on which split finishes last (fixed combine order).
-// n_past is read before the kernel's PDL wait: it must be written before the launch that precedes
-// this one starts (by a kernel two or more launches back, or a copy), not by the preceding kernel.
 void attention_split(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
                      const AttentionSplitScratch& scratch, cudaStream_t stream);

@@ -73,20 +73,31 @@ __device__ __forceinline__ float gemv_row_value(const GemvParts& parts, int row,
   return bias ? acc + bias[row - begin] : acc;
 }
 
-// `rope` with its positions read (the RoPE epilogue's launches; else `rope` as is). Called right
-// after the PDL wait, with the block's first loads.
+// The RoPE epilogue's positions (*pos0, *write_pos), read right after the PDL wait with the block's
+// first loads (other epilogues: nothing read).
+struct GemvRopeAt {
+  int pos = 0, row = 0;
+};
 template <int kEpi>
-__device__ __forceinline__ GemvRope gemv_rope_positions(const GemvRope& rope) {
-  GemvRope r = rope;
+__device__ __forceinline__ GemvRopeAt gemv_rope_positions(const GemvRope& rope) {
+  GemvRopeAt at;
   if constexpr (kEpi == kGemvRope) {
-    r.pos = *rope.pos0;
-    r.row = *rope.write_pos;
+    at.pos = *rope.pos0;
+    at.row = *rope.write_pos;
   }
+  return at;
+}
+
+// `rope` with the positions read at the kernel's start, for its epilogue.
+__device__ __forceinline__ GemvRope gemv_rope_with(const GemvRope& rope, GemvRopeAt at) {
+  GemvRope r = rope;
+  r.pos = at.pos;
+  r.row = at.row;
   return r;
 }
 
 // The combined outputs of pair `pair` from its rows' values ya (first row) and yb (second row); `rope`
-// from gemv_rope_positions.
+// from gemv_rope_with.
 template <int kEpi, typename A>
 __device__ __forceinline__ void gemv_pair_epilogue(const GemvParts& parts, A* act, const GemvRope& rope, int pair,
                                                    float ya, float yb) {

@@ -67,7 +67,7 @@ gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, i
   }
   pdl_wait();
   pdl_trigger();
-  const GemvRope rp = gemv_rope_positions<kEpi>(rope);
+  const GemvRopeAt at = gemv_rope_positions<kEpi>(rope);
   constexpr int kLanes = 32 * kWarpsPerRow;
   float acc = 0.0f;
   if (row < N) {
@@ -91,7 +91,7 @@ gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, i
       for (int k = sub; k < K; k += kLanes) acc = fmaf(load_act(wr, k), load_act(x, k), acc);
     }
   }
-  gemv_finish<kWarpsPerRow, kEpi>(parts, act, rp, acc, pair, row, row < N);
+  gemv_finish<kWarpsPerRow, kEpi>(parts, act, gemv_rope_with(rope, at), acc, pair, row, row < N);
 }
 
 template <typename W, bool kVec, int kWarpsPerRow, int kEpi>
@@ -132,7 +132,7 @@ gemv_rows_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__
   }
   pdl_wait();
   pdl_trigger();
-  const GemvRope rp = gemv_rope_positions<kEpi>(rope);
+  const GemvRopeAt at = gemv_rope_positions<kEpi>(rope);
   const int chunks = K / (16 / sizeof(W));
   const uint4* x4 = reinterpret_cast<const uint4*>(x);
   const uint4* w4[kRW];
@@ -170,7 +170,8 @@ gemv_rows_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__
     __syncthreads();
     const int p = blockIdx.x * kPairs + threadIdx.x;
     if (threadIdx.x < kPairs && p < N / 2)
-      gemv_pair_epilogue<kEpi>(parts, act, rp, p, value[threadIdx.x], value[threadIdx.x + kPairs]);
+      gemv_pair_epilogue<kEpi>(parts, act, gemv_rope_with(rope, at), p, value[threadIdx.x],
+                               value[threadIdx.x + kPairs]);
   }
 }
 

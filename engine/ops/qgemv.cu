@@ -274,7 +274,7 @@ qgemv_kernel(GemvParts parts, int row0, int rows, const X* __restrict__ x, const
   }
   pdl_wait();
   pdl_trigger();
-  const GemvRope rp = gemv_rope_positions<kEpi>(rope);
+  const GemvRopeAt at = gemv_rope_positions<kEpi>(rope);
   constexpr int kLanes = 32 * kWarpsPerRow;
   float acc = 0.0f;
   if (r < rows) {
@@ -302,7 +302,7 @@ qgemv_kernel(GemvParts parts, int row0, int rows, const X* __restrict__ x, const
       for (int k = 0; k < 2 * Q::kRun; ++k) acc = fmaf(v[k], xv[k], acc);
     }
   }
-  gemv_finish<kWarpsPerRow, kEpi>(parts, act, rp, acc, pair, row0 + r, r < rows);
+  gemv_finish<kWarpsPerRow, kEpi>(parts, act, gemv_rope_with(rope, at), acc, pair, row0 + r, r < rows);
 }
 
 // ---- the f16 engine's K-quant GEMV on tensor cores (Q4_K, Q5_K, Q6_K with f16 activations) ----
@@ -506,12 +506,12 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
   }
   pdl_wait();
   pdl_trigger();
-  const GemvRope rp = gemv_rope_positions<kEpi>(rope);
+  const GemvRopeAt at = gemv_rope_positions<kEpi>(rope);
   // A slot without a row (the last tile) computes row 0 again; its value is never written.
   float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   mma_tile_sums<Q, kWarps>(w + int64_t(ra < rows ? ra : 0) * row_bytes, w + int64_t(rb < rows ? rb : 0) * row_bytes, x,
                            K, warp, t, c);
-  mma_tile_finish<kEpi, kWarps>(parts, row0, rows, rp, act, c, warp, g, t);
+  mma_tile_finish<kEpi, kWarps>(parts, row0, rows, gemv_rope_with(rope, at), act, c, warp, g, t);
 }
 
 // The RoPE launch over Wq|Wk|Wv in two formats: rows [0, rows_a) (Wq|Wk) are QA blocks at wa, the Wv
@@ -540,7 +540,7 @@ qgemv_mma_rope2_kernel(GemvParts parts, int rows, int rows_a, const __half* __re
   }
   pdl_wait();
   pdl_trigger();
-  const GemvRope rp = gemv_rope_positions<kGemvRope>(rope);
+  const GemvRopeAt at = gemv_rope_positions<kGemvRope>(rope);
   const uint8_t* pa = row_at(ra);
   const uint8_t* pb = row_at(rb);
   float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -548,7 +548,7 @@ qgemv_mma_rope2_kernel(GemvParts parts, int rows, int rows_a, const __half* __re
     mma_tile_sums<QB, kWarps>(pa, pb, x, K, warp, t, c);
   else
     mma_tile_sums<QA, kWarps>(pa, pb, x, K, warp, t, c);
-  mma_tile_finish<kGemvRope, kWarps>(parts, 0, rows, rp, nullptr, c, warp, g, t);
+  mma_tile_finish<kGemvRope, kWarps>(parts, 0, rows, gemv_rope_with(rope, at), nullptr, c, warp, g, t);
 }
 
 template <typename Q>

@@ -43,8 +43,8 @@ struct GemvRope {
   float theta = 0.0f;
   int H = 0, Hkv = 0, Dh = 0;
   bool neox = false;
-  // *pos0 and *write_pos as a kernel read them right after its PDL wait (gemv_rope_positions), so the
-  // epilogue does not wait on those loads at the kernel's end. Set on the device only.
+  // *pos0 and *write_pos as the kernel read them right after its PDL wait (gemv_rope_positions, then
+  // gemv_rope_with), so the epilogue does not wait on those loads at its end. Set on the device only.
   int pos = 0, row = 0;
 };
 
