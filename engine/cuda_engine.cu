@@ -12,8 +12,8 @@
 //   so a decode step (T = 1) without hooks is captured once as a CUDA graph and replayed at any
 //   position. The step's first kernel (step_inputs) reads the ids and n_past from mapped pinned
 //   host memory and argmax writes the token there, so the graph holds no host copy nodes (each
-//   cost ~2.5 us of a step; bench/NOTES.md v23). Steps with any hook, prefill steps, DIFFRUN_SYNC_CHECK=1 and DIFFRUN_CUDA_GRAPHS=0
-//   launch the same kernels one by one.
+//   cost ~2.5 us of a step; bench/NOTES.md v23). Steps with any hook, prefill steps,
+//   DIFFRUN_SYNC_CHECK=1 and DIFFRUN_CUDA_GRAPHS=0 launch the same kernels one by one.
 // - Every op kernel (not cuBLAS) is launched with Programmatic Dependent Launch on sm_90+: it waits
 //   for the preceding grid first thing, so its launch overlaps the previous kernel's tail, in the
 //   graph and out of it. DIFFRUN_PDL=0 turns it off (the "pdl" fact says which ran). The GEMVs
