@@ -97,7 +97,6 @@
 #include "engine/ops/embedding.cuh"
 #include "engine/ops/embedding_rms_norm.cuh"
 #include "engine/ops/geglu.cuh"
-#include "engine/ops/l2_prefetch.cuh"
 #include "engine/ops/matmul.cuh"
 #include "engine/ops/rms_norm.cuh"
 #include "engine/ops/rope_qk.cuh"
@@ -218,8 +217,7 @@ class CudaEngineImpl final : public CudaEngine {
         tiled_attention_(!env_is_zero("DIFFRUN_TILED_ATTENTION")),
         swiglu_in_gemv_(!env_is_zero("DIFFRUN_SWIGLU_IN_GEMV")),
         rope_in_gemv_(!env_is_zero("DIFFRUN_ROPE_IN_GEMV")),
-        embd_norm_fused_(!env_is_zero("DIFFRUN_EMBEDDING_NORM_FUSED")),
-        ffn_prefetch_(!env_is_zero("DIFFRUN_FFN_PREFETCH")) {
+        embd_norm_fused_(!env_is_zero("DIFFRUN_EMBEDDING_NORM_FUSED")) {
     int device = 0;
     CUDA_CHECK(cudaGetDevice(&device));
     cudaDeviceProp prop{};
@@ -428,15 +426,6 @@ class CudaEngineImpl final : public CudaEngine {
       matmul_cat({{a.q.get(), bias ? w.bq : nullptr, Q}, {a.k.get(), bias ? w.bk : nullptr, KV},
                   {a.v.get(), bias ? w.bv : nullptr, KV}},
                  a.xn.get(), w.wq, n, D, cublas_, stream_);
-    // One token without hooks: the FFN's dense weights asked into L2 (evict_last) while attention runs.
-    if (ffn_prefetch_ && n == 1 && !step_hooked_ && !w.w_gate.quantized() && !w.w_down.quantized()) {
-      L2Ranges ffn;
-      ffn.p[0] = w.w_gate.dense;
-      ffn.bytes[0] = size_t(2) * F * D * sizeof(W);
-      ffn.p[1] = w.w_down.dense;
-      ffn.bytes[1] = size_t(D) * F * sizeof(W);
-      l2_prefetch(ffn, stream_);
-    }
     cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
     cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
     cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
@@ -749,7 +738,6 @@ class CudaEngineImpl final : public CudaEngine {
   bool swiglu_in_gemv_;   // one-token steps without hooks: matmul_gate_up_swiglu (DIFFRUN_SWIGLU_IN_GEMV=0: off)
   bool rope_in_gemv_;     // one-token steps without hooks: matmul_qkv_rope (DIFFRUN_ROPE_IN_GEMV=0: off)
   bool embd_norm_fused_;  // one-token steps without hooks: embedding_rms_norm (DIFFRUN_EMBEDDING_NORM_FUSED=0: off)
-  bool ffn_prefetch_;     // one-token steps without hooks: l2_prefetch of the FFN weights (DIFFRUN_FFN_PREFETCH=0: off)
   bool step_hooked_ = false;  // the step being enqueued records or replaces a tensor checkpoint
   cudaGraphExec_t graphs_[2] = {nullptr, nullptr};  // decode step without / with the logits copy
   std::map<std::string, std::string> facts_;

@@ -77,22 +77,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p, size_t n) {
 #endif
 }
 
-// prefetch_l2 with the evict_last policy: the lines are kept over others until read (a read with its
-// own policy, e.g. __ldcs, then sets theirs).
-__device__ __forceinline__ void prefetch_l2_keep(const void* p, size_t n) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t(15);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) & ~uintptr_t(15);
-  if (end > begin)
-    asm volatile(
-        "{\n\t.reg .b64 policy;\n\t"
-        "createpolicy.fractional.L2::evict_last.b64 policy, 1.0;\n\t"
-        "cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, policy;\n\t}" ::"l"(begin),
-        "r"(static_cast<uint32_t>(end - begin))
-        : "memory");
-#endif
-}
-
 // Launches a kernel that calls pdl_wait() first thing, with programmatic stream serialization
 // allowed unless pdl_enabled() is false (a plain launch then).
 template <typename... Params, typename... Args>
