@@ -107,8 +107,7 @@ void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, c
 // warp issues the loads of all its rows (kMultiBatch chunks of each per round) before using any, so
 // a block of 4 warps keeps 4·kRW rows in flight instead of 4. Warp s computes the block's slots
 // s, s + 4, ... (a slot is a row of gemv_slot_row with 4·kRW slots per block, so the paired
-// epilogues see the same pairs as with one row per warp), then the block's pairs are combined: within
-// each warp for an even kRW (a pair's two rows are then the same warp's), else through shared memory.
+// epilogues see the same pairs as with one row per warp), then the block's pairs are combined.
 constexpr int kMultiBatch = 4;
 template <typename W, int kRW, int kEpi>
 static __global__ void __launch_bounds__(128)
@@ -156,31 +155,18 @@ gemv_rows_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__
 #pragma unroll
       for (int u = 0; u < kMultiBatch; ++u) acc[j] += dot16(wv[j][u], xv[u], x);
   }
-  float y[kRW];
+  __shared__ float value[kEpi != kGemvPlain ? kSlots : 1];
 #pragma unroll
   for (int j = 0; j < kRW; ++j) {
     const float a = warp_sum(acc[j]);
-    y[j] = 0.0f;
     if (lane == 0 && row[j] < N) {
       float* out = nullptr;
-      y[j] = gemv_row_value(parts, row[j], a, out);
-      if constexpr (kEpi != kGemvRope) *out = y[j];  // RoPE: its epilogue writes every output
+      const float y = gemv_row_value(parts, row[j], a, out);
+      if constexpr (kEpi != kGemvRope) *out = y;  // RoPE: its epilogue writes every output
+      if constexpr (kEpi != kGemvPlain) value[j * kWarps + warp] = y;
     }
   }
-  if constexpr (kEpi != kGemvPlain && kRW % 2 == 0) {
-    // Slots j and j + kRW/2 of a warp are the two rows of one pair (gemv_slot_row), so the warp's lane 0
-    // combines them itself, without the block's barrier: the same values and expressions.
-    if (lane == 0)
-#pragma unroll
-      for (int j = 0; j < kRW / 2; ++j)
-        if (pair[j] < N / 2)
-          gemv_pair_epilogue<kEpi>(parts, act, gemv_rope_with(rope, at), pair[j], y[j], y[j + kRW / 2]);
-  } else if constexpr (kEpi != kGemvPlain) {
-    __shared__ float value[kSlots];
-    if (lane == 0)
-#pragma unroll
-      for (int j = 0; j < kRW; ++j)
-        if (row[j] < N) value[j * kWarps + warp] = y[j];
+  if constexpr (kEpi != kGemvPlain) {
     __syncthreads();
     const int p = blockIdx.x * kPairs + threadIdx.x;
     if (threadIdx.x < kPairs && p < N / 2)
