@@ -21,7 +21,8 @@
 //   "gemv_prefetch" fact), so the weights stream in while the preceding small kernel runs. Where one
 //   warp takes a row (N >= 4096, or rows of at most 128 16-byte chunks), each warp computes 2 rows (4 for
 //   the lm head) with all their loads in flight together (gemv_rows_per_warp:
-//   DIFFRUN_GEMV_ROWS_PER_WARP=1|2|4 sets it; the same values for each; the "gemv_rows_per_warp" fact).
+//   DIFFRUN_GEMV_ROWS_PER_WARP=1|2|4 sets it, matmul_argmax below keeps 4; the same values for each; the
+//   "gemv_rows_per_warp" fact).
 // - As in the reference, the lm head computes every token's logits only when result_output is
 //   recorded, else the last token's alone.
 // - Hooks off: no copies, no synchronization, no extra kernels. On: each recorded tensor is staged
@@ -44,7 +45,12 @@
 //   also where Wv is another K-quant format than Wq|Wk, as in Q4_K_M and Q5_K_M files), and the
 //   embedding gather into layer 0's attn_norm (embedding_rms_norm: dense token_embd, no embedding
 //   scale; it reads the id from the mapped host memory and waits on step_inputs only at its end, so
-//   the two run side by side; DIFFRUN_EMBEDDING_NORM_FUSED=0, the "embedding_rms_norm" fact).
+//   the two run side by side; DIFFRUN_EMBEDDING_NORM_FUSED=0, the "embedding_rms_norm" fact). Steps
+//   without hooks that want one row of logits (every decode step, and prefill without result_output)
+//   run the dense lm head and argmax as one launch (matmul_argmax: the GEMV's rows, bit-identical, by
+//   a grid that stays resident while the 272 MB of the 0.5B shape's lm head stream, each warp keeping
+//   its best row for argmax's ending; no softcap, no lm_head_padded_vocab; DIFFRUN_LM_HEAD_ARGMAX=0,
+//   the "lm_head_argmax" fact).
 //   Decode T = 1 projections run our GEMV
 //   kernel, prefill the cuBLAS GEMM (bench/NOTES.md has the figures). Quantized matrices stay GGUF
 //   blocks on the device (engine/weights.cuh): the quantized GEMV at T = 1 (Q4_K/Q5_K/Q6_K on tensor
@@ -217,7 +223,8 @@ class CudaEngineImpl final : public CudaEngine {
         tiled_attention_(!env_is_zero("DIFFRUN_TILED_ATTENTION")),
         swiglu_in_gemv_(!env_is_zero("DIFFRUN_SWIGLU_IN_GEMV")),
         rope_in_gemv_(!env_is_zero("DIFFRUN_ROPE_IN_GEMV")),
-        embd_norm_fused_(!env_is_zero("DIFFRUN_EMBEDDING_NORM_FUSED")) {
+        embd_norm_fused_(!env_is_zero("DIFFRUN_EMBEDDING_NORM_FUSED")),
+        lm_head_argmax_(!env_is_zero("DIFFRUN_LM_HEAD_ARGMAX")) {
     int device = 0;
     CUDA_CHECK(cudaGetDevice(&device));
     cudaDeviceProp prop{};
@@ -252,6 +259,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"swiglu_in_gate_up_gemv", swiglu_in_gemv_ ? "one-token steps without hooks" : "off"},
         {"rope_in_qkv_gemv", rope_in_gemv_ ? "one-token steps without hooks" : "off"},
         {"embedding_rms_norm", embd_norm_fused_ ? "one-token steps without hooks (dense token_embd)" : "off"},
+        {"lm_head_argmax", lm_head_argmax_ ? "steps without hooks (dense lm head)" : "off"},
         {"checkpoint_copies", stager_.mode()},
     };
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
@@ -374,6 +382,16 @@ class CudaEngineImpl final : public CudaEngine {
     const int rows = sink.wants("result_output") ? n : 1;  // every token's logits only when recorded
     const W* last_rows = a.xn.get() + size_t(n - rows) * D;  // [rows, D]
     const int Vp = logit_columns();  // V, or the padded vocabulary of lm_head_padded_vocab
+    // One row of logits without hooks: the lm head and argmax in one launch (bit-identical; see the top).
+    if (lm_head_argmax_ && rows == 1 && Vp == V && !step_hooked_ && !(cfg_.final_logit_softcap > 0) &&
+        matmul_argmax(logits_.get(), h_argmax_.device(), last_rows, weights_.lm_head, D, V, argmax_scratch_.get(),
+                      stream_)) {
+      stager_.finish(stream_);
+      if (copy_logits)
+        CUDA_CHECK(cudaMemcpyAsync(h_logits_.get(), logits_.get(), size_t(V) * sizeof(float), cudaMemcpyDeviceToHost,
+                                   stream_));
+      return;
+    }
     if (Vp == V) {
       matmul(logits_.get(), last_rows, weights_.lm_head, nullptr, rows, D, V, cublas_, stream_);
     } else {
@@ -738,6 +756,7 @@ class CudaEngineImpl final : public CudaEngine {
   bool swiglu_in_gemv_;   // one-token steps without hooks: matmul_gate_up_swiglu (DIFFRUN_SWIGLU_IN_GEMV=0: off)
   bool rope_in_gemv_;     // one-token steps without hooks: matmul_qkv_rope (DIFFRUN_ROPE_IN_GEMV=0: off)
   bool embd_norm_fused_;  // one-token steps without hooks: embedding_rms_norm (DIFFRUN_EMBEDDING_NORM_FUSED=0: off)
+  bool lm_head_argmax_;   // steps without hooks, one row of logits: matmul_argmax (DIFFRUN_LM_HEAD_ARGMAX=0: off)
   bool step_hooked_ = false;  // the step being enqueued records or replaces a tensor checkpoint
   cudaGraphExec_t graphs_[2] = {nullptr, nullptr};  // decode step without / with the logits copy
   std::map<std::string, std::string> facts_;

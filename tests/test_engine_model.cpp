@@ -387,22 +387,28 @@ TEST(EngineModel, FusedDecodeMatchesUnfusedDecode) {
     setenv("DIFFRUN_SWIGLU_IN_GEMV", "0", 1);
     setenv("DIFFRUN_ROPE_IN_GEMV", "0", 1);
     setenv("DIFFRUN_EMBEDDING_NORM_FUSED", "0", 1);
+    setenv("DIFFRUN_LM_HEAD_ARGMAX", "0", 1);
     auto unfused = make_cuda_engine(*m.file, m.cfg, precision, 32);
     unsetenv("DIFFRUN_SWIGLU_IN_GEMV");
     unsetenv("DIFFRUN_ROPE_IN_GEMV");
     unsetenv("DIFFRUN_EMBEDDING_NORM_FUSED");
+    unsetenv("DIFFRUN_LM_HEAD_ARGMAX");
     EXPECT_EQ(fused->facts().at("swiglu_in_gate_up_gemv"), "one-token steps without hooks");
     EXPECT_EQ(fused->facts().at("rope_in_qkv_gemv"), "one-token steps without hooks");
     EXPECT_EQ(fused->facts().at("embedding_rms_norm"), "one-token steps without hooks (dense token_embd)");
     EXPECT_EQ(unfused->facts().at("swiglu_in_gate_up_gemv"), "off");
     EXPECT_EQ(unfused->facts().at("rope_in_qkv_gemv"), "off");
     EXPECT_EQ(unfused->facts().at("embedding_rms_norm"), "off");
+    EXPECT_EQ(fused->facts().at("lm_head_argmax"), "steps without hooks (dense lm head)");
+    EXPECT_EQ(unfused->facts().at("lm_head_argmax"), "off");
     NullSink none;
     std::vector<int32_t> tokens = prompt_ids(m.cfg.n_vocab, 5);
     for (int step = 0; step < 6; ++step) {
       const std::vector<float> a = fused->forward(step, tokens, none);
       const std::vector<float> b = unfused->forward(step, tokens, none);
       EXPECT_EQ(a, b) << "logits differ, step " << step;
+      EXPECT_EQ(fused->last_argmax(), unfused->last_argmax()) << "step " << step;
+      EXPECT_EQ(fused->last_argmax(), host_argmax(a)) << "step " << step;
       tokens = {host_argmax(a)};
     }
   }

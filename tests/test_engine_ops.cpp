@@ -914,6 +914,81 @@ TEST(EngineOps, ArgmaxLowestIndexOnTiesSkipsNaN) {
   }
 }
 
+// The lm head with argmax in one launch (matmul_argmax) against matmul (T = 1) then argmax: the
+// outputs bit-identical and the same token, f32 and f16; N of more row blocks than the grid holds (its
+// blocks loop), fewer, and not a multiple of a block's 16 rows; K of one round (896), several (2,048)
+// and a partial one (72); a tie between two rows far apart (the lower index), a NaN row (never wins),
+// every output NaN (-1); repeated launches on one scratch. Where matmul would run 4 warps a row (N <
+// 4096 with long K) or a quantized matrix is given, it launches nothing and says so.
+TEST(EngineOps, MatmulArgmaxMatchesMatmulThenArgmax) {
+  DIFFRUN_REQUIRE_CUDA();
+  engine::CublasHandle h32(engine::EnginePrecision::f32), h16(engine::EnginePrecision::f16);
+  for (auto [N, K] : {std::pair{40003, 896}, std::pair{4101, 2048}, std::pair{9731, 72}, std::pair{37, 64}}) {
+    SCOPED_TRACE("N " + std::to_string(N) + " K " + std::to_string(K));
+    auto w = random_vec(size_t(N) * K, 70, 0.2f);
+    const auto x = random_vec(K, 71);
+    const int top = N / 3, twin = N - 2;  // equal rows, aligned with x: the largest outputs, tied
+    for (int k = 0; k < K; ++k) w[size_t(top) * K + k] = w[size_t(twin) * K + k] = x[k] > 0 ? 0.5f : -0.5f;
+    w[size_t(1) * K + K / 2] = NAN;  // row 1's output is NaN
+    for (bool all_nan : {false, true}) {
+      SCOPED_TRACE(all_nan ? "x with a NaN: every output NaN" : "finite x");
+      std::vector<float> xs = x;
+      if (all_nan) xs[K - 1] = NAN;
+      DeviceArray<float> dx(xs), dw(w);
+      DeviceArray<__half> hx(to_half(xs)), hw(to_half(w));
+      for (bool f16 : {false, true}) {
+        SCOPED_TRACE(f16 ? "f16" : "f32");
+        const std::vector<float> nan(N, std::nanf(""));
+        DeviceArray<float> y1(nan), y2(nan);
+        DeviceArray<int32_t> t1(std::vector<int32_t>{-7}), t2(std::vector<int32_t>{-7});
+        DeviceArray<unsigned long long> s1(std::vector<unsigned long long>{0, 0}), s2(s1.download());
+        for (int rep = 0; rep < 2; ++rep) {
+          bool fused = false;
+          if (f16) {
+            engine::DeviceMatrix<__half> m;
+            m.dense = hw.get();
+            m.K = K;
+            m.rows = N;
+            engine::matmul(y1.get(), hx.get(), hw.get(), nullptr, 1, K, N, h16, nullptr);
+            fused = engine::matmul_argmax(y2.get(), t2.get(), hx.get(), m, K, N, s2.get(), nullptr);
+          } else {
+            engine::DeviceMatrix<float> m;
+            m.dense = dw.get();
+            m.K = K;
+            m.rows = N;
+            engine::matmul(y1.get(), dx.get(), dw.get(), nullptr, 1, K, N, h32, nullptr);
+            fused = engine::matmul_argmax(y2.get(), t2.get(), dx.get(), m, K, N, s2.get(), nullptr);
+          }
+          ASSERT_TRUE(fused);
+          engine::argmax(t1.get(), y1.get(), N, s1.get(), nullptr);
+          TEST_CUDA_CHECK(cudaGetLastError());
+          EXPECT_EQ(bits(y2.download()), bits(y1.download()));
+          EXPECT_EQ(t2.download()[0], t1.download()[0]);
+          EXPECT_EQ(t2.download()[0], all_nan ? -1 : top);
+          EXPECT_EQ(s2.download(), (std::vector<unsigned long long>{0, 0}));
+        }
+      }
+    }
+  }
+  // Not run: 4 warps a row in matmul (N < 4096, K of more than 128 chunks), and a quantized matrix.
+  const auto w = random_vec(size_t(37) * 4864, 72), x = random_vec(4864, 73);
+  DeviceArray<float> dx(x), dw(w), y(37);
+  DeviceArray<int32_t> t(std::vector<int32_t>{-7});
+  DeviceArray<unsigned long long> s(std::vector<unsigned long long>{0, 0});
+  engine::DeviceMatrix<float> m;
+  m.dense = dw.get();
+  m.K = 4864;
+  m.rows = 37;
+  EXPECT_FALSE(engine::matmul_argmax(y.get(), t.get(), dx.get(), m, 4864, 37, s.get(), nullptr));
+  m.dense = nullptr;  // quantized
+  m.n_segments = 1;
+  m.segments[0].type = GgmlType::Q8_0;
+  m.segments[0].rows = 37;
+  EXPECT_FALSE(engine::matmul_argmax(y.get(), t.get(), dx.get(), m, 4864, 37, s.get(), nullptr));
+  EXPECT_EQ(t.download()[0], -7);
+  EXPECT_THROW(engine::matmul_argmax(y.get(), t.get(), dx.get(), m, 4863, 37, s.get(), nullptr), Error);
+}
+
 TEST(EngineOps, KvStoreWritesRowsAtNPast) {
   DIFFRUN_REQUIRE_CUDA();
   const int C = 11, T = 4, width = 24, n_past = 3;

@@ -19,17 +19,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 8;
 constexpr int kMaxBlocks = 1024;
 
-__device__ __forceinline__ bool better(float v, int i, float best, int best_i) {
-  return v > best || (v == best && i < best_i);
-}
-
-// Larger key ⇔ larger value, then lower index; 0 is below every key of a comparable value.
-__device__ __forceinline__ unsigned long long pack(float v, int i) {
-  const uint32_t bits = v == 0.0f ? 0u : __float_as_uint(v);  // -0 ties with +0
-  const uint32_t key = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-  return (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
-}
-
 static __global__ void __launch_bounds__(kThreads)
 argmax_kernel(int32_t* out, const float* logits, int V, unsigned long long* scratch) {
   pdl_wait();
@@ -46,39 +35,12 @@ argmax_kernel(int32_t* out, const float* logits, int V, unsigned long long* scra
     }
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k)
-      if (better(v[k], base + k * kThreads, best, best_i)) {
+      if (argmax_better(v[k], base + k * kThreads, best, best_i)) {
         best = v[k];
         best_i = base + k * kThreads;
       }
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    const float v = __shfl_xor_sync(0xffffffffu, best, o);
-    const int i = __shfl_xor_sync(0xffffffffu, best_i, o);
-    if (better(v, i, best, best_i)) {
-      best = v;
-      best_i = i;
-    }
-  }
-  __shared__ float vals[kWarps];
-  __shared__ int idxs[kWarps];
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) {
-    vals[warp] = best;
-    idxs[warp] = best_i;
-  }
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  for (int w = 1; w < kWarps; ++w)
-    if (better(vals[w], idxs[w], best, best_i)) {
-      best = vals[w];
-      best_i = idxs[w];
-    }
-  if (best_i != INT_MAX) atomicMax(&scratch[0], pack(best, best_i));
-  __threadfence();
-  if (atomicAdd(&scratch[1], 1ull) != gridDim.x - 1) return;
-  const unsigned long long winner = atomicExch(&scratch[0], 0ull);
-  scratch[1] = 0;
-  *out = winner == 0 ? -1 : static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(winner));
+  argmax_block_finish<kWarps>(best, best_i, out, scratch);
 }
 
 }  // namespace

@@ -3,10 +3,12 @@
 #include "engine/ops/matmul.cuh"
 
 #include <algorithm>
+#include <climits>
 #include <string>
 #include <type_traits>
 
 #include "engine/cuda_check.cuh"
+#include "engine/ops/argmax.cuh"
 #include "engine/ops/gemv_epilogue.cuh"
 #include "engine/ops/launch.cuh"
 #include "engine/ops/qgemv.cuh"
@@ -19,6 +21,30 @@ namespace {
 constexpr int kMaxParts = kGemvMaxParts;
 constexpr int kGemvBatch = 8;      // 16-byte loads issued together per lane before any is used
 constexpr int kSplitRowsBelow = 4096;  // fewer rows of long K: the block's 4 warps share each row's K
+constexpr int kMultiBatch = 4;         // gemv_rows_kernel: 16-byte loads of each row issued together per lane
+
+// 16-byte loads possible: rows and x 16-byte aligned (K · sizeof(W) a multiple of 16).
+template <typename W>
+bool gemv_vec(const W* x, const W* w, int K) {
+  return (K * sizeof(W)) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(w) % 16 == 0;
+}
+
+// 4 warps a row: few rows of more chunks than one round of the rows kernel gives a lane (or no 16-byte
+// loads). The same choice for every epilogue of the same N, K and alignment, so a paired launch
+// computes the plain one's rows.
+template <typename W>
+bool gemv_split(bool vec, int K, int N) {
+  return N < kSplitRowsBelow && (!vec || K / int(16 / sizeof(W)) > kMultiBatch * 32);
+}
+
+// Whether gemv_epi computes the rows with gemv_rows_kernel's sums (kVec and one warp a row; every rows-per-warp
+// setting gives the same bits).
+template <typename W>
+bool gemv_runs_rows_kernel(const W* x, const W* w, int K, int N) {
+  const bool vec = gemv_vec<W>(x, w, K);
+  return vec && !gemv_split<W>(vec, K, N);
+}
 
 __device__ __forceinline__ float dot16(uint4 w, uint4 x, const __half*) {
   const __half2* wh = reinterpret_cast<const __half2*>(&w);
@@ -102,13 +128,41 @@ void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, c
              parts, x, w, K, N, gemv_prefetch_enabled(), act, rope);
 }
 
+// A warp's sums of its kRW rows (N for none: 0) in the rows kernel's order: lane takes chunks lane,
+// lane + 32, ... of each row, kMultiBatch of each a round, every load of a round issued before any is
+// used; acc[j] is the lane's part of row[j] (warp_sum gives the row's value).
+template <typename W, int kRW>
+__device__ __forceinline__ void gemv_rows_sums(float (&acc)[kRW], const W* __restrict__ x, const W* __restrict__ w,
+                                               int K, int N, const int (&row)[kRW], int lane) {
+  const int chunks = K / (16 / sizeof(W));
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  const uint4* w4[kRW];
+#pragma unroll
+  for (int j = 0; j < kRW; ++j) w4[j] = reinterpret_cast<const uint4*>(w + int64_t(row[j] < N ? row[j] : 0) * K);
+#pragma unroll
+  for (int j = 0; j < kRW; ++j) acc[j] = 0.0f;
+  for (int c = lane; c < chunks; c += kMultiBatch * 32) {
+    uint4 wv[kRW][kMultiBatch], xv[kMultiBatch];
+#pragma unroll
+    for (int u = 0; u < kMultiBatch; ++u) {
+      const int i = c + u * 32;
+      xv[u] = i < chunks ? __ldg(x4 + i) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int j = 0; j < kRW; ++j) wv[j][u] = row[j] < N && i < chunks ? __ldcs(w4[j] + i) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kRW; ++j)
+#pragma unroll
+      for (int u = 0; u < kMultiBatch; ++u) acc[j] += dot16(wv[j][u], xv[u], x);
+  }
+}
+
 // The one-warp-per-row GEMV with kRW rows per warp (kVec): the same rows' values as gemv_kernel
 // (each lane takes chunks lane, lane + 32, ... of a row, summed in that order, then warp_sum), but a
 // warp issues the loads of all its rows (kMultiBatch chunks of each per round) before using any, so
 // a block of 4 warps keeps 4·kRW rows in flight instead of 4. Warp s computes the block's slots
 // s, s + 4, ... (a slot is a row of gemv_slot_row with 4·kRW slots per block, so the paired
 // epilogues see the same pairs as with one row per warp), then the block's pairs are combined.
-constexpr int kMultiBatch = 4;
 template <typename W, int kRW, int kEpi>
 static __global__ void __launch_bounds__(128)
 gemv_rows_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, int K, int N, bool prefetch,
@@ -133,28 +187,8 @@ gemv_rows_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__
   pdl_wait();
   pdl_trigger();
   const GemvRopeAt at = gemv_rope_positions<kEpi>(rope);
-  const int chunks = K / (16 / sizeof(W));
-  const uint4* x4 = reinterpret_cast<const uint4*>(x);
-  const uint4* w4[kRW];
-#pragma unroll
-  for (int j = 0; j < kRW; ++j) w4[j] = reinterpret_cast<const uint4*>(w + int64_t(row[j] < N ? row[j] : 0) * K);
   float acc[kRW];
-#pragma unroll
-  for (int j = 0; j < kRW; ++j) acc[j] = 0.0f;
-  for (int c = lane; c < chunks; c += kMultiBatch * 32) {
-    uint4 wv[kRW][kMultiBatch], xv[kMultiBatch];
-#pragma unroll
-    for (int u = 0; u < kMultiBatch; ++u) {
-      const int i = c + u * 32;
-      xv[u] = i < chunks ? __ldg(x4 + i) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int j = 0; j < kRW; ++j) wv[j][u] = row[j] < N && i < chunks ? __ldcs(w4[j] + i) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int j = 0; j < kRW; ++j)
-#pragma unroll
-      for (int u = 0; u < kMultiBatch; ++u) acc[j] += dot16(wv[j][u], xv[u], x);
-  }
+  gemv_rows_sums<W, kRW>(acc, x, w, K, N, row, lane);
   __shared__ float value[kEpi != kGemvPlain ? kSlots : 1];
 #pragma unroll
   for (int j = 0; j < kRW; ++j) {
@@ -182,16 +216,82 @@ void launch_gemv_rows(const GemvParts& parts, const W* x, const W* w, int K, int
              x, w, K, N, gemv_prefetch_enabled(), act, rope);
 }
 
+// The lm head and argmax in one launch (matmul_argmax): the rows kernel's blocks of kArgmaxRW·4 rows,
+// each row computed as there (gemv_rows_sums, warp_sum) and written to y, taken by a grid of as many
+// blocks as the SMs hold at once (block b: row blocks b, b + gridDim.x, ...), so that no block starts
+// or ends while the weights stream. Each warp keeps the best of its rows by argmax's order
+// (argmax_better), and the blocks meet as argmax's do (argmax_block_finish).
+constexpr int kArgmaxRW = 4;
+template <typename W>
+static __global__ void __launch_bounds__(128)
+gemv_argmax_kernel(float* __restrict__ y, int32_t* token, const W* __restrict__ x, const W* __restrict__ w, int K,
+                   int N, bool prefetch, unsigned long long* scratch) {
+  constexpr int kWarps = 4, kSlots = kWarps * kArgmaxRW;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row_blocks = (N + kSlots - 1) / kSlots;
+  if (prefetch && threadIdx.x == 0 && int(blockIdx.x) < row_blocks) {  // the first rows, while the preceding kernel runs
+    const int first = blockIdx.x * kSlots;
+    prefetch_l2(w + int64_t(first) * K, size_t(min(kSlots, N - first)) * K * sizeof(W));
+  }
+  pdl_wait();
+  pdl_trigger();
+  float best = -INFINITY;
+  int best_i = INT_MAX;
+  for (int b = blockIdx.x; b < row_blocks; b += gridDim.x) {
+    int row[kArgmaxRW];
+#pragma unroll
+    for (int j = 0; j < kArgmaxRW; ++j) row[j] = b * kSlots + j * kWarps + warp;
+    float acc[kArgmaxRW];
+    gemv_rows_sums<W, kArgmaxRW>(acc, x, w, K, N, row, lane);
+#pragma unroll
+    for (int j = 0; j < kArgmaxRW; ++j) {
+      const float a = warp_sum(acc[j]);  // the same bits in every lane
+      if (row[j] < N) {
+        if (lane == 0) y[row[j]] = a;
+        if (argmax_better(a, row[j], best, best_i)) {
+          best = a;
+          best_i = row[j];
+        }
+      }
+    }
+  }
+  argmax_block_finish<kWarps>(best, best_i, token, scratch);
+}
+
+template <typename W>
+bool matmul_argmax_impl(float* out, int32_t* token, const W* x, const DeviceMatrix<W>& w, int K, int N,
+                        unsigned long long* scratch, cudaStream_t stream) {
+  if (K != w.K)
+    throw Error("matmul_argmax: K = " + std::to_string(K) + " against a matrix of " + std::to_string(w.K) +
+                " columns");
+  if (N > w.rows)
+    throw Error("matmul_argmax: " + std::to_string(N) + " rows asked of a matrix of " + std::to_string(w.rows));
+  if (w.quantized() || !gemv_runs_rows_kernel<W>(x, w.dense, K, N)) return false;
+  static const int per_sm = [] {
+    int blocks = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemv_argmax_kernel<W>, 128, 0));
+    return std::max(blocks, 1);
+  }();
+  static const int sms = [] {
+    int device = 0, count = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    return count;
+  }();
+  const int row_blocks = (N + 4 * kArgmaxRW - 1) / (4 * kArgmaxRW);
+  const unsigned blocks = static_cast<unsigned>(std::min(row_blocks, per_sm * sms));
+  launch_pdl(gemv_argmax_kernel<W>, blocks, 128, 0, stream, out, token, x, w.dense, K, N, gemv_prefetch_enabled(),
+             scratch);
+  check_launch("matmul_argmax", stream);
+  return true;
+}
+
 template <typename W, int kEpi>
 void gemv_epi(const GemvParts& parts, const W* x, const W* w, int K, const char* what, cudaStream_t stream, W* act,
               const GemvRope& rope) {
   const int N = parts.end[parts.n_parts - 1];
-  const bool vec = (K * sizeof(W)) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(w) % 16 == 0;
-  // The same choice for every epilogue of the same N, K and alignment (so a paired launch computes the
-  // plain one's rows): 4 warps a row for few rows of more chunks than one round of the rows kernel
-  // gives a lane.
-  const bool split = N < kSplitRowsBelow && (!vec || K / int(16 / sizeof(W)) > kMultiBatch * 32);
+  const bool vec = gemv_vec<W>(x, w, K);
+  const bool split = gemv_split<W>(vec, K, N);
   const int rows_per_warp = vec && !split ? gemv_rows_per_warp(N) : 1;
   if (vec && split) launch_gemv<W, true, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
   else if (rows_per_warp == 4) launch_gemv_rows<W, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
@@ -370,6 +470,16 @@ bool matmul_gate_up_swiglu(float* gate, float* up, float* act, const float* x, c
 bool matmul_gate_up_swiglu(float* gate, float* up, __half* act, const __half* x, const DeviceMatrix<__half>& w, int K,
                            int F, cudaStream_t stream) {
   return gate_up_swiglu_impl(gate, up, act, x, w, K, F, stream);
+}
+
+bool matmul_argmax(float* out, int32_t* token, const float* x, const DeviceMatrix<float>& w, int K, int N,
+                   unsigned long long* scratch, cudaStream_t stream) {
+  return matmul_argmax_impl(out, token, x, w, K, N, scratch, stream);
+}
+
+bool matmul_argmax(float* out, int32_t* token, const __half* x, const DeviceMatrix<__half>& w, int K, int N,
+                   unsigned long long* scratch, cudaStream_t stream) {
+  return matmul_argmax_impl(out, token, x, w, K, N, scratch, stream);
 }
 
 const float* dense_rows(const DeviceMatrix<float>& w, int rows, cudaStream_t stream) {

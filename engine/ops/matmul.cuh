@@ -5,6 +5,7 @@
 // its rows into the shared scratch (the same values the expanded matrix holds), then the dense path.
 #pragma once
 
+#include <cstdint>
 #include <initializer_list>
 
 #include <cuda_fp16.h>
@@ -77,5 +78,17 @@ bool matmul_qkv_rope(float* q, float* k, float* v, const float* bq, const float*
                      const DeviceMatrix<float>& w, int K, const GemvRope& rope, cudaStream_t stream);
 bool matmul_qkv_rope(float* q, float* k, float* v, const float* bq, const float* bk, const float* bv, const __half* x,
                      const DeviceMatrix<__half>& w, int K, const GemvRope& rope, cudaStream_t stream);
+
+// Fused twin of matmul (T = 1, no bias) followed by argmax over the N outputs: out [N] bit-identical to
+// matmul's (the one-token GEMV's rows, summed in its order), *token argmax's answer for them (the same
+// order: the largest value, the lowest index on ties, NaN never; -1 when none is comparable), written
+// to device or mapped host memory; scratch as argmax's. One launch whose blocks stay resident while the
+// weights stream. Returns false, launching nothing, when w is quantized or matmul would not run the
+// one-warp-per-row GEMV on it (few rows of long K, or rows not 16-byte aligned): then run matmul and
+// argmax.
+bool matmul_argmax(float* out, int32_t* token, const float* x, const DeviceMatrix<float>& w, int K, int N,
+                   unsigned long long* scratch, cudaStream_t stream);
+bool matmul_argmax(float* out, int32_t* token, const __half* x, const DeviceMatrix<__half>& w, int K, int N,
+                   unsigned long long* scratch, cudaStream_t stream);
 
 }  // namespace diffrun::engine
