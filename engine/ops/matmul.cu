@@ -217,13 +217,18 @@ void launch_gemv_rows(const GemvParts& parts, const W* x, const W* w, int K, int
 }
 
 // The lm head and argmax in one launch (matmul_argmax): the rows kernel's blocks of kArgmaxRW·4 rows,
-// each row computed as there (gemv_rows_sums, warp_sum) and written to y, taken by a grid of as many
-// blocks as the SMs hold at once (block b: row blocks b, b + gridDim.x, ...), so that no block starts
+// each row computed as there (gemv_rows_sums, warp_sum) and written to y, taken by a resident grid of
+// kArgmaxBlocksPerSm blocks an SM (block b: row blocks b, b + gridDim.x, ...), so that no block starts
 // or ends while the weights stream. Each warp keeps the best of its rows by argmax's order
-// (argmax_better), and the blocks meet as argmax's do (argmax_block_finish).
+// (argmax_better), and the blocks meet as argmax's do (argmax_block_finish). The launch bound leaves
+// ptxas room for all 16 weight and 4 x loads of a round in flight before the first is used (~117
+// registers; at 79 it issued them a row at a time, one round trip each). On the H100 the 0.5B shape's
+// lm head + argmax took 96.0 us at 3 blocks an SM, 96.8 at 4, against 104.3 + 4.5 us for the rows
+// kernel and argmax (bench/NOTES.md, v29).
 constexpr int kArgmaxRW = 4;
+constexpr int kArgmaxBlocksPerSm = 3;
 template <typename W>
-static __global__ void __launch_bounds__(128)
+static __global__ void __launch_bounds__(128, 4)
 gemv_argmax_kernel(float* __restrict__ y, int32_t* token, const W* __restrict__ x, const W* __restrict__ w, int K,
                    int N, bool prefetch, unsigned long long* scratch) {
   constexpr int kWarps = 4, kSlots = kWarps * kArgmaxRW;
@@ -270,7 +275,7 @@ bool matmul_argmax_impl(float* out, int32_t* token, const W* x, const DeviceMatr
   static const int per_sm = [] {
     int blocks = 0;
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemv_argmax_kernel<W>, 128, 0));
-    return std::max(blocks, 1);
+    return std::clamp(blocks, 1, kArgmaxBlocksPerSm);
   }();
   static const int sms = [] {
     int device = 0, count = 0;
