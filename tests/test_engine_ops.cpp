@@ -942,24 +942,18 @@ TEST(EngineOps, MatmulArgmaxMatchesMatmulThenArgmax) {
         DeviceArray<float> y1(nan), y2(nan);
         DeviceArray<int32_t> t1(std::vector<int32_t>{-7}), t2(std::vector<int32_t>{-7});
         DeviceArray<unsigned long long> s1(std::vector<unsigned long long>{0, 0}), s2(s1.download());
+        // matmul into y1 and matmul_argmax into y2, t2 for weights and activations of one type (W).
+        const auto run = [&](const auto* xw, const auto* ww, const engine::CublasHandle& h) {
+          using W = std::remove_cv_t<std::remove_pointer_t<decltype(ww)>>;
+          engine::DeviceMatrix<W> m;
+          m.dense = ww;
+          m.K = K;
+          m.rows = N;
+          engine::matmul(y1.get(), xw, ww, nullptr, 1, K, N, h, nullptr);
+          return engine::matmul_argmax(y2.get(), t2.get(), xw, m, K, N, s2.get(), nullptr);
+        };
         for (int rep = 0; rep < 2; ++rep) {
-          bool fused = false;
-          if (f16) {
-            engine::DeviceMatrix<__half> m;
-            m.dense = hw.get();
-            m.K = K;
-            m.rows = N;
-            engine::matmul(y1.get(), hx.get(), hw.get(), nullptr, 1, K, N, h16, nullptr);
-            fused = engine::matmul_argmax(y2.get(), t2.get(), hx.get(), m, K, N, s2.get(), nullptr);
-          } else {
-            engine::DeviceMatrix<float> m;
-            m.dense = dw.get();
-            m.K = K;
-            m.rows = N;
-            engine::matmul(y1.get(), dx.get(), dw.get(), nullptr, 1, K, N, h32, nullptr);
-            fused = engine::matmul_argmax(y2.get(), t2.get(), dx.get(), m, K, N, s2.get(), nullptr);
-          }
-          ASSERT_TRUE(fused);
+          ASSERT_TRUE(f16 ? run(hx.get(), hw.get(), h16) : run(dx.get(), dw.get(), h32));
           engine::argmax(t1.get(), y1.get(), N, s1.get(), nullptr);
           TEST_CUDA_CHECK(cudaGetLastError());
           EXPECT_EQ(bits(y2.download()), bits(y1.download()));
