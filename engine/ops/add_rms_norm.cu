@@ -30,14 +30,7 @@ add_rms_norm_kernel(float* sum, Out* out, const float* a, const float* b, const 
       const int d = threadIdx.x + i * kOpThreads;
       sv[i] = d < D ? a[row * D + d] + b[row * D + d] : 0.0f;
     }
-#pragma unroll
-    for (int i = 0; i < kNormRegs; ++i) {
-      const int d = threadIdx.x + i * kOpThreads;
-      if (d < D) {
-        sr[d] = sv[i];
-        ss += sv[i] * sv[i];
-      }
-    }
+    ss = norm_sum_squares(sv, D, sr);
   } else {
     for (int d = threadIdx.x; d < D; d += kOpThreads) {
       const float s = a[row * D + d] + b[row * D + d];

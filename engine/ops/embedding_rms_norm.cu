@@ -34,16 +34,8 @@ embedding_rms_norm_kernel(float* x, Out* out, const int32_t* tokens, const W* ta
     const int d = threadIdx.x + i * kOpThreads;
     xv[i] = d < D ? (valid ? load_act(row, d) : NAN) : 0.0f;
   }
-  float ss = 0.0f;
   float* xr = x + t * D;
-#pragma unroll
-  for (int i = 0; i < kNormRegs; ++i) {
-    const int d = threadIdx.x + i * kOpThreads;
-    if (d < D) {
-      xr[d] = xv[i];
-      ss += xv[i] * xv[i];
-    }
-  }
+  const float ss = norm_sum_squares(xv, D, xr);
   const float scale = 1.0f / sqrtf(block_sum(ss) / static_cast<float>(D) + eps);
   norm_store(out + t * D, xv, xr, wv, w, D, scale, true);
   pdl_wait();

@@ -45,6 +45,23 @@ __device__ __forceinline__ float block_sum(float v) {
 // Row elements per thread that rms_norm and add_rms_norm keep in registers (D ≤ 2048 at 256 threads).
 constexpr int kNormRegs = 8;
 
+// This thread's part of a row's sum of squares from its elements in registers (v[i] is element
+// threadIdx.x + i·kOpThreads), in the order rms_norm, add_rms_norm and embedding_rms_norm share (so
+// their norms have the same bits); with row_out, each element is also stored there (the residual sum,
+// the gathered embedding row).
+__device__ __forceinline__ float norm_sum_squares(const float (&v)[kNormRegs], int D, float* row_out = nullptr) {
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kNormRegs; ++i) {
+    const int d = threadIdx.x + i * kOpThreads;
+    if (d < D) {
+      if (row_out) row_out[d] = v[i];
+      ss += v[i] * v[i];
+    }
+  }
+  return ss;
+}
+
 
 // Programmatic Dependent Launch (sm_90+): a kernel launched by launch_pdl may start while the
 // kernel before it in the stream (or graph) finishes. Such a kernel calls pdl_wait() before its

@@ -30,9 +30,7 @@ rms_norm_kernel(Out* out, const float* x, const float* w, int D, float eps) {
       const int d = threadIdx.x + i * kOpThreads;
       xv[i] = d < D ? xr[d] : 0.0f;
     }
-#pragma unroll
-    for (int i = 0; i < kNormRegs; ++i)
-      if (threadIdx.x + i * kOpThreads < D) ss += xv[i] * xv[i];
+    ss = norm_sum_squares(xv, D);
   } else {
     for (int d = threadIdx.x; d < D; d += kOpThreads) ss += xr[d] * xr[d];
   }
