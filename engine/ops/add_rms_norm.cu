@@ -30,7 +30,7 @@ add_rms_norm_kernel(float* sum, Out* out, const float* a, const float* b, const 
       const int d = threadIdx.x + i * kOpThreads;
       sv[i] = d < D ? a[row * D + d] + b[row * D + d] : 0.0f;
     }
-    ss = norm_sum_squares(sv, D, sr);
+    ss = norm_sum_squares<true>(sv, D, sr);
   } else {
     for (int d = threadIdx.x; d < D; d += kOpThreads) {
       const float s = a[row * D + d] + b[row * D + d];

@@ -35,7 +35,7 @@ embedding_rms_norm_kernel(float* x, Out* out, const int32_t* tokens, const W* ta
     xv[i] = d < D ? (valid ? load_act(row, d) : NAN) : 0.0f;
   }
   float* xr = x + t * D;
-  const float ss = norm_sum_squares(xv, D, xr);
+  const float ss = norm_sum_squares<true>(xv, D, xr);
   const float scale = 1.0f / sqrtf(block_sum(ss) / static_cast<float>(D) + eps);
   norm_store(out + t * D, xv, xr, wv, w, D, scale, true);
   pdl_wait();
