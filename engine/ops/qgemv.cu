@@ -431,59 +431,17 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
 #endif
 }
 
-// x staged in shared memory by the tensor-core GEMV: the launch's dynamic shared memory, K halves, or none
-// (then x is read from global memory) where K is longer than kMmaStageMaxK.
-constexpr int kMmaStageMaxK = 16384;
-inline size_t mma_x_stage_bytes(int K) { return K <= kMmaStageMaxK ? size_t(K) * sizeof(__half) : 0; }
-
-__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
-  uint32_t n;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
-  return n;
-}
-
-// 16 bytes global -> shared without a register (sm_80+; the host launches the tensor-core kernels on 8.0+
-// only), and the wait for this thread's copies.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-
 // This warp's share of a tile's sums: c += the mma products of its super-blocks (warp, warp + kWarps,
-// ...) of the rows at wa (A rows g) and wb (rows g + 8). With x staged (mma_x_stage_bytes), the warp
-// first starts asynchronous copies of its super-blocks' x into shared memory, so that they travel with
-// the weight loads and the mma chain reads x there: read from global memory, ptxas issued x's loads
-// one by one between the mmas, an L2 round trip each (bench/NOTES.md, v30). The same x values, the same
-// mmas in the same order: bit-identical.
+// ...) of the rows at wa (A rows g) and wb (rows g + 8).
 template <typename Q, int kWarps>
 __device__ __forceinline__ void mma_tile_sums(const uint8_t* wa, const uint8_t* wb, const __half* x, int K, int warp,
                                               int t, float (&c)[4]) {
   const int nb = K / Q::kElems;
-  extern __shared__ __align__(16) __half mma_x_stage[];
-  const bool stage = dynamic_smem_bytes() >= uint32_t(K) * sizeof(__half);
-  if (stage) {  // Q::kElems = 256 halves: 16 bytes a lane
-    const int lane = threadIdx.x % 32;
-    for (int sb = warp; sb < nb; sb += kWarps)
-      cp_async16(mma_x_stage + sb * Q::kElems + 8 * lane, x + int64_t(sb) * Q::kElems + 8 * lane);
-  }
-  const __half* xsrc = stage ? mma_x_stage : x;
   for (int sb = warp; sb < nb; sb += kWarps) {
     uint32_t A[8][4], B[8][4];
     MmaLane<Q>::decode(wa + int64_t(sb) * Q::kBytes, t, A);
     MmaLane<Q>::decode(wb + int64_t(sb) * Q::kBytes, t, B);
-    if (stage) {  // this warp's copies (all of them, at the first super-block), seen by its lanes
-      cp_async_wait_all();
-      __syncwarp();
-    }
-    const __half* xs = xsrc + int64_t(sb) * Q::kElems + 8 * t;
+    const __half* xs = x + int64_t(sb) * Q::kElems + 8 * t;
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const uint4 xv = *reinterpret_cast<const uint4*>(xs + 32 * u);
@@ -701,10 +659,10 @@ void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X*
         // The warp count follows the launch's rows and K: a paired launch and the plain one over the
         // same matrix agree.
         if (mma_warps(rows, K) == 16)
-          launch_pdl(qgemv_mma_kernel<Q, kEpi, 16>, static_cast<unsigned>(tiles), 16 * 32, mma_x_stage_bytes(K), stream, parts, row0,
+          launch_pdl(qgemv_mma_kernel<Q, kEpi, 16>, static_cast<unsigned>(tiles), 16 * 32, 0, stream, parts, row0,
                      rows, x, wb, K, gemv_prefetch_enabled(), act, rope);
         else
-          launch_pdl(qgemv_mma_kernel<Q, kEpi, 8>, static_cast<unsigned>(tiles), 8 * 32, mma_x_stage_bytes(K), stream, parts, row0,
+          launch_pdl(qgemv_mma_kernel<Q, kEpi, 8>, static_cast<unsigned>(tiles), 8 * 32, 0, stream, parts, row0,
                      rows, x, wb, K, gemv_prefetch_enabled(), act, rope);
         return;
       }
@@ -760,10 +718,10 @@ bool qgemv_rope2(GgmlType ta, const void* wa, int rows_a, GgmlType tb, const voi
     using QA = decltype(qa);
     using QB = decltype(qb);
     if (warps == 16)
-      launch_pdl(qgemv_mma_rope2_kernel<QA, QB, 16>, tiles, 16 * 32, mma_x_stage_bytes(K), stream, qkv, N, rows_a, x, a, b, K,
+      launch_pdl(qgemv_mma_rope2_kernel<QA, QB, 16>, tiles, 16 * 32, 0, stream, qkv, N, rows_a, x, a, b, K,
                  gemv_prefetch_enabled(), rope);
     else
-      launch_pdl(qgemv_mma_rope2_kernel<QA, QB, 8>, tiles, 8 * 32, mma_x_stage_bytes(K), stream, qkv, N, rows_a, x, a, b, K,
+      launch_pdl(qgemv_mma_rope2_kernel<QA, QB, 8>, tiles, 8 * 32, 0, stream, qkv, N, rows_a, x, a, b, K,
                  gemv_prefetch_enabled(), rope);
   };
   if (ta == GgmlType::Q4_K && tb == GgmlType::Q5_K) launch(Q4_K{}, Q5_K{});
