@@ -234,7 +234,7 @@ gemv_argmax_kernel(float* __restrict__ y, int32_t* token, const W* __restrict__ 
   constexpr int kWarps = 4, kSlots = kWarps * kArgmaxRW;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row_blocks = (N + kSlots - 1) / kSlots;
-  if (prefetch && threadIdx.x == 0 && int(blockIdx.x) < row_blocks) {  // the first rows, while the preceding kernel runs
+  if (prefetch && threadIdx.x == 0 && int(blockIdx.x) < row_blocks) {  // first rows, while the kernel before runs
     const int first = blockIdx.x * kSlots;
     prefetch_l2(w + int64_t(first) * K, size_t(min(kSlots, N - first)) * K * sizeof(W));
   }
