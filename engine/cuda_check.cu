@@ -58,6 +58,13 @@ int device_major() {
 
 }  // namespace
 
+int sm_count() {
+  int device = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 bool pdl_enabled() {
   static const bool enabled = !switched_off("DIFFRUN_PDL") && device_major() >= 9;
   return enabled;

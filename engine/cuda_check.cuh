@@ -21,6 +21,9 @@ struct CudaError : Error {
 // DIFFRUN_SYNC_CHECK=1 (read once): synchronize after every op so a failing kernel is named.
 bool sync_check_enabled();
 
+// The current device's multiprocessor count.
+int sm_count();
+
 // Programmatic Dependent Launch for the op kernels (read once): on for devices of compute
 // capability 9.0 and later unless DIFFRUN_PDL=0.
 bool pdl_enabled();

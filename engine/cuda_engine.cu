@@ -298,12 +298,6 @@ class CudaEngineImpl final : public CudaEngine {
   static size_t attn_partial_floats(const ModelConfig& c, int splits) {
     return size_t(kAttentionSplitMaxT) * c.n_head * splits * (c.head_dim + 2);
   }
-  static int sm_count() {
-    int device = 0, sms = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return sms;
-  }
 
   std::vector<float> forward(int step, std::span<const int32_t> tokens, Sink& sink) override {
     run(step, tokens, sink, /*copy_logits=*/true);

@@ -277,12 +277,7 @@ bool matmul_argmax_impl(float* out, int32_t* token, const W* x, const DeviceMatr
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemv_argmax_kernel<W>, 128, 0));
     return std::clamp(blocks, 1, kArgmaxBlocksPerSm);
   }();
-  static const int sms = [] {
-    int device = 0, count = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    return count;
-  }();
+  static const int sms = sm_count();
   const int row_blocks = (N + 4 * kArgmaxRW - 1) / (4 * kArgmaxRW);
   const unsigned blocks = static_cast<unsigned>(std::min(row_blocks, per_sm * sms));
   launch_pdl(gemv_argmax_kernel<W>, blocks, 128, 0, stream, out, token, x, w.dense, K, N, gemv_prefetch_enabled(),
