@@ -377,23 +377,18 @@ class CudaEngineImpl final : public CudaEngine {
     const W* last_rows = a.xn.get() + size_t(n - rows) * D;  // [rows, D]
     const int Vp = logit_columns();  // V, or the padded vocabulary of lm_head_padded_vocab
     // One row of logits without hooks: the lm head and argmax in one launch (bit-identical; see the top).
-    if (lm_head_argmax_ && rows == 1 && Vp == V && !step_hooked_ && !(cfg_.final_logit_softcap > 0) &&
-        matmul_argmax(logits_.get(), h_argmax_.device(), last_rows, weights_.lm_head, D, V, argmax_scratch_.get(),
-                      stream_)) {
-      stager_.finish(stream_);
-      if (copy_logits)
-        CUDA_CHECK(cudaMemcpyAsync(h_logits_.get(), logits_.get(), size_t(V) * sizeof(float), cudaMemcpyDeviceToHost,
-                                   stream_));
-      return;
-    }
-    if (Vp == V) {
-      matmul(logits_.get(), last_rows, weights_.lm_head, nullptr, rows, D, V, cublas_, stream_);
-    } else {
+    const bool head_argmax = lm_head_argmax_ && rows == 1 && Vp == V && !step_hooked_ &&
+                             !(cfg_.final_logit_softcap > 0) &&
+                             matmul_argmax(logits_.get(), h_argmax_.device(), last_rows, weights_.lm_head, D, V,
+                                           argmax_scratch_.get(), stream_);
+    if (Vp != V) {
       // lm_head_padded_vocab: rows of Vp logits, the lm head writes V of them; the rest hold stale bytes.
       CUDA_CHECK(cudaMemsetAsync(logits_.get(), kFaultUninitialisedByte, size_t(rows) * Vp * sizeof(float), stream_));
       for (int r = 0; r < rows; ++r)
         matmul(logits_.get() + size_t(r) * Vp, last_rows + size_t(r) * D, weights_.lm_head, nullptr, 1, D, V, cublas_,
                stream_);
+    } else if (!head_argmax) {
+      matmul(logits_.get(), last_rows, weights_.lm_head, nullptr, rows, D, V, cublas_, stream_);
     }
     if (cfg_.final_logit_softcap > 0)
       softcap(logits_.get(), logits_.get(), static_cast<float>(cfg_.final_logit_softcap), int64_t(rows) * Vp, stream_);
@@ -401,7 +396,7 @@ class CudaEngineImpl final : public CudaEngine {
     stager_.finish(stream_);  // the step's last staged copies, and the wait for their copies out
 
     const float* last = logits_.get() + size_t(rows - 1) * Vp;  // [Vp]
-    argmax(h_argmax_.device(), last, Vp, argmax_scratch_.get(), stream_);  // written straight to the host
+    if (!head_argmax) argmax(h_argmax_.device(), last, Vp, argmax_scratch_.get(), stream_);  // straight to the host
     if (copy_logits)
       CUDA_CHECK(cudaMemcpyAsync(h_logits_.get(), last, size_t(Vp) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   }
@@ -735,7 +730,7 @@ class CudaEngineImpl final : public CudaEngine {
   DeviceBuffer<int32_t> d_n_past_;  // [1]
   PinnedBuffer<int32_t> h_tokens_;  // [T] read by step_inputs
   PinnedBuffer<int32_t> h_n_past_;  // [1] read by step_inputs
-  PinnedBuffer<int32_t> h_argmax_;  // [1] written by argmax
+  PinnedBuffer<int32_t> h_argmax_;  // [1] written by argmax or matmul_argmax
   PinnedBuffer<float> h_logits_;    // [V] the last token's logits
   int attn_splits_;                          // attention_split blocks per (token, head)
   int attn_min_keys_;                        // keys per split a query needs to use another split
