@@ -272,8 +272,8 @@ TEST(StreamedReference, EqualsDenseOnSmolLM2) {
   }
 }
 
-// A reference's run of a 5-token prefill and `decode_steps` decode steps with 2 OpenMP threads (the prefill GEMMs'
-// column blocks, so their last bits, follow the thread count), at `seat` (none: alone).
+// A reference's run of a 5-token prefill and `decode_steps` decode steps on its own thread with 2 OpenMP threads,
+// at `seat` (none: alone).
 struct SeatRun {
   MemorySink sink;
   std::vector<std::vector<float>> logits;
@@ -282,14 +282,11 @@ struct SeatRun {
 SeatRun run_at_seat(const GgufFile& file, const ModelConfig& cfg, const std::string& precision, int decode_steps,
                     ref::WeightReadSeat seat) {
   SeatRun run;
-  const int threads_before = omp_get_max_threads();
-  omp_set_num_threads(2);
   auto backend = make_cpu_backend(file, cfg, precision, 16, {}, WeightHolding::streamed, std::move(seat));
   run.logits.push_back(backend->forward(0, std::vector<int32_t>{1, 5, 9, 2, 7}, run.sink));
   for (int s = 1; s <= decode_steps; ++s) {
     run.logits.push_back(backend->forward(s, std::vector<int32_t>{3 + 2 * s}, run.sink));
   }
-  omp_set_num_threads(threads_before);
   return run;  // the backend leaves its seat here
 }
 
@@ -300,6 +297,7 @@ std::pair<SeatRun, SeatRun> run_two_seats(const GgufFile& file0, const GgufFile&
   SeatRun a, b;
   auto seat_thread = [](const GgufFile& f, const std::string& p, int steps, ref::WeightReadSeat seat, SeatRun& out) {
     return std::thread([&f, &p, steps, seat, &out] {
+      omp_set_num_threads(2);
       out = run_at_seat(f, config_from_gguf(f), p, steps, seat);
     });
   };
