@@ -2,7 +2,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <future>
 #include <memory>
@@ -310,17 +309,6 @@ int run_main(const MainOptions& o) {
     pp.keep_engine = p.isolate;
     ppairs.push_back(pp);
   }
-  // Two cpu references of the model without faults run the same decode mat-vecs: they read each weight row once
-  // for both (ref::SharedWeightReads; the values are the same). DIFFRUN_SHARED_WEIGHT_READS=0: each alone.
-  std::shared_ptr<ref::SharedWeightReads> shared_reads;
-  const char* share_env = std::getenv("DIFFRUN_SHARED_WEIGHT_READS");
-  const auto plain_cpu = [](const BackendOptions& b) { return b.backend == "cpu" && b.inject.empty(); };
-  if (ppairs.size() >= 2 && !(share_env && std::strcmp(share_env, "0") == 0) && plain_cpu(ppairs[0].reference) &&
-      plain_cpu(ppairs[1].reference)) {
-    shared_reads = std::make_shared<ref::SharedWeightReads>();
-    ppairs[0].reference_reads = {shared_reads, 0};
-    ppairs[1].reference_reads = {shared_reads, 1};
-  }
   std::string threads;
   for (const PipelinePair& pp : ppairs) threads += fmt::format("{}{}", threads.empty() ? "" : "+", pp.reference_threads);
   progress.message(fmt::format("{} prompt tokens, {} decode steps; {} pair{} at once, reference threads {}{}", ids.size(),
@@ -330,10 +318,6 @@ int run_main(const MainOptions& o) {
   std::vector<HeldReference> held;                 // the isolated pairs' references, when held in memory
   std::vector<diff::Comparison> comparisons = run_pipeline(*file, cfg, ppairs, ids, popt, progress, &engines, &held);
   progress.timing("pipeline done");
-  if (shared_reads) {
-    progress.timing(fmt::format("the references' decode mat-vecs: {} of {} read their weights once for both",
-                                shared_reads->joined(), shared_reads->total()));
-  }
   guards.clear();
 
   // Isolation replay: the engine again, each checkpoint recorded and then replaced by the reference's.

@@ -360,8 +360,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
   const int needed = static_cast<int>(cx.ids.size()) + cx.opt.steps;
   const std::string who = fmt::format("pair {} {} {}/{}", p + 1, side == kEngine ? "engine" : "reference", bo.backend,
                                       bo.precision);
-  auto backend =
-      make_backend(cx.file, cx.cfg, bo, needed, side == kReference ? pair.reference_reads : ref::WeightReadSeat{});
+  auto backend = make_backend(cx.file, cx.cfg, bo, needed);
   cx.sh.timing("{}: loaded", who);
   Message meta(Message::meta);
   meta.dump_meta = dump_meta(cx.file, *backend, cx.opt.prompt, cx.ids);

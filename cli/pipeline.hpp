@@ -75,8 +75,6 @@ struct PipelinePair {
   // nothing is attached and the caller replays after the pipeline (add_isolation_held).
   bool replay_beside = false;
   std::string isolated_path;  // where the isolated dump is written (empty: not written)
-  // A cpu reference's seat at the mat-vecs it shares with another pair's reference (none: alone).
-  ref::WeightReadSeat reference_reads;
 };
 
 // A reference's run as its dump would present it (DumpReader's DatasetInfo, the values as stored),

@@ -116,11 +116,9 @@ void BackendOptions::add_options(CLI::App& app) {
 }
 
 std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
-                                      int max_ctx, ref::WeightReadSeat seat) {
+                                      int max_ctx) {
   const FaultSet faults = parse_faults(opt.inject);
-  if (opt.backend == "cpu") {
-    return make_cpu_backend(file, cfg, opt.precision, max_ctx, faults, WeightHolding::streamed, std::move(seat));
-  }
+  if (opt.backend == "cpu") return make_cpu_backend(file, cfg, opt.precision, max_ctx, faults);
   if (opt.backend == "cuda") {
 #ifdef DIFFRUN_HAVE_CUDA
     std::string why;

@@ -17,7 +17,6 @@
 #include "model/config.hpp"
 #include "model/gguf.hpp"
 #include "model/tokenizer.hpp"
-#include "reference_cpu/shared_weight_reads.hpp"
 
 namespace diffrun::cli {
 
@@ -63,9 +62,9 @@ std::string default_reference_precision(const std::string& engine_precision);
 
 // cpu → make_cpu_backend; cuda → make_cuda_backend when built with the CUDA engine, else
 // Error("diffrun was built without the CUDA engine"). Both get the faults of opt.inject (InputError
-// for an unknown fault or one that does not apply to the model). A cpu backend takes `seat` (make_cpu_backend).
+// for an unknown fault or one that does not apply to the model).
 std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
-                                      int max_ctx, ref::WeightReadSeat seat = {});
+                                      int max_ctx);
 
 // True when the CUDA engines among `engines` (each with a max_ctx-position cache and steps of up to
 // `tokens` tokens) fit twice over in the device memory free now: the isolation replay's engine may

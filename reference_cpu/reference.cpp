@@ -47,7 +47,7 @@ class CpuBackend final : public Backend {
 
  public:
   CpuBackend(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults,
-             const std::string& precision, const StoragePlan& storage, WeightHolding holding, WeightReadSeat seat)
+             const std::string& precision, const StoragePlan& storage, WeightHolding holding)
       : cfg_(cfg), max_ctx_(max_ctx), w_(Weights<T>::load(file, cfg, faults, storage.weights_f16, holding)),
         cache_(cfg.n_layer, max_ctx, cfg.n_head_kv * cfg.head_dim), faults_(faults), precision_(precision),
         storage_(storage) {
@@ -55,13 +55,7 @@ class CpuBackend final : public Backend {
       throw ModelError("token_embd/output have fewer rows than the vocabulary of " + std::to_string(cfg_.n_vocab));
     }
     prepare_faults();
-    scratch_.seat = std::move(seat);
   }
-  ~CpuBackend() override {
-    if (scratch_.seat.reads) scratch_.seat.reads->leave(scratch_.seat.index);
-  }
-  CpuBackend(const CpuBackend&) = delete;
-  CpuBackend& operator=(const CpuBackend&) = delete;
 
   std::string name() const override { return "cpu"; }
   std::string precision() const override { return precision_; }
@@ -301,16 +295,14 @@ class CpuBackend final : public Backend {
   RmsNormFlaws rms_norm_flaws_;
   std::vector<WeightMatrix<T>> wo_flawed_;      // [n_layer] W_o read with the wrong leading dimension, attn_out_transposed only
   std::vector<WeightMatrix<T>> w_down_flawed_;  // [n_layer] W_down likewise, ffn_down_transposed only
-  // [N*K] the matrix a prefill GEMM decodes, sized by the largest so far, and the decode mat-vecs' seat (ops/matmul.hpp)
-  ref::Scratch<T> scratch_;
+  ref::Scratch<T> scratch_;  // [N*K] the matrix a prefill GEMM decodes, sized by the largest so far (ops/matmul.hpp)
   int n_past_ = 0;
 };
 
 }  // namespace
 
 std::unique_ptr<Backend> make_cpu_backend(const GgufFile& file, const ModelConfig& cfg, const std::string& precision,
-                                          int max_ctx, const FaultSet& faults, WeightHolding holding,
-                                          ref::WeightReadSeat seat) {
+                                          int max_ctx, const FaultSet& faults, WeightHolding holding) {
   if (max_ctx < 1) throw InputError("the CPU reference needs a context of at least 1 position");
   validate_tensors(file, cfg);
   faults.check_applicable(cfg, &file);
@@ -326,10 +318,8 @@ std::unique_ptr<Backend> make_cpu_backend(const GgufFile& file, const ModelConfi
     throw InputError("the cpu backend's precision is f32 or f64, optionally with emulated storage "
                      "(f32-f16store, f64-f16store, f32-f16residual, f64-f16residual), not '" + precision + "'");
   }
-  if (arith == "f32") {
-    return std::make_unique<CpuBackend<float>>(file, cfg, max_ctx, faults, precision, storage, holding, std::move(seat));
-  }
-  return std::make_unique<CpuBackend<double>>(file, cfg, max_ctx, faults, precision, storage, holding, std::move(seat));
+  if (arith == "f32") return std::make_unique<CpuBackend<float>>(file, cfg, max_ctx, faults, precision, storage, holding);
+  return std::make_unique<CpuBackend<double>>(file, cfg, max_ctx, faults, precision, storage, holding);
 }
 
 }  // namespace diffrun

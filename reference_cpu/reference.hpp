@@ -8,7 +8,6 @@
 #include "checkpoints/faults.hpp"
 #include "model/config.hpp"
 #include "model/gguf.hpp"
-#include "reference_cpu/shared_weight_reads.hpp"
 
 namespace diffrun {
 
@@ -24,13 +23,9 @@ enum class WeightHolding { streamed, dense };
 // The KV cache holds max_ctx positions. `faults` (checkpoints/faults.hpp) are injected into the forward pass.
 // Throws InputError for another precision, max_ctx < 1 or a fault that does not apply to the model,
 // ModelError for a missing or malformed tensor.
-// `seat`: a place at a ref::SharedWeightReads whose other seat is a reference of the same model, prompt and steps
-// (the job's two references): the decode mat-vecs then read each weight row once for both, with the same values.
-// The backend leaves the seat when destroyed.
 // The file must outlive the backend.
 std::unique_ptr<Backend> make_cpu_backend(const GgufFile& file, const ModelConfig& cfg, const std::string& precision,
                                           int max_ctx, const FaultSet& faults = {},
-                                          WeightHolding holding = WeightHolding::streamed,
-                                          ref::WeightReadSeat seat = {});
+                                          WeightHolding holding = WeightHolding::streamed);
 
 }  // namespace diffrun

@@ -42,7 +42,6 @@ class WeightMatrix {
   int64_t cols() const { return cols_; }
   bool dense() const { return dense_.size() > 0 || rows_ == 0; }
   const T* data() const { return dense_.data(); }  // [rows, cols], dense only
-  const std::byte* source() const { return bytes(); }  // the bytes decode_rows reads, streamed only
 
   // out [n, cols] = rows r0 .. r0+n-1, decoded (streamed) or copied (dense).
   void decode_rows(T* out /* [n,cols] */, int64_t r0, int64_t n) const;

@@ -1,8 +1,7 @@
 // The reference's streamed weights against the dense ones, bit for bit: row dequantization against model/dequant on
 // random blocks of every format, the matmul over GGUF bytes against the matmul over dequantized matrices (f32 and
 // f64, one and several tokens, 1 to 3 threads, with and without f16 rounding), and whole forward passes (every tiny
-// fixture, every precision, every fault that applies, SmolLM2) recorded at every checkpoint of three steps. Two
-// references sharing their decode mat-vecs' weight reads (ref::SharedWeightReads) against each alone.
+// fixture, every precision, every fault that applies, SmolLM2) recorded at every checkpoint of three steps.
 #include <omp.h>
 
 #include <cstring>
@@ -11,7 +10,6 @@
 #include <random>
 #include <set>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -269,108 +267,6 @@ TEST(StreamedReference, EqualsDenseOnSmolLM2) {
   for (const char* precision : {"f32", "f64"}) {
     SCOPED_TRACE(precision);
     expect_same_run(*file, cfg, precision);
-  }
-}
-
-// A reference's run of a 5-token prefill and `decode_steps` decode steps on its own thread with 2 OpenMP threads,
-// at `seat` (none: alone).
-struct SeatRun {
-  MemorySink sink;
-  std::vector<std::vector<float>> logits;
-};
-
-SeatRun run_at_seat(const GgufFile& file, const ModelConfig& cfg, const std::string& precision, int decode_steps,
-                    ref::WeightReadSeat seat) {
-  SeatRun run;
-  auto backend = make_cpu_backend(file, cfg, precision, 16, {}, WeightHolding::streamed, std::move(seat));
-  run.logits.push_back(backend->forward(0, std::vector<int32_t>{1, 5, 9, 2, 7}, run.sink));
-  for (int s = 1; s <= decode_steps; ++s) {
-    run.logits.push_back(backend->forward(s, std::vector<int32_t>{3 + 2 * s}, run.sink));
-  }
-  return run;  // the backend leaves its seat here
-}
-
-// Seats 0 and 1 at one SharedWeightReads, each run on a thread of its own, as the job's references run.
-std::pair<SeatRun, SeatRun> run_two_seats(const GgufFile& file0, const GgufFile& file1, const std::string& p0,
-                                          const std::string& p1, int steps0, int steps1,
-                                          const std::shared_ptr<ref::SharedWeightReads>& reads) {
-  SeatRun a, b;
-  auto seat_thread = [](const GgufFile& f, const std::string& p, int steps, ref::WeightReadSeat seat, SeatRun& out) {
-    return std::thread([&f, &p, steps, seat, &out] {
-      omp_set_num_threads(2);
-      out = run_at_seat(f, config_from_gguf(f), p, steps, seat);
-    });
-  };
-  std::thread t0 = seat_thread(file0, p0, steps0, {reads, 0}, a);
-  std::thread t1 = seat_thread(file1, p1, steps1, {reads, 1}, b);
-  t0.join();
-  t1.join();
-  return {std::move(a), std::move(b)};
-}
-
-void expect_same_checkpoints(const SeatRun& want, const SeatRun& got) {
-  EXPECT_EQ(want.sink.values.size(), got.sink.values.size());
-  for (const auto& [key, values] : want.sink.values) {
-    const auto it = got.sink.values.find(key);
-    if (it == got.sink.values.end()) {
-      ADD_FAILURE() << "step " << key.first << " " << key.second << " missing from the run at the seat";
-      continue;
-    }
-    EXPECT_TRUE(same_bits(values, it->second)) << "step " << key.first << " " << key.second;
-  }
-  ASSERT_EQ(want.logits.size(), got.logits.size());
-  for (size_t s = 0; s < want.logits.size(); ++s) EXPECT_TRUE(same_bits(want.logits[s], got.logits[s])) << s;
-}
-
-// The job's two references (f64 and f32-f16store) meeting at every decode mat-vec compute what each computes
-// alone, bit for bit, on a quantized llama, a qwen2 with biases and a tied lm head.
-TEST(SharedWeightReads, TwoReferencesComputeWhatEachComputesAlone) {
-  if (!std::filesystem::exists(test::fixture_path("tiny-llama-f32.gguf"))) {
-    GTEST_SKIP() << "tiny fixtures not generated in " << test::fixture_path("") << " (ctest fixture tiny_models)";
-  }
-  for (const std::string name : {"tiny-llama-kmix", "tiny-qwen2-f16", "tiny-llama-tied-q4_0"}) {
-    SCOPED_TRACE(name);
-    const auto file = GgufFile::open(test::fixture_path(name + ".gguf"));
-    const ModelConfig cfg = config_from_gguf(*file);
-    const SeatRun alone64 = run_at_seat(*file, cfg, "f64", 4, {});
-    const SeatRun alone16 = run_at_seat(*file, cfg, "f32-f16store", 4, {});
-    auto reads = std::make_shared<ref::SharedWeightReads>();
-    const auto [shared64, shared16] = run_two_seats(*file, *file, "f64", "f32-f16store", 4, 4, reads);
-    expect_same_checkpoints(alone64, shared64);
-    expect_same_checkpoints(alone16, shared16);
-    // Every mat-vec of both: 4 decode steps of 7 per layer and the lm head (the prefill's are GEMMs).
-    EXPECT_EQ(reads->total(), 2 * 4 * (7 * cfg.n_layer + 1));
-    EXPECT_EQ(reads->joined(), reads->total());
-  }
-}
-
-// A seat that stops early leaves, and the other goes on alone; two sequences over different weights part at their
-// first mat-vec. Either way every value is each reference's own, and nothing waits for ever.
-TEST(SharedWeightReads, LeavingAndDifferentWeightsRunAlone) {
-  const std::string q4 = test::fixture_path("tiny-llama-q4_0.gguf"), q8 = test::fixture_path("tiny-llama-q8_0.gguf");
-  if (!std::filesystem::exists(q4)) GTEST_SKIP() << q4 << " not generated (ctest fixture tiny_models)";
-  const auto f4 = GgufFile::open(q4), f8 = GgufFile::open(q8);
-  const ModelConfig cfg = config_from_gguf(*f4);
-  const SeatRun alone64 = run_at_seat(*f4, cfg, "f64", 4, {});
-  const SeatRun alone32_2 = run_at_seat(*f4, cfg, "f32", 2, {});
-  const SeatRun alone32_q8 = run_at_seat(*f8, config_from_gguf(*f8), "f32", 4, {});
-  {
-    SCOPED_TRACE("seat 1 stops after 2 of 4 decode steps");
-    auto reads = std::make_shared<ref::SharedWeightReads>();
-    const auto [a, b] = run_two_seats(*f4, *f4, "f64", "f32", 4, 2, reads);
-    expect_same_checkpoints(alone64, a);
-    expect_same_checkpoints(alone32_2, b);
-    const int64_t per_step = 7 * cfg.n_layer + 1;
-    EXPECT_EQ(reads->total(), 6 * per_step);
-    EXPECT_EQ(reads->joined(), 4 * per_step);
-  }
-  {
-    SCOPED_TRACE("different weights");
-    auto reads = std::make_shared<ref::SharedWeightReads>();
-    const auto [a, b] = run_two_seats(*f4, *f8, "f64", "f32", 4, 4, reads);
-    expect_same_checkpoints(alone64, a);
-    expect_same_checkpoints(alone32_q8, b);
-    EXPECT_EQ(reads->joined(), 0);
   }
 }
 

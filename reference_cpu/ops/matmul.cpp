@@ -49,17 +49,10 @@ std::pair<int, int> column_block(int N, int thread, int n_threads) {
   return {n0, std::min(N, n0 + chunk)};
 }
 
-// MatvecPart::run for T: rows [n0, n1) decoded into `tile` and dotted with x, as a decode mat-vec takes them.
+// Rows a decode tile holds: about 32 KB of decoded weights, so the tile stays in L1/L2 between decode and dots.
 template <typename T>
-void matvec_rows(const MatvecPart& part, int64_t n0, int64_t n1, void* tile_values) {
-  const auto& W = *static_cast<const WeightMatrix<T>*>(part.weights);
-  const Eigen::Map<const Vec<T>> xv(static_cast<const T*>(part.x), part.cols);
-  T* const tile = static_cast<T*>(tile_values);  // [n1-n0,K]
-  T* const out = static_cast<T*>(part.out);
-  W.decode_rows(tile, n0, n1 - n0);
-  for (int64_t n = n0; n < n1; ++n) {
-    out[n] = row_dot(tile + (n - n0) * part.cols, xv, static_cast<const T*>(part.bias), static_cast<int>(n));
-  }
+int tile_rows(int K) {
+  return std::max(1, static_cast<int>(32768 / (static_cast<int64_t>(K) * sizeof(T))));
 }
 
 }  // namespace
@@ -97,20 +90,18 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const WeightMatrix<T>& W
   if (n_tokens == 1) {
     // Decode: the weights' bytes are read once (a quarter to an eighth of the dense values' bytes); each tile of
     // rows is decoded into a small per-thread buffer and used at once.
-    MatvecPart part;
-    part.key = W.source();
-    part.rows = N;
-    part.cols = K;
-    part.value_bytes = sizeof(T);
-    part.run = matvec_rows<T>;
-    part.out = out;
-    part.x = x;
-    part.weights = &W;
-    part.bias = bias;
-    if (scratch.seat.reads) {
-      scratch.seat.reads->matvec(scratch.seat.index, part);
-    } else {
-      run_matvec(part);
+    const Eigen::Map<const Vec<T>> xv(x, K);
+    const int rows_per_tile = tile_rows<T>(K);
+    const int n_tiles = (N + rows_per_tile - 1) / rows_per_tile;
+#pragma omp parallel
+    {
+      const std::unique_ptr<T[]> tile(new T[static_cast<size_t>(rows_per_tile) * K]);  // [rows_per_tile,K]
+#pragma omp for schedule(static) nowait
+      for (int i = 0; i < n_tiles; ++i) {
+        const int n0 = i * rows_per_tile, n1 = std::min(N, n0 + rows_per_tile);
+        W.decode_rows(tile.get(), n0, n1 - n0);
+        for (int n = n0; n < n1; ++n) out[n] = row_dot(tile.get() + static_cast<int64_t>(n - n0) * K, xv, bias, n);
+      }
     }
     return;
   }

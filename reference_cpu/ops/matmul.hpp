@@ -4,23 +4,18 @@
 #include <cstddef>
 #include <memory>
 
-#include "reference_cpu/shared_weight_reads.hpp"
-
 namespace diffrun::ref {
 
 template <typename T>
 class WeightMatrix;  // reference_cpu/weights.hpp (not included: ops headers carry no Eigen types)
 
-// A reference's working state for matmul over streamed weights. The values a prefill GEMM decodes its weights
-// into, grown as needed and reused across calls. Never zero-filled: each thread's decode writes its column block
-// before the GEMM reads it, so the pages of a new allocation are first touched, in parallel, by the threads that
-// use them (a value-initialized std::vector zero-filled the lm head's 1.09 GB f64 scratch on one thread first:
-// the 0.5B shape). And the seat its decode mat-vecs take at a SharedWeightReads, if any.
+// The values a prefill GEMM decodes its weights into, grown as needed and reused across calls. Never
+// zero-filled: each thread's decode writes its column block before the GEMM reads it, so the pages of
+// a new allocation are first touched, in parallel, by the threads that use them (a value-initialized
+// std::vector zero-filled the lm head's 1.09 GB f64 scratch on one thread first: the 0.5B shape).
 template <typename T>
 class Scratch {
  public:
-  WeightReadSeat seat;  // no reads: each mat-vec alone
-
   // At least n values, uninitialized.
   T* reserve(size_t n) {
     if (n > n_) {
@@ -43,8 +38,7 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const T* W /* [N,K] */, 
             int n_tokens, int K, int N);
 
 // The same over the first N rows of a weight matrix held as GGUF bytes, with the same result bit for bit: one
-// token decodes a few rows at a time into a per-thread buffer (a few KB) and takes the same dot products (beside
-// the other seat's reference when scratch.seat has reads: shared_weight_reads.hpp); several
+// token decodes a few rows at a time into a per-thread buffer (a few KB) and takes the same dot products; several
 // tokens decode each thread's column block into `scratch` ([N,K] values) and run the same GEMMs on it. A dense W
 // takes the pointer path.
 template <typename T>
