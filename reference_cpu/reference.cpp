@@ -116,11 +116,11 @@ class CpuBackend final : public Backend {
     const int Vp = faults_.has(Fault::lm_head_padded_vocab) ? fault_padded_vocab(V) : V;
     std::vector<T> logits(static_cast<size_t>(rows) * Vp, T(kFaultUninitialisedLogit));  // [rows,Vp]
     if (Vp == V) {
-      matmul(logits.data(), last_rows, w_.lm_head(), kNoBias, rows, D, V, scratch_);
+      matmul(logits.data(), last_rows, w_.lm_head(), kNoBias, rows, D, V);
     } else {
       for (int r = 0; r < rows; ++r) {
         matmul(&logits[static_cast<size_t>(r) * Vp], last_rows + static_cast<size_t>(r) * D, w_.lm_head(), kNoBias,
-               1, D, V, scratch_);
+               1, D, V);
       }
     }
     if (cfg_.final_logit_softcap > 0) softcap(logits.data(), logits.data(), T(cfg_.final_logit_softcap), int64_t(logits.size()));
@@ -155,9 +155,9 @@ class CpuBackend final : public Backend {
     std::vector<T> q(static_cast<size_t>(n) * Q);          // [T,H*Dh]
     std::vector<T> k(static_cast<size_t>(n) * KV);         // [T,Hkv*Dh]
     std::vector<T> v(static_cast<size_t>(n) * KV);         // [T,Hkv*Dh]
-    matmul(q.data(), xn.data(), w.wq, bias ? bias_or_null(w.bq) : kNoBias, n, D, Q, scratch_);  cp("Qcur", l, {n, H, Dh}, q.data());
-    matmul(k.data(), xn.data(), w.wk, bias ? bias_or_null(w.bk) : kNoBias, n, D, KV, scratch_); cp("Kcur", l, {n, Hkv, Dh}, k.data());
-    matmul(v.data(), xn.data(), w.wv, bias ? bias_or_null(w.bv) : kNoBias, n, D, KV, scratch_); cp("Vcur", l, {n, Hkv, Dh}, v.data());
+    matmul(q.data(), xn.data(), w.wq, bias ? bias_or_null(w.bq) : kNoBias, n, D, Q);  cp("Qcur", l, {n, H, Dh}, q.data());
+    matmul(k.data(), xn.data(), w.wk, bias ? bias_or_null(w.bk) : kNoBias, n, D, KV); cp("Kcur", l, {n, Hkv, Dh}, k.data());
+    matmul(v.data(), xn.data(), w.wv, bias ? bias_or_null(w.bv) : kNoBias, n, D, KV); cp("Vcur", l, {n, Hkv, Dh}, v.data());
     if (cfg_.qk_norm) {
       norm(q.data(), q.data(), w.q_norm.data(), n * H, Dh);                       cp("Qnorm", l, {n, H, Dh}, q.data());
       norm(k.data(), k.data(), w.k_norm.data(), n * Hkv, Dh);                     cp("Knorm", l, {n, Hkv, Dh}, k.data());
@@ -192,7 +192,7 @@ class CpuBackend final : public Backend {
 
     std::vector<T> attn_out(nD);                           // [T,D]
     const WeightMatrix<T>& wo = faults_.has(Fault::attn_out_transposed) ? wo_flawed_[l] : w.wo;
-    matmul(attn_out.data(), kqv.data(), wo, kNoBias, n, Q, D, scratch_);          cp("attn_out", l, {n, D}, attn_out.data());
+    matmul(attn_out.data(), kqv.data(), wo, kNoBias, n, Q, D);          cp("attn_out", l, {n, D}, attn_out.data());
     if (cfg_.post_norms) {  // post_norm_skipped: the op skipped
       if (!faults_.has(Fault::post_norm_skipped)) norm(attn_out.data(), attn_out.data(), w.attn_post_norm.data(), n, D);
       cp("attn_post_norm", l, {n, D}, attn_out.data());
@@ -209,8 +209,8 @@ class CpuBackend final : public Backend {
 
     std::vector<T> gate(static_cast<size_t>(n) * F);       // [T,F]
     std::vector<T> up(static_cast<size_t>(n) * F);         // [T,F]
-    matmul(gate.data(), xn.data(), w.w_gate, kNoBias, n, D, F, scratch_);         cp("ffn_gate", l, {n, F}, gate.data());
-    matmul(up.data(), xn.data(), w.w_up, kNoBias, n, D, F, scratch_);             cp("ffn_up", l, {n, F}, up.data());
+    matmul(gate.data(), xn.data(), w.w_gate, kNoBias, n, D, F);         cp("ffn_gate", l, {n, F}, gate.data());
+    matmul(up.data(), xn.data(), w.w_up, kNoBias, n, D, F);             cp("ffn_up", l, {n, F}, up.data());
     const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
     const auto act = cfg_.ffn_act == FfnAct::gelu_tanh ? geglu<T> : swiglu<T>;
     act(gate.data(), swap ? up.data() : gate.data(), swap ? gate.data() : up.data(), static_cast<int64_t>(gate.size()));
@@ -218,7 +218,7 @@ class CpuBackend final : public Backend {
     cp(cfg_.ffn_act == FfnAct::gelu_tanh ? "ffn_geglu" : "ffn_swiglu", l, {n, F}, gate.data(), gemm_f16());
     std::vector<T> ffn_out(nD);                            // [T,D]
     const WeightMatrix<T>& w_down = faults_.has(Fault::ffn_down_transposed) ? w_down_flawed_[l] : w.w_down;
-    matmul(ffn_out.data(), gate.data(), w_down, kNoBias, n, F, D, scratch_);      cp("ffn_out", l, {n, D}, ffn_out.data());
+    matmul(ffn_out.data(), gate.data(), w_down, kNoBias, n, F, D);      cp("ffn_out", l, {n, D}, ffn_out.data());
     if (cfg_.post_norms) {
       norm(ffn_out.data(), ffn_out.data(), w.ffn_post_norm.data(), n, D);         cp("ffn_post_norm", l, {n, D}, ffn_out.data());
     }
@@ -295,7 +295,6 @@ class CpuBackend final : public Backend {
   RmsNormFlaws rms_norm_flaws_;
   std::vector<WeightMatrix<T>> wo_flawed_;      // [n_layer] W_o read with the wrong leading dimension, attn_out_transposed only
   std::vector<WeightMatrix<T>> w_down_flawed_;  // [n_layer] W_down likewise, ffn_down_transposed only
-  ref::Scratch<T> scratch_;  // [N*K] the matrix a prefill GEMM decodes, sized by the largest so far (ops/matmul.hpp)
   int n_past_ = 0;
 };
 

@@ -42,11 +42,13 @@ void gemm_block(T* out /* [T,N] */, const T* x /* [T,K] */, const T* w /* [n1-n0
   }
 }
 
-// The block of output columns thread `thread` of `n_threads` owns in a prefill GEMM.
-std::pair<int, int> column_block(int N, int thread, int n_threads) {
-  const int chunk = (N + n_threads - 1) / n_threads;
-  const int n0 = std::min(N, thread * chunk);
-  return {n0, std::min(N, n0 + chunk)};
+// Output columns (weight rows) a prefill GEMM takes at once: about 512 KB of weight values (in L2 while the GEMM
+// reads them), a multiple of 8, at least 32 (each GEMM packs the tokens' rows anew). A function of K alone, so
+// the GEMMs, and their values, are the same for any number of threads.
+template <typename T>
+int gemm_columns(int K) {
+  const int64_t cols = 524288 / (static_cast<int64_t>(K) * sizeof(T));
+  return static_cast<int>(std::max<int64_t>(32, cols / 8 * 8));
 }
 
 // Rows a decode tile holds: about 32 KB of decoded weights, so the tile stays in L1/L2 between decode and dots.
@@ -67,18 +69,20 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const T* W /* [N,K] */, 
     for (int n = 0; n < N; ++n) out[n] = row_dot(W + static_cast<int64_t>(n) * K, xv, bias, n);
     return;
   }
-  // Prefill: each thread runs a single-threaded Eigen GEMM on its own block of output columns (one
-  // barrier per call; Eigen's own threaded GEMM spins badly when the cores are shared).
-#pragma omp parallel
-  {
-    const auto [n0, n1] = column_block(N, omp_get_thread_num(), omp_get_num_threads());
-    if (n1 > n0) gemm_block(out, x, W + static_cast<int64_t>(n0) * K, bias, n_tokens, K, N, n0, n1);
+  // Prefill: blocks of output columns, each a single-threaded Eigen GEMM, shared among the threads (Eigen's own
+  // threaded GEMM spins badly when the cores are shared).
+  const int cols = gemm_columns<T>(K);
+  const int n_blocks = (N + cols - 1) / cols;
+#pragma omp parallel for schedule(dynamic)
+  for (int b = 0; b < n_blocks; ++b) {
+    const int n0 = b * cols, n1 = std::min(N, n0 + cols);
+    gemm_block(out, x, W + static_cast<int64_t>(n0) * K, bias, n_tokens, K, N, n0, n1);
   }
 }
 
 template <typename T>
 void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const WeightMatrix<T>& W /* [>=N,K] */,
-            const T* bias /* [N] or null */, int n_tokens, int K, int N, Scratch<T>& scratch /* [N*K] */) {
+            const T* bias /* [N] or null */, int n_tokens, int K, int N) {
   if (W.cols() != K || W.rows() < N) {
     throw ModelError("matmul: a [" + std::to_string(W.rows()) + ", " + std::to_string(W.cols()) +
                      "] weight cannot give " + std::to_string(N) + " outputs of " + std::to_string(K) + " inputs");
@@ -105,24 +109,25 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const WeightMatrix<T>& W
     }
     return;
   }
-  // Prefill: the same column blocks and GEMMs as the pointer path, each on its block decoded into scratch.
-  T* const decoded = scratch.reserve(static_cast<size_t>(N) * K);
+  // Prefill: the same column blocks and GEMMs as the pointer path, each on its block decoded into a buffer of the
+  // thread's own, so that a matrix is never decoded whole.
+  const int cols = gemm_columns<T>(K);
+  const int n_blocks = (N + cols - 1) / cols;
 #pragma omp parallel
   {
-    const auto [n0, n1] = column_block(N, omp_get_thread_num(), omp_get_num_threads());
-    if (n1 > n0) {
-      T* block = decoded + static_cast<int64_t>(n0) * K;  // [n1-n0,K], written by the decode before the GEMM reads it
-      W.decode_rows(block, n0, n1 - n0);
-      gemm_block(out, x, block, bias, n_tokens, K, N, n0, n1);
+    const std::unique_ptr<T[]> block(new T[static_cast<size_t>(cols) * K]);  // [cols,K]
+#pragma omp for schedule(dynamic) nowait
+    for (int b = 0; b < n_blocks; ++b) {
+      const int n0 = b * cols, n1 = std::min(N, n0 + cols);
+      W.decode_rows(block.get(), n0, n1 - n0);
+      gemm_block(out, x, block.get(), bias, n_tokens, K, N, n0, n1);
     }
   }
 }
 
 template void matmul<float>(float*, const float*, const float*, const float*, int, int, int);
 template void matmul<double>(double*, const double*, const double*, const double*, int, int, int);
-template void matmul<float>(float*, const float*, const WeightMatrix<float>&, const float*, int, int, int,
-                            Scratch<float>&);
-template void matmul<double>(double*, const double*, const WeightMatrix<double>&, const double*, int, int, int,
-                             Scratch<double>&);
+template void matmul<float>(float*, const float*, const WeightMatrix<float>&, const float*, int, int, int);
+template void matmul<double>(double*, const double*, const WeightMatrix<double>&, const double*, int, int, int);
 
 }  // namespace diffrun::ref
