@@ -12,7 +12,7 @@
 namespace diffrun {
 
 // How the reference holds its weight matrices. streamed: as the GGUF's bytes (quantized, in the mmap), each
-// matmul decoding the rows it reads; memory is the largest matrix decoded once (a prefill GEMM) on top of the
+// matmul decoding the rows it reads; memory is a few MB of decoded rows a thread on top of the
 // mapped file. dense: every matrix dequantized once at load (4 or 8 bytes per weight). Both compute the same
 // values bit for bit (tests/test_reference_weights.cpp); dense is the oracle and the benchmark's baseline.
 enum class WeightHolding { streamed, dense };

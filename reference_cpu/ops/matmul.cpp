@@ -5,9 +5,6 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <utility>
-
-#include <omp.h>
 
 #include <Eigen/Core>
 
