@@ -192,7 +192,7 @@ class CpuBackend final : public Backend {
 
     std::vector<T> attn_out(nD);                           // [T,D]
     const WeightMatrix<T>& wo = faults_.has(Fault::attn_out_transposed) ? wo_flawed_[l] : w.wo;
-    matmul(attn_out.data(), kqv.data(), wo, kNoBias, n, Q, D);          cp("attn_out", l, {n, D}, attn_out.data());
+    matmul(attn_out.data(), kqv.data(), wo, kNoBias, n, Q, D);                    cp("attn_out", l, {n, D}, attn_out.data());
     if (cfg_.post_norms) {  // post_norm_skipped: the op skipped
       if (!faults_.has(Fault::post_norm_skipped)) norm(attn_out.data(), attn_out.data(), w.attn_post_norm.data(), n, D);
       cp("attn_post_norm", l, {n, D}, attn_out.data());
@@ -209,8 +209,8 @@ class CpuBackend final : public Backend {
 
     std::vector<T> gate(static_cast<size_t>(n) * F);       // [T,F]
     std::vector<T> up(static_cast<size_t>(n) * F);         // [T,F]
-    matmul(gate.data(), xn.data(), w.w_gate, kNoBias, n, D, F);         cp("ffn_gate", l, {n, F}, gate.data());
-    matmul(up.data(), xn.data(), w.w_up, kNoBias, n, D, F);             cp("ffn_up", l, {n, F}, up.data());
+    matmul(gate.data(), xn.data(), w.w_gate, kNoBias, n, D, F);                   cp("ffn_gate", l, {n, F}, gate.data());
+    matmul(up.data(), xn.data(), w.w_up, kNoBias, n, D, F);                       cp("ffn_up", l, {n, F}, up.data());
     const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
     const auto act = cfg_.ffn_act == FfnAct::gelu_tanh ? geglu<T> : swiglu<T>;
     act(gate.data(), swap ? up.data() : gate.data(), swap ? gate.data() : up.data(), static_cast<int64_t>(gate.size()));
@@ -218,7 +218,7 @@ class CpuBackend final : public Backend {
     cp(cfg_.ffn_act == FfnAct::gelu_tanh ? "ffn_geglu" : "ffn_swiglu", l, {n, F}, gate.data(), gemm_f16());
     std::vector<T> ffn_out(nD);                            // [T,D]
     const WeightMatrix<T>& w_down = faults_.has(Fault::ffn_down_transposed) ? w_down_flawed_[l] : w.w_down;
-    matmul(ffn_out.data(), gate.data(), w_down, kNoBias, n, F, D);      cp("ffn_out", l, {n, D}, ffn_out.data());
+    matmul(ffn_out.data(), gate.data(), w_down, kNoBias, n, F, D);                cp("ffn_out", l, {n, D}, ffn_out.data());
     if (cfg_.post_norms) {
       norm(ffn_out.data(), ffn_out.data(), w.ffn_post_norm.data(), n, D);         cp("ffn_post_norm", l, {n, D}, ffn_out.data());
     }
