@@ -377,10 +377,12 @@ class CudaEngineImpl final : public CudaEngine {
     const W* last_rows = a.xn.get() + size_t(n - rows) * D;  // [rows, D]
     const int Vp = logit_columns();  // V, or the padded vocabulary of lm_head_padded_vocab
     // One row of logits without hooks: the lm head and argmax in one launch (bit-identical; see the top).
-    const bool head_argmax = lm_head_argmax_ && rows == 1 && Vp == V && !step_hooked_ &&
-                             !(cfg_.final_logit_softcap > 0) &&
-                             matmul_argmax(logits_.get(), h_argmax_.device(), last_rows, weights_.lm_head, D, V,
-                                           argmax_scratch_.get(), stream_);
+    // matmul_argmax launches nothing and returns false for a head it does not take (then matmul, argmax).
+    bool head_argmax = false;
+    if (lm_head_argmax_ && rows == 1 && Vp == V && !step_hooked_ && !(cfg_.final_logit_softcap > 0)) {
+      head_argmax = matmul_argmax(logits_.get(), h_argmax_.device(), last_rows, weights_.lm_head, D, V,
+                                  argmax_scratch_.get(), stream_);
+    }
     if (Vp != V) {
       // lm_head_padded_vocab: rows of Vp logits, the lm head writes V of them; the rest hold stale bytes.
       CUDA_CHECK(cudaMemsetAsync(logits_.get(), kFaultUninitialisedByte, size_t(rows) * Vp * sizeof(float), stream_));

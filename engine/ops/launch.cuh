@@ -64,7 +64,6 @@ __device__ __forceinline__ float norm_sum_squares(const float (&v)[kNormRegs], i
   return ss;
 }
 
-
 // Programmatic Dependent Launch (sm_90+): a kernel launched by launch_pdl may start while the
 // kernel before it in the stream (or graph) finishes. Such a kernel calls pdl_wait() before its
 // first global read or write (it returns once the preceding grid has completed and its memory is
