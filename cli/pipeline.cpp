@@ -81,10 +81,10 @@ bool spare_cores() {
 }
 
 // With spare cores and a CUDA engine beside it, a CPU reference's threads (this one and the OpenMP
-// threads it starts, which inherit it) run at nice kReferenceNice: the engines' kernel launches and the
-// comparisons are the run's critical path, and the references, which finish their steps before the
-// comparators need them, would otherwise take the cores those wait for. DIFFRUN_REFERENCE_NICE=N
-// sets N (0: as the rest).
+// threads it starts, which inherit it) run at nice kReferenceNice, so that the engines' kernel launches
+// and the comparisons are not queued behind the references' threads. Since the engines' weights load
+// through pinned pieces, the references' decode steps end the GPU job; nice 0 measured the same there
+// (bench/NOTES.md). DIFFRUN_REFERENCE_NICE=N sets N (0: as the rest).
 constexpr int kReferenceNice = 5;
 
 void lower_reference_priority() {
