@@ -4,16 +4,75 @@
 // name, layer, shape and layout against the vocabulary of the dump's config.
 #include "diffrun/dump_writer.h"
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
 #include <exception>
+#include <memory>
 #include <new>
 #include <optional>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "capi/cuda_driver.hpp"
 #include "checkpoints/dump_format.hpp"
 #include "checkpoints/dump_validate.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "model/error.hpp"
+
+namespace diffrun::capi {
+
+// What a put stores once its checks passed: the dataset's name, dtype, shape (the vocabulary's for merged
+// heads) and attributes.
+struct Checked {
+  std::string name;
+  StoredDType type = StoredDType::f32;
+  std::vector<int64_t> shape;
+  DatasetAttributes attrs;
+  size_t bytes = 0;
+};
+
+// Device puts (diffrun_dump_put_device): the copies land in pinned staging memory and reach the file
+// later, from the caller's thread, inside diffrun_dump_step / _flush / _close (HDF5 is called from no
+// other thread). One allocation of `size` bytes: immediate puts take space from the bottom (reset to 0
+// whenever nothing is pending), the slots of captured graphs from the top (kept until close).
+struct Slot {  // a device put captured into a CUDA graph: every launch copies it to base + offset
+  std::string name;
+  int layer;
+  std::vector<int64_t> dims;
+  diffrun_dtype dtype;
+  size_t offset;
+};
+
+struct Pending {  // a device put on its way to the file
+  int step;
+  Checked c;
+  const char* data;                  // pinned staging memory, or copy.data()
+  std::vector<char> copy;            // a graph launch's data, copied out of its slots before the next launch
+  std::shared_ptr<CUevent_st> done;  // recorded after the copy on the caller's stream; null once waited for
+  int graph = -1;                    // the graph whose slots hold the data, until copied out
+};
+
+struct Staging {
+  const CudaDriver* cu = nullptr;
+  CUcontext ctx = nullptr;  // where the pinned memory was allocated
+  char* base = nullptr;
+  size_t size = 0;
+  size_t ring_top = 0;      // immediate puts: [0, ring_top) in use
+  size_t graph_bottom = 0;  // graph slots: [graph_bottom, size)
+  size_t copied = 0;        // bytes held in Pending::copy
+  std::vector<CUevent> free_events;
+  std::vector<Slot> capturing;             // the slots of the capture in progress
+  std::vector<std::vector<Slot>> graphs;   // diffrun_dump_capture_end's graphs
+  std::deque<Pending> pending;             // in put order
+  ~Staging();
+};
+
+}  // namespace diffrun::capi
 
 struct diffrun_dump {
   std::unique_ptr<diffrun::DumpFile> file;
@@ -26,11 +85,14 @@ struct diffrun_dump {
   std::vector<int32_t> token_ids;
   std::optional<std::vector<int32_t>> all_token_ids;
   std::vector<int32_t> fed;  // diffrun_dump_step_tokens' result
+  std::set<std::pair<int, std::string>> pending_names;  // (step, name) of device puts not yet in the file
+  std::unique_ptr<diffrun::capi::Staging> staging;      // device puts: created by the first one
 };
 
 namespace {
 
 using diffrun::AttrType;
+using diffrun::capi::Checked;
 
 thread_local std::string t_error;
 
@@ -148,11 +210,21 @@ void start_step(diffrun_dump* d, int step) {
   d->n_tokens = 0;
 }
 
-void put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, int ndim, diffrun_dtype dtype,
-         const void* data, const char* layout_c, const char* native_c, bool foreign = false) {
+std::string dataset_at(const diffrun_dump* d, const std::string& name) {
+  return d->file->path() + ": dataset '" + diffrun::dump_step_group_name(d->step < 0 ? 0 : d->step) + "/" + name + "': ";
+}
+
+// `name` is in the file's `step` or on its way there from the device.
+bool recorded(const diffrun_dump* d, int step, const std::string& name) {
+  return d->file->has_dataset(step, name) || d->pending_names.count({step, name}) > 0;
+}
+
+// The checks of every put, host or device, against the current step: name, dtype, shape and layout
+// against the vocabulary, tokens first, each name once. Reads `data` only for tokens (their ids).
+Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, int ndim, diffrun_dtype dtype,
+                  const void* data, const char* layout_c, const char* native_c, bool foreign = false) {
   const std::string name = str_arg(name_c, "the checkpoint name");
-  const std::string at = d->file->path() + ": dataset '" + diffrun::dump_step_group_name(d->step < 0 ? 0 : d->step) +
-                         "/" + name + "': ";
+  const std::string at = dataset_at(d, name);
   const char* type = dtype_name(dtype);
   need(type != nullptr, DIFFRUN_DUMP_E_ARG, at + "unknown dtype " + std::to_string(dtype) +
                                                 " (DIFFRUN_F32, _F16, _BF16, _F64 or _I32)");
@@ -166,12 +238,14 @@ void put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, in
     n *= x;
   }
   need(n == 0 || data != nullptr, DIFFRUN_DUMP_E_ARG, at + "data is NULL");
-  need(!d->file->has_dataset(d->step, name), DIFFRUN_DUMP_E_CHECKPOINT, at + "recorded twice in this step");
+  need(!recorded(d, d->step, name), DIFFRUN_DUMP_E_CHECKPOINT, at + "recorded twice in this step");
   std::string native = native_c ? native_c : type;
   need(native != "i32" || dtype == DIFFRUN_I32, DIFFRUN_DUMP_E_ARG, at + "native_dtype \"i32\" is for tokens");
   need(diffrun::parse_stored_dtype(native).has_value(), DIFFRUN_DUMP_E_ARG,
        at + "native_dtype \"" + native + "\" is not one of \"f16\", \"bf16\", \"f32\", \"f64\"");
   const diffrun::ModelConfig& cfg = *d->config;
+  const diffrun::StoredDType stored = *diffrun::parse_stored_dtype(type);
+  Checked c{name, stored, shape, {}, static_cast<size_t>(n) * diffrun::stored_dtype_size(stored)};
 
   if (name == "tokens") {
     need(dtype == DIFFRUN_I32, DIFFRUN_DUMP_E_CHECKPOINT, at + "tokens are DIFFRUN_I32 ids, not " + type);
@@ -194,19 +268,16 @@ void put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, in
              at + "id " + std::to_string(ids[0]) + " but all_token_ids feeds " +
                  std::to_string((*d->all_token_ids)[i]) + " at this step (teacher forcing)");
     }
-    d->file->write(d->step, name, diffrun::StoredDType::i32, shape, data, {0, -1, "T", "i32", std::nullopt});
-    d->step_has_tokens = true;
-    d->n_tokens = n;
-    d->n_kv += n;
-    return;
+    c.attrs = {0, -1, "T", "i32", std::nullopt};
+    return c;
   }
 
   need(dtype != DIFFRUN_I32, DIFFRUN_DUMP_E_CHECKPOINT, at + "DIFFRUN_I32 is for tokens; checkpoints are floats");
   need(d->step_has_tokens, DIFFRUN_DUMP_E_STEP, at + "put \"tokens\" first in every step (T and S come from it)");
   if (foreign) {
     // Stored as given, no order/layer/layout: `diffrun compare --names MAP` maps it.
-    d->file->write(d->step, name, *diffrun::parse_stored_dtype(type), shape, data, {std::nullopt, std::nullopt, "", native, std::nullopt});
-    return;
+    c.attrs = {std::nullopt, std::nullopt, "", native, std::nullopt};
+    return c;
   }
   const std::string layout = layout_c ? layout_c : "";
   std::vector<int64_t> canonical;
@@ -217,11 +288,244 @@ void put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, in
   const diffrun::CheckpointKind* kind = diffrun::find_checkpoint_kind(parsed.base);
   const int order = diffrun::checkpoint_order(cfg, parsed.base, parsed.layer);
   // Merged heads are stored in the vocabulary's shape (same bytes).
-  d->file->write(d->step, name, *diffrun::parse_stored_dtype(type), canonical, data,
-                 {order, layer, layout.empty() ? std::string(kind->layout) : layout, native, std::nullopt});
+  c.shape = canonical;
+  c.attrs = {order, layer, layout.empty() ? std::string(kind->layout) : layout, native, std::nullopt};
+  return c;
+}
+
+void put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, int ndim, diffrun_dtype dtype,
+         const void* data, const char* layout_c, const char* native_c, bool foreign = false) {
+  const Checked c = check_put(d, name_c, layer, dims, ndim, dtype, data, layout_c, native_c, foreign);
+  d->file->write(d->step, c.name, c.type, c.shape, data, c.attrs);
+  if (c.name == "tokens") {
+    d->step_has_tokens = true;
+    d->n_tokens = c.shape[0];
+    d->n_kv += c.shape[0];
+  }
+}
+
+// ---- device puts --------------------------------------------------------------------------------
+
+using diffrun::capi::CudaDriver;
+using diffrun::capi::CUresult;
+using diffrun::capi::Pending;
+using diffrun::capi::Slot;
+using diffrun::capi::Staging;
+namespace cu_abi = diffrun::capi;
+
+constexpr size_t kStagingAlign = 256;
+
+void cuda_check(const CudaDriver* cu, CUresult rc, const std::string& what) {
+  if (rc != cu_abi::kCudaSuccess) throw ApiError{DIFFRUN_DUMP_E_CUDA, what + ": " + cu_abi::cuda_error_text(*cu, rc)};
+}
+
+const CudaDriver* driver(diffrun_dump* d) {
+  std::string why;
+  const CudaDriver* cu = cu_abi::cuda_driver(&why);
+  need(cu != nullptr, DIFFRUN_DUMP_E_CUDA, where(d) + why);
+  return cu;
+}
+
+// DIFFRUN_DUMP_STAGING_MB, else 64 MiB.
+size_t default_staging_bytes() {
+  if (const char* v = std::getenv("DIFFRUN_DUMP_STAGING_MB"); v && *v) {
+    char* end = nullptr;
+    const unsigned long long mb = std::strtoull(v, &end, 10);
+    if (end && *end == '\0' && mb > 0 && mb < (1ull << 20)) return static_cast<size_t>(mb) << 20;
+  }
+  return size_t(64) << 20;
+}
+
+// Whether `stream` is capturing a CUDA graph (cuStreamIsCapturing, legal during any capture).
+bool capturing(diffrun_dump* d, const CudaDriver* cu, void* stream, const std::string& at) {
+  int status = cu_abi::kStreamCaptureNone;
+  cuda_check(cu, cu->cuStreamIsCapturing(static_cast<cu_abi::CUstream>(stream), &status), at + "cuStreamIsCapturing");
+  need(status == cu_abi::kStreamCaptureNone || status == cu_abi::kStreamCaptureActive, DIFFRUN_DUMP_E_CUDA,
+       at + "the stream's capture was invalidated (an earlier call of the capture failed)");
+  return status == cu_abi::kStreamCaptureActive;
+}
+
+// The handle's staging memory, allocated (pinned, in the current context) by the first call.
+Staging& staging(diffrun_dump* d, size_t bytes) {
+  if (d->staging) return *d->staging;
+  const CudaDriver* cu = driver(d);
+  cu_abi::CUcontext ctx = nullptr;
+  cuda_check(cu, cu->cuCtxGetCurrent(&ctx), where(d) + "cuCtxGetCurrent");
+  need(ctx != nullptr, DIFFRUN_DUMP_E_CUDA,
+       where(d) + "no current CUDA context in this thread: initialize CUDA in it first (cudaSetDevice, or any "
+                  "CUDA runtime call that creates the context)");
+  if (bytes == 0) bytes = default_staging_bytes();
+  bytes = (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+  void* p = nullptr;
+  cuda_check(cu, cu->cuMemHostAlloc(&p, bytes, cu_abi::kMemHostAllocPortable),
+             where(d) + "cannot allocate " + std::to_string(bytes) + " bytes of pinned staging memory");
+  auto s = std::make_unique<Staging>();
+  s->cu = cu;
+  s->ctx = ctx;
+  s->base = static_cast<char*>(p);
+  s->size = s->graph_bottom = bytes;
+  d->staging = std::move(s);
+  return *d->staging;
+}
+
+// An event from the handle's pool (created without timing), back in the pool when the last user lets go.
+std::shared_ptr<cu_abi::CUevent_st> take_event(Staging& s, const std::string& at) {
+  cu_abi::CUevent e = nullptr;
+  if (!s.free_events.empty()) {
+    e = s.free_events.back();
+    s.free_events.pop_back();
+  } else {
+    cuda_check(s.cu, s.cu->cuEventCreate(&e, cu_abi::kEventDisableTiming), at + "cuEventCreate");
+  }
+  Staging* owner = &s;
+  return {e, [owner](cu_abi::CUevent x) { owner->free_events.push_back(x); }};
+}
+
+std::string pending_at(const diffrun_dump* d, const Pending& p) {
+  return d->file->path() + ": dataset '" + diffrun::dump_step_group_name(p.step) + "/" + p.c.name + "': ";
+}
+
+// Copies the data of every graph launch out of the graph's slots (waiting for the launch's copies),
+// so that the next launch may overwrite them.
+void settle_graphs(diffrun_dump* d) {
+  Staging& s = *d->staging;
+  for (Pending& p : s.pending) {
+    if (p.graph < 0) continue;
+    cuda_check(s.cu, s.cu->cuEventSynchronize(p.done.get()), pending_at(d, p) + "the copy from the device failed");
+    p.copy.assign(p.data, p.data + p.c.bytes);
+    p.data = p.copy.data();
+    s.copied += p.c.bytes;
+    p.done.reset();
+    p.graph = -1;
+  }
+}
+
+// Writes every pending device put to the file, in put order, waiting for each copy; then the ring is empty.
+void drain(diffrun_dump* d) {
+  Staging& s = *d->staging;
+  while (!s.pending.empty()) {
+    Pending& p = s.pending.front();
+    if (p.done)
+      cuda_check(s.cu, s.cu->cuEventSynchronize(p.done.get()), pending_at(d, p) + "the copy from the device failed");
+    d->file->write(p.step, p.c.name, p.c.type, p.c.shape, p.data, p.c.attrs);
+    d->pending_names.erase({p.step, p.c.name});
+    s.copied -= p.copy.size();
+    s.pending.pop_front();
+  }
+  s.ring_top = 0;
+}
+
+std::string staging_hint(const Staging& s) {
+  return " (the staging memory is " + std::to_string(s.size) + " bytes, " + std::to_string(s.size - s.graph_bottom) +
+         " of them held by captured graphs: diffrun_dump_set_staging or DIFFRUN_DUMP_STAGING_MB sets its size)";
+}
+
+// Space for an immediate put: drains every pending put (waiting for their copies) when the ring is full.
+size_t take_ring(diffrun_dump* d, Staging& s, size_t bytes, const std::string& at) {
+  const size_t aligned = (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+  need(aligned <= s.graph_bottom, DIFFRUN_DUMP_E_ARG, at + std::to_string(bytes) + " bytes do not fit" + staging_hint(s));
+  if (s.ring_top + aligned > s.graph_bottom) drain(d);
+  const size_t offset = s.ring_top;
+  s.ring_top += aligned;
+  return offset;
+}
+
+bool has_letter(const std::string& layout, const char* letter) {
+  size_t start = 0;
+  while (start <= layout.size()) {
+    const size_t end = std::min(layout.find(',', start), layout.size());
+    if (layout.compare(start, end - start, letter) == 0) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
+void put_device(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, int ndim, diffrun_dtype dtype,
+                const void* device_ptr, void* stream) {
+  need(name_c == nullptr || std::strcmp(name_c, "tokens") != 0, DIFFRUN_DUMP_E_ARG,
+       where(d) + "tokens are host ids: put them with diffrun_dump_put");
+  const Checked c = check_put(d, name_c, layer, dims, ndim, dtype, device_ptr, nullptr, nullptr);
+  const std::string at = dataset_at(d, c.name);
+  need(c.bytes > 0, DIFFRUN_DUMP_E_CHECKPOINT, at + "no elements");
+  const CudaDriver* cu = driver(d);
+  const auto src = reinterpret_cast<cu_abi::CUdeviceptr>(device_ptr);
+  const auto str = static_cast<cu_abi::CUstream>(stream);
+  if (capturing(d, cu, stream, at)) {
+    // Nothing that may synchronize or allocate: the copy is captured into fixed slots of the staging memory.
+    need(d->staging != nullptr, DIFFRUN_DUMP_E_ARG,
+         at + "the first device put is inside a stream capture, where pinned memory cannot be allocated: call "
+              "diffrun_dump_set_staging (or put outside the capture) before capturing");
+    Staging& s = *d->staging;
+    need(!has_letter(c.attrs.layout, "S"), DIFFRUN_DUMP_E_CHECKPOINT,
+         at + "its S dimension grows every step but a graph replays fixed shapes: put it outside the capture");
+    for (const Slot& x : s.capturing)
+      need(x.name != c.name, DIFFRUN_DUMP_E_CHECKPOINT, at + "recorded twice in this capture");
+    const size_t aligned = (c.bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+    need(s.ring_top + aligned <= s.graph_bottom, DIFFRUN_DUMP_E_ARG,
+         at + "no room for its graph slot (" + std::to_string(c.bytes) + " bytes)" + staging_hint(s) +
+             "; diffrun_dump_flush before the capture empties the rest");
+    cuda_check(cu, cu->cuMemcpyDtoHAsync(s.base + s.graph_bottom - aligned, src, c.bytes, str),
+               at + "the copy could not be captured (cuMemcpyDtoHAsync)");
+    s.graph_bottom -= aligned;
+    s.capturing.push_back(Slot{c.name, layer, std::vector<int64_t>(dims, dims + ndim), dtype, s.graph_bottom});
+    return;
+  }
+  Staging& s = staging(d, 0);
+  int memory_type = 0;
+  const CUresult known = cu->cuPointerGetAttribute(&memory_type, cu_abi::kPointerAttributeMemoryType, src);
+  if (known != cu_abi::kCudaSuccess) {
+    char p[32];
+    std::snprintf(p, sizeof p, "%p", device_ptr);
+    throw ApiError{known == cu_abi::kCudaErrorInvalidValue ? DIFFRUN_DUMP_E_ARG : DIFFRUN_DUMP_E_CUDA,
+                   at + "device_ptr " + p + " is not memory CUDA knows (" + cu_abi::cuda_error_text(*cu, known) +
+                       "); host memory goes through diffrun_dump_put"};
+  }
+  const size_t offset = take_ring(d, s, c.bytes, at);
+  cuda_check(cu, cu->cuMemcpyDtoHAsync(s.base + offset, src, c.bytes, str), at + "cuMemcpyDtoHAsync");
+  auto done = take_event(s, at);
+  cuda_check(cu, cu->cuEventRecord(done.get(), str), at + "cuEventRecord");
+  s.pending.push_back(Pending{d->step, c, s.base + offset, {}, std::move(done), -1});
+  d->pending_names.insert({d->step, c.name});
+}
+
+void replay(diffrun_dump* d, int graph, void* stream) {
+  const std::string at = where(d) + "graph " + std::to_string(graph) + ": ";
+  need(d->staging && graph >= 0 && static_cast<size_t>(graph) < d->staging->graphs.size(), DIFFRUN_DUMP_E_ARG,
+       at + "not a graph diffrun_dump_capture_end returned");
+  Staging& s = *d->staging;
+  need(!capturing(d, s.cu, stream, at), DIFFRUN_DUMP_E_ARG,
+       at + "diffrun_dump_replay during a capture (call it after cudaGraphLaunch, outside any capture)");
+  const std::vector<Slot>& slots = s.graphs[static_cast<size_t>(graph)];
+  // Every slot is checked against this step first, so that a failure records none of them.
+  std::vector<Checked> checked;
+  for (const Slot& x : slots)
+    checked.push_back(check_put(d, x.name.c_str(), x.layer, x.dims.data(), static_cast<int>(x.dims.size()), x.dtype,
+                                s.base + x.offset, nullptr, nullptr));
+  if (slots.empty()) return;
+  auto done = take_event(s, at);
+  cuda_check(s.cu, s.cu->cuEventRecord(done.get(), static_cast<cu_abi::CUstream>(stream)), at + "cuEventRecord");
+  for (size_t i = 0; i < slots.size(); ++i) {
+    d->pending_names.insert({d->step, checked[i].name});
+    s.pending.push_back(Pending{d->step, std::move(checked[i]), s.base + slots[i].offset, {}, done, graph});
+  }
 }
 
 }  // namespace
+
+diffrun::capi::Staging::~Staging() {
+  if (!cu) return;
+  CUcontext prev = nullptr;
+  const bool pushed = ctx && cu->cuCtxPushCurrent(ctx) == kCudaSuccess;
+  // Copies in flight write into the memory freed below: wait for them (errors ignored, a failed
+  // engine's context may be gone).
+  for (Pending& p : pending)
+    if (p.done) cu->cuEventSynchronize(p.done.get());
+  pending.clear();  // the events go back to free_events
+  for (CUevent e : free_events) cu->cuEventDestroy(e);
+  free_events.clear();
+  if (base) cu->cuMemFreeHost(base);
+  if (pushed) cu->cuCtxPopCurrent(&prev);
+}
 
 extern "C" {
 
@@ -351,7 +655,14 @@ int diffrun_dump_step_tokens(diffrun_dump* d, int step, const int32_t** ids, siz
 
 int diffrun_dump_step(diffrun_dump* d, int step) {
   if (!d) return null_handle("diffrun_dump_step");
-  return guard(d, [&] { start_step(d, step); });
+  return guard(d, [&] {
+    if (d->staging) {
+      // The graphs' slots are free for their next launch; the file catches up when staging is half full.
+      settle_graphs(d);
+      if (d->staging->ring_top + d->staging->copied > d->staging->size / 2) drain(d);
+    }
+    start_step(d, step);
+  });
 }
 
 int diffrun_dump_put(diffrun_dump* d, const char* name, int layer, const int64_t* dims, int ndim, diffrun_dtype dtype,
@@ -372,9 +683,54 @@ int diffrun_dump_put_foreign(diffrun_dump* d, const char* name, const int64_t* d
   return guard(d, [&] { put(d, name, -1, dims, ndim, dtype, data, nullptr, native_dtype, true); });
 }
 
+int diffrun_dump_set_staging(diffrun_dump* d, size_t bytes) {
+  if (!d) return null_handle("diffrun_dump_set_staging");
+  return guard(d, [&] {
+    if (d->staging) {
+      need(bytes == 0 || (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign == d->staging->size,
+           DIFFRUN_DUMP_E_ARG,
+           where(d) + "the staging memory is allocated already (" + std::to_string(d->staging->size) +
+               " bytes): set its size before the first device put");
+      return;
+    }
+    staging(d, bytes);
+  });
+}
+
+int diffrun_dump_put_device(diffrun_dump* d, const char* name, int layer, const int64_t* dims, int ndim,
+                            diffrun_dtype dtype, const void* device_ptr, void* stream) {
+  if (!d) return null_handle("diffrun_dump_put_device");
+  return guard(d, [&] { put_device(d, name, layer, dims, ndim, dtype, device_ptr, stream); });
+}
+
+int diffrun_dump_capture_end(diffrun_dump* d, int* graph) {
+  if (!d) return null_handle("diffrun_dump_capture_end");
+  return guard(d, [&] {
+    need(graph != nullptr, DIFFRUN_DUMP_E_ARG, where(d) + "graph is NULL");
+    *graph = -1;
+    Staging& s = staging(d, 0);
+    s.graphs.push_back(std::move(s.capturing));
+    s.capturing.clear();
+    *graph = static_cast<int>(s.graphs.size()) - 1;
+  });
+}
+
+int diffrun_dump_replay(diffrun_dump* d, int graph, void* stream) {
+  if (!d) return null_handle("diffrun_dump_replay");
+  return guard(d, [&] { replay(d, graph, stream); });
+}
+
+int diffrun_dump_flush(diffrun_dump* d) {
+  if (!d) return null_handle("diffrun_dump_flush");
+  return guard(d, [&] {
+    if (d->staging) drain(d);
+  });
+}
+
 int diffrun_dump_close(diffrun_dump* d) {
   if (!d) return null_handle("diffrun_dump_close");
   const int rc = guard(d, [&] {
+    if (d->staging) drain(d);
     need(d->step >= 0 && (d->step > 0 || d->step_has_tokens), DIFFRUN_DUMP_E_STEP,
          where(d) + "no step recorded (a dump holds at least step 0 with its tokens)");
     d->file->finish();
@@ -402,6 +758,7 @@ const char* diffrun_dump_strerror(int code) {
     case DIFFRUN_DUMP_E_STEP: return "step out of order";
     case DIFFRUN_DUMP_E_CHECKPOINT: return "checkpoint does not fit the vocabulary";
     case DIFFRUN_DUMP_E_INTERNAL: return "internal error";
+    case DIFFRUN_DUMP_E_CUDA: return "CUDA unavailable or failed";
   }
   return "unknown code";
 }

@@ -45,3 +45,11 @@ if(DIFFRUN_SANITIZE)
   set_tests_properties(test_capi_install PROPERTIES ENVIRONMENT "DIFFRUN_SANITIZE_FLAGS=-fsanitize=address,undefined")
   set_property(TEST test_capi APPEND PROPERTY ENVIRONMENT "DIFFRUN_SANITIZE_FLAGS=-fsanitize=address,undefined")
 endif()
+
+# Device puts where no GPU is needed: the host put's checks, and a clear error without CUDA (tests/capi/test_capi_device.c).
+add_executable(test_capi_device capi/test_capi_device.c)
+set_target_properties(test_capi_device PROPERTIES C_STANDARD 99 C_STANDARD_REQUIRED ON C_EXTENSIONS OFF)
+target_compile_options(test_capi_device PRIVATE -Wall -Wextra -pedantic)
+target_link_libraries(test_capi_device PRIVATE diffrun::dump_writer)
+add_test(NAME test_capi_device COMMAND test_capi_device ${CMAKE_CURRENT_BINARY_DIR}/test_capi_device.h5)
+set_tests_properties(test_capi_device PROPERTIES LABELS cpu TIMEOUT 60)

@@ -42,7 +42,8 @@ enum {
   DIFFRUN_DUMP_E_META = 3,       /* a root attribute of the wrong type, or missing/invalid when the first step starts */
   DIFFRUN_DUMP_E_STEP = 4,       /* steps out of order (0, 1, 2, ...), a put before any step, a step without tokens */
   DIFFRUN_DUMP_E_CHECKPOINT = 5, /* a name, layer, shape or layout the vocabulary does not allow; a name recorded twice */
-  DIFFRUN_DUMP_E_INTERNAL = 6    /* out of memory or an unexpected failure */
+  DIFFRUN_DUMP_E_INTERNAL = 6,   /* out of memory or an unexpected failure */
+  DIFFRUN_DUMP_E_CUDA = 7        /* device puts: no CUDA driver, device or context, or a CUDA call failed */
 };
 
 /* HDF5 in the host process. This library writes through the process's HDF5 library and changes
@@ -121,11 +122,98 @@ DIFFRUN_DUMP_API int diffrun_dump_put_ex(diffrun_dump* d, const char* name, int 
 DIFFRUN_DUMP_API int diffrun_dump_put_foreign(diffrun_dump* d, const char* name, const int64_t* dims, int ndim,
                                               diffrun_dtype dtype, const void* data, const char* native_dtype);
 
-/* Finishes the dump: closes it and renames it to its path. Frees the handle, whatever the result;
+/* ---- Device puts: checkpoints in CUDA device memory, recorded without synchronizing the engine ----
+ *
+ * diffrun_dump_put_device records a checkpoint the engine holds in device memory: it enqueues an
+ * asynchronous copy (cuMemcpyDtoHAsync) on the engine's stream into pinned staging memory owned by the
+ * handle, and returns. It never synchronizes that stream, and it is legal while the stream captures a
+ * CUDA graph (any cudaStreamCaptureMode): then the copy becomes a node of the graph, and every launch of
+ * the graph copies the tensor again (see "Graphs" below). The data reach the file later, from the calling
+ * thread, inside diffrun_dump_step, _flush and _close: HDF5 is never called from another thread.
+ *
+ * CUDA at run time only. The library does not link CUDA: the first device call loads the CUDA *driver*
+ * (dlopen "libcuda.so.1", cuInit) and uses a dozen of its functions. The driver rather than the runtime,
+ * because a process has one driver, shared by every CUDA runtime in it (a static cudart, which CMake links
+ * by default, or libcudart.so.12/.13, or torch's): the engine's streams, device pointers and current
+ * context are the driver's objects, the same here. So the library builds without the CUDA toolkit, host
+ * puts work where there is no GPU, and a device call there fails with DIFFRUN_DUMP_E_CUDA and a message
+ * ("CUDA driver not found (...)", "no usable CUDA device (cuInit: CUDA_ERROR_NO_DEVICE ...)").
+ *
+ * Streams and contexts: `stream` is a cudaStream_t (a CUstream) passed as void*, so this header needs no
+ * CUDA include. NULL is the legacy default stream, as in the driver API: an engine built with
+ * --default-stream per-thread passes cudaStreamPerThread. The calling thread must have the engine's
+ * context current (any CUDA runtime call made in it does that); the staging memory is allocated there.
+ *
+ * Memory: one pinned host allocation of 64 MiB (DIFFRUN_DUMP_STAGING_MB in the environment, or
+ * diffrun_dump_set_staging, sets another size), allocated by the first device call. Immediate puts take
+ * its space in order; a put that finds it full first writes every pending put to the file (waiting
+ * for their copies). A graph's puts hold their slots (their bytes, 256-aligned) until close. One put
+ * larger than the free space fails with DIFFRUN_DUMP_E_ARG.
+ *
+ * Ordering: a put's copy reads the device memory when the stream reaches it, so the engine may reuse
+ * the buffer for later work on the same stream right away (stream order); work on other streams must
+ * wait for it as for any op of that stream. diffrun_dump_step, when the staging memory is over half
+ * full, and diffrun_dump_flush / _close wait for the copies (host waits on events recorded after them:
+ * the stream itself is never synchronized) and write them. A CUDA error in the engine's own work shows
+ * up there as DIFFRUN_DUMP_E_CUDA ("the copy from the device failed: ...").
+ *
+ * Graphs: while `stream` captures, a put is checked against the current step as usual (start the step
+ * and put its tokens before capturing) but records nothing: it adds a slot, a copy node into fixed
+ * staging memory. After cudaStreamEndCapture, diffrun_dump_capture_end turns the slots captured since
+ * the last one into a graph id. After each cudaGraphLaunch of that graph the engine calls
+ * diffrun_dump_replay(d, graph, stream) once: that launch's copies are the current step's checkpoints
+ * (each checked against the step again). Chosen over a host node in the graph (cudaLaunchHostFunc),
+ * which would stall the GPU at every launch and could not wait or allocate: the host learns of the
+ * launch from the engine, cheaply and in order. The slots are fixed addresses, so a launch's data must
+ * leave them before the next launch writes them: diffrun_dump_step (the next step) copies them out,
+ * waiting for that launch to finish if it has not. Hence the rules:
+ * - launch a recording graph at most once per step, and call diffrun_dump_step before launching it
+ *   again; diffrun_dump_replay refuses a second launch in the same step ("recorded twice");
+ * - checkpoints whose shape has S (kq_soft_max, cache_k, cache_v) change shape every step and are
+ *   refused inside a capture: put them outside it;
+ * - the first device put must not be inside a capture (pinned memory cannot be allocated there):
+ *   call diffrun_dump_set_staging first, or put something outside the capture first;
+ * - the graph's copy nodes write into the handle's staging memory: do not launch the graph after
+ *   diffrun_dump_close or _abort (they free it).
+ *
+ * The per-step cost: one D2H copy per put (a node of the graph), one event record per put outside a
+ * graph and one per diffrun_dump_replay, and at diffrun_dump_step the host wait for the previous
+ * launch of each graph plus a memcpy of its slots; HDF5 writes come in batches (half the staging
+ * memory) or at close. */
+
+/* Allocates the staging memory now, `bytes` of it (0: the default, 64 MiB or DIFFRUN_DUMP_STAGING_MB),
+ * in the calling thread's current CUDA context. Not during a stream capture. Calling it again with the
+ * same size (or 0) does nothing; another size after the allocation is DIFFRUN_DUMP_E_ARG. */
+DIFFRUN_DUMP_API int diffrun_dump_set_staging(diffrun_dump* d, size_t bytes);
+
+/* diffrun_dump_put for data in CUDA memory (`device_ptr`, anything the driver knows: device, managed or
+ * pinned host memory), copied asynchronously on `stream` (a cudaStream_t). The same checks as
+ * diffrun_dump_put (name, layer, shape, dtype, tokens first, each name once per step), stored the same
+ * way; "tokens" are host ids and go through diffrun_dump_put. Outside a capture a pointer CUDA does not
+ * know is DIFFRUN_DUMP_E_ARG (pageable host memory goes through diffrun_dump_put); inside one the
+ * capture reports it. */
+DIFFRUN_DUMP_API int diffrun_dump_put_device(diffrun_dump* d, const char* name, int layer, const int64_t* dims,
+                                             int ndim, diffrun_dtype dtype, const void* device_ptr, void* stream);
+
+/* After cudaStreamEndCapture: the device puts captured since the last call (or the open) form one
+ * graph; *graph is its id (0, 1, ...), for diffrun_dump_replay. A capture without device puts gives a
+ * graph that records nothing. */
+DIFFRUN_DUMP_API int diffrun_dump_capture_end(diffrun_dump* d, int* graph);
+
+/* After each cudaGraphLaunch of `graph` on `stream` (outside any capture): the launch's copies are the
+ * current step's checkpoints. Each is checked against the step (T from its tokens) first; on failure
+ * none is recorded. */
+DIFFRUN_DUMP_API int diffrun_dump_replay(diffrun_dump* d, int graph, void* stream);
+
+/* Waits for every pending device copy and writes it to the file (diffrun_dump_close does it too). */
+DIFFRUN_DUMP_API int diffrun_dump_flush(diffrun_dump* d);
+
+/* Finishes the dump: writes the pending device puts, closes it and renames it to its path. Frees the
+ * handle (and its staging memory, after waiting for copies in flight), whatever the result;
  * on failure the temporary file is removed and diffrun_dump_last_error(NULL) says why. */
 DIFFRUN_DUMP_API int diffrun_dump_close(diffrun_dump* d);
 
-/* Discards the dump: removes the temporary file and frees the handle. */
+/* Discards the dump: removes the temporary file and frees the handle (waiting for device copies in flight). */
 DIFFRUN_DUMP_API int diffrun_dump_abort(diffrun_dump* d);
 
 /* The message of the last failure on this handle ("" if none), naming the file, attribute or
