@@ -20,3 +20,11 @@ add_test(NAME test_python_torch
 set_tests_properties(test_python_torch PROPERTIES LABELS "torch;python" FIXTURES_REQUIRED "tiny_models" TIMEOUT 900
   SKIP_RETURN_CODE 77 ENVIRONMENT "${DIFFRUN_TEST_ENV}"
   ENVIRONMENT_MODIFICATION "PYTHONPATH=path_list_prepend:${PROJECT_SOURCE_DIR}/python")  # keeps a PYTHONPATH that holds torch
+
+# diffrun.writer with torch CUDA tensors, graph capture included (label gpu): skips (exit 77) without torch or a device.
+add_test(NAME test_python_cuda_writer
+         COMMAND ${Python3_EXECUTABLE} python/tests/test_writer_cuda.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_python_cuda_writer PROPERTIES LABELS "gpu;python" TIMEOUT 300 SKIP_RETURN_CODE 77
+  ENVIRONMENT "${DIFFRUN_TEST_ENV}"
+  ENVIRONMENT_MODIFICATION "PYTHONPATH=path_list_prepend:${PROJECT_SOURCE_DIR}/python")

@@ -15,6 +15,9 @@ engine computed in, like the C++ writer; keep_dtype=True stores them as given in
 marked dtype = "bf16"). Format version 2: strings are fixed-length, and each step's dataset attributes
 (order, layer, layout, native_dtype, row_offset, dtype) are one row each of the step's attribute table
 `_attributes`, written when the writer closes.
+
+torch CUDA tensors are put without synchronizing the caller's stream, also inside `torch.cuda.graph` capture
+(capture_end() and replay() then record each replay of the graph): see diffrun.cuda_staging.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any, Mapping
 import h5py
 import numpy as np
 
-from . import vocabulary
+from . import cuda_staging, vocabulary
 from .dump import ABSENT_INT, ATTRIBUTE_TABLE, FORMAT, FORMAT_VERSION, Dump
 
 DIFFRUN_VERSION = "0.1.0"
@@ -139,6 +142,7 @@ class Writer:
         self._step: int | None = None
         self._written: dict[int, list[str]] = {}
         self._rows: dict[int, list[tuple[str, dict[str, Any]]]] = {}  # each step's attribute table
+        self._device: cuda_staging.Staging | None = None  # torch CUDA tensors on their way (put, replay)
         self._write_root(attrs)
 
     # -- root attributes -------------------------------------------------------------------------
@@ -178,6 +182,11 @@ class Writer:
         """Makes `step` the step that put() writes into (0 is the prefill)."""
         if int(step) < 0:
             raise DumpWriteError(self.path, f"negative step {step}")
+        if self._device is not None:
+            # the graphs' slots are free for their next replay; the file catches up past half the staging size
+            self._device.settle()
+            if 2 * self._device.bytes > self._device.limit:
+                self.flush()
         self._step = int(step)
         self._written.setdefault(self._step, [])
         return self
@@ -185,16 +194,25 @@ class Writer:
     def put(self, name: str, array: Any, layer: int | None = None, layout: str | None = None,
             native_dtype: str | None = None) -> None:
         """Records one checkpoint of the current step. Vocabulary names are checked (layer, layout, rank);
-        other names (a foreign engine's) are stored as given, with layout only when passed."""
+        other names (a foreign engine's) are stored as given, with layout only when passed. A torch CUDA tensor
+        is copied asynchronously and written later (diffrun.cuda_staging), after the same checks."""
         if self._step is None:
             self.step(0)
-        step = self._step
+        if cuda_staging.is_cuda_tensor(array):
+            self._put_device(name, array, layer, layout, native_dtype)
+        else:
+            self._put(self._step, name, _as_numpy(array), layer, layout, native_dtype)
+
+    def _put(self, step: int, name: str, data: np.ndarray, layer: int | None, layout: str | None,
+             native_dtype: str | None, write: bool = True) -> None:
+        """put()'s checks, then (write=True) the dataset; write=False checks a device put (data: its shape and
+        dtype only)."""
         where = f"step_{step:04d}/{name}"
-        if name in self._written[step]:
+        pending = self._device is not None and (step, name) in self._device.names
+        if name in self._written[step] or pending:
             raise DumpWriteError(self.path, "recorded twice in this step", where)
         if name == ATTRIBUTE_TABLE:
             raise DumpWriteError(self.path, "the name of the step's attribute table", where)
-        data = _as_numpy(array)
         if name == "tokens" and data.dtype.kind in "iu" and data.dtype != np.int32:
             data = data.astype(np.int32)
         native = native_dtype or _NATIVE.get(data.dtype)
@@ -231,8 +249,13 @@ class Writer:
             if (name == "tokens") != (data.dtype == np.int32):
                 raise DumpWriteError(self.path, "token ids are int32 and checkpoints are floats", where)
             order = self._order[name]
+            if not write and "S" in layout.split(",") and cuda_staging.capturing():
+                raise DumpWriteError(self.path, "its S dimension grows every step but a graph replays fixed "
+                                     "shapes: put it outside the capture", where)
         else:
             order = len(self._names) + len(self._written[step])
+        if not write:
+            return
         attrs: dict[str, Any] = {}
         if data.dtype == np.int32:
             stored = data
@@ -254,6 +277,72 @@ class Writer:
         self._rows.setdefault(step, []).append((name, attrs))
         self._written[step].append(name)
 
+    # -- torch CUDA tensors (diffrun.cuda_staging) ---------------------------------------------------------
+    def _put_device(self, name: str, tensor: Any, layer: int | None, layout: str | None,
+                    native_dtype: str | None) -> None:
+        dtype = cuda_staging.numpy_dtype(tensor)
+        where = f"step_{self._step:04d}/{name}"
+        if dtype is None and not (name == "tokens" and str(tensor.dtype) == "torch.int64"):
+            raise DumpWriteError(self.path, f"dtype {tensor.dtype} is not one of float32, float16, float64, "
+                                 "bfloat16, int32", where)
+        t = tensor.detach()
+        if name == "tokens" and str(t.dtype) == "torch.int64":
+            t, dtype = t.int(), np.dtype(np.int32)
+        t = t if t.is_contiguous() else t.contiguous()
+        shape = tuple(int(x) for x in t.shape)
+        self._put(self._step, name, np.broadcast_to(np.zeros((), dtype), shape), layer, layout, native_dtype,
+                  write=False)
+        if self._device is None:
+            self._device = cuda_staging.Staging()
+        try:
+            self._device.copy(t, cuda_staging.Pending(self._step, name, shape, dtype, layer, layout, native_dtype,
+                                                      None))
+        except RuntimeError as e:
+            raise DumpWriteError(self.path, str(e), where) from None
+
+    def reserve_device(self, nbytes: int = 0) -> None:
+        """Page-locks the staging buffer that captured graphs copy into (default 64 MiB, DIFFRUN_DUMP_STAGING_MB);
+        call it before capturing. Not during a capture."""
+        if self._device is None:
+            self._device = cuda_staging.Staging()
+        try:
+            self._device.reserve(nbytes or cuda_staging.default_bytes())
+        except RuntimeError as e:
+            raise DumpWriteError(self.path, str(e)) from None
+
+    def capture_end(self) -> int:
+        """After the capture: the CUDA tensors put while capturing since the last call form one graph; its id."""
+        if self._device is None:
+            self._device = cuda_staging.Staging()
+        self._device.graphs.append(self._device.capturing)
+        self._device.capturing = []
+        return len(self._device.graphs) - 1
+
+    def replay(self, graph: int) -> None:
+        """After each replay of the graph (on the current stream): its copies are the current step's checkpoints,
+        checked against the step first."""
+        if self._device is None or not 0 <= graph < len(self._device.graphs):
+            raise DumpWriteError(self.path, f"graph {graph} is not a graph capture_end() returned")
+        if self._step is None:
+            self.step(0)
+        slots = self._device.graphs[graph]
+        names = [p.name for p in slots]
+        for p in slots:
+            self._put(self._step, p.name, np.broadcast_to(np.zeros((), p.dtype), p.shape), p.layer, p.layout,
+                      p.native_dtype, write=False)
+        if len(set(names)) != len(names):
+            raise DumpWriteError(self.path, f"graph {graph} records a name twice")
+        self._device.launched(graph, self._step, slots)
+
+    def flush(self) -> None:
+        """Waits for every pending CUDA copy and writes it (close() does too)."""
+        if self._device is None:
+            return
+        pending, self._device.pending, self._device.bytes = self._device.pending, [], 0
+        self._device.names.clear()
+        for p in pending:
+            self._put(p.step, p.name, p.array(), p.layer, p.layout, p.native_dtype)
+
     @property
     def current_step(self) -> int | None:
         """The step put() writes into (None before the first step() or put())."""
@@ -268,6 +357,9 @@ class Writer:
         """Closes the file and renames it into place."""
         if self._file is None:
             return
+        if self._device is not None:
+            self.flush()
+            self._device.release()
         for step, rows in self._rows.items():
             self._file[f"step_{step:04d}"].create_dataset(ATTRIBUTE_TABLE, data=_table(rows), track_times=False)
         self._rows = {}
@@ -283,6 +375,9 @@ class Writer:
 
     def abort(self) -> None:
         """Closes and removes the temporary file; nothing appears at the path."""
+        if getattr(self, "_device", None) is not None:
+            self._device.release()  # copies in flight land before the buffer is unlocked
+            self._device = None
         if self._file is not None:
             self._file.close()
             self._file = None
