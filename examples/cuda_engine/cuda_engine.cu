@@ -590,6 +590,7 @@ int main(int argc, char** argv) {
     if (id < 0 || id >= e.m.c.n_vocab) bad_input("token id " + std::to_string(id) + " outside the model's vocabulary");
   if ((e.m.c.head_dim + all.size()) * sizeof(float) > 48 * 1024) bad_input("too many positions for this example");
   CUDA_CHECK(cudaMemcpy(e.d_tokens, all.data(), all.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaDeviceSynchronize());  // the uploads (legacy stream) land before the engine's stream reads them
 
   run(e, d, steps);
   DR_CHECK(diffrun_dump_close(d));
