@@ -7,6 +7,7 @@
 #include <limits>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <fmt/core.h>
 #include <fmt/ranges.h>
@@ -112,6 +113,23 @@ void rope_scaling(const GgufFile& file, const std::string& arch, ModelConfig& c)
   }
 }
 
+// The file must hold the tensors of every block block_count declares, checked before anything sizes
+// itself from the count (the dump size estimate, the checkpoint names, Gemma 3's per-layer flags): a
+// header claiming 100000000 blocks is refused here, in time bounded by the file's tensor count.
+void check_block_count(const GgufFile& file, const std::string& key, int n_layer) {
+  const size_t n_tensors = file.tensors().size();
+  std::unordered_set<std::string_view> names;
+  for (const TensorInfo& t : file.tensors()) names.insert(t.name);
+  int l = 0;
+  const int limit = static_cast<int>(std::min<size_t>(static_cast<size_t>(n_layer), n_tensors));
+  while (l < limit && names.count(layer_tensor(l, "attn_norm.weight"))) ++l;
+  if (l < n_layer)
+    throw ModelError(fmt::format("{}: missing tensor '{}' ({} is {} but the file holds the tensors of {} block{}, "
+                                 "{} tensors in all)",
+                                 file.path(), layer_tensor(l, "attn_norm.weight"), key, n_layer, l, l == 1 ? "" : "s",
+                                 n_tensors));
+}
+
 }  // namespace
 
 ModelConfig config_from_gguf(const GgufFile& file) {
@@ -135,6 +153,7 @@ ModelConfig config_from_gguf(const GgufFile& file) {
   };
 
   c.n_layer = req("block_count");
+  check_block_count(file, key("block_count"), c.n_layer);
   c.n_embd = req("embedding_length");
   c.n_ff = req("feed_forward_length");
   c.n_head = req("attention.head_count");

@@ -381,6 +381,27 @@ TEST_F(ConfigCrafted, AbsurdBlockCountFailsFastNamingTheFirstMissingLayer) {
   EXPECT_NE(e.find("2147483647"), std::string::npos) << e;
 }
 
+// A header claiming 100000000 blocks once sized the dump estimate and `validate --skeleton` from the
+// count before any tensor was checked: config_from_gguf itself refuses it, naming the first block the
+// file lacks.
+TEST_F(ConfigCrafted, BlockCountIsCheckedAgainstTheTensorsBeforeTheConfigIsUsed) {
+  Spec s = llama_spec();
+  set_int(s, "block_count", 100000000);
+  auto f = open(s);
+  try {
+    (void)config_from_gguf(*f);
+    ADD_FAILURE() << "no error";
+  } catch (const ModelError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("missing tensor 'blk.1.attn_norm.weight' (llama.block_count is 100000000 but the file holds the "
+                     "tensors of 1 block"),
+              std::string::npos)
+        << m;
+  }
+  set_int(s, "block_count", 1);
+  EXPECT_EQ(config_from_gguf(*open(s)).n_layer, 1);
+}
+
 TEST_F(ConfigCrafted, ShapeErrorsNameTensorExpectedAndFound) {
   Spec s = llama_spec();
   tensor_named(s, "blk.0.ffn_down.weight").ne = {8, 16};
