@@ -10,6 +10,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <limits>
 #include <memory>
 #include <new>
 #include <optional>
@@ -232,11 +233,18 @@ Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t*
   need(ndim >= 0 && ndim <= 8, DIFFRUN_DUMP_E_ARG, at + "ndim " + std::to_string(ndim) + " outside 0..8");
   need(ndim == 0 || dims != nullptr, DIFFRUN_DUMP_E_ARG, at + "dims is NULL");
   std::vector<int64_t> shape(dims, dims + ndim);
+  for (int64_t x : shape) need(x >= 0, DIFFRUN_DUMP_E_ARG, at + "negative dimension in " + shape_text(shape));
+  // The element count, refused when it or its bytes overflow 64 bits ({2^32, 2^32} would wrap to 0
+  // elements and pass with data NULL); a zero dimension makes any shape empty.
   int64_t n = 1;
+  const bool empty = std::count(shape.begin(), shape.end(), int64_t{0}) > 0;
   for (int64_t x : shape) {
-    need(x >= 0, DIFFRUN_DUMP_E_ARG, at + "negative dimension in " + shape_text(shape));
+    if (empty) break;
+    need(n <= std::numeric_limits<int64_t>::max() / 8 / x, DIFFRUN_DUMP_E_ARG,
+         at + "shape " + shape_text(shape) + " overflows: its element count times 8 bytes exceeds 2^63");
     n *= x;
   }
+  if (empty) n = 0;
   need(n == 0 || data != nullptr, DIFFRUN_DUMP_E_ARG, at + "data is NULL");
   need(!recorded(d, d->step, name), DIFFRUN_DUMP_E_CHECKPOINT, at + "recorded twice in this step");
   std::string native = native_c ? native_c : type;

@@ -185,6 +185,14 @@ int main(int argc, char** argv) {
   CHECK_RC(diffrun_dump_put_ex(d, "ffn_out-0", 0, td, 2, DIFFRUN_F32, zeros, "D,T,X", NULL), DIFFRUN_DUMP_E_CHECKPOINT,
            d, "not a permutation");
   CHECK_RC(diffrun_dump_put(d, "ffn_out-0", 0, td, 2, DIFFRUN_F32, NULL), DIFFRUN_DUMP_E_ARG, d, "data is NULL");
+  /* Dimensions whose product overflows 64 bits ({2^32, 2^32} once wrapped to 0 elements and passed
+     with data NULL), on every put. */
+  int64_t huge[2] = {(int64_t)1 << 32, (int64_t)1 << 32};
+  CHECK_RC(diffrun_dump_put(d, "ffn_out-0", 0, huge, 2, DIFFRUN_F32, NULL), DIFFRUN_DUMP_E_ARG, d,
+           "shape [4294967296, 4294967296] overflows");
+  CHECK_RC(diffrun_dump_put_foreign(d, "norm-0", huge, 2, DIFFRUN_F32, NULL, NULL), DIFFRUN_DUMP_E_ARG, d, "overflows");
+  int64_t huge3[3] = {(int64_t)1 << 21, (int64_t)1 << 21, (int64_t)1 << 21};
+  CHECK_RC(diffrun_dump_put(d, "ffn_out-0", 0, huge3, 3, DIFFRUN_F32, zeros), DIFFRUN_DUMP_E_ARG, d, "overflows");
   CHECK_RC(diffrun_dump_put_foreign(d, "inp_pos", three, 1, DIFFRUN_I32, prompt, NULL), DIFFRUN_DUMP_E_CHECKPOINT, d,
            "DIFFRUN_I32 is for tokens");
   CHECK_RC(diffrun_dump_put_foreign(d, "norm-0", td, 2, DIFFRUN_F32, zeros, "f8"), DIFFRUN_DUMP_E_ARG, d,
