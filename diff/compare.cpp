@@ -318,6 +318,7 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
   for (int step : all_steps) {
     const bool in_e = std::count(eng_steps.begin(), eng_steps.end(), step) > 0;
     const bool in_r = std::count(ref_steps.begin(), ref_steps.end(), step) > 0;
+    if (in_r && !in_e) c.coverage.missing_steps.push_back(step);
     const DumpReader& tokens_from = in_r ? reference : engine;
     if (const DatasetInfo* t = tokens_from.find(step, "tokens"); t && !t->shape.empty()) n_kv += t->shape[0];
     positions[step] = n_kv;

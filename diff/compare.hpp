@@ -66,9 +66,12 @@ struct Coverage {
   int reference = 0;  // float checkpoints in the reference dump (all steps)
   int compared = 0;   // of those, present in the engine dump too
   std::vector<std::string> missing_kinds;  // vocabulary bases of the reference's checkpoints not compared
+  // Steps the reference holds (of those compared) that the engine dump lacks altogether: always a
+  // failure, whatever `required` (a dump without step_0000 is no pass).
+  std::vector<int> missing_steps;
   double required = 0;  // percent; 0: no requirement
   double percent() const { return reference ? 100.0 * compared / reference : 100.0; }
-  bool met() const { return percent() + 1e-9 >= required; }
+  bool met() const { return missing_steps.empty() && percent() + 1e-9 >= required; }
 };
 
 struct Comparison {

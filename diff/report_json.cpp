@@ -16,7 +16,8 @@
 //   "isolated_path": null | str,                              // the isolation-replay dump, when it ran
 //   "summary": {"compared", "pass", "fail", "one_sided", "steps", "diverged": bool},
 //   "coverage": {"reference" (float checkpoints in the reference), "compared" (of those, also in
-//                the engine dump), "percent", "required" (0: none), "met": bool, "missing_kinds": [str]},
+//                the engine dump), "percent", "required" (0: none), "met": bool, "missing_kinds": [str],
+//                "missing_steps": [int] (steps of the reference the engine dump lacks: never met)},
 //   "warnings": [str],
 //   "first_divergence": null | {
 //       "index": int (into "checkpoints"), "step", "name", "layer",
@@ -229,7 +230,8 @@ nlohmann::ordered_json report_json(const Comparison& c) {
                   {"one_sided", c.n_one_sided},       {"steps", steps.size()}, {"diverged", c.diverged()}};
   j["coverage"] = {{"reference", c.coverage.reference}, {"compared", c.coverage.compared},
                    {"percent", c.coverage.percent()},    {"required", c.coverage.required},
-                   {"met", c.coverage.met()},            {"missing_kinds", c.coverage.missing_kinds}};
+                   {"met", c.coverage.met()},            {"missing_kinds", c.coverage.missing_kinds},
+                   {"missing_steps", c.coverage.missing_steps}};
   j["warnings"] = c.warnings;
   if (c.first_failure) {
     const CheckpointResult& f = c.results[*c.first_failure];

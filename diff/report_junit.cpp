@@ -171,8 +171,9 @@ JunitSuites junit_suites(const Comparison& c, const std::string& prefix) {
   const std::string cov_text = fmt::format("{} of the reference's {} float checkpoints compared ({:.1f}%{}){}",
                                            cov.compared, cov.reference, cov.percent(),
                                            cov.required > 0 ? fmt::format(", {:g}% required", cov.required) : "",
-                                           cov.missing_kinds.empty() ? "" : fmt::format("; missing: {}", fmt::join(cov.missing_kinds, ", ")));
-  const bool cov_case = cov.required > 0;
+                                           cov.missing_kinds.empty() ? "" : fmt::format("; missing: {}", fmt::join(cov.missing_kinds, ", "))) +
+                               (cov.missing_steps.empty() ? "" : fmt::format("; the engine dump lacks steps {}", fmt::join(cov.missing_steps, ", ")));
+  const bool cov_case = cov.required > 0 || !cov.missing_steps.empty();
   if (cov_case) ++total;
   if (!cov.met()) ++failures;
   std::string out;

@@ -496,6 +496,11 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
   if (cov.required > 0) cov_line += fmt::format(", {:g}% required", cov.required);
   out += (cov.met() ? cov_line : s.red(cov_line)) + "\n";
   if (!cov.missing_kinds.empty()) out += fmt::format("  missing    {}\n", fmt::join(cov.missing_kinds, ", "));
+  if (!cov.missing_steps.empty())
+    out += s.red(fmt::format("  missing    step{} {} of the reference: the engine dump holds no group for {}",
+                             cov.missing_steps.size() == 1 ? "" : "s", fmt::join(cov.missing_steps, ", "),
+                             cov.missing_steps.size() == 1 ? "it" : "them")) +
+           "\n";
   for (const auto& w : c.warnings) out += s.yellow("  warning: " + w) + "\n";
   if (c.n_one_sided) {
     std::vector<std::string> names;
@@ -527,6 +532,10 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
     }
     out += s.red(fmt::format("RESULT: DIVERGED at {} ({}); verdict {}{}", f.name, where(f),
                              verdict_kind_name(c.verdict.kind), nonfinite)) + "\n";
+  } else if (!c.coverage.missing_steps.empty()) {
+    out += s.red(fmt::format("RESULT: FAIL: coverage: the engine dump lacks step{} {} of the reference",
+                             c.coverage.missing_steps.size() == 1 ? "" : "s", fmt::join(c.coverage.missing_steps, ", "))) +
+           "\n";
   } else if (!c.coverage.met()) {
     out += s.red(fmt::format("RESULT: FAIL: coverage {:.1f}% is below the required {:g}% (missing: {})",
                              c.coverage.percent(), c.coverage.required, fmt::join(c.coverage.missing_kinds, ", "))) +
@@ -547,6 +556,12 @@ std::string render_summary(const Comparison& c) {
     const CheckpointResult& n = c.results[*c.first_nonfinite];
     nonfinite = fmt::format("; first NaN/Inf {} ({})", n.name, where(n));
   }
+  if (!c.first_failure && !c.coverage.missing_steps.empty())
+    return fmt::format("FAIL {}: coverage: lacks step{} {} of the reference; {}\n", c.engine_path,
+                       c.coverage.missing_steps.size() == 1 ? "" : "s", fmt::join(c.coverage.missing_steps, ", "), counts);
+  if (!c.first_failure && !c.coverage.met())
+    return fmt::format("FAIL {}: coverage {:.1f}% below the required {:g}%; {}\n", c.engine_path, c.coverage.percent(),
+                       c.coverage.required, counts);
   if (!c.first_failure) return fmt::format("PASS {}: {}\n", c.engine_path, counts);
   const CheckpointResult& f = c.results[*c.first_failure];
   return fmt::format("DIVERGED at {} ({}) rel_l2 {}; verdict {} (rule {}); {}{}\n", f.name, where(f),
