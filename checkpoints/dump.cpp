@@ -493,6 +493,7 @@ struct DumpReader::Impl {
     const std::string where = gname + "/" + name;
     Hid ds(H5Dopen2(g, name.c_str(), H5P_DEFAULT), H5Dclose);
     if (!ds.valid()) fail("cannot open the dataset", where);
+    if (const std::string refused = storage_refusal(ds.get()); !refused.empty()) fail(refused, where);
     Raw r;
     r.source = name;
     Hid space(H5Dget_space(ds.get()), H5Sclose);
@@ -651,6 +652,9 @@ struct DumpReader::Impl {
       fail("cannot list the root group");
     std::map<int, std::vector<Raw>> raws;
     for (const auto& gname : groups) {
+      // Every link is checked before anything follows it (docs/dump-format.md, "What readers refuse").
+      if (const std::string refused = link_refusal(file.get(), gname); !refused.empty())
+        fail("'" + gname + "' " + refused);
       const int step = parse_step_group_name(gname);
       if (step < 0) continue;
       Hid g(H5Gopen2(file.get(), gname.c_str(), H5P_DEFAULT), H5Gclose);
@@ -664,6 +668,8 @@ struct DumpReader::Impl {
               },
               &names) < 0)
         fail("cannot list group '" + gname + "'");
+      for (const auto& name : names)
+        if (const std::string refused = link_refusal(g.get(), name); !refused.empty()) fail(refused, gname + "/" + name);
       auto& list = raws[step];
       if (meta.format_version < 2) {
         for (const auto& name : names) list.push_back(read_raw(g.get(), gname, name, nullptr));

@@ -54,8 +54,9 @@ struct DumpWriterOptions {
   bool child_process = false;
 };
 
-// Writes to "<path>.tmp-<pid>" and renames to `path` in finish(); destroying an unfinished writer
-// removes the temporary file, so an interrupted run never leaves a file that looks whole.
+// Writes to "<path>.diffrun-tmp-<pid>" (created exclusively: DumpFile) and renames to `path` in
+// finish(); destroying an unfinished writer removes the temporary file, so an interrupted run never
+// leaves a file that looks whole.
 // record() checks each checkpoint against the vocabulary (known name for meta.config, layer, layout,
 // rank, element count) and throws DumpError naming the file and dataset; its `order` attribute is
 // checkpoint_order(meta.config, ...), so filtered dumps keep the canonical order. wants() is the

@@ -7,6 +7,7 @@
 #include "checkpoints/dump_format.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -154,6 +155,38 @@ std::string utc_now_iso8601() {
   return buf.data();
 }
 
+std::string dump_temporary_path(const std::string& path, long pid) {
+  return path + kDumpTempInfix + std::to_string(pid);
+}
+
+long dump_temporary_pid(std::string_view file_name) {
+  const size_t at = file_name.rfind(kDumpTempInfix);
+  const size_t from = at == std::string_view::npos ? 0 : at + std::strlen(kDumpTempInfix);
+  if (at == std::string_view::npos || at == 0 || from == file_name.size()) return -1;
+  long pid = 0;
+  for (size_t i = from; i < file_name.size(); ++i) {
+    if (file_name[i] < '0' || file_name[i] > '9' || pid > 1'000'000'000) return -1;
+    pid = pid * 10 + (file_name[i] - '0');
+  }
+  return pid;
+}
+
+namespace {
+
+// What an existing non-regular file is ("a character device"), or "" for a regular file or none.
+std::string non_regular_kind(const struct stat& st) {
+  if (S_ISREG(st.st_mode)) return {};
+  if (S_ISDIR(st.st_mode)) return "a directory";
+  if (S_ISFIFO(st.st_mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(st.st_mode)) return "a character device";
+  if (S_ISBLK(st.st_mode)) return "a block device";
+  if (S_ISSOCK(st.st_mode)) return "a socket";
+  if (S_ISLNK(st.st_mode)) return "a symbolic link";
+  return "not a regular file";
+}
+
+}  // namespace
+
 namespace h5 {
 
 void silence() {
@@ -230,16 +263,64 @@ Hid fixed_string_type(size_t n) {
 
 using h5::Hid;
 
+std::string link_refusal(hid_t group, const std::string& name) {
+  H5L_info_t info{};
+  if (H5Lget_info(group, name.c_str(), &info, H5P_DEFAULT) < 0) return "cannot be read as a link" + h5::detail();
+  if (info.type == H5L_TYPE_HARD) return {};
+  if (info.type == H5L_TYPE_SOFT) {
+    std::string target(info.u.val_size + 1, '\0');
+    if (H5Lget_val(group, name.c_str(), target.data(), target.size(), H5P_DEFAULT) < 0) target.clear();
+    target.resize(strnlen(target.data(), target.size()));
+    return "is a soft link (to " + printable(target) + "); a dump holds no links, readers refuse them";
+  }
+  if (info.type == H5L_TYPE_EXTERNAL) {
+    std::string what = "is an external link";
+    std::vector<char> buf(info.u.val_size + 1, '\0');
+    const char *file = nullptr, *object = nullptr;
+    unsigned flags = 0;
+    if (H5Lget_val(group, name.c_str(), buf.data(), buf.size(), H5P_DEFAULT) >= 0 &&
+        H5Lunpack_elink_val(buf.data(), buf.size(), &flags, &file, &object) >= 0 && file && object)
+      what += " (to " + printable(file) + ", object " + printable(object) + ")";
+    h5::detail();
+    return what + ": a dump holds its data itself, readers refuse links to other files";
+  }
+  return "is a user-defined link (type " + std::to_string(static_cast<int>(info.type)) +
+         "); a dump holds no links, readers refuse them";
+}
+
+std::string storage_refusal(hid_t dataset) {
+  Hid dcpl(H5Dget_create_plist(dataset), H5Pclose);
+  if (!dcpl.valid()) return "its storage cannot be read" + h5::detail();
+  if (const int n = H5Pget_external_count(dcpl.get()); n != 0) {
+    std::string file;
+    if (n > 0) {
+      char name[1024] = {};
+      off_t offset = 0;
+      hsize_t size = 0;
+      if (H5Pget_external(dcpl.get(), 0, sizeof name, name, &offset, &size) >= 0) file = name;
+    }
+    h5::detail();
+    return "stores its data in " + (file.empty() ? std::string("another file") : "the external file " + printable(file)) +
+           " (HDF5 external storage): a dump holds its data itself, readers refuse it";
+  }
+  if (H5Pget_layout(dcpl.get()) == H5D_VIRTUAL)
+    return "is a virtual dataset (its data lives in other datasets or files): a dump holds its data itself, "
+           "readers refuse it";
+  return {};
+}
+
 std::vector<AttributeRow> read_attribute_table(hid_t group, const std::string& group_name, uint64_t file_size) {
   const std::string where = group_name + "/" + kAttributeTable;
   auto fail = [&](const std::string& what) -> void { throw DumpError(where + ": " + what + h5::detail()); };
   std::vector<AttributeRow> rows;
   if (H5Lexists(group, kAttributeTable, H5P_DEFAULT) <= 0) return rows;
+  if (const std::string refused = link_refusal(group, kAttributeTable); !refused.empty()) fail(refused);
   H5O_info_t oinfo;
   if (H5Oget_info_by_name(group, kAttributeTable, &oinfo, H5P_DEFAULT) < 0 || oinfo.type != H5O_TYPE_DATASET)
     fail("is not a dataset (the attribute table is a compound dataset)");
   Hid ds(H5Dopen2(group, kAttributeTable, H5P_DEFAULT), H5Dclose);
   if (!ds.valid()) fail("cannot be opened");
+  if (const std::string refused = storage_refusal(ds.get()); !refused.empty()) fail(refused);
   Hid type(H5Dget_type(ds.get()), H5Tclose);
   if (H5Tget_class(type.get()) != H5T_COMPOUND) fail("is not a compound dataset (one row per dataset of the step)");
   Hid space(H5Dget_space(ds.get()), H5Sclose);
@@ -482,6 +563,8 @@ struct DumpFile::Impl {
   std::map<int, std::vector<AttributeRow>> tables;  // each step's attribute table, written by finish()
   uint64_t bytes = 0;
   bool finished = false;
+  dev_t tmp_dev = 0;                    // the temporary file as created (checked before the rename)
+  ino_t tmp_ino = 0;
   int fd = -1;                          // the temporary file, for the data writer
   std::unique_ptr<DataWriter> data;     // raw data of contiguous datasets
 
@@ -513,6 +596,15 @@ struct DumpFile::Impl {
   [[noreturn]] void fail(const std::string& what, std::string_view dataset = {}) const {
     std::string msg = path + ": " + (dataset.empty() ? "" : "dataset '" + std::string(dataset) + "': ") + what;
     throw DumpError(msg + h5::detail());
+  }
+
+  // An existing `path` that is not a regular file is never replaced (a root `dump --out /dev/null`
+  // would swap the device node for a regular file); a symlink to a regular file, or to nothing, is.
+  void check_target() const {
+    struct stat st{};
+    if (::stat(path.c_str(), &st) != 0) return;
+    if (const std::string kind = non_regular_kind(st); !kind.empty())
+      fail("exists and is " + kind + ", not a regular file: a dump replaces only a regular file");
   }
 
   void check_open(const std::string& what) const {
@@ -620,22 +712,47 @@ DumpFile::DumpFile(const std::string& path, long tmp_pid) : impl_(std::make_uniq
   h5::silence();
   Impl& m = *impl_;
   m.path = path;
-  m.tmp_path = path + ".tmp-" + std::to_string(tmp_pid > 0 ? tmp_pid : static_cast<long>(::getpid()));
+  m.tmp_path = dump_temporary_path(path, tmp_pid > 0 ? tmp_pid : static_cast<long>(::getpid()));
+  m.finished = true;  // until the temporary is created: nothing to remove
+  m.check_target();
+  // The temporary is created exclusively: H5F_ACC_EXCL opens with O_CREAT | O_EXCL, which fails on
+  // any existing name, a symlink (dangling or not) included, so nothing planted there is written
+  // through. A regular file there is a leftover of a killed process that had this pid (no live
+  // process has it), replaced; anything else is refused.
+  struct stat st{};
+  if (::lstat(m.tmp_path.c_str(), &st) == 0) {
+    if (!S_ISREG(st.st_mode) || st.st_nlink != 1)
+      m.fail("cannot create the temporary '" + m.tmp_path + "': it exists and is " +
+             (S_ISREG(st.st_mode) ? std::string("a file with other hard links") : non_regular_kind(st)) +
+             ", which a dump never writes through (remove it)");
+    ::unlink(m.tmp_path.c_str());
+  }
   Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
   // v1.8+ object headers: large attributes (long token_ids) and many root attributes are allowed.
   H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_LATEST);
   H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);
-  m.file = Hid(H5Fcreate(m.tmp_path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose);
+  m.file = Hid(H5Fcreate(m.tmp_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()), H5Fclose);
   if (!m.file.valid()) {
-    m.finished = true;  // nothing to remove
-    m.fail("cannot create '" + m.tmp_path + "' (directory missing or not writable?)");
+    const bool exists = ::lstat(m.tmp_path.c_str(), &st) == 0;
+    m.fail("cannot create '" + m.tmp_path + "' " +
+           (exists ? std::string("(something was created at its name meanwhile: refused, not written through)")
+                   : std::string("(directory missing or not writable?)")));
   }
+  m.finished = false;
+  // HDF5's own descriptor of the file it created (the sec2 driver's), shared with the data writer:
+  // opening the name again could reach another file put there meanwhile.
+  int hdf5_fd = -1;
+  if (void* handle = nullptr; H5Fget_vfd_handle(m.file.get(), H5P_DEFAULT, &handle) >= 0 && handle)
+    hdf5_fd = *static_cast<int*>(handle);
+  if (hdf5_fd < 0 || ::fstat(hdf5_fd, &st) != 0) m.fail("cannot get the descriptor of '" + m.tmp_path + "'");
+  m.tmp_dev = st.st_dev;
+  m.tmp_ino = st.st_ino;
   m.dcpl = Hid(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
   H5Pset_layout(m.dcpl.get(), H5D_CONTIGUOUS);
   // Space allocated at creation, so that its offset is known and the data writer fills it.
   H5Pset_alloc_time(m.dcpl.get(), H5D_ALLOC_TIME_EARLY);
   if (little_endian_host()) {
-    m.fd = ::open(m.tmp_path.c_str(), O_WRONLY | O_CLOEXEC);
+    m.fd = ::fcntl(hdf5_fd, F_DUPFD_CLOEXEC, 0);
     if (m.fd >= 0) m.data = std::make_unique<DataWriter>(m.fd);
   }
   H5Pset_fill_time(m.dcpl.get(), H5D_FILL_TIME_NEVER);
@@ -826,6 +943,12 @@ void DumpFile::finish() {
   m.write_tables();
   if (const std::string err = m.stop_data(); !err.empty()) m.fail(err);
   if (!m.file.close()) m.fail("cannot close '" + m.tmp_path + "'");
+  // The name still holds the file written (not one put there meanwhile), and the target is still
+  // not a device, FIFO or directory.
+  struct stat st{};
+  if (::lstat(m.tmp_path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_dev != m.tmp_dev || st.st_ino != m.tmp_ino)
+    m.fail("the temporary '" + m.tmp_path + "' was replaced or removed while the dump was written; not renamed");
+  m.check_target();
   std::error_code ec;
   std::filesystem::rename(m.tmp_path, m.path, ec);
   if (ec) m.fail("cannot rename '" + m.tmp_path + "' to it: " + ec.message());

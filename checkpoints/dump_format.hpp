@@ -59,6 +59,13 @@ int parse_dump_step_group_name(std::string_view name);  // "step_0012" -> 12; -1
 
 std::string utc_now_iso8601();  // "2026-11-23T05:05:01Z"
 
+// The temporary a dump for `path` is written to before its rename: "<path>.diffrun-tmp-<pid>" (a
+// name no other program's temporaries take, so that only diffrun's are ever removed as stale).
+inline constexpr const char* kDumpTempInfix = ".diffrun-tmp-";
+std::string dump_temporary_path(const std::string& path, long pid);
+// The pid of a file name "<name>.diffrun-tmp-<digits>", or -1 for any other name.
+long dump_temporary_pid(std::string_view file_name);
+
 namespace h5 {
 
 // Turns HDF5's automatic error printing off (errors become DumpError messages instead).
@@ -120,6 +127,15 @@ struct AttributeRow {
   std::string dtype;  // "bf16" on uint16 data holding bfloat16 bits, else ""
 };
 
+// What readers refuse (docs/dump-format.md, "What readers refuse"): a dump holds its data itself.
+// Why the link `name` of `group` must not be followed, or "" for a hard link: a soft, external or
+// user-defined link, asked with H5Lget_info, which reads the link and never its target (an external
+// link to a FIFO would block the open; one to another file would read that file as the dump's).
+std::string link_refusal(hid_t group, const std::string& name);
+// Why the data of an open dataset must not be read, or "": HDF5 external storage (its bytes in
+// another file, e.g. /etc/passwd) or a virtual dataset (its data in other datasets or files).
+std::string storage_refusal(hid_t dataset);
+
 // Reads a step group's attribute table (docs/dump-format.md, "Attribute table"). Checks the table's
 // types before reading anything: a 1-D compound dataset with a fixed-length string column `name`,
 // optional fixed-length string columns layout, native_dtype, dtype and integer columns order,
@@ -129,12 +145,16 @@ struct AttributeRow {
 std::vector<AttributeRow> read_attribute_table(hid_t group, const std::string& group_name, uint64_t file_size);
 
 // Writes one dump file: root attributes, /step_NNNN groups, one dataset per checkpoint. Knows the
-// file format, not the vocabulary (callers check names and shapes). Writes to "<path>.tmp-<pid>"
-// and renames to `path` in finish(); abort() or destroying an unfinished DumpFile removes the
-// temporary file. Every failure throws DumpError naming the file (and dataset).
+// file format, not the vocabulary (callers check names and shapes). Writes to
+// dump_temporary_path(path, pid), created exclusively (never through an existing name: a symlink
+// planted there is refused, not followed; a regular file there is a killed run's leftover, since no
+// live process has this pid, and is replaced), and renames to `path` in finish(); abort() or
+// destroying an unfinished DumpFile removes the temporary file. An existing `path` that is not a
+// regular file (a device, a FIFO, a directory, a socket) is refused, never replaced. Every failure
+// throws DumpError naming the file (and dataset).
 class DumpFile {
  public:
-  // tmp_pid > 0 names the temporary "<path>.tmp-<tmp_pid>" (a writer process working for that one).
+  // tmp_pid > 0 names the temporary with that pid (a writer process working for that one).
   explicit DumpFile(const std::string& path, long tmp_pid = 0);
   ~DumpFile();
   DumpFile(const DumpFile&) = delete;

@@ -32,7 +32,7 @@ class DumpTarget {
   virtual bool in_process() const = 0;  // true: HDF5 is called here (under its lock)
 };
 
-// A DumpFile of this process at `path` ("<path>.tmp-<pid>" until finish()).
+// A DumpFile of this process at `path` ("<path>.diffrun-tmp-<pid>" until finish()).
 std::unique_ptr<DumpTarget> local_dump_target(const std::string& path, int compress);
 
 // A DumpFile at `path` in a diffrun-dump-child process, its temporary named with this process's pid

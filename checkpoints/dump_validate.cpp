@@ -458,6 +458,18 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
 
   // Step groups.
   std::map<int, std::string> steps;
+  // Links are checked before anything follows them; a dump that reaches outside itself is refused
+  // (exit 2), not listed as a problem (docs/dump-format.md, "What readers refuse").
+  auto refuse_links = [&](hid_t group, const std::string& prefix) {
+    for (const auto& name : list_links(group))
+      if (const std::string refused = link_refusal(group, name); !refused.empty())
+        throw DumpError(path + ": '" + prefix + name + "' " + refused);
+  };
+  auto refuse_storage = [&](hid_t ds, const std::string& where) {
+    if (const std::string refused = storage_refusal(ds); !refused.empty())
+      throw DumpError(path + ": dataset '" + where + "': " + refused);
+  };
+  refuse_links(file.get(), "");
   for (const auto& name : list_links(file.get())) {
     const int step = parse_dump_step_group_name(name);
     if (step < 0) continue;
@@ -505,6 +517,7 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
       kv_known = false;
       continue;
     }
+    refuse_links(g.get(), gname + "/");
     std::vector<std::string> names = list_links(g.get());
     // Version 2: the datasets' attributes are the step's attribute table.
     const bool v2 = root.format_version >= 2;
@@ -513,6 +526,10 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
       const auto at = std::find(names.begin(), names.end(), kAttributeTable);
       if (at != names.end()) {
         names.erase(at);
+        if (object_type(g.get(), kAttributeTable) == H5O_TYPE_DATASET) {
+          Hid table_ds(H5Dopen2(g.get(), kAttributeTable, H5P_DEFAULT), H5Dclose);
+          if (table_ds.valid()) refuse_storage(table_ds.get(), gname + "/" + kAttributeTable);
+        }
         try {
           for (auto& row : read_attribute_table(g.get(), gname, std::filesystem::file_size(path, ec)))
             table[row.name] = std::move(row);
@@ -533,6 +550,7 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
       problem(twhere, "missing (every step records the ids it was fed, int32 [T])");
     } else if (object_type(g.get(), "tokens") == H5O_TYPE_DATASET) {
       Hid ds(H5Dopen2(g.get(), "tokens", H5P_DEFAULT), H5Dclose);
+      if (ds.valid()) refuse_storage(ds.get(), twhere);
       Hid t(H5Dget_type(ds.get()), H5Tclose);
       Hid sp(H5Dget_space(ds.get()), H5Sclose);
       const int rank = H5Sget_simple_extent_ndims(sp.get());
@@ -586,6 +604,7 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
         problem(where, "cannot be opened" + h5::detail());
         continue;
       }
+      refuse_storage(ds.get(), where);
       if (opt.mapped && opt.mapped(ForeignName{name, names, cfg, facts})) continue;
       const ParsedCheckpointName parsed = parse_checkpoint_name(name);
       const CheckpointKind* kind = find_checkpoint_kind(parsed.base);

@@ -40,7 +40,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 int run_dump(const DumpOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
-  check_output_file("--out", o.out);
+  check_dump_output_file("--out", o.out);
   const CheckpointFilter filter(o.checkpoints);
   fmt::print(stderr, "diffrun dump: loading {}\n", o.model);
   const auto file = GgufFile::open(o.model);
@@ -113,7 +113,7 @@ const CommandRegistrar reg("dump", "Run one backend and write its checkpoints to
       ->check(count_in(0));
   app.add_option("--out,-o", o->out, "Dump file to write (HDF5)")->required();
   app.add_flag("--remove-stale", o->remove_stale,
-               "Remove the dump temporaries (*.tmp-PID) that killed runs left beside --out (otherwise only listed)");
+               "Remove the dump temporaries (*.diffrun-tmp-PID) that killed runs left beside --out (otherwise only listed)");
   app.add_option("--checkpoints", o->checkpoints, "Record only these checkpoints, e.g. 'attn_*,result_*'");
   o->size.add_options(app);
   app.add_option("--replay", o->replay,

@@ -409,7 +409,7 @@ const CommandRegistrar registrar{
                      "gets the rest)")
           ->check(count_in(1, 4096));
       app.add_flag("--remove-stale", o->remove_stale,
-                   "Remove the dump temporaries (*.tmp-PID) that killed runs left in --out (otherwise only listed)");
+                   "Remove the dump temporaries (*.diffrun-tmp-PID) that killed runs left in --out (otherwise only listed)");
       o->report.add_options(app);
       o->report.title = "diffrun";
       return [o, &app]() {

@@ -1,7 +1,9 @@
-// SIGINT/SIGTERM: remove the run's dump temporaries and exit 130/143; list (or remove) stale ones of killed runs.
+// SIGINT/SIGTERM/SIGPIPE/SIGHUP: remove the run's dump temporaries and exit 128 + the signal; list (or remove) stale ones of killed runs.
 #include "cli/interrupt.hpp"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
@@ -14,6 +16,8 @@
 #include <stdexcept>
 
 #include <fmt/core.h>
+
+#include "checkpoints/dump_format.hpp"
 
 namespace diffrun::cli {
 namespace {
@@ -39,21 +43,27 @@ extern "C" void on_signal(int sig) {
   for (size_t i = 0; i < kSlots; ++i) {
     if (g_live[i].load()) ::unlink(g_paths[i].data());
   }
-  write_stderr(sig == SIGINT ? "diffrun: interrupted (SIGINT): temporary dumps removed\n"
-                             : "diffrun: terminated (SIGTERM): temporary dumps removed\n");
+  // With SIGPIPE, stderr may be the closed pipe itself: the line is then lost, the exit code says it.
+  write_stderr(sig == SIGINT    ? "diffrun: interrupted (SIGINT): temporary dumps removed\n"
+               : sig == SIGPIPE ? "diffrun: output pipe closed (SIGPIPE): temporary dumps removed\n"
+               : sig == SIGHUP  ? "diffrun: hung up (SIGHUP): temporary dumps removed\n"
+                                : "diffrun: terminated (SIGTERM): temporary dumps removed\n");
   ::_exit(128 + sig);
 }
 
-// "<name>.tmp-<digits>": the pid, or -1 when `name` is not a dump temporary.
-long temp_pid(const std::string& name) {
-  const size_t at = name.rfind(".tmp-");
-  if (at == std::string::npos || at + 5 == name.size()) return -1;
-  long pid = 0;
-  for (size_t i = at + 5; i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9' || pid > 1'000'000'000) return -1;
-    pid = pid * 10 + (name[i] - '0');
-  }
-  return pid;
+// Whether `path` is a regular file (not followed through a symlink) that starts with HDF5's
+// signature, as every temporary diffrun creates does from its first moment (H5Fcreate writes the
+// superblock): a file named like one but holding something else is not diffrun's to remove.
+bool holds_hdf5_signature(const std::string& path) {
+  static constexpr unsigned char kSignature[8] = {0x89, 'H', 'D', 'F', '\r', '\n', 0x1a, '\n'};
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st{};
+  unsigned char head[8] = {};
+  const bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::pread(fd, head, sizeof head, 0) == sizeof head &&
+                  std::memcmp(head, kSignature, sizeof head) == 0;
+  ::close(fd);
+  return ok;
 }
 
 }  // namespace
@@ -62,18 +72,20 @@ void install_interrupt_handlers() {
   struct sigaction sa{};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
-  sigaddset(&sa.sa_mask, SIGINT);
-  sigaddset(&sa.sa_mask, SIGTERM);
-  for (int sig : {SIGINT, SIGTERM}) {
+  // SIGPIPE (`diffrun ... | head -3` once head has exited) and SIGHUP (the terminal closed) end the
+  // run as SIGTERM does, temporaries removed, rather than killing it with them left behind.
+  for (int sig : {SIGINT, SIGTERM, SIGPIPE, SIGHUP}) sigaddset(&sa.sa_mask, sig);
+  for (int sig : {SIGINT, SIGTERM, SIGPIPE, SIGHUP}) {
     struct sigaction old{};
-    // A SIGINT ignored by the parent (a background job of a non-interactive shell) stays ignored.
+    // A signal ignored by the parent (SIGINT in a background job of a non-interactive shell, SIGHUP
+    // under nohup) stays ignored.
     if (::sigaction(sig, nullptr, &old) == 0 && old.sa_handler == SIG_IGN) continue;
     ::sigaction(sig, &sa, nullptr);
   }
 }
 
 TempGuard::TempGuard(const std::string& final_path) {
-  const std::string tmp = final_path + ".tmp-" + std::to_string(::getpid());
+  const std::string tmp = dump_temporary_path(final_path, static_cast<long>(::getpid()));
   if (tmp.size() >= kPathMax) return;  // no such path can be created either
   for (size_t i = 0; i < kSlots; ++i) {
     if (g_live[i].load()) continue;
@@ -94,10 +106,11 @@ std::vector<StaleTemp> stale_temporaries(const std::string& dir) {
   std::error_code ec;
   for (std::filesystem::directory_iterator it(dir.empty() ? "." : dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    const long pid = temp_pid(name);
-    if (pid <= 0 || !it->is_regular_file(ec)) continue;
+    const long pid = dump_temporary_pid(name);
+    if (pid <= 0 || !it->is_regular_file(ec) || it->is_symlink(ec)) continue;
     // Alive (or not ours to signal) means some run is still writing it.
     if (pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    if (!holds_hdf5_signature(it->path().string())) continue;
     out.push_back({it->path().string(), static_cast<uint64_t>(it->file_size(ec))});
   }
   return out;

@@ -64,9 +64,11 @@ int main(int argc, char** argv) {
 
 Exit codes:
   0  every compared checkpoint within tolerance (or the subcommand succeeded)
-  1  a divergence, a NaN/Inf, or coverage below --require-coverage (validate: problems found)
+  1  a divergence, a NaN/Inf, coverage below --require-coverage or a step of the reference
+     missing (validate: problems found)
   2  the run could not be done: bad input, missing or unreadable file, no GPU for --engine cuda
-  130, 143  interrupted by SIGINT, SIGTERM (the run's dump temporaries are removed))");
+  130, 143, 141, 129  interrupted by SIGINT, SIGTERM, SIGPIPE, SIGHUP (the run's dump temporaries
+     are removed))");
   // Exit 2 with one error line; the reports asked for (--report-json, --report-junit) say it too.
   auto fail = [&](const char* kind, const std::string& what) {
     write_error_reports(argc, argv, what);

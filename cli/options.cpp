@@ -11,6 +11,7 @@
 #include <fmt/core.h>
 
 #include "model/error.hpp"
+#include "model/file_check.hpp"
 
 namespace diffrun::cli {
 
@@ -83,6 +84,14 @@ void check_output_file(const std::string& option, const std::string& file) {
     throw InputError(fmt::format("{} {}: {} is not a directory", option, printable(file), printable(bad)));
   if (!fs::is_directory(parent, ec))
     throw InputError(fmt::format("{} {}: directory {} does not exist", option, printable(file), printable(parent.string())));
+}
+
+void check_dump_output_file(const std::string& option, const std::string& file) {
+  check_output_file(option, file);
+  if (const std::string problem = regular_file_problem(file); !problem.empty() && problem != "does not exist" &&
+                                                               problem.rfind("cannot be read", 0) != 0)
+    throw InputError(fmt::format("{} {}: exists and {}: a dump replaces only a regular file", option, printable(file),
+                                 problem));
 }
 
 }  // namespace diffrun::cli

@@ -24,4 +24,9 @@ void check_output_dir(const std::string& option, const std::string& dir);
 // directory, or in a directory that does not exist (or is not one). Creates nothing.
 void check_output_file(const std::string& option, const std::string& file);
 
+// check_output_file for a dump, which is written to a temporary and renamed over `file`: also an
+// existing `file` that is not a regular file (a device such as /dev/null, a FIFO, a socket), which
+// the rename would replace, is refused.
+void check_dump_output_file(const std::string& option, const std::string& file);
+
 }  // namespace diffrun::cli

@@ -1,9 +1,12 @@
 // Tests of the HDF5 dump writer and reader: round trip, atomic finish, dataset attributes, bad files.
 #include <gtest/gtest.h>
 #include <hdf5.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <numeric>
 #include <regex>
 
@@ -204,9 +207,69 @@ TEST_F(DumpTest, NothingLooksWholeBeforeFinishAndAnInterruptedWriterLeavesNothin
     record_step(w, 0, 3, 3);
     EXPECT_FALSE(fs::exists(p));
     ASSERT_EQ(files().size(), 1u);
-    EXPECT_NE(files()[0].find("run.h5.tmp-"), std::string::npos);
+    EXPECT_NE(files()[0].find("run.h5.diffrun-tmp-"), std::string::npos);
   }
   EXPECT_TRUE(files().empty());
+}
+
+// The temporary's name is predictable ("<path>.diffrun-tmp-<pid>"), so it is created exclusively: a
+// symlink planted there (to a victim file, to nothing, to a FIFO) is refused and never written
+// through; a regular file there is a killed run's leftover (its pid now ours) and is replaced.
+TEST_F(DumpTest, TheTemporaryIsCreatedExclusivelyNeverThroughASymlink) {
+  const std::string p = path("x.h5");
+  const std::string tmp = dump_temporary_path(p, static_cast<long>(::getpid()));
+  std::ofstream(path("victim.txt")) << "secret";
+  ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0600), 0);
+  for (const std::string target : {path("victim.txt"), path("nowhere"), path("fifo")}) {
+    SCOPED_TRACE(target);
+    fs::create_symlink(target, tmp);
+    try {
+      DumpWriter w(p, tiny_meta());
+      ADD_FAILURE() << "a symlink at the temporary's name was written through";
+    } catch (const DumpError& e) {
+      EXPECT_NE(std::string(e.what()).find("it exists and is a symbolic link"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(tmp), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(fs::is_symlink(tmp));
+    EXPECT_FALSE(fs::exists(p));
+    fs::remove(tmp);
+  }
+  std::ifstream in(path("victim.txt"));
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "secret");
+  EXPECT_FALSE(fs::exists(path("nowhere")));
+  EXPECT_TRUE(fs::is_fifo(path("fifo")));
+  // A leftover regular file: replaced, and the dump is written.
+  std::ofstream(tmp) << "a killed run's bytes";
+  {
+    DumpWriter w(p, tiny_meta());
+    record_step(w, 0, 3, 3);
+    w.finish();
+  }
+  EXPECT_EQ(DumpReader(p).steps(), std::vector<int>{0});
+  EXPECT_FALSE(fs::exists(tmp));
+}
+
+// A dump is renamed over its path, which would replace a device node (`dump --out /dev/null` as
+// root), a FIFO or a socket with a regular file: an existing non-regular path is refused.
+TEST_F(DumpTest, AnExistingNonRegularPathIsRefusedNotReplaced) {
+  ASSERT_EQ(::mkfifo(path("fifo.h5").c_str(), 0600), 0);
+  fs::create_directory(path("dir.h5"));
+  fs::create_symlink("/dev/null", path("null.h5"));
+  for (const auto& [name, what] : {std::pair{"fifo.h5", "is a FIFO"}, std::pair{"dir.h5", "is a directory"},
+                                   std::pair{"null.h5", "is a character device"}}) {
+    SCOPED_TRACE(name);
+    try {
+      DumpWriter w(path(name), tiny_meta());
+      ADD_FAILURE() << "no error";
+    } catch (const DumpError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("exists and ") + what), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_TRUE(fs::is_fifo(path("fifo.h5")));
+  EXPECT_TRUE(fs::is_directory(path("dir.h5")));
+  EXPECT_TRUE(fs::is_symlink(path("null.h5")));
+  // Only those three: no temporary left behind.
+  EXPECT_EQ(files().size(), 3u);
 }
 
 TEST_F(DumpTest, FinishReplacesAnOlderFile) {

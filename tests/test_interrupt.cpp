@@ -10,6 +10,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -27,7 +28,7 @@ std::vector<std::string> temporaries(const fs::path& dir) {
   std::vector<std::string> out;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec))
-    if (e.path().filename().string().find(".tmp-") != std::string::npos) out.push_back(e.path().filename().string());
+    if (e.path().filename().string().find("tmp-") != std::string::npos) out.push_back(e.path().filename().string());
   return out;
 }
 
@@ -79,7 +80,7 @@ class Interrupt : public ::testing::Test {
   int interrupt_while_writing(const std::vector<std::string>& args, const fs::path& dir, const std::string& final_name,
                               int sig, const fs::path& err) const {
     Child c = spawn(args, err);
-    const fs::path tmp = dir / (final_name + ".tmp-" + std::to_string(c.pid));
+    const fs::path tmp = dir / (final_name + ".diffrun-tmp-" + std::to_string(c.pid));
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     while (!fs::exists(tmp) && std::chrono::steady_clock::now() < deadline) {
       int st = 0;
@@ -117,6 +118,18 @@ TEST_F(Interrupt, SignalsRemoveTheTemporariesAndExitConventionally) {
   EXPECT_NE(slurp(err).find("diffrun: terminated (SIGTERM)"), std::string::npos) << slurp(err);
   EXPECT_TRUE(temporaries(dir.path).empty()) << temporaries(dir.path)[0];
   EXPECT_FALSE(fs::exists(dump));
+  // SIGPIPE (`diffrun ... 2>&1 | head -3` once head has exited) and SIGHUP end the run the same way.
+  for (const auto& [sig, code, line] : {std::tuple{SIGPIPE, 141, "diffrun: output pipe closed (SIGPIPE)"},
+                                        std::tuple{SIGHUP, 129, "diffrun: hung up (SIGHUP)"}}) {
+    EXPECT_EQ(interrupt_while_writing({"dump", "--model", model_, "--tokens", "1,2,3", "--steps", "250", "--backend",
+                                       "cpu", "--out", dump.string()},
+                                      dir.path, "d.h5", sig, err),
+              code)
+        << slurp(err);
+    EXPECT_NE(slurp(err).find(line), std::string::npos) << slurp(err);
+    EXPECT_TRUE(temporaries(dir.path).empty()) << temporaries(dir.path)[0];
+    EXPECT_FALSE(fs::exists(dump));
+  }
 }
 
 // The pids of the running processes whose parent is `parent`.
@@ -147,7 +160,7 @@ TEST_F(Interrupt, SignalsWithDumpProcessesLeaveNothing) {
   ::setenv("DIFFRUN_SPARE_CORES", "1", 1);
   ::setenv("DIFFRUN_DUMP_PROCESSES", "1", 1);
   Child c = spawn(job(out, 250), err);
-  const fs::path tmp = out / ("reference.h5.tmp-" + std::to_string(c.pid));
+  const fs::path tmp = out / ("reference.h5.diffrun-tmp-" + std::to_string(c.pid));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (!fs::exists(tmp) && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -198,11 +211,22 @@ TEST_F(Interrupt, StaleTemporariesAreListedThenRemoved) {
   gone.pid = ::fork();
   if (gone.pid == 0) ::_exit(0);
   wait_exit(gone);
-  const std::string stale = "engine.h5.tmp-" + std::to_string(gone.pid);
-  std::ofstream(out / stale) << "partial";
+  // A killed run's temporary: its name and HDF5's signature, which H5Fcreate writes first.
+  const std::string hdf5_signature("\x89HDF\r\n\x1a\n", 8);
+  const std::string stale = "engine.h5.diffrun-tmp-" + std::to_string(gone.pid);
+  std::ofstream(out / stale) << hdf5_signature << "partial";
   // A temporary of a live process (this test) is someone's run in progress: left alone.
-  const std::string live = "reference.h5.tmp-" + std::to_string(::getpid());
-  std::ofstream(out / live) << "in progress";
+  const std::string live = "reference.h5.diffrun-tmp-" + std::to_string(::getpid());
+  std::ofstream(out / live) << hdf5_signature << "in progress";
+  // Not diffrun's: another program's temporary, a file only named like one, a symlink named like one
+  // (to an HDF5 file elsewhere). Neither listed nor removed.
+  const std::vector<std::string> foreign = {"notes.txt.tmp-" + std::to_string(gone.pid),
+                                            "notes.txt.diffrun-tmp-" + std::to_string(gone.pid),
+                                            "link.h5.diffrun-tmp-" + std::to_string(gone.pid)};
+  std::ofstream(out / foreign[0]) << hdf5_signature << "someone's notes";
+  std::ofstream(out / foreign[1]) << "someone's notes";
+  std::ofstream(fs::path(dir.path) / "victim.h5") << hdf5_signature << "victim";
+  fs::create_symlink(fs::path(dir.path) / "victim.h5", out / foreign[2]);
   ASSERT_EQ(run(job(out, 1), err), 0) << slurp(err);
   EXPECT_NE(slurp(err).find("warning: 1 stale temporary of killed runs"), std::string::npos) << slurp(err);
   EXPECT_NE(slurp(err).find(stale), std::string::npos) << slurp(err);
@@ -218,6 +242,11 @@ TEST_F(Interrupt, StaleTemporariesAreListedThenRemoved) {
   EXPECT_NE(slurp(err).find("removed 1 stale temporary of killed runs"), std::string::npos) << slurp(err);
   EXPECT_FALSE(fs::exists(out / stale));
   EXPECT_TRUE(fs::exists(out / live));
+  for (const auto& f : foreign) {
+    EXPECT_TRUE(fs::exists(fs::symlink_status(out / f))) << f;
+    EXPECT_EQ(slurp(err).find(f), std::string::npos) << slurp(err);
+  }
+  EXPECT_TRUE(fs::exists(fs::path(dir.path) / "victim.h5"));
 }
 
 // A full disk: the "No space left on device" error, exit 2, no temporary left. HDF5's exit-time

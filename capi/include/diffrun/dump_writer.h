@@ -57,8 +57,10 @@ enum {
  *   cleanup crashes). The host closes its own HDF5 files and objects before exiting. In a process
  *   that used HDF5 before, the call has no effect and the host's setting stays. */
 
-/* Creates a dump to be written at `path`: the data go to "<path>.tmp-<pid>", renamed to `path` by
- * diffrun_dump_close, so an interrupted run never leaves a file that looks whole. Writes format,
+/* Creates a dump to be written at `path`: the data go to "<path>.diffrun-tmp-<pid>", created
+ * exclusively (a symlink or other file planted at that name is refused, never written through),
+ * renamed to `path` by diffrun_dump_close, so an interrupted run never leaves a file that looks
+ * whole. An existing `path` that is not a regular file (a device, a FIFO) is refused. Writes format,
  * format_version, created_utc (now) and diffrun_version; the other root attributes come from the
  * setters or diffrun_dump_copy_meta. On failure *out is NULL and diffrun_dump_last_error(NULL)
  * says why. */
