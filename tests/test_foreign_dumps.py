@@ -246,7 +246,8 @@ def test_coverage_l_out_only(runs, tmp_path):
     junit = tmp_path / "j.xml"
     out, rep = compare(eng, d / "reference.h5", "--require-coverage", "90", "--report-junit", junit, rc=1)
     assert rep["coverage"] == {"reference": n_ref, "compared": n_kept, "percent": pytest.approx(pct),
-                               "required": 90.0, "met": False, "missing_kinds": rep["coverage"]["missing_kinds"]}
+                               "required": 90.0, "met": False, "missing_kinds": rep["coverage"]["missing_kinds"],
+                               "missing_steps": []}
     assert rep["exit_code"] == 1 and rep["first_divergence"] is None
     assert "attn_norm" in rep["coverage"]["missing_kinds"] and "l_out" not in rep["coverage"]["missing_kinds"]
     assert "RESULT: FAIL: coverage" in out and "missing: embd, attn_norm, Qcur" in out
