@@ -68,12 +68,53 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _text(b: bytes | str) -> str:
+    return b.decode("utf-8", "backslashreplace") if isinstance(b, bytes) else str(b)
+
+
+def link_refusal(group: h5py.Group, name: str) -> str | None:
+    """Why a reader must not follow the link `name` of `group` (docs/dump-format.md, "What readers
+    refuse"), or None for a hard link. Reads the link only, never its target: an external link to a
+    FIFO would block the open, one to another file would read that file as the dump's."""
+    links = group.id.links
+    key = name.encode("utf-8")
+    kind = links.get_info(key).type
+    if kind == h5py.h5l.TYPE_HARD:
+        return None
+    if kind == h5py.h5l.TYPE_SOFT:
+        return f"is a soft link (to '{_text(links.get_val(key))}'); a dump holds no links, readers refuse them"
+    if kind == h5py.h5l.TYPE_EXTERNAL:
+        file, obj = links.get_val(key)
+        return (f"is an external link (to '{_text(file)}', object '{_text(obj)}'): a dump holds its data itself, "
+                "readers refuse links to other files")
+    return f"is a user-defined link (type {kind}); a dump holds no links, readers refuse them"
+
+
+def storage_refusal(ds: h5py.Dataset) -> str | None:
+    """Why the data of a dataset must not be read, or None: HDF5 external storage (its bytes in
+    another file, e.g. /etc/passwd) or a virtual dataset (its data in other datasets or files)."""
+    dcpl = ds.id.get_create_plist()
+    if dcpl.get_external_count() > 0:
+        return (f"stores its data in the external file '{_text(dcpl.get_external(0)[0])}' (HDF5 external storage): "
+                "a dump holds its data itself, readers refuse it")
+    if dcpl.get_layout() == h5py.h5d.VIRTUAL:
+        return ("is a virtual dataset (its data lives in other datasets or files): a dump holds its data itself, "
+                "readers refuse it")
+    return None
+
+
 def read_attribute_table(group: h5py.Group, where: str) -> dict[str, dict[str, Any]]:
     """A version-2 step group's attribute table as {dataset name: {attribute: value}}, absent
     attributes left out. Raises ValueError naming what is wrong; {} when the group has none."""
-    if ATTRIBUTE_TABLE not in group:
+    if ATTRIBUTE_TABLE not in list(group.keys()):  # the names only: `in group` would follow a link
         return {}
+    refused = link_refusal(group, ATTRIBUTE_TABLE)
+    if refused:
+        raise ValueError(f"{where}: {refused}")
     ds = group[ATTRIBUTE_TABLE]
+    refused = storage_refusal(ds) if isinstance(ds, h5py.Dataset) else None
+    if refused:
+        raise ValueError(f"{where}: {refused}")
     if not isinstance(ds, h5py.Dataset) or ds.dtype.names is None or ds.ndim != 1:
         raise ValueError(f"{where}: not a 1-D compound dataset (one row per dataset of the step)")
     fields = ds.dtype.fields
@@ -133,6 +174,7 @@ class Dump:
         try:
             self.meta: dict[str, Any] = self._read_meta()
             self._steps = self._find_steps()
+            self._refuse_links()
         except BaseException:
             self._file.close()
             raise
@@ -191,6 +233,22 @@ class Dump:
                 steps.append(int(m.group(1)))
         return sorted(steps)
 
+    def _refuse_links(self) -> None:
+        """Every link of the root and of each step group is checked before anything follows it
+        (docs/dump-format.md, "What readers refuse")."""
+        for key in list(self._file.keys()):
+            refused = link_refusal(self._file, key)
+            if refused:
+                raise DumpFormatError(self.path, f"'{key}' {refused}")
+        for step in self._steps:
+            group = self._file[_group_name(step)]
+            if not isinstance(group, h5py.Group):
+                continue
+            for name in list(group.keys()):
+                refused = link_refusal(group, name)
+                if refused:
+                    raise DumpFormatError(self.path, refused, f"{_group_name(step)}/{name}")
+
     def _group(self, step: int) -> h5py.Group:
         if step not in self._steps:
             raise DumpFormatError(self.path, f"no step {step} (steps: {self._steps})", _group_name(step))
@@ -200,10 +258,14 @@ class Dump:
         if step not in self._infos:
             group = self._group(step)
             infos = []
-            for name, ds in group.items():
+            for name in list(group.keys()):
+                ds = group[name]  # a hard link: _refuse_links checked every link at open
                 where = f"{_group_name(step)}/{name}"
                 if not isinstance(ds, h5py.Dataset) or (name == ATTRIBUTE_TABLE and self.meta["format_version"] >= 2):
                     continue
+                refused = storage_refusal(ds)
+                if refused:
+                    raise DumpFormatError(self.path, refused, where)
                 # order, layer, layout and native_dtype are optional (docs/dump-format.md): absent ones
                 # come from the name through the vocabulary, native_dtype from the stored dtype.
                 a = self._attrs(step, name)

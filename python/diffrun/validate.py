@@ -20,7 +20,8 @@ import h5py
 import numpy as np
 
 from . import vocabulary
-from .dump import ATTRIBUTE_TABLE, FORMAT_VERSIONS, DumpFormatError, read_attribute_table
+from .dump import (ATTRIBUTE_TABLE, FORMAT_VERSIONS, DumpFormatError, link_refusal, read_attribute_table,
+                   storage_refusal)
 
 # (name, type, required, enum values)
 ROOT_ATTRIBUTES: list[tuple[str, str, bool, str | None]] = [
@@ -437,6 +438,21 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
         result.problems.append(Problem(where, what))
 
     cfg = root.config
+
+    # Links are checked before anything follows them; a dump that reaches outside itself is refused
+    # (DumpFormatError, exit 2), not listed as a problem (docs/dump-format.md, "What readers refuse").
+    def refuse_links(group: h5py.Group, prefix: str) -> None:
+        for name in list(group.keys()):
+            refused = link_refusal(group, name)
+            if refused:
+                raise DumpFormatError(path, f"'{prefix}{name}' {refused}")
+
+    def refuse_storage(ds: h5py.Dataset, where: str) -> None:
+        refused = storage_refusal(ds)
+        if refused:
+            raise DumpFormatError(path, refused, where)
+
+    refuse_links(f, "")
     steps: dict[int, str] = {}
     for name in sorted(f.keys()):
         step = _step_number(name)
@@ -475,6 +491,7 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
         gname = steps[s]
         result.n_steps += 1
         g = f[gname]
+        refuse_links(g, f"{gname}/")
         names = sorted(g.keys())
         # Version 2: the datasets' attributes are the step's attribute table.
         v2 = root.format_version >= 2
@@ -482,6 +499,8 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
         if v2 and ATTRIBUTE_TABLE in names:
             names.remove(ATTRIBUTE_TABLE)
             twhere_ = f"{gname}/{ATTRIBUTE_TABLE}"
+            if isinstance(g.get(ATTRIBUTE_TABLE, getlink=False), h5py.Dataset):
+                refuse_storage(g[ATTRIBUTE_TABLE], twhere_)
             try:
                 table = read_attribute_table(g, twhere_)
             except (ValueError, OSError) as e:
@@ -496,6 +515,7 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
             problem(twhere, "missing (every step records the ids it was fed, int32 [T])")
         elif isinstance(g.get("tokens", getlink=False), h5py.Dataset):
             ds = g["tokens"]
+            refuse_storage(ds, twhere)
             t = ds.id.get_type()
             if t.get_class() != h5py.h5t.INTEGER:
                 problem(twhere, f"is {_class_text(t.get_class())}, expected int32 ids")
@@ -531,6 +551,7 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
             if not isinstance(ds, h5py.Dataset):
                 problem(where, "is not a dataset")
                 continue
+            refuse_storage(ds, where)
             result.n_datasets += 1
             base, parsed_layer = vocabulary.parse_name(name)
             kind = vocabulary.find_kind(base)

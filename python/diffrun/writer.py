@@ -8,8 +8,12 @@
             w.put("attn_norm-0", x)               # float32/float16/float64 arrays, bf16 as uint16 bits
         ...
 
-The file is written to PATH.tmp-<pid> and renamed to PATH when the writer closes without an error; an
-exception inside the `with` block removes the temporary file, so a half-written dump never looks whole.
+The file is written to PATH.diffrun-tmp-<pid> (created exclusively: a symlink or other file planted at
+that name is refused, never written through) and renamed to PATH when the writer closes without an
+error; an exception inside the `with` block removes the temporary file, so a half-written dump never
+looks whole, and so does SIGTERM while a writer is open (the handler is installed from the main thread
+when SIGTERM had its default action). A write that fails (a full disk) raises one DumpWriteError and
+removes the temporary. An existing PATH that is not a regular file (a device, a FIFO) is refused.
 Values are stored as float32 (exact for f16/bf16; f64 is rounded) with `native_dtype` naming what the
 engine computed in, like the C++ writer; keep_dtype=True stores them as given instead (bf16 as uint16
 marked dtype = "bf16"). Format version 2: strings are fixed-length, and each step's dataset attributes
@@ -24,7 +28,10 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, Mapping
+import signal
+import stat
+import threading
+from typing import Any, Mapping, NoReturn
 
 import h5py
 import numpy as np
@@ -94,6 +101,63 @@ def f32_to_bf16(values: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
 
 
+TEMP_INFIX = ".diffrun-tmp-"  # PATH.diffrun-tmp-<pid>, as diffrun's C++ writers name their temporaries
+
+# The temporaries of the open writers, removed by the SIGTERM handler before the signal takes its
+# default action again (the process still ends by SIGTERM).
+_live_temporaries: dict[int, str] = {}
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    for tmp in list(_live_temporaries.values()):
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _guard(key: int, tmp: str) -> None:
+    _live_temporaries[key] = tmp
+    if threading.current_thread() is threading.main_thread():
+        try:
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, _on_sigterm)
+        except (ValueError, OSError):
+            pass
+
+
+def _unguard(key: int) -> None:
+    _live_temporaries.pop(key, None)
+    if not _live_temporaries and threading.current_thread() is threading.main_thread():
+        try:
+            if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except (ValueError, OSError):
+            pass
+
+
+def _file_kind(mode: int) -> str:
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _reason(e: BaseException) -> str:
+    """An HDF5 failure in a few words: the system's message when a system call failed."""
+    errno_ = getattr(e, "errno", None)
+    if errno_:
+        return os.strerror(errno_)
+    text = str(e)
+    if "error message = '" in text:
+        return text.split("error message = '", 1)[1].split("'", 1)[0]
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
 def _utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -133,17 +197,64 @@ class Writer:
         self._n_layer = int(attrs["n_layer"])
         self._names = vocabulary.checkpoint_names(self._arch, self._n_layer)
         self._order = {n: i for i, n in enumerate(self._names)}
-        self._tmp = f"{self.path}.tmp-{os.getpid()}"
-        try:
-            # Object headers no newer than HDF5 1.10's, so that HDF5 1.10 (the C++ side) reads the file.
-            self._file = h5py.File(self._tmp, "w", libver=("v108", "v110"), track_order=False)
-        except OSError as e:
-            raise DumpWriteError(self.path, f"cannot create '{self._tmp}': {e}") from None
+        self._tmp = f"{self.path}{TEMP_INFIX}{os.getpid()}"
+        self._file = None
+        self._check_target()
+        self._file = self._create_temporary()
+        _guard(id(self), self._tmp)
         self._step: int | None = None
         self._written: dict[int, list[str]] = {}
         self._rows: dict[int, list[tuple[str, dict[str, Any]]]] = {}  # each step's attribute table
         self._device: cuda_staging.Staging | None = None  # torch CUDA tensors on their way (put, replay)
         self._write_root(attrs)
+
+    # -- the file --------------------------------------------------------------------------------
+    def _check_target(self) -> None:
+        """An existing path that is not a regular file is never replaced by the rename (a device
+        node, a FIFO, a directory); a symlink to a regular file, or to nothing, is."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return
+        if not stat.S_ISREG(st.st_mode):
+            raise DumpWriteError(self.path, f"exists and is {_file_kind(st.st_mode)}, not a regular file: a dump "
+                                 "replaces only a regular file")
+
+    def _create_temporary(self) -> h5py.File:
+        """The temporary, created exclusively (HDF5's H5F_ACC_EXCL: O_CREAT | O_EXCL, which fails on any
+        existing name, a symlink included). A regular file there is a killed writer's leftover (its pid
+        now ours) and is replaced; anything else is refused."""
+        try:
+            st = os.lstat(self._tmp)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                kind = "a file with other hard links" if stat.S_ISREG(st.st_mode) else _file_kind(st.st_mode)
+                raise DumpWriteError(self.path, f"cannot create the temporary '{self._tmp}': it exists and is {kind}, "
+                                     "which a dump never writes through (remove it)")
+            os.unlink(self._tmp)
+        fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+        # Object headers no newer than HDF5 1.10's, so that HDF5 1.10 (the C++ side) reads the file.
+        fapl.set_libver_bounds(h5py.h5f.LIBVER_V18, h5py.h5f.LIBVER_V110)
+        # No sieve buffer: each dataset's bytes are written by its create_dataset, so a failed write (a
+        # full disk) raises there instead of in a later object's deallocation, where h5py can only
+        # print it (once per object) and HDF5 can crash at exit.
+        fapl.set_sieve_buf_size(0)
+        try:
+            fid = h5py.h5f.create(os.fsencode(self._tmp), h5py.h5f.ACC_EXCL, fapl=fapl)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise DumpWriteError(self.path, f"cannot create '{self._tmp}': {_reason(e)}") from None
+        f = h5py.File(fid)
+        st = os.fstat(f.id.get_vfd_handle())
+        self._tmp_id = (st.st_dev, st.st_ino)
+        return f
+
+    def _fail(self, e: BaseException, where: str | None = None) -> NoReturn:
+        """A write failed (HDF5 or the system): remove the temporary, raise one DumpWriteError."""
+        self.abort()
+        raise DumpWriteError(self.path, f"cannot write the dump: {_reason(e)}; the temporary "
+                             f"'{self._tmp}' was removed", where) from None
 
     # -- root attributes -------------------------------------------------------------------------
     def _write_root(self, attrs: Mapping[str, Any]) -> None:
@@ -168,13 +279,18 @@ class Writer:
             except (TypeError, ValueError, OverflowError) as e:
                 self.abort()
                 raise DumpWriteError(self.path, f"root attribute '{key}' = {value!r}: {e}") from None
+            except (OSError, RuntimeError) as e:
+                self._fail(e)
 
     def set_attribute(self, key: str, value: Any) -> None:
         """A root attribute beyond the format's: a string fact or an int32 array (e.g. the engine's argmax)."""
         if key in ROOT_ATTRIBUTES:
             raise DumpWriteError(self.path, f"attribute '{key}' is a format attribute")
-        if key in self._file.attrs:
-            del self._file.attrs[key]
+        try:
+            if key in self._file.attrs:
+                del self._file.attrs[key]
+        except (OSError, RuntimeError) as e:
+            self._fail(e)
         self._write_root({key: value})
 
     # -- steps and checkpoints -------------------------------------------------------------------
@@ -265,12 +381,13 @@ class Writer:
                 attrs["dtype"] = "bf16"
         else:
             stored = bf16_to_f32(data) if data.dtype == np.uint16 else data.astype(np.float32)
-        group = self._file.require_group(f"step_{step:04d}")
         try:
-            ds = group.create_dataset(name, data=np.ascontiguousarray(stored), track_times=False,
-                                      fill_time="never")
+            group = self._file.require_group(f"step_{step:04d}")
+            group.create_dataset(name, data=np.ascontiguousarray(stored), track_times=False, fill_time="never")
         except (TypeError, ValueError) as e:
             raise DumpWriteError(self.path, f"cannot write: {e}", where) from None
+        except (OSError, RuntimeError) as e:
+            self._fail(e, where)
         attrs.update(order=int(order), layer=int(layer), native_dtype=str(native))
         if layout is not None:
             attrs["layout"] = layout
@@ -360,29 +477,67 @@ class Writer:
         if self._device is not None:
             self.flush()
             self._device.release()
-        for step, rows in self._rows.items():
-            self._file[f"step_{step:04d}"].create_dataset(ATTRIBUTE_TABLE, data=_table(rows), track_times=False)
-        self._rows = {}
-        if "all_token_ids" not in self._file.attrs:
-            # every token fed, step by step (docs/dump-format.md): what a replay of this dump needs
-            ids = [self._file[f"step_{s:04d}/tokens"][()] for s in sorted(self._written)
-                   if "tokens" in self._written[s]]
-            if ids:
-                self._file.attrs.create("all_token_ids", np.concatenate(ids).astype(np.int32))
-        self._file.close()
+        try:
+            for step, rows in self._rows.items():
+                self._file[f"step_{step:04d}"].create_dataset(ATTRIBUTE_TABLE, data=_table(rows), track_times=False)
+            self._rows = {}
+            if "all_token_ids" not in self._file.attrs:
+                # every token fed, step by step (docs/dump-format.md): what a replay of this dump needs
+                ids = [self._file[f"step_{s:04d}/tokens"][()] for s in sorted(self._written)
+                       if "tokens" in self._written[s]]
+                if ids:
+                    self._file.attrs.create("all_token_ids", np.concatenate(ids).astype(np.int32))
+            self._file.flush()
+            self._file.close()
+        except (OSError, RuntimeError) as e:
+            self._fail(e)
         self._file = None
-        os.replace(self._tmp, self.path)
+        # The name still holds the file written, and the target is still no device, FIFO or directory.
+        try:
+            st = os.lstat(self._tmp)
+            same = stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == self._tmp_id
+        except OSError:
+            same = False
+        if not same:
+            _unguard(id(self))
+            raise DumpWriteError(self.path, f"the temporary '{self._tmp}' was replaced or removed while the dump "
+                                 "was written; not renamed")
+        try:
+            self._check_target()
+            os.replace(self._tmp, self.path)
+        except (DumpWriteError, OSError) as e:
+            try:
+                os.unlink(self._tmp)
+            except OSError:
+                pass
+            _unguard(id(self))
+            if isinstance(e, DumpWriteError):
+                raise
+            raise DumpWriteError(self.path, f"cannot rename '{self._tmp}' to it: {_reason(e)}") from None
+        _unguard(id(self))
 
     def abort(self) -> None:
-        """Closes and removes the temporary file; nothing appears at the path."""
+        """Closes and removes the temporary file; nothing appears at the path. Never raises."""
         if getattr(self, "_device", None) is not None:
             self._device.release()  # copies in flight land before the buffer is unlocked
             self._device = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if os.path.exists(self._tmp):
-            os.remove(self._tmp)
+        f, self._file = getattr(self, "_file", None), None
+        if f is not None:
+            try:
+                # Emptied first: HDF5's close writes its metadata, which on a full disk would fail again
+                # (and leave the file half-closed in the library, which crashes at exit).
+                os.ftruncate(f.id.get_vfd_handle(), 0)
+            except (OSError, RuntimeError, ValueError):
+                pass
+            try:
+                f.close()
+            except (OSError, RuntimeError, ValueError):
+                pass
+            try:
+                os.unlink(self._tmp)
+            except OSError:
+                pass
+        _unguard(id(self))
 
     def __enter__(self) -> "Writer":
         return self

@@ -64,7 +64,7 @@ def compare(a: Path, b: Path, tmp_path: Path) -> tuple[int, dict]:
 def test_copy_of_a_reference_compares_clean(reference, tmp_path):
     out = tmp_path / "copy.h5"
     copy_dump(reference, out)
-    assert not list(tmp_path.glob("*.tmp-*"))
+    assert not list(tmp_path.glob("*tmp-*"))
     rc, report = compare(out, reference, tmp_path)
     assert rc == 0, report
     r = subprocess.run([BIN, "ls", str(out)], capture_output=True, text=True)
@@ -185,6 +185,96 @@ def test_an_exception_leaves_no_file(tmp_path):
             w.put("embd", np.zeros((2, 4), np.float32))
             raise RuntimeError("engine crashed")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_temporary_is_created_exclusively_never_through_a_symlink(tmp_path):
+    path = tmp_path / "x.h5"
+    tmp = Path(f"{path}{writer.TEMP_INFIX}{os.getpid()}")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.mkfifo(tmp_path / "fifo")
+    for target in (victim, tmp_path / "nowhere", tmp_path / "fifo"):
+        tmp.symlink_to(target)
+        with pytest.raises(writer.DumpWriteError, match="it exists and is a symbolic link"):
+            writer.open(path, backend="numpy", precision="f32", meta=meta_numbers())
+        assert tmp.is_symlink() and not path.exists()
+        tmp.unlink()
+    assert victim.read_text() == "precious" and not (tmp_path / "nowhere").exists()
+    # A regular file there is a killed writer's leftover (its pid now ours): replaced.
+    tmp.write_text("a killed run's bytes")
+    with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+        w.put("tokens", np.array([1, 2], np.int32))
+    assert diffrun.open(path).steps() == [0] and not tmp.exists()
+
+
+def test_an_existing_non_regular_path_is_refused_not_replaced(tmp_path):
+    os.mkfifo(tmp_path / "fifo.h5")
+    (tmp_path / "null.h5").symlink_to("/dev/null")
+    for name, what in (("fifo.h5", "is a FIFO"), ("null.h5", "is a character device"), (".", "is a directory")):
+        with pytest.raises(writer.DumpWriteError, match=f"exists and {what}"):
+            writer.open(tmp_path / name, backend="numpy", precision="f32", meta=meta_numbers())
+    assert (tmp_path / "fifo.h5").is_fifo() and (tmp_path / "null.h5").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo.h5", "null.h5"]
+
+
+_SCRIPT = """
+import sys, time
+import numpy as np
+from diffrun import writer
+meta = dict(model_path="m.gguf", model_fingerprint="1:0", arch="llama", n_layer=2, n_embd=256, n_head=4, n_head_kv=2,
+            head_dim=64, n_ff=512, n_vocab=1000, n_ctx=64, rope_theta=10000.0, rope_type="norm", rms_eps=1e-5,
+            tied_output=False, qkv_bias=False, qk_norm=False, prompt="", token_ids=[1, 2, 3])
+with writer.open(sys.argv[1], backend="numpy", precision="f32", meta=meta) as w:
+    w.put("tokens", np.array([1, 2, 3], np.int32))
+    if sys.argv[2] == "sleep":
+        print("ready", flush=True)
+        time.sleep(60)
+    try:
+        for s in range(1, 2000):
+            w.step(s)
+            w.put("tokens", np.array([4], np.int32))
+            w.put("result_output", np.ones((1, 1000), np.float32))
+            for layer in range(2):
+                w.put(f"ffn_up-{layer}", np.ones((1, 512), np.float32))
+    except writer.DumpWriteError as e:
+        print("DumpWriteError:", e)
+        sys.exit(3)
+"""
+
+
+def _python_env():
+    return dict(os.environ, PYTHONPATH=str(Path(writer.__file__).resolve().parents[1]))
+
+
+def test_sigterm_removes_the_temporary(tmp_path):
+    path = tmp_path / "t.h5"
+    p = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(path), "sleep"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=_python_env())
+    assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    assert [x.name for x in tmp_path.iterdir()] == [f"t.h5{writer.TEMP_INFIX}{p.pid}"]
+    p.terminate()
+    assert p.wait(timeout=60) == -15  # still ended by SIGTERM
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_is_one_clear_error_and_leaves_nothing(tmp_path):
+    # A 200 KB tmpfs in a private mount namespace (unshare -rm), as tests/test_interrupt.cpp does.
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=200k tmpfs {mnt}"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("cannot mount a tmpfs in a private mount namespace (unshare -rm)")
+    script = tmp_path / "write.py"
+    script.write_text(_SCRIPT)
+    r = subprocess.run(["unshare", "-rm", "sh", "-c",
+                        f"mount -t tmpfs -o size=200k tmpfs {mnt} && {sys.executable} {script} {mnt}/x.h5 fill; "
+                        f"echo rc=$?; ls -A {mnt}"], capture_output=True, text=True, timeout=120, env=_python_env())
+    out = r.stdout.splitlines()
+    assert out[0].startswith("DumpWriteError: ") and "No space left on device" in out[0], r.stdout + r.stderr
+    assert "the temporary" in out[0] and "was removed" in out[0]
+    assert out[1:] == ["rc=3"], r.stdout  # nothing left on the tmpfs
+    assert r.stderr == "", r.stderr  # no "Exception ignored" tracebacks, no crash at exit
 
 
 @pytest.mark.parametrize("name, array, kwargs, message", [
