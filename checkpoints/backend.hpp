@@ -12,6 +12,15 @@
 
 namespace diffrun {
 
+// How a backend's last forward() ran, for the dump (root attributes step_graph and step_fused,
+// docs/dump-format.md): whether the step was one replay of a captured CUDA graph, and which fused
+// kernels it ran, as bits named by the backend's "fused_kernel_bits" fact. A recorded step runs the
+// path an unrecorded one runs; these say which path that was.
+struct StepPath {
+  bool graph = false;
+  uint32_t fused = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -27,6 +36,9 @@ class Backend {
   // token at position n_past). Appends to the KV cache, records checkpoints into `sink`, and
   // returns the logits of the last token over the real vocabulary [V].
   virtual std::vector<float> forward(int step, std::span<const int32_t> tokens, Sink& sink) = 0;
+
+  // The path the last forward() took (a backend with one path: the default).
+  virtual StepPath last_step_path() const { return {}; }
 
   // Number of positions in the KV cache so far.
   virtual int n_past() const = 0;

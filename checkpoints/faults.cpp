@@ -145,6 +145,36 @@ const std::vector<FaultInfo> kCatalog = {
      "models whose local layers have their own RoPE base (gemma3: 10000 against 1e6)",
      "needs T >= 2 (position 0 rotates by 0 at any base); the first local layer's Qrope, here layer 0",
      "Qrope,Krope,cache_k"},
+    {Fault::swiglu_fused_gate_up_swapped, "swiglu_fused_gate_up_swapped",
+     "Wgate|Wup concatenated as Wup|Wgate at load, so the fused gate|up GEMV of one-token steps "
+     "(matmul_gate_up_swiglu) computes silu(up) · gate; the prefill's GEMM writes each part where it belongs",
+     "ffn_swiglu-0", 1, "SwiGLU models whose ffn_gate and ffn_up share a format (not gemma3's GeGLU)",
+     "only one-token steps run the fused kernel: the prefill is right, the first decode step's ffn_swiglu-0 is "
+     "wrong while its ffn_gate-0 and ffn_up-0 are right. The f32 engine keeps Q4_K/Q5_K/Q6_K gate|up unfused, "
+     "where the fault does nothing. Isolation replay runs the unfused twins and cannot show it",
+     "ffn_swiglu"},
+    {Fault::rope_fused_position_off, "rope_fused_position_off",
+     "the RoPE fused into the qkv GEMV of one-token steps (matmul_qkv_rope) rotates q and k at position "
+     "n_past + 1; the cache row written is right",
+     "Qrope-0", 1, "models without q/k norms (their decode fuses the RoPE into the qkv GEMV)",
+     "only one-token steps run the fused kernel: the prefill is right, the first decode step's Qcur-0 is right "
+     "and Qrope-0 is not. Isolation replay runs the unfused twins and cannot show it",
+     "Qrope,Krope,cache_k"},
+    {Fault::embd_norm_fused_no_weight, "embd_norm_fused_no_weight",
+     "the embedding gather fused with layer 0's RMSNorm (embedding_rms_norm, one-token steps) normalises "
+     "without the attn_norm weight",
+     "attn_norm-0", 1, "models with a dense token_embd (F32, F16, BF16) and no embedding scale",
+     "only one-token steps run the fused kernel: the prefill is right, the first decode step's embd is right "
+     "and attn_norm-0 is not. Isolation replay runs the unfused twins and cannot show it",
+     "attn_norm"},
+    {Fault::graph_position_frozen, "graph_position_frozen",
+     "the captured decode graph's RoPE reads the position the first decode step had when it was captured, "
+     "not the current one from device memory",
+     "Qrope-0", 2, "all",
+     "the first decode step (the capture) is right; every later replay rotates q and k at that step's position, "
+     "so step 2's Qrope-0 is the first wrong checkpoint. Steps launched one by one (the prefill, "
+     "DIFFRUN_CUDA_GRAPHS=0, isolation replay) are right",
+     "Qrope,Krope,cache_k"},
 };
 
 // The checkpoint first computed from GGUF tensor `name` ("blk.3.attn_q.weight" -> "Qcur-3").
@@ -208,6 +238,11 @@ const std::vector<FaultInfo>& fault_catalog() { return kCatalog; }
 
 const FaultInfo& fault_info(Fault f) { return kCatalog.at(static_cast<size_t>(f)); }
 
+bool fault_in_production_path_only(Fault f) {
+  return f == Fault::swiglu_fused_gate_up_swapped || f == Fault::rope_fused_position_off ||
+         f == Fault::embd_norm_fused_no_weight || f == Fault::graph_position_frozen;
+}
+
 std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile* file) {
   switch (f) {
     case Fault::qkv_bias_missing:
@@ -229,6 +264,24 @@ std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile
       return "";
     case Fault::rms_eps_1e5:
       return same_f32(cfg.rms_eps, kFaultRmsEps) ? "the model's rms_eps is already 1e-5" : "";
+    case Fault::swiglu_fused_gate_up_swapped: {
+      if (cfg.ffn_act == FfnAct::gelu_tanh) return "the model's FFN is GeGLU, which no kernel fuses into the GEMV";
+      if (!file) return "which tensor formats the model has is not known here";
+      const TensorInfo* g = file->find_tensor("blk.0.ffn_gate.weight");
+      const TensorInfo* u = file->find_tensor("blk.0.ffn_up.weight");
+      if (!g || !u || g->type != u->type) return "ffn_gate and ffn_up are in different formats: never fused";
+      return "";
+    }
+    case Fault::rope_fused_position_off:
+      return cfg.qk_norm ? "the model normalises q and k before RoPE, which keeps the RoPE out of the qkv GEMV" : "";
+    case Fault::embd_norm_fused_no_weight: {
+      if (cfg.embd_scale) return "the model scales its embeddings, which keeps the gather out of the norm";
+      if (!file) return "which tensor formats the model has is not known here";
+      const TensorInfo* t = file->find_tensor("token_embd.weight");
+      if (!t || (t->type != GgmlType::F32 && t->type != GgmlType::F16 && t->type != GgmlType::BF16))
+        return "token_embd is quantized: the fused embedding norm takes dense tables only";
+      return "";
+    }
     case Fault::dequant_scale_offset:
       if (!file) return "which tensor formats the model has is not known here";
       return first_legacy_checkpoint(cfg, *file).empty() ? "the model has no tensor in Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0"

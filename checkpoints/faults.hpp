@@ -48,8 +48,14 @@ enum class Fault : int {
   post_norm_skipped,       // gemma3: the RMSNorm after attention skipped (attn_post_norm = attn_out)
   sliding_window_ignored,  // gemma3: local layers attend to every earlier position
   rope_local_theta_global, // gemma3: local layers rotate with the global rope_theta instead of their own base
+  // In the production path only: the fused one-token kernels and the captured decode graph (the CPU
+  // twins reproduce them on the same steps).
+  swiglu_fused_gate_up_swapped,  // Wgate|Wup stored as Wup|Wgate: matmul_gate_up_swiglu computes silu(up) · gate
+  rope_fused_position_off,       // matmul_qkv_rope rotates q and k at position n_past + 1
+  embd_norm_fused_no_weight,     // embedding_rms_norm skips layer 0's attn_norm weight
+  graph_position_frozen,         // the decode graph's RoPE reads the position baked in at capture
 };
-inline constexpr int kFaultCount = 26;
+inline constexpr int kFaultCount = 30;
 
 struct FaultInfo {
   Fault id;
@@ -66,6 +72,12 @@ struct FaultInfo {
 
 // Every fault, in enum order.
 const std::vector<FaultInfo>& fault_catalog();
+
+// True for the faults that act only where the engine runs a fused one-token kernel or replays its
+// captured decode graph (the production path). Isolation replay runs the unfused twins one by one,
+// so it cannot show them: they are found by the plain run, whose recorded steps are the production
+// path (DESIGN.md, "Observing the production path").
+bool fault_in_production_path_only(Fault f);
 const FaultInfo& fault_info(Fault f);
 
 // Empty when the fault applies to this model; otherwise why it does not (e.g. "the model's RoPE

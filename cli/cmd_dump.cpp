@@ -94,8 +94,7 @@ int run_dump(const DumpOptions& o) {
   const StepsResult r = run_steps(*backend, ids, o.steps, forced, sink, false, [&](int step, int total) {
     fmt::print(stderr, "diffrun dump: step {}/{} done ({:.1f} s)\n", step + 1, total + 1, seconds_since(t1));
   });
-  writer.set_attribute("all_token_ids", r.tokens);
-  writer.set_attribute("argmax", r.argmax);
+  set_run_attributes(writer, r, *backend);
   writer.finish();
   fmt::print("{}: {} steps, {:.1f} MB, tokens", o.out, o.steps + 1, writer.bytes_written() / 1e6);
   for (int32_t id : r.tokens) fmt::print(" {}", id);

@@ -49,6 +49,7 @@ struct MainOptions {
   int stop_at_first = -1;     // >= 0: end the run this many steps after the first divergence
   int threads = 0;            // OpenMP threads of each reference; 0: the cores the engine side leaves
   bool remove_stale = false;  // remove the temporaries killed runs left in --out
+  bool no_recording_check = false;  // skip the CUDA engine's unrecorded rerun (PipelineOptions::recording_check)
   DumpSizeOptions size;
   ReportOptions report;
 };
@@ -190,8 +191,7 @@ StepsResult run_backend(const GgufFile& file, const ModelConfig& cfg, const Back
     ReplaySink replay(writer, reference);
     r = run_steps(*backend, ids, steps, forced, replay, false, on_step);
   }
-  writer.set_attribute("all_token_ids", r.tokens);
-  writer.set_attribute("argmax", r.argmax);
+  set_run_attributes(writer, r, *backend);
   writer.finish();
   progress.finish();
   return r;
@@ -245,6 +245,7 @@ int run_main(const MainOptions& o) {
   popt.prompt = prompt;
   popt.run_id = new_run_id();
   popt.report = o.report;
+  popt.recording_check = !o.no_recording_check;
   // Threads: each cpu reference gets --threads; by default the cores the engine side leaves (a cpu
   // engine takes a third, a CUDA engine's thread and each comparator mostly wait: one core per pair),
   // shared between the references by cost, an f64 reference twice an f32 one. A cpu engine gets the
@@ -408,6 +409,9 @@ const CommandRegistrar registrar{
                      "OpenMP threads of each CPU reference (default: the cores the engine side leaves; a CPU engine "
                      "gets the rest)")
           ->check(count_in(1, 4096));
+      app.add_flag("--no-recording-check", o->no_recording_check,
+                   "Skip the recording check: by default each CUDA engine runs the steps once more with nothing "
+                   "recorded, and the run fails (exit 1) unless its logits equal the recorded run's bit for bit");
       app.add_flag("--remove-stale", o->remove_stale,
                    "Remove the dump temporaries (*.diffrun-tmp-PID) that killed runs left in --out (otherwise only listed)");
       o->report.add_options(app);

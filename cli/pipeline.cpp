@@ -16,6 +16,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -182,6 +183,7 @@ struct Message {
   diff::StreamComparison::Values values;
   std::vector<int32_t> tokens;               // ids
   int32_t argmax = -1;                       // step_end
+  StepPath path;                             // step_end: how the backend ran the step
 };
 
 int64_t message_bytes(const Message& m) {
@@ -201,6 +203,7 @@ struct Shared {
   std::vector<int> ended;     // per pair: the last step its comparator finished
   std::vector<char> compared_all;  // per pair: its comparator is done (no step beyond `ended`)
   std::vector<char> prefilled;     // per pair: its engine finished step 0 (its largest allocations)
+  std::vector<std::optional<diff::RecordingCheck>> recording;  // per pair: the engine's recording check
   std::vector<std::deque<Message>> queue[2];  // per side, per pair
   std::vector<int64_t> queued;                // per pair: bytes of values in its two queues
   std::exception_ptr error;
@@ -348,6 +351,40 @@ struct Context {
   std::vector<HeldReference>* held = nullptr;             // references held (PipelinePair::hold_reference)
 };
 
+}  // namespace
+
+diff::RecordingCheck check_recording_on_engine(Backend& engine, std::span<const int32_t> prompt,
+                                               std::span<const int32_t> fed,
+                                               const std::vector<std::vector<float>>& recorded) {
+  diff::RecordingCheck check;
+  check.unrecorded_source = "an unrecorded run of the same tokens";
+  engine.reset();
+  NullSink none;
+  for (size_t step = 0; step < recorded.size() && step <= fed.size(); ++step) {
+    const std::vector<float> logits =
+        step == 0 ? engine.forward(0, prompt, none)
+                  : engine.forward(static_cast<int>(step), std::span<const int32_t>(&fed[step - 1], 1), none);
+    ++check.steps;
+    const std::vector<float>& want = recorded[step];
+    for (size_t i = 0; i < std::max(logits.size(), want.size()); ++i) {
+      const bool equal = i < logits.size() && i < want.size() &&
+                         std::memcmp(&logits[i], &want[i], sizeof(float)) == 0;
+      if (equal) continue;
+      check.same = false;
+      check.step = static_cast<int>(step);
+      check.index = static_cast<int64_t>(i);
+      check.recorded = i < want.size() ? want[i] : std::numeric_limits<float>::quiet_NaN();
+      check.unrecorded = i < logits.size() ? logits[i] : std::numeric_limits<float>::quiet_NaN();
+      engine.reset();
+      return check;
+    }
+  }
+  engine.reset();
+  return check;
+}
+
+namespace {
+
 // One backend: steps 0..opt.steps unless the run stops earlier; the first pair's reference feeds the tokens.
 void backend_thread(const Context& cx, size_t p, int side) {
   const PipelinePair& pair = cx.pairs[p];
@@ -370,6 +407,9 @@ void backend_thread(const Context& cx, size_t p, int side) {
   meta.dump_meta.diffrun_version = DIFFRUN_VERSION;
   cx.sh.push(side, p, std::move(meta));
   QueueSink sink(cx.sh, side, p, cx.opt.filter, cx.opt.writer);
+  // The CUDA engine's recording check (check_recording_on_engine): each step's logits, as recorded.
+  const bool check_recording = side == kEngine && bo.backend == "cuda" && cx.opt.recording_check;
+  std::vector<std::vector<float>> recorded_logits;
   for (int step = 0; step <= cx.opt.steps; ++step) {
     int32_t token = 0;
     {
@@ -398,12 +438,29 @@ void backend_thread(const Context& cx, size_t p, int side) {
     Message end(Message::step_end);
     end.step = step;
     end.argmax = argmax(logits);
+    end.path = backend->last_step_path();
+    if (check_recording) recorded_logits.push_back(logits);
     if (source) {
       std::lock_guard lock(cx.sh.m);
       cx.sh.feed.push_back(end.argmax);
       cx.sh.cv.notify_all();  // the other backends wait for the token
     }
     cx.sh.push(side, p, std::move(end));
+  }
+  if (check_recording && !recorded_logits.empty()) {
+    std::vector<int32_t> fed;
+    bool aborted = false;
+    {
+      std::lock_guard lock(cx.sh.m);
+      aborted = cx.sh.aborted;  // another thread failed: its error is the one reported
+      fed.assign(cx.sh.feed.begin(), cx.sh.feed.begin() + std::min(cx.sh.feed.size(), recorded_logits.size() - 1));
+    }
+    if (!aborted) {
+      diff::RecordingCheck check = check_recording_on_engine(*backend, cx.ids, fed, recorded_logits);
+      cx.sh.timing("{}: recording check on {} steps ({})", who, check.steps, check.same ? "unchanged" : "CHANGED");
+      std::lock_guard lock(cx.sh.m);
+      cx.sh.recording[p] = std::move(check);
+    }
   }
   cx.sh.push(side, p, Message(Message::done));
   cx.sh.side_done(side, p);
@@ -561,12 +618,19 @@ class Comparator {
     }
     for (int side : {kEngine, kReference}) {
       argmax_[side].resize(std::min<size_t>(argmax_[side].size(), last + 1));
+      graph_[side].resize(argmax_[side].size());
+      fused_[side].resize(argmax_[side].size());
+      const bool paths = metas[side].facts.count("fused_kernel_bits") > 0;  // a backend with several paths
       for (DumpWriter* w : {writers_[side].get(), side == kReference ? replay_.get() : nullptr}) {
         if (!w) continue;
         writes_.post(
-            [w, fed, argmax = argmax_[side]] {
+            [w, fed, paths, argmax = argmax_[side], graph = graph_[side], fused = fused_[side]] {
               w->set_attribute("all_token_ids", fed);
               w->set_attribute("argmax", argmax);
+              if (paths) {
+                w->set_attribute("step_graph", graph);
+                w->set_attribute("step_fused", fused);
+              }
               w->finish();
             },
             0);
@@ -701,6 +765,8 @@ class Comparator {
           case Message::step_end:
             ended[side] = true;
             argmax_[side].push_back(m.argmax);
+            graph_[side].push_back(m.path.graph ? 1 : 0);
+            fused_[side].push_back(static_cast<int32_t>(m.path.fused));
             if (held && side == kReference) {  // the replay beside the pipeline may take the step now
               std::lock_guard lock(cx_.sh.m);
               held->complete = true;
@@ -773,6 +839,7 @@ class Comparator {
   const size_t batch_bytes_ = spare_cores() ? kBatchBytes : 0;  // one checkpoint at a time without
   HeldReference* held_ref_ = nullptr;    // the reference's checkpoints kept for the isolation replay
   std::vector<int32_t> argmax_[2];
+  std::vector<int32_t> graph_[2], fused_[2];  // per step: StepPath (root attributes step_graph, step_fused)
   std::optional<HeldStep> held_;
   int first_nonfinite_ = -1;
 };
@@ -1060,6 +1127,7 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
   if (kept) kept->resize(pairs.size());
   sh.compared_all.assign(pairs.size(), 0);
   sh.prefilled.assign(pairs.size(), 0);
+  sh.recording.assign(pairs.size(), std::nullopt);
   if (held) held->assign(pairs.size(), HeldReference{});
   std::vector<BesideReplay> beside(pairs.size());
   const Context cx{file, cfg, pairs, ids, opt, sh, kept, held};
@@ -1085,6 +1153,7 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
   progress.timing("pipeline threads joined");
   progress.finish();
   if (sh.error) std::rethrow_exception(sh.error);
+  for (size_t p = 0; p < pairs.size(); ++p) out[p].recording = sh.recording[p];
   for (size_t p = 0; p < pairs.size(); ++p) {
     if (!beside[p].replay) continue;
     const auto [engine_name, reference_name] = isolated_names(pairs[p], opt.dump);

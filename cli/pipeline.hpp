@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -103,7 +104,17 @@ struct PipelineOptions {
   std::string prompt;  // the prompt text dumps record
   std::string run_id;
   ReportOptions report;  // tolerances, --force, --jump-factor, --require-coverage
+  // Each CUDA engine runs the steps once more unrecorded after its last step, and its logits must equal
+  // the recorded run's bit for bit (Comparison::recording); off: --no-recording-check.
+  bool recording_check = true;
 };
+
+// The recording check: `engine` reset and run again on the prompt and the fed tokens with nothing
+// recorded; its logits of each step against `recorded` (the recorded run's, step 0 first), bit for
+// bit. Resets the engine at the end.
+diff::RecordingCheck check_recording_on_engine(Backend& engine, std::span<const int32_t> prompt,
+                                               std::span<const int32_t> fed,
+                                               const std::vector<std::vector<float>>& recorded);
 
 // Cores this process may run on (its CPU affinity), at least 1.
 int available_cores();

@@ -201,6 +201,9 @@ StepsResult run_steps(Backend& backend, std::span<const int32_t> prompt, int ste
   std::vector<float> logits = backend.forward(0, prompt, sink);
   for (int step = 0;; ++step) {
     r.argmax.push_back(argmax(logits));
+    const StepPath path = backend.last_step_path();
+    r.graph.push_back(path.graph ? 1 : 0);
+    r.fused.push_back(static_cast<int32_t>(path.fused));
     if (keep_logits) r.last_logits.push_back(logits);
     if (on_step) on_step(step, steps);
     if (step == steps) break;
@@ -209,6 +212,15 @@ StepsResult run_steps(Backend& backend, std::span<const int32_t> prompt, int ste
     logits = backend.forward(step + 1, std::span<const int32_t>(&next, 1), sink);
   }
   return r;
+}
+
+void set_run_attributes(DumpWriter& writer, const StepsResult& r, const Backend& backend) {
+  writer.set_attribute("all_token_ids", r.tokens);
+  writer.set_attribute("argmax", r.argmax);
+  if (backend.facts().count("fused_kernel_bits")) {
+    writer.set_attribute("step_graph", r.graph);
+    writer.set_attribute("step_fused", r.fused);
+  }
 }
 
 DumpMeta dump_meta(const GgufFile& file, const Backend& backend, const std::string& prompt,

@@ -83,7 +83,12 @@ struct StepsResult {
   std::vector<int32_t> tokens;  // prompt then the fed tokens
   std::vector<int32_t> argmax;  // the backend's own argmax after each step [steps+1]
   std::vector<std::vector<float>> last_logits;  // [steps+1][V], only when keep_logits
+  std::vector<int32_t> graph, fused;            // the backend's StepPath after each step [steps+1]
 };
+
+// The root attributes a run's dump gets at its end: all_token_ids, argmax, and for a backend with
+// several paths (its "fused_kernel_bits" fact) step_graph and step_fused.
+void set_run_attributes(DumpWriter& writer, const StepsResult& r, const Backend& backend);
 
 // Step 0 = prefill of `prompt`; then `steps` decode steps. forced empty: greedy (feeds its own
 // argmax). Otherwise teacher forcing: decode step i (1-based) is fed forced[i-1]. Records every

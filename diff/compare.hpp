@@ -74,6 +74,18 @@ struct Coverage {
   bool met() const { return missing_steps.empty() && percent() + 1e-9 >= required; }
 };
 
+// Whether recording changed the engine's result: its per-step logits in the recorded run against
+// an unrecorded run of the same tokens, bit for bit (the top-level job runs it on the CUDA engine;
+// `compare --recording-check` on any engine's two dumps).
+struct RecordingCheck {
+  int steps = 0;           // steps compared
+  bool same = true;
+  int step = -1;           // the first step that differs
+  int64_t index = -1;      // its first logit that differs
+  float recorded = 0.0f, unrecorded = 0.0f;
+  std::string unrecorded_source;  // "an unrecorded run of the same tokens", or the dump compared
+};
+
 struct Comparison {
   std::string engine_path, reference_path;
   DumpMeta engine_meta, reference_meta;
@@ -94,9 +106,11 @@ struct Comparison {
   int n_pass = 0, n_fail = 0, n_one_sided = 0;
   Coverage coverage;
   std::string isolated_path;  // the isolation-replay dump, when add_isolation ran
+  std::optional<RecordingCheck> recording;  // when the recording check ran
 
   bool diverged() const { return first_failure.has_value(); }
-  bool failed() const { return diverged() || !coverage.met(); }
+  bool recording_changed() const { return recording && !recording->same; }
+  bool failed() const { return diverged() || !coverage.met() || recording_changed(); }
 };
 
 // Sizes of the layout letters for a config (D, H, Hkv, Dh, F, V).

@@ -233,6 +233,18 @@ nlohmann::ordered_json report_json(const Comparison& c) {
                    {"met", c.coverage.met()},            {"missing_kinds", c.coverage.missing_kinds},
                    {"missing_steps", c.coverage.missing_steps}};
   j["warnings"] = c.warnings;
+  if (c.recording) {
+    const RecordingCheck& r = *c.recording;
+    j["recording_check"] = {{"steps", r.steps}, {"same", r.same}, {"unrecorded", r.unrecorded_source}};
+    if (!r.same) {
+      j["recording_check"]["step"] = r.step;
+      j["recording_check"]["index"] = r.index;
+      j["recording_check"]["recorded_value"] = r.recorded;
+      j["recording_check"]["unrecorded_value"] = r.unrecorded;
+    }
+  } else {
+    j["recording_check"] = nullptr;
+  }
   if (c.first_failure) {
     const CheckpointResult& f = c.results[*c.first_failure];
     j["first_divergence"] = {{"index", *c.first_failure},

@@ -501,6 +501,16 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
                              cov.missing_steps.size() == 1 ? "" : "s", fmt::join(cov.missing_steps, ", "),
                              cov.missing_steps.size() == 1 ? "it" : "them")) +
            "\n";
+  if (c.recording) {
+    const RecordingCheck& r = *c.recording;
+    if (r.same)
+      out += fmt::format("  recording  unchanged: the logits of {} steps equal {}'s bit for bit\n", r.steps,
+                         r.unrecorded_source);
+    else
+      out += s.red(fmt::format("  recording  CHANGED the result: step {} logit {} is {:.9g} recorded, {:.9g} in {}",
+                               r.step, r.index, r.recorded, r.unrecorded, r.unrecorded_source)) +
+             "\n";
+  }
   for (const auto& w : c.warnings) out += s.yellow("  warning: " + w) + "\n";
   if (c.n_one_sided) {
     std::vector<std::string> names;
@@ -532,6 +542,10 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
     }
     out += s.red(fmt::format("RESULT: DIVERGED at {} ({}); verdict {}{}", f.name, where(f),
                              verdict_kind_name(c.verdict.kind), nonfinite)) + "\n";
+  } else if (c.recording_changed()) {
+    out += s.red(fmt::format("RESULT: FAIL: recording changed the result (step {}, logit {})", c.recording->step,
+                             c.recording->index)) +
+           "\n";
   } else if (!c.coverage.missing_steps.empty()) {
     out += s.red(fmt::format("RESULT: FAIL: coverage: the engine dump lacks step{} {} of the reference",
                              c.coverage.missing_steps.size() == 1 ? "" : "s", fmt::join(c.coverage.missing_steps, ", "))) +
@@ -556,6 +570,9 @@ std::string render_summary(const Comparison& c) {
     const CheckpointResult& n = c.results[*c.first_nonfinite];
     nonfinite = fmt::format("; first NaN/Inf {} ({})", n.name, where(n));
   }
+  if (!c.first_failure && c.recording_changed())
+    return fmt::format("FAIL {}: recording changed the result (step {}, logit {}); {}\n", c.engine_path,
+                       c.recording->step, c.recording->index, counts);
   if (!c.first_failure && !c.coverage.missing_steps.empty())
     return fmt::format("FAIL {}: coverage: lacks step{} {} of the reference; {}\n", c.engine_path,
                        c.coverage.missing_steps.size() == 1 ? "" : "s", fmt::join(c.coverage.missing_steps, ", "), counts);

@@ -18,7 +18,7 @@ namespace {
 
 constexpr size_t kMinChunk = size_t(16) << 20;
 constexpr size_t kAlign = 256;
-constexpr int kGatherBatch = 32;      // tensors per gather launch (its parameters: 32 × 32 bytes)
+constexpr int kGatherBatch = 32;      // tensors per gather launch (its parameters: 32 × 40 bytes)
 constexpr int kGatherThreads = 256;
 constexpr unsigned kGatherBlocks = 64;  // blocks per tensor, at most (each loops over its share)
 constexpr size_t kArenaKiB = 32 << 10;  // DIFFRUN_CHECKPOINT_ARENA_KIB overrides (tests: a small one)
@@ -34,7 +34,9 @@ int64_t elements(const std::vector<int64_t>& shape) {
 struct GatherCopy {
   const void* src;
   float* dst;
-  long long n;
+  long long n;              // n_past null: the element count
+  const int32_t* n_past;    // else (*n_past + add) · n elements
+  int add;
   int f16;
 };
 
@@ -49,14 +51,15 @@ __global__ void gather_kernel(const GatherBatch batch) {
   pdl_wait();
   pdl_trigger();
   const GatherCopy c = batch.copy[blockIdx.y];
+  const long long count = c.n_past ? (static_cast<long long>(*c.n_past) + c.add) * c.n : c.n;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c.f16) {
     const __half* src = static_cast<const __half*>(c.src);
-    for (; i < c.n; i += stride) c.dst[i] = __half2float(src[i]);
+    for (; i < count; i += stride) c.dst[i] = __half2float(src[i]);
   } else {
     const float* src = static_cast<const float*>(c.src);
-    for (; i < c.n; i += stride) c.dst[i] = src[i];
+    for (; i < count; i += stride) c.dst[i] = src[i];
   }
 }
 
@@ -132,11 +135,17 @@ void* CheckpointStager::reserve(size_t bytes) {
 }
 
 void CheckpointStager::note(int step, std::string name, int layer, const char* layout, std::vector<int64_t> shape,
-                            const void* dev, bool f16, cudaStream_t stream) {
+                            const void* dev, bool f16, cudaStream_t stream, DeviceRows rows) {
   const int64_t n = elements(shape);
+  if (rows.n_past != nullptr && (!gather_ || rows.s_dim < 0 || rows.s_dim >= static_cast<int>(shape.size()) ||
+                                 shape[rows.s_dim] < 1 || shape[rows.s_dim] > rows.max_rows))
+    throw Error("checkpoint stager: " + name + ": rows read on the device need gather mode and S within max_rows");
+  const int64_t per_row = rows.n_past ? n / shape[rows.s_dim] : 0;
+  const int64_t most = rows.n_past ? per_row * rows.max_rows : n;  // what the destination must hold
   if (gather_) {
-    const size_t bytes = aligned(n * sizeof(float));
-    const bool in_arena = bytes <= arena_bytes_ / 2;
+    const size_t bytes = aligned(most * sizeof(float));
+    // A DeviceRows tensor is written straight to pinned memory: a copy out of the arena has a fixed size.
+    const bool in_arena = bytes <= arena_bytes_ / 2 && rows.n_past == nullptr;
     if (in_arena && arena_used_ + bytes > arena_.size() && arena_used_ > 0) {
       finish(stream);  // the arena is full: its copies out must end before it is reused
       arena_used_ = 0;
@@ -144,30 +153,52 @@ void CheckpointStager::note(int step, std::string name, int layer, const char* l
     void* host = reserve(bytes);
     if (in_arena) {
       if (arena_.size() == 0) arena_ = DeviceBuffer<unsigned char>(arena_bytes_, "checkpoint staging");
-      copies_.push_back({dev, reinterpret_cast<float*>(arena_.get() + arena_used_), n, f16, host, true, current_});
+      copies_.push_back({dev, reinterpret_cast<float*>(arena_.get() + arena_used_), n, nullptr, 0, 0, f16, host, true,
+                         current_});
       arena_used_ += bytes;
     } else {
       const Chunk& c = chunks_[current_];  // the chunk reserve() took it from
       float* mapped = reinterpret_cast<float*>(c.mapped + (static_cast<unsigned char*>(host) - c.mem.get()));
-      copies_.push_back({dev, mapped, n, f16, host, false, current_});
+      copies_.push_back({dev, mapped, rows.n_past ? most : n, rows.n_past, rows.add, per_row, f16, host, false,
+                         current_});
     }
-    pending_.push_back({step, std::move(name), layer, layout, std::move(shape), f16, false, host, n});
+    pending_.push_back(
+        {step, rows.n_past ? rows.s_dim : -1, std::move(name), layer, layout, std::move(shape), f16, false, host, n});
   } else {
     const size_t bytes = n * (f16 ? sizeof(__half) : sizeof(float));
     void* host = reserve(bytes);
     CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, stream));
-    pending_.push_back({step, std::move(name), layer, layout, std::move(shape), f16, f16, host, n});
+    pending_.push_back({step, -1, std::move(name), layer, layout, std::move(shape), f16, f16, host, n});
   }
 }
 
-void CheckpointStager::stage(int step, std::string name, int layer, const char* layout, std::vector<int64_t> shape,
-                             const float* dev, cudaStream_t stream) {
-  note(step, std::move(name), layer, layout, std::move(shape), dev, false, stream);
+CheckpointStager::Staged CheckpointStager::take_staged() {
+  if (!copies_.empty()) throw Error("checkpoint stager: " + std::to_string(copies_.size()) + " copies never flushed");
+  Staged staged = std::move(pending_);
+  pending_.clear();
+  copying_ = false;
+  arena_used_ = 0;
+  for (Chunk& c : chunks_) c.used = 0;
+  current_ = 0;
+  return staged;
+}
+
+void CheckpointStager::restage(const Staged& staged, int step, int64_t S) {
+  if (!pending_.empty() || !copies_.empty() || restaged_)
+    throw Error("checkpoint stager: restage() over a step already staged");
+  restaged_ = &staged;
+  restaged_step_ = step;
+  restaged_S_ = S;
 }
 
 void CheckpointStager::stage(int step, std::string name, int layer, const char* layout, std::vector<int64_t> shape,
-                             const __half* dev, cudaStream_t stream) {
-  note(step, std::move(name), layer, layout, std::move(shape), dev, true, stream);
+                             const float* dev, cudaStream_t stream, DeviceRows rows) {
+  note(step, std::move(name), layer, layout, std::move(shape), dev, false, stream, rows);
+}
+
+void CheckpointStager::stage(int step, std::string name, int layer, const char* layout, std::vector<int64_t> shape,
+                             const __half* dev, cudaStream_t stream, DeviceRows rows) {
+  note(step, std::move(name), layer, layout, std::move(shape), dev, true, stream, rows);
 }
 
 void CheckpointStager::flush(cudaStream_t stream) {
@@ -177,7 +208,8 @@ void CheckpointStager::flush(cudaStream_t stream) {
     int64_t longest = 0;
     for (size_t i = 0; i < count; ++i) {
       const Copy& c = copies_[first + i];
-      batch.copy[i] = {c.src, c.dst, static_cast<long long>(c.n), c.f16 ? 1 : 0};
+      batch.copy[i] = c.n_past ? GatherCopy{c.src, c.dst, static_cast<long long>(c.per_row), c.n_past, c.add, c.f16 ? 1 : 0}
+                               : GatherCopy{c.src, c.dst, static_cast<long long>(c.n), nullptr, 0, c.f16 ? 1 : 0};
       longest = std::max(longest, c.n);
     }
     const int64_t blocks = (longest + kGatherThreads - 1) / kGatherThreads;
@@ -238,7 +270,19 @@ void CheckpointStager::replace(const float* host, __half* dev, int64_t n, cudaSt
 
 void CheckpointStager::deliver(Sink& sink) {
   if (!copies_.empty()) throw Error("checkpoint stager: " + std::to_string(copies_.size()) + " copies never flushed");
-  for (const Pending& p : pending_) {
+  for (const Pending& staged : restaged_ ? *restaged_ : pending_) {
+    const Pending* q = &staged;
+    Pending patched;
+    if (restaged_) {  // a replay of a captured step: its step number, and S where the shape has it
+      if (staged.s_dim >= 0) {
+        patched = staged;
+        patched.n = staged.n / staged.shape[staged.s_dim] * restaged_S_;
+        patched.shape[staged.s_dim] = restaged_S_;
+        q = &patched;
+      }
+    }
+    const Pending& p = *q;
+    const int step = restaged_ ? restaged_step_ : p.step;
     std::span<const float> values;
     if (p.host_f16) {
       widened_.resize(p.n);
@@ -248,8 +292,7 @@ void CheckpointStager::deliver(Sink& sink) {
     } else {
       values = std::span<const float>(static_cast<const float*>(p.host), p.n);
     }
-    sink.record(p.step, p.name, p.layer, p.layout, p.shape, p.native_f16 ? NativeDType::f16 : NativeDType::f32,
-                values);
+    sink.record(step, p.name, p.layer, p.layout, p.shape, p.native_f16 ? NativeDType::f16 : NativeDType::f32, values);
   }
   discard();
 }
@@ -260,6 +303,7 @@ void CheckpointStager::discard() {
   arena_used_ = 0;
   pending_.clear();
   copies_.clear();
+  restaged_ = nullptr;
   for (Chunk& c : chunks_) c.used = 0;
   current_ = 0;
 }

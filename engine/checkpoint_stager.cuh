@@ -16,6 +16,14 @@
 // - "memcpy": one cudaMemcpyAsync per tensor at stage() (f16 widened on the host); flush() does
 //   nothing. The path before gather, kept for A/B and as the fallback.
 // Both record the same values, in the same order (EngineModel.CheckpointCopyModesRecordTheSameValues).
+//
+// Recording inside a captured CUDA graph (gather mode): the engine stages, flushes and finishes while
+// its decode step is captured, so the gather kernels and the copies out become nodes of the step's
+// graph. take_staged() then moves out what the capture noted (names, shapes, pinned destinations),
+// and each replay of the graph hands it back with restage(), for that replay's step. A tensor whose
+// length follows the position (the cache, a decode step's probabilities: S rows) is staged with
+// DeviceRows: the gather kernel reads S from the device when it runs, its pinned destination holds
+// max_rows, and the gather writes it there directly (no copy node of a fixed size).
 #pragma once
 
 #include <cstdint>
@@ -30,8 +38,22 @@
 
 namespace diffrun::engine {
 
+// A staged tensor whose dimension s_dim is S = *n_past + add, read on the device when the copy runs
+// (so one captured graph records every position); max_rows bounds S.
+struct DeviceRows {
+  const int32_t* n_past = nullptr;  // [1] device; null: the shape as given
+  int add = 0;
+  int s_dim = 0;
+  int64_t max_rows = 0;
+};
+
 class CheckpointStager {
+  struct Pending;
+
  public:
+  // What a captured step staged, handed back at each replay of its graph.
+  using Staged = std::vector<Pending>;
+
   CheckpointStager();
   ~CheckpointStager();
   CheckpointStager(const CheckpointStager&) = delete;
@@ -39,10 +61,18 @@ class CheckpointStager {
 
   // Notes (gather) or enqueues the copy (memcpy) of the row-major tensor `dev` of `shape` (f32 or f16
   // device memory). In gather mode `dev` must keep its values until the next flush() on `stream`.
+  // With rows.n_past set (gather mode only), the S dimension is read on the device as described above.
   void stage(int step, std::string name, int layer, const char* layout, std::vector<int64_t> shape,
-             const float* dev, cudaStream_t stream);
+             const float* dev, cudaStream_t stream, DeviceRows rows = {});
   void stage(int step, std::string name, int layer, const char* layout, std::vector<int64_t> shape,
-             const __half* dev, cudaStream_t stream);
+             const __half* dev, cudaStream_t stream, DeviceRows rows = {});
+
+  // After a step enqueued under stream capture (and finish()): what it staged, for restage(); the
+  // stager is then empty, as after deliver().
+  Staged take_staged();
+  // Before a replay's synchronization and deliver(): the captured tensors again, as step `step`
+  // whose S (DeviceRows tensors) is `S`. `staged` must outlive the deliver() or discard() that follows.
+  void restage(const Staged& staged, int step, int64_t S);
 
   // Enqueues the copies of everything staged since the last flush (gather mode; else nothing).
   void flush(cudaStream_t stream);
@@ -68,6 +98,7 @@ class CheckpointStager {
  private:
   struct Pending {
     int step;
+    int s_dim;  // DeviceRows: the dimension that is S (restage sets it), else -1
     std::string name;
     int layer;
     const char* layout;
@@ -80,7 +111,10 @@ class CheckpointStager {
   struct Copy {
     const void* src;  // device
     float* dst;       // the arena, or pinned host memory as the device addresses it
-    int64_t n;
+    int64_t n;        // DeviceRows: the most elements (max_rows)
+    const int32_t* n_past;  // DeviceRows: n = (*n_past + add) * per_row, read by the gather kernel
+    int add;
+    int64_t per_row;
     bool f16;
     void* host;       // pinned: where the values end up
     bool in_arena;    // then copied from dst to host after the gather
@@ -94,7 +128,7 @@ class CheckpointStager {
 
   void* reserve(size_t bytes);
   void note(int step, std::string name, int layer, const char* layout, std::vector<int64_t> shape, const void* dev,
-            bool f16, cudaStream_t stream);
+            bool f16, cudaStream_t stream, DeviceRows rows);
 
   bool gather_;
   // gather: the device arena, its bytes in use this step, the stream that copies it to pinned memory,
@@ -109,6 +143,9 @@ class CheckpointStager {
   std::vector<Chunk> chunks_;
   size_t current_ = 0;
   std::vector<Pending> pending_;
+  const Staged* restaged_ = nullptr;  // restage(): a captured step's tensors, delivered instead of pending_
+  int restaged_step_ = 0;
+  int64_t restaged_S_ = 0;
   std::vector<Copy> copies_;    // gather: staged, not yet flushed
   std::vector<float> widened_;  // memcpy: f16 → f32 conversion scratch
 };

@@ -9,11 +9,19 @@
 // - The KV cache is f32 in both precisions ([n_layer][max_ctx, Hkv*Dh]); K and V are small next
 //   to the weights, and f32 keeps the f16 engine's error to the f16 weights and GEMM inputs.
 // - n_past lives in device memory (d_n_past_) and every position-dependent kernel reads it there,
-//   so a decode step (T = 1) without hooks is captured once as a CUDA graph and replayed at any
-//   position. The step's first kernel (step_inputs) reads the ids and n_past from mapped pinned
+//   so a decode step (T = 1) is captured once as a CUDA graph and replayed at any position, recorded or
+//   not (one graph per set of recorded checkpoints). The step's first kernel (step_inputs) reads the ids and n_past from mapped pinned
 //   host memory and argmax writes the token there, so the graph holds no host copy nodes (each
-//   cost ~2.5 us of a step; bench/NOTES.md v23). Steps with any hook, prefill steps,
+//   cost ~2.5 us of a step; bench/NOTES.md v23). Prefill steps, isolation replay,
 //   DIFFRUN_SYNC_CHECK=1 and DIFFRUN_CUDA_GRAPHS=0 launch the same kernels one by one.
+// - Recording never changes which kernels run (DESIGN.md, "Observing the production path"): a recorded
+//   step runs the kernels of an unrecorded one, fused ones included, in the same order, plus the
+//   recording's gather kernels and copies; a recorded decode step is the production graph with those
+//   nodes added. The fused kernels write the intermediates they hold to optional outputs that are
+//   null in production (matmul_qkv_rope: q and k before the rotation). The checkpoints no production
+//   kernel materialises come from side computations that feed nothing back, listed in the
+//   "recomputed_checkpoints" fact. Only isolation replay, which replaces an op's inputs, runs the
+//   unfused twins. Each step's path goes to the dump (StepPath: graph or not, fused kernels).
 // - Every op kernel (not cuBLAS) is launched with Programmatic Dependent Launch on sm_90+: it waits
 //   for the preceding grid first thing, so its launch overlaps the previous kernel's tail, in the
 //   graph and out of it. DIFFRUN_PDL=0 turns it off (the "pdl" fact says which ran). The GEMVs
@@ -23,21 +31,21 @@
 //   the lm head) with all their loads in flight together (gemv_rows_per_warp:
 //   DIFFRUN_GEMV_ROWS_PER_WARP=1|2|4 sets it, matmul_argmax below keeps 4; the same values for each; the
 //   "gemv_rows_per_warp" fact).
-// - As in the reference, the lm head computes every token's logits only when result_output is
-//   recorded, else the last token's alone.
-// - Hooks off: no copies, no synchronization, no extra kernels. On: each recorded tensor is staged
+// - Every step computes the last token's logits; when result_output is recorded for a step of several
+//   tokens, a side matmul computes the rows before the last (the last row is the step's own).
+// - Nothing recorded: no copies, no synchronization, no extra kernels. Recorded: each tensor is staged
 //   right after its op, and copied into a device arena by a batched gather kernel (CheckpointStager)
 //   before the next op that overwrites one of the staged buffers (stager_.flush: before an in-place
 //   op, before each add_rms_norm; finish at the end of the step), from there to pinned memory on a
 //   second stream, then delivered to the sink after the step's one synchronization. DIFFRUN_CHECKPOINT_COPY=memcpy copies each with cudaMemcpyAsync right after
 //   its op instead (the "checkpoint_copies" fact).
-// - Fused ops, each writing every checkpoint tensor of the twins it combines (so hooks stay copies
+// - Fused ops, each writing every checkpoint tensor of the twins it combines (so recording stays copies
 //   only): matmul_cat (Wq|Wk|Wv and Wgate|Wup concatenated at load, one GEMV per group when T = 1),
 //   rope_qk (q and k in one launch, with the KV cache write) and add_rms_norm (ffn_inp + ffn_norm;
-//   l_out + the next layer's attn_norm or result_norm). One-token steps without hooks also fuse the
+//   l_out + the next layer's attn_norm or result_norm). One-token steps also fuse the
 //   SwiGLU into the gate|up GEMV (matmul_gate_up_swiglu: each block computes a gate row and its up
-//   row, then writes their act; bit-identical to matmul_cat + swiglu, which hooked steps run so the
-//   hooks-invariance test compares the two; DIFFRUN_SWIGLU_IN_GEMV=0 turns it off, the
+//   row, then writes their act; bit-identical to matmul_cat + swiglu, which isolation replay runs
+//   and the fused-vs-unfused tests compare; DIFFRUN_SWIGLU_IN_GEMV=0 turns it off, the
 //   "swiglu_in_gate_up_gemv" fact says which; a quantized Wgate|Wup of two formats stays unfused), and
 //   the RoPE and cache write into the qkv GEMV (matmul_qkv_rope: each block computes the two rows of
 //   a rotated pair, then rotates them with rope_qk's arithmetic; not with q/k norms or the
@@ -45,9 +53,8 @@
 //   also where Wv is another K-quant format than Wq|Wk, as in Q4_K_M and Q5_K_M files), and the
 //   embedding gather into layer 0's attn_norm (embedding_rms_norm: dense token_embd, no embedding
 //   scale; it reads the id from the mapped host memory and waits on step_inputs only at its end, so
-//   the two run side by side; DIFFRUN_EMBEDDING_NORM_FUSED=0, the "embedding_rms_norm" fact). Steps
-//   without hooks that want one row of logits (every decode step, and prefill without result_output)
-//   run the dense lm head and argmax as one launch (matmul_argmax: the GEMV's rows, bit-identical, by
+//   the two run side by side; DIFFRUN_EMBEDDING_NORM_FUSED=0, the "embedding_rms_norm" fact). Every
+//   step's last-token logits come from the dense lm head and argmax as one launch (matmul_argmax: the GEMV's rows, bit-identical, by
 //   a grid that stays resident while the 272 MB of the 0.5B shape's lm head stream, each warp keeping
 //   its best row for argmax's ending; no softcap, no lm_head_padded_vocab; DIFFRUN_LM_HEAD_ARGMAX=0,
 //   the "lm_head_argmax" fact).
@@ -68,7 +75,7 @@
 //   DIFFRUN_ATTENTION_SPLIT_MIN_KEYS keys, default kAttentionSplitMinKeys; 1 = every split at any
 //   length, as before; the "attention_split_min_keys" fact) and always writes the probabilities into
 //   attn_probs_ (its scores live there), so kq_soft_max costs only its copy; longer steps (prefill)
-//   take their output from attention_tiled (K/V tiles in shared memory, online softmax) with hooks on or off,
+//   take their output from attention_tiled (K/V tiles in shared memory, online softmax) recorded or not,
 //   and when kq_soft_max is recorded, attention writes the probabilities alone beside it
 //   (DIFFRUN_TILED_ATTENTION=0: attention writes both, as before; the "prefill_attention" fact
 //   says which). Both scratches are sized for max_ctx at construction,
@@ -119,6 +126,14 @@ namespace {
 using namespace diffrun::engine;
 
 constexpr uint64_t kCublasWorkspaceBytes = uint64_t(32) << 20;
+
+// The fused kernels a step ran (StepPath::fused; the "fused_kernel_bits" fact names them).
+constexpr uint32_t kFusedEmbeddingRmsNorm = 1;
+constexpr uint32_t kFusedMatmulQkvRope = 2;
+constexpr uint32_t kFusedMatmulGateUpSwiglu = 4;
+constexpr uint32_t kFusedMatmulArgmax = 8;
+constexpr const char* kFusedKernelBits =
+    "1 embedding_rms_norm, 2 matmul_qkv_rope, 4 matmul_gate_up_swiglu, 8 matmul_argmax";
 
 bool env_is_zero(const char* name) {
   const char* v = std::getenv(name);
@@ -248,7 +263,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"gemm_input_dtype", kF16 ? "f16" : "f32"},
         {"activations_dtype", "f32"},
         {"kv_cache_dtype", "f32"},
-        {"cuda_graphs", graphs_enabled_ ? "decode steps without hooks" : "off"},
+        {"cuda_graphs", graphs_enabled_ ? "decode steps, recorded or not (isolation replay: off)" : "off"},
         {"attention_splits", std::to_string(attn_splits_)},
         {"attention_split_min_keys", std::to_string(attn_min_keys_)},
         {"prefill_attention", tiled_attention_ ? "tiled" : "one block per (token, head)"},
@@ -256,10 +271,17 @@ class CudaEngineImpl final : public CudaEngine {
         {"gemv_prefetch", gemv_prefetch_enabled() ? "on" : "off"},
         {"gemv_rows_per_warp", gemv_rows_per_warp_name()},
         {"kquant_gemv", kF16 && qgemv_mma_enabled() ? "tensor cores (f16 weights, f32 sums)" : "simt"},
-        {"swiglu_in_gate_up_gemv", swiglu_in_gemv_ ? "one-token steps without hooks" : "off"},
-        {"rope_in_qkv_gemv", rope_in_gemv_ ? "one-token steps without hooks" : "off"},
-        {"embedding_rms_norm", embd_norm_fused_ ? "one-token steps without hooks (dense token_embd)" : "off"},
-        {"lm_head_argmax", lm_head_argmax_ ? "steps without hooks (dense lm head)" : "off"},
+        {"swiglu_in_gate_up_gemv", swiglu_in_gemv_ ? "one-token steps, recorded or not" : "off"},
+        {"rope_in_qkv_gemv", rope_in_gemv_ ? "one-token steps, recorded or not" : "off"},
+        {"embedding_rms_norm", embd_norm_fused_ ? "one-token steps, recorded or not (dense token_embd)" : "off"},
+        {"lm_head_argmax", lm_head_argmax_ ? "every step's last token, recorded or not (dense lm head)" : "off"},
+        {"fused_kernel_bits", kFusedKernelBits},
+        {"recomputed_checkpoints",
+         std::string(tiled_attention_ ? "kq_soft_max of steps over " + std::to_string(kAttentionSplitMaxT) +
+                                            " tokens (attention writes the probabilities beside attention_tiled's "
+                                            "output); "
+                                      : "") +
+             "result_output's rows before the last in steps of several tokens (a side matmul)"},
         {"checkpoint_copies", stager_.mode()},
     };
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
@@ -290,6 +312,7 @@ class CudaEngineImpl final : public CudaEngine {
   }
   int32_t last_argmax() const override { return *h_argmax_.get(); }
   uint64_t weight_bytes() const override { return weights_.bytes(); }
+  StepPath last_step_path() const override { return {last_graph_, step_fused_}; }
 
   // attention_split's probabilities/scores [H, T ≤ kAttentionSplitMaxT, S ≤ max_ctx] and partials.
   static size_t attn_probs_floats(const ModelConfig& c, int max_ctx) {
@@ -325,9 +348,21 @@ class CudaEngineImpl final : public CudaEngine {
     prepare(step, n, sink);
     std::copy(tokens.begin(), tokens.end(), h_tokens_.get());
     *h_n_past_.get() = n_past_;
+    // A recorded step runs what an unrecorded one runs: the same kernels, fused ones included, and a
+    // decode step the captured graph (with the recording's copy nodes). Only isolation replay, which
+    // replaces inputs between ops, enqueues the unfused twins one by one.
+    step_replaying_ = replaying(step, sink);
     try {
-      if (n == 1 && graphs_enabled_ && !hooked(step, sink))
-        launch_decode_graph(step, copy_logits);
+      std::vector<bool> wanted;
+      bool records = false;
+      if (n == 1 && graphs_enabled_ && !step_replaying_) {
+        wanted = wanted_set(sink);
+        records = std::find(wanted.begin(), wanted.end(), true) != wanted.end();
+      }
+      // The memcpy copy mode has no copies of a size read on the device: its recorded steps run eagerly.
+      last_graph_ = n == 1 && graphs_enabled_ && !step_replaying_ && (stager_.gathers() || !records);
+      if (last_graph_)
+        launch_decode_graph(step, sink, copy_logits, std::move(wanted), records);
       else
         enqueue_step(step, n, sink, copy_logits);
       CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -345,16 +380,21 @@ class CudaEngineImpl final : public CudaEngine {
     Activations<W>& a = *act_;
     set_op_context(step, -1);
     step_inputs(a.tokens.get(), d_n_past_.get(), h_tokens_.device(), h_n_past_.device(), n, stream_);
+    if (faults_.has(Fault::rope_fused_position_off)) position_plus(d_pos_off_.get(), d_n_past_.get(), 1, stream_);
 
-    step_hooked_ = hooked(step, sink);
-    // One token without hooks: the gather and layer 0's attn_norm in one kernel that reads the id from
-    // the host memory itself, beside step_inputs (bit-identical; see the top).
-    const bool fused_start = embd_norm_fused_ && n == 1 && !step_hooked_ && !cfg_.embd_scale &&
+    step_fused_ = 0;
+    // One token: the gather and layer 0's attn_norm in one kernel that reads the id from the host memory
+    // itself, beside step_inputs (bit-identical; see the top). It writes embd (a.x) as well.
+    const bool fused_start = embd_norm_fused_ && n == 1 && !step_replaying_ && !cfg_.embd_scale &&
                              !faults_.has(Fault::embd_transposed) && !rms_norm_flaws_.any() &&
                              !weights_.token_embd.quantized() && D <= embedding_rms_norm_max_width();
     if (fused_start) {
-      embedding_rms_norm(a.x.get(), a.xn.get(), h_tokens_.device(), weights_.token_embd.dense, norm_opening(0), n, D,
-                         V, eps(), stream_);
+      // embd_norm_fused_no_weight: the fused kernel handed ones for layer 0's attn_norm weight.
+      const float* w0 = faults_.has(Fault::embd_norm_fused_no_weight) ? d_ones_.get() : norm_opening(0);
+      embedding_rms_norm(a.x.get(), a.xn.get(), h_tokens_.device(), weights_.token_embd.dense, w0, n, D, V, eps(),
+                         stream_);
+      step_fused_ |= kFusedEmbeddingRmsNorm;
+      cp(sink, step, "embd", -1, a.x.get(), {n, D});  // not replaying: records only
     } else {
       if (faults_.has(Fault::embd_transposed))
         embedding_transposed(a.x.get(), a.tokens.get(), dense_rows(weights_.token_embd, V, stream_), n, D, V, stream_);
@@ -373,31 +413,51 @@ class CudaEngineImpl final : public CudaEngine {
     set_op_context(step, -1);
 
     cp(sink, step, "result_norm", -1, a.xn.get(), {n, D});  // a.xn: from the last layer's add_rms_norm
-    const int rows = sink.wants("result_output") ? n : 1;  // every token's logits only when recorded
-    const W* last_rows = a.xn.get() + size_t(n - rows) * D;  // [rows, D]
+    // The last token's logits, as every step computes them, recorded or not.
+    const W* last_row = a.xn.get() + size_t(n - 1) * D;  // [D]
     const int Vp = logit_columns();  // V, or the padded vocabulary of lm_head_padded_vocab
-    // One row of logits without hooks: the lm head and argmax in one launch (bit-identical; see the top).
-    // matmul_argmax launches nothing and returns false for a head it does not take (then matmul, argmax).
+    // The lm head and argmax in one launch (bit-identical; see the top). matmul_argmax launches nothing
+    // and returns false for a head it does not take (then matmul, argmax).
     bool head_argmax = false;
-    if (lm_head_argmax_ && rows == 1 && Vp == V && !step_hooked_ && !(cfg_.final_logit_softcap > 0)) {
-      head_argmax = matmul_argmax(logits_.get(), h_argmax_.device(), last_rows, weights_.lm_head, D, V,
+    if (lm_head_argmax_ && Vp == V && !step_replaying_ && !(cfg_.final_logit_softcap > 0)) {
+      head_argmax = matmul_argmax(logits_.get(), h_argmax_.device(), last_row, weights_.lm_head, D, V,
                                   argmax_scratch_.get(), stream_);
+      if (head_argmax) step_fused_ |= kFusedMatmulArgmax;
     }
     if (Vp != V) {
-      // lm_head_padded_vocab: rows of Vp logits, the lm head writes V of them; the rest hold stale bytes.
-      CUDA_CHECK(cudaMemsetAsync(logits_.get(), kFaultUninitialisedByte, size_t(rows) * Vp * sizeof(float), stream_));
-      for (int r = 0; r < rows; ++r)
-        matmul(logits_.get() + size_t(r) * Vp, last_rows + size_t(r) * D, weights_.lm_head, nullptr, 1, D, V, cublas_,
-               stream_);
+      // lm_head_padded_vocab: a row of Vp logits, the lm head writes V of them; the rest hold stale bytes.
+      CUDA_CHECK(cudaMemsetAsync(logits_.get(), kFaultUninitialisedByte, size_t(Vp) * sizeof(float), stream_));
+      matmul(logits_.get(), last_row, weights_.lm_head, nullptr, 1, D, V, cublas_, stream_);
     } else if (!head_argmax) {
-      matmul(logits_.get(), last_rows, weights_.lm_head, nullptr, rows, D, V, cublas_, stream_);
+      matmul(logits_.get(), last_row, weights_.lm_head, nullptr, 1, D, V, cublas_, stream_);
     }
     if (cfg_.final_logit_softcap > 0)
-      softcap(logits_.get(), logits_.get(), static_cast<float>(cfg_.final_logit_softcap), int64_t(rows) * Vp, stream_);
-    if (rows == n) cp(sink, step, "result_output", -1, logits_.get(), {n, Vp});
+      softcap(logits_.get(), logits_.get(), static_cast<float>(cfg_.final_logit_softcap), Vp, stream_);
+    if (sink.wants("result_output")) {
+      if (n == 1) {
+        cp(sink, step, "result_output", -1, logits_.get(), {1, Vp});
+      } else {
+        // Every token's logits: the rows before the last from a side matmul that feeds nothing (the
+        // "recomputed_checkpoints" fact), the last row the step's own.
+        float* rows = logits_all_.get();  // [n, Vp]
+        if (Vp != V) {
+          CUDA_CHECK(cudaMemsetAsync(rows, kFaultUninitialisedByte, size_t(n - 1) * Vp * sizeof(float), stream_));
+          for (int r = 0; r + 1 < n; ++r)
+            matmul(rows + size_t(r) * Vp, a.xn.get() + size_t(r) * D, weights_.lm_head, nullptr, 1, D, V, cublas_,
+                   stream_);
+        } else {
+          matmul(rows, a.xn.get(), weights_.lm_head, nullptr, n - 1, D, V, cublas_, stream_);
+        }
+        if (cfg_.final_logit_softcap > 0)
+          softcap(rows, rows, static_cast<float>(cfg_.final_logit_softcap), int64_t(n - 1) * Vp, stream_);
+        CUDA_CHECK(cudaMemcpyAsync(rows + size_t(n - 1) * Vp, logits_.get(), size_t(Vp) * sizeof(float),
+                                   cudaMemcpyDeviceToDevice, stream_));
+        cp(sink, step, "result_output", -1, rows, {n, Vp});
+      }
+    }
     stager_.finish(stream_);  // the step's last staged copies, and the wait for their copies out
 
-    const float* last = logits_.get() + size_t(rows - 1) * Vp;  // [Vp]
+    const float* last = logits_.get();  // [Vp]
     if (!head_argmax) argmax(h_argmax_.device(), last, Vp, argmax_scratch_.get(), stream_);  // straight to the host
     if (copy_logits)
       CUDA_CHECK(cudaMemcpyAsync(h_logits_.get(), last, size_t(Vp) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
@@ -424,19 +484,34 @@ class CudaEngineImpl final : public CudaEngine {
     // a.xn = rms_norm(a.x) · attn_norm, written by the op before the layer (rms_norm or add_rms_norm).
     cp(sink, step, "attn_norm", l, a.xn.get(), {n, D});
     const int32_t* write_pos = faults_.has(Fault::kv_cache_pos0) ? d_zero_.get() : n_past;  // kv_cache_pos0: row 0
-    // One token without hooks: the qkv GEMV applies the RoPE and writes the cache too (bit-identical).
+    // The position q and k rotate at: n_past, or under graph_position_frozen in a captured step the value
+    // written before the capture (every replay reads it again).
+    const int32_t* rope_pos =
+        faults_.has(Fault::graph_position_frozen) && capturing_ ? d_frozen_pos_.get() : n_past;
+    // One token: the qkv GEMV applies the RoPE and writes the cache too (bit-identical). Recorded, it
+    // also writes q and k before the rotation (Qcur, Kcur) into q_rope and k_rope, which it leaves free.
+    // rope_fused_position_off: the fused kernel handed n_past + 1.
+    GemvRope rope{cache_k, cache_v, faults_.has(Fault::rope_fused_position_off) ? d_pos_off_.get() : rope_pos,
+                  write_pos, d_rope_freqs_.get(), theta, H, Hkv, Dh, neox};
+    if (sink.wants(checkpoint_name("Qcur", l)) || sink.wants(checkpoint_name("Kcur", l))) {
+      rope.q_unrotated = a.q_rope.get();
+      rope.k_unrotated = a.k_rope.get();
+    }
     const bool fused_rope =
-        rope_in_gemv_ && n == 1 && !step_hooked_ && !cfg_.qk_norm && !faults_.has(Fault::rope_cache_unrotated) &&
+        rope_in_gemv_ && n == 1 && !step_replaying_ && !cfg_.qk_norm && !faults_.has(Fault::rope_cache_unrotated) &&
         matmul_qkv_rope(a.q.get(), a.k.get(), a.v.get(), bias ? w.bq : nullptr, bias ? w.bk : nullptr,
-                        bias ? w.bv : nullptr, a.xn.get(), w.wq, D,
-                        GemvRope{cache_k, cache_v, n_past, write_pos, d_rope_freqs_.get(), theta, H, Hkv, Dh, neox},
-                        stream_);
-    if (!fused_rope)
+                        bias ? w.bv : nullptr, a.xn.get(), w.wq, D, rope, stream_);
+    if (fused_rope) {
+      step_fused_ |= kFusedMatmulQkvRope;
+      cp(sink, step, "Qcur", l, a.q_rope.get(), {n, H, Dh});  // not replaying: records only
+      cp(sink, step, "Kcur", l, a.k_rope.get(), {n, Hkv, Dh});
+    } else {
       matmul_cat({{a.q.get(), bias ? w.bq : nullptr, Q}, {a.k.get(), bias ? w.bk : nullptr, KV},
                   {a.v.get(), bias ? w.bv : nullptr, KV}},
                  a.xn.get(), w.wq, n, D, cublas_, stream_);
-    cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
-    cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
+      cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
+      cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
+    }
     cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
     if (cfg_.qk_norm) {
       stager_.flush(stream_);  // q and k are normalized in place
@@ -449,14 +524,16 @@ class CudaEngineImpl final : public CudaEngine {
     float* k_rot = fused_rope ? a.k.get() : a.k_rope.get();
     if (faults_.has(Fault::rope_cache_unrotated))
       rope_qk_cache_unrotated(q_rot, k_rot, cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh,
-                              n_past, write_pos, theta, d_rope_freqs_.get(), neox, stream_);
+                              rope_pos, write_pos, theta, d_rope_freqs_.get(), neox, stream_);
     else if (!fused_rope)  // fused: matmul_qkv_rope rotated q and k and wrote the cache rows
-      rope_qk(q_rot, k_rot, cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, n_past, write_pos,
+      rope_qk(q_rot, k_rot, cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, rope_pos, write_pos,
               theta, d_rope_freqs_.get(), neox, stream_);
     cp(sink, step, "Qrope", l, q_rot, {n, H, Dh});
     cp(sink, step, "Krope", l, k_rot, {n, Hkv, Dh});  // replaced: the cache keeps rope_qk's rows (see the top)
-    cp(sink, step, "cache_k", l, cache_k, {S, Hkv, Dh});
-    cp(sink, step, "cache_v", l, cache_v, {S, Hkv, Dh});
+    // Under capture S is read on the device, so that the graph records every position (DeviceRows).
+    const DeviceRows cache_rows = capturing_ ? DeviceRows{n_past, n, 0, max_ctx_} : DeviceRows{};
+    cp(sink, step, "cache_k", l, cache_k, {S, Hkv, Dh}, cache_rows);
+    cp(sink, step, "cache_v", l, cache_v, {S, Hkv, Dh}, cache_rows);
 
     // kv_cache_not_read: attention over the step's own K/V, as if nothing had been cached.
     const bool read_cache = !faults_.has(Fault::kv_cache_not_read);
@@ -477,14 +554,16 @@ class CudaEngineImpl final : public CudaEngine {
                          attention_flaws_, stream_);
       else if (!tiled_attention_)
         attention(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv, Dh, att_scale, window, stream_);
-      else {  // the output from attention_tiled, hooks or not; the probabilities (when recorded) from attention
+      else {  // the output from attention_tiled, recorded or not; the probabilities (when recorded) from attention
         if (probs)
           attention(static_cast<W*>(nullptr), probs, q_rot, keys, values, n, past, H, Hkv, Dh, att_scale, window,
                     stream_);
         attention_tiled(a.kqv.get(), q_rot, keys, values, n, past, H, Hkv, Dh, att_scale, window, stream_);
       }
     }
-    if (want_probs) record_only(step, "kq_soft_max", l, probs, {H, n, S_att});
+    if (want_probs)
+      record_only(step, "kq_soft_max", l, probs, {H, n, S_att},
+                  capturing_ && read_cache ? DeviceRows{n_past, n, 2, max_ctx_} : DeviceRows{});
     cp(sink, step, "kqv_out", l, a.kqv.get(), {n, H, Dh});
 
     if (faults_.has(Fault::attn_out_transposed))
@@ -509,18 +588,24 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "ffn_norm", l, a.ffn_xn.get(), {n, D});
 
     const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
-    // One token without hooks: the gate|up GEMV writes the SwiGLU too (bit-identical; see the top).
+    // swiglu_fused_gate_up_swapped: Wup|Wgate in memory, so the first half's rows are up's; the GEMMs write
+    // each half where it belongs, the fused epilogue pairs them the wrong way round.
+    const bool stored_swapped = faults_.has(Fault::swiglu_fused_gate_up_swapped);
+    float* first = stored_swapped ? a.up.get() : a.gate.get();   // [T, F] rows 0..F-1 of w_gate
+    float* second = stored_swapped ? a.gate.get() : a.up.get();  // [T, F] rows F..2F-1
+    // One token: the gate|up GEMV writes gate, up and the SwiGLU (bit-identical; see the top).
     const bool fused_swiglu =
-        swiglu_in_gemv_ && n == 1 && !step_hooked_ && !swap && cfg_.ffn_act != FfnAct::gelu_tanh &&
-        matmul_gate_up_swiglu(a.gate.get(), a.up.get(), a.act.get(), a.ffn_xn.get(), w.w_gate, D, F, stream_);
+        swiglu_in_gemv_ && n == 1 && !step_replaying_ && !swap && cfg_.ffn_act != FfnAct::gelu_tanh &&
+        matmul_gate_up_swiglu(first, second, a.act.get(), a.ffn_xn.get(), w.w_gate, D, F, stream_);
+    if (fused_swiglu) step_fused_ |= kFusedMatmulGateUpSwiglu;
     if (!fused_swiglu)
-      matmul_cat({{a.gate.get(), nullptr, F}, {a.up.get(), nullptr, F}}, a.ffn_xn.get(), w.w_gate, n, D, cublas_, stream_);
+      matmul_cat({{first, nullptr, F}, {second, nullptr, F}}, a.ffn_xn.get(), w.w_gate, n, D, cublas_, stream_);
     cp(sink, step, "ffn_gate", l, a.gate.get(), {n, F});
     cp(sink, step, "ffn_up", l, a.up.get(), {n, F});
     const float* act_in = swap ? a.up.get() : a.gate.get();    // [T, F]
     const float* act_mul = swap ? a.gate.get() : a.up.get();   // [T, F]
     if (fused_swiglu) {
-      cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});  // not hooked: records and replaces nothing
+      cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});  // not replaying: records only
     } else if (cfg_.ffn_act == FfnAct::gelu_tanh) {
       geglu(a.act.get(), act_in, act_mul, int64_t(n) * F, stream_);
       cp(sink, step, "ffn_geglu", l, a.act.get(), {n, F});
@@ -596,6 +681,14 @@ class CudaEngineImpl final : public CudaEngine {
     rms_norm_flaws_.eps_outside_sqrt = faults_.has(Fault::rms_eps_outside_sqrt);
     if (faults_.has(Fault::weight_row_nan))  // the weights are ours once uploaded: one row of layer 0's W_q
       weights_.fill_row_nan(weights_.layers.at(0).wq, kFaultNanWeightRow, stream_);
+    if (faults_.has(Fault::swiglu_fused_gate_up_swapped))  // Wup|Wgate: every caller swaps the outputs back
+      for (const DeviceLayerWeights<W>& w : weights_.layers) weights_.swap_row_halves(w.w_gate, cfg_.n_ff, stream_);
+    if (faults_.has(Fault::embd_norm_fused_no_weight)) {
+      const std::vector<float> ones(size_t(cfg_.n_embd), 1.0f);
+      d_ones_ = DeviceBuffer<float>(ones.size(), "fault constants");
+      CUDA_CHECK(cudaMemcpyAsync(d_ones_.get(), ones.data(), d_ones_.bytes(), cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));  // before ones goes
+    }
     if (faults_.has(Fault::rms_norm_weight_twice)) {
       auto twice = [&](const float* w, int64_t n) {
         if (w == nullptr || squared_norms_.count(w)) return;
@@ -631,28 +724,37 @@ class CudaEngineImpl final : public CudaEngine {
   // when the sink has values for it, after the recording copy. Returns whether it was replaced (a
   // fused op's second output computed from it is then computed again).
   template <typename A>
-  bool cp(Sink& sink, int step, const char* base, int layer, A* dev, std::initializer_list<int64_t> shape) {
+  bool cp(Sink& sink, int step, const char* base, int layer, A* dev, std::initializer_list<int64_t> shape,
+          DeviceRows rows = {}) {
     std::string name = checkpoint_name(base, layer);
     const bool wanted = sink.wants(name);
     const float* replacement = sink.replacement(step, name);
     if (!wanted && !replacement) return false;
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
-    if (wanted) stager_.stage(step, std::move(name), layer, layout_of(base), shape, dev, stream_);
+    if (wanted) stager_.stage(step, std::move(name), layer, layout_of(base), shape, dev, stream_, rows);
     if (replacement) stager_.replace(replacement, dev, n, stream_);
     return replacement != nullptr;
   }
 
   // A checkpoint no later op reads (the attention probabilities): recorded, never replaced.
-  void record_only(int step, const char* base, int layer, const float* dev, std::initializer_list<int64_t> shape) {
-    stager_.stage(step, checkpoint_name(base, layer), layer, layout_of(base), shape, dev, stream_);
+  void record_only(int step, const char* base, int layer, const float* dev, std::initializer_list<int64_t> shape,
+                   DeviceRows rows = {}) {
+    stager_.stage(step, checkpoint_name(base, layer), layer, layout_of(base), shape, dev, stream_, rows);
   }
 
-  // Whether the sink wants or replaces any tensor checkpoint this step (ids are recorded on the host).
-  bool hooked(int step, const Sink& sink) const {
+  // Whether the sink replaces any tensor checkpoint this step (isolation replay).
+  bool replaying(int step, const Sink& sink) const {
     for (const std::string& name : names_)
-      if (name != "tokens" && (sink.wants(name) || sink.replacement(step, name) != nullptr)) return true;
+      if (name != "tokens" && sink.replacement(step, name) != nullptr) return true;
     return false;
+  }
+
+  // The tensor checkpoints the sink wants, one flag per name of names_: the key of a recorded graph.
+  std::vector<bool> wanted_set(const Sink& sink) const {
+    std::vector<bool> key(names_.size());
+    for (size_t i = 0; i < names_.size(); ++i) key[i] = names_[i] != "tokens" && sink.wants(names_[i]);
+    return key;
   }
 
   // Buffers for a step of n tokens, allocated before anything is enqueued (a reallocation waits
@@ -661,11 +763,13 @@ class CudaEngineImpl final : public CudaEngine {
     const int S = n_past_ + n;
     const size_t probs_needed =
         !split_attention(n) && wants_any_layer(sink, "kq_soft_max") ? size_t(cfg_.n_head) * n * S : 0;
-    const size_t logits_needed = size_t(sink.wants("result_output") ? n : 1) * logit_columns();
+    const size_t logits_needed = size_t(logit_columns());
+    const size_t all_rows_needed = sink.wants("result_output") && n > 1 ? size_t(n) * logit_columns() : 0;
     const bool grow_act = !act_ || act_->capacity < n;
     const bool grow_probs = probs_.size() < probs_needed;
     const bool grow_logits = logits_.size() < logits_needed;
-    if (!grow_act && !grow_probs && !grow_logits) return;
+    const bool grow_all_rows = logits_all_.size() < all_rows_needed;
+    if (!grow_act && !grow_probs && !grow_logits && !grow_all_rows) return;
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     drop_graphs();
     if (grow_act) {
@@ -675,6 +779,7 @@ class CudaEngineImpl final : public CudaEngine {
     }
     if (grow_probs) probs_ = DeviceBuffer<float>(probs_needed, "the kq_soft_max checkpoint");
     if (grow_logits) logits_ = DeviceBuffer<float>(logits_needed, "the logits");
+    if (grow_all_rows) logits_all_ = DeviceBuffer<float>(all_rows_needed, "the result_output checkpoint");
   }
 
   bool wants_any_layer(const Sink& sink, const char* base) const {
@@ -683,34 +788,49 @@ class CudaEngineImpl final : public CudaEngine {
     return false;
   }
 
-  void launch_decode_graph(int step, bool copy_logits) {
-    cudaGraphExec_t& exec = graphs_[copy_logits ? 1 : 0];
-    if (exec == nullptr) {
-      NullSink none;
-      CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  // A decode step as one replay of its captured graph. The graph of a step that records is the
+  // production graph plus the recording's gather kernels and copies out (engine/checkpoint_stager.cuh),
+  // captured once per set of recorded checkpoints; what it staged is handed back at each replay.
+  void launch_decode_graph(int step, Sink& sink, bool copy_logits, std::vector<bool> wanted, bool records) {
+    RecordedGraph& g = graphs_[{std::move(wanted), copy_logits}];
+    if (g.exec == nullptr) {
+      // graph_position_frozen: the position the captured RoPE will read on every replay.
+      if (faults_.has(Fault::graph_position_frozen))
+        CUDA_CHECK(cudaMemcpy(d_frozen_pos_.get(), &n_past_, sizeof(int32_t), cudaMemcpyHostToDevice));
+      // Relaxed: the stager may allocate its pinned chunks and device arena on first use, which
+      // stream capture would otherwise refuse; nothing allocated is freed while the graph lives.
+      CUDA_CHECK(cudaStreamBeginCapture(stream_, records ? cudaStreamCaptureModeRelaxed
+                                                         : cudaStreamCaptureModeThreadLocal));
+      capturing_ = true;
       try {
-        enqueue_step(step, 1, none, copy_logits);
+        enqueue_step(step, 1, sink, copy_logits);
       } catch (...) {
+        capturing_ = false;
         cudaGraph_t broken = nullptr;
         cudaStreamEndCapture(stream_, &broken);  // leave capture mode; the first error is the one to report
         if (broken) cudaGraphDestroy(broken);
+        stager_.discard();
         throw;
       }
+      capturing_ = false;
       cudaGraph_t graph = nullptr;
       CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-      const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+      const cudaError_t err = cudaGraphInstantiate(&g.exec, graph, 0);
       cudaGraphDestroy(graph);
-      if (err != cudaSuccess) exec = nullptr;
+      if (err != cudaSuccess) g.exec = nullptr;
       CUDA_CHECK(err);
+      g.staged = stager_.take_staged();
+      g.fused = step_fused_;
     }
-    CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+    stager_.restage(g.staged, step, n_past_ + 1);
+    step_fused_ = g.fused;
+    CUDA_CHECK(cudaGraphLaunch(g.exec, stream_));
   }
 
   void drop_graphs() {
-    for (cudaGraphExec_t& g : graphs_) {
-      if (g) cudaGraphExecDestroy(g);
-      g = nullptr;
-    }
+    for (auto& [key, g] : graphs_)
+      if (g.exec) cudaGraphExecDestroy(g.exec);
+    graphs_.clear();
   }
 
   ModelConfig cfg_;
@@ -720,6 +840,9 @@ class CudaEngineImpl final : public CudaEngine {
   RmsNormFlaws rms_norm_flaws_;
   std::map<const float*, DeviceBuffer<float>> squared_norms_;  // norm weight -> its square, rms_norm_weight_twice only
   DeviceBuffer<int32_t> d_zero_{1, "step state"};              // [1] position 0 (kv_cache_pos0, kv_cache_not_read)
+  DeviceBuffer<int32_t> d_pos_off_{1, "step state"};           // [1] n_past + 1 (rope_fused_position_off)
+  DeviceBuffer<int32_t> d_frozen_pos_{1, "step state"};        // [1] n_past at capture (graph_position_frozen)
+  DeviceBuffer<float> d_ones_;                                 // [D] ones (embd_norm_fused_no_weight)
   DeviceBuffer<float> d_rope_freqs_;                           // [Dh/2] cfg_.rope_freq_factors, empty when none
   Stream stream_;
   CublasHandle cublas_;
@@ -727,7 +850,8 @@ class CudaEngineImpl final : public CudaEngine {
   DeviceBuffer<float> k_cache_;  // [n_layer][max_ctx, Hkv*Dh]
   DeviceBuffer<float> v_cache_;  // [n_layer][max_ctx, Hkv*Dh]
   std::unique_ptr<Activations<W>> act_;
-  DeviceBuffer<float> logits_;   // [rows, V], rows = T when result_output is recorded, else 1
+  DeviceBuffer<float> logits_;   // [Vp] the last token's logits
+  DeviceBuffer<float> logits_all_;  // [T, Vp] result_output of a recorded step of several tokens
   DeviceBuffer<float> probs_;    // [H, T, S], attention (T > kAttentionSplitMaxT) while kq_soft_max is recorded
   DeviceBuffer<int32_t> d_n_past_;  // [1]
   PinnedBuffer<int32_t> h_tokens_;  // [T] read by step_inputs
@@ -744,12 +868,21 @@ class CudaEngineImpl final : public CudaEngine {
   std::vector<std::string> names_;  // every checkpoint name of a step, in order
   bool graphs_enabled_;
   bool tiled_attention_;  // steps over kAttentionSplitMaxT tokens take their output from attention_tiled
-  bool swiglu_in_gemv_;   // one-token steps without hooks: matmul_gate_up_swiglu (DIFFRUN_SWIGLU_IN_GEMV=0: off)
-  bool rope_in_gemv_;     // one-token steps without hooks: matmul_qkv_rope (DIFFRUN_ROPE_IN_GEMV=0: off)
-  bool embd_norm_fused_;  // one-token steps without hooks: embedding_rms_norm (DIFFRUN_EMBEDDING_NORM_FUSED=0: off)
-  bool lm_head_argmax_;   // steps without hooks, one row of logits: matmul_argmax (DIFFRUN_LM_HEAD_ARGMAX=0: off)
-  bool step_hooked_ = false;  // the step being enqueued records or replaces a tensor checkpoint
-  cudaGraphExec_t graphs_[2] = {nullptr, nullptr};  // decode step without / with the logits copy
+  bool swiglu_in_gemv_;   // one-token steps: matmul_gate_up_swiglu (DIFFRUN_SWIGLU_IN_GEMV=0: off)
+  bool rope_in_gemv_;     // one-token steps: matmul_qkv_rope (DIFFRUN_ROPE_IN_GEMV=0: off)
+  bool embd_norm_fused_;  // one-token steps: embedding_rms_norm (DIFFRUN_EMBEDDING_NORM_FUSED=0: off)
+  bool lm_head_argmax_;   // every step's last-token logits: matmul_argmax (DIFFRUN_LM_HEAD_ARGMAX=0: off)
+  bool step_replaying_ = false;  // the step replaces a tensor checkpoint (isolation replay): unfused, no graph
+  bool capturing_ = false;       // the step is being captured: position-dependent recordings use DeviceRows
+  uint32_t step_fused_ = 0;      // the fused kernels the step ran (kFused* bits)
+  struct RecordedGraph {
+    cudaGraphExec_t exec = nullptr;
+    CheckpointStager::Staged staged;  // what its recording stages, handed back at each replay
+    uint32_t fused = 0;
+  };
+  // Decode-step graphs by (the recorded checkpoints, the logits copied to the host).
+  std::map<std::pair<std::vector<bool>, bool>, RecordedGraph> graphs_;
+  bool last_graph_ = false;  // the last step was a graph replay
   std::map<std::string, std::string> facts_;
   int n_past_ = 0;
 };

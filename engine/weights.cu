@@ -302,6 +302,30 @@ void DeviceWeights<W>::fill_row_nan(const DeviceMatrix<W>& m, int64_t row, cudaS
   CUDA_CHECK(cudaStreamSynchronize(stream));  // before nan_halves goes
 }
 
+template <typename W>
+void DeviceWeights<W>::swap_row_halves(const DeviceMatrix<W>& m, int half, cudaStream_t stream) {
+  if (2 * half > m.rows) throw Error("swap_row_halves: " + std::to_string(2 * half) + " rows of a matrix of " +
+                                     std::to_string(m.rows));
+  unsigned char* base = nullptr;
+  size_t row_bytes = 0;
+  if (!m.quantized()) {
+    base = reinterpret_cast<unsigned char*>(const_cast<W*>(m.dense));
+    row_bytes = size_t(m.K) * sizeof(W);
+  } else {
+    if (m.n_segments < 1 || m.segments[0].rows < 2 * half)
+      throw Error("swap_row_halves: the two halves are in different formats");
+    const GgmlType t = m.segments[0].type;
+    base = static_cast<unsigned char*>(const_cast<void*>(m.segments[0].raw));
+    row_bytes = size_t(m.K / ggml_block_elements(t)) * ggml_block_bytes(t);
+  }
+  const size_t bytes = row_bytes * size_t(half);
+  DeviceBuffer<unsigned char> tmp(bytes, "a swapped weight half");
+  CUDA_CHECK(cudaMemcpyAsync(tmp.get(), base, bytes, cudaMemcpyDeviceToDevice, stream));
+  CUDA_CHECK(cudaMemcpyAsync(base, base + bytes, bytes, cudaMemcpyDeviceToDevice, stream));
+  CUDA_CHECK(cudaMemcpyAsync(base + bytes, tmp.get(), bytes, cudaMemcpyDeviceToDevice, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));  // before tmp goes
+}
+
 template class DeviceWeights<float>;
 template class DeviceWeights<__half>;
 

@@ -75,6 +75,9 @@ class DeviceWeights {
 
   // weight_row_nan: every value of row `row` of m becomes NaN (a quantized row: its blocks' scale d).
   void fill_row_nan(const DeviceMatrix<W>& m, int64_t row, cudaStream_t stream);
+  // swiglu_fused_gate_up_swapped: rows [0, half) and [half, 2·half) of m trade places (Wgate|Wup becomes
+  // Wup|Wgate), dense or quantized (the two halves in one format). Synchronizes.
+  void swap_row_halves(const DeviceMatrix<W>& m, int half, cudaStream_t stream);
 
  private:
   DeviceBuffer<unsigned char> arena_;

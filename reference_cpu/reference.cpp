@@ -92,6 +92,7 @@ class CpuBackend final : public Backend {
     }
     Recorder<T> cp(sink, step);
     cp.ids("tokens", tokens);
+    if (n == 1 && frozen_pos_ < 0) frozen_pos_ = n_past_;
 
     std::vector<T> x(static_cast<size_t>(n) * D);  // [T,D] residual stream
     if (faults_.has(Fault::embd_transposed)) {
@@ -148,8 +149,14 @@ class CpuBackend final : public Backend {
     T* cache_k = cache_.k[l].data();  // [C,Hkv*Dh]; rows 0..S-1 valid after this step
     T* cache_v = cache_.v[l].data();  // [C,Hkv*Dh]
 
+    // The production-path faults act on one-token steps only, where the engine runs its fused kernels
+    // and its decode graph (checkpoints/faults.hpp).
+    const bool one = n == 1;
+    // embd_norm_fused_no_weight: layer 0's attn_norm without its weight.
+    const std::vector<T> ones = one && l == 0 && faults_.has(Fault::embd_norm_fused_no_weight)
+                                    ? std::vector<T>(static_cast<size_t>(D), T(1)) : std::vector<T>();
     std::vector<T> xn(nD);                                 // [T,D]
-    norm(xn.data(), x.data(), w.attn_norm.data(), n, D);
+    norm(xn.data(), x.data(), ones.empty() ? w.attn_norm.data() : ones.data(), n, D);
     store_gemm_input(xn.data(), nD);                                              cp("attn_norm", l, {n, D}, xn.data(), gemm_f16());
 
     std::vector<T> q(static_cast<size_t>(n) * Q);          // [T,H*Dh]
@@ -164,8 +171,13 @@ class CpuBackend final : public Backend {
     }
     // rope_cache_unrotated: the cache write stores K as it was before RoPE.
     const std::vector<T> k_before_rope = faults_.has(Fault::rope_cache_unrotated) ? k : std::vector<T>();  // [T,Hkv*Dh]
-    rope(q.data(), q.data(), n, H, Dh, pos0, theta, ff);                          cp("Qrope", l, {n, H, Dh}, q.data());
-    rope(k.data(), k.data(), n, Hkv, Dh, pos0, theta, ff);                        cp("Krope", l, {n, Hkv, Dh}, k.data());
+    // rope_fused_position_off: position n_past + 1; graph_position_frozen: the first one-token step's.
+    const int rope_pos = !one                                              ? pos0
+                         : faults_.has(Fault::rope_fused_position_off) ? pos0 + 1
+                         : faults_.has(Fault::graph_position_frozen)   ? frozen_pos_
+                                                                         : pos0;
+    rope(q.data(), q.data(), n, H, Dh, rope_pos, theta, ff);                      cp("Qrope", l, {n, H, Dh}, q.data());
+    rope(k.data(), k.data(), n, Hkv, Dh, rope_pos, theta, ff);                    cp("Krope", l, {n, Hkv, Dh}, k.data());
 
     const int write_pos = faults_.has(Fault::kv_cache_pos0) ? 0 : pos0;  // kv_cache_pos0: row 0 every step
     const std::vector<T>& k_row = k_before_rope.empty() ? k : k_before_rope;  // [T,Hkv*Dh] what the cache gets
@@ -211,7 +223,8 @@ class CpuBackend final : public Backend {
     std::vector<T> up(static_cast<size_t>(n) * F);         // [T,F]
     matmul(gate.data(), xn.data(), w.w_gate, kNoBias, n, D, F);                   cp("ffn_gate", l, {n, F}, gate.data());
     matmul(up.data(), xn.data(), w.w_up, kNoBias, n, D, F);                       cp("ffn_up", l, {n, F}, up.data());
-    const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
+    const bool swap =
+        faults_.has(Fault::swiglu_gate_up_swapped) || (one && faults_.has(Fault::swiglu_fused_gate_up_swapped));
     const auto act = cfg_.ffn_act == FfnAct::gelu_tanh ? geglu<T> : swiglu<T>;
     act(gate.data(), swap ? up.data() : gate.data(), swap ? gate.data() : up.data(), static_cast<int64_t>(gate.size()));
     store_gemm_input(gate.data(), gate.size());
@@ -296,6 +309,9 @@ class CpuBackend final : public Backend {
   std::vector<WeightMatrix<T>> wo_flawed_;      // [n_layer] W_o read with the wrong leading dimension, attn_out_transposed only
   std::vector<WeightMatrix<T>> w_down_flawed_;  // [n_layer] W_down likewise, ffn_down_transposed only
   int n_past_ = 0;
+  // graph_position_frozen: n_past at the first one-token step since construction (where the engine
+  // captures its decode graph; a reset keeps the graph, so it keeps this too); -1 before it.
+  int frozen_pos_ = -1;
 };
 
 }  // namespace

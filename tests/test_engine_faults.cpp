@@ -184,6 +184,7 @@ void check_model(const std::string& path, const std::string& label, std::vector<
     for (const FaultInfo& info : fault_catalog()) {
       if (!only.empty() && std::find(only.begin(), only.end(), info.id) == only.end()) continue;
       if (!fault_not_applicable(info.id, m.cfg, m.file.get()).empty()) continue;
+      if (fault_in_production_path_only(info.id)) continue;  // check_production_path_faults
       const bool rms_subtle = info.id == Fault::rms_eps_1e5 || info.id == Fault::rms_norm_off_by_one ||
                               info.id == Fault::rms_eps_outside_sqrt;
       const bool tiny_effect = info.id == Fault::rms_eps_outside_sqrt && m.cfg.rms_eps < 5e-6;
@@ -242,6 +243,61 @@ void check_model(const std::string& path, const std::string& label, std::vector<
       }
     }
   }
+}
+
+// The faults of the production path (fused one-token kernels, the captured decode graph), each found by
+// the plain run of both default pairs at its catalog checkpoint and step, with the verdict local. The
+// plain run is what the job runs by default: its recorded steps run the fused kernels and replay the
+// graph. Isolation replay runs the unfused twins, which these faults leave alone: not asserted here.
+void check_production_path_faults(const std::string& path, const std::string& label) {
+  const Model m = open_model(path);
+  int checked = 0;
+  for (const Pair& p : kPairs) {
+    SCOPED_TRACE(label + " engine " + p.engine);
+    auto ref_backend = make_cpu_backend(*m.file, m.cfg, p.reference, kCtx);
+    const Dump ref = dump(m, *ref_backend, {}, label + "-pp-ref-" + p.reference);
+    for (const FaultInfo& info : fault_catalog()) {
+      if (!fault_in_production_path_only(info.id)) continue;
+      if (!fault_not_applicable(info.id, m.cfg, m.file.get()).empty()) continue;
+      SCOPED_TRACE(info.name);
+      const std::string expected = expected_checkpoint(info.id, m.cfg, m.file.get());
+      const Dump faulty =
+          engine_dump(m, p.engine, FaultSet{info.id}, ref.argmax, label + "-" + info.name + "-" + p.engine);
+      const diff::Comparison c = compare(faulty.path, ref.path, p.preset);
+      std::printf("fault-table %-12s %-4s %-28s expected %s@%d found %s verdict %s (%s)\n", label.c_str(), p.engine,
+                  info.name, expected.c_str(), info.step, first_of(c).c_str(),
+                  diff::verdict_kind_name(c.verdict.kind), c.verdict.rule.c_str());
+      ++checked;
+      ASSERT_TRUE(c.diverged()) << "the fault went unnoticed";
+      const diff::CheckpointResult& f = c.results[*c.first_failure];
+      EXPECT_EQ(f.name, expected);
+      EXPECT_EQ(f.step, info.step);
+      EXPECT_EQ(c.verdict.kind, diff::VerdictKind::local) << c.verdict.rule << ": " << c.verdict.explanation;
+    }
+  }
+  EXPECT_GT(checked, 0) << "no production-path fault applies to " << path;
+}
+
+TEST(EngineFaults, ProductionPathFaultsTinyLlama) {
+  DIFFRUN_REQUIRE_CUDA();
+  check_production_path_faults(test::fixture_path("tiny-llama-f32.gguf"), "tiny-llama");
+}
+
+TEST(EngineFaults, ProductionPathFaultsTinyQwen2Q8) {
+  DIFFRUN_REQUIRE_CUDA();
+  check_production_path_faults(test::fixture_path("tiny-qwen2-q8_0.gguf"), "tiny-qwen2-q8");
+}
+
+TEST(EngineFaults, ProductionPathFaultsTinyQwen3) {
+  DIFFRUN_REQUIRE_CUDA();
+  check_production_path_faults(test::fixture_path("tiny-qwen3-f32.gguf"), "tiny-qwen3");
+}
+
+TEST(EngineFaults, ProductionPathFaultsSmolLM2Slice) {
+  DIFFRUN_REQUIRE_CUDA();
+  const char* slice = std::getenv("DIFFRUN_SMOLLM2_SLICE");
+  if (!slice || !*slice) GTEST_SKIP() << "DIFFRUN_SMOLLM2_SLICE is not set";
+  check_production_path_faults(slice, "smollm2");
 }
 
 TEST(EngineFaults, TinyLlama) {

@@ -295,6 +295,98 @@ TEST(EngineModel, HooksDoNotChangeResultsAndGraphDecodeMatches) {
   }
 }
 
+// Recording never changes which kernels run (DESIGN.md, "Observing the production path"): one engine
+// records every checkpoint of every step, a second records nothing (forward, the graph with the logits
+// copy), a third runs forward_argmax (generate's and the benchmark's graph). The logits and argmax of
+// each step are bit-identical, each step took the same path (graph replay, the same fused kernels), and
+// the decode steps of the recorded engine did run as graph replays with the fused kernels the model
+// allows. Every recorded tensor also equals, bit for bit, what an engine with graphs and fusion off
+// records (the fused kernels' optional outputs hold what the unfused twins compute; the cache and
+// probabilities copied under capture have the right length at every position).
+void expect_recording_is_production(const std::string& path, int decode_steps) {
+  Models m = open_model(path);
+  for (const char* precision : {"f32", "f16"}) {
+    SCOPED_TRACE(path + " " + precision);
+    const int ctx = 8 + decode_steps;
+    auto recorded = make_cuda_engine(*m.file, m.cfg, precision, ctx);
+    auto plain = make_cuda_engine(*m.file, m.cfg, precision, ctx);
+    auto argmaxer = make_cuda_engine(*m.file, m.cfg, precision, ctx);
+    const char* off[] = {"DIFFRUN_CUDA_GRAPHS", "DIFFRUN_SWIGLU_IN_GEMV", "DIFFRUN_ROPE_IN_GEMV",
+                         "DIFFRUN_EMBEDDING_NORM_FUSED", "DIFFRUN_LM_HEAD_ARGMAX"};
+    for (const char* v : off) setenv(v, "0", 1);
+    auto unfused = make_cuda_engine(*m.file, m.cfg, precision, ctx);
+    for (const char* v : off) unsetenv(v);
+    MemorySink all, all_unfused;
+    NullSink none;
+    std::vector<int32_t> tokens = prompt_ids(m.cfg.n_vocab, 7);
+    uint32_t fused_seen = 0;
+    for (int step = 0; step <= decode_steps; ++step) {
+      const std::vector<float> a = recorded->forward(step, tokens, all);
+      const StepPath pa = recorded->last_step_path();
+      const std::vector<float> b = plain->forward(step, tokens, none);
+      const StepPath pb = plain->last_step_path();
+      const int32_t c = argmaxer->forward_argmax(step, tokens, none);
+      const StepPath pc = argmaxer->last_step_path();
+      unfused->forward(step, tokens, all_unfused);
+      EXPECT_TRUE(a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0)
+          << "recording changed the logits, step " << step;
+      EXPECT_EQ(recorded->last_argmax(), c) << "step " << step;
+      EXPECT_EQ(c, host_argmax(b)) << "step " << step;
+      EXPECT_EQ(pa.graph, pb.graph) << "step " << step;
+      EXPECT_EQ(pa.graph, pc.graph) << "step " << step;
+      EXPECT_EQ(pa.fused, pb.fused) << "step " << step;
+      EXPECT_EQ(pa.fused, pc.fused) << "step " << step;
+      EXPECT_EQ(pa.graph, step > 0) << "decode steps replay the graph, recorded or not; step " << step;
+      if (step > 0) fused_seen |= pa.fused;
+      ASSERT_EQ(all.order[step], all_unfused.order[step]) << "recording order, step " << step;
+      for (const std::string& name : all.order[step]) {
+        const test::Recorded& x = all.tensors[step].at(name);
+        const test::Recorded& y = all_unfused.tensors[step].at(name);
+        EXPECT_EQ(x.shape, y.shape) << name << " step " << step;
+        EXPECT_TRUE(x.data.size() == y.data.size() &&
+                    std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)) == 0)
+            << name << " differs from the unfused engine's, step " << step;
+      }
+      tokens = {host_argmax(a)};
+    }
+    // Every model fuses the gate|up SwiGLU or the RoPE at decode unless its formats keep them apart;
+    // a dense llama fuses all four.
+    if (path.find("tiny-llama-f32") != std::string::npos) {
+      EXPECT_EQ(fused_seen, 15u);
+    }
+    EXPECT_NE(fused_seen, 0u) << "no fused kernel ran in a recorded decode step";
+  }
+}
+
+TEST(EngineModel, RecordingRunsTheProductionPathOnEveryTinyFixture) {
+  DIFFRUN_REQUIRE_CUDA();
+  std::vector<std::string> names;
+  for (const char* arch : {"llama", "llama-tied", "qwen2", "qwen3"})
+    for (const char* fmt : {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k",
+                            "q5_k", "q6_k", "kmix"})
+      names.push_back(std::string("tiny-") + arch + "-" + fmt + ".gguf");
+  for (const char* extra : {"tiny-gemma3-f32.gguf", "tiny-gemma3-q8_0.gguf", "tiny-gemma3-kmix.gguf",
+                            "tiny-llama3rope-f32.gguf", "tiny-mistral-f32.gguf"})
+    names.push_back(extra);
+  for (const std::string& name : names) {
+    const std::string path = test::fixture_path(name);
+    ASSERT_TRUE(std::filesystem::exists(path)) << "missing fixture " << path;
+    expect_recording_is_production(path, 5);
+  }
+}
+
+TEST(EngineModel, RecordingRunsTheProductionPathOnEnvModels) {
+  DIFFRUN_REQUIRE_CUDA();
+  bool any = false;
+  for (const char* env : {"DIFFRUN_SMOLLM2_SLICE", "DIFFRUN_GEMMA3", "DIFFRUN_QWEN05B"}) {
+    const char* path = std::getenv(env);
+    if (!path || !*path) continue;
+    any = true;
+    expect_recording_is_production(path, 4);
+  }
+  if (!any) GTEST_SKIP() << "none of DIFFRUN_SMOLLM2_SLICE, DIFFRUN_GEMMA3, DIFFRUN_QWEN05B is set";
+}
+
 // The two ways of copying recorded checkpoints (engine/checkpoint_stager.cuh): batched gather kernels
 // flushed before each overwrite (with the default arena, and with a 16 KiB one that fills mid-step and
 // sends the larger tensors straight to pinned memory), and one cudaMemcpyAsync per tensor. Every tensor of
@@ -393,13 +485,13 @@ TEST(EngineModel, FusedDecodeMatchesUnfusedDecode) {
     unsetenv("DIFFRUN_ROPE_IN_GEMV");
     unsetenv("DIFFRUN_EMBEDDING_NORM_FUSED");
     unsetenv("DIFFRUN_LM_HEAD_ARGMAX");
-    EXPECT_EQ(fused->facts().at("swiglu_in_gate_up_gemv"), "one-token steps without hooks");
-    EXPECT_EQ(fused->facts().at("rope_in_qkv_gemv"), "one-token steps without hooks");
-    EXPECT_EQ(fused->facts().at("embedding_rms_norm"), "one-token steps without hooks (dense token_embd)");
+    EXPECT_EQ(fused->facts().at("swiglu_in_gate_up_gemv"), "one-token steps, recorded or not");
+    EXPECT_EQ(fused->facts().at("rope_in_qkv_gemv"), "one-token steps, recorded or not");
+    EXPECT_EQ(fused->facts().at("embedding_rms_norm"), "one-token steps, recorded or not (dense token_embd)");
     EXPECT_EQ(unfused->facts().at("swiglu_in_gate_up_gemv"), "off");
     EXPECT_EQ(unfused->facts().at("rope_in_qkv_gemv"), "off");
     EXPECT_EQ(unfused->facts().at("embedding_rms_norm"), "off");
-    EXPECT_EQ(fused->facts().at("lm_head_argmax"), "steps without hooks (dense lm head)");
+    EXPECT_EQ(fused->facts().at("lm_head_argmax"), "every step's last token, recorded or not (dense lm head)");
     EXPECT_EQ(unfused->facts().at("lm_head_argmax"), "off");
     NullSink none;
     std::vector<int32_t> tokens = prompt_ids(m.cfg.n_vocab, 5);

@@ -237,13 +237,15 @@ INSTANTIATE_TEST_SUITE_P(
                       ArchCase{"tiny-qwen3-f32.gguf",
                                {Fault::qkv_bias_missing, Fault::dequant_scale_offset, Fault::embd_scale_missing,
                                 Fault::post_norm_skipped, Fault::sliding_window_ignored,
-                                Fault::rope_local_theta_global},
+                                Fault::rope_local_theta_global, Fault::rope_fused_position_off},
                                {}},
                       // 9 prompt tokens against a window of 8: sliding_window_ignored shows in prefill. The
                       // embeddings scaled by sqrt(D) make mean(x^2) large, so an eps fault moves attn_norm-0
                       // below the f32_vs_f64 bound: checked f32 vs f32.
                       ArchCase{"tiny-gemma3-f32.gguf",
-                               {Fault::qkv_bias_missing, Fault::gqa_head_modulo, Fault::dequant_scale_offset},
+                               {Fault::qkv_bias_missing, Fault::gqa_head_modulo, Fault::dequant_scale_offset,
+                                Fault::swiglu_fused_gate_up_swapped, Fault::rope_fused_position_off,
+                                Fault::embd_norm_fused_no_weight},
                                {Fault::rms_eps_1e5, Fault::rms_eps_outside_sqrt}}),
     [](const auto& param_info) {
       std::string name = param_info.param.fixture;

@@ -321,6 +321,17 @@ void fill_nan(float* p, int64_t n, cudaStream_t stream) { launch_fill_nan(p, n, 
 
 void fill_nan(__half* p, int64_t n, cudaStream_t stream) { launch_fill_nan(p, n, stream); }
 
+__global__ void position_plus_kernel(int32_t* out, const int32_t* pos, int add) {
+  pdl_wait();
+  pdl_trigger();
+  *out = *pos + add;
+}
+
+void position_plus(int32_t* out, const int32_t* pos, int add, cudaStream_t stream) {
+  launch_pdl(position_plus_kernel, dim3(1), dim3(1), 0, stream, out, pos, add);
+  check_launch("position_plus", stream);
+}
+
 void square(float* out, const float* w, int64_t n, cudaStream_t stream) {
   square_kernel<<<op_grid(n), kOpThreads, 0, stream>>>(out, w, n);
   check_launch("square", stream);

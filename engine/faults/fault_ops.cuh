@@ -78,4 +78,7 @@ void fill_nan(__half* p, int64_t n, cudaStream_t stream);
 // rms_norm_weight_twice: out[i] = w[i] · w[i] (the weight the flawed norm effectively applies), f32.
 void square(float* out, const float* w, int64_t n, cudaStream_t stream);
 
+// rope_fused_position_off: *out = *pos + add, on the device (the wrong position the fused RoPE reads).
+void position_plus(int32_t* out, const int32_t* pos, int add, cudaStream_t stream);
+
 }  // namespace diffrun::engine

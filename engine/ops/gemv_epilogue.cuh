@@ -108,6 +108,12 @@ __device__ __forceinline__ void gemv_pair_epilogue(const GemvParts& parts, A* ac
     const int ra = head_row * Dh + (rope.neox ? i : 2 * i), rb = rope.neox ? ra + half : ra + 1;
     const int Q = rope.H * Dh, KV = rope.Hkv * Dh;
     if (head_row < rope.H + rope.Hkv) {  // q or k: rotated at position pos0 (the step's one token)
+      float* unrotated = head_row < rope.H ? rope.q_unrotated : rope.k_unrotated;  // null in production
+      if (unrotated != nullptr) {
+        const int base = head_row < rope.H ? 0 : Q;
+        unrotated[ra - base] = ya;
+        unrotated[rb - base] = yb;
+      }
       float y0, y1;
       rope_pair(ya, yb, rope.pos, i, Dh, rope.theta, rope.freq_factors, y0, y1);
       if (head_row < rope.H) {

@@ -46,6 +46,11 @@ struct GemvRope {
   // *pos0 and *write_pos as the kernel read them right after its PDL wait (gemv_rope_positions, then
   // gemv_rope_with), so the epilogue does not wait on those loads at its end. Set on the device only.
   int pos = 0, row = 0;
+  // Optional outputs, null in production: q and k as the GEMV computed them, before the rotation
+  // ([H·Dh] and [Hkv·Dh], the Qcur and Kcur checkpoints of a recorded step). Writing them changes no
+  // other output, so a recorded step runs this same launch.
+  float* q_unrotated = nullptr;
+  float* k_unrotated = nullptr;
 };
 
 // Formats with quantized kernels here (a matrix in another format is expanded at load).
