@@ -413,13 +413,18 @@ class Writer:
             self._device = cuda_staging.Staging()
         try:
             self._device.copy(t, cuda_staging.Pending(self._step, name, shape, dtype, layer, layout, native_dtype,
-                                                      None))
+                                                      None), self._write_device)
         except RuntimeError as e:
             raise DumpWriteError(self.path, str(e), where) from None
 
+    def _write_device(self, p: cuda_staging.Pending) -> None:
+        """Writes one pending device put (its copy has landed, or is waited for) after put()'s checks."""
+        self._put(p.step, p.name, p.array(), p.layer, p.layout, p.native_dtype)
+
     def reserve_device(self, nbytes: int = 0) -> None:
-        """Page-locks the staging buffer that captured graphs copy into (default 64 MiB, DIFFRUN_DUMP_STAGING_MB);
-        call it before capturing. Not during a capture."""
+        """Page-locks the staging buffer that device puts copy into: graph slots and the ring of other puts (default
+        64 MiB, DIFFRUN_DUMP_STAGING_MB). Call it before capturing, not during a capture; calling it before the first
+        device put also keeps that put from page-locking it (milliseconds; it may synchronize)."""
         if self._device is None:
             self._device = cuda_staging.Staging()
         try:
@@ -428,12 +433,12 @@ class Writer:
             raise DumpWriteError(self.path, str(e)) from None
 
     def capture_end(self) -> int:
-        """After the capture: the CUDA tensors put while capturing since the last call form one graph; its id."""
+        """After the capture, before the graph's first replay: the CUDA tensors put while capturing since the last
+        call form one graph; its id. Pending puts in the staging ring where the new graph slots lie are written
+        first (waiting for their copies)."""
         if self._device is None:
             self._device = cuda_staging.Staging()
-        self._device.graphs.append(self._device.capturing)
-        self._device.capturing = []
-        return len(self._device.graphs) - 1
+        return self._device.capture_end(self._write_device)
 
     def replay(self, graph: int) -> None:
         """After each replay of the graph (on the current stream): its copies are the current step's checkpoints,
@@ -455,10 +460,7 @@ class Writer:
         """Waits for every pending CUDA copy and writes it (close() does too)."""
         if self._device is None:
             return
-        pending, self._device.pending, self._device.bytes = self._device.pending, [], 0
-        self._device.names.clear()
-        for p in pending:
-            self._put(p.step, p.name, p.array(), p.layer, p.layout, p.native_dtype)
+        self._device.flush(self._write_device)
 
     @property
     def current_step(self) -> int | None:

@@ -45,11 +45,16 @@ def test_put_returns_while_the_stream_is_busy(tmp_path):
         w.step(0)
         w.put("tokens", np.array([3, 5], np.int32))
         x = torch.randn(2, 8, device="cuda")
+        # The first launch of a kernel loads its module (CUDA's lazy loading), which may wait for the device:
+        # the kernels launched while the stream is busy below are loaded now.
+        (x * 2).to(torch.bfloat16)
         expected_x = x.cpu()
-        torch.cuda._sleep(200_000_000)  # keeps the stream busy for a while (~0.1 s)
+        torch.cuda._sleep(400_000_000)  # keeps the stream busy for a while (~0.2 s)
         y = x * 2
-        w.put("embd", y)
-        w.put("attn_norm-0", y.to(torch.bfloat16))
+        y16 = y.to(torch.bfloat16)
+        assert not stream.query(), "the stream is idle before the puts: this test would detect nothing"
+        w.put("embd", y)  # the first device put: page-locks the staging buffer (no synchronization)
+        w.put("attn_norm-0", y16)
         busy = not stream.query()
     assert busy, "put() waited for the stream"
     with h5py.File(out, "r") as f:
@@ -106,3 +111,53 @@ def test_s_dimension_is_refused_inside_a_capture(tmp_path):
         with torch.cuda.graph(g):
             w.put("kq_soft_max-0", probs * 1)
     w.abort()
+
+
+def test_the_staging_ring_wraps_and_graph_slots_stay_apart(tmp_path):
+    """A 4 KiB staging: eager puts wrap around its ring (writing the oldest out when full), a put bigger than the
+    whole buffer takes its own pinned memory, and a capture's slots, taken where the ring's pending puts were, do
+    not overwrite them."""
+    out = tmp_path / "ring.h5"
+    w = writer.open(out, backend="torch-cuda", precision="f32", meta=META)
+    w.reserve_device(4096)  # 16 slots of 256 bytes
+    for step in range(40):
+        w.step(step)
+        w.put("tokens", torch.tensor([3], device="cuda"))  # int64 on the device: stored int32
+        x = torch.full((1, 8), float(step), device="cuda")
+        w.put("embd", x)
+        w.put("attn_norm-0", (x + 0.5).to(torch.bfloat16))
+        if step == 20:
+            w.put("l_out-0", torch.arange(2048, dtype=torch.float32, device="cuda").reshape(256, 8))
+    pending = len(w._device.pending)
+    assert 0 < pending < 3 * 16, pending  # the ring holds at most its 16 slots
+    w.step(40)
+    w.put("tokens", np.array([7], np.int32))
+    static_in = torch.zeros(1, 8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        static_in * 2 + 1
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.put("embd", static_in * 2 + 1)
+    graph = w.capture_end()  # the ring's pending puts are written before the slot can be overwritten
+    for step in (40, 41):
+        if step > 40:
+            w.step(step)
+            w.put("tokens", np.array([7], np.int32))
+        static_in.fill_(float(step))
+        g.replay()
+        w.replay(graph)
+        y = static_in + 0.25  # an eager put after the capture: in the ring, after the graph slot
+        w.put("attn_norm-0", y)
+    w.close()
+    with h5py.File(out, "r") as f:
+        for step in range(40):
+            assert np.array_equal(f[f"step_{step:04d}/tokens"][()], [3]), step
+            assert np.all(f[f"step_{step:04d}/embd"][()] == step), step
+            assert np.all(f[f"step_{step:04d}/attn_norm-0"][()] == step + 0.5), step
+        assert np.array_equal(f["step_0020/l_out-0"][()], np.arange(2048, dtype=np.float32).reshape(256, 8))
+        for step in (40, 41):
+            assert np.all(f[f"step_{step:04d}/embd"][()] == 2 * step + 1), step
+            assert np.all(f[f"step_{step:04d}/attn_norm-0"][()] == step + 0.25), step
