@@ -504,7 +504,7 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
   if (c.recording) {
     const RecordingCheck& r = *c.recording;
     if (r.same)
-      out += fmt::format("  recording  unchanged: the logits of {} steps equal {}'s bit for bit\n", r.steps,
+      out += fmt::format("  recording  unchanged: every step's logits ({} steps) equal, bit for bit, {}\n", r.steps,
                          r.unrecorded_source);
     else
       out += s.red(fmt::format("  recording  CHANGED the result: step {} logit {} is {:.9g} recorded, {:.9g} in {}",

@@ -154,13 +154,13 @@ void CheckpointStager::note(int step, std::string name, int layer, const char* l
     if (in_arena) {
       if (arena_.size() == 0) arena_ = DeviceBuffer<unsigned char>(arena_bytes_, "checkpoint staging");
       copies_.push_back({dev, reinterpret_cast<float*>(arena_.get() + arena_used_), n, nullptr, 0, 0, f16, host, true,
-                         current_});
+                         current_, false});
       arena_used_ += bytes;
     } else {
       const Chunk& c = chunks_[current_];  // the chunk reserve() took it from
       float* mapped = reinterpret_cast<float*>(c.mapped + (static_cast<unsigned char*>(host) - c.mem.get()));
       copies_.push_back({dev, mapped, rows.n_past ? most : n, rows.n_past, rows.add, per_row, f16, host, false,
-                         current_});
+                         current_, rows.n_past != nullptr && rows.until_step_end});
     }
     pending_.push_back(
         {step, rows.n_past ? rows.s_dim : -1, std::move(name), layer, layout, std::move(shape), f16, false, host, n});
@@ -201,22 +201,35 @@ void CheckpointStager::stage(int step, std::string name, int layer, const char* 
   note(step, std::move(name), layer, layout, std::move(shape), dev, true, stream, rows);
 }
 
-void CheckpointStager::flush(cudaStream_t stream) {
-  for (size_t first = 0; first < copies_.size(); first += kGatherBatch) {
-    const size_t count = std::min<size_t>(kGatherBatch, copies_.size() - first);
+// Gather launches for `copies` on `stream`, kGatherBatch tensors each (PDL on the compute stream).
+void CheckpointStager::launch_gathers(const std::vector<Copy>& copies, cudaStream_t stream, bool pdl) {
+  for (size_t first = 0; first < copies.size(); first += kGatherBatch) {
+    const size_t count = std::min<size_t>(kGatherBatch, copies.size() - first);
     GatherBatch batch{};
     int64_t longest = 0;
     for (size_t i = 0; i < count; ++i) {
-      const Copy& c = copies_[first + i];
+      const Copy& c = copies[first + i];
       batch.copy[i] = c.n_past ? GatherCopy{c.src, c.dst, static_cast<long long>(c.per_row), c.n_past, c.add, c.f16 ? 1 : 0}
                                : GatherCopy{c.src, c.dst, static_cast<long long>(c.n), nullptr, 0, c.f16 ? 1 : 0};
       longest = std::max(longest, c.n);
     }
     const int64_t blocks = (longest + kGatherThreads - 1) / kGatherThreads;
     const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, kGatherBlocks)), static_cast<unsigned>(count));
-    launch_pdl(gather_kernel, grid, dim3(kGatherThreads), 0, stream, batch);
+    if (pdl)
+      launch_pdl(gather_kernel, grid, dim3(kGatherThreads), 0, stream, batch);
+    else
+      gather_kernel<<<grid, kGatherThreads, 0, stream>>>(batch);
     check_launch("checkpoint gather", stream);
   }
+}
+
+void CheckpointStager::flush(cudaStream_t stream) {
+  // Tensors that stay unchanged until the step ends (DeviceRows::until_step_end: the cache) are gathered
+  // on the copy stream, beside the compute; the others on the compute stream, before it moves on.
+  std::vector<Copy> beside;
+  std::vector<Copy> here;
+  for (const Copy& c : copies_) (c.beside ? beside : here).push_back(c);
+  launch_gathers(here, stream, true);
   // The arena's new part to pinned memory on the copy stream, in runs contiguous on both sides and
   // inside one pinned chunk (two chunks may be adjacent in memory; one copy may not span both).
   bool waited = false;
@@ -240,6 +253,14 @@ void CheckpointStager::flush(cudaStream_t stream) {
       waited = true;
     }
     CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToHost, copier_));
+  }
+  if (!beside.empty()) {
+    if (!waited) {
+      CUDA_CHECK(cudaEventRecord(gathered_, stream));
+      CUDA_CHECK(cudaStreamWaitEvent(copier_, gathered_, 0));
+      waited = true;
+    }
+    launch_gathers(beside, copier_, false);
   }
   if (waited) {
     CUDA_CHECK(cudaEventRecord(copied_, copier_));

@@ -45,6 +45,9 @@ struct DeviceRows {
   int add = 0;
   int s_dim = 0;
   int64_t max_rows = 0;
+  // The tensor keeps its values until the step ends (the KV cache): gathered on the copy stream,
+  // beside the compute, instead of on the compute stream before the next op.
+  bool until_step_end = false;
 };
 
 class CheckpointStager {
@@ -119,6 +122,7 @@ class CheckpointStager {
     void* host;       // pinned: where the values end up
     bool in_arena;    // then copied from dst to host after the gather
     size_t chunk;     // the pinned chunk holding host
+    bool beside;      // gathered on the copy stream (DeviceRows::until_step_end)
   };
   struct Chunk {
     PinnedBuffer<unsigned char> mem;
@@ -127,6 +131,7 @@ class CheckpointStager {
   };
 
   void* reserve(size_t bytes);
+  void launch_gathers(const std::vector<Copy>& copies, cudaStream_t stream, bool pdl);
   void note(int step, std::string name, int layer, const char* layout, std::vector<int64_t> shape, const void* dev,
             bool f16, cudaStream_t stream, DeviceRows rows);
 

@@ -531,7 +531,8 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "Qrope", l, q_rot, {n, H, Dh});
     cp(sink, step, "Krope", l, k_rot, {n, Hkv, Dh});  // replaced: the cache keeps rope_qk's rows (see the top)
     // Under capture S is read on the device, so that the graph records every position (DeviceRows).
-    const DeviceRows cache_rows = capturing_ ? DeviceRows{n_past, n, 0, max_ctx_} : DeviceRows{};
+    // The cache rows stay as they are until the step ends: gathered beside the compute.
+    const DeviceRows cache_rows = capturing_ ? DeviceRows{n_past, n, 0, max_ctx_, true} : DeviceRows{};
     cp(sink, step, "cache_k", l, cache_k, {S, Hkv, Dh}, cache_rows);
     cp(sink, step, "cache_v", l, cache_v, {S, Hkv, Dh}, cache_rows);
 
