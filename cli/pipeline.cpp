@@ -642,9 +642,12 @@ class Comparator {
       cx_.sh.compared_all[p_] = 1;
       cx_.sh.cv.notify_all();
     }
-    return stream_->finish(writers_[kEngine] ? pair_.engine_path : none,
-                           writers_[kReference] ? pair_.reference_path : none, argmax_[kEngine], argmax_[kReference],
-                           last);
+    diff::Comparison c = stream_->finish(writers_[kEngine] ? pair_.engine_path : none,
+                                         writers_[kReference] ? pair_.reference_path : none, argmax_[kEngine],
+                                         argmax_[kReference], last);
+    c.step_fused = fused_[kEngine];
+    c.step_graph = graph_[kEngine];
+    return c;
   }
 
  private:
@@ -971,6 +974,9 @@ class HeldReplay {
     const auto t0 = std::chrono::steady_clock::now();
     argmax_.push_back(argmax(engine_.forward(step, tokens, *sink_)));
     const double forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const StepPath path = engine_.last_step_path();
+    graph_.push_back(path.graph ? 1 : 0);
+    fused_.push_back(static_cast<int32_t>(path.fused));
     // The reference's side of the step, once the engine no longer needs its values.
     sc_.add_tokens(diff::StreamSide::reference, step, std::move(held.tokens));
     std::vector<std::pair<DatasetInfo, diff::StreamComparison::Values>> batch;
@@ -987,14 +993,22 @@ class HeldReplay {
   void attach(diff::Comparison& c, const std::string& engine_name, const std::string& reference_name,
               const std::vector<int32_t>& reference_argmax) {
     if (writer_) {
-      writes_.post([this] {
+      const bool paths = engine_.facts().count("fused_kernel_bits") > 0;
+      writes_.post([this, paths] {
         writer_->set_attribute("all_token_ids", fed_);
         writer_->set_attribute("argmax", argmax_);
+        if (paths) {
+          writer_->set_attribute("step_graph", graph_);
+          writer_->set_attribute("step_fused", fused_);
+        }
         writer_->finish();
       }, 0);
       writes_.drain();
     }
-    diff::add_isolation(c, sc_.finish(engine_name, reference_name, argmax_, reference_argmax), rules_.copt);
+    diff::Comparison isolated = sc_.finish(engine_name, reference_name, argmax_, reference_argmax);
+    isolated.step_fused = fused_;
+    isolated.step_graph = graph_;
+    diff::add_isolation(c, isolated, rules_.copt);
   }
 
  private:
@@ -1017,6 +1031,7 @@ class HeldReplay {
   WriteQueue writes_;  // after the writer: its thread stops before the writer is destroyed
   std::optional<HeldReplaySink> sink_;
   std::vector<int32_t> fed_, argmax_;
+  std::vector<int32_t> graph_, fused_;  // the engine's StepPath per replayed step
 };
 
 // What the isolated comparison calls its dumps: the isolated dump and the reference's, or "not written".

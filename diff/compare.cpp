@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <set>
 
@@ -356,6 +357,8 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
                            &a, &b);
       },
       ref_steps, engine.int_attribute("argmax"), reference.int_attribute("argmax"));
+  c.step_fused = engine.int_attribute("step_fused");
+  c.step_graph = engine.int_attribute("step_graph");
   return c;
 }
 
@@ -393,6 +396,46 @@ bool inputs_replaced(int step, std::string_view base, int layer, int n_layer, co
 
 }  // namespace
 
+namespace {
+
+// The "graph" entry of fused_kernel_checkpoints, as a bit outside the fused kernels'.
+constexpr uint32_t kGraphBit = 1u << 31;
+
+// fused_kernel_checkpoints ("1 embd,attn_norm-0; 2 Qrope,...; graph Qrope,..."): per fused-kernel bit (or
+// "graph", kGraphBit), the checkpoint kinds (or names) whose values depend on it. Entries that do not
+// parse are ignored (a fact is informative).
+std::vector<std::pair<uint32_t, std::set<std::string>>> fused_kernel_checkpoints(const DumpMeta& m) {
+  std::vector<std::pair<uint32_t, std::set<std::string>>> out;
+  auto it = m.facts.find("fused_kernel_checkpoints");
+  if (it == m.facts.end()) return out;
+  std::string_view rest = it->second;
+  while (!rest.empty()) {
+    const size_t semi = rest.find(';');
+    std::string_view entry = rest.substr(0, semi);
+    rest = semi == std::string_view::npos ? std::string_view() : rest.substr(semi + 1);
+    while (!entry.empty() && entry.front() == ' ') entry.remove_prefix(1);
+    const size_t space = entry.find(' ');
+    if (space == std::string_view::npos) continue;
+    const std::string bit_text(entry.substr(0, space));
+    char* end = nullptr;
+    const unsigned long bit = bit_text == "graph" ? kGraphBit : std::strtoul(bit_text.c_str(), &end, 10);
+    if ((bit != kGraphBit && *end != '\0') || bit == 0 || bit > 0xffffffffUL) continue;
+    std::set<std::string> names;
+    std::string_view list = entry.substr(space + 1);
+    while (!list.empty()) {
+      const size_t comma = list.find(',');
+      std::string_view name = list.substr(0, comma);
+      while (!name.empty() && name.back() == ' ') name.remove_suffix(1);
+      if (!name.empty()) names.emplace(name);
+      list = comma == std::string_view::npos ? std::string_view() : list.substr(comma + 1);
+    }
+    out.emplace_back(static_cast<uint32_t>(bit), std::move(names));
+  }
+  return out;
+}
+
+}  // namespace
+
 void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptions& opt) {
   ResultIndex by_key, in_reference;
   for (const auto& r : isolated.results) {
@@ -402,6 +445,26 @@ void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptio
   const int n_layer = c.reference_meta.config.n_layer;
   int chained = 0;  // isolated errors that span more than their op: no local error
   std::string chained_example;
+  // Fused kernels the engine's step ran and the replay's did not: their checkpoints get no local error.
+  const auto fused_outputs = fused_kernel_checkpoints(c.engine_meta);
+  const auto unfused_in_replay = [&](const CheckpointResult& r) {
+    if (fused_outputs.empty() || r.step < 0) return false;
+    const size_t s = static_cast<size_t>(r.step);
+    // The step's path as bits (kGraphBit for a graph replay); a side that does not say: the same path.
+    const auto path = [s](const Comparison& x, uint32_t otherwise) {
+      if (s >= x.step_fused.size() && s >= x.step_graph.size()) return otherwise;
+      uint32_t bits = s < x.step_fused.size() ? static_cast<uint32_t>(x.step_fused[s]) & ~kGraphBit : 0;
+      if (s < x.step_graph.size() && x.step_graph[s] != 0) bits |= kGraphBit;
+      return bits;
+    };
+    const uint32_t ran = path(c, 0);
+    const uint32_t replayed = path(isolated, ran);
+    for (const auto& [bit, names] : fused_outputs)
+      if ((ran & bit) && !(replayed & bit) && (names.count(r.base) || names.count(r.name))) return true;
+    return false;
+  };
+  int unfused = 0;
+  std::string unfused_example;
   bool local_only_first = false;  // the first failure fails on its local error alone
   std::optional<size_t> first_local;
   for (size_t i = 0; i < c.results.size(); ++i) {
@@ -410,6 +473,10 @@ void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptio
     if (it == by_key.end()) continue;
     if (!inputs_replaced(r.step, r.base, r.layer, n_layer, in_reference, opt.checkpoints)) {
       if (chained++ == 0) chained_example = fmt::format("{} at step {}", r.name, r.step);
+      continue;
+    }
+    if (unfused_in_replay(r)) {
+      if (unfused++ == 0) unfused_example = fmt::format("{} at step {}", r.name, r.step);
       continue;
     }
     const CheckpointResult& iso = *it->second;
@@ -449,6 +516,13 @@ void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptio
       const CheckpointResult& g = isolated.results[*isolated.first_failure];
       if (g.step == f.step && g.name == f.name) c.pattern = isolated.pattern;
     }
+  }
+  if (unfused > 0 && c.first_failure) {  // a clean run needs no word of it
+    c.warnings.push_back(fmt::format(
+        "isolation: {} checkpoint(s) have no local error ({} the first): the engine's step computed them in a "
+        "fused kernel or a CUDA graph replay, where the isolation replay, which replaces inputs between ops, ran "
+        "the unfused twins one by one (fact fused_kernel_checkpoints, root attributes step_fused, step_graph)",
+        unfused, unfused_example));
   }
   if (c.first_failure) {
     c.verdict = decide_verdict(c.results, *c.first_failure, c.reference_meta.config.n_layer, opt.jump_factor);

@@ -107,6 +107,12 @@ struct Comparison {
   Coverage coverage;
   std::string isolated_path;  // the isolation-replay dump, when add_isolation ran
   std::optional<RecordingCheck> recording;  // when the recording check ran
+  // The engine's StepPath per step (root attributes step_fused and step_graph; empty: not known).
+  // add_isolation gives no local error to a checkpoint that the engine's step computed in a fused kernel
+  // the isolation replay's step did not run, or in a graph replay where the isolation replay launched
+  // the kernels one by one, when the engine's fact fused_kernel_checkpoints names it for that kernel or
+  // for "graph": the replay measured another program there.
+  std::vector<int32_t> step_fused, step_graph;
 
   bool diverged() const { return first_failure.has_value(); }
   bool recording_changed() const { return recording && !recording->same; }

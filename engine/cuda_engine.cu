@@ -134,6 +134,12 @@ constexpr uint32_t kFusedMatmulGateUpSwiglu = 4;
 constexpr uint32_t kFusedMatmulArgmax = 8;
 constexpr const char* kFusedKernelBits =
     "1 embedding_rms_norm, 2 matmul_qkv_rope, 4 matmul_gate_up_swiglu, 8 matmul_argmax";
+// What each fused kernel's epilogue writes, and what reads the position inside a graph replay (a value
+// baked in at capture would show there): isolation replay, unfused and outside the graph, gives these
+// no local error where the step ran the kernel or the graph (diff::add_isolation).
+constexpr const char* kFusedKernelCheckpoints =
+    "1 embd,attn_norm-0; 2 Qrope,Krope,cache_k,cache_v; 4 ffn_swiglu; 8 result_output; "
+    "graph Qrope,Krope,cache_k,cache_v";
 
 bool env_is_zero(const char* name) {
   const char* v = std::getenv(name);
@@ -276,6 +282,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"embedding_rms_norm", embd_norm_fused_ ? "one-token steps, recorded or not (dense token_embd)" : "off"},
         {"lm_head_argmax", lm_head_argmax_ ? "every step's last token, recorded or not (dense lm head)" : "off"},
         {"fused_kernel_bits", kFusedKernelBits},
+        {"fused_kernel_checkpoints", kFusedKernelCheckpoints},
         {"recomputed_checkpoints",
          std::string(tiled_attention_ ? "kq_soft_max of steps over " + std::to_string(kAttentionSplitMaxT) +
                                             " tokens (attention writes the probabilities beside attention_tiled's "

@@ -417,6 +417,42 @@ TEST_F(Compare, LocalErrorsJudgedByTheirOwnBounds) {
   EXPECT_NE(text.find("local rel_l2"), std::string::npos) << text;
 }
 
+// A step whose engine ran a fused kernel that the isolation replay ran as its unfused twins (facts
+// fused_kernel_checkpoints, step_fused): the replay measured another kernel, so the fused kernel's
+// checkpoints get no local error at that step (and the report says so); at a step where both ran the
+// same path, the same local error counts.
+TEST_F(Compare, NoLocalErrorWhereTheReplayRanAnotherKernel) {
+  SyntheticDump iso = engine_dump();
+  iso.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (name == "ffn_out-2" && step >= 1)
+      for (float& x : v) x *= 1.002f;
+  };
+  iso.write(path("isolated.h5"));
+  const DumpReader ir(path("isolated.h5")), r(path("reference.h5"));
+  const ToleranceSet local = parse_tolerances(
+      R"({"preset": "t_local", "rules": [], "default": {"max_rel_l2": 1e-4, "reason": "local"}})", "t_local.json");
+  CompareOptions judge;
+  judge.judge_local = true;
+  for (const bool replay_fused : {false, true}) {
+    SCOPED_TRACE(replay_fused ? "the replay ran the fused kernel" : "the replay ran the unfused twins");
+    Comparison c = run(engine_dump(), rel(5e-3));
+    c.engine_meta.facts["fused_kernel_checkpoints"] = "1 embd; 4 ffn_gate,ffn_up,ffn_out";
+    c.step_fused.assign(3, 0);
+    c.step_fused[1] = 4;  // step 1 ran kernel 4; steps 0 and 2 ran nothing fused
+    c.step_graph.assign(3, 0);
+    Comparison isolated = compare_dumps(ir, r, local, judge);
+    isolated.step_fused.assign(3, replay_fused ? 4 : 0);
+    isolated.step_graph.assign(3, 0);
+    add_isolation(c, isolated, judge);
+    ASSERT_TRUE(c.diverged());
+    EXPECT_EQ(first(c).name, "ffn_out-2");
+    EXPECT_EQ(first(c).step, replay_fused ? 1 : 2);
+    bool warned = false;
+    for (const std::string& w : c.warnings) warned |= w.find("unfused twins") != std::string::npos;
+    EXPECT_EQ(warned, !replay_fused);
+  }
+}
+
 // A replay from a reference that lacks an op's inputs (here one recorded with a filter, l_out alone) ran
 // the op on the engine's own values there: its isolated error spans the whole layer, so it is no local
 // error. add_isolation leaves it out (and says so), where the same replay against the full reference
