@@ -22,6 +22,7 @@
 #include "capi/cuda_driver.hpp"
 #include "checkpoints/dump_format.hpp"
 #include "checkpoints/dump_validate.hpp"
+#include "checkpoints/rows.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "model/error.hpp"
 
@@ -223,13 +224,16 @@ bool recorded(const diffrun_dump* d, int step, const std::string& name) {
 // The checks of every put, host or device, against the current step: name, dtype, shape and layout
 // against the vocabulary, tokens first, each name once. Reads `data` only for tokens (their ids).
 Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, int ndim, diffrun_dtype dtype,
-                  const void* data, const char* layout_c, const char* native_c, bool foreign = false) {
+                  const void* data, const char* layout_c, const char* native_c, bool foreign = false,
+                  int64_t row_offset = 0) {
   const std::string name = str_arg(name_c, "the checkpoint name");
   const std::string at = dataset_at(d, name);
   const char* type = dtype_name(dtype);
   need(type != nullptr, DIFFRUN_DUMP_E_ARG, at + "unknown dtype " + std::to_string(dtype) +
                                                 " (DIFFRUN_F32, _F16, _BF16, _F64 or _I32)");
   need(d->step >= 0, DIFFRUN_DUMP_E_STEP, at + "no step started (call diffrun_dump_step first)");
+  need(row_offset == 0 || (name != "tokens" && !foreign), DIFFRUN_DUMP_E_CHECKPOINT,
+       at + "row_offset " + std::to_string(row_offset) + ": tokens hold every row of a step");
   need(ndim >= 0 && ndim <= 8, DIFFRUN_DUMP_E_ARG, at + "ndim " + std::to_string(ndim) + " outside 0..8");
   need(ndim == 0 || dims != nullptr, DIFFRUN_DUMP_E_ARG, at + "dims is NULL");
   std::vector<int64_t> shape(dims, dims + ndim);
@@ -288,22 +292,40 @@ Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t*
     return c;
   }
   const std::string layout = layout_c ? layout_c : "";
+  // row_offset (diffrun_dump_put_rows): the data hold rows row_offset.. of the row dimension, T (S for the cache).
+  int64_t n_tokens = d->n_tokens, n_kv = d->n_kv;
+  if (row_offset != 0) {
+    const diffrun::CheckpointKind* k = diffrun::find_checkpoint_kind(diffrun::parse_checkpoint_name(name).base);
+    if (k) {  // an unknown name is named by check_checkpoint below
+      need(diffrun::row_dim(k->layout) >= 0, DIFFRUN_DUMP_E_CHECKPOINT,
+           at + "row_offset " + std::to_string(row_offset) + " on a checkpoint without token or cache rows (layout " +
+               k->layout + ")");
+      const bool cache = diffrun::is_cache_layout(k->layout);
+      int64_t& rows = cache ? n_kv : n_tokens;
+      need(row_offset > 0 && row_offset < rows && row_offset <= std::numeric_limits<int32_t>::max(),
+           DIFFRUN_DUMP_E_CHECKPOINT,
+           at + "row_offset " + std::to_string(row_offset) + " outside the step's " + std::to_string(rows) +
+               (cache ? " cache rows (S)" : " token rows (T)") + ": 0 <= row_offset < " + (cache ? "S" : "T"));
+      rows -= row_offset;
+    }
+  }
   std::vector<int64_t> canonical;
-  const std::string problem =
-      diffrun::check_checkpoint(cfg, name, layer, shape, layout, d->n_tokens, d->n_kv, &canonical);
-  need(problem.empty(), DIFFRUN_DUMP_E_CHECKPOINT, at + problem);
+  const std::string problem = diffrun::check_checkpoint(cfg, name, layer, shape, layout, n_tokens, n_kv, &canonical);
+  need(problem.empty(), DIFFRUN_DUMP_E_CHECKPOINT,
+       at + problem + (row_offset != 0 ? " (with row_offset " + std::to_string(row_offset) + ")" : std::string()));
   const diffrun::ParsedCheckpointName parsed = diffrun::parse_checkpoint_name(name);
   const diffrun::CheckpointKind* kind = diffrun::find_checkpoint_kind(parsed.base);
   const int order = diffrun::checkpoint_order(cfg, parsed.base, parsed.layer);
   // Merged heads are stored in the vocabulary's shape (same bytes).
   c.shape = canonical;
-  c.attrs = {order, layer, layout.empty() ? std::string(kind->layout) : layout, native, std::nullopt};
+  c.attrs = {order, layer, layout.empty() ? std::string(kind->layout) : layout, native,
+             row_offset != 0 ? std::optional<int>(static_cast<int>(row_offset)) : std::nullopt};
   return c;
 }
 
 void put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, int ndim, diffrun_dtype dtype,
-         const void* data, const char* layout_c, const char* native_c, bool foreign = false) {
-  const Checked c = check_put(d, name_c, layer, dims, ndim, dtype, data, layout_c, native_c, foreign);
+         const void* data, const char* layout_c, const char* native_c, bool foreign = false, int64_t row_offset = 0) {
+  const Checked c = check_put(d, name_c, layer, dims, ndim, dtype, data, layout_c, native_c, foreign, row_offset);
   d->file->write(d->step, c.name, c.type, c.shape, data, c.attrs);
   if (c.name == "tokens") {
     d->step_has_tokens = true;
@@ -689,6 +711,12 @@ int diffrun_dump_put_foreign(diffrun_dump* d, const char* name, const int64_t* d
                              const void* data, const char* native_dtype) {
   if (!d) return null_handle("diffrun_dump_put_foreign");
   return guard(d, [&] { put(d, name, -1, dims, ndim, dtype, data, nullptr, native_dtype, true); });
+}
+
+int diffrun_dump_put_rows(diffrun_dump* d, const char* name, int layer, const int64_t* dims, int ndim,
+                          diffrun_dtype dtype, const void* data, int64_t row_offset) {
+  if (!d) return null_handle("diffrun_dump_put_rows");
+  return guard(d, [&] { put(d, name, layer, dims, ndim, dtype, data, nullptr, nullptr, false, row_offset); });
 }
 
 int diffrun_dump_set_staging(diffrun_dump* d, size_t bytes) {

@@ -1,4 +1,5 @@
-/* diffrun dump writer, C API: write a diffrun dump (docs/dump-format.md) from any engine in C, C++ or Rust. */
+/* diffrun dump writer and reader, C API: write a diffrun dump (docs/dump-format.md) from any engine in C, C++ or
+ * Rust, and read a reference dump's tensors back (isolation replay). */
 #ifndef DIFFRUN_DUMP_WRITER_H
 #define DIFFRUN_DUMP_WRITER_H
 
@@ -83,7 +84,7 @@ DIFFRUN_DUMP_API int diffrun_dump_step_tokens(diffrun_dump* d, int step, const i
 /* Root attributes by name (docs/dump-format.md lists them with their types); setting one again
  * replaces it. set_string on a name the format does not define records a backend fact.
  *   strings:  backend, precision ("f16", "bf16", "f32", "f64"), model_path, model_fingerprint,
- *             arch ("llama", "qwen2", "qwen3"), rope_type ("norm", "neox"), prompt, created_utc,
+ *             arch ("llama", "qwen2", "qwen3", "gemma3"), rope_type ("norm", "neox"), prompt, created_utc,
  *             diffrun_version, and facts
  *   integers: n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx
  *   reals:    rope_theta, rms_eps
@@ -123,6 +124,17 @@ DIFFRUN_DUMP_API int diffrun_dump_put_ex(diffrun_dump* d, const char* name, int 
  * checked. "tokens" itself goes through diffrun_dump_put. */
 DIFFRUN_DUMP_API int diffrun_dump_put_foreign(diffrun_dump* d, const char* name, const int64_t* dims, int ndim,
                                               diffrun_dtype dtype, const void* data, const char* native_dtype);
+
+/* diffrun_dump_put for a checkpoint that holds only rows row_offset.. of its row dimension
+ * (docs/dump-format.md, "Rows"): the cache positions S of cache_k/cache_v ([S - row_offset, Hkv, Dh];
+ * the rows a step wrote are row_offset = S - T), else the tokens T of a checkpoint whose layout has T
+ * (kq_soft_max [H, T - row_offset, S], result_output [T - row_offset, V], attn_norm [T - row_offset, D]).
+ * dims count the rows held; the dataset gets the attribute row_offset, and readers (diffrun compare,
+ * diffrun_dump_reader_get, the Python package) put a cache cut this way back together from the earlier
+ * steps. 0 <= row_offset < T (S); 0 is diffrun_dump_put. Refused (DIFFRUN_DUMP_E_CHECKPOINT) for tokens
+ * and for a checkpoint without T or S rows (the layout is the vocabulary's). */
+DIFFRUN_DUMP_API int diffrun_dump_put_rows(diffrun_dump* d, const char* name, int layer, const int64_t* dims, int ndim,
+                                           diffrun_dtype dtype, const void* data, int64_t row_offset);
 
 /* ---- Device puts: checkpoints in CUDA device memory, recorded without synchronizing the engine ----
  *
@@ -217,6 +229,58 @@ DIFFRUN_DUMP_API int diffrun_dump_close(diffrun_dump* d);
 
 /* Discards the dump: removes the temporary file and frees the handle (waiting for device copies in flight). */
 DIFFRUN_DUMP_API int diffrun_dump_abort(diffrun_dump* d);
+
+/* ---- Reading a dump: the reference's tensors for an isolation replay ----
+ *
+ * diffrun_dump_reader opens any dump read-only (diffrun's, the C API's, the Python package's, another
+ * writer's) through diffrun's own reader, the one `diffrun compare` uses: float datasets come back as
+ * float32 whatever their stored dtype (f16, bf16, f64), in the vocabulary's layout (a permuted `layout`
+ * is permuted back, merged heads split: Qcur is [T, H, Dh]), and a cache_k/cache_v stored as the rows each
+ * step wrote (row_offset, docs/dump-format.md "Rows") is put back together from the earlier steps into
+ * [S, Hkv, Dh]. The reader refuses what diffrun refuses (not HDF5, not a diffrun dump, another format
+ * version, links to other files) with DIFFRUN_DUMP_E_IO and a message naming the file. The isolation
+ * replay (docs/dump-format.md, "Isolation replay"): at each checkpoint the engine puts its own output,
+ * then continues from the reference's tensor of the same name and step where the reference holds it
+ * whole (row_offset 0):
+ *   if (diffrun_dump_reader_get(ref, "Qcur-3", step, &x, &dims, &ndim, &row_offset) == DIFFRUN_DUMP_OK &&
+ *       row_offset == 0) ... continue from x ...
+ * One handle is not to be used from two threads at once. */
+typedef struct diffrun_dump_reader diffrun_dump_reader;
+
+/* Opens the dump at `path` read-only. On failure *out is NULL and diffrun_dump_reader_last_error(NULL)
+ * says why (DIFFRUN_DUMP_E_IO: missing, not HDF5, not a diffrun dump, damaged; DIFFRUN_DUMP_E_ARG: NULL). */
+DIFFRUN_DUMP_API int diffrun_dump_reader_open(const char* path, diffrun_dump_reader** out);
+
+/* The steps the dump holds, ascending (0 the prefill; a dump written with `--dump divergence` may skip
+ * some). *steps points into the handle, valid until it is closed. */
+DIFFRUN_DUMP_API int diffrun_dump_reader_steps(diffrun_dump_reader* r, const int** steps, size_t* n);
+
+/* The token ids step `step` was fed (its `tokens` dataset). *ids points into the handle, valid until
+ * the next diffrun_dump_reader_tokens or _close. DIFFRUN_DUMP_E_STEP when the dump has no such step, so
+ * this runs a teacher-forced loop over the reference:
+ *   for (int s = 0; diffrun_dump_reader_tokens(ref, s, &ids, &n) == DIFFRUN_DUMP_OK; ++s) ... */
+DIFFRUN_DUMP_API int diffrun_dump_reader_tokens(diffrun_dump_reader* r, int step, const int32_t** ids, size_t* n);
+
+/* The checkpoint `name` (e.g. "Qcur-3", "cache_k-0") of step `step`, as float32, row-major in the
+ * vocabulary's layout: *data holds the product of dims[0..*ndim) values. *data and *dims point into the
+ * handle, valid until the next diffrun_dump_reader_get or _close. *row_offset (may be NULL) is the
+ * first row of its row dimension the data hold: 0 for a whole tensor (a cut cache put back together
+ * included); > 0 where the dump holds only the last rows (kq_soft_max, result_output or every per-token
+ * checkpoint cut by --softmax-rows, --logits-rows, --token-rows; a cache whose earlier rows are in no
+ * step): then dims count the rows held. dims and ndim may be NULL too.
+ * DIFFRUN_DUMP_E_STEP: the dump has no step `step`; DIFFRUN_DUMP_E_CHECKPOINT: the step holds no float
+ * dataset `name` (an isolation replay then keeps the engine's own tensor); DIFFRUN_DUMP_E_IO: the data
+ * cannot be read (the message names the file, step and dataset). */
+DIFFRUN_DUMP_API int diffrun_dump_reader_get(diffrun_dump_reader* r, const char* name, int step, const float** data,
+                                             const int64_t** dims, int* ndim, int64_t* row_offset);
+
+/* Closes the file and frees the handle (NULL: nothing). */
+DIFFRUN_DUMP_API int diffrun_dump_reader_close(diffrun_dump_reader* r);
+
+/* The message of the last failure on this reader ("" if none), naming the file, step and dataset; with
+ * NULL, the last reader failure in this thread (open, a NULL handle). Valid until the next call with the
+ * same handle (or, for NULL, in the same thread). */
+DIFFRUN_DUMP_API const char* diffrun_dump_reader_last_error(const diffrun_dump_reader* r);
 
 /* The message of the last failure on this handle ("" if none), naming the file, attribute or
  * dataset; with NULL, the last failure in this thread (open, close, a NULL handle). Valid until
