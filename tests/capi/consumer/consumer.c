@@ -1,4 +1,4 @@
-/* A one-file consumer of the installed C API: writes a one-step dump of a tiny llama config (embd only). */
+/* A one-file consumer of the installed C API: writes a one-step dump of a tiny llama config (embd only), then reads it back with the reader. */
 #include <diffrun/dump_writer.h>
 
 #include <stdio.h>
@@ -50,6 +50,27 @@ int main(int argc, char** argv) {
     fprintf(stderr, "close: %s\n", diffrun_dump_last_error(NULL));
     return 1;
   }
-  printf("consumer: wrote %s with diffrun-dump-writer %s\n", argv[1], diffrun_dump_version());
+  diffrun_dump_reader* r = NULL;
+  const float* x = NULL;
+  const int64_t* dims = NULL;
+  const int32_t* got = NULL;
+  size_t n = 0;
+  int ndim = 0;
+  int64_t row_offset = -1;
+  if (diffrun_dump_reader_open(argv[1], &r) != DIFFRUN_DUMP_OK ||
+      diffrun_dump_reader_tokens(r, 0, &got, &n) != DIFFRUN_DUMP_OK ||
+      diffrun_dump_reader_get(r, "embd", 0, &x, &dims, &ndim, &row_offset) != DIFFRUN_DUMP_OK) {
+    fprintf(stderr, "read: %s\n", diffrun_dump_reader_last_error(r));
+    diffrun_dump_reader_close(r);
+    return 1;
+  }
+  int ok = n == 2 && got[0] == 1 && got[1] == 2 && ndim == 2 && dims[0] == 2 && dims[1] == 8 && row_offset == 0;
+  for (int i = 0; ok && i < 16; ++i) ok = x[i] == embd[i];
+  diffrun_dump_reader_close(r);
+  if (!ok) {
+    fprintf(stderr, "read: %s holds other tokens or embd than were written\n", argv[1]);
+    return 1;
+  }
+  printf("consumer: wrote and read back %s with diffrun-dump-writer %s\n", argv[1], diffrun_dump_version());
   return 0;
 }
