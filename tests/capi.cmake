@@ -53,3 +53,15 @@ target_compile_options(test_capi_device PRIVATE -Wall -Wextra -pedantic)
 target_link_libraries(test_capi_device PRIVATE diffrun::dump_writer)
 add_test(NAME test_capi_device COMMAND test_capi_device ${CMAKE_CURRENT_BINARY_DIR}/test_capi_device.h5)
 set_tests_properties(test_capi_device PROPERTIES LABELS cpu TIMEOUT 60)
+
+# The reader and diffrun_dump_put_rows from C (tests/capi/test_capi_reader.c): a cache cut to the rows each step
+# wrote is read back whole; errors name the file, step and dataset. test_capi reads the same dump with diffrun
+# validate and the Python package.
+add_executable(test_capi_reader capi/test_capi_reader.c)
+set_target_properties(test_capi_reader PROPERTIES C_STANDARD 99 C_STANDARD_REQUIRED ON C_EXTENSIONS OFF)
+target_compile_options(test_capi_reader PRIVATE -Wall -Wextra -pedantic)
+target_link_libraries(test_capi_reader PRIVATE diffrun::dump_writer)
+add_test(NAME test_capi_reader
+         COMMAND test_capi_reader ${CMAKE_CURRENT_BINARY_DIR}/test_capi_reader.h5 ${PROJECT_SOURCE_DIR}/README.md)
+set_tests_properties(test_capi_reader PROPERTIES LABELS cpu TIMEOUT 60)
+set_property(TEST test_capi APPEND PROPERTY ENVIRONMENT "DIFFRUN_CAPI_READER=$<TARGET_FILE:test_capi_reader>")

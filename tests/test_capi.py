@@ -16,6 +16,7 @@ DIFFRUN = os.environ.get("DIFFRUN_BIN", "build/cli/diffrun")
 CAPI_C = os.environ.get("DIFFRUN_CAPI_C", "build/tests/test_capi_c")
 CAPI_CPP = os.environ.get("DIFFRUN_CAPI_CPP", "build/tests/test_capi_cpp")
 CAPI_RUST = os.environ.get("DIFFRUN_CAPI_RUST", "build/tests/test_capi_rust")
+CAPI_READER = os.environ.get("DIFFRUN_CAPI_READER", "build/tests/test_capi_reader")
 FIXTURES = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", "build/fixtures"))
 
 
@@ -67,6 +68,30 @@ def test_python_reader_reads_the_c_dump(tmp_path: Path):
         assert d.steps() == [0, 1]
         assert d.get("Qrope-0", step=0).shape == (3, 2, 4)  # permuted back to the vocabulary's layout
         assert d.get("ffn_up-0", step=0).dtype == np.float32
+
+
+def test_put_rows_dump_reads_back_in_python(tmp_path: Path):
+    # diffrun_dump_put_rows' dump (tests/capi/test_capi_reader.c): the row_offset attributes in the attribute
+    # table, diffrun validate accepts it, and the Python reader puts the cut cache back together as the C one does.
+    diffrun = pytest.importorskip("diffrun")
+    out = tmp_path / "rows.h5"
+    r = run(CAPI_READER, str(out), str(Path(__file__)))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("0 failed"), r.stdout
+    v = run(DIFFRUN, "validate", str(out))
+    assert v.returncode == 0, v.stdout + v.stderr
+    with h5py.File(out, "r") as f:
+        t0, t2 = dump_h5.table(f["step_0000"]), dump_h5.table(f["step_0002"])
+        assert f["step_0002/cache_k-0"].shape == (1, 2, 4) and t2["cache_k-0"]["row_offset"] == 4
+        assert "row_offset" not in t0["cache_k-0"]  # the prefill's rows start at 0: a plain put
+        assert t0["kq_soft_max-0"]["row_offset"] == 1 and t0["result_output"]["row_offset"] == 2
+    rows = np.arange(5, dtype=np.float32)[:, None, None] * 100
+    expected = rows + np.arange(2, dtype=np.float32)[None, :, None] * 10 + np.arange(4, dtype=np.float32)[None, None, :]
+    with diffrun.open(out) as d:
+        info = d.info("cache_k-0", step=2)
+        assert info.shape == (5, 2, 4) and info.row_offset == 0
+        assert np.array_equal(d.get("cache_k-0", step=2), expected)
+        assert d.info("cache_v-0", step=1).row_offset == 3 and d.info("kq_soft_max-0", step=0).row_offset == 1
 
 
 def test_cpp_copy_of_a_reference_compares_equal(tmp_path: Path):
@@ -170,3 +195,70 @@ def test_readme_c_loop_compiles_and_runs(tmp_path: Path):
         assert sorted(k for k in f if k.startswith("step_")) == steps and len(steps) == 4
         for s in steps:
             assert list(f[s]["tokens"][...]) == list(g[s]["tokens"][...])
+
+
+def readme_block(lang: str, index: int) -> str:
+    """The index-th ```lang block of the README's "From C, C++ or Rust" section, as printed."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("### From C, C++ or Rust"):]
+    section = section[:section.index("\n## ")] if "\n## " in section else section
+    blocks = section.split(f"```{lang}\n")[1:]
+    return blocks[index][:blocks[index].index("```")]
+
+
+def test_readme_build_rs_is_the_tested_one():
+    # tests/capi/install_test.sh builds the cargo crate of tests/capi/consumer/rust with this build.rs.
+    crate = Path(__file__).resolve().parent / "capi" / "consumer" / "rust" / "build.rs"
+    assert readme_block("rust", 0) == crate.read_text()
+
+
+def test_readme_replay_loop_compiles_and_runs(tmp_path: Path):
+    # The README's isolation replay in C, verbatim, with a pass of two checkpoints: embd (zeros) and attn_norm-0,
+    # which computes nothing and records its input. After the replay's checkpoint() it holds the reference's embd.
+    lib = os.environ.get("DIFFRUN_CAPI_LIB", "")
+    cc = os.environ.get("DIFFRUN_CC") or "cc"
+    if not lib or not Path(lib).exists():
+        pytest.skip("DIFFRUN_CAPI_LIB is not set (run through ctest)")
+    model = FIXTURES / "tiny-llama-q8_0.gguf"
+    if not model.exists():
+        pytest.skip(f"{model} missing: run ctest -R fixtures_generate first")
+    r = run(DIFFRUN, "dump", "--backend", "cpu", "--precision", "f64", "--model", str(model), "--tokens", "1,5,9",
+            "--steps", "3", "--out", str(tmp_path / "ref.h5"))
+    assert r.returncode == 0, r.stderr
+    with h5py.File(tmp_path / "ref.h5", "r") as g:
+        n_embd = int(g.attrs["n_embd"])
+    body = readme_block("c", 1)
+    includes = [line for line in body.splitlines() if line.startswith("#include")]
+    rest = [line for line in body.splitlines() if not line.startswith("#include")]
+    proto = ("static void my_forward_replay(diffrun_dump* iso, diffrun_dump_reader* ref, int step, "
+             "const int32_t* ids, size_t n)")
+    source = tmp_path / "readme_replay.c"
+    source.write_text("\n".join([
+        "#include <stdio.h>", "#include <stdint.h>", *includes, proto + ";", *rest,
+        proto + " {",
+        f"  static float buf[{n_embd} * 16];",
+        f"  int64_t dims[2] = {{(int64_t)n, {n_embd}}};",
+        "  (void)ids;",
+        "  memset(buf, 0, sizeof buf);",
+        '  checkpoint(iso, ref, step, "embd", -1, dims, 2, buf);',
+        '  checkpoint(iso, ref, step, "attn_norm-0", 0, dims, 2, buf);',
+        "}",
+        "int main(void) { return replay(); }", ""]))
+    include_dir = Path(__file__).resolve().parents[1] / "capi" / "include"
+    lib_dir = str(Path(lib).parent)
+    sanitize = os.environ.get("DIFFRUN_SANITIZE_FLAGS", "").split()
+    exe = tmp_path / "readme_replay"
+    b = run(cc, *sanitize, "-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-I", str(include_dir),
+            str(source), "-o", str(exe), "-L", lib_dir, "-ldiffrun-dump-writer", f"-Wl,-rpath,{lib_dir}")
+    assert b.returncode == 0, source.read_text() + b.stdout + b.stderr
+    e = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert e.returncode == 0 and not e.stderr, e.stdout + e.stderr
+    v = run(DIFFRUN, "validate", str(tmp_path / "iso.h5"))
+    assert v.returncode == 0, v.stdout + v.stderr
+    with h5py.File(tmp_path / "iso.h5", "r") as f, h5py.File(tmp_path / "ref.h5", "r") as g:
+        steps = sorted(k for k in g if k.startswith("step_"))
+        assert sorted(k for k in f if k.startswith("step_")) == steps and len(steps) == 4
+        for s in steps:
+            assert list(f[s]["tokens"][...]) == list(g[s]["tokens"][...])
+            assert not np.any(f[s]["embd"][...])
+            assert np.array_equal(f[s]["attn_norm-0"][...], g[s]["embd"][...].astype(np.float32)), s
