@@ -817,7 +817,11 @@ std::vector<std::string> DumpFile::copy_attributes(const std::string& source_pat
     h5::detail();
     throw DumpError(source_path + ": not an HDF5 file (no HDF5 signature: foreign or truncated)");
   }
-  Hid src(H5Fopen(source_path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  // The close degree of diffrun's readers (DumpReader, the validator): HDF5 refuses to open a file again with
+  // another one, so a C API host holding the reference open in a diffrun_dump_reader can copy its meta.
+  Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);
+  Hid src(H5Fopen(source_path.c_str(), H5F_ACC_RDONLY, fapl.get()), H5Fclose);
   if (!src.valid()) throw DumpError(source_path + ": cannot open the HDF5 file" + h5::detail());
   std::vector<std::string> names;
   H5Aiterate2(
