@@ -101,6 +101,10 @@ const CommandRegistrar registrar{
       sub.add_option("--steps", o->steps, "Compare only these steps, e.g. 0 or 0,3-5 (0 is the prefill)");
       sub.add_option("--checkpoints", o->report.checkpoints,
                      "Compare only the checkpoints matching these globs, e.g. 'l_out-*,result_*' (diffrun vocab)");
+      sub.add_option("--unrecorded", o->report.unrecorded,
+                     "The recording check: a dump of the same engine's production path on the same tokens that "
+                     "recorded only result_output; every step's last logits row must equal the engine dump's bit "
+                     "for bit, else 'recording changed the result' (exit 1)");
       o->report.add_options(sub);
       return [o] {
         Progress progress("diffrun compare");

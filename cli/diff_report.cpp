@@ -138,6 +138,7 @@ diff::Comparison compare(const std::string& engine_path, const std::string& refe
                                reference.meta().precision));
   const diff::CompareOptions copt = compare_options(opt);
   diff::Comparison c = diff::compare_dumps(engine, reference, tolerances, copt);
+  if (!opt.unrecorded.empty()) c.recording = diff::check_recording_dumps(engine, DumpReader(opt.unrecorded));
   if (!isolated_path.empty()) {
     const DumpReader isolated(isolated_path, engine_names ? &*engine_names : nullptr);
     add_isolation_for(c, isolated, reference, opt);

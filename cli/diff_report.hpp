@@ -31,6 +31,7 @@ struct ReportOptions {
   std::string title = "diffrun compare";  // the terminal report's first line
   std::vector<int> steps;   // compare only these steps (empty: all; `compare --steps`)
   std::string checkpoints;  // compare only the checkpoints matching these globs (`compare --checkpoints`)
+  std::string unrecorded;   // `compare --unrecorded`: the engine's logits-only dump of its production path
   // --tolerances --report-json --report-junit --force --no-color --jump-factor --names
   // --reference-names --require-coverage --summary --full --explain
   void add_options(CLI::App& app);

@@ -357,7 +357,7 @@ diff::RecordingCheck check_recording_on_engine(Backend& engine, std::span<const 
                                                std::span<const int32_t> fed,
                                                const std::vector<std::vector<float>>& recorded) {
   diff::RecordingCheck check;
-  check.unrecorded_source = "those of an unrecorded run of the same tokens";
+  check.unrecorded_source = "an unrecorded run of the same tokens";
   engine.reset();
   NullSink none;
   for (size_t step = 0; step < recorded.size() && step <= fed.size(); ++step) {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <set>
 
@@ -395,6 +396,36 @@ bool inputs_replaced(int step, std::string_view base, int layer, int n_layer, co
 }
 
 }  // namespace
+
+RecordingCheck check_recording_dumps(const DumpReader& recorded, const DumpReader& unrecorded) {
+  RecordingCheck check;
+  check.unrecorded_source = unrecorded.path();
+  const auto last_row = [](const DumpReader& d, int step) {
+    const DatasetInfo* info = d.find(step, "result_output");
+    if (!info || info->is_int || info->shape.empty())
+      throw InputError(fmt::format("{}: step {} has no result_output: the recording check compares each step's "
+                                   "logits (record result_output in both runs)",
+                                   d.path(), step));
+    std::vector<float> v = d.read(step, "result_output");
+    const size_t V = static_cast<size_t>(info->shape.back());
+    if (v.size() < V) throw InputError(fmt::format("{}: step {}: result_output holds no whole row", d.path(), step));
+    return std::vector<float>(v.end() - static_cast<std::ptrdiff_t>(V), v.end());
+  };
+  for (int step : recorded.steps()) {
+    const std::vector<float> a = last_row(recorded, step), b = last_row(unrecorded, step);
+    ++check.steps;
+    for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+      if (i < a.size() && i < b.size() && std::memcmp(&a[i], &b[i], sizeof(float)) == 0) continue;
+      check.same = false;
+      check.step = step;
+      check.index = static_cast<int64_t>(i);
+      check.recorded = i < a.size() ? a[i] : std::nanf("");
+      check.unrecorded = i < b.size() ? b[i] : std::nanf("");
+      return check;
+    }
+  }
+  return check;
+}
 
 namespace {
 

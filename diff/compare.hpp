@@ -76,7 +76,7 @@ struct Coverage {
 
 // Whether recording changed the engine's result: its per-step logits in the recorded run against
 // an unrecorded run of the same tokens, bit for bit (the top-level job runs it on the CUDA engine;
-// `compare --recording-check` on any engine's two dumps).
+// `compare --unrecorded` on any engine's two dumps).
 struct RecordingCheck {
   int steps = 0;           // steps compared
   bool same = true;
@@ -118,6 +118,12 @@ struct Comparison {
   bool recording_changed() const { return recording && !recording->same; }
   bool failed() const { return diverged() || !coverage.met() || recording_changed(); }
 };
+
+// The recording check of two dumps of one engine (`compare --unrecorded`): `recorded`'s last row of
+// result_output at each step against `unrecorded`'s (a run of the engine's production path that
+// recorded the logits alone), bit for bit. Throws InputError naming the file and step where either
+// lacks result_output, or `unrecorded` lacks a step.
+RecordingCheck check_recording_dumps(const DumpReader& recorded, const DumpReader& unrecorded);
 
 // Sizes of the layout letters for a config (D, H, Hkv, Dh, F, V).
 DimSizes dim_sizes(const ModelConfig& cfg);

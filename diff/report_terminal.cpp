@@ -504,8 +504,8 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
   if (c.recording) {
     const RecordingCheck& r = *c.recording;
     if (r.same)
-      out += fmt::format("  recording  unchanged: every step's logits ({} steps) equal, bit for bit, {}\n", r.steps,
-                         r.unrecorded_source);
+      out += fmt::format("  recording  unchanged: every step's logits ({} steps) equal those of {}, bit for bit\n",
+                         r.steps, r.unrecorded_source);
     else
       out += s.red(fmt::format("  recording  CHANGED the result: step {} logit {} is {:.9g} recorded, {:.9g} in {}",
                                r.step, r.index, r.recorded, r.unrecorded, r.unrecorded_source)) +

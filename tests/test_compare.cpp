@@ -417,6 +417,40 @@ TEST_F(Compare, LocalErrorsJudgedByTheirOwnBounds) {
   EXPECT_NE(text.find("local rel_l2"), std::string::npos) << text;
 }
 
+// compare --unrecorded: the engine's recorded dump against a logits-only dump of its production path,
+// every step's last logits row bit for bit; a one-ulp difference at step 2 is "recording changed the
+// result" (exit 1), a dump without result_output cannot be checked (InputError).
+TEST_F(Compare, RecordingCheckOfTwoDumps) {
+  engine_dump().write(path("engine.h5"));
+  SyntheticDump logits_only = engine_dump();
+  logits_only.skip = [](int, const std::string& name) { return name != "tokens" && name != "result_output"; };
+  logits_only.write(path("unrecorded.h5"));
+  SyntheticDump changed = logits_only;
+  changed.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step == 2 && name == "result_output") v.back() = std::nextafter(v.back(), 1e30f);
+  };
+  changed.write(path("changed.h5"));
+  SyntheticDump no_logits = engine_dump();
+  no_logits.skip = [](int, const std::string& name) { return name == "result_output"; };
+  no_logits.write(path("no-logits.h5"));
+  const DumpReader e(path("engine.h5"));
+
+  const RecordingCheck same = check_recording_dumps(e, DumpReader(path("unrecorded.h5")));
+  EXPECT_TRUE(same.same);
+  EXPECT_EQ(same.steps, 3);
+  const RecordingCheck diff = check_recording_dumps(e, DumpReader(path("changed.h5")));
+  EXPECT_FALSE(diff.same);
+  EXPECT_EQ(diff.step, 2);
+  Comparison c = compare_dumps(e, DumpReader(path("reference.h5")), rel(5e-3));
+  ASSERT_FALSE(c.failed());
+  c.recording = diff;
+  EXPECT_TRUE(c.failed());
+  EXPECT_EQ(exit_code(c), 1);
+  const std::string text = render_terminal(c);
+  EXPECT_NE(text.find("recording changed the result (step 2"), std::string::npos) << text;
+  EXPECT_THROW(check_recording_dumps(e, DumpReader(path("no-logits.h5"))), InputError);
+}
+
 // A step whose engine ran a fused kernel that the isolation replay ran as its unfused twins (facts
 // fused_kernel_checkpoints, step_fused): the replay measured another kernel, so the fused kernel's
 // checkpoints get no local error at that step (and the report says so); at a step where both ran the
