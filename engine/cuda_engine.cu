@@ -79,8 +79,9 @@
 //   and when kq_soft_max is recorded, attention writes the probabilities alone beside it
 //   (DIFFRUN_TILED_ATTENTION=0: attention writes both, as before; the "prefill_attention" fact
 //   says which). Both scratches are sized for max_ctx at construction,
-//   so a captured decode graph stays valid at every position. The attention faults run the flawed
-//   variant of attention at every T; their fault is the flaw, found against the reference.
+//   so a captured decode graph stays valid at every position. attn_scale_missing hands the production
+//   kernels scale 1; the other attention faults run the flawed variant of attention at every T (their
+//   fault is the flaw, found against the reference).
 // - Fault injection (checkpoints/faults.hpp, --inject): each fault is chosen at its call site (a
 //   wrong argument, a flawed variant from engine/faults/, a skipped op); the clean kernels carry no
 //   fault branch, and without faults the step enqueues exactly what it did before.
@@ -480,7 +481,8 @@ class CudaEngineImpl final : public CudaEngine {
     // rope_local_theta_global: local layers on the global base; sliding_window_ignored: no window.
     const double base = faults_.has(Fault::rope_local_theta_global) ? cfg_.rope_theta : cfg_.layer_rope_theta(l);
     const float theta = static_cast<float>(faults_.has(Fault::rope_theta_10000) ? kFaultRopeTheta : base);
-    const float att_scale = static_cast<float>(cfg_.attention_scale());
+    // attn_scale_missing: the production attention kernels handed scale 1 (the fault is the argument).
+    const float att_scale = faults_.has(Fault::attn_scale_missing) ? 1.0f : static_cast<float>(cfg_.attention_scale());
     const int window = faults_.has(Fault::sliding_window_ignored) ? 0 : cfg_.layer_window(l);
     const bool neox = (cfg_.rope_type != RopeType::norm) != faults_.has(Fault::rope_pairing_swapped);
     const bool bias = !faults_.has(Fault::qkv_bias_missing);
@@ -682,7 +684,6 @@ class CudaEngineImpl final : public CudaEngine {
   void prepare_faults() {
     CUDA_CHECK(cudaMemsetAsync(d_zero_.get(), 0, sizeof(int32_t), stream_));
     attention_flaws_.no_causal_mask = faults_.has(Fault::causal_mask_missing);
-    attention_flaws_.no_scale = faults_.has(Fault::attn_scale_missing);
     attention_flaws_.head_modulo = faults_.has(Fault::gqa_head_modulo);
     attention_flaws_.f16_exp = faults_.has(Fault::softmax_f16_overflow);
     rms_norm_flaws_.off_by_one = faults_.has(Fault::rms_norm_off_by_one);

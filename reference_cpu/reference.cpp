@@ -191,7 +191,7 @@ class CpuBackend final : public Backend {
     std::vector<T> kqv(static_cast<size_t>(n) * Q);        // [T,H*Dh]
     const T* keys = read_cache ? cache_k : k.data();
     const T* values = read_cache ? cache_v : v.data();
-    const T att_scale = T(cfg_.attention_scale());
+    const T att_scale = faults_.has(Fault::attn_scale_missing) ? T(1) : T(cfg_.attention_scale());  // the argument
     const int window = faults_.has(Fault::sliding_window_ignored) ? 0 : cfg_.layer_window(l);
     if (attention_flaws_.any()) {
       attention_flawed(kqv.data(), probs.data(), q.data(), keys, values, n, past, H, Hkv, Dh, att_scale, window,
@@ -265,7 +265,6 @@ class CpuBackend final : public Backend {
   // matrices a fault edits or reads out of row order are held dense.
   void prepare_faults() {
     attention_flaws_.no_causal_mask = faults_.has(Fault::causal_mask_missing);
-    attention_flaws_.no_scale = faults_.has(Fault::attn_scale_missing);
     attention_flaws_.head_modulo = faults_.has(Fault::gqa_head_modulo);
     attention_flaws_.f16_exp = faults_.has(Fault::softmax_f16_overflow);
     rms_norm_flaws_.off_by_one = faults_.has(Fault::rms_norm_off_by_one);

@@ -217,7 +217,6 @@ void launch_attention(Out* out, float* probs, const float* q, const float* k_cac
     throw ModelError("attention: n_head " + std::to_string(H) + " is not a multiple of n_head_kv " +
                      std::to_string(Hkv));
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H));
-  if (flaws.no_scale) scale = 1.0f;
   launch_pdl(attention_flawed_kernel<Out>, grid, kWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past, H,
              Hkv, Dh, scale, window, !flaws.no_causal_mask, flaws.head_modulo, flaws.f16_exp);
   check_launch("attention_flawed", stream);

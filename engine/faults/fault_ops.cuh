@@ -21,10 +21,9 @@ void embedding_transposed(float* out, const int32_t* tokens, const __half* table
 // What the flawed attention gets wrong (any combination).
 struct AttentionFlaws {
   bool no_causal_mask = false;  // every query attends to all S positions
-  bool no_scale = false;        // scores without the model's scale (1/sqrt(Dh))
   bool head_modulo = false;     // query head h reads KV head h % Hkv
   bool f16_exp = false;         // softmax_f16_overflow: weights f16(exp(q·k))^scale, no max subtracted
-  bool any() const { return no_causal_mask || no_scale || head_modulo || f16_exp; }
+  bool any() const { return no_causal_mask || head_modulo || f16_exp; }
 };
 
 // The clean attention (ops/attention.cuh: same arguments, same arithmetic) with the given flaws

@@ -33,7 +33,6 @@ void attention_flawed(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q 
   const int group = H / Hkv;
   const int64_t q_stride = static_cast<int64_t>(H) * Dh;
   const int64_t kv_stride = static_cast<int64_t>(Hkv) * Dh;
-  if (flaws.no_scale) scale = T(1);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int h = 0; h < H; ++h) {
     for (int t = 0; t < n_tokens; ++t) {
