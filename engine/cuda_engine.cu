@@ -80,8 +80,9 @@
 //   (DIFFRUN_TILED_ATTENTION=0: attention writes both, as before; the "prefill_attention" fact
 //   says which). Both scratches are sized for max_ctx at construction,
 //   so a captured decode graph stays valid at every position. attn_scale_missing hands the production
-//   kernels scale 1; the other attention faults run the flawed variant of attention at every T (their
-//   fault is the flaw, found against the reference).
+//   kernels scale 1 and gqa_head_modulo a cache expanded to H heads the wrong way round; the other
+//   attention faults run the flawed variant of attention at every T (their fault is the flaw, found
+//   against the reference).
 // - Fault injection (checkpoints/faults.hpp, --inject): each fault is chosen at its call site (a
 //   wrong argument, a flawed variant from engine/faults/, a skipped op); the clean kernels carry no
 //   fault branch, and without faults the step enqueues exactly what it did before.
@@ -552,23 +553,31 @@ class CudaEngineImpl final : public CudaEngine {
     const float* keys = read_cache ? cache_k : k_rot;
     const float* values = read_cache ? cache_v : a.v.get();
     const int32_t* past = read_cache ? n_past : d_zero_.get();
+    int Hkv_att = Hkv;  // the KV heads the attention kernels are handed
+    if (faults_.has(Fault::gqa_head_modulo)) {  // the production kernels on a cache expanded the wrong way round
+      expand_kv_heads_modulo(gqa_k_.get(), keys, past, n, max_ctx_, H, Hkv, Dh, stream_);
+      expand_kv_heads_modulo(gqa_v_.get(), values, past, n, max_ctx_, H, Hkv, Dh, stream_);
+      keys = gqa_k_.get();
+      values = gqa_v_.get();
+      Hkv_att = H;
+    }
     float* probs = nullptr;  // [H, T, S_att]
     if (split_attention(n)) {
       probs = attn_probs_.get();
-      attention_split(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv, Dh, att_scale, window,
+      attention_split(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale, window,
                       {attn_partial_.get(), attn_counters_.get(), attn_splits_, attn_min_keys_}, stream_);
     } else {
       probs = want_probs ? probs_.get() : nullptr;
       if (attention_flaws_.any())
-        attention_flawed(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv, Dh, att_scale, window,
+        attention_flawed(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale, window,
                          attention_flaws_, stream_);
       else if (!tiled_attention_)
-        attention(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv, Dh, att_scale, window, stream_);
+        attention(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale, window, stream_);
       else {  // the output from attention_tiled, recorded or not; the probabilities (when recorded) from attention
         if (probs)
-          attention(static_cast<W*>(nullptr), probs, q_rot, keys, values, n, past, H, Hkv, Dh, att_scale, window,
-                    stream_);
-        attention_tiled(a.kqv.get(), q_rot, keys, values, n, past, H, Hkv, Dh, att_scale, window, stream_);
+          attention(static_cast<W*>(nullptr), probs, q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale,
+                    window, stream_);
+        attention_tiled(a.kqv.get(), q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale, window, stream_);
       }
     }
     if (want_probs)
@@ -684,7 +693,10 @@ class CudaEngineImpl final : public CudaEngine {
   void prepare_faults() {
     CUDA_CHECK(cudaMemsetAsync(d_zero_.get(), 0, sizeof(int32_t), stream_));
     attention_flaws_.no_causal_mask = faults_.has(Fault::causal_mask_missing);
-    attention_flaws_.head_modulo = faults_.has(Fault::gqa_head_modulo);
+    if (faults_.has(Fault::gqa_head_modulo)) {  // the expanded caches (layer by layer, the same buffers)
+      gqa_k_ = DeviceBuffer<float>(size_t(max_ctx_) * cfg_.n_head * cfg_.head_dim, "fault scratch");
+      gqa_v_ = DeviceBuffer<float>(size_t(max_ctx_) * cfg_.n_head * cfg_.head_dim, "fault scratch");
+    }
     attention_flaws_.f16_exp = faults_.has(Fault::softmax_f16_overflow);
     rms_norm_flaws_.off_by_one = faults_.has(Fault::rms_norm_off_by_one);
     rms_norm_flaws_.eps_outside_sqrt = faults_.has(Fault::rms_eps_outside_sqrt);
@@ -852,6 +864,7 @@ class CudaEngineImpl final : public CudaEngine {
   DeviceBuffer<int32_t> d_pos_off_{1, "step state"};           // [1] n_past + 1 (rope_fused_position_off)
   DeviceBuffer<int32_t> d_frozen_pos_{1, "step state"};        // [1] n_past at capture (graph_position_frozen)
   DeviceBuffer<float> d_ones_;                                 // [D] ones (embd_norm_fused_no_weight)
+  DeviceBuffer<float> gqa_k_, gqa_v_;                          // [max_ctx, H·Dh] (gqa_head_modulo)
   DeviceBuffer<float> d_rope_freqs_;                           // [Dh/2] cfg_.rope_freq_factors, empty when none
   Stream stream_;
   CublasHandle cublas_;

@@ -218,7 +218,7 @@ void launch_attention(Out* out, float* probs, const float* q, const float* k_cac
                      std::to_string(Hkv));
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H));
   launch_pdl(attention_flawed_kernel<Out>, grid, kWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past, H,
-             Hkv, Dh, scale, window, !flaws.no_causal_mask, flaws.head_modulo, flaws.f16_exp);
+             Hkv, Dh, scale, window, !flaws.no_causal_mask, false, flaws.f16_exp);
   check_launch("attention_flawed", stream);
 }
 
@@ -319,6 +319,27 @@ void rope_qk_cache_unrotated(float* q_out, float* k_out, float* k_cache, float* 
 void fill_nan(float* p, int64_t n, cudaStream_t stream) { launch_fill_nan(p, n, stream); }
 
 void fill_nan(__half* p, int64_t n, cudaStream_t stream) { launch_fill_nan(p, n, stream); }
+
+__global__ void expand_kv_heads_modulo_kernel(float* out, const float* kv, const int32_t* rows_from, int add, int H,
+                                              int Hkv, int Dh) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t width = static_cast<int64_t>(H) * Dh;
+  const int64_t total = (static_cast<int64_t>(*rows_from) + add) * width;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const int64_t s = i / width;
+    const int r = static_cast<int>(i % width), h = r / Dh, d = r % Dh;
+    out[i] = kv[(s * Hkv + h % Hkv) * Dh + d];
+  }
+}
+
+void expand_kv_heads_modulo(float* out, const float* kv, const int32_t* rows_from, int add, int max_rows, int H,
+                            int Hkv, int Dh, cudaStream_t stream) {
+  launch_pdl(expand_kv_heads_modulo_kernel, op_grid(int64_t(max_rows) * H * Dh), kOpThreads, 0, stream, out, kv,
+             rows_from, add, H, Hkv, Dh);
+  check_launch("expand_kv_heads_modulo", stream);
+}
 
 __global__ void position_plus_kernel(int32_t* out, const int32_t* pos, int add) {
   pdl_wait();

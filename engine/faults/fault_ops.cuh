@@ -21,9 +21,8 @@ void embedding_transposed(float* out, const int32_t* tokens, const __half* table
 // What the flawed attention gets wrong (any combination).
 struct AttentionFlaws {
   bool no_causal_mask = false;  // every query attends to all S positions
-  bool head_modulo = false;     // query head h reads KV head h % Hkv
   bool f16_exp = false;         // softmax_f16_overflow: weights f16(exp(q·k))^scale, no max subtracted
-  bool any() const { return no_causal_mask || head_modulo || f16_exp; }
+  bool any() const { return no_causal_mask || f16_exp; }
 };
 
 // The clean attention (ops/attention.cuh: same arguments, same arithmetic) with the given flaws
@@ -76,6 +75,13 @@ void fill_nan(__half* p, int64_t n, cudaStream_t stream);
 
 // rms_norm_weight_twice: out[i] = w[i] · w[i] (the weight the flawed norm effectively applies), f32.
 void square(float* out, const float* w, int64_t n, cudaStream_t stream);
+
+// gqa_head_modulo: a K or V cache of Hkv heads expanded to H heads the wrong way round (repeat instead
+// of repeat_interleave), out [rows, H·Dh] with out[s, h] = kv[s, h % Hkv] for rows s < *rows_from + add
+// (read on the device, so a captured step expands every position); the production attention kernels
+// then read it as a cache of H KV heads.
+void expand_kv_heads_modulo(float* out, const float* kv, const int32_t* rows_from, int add, int max_rows, int H,
+                            int Hkv, int Dh, cudaStream_t stream);
 
 // rope_fused_position_off: *out = *pos + add, on the device (the wrong position the fused RoPE reads).
 void position_plus(int32_t* out, const int32_t* pos, int add, cudaStream_t stream);
