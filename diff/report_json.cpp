@@ -27,7 +27,8 @@
 //                                    "zero_engine": [int]}]},
 //       "verdict": {"kind": "local"|"drift"|"undetermined", "precision": bool (drift explained by the
 //                   engine's storage precision, rule "storage"), "rule", "explanation", "ratio",
-//                   "inputs": [{"name", "rel_l2"}], "growth": [{"layer", "rel_l2"}]}},
+//                   "inputs": [{"name", "rel_l2"}], "growth": [{"layer", "rel_l2"}],
+//                   "unrecorded_inputs": [str] (direct dataflow inputs the step did not record)}},
 //   "first_nonfinite": null | {                               // the first checkpoint with a NaN/Inf on
 //       "index", "step", "name", "layer",                     // either side (it always fails)
 //       "engine": {"nan", "inf", "first": null | {"flat", "coords": {letter: index}, "value"}},
@@ -118,7 +119,8 @@ json verdict_json(const Verdict& v) {
           {"explanation", v.explanation},
           {"ratio", number(v.ratio)},
           {"inputs", inputs},
-          {"growth", growth}};
+          {"growth", growth},
+          {"unrecorded_inputs", v.unrecorded_inputs}};
 }
 
 json side(const DumpMeta& m, const std::string& path) {

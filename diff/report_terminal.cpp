@@ -86,6 +86,8 @@ void verdict_lines(std::string& out, const Verdict& v, const Style& s) {
     }
     out += fmt::format("            inputs: {}\n", fmt::join(ins, ", "));
   }
+  if (!v.unrecorded_inputs.empty())
+    out += fmt::format("            not recorded: {} (an input of this op)\n", fmt::join(v.unrecorded_inputs, ", "));
 }
 
 // notes: the tolerance rule's calibration note and the bounds that would pass ("to pass"), shown

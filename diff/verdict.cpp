@@ -7,6 +7,7 @@
 #include <map>
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include "checkpoints/vocabulary.hpp"
 
@@ -27,6 +28,25 @@ void collect_inputs(std::string_view base, int layer, int n_layer,
       ParsedCheckpointName p = parse_checkpoint_name(name);
       collect_inputs(p.base, p.layer, n_layer, recorded, depth + 1, out);
     }
+  }
+}
+
+void collect_unrecorded(std::string_view base, int layer, int n_layer,
+                        const std::function<bool(const std::string&)>& recorded, int depth,
+                        std::vector<std::string>& out) {
+  // One entry per operand in each list: the chosen alternative, the first and the last.
+  const auto chosen = checkpoint_inputs(base, layer, n_layer, recorded);
+  const auto first = checkpoint_inputs(base, layer, n_layer, [](const std::string&) { return true; });
+  const auto last = checkpoint_inputs(base, layer, n_layer, [](const std::string&) { return false; });
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    if (recorded(chosen[i])) continue;
+    const ParsedCheckpointName p = parse_checkpoint_name(chosen[i]);
+    if (const CheckpointKind* k = find_checkpoint_kind(p.base); k && !k->read_back && depth < 8) {
+      collect_unrecorded(p.base, p.layer, n_layer, recorded, depth + 1, out);
+      continue;
+    }
+    std::string name = i < first.size() && i < last.size() && first[i] != last[i] ? first[i] + " or " + last[i] : chosen[i];
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(std::move(name));
   }
 }
 
@@ -95,6 +115,15 @@ bool rule_nonfinite(const Context& c, Verdict& v) {
                                 nonfinite_counts(m));
     return true;
   }
+  if (!v.unrecorded_inputs.empty()) {
+    // The first non-finite value of a dump is located whatever its inputs (tests: a subset dump's Inf
+    // is local to the recorded stretch); the explanation names what that stretch holds unrecorded.
+    v.kind = VerdictKind::local;
+    v.explanation = fmt::format("non-finite values appear here ({}) while its recorded inputs are finite: this op or "
+                                "the unrecorded {} before it produces them",
+                                nonfinite_counts(m), fmt::join(v.unrecorded_inputs, ", "));
+    return true;
+  }
   v.kind = VerdictKind::local;
   if (c.inputs.empty()) {
     v.explanation = fmt::format("non-finite values appear at embd ({}), which has no float input: the embedding "
@@ -145,13 +174,23 @@ bool rule_embedding(const Context& c, Verdict& v) {
 
 bool rule_jump(const Context& c, Verdict& v) {
   if (c.inputs.empty() || !(v.ratio > c.jump_factor)) return false;
-  v.kind = VerdictKind::local;
-  v.rule = "jump";
   double max_in = 0;
   std::string worst_in;
   for (const auto& in : v.inputs) {
     if (in.rel_l2 >= max_in) { max_in = in.rel_l2; worst_in = in.name; }
   }
+  if (!v.unrecorded_inputs.empty()) {
+    // The jump is over the recorded inputs only: the op computing an unrecorded one may hold the bug.
+    v.kind = VerdictKind::undetermined;
+    v.rule = "unrecorded_input";
+    v.explanation = fmt::format("local or upstream: rel_l2 {:.3g} is {}x its recorded inputs' max {:.3g} ({}), but its "
+                                "input {} was not recorded, so the error may come from there: record it to decide",
+                                c.metrics->rel_l2, std::isinf(v.ratio) ? std::string("inf") : fmt::format("{:.3g}", v.ratio),
+                                max_in, worst_in, fmt::join(v.unrecorded_inputs, ", "));
+    return true;
+  }
+  v.kind = VerdictKind::local;
+  v.rule = "jump";
   v.explanation = std::isinf(v.ratio)
                       ? fmt::format("rel_l2 {:.3g} while its inputs are exact (max rel_l2 0, {})", c.metrics->rel_l2, worst_in)
                       : fmt::format("rel_l2 {:.3g} is {:.3g}x its inputs' max {:.3g} ({}), above the jump factor {:g}",
@@ -184,6 +223,7 @@ bool rule_no_jump(const Context& c, Verdict& v) {
   v.rule = "no_jump";
   v.explanation = fmt::format("rel_l2 {:.3g} is only {:.3g}x its inputs' (jump factor {:g}): error carried in crossed the tolerance",
                               c.metrics->rel_l2, v.ratio, c.jump_factor);
+  if (!v.unrecorded_inputs.empty()) v.explanation += fmt::format(" (its input {} was not recorded)", fmt::join(v.unrecorded_inputs, ", "));
   return true;
 }
 
@@ -210,6 +250,13 @@ std::vector<std::string> dataflow_inputs(std::string_view base, int layer, int n
   return out;
 }
 
+std::vector<std::string> unrecorded_inputs(std::string_view base, int layer, int n_layer,
+                                           const std::function<bool(const std::string&)>& recorded) {
+  std::vector<std::string> out;
+  collect_unrecorded(base, layer, n_layer, recorded, 0, out);
+  return out;
+}
+
 Verdict decide_verdict(const std::vector<CheckpointResult>& results, size_t failing, int n_layer,
                        double jump_factor) {
   const CheckpointResult& f = results.at(failing);
@@ -221,6 +268,7 @@ Verdict decide_verdict(const std::vector<CheckpointResult>& results, size_t fail
 
   Context c{f, f.compared() ? &*f.metrics : nullptr, {}, {}, jump_factor};
   Verdict v;
+  v.unrecorded_inputs = unrecorded_inputs(f.base, f.layer, n_layer, recorded);
   for (const auto& name : dataflow_inputs(f.base, f.layer, n_layer, recorded)) {
     const CheckpointResult* in = step.at(name);
     c.inputs.push_back(in);

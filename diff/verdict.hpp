@@ -12,11 +12,16 @@
 //                 unit roundoff of that storage (f16 2^-11, bf16 2^-8): what rounding the stored
 //                 tensor once explains -> drift (precision)
 //   embedding     embd reads identical token ids, it has no float input -> local
-//   jump          rel_l2 > jump_factor x max rel_l2 of its inputs       -> local
+//   jump          rel_l2 > jump_factor x max rel_l2 of its inputs       -> local; but when a direct
+//                 dataflow input was not recorded (unrecorded_inputs), the error may come from that
+//                 unrecorded op as well -> undetermined ("local or upstream", rule unrecorded_input)
 //   smooth_growth the same kind's rel_l2 rose over the layers before it, never by more than
 //                 jump_factor from one layer to the next                -> drift
 //   no_jump       rel_l2 <= jump_factor x its inputs' (no growth series) -> drift
 //   otherwise     no input recorded                                     -> undetermined
+// Only isolation (its replay replaced every input: add_isolation), shape, storage and embedding
+// decide without the inputs; nonfinite's "local" then names the unrecorded inputs (the first NaN/Inf
+// of the recorded stretch).
 #pragma once
 
 #include <functional>
@@ -49,6 +54,9 @@ struct Verdict {
   double ratio = 0.0;                // rel_l2 / max input rel_l2 (inf when the inputs are exact)
   std::vector<LayerError> growth;    // the same kind's rel_l2 by layer up to the failing one
   bool precision = false;            // drift explained by the engine's declared storage precision (rule storage)
+  // Direct dataflow inputs of the op (the vocabulary's, a kind no op reads back standing for its own)
+  // that the step does not hold compared: "cache_k-0 or Krope-0" for an operand with alternatives.
+  std::vector<std::string> unrecorded_inputs;
 };
 
 // Names of the checkpoints a checkpoint is computed from, for a model of n_layer layers: the
@@ -57,6 +65,12 @@ struct Verdict {
 // Krope). embd (from token ids) has none.
 std::vector<std::string> dataflow_inputs(std::string_view base, int layer, int n_layer,
                                          const std::function<bool(const std::string&)>& recorded);
+
+// The direct dataflow inputs of checkpoint `base` at `layer` that `recorded` says were not recorded,
+// each named with its alternatives ("cache_k-0 or Krope-0"); a kind no later op reads back
+// (kq_soft_max, CheckpointKind::read_back) stands for its own inputs.
+std::vector<std::string> unrecorded_inputs(std::string_view base, int layer, int n_layer,
+                                           const std::function<bool(const std::string&)>& recorded);
 
 // `results` as produced by the comparator; `failing` indexes the first failing one.
 Verdict decide_verdict(const std::vector<CheckpointResult>& results, size_t failing, int n_layer,

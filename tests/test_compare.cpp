@@ -1,4 +1,5 @@
 // Unit tests of diff/compare, the verdict and the reports, on synthetic dumps written with DumpWriter.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -651,6 +652,52 @@ TEST_F(Compare, DataflowInputs) {
   // Unrecorded inputs are replaced by theirs: with only l_out-* recorded, l_out-2 <- l_out-1.
   auto only_l_out = [](const std::string& n) { return n.rfind("l_out-", 0) == 0; };
   EXPECT_EQ(dataflow_inputs("l_out", 2, 4, only_l_out), V{"l_out-1"});
+}
+
+// A partial dump: only Qrope, kq_soft_max and kqv_out recorded, and the probabilities wrong (a KV
+// write position). The jump over Qrope alone is no evidence of a local bug: the scores' other
+// operand, the cache, was not recorded, and the verdict says so instead of "local".
+TEST_F(Compare, PartialDumpVerdictNamesUnrecordedInputs) {
+  SyntheticDump e = engine_dump();
+  const auto recorded_only = [](std::vector<std::string> kinds) {
+    return [kinds](int, const std::string& name) {
+      if (name == "tokens") return false;
+      const std::string base = parse_checkpoint_name(name).base;
+      return std::find(kinds.begin(), kinds.end(), base) == kinds.end();
+    };
+  };
+  e.skip = recorded_only({"Qrope", "kq_soft_max", "kqv_out"});
+  e.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step == 1 && name == "kq_soft_max-0") v[0] += 0.5f;
+  };
+  Comparison c = run(e, rel(1e-3));
+  ASSERT_TRUE(c.diverged());
+  EXPECT_EQ(first(c).name, "kq_soft_max-0");
+  EXPECT_EQ(c.verdict.kind, VerdictKind::undetermined) << c.verdict.explanation;
+  EXPECT_EQ(c.verdict.rule, "unrecorded_input");
+  EXPECT_EQ(c.verdict.unrecorded_inputs, std::vector<std::string>{"cache_k-0 or Krope-0"});
+  EXPECT_NE(c.verdict.explanation.find("local or upstream"), std::string::npos) << c.verdict.explanation;
+  const std::string report = render_terminal(c, {});
+  EXPECT_NE(report.find("not recorded: cache_k-0 or Krope-0"), std::string::npos) << report;
+  EXPECT_NE(report.find("UNDETERMINED"), std::string::npos) << report;
+  EXPECT_EQ(nlohmann::json::parse(render_json(c))["first_divergence"]["verdict"]["unrecorded_inputs"][0],
+            "cache_k-0 or Krope-0");
+
+  // The cache recorded too: every input is there, the jump is local.
+  e.skip = recorded_only({"Qrope", "cache_k", "kq_soft_max", "kqv_out"});
+  c = run(e, rel(1e-3));
+  ASSERT_TRUE(c.diverged());
+  EXPECT_EQ(c.verdict.kind, VerdictKind::local) << c.verdict.explanation;
+  EXPECT_EQ(c.verdict.rule, "jump");
+  EXPECT_TRUE(c.verdict.unrecorded_inputs.empty());
+
+  // kq_soft_max is no operand anyone reads back: kqv_out without it, with Qrope and the cache, has
+  // every input.
+  using V = std::vector<std::string>;
+  auto all_but_probs = [](const std::string& n) { return n.rfind("kq_soft_max", 0) != 0; };
+  EXPECT_TRUE(unrecorded_inputs("kqv_out", 0, 4, all_but_probs).empty());
+  auto qrope_only = [](const std::string& n) { return n.rfind("Qrope", 0) == 0; };
+  EXPECT_EQ(unrecorded_inputs("kqv_out", 0, 4, qrope_only), (V{"cache_k-0 or Krope-0", "cache_v-0 or Vcur-0"}));
 }
 
 TEST_F(Compare, ReportsCarryTheFirstDivergence) {
