@@ -105,6 +105,67 @@ void keep_rows(std::vector<int64_t>& shape, int64_t offset, int64_t row_lo, int 
   shape[rd] = rows - drop;
 }
 
+// The fit of the engine's values to f16 storage (F16Fit) over finite data.
+F16Fit f16_fit(std::span<const float> a, std::span<const float> b) {
+  F16Fit fit;
+  fit.engine_exact = true;
+  // The spacing of f16 values at |x| (subnormals: 2^-24).
+  const auto spacing = [](double x) {
+    int e = 0;
+    std::frexp(std::abs(x), &e);  // |x| = m 2^e, m in [0.5, 1): the leading bit is 2^(e-1)
+    return std::ldexp(1.0, std::max(e - 1, -14) - 10);
+  };
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    const double x = a[i], y = b[i];
+    if (fit.engine_exact && x != 0) {
+      const double q = x / spacing(x);
+      fit.engine_exact = std::abs(x) <= 65504.0 && q == std::floor(q);
+    }
+    if (x != y) fit.max_half_ulps = std::max(fit.max_half_ulps, std::abs(x - y) / (0.5 * spacing(y)));
+  }
+  return fit;
+}
+
+// A failing checkpoint whose layout has two dims of equal size: the reading with those dims swapped
+// ("T,H,S" for an unlabelled [T, H, S] array read as the vocabulary's [H, T, S] when T = H), when its
+// rel_l2 against the reference is under a tenth of the as-stored one.
+void find_layout_suspect(CheckpointResult& r, std::span<const float> a, std::span<const float> b) {
+  const std::vector<std::string> dims = layout_dims(r.layout);
+  const std::vector<int64_t>& shape = r.shape_reference;
+  if (dims.size() != shape.size() || a.size() != b.size() || !r.metrics) return;
+  const double as_stored = r.metrics->rel_l2;
+  if (!(as_stored > 0)) return;
+  double sb = 0;
+  for (float y : b) sb += static_cast<double>(y) * y;
+  if (!(sb > 0)) return;
+  for (size_t i = 0; i < dims.size(); ++i) {
+    for (size_t j = i + 1; j < dims.size(); ++j) {
+      if (shape[i] != shape[j] || shape[i] < 2) continue;
+      // a read with dims i and j swapped: element (.., x_i, .., x_j, ..) of the reading is a's
+      // element (.., x_j, .., x_i, ..).
+      int64_t inner_j = 1, inner_i = 1;
+      for (size_t k = j + 1; k < shape.size(); ++k) inner_j *= shape[k];
+      for (size_t k = i + 1; k < shape.size(); ++k) inner_i *= shape[k];
+      const int64_t n = shape[i];
+      double d2 = 0;
+      for (size_t f = 0; f < b.size(); ++f) {
+        const int64_t idx = static_cast<int64_t>(f);
+        const int64_t xi = (idx / inner_i) % n, xj = (idx / inner_j) % n;
+        const int64_t src = idx + (xj - xi) * inner_i + (xi - xj) * inner_j;
+        const double d = static_cast<double>(a[static_cast<size_t>(src)]) - b[f];
+        d2 += d * d;
+      }
+      const double rel = std::sqrt(d2 / sb);
+      if (rel < as_stored / 10 && (r.layout_suspect.empty() || rel < r.layout_suspect_rel_l2)) {
+        std::vector<std::string> looks = dims;
+        std::swap(looks[i], looks[j]);
+        r.layout_suspect = fmt::format("{}", fmt::join(looks, ","));
+        r.layout_suspect_rel_l2 = rel;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 const char* checkpoint_status_name(CheckpointStatus s) {
@@ -186,6 +247,11 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
   r.metrics = std::move(m);
   const bool ok = std::all_of(r.checks.begin(), r.checks.end(), [](const BoundCheck& k) { return k.pass; });
   r.status = ok ? CheckpointStatus::pass : CheckpointStatus::fail;
+  if (!ok && r.metrics->finite()) {
+    // Only failing checkpoints pay for these passes (the verdict reads them).
+    r.f16_fit = f16_fit(a, b);
+    find_layout_suspect(r, a, b);
+  }
   if (a_out) *a_out = std::move(a);
   if (b_out) *b_out = std::move(b);
   return r;
@@ -237,6 +303,25 @@ void finish_comparison(Comparison& c, const ToleranceSet& tolerances, const Comp
   c.first_nonfinite = first_nonfinite_of(c.results);
   if (c.first_nonfinite) c.nonfinite_verdict = decide_verdict(c.results, *c.first_nonfinite, n_layer, opt.jump_factor);
   if (c.first_failure) c.pattern = pattern_at(*c.first_failure);
+  // Checkpoints whose layout looks permuted (find_layout_suspect): one warning, the first named.
+  int suspects = 0;
+  const CheckpointResult* suspect = nullptr;
+  for (const auto& r : c.results) {
+    if (r.layout_suspect.empty()) continue;
+    if (suspects++ == 0) suspect = &r;
+  }
+  if (suspect) {
+    c.warnings.push_back(fmt::format("{} at step {}: the layout looks like [{}], not [{}] (read so, rel_l2 {:.3g} "
+                                     "against {:.3g}): label it with the layout attribute{}",
+                                     suspect->name, suspect->step, suspect->layout_suspect, suspect->layout,
+                                     suspect->layout_suspect_rel_l2, suspect->metrics ? suspect->metrics->rel_l2 : 0.0,
+                                     suspects > 1 ? fmt::format(" ({} checkpoints look so)", suspects) : std::string()));
+  }
+  if (c.first_failure && c.pattern && !c.results[*c.first_failure].layout_suspect.empty()) {
+    const CheckpointResult& r = c.results[*c.first_failure];
+    c.pattern->hint = fmt::format("the layout looks like [{}], not [{}]: label it with the layout attribute",
+                                  r.layout_suspect, r.layout);
+  }
   if (c.first_nonfinite) c.nonfinite_pattern = pattern_at(*c.first_nonfinite);
   if (c.first_failure) {
     for (size_t i = *c.first_failure; i-- > 0 && static_cast<int>(c.preceding.size()) < opt.preceding;) {
@@ -511,7 +596,7 @@ void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptio
       continue;
     }
     const CheckpointResult& iso = *it->second;
-    r.local = LocalError{iso.status, iso.metrics ? iso.metrics->rel_l2 : std::nan("")};
+    r.local = LocalError{iso.status, iso.metrics ? iso.metrics->rel_l2 : std::nan(""), iso.f16_fit};
     if (!opt.judge_local || !r.local->failed()) continue;
     for (const BoundCheck& k : iso.checks)
       if (!k.pass) r.checks.push_back({"local " + k.metric, k.bound, k.value, k.limit, false});

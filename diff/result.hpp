@@ -14,10 +14,19 @@ namespace diffrun::diff {
 enum class CheckpointStatus { pass, fail, shape_mismatch, only_engine, only_reference };
 const char* checkpoint_status_name(CheckpointStatus s);
 
+// A checkpoint's fit to f16 storage: every engine value representable in f16, and the largest
+// |a - b| in halves of the f16 spacing at the reference value (<= 1: what rounding the reference to
+// f16 gives). The verdict's rule f16_storage reads it.
+struct F16Fit {
+  bool engine_exact = false;
+  double max_half_ulps = 0.0;
+};
+
 // Isolation replay: the same checkpoint compared when the engine's op got the reference's inputs.
 struct LocalError {
   CheckpointStatus status = CheckpointStatus::pass;  // against the same tolerance rule
   double rel_l2 = 0.0;                               // NaN when not compared (a shape mismatch)
+  std::optional<F16Fit> f16_fit;                     // the isolated result's, when it failed
   bool failed() const { return status == CheckpointStatus::fail || status == CheckpointStatus::shape_mismatch; }
 };
 
@@ -38,6 +47,12 @@ struct CheckpointResult {
   std::string rule_reason;
   double bound_scale = 1.0;  // the rel L2 bounds' long-context scaling at this step (ToleranceSet::length_scale)
   std::optional<LocalError> local;  // set by add_isolation when the isolated run recorded it
+  // A failing checkpoint whose layout has dims of equal size, read with two of them swapped, matching
+  // the reference far better (rel_l2 under a tenth of the as-stored one): the dims it looks like
+  // ("T,H,S") and that reading's rel_l2. Empty when none does (compare_checkpoint).
+  std::string layout_suspect;
+  double layout_suspect_rel_l2 = 0.0;
+  std::optional<F16Fit> f16_fit;  // failing and finite only (compare_checkpoint)
 
   bool failed() const { return status == CheckpointStatus::fail || status == CheckpointStatus::shape_mismatch; }
   bool compared() const { return metrics.has_value(); }

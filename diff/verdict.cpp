@@ -68,6 +68,50 @@ bool rule_shape(const Context& c, Verdict& v) {
   return true;
 }
 
+// The dump's layout: an equal-sized pair of dims read swapped matches the reference (find_layout_suspect).
+bool rule_layout(const Context& c, Verdict& v) {
+  if (c.failing.layout_suspect.empty()) return false;
+  std::string stored = c.failing.layout, looks = c.failing.layout_suspect;
+  v.kind = VerdictKind::undetermined;
+  v.rule = "layout";
+  v.explanation = fmt::format("the layout looks like [{}], not [{}]: read as [{}] the engine's values give rel_l2 {:.3g} "
+                              "against {:.3g} as read; label the dataset with the layout attribute (layout = \"{}\")",
+                              looks, stored, looks, c.failing.layout_suspect_rel_l2, c.metrics->rel_l2, looks);
+  return true;
+}
+
+double storage_roundoff(std::string_view dtype);
+
+// Largest |a - b| in halves of the f16 spacing at the reference value that an f16 store explains: 1
+// on the reference's inputs (isolation replay); 1 + 1/8 where the inputs carry an error of their own
+// (a sum near a rounding midpoint may round the other way).
+constexpr double kF16HalfUlps = 1.0, kF16HalfUlpsCarried = 1.125;
+
+// The error's structure, not its size: every engine value is an f16 value and the error is at most
+// half an f16 spacing of the reference everywhere, against a reference that does not store it in
+// f16 itself: the engine stores this tensor in f16, a precision choice (an engine keeping its
+// residual stream in f16). The isolated values decide where the replay ran this op.
+bool rule_f16_storage(const Context& c, Verdict& v) {
+  const CheckpointResult& f = c.failing;
+  if (f.native_reference == "f16" || f.native_reference == "bf16") return false;
+  // A declared f16 store without a replay: rule storage says the same by its declared roundoff.
+  if (storage_roundoff(f.native_engine) > 0 && !f.local) return false;
+  const bool isolated = f.local && f.local->f16_fit;
+  const std::optional<F16Fit>& fit = isolated ? f.local->f16_fit : f.f16_fit;
+  if (!fit || !fit->engine_exact || !(fit->max_half_ulps <= (isolated ? kF16HalfUlps : kF16HalfUlpsCarried))) return false;
+  v.kind = VerdictKind::drift;
+  v.rule = "f16_storage";
+  v.precision = true;
+  const std::string declared = f.native_engine == "f16" ? std::string("as its native dtype f16 declares")
+                               : f.native_engine.empty() ? std::string("its native dtype is not declared")
+                                                         : fmt::format("though its native dtype says {}", f.native_engine);
+  v.explanation = fmt::format("precision: the engine stores this tensor in f16 ({}): every engine value is an f16 value "
+                              "and {}|a - b| is at most {:.3g} half f16 spacings of the reference value, what one "
+                              "rounding to f16 gives",
+                              declared, isolated ? "on the reference's inputs (isolation replay) " : "", fit->max_half_ulps);
+  return true;
+}
+
 bool rule_isolation(const Context& c, Verdict& v) {
   if (!c.failing.local) return false;
   const LocalError& loc = *c.failing.local;
@@ -228,7 +272,7 @@ bool rule_no_jump(const Context& c, Verdict& v) {
 }
 
 // In order; the first rule that decides wins.
-constexpr Rule kRules[] = {rule_shape,  rule_isolation,     rule_nonfinite, rule_storage, rule_embedding,
+constexpr Rule kRules[] = {rule_shape,  rule_layout, rule_f16_storage, rule_isolation,     rule_nonfinite, rule_storage, rule_embedding,
                            rule_jump,   rule_smooth_growth, rule_no_jump};
 
 }  // namespace

@@ -4,6 +4,11 @@
 // names them: CheckpointKind::inputs, see dataflow_inputs); diff/ knows no architecture. The
 // rules run in order and the first that decides wins; the report prints the rule and its numbers:
 //   shape         shapes differ                                         -> local
+//   layout        an equal-sized pair of the layout's dims read swapped matches the reference far
+//                 better (CheckpointResult::layout_suspect)                -> undetermined: label it
+//   f16_storage   every engine value is an f16 value and |a - b| <= half an f16 spacing of the
+//                 reference value everywhere (on the replay's values where isolation ran; 1/8 more
+//                 where inputs carry error), the reference not storing it in f16 -> drift (precision)
 //   isolation     (isolation replay ran) this op on the reference's inputs fails its tolerance
 //                 -> local; passes it -> drift (the error came in through its inputs)
 //   nonfinite     non-finite values appear here, inputs are finite      -> local

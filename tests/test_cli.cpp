@@ -409,6 +409,16 @@ TEST_F(Cli, ResidualInF16IsPrecisionDrift) {
   EXPECT_TRUE(j["first_divergence"]["verdict"]["precision"].get<bool>());
   EXPECT_NE(r.out.find("DRIFT (precision)"), std::string::npos) << r.out;
 
+  // With the isolation replay the op on the reference's inputs fails the f32 bounds by the rounding
+  // alone; the error's structure (f16 values within half a spacing) still says precision.
+  Result iso = run(args + " --isolate");
+  EXPECT_EQ(iso.rc, 1) << iso.out << iso.err;
+  j = nlohmann::json::parse(slurp(path("run.json")));
+  EXPECT_EQ(j["first_divergence"]["name"], "ffn_inp-0");
+  EXPECT_EQ(j["first_divergence"]["verdict"]["kind"], "drift") << iso.out;
+  EXPECT_EQ(j["first_divergence"]["verdict"]["rule"], "f16_storage") << iso.out;
+  EXPECT_TRUE(j["first_divergence"]["verdict"]["precision"].get<bool>());
+
   Result bug = run(args + " --inject residual_skipped");
   EXPECT_EQ(bug.rc, 1) << bug.out << bug.err;
   j = nlohmann::json::parse(slurp(path("run.json")));

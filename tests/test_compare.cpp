@@ -700,6 +700,113 @@ TEST_F(Compare, PartialDumpVerdictNamesUnrecordedInputs) {
   EXPECT_EQ(unrecorded_inputs("kqv_out", 0, 4, qrope_only), (V{"cache_k-0 or Krope-0", "cache_v-0 or Vcur-0"}));
 }
 
+// T = H (2 tokens, 2 heads): an unlabelled [T, H, S] kq_soft_max has the shape of the vocabulary's
+// [H, T, S] and is read so. The engine is right; only the layout is wrong: the comparison says that
+// layout, not a causal mask or any other bug.
+TEST_F(Compare, AmbiguousLayoutIsNamed) {
+  reference.step_tokens = {2, 1, 1};
+  reference.meta.token_ids = {1, 5};
+  reference.fed = {1, 5, 9, 7};
+  reference.write(path("reference.h5"));
+  SyntheticDump e = engine_dump();
+  e.step_tokens = reference.step_tokens;
+  e.meta.token_ids = reference.meta.token_ids;
+  e.fed = reference.fed;
+  e.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step != 0 || name.rfind("kq_soft_max-", 0) != 0) return;
+    ASSERT_EQ(v.size(), 8u);  // [H=2, T=2, S=2] stored as [T, H, S]
+    std::vector<float> t(v.size());
+    for (int h = 0; h < 2; ++h)
+      for (int tok = 0; tok < 2; ++tok)
+        for (int pos = 0; pos < 2; ++pos) t[(tok * 2 + h) * 2 + pos] = v[(h * 2 + tok) * 2 + pos];
+    v = t;
+  };
+  Comparison c = run(e, rel(1e-3));
+  ASSERT_TRUE(c.diverged());
+  EXPECT_EQ(first(c).name, "kq_soft_max-0");
+  EXPECT_EQ(first(c).layout_suspect, "T,H,S");
+  EXPECT_EQ(first(c).layout_suspect_rel_l2, 0.0);
+  EXPECT_EQ(c.verdict.rule, "layout");
+  EXPECT_EQ(c.verdict.kind, VerdictKind::undetermined);
+  EXPECT_NE(c.verdict.explanation.find("the layout looks like [T,H,S], not [H,T,S]"), std::string::npos)
+      << c.verdict.explanation;
+  ASSERT_TRUE(c.pattern);
+  EXPECT_NE(c.pattern->hint.find("label it with the layout attribute"), std::string::npos) << c.pattern->hint;
+  const std::string report = render_terminal(c, {});
+  EXPECT_NE(report.find("warning: kq_soft_max-0 at step 0: the layout looks like [T,H,S]"), std::string::npos) << report;
+  EXPECT_NE(report.find("(4 checkpoints look so)"), std::string::npos) << report;  // every layer's
+  EXPECT_EQ(report.find("causal mask"), std::string::npos) << report;
+
+  // A real error in such a tensor is no layout question.
+  e.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step == 0 && name == "kq_soft_max-0") v[1] += 0.5f;
+  };
+  c = run(e, rel(1e-3));
+  ASSERT_TRUE(c.diverged());
+  EXPECT_TRUE(first(c).layout_suspect.empty());
+  EXPECT_EQ(c.verdict.rule, "jump");
+}
+
+namespace {
+// Nearest-even f16 of a float (normal range), as an engine storing it in f16 holds it.
+float to_f16(float x) {
+  if (x == 0) return x;
+  int e = 0;
+  std::frexp(x, &e);
+  const double q = std::ldexp(1.0, std::max(e - 1, -14) - 10);
+  return static_cast<float>(std::nearbyint(static_cast<double>(x) / q) * q);
+}
+}  // namespace
+
+// An engine keeping its residual stream in f16 (and not declaring it: native dtype f32): the error
+// at ffn_inp-0 is one rounding to f16, a precision choice, judged by its structure (every value an f16
+// value, within half an f16 spacing), not its size. An error of the same size that is not f16
+// rounding stays local.
+TEST_F(Compare, ResidualStoredInF16IsPrecisionByItsStructure) {
+  SyntheticDump e = engine_dump();
+  const auto residual = [](const std::string& name) { return name.rfind("ffn_inp-", 0) == 0 || name.rfind("l_out-", 0) == 0; };
+  e.perturb = [&](int, const std::string& name, std::vector<float>& v) {
+    if (residual(name))
+      for (float& x : v) x = to_f16(x);
+  };
+  Comparison c = run(e, rel(1e-5));
+  ASSERT_TRUE(c.diverged());
+  EXPECT_EQ(first(c).name, "ffn_inp-0");
+  ASSERT_TRUE(first(c).f16_fit);
+  EXPECT_TRUE(first(c).f16_fit->engine_exact);
+  EXPECT_LE(first(c).f16_fit->max_half_ulps, 1.0);
+  EXPECT_EQ(c.verdict.kind, VerdictKind::drift) << c.verdict.explanation;
+  EXPECT_EQ(c.verdict.rule, "f16_storage");
+  EXPECT_TRUE(c.verdict.precision);
+  EXPECT_NE(c.verdict.explanation.find("precision: the engine stores this tensor in f16"), std::string::npos);
+  EXPECT_NE(c.verdict.explanation.find("native dtype says f32"), std::string::npos) << c.verdict.explanation;
+  const double rounded_rel = first(c).metrics->rel_l2;
+
+  // The same size, not a rounding: a scale 1 + rel (an RMSNorm one element short moves a row so).
+  e.perturb = [&](int, const std::string& name, std::vector<float>& v) {
+    if (name == "ffn_inp-0")
+      for (float& x : v) x *= static_cast<float>(1 + rounded_rel);
+  };
+  c = run(e, rel(1e-5));
+  ASSERT_TRUE(c.diverged());
+  EXPECT_EQ(first(c).name, "ffn_inp-0");
+  EXPECT_FALSE(first(c).f16_fit->engine_exact);
+  EXPECT_EQ(c.verdict.kind, VerdictKind::local) << c.verdict.explanation;
+
+  // f16 values, but one of them a spacing off: no rounding gives that.
+  e.perturb = [&](int, const std::string& name, std::vector<float>& v) {
+    if (!residual(name)) return;
+    for (float& x : v) x = to_f16(x);
+    if (name == "ffn_inp-0") v[3] = to_f16(v[3] * (1 + 1.5f / 1024));
+  };
+  c = run(e, rel(1e-5));
+  ASSERT_TRUE(c.diverged());
+  EXPECT_TRUE(first(c).f16_fit->engine_exact);
+  EXPECT_GT(first(c).f16_fit->max_half_ulps, 1.5);
+  EXPECT_EQ(c.verdict.kind, VerdictKind::local) << c.verdict.explanation;
+
+}
+
 TEST_F(Compare, ReportsCarryTheFirstDivergence) {
   SyntheticDump e = engine_dump();
   e.perturb = [](int step, const std::string& name, std::vector<float>& v) {
