@@ -19,7 +19,7 @@ std::string label_of(const std::string& dim, bool is_row) {
 }
 
 struct Sums {
-  std::vector<double> d2, a2, b2;
+  std::vector<double> d2, a2, b2, ab;
   std::vector<char> nonfinite;
 };
 
@@ -53,12 +53,13 @@ ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, s
   for (int k = 0; k < 3; ++k) {
     if (order[k] < 0) continue;
     const size_t e = static_cast<size_t>(named[order[k]].extent);
-    sums[k] = {std::vector<double>(e), std::vector<double>(e), std::vector<double>(e), std::vector<char>(e)};
+    sums[k] = {std::vector<double>(e), std::vector<double>(e), std::vector<double>(e), std::vector<double>(e),
+               std::vector<char>(e)};
   }
   // Causal mask: in [H, T, S], token t of a step with S - T cached positions sees positions <= S - T + t.
   const bool causal = base == "kq_soft_max" && named.size() == 3 && named[1].dim == "T" && named[2].dim == "S";
   const int64_t n_past = causal ? named[2].extent - named[1].extent : 0;
-  double sa = 0, sb = 0, sab = 0;
+  double sa = 0, sb = 0, sab = 0, sd = 0;
   for (int64_t i = 0; i < n; ++i) {
     const double x = a[i], y = b[i];
     const bool finite = std::isfinite(x) && std::isfinite(y);
@@ -66,6 +67,7 @@ ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, s
       sa += x * x;
       sb += y * y;
       sab += x * y;
+      sd += (x - y) * (x - y);
     }
     for (int k = 0; k < 3; ++k) {
       if (order[k] < 0) continue;
@@ -78,6 +80,7 @@ ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, s
       s.d2[j] += (x - y) * (x - y);
       s.a2[j] += x * x;
       s.b2[j] += y * y;
+      s.ab[j] += x * y;
     }
     if (causal && finite) {
       const int64_t t = (i / strides[1]) % named[1].extent, pos = i % named[2].extent;
@@ -149,6 +152,19 @@ ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, s
   const AxisPattern* rows = find(ax.row);
   const AxisPattern* heads = find(ax.head);
   const AxisPattern* channels = find(ax.channel);
+  // Scaled copies: the error the best single factor (or one factor per channel) leaves is under 1% of
+  // the error's energy.
+  const double scale = sb > 0 ? sab / sb : 1.0;
+  const bool scaled = any_wrong && sb > 0 && sd > 0 && (sa - sab * sab / sb) <= 0.01 * sd && std::abs(scale - 1) > 1e-3;
+  bool channel_scaled = false;
+  if (any_wrong && !scaled && sd > 0 && channels && rows && rows->extent >= 2 && channels->extent >= 2) {
+    const Sums* cs = nullptr;
+    for (int k = 0; k < 3; ++k)
+      if (order[k] == ax.channel) cs = &sums[k];
+    double left = 0;
+    for (size_t j = 0; cs && j < cs->a2.size(); ++j) left += cs->b2[j] > 0 ? cs->a2[j] - cs->ab[j] * cs->ab[j] / cs->b2[j] : cs->a2[j];
+    channel_scaled = cs && left <= 0.01 * sd;
+  }
   if (any_nonfinite) {
     // Over non-finite data "wrong" means "holds a NaN/Inf": only the token and channel hints hold.
     const size_t nt = rows ? rows->nonfinite.size() : 0, nc = channels ? channels->nonfinite.size() : 0;
@@ -169,6 +185,12 @@ ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, s
     p.hint = fmt::format("one token wrong: that token (T={})", rows->wrong.front());
   } else if (channels && channels->partial() && channels->wrong.size() * 8 <= static_cast<size_t>(channels->extent)) {
     p.hint = "a few channels wrong: a weight row, a bias or a scale of those channels";
+  } else if (scaled) {
+    p.hint = fmt::format("the engine's values are the reference's x {:.4g} (cosine {:.4f}): a scale factor (a constant "
+                         "missing or applied twice, a unit or a dtype), not a layout", scale, p.cosine);
+  } else if (channel_scaled) {
+    p.hint = "each channel scaled by its own factor, the same in every token: a per-channel weight applied twice or "
+             "not at all (an RMSNorm weight)";
   } else if (any_wrong && std::abs(p.cosine) < 0.1) {
     p.hint = fmt::format("cosine {:.3f}, uncorrelated: a layout, a transpose or the wrong tensor", p.cosine);
   }

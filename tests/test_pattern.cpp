@@ -121,6 +121,27 @@ TEST(Pattern, CosineNearZeroIsALayoutOrTranspose) {
   EXPECT_NE(p.hint.find("a layout, a transpose or the wrong tensor"), std::string::npos) << p.hint;
 }
 
+// A scaled copy (values 1e6x too large) is no transpose: the hint names the factor.
+TEST(Pattern, ScaledCopyIsAScaleNotATranspose) {
+  const int64_t T = 4, D = 16;
+  std::vector<float> b = values(T * D), a = b;
+  for (float& x : a) x *= 1e6f;
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{T, D}, "T,D", {}, "attn_out", 1e-6);
+  EXPECT_EQ(p.hint.find("transpose"), std::string::npos) << p.hint;
+  EXPECT_NE(p.hint.find("the engine's values are the reference's x 1e+06"), std::string::npos) << p.hint;
+}
+
+// RMSNorm weight applied twice: every channel times its own weight, the same in every token.
+TEST(Pattern, PerChannelFactorIsANormWeightTwice) {
+  const int64_t T = 5, D = 16;
+  std::vector<float> b = values(T * D), a = b;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) a[t * D + d] *= 0.5f + 0.1f * static_cast<float>(d % 7);
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{T, D}, "T,D", {}, "attn_norm", 1e-6);
+  EXPECT_NE(p.hint.find("each channel scaled by its own factor"), std::string::npos) << p.hint;
+  EXPECT_NE(p.hint.find("RMSNorm weight"), std::string::npos) << p.hint;
+}
+
 TEST(Pattern, ProbabilityOnFuturePositionsIsTheCausalMask) {
   // Prefill, H=1, T=S=3: the reference attends causally, the engine uniformly.
   std::vector<float> b = {1, 0, 0, 0.5f, 0.5f, 0, 1.f / 3, 1.f / 3, 1.f / 3};
