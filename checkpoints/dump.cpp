@@ -348,6 +348,9 @@ struct DumpReader::Impl {
     // The version first: it says whether strings may be variable-length (version 1) before any is read.
     if (H5Aexists(root, "format_version") > 0) {
       meta.format_version = read_int(root, "format_version");
+      if (meta.format_version < kDumpFormatOldestVersion || meta.format_version > kDumpFormatVersion)
+        fail("format_version " + std::to_string(meta.format_version) + " is not supported (this diffrun reads versions " +
+             std::to_string(kDumpFormatOldestVersion) + " to " + std::to_string(kDumpFormatVersion) + ")");
       if (meta.format_version < 2 && !version1_reads_allowed()) fail(version1_refused());
       vlen_strings_ok = meta.format_version < 2;
     }
@@ -426,24 +429,19 @@ struct DumpReader::Impl {
   }
 
   // A dataset must hold the bytes its shape declares, so a 230 KB file declaring 2 GB is refused
-  // before anything is allocated: unfiltered storage at least the declared size, filtered
-  // (compressed) storage at least 1/1100 of it (zlib's best ratio is about 1032:1), and never more
-  // storage than the file has.
+  // before anything is allocated (size_refusal: unfiltered storage at least the declared size,
+  // filtered storage at least 1/kMaxCompressionRatio of it, never more than the file has, and the
+  // float32 read within dataset_read_limit()).
   void check_storage(hid_t ds, hid_t type, const std::vector<int64_t>& shape, const std::string& where) const {
     uint64_t declared = H5Tget_size(type);
     for (int64_t d : shape) {
       if (d != 0 && declared > UINT64_MAX / static_cast<uint64_t>(d)) fail("its shape overflows 64 bits", where);
       declared *= static_cast<uint64_t>(d);
     }
-    if (declared == 0) return;
-    Hid dcpl(H5Dget_create_plist(ds), H5Pclose);
-    const bool filtered = dcpl.valid() && H5Pget_nfilters(dcpl.get()) > 0;
-    const uint64_t stored = H5Dget_storage_size(ds);
-    if (stored < (filtered ? declared / 1100 : declared) || stored > file_size) {
-      fail("its shape declares " + std::to_string(declared) + " bytes but " + std::to_string(stored) +
-               " bytes are stored (file size " + std::to_string(file_size) + "): the dataset lies about its size",
-           where);
-    }
+    // Read as float32 (ids as int32): 4 bytes an element whatever the stored size.
+    const uint64_t presented = declared / std::max<size_t>(H5Tget_size(type), 1) * 4;
+    if (const std::string refused = size_refusal(ds, declared, presented, file_size); !refused.empty())
+      fail(refused, where);
   }
 
   // How a stored dataset becomes the presented one.

@@ -26,6 +26,7 @@
 #include <set>
 
 #include "model/error.hpp"
+#include "model/file_check.hpp"
 
 namespace diffrun {
 
@@ -309,6 +310,38 @@ std::string storage_refusal(hid_t dataset) {
   return {};
 }
 
+uint64_t dataset_read_limit() {
+  if (const char* v = std::getenv("DIFFRUN_MAX_DATASET_MB"); v && *v) {
+    char* end = nullptr;
+    const unsigned long long mb = std::strtoull(v, &end, 10);
+    if (end && *end == '\0' && mb > 0 && mb < (uint64_t(1) << 44)) return mb << 20;
+  }
+  return uint64_t(4096) << 20;
+}
+
+std::string size_refusal(hid_t dataset, uint64_t declared, uint64_t presented, uint64_t file_size) {
+  if (declared == 0) return {};
+  Hid dcpl(H5Dget_create_plist(dataset), H5Pclose);
+  const bool filtered = dcpl.valid() && H5Pget_nfilters(dcpl.get()) > 0;
+  const uint64_t stored = H5Dget_storage_size(dataset);
+  h5::detail();
+  if (stored > file_size || (!filtered && stored < declared))
+    return "its shape declares " + std::to_string(declared) + " bytes but " + std::to_string(stored) +
+           " bytes are stored (file size " + std::to_string(file_size) + "): the dataset lies about its size";
+  // (a dataset of at most 1 MiB costs nothing to read, whatever its ratio: a small one of zeros may
+  // compress beyond it)
+  if (filtered && declared > (uint64_t(1) << 20) && stored < declared / kMaxCompressionRatio)
+    return "its shape declares " + std::to_string(declared) + " bytes but only " + std::to_string(stored) +
+           " bytes are stored, compressed " + std::to_string(declared / std::max<uint64_t>(stored, 1)) +
+           ":1; no real dump compresses beyond " + std::to_string(kMaxCompressionRatio) +
+           ":1 (a compression bomb?), refused before anything is read";
+  const uint64_t limit = dataset_read_limit();
+  if (presented > limit)
+    return "reading it takes " + std::to_string(presented >> 20) + " MiB, more than the limit of " +
+           std::to_string(limit >> 20) + " MiB per dataset (DIFFRUN_MAX_DATASET_MB raises it)";
+  return {};
+}
+
 std::vector<AttributeRow> read_attribute_table(hid_t group, const std::string& group_name, uint64_t file_size) {
   const std::string where = group_name + "/" + kAttributeTable;
   auto fail = [&](const std::string& what) -> void { throw DumpError(where + ": " + what + h5::detail()); };
@@ -332,61 +365,96 @@ std::vector<AttributeRow> read_attribute_table(hid_t group, const std::string& g
   const size_t row_size = H5Tget_size(type.get());
   if (row_size == 0 || n > (uint64_t(64) << 20) / row_size) fail("declares " + std::to_string(n) + " rows of " + std::to_string(row_size) + " bytes: more than 64 MiB");
   const uint64_t declared = n * row_size;
-  Hid dcpl(H5Dget_create_plist(ds.get()), H5Pclose);
-  const bool filtered = dcpl.valid() && H5Pget_nfilters(dcpl.get()) > 0;
-  const uint64_t stored = H5Dget_storage_size(ds.get());
-  if (stored < (filtered ? declared / 1100 : declared) || stored > file_size)
-    fail("declares " + std::to_string(declared) + " bytes but " + std::to_string(stored) + " are stored");
+  if (const std::string refused = size_refusal(ds.get(), declared, declared, file_size); !refused.empty()) fail(refused);
   rows.resize(n);
   if (n == 0) return rows;
 
-  // Each known column is read on its own through a one-member compound type, after its type was checked.
+  // The table is read once as stored, with the file's own type as the memory type: HDF5 converts
+  // nothing (a compound conversion of a damaged file type was a use-after-free inside HDF5 1.10,
+  // found by fuzz_dump), and each known column is decoded here from the row bytes after its member's
+  // type, offset and size were checked. Variable-length members are refused unread (they would be
+  // converted, from the global heap).
   const int members = H5Tget_nmembers(type.get());
   if (members < 0) fail("cannot list its columns");
-  auto column = [&](const char* col) -> Hid {
-    for (int i = 0; i < members; ++i) {
-      char* mname = H5Tget_member_name(type.get(), static_cast<unsigned>(i));
-      const bool match = mname && std::strcmp(mname, col) == 0;
-      H5free_memory(mname);
-      if (match) return Hid(H5Tget_member_type(type.get(), static_cast<unsigned>(i)), H5Tclose);
+  struct Column {
+    Hid type;
+    size_t offset = 0;
+  };
+  std::function<bool(hid_t)> variable = [&](hid_t t) -> bool {
+    const H5T_class_t cls = H5Tget_class(t);
+    if (cls == H5T_VLEN || cls == H5T_REFERENCE || cls == H5T_NO_CLASS || cls < 0) return true;
+    if (cls == H5T_STRING) return H5Tis_variable_str(t) != 0;
+    if (cls == H5T_ARRAY || cls == H5T_ENUM) {
+      Hid base(H5Tget_super(t), H5Tclose);
+      return !base.valid() || variable(base.get());
     }
-    return Hid();
+    if (cls == H5T_COMPOUND) {
+      const int k = H5Tget_nmembers(t);
+      if (k < 0) return true;
+      for (int i = 0; i < k; ++i) {
+        Hid m(H5Tget_member_type(t, static_cast<unsigned>(i)), H5Tclose);
+        if (!m.valid() || variable(m.get())) return true;
+      }
+    }
+    return false;
   };
-  auto read_column = [&](const char* col, hid_t mem_member, size_t size, void* buf) {
-    Hid mem(H5Tcreate(H5T_COMPOUND, size), H5Tclose);
-    if (!mem.valid() || H5Tinsert(mem.get(), col, 0, mem_member) < 0 ||
-        H5Dread(ds.get(), mem.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, buf) < 0)
-      fail(std::string("cannot read its column '") + col + "'");
-  };
+  std::map<std::string, Column> columns;
+  for (int i = 0; i < members; ++i) {
+    char* mname = H5Tget_member_name(type.get(), static_cast<unsigned>(i));
+    const std::string col = mname ? std::string(mname) : std::string();
+    H5free_memory(mname);
+    Hid mt(H5Tget_member_type(type.get(), static_cast<unsigned>(i)), H5Tclose);
+    if (!mt.valid()) fail("cannot read the type of its column " + std::to_string(i));
+    if (H5Tget_class(mt.get()) == H5T_STRING && H5Tis_variable_str(mt.get()) != 0)
+      fail("column '" + printable(col) + "' is a variable-length string (format version 2 stores fixed-length strings)");
+    if (variable(mt.get()))
+      fail("column '" + printable(col) + "' holds variable-length data (format version 2 stores fixed-length strings and integers)");
+    const size_t offset = H5Tget_member_offset(type.get(), static_cast<unsigned>(i));
+    const size_t size = H5Tget_size(mt.get());
+    if (size == 0 || offset > row_size || size > row_size - offset)
+      fail("column '" + printable(col) + "' lies outside its " + std::to_string(row_size) + "-byte rows");
+    columns[col] = Column{std::move(mt), offset};
+  }
+  std::vector<unsigned char> raw(n * row_size);
+  if (H5Dread(ds.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, raw.data()) < 0) fail("cannot be read");
   auto strings = [&](const char* col, bool required, auto set) {
-    Hid t = column(col);
-    if (!t.valid()) {
+    const auto it = columns.find(col);
+    if (it == columns.end()) {
       if (required) fail(std::string("has no column '") + col + "'");
       return;
     }
-    if (H5Tget_class(t.get()) != H5T_STRING) fail(std::string("column '") + col + "' is not a string");
-    if (H5Tis_variable_str(t.get()) != 0)
-      fail(std::string("column '") + col + "' is a variable-length string (format version 2 stores fixed-length strings)");
-    const size_t size = H5Tget_size(t.get());
-    if (size == 0 || size > 65536) fail(std::string("column '") + col + "' has strings of " + std::to_string(size) + " bytes");
-    std::vector<char> buf(n * size);
-    read_column(col, t.get(), size, buf.data());
+    const hid_t t = it->second.type.get();
+    if (H5Tget_class(t) != H5T_STRING) fail(std::string("column '") + col + "' is not a string");
+    const size_t size = H5Tget_size(t);
+    if (size > 65536) fail(std::string("column '") + col + "' has strings of " + std::to_string(size) + " bytes");
     for (hsize_t i = 0; i < n; ++i) {
-      const char* p = buf.data() + i * size;
-      set(rows[i], std::string(p, strnlen(p, size)));
+      const char* p = reinterpret_cast<const char*>(raw.data() + i * row_size + it->second.offset);
+      std::string v(p, strnlen(p, size));
+      if (H5Tget_strpad(t) == H5T_STR_SPACEPAD) v.erase(v.find_last_not_of(' ') + 1);
+      set(rows[i], std::move(v));
     }
   };
   auto ints = [&](const char* col, auto set) {
-    Hid t = column(col);
-    if (!t.valid()) return;
-    if (H5Tget_class(t.get()) != H5T_INTEGER) fail(std::string("column '") + col + "' is not an integer");
-    std::vector<int64_t> buf(n);
-    read_column(col, H5T_NATIVE_INT64, sizeof(int64_t), buf.data());
+    const auto it = columns.find(col);
+    if (it == columns.end()) return;
+    const hid_t t = it->second.type.get();
+    const size_t size = H5Tget_size(t);
+    const H5T_order_t order = H5Tget_order(t);
+    if (H5Tget_class(t) != H5T_INTEGER || (size != 1 && size != 2 && size != 4 && size != 8) ||
+        (order != H5T_ORDER_LE && order != H5T_ORDER_BE) || H5Tget_precision(t) != 8 * size || H5Tget_offset(t) != 0)
+      fail(std::string("column '") + col + "' is not an integer of 1, 2, 4 or 8 bytes");
+    const bool is_signed = H5Tget_sign(t) == H5T_SGN_2;
     for (hsize_t i = 0; i < n; ++i) {
-      if (buf[i] == kAbsentInt) continue;
-      if (buf[i] < INT32_MIN || buf[i] > INT32_MAX)
-        fail(std::string("column '") + col + "' holds " + std::to_string(buf[i]) + ", outside int32");
-      set(rows[i], static_cast<int>(buf[i]));
+      const unsigned char* p = raw.data() + i * row_size + it->second.offset;
+      uint64_t bits = 0;
+      for (size_t b = 0; b < size; ++b) bits |= uint64_t(p[order == H5T_ORDER_LE ? b : size - 1 - b]) << (8 * b);
+      int64_t v = static_cast<int64_t>(bits);
+      if (is_signed && size < 8 && (bits >> (8 * size - 1)) & 1) v = static_cast<int64_t>(bits | (~uint64_t(0) << (8 * size)));
+      if (!is_signed && size == 8 && bits > uint64_t(INT64_MAX)) v = INT64_MAX;
+      if (v == kAbsentInt) continue;
+      if (v < INT32_MIN || v > INT32_MAX)
+        fail(std::string("column '") + col + "' holds " + std::to_string(v) + ", outside int32");
+      set(rows[i], static_cast<int>(v));
     }
   };
   strings("name", true, [](AttributeRow& r, std::string v) { r.name = std::move(v); });
@@ -399,7 +467,7 @@ std::vector<AttributeRow> read_attribute_table(hid_t group, const std::string& g
   std::set<std::string_view> seen;
   for (const auto& r : rows) {
     if (r.name.empty()) fail("a row without a name");
-    if (!seen.insert(r.name).second) fail("names '" + r.name + "' twice");
+    if (!seen.insert(r.name).second) fail("names '" + printable(r.name) + "' twice");
   }
   return rows;
 }
@@ -811,8 +879,9 @@ std::vector<std::string> DumpFile::copy_attributes(const std::string& source_pat
                                                    const std::function<bool(std::string_view)>& keep) {
   Impl& m = *impl_;
   m.check_open("copying attributes");
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(source_path, ec)) throw DumpError(source_path + ": no such file");
+  // stat only: a FIFO is never opened (that would block) and is named as what it is.
+  if (const std::string problem = regular_file_problem(source_path); !problem.empty())
+    throw DumpError(source_path + ": " + (problem == "does not exist" ? std::string("no such file") : problem));
   if (H5Fis_hdf5(source_path.c_str()) <= 0) {
     h5::detail();
     throw DumpError(source_path + ": not an HDF5 file (no HDF5 signature: foreign or truncated)");
@@ -927,7 +996,9 @@ void DumpFile::write(int step, std::string_view name, StoredDType type, std::spa
 
 bool DumpFile::has_dataset(int step, std::string_view name) const {
   const Impl& m = *impl_;
-  if (!m.file.valid()) return false;
+  // "" or a path would name the step group itself or another object, never a dataset of the step.
+  if (!m.file.valid() || name.empty() || name.find('/') != std::string_view::npos || name == "." || name == "..")
+    return false;
   std::string p = dump_step_group_name(step);
   if (H5Lexists(m.file.get(), p.c_str(), H5P_DEFAULT) <= 0) return false;
   p.push_back('/');

@@ -136,6 +136,16 @@ std::string link_refusal(hid_t group, const std::string& name);
 // another file, e.g. /etc/passwd) or a virtual dataset (its data in other datasets or files).
 std::string storage_refusal(hid_t dataset);
 
+// What a reader reads of one dataset (docs/dump-format.md, "What readers refuse"): its declared bytes
+// must be stored (unfiltered: all of them; filtered: at least 1/kMaxCompressionRatio of them, a ratio
+// no real dump reaches, while a compression bomb of zeros reaches about 1000:1; checked above 1 MiB),
+// never more than the file holds, and the dataset read as float32 (`presented_bytes`) must fit dataset_read_limit().
+inline constexpr uint64_t kMaxCompressionRatio = 256;
+// DIFFRUN_MAX_DATASET_MB (MiB) when set to a positive integer, else 4096 (4 GiB).
+uint64_t dataset_read_limit();
+// Why the dataset must not be read, or "" (the text names sizes, not the file or dataset).
+std::string size_refusal(hid_t dataset, uint64_t declared_bytes, uint64_t presented_bytes, uint64_t file_size);
+
 // Reads a step group's attribute table (docs/dump-format.md, "Attribute table"). Checks the table's
 // types before reading anything: a 1-D compound dataset with a fixed-length string column `name`,
 // optional fixed-length string columns layout, native_dtype, dtype and integer columns order,

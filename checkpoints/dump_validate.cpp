@@ -1,5 +1,5 @@
 // Dump validation against docs/dump-format.md on the HDF5 C API: every root attribute, step group and dataset, all problems listed.
-// Reads attributes and shapes only (the data of `tokens` aside), so validating a large dump is quick.
+// Reads every dataset's data once, in blocks of rows (as compare would read it), within the readers' size limits.
 #include "checkpoints/rows.hpp"
 #include "checkpoints/dump_validate.hpp"
 
@@ -197,6 +197,48 @@ H5O_type_t object_type(hid_t parent, const std::string& name) {
   return info.type;
 }
 
+// Reads a dataset's data once, as the readers do (floats as float32, integers as int32, opaque words
+// as stored), in blocks of rows of at most 16 MiB: "" when it reads, else why not (an unknown
+// filter, a damaged chunk, a failed checksum). The size checks (size_refusal) came first.
+std::string read_problem(hid_t ds) {
+  Hid t(H5Dget_type(ds), H5Tclose);
+  Hid space(H5Dget_space(ds), H5Sclose);
+  if (!t.valid() || !space.valid()) return "cannot be read" + h5::detail();
+  const H5T_class_t cls = H5Tget_class(t.get());
+  hid_t mem = H5T_NATIVE_FLOAT;
+  if (cls == H5T_INTEGER) mem = H5T_NATIVE_INT32;
+  else if (cls == H5T_OPAQUE) mem = t.get();
+  else if (cls != H5T_FLOAT) return "";  // not numeric: reported by the type check
+  const size_t elem = cls == H5T_OPAQUE ? H5Tget_size(t.get()) : 4;
+  const int rank = H5Sget_simple_extent_ndims(space.get());
+  if (rank < 0) return "cannot be read (its shape)" + h5::detail();
+  std::vector<hsize_t> dims(static_cast<size_t>(rank));
+  if (rank > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
+  const hssize_t total = H5Sget_simple_extent_npoints(space.get());
+  if (total <= 0) return "";
+  if (rank == 0) {
+    std::vector<unsigned char> buf(elem);
+    if (H5Dread(ds, mem, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data()) < 0) return "cannot be read" + h5::detail();
+    return "";
+  }
+  const uint64_t row = static_cast<uint64_t>(total) / dims[0];
+  const hsize_t block = std::max<hsize_t>(1, (uint64_t(16) << 20) / std::max<uint64_t>(row * elem, 1));
+  std::vector<unsigned char> buf(std::min<hsize_t>(block, dims[0]) * row * elem);
+  for (hsize_t first = 0; first < dims[0]; first += block) {
+    std::vector<hsize_t> start(dims.size(), 0), count = dims;
+    start[0] = first;
+    count[0] = std::min(block, dims[0] - first);
+    Hid file_space(H5Scopy(space.get()), H5Sclose);
+    Hid mem_space(H5Screate_simple(rank, count.data(), nullptr), H5Sclose);
+    if (!file_space.valid() || !mem_space.valid() ||
+        H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr) < 0 ||
+        H5Dread(ds, mem, mem_space.get(), file_space.get(), H5P_DEFAULT, buf.data()) < 0)
+      return "cannot be read (rows " + std::to_string(first) + ".." + std::to_string(first + count[0] - 1) +
+             " of its first dimension)" + h5::detail();
+  }
+  return "";
+}
+
 }  // namespace
 
 RootCheck check_root_attributes(hid_t file) {
@@ -362,10 +404,22 @@ RootCheck check_root_attributes(hid_t file) {
 std::string check_checkpoint(const ModelConfig& cfg, std::string_view name, int layer, std::span<const int64_t> shape,
                              std::string_view layout, int64_t n_tokens, int64_t n_kv, std::vector<int64_t>* canonical) {
   const ParsedCheckpointName parsed = parse_checkpoint_name(name);
+  const CheckpointKind* kind = find_checkpoint_kind(parsed.base);
+  if (!kind) {
+    // "attn_norm_0": the layer joined with '_' instead of '-'.
+    std::string hint;
+    const size_t sep = name.find_last_of("_ .");
+    if (sep != std::string_view::npos && sep + 1 < name.size() &&
+        name.find_first_not_of("0123456789", sep + 1) == std::string_view::npos) {
+      const std::string guess = std::string(name.substr(0, sep)) + "-" + std::string(name.substr(sep + 1));
+      const CheckpointKind* k = find_checkpoint_kind(parse_checkpoint_name(guess).base);
+      if (k && k->per_layer) hint = "; did you mean '" + guess + "'?";
+    }
+    return "'" + printable(name, 64) + "' is not a checkpoint name of the vocabulary (diffrun vocab lists them" +
+           (hint.empty() ? ")" : ")" + hint);
+  }
   if (parsed.layer != layer)
     return "the name says layer " + std::to_string(parsed.layer) + " but the layer given is " + std::to_string(layer);
-  const CheckpointKind* kind = find_checkpoint_kind(parsed.base);
-  if (!kind) return "not a checkpoint name of the vocabulary (diffrun vocab lists them)";
   try {
     checkpoint_order(cfg, parsed.base, parsed.layer);
   } catch (const InputError& e) {
@@ -399,7 +453,11 @@ std::string check_checkpoint(const ModelConfig& cfg, std::string_view name, int 
   std::string what = "shape " + shape_text(shape) + " does not fit layout '" +
                      (layout.empty() ? std::string(kind->layout) : std::string(layout)) + "' = " +
                      shape_text(expected) + " (T = " + std::to_string(n_tokens) + ", S = " + std::to_string(n_kv) + ")";
-  if (element_count(shape) == element_count(expected)) what += "; same element count: a permuted array needs its layout attribute";
+  // A permuted layout was given and the dims do not match it: the layout is there, the dims are wrong.
+  if (!layout.empty() && layout != kind->layout)
+    what += "; the dims do not match the layout given with them (the vocabulary's is '" + std::string(kind->layout) + "')";
+  else if (element_count(shape) == element_count(expected))
+    what += "; same element count: a permuted array needs its layout attribute";
   return what;
 }
 
@@ -465,8 +523,22 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
       if (const std::string refused = link_refusal(group, name); !refused.empty())
         throw DumpError(path + ": '" + prefix + name + "' " + refused);
   };
+  const uint64_t file_size = std::filesystem::file_size(path, ec);
+  // External or virtual storage, and sizes no real dump has (a compression bomb), are refused (exit 2).
   auto refuse_storage = [&](hid_t ds, const std::string& where) {
     if (const std::string refused = storage_refusal(ds); !refused.empty())
+      throw DumpError(path + ": dataset '" + where + "': " + refused);
+    Hid t(H5Dget_type(ds), H5Tclose);
+    Hid sp(H5Dget_space(ds), H5Sclose);
+    const hssize_t n = H5Sget_simple_extent_npoints(sp.get());
+    const size_t size = t.valid() ? H5Tget_size(t.get()) : 0;
+    h5::detail();
+    if (n <= 0 || size == 0) return;
+    if (static_cast<uint64_t>(n) > UINT64_MAX / std::max<size_t>(size, 4))
+      throw DumpError(path + ": dataset '" + where + "': its shape overflows 64 bits");
+    const uint64_t declared = static_cast<uint64_t>(n) * size;
+    const uint64_t presented = H5Tget_class(t.get()) == H5T_COMPOUND ? declared : static_cast<uint64_t>(n) * 4;
+    if (const std::string refused = size_refusal(ds, declared, presented, file_size); !refused.empty())
       throw DumpError(path + ": dataset '" + where + "': " + refused);
   };
   refuse_links(file.get(), "");
@@ -531,7 +603,7 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
           if (table_ds.valid()) refuse_storage(table_ds.get(), gname + "/" + kAttributeTable);
         }
         try {
-          for (auto& row : read_attribute_table(g.get(), gname, std::filesystem::file_size(path, ec)))
+          for (auto& row : read_attribute_table(g.get(), gname, file_size))
             table[row.name] = std::move(row);
         } catch (const DumpError& e) {
           const std::string msg = e.what(), prefix = gname + "/" + kAttributeTable + ": ";
@@ -605,6 +677,11 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
         continue;
       }
       refuse_storage(ds.get(), where);
+      // The data, read once as compare reads it: what validate calls valid, compare can read.
+      if (const std::string p = read_problem(ds.get()); !p.empty()) {
+        problem(where, p);
+        continue;
+      }
       if (opt.mapped && opt.mapped(ForeignName{name, names, cfg, facts})) continue;
       const ParsedCheckpointName parsed = parse_checkpoint_name(name);
       const CheckpointKind* kind = find_checkpoint_kind(parsed.base);

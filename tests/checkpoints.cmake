@@ -3,6 +3,8 @@ diffrun_test(test_vocabulary SOURCES test_vocabulary.cpp LIBS diffrun_checkpoint
 diffrun_test(test_dump SOURCES test_dump.cpp LIBS diffrun_checkpoints)
 diffrun_test(test_dump_size SOURCES test_dump_size.cpp LIBS diffrun_checkpoints)
 diffrun_test(test_name_map SOURCES test_name_map.cpp LIBS diffrun_checkpoints)
+# Messages the C API passes on: names with _ for -, dims against the layout given, copies from a FIFO, put("").
+diffrun_test(test_dump_messages SOURCES test_dump_messages.cpp LIBS diffrun_checkpoints)
 
 # Writes a small dump with the C++ writer (and prints the vocabulary as JSON) for the Python tests.
 add_executable(dump_sample dump_sample.cpp)

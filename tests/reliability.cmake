@@ -12,3 +12,11 @@ add_test(NAME test_hostile_inputs
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_hostile_inputs PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
   ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python")
+# Hostile and damaged dumps and name maps: compression bombs, the read limit, the attribute table's types,
+# data only a read finds damaged (validate reads what compare reads), hostile maps, control characters,
+# swapped compare arguments.
+add_test(NAME test_hostile_dumps
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_hostile_dumps.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_hostile_dumps PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 600
+  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python")
