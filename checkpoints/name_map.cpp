@@ -32,24 +32,50 @@ int match_pattern(std::string_view pattern, std::string_view text) {
   return layer;
 }
 
-// Does `occurrence` ("", "k", "last", "last-k") select repeat `k` of `count`?
+// The largest repeat an occurrence names (a step holds far fewer datasets).
+constexpr int kMaxOccurrence = 1000000;
+// A name map file is a few kB; a larger one is refused before it is read.
+constexpr uintmax_t kMaxNameMapBytes = 1 << 20;
+
+// "123" -> 123 when it is digits only and at most kMaxOccurrence; -1 otherwise.
+int small_number(std::string_view s) {
+  int v = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || s.front() == '-' || s.front() == '+' || ec != std::errc() || end != s.data() + s.size() ||
+      v > kMaxOccurrence)
+    return -1;
+  return v;
+}
+
+// Does `occurrence` ("", "k", "last", "last-k"; checked by valid_occurrence) select repeat `k` of `count`?
 bool occurrence_matches(const std::string& occurrence, int k, int count) {
   if (occurrence.empty()) return true;
   if (occurrence.rfind("last", 0) == 0) {
-    int back = 0;
-    if (occurrence.size() > 4) back = std::stoi(occurrence.substr(5));
-    return k == count - back;
+    const int back = occurrence.size() > 4 ? small_number(std::string_view(occurrence).substr(5)) : 0;
+    return back >= 0 && k == count - back;
   }
-  return k == std::stoi(occurrence);
+  return k == small_number(occurrence);
 }
 
 bool valid_occurrence(const std::string& o) {
-  auto digits = [](std::string_view s) {
-    return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
-  };
   if (o.empty() || o == "last") return true;
-  if (o.rfind("last-", 0) == 0) return digits(std::string_view(o).substr(5));
-  return digits(o) && std::stoi(o) >= 1;
+  if (o.rfind("last-", 0) == 0) return small_number(std::string_view(o).substr(5)) >= 0;
+  return small_number(o) >= 1;
+}
+
+// The JSON with every object's keys checked for repeats (nlohmann keeps the last one silently).
+nlohmann::json parse_unique_keys(std::string_view json, const std::string& source) {
+  std::vector<std::set<std::string>> keys;
+  auto callback = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using E = nlohmann::json::parse_event_t;
+    if (event == E::object_start) keys.emplace_back();
+    else if (event == E::object_end && !keys.empty()) keys.pop_back();
+    else if (event == E::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second)
+      throw InputError(source + ": the key \"" + printable(parsed.get<std::string>(), 64, '"') +
+                       "\" is given twice in one object");
+    return true;
+  };
+  return nlohmann::json::parse(json, callback);
 }
 
 }  // namespace
@@ -79,29 +105,38 @@ NameMap NameMap::load(const std::string& spec) {
   if (!std::filesystem::is_regular_file(spec, ec)) {
     std::string known;
     for (const auto& n : builtin_names()) known += (known.empty() ? "" : ", ") + n;
-    throw InputError("--names '" + spec + "': neither a built-in name map (" + known + ") nor a file");
+    throw InputError("--names '" + printable(spec) + "': neither a built-in name map (" + known + ") nor a file");
   }
+  if (const uintmax_t size = std::filesystem::file_size(spec, ec); !ec && size > kMaxNameMapBytes)
+    throw InputError(printable(spec) + ": the name map is " + std::to_string(size) + " bytes, more than the " +
+                     std::to_string(kMaxNameMapBytes >> 20) + " MiB a name map may hold");
   std::ifstream in(spec, std::ios::binary);
   std::ostringstream text;
   text << in.rdbuf();
-  if (!in && !in.eof()) throw InputError(spec + ": cannot read the name map");
-  return parse(text.str(), spec);
+  if (!in && !in.eof()) throw InputError(printable(spec) + ": cannot read the name map");
+  if (text.str().size() > kMaxNameMapBytes)
+    throw InputError(printable(spec) + ": the name map holds more than the " + std::to_string(kMaxNameMapBytes >> 20) +
+                     " MiB a name map may hold");
+  return parse(text.str(), printable(spec));
 }
 
 NameMap NameMap::parse(std::string_view json, const std::string& source) {
   NameMap m;
   m.source_ = source;
   nlohmann::json doc;
+  if (json.size() > kMaxNameMapBytes)
+    throw InputError(source + ": the name map holds " + std::to_string(json.size()) + " bytes, more than the " +
+                     std::to_string(kMaxNameMapBytes >> 20) + " MiB a name map may hold");
   try {
-    doc = nlohmann::json::parse(json);
+    doc = parse_unique_keys(json, source);
   } catch (const nlohmann::json::parse_error& e) {
-    throw InputError(source + ": not valid JSON: " + e.what());
+    throw InputError(source + ": not valid JSON: " + printable(e.what()));
   }
   if (!doc.is_object() || !doc.contains("rules") || !doc["rules"].is_array())
     throw InputError(source + ": expected an object with a \"rules\" array");
   static const std::set<std::string> top_keys = {"name", "description", "rules"};
   for (const auto& [key, value] : doc.items())
-    if (!top_keys.count(key)) throw InputError(source + ": unknown key \"" + key + "\"");
+    if (!top_keys.count(key)) throw InputError(source + ": unknown key \"" + printable(key, 64, '"') + "\"");
   static const std::set<std::string> rule_keys = {"match", "occurrence", "archs", "when", "drop", "to",
                                                   "layout", "transpose", "crop", "why"};
   size_t index = 0;
@@ -110,13 +145,18 @@ NameMap NameMap::parse(std::string_view json, const std::string& source) {
     const std::string where = source + ": rule " + std::to_string(index);
     if (!r.is_object()) throw InputError(where + ": not an object");
     for (const auto& [key, value] : r.items())
-      if (!rule_keys.count(key)) throw InputError(where + ": unknown key \"" + key + "\"");
+      if (!rule_keys.count(key)) throw InputError(where + ": unknown key \"" + printable(key, 64, '"') + "\"");
     NameRule rule;
     try {
       rule.match = r.at("match").get<std::string>();
       if (r.contains("occurrence")) {
         const auto& o = r["occurrence"];
-        rule.occurrence = o.is_number_integer() ? std::to_string(o.get<int>()) : o.get<std::string>();
+        // Integers outside 1..kMaxOccurrence (2^40 once became 0) are refused, not truncated.
+        if (o.is_number_integer() && !(o.is_number_unsigned() && o.get<uint64_t>() >= 1 &&
+                                       o.get<uint64_t>() <= uint64_t(kMaxOccurrence)))
+          throw InputError(where + ": occurrence " + o.dump() + " is not k >= 1 (at most " +
+                           std::to_string(kMaxOccurrence) + "), \"last\" or \"last-k\"");
+        rule.occurrence = o.is_number_integer() ? std::to_string(o.get<int64_t>()) : o.get<std::string>();
       }
       if (r.contains("archs")) rule.archs = r["archs"].get<std::vector<std::string>>();
       if (r.contains("when")) rule.when = r["when"].get<std::map<std::string, std::string>>();
@@ -127,23 +167,29 @@ NameMap NameMap::parse(std::string_view json, const std::string& source) {
       if (r.contains("crop")) rule.crop = r["crop"].get<std::vector<std::string>>();
       rule.why = r.value("why", std::string());
     } catch (const nlohmann::json::exception& e) {
-      throw InputError(where + ": " + e.what());
+      throw InputError(where + ": " + printable(e.what()));
     }
-    const std::string label = where + " (\"" + rule.match + "\")";
+    const std::string label = where + " (\"" + printable(rule.match, 64, '"') + "\")";
     if (rule.match.empty()) throw InputError(where + ": empty \"match\"");
     if (rule.match.find("{L}") != rule.match.rfind("{L}")) throw InputError(label + ": more than one {L}");
     if (rule.match.find("{L}") != std::string::npos && rule.match.find_first_of("*?") != std::string::npos)
       throw InputError(label + ": a pattern is either a glob or has {L}, not both");
     if (!valid_occurrence(rule.occurrence))
-      throw InputError(label + ": occurrence \"" + rule.occurrence + "\" is not k >= 1, \"last\" or \"last-k\"");
+      throw InputError(label + ": occurrence \"" + printable(rule.occurrence, 64, '"') + "\" is not k >= 1 (at most " +
+                       std::to_string(kMaxOccurrence) + "), \"last\" or \"last-k\"");
     if (rule.drop == !rule.to.empty()) throw InputError(label + ": give exactly one of \"to\" and \"drop\"");
     if (rule.to.find("{L}") != std::string::npos && rule.match.find("{L}") == std::string::npos)
       throw InputError(label + ": \"to\" uses {L} but \"match\" has none");
     for (const auto& a : rule.archs) {
       bool known = false;
       for (Arch x : all_archs()) known |= a == arch_name(x);
-      if (!known) throw InputError(label + ": unknown arch \"" + a + "\"");
+      if (!known) throw InputError(label + ": unknown arch \"" + printable(a, 64, '"') + "\"");
     }
+    static const std::set<std::string> letters = {"T", "S", "D", "H", "Hkv", "Dh", "F", "V"};
+    for (const auto& c : rule.crop)
+      if (!letters.count(c))
+        throw InputError(label + ": crop letter \"" + printable(c, 64, '"') +
+                         "\" is not a layout letter (T, S, D, H, Hkv, Dh, F, V)");
     m.rules_.push_back(std::move(rule));
   }
   return m;

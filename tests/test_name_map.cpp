@@ -79,6 +79,42 @@ TEST(NameMap, BadMapsNameTheRule) {
   EXPECT_THROW(NameMap::load("no-such-map"), InputError);
 }
 
+// Hostile maps: out-of-range occurrences, repeated keys, unknown crop letters, a huge key, a huge file.
+TEST(NameMap, HostileMapsAreRefusedClearly) {
+  auto message = [](const std::string& json) {
+    try {
+      NameMap::parse(json, "m.json");
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    } catch (const std::exception& e) {
+      return std::string("not an InputError: ") + e.what();
+    }
+    return std::string("no error");
+  };
+  const std::string big = R"({"rules": [{"match": "a", "to": "b", "occurrence": "99999999999"}]})";
+  EXPECT_NE(message(big).find("occurrence \"99999999999\" is not k >= 1"), std::string::npos) << message(big);
+  const std::string huge_int = R"({"rules": [{"match": "a", "to": "b", "occurrence": 1099511627776}]})";
+  EXPECT_NE(message(huge_int).find("occurrence 1099511627776 is not k >= 1"), std::string::npos) << message(huge_int);
+  EXPECT_NE(message(R"({"rules": [{"match": "a", "to": "b", "occurrence": 0}]})").find("occurrence 0"), std::string::npos);
+  EXPECT_NE(message(R"({"rules": [{"match": "a", "to": "b", "occurrence": "last-99999999999"}]})").find("occurrence"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"rules": [{"match": "a", "to": "b", "to": "c"}]})").find("the key \"to\" is given twice"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"rules": [], "rules": []})").find("\"rules\" is given twice"), std::string::npos);
+  EXPECT_NE(message(R"({"rules": [{"match": "a", "to": "b", "crop": ["Q"]}]})").find("crop letter \"Q\""),
+            std::string::npos);
+  const std::string key(5 << 20 >> 4, 'k');  // 320 kB
+  const std::string long_key = message(R"({"rules": [{"match": "a", "to": "b", ")" + key + R"(": 1}]})");
+  EXPECT_NE(long_key.find("unknown key"), std::string::npos);
+  EXPECT_LT(long_key.size(), 400u) << long_key.substr(0, 400);
+  const std::string oversized = "{\"rules\": [], \"description\": \"" + std::string(2 << 20, 'x') + "\"}";
+  EXPECT_NE(message(oversized).find("more than the 1 MiB"), std::string::npos);
+  // A valid occurrence still selects its repeat.
+  const NameMap m = NameMap::parse(R"({"rules": [{"match": "a", "to": "b", "occurrence": 2}]})", "m.json");
+  EXPECT_EQ(mapped(m, "a#2", 2), "b");
+  EXPECT_EQ(mapped(m, "a", 2), "(none)");
+}
+
 // Every target of the built-in maps is a vocabulary name for some layer.
 TEST(NameMap, BuiltinMapsTargetTheVocabulary) {
   const auto names = NameMap::builtin_names();
