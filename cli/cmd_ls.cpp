@@ -3,6 +3,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <fmt/core.h>
@@ -12,6 +13,7 @@
 #include "checkpoints/name_map.hpp"
 #include "cli/command.hpp"
 #include "cli/options.hpp"
+#include "model/error.hpp"
 
 namespace diffrun::cli {
 namespace {
@@ -23,17 +25,9 @@ struct LsOptions {
   bool all = false;  // every checkpoint of every step (the default: one line per step and the kinds)
 };
 
-// One line for a long string: newlines shown as \n, cut at `max` characters.
-std::string one_line(const std::string& s, size_t max) {
-  std::string out;
-  for (char c : s) {
-    if (c == '\n') out += "\\n";
-    else if (c == '\t') out += "\\t";
-    else out += c;
-  }
-  if (out.size() > max) out = out.substr(0, max) + "...";
-  return out;
-}
+// One line for a string from the dump: newlines, escapes and other control bytes escaped
+// (printable), cut after `max` bytes.
+std::string one_line(const std::string& s, size_t max) { return printable(s, max, 0); }
 
 std::string ids_text(const std::vector<int32_t>& ids, size_t max) {
   std::string out;
@@ -74,17 +68,19 @@ int run_ls(const LsOptions& o) {
   if (o.step >= 0) r.datasets(o.step);  // a missing step is a DumpError naming it
   const DumpMeta& m = r.meta();
   const ModelConfig& c = m.config;
-  fmt::print("{}: diffrun-dump v{}, backend {}, precision {}, written {} by diffrun {}\n", o.path, m.format_version,
-             m.backend, m.precision, m.created_utc, m.diffrun_version);
-  fmt::print("  model    {} (fingerprint {})\n", m.model_path, m.model_fingerprint);
+  fmt::print("{}: diffrun-dump v{}, backend {}, precision {}, written {} by diffrun {}\n", one_line(o.path, 400),
+             m.format_version, one_line(m.backend, 100), one_line(m.precision, 100), one_line(m.created_utc, 100),
+             one_line(m.diffrun_version, 100));
+  fmt::print("  model    {} (fingerprint {})\n", one_line(m.model_path, 400), one_line(m.model_fingerprint, 100));
   fmt::print("  config   {}: {} layers, D={}, H={}, Hkv={}, Dh={}, F={}, V={}, ctx {}, rope {} theta {:g}, rms_eps {:g}{}{}{}\n",
              arch_name(c.arch), c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.n_ff, c.n_vocab, c.n_ctx,
              rope_type_name(c.rope_type), c.rope_theta, c.rms_eps, c.tied_output ? ", tied output" : "",
              c.qkv_bias ? ", qkv bias" : "", c.qk_norm ? ", qk norm" : "");
   fmt::print("  prompt   \"{}\" ({} tokens: {})\n", one_line(m.prompt, 100), m.token_ids.size(),
              ids_text(m.token_ids, 24));
-  for (const auto& [key, value] : m.facts) fmt::print("  {:<8} {}\n", key, value);
-  for (const auto& key : r.int_attribute_names()) fmt::print("  {:<8} {}\n", key, ids_text(r.int_attribute(key), 24));
+  for (const auto& [key, value] : m.facts) fmt::print("  {:<8} {}\n", one_line(key, 100), one_line(value, 400));
+  for (const auto& key : r.int_attribute_names())
+    fmt::print("  {:<8} {}\n", one_line(key, 100), ids_text(r.int_attribute(key), 24));
 
   const auto steps = r.steps();
   fmt::print("{} steps", steps.size());
@@ -93,6 +89,9 @@ int run_ls(const LsOptions& o) {
   const bool every = o.all || o.step >= 0;
   std::vector<std::string> kinds, outside;  // per-layer kinds and the rest, in order of first appearance
   std::vector<std::pair<std::string, uint64_t>> kind_values;  // values per kind, all steps shown
+  // Indexes into the lists above: a dump of 100k foreign names stays linear.
+  std::unordered_map<std::string, size_t> kind_index;
+  std::unordered_map<std::string, bool> listed;
   for (int step : steps) {
     if (o.step >= 0 && step != o.step) continue;
     const auto infos = r.datasets(step);
@@ -103,10 +102,10 @@ int run_ls(const LsOptions& o) {
       values += n;
       const std::string base = d.layer >= 0 ? d.name.substr(0, d.name.rfind('-')) : d.name;
       auto& list = d.layer >= 0 ? kinds : outside;
-      if (std::find(list.begin(), list.end(), base) == list.end()) list.push_back(base);
-      auto kv = std::find_if(kind_values.begin(), kind_values.end(), [&](const auto& k) { return k.first == base; });
-      if (kv == kind_values.end()) kv = kind_values.insert(kind_values.end(), {base, 0});
-      kv->second += n;
+      if (listed.emplace((d.layer >= 0 ? "L" : "O") + base, true).second) list.push_back(one_line(base, 100));
+      const auto [kv, added] = kind_index.emplace(base, kind_values.size());
+      if (added) kind_values.emplace_back(base, 0);
+      kind_values[kv->second].second += n;
     }
     if (!every) {
       fmt::print("  step {:<4} {:>5} checkpoints, {:8.2f} MB as float32\n", step, infos.size(),
@@ -116,8 +115,8 @@ int run_ls(const LsOptions& o) {
     fmt::print("\nstep {} ({} checkpoints, {:.2f} MB)\n", step, infos.size(), static_cast<double>(values) * 4 / 1e6);
     fmt::print("  {:>5}  {:<18} {:<16} {:<10} {:<7} {}\n", "order", "name", "shape", "layout", "stored", "native");
     for (const auto& d : infos)
-      fmt::print("  {:>5}  {:<18} {:<16} {:<10} {:<7} {}\n", d.order, d.name, shape_text(d.shape), d.layout,
-                 d.stored_dtype, d.native_dtype);
+      fmt::print("  {:>5}  {:<18} {:<16} {:<10} {:<7} {}\n", d.order, one_line(d.name, 200), shape_text(d.shape),
+                 one_line(d.layout, 100), one_line(d.stored_dtype, 100), one_line(d.native_dtype, 100));
   }
   if (!every) {
     print_list(fmt::format("kinds per layer ({}):", kinds.size()), kinds);
@@ -130,7 +129,7 @@ int run_ls(const LsOptions& o) {
       std::vector<std::string> items;
       for (size_t i = 0; i < kind_values.size() && i < 8; ++i) {
         const auto& [base, n] = kind_values[i];
-        items.push_back(fmt::format("{} {} ({:.0f}%)", base, size_text(static_cast<double>(n) * 4),
+        items.push_back(fmt::format("{} {} ({:.0f}%)", one_line(base, 100), size_text(static_cast<double>(n) * 4),
                                     100.0 * static_cast<double>(n) / static_cast<double>(total)));
       }
       print_list(fmt::format("largest kinds ({} in all):", size_text(static_cast<double>(total) * 4)), items);

@@ -30,6 +30,7 @@ struct ShowOptions {
   int cols = 8;
   int top = 5;        // worst coordinates listed with two dumps
   std::string slice;  // "T=3,H=1": fixed coordinates (layout letters)
+  bool no_color = false;  // accepted as compare accepts it; show prints no colours
 };
 
 // Coordinates of flat index `i` in `shape`, e.g. "[3, 1, 17]".
@@ -142,9 +143,10 @@ int run_show(const ShowOptions& o) {
   const DatasetInfo& d = *r.find(o.step, o.name);
   const auto dims = layout_dims(d.layout);
   const std::vector<int64_t> fixed = parse_slice(o.slice, d.shape, dims, d.layout);
-  fmt::print("{} step {} {}: shape {} ({}), stored {}, native {}, order {}, layer {}{}\n", o.path, o.step, o.name,
-             shape_str(d.shape), d.layout, d.stored_dtype, d.native_dtype, d.order, d.layer,
-             o.slice.empty() ? "" : fmt::format(", slice {}", o.slice));
+  fmt::print("{} step {} {}: shape {} ({}), stored {}, native {}, order {}, layer {}{}\n", printable(o.path, 400, 0),
+             o.step, printable(o.name, 200, 0), shape_str(d.shape), printable(d.layout, 100, 0),
+             printable(d.stored_dtype, 100, 0), printable(d.native_dtype, 100, 0), d.order, d.layer,
+             o.slice.empty() ? "" : fmt::format(", slice {}", printable(o.slice, 100, 0)));
 
   // The values of the slice (all of them without --slice) and their flat indices.
   std::vector<size_t> idx;
@@ -211,8 +213,8 @@ int run_show_pair(const ShowOptions& o, const std::string& path_a, const std::st
   }
   const std::vector<std::string> dims = layout_dims(da.layout);
   const std::vector<int64_t> fixed = parse_slice(o.slice, da.shape, dims, da.layout);
-  fmt::print("{} step {}: shape {} ({}){}\n", o.name, o.step, shape_str(da.shape), da.layout,
-             o.slice.empty() ? "" : fmt::format(", slice {}", o.slice));
+  fmt::print("{} step {}: shape {} ({}){}\n", printable(o.name, 200, 0), o.step, shape_str(da.shape),
+             printable(da.layout, 100, 0), o.slice.empty() ? "" : fmt::format(", slice {}", printable(o.slice, 100, 0)));
   std::vector<size_t> idx;
   for (size_t i = 0; i < a.size(); ++i) {
     if (in_slice(i, da.shape, fixed)) idx.push_back(i);
@@ -233,7 +235,8 @@ int run_show_pair(const ShowOptions& o, const std::string& path_a, const std::st
   }
   const auto side = [&](const char* label, const std::string& path, const DatasetInfo& d, const std::vector<float>& v) {
     const Stats st = stats_of(v);
-    fmt::print("  {} {} (stored {}, native {})\n", label, path, d.stored_dtype, d.native_dtype);
+    fmt::print("  {} {} (stored {}, native {})\n", label, printable(path, 400, 0), printable(d.stored_dtype, 100, 0),
+               printable(d.native_dtype, 100, 0));
     fmt::print("      min {:.7g}  max {:.7g}  mean {:.7g}  rms {:.7g}  NaN {}  Inf {}\n", st.min, st.max, st.mean, st.rms,
                st.nan, st.inf);
   };
@@ -305,6 +308,7 @@ const CommandRegistrar reg("show", "One checkpoint of one dump (stats, a slice) 
       ->capture_default_str()
       ->check(count_in(0));
   app.add_option("--slice", o->slice, "Fix coordinates by layout letter, e.g. T=3 or H=1,T=0 (diffrun ls shows layouts)");
+  app.add_flag("--no-color", o->no_color, "No ANSI colours (show prints none; accepted as compare accepts it)");
   return [o] {
     o->name = o->args.back();
     if (o->args.size() == 3) return run_show_pair(*o, o->args[0], o->args[1]);

@@ -13,6 +13,7 @@
 #include "checkpoints/name_map.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "cli/command.hpp"
+#include "cli/terminal.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"
@@ -74,9 +75,11 @@ int run_validate(const ValidateCommand& o) {
                                   {"steps", r.n_steps},
                                   {"datasets", r.n_datasets},
                                   {"problems", problems}};
-    fmt::print("{}\n", doc.dump(2));
+    // Invalid UTF-8 from the dump is replaced, not an exception.
+    fmt::print("{}\n", doc.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
   } else {
-    for (const auto& p : r.problems) fmt::print("{}: {}: {}\n", o.dump, p.where, p.what);
+    for (const auto& p : r.problems)
+      fmt::print("{}: {}: {}\n", printable(o.dump, 400, 0), terminal_safe(printable(p.where, 300, 0)), terminal_safe(p.what));
     if (r.problems.empty())
       fmt::print("{}: valid diffrun dump ({} steps, {} datasets)\n", o.dump, r.n_steps, r.n_datasets);
     else

@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
+#include "cli/terminal.hpp"
 #include "cli/command.hpp"
 #include "cli/error_report.hpp"
 #include "cli/help_format.hpp"
@@ -72,7 +73,8 @@ Exit codes:
   // Exit 2 with one error line; the reports asked for (--report-json, --report-junit) say it too.
   auto fail = [&](const char* kind, const std::string& what) {
     write_error_reports(argc, argv, what);
-    fmt::print(stderr, "diffrun: {}: {}\n", kind, what);
+    // Names and strings from a dump or a file reach the message: no control byte reaches the terminal.
+    fmt::print(stderr, "diffrun: {}: {}\n", kind, diffrun::cli::terminal_safe(what));
     return 2;
   };
   try {

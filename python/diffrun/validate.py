@@ -55,6 +55,9 @@ ROOT_ATTRIBUTES: list[tuple[str, str, bool, str | None]] = [
 ]
 NATIVE_DTYPES = ("f32", "f64", "f16", "bf16", "i32")
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+# The most layers a dump may declare: the readers' kMaxLayers (checkpoints/dump.cpp). Every name list is sized by
+# n_layer, so a dump declaring 2e9 layers would exhaust memory before anything else is checked.
+MAX_LAYERS = 4096
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,9 @@ def _check_root(f: h5py.File) -> _Root:
         elif ints[k] <= 0:
             problem(k, f"is {ints[k]}, expected a positive integer")
             ok = False
+        elif k == "n_layer" and ints[k] > MAX_LAYERS:
+            problem(k, f"is {ints[k]}, outside 1..{MAX_LAYERS} (no model has more layers; readers refuse it)")
+            ok = False
     if any(k not in ints for k in ("tied_output", "qkv_bias", "qk_norm")):
         ok = False
     for k in ("rope_theta", "rms_eps"):
@@ -380,7 +386,9 @@ def check_checkpoint(cfg: _Config, name: str, layer: int, shape: tuple[int, ...]
                 return ""
     what = (f"shape {_shape_text(shape)} does not fit layout '{layout or kind.layout}' = {_shape_text(expected)} "
             f"(T = {n_tokens}, S = {n_kv})")
-    if int(np.prod(shape, dtype=np.int64)) == int(np.prod(expected, dtype=np.int64)):
+    if layout and layout != kind.layout:
+        what += f"; the dims do not match the layout given with them (the vocabulary's is '{kind.layout}')"
+    elif int(np.prod(shape, dtype=np.int64)) == int(np.prod(expected, dtype=np.int64)):
         what += "; same element count: a permuted array needs its layout attribute"
     return what
 
@@ -658,6 +666,11 @@ def main(argv: list[str] | None = None) -> int:
         r = validate(args.dump)
     except DumpFormatError as e:
         print(f"diffrun.validate: {e}", file=sys.stderr)
+        return 2
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError, UnicodeError, MemoryError) as e:
+        # h5py's errors on a missing, foreign or damaged file: one line naming the file, not a traceback
+        what = " ".join(str(e).split()) or type(e).__name__
+        print(f"diffrun.validate: {args.dump}: cannot be read ({type(e).__name__}: {what[:300]})", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"path": args.dump, "valid": r.valid, "steps": r.n_steps, "datasets": r.n_datasets,
