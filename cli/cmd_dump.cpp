@@ -7,6 +7,7 @@
 #include <string>
 
 #include <fmt/core.h>
+#include <omp.h>
 
 #include "checkpoints/dump.hpp"
 #include "checkpoints/replay_sink.hpp"
@@ -32,6 +33,7 @@ struct DumpOptions {
   std::string replay;  // isolation replay from this reference dump
   bool remove_stale = false;  // remove the temporaries killed runs left beside --out
   DumpSizeOptions size;
+  int threads = 0;  // OpenMP threads of the cpu backend; 0: OMP_NUM_THREADS or every core
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -41,6 +43,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 int run_dump(const DumpOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
   check_dump_output_file("--out", o.out);
+  if (o.threads > 0) omp_set_num_threads(o.threads);
   const CheckpointFilter filter(o.checkpoints);
   fmt::print(stderr, "diffrun dump: loading {}\n", o.model);
   const auto file = GgufFile::open(o.model);
@@ -96,9 +99,18 @@ int run_dump(const DumpOptions& o) {
   });
   set_run_attributes(writer, r, *backend);
   writer.finish();
-  fmt::print("{}: {} steps, {:.1f} MB, tokens", o.out, o.steps + 1, writer.bytes_written() / 1e6);
-  for (int32_t id : r.tokens) fmt::print(" {}", id);
-  fmt::print("\n");
+  // The ids in short (a long prompt has thousands): their count, the first and the last few.
+  constexpr size_t kHead = 8, kTail = 4;
+  std::string shown;
+  for (size_t i = 0; i < r.tokens.size(); ++i) {
+    if (r.tokens.size() > kHead + kTail && i == kHead) {
+      shown += " ...";
+      i = r.tokens.size() - kTail;
+    }
+    shown += " " + std::to_string(r.tokens[i]);
+  }
+  fmt::print("{}: {} steps, {:.1f} MB, {} tokens:{} (ls lists them)\n", o.out, o.steps + 1, writer.bytes_written() / 1e6,
+             r.tokens.size(), shown);
   return 0;
 }
 
@@ -115,6 +127,8 @@ const CommandRegistrar reg("dump", "Run one backend and write its checkpoints to
                "Remove the dump temporaries (*.diffrun-tmp-PID) that killed runs left beside --out (otherwise only listed)");
   app.add_option("--checkpoints", o->checkpoints, "Record only these checkpoints, e.g. 'attn_*,result_*'");
   o->size.add_options(app);
+  app.add_option("--threads", o->threads, "OpenMP threads of the cpu backend (default: OMP_NUM_THREADS, else every core)")
+      ->check(count_in(1, 4096));
   app.add_option("--replay", o->replay,
                  "Isolation replay: feed this reference dump's tokens and continue from its tensor at every checkpoint");
   return [o] { return run_dump(*o); };

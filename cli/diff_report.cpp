@@ -103,8 +103,17 @@ diff::CompareOptions compare_options(const ReportOptions& opt) {
 }
 
 diff::ToleranceSet tolerances_for(const DumpMeta& engine, const DumpMeta& reference, const ReportOptions& opt) {
-  return opt.tolerances.empty() ? diff::preset_tolerances(preset_for(engine, reference))
-                                : diff::load_tolerances(opt.tolerances);
+  if (!opt.tolerances.empty()) return diff::load_tolerances(opt.tolerances);
+  const std::string name = preset_for(engine, reference);
+  // No preset for (engine, reference) but one for the swapped pair: the dumps were given the other
+  // way round (the f64 reference as the engine).
+  if (const std::string swapped = preset_for(reference, engine); !has_preset(name) && has_preset(swapped))
+    throw InputError(fmt::format(
+        "no tolerance preset \"{}\" for an engine dump of precision {} against a reference of {}, but there is one "
+        "for the swapped pair (\"{}\"): the arguments look swapped; compare takes the engine dump first, then the "
+        "reference (diffrun compare ENGINE.h5 REFERENCE.h5), or pass --tolerances FILE",
+        printable(name, 100, 0), printable(engine.precision, 100, 0), printable(reference.precision, 100, 0), swapped));
+  return diff::preset_tolerances(name);
 }
 
 IsolationRules isolation_rules(const DumpMeta& isolated, const DumpMeta& reference, const ReportOptions& opt) {
