@@ -99,13 +99,13 @@ class Engine:
         self.cache_k[l] = put(f"cache_k-{l}", self.cache_k[l])
         self.cache_v[l] = put(f"cache_v-{l}", self.cache_v[l])
         keys, values = self.cache_k[l], self.cache_v[l]
-        if self.bug == "cache_unread":
-            keys, values = k, v
         S, past = keys.shape[0], keys.shape[0] - T
         group = H // Hkv
         kv_head = np.arange(H) % Hkv if self.bug == "gqa_modulo" else np.arange(H) // group
         scores = np.einsum("thd,shd->hts", q, keys[:, kv_head]) / np.float32(np.sqrt(Dh))
         mask = np.arange(S)[None, :] > (past + np.arange(T))[:, None]  # key after the query's position
+        if self.bug == "cache_unread":
+            mask = mask | (np.arange(S) < past)[None, :]  # the cache's earlier rows are never read
         scores = np.where(mask[None], -np.inf, scores)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32)

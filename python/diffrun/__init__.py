@@ -3,9 +3,10 @@
     import diffrun
     with diffrun.open("run/reference.h5") as d:
         d.meta["arch"], d.steps(), d.names(step=0)
-        q = d.get("Qcur-3", step=0)  # numpy array [T, H, Dh], read on demand
+        ids, q = d.get("tokens", step=0), d.get("Qcur-3", step=0)  # numpy arrays ([T, H, Dh]), read on demand
     with diffrun.writer.open("mine.h5", backend="mine", precision="f32", like="run/reference.h5") as w:
         w.step(0)
+        w.put("tokens", ids)  # every step records its tokens first
         w.put("Qcur-3", q)
     diffrun.fingerprint("model.gguf")  # the model_fingerprint of dumps of that model
     diffrun.validate.validate("mine.h5").problems  # every departure from docs/dump-format.md

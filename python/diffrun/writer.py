@@ -8,6 +8,13 @@
             w.put("attn_norm-0", x)               # float32/float16/float64 arrays, bf16 as uint16 bits
         ...
 
+The writer keeps the C API's contract (capi/dump_writer.cpp), so that what it renames into place is a valid dump:
+the root attributes are checked when it opens (every problem in one message; at most MAX_LAYERS layers); steps
+are 0, 1, 2, ... in order, each recording "tokens" first (int32 ids inside the vocabulary, step 0's equal to
+token_ids, one id per decode step); vocabulary checkpoints fit the config's shapes (T and S from the tokens);
+dataset names hold no '/' and are not '.' or '..'. A put or step() that breaks it raises DumpWriteError and
+writes nothing; close() refuses to rename a dump without step 0 and removes the temporary instead.
+
 The file is written to PATH.diffrun-tmp-<pid> (created exclusively: a symlink or other file planted at
 that name is refused, never written through) and renamed to PATH when the writer closes without an
 error; an exception inside the `with` block removes the temporary file, so a half-written dump never
@@ -38,6 +45,7 @@ import numpy as np
 
 from . import cuda_staging, vocabulary
 from .dump import ABSENT_INT, ATTRIBUTE_TABLE, FORMAT, FORMAT_VERSION, Dump
+from .validate import MAX_LAYERS, _check_root, check_checkpoint
 
 DIFFRUN_VERSION = "0.1.0"
 
@@ -192,11 +200,17 @@ class Writer:
                                  " (pass meta={...} or like=REFERENCE_DUMP)")
         if attrs["arch"] not in vocabulary.ALL_ARCHS:
             raise DumpWriteError(self.path, f"unknown arch '{attrs['arch']}' (known: {', '.join(vocabulary.ALL_ARCHS)})")
+        # Bounded before anything is sized by it (the names of every layer): the readers' kMaxLayers.
+        try:
+            n_layer = int(attrs["n_layer"])
+        except (TypeError, ValueError):
+            raise DumpWriteError(self.path, f"root attribute 'n_layer' = {attrs['n_layer']!r} is not an integer") from None
+        if not 1 <= n_layer <= MAX_LAYERS:
+            raise DumpWriteError(self.path, f"root attribute 'n_layer' is {n_layer}, outside 1..{MAX_LAYERS} (no model "
+                                 "has more layers; diffrun's readers refuse such a dump)")
         self.meta = attrs
         self._arch = str(attrs["arch"])
-        self._n_layer = int(attrs["n_layer"])
-        self._names = vocabulary.checkpoint_names(self._arch, self._n_layer)
-        self._order = {n: i for i, n in enumerate(self._names)}
+        self._n_layer = n_layer
         self._tmp = f"{self.path}{TEMP_INFIX}{os.getpid()}"
         self._file = None
         self._check_target()
@@ -204,9 +218,28 @@ class Writer:
         _guard(id(self), self._tmp)
         self._step: int | None = None
         self._written: dict[int, list[str]] = {}
+        self._tokens: dict[int, int] = {}  # each step's T, once its tokens passed their checks
+        self._kv: dict[int, int] = {}  # S after each step: the tokens fed so far
         self._rows: dict[int, list[tuple[str, dict[str, Any]]]] = {}  # each step's attribute table
         self._device: cuda_staging.Staging | None = None  # torch CUDA tensors on their way (put, replay)
         self._write_root(attrs)
+        # The root attributes as diffrun validate reads them (the C API checks them when step 0 starts).
+        root = _check_root(self._file)
+        if root.problems or root.config is None:
+            self.abort()
+            raise DumpWriteError(self.path, self._root_text(root))
+        self._config = root.config
+        self._token_ids = list(root.token_ids)
+        self._names = vocabulary.checkpoint_names(self._arch, self._n_layer)
+        self._order = {n: i for i, n in enumerate(self._names)}
+
+    @staticmethod
+    def _root_text(root: Any) -> str:
+        problems = root.problems or []
+        if not problems:
+            return "the root attributes do not describe a model config"
+        return (f"the root attributes are not complete ({len(problems)} problem{'' if len(problems) == 1 else 's'}): " +
+                "; ".join(f"{p.where}: {p.what}" for p in problems))
 
     # -- the file --------------------------------------------------------------------------------
     def _check_target(self) -> None:
@@ -295,9 +328,18 @@ class Writer:
 
     # -- steps and checkpoints -------------------------------------------------------------------
     def step(self, step: int) -> "Writer":
-        """Makes `step` the step that put() writes into (0 is the prefill)."""
-        if int(step) < 0:
-            raise DumpWriteError(self.path, f"negative step {step}")
+        """Makes `step` the step that put() writes into (0 is the prefill): steps are 0, 1, 2, ... in order, and
+        the step before must have recorded its tokens."""
+        step = int(step)
+        if step < 0:
+            raise DumpWriteError(self.path, f"step {step} is negative")
+        following = 0 if self._step is None else self._step + 1
+        if step != following:
+            raise DumpWriteError(self.path, f"step {step} out of order: steps are 0, 1, 2, ... and the next is "
+                                 f"{following}")
+        if self._step is not None and self._step not in self._tokens:
+            raise DumpWriteError(self.path, f"step {self._step} recorded no tokens (put \"tokens\" first in every "
+                                 "step)")
         if self._device is not None:
             # the graphs' slots are free for their next replay; the file catches up past half the staging size
             self._device.settle()
@@ -323,6 +365,9 @@ class Writer:
              native_dtype: str | None, write: bool = True) -> None:
         """put()'s checks, then (write=True) the dataset; write=False checks a device put (data: its shape and
         dtype only)."""
+        if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
+            raise DumpWriteError(self.path, f"{name!r} is not a valid dataset name (empty, or holds '/' or NUL, or is "
+                                 "'.' or '..')", f"step_{step:04d}")
         where = f"step_{step:04d}/{name}"
         pending = self._device is not None and (step, name) in self._device.names
         if name in self._written[step] or pending:
@@ -330,6 +375,9 @@ class Writer:
         if name == ATTRIBUTE_TABLE:
             raise DumpWriteError(self.path, "the name of the step's attribute table", where)
         if name == "tokens" and data.dtype.kind in "iu" and data.dtype != np.int32:
+            if write and data.size and (int(data.min()) < 0 or int(data.max()) >= int(self._config.n_vocab)):
+                bad = int(data[(data < 0) | (data >= self._config.n_vocab)].reshape(-1)[0])  # before int32 wraps it
+                raise DumpWriteError(self.path, f"id {bad} outside the vocabulary 0..{self._config.n_vocab - 1}", where)
             data = data.astype(np.int32)
         native = native_dtype or _NATIVE.get(data.dtype)
         if data.dtype not in _NATIVE:
@@ -364,12 +412,24 @@ class Writer:
                                      f"'{layout}' names {len(dims)}", where)
             if (name == "tokens") != (data.dtype == np.int32):
                 raise DumpWriteError(self.path, "token ids are int32 and checkpoints are floats", where)
+            if name == "tokens":
+                self._check_tokens(step, data, int(layer), where, values=write)
+            else:
+                n_tokens = self._tokens_first(step, where)
+                problem = check_checkpoint(self._config, name, int(layer), tuple(int(x) for x in data.shape), layout,
+                                           n_tokens, self._kv[step])
+                if problem:
+                    raise DumpWriteError(self.path, problem, where)
             order = self._order[name]
             if not write and "S" in layout.split(",") and cuda_staging.capturing():
                 raise DumpWriteError(self.path, "its S dimension grows every step but a graph replays fixed "
                                      "shapes: put it outside the capture", where)
         else:
+            self._tokens_first(step, where)
             order = len(self._names) + len(self._written[step])
+        if name == "tokens" and step not in self._tokens:
+            self._tokens[step] = int(data.shape[0])
+            self._kv[step] = self._kv.get(step - 1, 0) + int(data.shape[0])
         if not write:
             return
         attrs: dict[str, Any] = {}
@@ -393,6 +453,40 @@ class Writer:
             attrs["layout"] = layout
         self._rows.setdefault(step, []).append((name, attrs))
         self._written[step].append(name)
+
+    def _tokens_first(self, step: int, where: str) -> int:
+        """The step's T; a checkpoint before the step's tokens is refused (T and S come from them)."""
+        if step not in self._tokens:
+            raise DumpWriteError(self.path, "put \"tokens\" first in every step (T and S come from it)", where)
+        return self._tokens[step]
+
+    def _check_tokens(self, step: int, data: np.ndarray, layer: int, where: str, values: bool) -> None:
+        """The C API's checks of a step's ids: [T], inside the vocabulary, step 0's the prompt (token_ids), one
+        id per decode step, the id all_token_ids feeds (teacher forcing). values=False (a device put, its data
+        not there yet): the shape only; the ids are checked when they are written."""
+        if layer != -1:
+            raise DumpWriteError(self.path, f"layer {layer} for tokens (-1 outside layers)", where)
+        if data.ndim != 1 or data.shape[0] < 1:
+            raise DumpWriteError(self.path, f"shape {list(data.shape)}, expected [T] with T >= 1", where)
+        if step > 0 and data.shape[0] != 1:
+            raise DumpWriteError(self.path, f"{data.shape[0]} ids; a decode step feeds one", where)
+        if not values:
+            return
+        n_vocab = self._config.n_vocab
+        bad = data[(data < 0) | (data >= n_vocab)]
+        if bad.size:
+            raise DumpWriteError(self.path, f"id {int(bad[0])} outside the vocabulary 0..{n_vocab - 1}", where)
+        ids = [int(x) for x in data]
+        if step == 0:
+            if ids != self._token_ids:
+                raise DumpWriteError(self.path, "step 0's tokens differ from the root attribute token_ids (the "
+                                     "prompt)", where)
+            return
+        fed = self._file.attrs.get("all_token_ids") if self._file is not None else None
+        i = len(self._token_ids) + step - 1
+        if fed is not None and i < len(fed) and ids[0] != int(fed[i]):
+            raise DumpWriteError(self.path, f"id {ids[0]} but all_token_ids feeds {int(fed[i])} at this step "
+                                 "(teacher forcing)", where)
 
     # -- torch CUDA tensors (diffrun.cuda_staging) ---------------------------------------------------------
     def _put_device(self, name: str, tensor: Any, layer: int | None, layout: str | None,
@@ -473,12 +567,22 @@ class Writer:
 
     # -- finishing -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Closes the file and renames it into place."""
+        """Closes the file and renames it into place; a dump that breaks the format's contract (no step 0 with
+        its tokens, a step without tokens, root attributes that do not hold) is removed instead: DumpWriteError."""
         if self._file is None:
             return
-        if self._device is not None:
-            self.flush()
-            self._device.release()
+        try:
+            if self._device is not None:
+                self.flush()  # device puts are checked again as they are written (tokens: their ids)
+                self._device.release()
+            problem = self._contract_problem()
+        except BaseException:
+            self.abort()
+            raise
+        if problem:
+            self.abort()
+            raise DumpWriteError(self.path, f"{problem}; not renamed into place, the temporary '{self._tmp}' was "
+                                 "removed")
         try:
             for step, rows in self._rows.items():
                 self._file[f"step_{step:04d}"].create_dataset(ATTRIBUTE_TABLE, data=_table(rows), track_times=False)
@@ -489,6 +593,11 @@ class Writer:
                        if "tokens" in self._written[s]]
                 if ids:
                     self._file.attrs.create("all_token_ids", np.concatenate(ids).astype(np.int32))
+            problem = self._final_root_problem()
+            if problem:
+                self.abort()
+                raise DumpWriteError(self.path, f"{problem}; not renamed into place, the temporary '{self._tmp}' "
+                                     "was removed")
             self._file.flush()
             self._file.close()
         except (OSError, RuntimeError) as e:
@@ -517,6 +626,31 @@ class Writer:
                 raise
             raise DumpWriteError(self.path, f"cannot rename '{self._tmp}' to it: {_reason(e)}") from None
         _unguard(id(self))
+
+    def _contract_problem(self) -> str | None:
+        """What the steps recorded lack for a valid dump (the C API's close: at least step 0 with its tokens;
+        every step recorded holds tokens, numbered 0.. without gaps); None when nothing."""
+        if 0 not in self._tokens:
+            return "no step recorded (a dump holds at least step 0 with its tokens)"
+        recorded = sorted(s for s, names in self._written.items() if names)
+        for s in range(recorded[-1] + 1):
+            if s not in self._tokens:
+                return f"step {s} recorded no tokens (steps are numbered from 0 without gaps, each with its tokens)"
+        return None
+
+    def _final_root_problem(self) -> str | None:
+        """The root attributes as the file holds them at close (set_attribute may have added all_token_ids or
+        argmax), against the steps written."""
+        root = _check_root(self._file)
+        if root.problems:
+            return self._root_text(root)
+        last = max(s for s, names in self._written.items() if names)
+        if root.all_token_ids is not None and len(root.all_token_ids) < len(root.token_ids) + last:
+            return (f"root attribute 'all_token_ids': holds {len(root.all_token_ids)} ids; {last} decode steps after "
+                    f"a prompt of {len(root.token_ids)} need at least {len(root.token_ids) + last}")
+        if root.argmax is not None and len(root.argmax) != last + 1:
+            return f"root attribute 'argmax': holds {len(root.argmax)} ids for {last + 1} steps (one per step)"
+        return None
 
     def abort(self) -> None:
         """Closes and removes the temporary file; nothing appears at the path. Never raises."""

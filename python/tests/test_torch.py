@@ -34,10 +34,11 @@ def test_records_by_module_name_with_repeats(tmp_path):
     with writer.open(tmp_path / "t.h5", backend="torch", precision="f32", meta=meta()) as w:
         with dtorch.record(m, w, ["up", "down"]):
             w.step(0)
+            w.put("tokens", np.array([1, 2], np.int32))  # every step records its tokens first
             m(x)
         m(x)  # after the with block nothing is recorded
     with diffrun.open(tmp_path / "t.h5") as d:
-        assert d.names(0) == ["up", "down", "up#2", "down#2"]  # forward calls each twice
+        assert d.names(0) == ["tokens", "up", "down", "up#2", "down#2"]  # forward calls each twice
         np.testing.assert_allclose(d.get("up"), m.up(x)[0].detach().numpy(), rtol=1e-6)
         np.testing.assert_allclose(d.get("down#2"), m.down(m.up(x))[0].detach().numpy(), rtol=1e-6)
 
@@ -49,9 +50,10 @@ def test_mapped_names_pre_hooks_and_bf16(tmp_path):
         with dtorch.record(m, w, ["up"], names={"up": "ffn_up-0"}):
             with dtorch.record(m, w, ["down"], names=lambda n: "ffn_swiglu-0" if n == "down" else None, pre=True):
                 w.step(0)
+                w.put("tokens", np.array([1, 2], np.int32))
                 m(x[:, :2])
     with diffrun.open(tmp_path / "t.h5") as d:
-        assert d.names(0) == ["ffn_up-0", "ffn_swiglu-0", "ffn_up-0#2", "ffn_swiglu-0#2"]
+        assert d.names(0) == ["tokens", "ffn_up-0", "ffn_swiglu-0", "ffn_up-0#2", "ffn_swiglu-0#2"]
         assert d.info("ffn_up-0").native_dtype == "bf16"
         np.testing.assert_array_equal(d.get("ffn_up-0"), m.up(x[:, :2])[0].detach().float().numpy())
 
@@ -60,3 +62,4 @@ def test_unknown_module_is_an_error(tmp_path):
     with writer.open(tmp_path / "t.h5", backend="torch", precision="f32", meta=meta()) as w:
         with pytest.raises(KeyError, match="no submodule named nope"):
             dtorch.record(Tiny(), w, ["nope"])
+        w.put("tokens", np.array([1, 2], np.int32))  # a dump holds at least step 0 with its tokens

@@ -142,7 +142,7 @@ def test_dtypes_native_names_and_keep_dtype(tmp_path):
         w.put("attn_norm-0", bf16)
         w.put("attn_out-0", x.astype(np.float64))
         w.put("Qcur-0", x)  # [T, H*Dh] is stored [T, H, Dh]
-        w.set_attribute("argmax", [3, 4])
+        w.set_attribute("argmax", [3])  # one id per step
         w.set_attribute("device", "laptop")
     with diffrun.open(tmp_path / "a.h5") as d:
         assert d.get("tokens").dtype == np.int32 and d.info("tokens").native_dtype == "i32"
@@ -152,8 +152,9 @@ def test_dtypes_native_names_and_keep_dtype(tmp_path):
         np.testing.assert_array_equal(d.get("attn_norm-0"), writer.bf16_to_f32(bf16))
         assert d.get("Qcur-0").shape == (2, 2, 2) and d.info("Qcur-0").layout == "T,H,Dh"
         assert d.names(0) == ["tokens", "embd", "attn_norm-0", "Qcur-0", "attn_out-0"]
-        assert list(d.meta["argmax"]) == [3, 4] and d.meta["device"] == "laptop"
+        assert list(d.meta["argmax"]) == [3] and d.meta["device"] == "laptop"
     with writer.open(tmp_path / "b.h5", backend="numpy", precision="bf16", meta=meta_numbers(), keep_dtype=True) as w:
+        w.put("tokens", np.array([1, 2], np.int32))
         w.put("embd", x.astype(np.float16))
         w.put("attn_norm-0", bf16)
         w.put("attn_out-0", x.astype(np.float64))
@@ -182,6 +183,7 @@ def test_an_exception_leaves_no_file(tmp_path):
     path = tmp_path / "x.h5"
     with pytest.raises(RuntimeError):
         with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+            w.put("tokens", np.array([1, 2], np.int32))
             w.put("embd", np.zeros((2, 4), np.float32))
             raise RuntimeError("engine crashed")
     assert list(tmp_path.iterdir()) == []
@@ -289,19 +291,22 @@ def test_a_full_disk_is_one_clear_error_and_leaves_nothing(tmp_path):
 ])
 def test_bad_puts_name_the_dataset(tmp_path, name, array, kwargs, message):
     with writer.open(tmp_path / "x.h5", backend="numpy", precision="f32", meta=meta_numbers()) as w:
+        w.put("tokens", np.array([1, 2], np.int32))
         with pytest.raises(writer.DumpWriteError, match=r"x\.h5: dataset '.*" + message):
             w.put(name, array, **kwargs)
 
 
 def test_twice_and_missing_meta(tmp_path):
     with writer.open(tmp_path / "x.h5", backend="numpy", precision="f32", meta=meta_numbers()) as w:
-        w.step(2)
-        w.put("embd", np.zeros((2, 4), np.float32))
-        with pytest.raises(writer.DumpWriteError, match="step_0002/embd'.*recorded twice"):
-            w.put("embd", np.zeros((2, 4), np.float32))
+        w.put("tokens", np.array([1, 2], np.int32))
+        w.step(1)
+        w.put("tokens", np.array([3], np.int32))
+        w.put("embd", np.zeros((1, 4), np.float32))
+        with pytest.raises(writer.DumpWriteError, match="step_0001/embd'.*recorded twice"):
+            w.put("embd", np.zeros((1, 4), np.float32))
         w.put("my_engine.custom", np.zeros(3, np.float32))  # a foreign name is stored as given
     with h5py.File(tmp_path / "x.h5") as f:
-        row = {r["name"]: r for r in f["step_0002/_attributes"][()]}[b"my_engine.custom"]
+        row = {r["name"]: r for r in f["step_0001/_attributes"][()]}[b"my_engine.custom"]
         assert row["layout"] == b"" and row["layer"] == -1  # layout absent
     meta = meta_numbers()
     del meta["n_ff"], meta["rope_type"]
@@ -383,6 +388,7 @@ def test_reader_takes_2d_per_head_and_permuted_layouts(tmp_path):
     path = tmp_path / "perm.h5"
     q = np.arange(2 * 2 * 2, dtype=np.float32).reshape(2, 2, 2)  # [T, H, Dh]
     with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+        w.put("tokens", np.array([1, 2], np.int32))
         w.put("Qcur-0", q)
         w.put("Krope-0", np.zeros((2, 1, 2), np.float32))
         w.put("kq_soft_max-0", np.arange(8, dtype=np.float32).reshape(2, 2, 2))  # [H, T, S]
@@ -433,7 +439,208 @@ def test_native_dtypes_and_layouts_compare_clean_in_cpp(reference, tmp_path):
     for dtype, data in (("f16", exact.astype(np.float16)), ("bf16", writer.f32_to_bf16(exact))):
         path = tmp_path / f"{dtype}.h5"
         with writer.open(path, backend="python", precision="f32", meta=meta_numbers(), keep_dtype=True) as w:
-            w.put("tokens", np.array([1], np.int32))
-            w.put("embd", np.tile(data, (1, 1)))
+            w.put("tokens", np.array([1, 2], np.int32))
+            w.put("embd", np.tile(data, (2, 1)))
         r = subprocess.run([BIN, "show", str(path), "embd"], capture_output=True, text=True)
         assert r.returncode == 0 and "-2.5" in r.stdout and "0.15625" in r.stdout, r.stdout + r.stderr
+
+
+# --- the C API's contract (capi/dump_writer.cpp): refused at the call that breaks it, never renamed into place ------
+
+def assert_nothing_invalid_left(tmp_path, path):
+    """No temporary is left; a dump at `path`, if any, is valid."""
+    assert not list(tmp_path.glob(f"*{writer.TEMP_INFIX}*"))
+    if path.exists():
+        from diffrun.validate import validate
+        assert validate(path).valid, validate(path).problems
+
+
+def test_n_layer_is_bounded_in_the_writer_and_the_validator(tmp_path):
+    from diffrun.validate import MAX_LAYERS, validate
+    meta = dict(meta_numbers(), n_layer=2_000_000_000)
+    with pytest.raises(writer.DumpWriteError, match=rf"'n_layer' is 2000000000, outside 1\.\.{MAX_LAYERS}"):
+        writer.open(tmp_path / "x.h5", backend="numpy", precision="f32", meta=meta)
+    assert list(tmp_path.iterdir()) == []
+    # A dump that claims it: the writer opened like= it refuses it, the validator lists it (no MemoryError).
+    claims = tmp_path / "claims.h5"
+    with writer.open(claims, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+        w.put("tokens", np.array([1, 2], np.int32))
+        w.put("embd", np.zeros((2, 4), np.float32))
+    with h5py.File(claims, "a") as f:
+        f.attrs.modify("n_layer", np.int32(2_000_000_000))
+    with pytest.raises(writer.DumpWriteError, match=r"'n_layer' is 2000000000, outside 1\.\."):
+        writer.open(tmp_path / "y.h5", backend="numpy", precision="f32", like=claims)
+    assert not (tmp_path / "y.h5").exists()
+    problems = [(p.where, p.what) for p in validate(claims).problems]
+    assert ("root attribute 'n_layer'", f"is 2000000000, outside 1..{MAX_LAYERS} (no model has more layers; "
+            "readers refuse it)") in problems
+    # the bound itself is allowed
+    with writer.open(tmp_path / "z.h5", backend="numpy", precision="f32", meta=dict(meta_numbers(), n_layer=MAX_LAYERS)) as w:
+        w.put("tokens", np.array([1, 2], np.int32))
+        w.put(f"l_out-{MAX_LAYERS - 1}", np.zeros((2, 4), np.float32))
+    assert validate(tmp_path / "z.h5").valid
+
+
+@pytest.mark.parametrize("meta_change, message", [
+    ({"token_ids": [1, 99999]}, r"token_ids': holds id 99999, outside the vocabulary 0\.\.9"),
+    ({"n_head_kv": 3}, "does not divide n_head"),
+    ({"rope_type": "yarn"}, "root attribute 'rope_type'"),
+    ({"n_embd": 0}, "n_embd': is 0, expected a positive integer"),
+])
+def test_root_attributes_are_checked_when_the_writer_opens(tmp_path, meta_change, message):
+    with pytest.raises(writer.DumpWriteError, match="the root attributes are not complete.*" + message):
+        writer.open(tmp_path / "x.h5", backend="numpy", precision="f32", meta=dict(meta_numbers(), **meta_change))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_steps_are_0_1_2_in_order(tmp_path):
+    path = tmp_path / "x.h5"
+    with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+        with pytest.raises(writer.DumpWriteError, match="step 1 out of order: steps are 0, 1, 2, ... and the next is 0"):
+            w.step(1)  # no step 0
+        w.step(0)
+        w.put("tokens", np.array([1, 2], np.int32))
+        with pytest.raises(writer.DumpWriteError, match="step 2 out of order: .* the next is 1"):
+            w.step(2)  # a gap
+        with pytest.raises(writer.DumpWriteError, match="step 0 out of order"):
+            w.step(0)  # again
+        with pytest.raises(writer.DumpWriteError, match="step -1 is negative"):
+            w.step(-1)
+        w.step(1)
+        w.put("tokens", np.array([3], np.int32))
+    with diffrun.open(path) as d:
+        assert d.steps() == [0, 1] and list(d.meta["all_token_ids"]) == [1, 2, 3]
+    assert_nothing_invalid_left(tmp_path, path)
+
+
+def test_every_step_records_its_tokens_first(tmp_path):
+    path = tmp_path / "x.h5"
+    with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+        with pytest.raises(writer.DumpWriteError, match=r"step_0000/embd'.*put \"tokens\" first in every step"):
+            w.put("embd", np.zeros((2, 4), np.float32))
+        with pytest.raises(writer.DumpWriteError, match=r"step_0000/foreign'.*put \"tokens\" first"):
+            w.put("foreign", np.zeros(3, np.float32))
+        with pytest.raises(writer.DumpWriteError, match="step 0 recorded no tokens"):
+            w.step(1)
+        w.put("tokens", np.array([1, 2], np.int32))
+        w.put("embd", np.zeros((2, 4), np.float32))
+        w.step(1)
+        with pytest.raises(writer.DumpWriteError, match=r"step_0001/embd'.*put \"tokens\" first"):
+            w.put("embd", np.zeros((1, 4), np.float32))
+    with diffrun.open(path) as d:  # step 1 recorded nothing: the dump ends at step 0
+        assert d.steps() == [0] and d.names(0) == ["tokens", "embd"]
+    assert_nothing_invalid_left(tmp_path, path)
+
+
+@pytest.mark.parametrize("step, ids, message", [
+    (0, np.array([1, 99999], np.int32), r"id 99999 outside the vocabulary 0\.\.9"),
+    (0, np.array([1, 2 ** 40]), r"id 1099511627776 outside the vocabulary 0\.\.9"),  # int64, not wrapped to int32
+    (0, np.array([1, -1], np.int32), r"id -1 outside the vocabulary"),
+    (0, np.array([2, 1], np.int32), "step 0's tokens differ from the root attribute token_ids"),
+    (0, np.zeros(0, np.int32), r"shape \[0\], expected \[T\] with T >= 1"),
+    (0, np.array([[1, 2]], np.int32), r"shape \(1, 2\) has 2 dimensions but layout 'T' names 1"),
+    (1, np.array([3, 4], np.int32), "2 ids; a decode step feeds one"),
+    (1, np.array([99999], np.int32), r"id 99999 outside the vocabulary 0\.\.9"),
+])
+def test_token_ids_are_checked(tmp_path, step, ids, message):
+    path = tmp_path / "x.h5"
+    w = writer.open(path, backend="numpy", precision="f32", meta=meta_numbers())
+    if step == 1:
+        w.put("tokens", np.array([1, 2], np.int32))
+        w.step(1)
+    with pytest.raises(writer.DumpWriteError, match=rf"step_000{step}/tokens'.*{message}"):
+        w.put("tokens", ids)
+    assert w.names(step) == []
+    if step == 0:  # nothing recorded: close() refuses to rename it into place
+        with pytest.raises(writer.DumpWriteError, match="no step recorded"):
+            w.close()
+        assert list(tmp_path.iterdir()) == []
+    else:
+        w.close()
+        assert diffrun.open(path).steps() == [0]
+    assert_nothing_invalid_left(tmp_path, path)
+
+
+def test_teacher_forcing_follows_all_token_ids(tmp_path):
+    with writer.open(tmp_path / "x.h5", backend="numpy", precision="f32",
+                     meta=dict(meta_numbers(), all_token_ids=[1, 2, 7])) as w:
+        w.put("tokens", np.array([1, 2], np.int32))
+        w.step(1)
+        with pytest.raises(writer.DumpWriteError, match="id 8 but all_token_ids feeds 7 at this step"):
+            w.put("tokens", np.array([8], np.int32))
+        w.put("tokens", np.array([7], np.int32))
+
+
+@pytest.mark.parametrize("name, shape, message", [
+    ("Qcur-0", (2, 3, 2), r"shape \[2, 3, 2\] does not fit layout 'T,H,Dh' = \[2, 2, 2\]"),  # 3 heads, n_head = 2
+    ("Kcur-0", (2, 2, 2), r"shape \[2, 2, 2\] does not fit layout 'T,Hkv,Dh' = \[2, 1, 2\]"),  # n_head_kv = 1
+    ("kq_soft_max-0", (3, 2, 2), r"does not fit layout 'H,T,S' = \[2, 2, 2\]"),
+    ("embd", (3, 4), r"shape \[3, 4\] does not fit layout 'T,D' = \[2, 4\] \(T = 2, S = 2\)"),  # T is the tokens'
+    ("ffn_up-0", (2, 9), r"does not fit layout 'T,F' = \[2, 8\]"),
+    ("result_output", (2, 11), r"does not fit layout 'T,V' = \[2, 10\]"),
+])
+def test_checkpoint_shapes_fit_the_config(tmp_path, name, shape, message):
+    path = tmp_path / "x.h5"
+    with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+        w.put("tokens", np.array([1, 2], np.int32))
+        with pytest.raises(writer.DumpWriteError, match=rf"step_0000/{name}'.*{message}"):
+            w.put(name, np.zeros(shape, np.float32))
+        assert w.names(0) == ["tokens"]
+    assert_nothing_invalid_left(tmp_path, path)
+
+
+def test_the_cache_grows_by_each_steps_tokens(tmp_path):
+    path = tmp_path / "x.h5"
+    with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+        w.put("tokens", np.array([1, 2], np.int32))
+        w.put("cache_k-0", np.zeros((2, 1, 2), np.float32))  # [S, Hkv, Dh]
+        w.step(1)
+        w.put("tokens", np.array([3], np.int32))
+        with pytest.raises(writer.DumpWriteError, match=r"S = 3"):
+            w.put("cache_k-0", np.zeros((2, 1, 2), np.float32))
+        w.put("cache_k-0", np.zeros((3, 1, 2), np.float32))
+        w.put("kq_soft_max-0", np.zeros((2, 1, 3), np.float32))  # [H, T, S]
+    assert_nothing_invalid_left(tmp_path, path)
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b/c", "/abs", "", "nul\0byte"])
+def test_dataset_names_that_hdf5_would_resolve_are_refused(tmp_path, name):
+    path = tmp_path / "x.h5"
+    with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+        w.put("tokens", np.array([1, 2], np.int32))
+        with pytest.raises(writer.DumpWriteError, match="is not a valid dataset name"):
+            w.put(name, np.zeros(3, np.float32))
+    with h5py.File(path) as f:
+        assert sorted(f.keys()) == ["step_0000"] and sorted(f["step_0000"].keys()) == ["_attributes", "tokens"]
+    assert_nothing_invalid_left(tmp_path, path)
+
+
+def test_close_refuses_a_dump_without_step_0(tmp_path):
+    path = tmp_path / "x.h5"
+    w = writer.open(path, backend="numpy", precision="f32", meta=meta_numbers())
+    with pytest.raises(writer.DumpWriteError, match=r"no step recorded \(a dump holds at least step 0 with its "
+                                                    r"tokens\); not renamed into place, the temporary .* was removed"):
+        w.close()
+    assert list(tmp_path.iterdir()) == []
+    w.close()  # closed: a no-op
+    # the with block: the same refusal, nothing left
+    with pytest.raises(writer.DumpWriteError, match="no step recorded"):
+        with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+            w.step(0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_close_refuses_root_attributes_set_against_the_steps(tmp_path):
+    path = tmp_path / "x.h5"
+    with pytest.raises(writer.DumpWriteError, match=r"'argmax': holds 3 ids for 2 steps .*not renamed into place"):
+        with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+            w.put("tokens", np.array([1, 2], np.int32))
+            w.step(1)
+            w.put("tokens", np.array([3], np.int32))
+            w.set_attribute("argmax", [3, 4, 5])
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(writer.DumpWriteError, match=r"all_token_ids': holds id 12, outside the vocabulary"):
+        with writer.open(path, backend="numpy", precision="f32", meta=meta_numbers()) as w:
+            w.put("tokens", np.array([1, 2], np.int32))
+            w.set_attribute("all_token_ids", [1, 2, 12])
+    assert list(tmp_path.iterdir()) == []

@@ -118,7 +118,7 @@ def test_the_staging_ring_wraps_and_graph_slots_stay_apart(tmp_path):
     whole buffer takes its own pinned memory, and a capture's slots, taken where the ring's pending puts were, do
     not overwrite them."""
     out = tmp_path / "ring.h5"
-    w = writer.open(out, backend="torch-cuda", precision="f32", meta=META)
+    w = writer.open(out, backend="torch-cuda", precision="f32", meta=dict(META, prompt="3", token_ids=[3]))
     w.reserve_device(4096)  # 16 slots of 256 bytes
     for step in range(40):
         w.step(step)
@@ -126,8 +126,8 @@ def test_the_staging_ring_wraps_and_graph_slots_stay_apart(tmp_path):
         x = torch.full((1, 8), float(step), device="cuda")
         w.put("embd", x)
         w.put("attn_norm-0", (x + 0.5).to(torch.bfloat16))
-        if step == 20:
-            w.put("l_out-0", torch.arange(2048, dtype=torch.float32, device="cuda").reshape(256, 8))
+        if step == 20:  # a foreign name: stored as given, whatever its shape
+            w.put("big", torch.arange(2048, dtype=torch.float32, device="cuda").reshape(256, 8))
     pending = len(w._device.pending)
     assert 0 < pending < 3 * 16, pending  # the ring holds at most its 16 slots
     w.step(40)
@@ -157,7 +157,7 @@ def test_the_staging_ring_wraps_and_graph_slots_stay_apart(tmp_path):
             assert np.array_equal(f[f"step_{step:04d}/tokens"][()], [3]), step
             assert np.all(f[f"step_{step:04d}/embd"][()] == step), step
             assert np.all(f[f"step_{step:04d}/attn_norm-0"][()] == step + 0.5), step
-        assert np.array_equal(f["step_0020/l_out-0"][()], np.arange(2048, dtype=np.float32).reshape(256, 8))
+        assert np.array_equal(f["step_0020/big"][()], np.arange(2048, dtype=np.float32).reshape(256, 8))
         for step in (40, 41):
             assert np.all(f[f"step_{step:04d}/embd"][()] == 2 * step + 1), step
             assert np.all(f[f"step_{step:04d}/attn_norm-0"][()] == step + 0.25), step
