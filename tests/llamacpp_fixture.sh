@@ -19,7 +19,7 @@ adapter=${DIFFRUN_LLAMACPP_BIN:-}
 model=${DIFFRUN_FIXTURE_DIR:-build/fixtures}/$1.gguf
 out=${DIFFRUN_LLAMACPP_WORK:-build/llamacpp-test}/$1
 
-[[ -n $adapter && -x $adapter ]] || skip "the llama.cpp adapter is not built (scripts/build_llamacpp.sh, then -DDIFFRUN_LLAMACPP_DIR=build/llama.cpp/install)"
+[[ -n $adapter && -x $adapter ]] || skip "the llama.cpp adapter is not built (scripts/setup --tests builds it; by hand: scripts/build_llamacpp.sh, then -DDIFFRUN_LLAMACPP_DIR=build/llama.cpp/install)"
 [[ -f $model ]] || skip "$model is missing (scripts/gen_fixtures.py)"
 mkdir -p "$out"
 
