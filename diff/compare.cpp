@@ -215,6 +215,7 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
   r.layer = any.layer;
   r.order = any.order;
   r.layout = any.layout;
+  r.positions = positions;
   if (engine) r.shape_engine = engine->shape, r.native_engine = engine->native_dtype;
   if (reference) r.shape_reference = reference->shape, r.native_reference = reference->native_dtype;
   const ToleranceRule& rule = tolerances.rule_for(any.name);
@@ -297,7 +298,17 @@ void finish_comparison(Comparison& c, const ToleranceSet& tolerances, const Comp
     if (!r.metrics) return std::nullopt;
     std::vector<float> a, b;
     values(i, a, b);
-    return error_pattern(a, b, r.shape_reference, r.layout, dims, r.base, exact_threshold(tolerances.rule_for(r.name)));
+    // The RoPE hints: the layer's base and pairing, and the position of the first token row compared.
+    PatternContext cx;
+    const ModelConfig& cfg = c.reference_meta.config;
+    if (r.layer >= 0) cx.rope_theta = cfg.layer_rope_theta(r.layer);
+    cx.rope_neox = cfg.rope_type == RopeType::neox;
+    cx.rope_freq_factors = cfg.rope_freq_factors;
+    if (!r.layout.empty() && r.layout[0] == 'T' && (r.layout.size() == 1 || r.layout[1] == ',') &&
+        !r.shape_reference.empty())
+      cx.first_position = r.positions - r.shape_reference[0];
+    return error_pattern(a, b, r.shape_reference, r.layout, dims, r.base, exact_threshold(tolerances.rule_for(r.name)),
+                         cx);
   };
   c.first_failure = first_failure_of(c.results);
   c.first_nonfinite = first_nonfinite_of(c.results);

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -23,6 +25,155 @@ struct Sums {
   std::vector<char> nonfinite;
 };
 
+// The RoPE hints of Qrope/Krope [T, H or Hkv, Dh] (pattern.hpp); "" when none fits. sd: the error's energy.
+std::string rope_hint(std::span<const float> a, std::span<const float> b, const std::vector<NamedDim>& named,
+                      const PatternContext& cx, double exact_below, double sd) {
+  if (named.size() != 3 || named[0].dim != "T" || (named[1].dim != "H" && named[1].dim != "Hkv") ||
+      named[2].dim != "Dh" || named[2].extent < 4 || named[2].extent % 2 != 0 || !(sd > 0))
+    return "";
+  const int64_t T = named[0].extent, H = named[1].extent, Dh = named[2].extent, half = Dh / 2;
+  const auto pair_of = [&](bool neox, int64_t i) {
+    return neox ? std::pair<int64_t, int64_t>{i, i + half} : std::pair<int64_t, int64_t>{2 * i, 2 * i + 1};
+  };
+  const bool known = cx.rope_theta > 0;
+  // Lengths: of each head vector, and of each pair under both pairings.
+  double head_dev = 0, pair_dev[2] = {0, 0}, row0_d2 = 0, row0_b2 = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t o = (t * H + h) * Dh;
+      double na = 0, nb = 0;
+      for (int64_t j = 0; j < Dh; ++j) {
+        na += double(a[o + j]) * a[o + j];
+        nb += double(b[o + j]) * b[o + j];
+        if (t == 0) {
+          row0_d2 += (double(a[o + j]) - b[o + j]) * (double(a[o + j]) - b[o + j]);
+          row0_b2 += double(b[o + j]) * b[o + j];
+        }
+      }
+      head_dev += (std::sqrt(na) - std::sqrt(nb)) * (std::sqrt(na) - std::sqrt(nb));
+      for (int k = 0; k < 2; ++k) {
+        for (int64_t i = 0; i < half; ++i) {
+          const auto [x, y] = pair_of(k == 1, i);
+          const double la = std::hypot(double(a[o + x]), double(a[o + y])), lb = std::hypot(double(b[o + x]), double(b[o + y]));
+          pair_dev[k] += (la - lb) * (la - lb);
+        }
+      }
+    }
+  }
+  const bool row0_exact = std::sqrt(row0_d2) <= exact_below * std::sqrt(row0_b2);
+  if (head_dev <= 1e-3 * sd) {
+    // Both sides rotations of one vector, the pairs differing: under the model's pairing when known, else under both.
+    const bool pairs_differ = known ? pair_dev[cx.rope_neox ? 1 : 0] >= 0.05 * sd
+                                    : pair_dev[0] >= 0.05 * sd && pair_dev[1] >= 0.05 * sd;
+    if (pairs_differ && (cx.first_position != 0 || row0_exact)) {
+      return fmt::format("each head vector keeps its length but the pairs that rotate together differ{}: the RoPE "
+                         "pairing ({})",
+                         cx.first_position == 0 ? " (position 0 exact)" : "",
+                         !known         ? "(2i, 2i+1) against (i, i+Dh/2)"
+                         : cx.rope_neox ? "the model pairs (i, i+Dh/2), the engine seems to pair (2i, 2i+1)"
+                                        : "the model pairs (2i, 2i+1), the engine seems to pair (i, i+Dh/2)");
+    }
+  }
+  if (!known || cx.first_position < 0 || pair_dev[cx.rope_neox ? 1 : 0] > 1e-3 * sd) return "";
+  // Each pair of the model's pairing turned by an angle: the engine's rotation minus the reference's,
+  // per row and pair (summed over the heads).
+  std::vector<double> dot(T * half), cross(T * half);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t o = (t * H + h) * Dh;
+        const auto [x, y] = pair_of(cx.rope_neox, i);
+        const double ax = a[o + x], ay = a[o + y], bx = b[o + x], by = b[o + y];
+        dot[t * half + i] += bx * ax + by * ay;
+        cross[t * half + i] += bx * ay - by * ax;
+      }
+  const auto factor = [&](int64_t i) {
+    return static_cast<size_t>(i) < cx.rope_freq_factors.size() && cx.rope_freq_factors[i] > 0 ? double(cx.rope_freq_factors[i]) : 1.0;
+  };
+  const auto freq = [&](double theta, int64_t i) { return std::pow(theta, -2.0 * double(i) / double(Dh)) / factor(i); };
+  // The error left after turning the reference's pairs by delta(t, i): under 1% of the error's energy.
+  const auto explains = [&](const std::function<double(int64_t, int64_t)>& delta) {
+    double res = 0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < half; ++i) {
+        const double d = delta(t, i), c = std::cos(d), s = std::sin(d);
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t o = (t * H + h) * Dh;
+          const auto [x, y] = pair_of(cx.rope_neox, i);
+          const double px = b[o + x] * c - b[o + y] * s, py = b[o + x] * s + b[o + y] * c;
+          res += (a[o + x] - px) * (a[o + x] - px) + (a[o + y] - py) * (a[o + y] - py);
+        }
+      }
+    return res <= 0.01 * sd;
+  };
+  // Positions off by k: delta = k f_i in every row; k fitted on the pairs slow enough not to wrap.
+  double num = 0, den = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 1; i < half; ++i) {
+      const double f = freq(cx.rope_theta, i), w = std::hypot(dot[t * half + i], cross[t * half + i]);
+      if (f > 0.2 || f < 1e-4) continue;
+      num += w * std::atan2(cross[t * half + i], dot[t * half + i]) * f;
+      den += w * f * f;
+    }
+  if (den > 0) {
+    const double k_fit = num / den, k = std::round(k_fit);
+    if (k != 0 && std::abs(k_fit - k) <= 0.1 &&
+        explains([&](int64_t, int64_t i) { return k * freq(cx.rope_theta, i); })) {
+      return fmt::format("each pair i turned by {:+d}·base^(-2i/Dh), the same in every row: the position is off by "
+                         "{:+d} (the engine rotates as at position p{:+d})",
+                         int(k), int(k), int(k));
+    }
+  }
+  // A wrong base: delta = pos (g_i - f_i), g_i from base'; base' fitted on pair 1 at the first position > 0.
+  const int64_t t1 = cx.first_position == 0 ? 1 : 0;
+  const double pos1 = double(cx.first_position + t1);
+  if (t1 < T && half >= 2 && pos1 > 0) {
+    const double g1 = freq(cx.rope_theta, 1) + std::atan2(cross[t1 * half + 1], dot[t1 * half + 1]) / pos1;
+    if (g1 * factor(1) > 0 && g1 * factor(1) < 1) {
+      const double theta = std::pow(g1 * factor(1), -double(Dh) / 2.0);
+      if (std::abs(theta / cx.rope_theta - 1) > 1e-3 &&
+          explains([&](int64_t t, int64_t i) {
+            return double(cx.first_position + t) * (freq(theta, i) - freq(cx.rope_theta, i));
+          })) {
+        return fmt::format("pair 0 exact at every position, the other pairs turned by pos·(base'^(-2i/Dh) - "
+                           "base^(-2i/Dh)): the RoPE base (the engine's looks like {:.4g}, the model's is {:.4g})",
+                           theta, cx.rope_theta);
+      }
+    }
+  }
+  return "";
+}
+
+// A per-block offset: the error constant within each block of 32 consecutive elements of a row
+// (the last dim a multiple of 32, at least 64), and not one offset for the whole row.
+std::string block_offset_hint(std::span<const float> a, std::span<const float> b, std::span<const int64_t> shape,
+                              double sd) {
+  constexpr int64_t kBlock = 32;
+  if (shape.empty() || !(sd > 0)) return "";
+  const int64_t C = shape.back(), n = static_cast<int64_t>(std::min(a.size(), b.size()));
+  if (C < 2 * kBlock || C % kBlock != 0 || n % C != 0) return "";
+  double within = 0, between = 0;
+  std::vector<double> means(C / kBlock);
+  for (int64_t r = 0; r < n / C; ++r) {
+    double row_mean = 0;
+    for (int64_t j = 0; j < C / kBlock; ++j) {
+      double m = 0;
+      for (int64_t e = 0; e < kBlock; ++e) m += double(a[r * C + j * kBlock + e]) - b[r * C + j * kBlock + e];
+      means[j] = m / kBlock;
+      row_mean += means[j];
+      for (int64_t e = 0; e < kBlock; ++e) {
+        const double d = double(a[r * C + j * kBlock + e]) - b[r * C + j * kBlock + e] - means[j];
+        within += d * d;
+      }
+    }
+    row_mean /= double(C / kBlock);
+    for (double m : means) between += kBlock * (m - row_mean) * (m - row_mean);
+  }
+  if (within > 1e-3 * sd || between < 0.01 * sd) return "";
+  return "the error is constant within each block of 32 elements of a row, a different offset per block: a "
+         "quantized block's offset (a Q4_1/Q5_1 min m subtracted instead of added, or dropped)";
+}
+
 }  // namespace
 
 std::string format_ranges(const std::vector<int64_t>& indices) {
@@ -37,7 +188,8 @@ std::string format_ranges(const std::vector<int64_t>& indices) {
 }
 
 ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, std::span<const int64_t> shape,
-                           std::string_view layout, const DimSizes& dims, std::string_view base, double exact_below) {
+                           std::string_view layout, const DimSizes& dims, std::string_view base, double exact_below,
+                           const PatternContext& context) {
   ErrorPattern p;
   p.exact_below = exact_below;
   const int64_t n = static_cast<int64_t>(std::min(a.size(), b.size()));
@@ -165,6 +317,13 @@ ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, s
     for (size_t j = 0; cs && j < cs->a2.size(); ++j) left += cs->b2[j] > 0 ? cs->a2[j] - cs->ab[j] * cs->ab[j] / cs->b2[j] : cs->a2[j];
     channel_scaled = cs && left <= 0.01 * sd;
   }
+  // The bug classes read from the error's structure (pattern.hpp), before the generic slice hints.
+  std::string structural;
+  if (!any_nonfinite && any_wrong && p.future_nonzero == 0 && sd > 0) {
+    if ((base == "Qrope" || base == "Krope") && named_n == n)
+      structural = rope_hint(a.first(n), b.first(n), named, context, exact_below, sd);
+    if (structural.empty()) structural = block_offset_hint(a.first(n), b.first(n), shape, sd);
+  }
   if (any_nonfinite) {
     // Over non-finite data "wrong" means "holds a NaN/Inf": only the token and channel hints hold.
     const size_t nt = rows ? rows->nonfinite.size() : 0, nc = channels ? channels->nonfinite.size() : 0;
@@ -179,6 +338,8 @@ ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, s
                          p.future_nonzero);
   } else if (rows && rows->dim == "S" && !rows->zero_engine.empty() && rows->partial()) {
     p.hint = fmt::format("cache row {} never written in the engine: the K/V write position", format_ranges(rows->zero_engine));
+  } else if (!structural.empty()) {
+    p.hint = structural;
   } else if (heads && heads->partial() && (base == "kq_soft_max" || base == "kqv_out")) {
     p.hint = "some query heads exact, others not: the query-to-KV head mapping (GQA)";
   } else if (rows && rows->dim == "T" && rows->partial() && rows->wrong.size() == 1) {

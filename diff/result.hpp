@@ -39,6 +39,7 @@ struct CheckpointResult {
   std::string layout;
   std::vector<int64_t> shape_engine, shape_reference;
   int64_t row_offset = 0;  // first row compared along the row dimension (a side holding its last rows only)
+  int64_t positions = 0;   // the KV length after the step (its tokens and every earlier step's)
   std::string native_engine, native_reference;  // each side's native dtype ("f16", "f32", ...; "" unknown)
   CheckpointStatus status = CheckpointStatus::pass;
   std::optional<TensorMetrics> metrics;  // absent unless both sides exist with the same shape

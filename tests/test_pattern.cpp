@@ -180,3 +180,123 @@ TEST(Pattern, NaNSlicesAreNamedAndOnlyTheirHintsApply) {
   EXPECT_EQ(s.summary, "NaN/Inf only in heads 0,2; token rows 1; positions 0") << s.summary;
   EXPECT_NE(s.hint.find("that token (T=1)"), std::string::npos) << s.hint;
 }
+
+namespace {
+
+// RoPE of q [T, H, Dh] at positions first_pos.. : pairs (2i, 2i+1), or (i, i+Dh/2) with `neox`, turned by
+// pos · theta^(-2i/Dh).
+std::vector<float> rope(const std::vector<float>& q, int64_t T, int64_t H, int64_t Dh, int64_t first_pos, double theta,
+                        bool neox) {
+  std::vector<float> out = q;
+  const int64_t half = Dh / 2;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t o = (t * H + h) * Dh, x = neox ? i : 2 * i, y = neox ? i + half : 2 * i + 1;
+        const double ang = static_cast<double>(first_pos + t) * std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(Dh));
+        const double c = std::cos(ang), s = std::sin(ang);
+        out[o + x] = static_cast<float>(q[o + x] * c - q[o + y] * s);
+        out[o + y] = static_cast<float>(q[o + x] * s + q[o + y] * c);
+      }
+  return out;
+}
+
+// Deterministic noise in [-1, 1].
+std::vector<float> noise(size_t n, uint32_t seed) {
+  std::vector<float> v(n);
+  for (auto& x : v) {
+    seed = seed * 1664525u + 1013904223u;
+    x = static_cast<float>(seed >> 8) / static_cast<float>(1u << 24) * 2.0f - 1.0f;
+  }
+  return v;
+}
+
+PatternContext rope_context(int64_t first_pos, double theta, bool neox) {
+  PatternContext cx;
+  cx.first_position = first_pos;
+  cx.rope_theta = theta;
+  cx.rope_neox = neox;
+  return cx;
+}
+
+}  // namespace
+
+// rope_pairing_swapped: the model pairs (2i, 2i+1), the engine (i, i+Dh/2); position 0 is unchanged.
+TEST(Pattern, RopePairingSwappedKeepsHeadLengths) {
+  const int64_t T = 5, H = 4, Dh = 16;
+  const std::vector<float> q = noise(T * H * Dh, 7);
+  const std::vector<float> b = rope(q, T, H, Dh, 0, 10000.0, false), a = rope(q, T, H, Dh, 0, 10000.0, true);
+  const std::vector<int64_t> shape{T, H, Dh};
+  ErrorPattern p = error_pattern(a, b, shape, "T,H,Dh", {}, "Qrope", 1e-6, rope_context(0, 10000.0, false));
+  EXPECT_NE(p.hint.find("RoPE pairing"), std::string::npos) << p.hint;
+  EXPECT_NE(p.hint.find("the engine seems to pair (i, i+Dh/2)"), std::string::npos) << p.hint;
+  EXPECT_NE(p.hint.find("position 0 exact"), std::string::npos) << p.hint;
+  // The reverse (a NEOX model paired as NORM), and without the config: still the pairing, named both ways.
+  ErrorPattern r = error_pattern(b, a, shape, "T,H,Dh", {}, "Krope", 1e-6);
+  EXPECT_NE(r.hint.find("RoPE pairing ((2i, 2i+1) against (i, i+Dh/2))"), std::string::npos) << r.hint;
+}
+
+// rope_theta_10000: the model's base 1e6, the engine's 10000: pair 0 exact, the base named.
+TEST(Pattern, RopeBaseWrongNamesTheBase) {
+  const int64_t T = 6, H = 2, Dh = 32;
+  const std::vector<float> q = noise(T * H * Dh, 11);
+  const std::vector<float> b = rope(q, T, H, Dh, 0, 1e6, true), a = rope(q, T, H, Dh, 0, 10000.0, true);
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{T, H * Dh}, "T,H*Dh", {{"H", H}, {"Dh", Dh}}, "Qrope",
+                                 1e-6, rope_context(0, 1e6, true));
+  EXPECT_NE(p.hint.find("pair 0 exact at every position"), std::string::npos) << p.hint;
+  EXPECT_NE(p.hint.find("the RoPE base (the engine's looks like 1e+04, the model's is 1e+06)"), std::string::npos)
+      << p.hint;
+  EXPECT_EQ(p.hint.find("pairing"), std::string::npos) << p.hint;
+}
+
+// A decode step rotated at position n_past + 1: every pair off by one position's angle.
+TEST(Pattern, RopePositionOffByOneAtADecodeStep) {
+  const int64_t H = 4, Dh = 64;
+  const std::vector<float> q = noise(H * Dh, 3);
+  const std::vector<float> b = rope(q, 1, H, Dh, 9, 500000.0, false), a = rope(q, 1, H, Dh, 10, 500000.0, false);
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{1, H, Dh}, "T,H,Dh", {}, "Qrope", 1e-6,
+                                 rope_context(9, 500000.0, false));
+  EXPECT_NE(p.hint.find("the position is off by +1"), std::string::npos) << p.hint;
+  // Two positions behind in a prefill of 3 tokens.
+  const std::vector<float> q3 = noise(3 * H * Dh, 5);
+  const std::vector<float> b3 = rope(q3, 3, H, Dh, 4, 10000.0, true), a3 = rope(q3, 3, H, Dh, 2, 10000.0, true);
+  ErrorPattern p3 = error_pattern(a3, b3, std::vector<int64_t>{3, H, Dh}, "T,H,Dh", {}, "Qrope", 1e-6,
+                                  rope_context(4, 10000.0, true));
+  EXPECT_NE(p3.hint.find("the position is off by -2"), std::string::npos) << p3.hint;
+}
+
+// Q4_1 dequantized with its min subtracted: embd rows d·q - m instead of d·q + m.
+TEST(Pattern, Q41MinSignIsAPerBlockOffset) {
+  const int64_t T = 3, D = 128;
+  std::vector<float> a(T * D), b(T * D);
+  const std::vector<float> u = noise(T * D, 13), blocks = noise(T * D / 32 * 2, 17);
+  for (int64_t r = 0; r < T; ++r)
+    for (int64_t j = 0; j < D / 32; ++j) {
+      const int64_t k = r * (D / 32) + j;
+      const float d = 0.01f + 0.01f * std::abs(blocks[2 * k]), m = -0.08f + 0.05f * blocks[2 * k + 1];
+      for (int64_t e = 0; e < 32; ++e) {
+        const float q = std::floor((u[r * D + j * 32 + e] + 1.0f) * 7.99f);  // 0..15
+        b[r * D + j * 32 + e] = d * q + m;
+        a[r * D + j * 32 + e] = d * q - m;
+      }
+    }
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{T, D}, "T,D", {}, "embd", 1e-6);
+  EXPECT_NE(p.hint.find("constant within each block of 32 elements"), std::string::npos) << p.hint;
+  EXPECT_NE(p.hint.find("Q4_1"), std::string::npos) << p.hint;
+}
+
+// Plain noise on a rotated q and on an embedding gets none of these hints.
+TEST(Pattern, NoiseGetsNoRopeOrBlockHint) {
+  const int64_t T = 4, H = 2, Dh = 64;
+  const std::vector<float> q = noise(T * H * Dh, 23);
+  const std::vector<float> b = rope(q, T, H, Dh, 0, 10000.0, false), e = noise(T * H * Dh, 29);
+  std::vector<float> a = b;
+  for (size_t i = 0; i < a.size(); ++i) a[i] += 0.05f * e[i];
+  ErrorPattern p = error_pattern(a, b, std::vector<int64_t>{T, H, Dh}, "T,H,Dh", {}, "Qrope", 1e-6,
+                                 rope_context(0, 10000.0, false));
+  EXPECT_EQ(p.hint, "") << p.hint;
+  ErrorPattern bare = error_pattern(a, b, std::vector<int64_t>{T, H, Dh}, "T,H,Dh", {}, "Qrope", 1e-6);
+  EXPECT_EQ(bare.hint, "") << bare.hint;
+  ErrorPattern emb = error_pattern(a, b, std::vector<int64_t>{T, H * Dh}, "T,D", {}, "embd", 1e-6);
+  EXPECT_EQ(emb.hint, "") << emb.hint;
+}
