@@ -4,6 +4,7 @@
 #include "checkpoints/dump_validate.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -237,6 +238,72 @@ std::string read_problem(hid_t ds) {
              " of its first dimension)" + h5::detail();
   }
   return "";
+}
+
+// kq_soft_max read with its stored dims named `names`: every (H, T) row sums to 1 along S, and token
+// t of the rows held sees positions <= n_past + t only (0 elsewhere).
+bool softmax_reads_as(const std::vector<float>& x, std::span<const int64_t> shape, const std::vector<std::string>& names,
+                      int64_t n_past) {
+  const auto at = [&](const char* d) { return std::find(names.begin(), names.end(), d) - names.begin(); };
+  const size_t ih = at("H"), it = at("T"), is = at("S");
+  if (shape.size() != 3 || ih >= 3 || it >= 3 || is >= 3) return false;
+  int64_t stride[3] = {shape[1] * shape[2], shape[2], 1};
+  for (int64_t h = 0; h < shape[ih]; ++h) {
+    for (int64_t t = 0; t < shape[it]; ++t) {
+      double sum = 0;
+      for (int64_t pos = 0; pos < shape[is]; ++pos) {
+        const double v = x[h * stride[ih] + t * stride[it] + pos * stride[is]];
+        if (!std::isfinite(v) || v < -1e-6 || (pos > n_past + t && v > 1e-6)) return false;
+        sum += v;
+      }
+      if (std::abs(sum - 1) > 1e-2) return false;
+    }
+  }
+  return true;
+}
+
+std::string bracketed(const std::vector<std::string>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? "," : "") + dims[i];
+  return s + "]";
+}
+
+// A dataset stored in its vocabulary shape without a layout attribute, two of whose dims have the same
+// size (> 1): the data may hold them swapped. kq_soft_max tells the readings apart (probabilities, causal,
+// summing to 1 along S): one that fits only swapped is a problem. Otherwise the dims are ambiguous: a
+// warning. `n_past`: the position before the first token row held.
+void layout_ambiguity(hid_t ds, std::string_view base, const std::vector<std::string>& vocab_dims,
+                      std::span<const int64_t> shape, int64_t n_past, std::string* problem, std::string* warning) {
+  std::vector<std::pair<size_t, size_t>> swaps;
+  for (size_t i = 0; i < shape.size(); ++i)
+    for (size_t j = i + 1; j < shape.size(); ++j)
+      if (shape[i] == shape[j] && shape[i] > 1) swaps.push_back({i, j});
+  if (swaps.empty() || vocab_dims.size() != shape.size()) return;
+  if (base == "kq_soft_max" && shape.size() == 3 && element_count(shape) <= (int64_t(16) << 20)) {
+    Hid t(H5Dget_type(ds), H5Tclose);
+    std::vector<float> x(static_cast<size_t>(element_count(shape)));
+    if (H5Tget_class(t.get()) == H5T_FLOAT &&
+        H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, x.data()) >= 0) {
+      if (softmax_reads_as(x, shape, vocab_dims, n_past)) return;
+      for (const auto& [i, j] : swaps) {
+        std::vector<std::string> looks = vocab_dims;
+        std::swap(looks[i], looks[j]);
+        if (softmax_reads_as(x, shape, looks, n_past)) {
+          *problem = "the layout looks like " + bracketed(looks) + ", not " + bracketed(vocab_dims) +
+                     ": label it with the layout attribute";
+          return;
+        }
+      }
+    }
+  }
+  std::string what;
+  for (const auto& [i, j] : swaps) {
+    std::vector<std::string> other = vocab_dims;
+    std::swap(other[i], other[j]);
+    what += (what.empty() ? "dims " : "; dims ") + vocab_dims[i] + " and " + vocab_dims[j] + " are both " +
+            std::to_string(shape[i]) + " (" + bracketed(vocab_dims) + " and " + bracketed(other) + " store the same shape)";
+  }
+  *warning = what + ": ambiguous without a layout attribute";
 }
 
 }  // namespace
@@ -663,6 +730,8 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
     }
     if (n_tokens) kv += *n_tokens;
     else kv_known = false;
+    // Layout ambiguity warnings of this step, one per message: the first dataset and how many more.
+    std::vector<std::pair<DumpProblem, int>> ambiguous;
 
     for (const auto& name : names) {
       const std::string where = gname + "/" + name;
@@ -813,8 +882,29 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
         }
         (cache ? kv_rows : rows) = total - *row_offset;
       }
-      const std::string p = check_checkpoint(*cfg, name, parsed.layer, shape, layout.value_or(""), rows, kv_rows);
-      if (!p.empty()) problem(where, p);
+      std::vector<int64_t> canonical;
+      const std::string p =
+          check_checkpoint(*cfg, name, parsed.layer, shape, layout.value_or(""), rows, kv_rows, &canonical);
+      if (!p.empty()) {
+        problem(where, p);
+        continue;
+      }
+      if (!layout && shape == canonical) {
+        std::string wrong, ambiguous_what;
+        layout_ambiguity(ds.get(), parsed.base, layout_dims(kind->layout), shape,
+                         kv - *n_tokens + (row_offset && rd >= 0 ? *row_offset : 0), &wrong, &ambiguous_what);
+        if (!wrong.empty()) problem(where, wrong);
+        if (!ambiguous_what.empty()) {
+          const auto same = std::find_if(ambiguous.begin(), ambiguous.end(),
+                                         [&](const auto& w) { return w.first.what == ambiguous_what; });
+          if (same == ambiguous.end()) ambiguous.push_back({{where, ambiguous_what}, 0});
+          else ++same->second;
+        }
+      }
+    }
+    for (auto& [w, more] : ambiguous) {
+      if (more > 0) w.what += " (and " + std::to_string(more) + " more dataset" + (more == 1 ? "" : "s") + " of this step)";
+      result.warnings.push_back(std::move(w));
     }
   }
   return result;

@@ -63,6 +63,9 @@ struct ValidateOptions {
 
 struct ValidateResult {
   std::vector<DumpProblem> problems;
+  // Not problems: what the dump leaves open, e.g. a dataset without a layout attribute whose
+  // vocabulary layout has two dims of the same size the data cannot tell apart (one per step and message).
+  std::vector<DumpProblem> warnings;
   int n_steps = 0;
   int n_datasets = 0;
 };

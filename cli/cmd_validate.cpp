@@ -75,11 +75,17 @@ int run_validate(const ValidateCommand& o) {
                                   {"steps", r.n_steps},
                                   {"datasets", r.n_datasets},
                                   {"problems", problems}};
+    nlohmann::ordered_json warnings = nlohmann::ordered_json::array();
+    for (const auto& w : r.warnings) warnings.push_back({{"where", w.where}, {"what", w.what}});
+    doc["warnings"] = warnings;
     // Invalid UTF-8 from the dump is replaced, not an exception.
     fmt::print("{}\n", doc.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
   } else {
     for (const auto& p : r.problems)
       fmt::print("{}: {}: {}\n", printable(o.dump, 400, 0), terminal_safe(printable(p.where, 300, 0)), terminal_safe(p.what));
+    for (const auto& w : r.warnings)
+      fmt::print("{}: {}: warning: {}\n", printable(o.dump, 400, 0), terminal_safe(printable(w.where, 300, 0)),
+                 terminal_safe(w.what));
     if (r.problems.empty())
       fmt::print("{}: valid diffrun dump ({} steps, {} datasets)\n", o.dump, r.n_steps, r.n_datasets);
     else

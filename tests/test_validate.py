@@ -362,3 +362,59 @@ def test_foreign_names_are_problems_without_a_name_map(ref_dump: Path, tmp_path:
     assert r.returncode == 1, r.stdout
     assert "step_0001/model.layers.0.mlp.up_proj (mapped to attn_norm-0): shape [1, 1, 512] does not fit layout " \
            "'T,D' = [1, 256]" in r.stdout, r.stdout
+
+
+def _validate_json(path: Path) -> tuple[dict, dict]:
+    """`diffrun validate --json` and `python -m diffrun.validate --json` on one dump."""
+    import sys
+    cpp = run("validate", str(path), "--json")
+    assert cpp.returncode in (0, 1), cpp.stderr
+    py = subprocess.run([sys.executable, "-m", "diffrun.validate", str(path), "--json"], capture_output=True, text=True,
+                        timeout=120, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "python")))
+    assert py.returncode == cpp.returncode, py.stderr
+    return json.loads(cpp.stdout), json.loads(py.stdout)
+
+
+def test_layout_ambiguity_without_layout_attribute(tmp_path: Path):
+    """Tiny llama has H = 4: a prompt of 4 tokens gives kq_soft_max [H, T, S] = [4, 4, 4] and Qcur [T, H, Dh] with
+    T == H. Without a layout attribute, kq_soft_max's probabilities tell [H,T,S] from [T,H,S] (causal, summing to 1
+    along S): stored transposed it is a problem; Qcur's dims cannot be told apart: a warning, the dump still valid.
+    The Python validator says the same (its parity)."""
+    if not MODEL.exists():
+        pytest.skip(f"{MODEL} missing: run ctest -R fixtures_generate first")
+    good = tmp_path / "t4.h5"
+    r = run("dump", "--backend", "cpu", "--model", str(MODEL), "--tokens", "1,17,42,5", "--steps", "1", "--out", str(good))
+    assert r.returncode == 0, r.stderr
+    # The vocabulary's order, unlabelled: the data confirms it, no problem and no warning for kq_soft_max.
+    plain = copy(good, tmp_path, "plain.h5")
+    with h5py.File(plain, "a") as f:
+        dump_h5.set_attr(f["step_0000"], "kq_soft_max-0", "layout", None)
+        dump_h5.set_attr(f["step_0000"], "Qcur-0", "layout", None)
+        dump_h5.set_attr(f["step_0000"], "Qrope-0", "layout", None)
+    rc, lines = validate(plain)
+    assert rc == 0, lines
+    assert not any("kq_soft_max" in line for line in lines), lines
+    warned = [line for line in lines if "warning:" in line]
+    assert len(warned) == 1 and "step_0000/Qcur-0: warning: dims T and H are both 4 ([T,H,Dh] and [H,T,Dh] store " \
+        "the same shape): ambiguous without a layout attribute (and 1 more dataset of this step)" in warned[0], lines
+    cpp, py = _validate_json(plain)
+    assert cpp["valid"] and cpp["warnings"] == py["warnings"] and len(cpp["warnings"]) == 1, (cpp, py)
+    # Stored [T, H, S] without saying so: the probabilities read right only with T and H swapped.
+    swapped = copy(good, tmp_path, "swapped.h5")
+    with h5py.File(swapped, "a") as f:
+        g = f["step_0000"]
+        p = g["kq_soft_max-0"][()]
+        del g["kq_soft_max-0"]
+        g.create_dataset("kq_soft_max-0", data=np.ascontiguousarray(p.transpose(1, 0, 2)))
+        dump_h5.set_attr(g, "kq_soft_max-0", "layout", None)
+    rc, lines = validate(swapped)
+    assert_problems(lines, ["step_0000/kq_soft_max-0: the layout looks like [T,H,S], not [H,T,S]: label it with the "
+                            "layout attribute"], counted=False)
+    assert rc == 1 and lines[-1].endswith(": 1 problem"), lines
+    cpp, py = _validate_json(swapped)
+    assert cpp["problems"] == py["problems"] and not cpp["valid"], (cpp, py)
+    # The same data labelled: no problem, no warning.
+    with h5py.File(swapped, "a") as f:
+        dump_h5.set_attr(f["step_0000"], "kq_soft_max-0", "layout", "T,H,S")
+    rc, lines = validate(swapped)
+    assert rc == 0 and not any("warning" in line for line in lines), lines

@@ -70,6 +70,8 @@ class Problem:
 class Result:
     path: str
     problems: list[Problem] = field(default_factory=list)
+    # Not problems: what the dump leaves open (dims of one size without a layout attribute), one per step and message.
+    warnings: list[Problem] = field(default_factory=list)
     n_steps: int = 0
     n_datasets: int = 0
 
@@ -393,6 +395,49 @@ def check_checkpoint(cfg: _Config, name: str, layer: int, shape: tuple[int, ...]
     return what
 
 
+def _softmax_reads_as(x: np.ndarray, names: list[str], n_past: int) -> bool:
+    """kq_soft_max read with its stored dims named `names`: rows summing to 1 along S, 0 on future positions."""
+    p = np.transpose(x, [names.index(d) for d in ("H", "T", "S")]).astype(np.float64)
+    if not np.all(np.isfinite(p)) or np.any(p < -1e-6):
+        return False
+    t = np.arange(p.shape[1])[:, None]
+    s = np.arange(p.shape[2])[None, :]
+    if np.any(p[:, s > n_past + t] > 1e-6):
+        return False
+    return bool(np.all(np.abs(p.sum(axis=2) - 1) <= 1e-2))
+
+
+def _bracketed(dims: list[str]) -> str:
+    return "[" + ",".join(dims) + "]"
+
+
+def _layout_ambiguity(ds: h5py.Dataset, base: str, vocab_dims: list[str], shape: tuple[int, ...],
+                      n_past: int) -> tuple[str, str]:
+    """(problem, warning) of a dataset stored in its vocabulary shape without a layout attribute, two of whose
+    dims have the same size (> 1); as layout_ambiguity in checkpoints/dump_validate.cpp."""
+    swaps = [(i, j) for i in range(len(shape)) for j in range(i + 1, len(shape)) if shape[i] == shape[j] > 1]
+    if not swaps or len(vocab_dims) != len(shape):
+        return "", ""
+    if base == "kq_soft_max" and len(shape) == 3 and int(np.prod(shape)) <= (16 << 20) and \
+            ds.id.get_type().get_class() == h5py.h5t.FLOAT:
+        x = np.asarray(ds[()], dtype=np.float32)
+        if _softmax_reads_as(x, list(vocab_dims), n_past):
+            return "", ""
+        for i, j in swaps:
+            looks = list(vocab_dims)
+            looks[i], looks[j] = looks[j], looks[i]
+            if _softmax_reads_as(x, looks, n_past):
+                return (f"the layout looks like {_bracketed(looks)}, not {_bracketed(list(vocab_dims))}: label it with "
+                        "the layout attribute"), ""
+    parts = []
+    for i, j in swaps:
+        other = list(vocab_dims)
+        other[i], other[j] = other[j], other[i]
+        parts.append(f"dims {vocab_dims[i]} and {vocab_dims[j]} are both {shape[i]} ({_bracketed(list(vocab_dims))} "
+                     f"and {_bracketed(other)} store the same shape)")
+    return "", "; ".join(parts) + ": ambiguous without a layout attribute"
+
+
 def _step_number(name: str) -> int:
     if not name.startswith("step_") or len(name) <= 5:
         return -1
@@ -552,6 +597,7 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
                                 problem(twhere, f"holds id {i}, outside the vocabulary 0..{cfg.n_vocab - 1}")
                                 break
         n_kv = n_kv + n_tokens if (n_tokens is not None and n_kv is not None) else None
+        ambiguous: dict[str, list] = {}  # message -> [first dataset, how many more]
 
         for name in names:
             where = f"{gname}/{name}"
@@ -653,6 +699,22 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
             p = check_checkpoint(cfg, name, parsed_layer, tuple(ds.shape), layout or "", rows, kv_rows)
             if p:
                 problem(where, p)
+                continue
+            kind = vocabulary.find_kind(base)
+            canonical = tuple(cfg.size(d, rows, kv_rows) for d in kind.dims)
+            if layout is None and tuple(ds.shape) == canonical:
+                n_past = n_kv - n_tokens + (row_offset if row_offset is not None and row_letter is not None else 0)
+                wrong, warn = _layout_ambiguity(ds, base, list(kind.dims), tuple(ds.shape), n_past)
+                if wrong:
+                    problem(where, wrong)
+                if warn:
+                    if warn in ambiguous:
+                        ambiguous[warn][1] += 1
+                    else:
+                        ambiguous[warn] = [where, 0]
+        for warn, (first, more) in ambiguous.items():
+            what = warn + (f" (and {more} more dataset{'' if more == 1 else 's'} of this step)" if more else "")
+            result.warnings.append(Problem(first, what))
     return result
 
 
@@ -674,10 +736,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.json:
         print(json.dumps({"path": args.dump, "valid": r.valid, "steps": r.n_steps, "datasets": r.n_datasets,
-                          "problems": [{"where": p.where, "what": p.what} for p in r.problems]}, indent=2))
+                          "problems": [{"where": p.where, "what": p.what} for p in r.problems],
+                          "warnings": [{"where": w.where, "what": w.what} for w in r.warnings]}, indent=2))
     else:
         for p in r.problems:
             print(f"{args.dump}: {p.where}: {p.what}")
+        for w in r.warnings:
+            print(f"{args.dump}: {w.where}: warning: {w.what}")
         if r.valid:
             print(f"{args.dump}: valid diffrun dump ({r.n_steps} steps, {r.n_datasets} datasets)")
         else:
