@@ -116,7 +116,8 @@ std::string kinds_and_layers(const std::vector<const CheckpointResult*>& failing
   }
   std::vector<std::string> parts;
   for (auto& [base, layers] : kinds) {
-    if (layers.empty() && std::none_of(failing.begin(), failing.end(), [&](const auto* r) { return r->base == base; }))
+    const std::string& kind = base;  // a lambda may not capture a structured binding before C++20's rule (clang 14)
+    if (layers.empty() && std::none_of(failing.begin(), failing.end(), [&](const auto* r) { return r->base == kind; }))
       continue;
     std::sort(layers.begin(), layers.end());
     parts.push_back(layers.empty() ? base : fmt::format("{} {}", base, format_ranges(layers)));
