@@ -83,7 +83,7 @@ std::string preset_for(const DumpMeta& engine, const DumpMeta& reference) {
   if (e == r && engine.backend != reference.backend && has_preset(e + "_vs_" + r + "_cross")) return e + "_vs_" + r + "_cross";
   const std::string exact = diff::preset_name(e, r);
   if (has_preset(exact)) return exact;
-  if (e.ends_with("-f16store")) e = "f16";
+  if (e.ends_with("-f16store") || e.find("-f16store-") != std::string::npos) e = "f16";
   else if (const size_t dash = e.find('-'); dash != std::string::npos) e = e.substr(0, dash);
   if (r.ends_with("-f16store")) r = "f32-f16store";
   const std::string mapped = diff::preset_name(e, r);

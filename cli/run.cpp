@@ -98,7 +98,8 @@ std::string prompt_text(const GgufFile& file, const PromptOptions& opt) {
 }
 
 std::vector<std::string> precision_choices() {
-  return {"f16", "f32", "f64", "f32-f16store", "f64-f16store", "f32-f16residual", "f64-f16residual"};
+  return {"f16",           "f32",           "f64",           "f32-f16store",
+          "f64-f16store",  "f32-f16residual", "f64-f16residual", "f32-f16store-f16residual"};
 }
 
 std::string default_reference_precision(const std::string& engine_precision) {

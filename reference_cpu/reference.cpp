@@ -328,9 +328,11 @@ std::unique_ptr<Backend> make_cpu_backend(const GgufFile& file, const ModelConfi
     storage.weights_f16 = storage.gemm_inputs_f16 = true;
   } else if (plan == "f16residual") {
     storage.residual_f16 = true;
+  } else if (plan == "f16store-f16residual") {  // the f16 engine's storage with its residual stream in f16 too
+    storage.weights_f16 = storage.gemm_inputs_f16 = storage.residual_f16 = true;
   } else if (!plan.empty() || (arith != "f32" && arith != "f64")) {
     throw InputError("the cpu backend's precision is f32 or f64, optionally with emulated storage "
-                     "(f32-f16store, f64-f16store, f32-f16residual, f64-f16residual), not '" + precision + "'");
+                     "(f32-f16store, f64-f16store, f32-f16residual, f64-f16residual, f32-f16store-f16residual), not '" + precision + "'");
   }
   if (arith == "f32") return std::make_unique<CpuBackend<float>>(file, cfg, max_ctx, faults, precision, storage, holding);
   return std::make_unique<CpuBackend<double>>(file, cfg, max_ctx, faults, precision, storage, holding);

@@ -11,6 +11,8 @@
 //   f16residual  only the residual stream (ffn_inp and l_out, the outputs of the residual adds)
 //                rounded to f16: a precision choice an engine may make, not a bug (tests and the
 //                verdict's storage rule use it).
+//   f16store-f16residual  both: an f16 engine that also keeps its residual stream in f16 (judged by the
+//                f16 engine's preset against f32-f16store).
 // A checkpoint whose tensor is rounded is recorded with native dtype f16.
 #pragma once
 

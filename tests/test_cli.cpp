@@ -424,6 +424,26 @@ TEST_F(Cli, ResidualInF16IsPrecisionDrift) {
   j = nlohmann::json::parse(slurp(path("run.json")));
   EXPECT_EQ(j["first_divergence"]["name"], "ffn_inp-0");
   EXPECT_EQ(j["first_divergence"]["verdict"]["kind"], "local") << bug.out;
+
+  // The precision pair: an f16 engine (the f16 engine's storage emulated) that also keeps its residual
+  // stream in f16, against the f32-f16store reference, judged by the f16 preset with the isolation
+  // replay the pair always runs: drift by the error's structure; the residual add skipped stays local.
+  const std::string f16_args = "--model " + shell_quote(model) + " --tokens 1,2,3,4,5 --steps 2 --engine cpu "
+                               "--engine-precision f32-f16store-f16residual --reference-precision f32-f16store "
+                               "--no-color --out " + shell_quote(path("run16")) + " --report-json " +
+                               shell_quote(path("run16.json"));
+  Result f16 = run(f16_args);
+  EXPECT_EQ(f16.rc, 1) << f16.out << f16.err;
+  j = nlohmann::json::parse(slurp(path("run16.json")));
+  EXPECT_EQ(j["tolerances"]["preset"], "f16_vs_f32-f16store");
+  EXPECT_EQ(j["first_divergence"]["name"], "ffn_inp-0");
+  EXPECT_EQ(j["first_divergence"]["verdict"]["kind"], "drift") << f16.out;
+  EXPECT_EQ(j["first_divergence"]["verdict"]["rule"], "f16_storage") << f16.out;
+  Result f16_bug = run(f16_args + " --inject residual_skipped");
+  EXPECT_EQ(f16_bug.rc, 1) << f16_bug.out << f16_bug.err;
+  j = nlohmann::json::parse(slurp(path("run16.json")));
+  EXPECT_EQ(j["first_divergence"]["name"], "ffn_inp-0");
+  EXPECT_EQ(j["first_divergence"]["verdict"]["kind"], "local") << f16_bug.out;
 }
 
 // A replay that replaced only the recorded checkpoints would judge a chain of ops by one op's bound:
