@@ -160,11 +160,11 @@ bool rule_nonfinite(const Context& c, Verdict& v) {
     return true;
   }
   if (!v.unrecorded_inputs.empty()) {
-    // The first non-finite value of a dump is located whatever its inputs (tests: a subset dump's Inf
-    // is local to the recorded stretch); the explanation names what that stretch holds unrecorded.
-    v.kind = VerdictKind::local;
-    v.explanation = fmt::format("non-finite values appear here ({}) while its recorded inputs are finite: this op or "
-                                "the unrecorded {} before it produces them",
+    // The first non-finite value is located (it fails the run) but not blamed on this op: an op computing
+    // an unrecorded input may produce it. Never local on the strength of what was not recorded.
+    v.kind = VerdictKind::undetermined;
+    v.explanation = fmt::format("local or upstream: non-finite values appear here ({}) while its recorded inputs are "
+                                "finite: this op or the unrecorded {} before it produces them: record it to decide",
                                 nonfinite_counts(m), fmt::join(v.unrecorded_inputs, ", "));
     return true;
   }
