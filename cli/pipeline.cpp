@@ -16,7 +16,6 @@
 #include <deque>
 #include <exception>
 #include <functional>
-#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -364,20 +363,7 @@ diff::RecordingCheck check_recording_on_engine(Backend& engine, std::span<const 
     const std::vector<float> logits =
         step == 0 ? engine.forward(0, prompt, none)
                   : engine.forward(static_cast<int>(step), std::span<const int32_t>(&fed[step - 1], 1), none);
-    ++check.steps;
-    const std::vector<float>& want = recorded[step];
-    for (size_t i = 0; i < std::max(logits.size(), want.size()); ++i) {
-      const bool equal = i < logits.size() && i < want.size() &&
-                         std::memcmp(&logits[i], &want[i], sizeof(float)) == 0;
-      if (equal) continue;
-      check.same = false;
-      check.step = static_cast<int>(step);
-      check.index = static_cast<int64_t>(i);
-      check.recorded = i < want.size() ? want[i] : std::numeric_limits<float>::quiet_NaN();
-      check.unrecorded = i < logits.size() ? logits[i] : std::numeric_limits<float>::quiet_NaN();
-      engine.reset();
-      return check;
-    }
+    if (diff::add_recording_step(check, static_cast<int>(step), recorded[step], logits)) break;
   }
   engine.reset();
   return check;
@@ -618,19 +604,12 @@ class Comparator {
     }
     for (int side : {kEngine, kReference}) {
       argmax_[side].resize(std::min<size_t>(argmax_[side].size(), last + 1));
-      graph_[side].resize(argmax_[side].size());
-      fused_[side].resize(argmax_[side].size());
-      const bool paths = metas[side].facts.count("fused_kernel_bits") > 0;  // a backend with several paths
+      paths_[side].resize(argmax_[side].size());
       for (DumpWriter* w : {writers_[side].get(), side == kReference ? replay_.get() : nullptr}) {
         if (!w) continue;
         writes_.post(
-            [w, fed, paths, argmax = argmax_[side], graph = graph_[side], fused = fused_[side]] {
-              w->set_attribute("all_token_ids", fed);
-              w->set_attribute("argmax", argmax);
-              if (paths) {
-                w->set_attribute("step_graph", graph);
-                w->set_attribute("step_fused", fused);
-              }
+            [w, fed, facts = metas[side].facts, argmax = argmax_[side], paths = paths_[side]] {
+              set_run_attributes(*w, facts, fed, argmax, paths);
               w->finish();
             },
             0);
@@ -645,8 +624,8 @@ class Comparator {
     diff::Comparison c = stream_->finish(writers_[kEngine] ? pair_.engine_path : none,
                                          writers_[kReference] ? pair_.reference_path : none, argmax_[kEngine],
                                          argmax_[kReference], last);
-    c.step_fused = fused_[kEngine];
-    c.step_graph = graph_[kEngine];
+    c.step_fused = paths_[kEngine].fused;
+    c.step_graph = paths_[kEngine].graph;
     return c;
   }
 
@@ -768,8 +747,7 @@ class Comparator {
           case Message::step_end:
             ended[side] = true;
             argmax_[side].push_back(m.argmax);
-            graph_[side].push_back(m.path.graph ? 1 : 0);
-            fused_[side].push_back(static_cast<int32_t>(m.path.fused));
+            paths_[side].add(m.path);
             if (held && side == kReference) {  // the replay beside the pipeline may take the step now
               std::lock_guard lock(cx_.sh.m);
               held->complete = true;
@@ -842,7 +820,7 @@ class Comparator {
   const size_t batch_bytes_ = spare_cores() ? kBatchBytes : 0;  // one checkpoint at a time without
   HeldReference* held_ref_ = nullptr;    // the reference's checkpoints kept for the isolation replay
   std::vector<int32_t> argmax_[2];
-  std::vector<int32_t> graph_[2], fused_[2];  // per step: StepPath (root attributes step_graph, step_fused)
+  StepPaths paths_[2];  // per step: StepPath (root attributes step_graph, step_fused)
   std::optional<HeldStep> held_;
   int first_nonfinite_ = -1;
 };
@@ -974,9 +952,7 @@ class HeldReplay {
     const auto t0 = std::chrono::steady_clock::now();
     argmax_.push_back(argmax(engine_.forward(step, tokens, *sink_)));
     const double forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const StepPath path = engine_.last_step_path();
-    graph_.push_back(path.graph ? 1 : 0);
-    fused_.push_back(static_cast<int32_t>(path.fused));
+    paths_.add(engine_.last_step_path());
     // The reference's side of the step, once the engine no longer needs its values.
     sc_.add_tokens(diff::StreamSide::reference, step, std::move(held.tokens));
     std::vector<std::pair<DatasetInfo, diff::StreamComparison::Values>> batch;
@@ -993,21 +969,15 @@ class HeldReplay {
   void attach(diff::Comparison& c, const std::string& engine_name, const std::string& reference_name,
               const std::vector<int32_t>& reference_argmax) {
     if (writer_) {
-      const bool paths = engine_.facts().count("fused_kernel_bits") > 0;
-      writes_.post([this, paths] {
-        writer_->set_attribute("all_token_ids", fed_);
-        writer_->set_attribute("argmax", argmax_);
-        if (paths) {
-          writer_->set_attribute("step_graph", graph_);
-          writer_->set_attribute("step_fused", fused_);
-        }
+      writes_.post([this, facts = engine_.facts()] {
+        set_run_attributes(*writer_, facts, fed_, argmax_, paths_);
         writer_->finish();
       }, 0);
       writes_.drain();
     }
     diff::Comparison isolated = sc_.finish(engine_name, reference_name, argmax_, reference_argmax);
-    isolated.step_fused = fused_;
-    isolated.step_graph = graph_;
+    isolated.step_fused = paths_.fused;
+    isolated.step_graph = paths_.graph;
     diff::add_isolation(c, isolated, rules_.copt);
   }
 
@@ -1031,7 +1001,7 @@ class HeldReplay {
   WriteQueue writes_;  // after the writer: its thread stops before the writer is destroyed
   std::optional<HeldReplaySink> sink_;
   std::vector<int32_t> fed_, argmax_;
-  std::vector<int32_t> graph_, fused_;  // the engine's StepPath per replayed step
+  StepPaths paths_;  // the engine's StepPath per replayed step
 };
 
 // What the isolated comparison calls its dumps: the isolated dump and the reference's, or "not written".

@@ -202,9 +202,7 @@ StepsResult run_steps(Backend& backend, std::span<const int32_t> prompt, int ste
   std::vector<float> logits = backend.forward(0, prompt, sink);
   for (int step = 0;; ++step) {
     r.argmax.push_back(argmax(logits));
-    const StepPath path = backend.last_step_path();
-    r.graph.push_back(path.graph ? 1 : 0);
-    r.fused.push_back(static_cast<int32_t>(path.fused));
+    r.paths.add(backend.last_step_path());
     if (keep_logits) r.last_logits.push_back(logits);
     if (on_step) on_step(step, steps);
     if (step == steps) break;
@@ -215,13 +213,19 @@ StepsResult run_steps(Backend& backend, std::span<const int32_t> prompt, int ste
   return r;
 }
 
-void set_run_attributes(DumpWriter& writer, const StepsResult& r, const Backend& backend) {
-  writer.set_attribute("all_token_ids", r.tokens);
-  writer.set_attribute("argmax", r.argmax);
-  if (backend.facts().count("fused_kernel_bits")) {
-    writer.set_attribute("step_graph", r.graph);
-    writer.set_attribute("step_fused", r.fused);
+void set_run_attributes(DumpWriter& writer, const std::map<std::string, std::string>& facts,
+                        const std::vector<int32_t>& tokens, const std::vector<int32_t>& argmax,
+                        const StepPaths& paths) {
+  writer.set_attribute("all_token_ids", tokens);
+  writer.set_attribute("argmax", argmax);
+  if (facts.count("fused_kernel_bits")) {
+    writer.set_attribute("step_graph", paths.graph);
+    writer.set_attribute("step_fused", paths.fused);
   }
+}
+
+void set_run_attributes(DumpWriter& writer, const StepsResult& r, const Backend& backend) {
+  set_run_attributes(writer, backend.facts(), r.tokens, r.argmax, r.paths);
 }
 
 DumpMeta dump_meta(const GgufFile& file, const Backend& backend, const std::string& prompt,

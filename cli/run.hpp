@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -79,15 +80,31 @@ bool cuda_engines_fit(const GgufFile& file, const ModelConfig& cfg, const std::v
 void check_run_options(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
                        const CheckpointFilter& filter, bool to_compare = false);
 
+// A backend's StepPath after each step, as the dump's root attributes step_graph and step_fused hold them.
+struct StepPaths {
+  std::vector<int32_t> graph, fused;
+  void add(const StepPath& p) {
+    graph.push_back(p.graph ? 1 : 0);
+    fused.push_back(static_cast<int32_t>(p.fused));
+  }
+  void resize(size_t steps) {
+    graph.resize(steps);
+    fused.resize(steps);
+  }
+};
+
 struct StepsResult {
   std::vector<int32_t> tokens;  // prompt then the fed tokens
   std::vector<int32_t> argmax;  // the backend's own argmax after each step [steps+1]
   std::vector<std::vector<float>> last_logits;  // [steps+1][V], only when keep_logits
-  std::vector<int32_t> graph, fused;            // the backend's StepPath after each step [steps+1]
+  StepPaths paths;                              // the backend's StepPath after each step [steps+1]
 };
 
 // The root attributes a run's dump gets at its end: all_token_ids, argmax, and for a backend with
-// several paths (its "fused_kernel_bits" fact) step_graph and step_fused.
+// several paths (the backend fact "fused_kernel_bits") step_graph and step_fused.
+void set_run_attributes(DumpWriter& writer, const std::map<std::string, std::string>& facts,
+                        const std::vector<int32_t>& tokens, const std::vector<int32_t>& argmax,
+                        const StepPaths& paths);
 void set_run_attributes(DumpWriter& writer, const StepsResult& r, const Backend& backend);
 
 // Step 0 = prefill of `prompt`; then `steps` decode steps. forced empty: greedy (feeds its own

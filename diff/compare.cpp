@@ -507,20 +507,25 @@ RecordingCheck check_recording_dumps(const DumpReader& recorded, const DumpReade
     if (v.size() < V) throw InputError(fmt::format("{}: step {}: result_output holds no whole row", d.path(), step));
     return std::vector<float>(v.end() - static_cast<std::ptrdiff_t>(V), v.end());
   };
-  for (int step : recorded.steps()) {
-    const std::vector<float> a = last_row(recorded, step), b = last_row(unrecorded, step);
-    ++check.steps;
-    for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
-      if (i < a.size() && i < b.size() && std::memcmp(&a[i], &b[i], sizeof(float)) == 0) continue;
-      check.same = false;
-      check.step = step;
-      check.index = static_cast<int64_t>(i);
-      check.recorded = i < a.size() ? a[i] : std::nanf("");
-      check.unrecorded = i < b.size() ? b[i] : std::nanf("");
-      return check;
-    }
-  }
+  for (int step : recorded.steps())
+    if (add_recording_step(check, step, last_row(recorded, step), last_row(unrecorded, step))) break;
   return check;
+}
+
+bool add_recording_step(RecordingCheck& check, int step, std::span<const float> recorded,
+                        std::span<const float> unrecorded) {
+  ++check.steps;
+  for (size_t i = 0; i < std::max(recorded.size(), unrecorded.size()); ++i) {
+    if (i < recorded.size() && i < unrecorded.size() && std::memcmp(&recorded[i], &unrecorded[i], sizeof(float)) == 0)
+      continue;
+    check.same = false;
+    check.step = step;
+    check.index = static_cast<int64_t>(i);
+    check.recorded = i < recorded.size() ? recorded[i] : std::nanf("");
+    check.unrecorded = i < unrecorded.size() ? unrecorded[i] : std::nanf("");
+    return true;
+  }
+  return false;
 }
 
 namespace {

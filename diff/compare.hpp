@@ -119,6 +119,11 @@ struct Comparison {
   bool failed() const { return diverged() || !coverage.met() || recording_changed(); }
 };
 
+// One step of a recording check: counts the step and, at the first logit whose bits differ (or a
+// length mismatch), marks `check` changed there and returns true.
+bool add_recording_step(RecordingCheck& check, int step, std::span<const float> recorded,
+                        std::span<const float> unrecorded);
+
 // The recording check of two dumps of one engine (`compare --unrecorded`): `recorded`'s last row of
 // result_output at each step against `unrecorded`'s (a run of the engine's production path that
 // recorded the logits alone), bit for bit. Throws InputError naming the file and step where either
