@@ -5,18 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int n_checks = 0, n_failed = 0;
-
-#define CHECK(cond, ...)                                  \
-  do {                                                    \
-    ++n_checks;                                           \
-    if (!(cond)) {                                        \
-      ++n_failed;                                         \
-      fprintf(stderr, "FAIL line %d: ", __LINE__);        \
-      fprintf(stderr, __VA_ARGS__);                       \
-      fprintf(stderr, "\n");                              \
-    }                                                     \
-  } while (0)
+#include "check.h"
 
 /* rc == want and the message holds `part` */
 #define CHECK_RC(call, want, d, part)                                                                       \

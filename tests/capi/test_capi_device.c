@@ -6,18 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-static int n_checks = 0, n_failed = 0;
-
-#define CHECK(cond, ...)                            \
-  do {                                              \
-    ++n_checks;                                     \
-    if (!(cond)) {                                  \
-      ++n_failed;                                   \
-      fprintf(stderr, "FAIL line %d: ", __LINE__);  \
-      fprintf(stderr, __VA_ARGS__);                 \
-      fprintf(stderr, "\n");                        \
-    }                                               \
-  } while (0)
+#include "check.h"
 
 #define CHECK_RC(call, want, part)                                                                            \
   do {                                                                                                        \
