@@ -179,6 +179,13 @@ const char* dtype_name(diffrun_dtype t) {
   return nullptr;
 }
 
+// "f16|bf16|f32|f64": the allowed values of an enum string.
+std::string one_of(const std::vector<std::string>& values) {
+  std::string s;
+  for (const auto& v : values) s += (s.empty() ? "" : "|") + v;
+  return s;
+}
+
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
@@ -608,7 +615,7 @@ int diffrun_dump_set_string(diffrun_dump* d, const char* name, const char* value
       for (const auto& x : allowed) ok = ok || x == v;
       if (!ok)
         throw ApiError{DIFFRUN_DUMP_E_META,
-                       where(d) + "root attribute '" + n + "': \"" + v + "\" is not one of " + a->values};
+                       where(d) + "root attribute '" + n + "': \"" + v + "\" is not one of " + one_of(allowed)};
     }
     d->file->set_string(n, v);
   });

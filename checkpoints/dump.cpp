@@ -71,7 +71,6 @@ struct DumpWriter::Impl {
 
   void write_root_attributes() {
     DumpTarget& f = *file;
-    const ModelConfig& c = meta.config;
     if (meta.format_version < kDumpFormatVersion)
       fail("format_version " + std::to_string(meta.format_version) + ": this writer writes version " +
            std::to_string(kDumpFormatVersion));
@@ -81,21 +80,14 @@ struct DumpWriter::Impl {
     f.set_string("precision", meta.precision);
     f.set_string("model_path", meta.model_path);
     f.set_string("model_fingerprint", meta.model_fingerprint);
-    f.set_string("arch", arch_name(c.arch));
-    f.set_int("n_layer", c.n_layer);
-    f.set_int("n_embd", c.n_embd);
-    f.set_int("n_head", c.n_head);
-    f.set_int("n_head_kv", c.n_head_kv);
-    f.set_int("head_dim", c.head_dim);
-    f.set_int("n_ff", c.n_ff);
-    f.set_int("n_vocab", c.n_vocab);
-    f.set_int("n_ctx", c.n_ctx);
-    f.set_real("rope_theta", c.rope_theta);
-    f.set_string("rope_type", rope_type_name(c.rope_type));
-    f.set_real("rms_eps", c.rms_eps);
-    f.set_bool("tied_output", c.tied_output);
-    f.set_bool("qkv_bias", c.qkv_bias);
-    f.set_bool("qk_norm", c.qk_norm);
+    const nlohmann::ordered_json config = config_attributes(meta.config);
+    for (const auto& [name, value] : config.items()) {
+      const RootAttribute& a = *find_root_attribute(name);
+      if (a.type == AttrType::string) f.set_string(name, value.get<std::string>());
+      else if (a.type == AttrType::real) f.set_real(name, value.get<double>());
+      else if (a.type == AttrType::boolean) f.set_bool(name, value.get<bool>());
+      else f.set_int(name, value.get<int32_t>());
+    }
     f.set_string("prompt", meta.prompt);
     f.set_ints("token_ids", meta.token_ids);
     f.set_string("created_utc", meta.created_utc);
@@ -249,8 +241,6 @@ uint64_t DumpWriter::bytes_written() const { return impl_->file->bytes_written()
 // Reader
 
 struct DumpReader::Impl {
-  static constexpr int kMaxLayers = 4096;
-  static constexpr int kMaxDim = 1 << 24;
   std::string path;
   uint64_t file_size = 0;
   Hid file;
@@ -266,67 +256,40 @@ struct DumpReader::Impl {
     throw DumpError(msg + hdf5_detail());
   }
 
-  Hid open_attr(hid_t obj, const char* name, std::string_view where) const {
-    if (H5Aexists(obj, name) <= 0)
+  // The attribute's shape, failing when it is missing or cannot be opened.
+  h5::AttrShape existing_attr(hid_t obj, const char* name, std::string_view where) const {
+    const h5::AttrShape s = h5::inspect_attribute(obj, name);
+    if (!s.exists)
       fail(std::string("missing attribute '") + name + "'" + (where.empty() ? " (not a diffrun dump?)" : ""), where);
-    Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
-    if (!a.valid()) fail(std::string("cannot open attribute '") + name + "'", where);
-    return a;
+    if (!s.readable) fail(std::string("cannot open attribute '") + name + "'", where);
+    return s;
   }
 
   std::string read_str(hid_t obj, const char* name, std::string_view where = {}) const {
-    Hid a = open_attr(obj, name, where);
-    Hid ftype(H5Aget_type(a.get()), H5Tclose);
-    if (H5Tget_class(ftype.get()) != H5T_STRING) fail(std::string("attribute '") + name + "' is not a string", where);
-    Hid space(H5Aget_space(a.get()), H5Sclose);
-    if (H5Sget_simple_extent_npoints(space.get()) != 1)
-      fail(std::string("attribute '") + name + "' is not a scalar string", where);
-    const htri_t vlen = H5Tis_variable_str(ftype.get());
-    if (vlen < 0) fail(std::string("cannot read the type of attribute '") + name + "'", where);
-    if (vlen > 0 && !vlen_strings_ok)
+    const h5::AttrShape s = existing_attr(obj, name, where);
+    if (s.cls != H5T_STRING) fail(std::string("attribute '") + name + "' is not a string", where);
+    if (s.n != 1) fail(std::string("attribute '") + name + "' is not a scalar string", where);
+    if (s.vlen && !vlen_strings_ok)
       fail(std::string(where.empty() ? "root attribute '" : "attribute '") + name + "' is a variable-length string; " +
                (meta.format_version >= 2 ? "format version " + std::to_string(meta.format_version) +
                                                " stores fixed-length strings"
                                          : version1_refused()),
            where);
-    if (vlen > 0) {
-      Hid mtype(H5Tcopy(H5T_C_S1), H5Tclose);
-      H5Tset_size(mtype.get(), H5T_VARIABLE);
-      H5Tset_cset(mtype.get(), H5Tget_cset(ftype.get()));
-      char* p = nullptr;
-      if (H5Aread(a.get(), mtype.get(), &p) < 0) fail(std::string("cannot read attribute '") + name + "'", where);
-      std::string s = p ? p : "";
-      H5free_memory(p);
-      return s;
-    }
-    std::string s(H5Tget_size(ftype.get()), '\0');
-    if (H5Aread(a.get(), ftype.get(), s.data()) < 0) fail(std::string("cannot read attribute '") + name + "'", where);
-    s.resize(std::min(s.size(), s.find('\0')));
-    return s;
+    std::optional<std::string> v = h5::read_string_attribute(obj, name, vlen_strings_ok);
+    if (!v) fail(std::string("cannot read attribute '") + name + "'", where);
+    return *v;
   }
 
   std::vector<int32_t> read_ints(hid_t obj, const char* name, std::string_view where = {}) const {
-    Hid a = open_attr(obj, name, where);
-    Hid ftype(H5Aget_type(a.get()), H5Tclose);
-    Hid space(H5Aget_space(a.get()), H5Sclose);
-    const hssize_t n = H5Sget_simple_extent_npoints(space.get());
-    if (n < 0) fail(std::string("cannot size attribute '") + name + "'", where);
-    std::vector<int32_t> v(static_cast<size_t>(n));
-    if (H5Tget_class(ftype.get()) == H5T_ENUM) {
-      // booleans: read the enum as stored, then convert its integer base type to int64 in place
-      Hid base(H5Tget_super(ftype.get()), H5Tclose);
-      std::vector<int64_t> buf(v.size());
-      if (n > 0 && (H5Aread(a.get(), ftype.get(), buf.data()) < 0 ||
-                    H5Tconvert(base.get(), H5T_NATIVE_INT64, v.size(), buf.data(), nullptr, H5P_DEFAULT) < 0))
-        fail(std::string("cannot read attribute '") + name + "'", where);
-      for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<int32_t>(buf[i]);
-      return v;
-    }
-    if (H5Tget_class(ftype.get()) != H5T_INTEGER && H5Tget_class(ftype.get()) != H5T_FLOAT)
+    const h5::AttrShape s = existing_attr(obj, name, where);
+    if (s.n < 0) fail(std::string("cannot size attribute '") + name + "'", where);
+    if (s.cls != H5T_ENUM && s.cls != H5T_INTEGER && s.cls != H5T_FLOAT)
       fail(std::string("attribute '") + name + "' is not numeric", where);
-    if (n > 0 && H5Aread(a.get(), H5T_NATIVE_INT32, v.data()) < 0)
-      fail(std::string("cannot read attribute '") + name + "' as int32", where);
-    return v;
+    const auto v = h5::read_int_attribute(obj, name, true);
+    if (!v) fail(std::string("cannot read attribute '") + name + "'" + (s.cls == H5T_ENUM ? "" : " as int32"), where);
+    std::vector<int32_t> out;
+    for (int64_t x : *v) out.push_back(static_cast<int32_t>(std::clamp<int64_t>(x, INT32_MIN, INT32_MAX)));
+    return out;
   }
 
   int read_int(hid_t obj, const char* name, std::string_view where = {}) const {
@@ -336,10 +299,10 @@ struct DumpReader::Impl {
   }
 
   double read_double(hid_t obj, const char* name) const {
-    Hid a = open_attr(obj, name, {});
-    double v = 0;
-    if (H5Aread(a.get(), H5T_NATIVE_DOUBLE, &v) < 0) fail(std::string("cannot read attribute '") + name + "'");
-    return v;
+    existing_attr(obj, name, {});
+    const std::optional<double> v = h5::read_real_attribute(obj, name);
+    if (!v) fail(std::string("cannot read attribute '") + name + "'");
+    return *v;
   }
 
   void read_meta() {
@@ -364,30 +327,25 @@ struct DumpReader::Impl {
     meta.precision = read_str(root, "precision");
     meta.model_path = read_str(root, "model_path");
     meta.model_fingerprint = read_str(root, "model_fingerprint");
-    ModelConfig& c = meta.config;
-    const std::string arch = read_str(root, "arch");
-    bool known = false;
-    for (Arch a : all_archs())
-      if (arch == arch_name(a)) c.arch = a, known = true;
-    if (!known) fail("unknown arch '" + arch + "'");
-    set_arch_features(c);  // the flags the attributes below do not carry (post-norms, FFN activation, ...)
-    c.n_layer = read_int(root, "n_layer");
-    c.n_embd = read_int(root, "n_embd");
-    c.n_head = read_int(root, "n_head");
-    c.n_head_kv = read_int(root, "n_head_kv");
-    c.head_dim = read_int(root, "head_dim");
-    c.n_ff = read_int(root, "n_ff");
-    c.n_vocab = read_int(root, "n_vocab");
-    c.n_ctx = read_int(root, "n_ctx");
-    c.rope_theta = read_double(root, "rope_theta");
-    const std::string rope = read_str(root, "rope_type");
-    if (rope == rope_type_name(RopeType::norm)) c.rope_type = RopeType::norm;
-    else if (rope == rope_type_name(RopeType::neox)) c.rope_type = RopeType::neox;
-    else fail("unknown rope_type '" + rope + "'");
-    c.rms_eps = read_double(root, "rms_eps");
-    c.tied_output = read_int(root, "tied_output") != 0;
-    c.qkv_bias = read_int(root, "qkv_bias") != 0;
-    c.qk_norm = read_int(root, "qk_norm") != 0;
+    // The config attributes, in the schema's order; an enum string outside its values is refused.
+    nlohmann::json config;
+    for (const RootAttribute& a : root_attributes()) {
+      if (!a.config) continue;
+      const char* n = a.name.c_str();
+      switch (a.type) {
+        case AttrType::string: {
+          const std::string v = read_str(root, n);
+          if (!a.values.empty() && std::find(a.values.begin(), a.values.end(), v) == a.values.end())
+            fail("unknown " + a.name + " '" + v + "'");
+          config[a.name] = v;
+          break;
+        }
+        case AttrType::real: config[a.name] = read_double(root, n); break;
+        case AttrType::boolean: config[a.name] = read_int(root, n) != 0; break;
+        default: config[a.name] = read_int(root, n); break;
+      }
+    }
+    meta.config = config_from_attributes(config);
     meta.prompt = read_str(root, "prompt");
     meta.token_ids = read_ints(root, "token_ids");
     meta.created_utc = read_str(root, "created_utc");
@@ -395,19 +353,10 @@ struct DumpReader::Impl {
     check_config();
 
     // Other root attributes: strings are backend facts, integers are set_attribute() arrays.
-    std::vector<std::string> names;
-    H5Aiterate2(
-        root, H5_INDEX_NAME, H5_ITER_INC, nullptr,
-        [](hid_t, const char* name, const H5A_info_t*, void* out) -> herr_t {
-          static_cast<std::vector<std::string>*>(out)->push_back(name);
-          return 0;
-        },
-        &names);
+    const std::vector<std::string> names = h5::attribute_names(root);
     for (const auto& n : names) {
       if (reserved_root_attributes().count(n)) continue;
-      Hid a(H5Aopen(root, n.c_str(), H5P_DEFAULT), H5Aclose);
-      Hid t(H5Aget_type(a.get()), H5Tclose);
-      const H5T_class_t cls = H5Tget_class(t.get());
+      const H5T_class_t cls = h5::inspect_attribute(root, n.c_str()).cls;
       if (cls == H5T_STRING) meta.facts[n] = read_str(root, n.c_str());
       else if (cls == H5T_INTEGER) int_attribute_names.push_back(n);
     }
@@ -416,15 +365,12 @@ struct DumpReader::Impl {
   // Sizes everything downstream loops over or allocates by (a dump declaring n_layer = 2e9 once
   // drove compare to 21 GB): each must be positive and within what any real model needs.
   void check_config() const {
-    const ModelConfig& c = meta.config;
-    const std::pair<const char*, int> dims[] = {{"n_embd", c.n_embd}, {"n_head", c.n_head},
-                                                {"n_head_kv", c.n_head_kv}, {"head_dim", c.head_dim},
-                                                {"n_ff", c.n_ff}, {"n_vocab", c.n_vocab}, {"n_ctx", c.n_ctx}};
-    if (c.n_layer < 1 || c.n_layer > kMaxLayers)
-      fail("attribute 'n_layer' is " + std::to_string(c.n_layer) + ", outside 1.." + std::to_string(kMaxLayers));
-    for (const auto& [name, v] : dims) {
-      if (v < 1 || v > kMaxDim)
-        fail(std::string("attribute '") + name + "' is " + std::to_string(v) + ", outside 1.." + std::to_string(kMaxDim));
+    const nlohmann::ordered_json values = config_attributes(meta.config);
+    for (const RootAttribute& a : root_attributes()) {
+      if (!a.config || a.type != AttrType::integer) continue;
+      const int64_t v = values.at(a.name).get<int64_t>();
+      if (v < 1 || v > a.max)
+        fail("attribute '" + a.name + "' is " + std::to_string(v) + ", outside 1.." + std::to_string(a.max));
     }
   }
 
@@ -540,14 +486,7 @@ struct DumpReader::Impl {
   }
 
   // Sizes of the layout letters at a step (T and S when the step's tokens are known).
-  std::map<std::string, int64_t> letter_sizes(int64_t T, int64_t S) const {
-    const ModelConfig& c = meta.config;
-    std::map<std::string, int64_t> m = {{"D", c.n_embd}, {"H", c.n_head}, {"Hkv", c.n_head_kv},
-                                        {"Dh", c.head_dim}, {"F", c.n_ff},   {"V", c.n_vocab}};
-    if (T >= 0) m["T"] = T;
-    if (S >= 0) m["S"] = S;
-    return m;
-  }
+  std::map<std::string, int64_t> letter_sizes(int64_t T, int64_t S) const { return dim_sizes(meta.config, T, S); }
 
   // Plans how `raw` (vocabulary kind `kind`) becomes the kind's layout; false when it cannot
   // (the dataset is then presented as stored). `layout` is the stored layout ("" = the kind's).

@@ -30,49 +30,7 @@
 
 namespace diffrun {
 
-const char* attr_type_name(AttrType t) {
-  switch (t) {
-    case AttrType::string: return "string";
-    case AttrType::integer: return "integer";
-    case AttrType::real: return "real";
-    case AttrType::boolean: return "boolean";
-    case AttrType::int_array: return "integer array";
-  }
-  return "?";
-}
-
-const std::vector<RootAttribute>& root_attributes() {
-  static const std::vector<RootAttribute> attrs = {
-      {"format", AttrType::string, true, "diffrun-dump"},
-      {"format_version", AttrType::integer, true},
-      {"backend", AttrType::string, true},
-      {"precision", AttrType::string, true, "f16|bf16|f32|f64"},
-      {"model_path", AttrType::string, true},
-      {"model_fingerprint", AttrType::string, true},
-      {"arch", AttrType::string, true, "llama|qwen2|qwen3|gemma3"},
-      {"n_layer", AttrType::integer, true},
-      {"n_embd", AttrType::integer, true},
-      {"n_head", AttrType::integer, true},
-      {"n_head_kv", AttrType::integer, true},
-      {"head_dim", AttrType::integer, true},
-      {"n_ff", AttrType::integer, true},
-      {"n_vocab", AttrType::integer, true},
-      {"n_ctx", AttrType::integer, true},
-      {"rope_theta", AttrType::real, true},
-      {"rope_type", AttrType::string, true, "norm|neox"},
-      {"rms_eps", AttrType::real, true},
-      {"tied_output", AttrType::boolean, true},
-      {"qkv_bias", AttrType::boolean, true},
-      {"qk_norm", AttrType::boolean, true},
-      {"prompt", AttrType::string, true},
-      {"token_ids", AttrType::int_array, true},
-      {"created_utc", AttrType::string, true},
-      {"diffrun_version", AttrType::string, true},
-      {"all_token_ids", AttrType::int_array, false},
-      {"argmax", AttrType::int_array, false},
-  };
-  return attrs;
-}
+const std::vector<RootAttribute>& root_attributes() { return dump_schema().root; }
 
 const RootAttribute* find_root_attribute(std::string_view name) {
   for (const auto& a : root_attributes())
@@ -80,19 +38,7 @@ const RootAttribute* find_root_attribute(std::string_view name) {
   return nullptr;
 }
 
-std::vector<std::string> enum_values(const RootAttribute& a) {
-  std::vector<std::string> out;
-  if (!a.values) return out;
-  std::string_view v = a.values;
-  size_t start = 0;
-  while (start <= v.size()) {
-    size_t bar = v.find('|', start);
-    if (bar == std::string_view::npos) bar = v.size();
-    out.emplace_back(v.substr(start, bar - start));
-    start = bar + 1;
-  }
-  return out;
-}
+const std::vector<std::string>& enum_values(const RootAttribute& a) { return a.values; }
 
 const char* stored_dtype_name(StoredDType d) {
   switch (d) {
@@ -258,6 +204,105 @@ Hid fixed_string_type(size_t n) {
   H5Tset_cset(t.get(), H5T_CSET_UTF8);
   H5Tset_strpad(t.get(), H5T_STR_NULLPAD);
   return t;
+}
+
+AttrShape inspect_attribute(hid_t obj, const char* name) {
+  AttrShape s;
+  s.exists = H5Aexists(obj, name) > 0;
+  if (!s.exists) return s;
+  Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  if (!a.valid()) return s;
+  s.readable = true;
+  Hid t(H5Aget_type(a.get()), H5Tclose);
+  Hid sp(H5Aget_space(a.get()), H5Sclose);
+  s.cls = H5Tget_class(t.get());
+  s.size = H5Tget_size(t.get());
+  s.vlen = s.cls == H5T_STRING && H5Tis_variable_str(t.get()) != 0;
+  if (s.cls == H5T_INTEGER) s.is_signed = H5Tget_sign(t.get()) == H5T_SGN_2;
+  s.rank = H5Sget_simple_extent_ndims(sp.get());
+  s.n = H5Sget_simple_extent_npoints(sp.get());
+  return s;
+}
+
+const char* class_text(H5T_class_t c) {
+  switch (c) {
+    case H5T_INTEGER: return "an integer";
+    case H5T_FLOAT: return "a float";
+    case H5T_STRING: return "a string";
+    case H5T_ENUM: return "an enum";
+    case H5T_COMPOUND: return "a compound";
+    case H5T_ARRAY: return "an array type";
+    case H5T_OPAQUE: return "an opaque type";
+    case H5T_VLEN: return "a variable-length sequence";
+    case H5T_BITFIELD: return "a bitfield";
+    case H5T_REFERENCE: return "a reference";
+    default: return "an unknown type";
+  }
+}
+
+std::optional<std::string> read_string_attribute(hid_t obj, const char* name, bool vlen_ok) {
+  Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  if (!a.valid()) return std::nullopt;
+  Hid ftype(H5Aget_type(a.get()), H5Tclose);
+  if (H5Tget_class(ftype.get()) != H5T_STRING) return std::nullopt;
+  const htri_t vlen = H5Tis_variable_str(ftype.get());
+  if (vlen < 0 || (vlen > 0 && !vlen_ok)) return std::nullopt;
+  if (vlen > 0) {
+    Hid mtype(H5Tcopy(H5T_C_S1), H5Tclose);
+    H5Tset_size(mtype.get(), H5T_VARIABLE);
+    H5Tset_cset(mtype.get(), H5Tget_cset(ftype.get()));
+    char* p = nullptr;
+    if (H5Aread(a.get(), mtype.get(), &p) < 0) return std::nullopt;
+    std::string s = p ? p : "";
+    H5free_memory(p);
+    return s;
+  }
+  std::string s(H5Tget_size(ftype.get()), '\0');
+  if (H5Aread(a.get(), ftype.get(), s.data()) < 0) return std::nullopt;
+  s.resize(std::min(s.size(), s.find('\0')));
+  return s;
+}
+
+std::optional<std::vector<int64_t>> read_int_attribute(hid_t obj, const char* name, bool floats) {
+  Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  if (!a.valid()) return std::nullopt;
+  Hid ftype(H5Aget_type(a.get()), H5Tclose);
+  Hid space(H5Aget_space(a.get()), H5Sclose);
+  const hssize_t n = H5Sget_simple_extent_npoints(space.get());
+  if (n < 0) return std::nullopt;
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  if (n == 0) return v;
+  const H5T_class_t cls = H5Tget_class(ftype.get());
+  if (cls == H5T_ENUM) {
+    // read the enum as stored, then convert its integer base type to int64 in place
+    Hid base(H5Tget_super(ftype.get()), H5Tclose);
+    if (H5Aread(a.get(), ftype.get(), v.data()) < 0 ||
+        H5Tconvert(base.get(), H5T_NATIVE_INT64, v.size(), v.data(), nullptr, H5P_DEFAULT) < 0)
+      return std::nullopt;
+    return v;
+  }
+  if ((cls != H5T_INTEGER && !(floats && cls == H5T_FLOAT)) || H5Aread(a.get(), H5T_NATIVE_INT64, v.data()) < 0)
+    return std::nullopt;
+  return v;
+}
+
+std::optional<double> read_real_attribute(hid_t obj, const char* name) {
+  Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  double v = 0;
+  if (!a.valid() || H5Aread(a.get(), H5T_NATIVE_DOUBLE, &v) < 0) return std::nullopt;
+  return v;
+}
+
+std::vector<std::string> attribute_names(hid_t obj) {
+  std::vector<std::string> names;
+  H5Aiterate2(
+      obj, H5_INDEX_NAME, H5_ITER_INC, nullptr,
+      [](hid_t, const char* name, const H5A_info_t*, void* out) -> herr_t {
+        static_cast<std::vector<std::string>*>(out)->push_back(name);
+        return 0;
+      },
+      &names);
+  return names;
 }
 
 }  // namespace h5
@@ -892,14 +937,7 @@ std::vector<std::string> DumpFile::copy_attributes(const std::string& source_pat
   H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);
   Hid src(H5Fopen(source_path.c_str(), H5F_ACC_RDONLY, fapl.get()), H5Fclose);
   if (!src.valid()) throw DumpError(source_path + ": cannot open the HDF5 file" + h5::detail());
-  std::vector<std::string> names;
-  H5Aiterate2(
-      src.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr,
-      [](hid_t, const char* name, const H5A_info_t*, void* out) -> herr_t {
-        static_cast<std::vector<std::string>*>(out)->push_back(name);
-        return 0;
-      },
-      &names);
+  const std::vector<std::string> names = h5::attribute_names(src.get());
   std::vector<std::string> copied;
   for (const auto& name : names) {
     if (!keep(name)) continue;
@@ -916,15 +954,9 @@ std::vector<std::string> DumpFile::copy_attributes(const std::string& source_pat
       if (n != 1) continue;
       if (!version1_reads_allowed())
         throw DumpError(source_path + ": attribute '" + name + "' is a variable-length string: " + version1_refused());
-      Hid mtype(H5Tcopy(H5T_C_S1), H5Tclose);
-      H5Tset_size(mtype.get(), H5T_VARIABLE);
-      H5Tset_cset(mtype.get(), H5Tget_cset(type.get()));
-      char* p = nullptr;
-      if (H5Aread(a.get(), mtype.get(), &p) < 0)
-        throw DumpError(source_path + ": cannot read attribute '" + name + "'" + h5::detail());
-      const std::string value = p ? p : "";
-      H5free_memory(p);
-      m.attr_str(m.file.get(), name, value);
+      const std::optional<std::string> value = h5::read_string_attribute(src.get(), name.c_str(), true);
+      if (!value) throw DumpError(source_path + ": cannot read attribute '" + name + "'" + h5::detail());
+      m.attr_str(m.file.get(), name, *value);
       copied.push_back(name);
       continue;
     }

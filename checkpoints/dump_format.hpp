@@ -1,4 +1,4 @@
-// The dump format's file layer (docs/dump-format.md): attribute table, HDF5 types, one dump file's writer; no ModelConfig.
+// The dump format's file layer (docs/dump-format.md): attribute table, HDF5 types and attribute reads, one dump file's writer.
 #pragma once
 
 #include <hdf5.h>
@@ -13,8 +13,11 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoints/dump_schema.hpp"
+
 namespace diffrun {
 
+// The schema's format name and versions (test_dump_schema checks these constants against it).
 inline constexpr const char* kDumpFormat = "diffrun-dump";
 inline constexpr int kDumpFormatVersion = 2;      // what DumpFile writes
 inline constexpr int kDumpFormatOldestVersion = 1;  // the oldest version readers still read
@@ -29,23 +32,10 @@ inline constexpr const char* kAttributeTable = "_attributes";
 // An integer column's value for "absent" (the dataset has no such attribute).
 inline constexpr int32_t kAbsentInt = INT32_MIN;
 
-// How a root attribute is stored (docs/dump-format.md, "Types").
-enum class AttrType { string, integer, real, boolean, int_array };
-const char* attr_type_name(AttrType t);  // "string", "integer", ...
-
-// One root attribute the format defines. `values`: the allowed strings of an enum string, '|'-separated
-// ("norm|neox"), or nullptr for any value.
-struct RootAttribute {
-  const char* name;
-  AttrType type;
-  bool required;
-  const char* values = nullptr;
-};
-
-// The format's root attributes in the doc's order; any other string attribute is a backend fact.
+// The format's root attributes in the schema's order (dump_schema.hpp); any other string attribute is a backend fact.
 const std::vector<RootAttribute>& root_attributes();
 const RootAttribute* find_root_attribute(std::string_view name);  // nullptr for facts and extras
-std::vector<std::string> enum_values(const RootAttribute& a);     // split `values`
+const std::vector<std::string>& enum_values(const RootAttribute& a);  // its allowed strings; empty: any
 
 // Dtype a dataset is stored in. f16 is IEEE half (h5py's float16), bf16 raw bits in uint16 with the
 // dataset attribute dtype = "bf16".
@@ -108,6 +98,33 @@ class Hid {
 Hid fixed_string_type(size_t n);
 hid_t bool_type();     // h5py's bool: enum of int8 {FALSE = 0, TRUE = 1}
 hid_t float16_type();  // IEEE half, as h5py writes numpy.float16
+
+// The one reader of HDF5 attributes (root attributes; version-1 dataset attributes) for DumpReader, the validator
+// and the C API; python/diffrun/attributes.py is its Python twin.
+// What one attribute is, without reading it.
+struct AttrShape {
+  bool exists = false;    // H5Aexists
+  bool readable = false;  // exists and opens
+  H5T_class_t cls = H5T_NO_CLASS;
+  size_t size = 0;
+  bool is_signed = true;
+  int rank = 0;
+  hssize_t n = 0;
+  bool vlen = false;  // a variable-length string
+};
+AttrShape inspect_attribute(hid_t obj, const char* name);
+// "an integer", "a string", ... for a type class.
+const char* class_text(H5T_class_t c);
+// A string attribute's value (up to its first NUL); a variable-length one only when `vlen_ok` (format version
+// 1 read with DIFFRUN_READ_V1=1): from version 2 on the type is checked before anything is read (HDF5 1.10
+// crashes on some damaged global heaps, found by fuzz_dump). nullopt when it is not a string or fails to read.
+std::optional<std::string> read_string_attribute(hid_t obj, const char* name, bool vlen_ok);
+// Integer attribute values as int64 (an enum over integers, h5py's bool, as its integers; with `floats`, a
+// float attribute converted by HDF5); nullopt for another class or a failed read.
+std::optional<std::vector<int64_t>> read_int_attribute(hid_t obj, const char* name, bool floats = false);
+std::optional<double> read_real_attribute(hid_t obj, const char* name);
+// The names of an object's attributes, in name order.
+std::vector<std::string> attribute_names(hid_t obj);
 
 }  // namespace h5
 

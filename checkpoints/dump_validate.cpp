@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -32,127 +33,23 @@ int64_t element_count(std::span<const int64_t> shape) {
   return n;
 }
 
-// What one attribute is, without reading it.
-struct AttrShape {
-  bool exists = false;
-  H5T_class_t cls = H5T_NO_CLASS;
-  size_t size = 0;
-  bool is_signed = true;
-  int rank = 0;
-  hssize_t n = 0;
-  bool vlen = false;  // a variable-length string
-};
-
-AttrShape inspect_attr(hid_t obj, const char* name) {
-  AttrShape s;
-  if (H5Aexists(obj, name) <= 0) return s;
-  Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
-  if (!a.valid()) return s;
-  s.exists = true;
-  Hid t(H5Aget_type(a.get()), H5Tclose);
-  Hid sp(H5Aget_space(a.get()), H5Sclose);
-  s.cls = H5Tget_class(t.get());
-  s.size = H5Tget_size(t.get());
-  s.vlen = s.cls == H5T_STRING && H5Tis_variable_str(t.get()) != 0;
-  if (s.cls == H5T_INTEGER) s.is_signed = H5Tget_sign(t.get()) == H5T_SGN_2;
-  s.rank = H5Sget_simple_extent_ndims(sp.get());
-  s.n = H5Sget_simple_extent_npoints(sp.get());
-  return s;
-}
-
-// A string attribute's value; a variable-length one only when `vlen_ok` (format version 1): from
-// version 2 on the type is checked before anything is read (HDF5 1.10 crashes on some damaged
-// global heaps, found by fuzz_dump).
-std::optional<std::string> read_string(hid_t obj, const char* name, bool vlen_ok) {
-  Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
-  if (!a.valid()) return std::nullopt;
-  Hid ftype(H5Aget_type(a.get()), H5Tclose);
-  if (H5Tget_class(ftype.get()) != H5T_STRING) return std::nullopt;
-  const htri_t vlen = H5Tis_variable_str(ftype.get());
-  if (vlen < 0 || (vlen > 0 && !vlen_ok)) return std::nullopt;
-  if (vlen > 0) {
-    Hid mtype(H5Tcopy(H5T_C_S1), H5Tclose);
-    H5Tset_size(mtype.get(), H5T_VARIABLE);
-    H5Tset_cset(mtype.get(), H5Tget_cset(ftype.get()));
-    char* p = nullptr;
-    if (H5Aread(a.get(), mtype.get(), &p) < 0) return std::nullopt;
-    std::string s = p ? p : "";
-    H5free_memory(p);
-    return s;
-  }
-  std::string s(H5Tget_size(ftype.get()), '\0');
-  if (H5Aread(a.get(), ftype.get(), s.data()) < 0) return std::nullopt;
-  s.resize(std::min(s.size(), s.find('\0')));
-  return s;
-}
-
-// Integer (or enum over integers, h5py's bool) attribute values as int64.
-std::optional<std::vector<int64_t>> read_ints(hid_t obj, const char* name) {
-  Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
-  if (!a.valid()) return std::nullopt;
-  Hid ftype(H5Aget_type(a.get()), H5Tclose);
-  Hid space(H5Aget_space(a.get()), H5Sclose);
-  const hssize_t n = H5Sget_simple_extent_npoints(space.get());
-  if (n < 0) return std::nullopt;
-  std::vector<int64_t> v(static_cast<size_t>(n));
-  if (n == 0) return v;
-  const H5T_class_t cls = H5Tget_class(ftype.get());
-  if (cls == H5T_ENUM) {
-    Hid base(H5Tget_super(ftype.get()), H5Tclose);
-    if (H5Aread(a.get(), ftype.get(), v.data()) < 0 ||
-        H5Tconvert(base.get(), H5T_NATIVE_INT64, v.size(), v.data(), nullptr, H5P_DEFAULT) < 0)
-      return std::nullopt;
-    return v;
-  }
-  if (cls != H5T_INTEGER || H5Aread(a.get(), H5T_NATIVE_INT64, v.data()) < 0) return std::nullopt;
-  return v;
-}
-
-std::optional<double> read_real(hid_t obj, const char* name) {
-  Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
-  double v = 0;
-  if (!a.valid() || H5Aread(a.get(), H5T_NATIVE_DOUBLE, &v) < 0) return std::nullopt;
-  return v;
-}
-
-std::string quoted_values(const RootAttribute& a) {
+std::string quoted_values(const std::vector<std::string>& values) {
   std::string s;
-  const auto values = enum_values(a);
   for (size_t i = 0; i < values.size(); ++i)
     s += (i == 0 ? "" : i + 1 == values.size() ? " or " : ", ") + ("\"" + values[i] + "\"");
   return s;
 }
 
-// "string", "string: \"norm\" or \"neox\"", "integer (int32)".
+// "a string", "a string: \"norm\" or \"neox\"", "an int32 scalar" (the schema's wording).
 std::string expected_text(const RootAttribute& a) {
-  switch (a.type) {
-    case AttrType::string: return a.values ? "a string: " + quoted_values(a) : "a string";
-    case AttrType::integer: return "an int32 scalar";
-    case AttrType::real: return "a float64 scalar";
-    case AttrType::boolean: return "a boolean (h5py bool, or an integer 0/1)";
-    case AttrType::int_array: return "a 1-D int32 array";
-  }
-  return "?";
+  const std::string& text = dump_schema().expected.at(attr_type_name(a.type));
+  return a.values.empty() ? text : text + ": " + quoted_values(a.values);
 }
 
-const char* class_text(H5T_class_t c) {
-  switch (c) {
-    case H5T_INTEGER: return "an integer";
-    case H5T_FLOAT: return "a float";
-    case H5T_STRING: return "a string";
-    case H5T_ENUM: return "an enum";
-    case H5T_COMPOUND: return "a compound";
-    case H5T_ARRAY: return "an array type";
-    case H5T_OPAQUE: return "an opaque type";
-    case H5T_VLEN: return "a variable-length sequence";
-    case H5T_BITFIELD: return "a bitfield";
-    case H5T_REFERENCE: return "a reference";
-    default: return "an unknown type";
-  }
-}
+using h5::class_text;
 
 // Checks the stored type of one root attribute; "" when it fits.
-std::string type_problem(const RootAttribute& a, const AttrShape& s) {
+std::string type_problem(const RootAttribute& a, const h5::AttrShape& s) {
   const std::string got = std::string("is ") + class_text(s.cls);
   const bool scalar = s.n == 1 && s.rank <= 1;
   switch (a.type) {
@@ -306,27 +203,142 @@ void layout_ambiguity(hid_t ds, std::string_view base, const std::vector<std::st
   *warning = what + ": ambiguous without a layout attribute";
 }
 
+
+using ProblemFn = std::function<void(const std::string& name, const std::string& what)>;
+
+// One root attribute's value, checked against its type's reading and its allowed values; null (and a problem)
+// when it is not usable.
+nlohmann::json read_root_value(hid_t file, const RootAttribute& a, bool vlen_ok, const ProblemFn& problem) {
+  const char* n = a.name.c_str();
+  switch (a.type) {
+    case AttrType::string: {
+      const auto v = h5::read_string_attribute(file, n, vlen_ok);
+      if (!v) problem(a.name, "cannot be read as a string");
+      else if (!a.values.empty() && std::find(a.values.begin(), a.values.end(), *v) == a.values.end())
+        problem(a.name, "is \"" + *v + "\", expected " + quoted_values(a.values));
+      else if (!a.nonempty.empty() && v->empty())
+        problem(a.name, "is empty (" + a.nonempty + ")");
+      else
+        return *v;
+      return nullptr;
+    }
+    case AttrType::integer:
+    case AttrType::boolean: {
+      const auto v = h5::read_int_attribute(file, n);
+      if (!v || v->size() != 1) {
+        problem(a.name, "cannot be read as an integer");
+        return nullptr;
+      }
+      const int64_t x = (*v)[0];
+      if (a.type == AttrType::boolean && x != 0 && x != 1)
+        problem(a.name, "is " + std::to_string(x) + ", expected a boolean (0 or 1)");
+      else if (a.type == AttrType::integer && (x < INT32_MIN || x > INT32_MAX))
+        problem(a.name, "is " + std::to_string(x) + ", outside int32");
+      else
+        return x;
+      return nullptr;
+    }
+    case AttrType::real: {
+      const auto v = h5::read_real_attribute(file, n);
+      if (!v) problem(a.name, "cannot be read as a real");
+      return v ? nlohmann::json(*v) : nlohmann::json();
+    }
+    case AttrType::int_array: {
+      const auto v = h5::read_int_attribute(file, n);
+      if (!v) problem(a.name, "cannot be read as integers");
+      return v ? nlohmann::json(*v) : nlohmann::json();
+    }
+  }
+  return nullptr;
+}
+
+// The config, when every config attribute is there and sane; each insane one is a problem.
+std::optional<ModelConfig> check_config(const nlohmann::json& values, const ProblemFn& problem) {
+  bool ok = true;
+  for (const RootAttribute& a : root_attributes()) {
+    if (!a.config) continue;
+    if (!values.contains(a.name)) {
+      ok = false;
+      continue;
+    }
+    const nlohmann::json& v = values.at(a.name);
+    if (a.type == AttrType::integer && v.get<int64_t>() <= 0) {
+      problem(a.name, "is " + std::to_string(v.get<int64_t>()) + ", expected a positive integer");
+      ok = false;
+    } else if (a.type == AttrType::integer && a.max > 0 && v.get<int64_t>() > a.max) {
+      problem(a.name, "is " + std::to_string(v.get<int64_t>()) + ", outside 1.." + std::to_string(a.max) +
+                          (a.max_why.empty() ? "" : " (" + a.max_why + ")"));
+      ok = false;
+    } else if (a.positive && !(v.get<double>() > 0)) {
+      problem(a.name, "is " + std::to_string(v.get<double>()) + ", expected a positive real");
+      ok = false;
+    }
+  }
+  for (const RootAttribute& a : root_attributes()) {
+    if (!a.config || a.divides.empty() || !values.contains(a.name) || !values.contains(a.divides)) continue;
+    const int64_t x = values.at(a.name).get<int64_t>(), whole = values.at(a.divides).get<int64_t>();
+    if (x > 0 && whole % x != 0) {
+      problem(a.name, "is " + std::to_string(x) + ", which does not divide " + a.divides + " = " + std::to_string(whole));
+      ok = false;
+    }
+  }
+  if (!ok) return std::nullopt;
+  return config_from_attributes(values);
+}
+
+// The id arrays: within the vocabulary, the prompt not empty, the ids of every step starting with it.
+void check_ids(RootCheck& r, const nlohmann::json& values, const ProblemFn& problem) {
+  std::vector<std::string> arrays;  // the integer arrays in the schema's order: token_ids, all_token_ids, argmax
+  std::map<std::string, std::optional<std::vector<int32_t>>> ids;
+  for (const RootAttribute& a : root_attributes()) {
+    if (a.type != AttrType::int_array) continue;
+    arrays.push_back(a.name);
+    if (!values.contains(a.name)) continue;
+    std::vector<int32_t> out;
+    bool ok = true;
+    for (int64_t x : values.at(a.name).get<std::vector<int64_t>>()) {
+      if (a.ids && (x < 0 || (r.config && x >= r.config->n_vocab))) {
+        problem(a.name, "holds id " + std::to_string(x) + ", outside the vocabulary 0.." +
+                            (r.config ? std::to_string(r.config->n_vocab - 1) : std::string("n_vocab-1")));
+        ok = false;
+        break;
+      }
+      out.push_back(static_cast<int32_t>(x));
+    }
+    if (!ok) continue;
+    if (!a.nonempty.empty() && out.empty()) problem(a.name, "is empty (" + a.nonempty + ")");
+    ids[a.name] = std::move(out);
+  }
+  if (arrays.size() != 3) throw std::logic_error("dump_schema.json: expected the id arrays token_ids, all_token_ids, argmax");
+  const std::string &prompt = arrays[0], &every = arrays[1], &argmax = arrays[2];
+  if (ids.count(prompt) && ids[prompt]) r.token_ids = *ids[prompt];
+  if (ids.count(every)) r.all_token_ids = ids[every];
+  if (r.all_token_ids && !r.token_ids.empty() &&
+      (r.all_token_ids->size() < r.token_ids.size() ||
+       !std::equal(r.token_ids.begin(), r.token_ids.end(), r.all_token_ids->begin())))
+    problem(every, "does not start with " + prompt + " (it holds the prompt, then one id per decode step)");
+  if (ids.count(argmax)) r.argmax = ids[argmax];
+}
+
 }  // namespace
 
 RootCheck check_root_attributes(hid_t file) {
   RootCheck r;
-  auto problem = [&](const std::string& name, const std::string& what) {
+  const ProblemFn problem = [&](const std::string& name, const std::string& what) {
     r.problems.push_back({"root attribute '" + name + "'", what});
   };
-  std::map<std::string, std::string> strings;
-  std::map<std::string, int64_t> ints;
-  std::map<std::string, double> reals;
-  std::map<std::string, std::vector<int64_t>> arrays;
   // The version first: from version 2 on, strings are fixed-length and a variable-length one is
   // reported without being read.
-  if (const AttrShape s = inspect_attr(file, "format_version"); s.exists && s.cls == H5T_INTEGER && s.n == 1)
-    if (auto v = read_ints(file, "format_version"); v && v->size() == 1 && (*v)[0] >= 1 && (*v)[0] <= INT32_MAX)
+  const std::string& version = root_attributes().at(1).name;  // format_version
+  if (const h5::AttrShape s = h5::inspect_attribute(file, version.c_str()); s.readable && s.cls == H5T_INTEGER && s.n == 1)
+    if (auto v = h5::read_int_attribute(file, version.c_str()); v && v->size() == 1 && (*v)[0] >= 1 && (*v)[0] <= INT32_MAX)
       r.format_version = static_cast<int>((*v)[0]);
   r.vlen_strings_ok = r.format_version == 1 && version1_reads_allowed();
-  if (r.format_version == 1 && !r.vlen_strings_ok) problem("format_version", "is 1: " + version1_refused());
+  if (r.format_version == 1 && !r.vlen_strings_ok) problem(version, "is 1: " + version1_refused());
+  nlohmann::json values = nlohmann::json::object();
   for (const RootAttribute& a : root_attributes()) {
-    const AttrShape s = inspect_attr(file, a.name);
-    if (!s.exists) {
+    const h5::AttrShape s = h5::inspect_attribute(file, a.name.c_str());
+    if (!s.readable) {
       if (a.required) problem(a.name, "missing (" + expected_text(a) + ")");
       continue;
     }
@@ -340,131 +352,14 @@ RootCheck check_root_attributes(hid_t file) {
                                                   std::to_string(r.format_version) + " stores fixed-length strings");
       continue;
     }
-    switch (a.type) {
-      case AttrType::string: {
-        auto v = read_string(file, a.name, r.vlen_strings_ok);
-        if (!v) {
-          problem(a.name, "cannot be read as a string");
-          break;
-        }
-        const auto values = enum_values(a);
-        if (!values.empty() && std::find(values.begin(), values.end(), *v) == values.end())
-          problem(a.name, "is \"" + *v + "\", expected " + quoted_values(a));
-        else if (std::string_view(a.name) == "backend" && v->empty())
-          problem(a.name, "is empty (name the engine that wrote the dump)");
-        else
-          strings[a.name] = *v;
-        break;
-      }
-      case AttrType::integer:
-      case AttrType::boolean: {
-        auto v = read_ints(file, a.name);
-        if (!v || v->size() != 1) {
-          problem(a.name, "cannot be read as an integer");
-          break;
-        }
-        const int64_t x = (*v)[0];
-        if (a.type == AttrType::boolean && x != 0 && x != 1)
-          problem(a.name, "is " + std::to_string(x) + ", expected a boolean (0 or 1)");
-        else if (a.type == AttrType::integer && (x < INT32_MIN || x > INT32_MAX))
-          problem(a.name, "is " + std::to_string(x) + ", outside int32");
-        else
-          ints[a.name] = x;
-        break;
-      }
-      case AttrType::real: {
-        auto v = read_real(file, a.name);
-        if (!v) problem(a.name, "cannot be read as a real");
-        else reals[a.name] = *v;
-        break;
-      }
-      case AttrType::int_array: {
-        auto v = read_ints(file, a.name);
-        if (!v) problem(a.name, "cannot be read as integers");
-        else arrays[a.name] = *v;
-        break;
-      }
-    }
+    if (nlohmann::json v = read_root_value(file, a, r.vlen_strings_ok, problem); !v.is_null()) values[a.name] = std::move(v);
   }
-
-  if (ints.count("format_version") &&
-      (ints["format_version"] < kDumpFormatOldestVersion || ints["format_version"] > kDumpFormatVersion))
-    problem("format_version", "is " + std::to_string(ints["format_version"]) + ", this diffrun reads versions " +
-                                  std::to_string(kDumpFormatOldestVersion) + " to " + std::to_string(kDumpFormatVersion));
-
-  // The config, when every part of it is there and sane.
-  bool config_ok = strings.count("arch") && strings.count("rope_type") && reals.count("rope_theta") &&
-                   reals.count("rms_eps");
-  for (const char* k : {"n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab", "n_ctx"}) {
-    if (!ints.count(k)) {
-      config_ok = false;
-    } else if (ints[k] <= 0) {
-      problem(k, "is " + std::to_string(ints[k]) + ", expected a positive integer");
-      config_ok = false;
-    }
-  }
-  for (const char* k : {"tied_output", "qkv_bias", "qk_norm"})
-    if (!ints.count(k)) config_ok = false;
-  for (const char* k : {"rope_theta", "rms_eps"}) {
-    if (reals.count(k) && !(reals[k] > 0)) {
-      problem(k, "is " + std::to_string(reals[k]) + ", expected a positive real");
-      config_ok = false;
-    }
-  }
-  if (ints.count("n_head") && ints.count("n_head_kv") && ints["n_head_kv"] > 0 &&
-      ints["n_head"] % ints["n_head_kv"] != 0) {
-    problem("n_head_kv", "is " + std::to_string(ints["n_head_kv"]) + ", which does not divide n_head = " +
-                             std::to_string(ints["n_head"]));
-    config_ok = false;
-  }
-  if (config_ok) {
-    ModelConfig c;
-    for (Arch a : all_archs())
-      if (strings["arch"] == arch_name(a)) c.arch = a;
-    set_arch_features(c);
-    c.n_layer = static_cast<int>(ints["n_layer"]);
-    c.n_embd = static_cast<int>(ints["n_embd"]);
-    c.n_head = static_cast<int>(ints["n_head"]);
-    c.n_head_kv = static_cast<int>(ints["n_head_kv"]);
-    c.head_dim = static_cast<int>(ints["head_dim"]);
-    c.n_ff = static_cast<int>(ints["n_ff"]);
-    c.n_vocab = static_cast<int>(ints["n_vocab"]);
-    c.n_ctx = static_cast<int>(ints["n_ctx"]);
-    c.rope_theta = reals["rope_theta"];
-    c.rope_type = strings["rope_type"] == rope_type_name(RopeType::neox) ? RopeType::neox : RopeType::norm;
-    c.rms_eps = reals["rms_eps"];
-    c.tied_output = ints["tied_output"] != 0;
-    c.qkv_bias = ints["qkv_bias"] != 0;
-    c.qk_norm = ints["qk_norm"] != 0;
-    r.config = c;
-  }
-
-  auto ids = [&](const char* k) -> std::optional<std::vector<int32_t>> {
-    if (!arrays.count(k)) return std::nullopt;
-    std::vector<int32_t> out;
-    for (int64_t x : arrays[k]) {
-      if (x < 0 || (r.config && x >= r.config->n_vocab)) {
-        problem(k, "holds id " + std::to_string(x) + ", outside the vocabulary 0.." +
-                       (r.config ? std::to_string(r.config->n_vocab - 1) : std::string("n_vocab-1")));
-        return std::nullopt;
-      }
-      out.push_back(static_cast<int32_t>(x));
-    }
-    return out;
-  };
-  if (auto t = ids("token_ids")) {
-    if (t->empty()) problem("token_ids", "is empty (the prompt has at least one token)");
-    r.token_ids = *t;
-  }
-  r.all_token_ids = ids("all_token_ids");
-  if (r.all_token_ids && !r.token_ids.empty() &&
-      (r.all_token_ids->size() < r.token_ids.size() ||
-       !std::equal(r.token_ids.begin(), r.token_ids.end(), r.all_token_ids->begin())))
-    problem("all_token_ids", "does not start with token_ids (it holds the prompt, then one id per decode step)");
-  if (arrays.count("argmax")) {
-    r.argmax.emplace();
-    for (int64_t x : arrays["argmax"]) r.argmax->push_back(static_cast<int32_t>(x));
-  }
+  if (values.contains(version) &&
+      (values[version].get<int64_t>() < kDumpFormatOldestVersion || values[version].get<int64_t>() > kDumpFormatVersion))
+    problem(version, "is " + std::to_string(values[version].get<int64_t>()) + ", this diffrun reads versions " +
+                         std::to_string(kDumpFormatOldestVersion) + " to " + std::to_string(kDumpFormatVersion));
+  r.config = check_config(values, problem);
+  check_ids(r, values, problem);
   return r;
 }
 
@@ -510,7 +405,8 @@ std::string check_checkpoint(const ModelConfig& cfg, std::string_view name, int 
   // [T, H*Dh]: the per-head pair merged, in the vocabulary's order.
   if (dims == vocab_dims) {
     for (size_t i = 0; i + 1 < dims.size(); ++i) {
-      if (dims[i + 1] != "Dh" || (dims[i] != "H" && dims[i] != "Hkv")) continue;
+      const DimLetter *head = find_dim(dims[i]), *head_dim = find_dim(dims[i + 1]);
+      if (!head || !head->heads || !head_dim || !head_dim->head_dim) continue;
       std::vector<int64_t> merged(expected.begin(), expected.begin() + i);
       merged.push_back(expected[i] * expected[i + 1]);
       merged.insert(merged.end(), expected.begin() + i + 2, expected.end());
@@ -528,71 +424,31 @@ std::string check_checkpoint(const ModelConfig& cfg, std::string_view name, int 
   return what;
 }
 
-ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt) {
-  h5::silence();
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) throw DumpError(path + ": no such file");
-  if (!std::filesystem::is_regular_file(path, ec)) throw DumpError(path + ": not a regular file");
-  if (H5Fis_hdf5(path.c_str()) <= 0) {
-    h5::detail();
-    throw DumpError(path + ": not an HDF5 file (no HDF5 signature: foreign or truncated)");
-  }
-  Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
-  H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);
-  Hid file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()), H5Fclose);
-  if (!file.valid()) throw DumpError(path + ": cannot open the HDF5 file (truncated or damaged?)" + h5::detail());
+namespace {
 
-  // Root attributes whose metadata fails HDF5's checksum: the file is damaged, and HDF5 1.10 can loop
-  // or read out of bounds on its other attributes (found by fuzz_dump), so nothing more is read.
-  if (H5Aexists(file.get(), "format") < 0) {
-    const std::string d = h5::detail();
-    if (d.find("checksum") != std::string::npos)
-      throw DumpError(path + ": damaged: its root attributes cannot be read" + d);
-  }
-  ValidateResult result;
-  RootCheck root = check_root_attributes(file.get());
-  if (root.format_version == 1 && !version1_reads_allowed()) throw DumpError(path + ": " + version1_refused());
-  result.problems = std::move(root.problems);
-  auto problem = [&](const std::string& where, const std::string& what) { result.problems.push_back({where, what}); };
-  const std::optional<ModelConfig>& cfg = root.config;
-
-  // Backend facts: the root string attributes the format does not define.
+// One dump being validated: the open file, what its root says, and the result so far.
+struct Validation {
+  const std::string& path;
+  const ValidateOptions& opt;
+  Hid file;
+  uint64_t file_size = 0;
+  RootCheck root;
   std::map<std::string, std::string> facts;
-  H5Aiterate2(
-      file.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr,
-      [](hid_t, const char* name, const H5A_info_t*, void* out) -> herr_t {
-        if (!find_root_attribute(name)) (*static_cast<std::map<std::string, std::string>*>(out))[name];
-        return 0;
-      },
-      &facts);
-  for (auto it = facts.begin(); it != facts.end();) {
-    const AttrShape s = inspect_attr(file.get(), it->first.c_str());
-    if (s.vlen && !root.vlen_strings_ok)
-      problem("root attribute '" + it->first + "'", "is a variable-length string; format version " +
-                                                        std::to_string(root.format_version) + " stores fixed-length strings");  // (version 1 is refused above)
-    std::optional<std::string> v = s.cls == H5T_STRING && s.n == 1
-                                       ? read_string(file.get(), it->first.c_str(), root.vlen_strings_ok)
-                                       : std::nullopt;
-    if (v) {
-      it->second = *v;
-      ++it;
-    } else {
-      it = facts.erase(it);
-    }
-  }
+  ValidateResult result;
 
-  // Step groups.
-  std::map<int, std::string> steps;
+  const std::optional<ModelConfig>& cfg() const { return root.config; }
+  void problem(const std::string& where, const std::string& what) { result.problems.push_back({where, what}); }
+
   // Links are checked before anything follows them; a dump that reaches outside itself is refused
   // (exit 2), not listed as a problem (docs/dump-format.md, "What readers refuse").
-  auto refuse_links = [&](hid_t group, const std::string& prefix) {
+  void refuse_links(hid_t group, const std::string& prefix) const {
     for (const auto& name : list_links(group))
       if (const std::string refused = link_refusal(group, name); !refused.empty())
         throw DumpError(path + ": '" + prefix + name + "' " + refused);
-  };
-  const uint64_t file_size = std::filesystem::file_size(path, ec);
+  }
+
   // External or virtual storage, and sizes no real dump has (a compression bomb), are refused (exit 2).
-  auto refuse_storage = [&](hid_t ds, const std::string& where) {
+  void refuse_storage(hid_t ds, const std::string& where) const {
     if (const std::string refused = storage_refusal(ds); !refused.empty())
       throw DumpError(path + ": dataset '" + where + "': " + refused);
     Hid t(H5Dget_type(ds), H5Tclose);
@@ -607,310 +463,420 @@ ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt
     const uint64_t presented = H5Tget_class(t.get()) == H5T_COMPOUND ? declared : static_cast<uint64_t>(n) * 4;
     if (const std::string refused = size_refusal(ds, declared, presented, file_size); !refused.empty())
       throw DumpError(path + ": dataset '" + where + "': " + refused);
-  };
-  refuse_links(file.get(), "");
-  for (const auto& name : list_links(file.get())) {
+  }
+};
+
+Hid open_for_validation(const std::string& path) {
+  h5::silence();
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) throw DumpError(path + ": no such file");
+  if (!std::filesystem::is_regular_file(path, ec)) throw DumpError(path + ": not a regular file");
+  if (H5Fis_hdf5(path.c_str()) <= 0) {
+    h5::detail();
+    throw DumpError(path + ": not an HDF5 file (no HDF5 signature: foreign or truncated)");
+  }
+  Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);
+  Hid file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()), H5Fclose);
+  if (!file.valid()) throw DumpError(path + ": cannot open the HDF5 file (truncated or damaged?)" + h5::detail());
+  // Root attributes whose metadata fails HDF5's checksum: the file is damaged, and HDF5 1.10 can loop
+  // or read out of bounds on its other attributes (found by fuzz_dump), so nothing more is read.
+  if (H5Aexists(file.get(), root_attributes().front().name.c_str()) < 0) {
+    const std::string d = h5::detail();
+    if (d.find("checksum") != std::string::npos)
+      throw DumpError(path + ": damaged: its root attributes cannot be read" + d);
+  }
+  return file;
+}
+
+// Backend facts: the root string attributes the format does not define.
+void read_facts(Validation& v) {
+  for (const auto& name : h5::attribute_names(v.file.get())) {
+    if (find_root_attribute(name)) continue;
+    const h5::AttrShape s = h5::inspect_attribute(v.file.get(), name.c_str());
+    if (s.vlen && !v.root.vlen_strings_ok)
+      v.problem("root attribute '" + name + "'", "is a variable-length string; format version " +
+                                                     std::to_string(v.root.format_version) +
+                                                     " stores fixed-length strings");  // (version 1 is refused before)
+    if (s.cls != H5T_STRING || s.n != 1) continue;
+    if (auto value = h5::read_string_attribute(v.file.get(), name.c_str(), v.root.vlen_strings_ok))
+      v.facts[name] = *value;
+  }
+}
+
+// The step groups by number, each problem of their names and numbering listed.
+std::map<int, std::string> find_steps(Validation& v) {
+  std::map<int, std::string> steps;
+  for (const auto& name : list_links(v.file.get())) {
     const int step = parse_dump_step_group_name(name);
     if (step < 0) continue;
-    if (object_type(file.get(), name) != H5O_TYPE_GROUP) {
-      problem(name, "is not a group (a step is a group of datasets)");
+    if (object_type(v.file.get(), name) != H5O_TYPE_GROUP) {
+      v.problem(name, "is not a group (a step is a group of datasets)");
       continue;
     }
-    if (name.size() < 9) problem(name, "step groups are named with at least 4 digits: '" + dump_step_group_name(step) + "'");
+    if (name.size() < 9) v.problem(name, "step groups are named with at least 4 digits: '" + dump_step_group_name(step) + "'");
     if (steps.count(step)) {
-      problem(name, "a second group for step " + std::to_string(step) + " (with '" + steps[step] + "')");
+      v.problem(name, "a second group for step " + std::to_string(step) + " (with '" + steps[step] + "')");
       continue;
     }
     steps[step] = name;
   }
-  if (steps.empty()) problem("/", "no step groups (expected /step_0000, /step_0001, ...)");
+  if (steps.empty()) v.problem("/", "no step groups (expected /step_0000, /step_0001, ...)");
   const int last = steps.empty() ? -1 : steps.rbegin()->first;
   for (int s = 0; s <= last; ++s)
     if (!steps.count(s))
-      problem(dump_step_group_name(s), "missing: steps are numbered from 0 without gaps (last step is " +
-                                           std::to_string(last) + ")");
+      v.problem(dump_step_group_name(s), "missing: steps are numbered from 0 without gaps (last step is " +
+                                             std::to_string(last) + ")");
+  const RootCheck& root = v.root;
   if (root.argmax && static_cast<int>(root.argmax->size()) != static_cast<int>(steps.size()) && !steps.empty())
-    problem("root attribute 'argmax'", "holds " + std::to_string(root.argmax->size()) + " ids for " +
-                                           std::to_string(steps.size()) + " steps (one per step)");
+    v.problem("root attribute 'argmax'", "holds " + std::to_string(root.argmax->size()) + " ids for " +
+                                             std::to_string(steps.size()) + " steps (one per step)");
   if (root.all_token_ids && !root.token_ids.empty() && last >= 0 &&
       root.all_token_ids->size() < root.token_ids.size() + static_cast<size_t>(last))
-    problem("root attribute 'all_token_ids'",
-            "holds " + std::to_string(root.all_token_ids->size()) + " ids; " + std::to_string(last) +
-                " decode steps after a prompt of " + std::to_string(root.token_ids.size()) + " need at least " +
-                std::to_string(root.token_ids.size() + last));
-  if (!cfg && !steps.empty())
-    problem("/", "datasets are not checked against the vocabulary: the config attributes are incomplete");
+    v.problem("root attribute 'all_token_ids'",
+              "holds " + std::to_string(root.all_token_ids->size()) + " ids; " + std::to_string(last) +
+                  " decode steps after a prompt of " + std::to_string(root.token_ids.size()) + " need at least " +
+                  std::to_string(root.token_ids.size() + last));
+  if (!v.cfg() && !steps.empty())
+    v.problem("/", "datasets are not checked against the vocabulary: the config attributes are incomplete");
+  return steps;
+}
 
+// A version-2 step's attribute table by dataset name (`names` loses the table's own name); its problems listed.
+std::map<std::string, AttributeRow> step_table(Validation& v, hid_t g, const std::string& gname,
+                                               std::vector<std::string>& names) {
+  std::map<std::string, AttributeRow> table;
+  const auto at = std::find(names.begin(), names.end(), kAttributeTable);
+  if (at == names.end()) return table;
+  names.erase(at);
+  const std::string where = gname + "/" + kAttributeTable;
+  if (object_type(g, kAttributeTable) == H5O_TYPE_DATASET) {
+    Hid table_ds(H5Dopen2(g, kAttributeTable, H5P_DEFAULT), H5Dclose);
+    if (table_ds.valid()) v.refuse_storage(table_ds.get(), where);
+  }
+  try {
+    for (auto& row : read_attribute_table(g, gname, v.file_size)) table[row.name] = std::move(row);
+  } catch (const DumpError& e) {
+    const std::string msg = e.what(), prefix = where + ": ";
+    v.problem(where, msg.rfind(prefix, 0) == 0 ? msg.substr(prefix.size()) : msg);
+  }
+  for (const auto& [tname, row] : table)
+    if (std::find(names.begin(), names.end(), tname) == names.end())
+      v.problem(where, "names '" + tname + "', which the step does not hold");
+  return table;
+}
+
+// A step's `tokens`: its T when they are usable, every problem listed.
+std::optional<int64_t> check_tokens(Validation& v, hid_t g, int s, const std::string& gname,
+                                    const std::vector<std::string>& names) {
+  const RootCheck& root = v.root;
+  const std::string twhere = gname + "/" + std::string(kTokensCheckpoint);
+  const char* tokens = kTokensCheckpoint.data();
+  if (std::find(names.begin(), names.end(), kTokensCheckpoint) == names.end()) {
+    v.problem(twhere, "missing (every step records the ids it was fed, int32 [T])");
+    return std::nullopt;
+  }
+  if (object_type(g, tokens) != H5O_TYPE_DATASET) return std::nullopt;
+  Hid ds(H5Dopen2(g, tokens, H5P_DEFAULT), H5Dclose);
+  if (ds.valid()) v.refuse_storage(ds.get(), twhere);
+  Hid t(H5Dget_type(ds.get()), H5Tclose);
+  Hid sp(H5Dget_space(ds.get()), H5Sclose);
+  const int rank = H5Sget_simple_extent_ndims(sp.get());
+  if (H5Tget_class(t.get()) != H5T_INTEGER) {
+    v.problem(twhere, std::string("is ") + class_text(H5Tget_class(t.get())) + ", expected int32 ids");
+    return std::nullopt;
+  }
+  if (rank != 1) {
+    v.problem(twhere, "has rank " + std::to_string(rank) + ", expected 1 ([T])");
+    return std::nullopt;
+  }
+  if (H5Tget_size(t.get()) != 4 || H5Tget_sign(t.get()) != H5T_SGN_2)
+    v.problem(twhere, "is an integer of " + std::to_string(H5Tget_size(t.get())) + " bytes, expected int32");
+  hsize_t n = 0;
+  H5Sget_simple_extent_dims(sp.get(), &n, nullptr);
+  std::vector<int32_t> ids(n);
+  if (n == 0) {
+    v.problem(twhere, "is empty (a step feeds at least one token)");
+    return std::nullopt;
+  }
+  if (H5Dread(ds.get(), H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, ids.data()) < 0) {
+    v.problem(twhere, "cannot be read" + h5::detail());
+    return std::nullopt;
+  }
+  if (s == 0 && !root.token_ids.empty() && ids != root.token_ids)
+    v.problem(twhere, "differs from the root attribute token_ids (step 0 is the prompt)");
+  if (s > 0 && n != 1) v.problem(twhere, "holds " + std::to_string(n) + " ids; a decode step feeds one");
+  if (s > 0 && n == 1 && root.all_token_ids) {
+    const size_t at = root.token_ids.size() + static_cast<size_t>(s) - 1;
+    if (at < root.all_token_ids->size() && (*root.all_token_ids)[at] != ids[0])
+      v.problem(twhere, "is " + std::to_string(ids[0]) + " but all_token_ids says " +
+                            std::to_string((*root.all_token_ids)[at]) + " for this step");
+  }
+  if (v.cfg())
+    for (int32_t id : ids)
+      if (id < 0 || id >= v.cfg()->n_vocab) {
+        v.problem(twhere, "holds id " + std::to_string(id) + ", outside the vocabulary 0.." +
+                              std::to_string(v.cfg()->n_vocab - 1));
+        break;
+      }
+  return static_cast<int64_t>(n);
+}
+
+// The attributes of one dataset, each optional (docs/dump-format.md, "Dataset attributes").
+struct DatasetAttrs {
+  std::optional<int64_t> order, layer, row_offset;
+  std::optional<std::string> layout, native, dtype;
+};
+
+// Version 1: attributes of the dataset itself, their types checked.
+DatasetAttrs version1_attributes(Validation& v, hid_t ds, const std::string& where) {
+  std::map<std::string, std::optional<int64_t>> ints;
+  std::map<std::string, std::optional<std::string>> strings;
+  for (const RootAttribute& a : dump_schema().dataset) {
+    const h5::AttrShape s = h5::inspect_attribute(ds, a.name.c_str());
+    if (!s.readable) continue;
+    if (a.type == AttrType::integer) {
+      if (s.cls != H5T_INTEGER || s.n != 1) {
+        v.problem(where, "attribute '" + a.name + "' is " + class_text(s.cls) + (s.n != 1 ? " array" : "") +
+                             ", expected a scalar integer");
+        continue;
+      }
+      const auto x = h5::read_int_attribute(ds, a.name.c_str());
+      if (x && x->size() == 1) ints[a.name] = (*x)[0];
+    } else {
+      if (s.cls != H5T_STRING || s.n != 1) {
+        v.problem(where, "attribute '" + a.name + "' is " + class_text(s.cls) + ", expected a string");
+        continue;
+      }
+      // Variable-length only in a version-1 dump read with DIFFRUN_READ_V1=1: a dump whose format_version is
+      // missing or below 1 lands here too (fuzz_dump found HDF5 1.10's damaged global heap through it).
+      strings[a.name] = h5::read_string_attribute(ds, a.name.c_str(), v.root.vlen_strings_ok);
+    }
+  }
+  const auto i = [&](const char* n) { return ints.count(n) ? ints[n] : std::nullopt; };
+  const auto t = [&](const char* n) { return strings.count(n) ? strings[n] : std::nullopt; };
+  return {i("order"), i("layer"), i("row_offset"), t("layout"), t("native_dtype"), t("dtype")};
+}
+
+DatasetAttrs table_attributes(const std::map<std::string, AttributeRow>& table, const std::string& name) {
+  DatasetAttrs d;
+  if (const auto it = table.find(name); it != table.end()) {
+    const AttributeRow& row = it->second;
+    d.order = row.attrs.order, d.layer = row.attrs.layer, d.row_offset = row.attrs.row_offset;
+    if (!row.attrs.layout.empty()) d.layout = row.attrs.layout;
+    if (!row.attrs.native_dtype.empty()) d.native = row.attrs.native_dtype;
+    if (!row.dtype.empty()) d.dtype = row.dtype;
+  }
+  return d;
+}
+
+// The dataset attributes against the name and the vocabulary (`rd`: the kind's row dimension, -1 for none).
+void check_dataset_attributes(Validation& v, const std::string& where, const ParsedCheckpointName& parsed,
+                              const DatasetAttrs& a, int rd) {
+  if (a.row_offset && rd < 0)
+    v.problem(where, "attribute 'row_offset' is only for checkpoints with token or cache rows (kq_soft_max, "
+                     "result_output, cache_k, per-token checkpoints)");
+  if (a.layer && *a.layer != parsed.layer)
+    v.problem(where, "attribute 'layer' is " + std::to_string(*a.layer) + " but the name says " +
+                         std::to_string(parsed.layer));
+  if (a.order && v.cfg()) {
+    try {
+      const int want = checkpoint_order(*v.cfg(), parsed.base, parsed.layer);
+      if (*a.order != want)
+        v.problem(where, "attribute 'order' is " + std::to_string(*a.order) + " but the vocabulary puts it at " +
+                             std::to_string(want) + " for this config");
+    } catch (const InputError&) {
+      // reported with the shape check
+    }
+  }
+  const std::vector<std::string>& natives = dataset_attribute("native_dtype").values;
+  if (a.native && std::find(natives.begin(), natives.end(), *a.native) == natives.end())
+    v.problem(where, "attribute 'native_dtype' is \"" + *a.native + "\", expected " + quoted_values(natives));
+  const std::string& bf16 = dataset_attribute("dtype").values.at(0);
+  if (a.dtype && *a.dtype != bf16)
+    v.problem(where, "attribute 'dtype' is \"" + *a.dtype + "\"; the only value is \"" + bf16 + "\" (on uint16 data)");
+}
+
+// The stored dtype of a float checkpoint.
+void check_stored_dtype(Validation& v, hid_t ds, const std::string& where, const DatasetAttrs& a) {
+  Hid t(H5Dget_type(ds), H5Tclose);
+  const H5T_class_t cls = H5Tget_class(t.get());
+  const size_t size = H5Tget_size(t.get());
+  if (cls == H5T_FLOAT) {
+    if (size == 2) {
+      size_t spos = 0, epos = 0, esize = 0, mpos = 0, msize = 0;
+      H5Tget_fields(t.get(), &spos, &epos, &esize, &mpos, &msize);
+      if (spos != 15 || epos != 10 || esize != 5 || mpos != 0 || msize != 10 || H5Tget_ebias(t.get()) != 15)
+        v.problem(where, "is a 2-byte float that is not IEEE half (float16)");
+    } else if (size != 4 && size != 8) {
+      v.problem(where, "is a " + std::to_string(size) + "-byte float; expected float32, float64 or float16");
+    }
+    if (a.dtype) v.problem(where, "attribute 'dtype' = \"bf16\" on float data (it marks uint16 bf16 bits)");
+  } else if (cls == H5T_INTEGER && size == 2 && H5Tget_sign(t.get()) == H5T_SGN_NONE) {
+    if (!a.dtype) v.problem(where, "is uint16 without the attribute dtype = \"bf16\" (bf16 bits are marked so)");
+  } else {
+    v.problem(where, std::string("is ") + class_text(cls) + " of " + std::to_string(size) +
+                         " bytes; float checkpoints are float32, float64, float16, or bf16 bits in uint16");
+  }
+}
+
+// What a step knows while its datasets are checked.
+struct StepState {
+  int step = 0;
+  std::string gname;
+  std::vector<std::string> names;
+  std::map<std::string, AttributeRow> table;
+  bool v2 = false;
+  std::optional<int64_t> n_tokens;
+  int64_t kv = 0;  // S after the step
+  bool kv_known = true;
+  // Layout ambiguity warnings, one per message: the first dataset and how many more.
+  std::vector<std::pair<DumpProblem, int>> ambiguous;
+};
+
+// The shape of a float checkpoint against the vocabulary (T and S known), then its layout's ambiguity.
+void check_shape(Validation& v, hid_t ds, const std::string& where, const std::string& name,
+                 const ParsedCheckpointName& parsed, const CheckpointKind& kind, const DatasetAttrs& a, int rd,
+                 StepState& st) {
+  Hid sp(H5Dget_space(ds), H5Sclose);
+  const int rank = H5Sget_simple_extent_ndims(sp.get());
+  std::vector<hsize_t> hd(rank > 0 ? rank : 0);
+  if (rank > 0) H5Sget_simple_extent_dims(sp.get(), hd.data(), nullptr);
+  const std::vector<int64_t> shape(hd.begin(), hd.end());
+  // row_offset: the dataset holds rows row_offset.. of its row dimension only (T; S for the cache).
+  int64_t rows = *st.n_tokens, kv_rows = st.kv;
+  if (a.row_offset && rd >= 0) {
+    const bool cache = is_cache_layout(kind.layout);
+    const int64_t total = cache ? st.kv : *st.n_tokens;
+    if (*a.row_offset < 0 || *a.row_offset >= total) {
+      v.problem(where, "attribute 'row_offset' is " + std::to_string(*a.row_offset) + ", outside the step's " +
+                           std::to_string(total) + (cache ? " cache rows" : " token rows"));
+      return;
+    }
+    (cache ? kv_rows : rows) = total - *a.row_offset;
+  }
+  std::vector<int64_t> canonical;
+  const std::string p = check_checkpoint(*v.cfg(), name, parsed.layer, shape, a.layout.value_or(""), rows, kv_rows,
+                                         &canonical);
+  if (!p.empty()) {
+    v.problem(where, p);
+    return;
+  }
+  if (a.layout || shape != canonical) return;
+  std::string wrong, ambiguous_what;
+  layout_ambiguity(ds, parsed.base, layout_dims(kind.layout), shape,
+                   st.kv - *st.n_tokens + (a.row_offset && rd >= 0 ? *a.row_offset : 0), &wrong, &ambiguous_what);
+  if (!wrong.empty()) v.problem(where, wrong);
+  if (ambiguous_what.empty()) return;
+  const auto same = std::find_if(st.ambiguous.begin(), st.ambiguous.end(),
+                                 [&](const auto& w) { return w.first.what == ambiguous_what; });
+  if (same == st.ambiguous.end()) st.ambiguous.push_back({{where, ambiguous_what}, 0});
+  else ++same->second;
+}
+
+// One dataset of a step: its data read once (as compare reads it), its name, attributes, dtype and shape.
+void check_dataset(Validation& v, hid_t g, const std::string& name, StepState& st) {
+  const std::string where = st.gname + "/" + name;
+  if (object_type(g, name) != H5O_TYPE_DATASET) {
+    v.problem(where, "is not a dataset");
+    return;
+  }
+  ++v.result.n_datasets;
+  Hid ds(H5Dopen2(g, name.c_str(), H5P_DEFAULT), H5Dclose);
+  if (!ds.valid()) {
+    v.problem(where, "cannot be opened" + h5::detail());
+    return;
+  }
+  v.refuse_storage(ds.get(), where);
+  // The data, read once as compare reads it: what validate calls valid, compare can read.
+  if (const std::string p = read_problem(ds.get()); !p.empty()) {
+    v.problem(where, p);
+    return;
+  }
+  if (v.opt.mapped && v.opt.mapped(ForeignName{name, st.names, v.cfg(), v.facts})) return;
+  const ParsedCheckpointName parsed = parse_checkpoint_name(name);
+  const CheckpointKind* kind = find_checkpoint_kind(parsed.base);
+  if (!kind) {
+    v.problem(where, v.opt.mapped ? "not a checkpoint name of the vocabulary nor of the name map"
+                                  : "not a checkpoint name of the vocabulary (diffrun vocab lists them; "
+                                    "foreign names need --names)");
+    return;
+  }
+  // Dataset attributes (each optional): the dataset's row of the attribute table (version 2), else
+  // attributes of the dataset (version 1).
+  const DatasetAttrs a = st.v2 ? table_attributes(st.table, name) : version1_attributes(v, ds.get(), where);
+  const bool tokens = name == kTokensCheckpoint;
+  const int rd = tokens ? -1 : row_dim(kind->layout);
+  check_dataset_attributes(v, where, parsed, a, rd);
+  if (tokens) {
+    if (a.layout && *a.layout != kind->layout)
+      v.problem(where, "attribute 'layout' is \"" + *a.layout + "\", expected \"" + kind->layout + "\"");
+    if (a.order && *a.order != 0) v.problem(where, "attribute 'order' is " + std::to_string(*a.order) + ", expected 0");
+    return;  // the rest was checked with the step's tokens
+  }
+  check_stored_dtype(v, ds.get(), where, a);
+  if (!v.cfg()) return;
+  if (!st.n_tokens || !st.kv_known) {
+    // T or S unknown: only the name is checked.
+    try {
+      checkpoint_order(*v.cfg(), parsed.base, parsed.layer);
+    } catch (const InputError& e) {
+      v.problem(where, e.what());
+    }
+    return;
+  }
+  check_shape(v, ds.get(), where, name, parsed, *kind, a, rd, st);
+}
+
+// One step group: its table, its tokens, then every dataset. `kv`/`kv_known`: S before the step, updated.
+void check_step(Validation& v, int s, const std::string& gname, int64_t& kv, bool& kv_known) {
+  ++v.result.n_steps;
+  Hid g(H5Gopen2(v.file.get(), gname.c_str(), H5P_DEFAULT), H5Gclose);
+  if (!g.valid()) {
+    v.problem(gname, "cannot be opened" + h5::detail());
+    kv_known = false;
+    return;
+  }
+  v.refuse_links(g.get(), gname + "/");
+  StepState st;
+  st.step = s;
+  st.gname = gname;
+  st.names = list_links(g.get());
+  // Version 2: the datasets' attributes are the step's attribute table.
+  st.v2 = v.root.format_version >= 2;
+  if (st.v2) st.table = step_table(v, g.get(), gname, st.names);
+  st.n_tokens = check_tokens(v, g.get(), s, gname, st.names);
+  if (st.n_tokens) kv += *st.n_tokens;
+  else kv_known = false;
+  st.kv = kv;
+  st.kv_known = kv_known;
+  for (const auto& name : st.names) check_dataset(v, g.get(), name, st);
+  for (auto& [w, more] : st.ambiguous) {
+    if (more > 0) w.what += " (and " + std::to_string(more) + " more dataset" + (more == 1 ? "" : "s") + " of this step)";
+    v.result.warnings.push_back(std::move(w));
+  }
+}
+
+}  // namespace
+
+ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt) {
+  Validation v{path, opt, open_for_validation(path)};
+  v.root = check_root_attributes(v.file.get());
+  if (v.root.format_version == 1 && !version1_reads_allowed()) throw DumpError(path + ": " + version1_refused());
+  v.result.problems = std::move(v.root.problems);
+  read_facts(v);
+  std::error_code ec;
+  v.file_size = std::filesystem::file_size(path, ec);
+  v.refuse_links(v.file.get(), "");
+  const std::map<int, std::string> steps = find_steps(v);
+  const int last = steps.empty() ? -1 : steps.rbegin()->first;
   int64_t kv = 0;        // S after the previous step
   bool kv_known = true;  // false once a step's T is unknown
   for (int s = 0; s <= last; ++s) {
-    if (!steps.count(s)) {
-      kv_known = false;
-      continue;
-    }
-    const std::string& gname = steps[s];
-    ++result.n_steps;
-    Hid g(H5Gopen2(file.get(), gname.c_str(), H5P_DEFAULT), H5Gclose);
-    if (!g.valid()) {
-      problem(gname, "cannot be opened" + h5::detail());
-      kv_known = false;
-      continue;
-    }
-    refuse_links(g.get(), gname + "/");
-    std::vector<std::string> names = list_links(g.get());
-    // Version 2: the datasets' attributes are the step's attribute table.
-    const bool v2 = root.format_version >= 2;
-    std::map<std::string, AttributeRow> table;
-    if (v2) {
-      const auto at = std::find(names.begin(), names.end(), kAttributeTable);
-      if (at != names.end()) {
-        names.erase(at);
-        if (object_type(g.get(), kAttributeTable) == H5O_TYPE_DATASET) {
-          Hid table_ds(H5Dopen2(g.get(), kAttributeTable, H5P_DEFAULT), H5Dclose);
-          if (table_ds.valid()) refuse_storage(table_ds.get(), gname + "/" + kAttributeTable);
-        }
-        try {
-          for (auto& row : read_attribute_table(g.get(), gname, file_size))
-            table[row.name] = std::move(row);
-        } catch (const DumpError& e) {
-          const std::string msg = e.what(), prefix = gname + "/" + kAttributeTable + ": ";
-          problem(gname + "/" + kAttributeTable, msg.rfind(prefix, 0) == 0 ? msg.substr(prefix.size()) : msg);
-        }
-        for (const auto& [tname, row] : table)
-          if (std::find(names.begin(), names.end(), tname) == names.end())
-            problem(gname + "/" + kAttributeTable, "names '" + tname + "', which the step does not hold");
-      }
-    }
-
-    // tokens first: T of this step.
-    std::optional<int64_t> n_tokens;
-    const std::string twhere = gname + "/tokens";
-    if (std::find(names.begin(), names.end(), "tokens") == names.end()) {
-      problem(twhere, "missing (every step records the ids it was fed, int32 [T])");
-    } else if (object_type(g.get(), "tokens") == H5O_TYPE_DATASET) {
-      Hid ds(H5Dopen2(g.get(), "tokens", H5P_DEFAULT), H5Dclose);
-      if (ds.valid()) refuse_storage(ds.get(), twhere);
-      Hid t(H5Dget_type(ds.get()), H5Tclose);
-      Hid sp(H5Dget_space(ds.get()), H5Sclose);
-      const int rank = H5Sget_simple_extent_ndims(sp.get());
-      hsize_t n = 0;
-      if (H5Tget_class(t.get()) != H5T_INTEGER) {
-        problem(twhere, std::string("is ") + class_text(H5Tget_class(t.get())) + ", expected int32 ids");
-      } else if (rank != 1) {
-        problem(twhere, "has rank " + std::to_string(rank) + ", expected 1 ([T])");
-      } else {
-        if (H5Tget_size(t.get()) != 4 || H5Tget_sign(t.get()) != H5T_SGN_2)
-          problem(twhere, "is an integer of " + std::to_string(H5Tget_size(t.get())) + " bytes, expected int32");
-        H5Sget_simple_extent_dims(sp.get(), &n, nullptr);
-        std::vector<int32_t> v(n);
-        if (n == 0) {
-          problem(twhere, "is empty (a step feeds at least one token)");
-        } else if (H5Dread(ds.get(), H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) < 0) {
-          problem(twhere, "cannot be read" + h5::detail());
-        } else {
-          n_tokens = static_cast<int64_t>(n);
-          if (s == 0 && !root.token_ids.empty() && v != root.token_ids)
-            problem(twhere, "differs from the root attribute token_ids (step 0 is the prompt)");
-          if (s > 0 && n != 1) problem(twhere, "holds " + std::to_string(n) + " ids; a decode step feeds one");
-          if (s > 0 && n == 1 && root.all_token_ids) {
-            const size_t at = root.token_ids.size() + static_cast<size_t>(s) - 1;
-            if (at < root.all_token_ids->size() && (*root.all_token_ids)[at] != v[0])
-              problem(twhere, "is " + std::to_string(v[0]) + " but all_token_ids says " +
-                                  std::to_string((*root.all_token_ids)[at]) + " for this step");
-          }
-          if (cfg)
-            for (int32_t id : v)
-              if (id < 0 || id >= cfg->n_vocab) {
-                problem(twhere, "holds id " + std::to_string(id) + ", outside the vocabulary 0.." +
-                                    std::to_string(cfg->n_vocab - 1));
-                break;
-              }
-        }
-      }
-    }
-    if (n_tokens) kv += *n_tokens;
+    if (const auto it = steps.find(s); it != steps.end()) check_step(v, s, it->second, kv, kv_known);
     else kv_known = false;
-    // Layout ambiguity warnings of this step, one per message: the first dataset and how many more.
-    std::vector<std::pair<DumpProblem, int>> ambiguous;
-
-    for (const auto& name : names) {
-      const std::string where = gname + "/" + name;
-      if (object_type(g.get(), name) != H5O_TYPE_DATASET) {
-        problem(where, "is not a dataset");
-        continue;
-      }
-      ++result.n_datasets;
-      Hid ds(H5Dopen2(g.get(), name.c_str(), H5P_DEFAULT), H5Dclose);
-      if (!ds.valid()) {
-        problem(where, "cannot be opened" + h5::detail());
-        continue;
-      }
-      refuse_storage(ds.get(), where);
-      // The data, read once as compare reads it: what validate calls valid, compare can read.
-      if (const std::string p = read_problem(ds.get()); !p.empty()) {
-        problem(where, p);
-        continue;
-      }
-      if (opt.mapped && opt.mapped(ForeignName{name, names, cfg, facts})) continue;
-      const ParsedCheckpointName parsed = parse_checkpoint_name(name);
-      const CheckpointKind* kind = find_checkpoint_kind(parsed.base);
-      if (!kind) {
-        problem(where, opt.mapped ? "not a checkpoint name of the vocabulary nor of the name map"
-                                  : "not a checkpoint name of the vocabulary (diffrun vocab lists them; "
-                                    "foreign names need --names)");
-        continue;
-      }
-
-      // Dataset attributes (each optional): the dataset's row of the attribute table (version 2),
-      // else attributes of the dataset (version 1).
-      std::optional<int64_t> order, layer, row_offset;
-      std::optional<std::string> layout, native, dtype_attr;
-      if (v2) {
-        if (const auto it = table.find(name); it != table.end()) {
-          const AttributeRow& row = it->second;
-          order = row.attrs.order, layer = row.attrs.layer, row_offset = row.attrs.row_offset;
-          if (!row.attrs.layout.empty()) layout = row.attrs.layout;
-          if (!row.attrs.native_dtype.empty()) native = row.attrs.native_dtype;
-          if (!row.dtype.empty()) dtype_attr = row.dtype;
-        }
-      } else {
-        const AttrShape order_a = inspect_attr(ds.get(), "order");
-        const AttrShape layer_a = inspect_attr(ds.get(), "layer");
-        const AttrShape layout_a = inspect_attr(ds.get(), "layout");
-        const AttrShape native_a = inspect_attr(ds.get(), "native_dtype");
-        const AttrShape dtype_a = inspect_attr(ds.get(), "dtype");
-        const AttrShape row_offset_a = inspect_attr(ds.get(), "row_offset");
-        auto scalar_int = [&](const char* attr, const AttrShape& a) -> std::optional<int64_t> {
-          if (!a.exists) return std::nullopt;
-          if (a.cls != H5T_INTEGER || a.n != 1) {
-            problem(where, std::string("attribute '") + attr + "' " + "is " + class_text(a.cls) +
-                               (a.n != 1 ? " array" : "") + ", expected a scalar integer");
-            return std::nullopt;
-          }
-          auto v = read_ints(ds.get(), attr);
-          return v && v->size() == 1 ? std::optional<int64_t>((*v)[0]) : std::nullopt;
-        };
-        auto scalar_str = [&](const char* attr, const AttrShape& a) -> std::optional<std::string> {
-          if (!a.exists) return std::nullopt;
-          if (a.cls != H5T_STRING || a.n != 1) {
-            problem(where, std::string("attribute '") + attr + "' is " + class_text(a.cls) + ", expected a string");
-            return std::nullopt;
-          }
-          // Variable-length only in a version-1 dump read with DIFFRUN_READ_V1=1: a dump whose
-          // format_version is missing or below 1 lands here too (fuzz_dump found HDF5 1.10's damaged
-          // global heap through it).
-          return read_string(ds.get(), attr, root.vlen_strings_ok);
-        };
-        order = scalar_int("order", order_a);
-        layer = scalar_int("layer", layer_a);
-        layout = scalar_str("layout", layout_a);
-        native = scalar_str("native_dtype", native_a);
-        dtype_attr = scalar_str("dtype", dtype_a);
-        row_offset = scalar_int("row_offset", row_offset_a);
-      }
-      const CheckpointKind* row_kind = find_checkpoint_kind(parsed.base);
-      const int rd = row_kind && parsed.base != "tokens" ? row_dim(row_kind->layout) : -1;
-      if (row_offset && rd < 0)
-        problem(where, "attribute 'row_offset' is only for checkpoints with token or cache rows (kq_soft_max, result_output, "
-                       "cache_k, per-token checkpoints)");
-      if (layer && *layer != parsed.layer)
-        problem(where, "attribute 'layer' is " + std::to_string(*layer) + " but the name says " +
-                           std::to_string(parsed.layer));
-      if (order && cfg) {
-        try {
-          const int want = checkpoint_order(*cfg, parsed.base, parsed.layer);
-          if (*order != want)
-            problem(where, "attribute 'order' is " + std::to_string(*order) + " but the vocabulary puts it at " +
-                               std::to_string(want) + " for this config");
-        } catch (const InputError&) {
-          // reported with the shape check below
-        }
-      }
-      if (native && !parse_stored_dtype(*native))
-        problem(where, "attribute 'native_dtype' is \"" + *native + "\", expected \"f16\", \"bf16\", \"f32\", \"f64\" or \"i32\"");
-      if (dtype_attr && *dtype_attr != "bf16")
-        problem(where, "attribute 'dtype' is \"" + *dtype_attr + "\"; the only value is \"bf16\" (on uint16 data)");
-
-      // Stored dtype.
-      Hid t(H5Dget_type(ds.get()), H5Tclose);
-      const H5T_class_t cls = H5Tget_class(t.get());
-      const size_t size = H5Tget_size(t.get());
-      if (name == "tokens") {
-        if (layout && *layout != "T") problem(where, "attribute 'layout' is \"" + *layout + "\", expected \"T\"");
-        if (order && *order != 0) problem(where, "attribute 'order' is " + std::to_string(*order) + ", expected 0");
-        continue;  // the rest was checked above
-      }
-      if (cls == H5T_FLOAT) {
-        if (size == 2) {
-          size_t spos = 0, epos = 0, esize = 0, mpos = 0, msize = 0;
-          H5Tget_fields(t.get(), &spos, &epos, &esize, &mpos, &msize);
-          if (spos != 15 || epos != 10 || esize != 5 || mpos != 0 || msize != 10 || H5Tget_ebias(t.get()) != 15)
-            problem(where, "is a 2-byte float that is not IEEE half (float16)");
-        } else if (size != 4 && size != 8) {
-          problem(where, "is a " + std::to_string(size) + "-byte float; expected float32, float64 or float16");
-        }
-        if (dtype_attr) problem(where, "attribute 'dtype' = \"bf16\" on float data (it marks uint16 bf16 bits)");
-      } else if (cls == H5T_INTEGER && size == 2 && H5Tget_sign(t.get()) == H5T_SGN_NONE) {
-        if (!dtype_attr) problem(where, "is uint16 without the attribute dtype = \"bf16\" (bf16 bits are marked so)");
-      } else {
-        problem(where, std::string("is ") + class_text(cls) + " of " + std::to_string(size) +
-                           " bytes; float checkpoints are float32, float64, float16, or bf16 bits in uint16");
-      }
-
-      // Shape against the vocabulary.
-      if (!cfg) continue;
-      Hid sp(H5Dget_space(ds.get()), H5Sclose);
-      const int rank = H5Sget_simple_extent_ndims(sp.get());
-      std::vector<hsize_t> hd(rank > 0 ? rank : 0);
-      if (rank > 0) H5Sget_simple_extent_dims(sp.get(), hd.data(), nullptr);
-      const std::vector<int64_t> shape(hd.begin(), hd.end());
-      if (!n_tokens || !kv_known) {
-        // T or S unknown: only the name is checked.
-        try {
-          checkpoint_order(*cfg, parsed.base, parsed.layer);
-        } catch (const InputError& e) {
-          problem(where, e.what());
-        }
-        continue;
-      }
-      // row_offset: the dataset holds rows row_offset.. of its row dimension only (T; S for the cache).
-      int64_t rows = *n_tokens, kv_rows = kv;
-      if (row_offset && rd >= 0) {
-        const bool cache = is_cache_layout(row_kind->layout);
-        const int64_t total = cache ? kv : *n_tokens;
-        if (*row_offset < 0 || *row_offset >= total) {
-          problem(where, "attribute 'row_offset' is " + std::to_string(*row_offset) + ", outside the step's " +
-                             std::to_string(total) + (cache ? " cache rows" : " token rows"));
-          continue;
-        }
-        (cache ? kv_rows : rows) = total - *row_offset;
-      }
-      std::vector<int64_t> canonical;
-      const std::string p =
-          check_checkpoint(*cfg, name, parsed.layer, shape, layout.value_or(""), rows, kv_rows, &canonical);
-      if (!p.empty()) {
-        problem(where, p);
-        continue;
-      }
-      if (!layout && shape == canonical) {
-        std::string wrong, ambiguous_what;
-        layout_ambiguity(ds.get(), parsed.base, layout_dims(kind->layout), shape,
-                         kv - *n_tokens + (row_offset && rd >= 0 ? *row_offset : 0), &wrong, &ambiguous_what);
-        if (!wrong.empty()) problem(where, wrong);
-        if (!ambiguous_what.empty()) {
-          const auto same = std::find_if(ambiguous.begin(), ambiguous.end(),
-                                         [&](const auto& w) { return w.first.what == ambiguous_what; });
-          if (same == ambiguous.end()) ambiguous.push_back({{where, ambiguous_what}, 0});
-          else ++same->second;
-        }
-      }
-    }
-    for (auto& [w, more] : ambiguous) {
-      if (more > 0) w.what += " (and " + std::to_string(more) + " more dataset" + (more == 1 ? "" : "s") + " of this step)";
-      result.warnings.push_back(std::move(w));
-    }
   }
-  return result;
+  return std::move(v.result);
 }
 
 }  // namespace diffrun

@@ -1,6 +1,8 @@
 // Name maps: parsing (built-in maps from fixtures/names/, or a file) and matching foreign names to rules.
 #include "checkpoints/name_map.hpp"
 
+#include "checkpoints/dump_schema.hpp"
+
 #include <charconv>
 #include <filesystem>
 #include <fstream>
@@ -185,11 +187,12 @@ NameMap NameMap::parse(std::string_view json, const std::string& source) {
       for (Arch x : all_archs()) known |= a == arch_name(x);
       if (!known) throw InputError(label + ": unknown arch \"" + printable(a, 64, '"') + "\"");
     }
-    static const std::set<std::string> letters = {"T", "S", "D", "H", "Hkv", "Dh", "F", "V"};
     for (const auto& c : rule.crop)
-      if (!letters.count(c))
-        throw InputError(label + ": crop letter \"" + printable(c, 64, '"') +
-                         "\" is not a layout letter (T, S, D, H, Hkv, Dh, F, V)");
+      if (!find_dim(c)) {
+        std::string letters;
+        for (const auto& d : dump_schema().dims) letters += (letters.empty() ? "" : ", ") + d.letter;
+        throw InputError(label + ": crop letter \"" + printable(c, 64, '"') + "\" is not a layout letter (" + letters + ")");
+      }
     m.rules_.push_back(std::move(rule));
   }
   return m;

@@ -1,13 +1,14 @@
-// The checkpoint vocabulary of DESIGN.md in one table, its order per config, and the name filter.
-// Dims: T tokens of the step, S positions attended, D n_embd, H n_head, Hkv n_head_kv, Dh head_dim,
-// F n_ff, V n_vocab.
+// The checkpoint vocabulary of DESIGN.md: the kinds of the dump schema (python/diffrun/dump_schema.json), their
+// order per config, and the name filter. The dimension letters and their sizes are the schema's (dump_schema.hpp).
 #include "checkpoints/vocabulary.hpp"
 
 #include <algorithm>
 #include <charconv>
+#include <stdexcept>
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoints/dump_schema.hpp"
 #include "model/error.hpp"
 
 namespace diffrun {
@@ -23,42 +24,30 @@ const char* native_dtype_name(NativeDType d) {
   return "unknown";
 }
 
+namespace {
+
+// A kind's `needs` in the schema ("qk_norm", "ffn_act=silu") as the config flag kind_applies checks.
+KindNeeds parse_needs(const std::string& needs) {
+  static const std::pair<const char*, KindNeeds> known[] = {
+      {"", KindNeeds::none},           {"qk_norm", KindNeeds::qk_norm},          {"embd_scale", KindNeeds::embd_scale},
+      {"post_norms", KindNeeds::post_norms}, {"ffn_act=silu", KindNeeds::ffn_silu}, {"ffn_act=gelu_tanh", KindNeeds::ffn_gelu}};
+  for (const auto& [text, n] : known)
+    if (needs == text) return n;
+  throw std::logic_error("dump_schema.json: a kind needs '" + needs + "', which kind_applies does not know");
+}
+
+}  // namespace
+
 const std::vector<CheckpointKind>& checkpoint_kinds() {
-  static const std::vector<CheckpointKind> kinds = {
-      {"tokens", false, "T", "input ids of the step (int32)", ""},
-      {"embd", false, "T,D", "token embedding rows, before any model scaling", ""},
-      {"inp_scaled", false, "T,D", "embeddings times sqrt(D) (gemma3)", "embd", KindNeeds::embd_scale},
-      {"attn_norm", true, "T,D", "RMSNorm(x) * attn_norm weight", "l_out@prev"},
-      {"Qcur", true, "T,H,Dh", "q projection, bias added, before RoPE", "attn_norm"},
-      {"Kcur", true, "T,Hkv,Dh", "k projection, bias added, before RoPE", "attn_norm"},
-      {"Vcur", true, "T,Hkv,Dh", "v projection, bias added", "attn_norm"},
-      {"Qnorm", true, "T,H,Dh", "q after its per-head RMSNorm, before RoPE", "Qcur", KindNeeds::qk_norm},
-      {"Knorm", true, "T,Hkv,Dh", "k after its per-head RMSNorm, before RoPE", "Kcur", KindNeeds::qk_norm},
-      {"Qrope", true, "T,H,Dh", "q after RoPE", "Qnorm|Qcur"},
-      {"Krope", true, "T,Hkv,Dh", "k after RoPE", "Knorm|Kcur"},
-      {"cache_k", true, "S,Hkv,Dh", "KV cache keys valid after the step", "Krope"},
-      {"cache_v", true, "S,Hkv,Dh", "KV cache values valid after the step", "Vcur"},
-      {"kq_soft_max", true, "H,T,S", "attention probabilities (causal mask and sliding window applied)",
-       "Qrope,cache_k|Krope", KindNeeds::none, false},
-      {"kqv_out", true, "T,H,Dh", "attention context, before the output projection",
-       "kq_soft_max,cache_v|Vcur"},
-      {"attn_out", true, "T,D", "after the attention output projection", "kqv_out"},
-      {"attn_post_norm", true, "T,D", "RMSNorm(attn_out) * post_attention_norm weight (gemma3)", "attn_out",
-       KindNeeds::post_norms},
-      {"ffn_inp", true, "T,D", "residual after attention", "attn_post_norm|attn_out,l_out@prev"},
-      {"ffn_norm", true, "T,D", "RMSNorm(x) * ffn_norm weight", "ffn_inp"},
-      {"ffn_gate", true, "T,F", "gate projection", "ffn_norm"},
-      {"ffn_up", true, "T,F", "up projection", "ffn_norm"},
-      {"ffn_swiglu", true, "T,F", "silu(gate) * up", "ffn_gate,ffn_up", KindNeeds::ffn_silu},
-      {"ffn_geglu", true, "T,F", "gelu_tanh(gate) * up (gemma3)", "ffn_gate,ffn_up", KindNeeds::ffn_gelu},
-      {"ffn_out", true, "T,D", "down projection", "ffn_geglu|ffn_swiglu"},
-      {"ffn_post_norm", true, "T,D", "RMSNorm(ffn_out) * post_ffw_norm weight (gemma3)", "ffn_out",
-       KindNeeds::post_norms},
-      {"l_out", true, "T,D", "layer output (residual)", "ffn_post_norm|ffn_out,ffn_inp"},
-      {"result_norm", false, "T,D", "final RMSNorm(x) * output_norm weight", "l_out@last"},
-      {"result_output", false, "T,V", "logits over the real vocabulary (softcapped where the model says)",
-       "result_norm"},
-  };
+  // The schema's kinds (python/diffrun/dump_schema.json), in its order; the strings are the schema's, which
+  // lives as long as the program.
+  static const std::vector<CheckpointKind> kinds = [] {
+    std::vector<CheckpointKind> out;
+    for (const SchemaKind& k : dump_schema().kinds)
+      out.push_back({k.base.c_str(), k.per_layer, k.layout.c_str(), k.what.c_str(), k.inputs.c_str(),
+                     parse_needs(k.needs), k.read_back});
+    return out;
+  }();
   return kinds;
 }
 
@@ -242,15 +231,8 @@ std::vector<int64_t> checkpoint_shape(const ModelConfig& cfg, const CheckpointKi
                                       int64_t n_kv) {
   std::vector<int64_t> shape;
   for (const auto& d : layout_dims(k.layout)) {
-    if (d == "T") shape.push_back(n_tokens);
-    else if (d == "S") shape.push_back(n_kv);
-    else if (d == "D") shape.push_back(cfg.n_embd);
-    else if (d == "H") shape.push_back(cfg.n_head);
-    else if (d == "Hkv") shape.push_back(cfg.n_head_kv);
-    else if (d == "Dh") shape.push_back(cfg.head_dim);
-    else if (d == "F") shape.push_back(cfg.n_ff);
-    else if (d == "V") shape.push_back(cfg.n_vocab);
-    else throw InputError(std::string("checkpoint '") + k.base + "': unknown layout dimension '" + d + "'");
+    if (!find_dim(d)) throw InputError(std::string("checkpoint '") + k.base + "': unknown layout dimension '" + d + "'");
+    shape.push_back(dim_size(cfg, d, n_tokens, n_kv));
   }
   return shape;
 }

@@ -96,51 +96,12 @@ int run_validate(const ValidateCommand& o) {
 
 // One root attribute of the skeleton: its value for this model, or null where the writer fills it in.
 nlohmann::ordered_json root_value(const RootAttribute& a, const ModelConfig& c, const GgufFile& file) {
-  const std::string n = a.name;
-  if (n == "format") return kDumpFormat;
-  if (n == "format_version") return kDumpFormatVersion;
-  if (n == "model_path") return file.path();
-  if (n == "model_fingerprint") return file.fingerprint();
-  if (n == "arch") return arch_name(c.arch);
-  if (n == "n_layer") return c.n_layer;
-  if (n == "n_embd") return c.n_embd;
-  if (n == "n_head") return c.n_head;
-  if (n == "n_head_kv") return c.n_head_kv;
-  if (n == "head_dim") return c.head_dim;
-  if (n == "n_ff") return c.n_ff;
-  if (n == "n_vocab") return c.n_vocab;
-  if (n == "n_ctx") return c.n_ctx;
-  if (n == "rope_theta") return c.rope_theta;
-  if (n == "rope_type") return rope_type_name(c.rope_type);
-  if (n == "rms_eps") return c.rms_eps;
-  if (n == "tied_output") return c.tied_output;
-  if (n == "qkv_bias") return c.qkv_bias;
-  if (n == "qk_norm") return c.qk_norm;
+  if (a.config) return config_attributes(c).at(a.name);
+  if (a.skeleton == "format") return kDumpFormat;
+  if (a.skeleton == "format version") return kDumpFormatVersion;
+  if (a.skeleton == "model path") return file.path();
+  if (a.skeleton == "model fingerprint") return file.fingerprint();
   return nullptr;
-}
-
-// What the writer puts where the skeleton has no value.
-const char* fill_hint(const std::string& n) {
-  if (n == "backend") return "your engine's name";
-  if (n == "precision") return "what it computes in: f16, bf16, f32 or f64";
-  if (n == "prompt") return "the prompt text";
-  if (n == "token_ids") return "the prompt's token ids";
-  if (n == "created_utc") return "ISO 8601 UTC time, e.g. 2026-11-23T05:05:01Z";
-  if (n == "diffrun_version") return "the writer's version";
-  if (n == "all_token_ids") return "the prompt's ids, then one per decode step";
-  if (n == "argmax") return "the engine's greedy choice after each step";
-  return "";
-}
-
-const char* hdf5_type_name(AttrType t) {
-  switch (t) {
-    case AttrType::string: return "string";
-    case AttrType::integer: return "int32";
-    case AttrType::real: return "float64";
-    case AttrType::boolean: return "bool";
-    case AttrType::int_array: return "int32[]";
-  }
-  return "?";
 }
 
 int run_skeleton(const ValidateCommand& o) {
@@ -149,10 +110,10 @@ int run_skeleton(const ValidateCommand& o) {
   nlohmann::ordered_json attrs = nlohmann::ordered_json::array();
   for (const RootAttribute& a : root_attributes()) {
     nlohmann::ordered_json e = {{"name", a.name},
-                                {"type", hdf5_type_name(a.type)},
+                                {"type", dump_schema().skeleton_type.at(attr_type_name(a.type))},
                                 {"required", a.required},
                                 {"value", root_value(a, cfg, *file)}};
-    if (e["value"].is_null()) e["fill"] = fill_hint(a.name);
+    if (e["value"].is_null()) e["fill"] = a.fill;
     attrs.push_back(e);
   }
   nlohmann::ordered_json datasets = nlohmann::ordered_json::array();
@@ -162,8 +123,8 @@ int run_skeleton(const ValidateCommand& o) {
     const std::vector<int64_t> sizes = checkpoint_shape(cfg, k, -1, -2);  // T, S as markers
     nlohmann::ordered_json shape = nlohmann::ordered_json::array();
     for (int64_t d : sizes) {
-      if (d == -1) shape.push_back("T");
-      else if (d == -2) shape.push_back("S");
+      if (d == -1) shape.push_back(token_rows_dim());
+      else if (d == -2) shape.push_back(cache_rows_dim());
       else shape.push_back(d);
     }
     datasets.push_back({{"name", name},
@@ -171,7 +132,7 @@ int run_skeleton(const ValidateCommand& o) {
                         {"layer", p.layer},
                         {"layout", k.layout},
                         {"shape", shape},
-                        {"dtype", p.base == "tokens" ? "int32" : "float32"}});
+                        {"dtype", p.base == kTokensCheckpoint ? "int32" : "float32"}});
   }
   if (o.json) {
     nlohmann::ordered_json doc = {{"format", kDumpFormat},

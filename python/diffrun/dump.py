@@ -11,11 +11,11 @@ from typing import Any
 import h5py
 import numpy as np
 
-from . import vocabulary
+from . import attributes, schema, vocabulary
 
-FORMAT = "diffrun-dump"
-FORMAT_VERSION = 2  # what diffrun.writer writes
-FORMAT_VERSIONS = (1, 2)  # what the reader reads
+FORMAT = schema.FORMAT
+FORMAT_VERSION = schema.FORMAT_VERSION  # what diffrun.writer writes
+FORMAT_VERSIONS = schema.FORMAT_VERSIONS  # what the reader reads
 ATTRIBUTE_TABLE = "_attributes"  # version 2: a step group's dataset attributes, one compound row per dataset
 ABSENT_INT = -(2**31)  # an integer column's value for "absent"
 _TABLE_STRINGS = ("name", "layout", "native_dtype", "dtype")
@@ -59,13 +59,7 @@ class DatasetInfo:
         return self.layout.split(",")
 
 
-def _plain(value: Any) -> Any:
-    """numpy scalars and bytes to Python values; arrays stay numpy arrays."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8")
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
+_plain = attributes.plain
 
 
 def _text(b: bytes | str) -> str:
@@ -151,7 +145,7 @@ def read_attribute_table(group: h5py.Group, where: str) -> dict[str, dict[str, A
 def _stored_dtype_name(ds: h5py.Dataset, attrs: Any = None) -> str:
     """f32, f64, f16, i32 ..., and bf16 for 16-bit data marked with the attribute dtype = "bf16"."""
     attrs = ds.attrs if attrs is None else attrs
-    if ds.dtype.itemsize == 2 and ds.dtype.kind in "uiV" and _plain(attrs.get("dtype", "")) == "bf16":
+    if ds.dtype.itemsize == 2 and ds.dtype.kind in "uiV" and _plain(attrs.get("dtype", "")) == schema.BF16_MARK:
         return "bf16"
     return {"f": "f", "i": "i", "u": "u"}.get(ds.dtype.kind, "x") + str(8 * ds.dtype.itemsize)
 
@@ -187,14 +181,12 @@ class Dump:
             # read (HDF5 1.10 crashes on some damaged global heaps).
             version = self._file.attrs.get("format_version") if "format_version" in self._file.attrs else None
             if isinstance(version, (int, np.integer)) and version >= 2:
-                for k in self._file.attrs:
-                    dt = self._file.attrs.get_id(k).dtype
-                    if dt.kind == "O" and h5py.check_string_dtype(dt) is not None:
-                        raise DumpFormatError(
-                            self.path,
-                            f"root attribute '{k}' is a variable-length string; format version {int(version)} "
-                            "stores fixed-length strings")
-            attrs = {k: _plain(v) for k, v in self._file.attrs.items()}
+                for k in attributes.variable_length_strings(self._file)[:1]:
+                    raise DumpFormatError(
+                        self.path,
+                        f"root attribute '{k}' is a variable-length string; format version {int(version)} "
+                        "stores fixed-length strings")
+            attrs = attributes.read_all(self._file)
         except (OSError, KeyError) as e:
             raise DumpFormatError(self.path, f"cannot read root attributes: {e}") from None
         fmt = attrs.get("format")
@@ -215,7 +207,7 @@ class Dump:
         """The attributes of dataset `name` of a step: its row of the step's attribute table (version
         2), else the dataset's own attributes (version 1)."""
         if self.meta.get("format_version", 1) < 2:
-            return self._file[f"{_group_name(step)}/{name}"].attrs
+            return attributes.read_all(self._file[f"{_group_name(step)}/{name}"])
         if step not in self._tables:
             where = f"{_group_name(step)}/{ATTRIBUTE_TABLE}"
             try:
@@ -322,7 +314,7 @@ class Dump:
 
     def _assembled(self, info: DatasetInfo) -> DatasetInfo:
         kind = vocabulary.find_kind(vocabulary.parse_name(info.name)[0]) if info.row_offset > 0 else None
-        if kind is None or kind.dims[0] != "S" or info.stored_layout is not None or len(info.shape) != 3:
+        if kind is None or kind.dims[0] != schema.CACHE_DIM or info.stored_layout is not None or len(info.shape) != 3:
             return info
         if self._cache_pieces(info) is None:
             return info
@@ -334,7 +326,7 @@ class Dump:
         if sorted(dims) == sorted(kind.dims) and len(dims) == len(shape):
             size = dict(zip(dims, shape))
             return tuple(size[d] for d in kind.dims)
-        if len(kind.dims) == 3 and len(shape) == 2 and kind.dims[2] == "Dh" and layout == kind.layout:
+        if len(kind.dims) == 3 and len(shape) == 2 and kind.dims[2] == schema.HEAD_DIM and layout == kind.layout:
             head_dim = int(self.meta.get("head_dim", 0))
             if head_dim > 0 and shape[1] % head_dim == 0:
                 return (shape[0], shape[1] // head_dim, head_dim)

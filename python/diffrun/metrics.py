@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from . import schema
 from .dump import Dump, open as open_dump
 
 ElementTolerance = Callable[[str], "tuple[float, float]"]
@@ -22,8 +23,7 @@ ElementTolerance = Callable[[str], "tuple[float, float]"]
 
 def dim_sizes(meta: dict) -> dict[str, int]:
     """Sizes of the layout letters from a dump's root attributes."""
-    keys = {"D": "n_embd", "H": "n_head", "Hkv": "n_head_kv", "Dh": "head_dim", "F": "n_ff", "V": "n_vocab"}
-    return {letter: int(meta[k]) for letter, k in keys.items() if k in meta}
+    return {letter: int(meta[k]) for letter, k in schema.DIMS.items() if k and k in meta}
 
 
 def layout_coordinates(flat: int, shape: tuple[int, ...], layout: str, dims: dict[str, int]) -> dict[str, int]:
@@ -80,8 +80,8 @@ def _slice_worst(x: np.ndarray, y: np.ndarray, named: list[tuple[str, int]]) -> 
     letters = [d for d, _ in named]
     if not named or math.prod(e for _, e in named) != x.size:
         return out
-    row = letters.index("T") if "T" in letters else (0 if letters[0] == "S" else -1)
-    head = next((i for i, d in enumerate(letters) if d in ("H", "Hkv")), -1)
+    row = letters.index(schema.ROW_DIM) if schema.ROW_DIM in letters else (0 if letters[0] == schema.CACHE_DIM else -1)
+    head = next((i for i, d in enumerate(letters) if d in schema.HEAD_DIMS), -1)
     channel = len(named) - 1 if len(named) >= 2 and len(named) - 1 not in (row, head) else -1
     finite = np.isfinite(x) & np.isfinite(y)
     shape = tuple(e for _, e in named)

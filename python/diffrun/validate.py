@@ -19,45 +19,18 @@ from typing import Any, Callable
 import h5py
 import numpy as np
 
-from . import vocabulary
+from . import attributes, schema, vocabulary
+from .attributes import class_text as _class_text
 from .dump import (ATTRIBUTE_TABLE, FORMAT_VERSIONS, DumpFormatError, link_refusal, read_attribute_table,
                    storage_refusal)
 
-# (name, type, required, enum values)
-ROOT_ATTRIBUTES: list[tuple[str, str, bool, str | None]] = [
-    ("format", "string", True, "diffrun-dump"),
-    ("format_version", "integer", True, None),
-    ("backend", "string", True, None),
-    ("precision", "string", True, "f16|bf16|f32|f64"),
-    ("model_path", "string", True, None),
-    ("model_fingerprint", "string", True, None),
-    ("arch", "string", True, "llama|qwen2|qwen3|gemma3"),
-    ("n_layer", "integer", True, None),
-    ("n_embd", "integer", True, None),
-    ("n_head", "integer", True, None),
-    ("n_head_kv", "integer", True, None),
-    ("head_dim", "integer", True, None),
-    ("n_ff", "integer", True, None),
-    ("n_vocab", "integer", True, None),
-    ("n_ctx", "integer", True, None),
-    ("rope_theta", "real", True, None),
-    ("rope_type", "string", True, "norm|neox"),
-    ("rms_eps", "real", True, None),
-    ("tied_output", "boolean", True, None),
-    ("qkv_bias", "boolean", True, None),
-    ("qk_norm", "boolean", True, None),
-    ("prompt", "string", True, None),
-    ("token_ids", "int_array", True, None),
-    ("created_utc", "string", True, None),
-    ("diffrun_version", "string", True, None),
-    ("all_token_ids", "int_array", False, None),
-    ("argmax", "int_array", False, None),
-]
-NATIVE_DTYPES = ("f32", "f64", "f16", "bf16", "i32")
+# The root attributes, their types and allowed values: dump_schema.json (diffrun.schema).
+ROOT_ATTRIBUTES = schema.ROOT_ATTRIBUTES
+NATIVE_DTYPES = schema.NATIVE_DTYPES
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
-# The most layers a dump may declare: the readers' kMaxLayers (checkpoints/dump.cpp). Every name list is sized by
+# The most layers a dump may declare: the readers' limit (the schema's max of n_layer). Every name list is sized by
 # n_layer, so a dump declaring 2e9 layers would exhaust memory before anything else is checked.
-MAX_LAYERS = 4096
+MAX_LAYERS: int = next(a.max for a in ROOT_ATTRIBUTES if a.config and a.type == "integer")  # n_layer, the first
 
 
 @dataclass(frozen=True)
@@ -82,122 +55,40 @@ class Result:
 
 @dataclass
 class _Config:
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_ff: int
-    n_vocab: int
-    qk_norm: bool
+    """A dump's config attributes (schema.CONFIG_ATTRIBUTES by name) and the features they imply."""
+    values: dict[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def features(self) -> dict[str, Any]:
+        """The architecture's features, with those the dump states as attributes (qk_norm, ...) taken from it."""
+        stated = {f["name"]: self.values[f["attribute"]] for f in schema.FEATURES.values()
+                  if f.get("attribute") in self.values}
+        return schema.features(self.values["arch"], **{k: (bool(v) if isinstance(v, int) else v)
+                                                      for k, v in stated.items()})
 
     def size(self, letter: str, n_tokens: int, n_kv: int) -> int:
-        return {"T": n_tokens, "S": n_kv, "D": self.n_embd, "H": self.n_head, "Hkv": self.n_head_kv,
-                "Dh": self.head_dim, "F": self.n_ff, "V": self.n_vocab}[letter]
-
-
-# --- HDF5 attribute inspection -------------------------------------------------------------------------------
-
-_CLASS_TEXT = {
-    h5py.h5t.INTEGER: "an integer", h5py.h5t.FLOAT: "a float", h5py.h5t.STRING: "a string",
-    h5py.h5t.ENUM: "an enum", h5py.h5t.COMPOUND: "a compound", h5py.h5t.ARRAY: "an array type",
-    h5py.h5t.OPAQUE: "an opaque type", h5py.h5t.VLEN: "a variable-length sequence",
-    h5py.h5t.BITFIELD: "a bitfield", h5py.h5t.REFERENCE: "a reference",
-}
-
-
-def _class_text(cls: int) -> str:
-    return _CLASS_TEXT.get(cls, "an unknown type")
-
-
-@dataclass
-class _AttrShape:
-    exists: bool = False
-    cls: int = -1
-    rank: int = 0
-    n: int = 0
-    vlen: bool = False  # a variable-length string
-
-
-def _inspect(obj: Any, name: str) -> _AttrShape:
-    if name not in obj.attrs:
-        return _AttrShape()
-    a = h5py.h5a.open(obj.id, name.encode())
-    t, space = a.get_type(), a.get_space()
-    rank = space.get_simple_extent_ndims() if space.get_simple_extent_type() != h5py.h5s.NULL else 0
-    vlen = t.get_class() == h5py.h5t.STRING and t.is_variable_str()
-    return _AttrShape(True, t.get_class(), rank, int(space.get_select_npoints()), vlen)
-
-
-def _read(obj: Any, name: str) -> Any:
-    try:
-        return obj.attrs[name]
-    except (OSError, TypeError, ValueError, KeyError):
-        return None
-
-
-def _read_string(obj: Any, name: str) -> str | None:
-    v = _read(obj, name)
-    if isinstance(v, np.ndarray) and v.size == 1:
-        v = v.reshape(-1)[0]
-    if isinstance(v, bytes):
-        return v.split(b"\0", 1)[0].decode("utf-8", "replace")
-    return v if isinstance(v, str) else None
-
-
-def _read_ints(obj: Any, name: str) -> list[int] | None:
-    v = _read(obj, name)
-    if v is None:
-        return None
-    arr = np.asarray(v)
-    if arr.dtype.kind not in "iub":
-        return None
-    return [int(x) for x in arr.reshape(-1)]
-
-
-def _read_real(obj: Any, name: str) -> float | None:
-    v = _read(obj, name)
-    try:
-        return float(np.asarray(v).reshape(-1)[0])
-    except (TypeError, ValueError, IndexError):
-        return None
-
-
-def _quoted(values: str) -> str:
-    parts = values.split("|")
-    out = ""
-    for i, v in enumerate(parts):
-        out += ("" if i == 0 else " or " if i + 1 == len(parts) else ", ") + f'"{v}"'
-    return out
-
-
-def _expected(kind: str, values: str | None) -> str:
-    return {
-        "string": ("a string: " + _quoted(values)) if values else "a string",
-        "integer": "an int32 scalar",
-        "real": "a float64 scalar",
-        "boolean": "a boolean (h5py bool, or an integer 0/1)",
-        "int_array": "a 1-D int32 array",
-    }[kind]
-
-
-def _type_problem(kind: str, values: str | None, s: _AttrShape) -> str:
-    got = "is " + _class_text(s.cls)
-    scalar = s.n == 1 and s.rank <= 1
-    classes = {"string": (h5py.h5t.STRING,), "integer": (h5py.h5t.INTEGER,),
-               "real": (h5py.h5t.FLOAT, h5py.h5t.INTEGER), "boolean": (h5py.h5t.ENUM, h5py.h5t.INTEGER),
-               "int_array": (h5py.h5t.INTEGER,)}[kind]
-    if s.cls not in classes:
-        return got + ", expected " + _expected(kind, values)
-    if kind == "int_array":
-        return "" if s.rank == 1 else f"has rank {s.rank}, expected " + _expected(kind, values)
-    if not scalar:
-        return f"holds {s.n} strings, expected one" if kind == "string" else f"holds {s.n} values, expected one"
-    return ""
+        return schema.dim_sizes(self.values, n_tokens, n_kv)[letter]
 
 
 # --- root attributes -----------------------------------------------------------------------------------------
+
+def _type_problem(a: schema.Attribute, s: attributes.Shape) -> str:
+    got = "is " + _class_text(s.cls)
+    scalar = s.n == 1 and s.rank <= 1
+    if s.cls not in attributes.ACCEPTED_CLASSES[a.type]:
+        return got + ", expected " + a.expected
+    if a.type == "integer array":
+        return "" if s.rank == 1 else f"has rank {s.rank}, expected " + a.expected
+    if not scalar:
+        return f"holds {s.n} strings, expected one" if a.type == "string" else f"holds {s.n} values, expected one"
+    return ""
+
 
 @dataclass
 class _Root:
@@ -209,120 +100,130 @@ class _Root:
     format_version: int = 0  # 0: unknown (missing or unreadable)
 
 
+def _read_root_value(f: h5py.File, a: schema.Attribute, problem: Callable[[str, str], None]) -> Any:
+    """One root attribute's value, checked against its type and allowed values; None (and a problem) when it
+    is not usable."""
+    if a.type == "string":
+        v = attributes.read_string(f, a.name)
+        if v is None:
+            problem(a.name, "cannot be read as a string")
+        elif a.values and v not in a.values:
+            problem(a.name, f'is "{v}", expected {schema.quoted(a.values)}')
+        elif a.nonempty and not v:
+            problem(a.name, f"is empty ({a.nonempty})")
+        else:
+            return v
+        return None
+    if a.type in ("integer", "boolean"):
+        v = attributes.read_ints(f, a.name)
+        if v is None or len(v) != 1:
+            problem(a.name, "cannot be read as an integer")
+            return None
+        x = v[0]
+        if a.type == "boolean" and x not in (0, 1):
+            problem(a.name, f"is {x}, expected a boolean (0 or 1)")
+        elif a.type == "integer" and not INT32_MIN <= x <= INT32_MAX:
+            problem(a.name, f"is {x}, outside int32")
+        else:
+            return x
+        return None
+    if a.type == "real":
+        v = attributes.read_real(f, a.name)
+        if v is None:
+            problem(a.name, "cannot be read as a real")
+        return v
+    v = attributes.read_ints(f, a.name)
+    if v is None:
+        problem(a.name, "cannot be read as integers")
+    return v
+
+
+def _check_config(values: dict[str, Any], problem: Callable[[str, str], None]) -> _Config | None:
+    """The config when every config attribute is there and sane; each insane one is a problem."""
+    ok = True
+    for a in schema.CONFIG_ATTRIBUTES:
+        if a.name not in values:
+            ok = False
+            continue
+        x = values[a.name]
+        if a.type == "integer" and x <= 0:
+            problem(a.name, f"is {x}, expected a positive integer")
+            ok = False
+        elif a.type == "integer" and a.max is not None and x > a.max:
+            problem(a.name, f"is {x}, outside 1..{a.max}" + (f" ({a.max_why})" if a.max_why else ""))
+            ok = False
+        elif a.positive and not x > 0:
+            problem(a.name, f"is {x:f}, expected a positive real")
+            ok = False
+    for a in schema.CONFIG_ATTRIBUTES:
+        if a.divides and values.get(a.name, 0) > 0 and a.divides in values and values[a.divides] % values[a.name]:
+            problem(a.name, f"is {values[a.name]}, which does not divide {a.divides} = {values[a.divides]}")
+            ok = False
+    return _Config({a.name: values[a.name] for a in schema.CONFIG_ATTRIBUTES}) if ok else None
+
+
 def _check_root(f: h5py.File) -> _Root:
     r = _Root()
 
     def problem(name: str, what: str) -> None:
         r.problems.append(Problem(f"root attribute '{name}'", what))
 
-    strings: dict[str, str] = {}
-    ints: dict[str, int] = {}
-    reals: dict[str, float] = {}
-    arrays: dict[str, list[int]] = {}
+    values: dict[str, Any] = {}
     # The version first: from version 2 on strings are fixed-length, and a variable-length one is
     # reported without being read (HDF5 1.10 crashes on some damaged global heaps).
-    s = _inspect(f, "format_version")
+    version = ROOT_ATTRIBUTES[1].name  # format_version
+    s = attributes.inspect(f, version)
     if s.exists and s.cls == h5py.h5t.INTEGER and s.n == 1:
-        v = _read_ints(f, "format_version")
+        v = attributes.read_ints(f, version)
         if v and len(v) == 1 and 1 <= v[0] <= INT32_MAX:
             r.format_version = v[0]
-    for name, kind, required, values in ROOT_ATTRIBUTES:
-        s = _inspect(f, name)
+    for a in ROOT_ATTRIBUTES:
+        s = attributes.inspect(f, a.name)
         if not s.exists:
-            if required:
-                problem(name, f"missing ({_expected(kind, values)})")
+            if a.required:
+                problem(a.name, f"missing ({a.expected})")
             continue
-        p = _type_problem(kind, values, s)
+        p = _type_problem(a, s)
         if p:
-            problem(name, p)
+            problem(a.name, p)
             continue
         if s.vlen and r.format_version >= 2:
-            problem(name, f"is a variable-length string; format version {r.format_version} stores fixed-length strings")
+            problem(a.name, f"is a variable-length string; format version {r.format_version} stores fixed-length strings")
             continue
-        if kind == "string":
-            v = _read_string(f, name)
-            if v is None:
-                problem(name, "cannot be read as a string")
-            elif values and v not in values.split("|"):
-                problem(name, f'is "{v}", expected {_quoted(values)}')
-            elif name == "backend" and not v:
-                problem(name, "is empty (name the engine that wrote the dump)")
-            else:
-                strings[name] = v
-        elif kind in ("integer", "boolean"):
-            v = _read_ints(f, name)
-            if v is None or len(v) != 1:
-                problem(name, "cannot be read as an integer")
-                continue
-            x = v[0]
-            if kind == "boolean" and x not in (0, 1):
-                problem(name, f"is {x}, expected a boolean (0 or 1)")
-            elif kind == "integer" and not INT32_MIN <= x <= INT32_MAX:
-                problem(name, f"is {x}, outside int32")
-            else:
-                ints[name] = x
-        elif kind == "real":
-            v = _read_real(f, name)
-            if v is None:
-                problem(name, "cannot be read as a real")
-            else:
-                reals[name] = v
-        else:
-            v = _read_ints(f, name)
-            if v is None:
-                problem(name, "cannot be read as integers")
-            else:
-                arrays[name] = v
+        v = _read_root_value(f, a, problem)
+        if v is not None:
+            values[a.name] = v
 
-    if "format_version" in ints and ints["format_version"] not in FORMAT_VERSIONS:
-        problem("format_version", f"is {ints['format_version']}, this diffrun reads versions "
-                                  f"{FORMAT_VERSIONS[0]} to {FORMAT_VERSIONS[-1]}")
+    if version in values and values[version] not in FORMAT_VERSIONS:
+        problem(version, f"is {values[version]}, this diffrun reads versions {FORMAT_VERSIONS[0]} to {FORMAT_VERSIONS[-1]}")
+    r.config = _check_config(values, problem)
+    _check_ids(r, values, problem)
+    return r
 
-    ok = all(k in strings for k in ("arch", "rope_type")) and all(k in reals for k in ("rope_theta", "rms_eps"))
-    for k in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab", "n_ctx"):
-        if k not in ints:
-            ok = False
-        elif ints[k] <= 0:
-            problem(k, f"is {ints[k]}, expected a positive integer")
-            ok = False
-        elif k == "n_layer" and ints[k] > MAX_LAYERS:
-            problem(k, f"is {ints[k]}, outside 1..{MAX_LAYERS} (no model has more layers; readers refuse it)")
-            ok = False
-    if any(k not in ints for k in ("tied_output", "qkv_bias", "qk_norm")):
-        ok = False
-    for k in ("rope_theta", "rms_eps"):
-        if k in reals and not reals[k] > 0:
-            problem(k, f"is {reals[k]:f}, expected a positive real")
-            ok = False
-    if ints.get("n_head_kv", 0) > 0 and "n_head" in ints and ints["n_head"] % ints["n_head_kv"] != 0:
-        problem("n_head_kv", f"is {ints['n_head_kv']}, which does not divide n_head = {ints['n_head']}")
-        ok = False
-    if ok:
-        r.config = _Config(strings["arch"], ints["n_layer"], ints["n_embd"], ints["n_head"], ints["n_head_kv"],
-                           ints["head_dim"], ints["n_ff"], ints["n_vocab"], ints["qk_norm"] != 0)
 
-    def ids(k: str) -> list[int] | None:
-        if k not in arrays:
-            return None
-        for x in arrays[k]:
-            if x < 0 or (r.config and x >= r.config.n_vocab):
-                top = str(r.config.n_vocab - 1) if r.config else "n_vocab-1"
-                problem(k, f"holds id {x}, outside the vocabulary 0..{top}")
-                return None
-        return list(arrays[k])
-
-    t = ids("token_ids")
-    if t is not None:
-        if not t:
-            problem("token_ids", "is empty (the prompt has at least one token)")
-        r.token_ids = t
-    r.all_token_ids = ids("all_token_ids")
+def _check_ids(r: _Root, values: dict[str, Any], problem: Callable[[str, str], None]) -> None:
+    """The id arrays: within the vocabulary, the prompt not empty, all_token_ids starting with it."""
+    ids: dict[str, list[int] | None] = {}
+    for a in ROOT_ATTRIBUTES:
+        if a.type != "integer array" or a.name not in values:
+            continue
+        ids[a.name] = list(values[a.name])
+        if a.ids:
+            for x in values[a.name]:
+                if x < 0 or (r.config and x >= r.config.n_vocab):
+                    top = str(r.config.n_vocab - 1) if r.config else "n_vocab-1"
+                    problem(a.name, f"holds id {x}, outside the vocabulary 0..{top}")
+                    ids[a.name] = None
+                    break
+        if ids[a.name] is not None and a.nonempty and not ids[a.name]:
+            problem(a.name, f"is empty ({a.nonempty})")
+    prompt, every, argmax = (a.name for a in ROOT_ATTRIBUTES if a.type == "integer array")
+    r.token_ids = ids.get(prompt) or []
+    r.all_token_ids = ids.get(every)
     if r.all_token_ids is not None and r.token_ids and (
             len(r.all_token_ids) < len(r.token_ids) or r.all_token_ids[:len(r.token_ids)] != r.token_ids):
-        problem("all_token_ids", "does not start with token_ids (it holds the prompt, then one id per decode step)")
-    if "argmax" in arrays:
-        r.argmax = list(arrays["argmax"])
-    return r
+        problem(every, f"does not start with {prompt} (it holds the prompt, then one id per decode step)")
+    r.argmax = ids.get(argmax)
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------------
@@ -333,10 +234,9 @@ def _order_error(cfg: _Config, base: str, layer: int) -> str | None:
     name = vocabulary.checkpoint_name(base, layer)
     if kind is None:
         return f"unknown checkpoint '{name}' (not in the checkpoint vocabulary)"
-    if base in ("Qnorm", "Knorm") and not cfg.qk_norm:
-        return f"checkpoint '{name}' does not exist for architecture {cfg.arch} without per-head q/k norms"
-    if base not in ("Qnorm", "Knorm") and cfg.arch not in kind.archs:
-        return f"checkpoint '{name}' does not exist for architecture {cfg.arch}"
+    if not kind.applies(cfg.features):
+        need = schema.FEATURES.get(kind.needs.partition("=")[0], {})
+        return f"checkpoint '{name}' does not exist for architecture {cfg.arch}" + need.get("absent", "")
     if kind.per_layer:
         if layer < 0 or layer >= cfg.n_layer:
             return f"checkpoint '{name}': layer {layer} outside 0..{cfg.n_layer - 1}"
@@ -347,12 +247,7 @@ def _order_error(cfg: _Config, base: str, layer: int) -> str | None:
 
 
 def _order(cfg: _Config, name: str) -> int:
-    kinds = [k for k in vocabulary.KINDS
-             if (cfg.qk_norm if k.base in ("Qnorm", "Knorm") else cfg.arch in k.archs)]
-    lead = [k.base for k in kinds if not k.per_layer and k.base in vocabulary._LEADING]
-    tail = [k.base for k in kinds if not k.per_layer and k.base not in vocabulary._LEADING]
-    names = lead + [vocabulary.checkpoint_name(k.base, L) for L in range(cfg.n_layer) for k in kinds if k.per_layer]
-    return (names + tail).index(name)
+    return vocabulary.names_for(cfg.features, cfg.n_layer).index(name)
 
 
 def _shape_text(shape) -> str:
@@ -381,7 +276,7 @@ def check_checkpoint(cfg: _Config, name: str, layer: int, shape: tuple[int, ...]
         return ""
     if dims == vocab_dims:
         for i in range(len(dims) - 1):
-            if dims[i + 1] != "Dh" or dims[i] not in ("H", "Hkv"):
+            if dims[i + 1] != schema.HEAD_DIM or dims[i] not in schema.HEAD_DIMS:
                 continue
             merged = expected[:i] + [expected[i] * expected[i + 1]] + expected[i + 2:]
             if list(shape) == merged:
@@ -621,33 +516,34 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
             def scalar_int(attr: str) -> int | None:
                 if v2:
                     return row.get(attr)
-                a = _inspect(ds, attr)
+                a = attributes.inspect(ds, attr)
                 if not a.exists:
                     return None
                 if a.cls != h5py.h5t.INTEGER or a.n != 1:
                     problem(where, f"attribute '{attr}' is {_class_text(a.cls)}{' array' if a.n != 1 else ''}, "
                                    "expected a scalar integer")
                     return None
-                v = _read_ints(ds, attr)
+                v = attributes.read_ints(ds, attr)
                 return v[0] if v and len(v) == 1 else None
 
             def scalar_str(attr: str) -> str | None:
                 if v2:
                     return row.get(attr)
-                a = _inspect(ds, attr)
+                a = attributes.inspect(ds, attr)
                 if not a.exists:
                     return None
                 if a.cls != h5py.h5t.STRING or a.n != 1:
                     problem(where, f"attribute '{attr}' is {_class_text(a.cls)}, expected a string")
                     return None
-                return _read_string(ds, attr)
+                return attributes.read_string(ds, attr)
 
             order, layer = scalar_int("order"), scalar_int("layer")
             row_offset = scalar_int("row_offset")
             row_kind = vocabulary.find_kind(base)
             row_letter = None  # the dimension a row_offset counts: T, or S for the cache
             if row_kind is not None and base != "tokens":
-                row_letter = "S" if row_kind.dims[0] == "S" else ("T" if "T" in row_kind.dims else None)
+                row_letter = schema.CACHE_DIM if row_kind.dims[0] == schema.CACHE_DIM else (
+                    schema.ROW_DIM if schema.ROW_DIM in row_kind.dims else None)
             if row_offset is not None and row_letter is None:
                 problem(where, "attribute 'row_offset' is only for checkpoints with token or cache rows (kq_soft_max, "
                                "result_output, cache_k, per-token checkpoints)")
@@ -687,12 +583,12 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
                 continue
             rows, kv_rows = n_tokens, n_kv  # with row_offset: rows row_offset.. of T (S for the cache)
             if row_offset is not None:
-                total = n_kv if row_letter == "S" else n_tokens
+                total = n_kv if row_letter == schema.CACHE_DIM else n_tokens
                 if not 0 <= row_offset < total:
-                    what = "cache" if row_letter == "S" else "token"
+                    what = "cache" if row_letter == schema.CACHE_DIM else "token"
                     problem(where, f"attribute 'row_offset' is {row_offset}, outside the step's {total} {what} rows")
                     continue
-                if row_letter == "S":
+                if row_letter == schema.CACHE_DIM:
                     kv_rows = n_kv - row_offset
                 else:
                     rows = n_tokens - row_offset

@@ -1,7 +1,5 @@
-"""The checkpoint vocabulary, mirrored from checkpoints/vocabulary.cpp (checked against it by the tests).
-
-Dims: T tokens of the step, S positions attended (KV cache length after the step), D n_embd,
-H n_head, Hkv n_head_kv, Dh head_dim, F n_ff, V n_vocab.
+"""The checkpoint vocabulary: the kinds of dump_schema.json (the table checkpoints/vocabulary.cpp reads too), their
+order per config and their names. The dimension letters and their sizes are the schema's (diffrun.schema.DIMS).
 """
 
 from __future__ import annotations
@@ -9,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-ALL_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
-SILU_ARCHS = ("llama", "qwen2", "qwen3")
+from . import schema
+
+ALL_ARCHS: tuple[str, ...] = tuple(schema.ARCHS)
 
 
 @dataclass(frozen=True)
@@ -19,43 +18,28 @@ class Kind:
     per_layer: bool
     layout: str  # dimension letters of the stored array, comma-separated
     archs: tuple[str, ...] = ALL_ARCHS
+    needs: str = ""  # the feature the kind exists for ("qk_norm", "ffn_act=silu"); "" for every config
+    inputs: str = ""  # dataflow inputs, as checkpoints/vocabulary.hpp describes them
+    what: str = ""
 
     @property
     def dims(self) -> list[str]:
         return self.layout.split(",")
 
+    def applies(self, feats: Mapping[str, object]) -> bool:
+        """Whether a config with these features (schema.features) emits this kind."""
+        return schema.needs_met(self.needs, feats)
 
-# Execution order within a step; per-layer kinds in their order inside a layer.
-KINDS: tuple[Kind, ...] = (
-    Kind("tokens", False, "T"),
-    Kind("embd", False, "T,D"),
-    Kind("inp_scaled", False, "T,D", ("gemma3",)),
-    Kind("attn_norm", True, "T,D"),
-    Kind("Qcur", True, "T,H,Dh"),
-    Kind("Kcur", True, "T,Hkv,Dh"),
-    Kind("Vcur", True, "T,Hkv,Dh"),
-    Kind("Qnorm", True, "T,H,Dh", ("qwen3", "gemma3")),
-    Kind("Knorm", True, "T,Hkv,Dh", ("qwen3", "gemma3")),
-    Kind("Qrope", True, "T,H,Dh"),
-    Kind("Krope", True, "T,Hkv,Dh"),
-    Kind("cache_k", True, "S,Hkv,Dh"),
-    Kind("cache_v", True, "S,Hkv,Dh"),
-    Kind("kq_soft_max", True, "H,T,S"),
-    Kind("kqv_out", True, "T,H,Dh"),
-    Kind("attn_out", True, "T,D"),
-    Kind("attn_post_norm", True, "T,D", ("gemma3",)),
-    Kind("ffn_inp", True, "T,D"),
-    Kind("ffn_norm", True, "T,D"),
-    Kind("ffn_gate", True, "T,F"),
-    Kind("ffn_up", True, "T,F"),
-    Kind("ffn_swiglu", True, "T,F", SILU_ARCHS),
-    Kind("ffn_geglu", True, "T,F", ("gemma3",)),
-    Kind("ffn_out", True, "T,D"),
-    Kind("ffn_post_norm", True, "T,D", ("gemma3",)),
-    Kind("l_out", True, "T,D"),
-    Kind("result_norm", False, "T,D"),
-    Kind("result_output", False, "T,V"),
-)
+
+def _kind(k: Mapping[str, object]) -> Kind:
+    needs = str(k.get("needs", ""))
+    archs = tuple(a for a in ALL_ARCHS if schema.needs_met(needs, schema.features(a)))
+    return Kind(str(k["base"]), bool(k["per_layer"]), str(k["layout"]), archs, needs, str(k.get("inputs", "")),
+                str(k.get("what", "")))
+
+
+# Execution order within a step; per-layer kinds in their order inside a layer (the schema's order).
+KINDS: tuple[Kind, ...] = tuple(_kind(k) for k in schema.SCHEMA["kinds"])
 
 _BY_BASE = {k.base: k for k in KINDS}
 # Kinds outside layers listed before the first per-layer kind (tokens, embd, inp_scaled) run before the layers.
@@ -78,14 +62,19 @@ def checkpoint_name(base: str, layer: int) -> str:
     return f"{base}-{layer}" if layer >= 0 else base
 
 
-def checkpoint_names(arch: str, n_layer: int) -> list[str]:
-    """Every name a full step records for this architecture, in execution order."""
-    applies = [k for k in KINDS if arch in k.archs]
+def names_for(feats: Mapping[str, object], n_layer: int) -> list[str]:
+    """Every name a full step records for a config with these features (schema.features), in execution order."""
+    applies = [k for k in KINDS if k.applies(feats)]
     names = [k.base for k in applies if not k.per_layer and k.base in _LEADING]
     for layer in range(n_layer):
         names += [checkpoint_name(k.base, layer) for k in applies if k.per_layer]
     names += [k.base for k in applies if not k.per_layer and k.base not in _LEADING]
     return names
+
+
+def checkpoint_names(arch: str, n_layer: int) -> list[str]:
+    """Every name a full step records for this architecture, in execution order."""
+    return names_for(schema.features(arch), n_layer)
 
 
 def checkpoint_order(arch: str, n_layer: int, name: str) -> int:
@@ -95,13 +84,4 @@ def checkpoint_order(arch: str, n_layer: int, name: str) -> int:
 
 def dim_sizes(meta: Mapping[str, object], n_tokens: int, n_kv: int) -> dict[str, int]:
     """Sizes of the layout letters for a dump's root attributes (`meta`) and a step's T and S."""
-    return {
-        "T": n_tokens,
-        "S": n_kv,
-        "D": int(meta["n_embd"]),
-        "H": int(meta["n_head"]),
-        "Hkv": int(meta["n_head_kv"]),
-        "Dh": int(meta["head_dim"]),
-        "F": int(meta["n_ff"]),
-        "V": int(meta["n_vocab"]),
-    }
+    return schema.dim_sizes(meta, n_tokens, n_kv)

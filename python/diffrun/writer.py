@@ -43,22 +43,18 @@ from typing import Any, Mapping, NoReturn
 import h5py
 import numpy as np
 
-from . import cuda_staging, vocabulary
+from . import cuda_staging, schema, vocabulary
 from .dump import ABSENT_INT, ATTRIBUTE_TABLE, FORMAT, FORMAT_VERSION, Dump
 from .validate import MAX_LAYERS, _check_root, check_checkpoint
 
 DIFFRUN_VERSION = "0.1.0"
 
-# Root attributes the format defines, with their type: str, int (int32), float (float64), bool, ids (int32 array).
-ROOT_ATTRIBUTES: dict[str, str] = {
-    "format": "str", "format_version": "int", "backend": "str", "precision": "str", "model_path": "str",
-    "model_fingerprint": "str", "arch": "str", "n_layer": "int", "n_embd": "int", "n_head": "int",
-    "n_head_kv": "int", "head_dim": "int", "n_ff": "int", "n_vocab": "int", "n_ctx": "int",
-    "rope_theta": "float", "rope_type": "str", "rms_eps": "float", "tied_output": "bool", "qkv_bias": "bool",
-    "qk_norm": "bool", "prompt": "str", "token_ids": "ids", "created_utc": "str", "diffrun_version": "str",
-}
+# Root attributes the format requires (dump_schema.json), with their type: str, int (int32), float (float64), bool,
+# ids (int32 array).
+_WRITTEN_AS = {"string": "str", "integer": "int", "real": "float", "boolean": "bool", "integer array": "ids"}
+ROOT_ATTRIBUTES: dict[str, str] = {a.name: _WRITTEN_AS[a.type] for a in schema.ROOT_ATTRIBUTES if a.required}
 # What a reference dump lends a writer opened with like=: the model and its config, the prompt.
-PRECISIONS = ("f16", "bf16", "f32", "f64")
+PRECISIONS = schema.ROOT["precision"].values or ()
 _FROM_REFERENCE = [k for k in ROOT_ATTRIBUTES
                    if k not in ("format", "format_version", "backend", "precision", "created_utc", "diffrun_version")]
 

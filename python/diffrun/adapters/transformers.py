@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 import diffrun
+from diffrun import schema
 from diffrun.writer import Writer
 
 
@@ -449,8 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     except diffrun.DumpFormatError as e:
         return fail(str(e))
     with ref:
-        if ref.meta["arch"] not in ("llama", "qwen2", "qwen3", "gemma3"):
-            return fail(f"{args.reference}: arch '{ref.meta['arch']}' is not llama, qwen2, qwen3 or gemma3")
+        if ref.meta["arch"] not in schema.ARCHS:
+            *most, last = schema.ARCHS
+            return fail(f"{args.reference}: arch '{ref.meta['arch']}' is not {', '.join(most)} or {last}")
         if model_path.is_file() and diffrun.fingerprint(model_path) != ref.meta["model_fingerprint"]:
             return fail(f"{model_path} is not the model of {args.reference} (fingerprints differ)")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
