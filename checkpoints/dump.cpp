@@ -577,18 +577,10 @@ struct DumpReader::Impl {
     return true;
   }
 
-  void scan_steps() {
-    std::vector<std::string> groups;
-    if (H5Literate(
-            file.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr,
-            [](hid_t, const char* name, const H5L_info_t*, void* out) -> herr_t {
-              static_cast<std::vector<std::string>*>(out)->push_back(name);
-              return 0;
-            },
-            &groups) < 0)
-      fail("cannot list the root group");
+  // Every dataset of every step group as found in the file (links checked before anything follows them).
+  std::map<int, std::vector<Raw>> read_raws() const {
     std::map<int, std::vector<Raw>> raws;
-    for (const auto& gname : groups) {
+    for (const auto& gname : list_group(file.get(), "the root group")) {
       // Every link is checked before anything follows it (docs/dump-format.md, "What readers refuse").
       if (const std::string refused = link_refusal(file.get(), gname); !refused.empty())
         fail("'" + gname + "' " + refused);
@@ -596,15 +588,7 @@ struct DumpReader::Impl {
       if (step < 0) continue;
       Hid g(H5Gopen2(file.get(), gname.c_str(), H5P_DEFAULT), H5Gclose);
       if (!g.valid()) fail("cannot open group '" + gname + "'");
-      std::vector<std::string> names;
-      if (H5Literate(
-              g.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr,
-              [](hid_t, const char* name, const H5L_info_t*, void* out) -> herr_t {
-                static_cast<std::vector<std::string>*>(out)->push_back(name);
-                return 0;
-              },
-              &names) < 0)
-        fail("cannot list group '" + gname + "'");
+      const std::vector<std::string> names = list_group(g.get(), "group '" + gname + "'");
       for (const auto& name : names)
         if (const std::string refused = link_refusal(g.get(), name); !refused.empty()) fail(refused, gname + "/" + name);
       auto& list = raws[step];
@@ -627,114 +611,143 @@ struct DumpReader::Impl {
         list.push_back(read_raw(g.get(), gname, name, it == by_name.end() ? nullptr : it->second));
       }
     }
+    return raws;
+  }
 
+  std::vector<std::string> list_group(hid_t group, const std::string& what) const {
+    std::vector<std::string> names;
+    if (H5Literate(
+            group, H5_INDEX_NAME, H5_ITER_INC, nullptr,
+            [](hid_t, const char* name, const H5L_info_t*, void* out) -> herr_t {
+              static_cast<std::vector<std::string>*>(out)->push_back(name);
+              return 0;
+            },
+            &names) < 0)
+      fail("cannot list " + what);
+    return names;
+  }
+
+  // A dataset under the name it is presented as: the map's rule for it, else its own name.
+  struct Named {
+    Raw* raw;
+    std::string name;
+    const NameRule* rule;
+  };
+
+  // The names of a step's datasets (repeats counted per base name); datasets the map drops are left out.
+  std::vector<Named> name_step(int step, std::vector<Raw>& list) {
+    std::map<std::string, int> repeats;
+    for (const auto& r : list) {
+      auto [base, k] = split_occurrence(r.source);
+      repeats[base] = std::max(repeats[base], k);
+    }
+    std::vector<Named> named;
+    std::set<std::string> taken;
+    for (auto& r : list) {
+      std::optional<NameMapping> m;
+      if (names) {
+        auto [base, k] = split_occurrence(r.source);
+        m = names->map(base, k, repeats[base], meta.config.arch, meta.facts);
+      }
+      if (m && m->drop) {
+        dropped.emplace_back(step, r.source);
+        continue;
+      }
+      const std::string name = m ? m->name : r.source;
+      if (!taken.insert(name).second)
+        fail("two datasets are presented as '" + name + "' (the name map maps both to it)",
+             step_group_name(step) + "/" + r.source);
+      named.push_back({&r, name, m ? m->rule : nullptr});
+    }
+    return named;
+  }
+
+  // How one dataset of a step is presented (its transform recorded): T and S of the step (-1: unknown),
+  // `foreign` counts the datasets outside the vocabulary so far.
+  DatasetInfo present(int step, const Named& n, int64_t T, int64_t S, const std::map<std::string, int64_t>& sizes,
+                      int& foreign) {
+    const Raw& r = *n.raw;
+    const std::string where = step_group_name(step) + "/" + r.source;
+    DatasetInfo info;
+    info.step = step;
+    info.name = n.name;
+    info.source = r.source;
+    info.is_int = r.is_int;
+    info.stored_dtype = r.stored_dtype;
+    info.stored_shape = r.shape;
+    info.shape = r.shape;
+    // Absent native_dtype: the stored dtype's name in the format's terms ("float16" -> "f16").
+    static const std::map<std::string, std::string> short_names = {
+        {"float16", "f16"}, {"bfloat16", "bf16"}, {"float32", "f32"}, {"float64", "f64"}, {"int32", "i32"}};
+    const auto short_name = short_names.find(r.stored_dtype);
+    info.native_dtype = r.native_dtype.value_or(short_name != short_names.end() ? short_name->second : r.stored_dtype);
+    const ParsedCheckpointName parsed = parse_checkpoint_name(n.name);
+    const CheckpointKind* kind = find_checkpoint_kind(parsed.base);
+    if (kind && !kind->per_layer && parsed.layer >= 0) kind = nullptr;  // "embd-3" is not embd
+    if (kind && r.is_int && parsed.base != kTokensCheckpoint)
+      fail("integer data (" + r.stored_dtype + ") for a float checkpoint (bfloat16 stored as uint16 needs the attribute dtype = \"bf16\")",
+           where);
+    info.layer = r.layer.value_or(kind && kind->per_layer ? parsed.layer : -1);
+    if (r.order) {
+      info.order = *r.order;
+    } else {
+      info.order = 1000000 + foreign++;  // outside the vocabulary: after it, in file order
+      if (kind) {
+        try {
+          info.order = checkpoint_order(meta.config, parsed.base, parsed.layer);
+        } catch (const InputError&) {
+        }
+      }
+    }
+    Transform t;
+    t.bf16 = r.bf16;
+    t.transpose = n.rule && n.rule->transpose;
+    if (t.transpose && r.shape.size() < 2) fail("the name map transposes a dataset of rank < 2", where);
+    const std::string stored_layout = n.rule && !n.rule->layout.empty() ? n.rule->layout : r.layout.value_or("");
+    info.layout = stored_layout.empty() && kind ? kind->layout : stored_layout;
+    std::vector<int64_t> shape;
+    // row_offset: the dataset holds rows row_offset.. of its row dimension only (T; S for the
+    // cache), docs/dump-format.md "Rows".
+    auto step_sizes = sizes;
+    if (r.row_offset && kind && !r.is_int && row_dim(kind->layout) >= 0) {
+      const std::string letter = layout_dims(kind->layout)[row_dim(kind->layout)];
+      const bool cache = letter == cache_rows_dim();
+      const int64_t total = cache ? (T >= 0 ? S : -1) : T;
+      if (*r.row_offset < 0 || (total >= 0 && *r.row_offset >= total))
+        fail("attribute 'row_offset' = " + std::to_string(*r.row_offset) + " is outside the step's " +
+                 std::to_string(total) + (cache ? " cache rows" : " token rows"),
+             where);
+      info.row_offset = *r.row_offset;
+      if (total >= 0) step_sizes[letter] = total - *r.row_offset;
+    }
+    if (kind && !r.is_int &&
+        plan(*kind, stored_layout, n.rule ? n.rule->crop : std::vector<std::string>{}, step_sizes, r.shape, t, shape)) {
+      info.shape = shape;
+      info.layout = kind->layout;
+    } else {
+      t.dims = r.shape;
+      t.keep = r.shape;
+      t.perm.clear();
+      for (size_t i = 0; i < r.shape.size(); ++i) t.perm.push_back(static_cast<int>(i));
+    }
+    transforms[{step, n.name}] = std::move(t);
+    stored_row_offset[{step, n.name}] = info.row_offset;
+    return info;
+  }
+
+  void scan_steps() {
+    std::map<int, std::vector<Raw>> raws = read_raws();
     int64_t S = 0;  // positions after the step
     for (auto& [step, list] : raws) {
-      const std::string gname = step_group_name(step);
-      // Names: the map's rule for each dataset (repeats counted per base name), else the name itself.
-      std::map<std::string, int> repeats;
-      for (const auto& r : list) {
-        auto [base, k] = split_occurrence(r.source);
-        repeats[base] = std::max(repeats[base], k);
-      }
-      struct Named {
-        Raw* raw;
-        std::string name;
-        const NameRule* rule;
-      };
-      std::vector<Named> named;
-      std::set<std::string> taken;
-      for (auto& r : list) {
-        std::optional<NameMapping> m;
-        if (names) {
-          auto [base, k] = split_occurrence(r.source);
-          m = names->map(base, k, repeats[base], meta.config.arch, meta.facts);
-        }
-        if (m && m->drop) {
-          dropped.emplace_back(step, r.source);
-          continue;
-        }
-        const std::string name = m ? m->name : r.source;
-        if (!taken.insert(name).second)
-          fail("two datasets are presented as '" + name + "' (the name map maps both to it)", gname + "/" + r.source);
-        named.push_back({&r, name, m ? m->rule : nullptr});
-      }
+      const std::vector<Named> named = name_step(step, list);
       int64_t T = -1;
       for (const auto& n : named)
-        if (n.name == "tokens" && n.raw->is_int && !n.raw->shape.empty()) T = n.raw->shape[0];
+        if (n.name == kTokensCheckpoint && n.raw->is_int && !n.raw->shape.empty()) T = n.raw->shape[0];
       S = T >= 0 && S >= 0 ? S + T : -1;  // unknown from a step without tokens on
       const auto sizes = letter_sizes(T, T >= 0 ? S : -1);
-
       auto& infos = steps[step];
       int foreign = 0;
-      for (const auto& n : named) {
-        const Raw& r = *n.raw;
-        const std::string where = gname + "/" + r.source;
-        DatasetInfo info;
-        info.step = step;
-        info.name = n.name;
-        info.source = r.source;
-        info.is_int = r.is_int;
-        info.stored_dtype = r.stored_dtype;
-        info.stored_shape = r.shape;
-        info.shape = r.shape;
-        // Absent native_dtype: the stored dtype's name in the format's terms ("float16" -> "f16").
-        static const std::map<std::string, std::string> short_names = {
-            {"float16", "f16"}, {"bfloat16", "bf16"}, {"float32", "f32"}, {"float64", "f64"}, {"int32", "i32"}};
-        const auto short_name = short_names.find(r.stored_dtype);
-        info.native_dtype = r.native_dtype.value_or(short_name != short_names.end() ? short_name->second : r.stored_dtype);
-        const ParsedCheckpointName parsed = parse_checkpoint_name(n.name);
-        const CheckpointKind* kind = find_checkpoint_kind(parsed.base);
-        if (kind && !kind->per_layer && parsed.layer >= 0) kind = nullptr;  // "embd-3" is not embd
-        if (kind && r.is_int && parsed.base != "tokens")
-          fail("integer data (" + r.stored_dtype + ") for a float checkpoint (bfloat16 stored as uint16 needs the attribute dtype = \"bf16\")",
-               where);
-        info.layer = r.layer.value_or(kind && kind->per_layer ? parsed.layer : -1);
-        if (r.order) {
-          info.order = *r.order;
-        } else {
-          info.order = 1000000 + foreign++;  // outside the vocabulary: after it, in file order
-          if (kind) {
-            try {
-              info.order = checkpoint_order(meta.config, parsed.base, parsed.layer);
-            } catch (const InputError&) {
-            }
-          }
-        }
-        Transform t;
-        t.bf16 = r.bf16;
-        t.transpose = n.rule && n.rule->transpose;
-        if (t.transpose && r.shape.size() < 2) fail("the name map transposes a dataset of rank < 2", where);
-        const std::string stored_layout = n.rule && !n.rule->layout.empty() ? n.rule->layout : r.layout.value_or("");
-        info.layout = stored_layout.empty() && kind ? kind->layout : stored_layout;
-        std::vector<int64_t> shape;
-        // row_offset: the dataset holds rows row_offset.. of its row dimension only (T; S for the
-        // cache), docs/dump-format.md "Rows".
-        auto step_sizes = sizes;
-        if (r.row_offset && kind && !r.is_int && row_dim(kind->layout) >= 0) {
-          const std::string letter = layout_dims(kind->layout)[row_dim(kind->layout)];
-          const int64_t total = letter == "S" ? (T >= 0 ? S : -1) : T;
-          if (*r.row_offset < 0 || (total >= 0 && *r.row_offset >= total))
-            fail("attribute 'row_offset' = " + std::to_string(*r.row_offset) + " is outside the step's " +
-                     std::to_string(total) + (letter == "S" ? " cache rows" : " token rows"),
-                 where);
-          info.row_offset = *r.row_offset;
-          if (total >= 0) step_sizes[letter] = total - *r.row_offset;
-        }
-        if (kind && !r.is_int &&
-            plan(*kind, stored_layout, n.rule ? n.rule->crop : std::vector<std::string>{}, step_sizes, r.shape, t, shape)) {
-          info.shape = shape;
-          info.layout = kind->layout;
-        } else {
-          t.dims = r.shape;
-          t.keep = r.shape;
-          t.perm.clear();
-          for (size_t i = 0; i < r.shape.size(); ++i) t.perm.push_back(static_cast<int>(i));
-        }
-        transforms[{step, n.name}] = std::move(t);
-        stored_row_offset[{step, n.name}] = info.row_offset;
-        infos.push_back(std::move(info));
-      }
+      for (const auto& n : named) infos.push_back(present(step, n, T, S, sizes, foreign));
       std::sort(infos.begin(), infos.end(), [](const DatasetInfo& a, const DatasetInfo& b) {
         return a.order != b.order ? a.order < b.order : a.name < b.name;
       });

@@ -1,5 +1,7 @@
 # checkpoints/: vocabulary and dump unit tests, the sample-dump writer, and the Python package's reader pytest.
 diffrun_test(test_vocabulary SOURCES test_vocabulary.cpp LIBS diffrun_checkpoints)
+# The embedded dump schema against the facts C++ spells itself (architectures, dtype names, table columns).
+diffrun_test(test_dump_schema SOURCES test_dump_schema.cpp LIBS diffrun_checkpoints)
 diffrun_test(test_dump SOURCES test_dump.cpp LIBS diffrun_checkpoints)
 diffrun_test(test_dump_size SOURCES test_dump_size.cpp LIBS diffrun_checkpoints)
 diffrun_test(test_name_map SOURCES test_name_map.cpp LIBS diffrun_checkpoints)

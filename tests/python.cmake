@@ -1,7 +1,7 @@
-# The Python package (python/): writer, fingerprint and validator against the C++ side, the example outside engine, and (label torch) the PyTorch hooks and transformers adapter.
+# The Python package (python/): writer, fingerprint and validator against the C++ side, the dump schema against the docs, the example outside engine, and (label torch) the PyTorch hooks and transformers adapter.
 add_test(NAME test_python_package
          COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider python/tests/test_writer.py python/tests/test_readme.py
-                 python/tests/test_validate.py
+                 python/tests/test_validate.py python/tests/test_schema.py
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_python_package PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED "tiny_models;smollm2"
   TIMEOUT 300 ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python")

@@ -16,10 +16,10 @@ from . import attributes, schema, vocabulary
 FORMAT = schema.FORMAT
 FORMAT_VERSION = schema.FORMAT_VERSION  # what diffrun.writer writes
 FORMAT_VERSIONS = schema.FORMAT_VERSIONS  # what the reader reads
-ATTRIBUTE_TABLE = "_attributes"  # version 2: a step group's dataset attributes, one compound row per dataset
+ATTRIBUTE_TABLE = schema.ATTRIBUTE_TABLE  # version 2: a step group's dataset attributes, one compound row per dataset
 ABSENT_INT = -(2**31)  # an integer column's value for "absent"
-_TABLE_STRINGS = ("name", "layout", "native_dtype", "dtype")
-_TABLE_INTS = ("order", "layer", "row_offset")
+_TABLE_STRINGS = ("name",) + tuple(n for n, a in schema.DATASET_ATTRIBUTES.items() if a.type == "string")
+_TABLE_INTS = tuple(n for n, a in schema.DATASET_ATTRIBUTES.items() if a.type == "integer")
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 

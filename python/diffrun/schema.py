@@ -18,6 +18,7 @@ FORMAT: str = SCHEMA["format"]
 FORMAT_VERSION: int = SCHEMA["format_version"]  # what the writers write
 FORMAT_VERSIONS: tuple[int, ...] = tuple(range(SCHEMA["oldest_format_version"], FORMAT_VERSION + 1))  # what readers read
 TYPES: dict[str, dict[str, str]] = SCHEMA["types"]
+ATTRIBUTE_TABLE: str = SCHEMA["attribute_table"]  # version 2: a step group's dataset attributes, one row per dataset
 
 # Architectures and the features each implies (the flags ModelConfig::set_arch_features sets).
 ARCHS: dict[str, dict[str, Any]] = {a["name"]: {k: v for k, v in a.items() if k != "name"} for a in SCHEMA["archs"]}
