@@ -3,13 +3,18 @@
 #include "reference_cpu/dequant_rows.hpp"
 
 #include <bit>
+#include <cmath>
 #include <cstring>
 
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX2__) && defined(__F16C__)
+#define DIFFRUN_REF_AVX2_DECODE 1
+#endif
 
 #include "model/dequant.hpp"
+#include "reference_cpu/kernels.hpp"
 #include "reference_cpu/storage.hpp"
 
 // As in model/dequant.cpp: no fused multiply-add, so the operation order is ggml's by construction (every product
@@ -123,6 +128,90 @@ void rows_q4_k(const uint8_t* __restrict b, float* __restrict y, int64_t n_block
   }
 }
 
+#if DIFFRUN_REF_AVX2_DECODE
+// round_f16's eight values at once: vcvtps2ph (nearest even) and back, NaN made Eigen's quiet NaN of the same sign.
+inline __m256 round8_f16(__m256 v) {
+  const __m256 quiet_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256 rounded = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  const __m256 nan = _mm256_or_ps(_mm256_and_ps(v, sign), quiet_nan);
+  return _mm256_blendv_ps(rounded, nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+// Sixteen 4-bit (or wider) codes held in bytes to floats d * q - m, in the scalar decoders' operation order (one
+// product, then one difference, each rounded), rounded to f16 too as kRound says: 0 not, 1 as round_f16 does, 2 as
+// it does values that cannot be NaN (d and m finite, q < 256: d * q - m is finite); y gets 16 values.
+template <int kRound>
+inline void codes16(__m128i q /* 16 bytes */, __m256 d, __m256 m, float* y) {
+  __m256 a = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q))), m);
+  __m256 b = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))), m);
+  if (kRound == 1) {
+    a = round8_f16(a);
+    b = round8_f16(b);
+  } else if (kRound == 2) {
+    a = _mm256_cvtph_ps(_mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+    b = _mm256_cvtph_ps(_mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT));
+  }
+  _mm256_storeu_ps(y, a);
+  _mm256_storeu_ps(y + 8, b);
+}
+
+// The eight sub-block scales d * sc_j and mins dmin * m_j of a Q4_K/Q5_K block at once (scale_min_k4's values, the
+// same products). The 12 scale bytes as three words w0, w1, w2: sc_0..3 = w0 & 63, m_0..3 = w1 & 63 (bytewise),
+// sc_4..7 = (w2 & 15) | (w0 >> 6) << 4 and m_4..7 = (w2 >> 4) | (w1 >> 6) << 4.
+inline void scales_k4_avx2(const uint8_t* scales, float d, float dmin, float* dsc /* [8] */, float* dm /* [8] */) {
+  uint32_t w[3];
+  std::memcpy(w, scales, 12);
+  const uint32_t sc_lo = w[0] & 0x3f3f3f3fu;
+  const uint32_t m_lo = w[1] & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+  const uint32_t m_hi = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+  const __m128i sc = _mm_set_epi32(0, 0, static_cast<int>(sc_hi), static_cast<int>(sc_lo));
+  const __m128i m = _mm_set_epi32(0, 0, static_cast<int>(m_hi), static_cast<int>(m_lo));
+  _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc))));
+  _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m))));
+}
+
+// One Q4_K block by hand: each pair of sub-blocks is 32 bytes, low nibbles the first sub-block, high nibbles the
+// second.
+template <int kRound>
+inline void block_q4_k_avx2(const uint8_t* __restrict b, float d, float min, float* __restrict y) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  alignas(32) float dsc[8], dm[8];
+  scales_k4_avx2(b + 4, d, min, dsc, dm);
+  const uint8_t* q = b + 16;
+  for (int is = 0; is < 8; is += 2, q += 32, y += 64) {
+    const __m256 d1 = _mm256_broadcast_ss(dsc + is), m1 = _mm256_broadcast_ss(dm + is);
+    const __m256 d2 = _mm256_broadcast_ss(dsc + is + 1), m2 = _mm256_broadcast_ss(dm + is + 1);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i lo = _mm256_and_si256(v, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    codes16<kRound>(_mm256_castsi256_si128(lo), d1, m1, y);
+    codes16<kRound>(_mm256_extracti128_si256(lo, 1), d1, m1, y + 16);
+    codes16<kRound>(_mm256_castsi256_si128(hi), d2, m2, y + 32);
+    codes16<kRound>(_mm256_extracti128_si256(hi, 1), d2, m2, y + 48);
+  }
+}
+
+// rows_q4_k by hand, rounded to f16 as round_f16 rounds when kRound (the NaN handling only in blocks whose scales are
+// not finite).
+template <bool kRound>
+void rows_q4_k_avx2(const uint8_t* __restrict b, float* __restrict y, int64_t n_blocks) {
+  for (int64_t i = 0; i < n_blocks; ++i, b += 144, y += QK_K) {
+    prefetch_ahead(b, 144);
+    const float d = half_at(b);
+    const float min = half_at(b + 2);
+    if (!kRound) {
+      block_q4_k_avx2<0>(b, d, min, y);
+    } else if (std::isfinite(d) && std::isfinite(min)) {
+      block_q4_k_avx2<2>(b, d, min, y);
+    } else {
+      block_q4_k_avx2<1>(b, d, min, y);
+    }
+  }
+}
+#endif
+
 void rows_q5_k(const uint8_t* __restrict b, float* __restrict y, int64_t n_blocks) {  // d f16 | dmin f16 | scales[12] | qh[32] | qs[128]
   for (int64_t i = 0; i < n_blocks; ++i, b += 176) {
     prefetch_ahead(b, 176);
@@ -221,7 +310,20 @@ RowsFn rows_fn(GgmlType t, int64_t* block) {
   }
 }
 
-void decode(GgmlType type, const uint8_t* s, float* y, int64_t n) {
+// n values of `type` at s into y; rounded to f16 as round_f16 rounds them when `round` (an F16 matrix's values are
+// halves already: rounding them is the identity, skipped). The decoders written by hand for AVX2 run unless the
+// portable kernels are selected (reference_cpu/kernels.hpp); they give the same values.
+void decode(GgmlType type, const uint8_t* s, float* y, int64_t n, bool round = false) {
+#if DIFFRUN_REF_AVX2_DECODE
+  if (!portable_kernels() && type == GgmlType::Q4_K) {
+    if (round) {
+      rows_q4_k_avx2<true>(s, y, n / QK_K);
+    } else {
+      rows_q4_k_avx2<false>(s, y, n / QK_K);
+    }
+    return;
+  }
+#endif
   int64_t block = 0;
   if (const RowsFn fn = rows_fn(type, &block)) {
     fn(s, y, n / block);
@@ -234,12 +336,17 @@ void decode(GgmlType type, const uint8_t* s, float* y, int64_t n) {
   } else {
     dequantize(type, s, y, n);
   }
+  if (round && type != GgmlType::F16) round_f16(y, n);
 }
 
 }  // namespace
 
 void dequantize_rows(GgmlType type, const std::byte* src, float* dst, int64_t n) {
   decode(type, reinterpret_cast<const uint8_t*>(src), dst, n);
+}
+
+void dequantize_rows_f16(GgmlType type, const std::byte* src, float* dst, int64_t n) {
+  decode(type, reinterpret_cast<const uint8_t*>(src), dst, n, true);
 }
 
 void dequantize_rows(GgmlType type, const std::byte* src, double* dst, int64_t n) {

@@ -14,4 +14,8 @@ namespace diffrun::ref {
 void dequantize_rows(GgmlType type, const std::byte* src, float* dst, int64_t n);
 void dequantize_rows(GgmlType type, const std::byte* src, double* dst, int64_t n);
 
+// The same n values rounded to f16 (round_f16 of reference_cpu/storage.hpp; an F16 row is left as it is), in one
+// pass where the format's decoder rounds as it goes.
+void dequantize_rows_f16(GgmlType type, const std::byte* src, float* dst, int64_t n);
+
 }  // namespace diffrun::ref

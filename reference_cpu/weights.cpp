@@ -91,6 +91,19 @@ void WeightMatrix<T>::decode_rows(T* out /* [n,cols] */, int64_t r0, int64_t n) 
 }
 
 template <typename T>
+void WeightMatrix<T>::decode_floats(float* out /* [n,nc] */, int64_t r0, int64_t n, int64_t c0, int64_t nc) const {
+  const auto decode = round_f16_ ? dequantize_rows_f16 : [](GgmlType t, const std::byte* s, float* d, int64_t m) {
+    dequantize_rows(t, s, d, m);
+  };
+  const int64_t offset = c0 / ggml_block_elements(type_) * ggml_block_bytes(type_);
+  if (c0 == 0 && nc == cols_) {
+    decode(type_, bytes() + r0 * row_bytes_, out, n * cols_);
+  } else {
+    for (int64_t r = 0; r < n; ++r) decode(type_, bytes() + (r0 + r) * row_bytes_ + offset, out + r * nc, nc);
+  }
+}
+
+template <typename T>
 Matrix<T>& WeightMatrix<T>::densify() {
   if (!dense()) {
     Matrix<T> all(rows_, cols_);

@@ -23,8 +23,8 @@ using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
 
 // A weight matrix [rows, cols] (a GGUF tensor [ne0 = cols, ne1 = rows]) as the reference reads it. Streamed
 // (the default): the tensor's bytes stay where they are (the read-only mmap, or an owned copy when the
-// dequant_scale_offset fault rewrites them) and decode_rows dequantizes the rows a matmul needs, exactly as
-// dequantize_tensor would, then rounds them to f16 when the storage plan holds weights in f16. Dense: every value
+// dequant_scale_offset fault rewrites them) and decode_floats dequantizes the pieces of rows a matmul needs,
+// exactly as dequantize_tensor would, rounded to f16 when the storage plan holds weights in f16. Dense: every value
 // dequantized once (the former way, kept for the faults that edit weights and as the streamed path's oracle).
 // Both give the same values bit for bit.
 template <typename T>
@@ -45,6 +45,10 @@ class WeightMatrix {
 
   // out [n, cols] = rows r0 .. r0+n-1, decoded (streamed) or copied (dense).
   void decode_rows(T* out /* [n,cols] */, int64_t r0, int64_t n) const;
+  // Streamed only: out [n, nc] = columns c0 .. c0+nc-1 of rows r0 .. r0+n-1 as floats (every decoded value, rounded
+  // to f16 or not, is a float: these are decode_rows's values before their conversion to T). c0 and nc are whole
+  // blocks, or nc reaches the row's end.
+  void decode_floats(float* out /* [n,nc] */, int64_t r0, int64_t n, int64_t c0, int64_t nc) const;
 
   // Decodes every row once and holds them (for the faults that edit or reinterpret a matrix); returns them.
   Matrix<T>& densify();

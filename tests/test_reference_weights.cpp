@@ -1,9 +1,12 @@
 // The reference's streamed weights against the dense ones, bit for bit: row dequantization against model/dequant on
 // random blocks of every format, the matmul over GGUF bytes against the matmul over dequantized matrices (f32 and
 // f64, one and several tokens, 1 to 3 threads, with and without f16 rounding), and whole forward passes (every tiny
-// fixture, every precision, every fault that applies, SmolLM2) recorded at every checkpoint of three steps.
+// fixture, every precision, every fault that applies, SmolLM2) recorded at every checkpoint of three steps. The
+// vectorised kernels against the portable ones (reference_cpu/kernels.hpp) in the same places, and both against the
+// summation order written out here from its documentation.
 #include <omp.h>
 
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -21,6 +24,7 @@
 #include "model/dequant.hpp"
 #include "model/gguf.hpp"
 #include "reference_cpu/dequant_rows.hpp"
+#include "reference_cpu/kernels.hpp"
 #include "reference_cpu/ops/matmul.hpp"
 #include "reference_cpu/reference.hpp"
 #include "reference_cpu/storage.hpp"
@@ -40,22 +44,43 @@ const std::vector<GgmlType> kFormats = {GgmlType::F32,  GgmlType::F16,  GgmlType
                                         GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K,
                                         GgmlType::Q6_K};
 
+// Runs the body with the vectorised kernels, then with the portable ones, restoring the selection after.
+class KernelChoice {
+ public:
+  explicit KernelChoice(bool portable) : before_(ref::portable_kernels()) { ref::set_portable_kernels(portable); }
+  ~KernelChoice() { ref::set_portable_kernels(before_); }
+  KernelChoice(const KernelChoice&) = delete;
+  KernelChoice& operator=(const KernelChoice&) = delete;
+
+ private:
+  bool before_;
+};
+
 // Random bytes as blocks: every scale field takes random half bit patterns, NaN, infinities and subnormals included.
+// With the decoders written by hand for AVX2 and with the portable ones.
 TEST(DequantRows, MatchDequantizeOnRandomBlocksOfEveryFormat) {
-  std::mt19937 rng(20261123);
-  for (GgmlType type : kFormats) {
-    SCOPED_TRACE(ggml_type_name(type));
-    const int64_t n = 64 * 256;  // whole blocks of every format, and more than one f64 chunk
-    std::vector<std::byte> bytes(static_cast<size_t>(n / ggml_block_elements(type) * ggml_block_bytes(type)));
-    for (std::byte& b : bytes) b = static_cast<std::byte>(rng() & 0xff);
-    std::vector<float> want32(n), got32(n);
-    std::vector<double> want64(n), got64(n);
-    dequantize(type, bytes.data(), want32.data(), n);
-    dequantize(type, bytes.data(), want64.data(), n);
-    ref::dequantize_rows(type, bytes.data(), got32.data(), n);
-    ref::dequantize_rows(type, bytes.data(), got64.data(), n);
-    EXPECT_TRUE(same_bits(want32, got32));
-    EXPECT_TRUE(same_bits(want64, got64));
+  for (bool portable : {false, true}) {
+    const KernelChoice choice(portable);
+    std::mt19937 rng(20261123);
+    for (GgmlType type : kFormats) {
+      SCOPED_TRACE(std::string(ggml_type_name(type)) + (portable ? " portable" : " vector"));
+      const int64_t n = 64 * 256;  // whole blocks of every format, and more than one f64 chunk
+      std::vector<std::byte> bytes(static_cast<size_t>(n / ggml_block_elements(type) * ggml_block_bytes(type)));
+      for (std::byte& b : bytes) b = static_cast<std::byte>(rng() & 0xff);
+      std::vector<float> want32(n), got32(n);
+      std::vector<double> want64(n), got64(n);
+      dequantize(type, bytes.data(), want32.data(), n);
+      dequantize(type, bytes.data(), want64.data(), n);
+      ref::dequantize_rows(type, bytes.data(), got32.data(), n);
+      ref::dequantize_rows(type, bytes.data(), got64.data(), n);
+      EXPECT_TRUE(same_bits(want32, got32));
+      EXPECT_TRUE(same_bits(want64, got64));
+      // Rounded to f16 as the decoder goes: round_f16 of the same values (F16 rows stay as they are).
+      std::vector<float> rounded(n);
+      ref::dequantize_rows_f16(type, bytes.data(), rounded.data(), n);
+      if (type != GgmlType::F16) ref::round_f16(want32.data(), n);
+      EXPECT_TRUE(same_bits(want32, rounded));
+    }
   }
 }
 
@@ -138,20 +163,92 @@ void expect_streamed_matmul_equals_dense(const GgufFile& file, const TensorInfo&
   for (int n_tokens : {1, 7}) {
     std::vector<T> x(static_cast<size_t>(n_tokens) * K);
     for (T& v : x) v = static_cast<T>(normal(rng));
-    std::vector<T> first;  // the values at 1 thread: every thread count gives them
+    std::vector<T> first;  // the values at 1 thread, vectorised: every thread count and both kernels give them
     for (int threads : {1, 2, 3}) {
-      SCOPED_TRACE(info.name + " tokens " + std::to_string(n_tokens) + " threads " + std::to_string(threads) +
-                   (round_to_f16 ? " f16" : ""));
-      omp_set_num_threads(threads);
-      std::vector<T> want(static_cast<size_t>(n_tokens) * N), got(want.size());
-      ref::matmul(want.data(), x.data(), dense.data(), bias.data(), n_tokens, K, N);
-      ref::matmul(got.data(), x.data(), streamed, bias.data(), n_tokens, K, N);
-      EXPECT_TRUE(same_bits(want, got));
-      if (first.empty()) first = want;
-      EXPECT_TRUE(same_bits(first, want));
+      for (bool portable : {false, true}) {
+        SCOPED_TRACE(info.name + " tokens " + std::to_string(n_tokens) + " threads " + std::to_string(threads) +
+                     (round_to_f16 ? " f16" : "") + (portable ? " portable" : " vector"));
+        const KernelChoice choice(portable);
+        omp_set_num_threads(threads);
+        std::vector<T> want(static_cast<size_t>(n_tokens) * N), got(want.size());
+        ref::matmul(want.data(), x.data(), dense.data(), bias.data(), n_tokens, K, N);
+        ref::matmul(got.data(), x.data(), streamed, bias.data(), n_tokens, K, N);
+        EXPECT_TRUE(same_bits(want, got));
+        if (first.empty()) first = want;
+        EXPECT_TRUE(same_bits(first, want));
+      }
     }
   }
   omp_set_num_threads(threads_before);
+}
+
+// out[t, n] = sum_k x[t, k] * w[n, k] + bias[n] in the order reference_cpu/kernels.hpp documents, written out here
+// one value at a time: 16 lane sums of std::fma in input order, the tree h = 8, 4, 2, 1, then the bias.
+template <typename T>
+std::vector<T> documented_order(const std::vector<T>& x, const std::vector<T>& w, const std::vector<T>& bias,
+                                int n_tokens, int K, int N) {
+  std::vector<T> out(static_cast<size_t>(n_tokens) * N);
+  for (int t = 0; t < n_tokens; ++t) {
+    for (int n = 0; n < N; ++n) {
+      T s[16] = {};
+      for (int k = 0; k < K; ++k) s[k % 16] = std::fma(x[t * K + k], w[n * K + k], s[k % 16]);
+      for (int h = 8; h >= 1; h /= 2) {
+        for (int j = 0; j < h; ++j) s[j] = s[j] + s[j + h];
+      }
+      out[t * N + n] = s[0] + bias[n];
+    }
+  }
+  return out;
+}
+
+// The vectorised and the portable kernels give the documented order's values bit for bit, for every remainder of K
+// by 16, one token and groups of tokens that leave every remainder too, at 1 and 3 threads. The inputs span many
+// binades, so another order (a plain running sum, another tree, no fma) gives other values, which the test checks.
+template <typename T>
+void expect_documented_order() {
+  std::mt19937 rng(37);
+  std::normal_distribution<double> normal;
+  std::uniform_int_distribution<int> exponent(-12, 12);
+  auto value = [&] { return static_cast<T>(std::ldexp(normal(rng), exponent(rng))); };
+  const int threads_before = omp_get_max_threads();
+  int order_mattered = 0;
+  for (int K : {1, 5, 16, 17, 31, 64, 100, 515, 1040, 4099}) {
+    for (int n_tokens : {1, 2, 3, 4, 5, 7, 9}) {
+      const int N = 37;
+      std::vector<T> x(static_cast<size_t>(n_tokens) * K), w(static_cast<size_t>(N) * K), bias(N);
+      for (T& v : x) v = value();
+      for (T& v : w) v = value();
+      for (T& v : bias) v = value();
+      const std::vector<T> want = documented_order(x, w, bias, n_tokens, K, N);
+      for (int threads : {1, 3}) {
+        for (bool portable : {false, true}) {
+          SCOPED_TRACE("K " + std::to_string(K) + " tokens " + std::to_string(n_tokens) + " threads " +
+                       std::to_string(threads) + (portable ? " portable" : " vector"));
+          const KernelChoice choice(portable);
+          omp_set_num_threads(threads);
+          std::vector<T> got(want.size());
+          ref::matmul(got.data(), x.data(), w.data(), bias.data(), n_tokens, K, N);
+          EXPECT_TRUE(same_bits(want, got));
+        }
+      }
+      // A plain running sum in input order, for comparison.
+      for (int t = 0; t < n_tokens; ++t) {
+        for (int n = 0; n < N; ++n) {
+          T s = 0;
+          for (int k = 0; k < K; ++k) s += x[t * K + k] * w[n * K + k];
+          s += bias[n];
+          if (std::memcmp(&s, &want[t * N + n], sizeof(T)) != 0) ++order_mattered;
+        }
+      }
+    }
+  }
+  omp_set_num_threads(threads_before);
+  EXPECT_GT(order_mattered, 1000);
+}
+
+TEST(Kernels, VectorisedAndPortableFollowTheDocumentedOrder) {
+  expect_documented_order<float>();
+  expect_documented_order<double>();
 }
 
 TEST(StreamedMatmul, EqualsDenseMatmulBitForBit) {
@@ -239,6 +336,36 @@ TEST(StreamedReference, EqualsDenseOnEveryTinyFixtureAndPrecision) {
     }
   }
   EXPECT_EQ(runs, 4 * 14);
+}
+
+// The whole forward pass with the portable kernels (and decoders) gives the vectorised run's checkpoints bit for bit:
+// the formats with decoders of their own and the rest, each in f32, f64 and the f16-storage precisions.
+TEST(StreamedReference, PortableKernelsGiveTheVectorisedRun) {
+  if (!std::filesystem::exists(test::fixture_path("tiny-llama-f32.gguf"))) {
+    GTEST_SKIP() << "tiny fixtures not generated in " << test::fixture_path("") << " (ctest fixture tiny_models)";
+  }
+  int runs = 0;
+  for (const std::string fmt : {"f32", "f16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "kmix"}) {
+    const auto file = GgufFile::open(test::fixture_path("tiny-llama-" + fmt + ".gguf"));
+    const ModelConfig cfg = config_from_gguf(*file);
+    for (const std::string precision : {"f32", "f64", "f32-f16store", "f64-f16store"}) {
+      SCOPED_TRACE("tiny-llama-" + fmt + " " + precision);
+      std::vector<std::vector<float>> logits_vector, logits_portable;
+      const MemorySink vector = run_three_steps(*file, cfg, precision, {}, WeightHolding::streamed, logits_vector);
+      MemorySink portable;
+      {
+        const KernelChoice choice(true);
+        portable = run_three_steps(*file, cfg, precision, {}, WeightHolding::streamed, logits_portable);
+      }
+      ASSERT_EQ(vector.values.size(), portable.values.size());
+      for (const auto& [key, want] : vector.values) {
+        EXPECT_TRUE(same_bits(want, portable.values.at(key))) << "step " << key.first << " " << key.second;
+      }
+      for (size_t s = 0; s < logits_vector.size(); ++s) EXPECT_TRUE(same_bits(logits_vector[s], logits_portable[s]));
+      ++runs;
+    }
+  }
+  EXPECT_EQ(runs, 9 * 4);
 }
 
 // The faults that edit or reinterpret weights hold those matrices dense; every fault that applies gives the same run.

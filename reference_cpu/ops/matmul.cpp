@@ -1,57 +1,73 @@
-// Linear layer out = x · Wᵀ (+ bias) with Eigen. T tokens, K inputs, N outputs; W is [N,K] row-major.
+// Linear layer out = x · Wᵀ (+ bias). T tokens, K inputs, N outputs; W is [N,K] row-major.
 #include "reference_cpu/ops/matmul.hpp"
 
 #include <algorithm>
 #include <cstdint>
-#include <memory>
+#include <limits>
 #include <string>
-
-#include <Eigen/Core>
+#include <vector>
 
 #include "model/error.hpp"
+#include "reference_cpu/kernels.hpp"
 #include "reference_cpu/weights.hpp"
 
 namespace diffrun::ref {
 
 namespace {
 
-template <typename T>
-using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-template <typename T>
-using Vec = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+// Every output below is one sum in the order of reference_cpu/kernels.hpp (16 lane sums of fma in input order, a
+// fixed tree, then the bias): a function of x, the row and K alone. How the work is cut (rows per thread, tiles,
+// pieces of a row, groups of tokens) and which kernels run (vectorised or portable) change no value.
 
-// One output of a decode mat-vec: both matmuls take exactly this sum, so they agree bit for bit.
+// Tokens taken together against one weight row: the vectorised kernels' register blocking (3 tokens × 4 registers of
+// f64 lane sums, 4 tokens × 2 registers of f32 ones), so that each weight loaded serves that many tokens.
 template <typename T>
-T row_dot(const T* w /* [K] */, const Eigen::Map<const Vec<T>>& x /* [K] */, const T* bias /* [N] or null */, int n) {
-  return Eigen::Map<const Vec<T>>(w, x.size()).dot(x) + (bias ? bias[n] : T(0));
+constexpr int kTokenGroup = sizeof(T) == 8 ? 3 : 4;
+
+// Inputs a one-token step decodes at a time: 4 KB of floats, whole blocks of every format (block sizes 1, 32, 256).
+constexpr int kPiece = 1024;
+
+// Rows a one-token step hands a thread at a time; it takes each piece of the inputs against all of them in turn, so
+// that the piece of x stays in L1 while they use it.
+constexpr int kDecodeRows = 16;
+
+// Inputs a prefill takes against the rows of a tile before the next ones: a group of tokens' inputs (12 KB in f64)
+// stays in L1 across the tile's rows.
+constexpr int kChunk = 512;
+
+// Rows a prefill decodes into a tile and then takes against every token: about 256 KB of floats (in L2), at least 8.
+int tile_rows(int K) { return static_cast<int>(std::max<int64_t>(8, 262144 / (static_cast<int64_t>(K) * 4))); }
+
+template <typename T>
+T finish(const T* acc /* [16] */, const T* bias /* [N] or null */, int n) {
+  const T s = bias ? lane_total(acc) + bias[n] : lane_total(acc);
+  return s == s ? s : std::numeric_limits<T>::quiet_NaN();  // kernels.hpp: one NaN for every NaN
 }
 
-// Rows [n0, n1) of out = x · W[n0:n1]ᵀ (+ bias) as one single-threaded Eigen GEMM; w points at row n0.
-template <typename T>
-void gemm_block(T* out /* [T,N] */, const T* x /* [T,K] */, const T* w /* [n1-n0,K] */, const T* bias,
-                int n_tokens, int K, int N, int n0, int n1) {
-  const Eigen::Map<const Mat<T>> xm(x, n_tokens, K);
-  Eigen::Map<Mat<T>> om(out, n_tokens, N);
-  const Eigen::Map<const Mat<T>> wm(w, n1 - n0, K);
-  om.middleCols(n0, n1 - n0).noalias() = xm * wm.transpose();
-  if (bias) {
-    om.middleCols(n0, n1 - n0).rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias + n0, n1 - n0);
+// out[t, n0 + r] for every token t and the rows r of a tile w [rows,K] (W float or T): per group of tokens, the
+// inputs a chunk at a time against every row of the tile, the lane sums kept in acc between chunks.
+template <typename T, typename W>
+void tile_outputs(T* out /* [T,N] */, const T* x /* [T,K] */, const W* w /* [rows,K] */, const T* bias, int n_tokens,
+                  int K, int N, int n0, int rows, std::vector<T>& acc /* [rows,G,16] */) {
+  constexpr int G = kTokenGroup<T>;
+  acc.resize(static_cast<size_t>(rows) * G * kLanes);
+  for (int t0 = 0; t0 < n_tokens; t0 += G) {
+    const int g = std::min(G, n_tokens - t0);
+    std::fill(acc.begin(), acc.end(), T(0));
+    for (int k0 = 0; k0 < K; k0 += kChunk) {
+      const int m = std::min(kChunk, K - k0);
+      for (int r = 0; r < rows; ++r) {
+        lane_accumulate(&acc[static_cast<size_t>(r) * G * kLanes], w + static_cast<int64_t>(r) * K + k0,
+                        x + static_cast<int64_t>(t0) * K + k0, K, g, m);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      for (int t = 0; t < g; ++t) {
+        out[static_cast<int64_t>(t0 + t) * N + n0 + r] = finish(&acc[(static_cast<size_t>(r) * G + t) * kLanes], bias,
+                                                                n0 + r);
+      }
+    }
   }
-}
-
-// Output columns (weight rows) a prefill GEMM takes at once: about 512 KB of weight values (in L2 while the GEMM
-// reads them), a multiple of 8, at least 32 (each GEMM packs the tokens' rows anew). A function of K alone, so
-// the GEMMs, and their values, are the same for any number of threads.
-template <typename T>
-int gemm_columns(int K) {
-  const int64_t cols = 524288 / (static_cast<int64_t>(K) * sizeof(T));
-  return static_cast<int>(std::max<int64_t>(32, cols / 8 * 8));
-}
-
-// Rows a decode tile holds: about 32 KB of decoded weights, so the tile stays in L1/L2 between decode and dots.
-template <typename T>
-int tile_rows(int K) {
-  return std::max(1, static_cast<int>(32768 / (static_cast<int64_t>(K) * sizeof(T))));
 }
 
 }  // namespace
@@ -60,20 +76,26 @@ template <typename T>
 void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const T* W /* [N,K] */, const T* bias /* [N] or null */,
             int n_tokens, int K, int N) {
   if (n_tokens == 1) {
-    // Decode: memory bound on W; each thread streams its own block of rows.
-    const Eigen::Map<const Vec<T>> xv(x, K);
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; ++n) out[n] = row_dot(W + static_cast<int64_t>(n) * K, xv, bias, n);
+    // Decode: the threads take rows in turn.
+#pragma omp parallel for schedule(dynamic, kDecodeRows)
+    for (int n = 0; n < N; ++n) {
+      T acc[kLanes] = {};
+      lane_accumulate(acc, W + static_cast<int64_t>(n) * K, x, K, 1, K);
+      out[n] = finish(acc, bias, n);
+    }
     return;
   }
-  // Prefill: blocks of output columns, each a single-threaded Eigen GEMM, shared among the threads (Eigen's own
-  // threaded GEMM spins badly when the cores are shared).
-  const int cols = gemm_columns<T>(K);
-  const int n_blocks = (N + cols - 1) / cols;
-#pragma omp parallel for schedule(dynamic)
-  for (int b = 0; b < n_blocks; ++b) {
-    const int n0 = b * cols, n1 = std::min(N, n0 + cols);
-    gemm_block(out, x, W + static_cast<int64_t>(n0) * K, bias, n_tokens, K, N, n0, n1);
+  // Prefill: tiles of rows shared among the threads, each against every token.
+  const int rows = tile_rows(K);
+  const int n_tiles = (N + rows - 1) / rows;
+#pragma omp parallel
+  {
+    std::vector<T> acc;
+#pragma omp for schedule(dynamic) nowait
+    for (int b = 0; b < n_tiles; ++b) {
+      const int n0 = b * rows, n1 = std::min(N, n0 + rows);
+      tile_outputs(out, x, W + static_cast<int64_t>(n0) * K, bias, n_tokens, K, N, n0, n1 - n0, acc);
+    }
   }
 }
 
@@ -89,35 +111,41 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const WeightMatrix<T>& W
     return;
   }
   if (n_tokens == 1) {
-    // Decode: the weights' bytes are read once (a quarter to an eighth of the dense values' bytes); each tile of
-    // rows is decoded into a small per-thread buffer and used at once.
-    const Eigen::Map<const Vec<T>> xv(x, K);
-    const int rows_per_tile = tile_rows<T>(K);
-    const int n_tiles = (N + rows_per_tile - 1) / rows_per_tile;
+    // Decode: the weights' bytes are read once. A thread takes kDecodeRows rows at a time and, a piece of the inputs
+    // at a time, decodes each row's piece into a buffer of floats (in L1) and takes it into that row's lane sums.
+    const int n_groups = (N + kDecodeRows - 1) / kDecodeRows;
 #pragma omp parallel
     {
-      const std::unique_ptr<T[]> tile(new T[static_cast<size_t>(rows_per_tile) * K]);  // [rows_per_tile,K]
-#pragma omp for schedule(static) nowait
-      for (int i = 0; i < n_tiles; ++i) {
-        const int n0 = i * rows_per_tile, n1 = std::min(N, n0 + rows_per_tile);
-        W.decode_rows(tile.get(), n0, n1 - n0);
-        for (int n = n0; n < n1; ++n) out[n] = row_dot(tile.get() + static_cast<int64_t>(n - n0) * K, xv, bias, n);
+      std::vector<float> piece(static_cast<size_t>(std::min(kPiece, K)));  // [kPiece]
+      T acc[kDecodeRows * kLanes];
+#pragma omp for schedule(dynamic) nowait
+      for (int i = 0; i < n_groups; ++i) {
+        const int n0 = i * kDecodeRows, rows = std::min(N - n0, kDecodeRows);
+        std::fill_n(acc, rows * kLanes, T(0));
+        for (int k0 = 0; k0 < K; k0 += kPiece) {
+          const int m = std::min(kPiece, K - k0);
+          for (int r = 0; r < rows; ++r) {
+            W.decode_floats(piece.data(), n0 + r, 1, k0, m);
+            lane_accumulate(acc + r * kLanes, piece.data(), x + k0, K, 1, m);
+          }
+        }
+        for (int r = 0; r < rows; ++r) out[n0 + r] = finish(acc + r * kLanes, bias, n0 + r);
       }
     }
     return;
   }
-  // Prefill: the same column blocks and GEMMs as the pointer path, each on its block decoded into a buffer of the
-  // thread's own, so that a matrix is never decoded whole.
-  const int cols = gemm_columns<T>(K);
-  const int n_blocks = (N + cols - 1) / cols;
+  // Prefill: each tile of rows decoded once, into a per-thread buffer of floats, and taken against every token.
+  const int rows = tile_rows(K);
+  const int n_tiles = (N + rows - 1) / rows;
 #pragma omp parallel
   {
-    const std::unique_ptr<T[]> block(new T[static_cast<size_t>(cols) * K]);  // [cols,K]
+    std::vector<float> tile(static_cast<size_t>(rows) * K);  // [rows,K]
+    std::vector<T> acc;
 #pragma omp for schedule(dynamic) nowait
-    for (int b = 0; b < n_blocks; ++b) {
-      const int n0 = b * cols, n1 = std::min(N, n0 + cols);
-      W.decode_rows(block.get(), n0, n1 - n0);
-      gemm_block(out, x, block.get(), bias, n_tokens, K, N, n0, n1);
+    for (int b = 0; b < n_tiles; ++b) {
+      const int n0 = b * rows, n1 = std::min(N, n0 + rows);
+      W.decode_floats(tile.data(), n0, n1 - n0, 0, K);
+      tile_outputs(out, x, tile.data(), bias, n_tokens, K, N, n0, n1 - n0, acc);
     }
   }
 }

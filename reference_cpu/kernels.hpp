@@ -1,0 +1,42 @@
+// The reference's dot-product kernels: every matmul output is one sum taken in one fixed order (below), by vectorised
+// kernels built for the host CPU (AVX2 with FMA) or by portable loops that take the same sums in the same order.
+// K inputs; a weight row w [K] (decoded floats, or the dense matrix's values), token rows x [T,K].
+#pragma once
+
+#include <cstdint>
+
+namespace diffrun::ref {
+
+// The summation order of out[t, n] = sum_k x[t, k] * w[n, k] (+ bias[n]), for f32 and f64 alike:
+//   16 lane sums s[0..15], each starting at +0; for k = 0, 1, ..., K-1 in turn,
+//     s[k mod 16] = fma(x[t, k], w[n, k], s[k mod 16])   (one rounding, in the arithmetic type T);
+//   then a fixed tree: for h = 8, 4, 2, 1: s[j] = s[j] + s[j + h] for j < h;
+//   out = s[0], then out = out + bias[n] where there is a bias;
+//   a NaN out is returned as the positive quiet NaN without payload (which of two NaN operands an FMA or an add passes
+//   on is the instruction's choice, not IEEE 754's, and differs between a kernel's register allocations).
+// The weight is converted to T first (exact: a decoded weight is a float). The order depends on K alone, not on the
+// thread count, the tiling, the number of tokens or the CPU, so decode and prefill, streamed and dense weights,
+// vectorised and portable kernels all give the same value bit for bit.
+inline constexpr int kLanes = 16;
+
+// Selects the portable kernels (true) or the vectorised ones where the build has them (false, the default). Both
+// give the same values bit for bit; set it between matmuls, not during one.
+void set_portable_kernels(bool portable);
+bool portable_kernels();
+
+// "avx2-fma" or "portable": the kernels the next matmul runs.
+const char* kernels_name();
+
+// Lane sums of nt tokens against one weight row, over n consecutive inputs k0 .. k0+n-1, added to acc:
+// acc [nt, 16] the lane sums so far (lane j of token t at acc[t*16 + j]), w [n] the row's weights from k0 (W float or
+// T), x the token rows from k0 (token t at x + t*ldx). k0 must be a multiple of 16 unless this piece is the row's
+// last, so that piece after piece continues the same order (a row may be taken in any pieces of that kind).
+template <typename T, typename W>
+void lane_accumulate(T* acc /* [nt,16] */, const W* w /* [n] */, const T* x /* [nt,ldx] */, int64_t ldx, int nt,
+                     int64_t n);
+
+// The tree over the 16 lane sums of one output.
+template <typename T>
+T lane_total(const T* acc /* [16] */);
+
+}  // namespace diffrun::ref
