@@ -275,8 +275,9 @@ struct DumpReader::Impl {
                                                " stores fixed-length strings"
                                          : version1_refused()),
            where);
-    std::optional<std::string> v = h5::read_string_attribute(obj, name, vlen_strings_ok);
-    if (!v) fail(std::string("cannot read attribute '") + name + "'", where);
+    std::string why;
+    std::optional<std::string> v = h5::read_string_attribute(obj, name, vlen_strings_ok, &why);
+    if (!v) fail(std::string("cannot read attribute '") + name + "'" + why, where);
     return *v;
   }
 
@@ -285,8 +286,10 @@ struct DumpReader::Impl {
     if (s.n < 0) fail(std::string("cannot size attribute '") + name + "'", where);
     if (s.cls != H5T_ENUM && s.cls != H5T_INTEGER && s.cls != H5T_FLOAT)
       fail(std::string("attribute '") + name + "' is not numeric", where);
-    const auto v = h5::read_int_attribute(obj, name, true);
-    if (!v) fail(std::string("cannot read attribute '") + name + "'" + (s.cls == H5T_ENUM ? "" : " as int32"), where);
+    std::string why;
+    const auto v = h5::read_int_attribute(obj, name, true, &why);
+    if (!v)
+      fail(std::string("cannot read attribute '") + name + "'" + (s.cls == H5T_ENUM ? "" : " as int32") + why, where);
     std::vector<int32_t> out;
     for (int64_t x : *v) out.push_back(static_cast<int32_t>(std::clamp<int64_t>(x, INT32_MIN, INT32_MAX)));
     return out;
@@ -300,8 +303,9 @@ struct DumpReader::Impl {
 
   double read_double(hid_t obj, const char* name) const {
     existing_attr(obj, name, {});
-    const std::optional<double> v = h5::read_real_attribute(obj, name);
-    if (!v) fail(std::string("cannot read attribute '") + name + "'");
+    std::string why;
+    const std::optional<double> v = h5::read_real_attribute(obj, name, &why);
+    if (!v) fail(std::string("cannot read attribute '") + name + "'" + why);
     return *v;
   }
 

@@ -240,37 +240,51 @@ const char* class_text(H5T_class_t c) {
   }
 }
 
-std::optional<std::string> read_string_attribute(hid_t obj, const char* name, bool vlen_ok) {
+namespace {
+
+// Sets *why to HDF5's message of the failure that just happened (before any other HDF5 call clears it).
+template <typename T>
+std::optional<T> failed(std::string* why) {
+  const std::string d = detail();
+  if (why) *why = d;
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<std::string> read_string_attribute(hid_t obj, const char* name, bool vlen_ok, std::string* why) {
   Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
-  if (!a.valid()) return std::nullopt;
+  if (!a.valid()) return failed<std::string>(why);
   Hid ftype(H5Aget_type(a.get()), H5Tclose);
   if (H5Tget_class(ftype.get()) != H5T_STRING) return std::nullopt;
   const htri_t vlen = H5Tis_variable_str(ftype.get());
-  if (vlen < 0 || (vlen > 0 && !vlen_ok)) return std::nullopt;
+  if (vlen < 0) return failed<std::string>(why);
+  if (vlen > 0 && !vlen_ok) return std::nullopt;
   if (vlen > 0) {
     Hid mtype(H5Tcopy(H5T_C_S1), H5Tclose);
     H5Tset_size(mtype.get(), H5T_VARIABLE);
     H5Tset_cset(mtype.get(), H5Tget_cset(ftype.get()));
     char* p = nullptr;
-    if (H5Aread(a.get(), mtype.get(), &p) < 0) return std::nullopt;
+    if (H5Aread(a.get(), mtype.get(), &p) < 0) return failed<std::string>(why);
     std::string s = p ? p : "";
     H5free_memory(p);
     return s;
   }
   std::string s(H5Tget_size(ftype.get()), '\0');
-  if (H5Aread(a.get(), ftype.get(), s.data()) < 0) return std::nullopt;
+  if (H5Aread(a.get(), ftype.get(), s.data()) < 0) return failed<std::string>(why);
   s.resize(std::min(s.size(), s.find('\0')));
   return s;
 }
 
-std::optional<std::vector<int64_t>> read_int_attribute(hid_t obj, const char* name, bool floats) {
+std::optional<std::vector<int64_t>> read_int_attribute(hid_t obj, const char* name, bool floats, std::string* why) {
+  using Ints = std::vector<int64_t>;
   Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
-  if (!a.valid()) return std::nullopt;
+  if (!a.valid()) return failed<Ints>(why);
   Hid ftype(H5Aget_type(a.get()), H5Tclose);
   Hid space(H5Aget_space(a.get()), H5Sclose);
   const hssize_t n = H5Sget_simple_extent_npoints(space.get());
-  if (n < 0) return std::nullopt;
-  std::vector<int64_t> v(static_cast<size_t>(n));
+  if (n < 0) return failed<Ints>(why);
+  Ints v(static_cast<size_t>(n));
   if (n == 0) return v;
   const H5T_class_t cls = H5Tget_class(ftype.get());
   if (cls == H5T_ENUM) {
@@ -278,18 +292,18 @@ std::optional<std::vector<int64_t>> read_int_attribute(hid_t obj, const char* na
     Hid base(H5Tget_super(ftype.get()), H5Tclose);
     if (H5Aread(a.get(), ftype.get(), v.data()) < 0 ||
         H5Tconvert(base.get(), H5T_NATIVE_INT64, v.size(), v.data(), nullptr, H5P_DEFAULT) < 0)
-      return std::nullopt;
+      return failed<Ints>(why);
     return v;
   }
-  if ((cls != H5T_INTEGER && !(floats && cls == H5T_FLOAT)) || H5Aread(a.get(), H5T_NATIVE_INT64, v.data()) < 0)
-    return std::nullopt;
+  if (cls != H5T_INTEGER && !(floats && cls == H5T_FLOAT)) return std::nullopt;
+  if (H5Aread(a.get(), H5T_NATIVE_INT64, v.data()) < 0) return failed<Ints>(why);
   return v;
 }
 
-std::optional<double> read_real_attribute(hid_t obj, const char* name) {
+std::optional<double> read_real_attribute(hid_t obj, const char* name, std::string* why) {
   Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
   double v = 0;
-  if (!a.valid() || H5Aread(a.get(), H5T_NATIVE_DOUBLE, &v) < 0) return std::nullopt;
+  if (!a.valid() || H5Aread(a.get(), H5T_NATIVE_DOUBLE, &v) < 0) return failed<double>(why);
   return v;
 }
 
@@ -954,8 +968,9 @@ std::vector<std::string> DumpFile::copy_attributes(const std::string& source_pat
       if (n != 1) continue;
       if (!version1_reads_allowed())
         throw DumpError(source_path + ": attribute '" + name + "' is a variable-length string: " + version1_refused());
-      const std::optional<std::string> value = h5::read_string_attribute(src.get(), name.c_str(), true);
-      if (!value) throw DumpError(source_path + ": cannot read attribute '" + name + "'" + h5::detail());
+      std::string why;
+      const std::optional<std::string> value = h5::read_string_attribute(src.get(), name.c_str(), true, &why);
+      if (!value) throw DumpError(source_path + ": cannot read attribute '" + name + "'" + why);
       m.attr_str(m.file.get(), name, *value);
       copied.push_back(name);
       continue;
