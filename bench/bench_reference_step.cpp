@@ -1,9 +1,12 @@
 // Benchmark of the CPU reference's two kinds of step on one GGUF: the prefill of a prompt and a one-token decode
-// step, per precision (f64 and f32-f16store unless told), medians in seconds, at a given thread count.
+// step, per precision (f64 and f32-f16store unless told), medians in seconds, at a given thread count; with each
+// median, the process's CPU time of that step (on a shared machine, the figure less disturbed by other work at one
+// thread; at several it includes OpenMP's spinning).
 // Usage: bench_reference_step MODEL.gguf [--threads N] [--precision P]... [--prompt T] [--steps N] [--reps N]
 //                             [--kernels vector|portable]
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -24,6 +27,12 @@ using Clock = std::chrono::steady_clock;
 using namespace diffrun;
 
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+double cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -54,25 +63,30 @@ void bench_precision(const GgufFile& file, const ModelConfig& cfg, const Options
   std::vector<int32_t> prompt(o.prompt);
   for (int i = 0; i < o.prompt; ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 13) % cfg.n_vocab);
   NullSink none;
-  std::vector<double> prefill, decode;
+  std::vector<double> prefill, decode, prefill_cpu, decode_cpu;
   std::vector<float> logits;
   for (int r = 0; r < o.reps; ++r) {
     backend->reset();
     const auto t = Clock::now();
+    const double c = cpu_seconds();
     logits = backend->forward(0, prompt, none);
     prefill.push_back(seconds(t, Clock::now()));
+    prefill_cpu.push_back(cpu_seconds() - c);
   }
   for (int s = 0; s < o.steps; ++s) {
     const int32_t next = argmax(logits);
     const auto t = Clock::now();
+    const double c = cpu_seconds();
     logits = backend->forward(s + 1, std::span<const int32_t>(&next, 1), none);
     decode.push_back(seconds(t, Clock::now()));
+    decode_cpu.push_back(cpu_seconds() - c);
   }
   const auto [pmin, pmax] = std::minmax_element(prefill.begin(), prefill.end());
   const auto [dmin, dmax] = std::minmax_element(decode.begin(), decode.end());
-  fmt::print("  {:<14} load {:6.2f} s   prefill {} tokens {:7.3f} s (median of {}, {:.3f}-{:.3f})   "
-             "decode step {:7.3f} s (median of {}, {:.3f}-{:.3f})\n",
-             precision, load, o.prompt, median(prefill), o.reps, *pmin, *pmax, median(decode), o.steps, *dmin, *dmax);
+  fmt::print("  {:<14} load {:5.2f} s | prefill {} tokens {:7.3f} s (median of {}, {:.3f}-{:.3f}; cpu {:.3f} s) | "
+             "decode step {:7.3f} s (median of {}, {:.3f}-{:.3f}; cpu {:.3f} s)\n",
+             precision, load, o.prompt, median(prefill), o.reps, *pmin, *pmax, median(prefill_cpu), median(decode),
+             o.steps, *dmin, *dmax, median(decode_cpu));
 }
 
 int usage() {

@@ -142,9 +142,9 @@ inline __m256 round8_f16(__m256 v) {
 // product, then one difference, each rounded), rounded to f16 too as kRound says: 0 not, 1 as round_f16 does, 2 as
 // it does values that cannot be NaN (d and m finite, q < 256: d * q - m is finite); y gets 16 values.
 template <int kRound>
-inline void codes16(__m128i q /* 16 bytes */, __m256 d, __m256 m, float* y) {
-  __m256 a = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q))), m);
-  __m256 b = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))), m);
+inline void values16(__m128i q /* 16 bytes */, __m256 d, __m256 m, __m256& a, __m256& b) {
+  a = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q))), m);
+  b = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))), m);
   if (kRound == 1) {
     a = round8_f16(a);
     b = round8_f16(b);
@@ -152,9 +152,16 @@ inline void codes16(__m128i q /* 16 bytes */, __m256 d, __m256 m, float* y) {
     a = _mm256_cvtph_ps(_mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
     b = _mm256_cvtph_ps(_mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT));
   }
-  _mm256_storeu_ps(y, a);
-  _mm256_storeu_ps(y + 8, b);
 }
+
+// The sixteen values stored.
+struct StoreValues {
+  float* y;
+  void take16(__m256 a, __m256 b, int k) {
+    _mm256_storeu_ps(y + k, a);
+    _mm256_storeu_ps(y + k + 8, b);
+  }
+};
 
 // The eight sub-block scales d * sc_j and mins dmin * m_j of a Q4_K/Q5_K block at once (scale_min_k4's values, the
 // same products). The 12 scale bytes as three words w0, w1, w2: sc_0..3 = w0 & 63, m_0..3 = w1 & 63 (bytewise),
@@ -172,44 +179,116 @@ inline void scales_k4_avx2(const uint8_t* scales, float d, float dmin, float* ds
   _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m))));
 }
 
-// One Q4_K block by hand: each pair of sub-blocks is 32 bytes, low nibbles the first sub-block, high nibbles the
+// One Q4_K block by hand, its 256 values handed to `out` sixteen at a time (take16(a, b, k): values k..k+7 and
+// k+8..k+15 of the block): each pair of sub-blocks is 32 bytes, low nibbles the first sub-block, high nibbles the
 // second.
-template <int kRound>
-inline void block_q4_k_avx2(const uint8_t* __restrict b, float d, float min, float* __restrict y) {
+template <int kRound, typename Out>
+inline void block_q4_k_avx2(const uint8_t* __restrict b, float d, float min, Out& out) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   alignas(32) float dsc[8], dm[8];
   scales_k4_avx2(b + 4, d, min, dsc, dm);
   const uint8_t* q = b + 16;
-  for (int is = 0; is < 8; is += 2, q += 32, y += 64) {
+  for (int is = 0; is < 8; is += 2, q += 32) {
     const __m256 d1 = _mm256_broadcast_ss(dsc + is), m1 = _mm256_broadcast_ss(dm + is);
     const __m256 d2 = _mm256_broadcast_ss(dsc + is + 1), m2 = _mm256_broadcast_ss(dm + is + 1);
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
     const __m256i lo = _mm256_and_si256(v, low4);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    codes16<kRound>(_mm256_castsi256_si128(lo), d1, m1, y);
-    codes16<kRound>(_mm256_extracti128_si256(lo, 1), d1, m1, y + 16);
-    codes16<kRound>(_mm256_castsi256_si128(hi), d2, m2, y + 32);
-    codes16<kRound>(_mm256_extracti128_si256(hi, 1), d2, m2, y + 48);
+    const int k = 32 * is;
+    __m256 a, c;
+    values16<kRound>(_mm256_castsi256_si128(lo), d1, m1, a, c);
+    out.take16(a, c, k);
+    values16<kRound>(_mm256_extracti128_si256(lo, 1), d1, m1, a, c);
+    out.take16(a, c, k + 16);
+    values16<kRound>(_mm256_castsi256_si128(hi), d2, m2, a, c);
+    out.take16(a, c, k + 32);
+    values16<kRound>(_mm256_extracti128_si256(hi, 1), d2, m2, a, c);
+    out.take16(a, c, k + 48);
   }
 }
 
-// rows_q4_k by hand, rounded to f16 as round_f16 rounds when kRound (the NaN handling only in blocks whose scales are
-// not finite).
-template <bool kRound>
-void rows_q4_k_avx2(const uint8_t* __restrict b, float* __restrict y, int64_t n_blocks) {
-  for (int64_t i = 0; i < n_blocks; ++i, b += 144, y += QK_K) {
+// Q4_K blocks by hand, each block's values handed to out.at(i) (kRound: rounded to f16 as round_f16 rounds, the NaN
+// handling only in blocks whose scales are not finite).
+template <bool kRound, typename Outs>
+inline void blocks_q4_k_avx2(const uint8_t* __restrict b, int64_t n_blocks, Outs& outs) {
+  for (int64_t i = 0; i < n_blocks; ++i, b += 144) {
     prefetch_ahead(b, 144);
     const float d = half_at(b);
     const float min = half_at(b + 2);
+    decltype(auto) out = outs.at(i);  // LaneBlocks: the one set of lane sums
     if (!kRound) {
-      block_q4_k_avx2<0>(b, d, min, y);
+      block_q4_k_avx2<0>(b, d, min, out);
     } else if (std::isfinite(d) && std::isfinite(min)) {
-      block_q4_k_avx2<2>(b, d, min, y);
+      block_q4_k_avx2<2>(b, d, min, out);
     } else {
-      block_q4_k_avx2<1>(b, d, min, y);
+      block_q4_k_avx2<1>(b, d, min, out);
     }
   }
 }
+
+// rows_q4_k by hand.
+struct StoreBlocks {
+  float* y;
+  StoreValues at(int64_t i) const { return {y + i * QK_K}; }
+};
+template <bool kRound>
+void rows_q4_k_avx2(const uint8_t* __restrict b, float* __restrict y, int64_t n_blocks) {
+  StoreBlocks outs{y};
+  blocks_q4_k_avx2<kRound>(b, n_blocks, outs);
+}
+
+#if defined(__FMA__)
+// The 16 lane sums of kernels.hpp in registers, taking decoded values straight from the decoder: value k of a block
+// (k a multiple of 16 in take16) goes to lane k mod 16, fma(x, w, s) as the kernels take it.
+struct LanesF64 {
+  __m256d s[4];
+  const double* x;  // the block's inputs
+  void take16(__m256 a, __m256 b, int k) {
+    s[0] = _mm256_fmadd_pd(_mm256_loadu_pd(x + k), _mm256_cvtps_pd(_mm256_castps256_ps128(a)), s[0]);
+    s[1] = _mm256_fmadd_pd(_mm256_loadu_pd(x + k + 4), _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)), s[1]);
+    s[2] = _mm256_fmadd_pd(_mm256_loadu_pd(x + k + 8), _mm256_cvtps_pd(_mm256_castps256_ps128(b)), s[2]);
+    s[3] = _mm256_fmadd_pd(_mm256_loadu_pd(x + k + 12), _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1)), s[3]);
+  }
+};
+struct LanesF32 {
+  __m256 s[2];
+  const float* x;
+  void take16(__m256 a, __m256 b, int k) {
+    s[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), a, s[0]);
+    s[1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), b, s[1]);
+  }
+};
+
+// A row's lane sums over its Q4_K blocks, the sums kept in the registers of `lanes` from block to block.
+template <typename Lanes, typename T>
+struct LaneBlocks {
+  Lanes& lanes;
+  const T* x;
+  Lanes& at(int64_t i) {
+    lanes.x = x + i * QK_K;
+    return lanes;
+  }
+};
+
+template <bool kRound>
+void dot_q4_k(const uint8_t* b, const double* x, int64_t n_blocks, double* acc) {
+  LanesF64 lanes{};
+  for (int i = 0; i < 4; ++i) lanes.s[i] = _mm256_loadu_pd(acc + 4 * i);
+  LaneBlocks<LanesF64, double> outs{lanes, x};
+  blocks_q4_k_avx2<kRound>(b, n_blocks, outs);
+  for (int i = 0; i < 4; ++i) _mm256_storeu_pd(acc + 4 * i, lanes.s[i]);
+}
+
+template <bool kRound>
+void dot_q4_k(const uint8_t* b, const float* x, int64_t n_blocks, float* acc) {
+  LanesF32 lanes{};
+  for (int i = 0; i < 2; ++i) lanes.s[i] = _mm256_loadu_ps(acc + 8 * i);
+  LaneBlocks<LanesF32, float> outs{lanes, x};
+  blocks_q4_k_avx2<kRound>(b, n_blocks, outs);
+  for (int i = 0; i < 2; ++i) _mm256_storeu_ps(acc + 8 * i, lanes.s[i]);
+}
+#define DIFFRUN_REF_FUSED_DOT 1
+#endif  // __FMA__
 #endif
 
 void rows_q5_k(const uint8_t* __restrict b, float* __restrict y, int64_t n_blocks) {  // d f16 | dmin f16 | scales[12] | qh[32] | qs[128]
@@ -348,6 +427,27 @@ void dequantize_rows(GgmlType type, const std::byte* src, float* dst, int64_t n)
 void dequantize_rows_f16(GgmlType type, const std::byte* src, float* dst, int64_t n) {
   decode(type, reinterpret_cast<const uint8_t*>(src), dst, n, true);
 }
+
+template <typename T>
+bool decode_dot(GgmlType type, const std::byte* src, bool round, const T* x, int64_t n, T* acc) {
+#if DIFFRUN_REF_FUSED_DOT
+  if (!portable_kernels() && type == GgmlType::Q4_K) {
+    const auto* b = reinterpret_cast<const uint8_t*>(src);
+    if (round) {
+      dot_q4_k<true>(b, x, n / QK_K, acc);
+    } else {
+      dot_q4_k<false>(b, x, n / QK_K, acc);
+    }
+    return true;
+  }
+#else
+  (void)type, (void)src, (void)round, (void)x, (void)n, (void)acc;
+#endif
+  return false;
+}
+
+template bool decode_dot<float>(GgmlType, const std::byte*, bool, const float*, int64_t, float*);
+template bool decode_dot<double>(GgmlType, const std::byte*, bool, const double*, int64_t, double*);
 
 void dequantize_rows(GgmlType type, const std::byte* src, double* dst, int64_t n) {
   if (type == GgmlType::F16) {  // halves straight to doubles, not through a float chunk

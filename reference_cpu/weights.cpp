@@ -104,6 +104,12 @@ void WeightMatrix<T>::decode_floats(float* out /* [n,nc] */, int64_t r0, int64_t
 }
 
 template <typename T>
+bool WeightMatrix<T>::decode_dot(T* acc /* [16] */, int64_t r, int64_t c0, int64_t nc, const T* x /* [nc] */) const {
+  const int64_t offset = c0 / ggml_block_elements(type_) * ggml_block_bytes(type_);
+  return ref::decode_dot(type_, bytes() + r * row_bytes_ + offset, round_f16_ && type_ != GgmlType::F16, x, nc, acc);
+}
+
+template <typename T>
 Matrix<T>& WeightMatrix<T>::densify() {
   if (!dense()) {
     Matrix<T> all(rows_, cols_);

@@ -49,6 +49,10 @@ class WeightMatrix {
   // to f16 or not, is a float: these are decode_rows's values before their conversion to T). c0 and nc are whole
   // blocks, or nc reaches the row's end.
   void decode_floats(float* out /* [n,nc] */, int64_t r0, int64_t n, int64_t c0, int64_t nc) const;
+  // Streamed only: acc [16] takes the lane sums of columns c0 .. c0+nc-1 of row r against x [nc] in one pass where
+  // the format has a fused decoder (dequant_rows.hpp's decode_dot), the same values as decode_floats then
+  // lane_accumulate; false, touching nothing, where it has none.
+  bool decode_dot(T* acc /* [16] */, int64_t r, int64_t c0, int64_t nc, const T* x /* [nc] */) const;
 
   // Decodes every row once and holds them (for the faults that edit or reinterpret a matrix); returns them.
   Matrix<T>& densify();

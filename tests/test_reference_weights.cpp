@@ -84,6 +84,54 @@ TEST(DequantRows, MatchDequantizeOnRandomBlocksOfEveryFormat) {
   }
 }
 
+// Decoding and dot product in one pass (Q4_K, vectorised) against the decoded values taken by lane_accumulate: the same
+// lane sums on random blocks, in f32 and f64, rounded to f16 or not, with finite scales (every lane equal) and with
+// any scales (NaN and infinities: a lane is NaN in both or equal); with the portable kernels decode_dot declines.
+template <typename T>
+void expect_decode_dot_equals_decode_then_accumulate() {
+  std::mt19937 rng(4);
+  std::normal_distribution<double> normal;
+  const int64_t n = 64 * 256;
+  for (bool finite : {true, false}) {
+    std::vector<std::byte> bytes(static_cast<size_t>(n / 256 * 144));
+    for (std::byte& b : bytes) b = static_cast<std::byte>(rng() & 0xff);
+    if (finite) {
+      for (size_t i = 0; i < bytes.size(); i += 144) {
+        bytes[i + 1] &= std::byte{0xbf};  // d and dmin: exponent below 31
+        bytes[i + 3] &= std::byte{0xbf};
+      }
+    }
+    std::vector<T> x(n);
+    for (T& v : x) v = static_cast<T>(normal(rng));
+    for (bool round : {false, true}) {
+      SCOPED_TRACE(std::string(round ? "f16" : "wide") + (finite ? " finite scales" : " any scales"));
+      std::vector<float> values(n);
+      if (round) {
+        ref::dequantize_rows_f16(GgmlType::Q4_K, bytes.data(), values.data(), n);
+      } else {
+        ref::dequantize_rows(GgmlType::Q4_K, bytes.data(), values.data(), n);
+      }
+      T want[ref::kLanes] = {}, got[ref::kLanes] = {};
+      ref::lane_accumulate(want, values.data(), x.data(), n, 1, n);
+      if (!ref::decode_dot(GgmlType::Q4_K, bytes.data(), round, x.data(), n, got)) {
+        GTEST_SKIP() << "no fused Q4_K decoder in this build (" << ref::kernels_name() << ")";
+      }
+      for (int j = 0; j < ref::kLanes; ++j) {
+        if (!finite && std::isnan(want[j]) && std::isnan(got[j])) continue;
+        EXPECT_EQ(std::memcmp(&want[j], &got[j], sizeof(T)), 0) << "lane " << j << ": " << want[j] << " " << got[j];
+      }
+      const KernelChoice portable(true);
+      T declined[ref::kLanes] = {};
+      EXPECT_FALSE(ref::decode_dot(GgmlType::Q4_K, bytes.data(), round, x.data(), n, declined));
+    }
+  }
+}
+
+TEST(DequantRows, FusedDecodeDotEqualsDecodeThenAccumulate) {
+  expect_decode_dot_equals_decode_then_accumulate<float>();
+  expect_decode_dot_equals_decode_then_accumulate<double>();
+}
+
 TEST(DequantRows, F16TakesEveryHalfExactly) {
   std::vector<uint16_t> all(65536);
   for (uint32_t h = 0; h < 65536; ++h) all[h] = static_cast<uint16_t>(h);
