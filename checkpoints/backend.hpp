@@ -40,6 +40,12 @@ class Backend {
   // The path the last forward() took (a backend with one path: the default).
   virtual StepPath last_step_path() const { return {}; }
 
+  // The backend's own greedy choice after the last forward(): the argmax it computed itself over the last
+  // token's logits (-1: it computes none, or every logit was NaN). The dump's `argmax` attribute holds it,
+  // so that a wrong argmax (not only wrong logits) is caught; the caller's argmax of the logits stands in
+  // for a backend that computes none.
+  virtual int32_t last_argmax() const { return -1; }
+
   // Number of positions in the KV cache so far.
   virtual int n_past() const = 0;
 

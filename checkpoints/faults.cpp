@@ -175,6 +175,13 @@ const std::vector<FaultInfo> kCatalog = {
      "so step 2's Qrope-0 is the first wrong checkpoint. Steps launched one by one (the prefill, "
      "DIFFRUN_CUDA_GRAPHS=0, isolation replay) are right",
      "Qrope,Krope,cache_k"},
+    {Fault::argmax_ties_highest, "argmax_ties_highest",
+     "the greedy argmax (matmul_argmax and argmax on the GPU) breaks exact ties toward the higher token id, "
+     "not the lower one",
+     "result_output", 0, "models whose logits tie exactly: lm head rows 0 and 1 equal (tiny-llama-tiedrows)",
+     "the logits are right; the engine's own token (the dump's argmax) is not its logits' argmax, an exact tie "
+     "with a lower id passed over (rule argmax). Real logits tie rarely, so it needs a model made to tie",
+     "result_output"},
 };
 
 // The checkpoint first computed from GGUF tensor `name` ("blk.3.attn_q.weight" -> "Qcur-3").
@@ -280,6 +287,16 @@ std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile
       const TensorInfo* t = file->find_tensor("token_embd.weight");
       if (!t || (t->type != GgmlType::F32 && t->type != GgmlType::F16 && t->type != GgmlType::BF16))
         return "token_embd is quantized: the fused embedding norm takes dense tables only";
+      return "";
+    }
+    case Fault::argmax_ties_highest: {
+      if (!file) return "whether the model's logits tie is not known here";
+      const TensorInfo* head = file->find_tensor("output.weight");
+      if (!head) head = file->find_tensor("token_embd.weight");
+      const std::span<const std::byte> rows = head ? file->tensor_data(*head) : std::span<const std::byte>();
+      const size_t row = head && head->type == GgmlType::F32 && head->ne.size() == 2 ? head->ne[0] * 4 : 0;
+      if (row == 0 || rows.size() < 2 * row || !std::equal(rows.begin(), rows.begin() + row, rows.begin() + row))
+        return "its logits never tie exactly (an F32 lm head whose rows 0 and 1 are equal makes them tie)";
       return "";
     }
     case Fault::dequant_scale_offset:

@@ -54,8 +54,9 @@ enum class Fault : int {
   rope_fused_position_off,       // matmul_qkv_rope rotates q and k at position n_past + 1
   embd_norm_fused_no_weight,     // embedding_rms_norm skips layer 0's attn_norm weight
   graph_position_frozen,         // the decode graph's RoPE reads the position baked in at capture
+  argmax_ties_highest,           // the greedy argmax breaks exact ties toward the higher token id
 };
-inline constexpr int kFaultCount = 30;
+inline constexpr int kFaultCount = 31;
 
 struct FaultInfo {
   Fault id;

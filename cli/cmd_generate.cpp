@@ -61,7 +61,7 @@ int run_generate(const GenerateOptions& o) {
   std::vector<int32_t> generated;
   size_t printed = 0;
   for (int i = 0; i < o.n_predict; ++i) {
-    const int32_t next = argmax(logits);
+    const int32_t next = greedy_token(*backend, logits);
     if (tok->is_eog(next)) break;
     generated.push_back(next);
     const std::string text = tok->decode(generated);

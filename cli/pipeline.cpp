@@ -423,7 +423,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
     }
     Message end(Message::step_end);
     end.step = step;
-    end.argmax = argmax(logits);
+    end.argmax = greedy_token(*backend, logits);
     end.path = backend->last_step_path();
     if (check_recording) recorded_logits.push_back(logits);
     if (source) {
@@ -950,7 +950,7 @@ class HeldReplay {
     if (step > 0) fed_.push_back(tokens[0]);
     sink_->start_step(step, held);
     const auto t0 = std::chrono::steady_clock::now();
-    argmax_.push_back(argmax(engine_.forward(step, tokens, *sink_)));
+    argmax_.push_back(greedy_token(engine_, engine_.forward(step, tokens, *sink_)));
     const double forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     paths_.add(engine_.last_step_path());
     // The reference's side of the step, once the engine no longer needs its values.

@@ -183,6 +183,11 @@ int32_t argmax(std::span<const float> logits) {
   return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
 
+int32_t greedy_token(const Backend& backend, std::span<const float> logits) {
+  const int32_t own = backend.last_argmax();
+  return own >= 0 ? own : argmax(logits);
+}
+
 StepsResult run_steps(Backend& backend, std::span<const int32_t> prompt, int steps, std::span<const int32_t> forced,
                       Sink& sink, bool keep_logits, const std::function<void(int step, int total)>& on_step) {
   if (prompt.empty()) throw InputError("empty prompt: nothing to prefill");
@@ -201,7 +206,7 @@ StepsResult run_steps(Backend& backend, std::span<const int32_t> prompt, int ste
   r.tokens.assign(prompt.begin(), prompt.end());
   std::vector<float> logits = backend.forward(0, prompt, sink);
   for (int step = 0;; ++step) {
-    r.argmax.push_back(argmax(logits));
+    r.argmax.push_back(greedy_token(backend, logits));
     r.paths.add(backend.last_step_path());
     if (keep_logits) r.last_logits.push_back(logits);
     if (on_step) on_step(step, steps);

@@ -148,4 +148,8 @@ DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, 
 // Index of the largest value (the first one on ties).
 int32_t argmax(std::span<const float> logits);
 
+// A step's greedy token: the backend's own choice (Backend::last_argmax, so a wrong argmax is seen), else
+// argmax(logits) of the logits it returned.
+int32_t greedy_token(const Backend& backend, std::span<const float> logits);
+
 }  // namespace diffrun::cli

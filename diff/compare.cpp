@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -286,6 +287,38 @@ std::optional<size_t> first_nonfinite_of(const std::vector<CheckpointResult>& re
   return std::nullopt;
 }
 
+// The engine's own greedy choice (root attribute argmax) against its own logits: at each step whose
+// token is not the argmax of the engine's last result_output row (larger value, then the lower index),
+// that checkpoint fails with check "argmax", whatever the reference says. A token whose logit is below
+// the row's best is wrong in any dtype; one tied with a lower index only where the logits were dumped
+// exactly (f32), since rounding to f16 may tie values the engine saw apart.
+static void check_engine_argmax(Comparison& c,
+                         const std::function<void(size_t, std::vector<float>&, std::vector<float>&)>& values,
+                         std::span<const int32_t> engine_argmax) {
+  for (size_t i = 0; i < c.results.size(); ++i) {
+    CheckpointResult& r = c.results[i];
+    if (r.base != "result_output" || !r.metrics || !r.metrics->logits || r.metrics->logits->argmax_a.empty()) continue;
+    if (r.step < 0 || r.step >= static_cast<int>(engine_argmax.size())) continue;
+    const int32_t token = engine_argmax[r.step], own = r.metrics->logits->argmax_a.back();
+    const int64_t V = r.shape_engine.empty() ? 0 : r.shape_engine.back();
+    if (token < 0 || own < 0 || token == own || V <= 0) continue;
+    std::vector<float> a, b;
+    values(i, a, b);
+    if (a.size() < static_cast<size_t>(V)) continue;
+    const float* row = a.data() + a.size() - V;  // the step's last token
+    const float mine = token < V ? row[token] : -std::numeric_limits<float>::infinity();
+    const bool below = !(mine >= row[own]);
+    const bool wrong_tie = mine == row[own] && token > own && r.native_engine == "f32";
+    if (!below && !wrong_tie) continue;
+    r.checks.push_back({"argmax", "own_logits_argmax", static_cast<double>(token), static_cast<double>(own), false});
+    if (r.status == CheckpointStatus::pass) {
+      r.status = CheckpointStatus::fail;
+      --c.n_pass;
+      ++c.n_fail;
+    }
+  }
+}
+
 void finish_comparison(Comparison& c, const ToleranceSet& tolerances, const CompareOptions& opt,
                        const std::function<void(size_t index, std::vector<float>& a, std::vector<float>& b)>& values,
                        std::span<const int> reference_steps, std::span<const int32_t> engine_argmax,
@@ -310,6 +343,7 @@ void finish_comparison(Comparison& c, const ToleranceSet& tolerances, const Comp
     return error_pattern(a, b, r.shape_reference, r.layout, dims, r.base, exact_threshold(tolerances.rule_for(r.name)),
                          cx);
   };
+  check_engine_argmax(c, values, engine_argmax);
   c.first_failure = first_failure_of(c.results);
   c.first_nonfinite = first_nonfinite_of(c.results);
   if (c.first_nonfinite) c.nonfinite_verdict = decide_verdict(c.results, *c.first_nonfinite, n_layer, opt.jump_factor);

@@ -68,6 +68,21 @@ bool rule_shape(const Context& c, Verdict& v) {
   return true;
 }
 
+// The engine's greedy token is not the argmax of its own logits (check "argmax", compare.cpp): whatever
+// the logits' error, the choice made from them is wrong, so no input explains it.
+bool rule_argmax(const Context& c, Verdict& v) {
+  for (const BoundCheck& b : c.failing.checks) {
+    if (b.metric != "argmax" || b.pass) continue;
+    v.kind = VerdictKind::local;
+    v.rule = "argmax";
+    v.explanation = fmt::format("the engine chose token {} where its own logits' argmax (larger value, then the lower "
+                                "index) is {}: the argmax or sampling, not the logits",
+                                static_cast<int64_t>(b.value), static_cast<int64_t>(b.limit));
+    return true;
+  }
+  return false;
+}
+
 // The dump's layout: an equal-sized pair of dims read swapped matches the reference (find_layout_suspect).
 bool rule_layout(const Context& c, Verdict& v) {
   if (c.failing.layout_suspect.empty()) return false;
@@ -272,8 +287,9 @@ bool rule_no_jump(const Context& c, Verdict& v) {
 }
 
 // In order; the first rule that decides wins.
-constexpr Rule kRules[] = {rule_shape,  rule_layout, rule_f16_storage, rule_isolation,     rule_nonfinite, rule_storage, rule_embedding,
-                           rule_jump,   rule_smooth_growth, rule_no_jump};
+constexpr Rule kRules[] = {rule_shape,   rule_argmax, rule_layout,        rule_f16_storage,
+                           rule_isolation, rule_nonfinite, rule_storage, rule_embedding,
+                           rule_jump,    rule_smooth_growth, rule_no_jump};
 
 }  // namespace
 

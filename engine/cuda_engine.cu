@@ -430,7 +430,7 @@ class CudaEngineImpl final : public CudaEngine {
     bool head_argmax = false;
     if (lm_head_argmax_ && Vp == V && !step_replaying_ && !(cfg_.final_logit_softcap > 0)) {
       head_argmax = matmul_argmax(logits_.get(), h_argmax_.device(), last_row, weights_.lm_head, D, V,
-                                  argmax_scratch_.get(), stream_);
+                                  argmax_scratch_.get(), stream_, argmax_ties_);
       if (head_argmax) step_fused_ |= kFusedMatmulArgmax;
     }
     if (Vp != V) {
@@ -467,7 +467,8 @@ class CudaEngineImpl final : public CudaEngine {
     stager_.finish(stream_);  // the step's last staged copies, and the wait for their copies out
 
     const float* last = logits_.get();  // [Vp]
-    if (!head_argmax) argmax(h_argmax_.device(), last, Vp, argmax_scratch_.get(), stream_);  // straight to the host
+    if (!head_argmax)  // straight to the host
+      argmax(h_argmax_.device(), last, Vp, argmax_scratch_.get(), stream_, argmax_ties_);
     if (copy_logits)
       CUDA_CHECK(cudaMemcpyAsync(h_logits_.get(), last, size_t(Vp) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   }
@@ -565,19 +566,19 @@ class CudaEngineImpl final : public CudaEngine {
     if (split_attention(n)) {
       probs = attn_probs_.get();
       attention_split(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale, window,
-                      {attn_partial_.get(), attn_counters_.get(), attn_splits_, attn_min_keys_}, stream_);
+                      {attn_partial_.get(), attn_counters_.get(), attn_splits_, attn_min_keys_}, stream_,
+                      attention_variant_);
     } else {
       probs = want_probs ? probs_.get() : nullptr;
-      if (attention_flaws_.any())
-        attention_flawed(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale, window,
-                         attention_flaws_, stream_);
-      else if (!tiled_attention_)
-        attention(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale, window, stream_);
+      if (!tiled_attention_)
+        attention(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale, window, stream_,
+                  attention_variant_);
       else {  // the output from attention_tiled, recorded or not; the probabilities (when recorded) from attention
         if (probs)
           attention(static_cast<W*>(nullptr), probs, q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale,
-                    window, stream_);
-        attention_tiled(a.kqv.get(), q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale, window, stream_);
+                    window, stream_, attention_variant_);
+        attention_tiled(a.kqv.get(), q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale, window, stream_,
+                        attention_variant_);
       }
     }
     if (want_probs)
@@ -649,8 +650,8 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "l_out", l, a.x.get(), {n, D});
   }
 
-  // Whether a step of n tokens runs attention_split (else attention or its flawed variant).
-  bool split_attention(int n) const { return n <= kAttentionSplitMaxT && !attention_flaws_.any(); }
+  // Whether a step of n tokens runs attention_split (else attention_tiled, and attention for the probabilities).
+  bool split_attention(int n) const { return n <= kAttentionSplitMaxT; }
 
   float eps() const { return static_cast<float>(faults_.has(Fault::rms_eps_1e5) ? kFaultRmsEps : cfg_.rms_eps); }
 
@@ -692,12 +693,13 @@ class CudaEngineImpl final : public CudaEngine {
   // squared norm weights, a NaN weight row.
   void prepare_faults() {
     CUDA_CHECK(cudaMemsetAsync(d_zero_.get(), 0, sizeof(int32_t), stream_));
-    attention_flaws_.no_causal_mask = faults_.has(Fault::causal_mask_missing);
+    attention_variant_.causal = !faults_.has(Fault::causal_mask_missing);
+    argmax_ties_ = faults_.has(Fault::argmax_ties_highest) ? ArgmaxTies::highest : ArgmaxTies::lowest;
     if (faults_.has(Fault::gqa_head_modulo)) {  // the expanded caches (layer by layer, the same buffers)
       gqa_k_ = DeviceBuffer<float>(size_t(max_ctx_) * cfg_.n_head * cfg_.head_dim, "fault scratch");
       gqa_v_ = DeviceBuffer<float>(size_t(max_ctx_) * cfg_.n_head * cfg_.head_dim, "fault scratch");
     }
-    attention_flaws_.f16_exp = faults_.has(Fault::softmax_f16_overflow);
+    attention_variant_.f16_exp = faults_.has(Fault::softmax_f16_overflow);
     rms_norm_flaws_.off_by_one = faults_.has(Fault::rms_norm_off_by_one);
     rms_norm_flaws_.eps_outside_sqrt = faults_.has(Fault::rms_eps_outside_sqrt);
     if (faults_.has(Fault::weight_row_nan))  // the weights are ours once uploaded: one row of layer 0's W_q
@@ -857,7 +859,8 @@ class CudaEngineImpl final : public CudaEngine {
   ModelConfig cfg_;
   int max_ctx_;
   FaultSet faults_;
-  AttentionFlaws attention_flaws_;
+  AttentionVariant attention_variant_;  // production's; the attention faults set another
+  ArgmaxTies argmax_ties_ = ArgmaxTies::lowest;  // production's; argmax_ties_highest the other
   RmsNormFlaws rms_norm_flaws_;
   std::map<const float*, DeviceBuffer<float>> squared_norms_;  // norm weight -> its square, rms_norm_weight_twice only
   DeviceBuffer<int32_t> d_zero_{1, "step state"};              // [1] position 0 (kv_cache_pos0, kv_cache_not_read)

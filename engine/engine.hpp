@@ -23,8 +23,8 @@ class CudaEngine : public Backend {
   // Like forward() but returns only the device argmax of the last token's logits over the real
   // vocabulary (-1 if all are NaN), without copying the logits to the host.
   virtual int32_t forward_argmax(int step, std::span<const int32_t> tokens, Sink& sink) = 0;
-  // Device argmax of the last step's last-token logits.
-  virtual int32_t last_argmax() const = 0;
+  // Device argmax of the last step's last-token logits (Backend::last_argmax).
+  int32_t last_argmax() const override = 0;
   // Bytes of weights one forward step reads from device memory.
   virtual uint64_t weight_bytes() const = 0;
 };

@@ -18,6 +18,7 @@
 #include "reference_cpu/faults/fault_ops.hpp"
 #include "reference_cpu/kv_cache.hpp"
 #include "reference_cpu/ops/add.hpp"
+#include "reference_cpu/ops/argmax.hpp"
 #include "reference_cpu/ops/attention.hpp"
 #include "reference_cpu/ops/embedding.hpp"
 #include "reference_cpu/ops/geglu.hpp"
@@ -128,8 +129,12 @@ class CpuBackend final : public Backend {
     if (rows == n) cp("result_output", -1, {n, Vp}, logits.data());
 
     n_past_ += n;
-    return std::vector<float>(logits.end() - Vp, logits.end());
+    std::vector<float> last(logits.end() - Vp, logits.end());
+    last_argmax_ = argmax(last.data(), Vp, argmax_ties_);
+    return last;
   }
+
+  int32_t last_argmax() const override { return last_argmax_; }
 
  private:
   // One transformer block on x [T,D] in place.
@@ -191,14 +196,19 @@ class CpuBackend final : public Backend {
     std::vector<T> kqv(static_cast<size_t>(n) * Q);        // [T,H*Dh]
     const T* keys = read_cache ? cache_k : k.data();
     const T* values = read_cache ? cache_v : v.data();
+    int Hkv_att = Hkv;  // the KV heads attention is handed
+    std::vector<T> keys_h, values_h;  // gqa_head_modulo: the caches expanded to H heads the wrong way round
+    if (faults_.has(Fault::gqa_head_modulo)) {
+      keys_h.resize(static_cast<size_t>(S_att) * H * Dh);
+      values_h.resize(keys_h.size());
+      expand_kv_heads_modulo(keys_h.data(), keys, S_att, H, Hkv, Dh);
+      expand_kv_heads_modulo(values_h.data(), values, S_att, H, Hkv, Dh);
+      keys = keys_h.data(), values = values_h.data(), Hkv_att = H;
+    }
     const T att_scale = faults_.has(Fault::attn_scale_missing) ? T(1) : T(cfg_.attention_scale());  // the argument
     const int window = faults_.has(Fault::sliding_window_ignored) ? 0 : cfg_.layer_window(l);
-    if (attention_flaws_.any()) {
-      attention_flawed(kqv.data(), probs.data(), q.data(), keys, values, n, past, H, Hkv, Dh, att_scale, window,
-                       attention_flaws_);
-    } else {
-      attention(kqv.data(), probs.data(), q.data(), keys, values, n, past, H, Hkv, Dh, att_scale, window);
-    }
+    attention(kqv.data(), probs.data(), q.data(), keys, values, n, past, H, Hkv_att, Dh, att_scale, window,
+              attention_variant_);
     cp("kq_soft_max", l, {H, n, S_att}, std::as_const(probs).data());  // read by no later op: never replaced
     store_gemm_input(kqv.data(), kqv.size());                                     cp("kqv_out", l, {n, H, Dh}, kqv.data(), gemm_f16());
 
@@ -264,9 +274,9 @@ class CpuBackend final : public Backend {
   // What the injected faults change before any step: flawed weight views, squared norm weights, a NaN row. The
   // matrices a fault edits or reads out of row order are held dense.
   void prepare_faults() {
-    attention_flaws_.no_causal_mask = faults_.has(Fault::causal_mask_missing);
-    attention_flaws_.head_modulo = faults_.has(Fault::gqa_head_modulo);
-    attention_flaws_.f16_exp = faults_.has(Fault::softmax_f16_overflow);
+    attention_variant_.causal = !faults_.has(Fault::causal_mask_missing);
+    argmax_ties_ = faults_.has(Fault::argmax_ties_highest) ? ArgmaxTies::highest : ArgmaxTies::lowest;
+    attention_variant_.f16_exp = faults_.has(Fault::softmax_f16_overflow);
     rms_norm_flaws_.off_by_one = faults_.has(Fault::rms_norm_off_by_one);
     rms_norm_flaws_.eps_outside_sqrt = faults_.has(Fault::rms_eps_outside_sqrt);
     if (faults_.has(Fault::embd_transposed)) w_.token_embd.densify();
@@ -303,7 +313,9 @@ class CpuBackend final : public Backend {
   FaultSet faults_;
   std::string precision_;  // the spec it was made with: "f32", "f64-f16store", ...
   StoragePlan storage_;
-  AttentionFlaws attention_flaws_;
+  AttentionVariant attention_variant_;  // production's; the attention faults set another
+  ArgmaxTies argmax_ties_ = ArgmaxTies::lowest;  // production's; argmax_ties_highest the other
+  int32_t last_argmax_ = -1;
   RmsNormFlaws rms_norm_flaws_;
   std::vector<WeightMatrix<T>> wo_flawed_;      // [n_layer] W_o read with the wrong leading dimension, attn_out_transposed only
   std::vector<WeightMatrix<T>> w_down_flawed_;  // [n_layer] W_down likewise, ffn_down_transposed only

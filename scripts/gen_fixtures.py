@@ -100,8 +100,24 @@ def write_mistral(path: Path, seed: int) -> None:
     models.write_model(MISTRAL, "f32", path, seed)
 
 
+# tiny-llama (same weights) whose lm head rows come in equal pairs (row 2i+1 = row 2i), so every token's logits hold
+# exact ties: each pair's two logits are the same sums of the same products, on both backends. The greedy token is
+# the lower index of the best pair; an argmax that breaks ties the other way (fault argmax_ties_highest) picks 2i+1.
+TIED_ROWS_FILE = "tiny-llama-tiedrows-f32.gguf"
+
+
+def write_tied_rows(path: Path, seed: int) -> None:
+    def pair_rows(name: str, data: np.ndarray) -> np.ndarray:
+        if name != "output.weight":
+            return data
+        data = data.copy()
+        data[1::2] = data[0:data.shape[0] // 2 * 2:2]
+        return data
+    models.write_model(models.TINY["tiny-llama"], "f32", path, seed, edit=pair_rows)
+
+
 # Single-format variants beyond the tiny set: file name -> writer.
-ONE_OFF = {LLAMA3_ROPE_FILE: write_llama3_rope, MISTRAL_FILE: write_mistral}
+ONE_OFF = {LLAMA3_ROPE_FILE: write_llama3_rope, MISTRAL_FILE: write_mistral, TIED_ROWS_FILE: write_tied_rows}
 
 
 LLAMA_7B = models.Shape("llama-7b", "llama-7b", "llama", 32, 4096, 32, 32, 128, 11008, 4096, 10000.0, 1e-5, False,

@@ -47,7 +47,7 @@ struct SyntheticDump {
   DumpMeta meta = synthetic_meta("cpu", "f64");
   std::vector<int> step_tokens = {3, 1, 1};            // T per step
   std::vector<int32_t> fed = {1, 5, 9, 7, 2};          // prompt then the decode tokens
-  std::vector<int32_t> argmax = {7, 2, 4};             // per step; empty: no attribute
+  std::vector<int32_t> argmax = {7, 2, 4};             // per step, each its logits' argmax; empty: no attribute
   // Changes the values of one checkpoint before it is written.
   std::function<void(int step, const std::string& name, std::vector<float>& v)> perturb;
   // Leaves a checkpoint (or a step's "tokens") out.
@@ -78,6 +78,9 @@ struct SyntheticDump {
         const int order = checkpoint_order(c, parsed.base, parsed.layer);
         std::vector<float> v(n);
         for (size_t i = 0; i < n; ++i) v[i] = synthetic_value(step, order, i);
+        // The backend's own choice is its logits' argmax: the last row's largest value at argmax[step].
+        if (name == "result_output" && step < static_cast<int>(argmax.size()) && argmax[step] < shape.back())
+          v[n - static_cast<size_t>(shape.back()) + static_cast<size_t>(argmax[step])] = 2.0f;
         if (perturb) perturb(step, name, v);
         w.record(step, name, parsed.layer, kind.layout, shape, NativeDType::f32, v);
       }

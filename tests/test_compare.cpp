@@ -612,7 +612,7 @@ TEST_F(Compare, NothingInCommonOrNoTokensIsADumpError) {
 
 TEST_F(Compare, TokenAgreementAndLogitMetrics) {
   SyntheticDump e = engine_dump();
-  e.argmax = {7, 3, 4};
+  e.argmax = {7, 15, 4};
   e.perturb = [](int step, const std::string& name, std::vector<float>& v) {
     if (step == 1 && name == "result_output") v[15] = 10.0f;  // the engine now prefers token 15
   };
@@ -620,7 +620,7 @@ TEST_F(Compare, TokenAgreementAndLogitMetrics) {
   EXPECT_FALSE(c.diverged());
   EXPECT_TRUE(c.tokens[0].match());
   EXPECT_FALSE(c.tokens[1].match());
-  EXPECT_EQ(c.tokens[1].engine, 3);
+  EXPECT_EQ(c.tokens[1].engine, 15);
   auto it = std::find_if(c.results.begin(), c.results.end(),
                          [](const CheckpointResult& r) { return r.step == 1 && r.name == "result_output"; });
   ASSERT_TRUE(it->metrics->logits.has_value());
@@ -634,6 +634,37 @@ TEST_F(Compare, TokenAgreementAndLogitMetrics) {
   Comparison c2 = run(no_attr, rel(1e9));
   EXPECT_EQ(c2.tokens[1].engine, 15);
   EXPECT_EQ(c2.tokens[1].reference, 2);
+}
+
+// The engine's own argmax attribute against its own logits: a token other than their argmax fails
+// result_output at that step with check "argmax", verdict local, whatever the reference says; an exact
+// tie goes to the lower id in f32 logits.
+TEST_F(Compare, EngineArgmaxAgainstItsOwnLogits) {
+  SyntheticDump e = engine_dump();
+  e.argmax = {7, 3, 4};
+  e.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step == 1 && name == "result_output") v[15] = 10.0f;  // the logits prefer 15; the engine chose 3
+  };
+  Comparison c = run(e, rel(1e9));
+  ASSERT_TRUE(c.diverged());
+  const CheckpointResult& f = c.results[*c.first_failure];
+  EXPECT_EQ(f.name, "result_output");
+  EXPECT_EQ(f.step, 1);
+  EXPECT_EQ(c.verdict.kind, VerdictKind::local);
+  EXPECT_EQ(c.verdict.rule, "argmax");
+  ASSERT_FALSE(f.checks.empty());
+  EXPECT_EQ(f.checks.back().metric, "argmax");
+
+  SyntheticDump tie = engine_dump();  // tokens 2 and 9 tie at step 1: 9 is the wrong one, 2 the right one
+  tie.argmax = {7, 9, 4};
+  tie.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step == 1 && name == "result_output") v[2] = v[9] = 5.0f;
+  };
+  Comparison ct = run(tie, rel(1e9));
+  ASSERT_TRUE(ct.diverged());
+  EXPECT_EQ(ct.verdict.rule, "argmax");
+  tie.argmax = {7, 2, 4};
+  EXPECT_FALSE(run(tie, rel(1e9)).diverged());
 }
 
 TEST_F(Compare, DataflowInputs) {

@@ -530,7 +530,15 @@ TEST(EngineModel, QuantizedWeightsMatchExpandedWeights) {
       ASSERT_EQ(qs.tensors[step].size(), es.tensors[step].size());
       for (const auto& [name, e] : es.tensors[step]) {
         const test::Recorded& q = qs.tensors[step].at(name);
-        if (step == 0) {
+        if (step == 0 && name == "result_output") {
+          // The last row is the production lm head's: matmul_argmax (a GEMV) on the dense head, cuBLAS on the
+          // dequantized one; the rows before it are cuBLAS on both.
+          const size_t V = static_cast<size_t>(e.shape.back());
+          const std::vector<float> qh(q.data.begin(), q.data.end() - V), eh(e.data.begin(), e.data.end() - V);
+          EXPECT_EQ(qh, eh) << name << ": the prefill's rows before the last differ";
+          const std::vector<float> ql(q.data.end() - V, q.data.end()), el(e.data.end() - V, e.data.end());
+          EXPECT_LT(rel_l2(ql, el), std::string(precision) == "f32" ? 1e-5 : 2e-2) << name << ": the prefill's last row";
+        } else if (step == 0) {
           EXPECT_EQ(q.data, e.data) << name << ": the prefill differs";
         } else {
           // f16: the expanded decode reads f16-rounded weights, the quantized one exact weights.

@@ -68,7 +68,9 @@ std::vector<int32_t> run(Backend& b, const std::vector<int32_t>& forced, Sink& s
   std::vector<int32_t> argmax;
   std::vector<float> logits = b.forward(0, kPrompt, sink);
   for (int step = 0;; ++step) {
-    argmax.push_back(static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin()));
+    const int32_t own = b.last_argmax();  // the reference's own choice (argmax_ties_highest changes it)
+    argmax.push_back(own >= 0 ? own : static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                                            logits.begin()));
     if (step == kSteps) break;
     const int32_t next = forced.empty() ? argmax.back() : forced[step];
     logits = b.forward(step + 1, std::span<const int32_t>(&next, 1), sink);
@@ -188,7 +190,10 @@ void check_fault(const std::string& fixture, Fault f, bool matched = false) {
   ASSERT_TRUE(again.local.has_value());
   EXPECT_TRUE(again.local->failed()) << "local rel_l2 " << again.local->rel_l2;
   EXPECT_EQ(c.verdict.kind, diff::VerdictKind::local) << describe_failure(c);
-  EXPECT_EQ(c.verdict.rule, again.status == diff::CheckpointStatus::shape_mismatch ? "shape" : "isolation");
+  const bool own_argmax = f == Fault::argmax_ties_highest;  // right logits, a wrong choice made from them
+  EXPECT_EQ(c.verdict.rule, again.status == diff::CheckpointStatus::shape_mismatch ? "shape"
+                            : own_argmax                                           ? "argmax"
+                                                                                   : "isolation");
   const std::set<std::string> ops = split_kinds(info.ops);
   for (const auto& r : c.results) {
     if (r.local && r.local->failed()) {
@@ -228,16 +233,19 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ArchCase{"tiny-llama-f32.gguf",
                                {Fault::qkv_bias_missing, Fault::rope_theta_10000, Fault::rms_eps_1e5,
                                 Fault::dequant_scale_offset, Fault::embd_scale_missing, Fault::post_norm_skipped,
-                                Fault::sliding_window_ignored, Fault::rope_local_theta_global},
+                                Fault::sliding_window_ignored, Fault::rope_local_theta_global,
+                                Fault::argmax_ties_highest},
                                {}},
                       ArchCase{"tiny-qwen2-f32.gguf",
                                {Fault::dequant_scale_offset, Fault::embd_scale_missing, Fault::post_norm_skipped,
-                                Fault::sliding_window_ignored, Fault::rope_local_theta_global},
+                                Fault::sliding_window_ignored, Fault::rope_local_theta_global,
+                                Fault::argmax_ties_highest},
                                {}},
                       ArchCase{"tiny-qwen3-f32.gguf",
                                {Fault::qkv_bias_missing, Fault::dequant_scale_offset, Fault::embd_scale_missing,
                                 Fault::post_norm_skipped, Fault::sliding_window_ignored,
-                                Fault::rope_local_theta_global, Fault::rope_fused_position_off},
+                                Fault::rope_local_theta_global, Fault::rope_fused_position_off,
+                                Fault::argmax_ties_highest},
                                {}},
                       // 9 prompt tokens against a window of 8: sliding_window_ignored shows in prefill. The
                       // embeddings scaled by sqrt(D) make mean(x^2) large, so an eps fault moves attn_norm-0
@@ -245,13 +253,22 @@ INSTANTIATE_TEST_SUITE_P(
                       ArchCase{"tiny-gemma3-f32.gguf",
                                {Fault::qkv_bias_missing, Fault::gqa_head_modulo, Fault::dequant_scale_offset,
                                 Fault::swiglu_fused_gate_up_swapped, Fault::rope_fused_position_off,
-                                Fault::embd_norm_fused_no_weight},
+                                Fault::embd_norm_fused_no_weight, Fault::argmax_ties_highest},
                                {Fault::rms_eps_1e5, Fault::rms_eps_outside_sqrt}}),
     [](const auto& param_info) {
       std::string name = param_info.param.fixture;
       name = name.substr(5, name.find('-', 5) - 5);  // "tiny-qwen2-f32.gguf" -> "qwen2"
       return name;
     });
+
+// Exact ties in every token's logits (lm head rows in equal pairs): the f32 reference breaking them toward the
+// higher id is caught at result_output of step 0 by its own argmax, though its logits pass.
+TEST(FaultArgmax, TiesBrokenTheWrongWayAreFoundOnTiedLogits) {
+  check_fault("tiny-llama-tiedrows-f32.gguf", Fault::argmax_ties_highest);
+  Reference& ref = reference_of("tiny-llama-f32.gguf");
+  EXPECT_NE(fault_not_applicable(Fault::argmax_ties_highest, ref.model.cfg, ref.model.file.get()), "")
+      << "a model without tied logits cannot show the fault";
+}
 
 TEST(FaultDequant, FoundAtTheFirstCheckpointReadingALegacyFormatTensor) {
   for (const char* fixture : {"tiny-llama-q8_0.gguf", "tiny-qwen2-q4_1.gguf", "tiny-qwen3-q5_0.gguf"}) {

@@ -1,7 +1,7 @@
-// Flawed variants of engine ops for fault injection: transposed embedding read, flawed attention, RMSNorm and
-// RoPE + cache write, wrong-lda GEMM, NaN fill. Each flawed kernel is its clean kernel (engine/ops/) with
-// the flaws as its only changes; the engine runs the attention one at every T when an attention fault
-// is injected.
+// Flawed variants of engine ops for fault injection: transposed embedding read, flawed RMSNorm, wrong-lda
+// GEMM, NaN fill, the modulo KV-head expansion. Each flawed kernel is its clean kernel (engine/ops/) with
+// the flaws as its only changes. The attention faults need no copy: they run the production attention
+// kernels with another AttentionVariant (engine/ops/attention.cuh).
 #include "engine/faults/fault_ops.cuh"
 
 #include <string>
@@ -14,9 +14,6 @@ namespace diffrun::engine {
 
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kMaxDhPerLane = 8;  // Dh ≤ 256
-
 template <typename W>
 static __global__ void embedding_transposed_kernel(float* out, const int32_t* tokens, const W* table, int D, int V) {
   pdl_wait();
@@ -26,93 +23,6 @@ static __global__ void embedding_transposed_kernel(float* out, const int32_t* to
   float* out_row = out + static_cast<int64_t>(t) * D;
   for (int d = threadIdx.x; d < D; d += blockDim.x)
     out_row[d] = (id < 0 || id >= V) ? NAN : load_act(table, static_cast<int64_t>(d) * V + id);
-}
-
-template <typename Out>
-static __global__ void __launch_bounds__(kWarps * 32)
-attention_flawed_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                        const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, bool causal,
-                        bool head_modulo, bool f16_exp) {
-  pdl_wait();
-  pdl_trigger();
-  const int t = blockIdx.x;
-  const int h = blockIdx.y;
-  const int kvh = head_modulo ? h % Hkv : h / (H / Hkv);
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int64_t kv_stride = static_cast<int64_t>(Hkv) * Dh;
-  const int S = *n_past + T;
-  const int n_keys = causal ? *n_past + t + 1 : S;
-  const int first = causal && window > 0 ? max(0, n_keys - window) : 0;
-
-  float qr[kMaxDhPerLane];
-  const float* qh = q + (static_cast<int64_t>(t) * H + h) * Dh;
-#pragma unroll
-  for (int j = 0; j < kMaxDhPerLane; ++j) {
-    const int d = lane + 32 * j;
-    qr[j] = d < Dh ? qh[d] : 0.0f;
-  }
-  auto dot = [&](int s) {  // q·k, every lane
-    const float* kr = k_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kMaxDhPerLane; ++j) {
-      const int d = lane + 32 * j;
-      if (d < Dh) acc += qr[j] * kr[d];
-    }
-    return warp_sum(acc);
-  };
-  auto score = [&](int s) { return dot(s) * scale; };
-  // The unnormalised weight of key s: exp(score - max); f16_exp: f16(exp(q·k))^scale, no max (m unused).
-  auto weight = [&](int s, float m) {
-    if (!f16_exp) return expf(score(s) - m);
-    return powf(__half2float(__float2half_rn(expf(dot(s)))), scale);
-  };
-
-  __shared__ float red[kWarps];
-  float m = -INFINITY;
-  for (int s = first + warp; s < n_keys; s += kWarps) m = fmaxf(m, score(s));
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  m = red[0];
-  for (int w = 1; w < kWarps; ++w) m = fmaxf(m, red[w]);
-
-  float sum = 0.0f;
-  float acc[kMaxDhPerLane];
-#pragma unroll
-  for (int j = 0; j < kMaxDhPerLane; ++j) acc[j] = 0.0f;
-  for (int s = first + warp; s < n_keys; s += kWarps) {
-    const float p = weight(s, m);
-    sum += p;
-    const float* vr = v_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
-#pragma unroll
-    for (int j = 0; j < kMaxDhPerLane; ++j) {
-      const int d = lane + 32 * j;
-      if (d < Dh) acc[j] += p * vr[d];
-    }
-  }
-
-  __shared__ float acc_sh[kWarps][kMaxDhPerLane * 32];
-  __shared__ float sum_sh[kWarps];
-#pragma unroll
-  for (int j = 0; j < kMaxDhPerLane; ++j) acc_sh[warp][lane + 32 * j] = acc[j];
-  if (lane == 0) sum_sh[warp] = sum;
-  __syncthreads();
-  float total = 0.0f;
-  for (int w = 0; w < kWarps; ++w) total += sum_sh[w];
-  for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
-    float o = 0.0f;
-    for (int w = 0; w < kWarps; ++w) o += acc_sh[w][d];
-    store_act(out, (static_cast<int64_t>(t) * H + h) * Dh + d, o / total);
-  }
-
-  if (probs != nullptr) {
-    float* prow = probs + (static_cast<int64_t>(h) * T + t) * S;
-    for (int s = warp; s < S; s += kWarps) {
-      const float p = s >= first && s < n_keys ? weight(s, m) / total : 0.0f;
-      if (lane == 0) prow[s] = p;
-    }
-  }
 }
 
 // rms_norm_kernel (b null: out = norm(a)) or add_rms_norm_kernel (sum = a + b, out = norm(sum)) with flaws.
@@ -207,22 +117,6 @@ void launch_embedding(float* out, const int32_t* tokens, const W* table, int T, 
 }
 
 template <typename Out>
-void launch_attention(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, AttentionFlaws flaws,
-                      cudaStream_t stream) {
-  if (Dh > 32 * kMaxDhPerLane || Dh <= 0)
-    throw ModelError("attention: head dim " + std::to_string(Dh) + " is not supported (at most " +
-                     std::to_string(32 * kMaxDhPerLane) + ")");
-  if (Hkv <= 0 || H % Hkv != 0)
-    throw ModelError("attention: n_head " + std::to_string(H) + " is not a multiple of n_head_kv " +
-                     std::to_string(Hkv));
-  const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H));
-  launch_pdl(attention_flawed_kernel<Out>, grid, kWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past, H,
-             Hkv, Dh, scale, window, !flaws.no_causal_mask, false, flaws.f16_exp);
-  check_launch("attention_flawed", stream);
-}
-
-template <typename Out>
 void launch_rms_norm(float* sum, Out* out, const float* a, const float* b, const float* w, int rows, int D, float eps,
                      RmsNormFlaws flaws, cudaStream_t stream) {
   launch_pdl(rms_norm_flawed_kernel<Out>, rows, kOpThreads, 0, stream, sum, out, a, b, w, D, eps, flaws.off_by_one,
@@ -258,18 +152,6 @@ void embedding_transposed(float* out, const int32_t* tokens, const float* table,
 void embedding_transposed(float* out, const int32_t* tokens, const __half* table, int T, int D, int V,
                           cudaStream_t stream) {
   launch_embedding(out, tokens, table, T, D, V, stream);
-}
-
-void attention_flawed(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, AttentionFlaws flaws,
-                      cudaStream_t stream) {
-  launch_attention(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, flaws, stream);
-}
-
-void attention_flawed(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, AttentionFlaws flaws,
-                      cudaStream_t stream) {
-  launch_attention(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, flaws, stream);
 }
 
 void gemm_wrong_lda(float* y, const float* x, const float* w, int T, int K, int N, const CublasHandle& handle,

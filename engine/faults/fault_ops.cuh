@@ -18,22 +18,6 @@ void embedding_transposed(float* out, const int32_t* tokens, const float* table,
 void embedding_transposed(float* out, const int32_t* tokens, const __half* table, int T, int D, int V,
                           cudaStream_t stream);
 
-// What the flawed attention gets wrong (any combination).
-struct AttentionFlaws {
-  bool no_causal_mask = false;  // every query attends to all S positions
-  bool f16_exp = false;         // softmax_f16_overflow: weights f16(exp(q·k))^scale, no max subtracted
-  bool any() const { return no_causal_mask || f16_exp; }
-};
-
-// The clean attention (ops/attention.cuh: same arguments, same arithmetic) with the given flaws
-// (no_causal_mask also drops the window).
-void attention_flawed(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, AttentionFlaws flaws,
-                      cudaStream_t stream);
-void attention_flawed(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, AttentionFlaws flaws,
-                      cudaStream_t stream);
-
 // attn_out_transposed / ffn_down_transposed: y [T, N] f32 = x [T, K] · W with the weight's memory
 // ([N, K] row-major, cuBLAS A = K×N, lda = K) passed as CUBLAS_OP_N with lda = N: element (n, k)
 // read at k * N + n. The transpose flag flipped and the leading dimension following it; W's

@@ -20,7 +20,7 @@ constexpr int kUnroll = 8;
 constexpr int kMaxBlocks = 1024;
 
 static __global__ void __launch_bounds__(kThreads)
-argmax_kernel(int32_t* out, const float* logits, int V, unsigned long long* scratch) {
+argmax_kernel(int32_t* out, const float* logits, int V, unsigned long long* scratch, ArgmaxTies ties) {
   pdl_wait();
   pdl_trigger();
   float best = -INFINITY;
@@ -35,20 +35,21 @@ argmax_kernel(int32_t* out, const float* logits, int V, unsigned long long* scra
     }
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k)
-      if (argmax_better(v[k], base + k * kThreads, best, best_i)) {
+      if (argmax_better(v[k], base + k * kThreads, best, best_i, ties)) {
         best = v[k];
         best_i = base + k * kThreads;
       }
   }
-  argmax_block_finish<kWarps>(best, best_i, out, scratch);
+  argmax_block_finish<kWarps>(best, best_i, out, scratch, ties);
 }
 
 }  // namespace
 
-void argmax(int32_t* out, const float* logits, int V, unsigned long long* scratch, cudaStream_t stream) {
+void argmax(int32_t* out, const float* logits, int V, unsigned long long* scratch, cudaStream_t stream,
+            ArgmaxTies ties) {
   const int per_block = kThreads * kUnroll;
   const int blocks = std::clamp((V + per_block - 1) / per_block, 1, kMaxBlocks);
-  launch_pdl(argmax_kernel, blocks, kThreads, 0, stream, out, logits, V, scratch);
+  launch_pdl(argmax_kernel, blocks, kThreads, 0, stream, out, logits, V, scratch, ties);
   check_launch("argmax", stream);
 }
 

@@ -29,10 +29,21 @@ constexpr int kWarps = 8;
 constexpr int kMaxDhPerLane = 8;  // Dh ≤ 256
 constexpr int kMaxSplits = kAttentionSplitMaxSplits;
 
+// A key's score from its dot product q·k: scale·dot; AttentionVariant::f16_exp keeps the raw dot.
+__device__ __forceinline__ float score_of(float dot, float scale, AttentionVariant v) {
+  return v.f16_exp ? dot : dot * scale;
+}
+
+// A key's unnormalised probability from its score and the row max m: exp(score − m); f16_exp:
+// f16(exp(dot))^scale, no max subtracted (Inf past dot ≈ 11.09, and the row's sum with it).
+__device__ __forceinline__ float weight_of(float score, float m, float scale, AttentionVariant v) {
+  return v.f16_exp ? powf(__half2float(__float2half_rn(expf(score))), scale) : expf(score - m);
+}
+
 template <typename Out>
 static __global__ void __launch_bounds__(kWarps * 32)
 attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-                 const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window) {
+                 const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, AttentionVariant v) {
   pdl_wait();
   pdl_trigger();
   const int t = blockIdx.x;
@@ -41,9 +52,9 @@ attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, c
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int64_t kv_stride = static_cast<int64_t>(Hkv) * Dh;
-  const int n_keys = *n_past + t + 1;  // causal: positions 0..n_past+t
-  const int first = window > 0 ? max(0, n_keys - window) : 0;  // sliding window: the last `window` of them
   const int S = *n_past + T;
+  const int n_keys = v.causal ? *n_past + t + 1 : S;  // causal: positions 0..n_past+t
+  const int first = v.causal && window > 0 ? max(0, n_keys - window) : 0;  // sliding window: the last `window`
 
   float qr[kMaxDhPerLane];
   const float* qh = q + (static_cast<int64_t>(t) * H + h) * Dh;
@@ -60,7 +71,7 @@ attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, c
       const int d = lane + 32 * j;
       if (d < Dh) acc += qr[j] * kr[d];
     }
-    return warp_sum(acc) * scale;
+    return score_of(warp_sum(acc), scale, v);
   };
 
   __shared__ float red[kWarps];
@@ -76,7 +87,7 @@ attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, c
 #pragma unroll
   for (int j = 0; j < kMaxDhPerLane; ++j) acc[j] = 0.0f;
   for (int s = first + warp; s < n_keys; s += kWarps) {
-    const float p = expf(score(s) - m);
+    const float p = weight_of(score(s), m, scale, v);
     sum += p;
     const float* vr = v_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
 #pragma unroll
@@ -105,7 +116,7 @@ attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, c
   if (probs != nullptr) {
     float* prow = probs + (static_cast<int64_t>(h) * T + t) * S;
     for (int s = warp; s < S; s += kWarps) {
-      const float p = s >= first && s < n_keys ? expf(score(s) - m) / total : 0.0f;
+      const float p = s >= first && s < n_keys ? weight_of(score(s), m, scale, v) / total : 0.0f;
       if (lane == 0) prow[s] = p;
     }
   }
@@ -120,7 +131,7 @@ template <typename Out, int kDpl>
 static __global__ void __launch_bounds__(kSplitWarps * 32)
 attention_split_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                        const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, float* partial,
-                       uint32_t* counters, int min_keys) {
+                       uint32_t* counters, int min_keys, AttentionVariant v) {
   pdl_wait();
   pdl_trigger();
   const int split = blockIdx.x;
@@ -130,9 +141,9 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int64_t kv_stride = static_cast<int64_t>(Hkv) * Dh;
-  const int n_keys = *n_past + t + 1;  // causal: positions 0..n_past+t
-  const int first = window > 0 ? max(0, n_keys - window) : 0;  // sliding window: keys first..n_keys-1
   const int S = *n_past + T;
+  const int n_keys = v.causal ? *n_past + t + 1 : S;  // causal: positions 0..n_past+t
+  const int first = v.causal && window > 0 ? max(0, n_keys - window) : 0;  // sliding window: keys first..n_keys-1
   const int n_splits = attention_splits_used(n_keys - first, static_cast<int>(gridDim.x), min_keys);
   if (split >= n_splits) return;  // a short query leaves the spare splits of the grid idle
   const int chunk = (n_keys - first + n_splits - 1) / n_splits;
@@ -188,7 +199,7 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
     for (int u = 0; u < kKeyBatch; ++u) {
       const int s = s0 + u * kSplitWarps;
       if (s < s_end) {
-        const float x = dot[u] * scale;
+        const float x = score_of(dot[u], scale, v);
         if (lane == 0) prow[s] = x;
         x1[u] = x;
         m = fmaxf(m, x);
@@ -208,7 +219,7 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
 #pragma unroll
     for (int u = 0; u < kKeyBatch; ++u) {
       if (s_begin + warp + u * kSplitWarps < s_end) {  // in key order within the warp
-        const float p = expf(x1[u] - m);
+        const float p = weight_of(x1[u], m, scale, v);
         sum += p;
 #pragma unroll
         for (int j = 0; j < kDpl; ++j) acc[j] += p * vv1[u][j];
@@ -232,7 +243,7 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
 #pragma unroll
     for (int u = 0; u < kKeyBatch; ++u) {
       if (s0 + u * kSplitWarps < s_end) {  // in key order within the warp
-        const float p = expf(sc[u] - m);
+        const float p = weight_of(sc[u], m, scale, v);
         sum += p;
 #pragma unroll
         for (int j = 0; j < kDpl; ++j) acc[j] += p * vv[u][j];
@@ -257,7 +268,7 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
       store_act(out, out_row + d, o / total);
     }
     for (int s = threadIdx.x; s < S; s += blockDim.x)
-      prow[s] = s >= first && s < n_keys ? expf(prow[s] - m) / total : 0.0f;
+      prow[s] = s >= first && s < n_keys ? weight_of(prow[s], m, scale, v) / total : 0.0f;
     return;
   }
 
@@ -292,8 +303,9 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
     const float l0 = has0 ? __ldcg(part + lane * part_stride + Dh + 1) : 0.0f;
     const float l1 = has1 ? __ldcg(part + (lane + 32) * part_stride + Dh + 1) : 0.0f;
     const float M = warp_max(fmaxf(m0, m1));  // chunk 0 is never empty: M is finite
-    const float w0 = m0 == -INFINITY ? 0.0f : expf(m0 - M);
-    const float w1 = m1 == -INFINITY ? 0.0f : expf(m1 - M);
+    // f16_exp: the splits' weights carry no max, so they add as they are.
+    const float w0 = m0 == -INFINITY ? 0.0f : (v.f16_exp ? 1.0f : expf(m0 - M));
+    const float w1 = m1 == -INFINITY ? 0.0f : (v.f16_exp ? 1.0f : expf(m1 - M));
     weight[lane] = w0;
     weight[lane + 32] = w1;
     const float L = warp_sum(w0 * l0 + w1 * l1);
@@ -312,7 +324,7 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
     store_act(out, out_row + d, o / L);
   }
   for (int s = threadIdx.x; s < S; s += blockDim.x)
-    prow[s] = s >= first && s < n_keys ? expf(__ldcg(prow + s) - M) / L : 0.0f;
+    prow[s] = s >= first && s < n_keys ? weight_of(__ldcg(prow + s), M, scale, v) / L : 0.0f;
 }
 
 void check_shape(int H, int Hkv, int Dh) {
@@ -327,7 +339,7 @@ void check_shape(int H, int Hkv, int Dh) {
 template <typename Out>
 void launch_split(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                   const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
-                  const AttentionSplitScratch& scratch, cudaStream_t stream) {
+                  const AttentionSplitScratch& scratch, cudaStream_t stream, AttentionVariant v) {
   check_shape(H, Hkv, Dh);
   if (T < 1 || T > kAttentionSplitMaxT)
     throw Error("attention_split: " + std::to_string(T) + " tokens, the split kernel takes 1.." +
@@ -344,30 +356,33 @@ void launch_split(Out* out, float* probs, const float* q, const float* k_cache, 
                  : Dh <= 128 ? attention_split_kernel<Out, 4>
                              : attention_split_kernel<Out, kMaxDhPerLane>;
   launch_pdl(kernel, grid, kSplitWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale,
-             window, scratch.partial, scratch.counters, scratch.min_keys);
+             window, scratch.partial, scratch.counters, scratch.min_keys, v);
   check_launch("attention_split", stream);
 }
 
 template <typename Out>
 void launch(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-            const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
+            const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream,
+            AttentionVariant v) {
   check_shape(H, Hkv, Dh);
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H));
   launch_pdl(attention_kernel<Out>, grid, kWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past, H, Hkv,
-             Dh, scale, window);
+             Dh, scale, window, v);
   check_launch("attention", stream);
 }
 
 }  // namespace
 
 void attention(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-               const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
-  launch(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream);
+               const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream,
+               AttentionVariant variant) {
+  launch(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream, variant);
 }
 
 void attention(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-               const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
-  launch(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream);
+               const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream,
+               AttentionVariant variant) {
+  launch(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream, variant);
 }
 
 int attention_split_count(int H, int sm_count) {
@@ -377,14 +392,14 @@ int attention_split_count(int H, int sm_count) {
 
 void attention_split(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
-                     const AttentionSplitScratch& scratch, cudaStream_t stream) {
-  launch_split(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, scratch, stream);
+                     const AttentionSplitScratch& scratch, cudaStream_t stream, AttentionVariant variant) {
+  launch_split(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, scratch, stream, variant);
 }
 
 void attention_split(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
-                     const AttentionSplitScratch& scratch, cudaStream_t stream) {
-  launch_split(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, scratch, stream);
+                     const AttentionSplitScratch& scratch, cudaStream_t stream, AttentionVariant variant) {
+  launch_split(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, scratch, stream, variant);
 }
 
 }  // namespace diffrun::engine

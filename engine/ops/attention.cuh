@@ -2,7 +2,8 @@
 // Query t (at position n_past + t) of head h attends to cache rows s = 0..n_past + t of KV head
 // h / (H / Hkv), and with window > 0 only to s > n_past + t − window: score = scale·(q·k) (scale
 // 1/sqrt(Dh) for most models); p = exp(score − max) / Σ exp(score − max) in f32; out = Σ p·v.
-// S = n_past + T positions are attended by the step.
+// S = n_past + T positions are attended by the step. `variant` (model/op_variants.hpp) is the
+// default in production; the catalog's attention faults pass another one to these same kernels.
 // attention (any T): probabilities written to `probs` only when it is non-null (the kq_soft_max
 // checkpoint); the kernel and the output are the same either way; with out null it writes the
 // probabilities alone (the engine's prefill then takes its output from attention_tiled).
@@ -21,6 +22,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "model/op_variants.hpp"
+
 namespace diffrun::engine {
 
 // out [T, H·Dh] (f32, or f16 when it feeds an f16 GEMM) or nullptr; probs [H, T, S] f32 or nullptr, zero
@@ -28,15 +31,19 @@ namespace diffrun::engine {
 // 0..S-1 valid; n_past [1] device (read on the device so a captured decode step replays at any
 // position). Dh ≤ 256, H a multiple of Hkv.
 void attention(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-               const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream);
+               const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream,
+               AttentionVariant variant = {});
 void attention(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
-               const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream);
+               const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream,
+               AttentionVariant variant = {});
 
 // As attention without probabilities; Dh ≤ 256, H a multiple of Hkv.
 void attention_tiled(float* out, const float* q, const float* k_cache, const float* v_cache, int T,
-                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream);
+                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream,
+               AttentionVariant variant = {});
 void attention_tiled(__half* out, const float* q, const float* k_cache, const float* v_cache, int T,
-                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream);
+                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream,
+               AttentionVariant variant = {});
 
 constexpr int kAttentionSplitMaxT = 4;         // the most tokens a step may pass to attention_split
 constexpr int kAttentionSplitMaxSplits = 64;   // the most splits per (token, head)
@@ -65,9 +72,9 @@ __host__ __device__ inline int attention_splits_used(int keys, int splits, int m
 // and its splits. The result does not depend on which split finishes last (fixed combine order).
 void attention_split(float* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
-                     const AttentionSplitScratch& scratch, cudaStream_t stream);
+                     const AttentionSplitScratch& scratch, cudaStream_t stream, AttentionVariant variant = {});
 void attention_split(__half* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
-                     const AttentionSplitScratch& scratch, cudaStream_t stream);
+                     const AttentionSplitScratch& scratch, cudaStream_t stream, AttentionVariant variant = {});
 
 }  // namespace diffrun::engine

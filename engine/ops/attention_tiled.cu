@@ -83,7 +83,8 @@ __device__ __forceinline__ void tile_store_v(float* V, const float4 (&r)[kTileBa
 template <int DH, typename Out>
 static __global__ void __launch_bounds__(kThreads)
 attention_tiled_kernel(Out* out, const float* q, const float* k_cache, const float* v_cache, int T,
-                       const int32_t* n_past_ptr, int H, int Hkv, int Dh, float scale, int window) {
+                       const int32_t* n_past_ptr, int H, int Hkv, int Dh, float scale, int window,
+                       AttentionVariant v) {
   constexpr int kCols = DH / 16;  // output columns per thread: 4 at tx·4 in each 64-wide chunk
   extern __shared__ float4 smem4[];
   float* Qt = reinterpret_cast<float*>(smem4);  // [DH][kQStride]
@@ -105,9 +106,9 @@ attention_tiled_kernel(Out* out, const float* q, const float* k_cache, const flo
   const float* kh = k_cache + static_cast<int64_t>(kvh) * Dh;
   const float* vh = v_cache + static_cast<int64_t>(kvh) * Dh;
 
-  // The block's keys: from the first query's window start to the last query's position.
-  const int key_end = n_past + t_last + 1;
-  const int key_begin = window > 0 ? max(0, n_past + t0 + 1 - window) : 0;
+  // The block's keys: from the first query's window start to the last query's position (not causal: all S).
+  const int key_end = v.causal ? n_past + t_last + 1 : n_past + T;
+  const int key_begin = v.causal && window > 0 ? max(0, n_past + t0 + 1 - window) : 0;
 
   for (int idx = tid; idx < kBQ * DH; idx += kThreads) {  // consecutive threads: consecutive d of one query
     const int i = idx / DH, d = idx % DH;
@@ -177,19 +178,20 @@ attention_tiled_kernel(Out* out, const float* q, const float* k_cache, const flo
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         const int s = kb + 4 * tx + b;
-        const bool valid = row_valid && s <= pos && (window <= 0 || s > pos - window);
-        sc[a][b] = valid ? sc[a][b] * scale : -INFINITY;
+        const bool valid = row_valid && s < key_end && (!v.causal || (s <= pos && (window <= 0 || s > pos - window)));
+        sc[a][b] = valid ? (v.f16_exp ? sc[a][b] : sc[a][b] * scale) : -INFINITY;
         mt = fmaxf(mt, sc[a][b]);
       }
       for (int o = 8; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));  // the row's 16 threads
       const float m_new = fmaxf(m[a], mt);
       const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet: everything stays 0
-      const float alpha = expf(m[a] - m_use);
+      // f16_exp: f16(exp(q·k))^scale with no max (as attention's weights), so nothing is rescaled.
+      const float alpha = v.f16_exp ? 1.0f : expf(m[a] - m_use);
       m[a] = m_new;
       float ps = 0.0f;
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
-        p[a][b] = expf(sc[a][b] - m_use);
+        p[a][b] = v.f16_exp ? powf(__half2float(__float2half_rn(expf(sc[a][b]))), scale) : expf(sc[a][b] - m_use);
         ps += p[a][b];
       }
       l[a] = l[a] * alpha + ps;
@@ -262,7 +264,7 @@ attention_tiled_kernel(Out* out, const float* q, const float* k_cache, const flo
 
 template <int DH, typename Out>
 void launch_dh(Out* out, const float* q, const float* k_cache, const float* v_cache, int T, const int32_t* n_past,
-               int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
+               int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream, AttentionVariant v) {
   const size_t smem = smem_floats<DH>() * sizeof(float);
   static const bool attribute_set = [&] {  // above 48 KiB a kernel must opt in, once per instantiation
     CUDA_CHECK(cudaFuncSetAttribute(attention_tiled_kernel<DH, Out>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -272,12 +274,12 @@ void launch_dh(Out* out, const float* q, const float* k_cache, const float* v_ca
   (void)attribute_set;
   const dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(H));
   launch_pdl(attention_tiled_kernel<DH, Out>, grid, kThreads, smem, stream, out, q, k_cache, v_cache, T, n_past, H,
-             Hkv, Dh, scale, window);
+             Hkv, Dh, scale, window, v);
 }
 
 template <typename Out>
 void launch(Out* out, const float* q, const float* k_cache, const float* v_cache, int T, const int32_t* n_past, int H,
-            int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
+            int Hkv, int Dh, float scale, int window, cudaStream_t stream, AttentionVariant v) {
   if (Dh > 256 || Dh <= 0)
     throw ModelError("attention_tiled: head dim " + std::to_string(Dh) + " is not supported (at most 256)");
   if (Hkv <= 0 || H % Hkv != 0)
@@ -285,24 +287,26 @@ void launch(Out* out, const float* q, const float* k_cache, const float* v_cache
                      std::to_string(Hkv));
   if (T < 1) throw Error("attention_tiled: " + std::to_string(T) + " tokens");
   if (Dh <= 64)
-    launch_dh<64>(out, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream);
+    launch_dh<64>(out, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream, v);
   else if (Dh <= 128)
-    launch_dh<128>(out, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream);
+    launch_dh<128>(out, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream, v);
   else
-    launch_dh<256>(out, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream);
+    launch_dh<256>(out, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream, v);
   check_launch("attention_tiled", stream);
 }
 
 }  // namespace
 
 void attention_tiled(float* out, const float* q, const float* k_cache, const float* v_cache, int T,
-                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
-  launch(out, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream);
+                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream,
+                     AttentionVariant variant) {
+  launch(out, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream, variant);
 }
 
 void attention_tiled(__half* out, const float* q, const float* k_cache, const float* v_cache, int T,
-                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
-  launch(out, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream);
+                     const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream,
+                     AttentionVariant variant) {
+  launch(out, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream, variant);
 }
 
 }  // namespace diffrun::engine

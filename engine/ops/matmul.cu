@@ -230,7 +230,7 @@ constexpr int kArgmaxBlocksPerSm = 3;
 template <typename W>
 static __global__ void __launch_bounds__(128, 4)
 gemv_argmax_kernel(float* __restrict__ y, int32_t* token, const W* __restrict__ x, const W* __restrict__ w, int K,
-                   int N, bool prefetch, unsigned long long* scratch) {
+                   int N, bool prefetch, unsigned long long* scratch, ArgmaxTies ties) {
   constexpr int kWarps = 4, kSlots = kWarps * kArgmaxRW;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row_blocks = (N + kSlots - 1) / kSlots;
@@ -253,19 +253,19 @@ gemv_argmax_kernel(float* __restrict__ y, int32_t* token, const W* __restrict__ 
       const float a = warp_sum(acc[j]);  // the same bits in every lane
       if (row[j] < N) {
         if (lane == 0) y[row[j]] = a;
-        if (argmax_better(a, row[j], best, best_i)) {
+        if (argmax_better(a, row[j], best, best_i, ties)) {
           best = a;
           best_i = row[j];
         }
       }
     }
   }
-  argmax_block_finish<kWarps>(best, best_i, token, scratch);
+  argmax_block_finish<kWarps>(best, best_i, token, scratch, ties);
 }
 
 template <typename W>
 bool matmul_argmax_impl(float* out, int32_t* token, const W* x, const DeviceMatrix<W>& w, int K, int N,
-                        unsigned long long* scratch, cudaStream_t stream) {
+                        unsigned long long* scratch, cudaStream_t stream, ArgmaxTies ties) {
   if (K != w.K)
     throw Error("matmul_argmax: K = " + std::to_string(K) + " against a matrix of " + std::to_string(w.K) +
                 " columns");
@@ -281,7 +281,7 @@ bool matmul_argmax_impl(float* out, int32_t* token, const W* x, const DeviceMatr
   const int row_blocks = (N + 4 * kArgmaxRW - 1) / (4 * kArgmaxRW);
   const unsigned blocks = static_cast<unsigned>(std::min(row_blocks, per_sm * sms));
   launch_pdl(gemv_argmax_kernel<W>, blocks, 128, 0, stream, out, token, x, w.dense, K, N, gemv_prefetch_enabled(),
-             scratch);
+             scratch, ties);
   check_launch("matmul_argmax", stream);
   return true;
 }
@@ -473,13 +473,13 @@ bool matmul_gate_up_swiglu(float* gate, float* up, __half* act, const __half* x,
 }
 
 bool matmul_argmax(float* out, int32_t* token, const float* x, const DeviceMatrix<float>& w, int K, int N,
-                   unsigned long long* scratch, cudaStream_t stream) {
-  return matmul_argmax_impl(out, token, x, w, K, N, scratch, stream);
+                   unsigned long long* scratch, cudaStream_t stream, ArgmaxTies ties) {
+  return matmul_argmax_impl(out, token, x, w, K, N, scratch, stream, ties);
 }
 
 bool matmul_argmax(float* out, int32_t* token, const __half* x, const DeviceMatrix<__half>& w, int K, int N,
-                   unsigned long long* scratch, cudaStream_t stream) {
-  return matmul_argmax_impl(out, token, x, w, K, N, scratch, stream);
+                   unsigned long long* scratch, cudaStream_t stream, ArgmaxTies ties) {
+  return matmul_argmax_impl(out, token, x, w, K, N, scratch, stream, ties);
 }
 
 const float* dense_rows(const DeviceMatrix<float>& w, int rows, cudaStream_t stream) {

@@ -14,6 +14,7 @@
 #include "engine/device_matrix.cuh"
 #include "engine/gemm.cuh"
 #include "engine/ops/qgemv.cuh"
+#include "model/op_variants.hpp"
 
 namespace diffrun::engine {
 
@@ -81,14 +82,14 @@ bool matmul_qkv_rope(float* q, float* k, float* v, const float* bq, const float*
 
 // Fused twin of matmul (T = 1, no bias) followed by argmax over the N outputs: out [N] bit-identical to
 // matmul's (the one-token GEMV's rows, summed in its order), *token argmax's answer for them (the same
-// order: the largest value, the lowest index on ties, NaN never; -1 when none is comparable), written
+// order: the largest value, the lowest index on ties (or `ties`), NaN never; -1 when none is comparable), written
 // to device or mapped host memory; scratch as argmax's. One launch whose blocks stay resident while the
 // weights stream. Returns false, launching nothing, when w is quantized or matmul would not run the
 // one-warp-per-row GEMV on it (few rows of long K, or rows not 16-byte aligned): then run matmul and
 // argmax.
 bool matmul_argmax(float* out, int32_t* token, const float* x, const DeviceMatrix<float>& w, int K, int N,
-                   unsigned long long* scratch, cudaStream_t stream);
+                   unsigned long long* scratch, cudaStream_t stream, ArgmaxTies ties = ArgmaxTies::lowest);
 bool matmul_argmax(float* out, int32_t* token, const __half* x, const DeviceMatrix<__half>& w, int K, int N,
-                   unsigned long long* scratch, cudaStream_t stream);
+                   unsigned long long* scratch, cudaStream_t stream, ArgmaxTies ties = ArgmaxTies::lowest);
 
 }  // namespace diffrun::engine

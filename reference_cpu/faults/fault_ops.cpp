@@ -1,4 +1,5 @@
-// Flawed variants of reference ops for fault injection: transposed embedding read, flawed attention and RMSNorm, wrong-lda weights.
+// Flawed variants of reference ops for fault injection: transposed embedding read, the modulo KV-head expansion,
+// flawed RMSNorm, wrong-lda weights. The attention faults run the clean attention with another AttentionVariant.
 #include "reference_cpu/faults/fault_ops.hpp"
 
 #include <algorithm>
@@ -26,50 +27,10 @@ void embedding_transposed(T* out /* [T,D] */, const int32_t* tokens /* [T] */, c
 }
 
 template <typename T>
-void attention_flawed(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q /* [T,H*Dh] */,
-                      const T* k_cache /* [S,Hkv*Dh] */, const T* v_cache /* [S,Hkv*Dh] */, int n_tokens, int n_past,
-                      int H, int Hkv, int Dh, T scale, int window, AttentionFlaws flaws) {
-  const int S = n_past + n_tokens;
-  const int group = H / Hkv;
-  const int64_t q_stride = static_cast<int64_t>(H) * Dh;
-  const int64_t kv_stride = static_cast<int64_t>(Hkv) * Dh;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int h = 0; h < H; ++h) {
-    for (int t = 0; t < n_tokens; ++t) {
-      const int kvh = flaws.head_modulo ? h % Hkv : h / group;
-      const int n_visible = flaws.no_causal_mask ? S : n_past + t + 1;
-      const int first = window > 0 && !flaws.no_causal_mask ? std::max(0, n_visible - window) : 0;
-      const T* qt = q + t * q_stride + static_cast<int64_t>(h) * Dh;
-      T* p = probs + (static_cast<int64_t>(h) * n_tokens + t) * S;
-      T max_score = -std::numeric_limits<T>::infinity();
-      for (int s = 0; s < first; ++s) p[s] = 0;
-      for (int s = first; s < n_visible; ++s) {
-        const T* ks = k_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
-        T dot = 0;
-        for (int d = 0; d < Dh; ++d) dot += qt[d] * ks[d];
-        p[s] = flaws.f16_exp ? dot : dot * scale;
-        if (p[s] > max_score) max_score = p[s];
-      }
-      T sum = 0;
-      for (int s = first; s < n_visible; ++s) {
-        if (flaws.f16_exp) {  // exp of the raw score rounded to f16 (Inf above 65504), then ^scale
-          const T e = T(static_cast<float>(Eigen::half(static_cast<float>(std::exp(p[s])))));
-          p[s] = std::pow(e, scale);
-        } else {
-          p[s] = std::exp(p[s] - max_score);
-        }
-        sum += p[s];
-      }
-      for (int s = first; s < n_visible; ++s) p[s] /= sum;
-      for (int s = n_visible; s < S; ++s) p[s] = 0;
-      T* ot = out + t * q_stride + static_cast<int64_t>(h) * Dh;
-      for (int d = 0; d < Dh; ++d) ot[d] = 0;
-      for (int s = first; s < n_visible; ++s) {
-        const T* vs = v_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
-        for (int d = 0; d < Dh; ++d) ot[d] += p[s] * vs[d];
-      }
-    }
-  }
+void expand_kv_heads_modulo(T* out /* [rows,H*Dh] */, const T* kv /* [rows,Hkv*Dh] */, int rows, int H, int Hkv, int Dh) {
+  for (int s = 0; s < rows; ++s)
+    for (int h = 0; h < H; ++h)
+      std::copy_n(kv + (static_cast<int64_t>(s) * Hkv + h % Hkv) * Dh, Dh, out + (static_cast<int64_t>(s) * H + h) * Dh);
 }
 
 template <typename T>
@@ -94,10 +55,8 @@ Matrix<T> wrong_leading_dimension(const Matrix<T>& w /* [N,K] */) {
 
 template void embedding_transposed<float>(float*, const int32_t*, const float*, int, int, int);
 template void embedding_transposed<double>(double*, const int32_t*, const double*, int, int, int);
-template void attention_flawed<float>(float*, float*, const float*, const float*, const float*, int, int, int, int,
-                                      int, float, int, AttentionFlaws);
-template void attention_flawed<double>(double*, double*, const double*, const double*, const double*, int, int, int,
-                                       int, int, double, int, AttentionFlaws);
+template void expand_kv_heads_modulo<float>(float*, const float*, int, int, int, int);
+template void expand_kv_heads_modulo<double>(double*, const double*, int, int, int, int);
 template void rms_norm_flawed<float>(float*, const float*, const float*, int, int, float, RmsNormFlaws);
 template void rms_norm_flawed<double>(double*, const double*, const double*, int, int, double, RmsNormFlaws);
 template Matrix<float> wrong_leading_dimension<float>(const Matrix<float>&);

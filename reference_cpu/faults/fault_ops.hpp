@@ -14,19 +14,11 @@ template <typename T>
 void embedding_transposed(T* out /* [T,D] */, const int32_t* tokens /* [T] */, const T* table /* [V,D] */,
                           int n_tokens, int D, int V);
 
-// What the flawed attention gets wrong (any combination).
-struct AttentionFlaws {
-  bool no_causal_mask = false;  // every query attends to all S positions
-  bool head_modulo = false;     // query head h reads KV head h % Hkv
-  bool f16_exp = false;         // softmax_f16_overflow: weights f16(exp(q·k))^scale, no max subtracted
-  bool any() const { return no_causal_mask || head_modulo || f16_exp; }
-};
-
-// The clean attention's algorithm (ops/attention.hpp) with the given flaws (no_causal_mask also drops the window).
+// gqa_head_modulo: the K or V cache [rows, Hkv·Dh] expanded to H heads the wrong way round (h % Hkv instead
+// of h / (H/Hkv)): out [rows, H·Dh] with out[s, h] = kv[s, h % Hkv]; the production attention then reads it
+// as a cache of H KV heads (the engine's expand_kv_heads_modulo).
 template <typename T>
-void attention_flawed(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q /* [T,H*Dh] */,
-                      const T* k_cache /* [S,Hkv*Dh] */, const T* v_cache /* [S,Hkv*Dh] */, int n_tokens, int n_past,
-                      int H, int Hkv, int Dh, T scale, int window, AttentionFlaws flaws);
+void expand_kv_heads_modulo(T* out /* [rows,H*Dh] */, const T* kv /* [rows,Hkv*Dh] */, int rows, int H, int Hkv, int Dh);
 
 // What the flawed RMSNorm gets wrong (either or both).
 struct RmsNormFlaws {

@@ -1,4 +1,4 @@
-// Causal GQA attention over the KV cache, optionally within a sliding window. T new tokens, S = n_past + T positions, H/Hkv heads, Dh width.
+// Causal (by default) GQA attention over the KV cache, optionally within a sliding window. T new tokens, S = n_past + T positions, H/Hkv heads, Dh width.
 #include "reference_cpu/ops/attention.hpp"
 
 #include <algorithm>
@@ -6,12 +6,14 @@
 #include <cstdint>
 #include <limits>
 
+#include <Eigen/Core>
+
 namespace diffrun::ref {
 
 template <typename T>
 void attention(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q /* [T,H*Dh] */,
                const T* k_cache /* [S,Hkv*Dh] */, const T* v_cache /* [S,Hkv*Dh] */, int n_tokens, int n_past,
-               int H, int Hkv, int Dh, T scale, int window) {
+               int H, int Hkv, int Dh, T scale, int window, AttentionVariant variant) {
   const int S = n_past + n_tokens;
   const int group = H / Hkv;
   const int64_t q_stride = static_cast<int64_t>(H) * Dh;
@@ -20,8 +22,8 @@ void attention(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q /* [T,H
   for (int h = 0; h < H; ++h) {
     for (int t = 0; t < n_tokens; ++t) {
       const int kvh = h / group;
-      const int n_visible = n_past + t + 1;  // causal: positions 0..n_past+t
-      const int first = window > 0 ? std::max(0, n_visible - window) : 0;  // sliding window: the last `window`
+      const int n_visible = variant.causal ? n_past + t + 1 : S;  // causal: positions 0..n_past+t
+      const int first = variant.causal && window > 0 ? std::max(0, n_visible - window) : 0;  // the last `window`
       const T* qt = q + t * q_stride + static_cast<int64_t>(h) * Dh;
       T* p = probs + (static_cast<int64_t>(h) * n_tokens + t) * S;
       T max_score = -std::numeric_limits<T>::infinity();
@@ -30,12 +32,15 @@ void attention(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q /* [T,H
         const T* ks = k_cache + s * kv_stride + static_cast<int64_t>(kvh) * Dh;
         T dot = 0;
         for (int d = 0; d < Dh; ++d) dot += qt[d] * ks[d];
-        p[s] = dot * scale;
+        p[s] = variant.f16_exp ? dot : dot * scale;  // f16_exp: the raw dot
         if (p[s] > max_score) max_score = p[s];
       }
       T sum = 0;
       for (int s = first; s < n_visible; ++s) {
-        p[s] = std::exp(p[s] - max_score);
+        if (variant.f16_exp)  // exp of the raw dot rounded to f16 (Inf above 65504), then ^scale; no max
+          p[s] = std::pow(T(static_cast<float>(Eigen::half(static_cast<float>(std::exp(p[s]))))), scale);
+        else
+          p[s] = std::exp(p[s] - max_score);
         sum += p[s];
       }
       for (int s = first; s < n_visible; ++s) p[s] /= sum;
@@ -51,8 +56,8 @@ void attention(T* out /* [T,H*Dh] */, T* probs /* [H,T,S] */, const T* q /* [T,H
 }
 
 template void attention<float>(float*, float*, const float*, const float*, const float*, int, int, int, int, int,
-                               float, int);
+                               float, int, AttentionVariant);
 template void attention<double>(double*, double*, const double*, const double*, const double*, int, int, int, int,
-                                int, double, int);
+                                int, double, int, AttentionVariant);
 
 }  // namespace diffrun::ref

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,8 +174,10 @@ def tensor_type(fmt: str, name: str, n_layer: int) -> QT:
 
 
 def write_model(shape: Shape, fmt: str, path: Path, seed: int,
-                extra_tensors: dict[str, np.ndarray] | None = None) -> None:
-    """Writes one fixture GGUF atomically (temporary name, then rename); extra_tensors (F32) go first."""
+                extra_tensors: dict[str, np.ndarray] | None = None,
+                edit: Callable[[str, np.ndarray], np.ndarray] | None = None) -> None:
+    """Writes one fixture GGUF atomically (temporary name, then rename); extra_tensors (F32) go first; edit(name,
+    weights) may change a tensor's float weights before they are stored."""
     v = load_vocab(shape)
     arch = shape.arch
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -206,6 +209,8 @@ def write_model(shape: Shape, fmt: str, path: Path, seed: int,
         w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     for name, dims in tensor_shapes(shape, len(v.tokens)).items():
         data = float_weights(shape, name, dims, seed)
+        if edit is not None:
+            data = edit(name, data)
         qtype = tensor_type(fmt, name, shape.n_layer)
         stored = quants.quantize(data, qtype) if len(dims) == 2 else data
         w.add_tensor(name, stored, raw_dtype=None if qtype in (QT.F32, QT.F16) else qtype)
