@@ -244,7 +244,7 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
   if (r.base == "result_output" && r.shape_reference.size() == 2) {
     m.logits = compute_logit_metrics(a, b, r.shape_reference[0], r.shape_reference[1]);
   }
-  r.bound_scale = tolerances.length_scale(positions);
+  r.bound_scale = tolerances.length_scale(positions) * tolerances.reduction_scale(r.base, dims);
   r.checks = check_bounds(m, rule, positions, r.bound_scale);
   r.metrics = std::move(m);
   const bool ok = std::all_of(r.checks.begin(), r.checks.end(), [](const BoundCheck& k) { return k.pass; });

@@ -98,8 +98,8 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s, boo
   out += notes ? fmt::format("  rule      {}: {}\n", rule_label(f), f.rule_reason)
                : fmt::format("  rule      {}\n", rule_label(f));
   if (f.bound_scale > 1.0) {
-    out += fmt::format("  context   rel L2 bounds x{:.2f} (KL x{:.2f}): this step's context is longer than the preset's\n"
-                       "            calibration (calibrated_positions)\n",
+    out += fmt::format("  scaled    rel L2 bounds x{:.2f} (KL x{:.2f}): this step's context or the op's reduction length\n"
+                       "            is longer than the preset's calibration (calibrated_positions, calibrated_reduction)\n",
                        f.bound_scale, f.bound_scale * f.bound_scale);
   }
   if (f.status == CheckpointStatus::shape_mismatch) {

@@ -46,7 +46,9 @@ struct CheckpointResult {
   std::vector<BoundCheck> checks;
   std::string rule_match;  // the pattern of the rule applied ("" for the default rule)
   std::string rule_reason;
-  double bound_scale = 1.0;  // the rel L2 bounds' long-context scaling at this step (ToleranceSet::length_scale)
+  // The rel L2 bounds' scaling at this step: long context (ToleranceSet::length_scale) times long reduction
+  // (ToleranceSet::reduction_scale).
+  double bound_scale = 1.0;
   std::optional<LocalError> local;  // set by add_isolation when the isolated run recorded it
   // A failing checkpoint whose layout has dims of equal size, read with two of them swapped, matching
   // the reference far better (rel_l2 under a tenth of the as-stored one): the dims it looks like

@@ -370,6 +370,30 @@ class Parser {
       } else if (key == "default") {
         set.default_rule = rule(v, at, true);
         have_default = true;
+      } else if (key == "calibrated_reduction") {
+        if (!v.is_object()) fail(at, "\"calibrated_reduction\" must be an object {n_embd, n_ff, attn_width, exponent}");
+        ToleranceSet::Reduction red;
+        bool seen[4] = {false, false, false, false};
+        for (const auto& [k, x] : v.items()) {
+          const Node& kat = at.member(k);
+          const double n = number(x, kat, k, Range::non_negative);
+          const bool whole = n >= 1 && n == std::floor(n) && n <= 1e9;
+          if (k == "exponent") {
+            if (n <= 0 || n > 4) fail(kat, fmt::format("\"exponent\" must be in (0, 4], got {}", printable(x.dump(), 80)));
+            red.exponent = n, seen[3] = true;
+            continue;
+          }
+          int64_t* slot = k == "n_embd" ? &red.n_embd : k == "n_ff" ? &red.n_ff : k == "attn_width" ? &red.attn_width : nullptr;
+          if (!slot)
+            fail(kat, fmt::format("unknown key \"{}\" in calibrated_reduction (known: n_embd, n_ff, attn_width, exponent)",
+                                  printable(k, 80, '"')));
+          if (!whole) fail(kat, fmt::format("\"{}\" must be a whole number >= 1, got {}", k, printable(x.dump(), 80)));
+          *slot = static_cast<int64_t>(n);
+          seen[k == "n_embd" ? 0 : k == "n_ff" ? 1 : 2] = true;
+        }
+        if (!(seen[0] && seen[1] && seen[2] && seen[3]))
+          fail(at, "\"calibrated_reduction\" needs n_embd, n_ff, attn_width and exponent");
+        set.calibrated_reduction = red;
       } else if (key == "calibrated_positions") {
         const double n = number(v, at, key, Range::non_negative);
         if (n < 1 || n != std::floor(n) || n > 1e12) {
@@ -377,7 +401,8 @@ class Parser {
         }
         set.calibrated_positions = static_cast<int64_t>(n);
       } else {
-        fail(at, fmt::format("unknown key \"{}\" (known: preset, description, calibrated_positions, rules, default)",
+        fail(at, fmt::format("unknown key \"{}\" (known: preset, description, calibrated_positions, "
+                             "calibrated_reduction, rules, default)",
                              printable(key, 80, '"')));
       }
     }
@@ -438,6 +463,26 @@ std::string preset_name(std::string_view engine_precision, std::string_view refe
 double ToleranceSet::length_scale(int64_t positions) const {
   if (!calibrated_positions || positions <= *calibrated_positions) return 1.0;
   return std::sqrt(static_cast<double>(positions) / static_cast<double>(*calibrated_positions));
+}
+
+double ToleranceSet::reduction_scale(std::string_view base, const DimSizes& dims) const {
+  if (!calibrated_reduction) return 1.0;
+  const Reduction& c = *calibrated_reduction;
+  const auto size = [&](const char* d) -> int64_t {
+    const auto it = dims.find(d);
+    return it == dims.end() ? 0 : it->second;
+  };
+  int64_t k = 0, k_cal = 0;
+  if (base == "Qcur" || base == "Kcur" || base == "Vcur" || base == "ffn_gate" || base == "ffn_up" ||
+      base == "result_output") {
+    k = size("D"), k_cal = c.n_embd;
+  } else if (base == "attn_out") {
+    k = size("H") * size("Dh"), k_cal = c.attn_width;
+  } else if (base == "ffn_out") {
+    k = size("F"), k_cal = c.n_ff;
+  }
+  if (k_cal <= 0 || k <= k_cal) return 1.0;
+  return std::pow(static_cast<double>(k) / static_cast<double>(k_cal), c.exponent);
 }
 
 std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule& rule, int64_t positions,

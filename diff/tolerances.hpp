@@ -66,10 +66,23 @@ struct ToleranceSet {
   // and max_kl by its square: rounding in sums over the context grows like the square root of its
   // length, and the worst of more rows is larger. Absent: no scaling.
   std::optional<int64_t> calibrated_positions;
+  // The reduction lengths the bounds were calibrated at (key "calibrated_reduction": {"n_embd", "n_ff",
+  // "attn_width", "exponent"}). A matmul output's rel L2 bounds are scaled by (K / K_cal)^exponent where its
+  // reduction K is longer: Qcur, Kcur, Vcur, ffn_gate, ffn_up and result_output reduce over n_embd, attn_out
+  // over n_head·head_dim (attn_width), ffn_out over n_ff. Accumulation-order error grows with the length
+  // summed; a bound taken on a 576-wide model would call a clean 4,096-wide one's GEMMs local.
+  struct Reduction {
+    int64_t n_embd = 0, n_ff = 0, attn_width = 0;
+    double exponent = 1.0;
+  };
+  std::optional<Reduction> calibrated_reduction;
 
   const ToleranceRule& rule_for(std::string_view checkpoint) const;
   // The factor the rel L2 bounds are scaled by at a step reaching `positions` (1 within calibration).
   double length_scale(int64_t positions) const;
+  // The factor the rel L2 bounds of checkpoint kind `base` are scaled by on a model of these dimension sizes
+  // (D, F, H, Dh; 1 within calibration, and for kinds that are not a matmul's output).
+  double reduction_scale(std::string_view base, const DimSizes& dims) const;
 };
 
 // Throws InputError "<source>:<line>: ..." for anything wrong in the text.

@@ -267,7 +267,9 @@ def emit_preset(args, worst, path: Path):
             if b == "result_output" and (b, "kl_max") in worst:
                 rule["max_kl"] = float(f"{max(up(worst[(b, 'kl_max')][0]), 1e-9):.2g}")
             if b == "kq_soft_max" and (b, "cosine") in worst:
-                rule["min_cosine"] = float(f"{1 - max(up(1 - worst[(b, 'cosine')][0]), 1e-9):.10g}")
+                # 1 - cosine grows as rel_l2 squared (about rel_l2^2 / 2): the factor applies squared, so the
+                # cosine bound is no tighter than the rel_l2 bound beside it.
+                rule["min_cosine"] = float(f"{1 - max(up(up(1 - worst[(b, 'cosine')][0])), 1e-9):.10g}")
             rule["reason"] = f"{args.factor:g}x the worst measured {'at layer 0 ' if layer0 else ''}({where}): {v:.2e} ({w})"
             rules.append(rule)
     floor_normalized(rules)
@@ -279,8 +281,11 @@ def emit_preset(args, worst, path: Path):
     cal_positions = args.calibrated_positions
     if cal_positions is None and path.exists():
         cal_positions = json.loads(path.read_text()).get("calibrated_positions")
+    # The reduction lengths the bounds hold for unscaled (diff/tolerances.hpp): the replaced file's.
+    cal_reduction = json.loads(path.read_text()).get("calibrated_reduction") if path.exists() else None
     lines = ["{", f'  "preset": {json.dumps(preset["preset"])},', f'  "description": {json.dumps(preset["description"])},',
              *([f'  "calibrated_positions": {int(cal_positions)},'] if cal_positions else []),
+             *([f'  "calibrated_reduction": {json.dumps(cal_reduction)},'] if cal_reduction else []),
              '  "rules": [', ",\n".join("    " + json.dumps(r) for r in rules), "  ],",
              f'  "default": {json.dumps(preset["default"])}', "}"]
     path.write_text("\n".join(lines) + "\n")

@@ -381,3 +381,42 @@ TEST(Tolerances, BoundsScaleBeyondTheCalibratedContext) {
     }
   }
 }
+
+// calibrated_reduction: on a wider model a matmul output's rel L2 bounds scale by (K / K_cal)^exponent, K its
+// reduction length (D for Qcur..ffn_up and result_output, H·Dh for attn_out, F for ffn_out); other kinds and
+// models no wider than the calibration keep scale 1.
+TEST(Tolerances, CalibratedReductionScalesMatmulOutputsOnWiderModels) {
+  const ToleranceSet t = parse_tolerances(R"({
+    "calibrated_reduction": {"n_embd": 576, "n_ff": 1536, "attn_width": 576, "exponent": 1},
+    "default": {"max_rel_l2": 1e-5, "reason": "r"}})",
+                                          "t.json");
+  ASSERT_TRUE(t.calibrated_reduction.has_value());
+  const DimSizes wide = {{"D", 4096}, {"F", 11008}, {"H", 32}, {"Dh", 128}};
+  EXPECT_DOUBLE_EQ(t.reduction_scale("Qcur", wide), 4096.0 / 576);
+  EXPECT_DOUBLE_EQ(t.reduction_scale("result_output", wide), 4096.0 / 576);
+  EXPECT_DOUBLE_EQ(t.reduction_scale("attn_out", wide), 4096.0 / 576);
+  EXPECT_DOUBLE_EQ(t.reduction_scale("ffn_out", wide), 11008.0 / 1536);
+  EXPECT_DOUBLE_EQ(t.reduction_scale("attn_norm", wide), 1.0);  // not a matmul's output
+  EXPECT_DOUBLE_EQ(t.reduction_scale("kq_soft_max", wide), 1.0);
+  const DimSizes narrow = {{"D", 256}, {"F", 512}, {"H", 4}, {"Dh", 64}};
+  EXPECT_DOUBLE_EQ(t.reduction_scale("Qcur", narrow), 1.0);
+  const ToleranceSet sq = parse_tolerances(R"({
+    "calibrated_reduction": {"n_embd": 1024, "n_ff": 1536, "attn_width": 576, "exponent": 0.5},
+    "default": {"max_rel_l2": 1e-5, "reason": "r"}})",
+                                           "t.json");
+  EXPECT_DOUBLE_EQ(sq.reduction_scale("Vcur", wide), 2.0);
+  // Without the key: no scaling. Missing or bad members name the key and the line.
+  EXPECT_DOUBLE_EQ(parse_tolerances(R"({"default": {"max_rel_l2": 1e-5, "reason": "r"}})", "t.json")
+                       .reduction_scale("Qcur", wide),
+                   1.0);
+  for (const char* bad : {R"({"n_embd": 576, "n_ff": 1536, "attn_width": 576})", R"({"n_embd": 0, "n_ff": 1, "attn_width": 1, "exponent": 1})",
+                          R"({"n_embd": 5, "n_ff": 1, "attn_width": 1, "exponent": 9})", R"({"d": 5})", "576"}) {
+    try {
+      parse_tolerances(std::string(R"({"calibrated_reduction": )") + bad + R"(, "default": {"max_rel_l2": 1, "reason": "r"}})",
+                       "t.json");
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("t.json:1"), std::string::npos) << e.what();
+    }
+  }
+}
