@@ -156,7 +156,7 @@ std::string str_arg(const char* s, const std::string& what) {
 // The format's entry for `name`, checked against the setter used; nullptr for a fact.
 const diffrun::RootAttribute* settable(diffrun_dump* d, const std::string& name, AttrType used) {
   need(!name.empty(), DIFFRUN_DUMP_E_ARG, where(d) + "attribute name is empty");
-  need(name != "format" && name != "format_version", DIFFRUN_DUMP_E_META,
+  need(name != diffrun::attr::format && name != diffrun::attr::format_version, DIFFRUN_DUMP_E_META,
        where(d) + "root attribute '" + name + "' is written by the library");
   const diffrun::RootAttribute* a = diffrun::find_root_attribute(name);
   need(d->step < 0 || !a || !a->required, DIFFRUN_DUMP_E_STEP,
@@ -270,7 +270,8 @@ Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t*
     need(dtype == DIFFRUN_I32, DIFFRUN_DUMP_E_CHECKPOINT, at + "tokens are DIFFRUN_I32 ids, not " + type);
     need(layer == -1, DIFFRUN_DUMP_E_CHECKPOINT, at + "layer " + std::to_string(layer) + " for tokens (-1 outside layers)");
     need(ndim == 1 && n >= 1, DIFFRUN_DUMP_E_CHECKPOINT, at + "shape " + shape_text(shape) + ", expected [T] with T >= 1");
-    need(!layout_c || std::string(layout_c) == "T", DIFFRUN_DUMP_E_CHECKPOINT, at + "the layout of tokens is \"T\"");
+    need(!layout_c || std::string(layout_c) == diffrun::dim_letter::T, DIFFRUN_DUMP_E_CHECKPOINT,
+         at + "the layout of tokens is \"" + diffrun::dim_letter::T + "\"");
     const auto* ids = static_cast<const int32_t*>(data);
     for (int64_t i = 0; i < n; ++i)
       if (ids[i] < 0 || ids[i] >= cfg.n_vocab)
@@ -287,7 +288,7 @@ Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t*
              at + "id " + std::to_string(ids[0]) + " but all_token_ids feeds " +
                  std::to_string((*d->all_token_ids)[i]) + " at this step (teacher forcing)");
     }
-    c.attrs = {0, -1, "T", "i32", std::nullopt};
+    c.attrs = {0, -1, diffrun::dim_letter::T, "i32", std::nullopt};
     return c;
   }
 
@@ -312,7 +313,8 @@ Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t*
       need(row_offset > 0 && row_offset < rows && row_offset <= std::numeric_limits<int32_t>::max(),
            DIFFRUN_DUMP_E_CHECKPOINT,
            at + "row_offset " + std::to_string(row_offset) + " outside the step's " + std::to_string(rows) +
-               (cache ? " cache rows (S)" : " token rows (T)") + ": 0 <= row_offset < " + (cache ? "S" : "T"));
+               (cache ? " cache rows (S)" : " token rows (T)") + ": 0 <= row_offset < " +
+               (cache ? diffrun::dim_letter::S : diffrun::dim_letter::T));
       rows -= row_offset;
     }
   }
@@ -493,7 +495,7 @@ void put_device(diffrun_dump* d, const char* name_c, int layer, const int64_t* d
          at + "the first device put is inside a stream capture, where pinned memory cannot be allocated: call "
               "diffrun_dump_set_staging (or put outside the capture) before capturing");
     Staging& s = *d->staging;
-    need(!has_letter(c.attrs.layout, "S"), DIFFRUN_DUMP_E_CHECKPOINT,
+    need(!has_letter(c.attrs.layout, diffrun::dim_letter::S), DIFFRUN_DUMP_E_CHECKPOINT,
          at + "its S dimension grows every step but a graph replays fixed shapes: put it outside the capture");
     for (const Slot& x : s.capturing)
       need(x.name != c.name, DIFFRUN_DUMP_E_CHECKPOINT, at + "recorded twice in this capture");
@@ -580,10 +582,10 @@ int diffrun_dump_open(const char* path, diffrun_dump** out) {
   const int rc = guard(nullptr, [&] {
     auto h = std::make_unique<diffrun_dump>();
     h->file = std::make_unique<diffrun::DumpFile>(path);
-    h->file->set_string("format", diffrun::kDumpFormat);
-    h->file->set_int("format_version", diffrun::kDumpFormatVersion);
-    h->file->set_string("created_utc", diffrun::utc_now_iso8601());
-    h->file->set_string("diffrun_version", DIFFRUN_VERSION);
+    h->file->set_string(diffrun::attr::format, diffrun::kDumpFormat);
+    h->file->set_int(diffrun::attr::format_version, diffrun::kDumpFormatVersion);
+    h->file->set_string(diffrun::attr::created_utc, diffrun::utc_now_iso8601());
+    h->file->set_string(diffrun::attr::diffrun_version, DIFFRUN_VERSION);
     d = h.release();
   });
   *out = d;
@@ -597,8 +599,9 @@ int diffrun_dump_copy_meta(diffrun_dump* d, const char* reference_path) {
     need(d->step < 0, DIFFRUN_DUMP_E_STEP, where(d) + "copy_meta after step 0 started");
     d->file->copy_attributes(ref, [](std::string_view name) {
       const diffrun::RootAttribute* a = diffrun::find_root_attribute(name);
-      return a && name != "format" && name != "format_version" && name != "backend" && name != "precision" &&
-             name != "created_utc" && name != "diffrun_version" && name != "argmax";
+      namespace attr = diffrun::attr;
+      return a && name != attr::format && name != attr::format_version && name != attr::backend && name != attr::precision &&
+             name != attr::created_utc && name != attr::diffrun_version && name != attr::argmax;
     });
   });
 }

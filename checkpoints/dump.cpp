@@ -74,12 +74,12 @@ struct DumpWriter::Impl {
     if (meta.format_version < kDumpFormatVersion)
       fail("format_version " + std::to_string(meta.format_version) + ": this writer writes version " +
            std::to_string(kDumpFormatVersion));
-    f.set_string("format", kDumpFormat);
-    f.set_int("format_version", meta.format_version);
-    f.set_string("backend", meta.backend);
-    f.set_string("precision", meta.precision);
-    f.set_string("model_path", meta.model_path);
-    f.set_string("model_fingerprint", meta.model_fingerprint);
+    f.set_string(attr::format, kDumpFormat);
+    f.set_int(attr::format_version, meta.format_version);
+    f.set_string(attr::backend, meta.backend);
+    f.set_string(attr::precision, meta.precision);
+    f.set_string(attr::model_path, meta.model_path);
+    f.set_string(attr::model_fingerprint, meta.model_fingerprint);
     const nlohmann::ordered_json config = config_attributes(meta.config);
     for (const auto& [name, value] : config.items()) {
       const RootAttribute& a = *find_root_attribute(name);
@@ -88,10 +88,10 @@ struct DumpWriter::Impl {
       else if (a.type == AttrType::boolean) f.set_bool(name, value.get<bool>());
       else f.set_int(name, value.get<int32_t>());
     }
-    f.set_string("prompt", meta.prompt);
-    f.set_ints("token_ids", meta.token_ids);
-    f.set_string("created_utc", meta.created_utc);
-    f.set_string("diffrun_version", meta.diffrun_version);
+    f.set_string(attr::prompt, meta.prompt);
+    f.set_ints(attr::token_ids, meta.token_ids);
+    f.set_string(attr::created_utc, meta.created_utc);
+    f.set_string(attr::diffrun_version, meta.diffrun_version);
     for (const auto& [key, value] : meta.facts) {
       if (is_format_attribute(key)) fail("backend fact '" + key + "' collides with a format attribute");
       f.set_string(key, value);
@@ -216,10 +216,10 @@ void DumpWriter::record_ids(int step, std::string_view name, std::span<const int
   if (!wants(name)) return;
   const auto lock = hdf5_lock(impl_->file.get());
   Impl& m = *impl_;
-  const int order = m.checked_order(step, name, -1, "T", 1);
+  const int order = m.checked_order(step, name, -1, dim_letter::T, 1);
   if (name == "tokens") m.step_tokens[step] = static_cast<int64_t>(ids.size());
   const int64_t shape[1] = {static_cast<int64_t>(ids.size())};
-  m.file->write(step, name, StoredDType::i32, shape, ids.data(), {order, -1, "T", native_dtype_name(NativeDType::i32), std::nullopt});
+  m.file->write(step, name, StoredDType::i32, shape, ids.data(), {order, -1, dim_letter::T, native_dtype_name(NativeDType::i32), std::nullopt});
 }
 
 void DumpWriter::set_attribute(const std::string& key, const std::vector<int32_t>& values) {
@@ -311,26 +311,26 @@ struct DumpReader::Impl {
 
   void read_meta() {
     const hid_t root = file.get();
-    if (H5Aexists(root, "format") <= 0) fail("not a diffrun dump (no 'format' root attribute)");
+    if (H5Aexists(root, attr::format) <= 0) fail("not a diffrun dump (no 'format' root attribute)");
     // The version first: it says whether strings may be variable-length (version 1) before any is read.
-    if (H5Aexists(root, "format_version") > 0) {
-      meta.format_version = read_int(root, "format_version");
+    if (H5Aexists(root, attr::format_version) > 0) {
+      meta.format_version = read_int(root, attr::format_version);
       if (meta.format_version < kDumpFormatOldestVersion || meta.format_version > kDumpFormatVersion)
         fail("format_version " + std::to_string(meta.format_version) + " is not supported (this diffrun reads versions " +
              std::to_string(kDumpFormatOldestVersion) + " to " + std::to_string(kDumpFormatVersion) + ")");
       if (meta.format_version < 2 && !version1_reads_allowed()) fail(version1_refused());
       vlen_strings_ok = meta.format_version < 2;
     }
-    const std::string format = read_str(root, "format");
+    const std::string format = read_str(root, attr::format);
     if (format != kDumpFormat) fail("not a diffrun dump (format is '" + format + "', expected '" + kDumpFormat + "')");
-    meta.format_version = read_int(root, "format_version");
+    meta.format_version = read_int(root, attr::format_version);
     if (meta.format_version < kDumpFormatOldestVersion || meta.format_version > kDumpFormatVersion)
       fail("format_version " + std::to_string(meta.format_version) + " is not supported (this diffrun reads versions " +
            std::to_string(kDumpFormatOldestVersion) + " to " + std::to_string(kDumpFormatVersion) + ")");
-    meta.backend = read_str(root, "backend");
-    meta.precision = read_str(root, "precision");
-    meta.model_path = read_str(root, "model_path");
-    meta.model_fingerprint = read_str(root, "model_fingerprint");
+    meta.backend = read_str(root, attr::backend);
+    meta.precision = read_str(root, attr::precision);
+    meta.model_path = read_str(root, attr::model_path);
+    meta.model_fingerprint = read_str(root, attr::model_fingerprint);
     // The config attributes, in the schema's order; an enum string outside its values is refused.
     nlohmann::json config;
     for (const RootAttribute& a : root_attributes()) {
@@ -350,10 +350,10 @@ struct DumpReader::Impl {
       }
     }
     meta.config = config_from_attributes(config);
-    meta.prompt = read_str(root, "prompt");
-    meta.token_ids = read_ints(root, "token_ids");
-    meta.created_utc = read_str(root, "created_utc");
-    meta.diffrun_version = read_str(root, "diffrun_version");
+    meta.prompt = read_str(root, attr::prompt);
+    meta.token_ids = read_ints(root, attr::token_ids);
+    meta.created_utc = read_str(root, attr::created_utc);
+    meta.diffrun_version = read_str(root, attr::diffrun_version);
     check_config();
 
     // Other root attributes: strings are backend facts, integers are set_attribute() arrays.
@@ -455,7 +455,7 @@ struct DumpReader::Impl {
     const size_t size = H5Tget_size(t.get());
     const bool v1 = meta.format_version < 2;
     const std::optional<std::string> dtype_attr =
-        v1 ? opt_str(ds.get(), "dtype", where)
+        v1 ? opt_str(ds.get(), column::dtype, where)
            : (row && !row->dtype.empty() ? std::optional<std::string>(row->dtype) : std::nullopt);
     if (dtype_attr && *dtype_attr == "bf16") {
       if ((cls != H5T_INTEGER && cls != H5T_OPAQUE) || size != 2)
@@ -474,11 +474,11 @@ struct DumpReader::Impl {
     }
     check_storage(ds.get(), t.get(), r.shape, where);
     if (v1) {
-      r.order = opt_int(ds.get(), "order", where);
-      r.layer = opt_int(ds.get(), "layer", where);
-      r.layout = opt_str(ds.get(), "layout", where);
-      r.native_dtype = opt_str(ds.get(), "native_dtype", where);
-      r.row_offset = opt_int(ds.get(), "row_offset", where);
+      r.order = opt_int(ds.get(), column::order, where);
+      r.layer = opt_int(ds.get(), column::layer, where);
+      r.layout = opt_str(ds.get(), column::layout, where);
+      r.native_dtype = opt_str(ds.get(), column::native_dtype, where);
+      r.row_offset = opt_int(ds.get(), column::row_offset, where);
     } else if (row) {
       r.order = row->attrs.order;
       r.layer = row->attrs.layer;

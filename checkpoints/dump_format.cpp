@@ -517,12 +517,12 @@ std::vector<AttributeRow> read_attribute_table(hid_t group, const std::string& g
     }
   };
   strings("name", true, [](AttributeRow& r, std::string v) { r.name = std::move(v); });
-  strings("layout", false, [](AttributeRow& r, std::string v) { r.attrs.layout = std::move(v); });
-  strings("native_dtype", false, [](AttributeRow& r, std::string v) { r.attrs.native_dtype = std::move(v); });
-  strings("dtype", false, [](AttributeRow& r, std::string v) { r.dtype = std::move(v); });
-  ints("order", [](AttributeRow& r, int v) { r.attrs.order = v; });
-  ints("layer", [](AttributeRow& r, int v) { r.attrs.layer = v; });
-  ints("row_offset", [](AttributeRow& r, int v) { r.attrs.row_offset = v; });
+  strings(column::layout, false, [](AttributeRow& r, std::string v) { r.attrs.layout = std::move(v); });
+  strings(column::native_dtype, false, [](AttributeRow& r, std::string v) { r.attrs.native_dtype = std::move(v); });
+  strings(column::dtype, false, [](AttributeRow& r, std::string v) { r.dtype = std::move(v); });
+  ints(column::order, [](AttributeRow& r, int v) { r.attrs.order = v; });
+  ints(column::layer, [](AttributeRow& r, int v) { r.attrs.layer = v; });
+  ints(column::row_offset, [](AttributeRow& r, int v) { r.attrs.row_offset = v; });
   std::set<std::string_view> seen;
   for (const auto& r : rows) {
     if (r.name.empty()) fail("a row without a name");
@@ -771,10 +771,10 @@ struct DumpFile::Impl {
                 s_native = h5::fixed_string_type(native_n), s_dtype = h5::fixed_string_type(dtype_n);
       Hid ftype(H5Tcreate(H5T_COMPOUND, row), H5Tclose), mtype(H5Tcreate(H5T_COMPOUND, row), H5Tclose);
       for (auto [t, ints] : {std::pair{ftype.get(), H5T_STD_I32LE}, std::pair{mtype.get(), H5T_NATIVE_INT32}}) {
-        if (H5Tinsert(t, "name", 0, s_name.get()) < 0 || H5Tinsert(t, "order", o_order, ints) < 0 ||
-            H5Tinsert(t, "layer", o_layer, ints) < 0 || H5Tinsert(t, "layout", o_layout, s_layout.get()) < 0 ||
-            H5Tinsert(t, "native_dtype", o_native, s_native.get()) < 0 || H5Tinsert(t, "row_offset", o_row, ints) < 0 ||
-            H5Tinsert(t, "dtype", o_dtype, s_dtype.get()) < 0)
+        if (H5Tinsert(t, "name", 0, s_name.get()) < 0 || H5Tinsert(t, column::order, o_order, ints) < 0 ||
+            H5Tinsert(t, column::layer, o_layer, ints) < 0 || H5Tinsert(t, column::layout, o_layout, s_layout.get()) < 0 ||
+            H5Tinsert(t, column::native_dtype, o_native, s_native.get()) < 0 || H5Tinsert(t, column::row_offset, o_row, ints) < 0 ||
+            H5Tinsert(t, column::dtype, o_dtype, s_dtype.get()) < 0)
           fail("cannot build the attribute table's type", where);
       }
       std::vector<char> buf(rows.size() * row, '\0');

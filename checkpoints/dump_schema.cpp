@@ -135,24 +135,24 @@ namespace {
 // ModelConfig's integer fields under their attribute names.
 const std::vector<std::pair<std::string, int ModelConfig::*>>& int_fields() {
   static const std::vector<std::pair<std::string, int ModelConfig::*>> fields = {
-      {"n_layer", &ModelConfig::n_layer}, {"n_embd", &ModelConfig::n_embd},   {"n_head", &ModelConfig::n_head},
-      {"n_head_kv", &ModelConfig::n_head_kv}, {"head_dim", &ModelConfig::head_dim}, {"n_ff", &ModelConfig::n_ff},
-      {"n_vocab", &ModelConfig::n_vocab}, {"n_ctx", &ModelConfig::n_ctx}};
+      {attr::n_layer, &ModelConfig::n_layer},     {attr::n_embd, &ModelConfig::n_embd},
+      {attr::n_head, &ModelConfig::n_head},       {attr::n_head_kv, &ModelConfig::n_head_kv},
+      {attr::head_dim, &ModelConfig::head_dim},   {attr::n_ff, &ModelConfig::n_ff},
+      {attr::n_vocab, &ModelConfig::n_vocab},     {attr::n_ctx, &ModelConfig::n_ctx}};
   return fields;
 }
 // ModelConfig's boolean and real fields under their attribute names.
 const std::vector<std::pair<std::string, bool ModelConfig::*>>& bool_fields() {
   static const std::vector<std::pair<std::string, bool ModelConfig::*>> fields = {
-      {"tied_output", &ModelConfig::tied_output}, {"qkv_bias", &ModelConfig::qkv_bias}, {"qk_norm", &ModelConfig::qk_norm}};
+      {attr::tied_output, &ModelConfig::tied_output}, {attr::qkv_bias, &ModelConfig::qkv_bias},
+      {attr::qk_norm, &ModelConfig::qk_norm}};
   return fields;
 }
 const std::vector<std::pair<std::string, double ModelConfig::*>>& real_fields() {
   static const std::vector<std::pair<std::string, double ModelConfig::*>> fields = {
-      {"rope_theta", &ModelConfig::rope_theta}, {"rms_eps", &ModelConfig::rms_eps}};
+      {attr::rope_theta, &ModelConfig::rope_theta}, {attr::rms_eps, &ModelConfig::rms_eps}};
   return fields;
 }
-const char* const kArchAttribute = "arch";
-const char* const kRopeTypeAttribute = "rope_type";
 
 // The integer field a dimension letter's attribute names, by letter.
 const std::map<std::string, int ModelConfig::*>& dim_fields() {
@@ -172,7 +172,7 @@ const std::map<std::string, int ModelConfig::*>& dim_fields() {
 }  // namespace
 
 nlohmann::ordered_json config_attributes(const ModelConfig& c) {
-  nlohmann::ordered_json all = {{kArchAttribute, arch_name(c.arch)}, {kRopeTypeAttribute, rope_type_name(c.rope_type)}};
+  nlohmann::ordered_json all = {{attr::arch, arch_name(c.arch)}, {attr::rope_type, rope_type_name(c.rope_type)}};
   for (const auto& [name, field] : int_fields()) all[name] = c.*field;
   for (const auto& [name, field] : real_fields()) all[name] = c.*field;
   for (const auto& [name, field] : bool_fields()) all[name] = c.*field;
@@ -185,13 +185,13 @@ nlohmann::ordered_json config_attributes(const ModelConfig& c) {
 ModelConfig config_from_attributes(const nlohmann::json& v) {
   ModelConfig c;
   for (Arch a : all_archs())
-    if (v.at(kArchAttribute).get<std::string>() == arch_name(a)) c.arch = a;
+    if (v.at(attr::arch).get<std::string>() == arch_name(a)) c.arch = a;
   set_arch_features(c);  // the flags the attributes do not carry (post-norms, FFN activation, ...)
   for (const auto& [name, field] : int_fields()) c.*field = static_cast<int>(v.at(name).get<int64_t>());
   for (const auto& [name, field] : real_fields()) c.*field = v.at(name).get<double>();
   for (const auto& [name, field] : bool_fields())
     c.*field = v.at(name).is_boolean() ? v.at(name).get<bool>() : v.at(name).get<int64_t>() != 0;
-  c.rope_type = v.at(kRopeTypeAttribute).get<std::string>() == rope_type_name(RopeType::neox) ? RopeType::neox
+  c.rope_type = v.at(attr::rope_type).get<std::string>() == rope_type_name(RopeType::neox) ? RopeType::neox
                                                                                                 : RopeType::norm;
   return c;
 }

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoints/dump_schema_names.hpp"  // generated from the schema (checkpoints/CMakeLists.txt)
 #include "model/config.hpp"
 
 namespace diffrun {

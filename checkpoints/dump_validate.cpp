@@ -142,7 +142,7 @@ std::string read_problem(hid_t ds) {
 bool softmax_reads_as(const std::vector<float>& x, std::span<const int64_t> shape, const std::vector<std::string>& names,
                       int64_t n_past) {
   const auto at = [&](const char* d) { return std::find(names.begin(), names.end(), d) - names.begin(); };
-  const size_t ih = at("H"), it = at("T"), is = at("S");
+  const size_t ih = at(dim_letter::H), it = at(dim_letter::T), is = at(dim_letter::S);
   if (shape.size() != 3 || ih >= 3 || it >= 3 || is >= 3) return false;
   int64_t stride[3] = {shape[1] * shape[2], shape[2], 1};
   for (int64_t h = 0; h < shape[ih]; ++h) {
@@ -655,7 +655,7 @@ DatasetAttrs version1_attributes(Validation& v, hid_t ds, const std::string& whe
   }
   const auto i = [&](const char* n) { return ints.count(n) ? ints[n] : std::nullopt; };
   const auto t = [&](const char* n) { return strings.count(n) ? strings[n] : std::nullopt; };
-  return {i("order"), i("layer"), i("row_offset"), t("layout"), t("native_dtype"), t("dtype")};
+  return {i(column::order), i(column::layer), i(column::row_offset), t(column::layout), t(column::native_dtype), t(column::dtype)};
 }
 
 DatasetAttrs table_attributes(const std::map<std::string, AttributeRow>& table, const std::string& name) {
@@ -689,10 +689,10 @@ void check_dataset_attributes(Validation& v, const std::string& where, const Par
       // reported with the shape check
     }
   }
-  const std::vector<std::string>& natives = dataset_attribute("native_dtype").values;
+  const std::vector<std::string>& natives = dataset_attribute(column::native_dtype).values;
   if (a.native && std::find(natives.begin(), natives.end(), *a.native) == natives.end())
     v.problem(where, "attribute 'native_dtype' is \"" + *a.native + "\", expected " + quoted_values(natives));
-  const std::string& bf16 = dataset_attribute("dtype").values.at(0);
+  const std::string& bf16 = dataset_attribute(column::dtype).values.at(0);
   if (a.dtype && *a.dtype != bf16)
     v.problem(where, "attribute 'dtype' is \"" + *a.dtype + "\"; the only value is \"" + bf16 + "\" (on uint16 data)");
 }

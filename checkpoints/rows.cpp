@@ -5,18 +5,19 @@
 #include <string>
 #include <vector>
 
+#include "checkpoints/dump_schema.hpp"
 #include "checkpoints/vocabulary.hpp"
 
 namespace diffrun {
 
 int row_dim(std::string_view layout) {
   const std::vector<std::string> dims = layout_dims(layout);
-  if (!dims.empty() && dims[0] == "S") return 0;
-  const auto t = std::find(dims.begin(), dims.end(), "T");
+  if (!dims.empty() && dims[0] == dim_letter::S) return 0;
+  const auto t = std::find(dims.begin(), dims.end(), dim_letter::T);
   return t == dims.end() ? -1 : static_cast<int>(t - dims.begin());
 }
 
-bool is_cache_layout(std::string_view layout) { return row_dim(layout) == 0 && layout.substr(0, 1) == "S"; }
+bool is_cache_layout(std::string_view layout) { return row_dim(layout) == 0 && layout_dims(layout)[0] == dim_letter::S; }
 
 bool is_cache_kind(std::string_view base) {
   const CheckpointKind* kind = find_checkpoint_kind(base);

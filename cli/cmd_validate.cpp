@@ -128,15 +128,15 @@ int run_skeleton(const ValidateCommand& o) {
       else shape.push_back(d);
     }
     datasets.push_back({{"name", name},
-                        {"order", checkpoint_order(cfg, p.base, p.layer)},
-                        {"layer", p.layer},
-                        {"layout", k.layout},
+                        {column::order, checkpoint_order(cfg, p.base, p.layer)},
+                        {column::layer, p.layer},
+                        {column::layout, k.layout},
                         {"shape", shape},
-                        {"dtype", p.base == kTokensCheckpoint ? "int32" : "float32"}});
+                        {column::dtype, p.base == kTokensCheckpoint ? "int32" : "float32"}});
   }
   if (o.json) {
-    nlohmann::ordered_json doc = {{"format", kDumpFormat},
-                                  {"format_version", kDumpFormatVersion},
+    nlohmann::ordered_json doc = {{attr::format, kDumpFormat},
+                                  {attr::format_version, kDumpFormatVersion},
                                   {"root_attributes", attrs},
                                   {"step_group", "step_NNNN"},
                                   {"datasets", datasets}};
@@ -156,8 +156,8 @@ int run_skeleton(const ValidateCommand& o) {
     for (size_t i = 0; i < d["shape"].size(); ++i)
       shape += (i ? ", " : "") + (d["shape"][i].is_string() ? d["shape"][i].get<std::string>() : d["shape"][i].dump());
     shape += "]";
-    fmt::print("{:<5} {:<18} {:<8} {:<16} {}\n", d["order"].get<int>(), d["name"].get<std::string>(),
-               d["dtype"].get<std::string>(), shape, d["layout"].get<std::string>());
+    fmt::print("{:<5} {:<18} {:<8} {:<16} {}\n", d[column::order].get<int>(), d["name"].get<std::string>(),
+               d[column::dtype].get<std::string>(), shape, d[column::layout].get<std::string>());
   }
   return 0;
 }

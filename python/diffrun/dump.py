@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 
 from . import attributes, schema, vocabulary
+from .schema import attr, column
 
 FORMAT = schema.FORMAT
 FORMAT_VERSION = schema.FORMAT_VERSION  # what diffrun.writer writes
@@ -145,7 +146,7 @@ def read_attribute_table(group: h5py.Group, where: str) -> dict[str, dict[str, A
 def _stored_dtype_name(ds: h5py.Dataset, attrs: Any = None) -> str:
     """f32, f64, f16, i32 ..., and bf16 for 16-bit data marked with the attribute dtype = "bf16"."""
     attrs = ds.attrs if attrs is None else attrs
-    if ds.dtype.itemsize == 2 and ds.dtype.kind in "uiV" and _plain(attrs.get("dtype", "")) == schema.BF16_MARK:
+    if ds.dtype.itemsize == 2 and ds.dtype.kind in "uiV" and _plain(attrs.get(column.dtype, "")) == schema.BF16_MARK:
         return "bf16"
     return {"f": "f", "i": "i", "u": "u"}.get(ds.dtype.kind, "x") + str(8 * ds.dtype.itemsize)
 
@@ -179,7 +180,7 @@ class Dump:
         try:
             # From version 2 on strings are fixed-length: a variable-length one is refused before it is
             # read (HDF5 1.10 crashes on some damaged global heaps).
-            version = self._file.attrs.get("format_version") if "format_version" in self._file.attrs else None
+            version = self._file.attrs.get(attr.format_version) if attr.format_version in self._file.attrs else None
             if isinstance(version, (int, np.integer)) and version >= 2:
                 for k in attributes.variable_length_strings(self._file)[:1]:
                     raise DumpFormatError(
@@ -189,12 +190,12 @@ class Dump:
             attrs = attributes.read_all(self._file)
         except (OSError, KeyError) as e:
             raise DumpFormatError(self.path, f"cannot read root attributes: {e}") from None
-        fmt = attrs.get("format")
+        fmt = attrs.get(attr.format)
         if fmt is None:
             raise DumpFormatError(self.path, "not a diffrun dump (no 'format' root attribute)")
         if fmt != FORMAT:
             raise DumpFormatError(self.path, f"not a diffrun dump (format is '{fmt}', expected '{FORMAT}')")
-        version = attrs.get("format_version")
+        version = attrs.get(attr.format_version)
         if version not in FORMAT_VERSIONS:
             raise DumpFormatError(
                 self.path,
@@ -206,7 +207,7 @@ class Dump:
     def _attrs(self, step: int, name: str) -> Any:
         """The attributes of dataset `name` of a step: its row of the step's attribute table (version
         2), else the dataset's own attributes (version 1)."""
-        if self.meta.get("format_version", 1) < 2:
+        if self.meta.get(attr.format_version, 1) < 2:
             return attributes.read_all(self._file[f"{_group_name(step)}/{name}"])
         if step not in self._tables:
             where = f"{_group_name(step)}/{ATTRIBUTE_TABLE}"
@@ -253,7 +254,7 @@ class Dump:
             for name in list(group.keys()):
                 ds = group[name]  # a hard link: _refuse_links checked every link at open
                 where = f"{_group_name(step)}/{name}"
-                if not isinstance(ds, h5py.Dataset) or (name == ATTRIBUTE_TABLE and self.meta["format_version"] >= 2):
+                if not isinstance(ds, h5py.Dataset) or (name == ATTRIBUTE_TABLE and self.meta[attr.format_version] >= 2):
                     continue
                 refused = storage_refusal(ds)
                 if refused:
@@ -263,10 +264,10 @@ class Dump:
                 a = self._attrs(step, name)
                 base, parsed_layer = vocabulary.parse_name(name)
                 kind = vocabulary.find_kind(base)
-                order = a.get("order")
+                order = a.get(column.order)
                 if order is None:
                     order = self._vocab_order(name, len(infos))
-                layout = _plain(a.get("layout", kind.layout if kind else ""))
+                layout = _plain(a.get(column.layout, kind.layout if kind else ""))
                 shape = tuple(ds.shape)
                 stored_layout = stored_shape = None
                 if kind is not None and (layout != kind.layout or len(shape) != len(kind.dims)):
@@ -278,14 +279,14 @@ class Dump:
                         step=step,
                         name=name,
                         order=int(order),
-                        layer=int(a.get("layer", parsed_layer)),
+                        layer=int(a.get(column.layer, parsed_layer)),
                         layout=layout,
-                        native_dtype=_plain(a.get("native_dtype", stored)),
+                        native_dtype=_plain(a.get(column.native_dtype, stored)),
                         shape=shape,
                         dtype=np.dtype(np.float32) if stored == "bf16" else ds.dtype,
                         stored_layout=stored_layout,
                         stored_shape=stored_shape,
-                        row_offset=int(a.get("row_offset", 0)),
+                        row_offset=int(a.get(column.row_offset, 0)),
                     )
                 )
             infos = [self._assembled(i) for i in infos]
@@ -305,7 +306,7 @@ class Dump:
             ds = self._file.get(key)
             if not isinstance(ds, h5py.Dataset) or ds.ndim != 3:
                 return None
-            start = int(self._attrs(step, info.name).get("row_offset", 0))
+            start = int(self._attrs(step, info.name).get(column.row_offset, 0))
             if start + ds.shape[0] < need:
                 return None
             pieces.append((step, start, need))
@@ -327,7 +328,7 @@ class Dump:
             size = dict(zip(dims, shape))
             return tuple(size[d] for d in kind.dims)
         if len(kind.dims) == 3 and len(shape) == 2 and kind.dims[2] == schema.HEAD_DIM and layout == kind.layout:
-            head_dim = int(self.meta.get("head_dim", 0))
+            head_dim = int(self.meta.get(attr.head_dim, 0))
             if head_dim > 0 and shape[1] % head_dim == 0:
                 return (shape[0], shape[1] // head_dim, head_dim)
         raise DumpFormatError(self.path, f"shape {shape} does not fit layout '{layout}' "
@@ -338,7 +339,7 @@ class Dump:
         vocabulary come after every vocabulary name, in the order they are listed."""
         if not hasattr(self, "_orders"):
             try:
-                names = vocabulary.checkpoint_names(str(self.meta["arch"]), int(self.meta["n_layer"]))
+                names = vocabulary.checkpoint_names(str(self.meta[attr.arch]), int(self.meta[attr.n_layer]))
             except (KeyError, ValueError):
                 names = []
             self._orders = {n: i for i, n in enumerate(names)}
@@ -362,7 +363,7 @@ class Dump:
         bf16 comes back as float32), read from disk now, in the vocabulary's layout: a per-head checkpoint
         stored [T, H*Dh] comes back [T, H, Dh], a permuted layout (e.g. "H,T,Dh") is permuted back."""
         info = self.info(name, step)
-        stored_offset = int(self._attrs(step, name).get("row_offset", 0))
+        stored_offset = int(self._attrs(step, name).get(column.row_offset, 0))
         if stored_offset > info.row_offset:
             # a cache put back together: rows start..end-1 of each earlier step, then this step's
             pieces = self._cache_pieces(dataclasses.replace(info, row_offset=stored_offset)) or []
@@ -404,7 +405,7 @@ class Dump:
 
     def __repr__(self) -> str:
         return (
-            f"Dump({self.path!r}, backend={self.meta.get('backend')!r}, precision={self.meta.get('precision')!r}, "
+            f"Dump({self.path!r}, backend={self.meta.get(attr.backend)!r}, precision={self.meta.get(attr.precision)!r}, "
             f"steps={len(self._steps)})"
         )
 

@@ -39,7 +39,9 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from . import schema  # noqa: E402
 from .dump import Dump, DumpFormatError, open as open_dump  # noqa: E402
+from .schema import attr  # noqa: E402
 from .metrics import dim_sizes, tensor_metrics  # noqa: E402
 
 PASS_COLOR, FAIL_COLOR, BOUND_COLOR = "#1f77b4", "#d62728", "#7f7f7f"
@@ -290,7 +292,7 @@ def token_by_channel(values: np.ndarray, layout: str) -> tuple[np.ndarray, str, 
     dims = layout.split(",") if layout else []
     if values.ndim == 1:
         return values.reshape(1, -1), "-", dims[0] if dims else "channel"
-    row = next((i for i, d in enumerate(dims) if d in ("T", "S")), 0) if len(dims) == values.ndim else 0
+    row = next((i for i, d in enumerate(dims) if d in schema.STEP_DIMS), 0) if len(dims) == values.ndim else 0
     moved = np.moveaxis(values, row, 0)
     rest = [d for i, d in enumerate(dims) if i != row] if len(dims) == values.ndim else ["channel"]
     return moved.reshape(moved.shape[0], -1), (dims[row] if dims else "row"), "·".join(rest)
@@ -343,8 +345,8 @@ def plot_heatmap(engine: Dump, reference: Dump, name: str, step: int, path: str,
     ax.set_ylabel(f"{row_dim} (row)")
     pale = "pale green: exact" if (diff == 0).any() else ""
     ax.set_title(f"{name}, step {step}{(' - ' + note) if note else ''}: |engine - reference|"
-                 f" ({engine.meta.get('backend')}/{engine.meta.get('precision')} vs"
-                 f" {reference.meta.get('backend')}/{reference.meta.get('precision')})"
+                 f" ({engine.meta.get(attr.backend)}/{engine.meta.get(attr.precision)} vs"
+                 f" {reference.meta.get(attr.backend)}/{reference.meta.get(attr.precision)})"
                  + (f"\n{pale}" if pale else ""), fontsize=11)
     fig.tight_layout()
     fig.savefig(path)
@@ -394,9 +396,9 @@ def plot_pair(engine_path: str, reference_path: str, out: str, step: int | None,
             marked, label = next((p for p in points if p.failed), None), "first failure of the step"
         else:
             marked, label = largest_jump(points), "largest jump"
-        model = os.path.basename(str(reference.meta.get("model_path", "")))
-        pair = (f"{engine.meta.get('backend')}/{engine.meta.get('precision')} engine vs "
-                f"{reference.meta.get('backend')}/{reference.meta.get('precision')} reference")
+        model = os.path.basename(str(reference.meta.get(attr.model_path, "")))
+        pair = (f"{engine.meta.get(attr.backend)}/{engine.meta.get(attr.precision)} engine vs "
+                f"{reference.meta.get(attr.backend)}/{reference.meta.get(attr.precision)} reference")
         path = os.path.join(out, f"errors_by_op_step{step}.png")
         plot_errors_by_op(points, marked, label, f"{model}: relative error of each checkpoint, step {step} ({pair})",
                           path)

@@ -23,6 +23,8 @@ ATTRIBUTE_TABLE: str = SCHEMA["attribute_table"]  # version 2: a step group's da
 # Architectures and the features each implies (the flags ModelConfig::set_arch_features sets).
 ARCHS: dict[str, dict[str, Any]] = {a["name"]: {k: v for k, v in a.items() if k != "name"} for a in SCHEMA["archs"]}
 FEATURES: dict[str, dict[str, Any]] = {f["name"]: f for f in SCHEMA["features"]}
+# RoPE's pairing: ("norm", "neox"), pairs (2i, 2i+1) then pairs (i, i + Dh/2).
+ROPE_TYPES: tuple[str, ...] = tuple(FEATURES["rope_type"]["values"])
 
 # Dimension letters: the root attribute giving each one's size, or None for the step's T and S.
 DIMS: dict[str, str | None] = {d["letter"]: d.get("attribute") for d in SCHEMA["dims"]}
@@ -84,6 +86,28 @@ CONFIG_ATTRIBUTES: tuple[Attribute, ...] = tuple(a for a in ROOT_ATTRIBUTES if a
 DATASET_ATTRIBUTES: dict[str, Attribute] = {a["name"]: _attribute(a) for a in SCHEMA["dataset_attributes"]}
 NATIVE_DTYPES: tuple[str, ...] = DATASET_ATTRIBUTES["native_dtype"].values or ()
 BF16_MARK: str = (DATASET_ATTRIBUTES["dtype"].values or ("",))[0]  # the dtype column's one value
+
+
+class Names:
+    """The schema's names of one kind as attributes: `attr.backend == "backend"`. A name the schema does not define
+    is an AttributeError, so a name dropped or renamed in the schema fails every use of it at once."""
+
+    def __init__(self, what: str, names: list[str]):
+        self._what = what
+        self._names = dict.fromkeys(names)
+
+    def __getattr__(self, name: str) -> str:
+        if name.startswith("_") or name not in self._names:
+            raise AttributeError(f"the dump schema has no {self._what} {name!r}")
+        return name
+
+    def __iter__(self):
+        return iter(self._names)
+
+
+attr = Names("root attribute", [a["name"] for a in SCHEMA["root_attributes"] + SCHEMA["backend_root_attributes"]])
+column = Names("dataset attribute", [a["name"] for a in SCHEMA["dataset_attributes"]])
+dim = Names("dimension letter", [d["letter"] for d in SCHEMA["dims"]])
 
 
 def dim_sizes(meta: Mapping[str, object], n_tokens: int, n_kv: int) -> dict[str, int]:

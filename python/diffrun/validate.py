@@ -21,6 +21,7 @@ import numpy as np
 
 from . import attributes, schema, vocabulary
 from .attributes import class_text as _class_text
+from .schema import attr, column, dim
 from .dump import (ATTRIBUTE_TABLE, FORMAT_VERSIONS, DumpFormatError, link_refusal, read_attribute_table,
                    storage_refusal)
 
@@ -69,7 +70,7 @@ class _Config:
         """The architecture's features, with those the dump states as attributes (qk_norm, ...) taken from it."""
         stated = {f["name"]: self.values[f["attribute"]] for f in schema.FEATURES.values()
                   if f.get("attribute") in self.values}
-        return schema.features(self.values["arch"], **{k: (bool(v) if isinstance(v, int) else v)
+        return schema.features(self.values[attr.arch], **{k: (bool(v) if isinstance(v, int) else v)
                                                       for k, v in stated.items()})
 
     def size(self, letter: str, n_tokens: int, n_kv: int) -> int:
@@ -171,7 +172,7 @@ def _check_root(f: h5py.File) -> _Root:
     values: dict[str, Any] = {}
     # The version first: from version 2 on strings are fixed-length, and a variable-length one is
     # reported without being read (HDF5 1.10 crashes on some damaged global heaps).
-    version = ROOT_ATTRIBUTES[1].name  # format_version
+    version = attr.format_version
     s = attributes.inspect(f, version)
     if s.exists and s.cls == h5py.h5t.INTEGER and s.n == 1:
         v = attributes.read_ints(f, version)
@@ -292,7 +293,7 @@ def check_checkpoint(cfg: _Config, name: str, layer: int, shape: tuple[int, ...]
 
 def _softmax_reads_as(x: np.ndarray, names: list[str], n_past: int) -> bool:
     """kq_soft_max read with its stored dims named `names`: rows summing to 1 along S, 0 on future positions."""
-    p = np.transpose(x, [names.index(d) for d in ("H", "T", "S")]).astype(np.float64)
+    p = np.transpose(x, [names.index(d) for d in (dim.H, dim.T, dim.S)]).astype(np.float64)
     if not np.all(np.isfinite(p)) or np.any(p < -1e-6):
         return False
     t = np.arange(p.shape[1])[:, None]
@@ -513,32 +514,32 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
 
             row = table.get(name, {})
 
-            def scalar_int(attr: str) -> int | None:
+            def scalar_int(key: str) -> int | None:
                 if v2:
-                    return row.get(attr)
-                a = attributes.inspect(ds, attr)
+                    return row.get(key)
+                a = attributes.inspect(ds, key)
                 if not a.exists:
                     return None
                 if a.cls != h5py.h5t.INTEGER or a.n != 1:
-                    problem(where, f"attribute '{attr}' is {_class_text(a.cls)}{' array' if a.n != 1 else ''}, "
+                    problem(where, f"attribute '{key}' is {_class_text(a.cls)}{' array' if a.n != 1 else ''}, "
                                    "expected a scalar integer")
                     return None
-                v = attributes.read_ints(ds, attr)
+                v = attributes.read_ints(ds, key)
                 return v[0] if v and len(v) == 1 else None
 
-            def scalar_str(attr: str) -> str | None:
+            def scalar_str(key: str) -> str | None:
                 if v2:
-                    return row.get(attr)
-                a = attributes.inspect(ds, attr)
+                    return row.get(key)
+                a = attributes.inspect(ds, key)
                 if not a.exists:
                     return None
                 if a.cls != h5py.h5t.STRING or a.n != 1:
-                    problem(where, f"attribute '{attr}' is {_class_text(a.cls)}, expected a string")
+                    problem(where, f"attribute '{key}' is {_class_text(a.cls)}, expected a string")
                     return None
-                return attributes.read_string(ds, attr)
+                return attributes.read_string(ds, key)
 
-            order, layer = scalar_int("order"), scalar_int("layer")
-            row_offset = scalar_int("row_offset")
+            order, layer = scalar_int(column.order), scalar_int(column.layer)
+            row_offset = scalar_int(column.row_offset)
             row_kind = vocabulary.find_kind(base)
             row_letter = None  # the dimension a row_offset counts: T, or S for the cache
             if row_kind is not None and base != "tokens":
@@ -548,7 +549,7 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
                 problem(where, "attribute 'row_offset' is only for checkpoints with token or cache rows (kq_soft_max, "
                                "result_output, cache_k, per-token checkpoints)")
                 row_offset = None
-            layout, native, dtype_attr = scalar_str("layout"), scalar_str("native_dtype"), scalar_str("dtype")
+            layout, native, dtype_attr = scalar_str(column.layout), scalar_str(column.native_dtype), scalar_str(column.dtype)
             if layer is not None and layer != parsed_layer:
                 problem(where, f"attribute 'layer' is {layer} but the name says {parsed_layer}")
             if order is not None and cfg and _order_error(cfg, base, parsed_layer) is None:
@@ -556,13 +557,12 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
                 if order != want:
                     problem(where, f"attribute 'order' is {order} but the vocabulary puts it at {want} for this config")
             if native is not None and native not in NATIVE_DTYPES:
-                problem(where, f"attribute 'native_dtype' is \"{native}\", expected \"f16\", \"bf16\", \"f32\", "
-                               "\"f64\" or \"i32\"")
-            if dtype_attr is not None and dtype_attr != "bf16":
-                problem(where, f"attribute 'dtype' is \"{dtype_attr}\"; the only value is \"bf16\" (on uint16 data)")
+                problem(where, f"attribute 'native_dtype' is \"{native}\", expected {schema.quoted(NATIVE_DTYPES)}")
+            if dtype_attr is not None and dtype_attr != schema.BF16_MARK:
+                problem(where, f"attribute 'dtype' is \"{dtype_attr}\"; the only value is \"{schema.BF16_MARK}\" (on uint16 data)")
             if name == "tokens":
-                if layout is not None and layout != "T":
-                    problem(where, f"attribute 'layout' is \"{layout}\", expected \"T\"")
+                if layout is not None and layout != kind.layout:
+                    problem(where, f"attribute 'layout' is \"{layout}\", expected \"{kind.layout}\"")
                 if order is not None and order != 0:
                     problem(where, f"attribute 'order' is {order}, expected 0")
                 continue

@@ -44,6 +44,7 @@ import h5py
 import numpy as np
 
 from . import cuda_staging, schema, vocabulary
+from .schema import attr, column, dim
 from .dump import ABSENT_INT, ATTRIBUTE_TABLE, FORMAT, FORMAT_VERSION, Dump
 from .validate import MAX_LAYERS, _check_root, check_checkpoint
 
@@ -56,7 +57,8 @@ ROOT_ATTRIBUTES: dict[str, str] = {a.name: _WRITTEN_AS[a.type] for a in schema.R
 # What a reference dump lends a writer opened with like=: the model and its config, the prompt.
 PRECISIONS = schema.ROOT["precision"].values or ()
 _FROM_REFERENCE = [k for k in ROOT_ATTRIBUTES
-                   if k not in ("format", "format_version", "backend", "precision", "created_utc", "diffrun_version")]
+                   if k not in (attr.format, attr.format_version, attr.backend, attr.precision, attr.created_utc,
+                                attr.diffrun_version)]
 
 _NATIVE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.float64): "f64",
            np.dtype(np.uint16): "bf16", np.dtype(np.int32): "i32"}
@@ -72,16 +74,18 @@ def _table(rows: list[tuple[str, dict[str, Any]]]) -> np.ndarray:
     """A step's attribute table: one row per dataset, strings fixed-length and sized to the column's
     longest value, absent integers ABSENT_INT."""
     enc = [(name, {k: (v.encode("utf-8") if isinstance(v, str) else v) for k, v in a.items()}) for name, a in rows]
-    width = {c: max([1] + [len(a.get(c, b"")) for _, a in enc]) for c in ("layout", "native_dtype", "dtype")}
+    width = {c: max([1] + [len(a.get(c, b"")) for _, a in enc]) for c in (column.layout, column.native_dtype, column.dtype)}
     utf8 = lambda n: h5py.string_dtype("utf-8", n)  # noqa: E731 - fixed-length UTF-8, NUL-padded
-    dtype = np.dtype([("name", utf8(max([1] + [len(n.encode("utf-8")) for n, _ in enc]))), ("order", "<i4"),
-                      ("layer", "<i4"), ("layout", utf8(width["layout"])), ("native_dtype", utf8(width["native_dtype"])),
-                      ("row_offset", "<i4"), ("dtype", utf8(width["dtype"]))])
+    # the columns in the order diffrun's C++ writer stores them
+    dtype = np.dtype([("name", utf8(max([1] + [len(n.encode("utf-8")) for n, _ in enc]))), (column.order, "<i4"),
+                      (column.layer, "<i4"), (column.layout, utf8(width[column.layout])),
+                      (column.native_dtype, utf8(width[column.native_dtype])), (column.row_offset, "<i4"),
+                      (column.dtype, utf8(width[column.dtype]))])
     table = np.zeros(len(enc), dtype=dtype)
     for i, (name, a) in enumerate(enc):
-        table[i] = (name.encode("utf-8"), a.get("order", ABSENT_INT), a.get("layer", ABSENT_INT),
-                    a.get("layout", b""), a.get("native_dtype", b""), a.get("row_offset", ABSENT_INT),
-                    a.get("dtype", b""))
+        table[i] = (name.encode("utf-8"), a.get(column.order, ABSENT_INT), a.get(column.layer, ABSENT_INT),
+                    a.get(column.layout, b""), a.get(column.native_dtype, b""), a.get(column.row_offset, ABSENT_INT),
+                    a.get(column.dtype, b""))
     return table
 
 
@@ -188,24 +192,24 @@ class Writer:
             raise DumpWriteError(self.path, "backend is empty (name the engine that computed the dump)")
         if precision not in PRECISIONS:
             raise DumpWriteError(self.path, f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
-        attrs.setdefault("created_utc", _utc_now())
-        attrs.setdefault("diffrun_version", DIFFRUN_VERSION)
+        attrs.setdefault(attr.created_utc, _utc_now())
+        attrs.setdefault(attr.diffrun_version, DIFFRUN_VERSION)
         missing = [k for k in ROOT_ATTRIBUTES if k not in attrs]
         if missing:
             raise DumpWriteError(self.path, "missing root attributes " + ", ".join(missing) +
                                  " (pass meta={...} or like=REFERENCE_DUMP)")
-        if attrs["arch"] not in vocabulary.ALL_ARCHS:
-            raise DumpWriteError(self.path, f"unknown arch '{attrs['arch']}' (known: {', '.join(vocabulary.ALL_ARCHS)})")
+        if attrs[attr.arch] not in vocabulary.ALL_ARCHS:
+            raise DumpWriteError(self.path, f"unknown arch '{attrs[attr.arch]}' (known: {', '.join(vocabulary.ALL_ARCHS)})")
         # Bounded before anything is sized by it (the names of every layer): the readers' kMaxLayers.
         try:
-            n_layer = int(attrs["n_layer"])
+            n_layer = int(attrs[attr.n_layer])
         except (TypeError, ValueError):
-            raise DumpWriteError(self.path, f"root attribute 'n_layer' = {attrs['n_layer']!r} is not an integer") from None
+            raise DumpWriteError(self.path, f"root attribute 'n_layer' = {attrs[attr.n_layer]!r} is not an integer") from None
         if not 1 <= n_layer <= MAX_LAYERS:
             raise DumpWriteError(self.path, f"root attribute 'n_layer' is {n_layer}, outside 1..{MAX_LAYERS} (no model "
                                  "has more layers; diffrun's readers refuse such a dump)")
         self.meta = attrs
-        self._arch = str(attrs["arch"])
+        self._arch = str(attrs[attr.arch])
         self._n_layer = n_layer
         self._tmp = f"{self.path}{TEMP_INFIX}{os.getpid()}"
         self._file = None
@@ -397,8 +401,8 @@ class Writer:
             dims = layout.split(",")
             if data.ndim == 2 and len(dims) == 3 and layout == kind.layout:
                 # [T, H*Dh] as an engine holds it: stored [T, H, Dh] like every other writer's
-                heads = int(self.meta["n_head" if dims[1] == "H" else "n_head_kv"])
-                head_dim = int(self.meta["head_dim"])
+                heads = int(self.meta[attr.n_head if dims[1] == dim.H else attr.n_head_kv])
+                head_dim = int(self.meta[attr.head_dim])
                 if data.shape[1] != heads * head_dim:
                     raise DumpWriteError(self.path, f"shape {tuple(data.shape)}: {data.shape[1]} columns are not "
                                          f"{dims[1]}*Dh = {heads}*{head_dim}", where)
@@ -417,7 +421,7 @@ class Writer:
                 if problem:
                     raise DumpWriteError(self.path, problem, where)
             order = self._order[name]
-            if not write and "S" in layout.split(",") and cuda_staging.capturing():
+            if not write and dim.S in layout.split(",") and cuda_staging.capturing():
                 raise DumpWriteError(self.path, "its S dimension grows every step but a graph replays fixed "
                                      "shapes: put it outside the capture", where)
         else:
@@ -433,8 +437,8 @@ class Writer:
             stored = data
         elif self.keep_dtype:
             stored = data
-            if native == "bf16":
-                attrs["dtype"] = "bf16"
+            if native == schema.BF16_MARK:
+                attrs[column.dtype] = schema.BF16_MARK
         else:
             stored = bf16_to_f32(data) if data.dtype == np.uint16 else data.astype(np.float32)
         try:
@@ -444,9 +448,9 @@ class Writer:
             raise DumpWriteError(self.path, f"cannot write: {e}", where) from None
         except (OSError, RuntimeError) as e:
             self._fail(e, where)
-        attrs.update(order=int(order), layer=int(layer), native_dtype=str(native))
+        attrs.update({column.order: int(order), column.layer: int(layer), column.native_dtype: str(native)})
         if layout is not None:
-            attrs["layout"] = layout
+            attrs[column.layout] = layout
         self._rows.setdefault(step, []).append((name, attrs))
         self._written[step].append(name)
 
@@ -478,7 +482,7 @@ class Writer:
                 raise DumpWriteError(self.path, "step 0's tokens differ from the root attribute token_ids (the "
                                      "prompt)", where)
             return
-        fed = self._file.attrs.get("all_token_ids") if self._file is not None else None
+        fed = self._file.attrs.get(attr.all_token_ids) if self._file is not None else None
         i = len(self._token_ids) + step - 1
         if fed is not None and i < len(fed) and ids[0] != int(fed[i]):
             raise DumpWriteError(self.path, f"id {ids[0]} but all_token_ids feeds {int(fed[i])} at this step "
@@ -583,12 +587,12 @@ class Writer:
             for step, rows in self._rows.items():
                 self._file[f"step_{step:04d}"].create_dataset(ATTRIBUTE_TABLE, data=_table(rows), track_times=False)
             self._rows = {}
-            if "all_token_ids" not in self._file.attrs:
+            if attr.all_token_ids not in self._file.attrs:
                 # every token fed, step by step (docs/dump-format.md): what a replay of this dump needs
                 ids = [self._file[f"step_{s:04d}/tokens"][()] for s in sorted(self._written)
                        if "tokens" in self._written[s]]
                 if ids:
-                    self._file.attrs.create("all_token_ids", np.concatenate(ids).astype(np.int32))
+                    self._file.attrs.create(attr.all_token_ids, np.concatenate(ids).astype(np.int32))
             problem = self._final_root_problem()
             if problem:
                 self.abort()

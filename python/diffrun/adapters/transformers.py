@@ -40,6 +40,7 @@ import numpy as np
 
 import diffrun
 from diffrun import schema
+from diffrun.schema import attr
 from diffrun.writer import Writer
 
 
@@ -399,8 +400,8 @@ class TransformersRecorder:
 def run(model, reference: diffrun.Dump, writer: Writer, device: str = "cpu") -> None:
     """Feeds each step's tokens of the reference through the model, recording every checkpoint."""
     torch = _torch()
-    rec = TransformersRecorder(model, writer, int(reference.meta["n_vocab"]),
-                               interleaved_rope=reference.meta["rope_type"] == "norm")
+    rec = TransformersRecorder(model, writer, int(reference.meta[attr.n_vocab]),
+                               interleaved_rope=reference.meta[attr.rope_type] == schema.ROPE_TYPES[0])
     cache = None
     if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
         # A cache built from the config would keep only the last window-1 positions on local layers; a plain
@@ -450,10 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     except diffrun.DumpFormatError as e:
         return fail(str(e))
     with ref:
-        if ref.meta["arch"] not in schema.ARCHS:
+        if ref.meta[attr.arch] not in schema.ARCHS:
             *most, last = schema.ARCHS
-            return fail(f"{args.reference}: arch '{ref.meta['arch']}' is not {', '.join(most)} or {last}")
-        if model_path.is_file() and diffrun.fingerprint(model_path) != ref.meta["model_fingerprint"]:
+            return fail(f"{args.reference}: arch '{ref.meta[attr.arch]}' is not {', '.join(most)} or {last}")
+        if model_path.is_file() and diffrun.fingerprint(model_path) != ref.meta[attr.model_fingerprint]:
             return fail(f"{model_path} is not the model of {args.reference} (fingerprints differ)")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = load_model(model_path, args.dtype, device)
