@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -128,169 +129,6 @@ void rows_q4_k(const uint8_t* __restrict b, float* __restrict y, int64_t n_block
   }
 }
 
-#if DIFFRUN_REF_AVX2_DECODE
-// round_f16's eight values at once: vcvtps2ph (nearest even) and back, NaN made Eigen's quiet NaN of the same sign.
-inline __m256 round8_f16(__m256 v) {
-  const __m256 quiet_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
-  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
-  const __m256 rounded = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-  const __m256 nan = _mm256_or_ps(_mm256_and_ps(v, sign), quiet_nan);
-  return _mm256_blendv_ps(rounded, nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-}
-
-// Sixteen 4-bit (or wider) codes held in bytes to floats d * q - m, in the scalar decoders' operation order (one
-// product, then one difference, each rounded), rounded to f16 too as kRound says: 0 not, 1 as round_f16 does, 2 as
-// it does values that cannot be NaN (d and m finite, q < 256: d * q - m is finite); y gets 16 values.
-template <int kRound>
-inline void values16(__m128i q /* 16 bytes */, __m256 d, __m256 m, __m256& a, __m256& b) {
-  a = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q))), m);
-  b = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))), m);
-  if (kRound == 1) {
-    a = round8_f16(a);
-    b = round8_f16(b);
-  } else if (kRound == 2) {
-    a = _mm256_cvtph_ps(_mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
-    b = _mm256_cvtph_ps(_mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT));
-  }
-}
-
-// The sixteen values stored.
-struct StoreValues {
-  float* y;
-  void take16(__m256 a, __m256 b, int k) {
-    _mm256_storeu_ps(y + k, a);
-    _mm256_storeu_ps(y + k + 8, b);
-  }
-};
-
-// The eight sub-block scales d * sc_j and mins dmin * m_j of a Q4_K/Q5_K block at once (scale_min_k4's values, the
-// same products). The 12 scale bytes as three words w0, w1, w2: sc_0..3 = w0 & 63, m_0..3 = w1 & 63 (bytewise),
-// sc_4..7 = (w2 & 15) | (w0 >> 6) << 4 and m_4..7 = (w2 >> 4) | (w1 >> 6) << 4.
-inline void scales_k4_avx2(const uint8_t* scales, float d, float dmin, float* dsc /* [8] */, float* dm /* [8] */) {
-  uint32_t w[3];
-  std::memcpy(w, scales, 12);
-  const uint32_t sc_lo = w[0] & 0x3f3f3f3fu;
-  const uint32_t m_lo = w[1] & 0x3f3f3f3fu;
-  const uint32_t sc_hi = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
-  const uint32_t m_hi = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
-  const __m128i sc = _mm_set_epi32(0, 0, static_cast<int>(sc_hi), static_cast<int>(sc_lo));
-  const __m128i m = _mm_set_epi32(0, 0, static_cast<int>(m_hi), static_cast<int>(m_lo));
-  _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc))));
-  _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m))));
-}
-
-// One Q4_K block by hand, its 256 values handed to `out` sixteen at a time (take16(a, b, k): values k..k+7 and
-// k+8..k+15 of the block): each pair of sub-blocks is 32 bytes, low nibbles the first sub-block, high nibbles the
-// second.
-template <int kRound, typename Out>
-inline void block_q4_k_avx2(const uint8_t* __restrict b, float d, float min, Out& out) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
-  alignas(32) float dsc[8], dm[8];
-  scales_k4_avx2(b + 4, d, min, dsc, dm);
-  const uint8_t* q = b + 16;
-  for (int is = 0; is < 8; is += 2, q += 32) {
-    const __m256 d1 = _mm256_broadcast_ss(dsc + is), m1 = _mm256_broadcast_ss(dm + is);
-    const __m256 d2 = _mm256_broadcast_ss(dsc + is + 1), m2 = _mm256_broadcast_ss(dm + is + 1);
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    const __m256i lo = _mm256_and_si256(v, low4);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    const int k = 32 * is;
-    __m256 a, c;
-    values16<kRound>(_mm256_castsi256_si128(lo), d1, m1, a, c);
-    out.take16(a, c, k);
-    values16<kRound>(_mm256_extracti128_si256(lo, 1), d1, m1, a, c);
-    out.take16(a, c, k + 16);
-    values16<kRound>(_mm256_castsi256_si128(hi), d2, m2, a, c);
-    out.take16(a, c, k + 32);
-    values16<kRound>(_mm256_extracti128_si256(hi, 1), d2, m2, a, c);
-    out.take16(a, c, k + 48);
-  }
-}
-
-// Q4_K blocks by hand, each block's values handed to out.at(i) (kRound: rounded to f16 as round_f16 rounds, the NaN
-// handling only in blocks whose scales are not finite).
-template <bool kRound, typename Outs>
-inline void blocks_q4_k_avx2(const uint8_t* __restrict b, int64_t n_blocks, Outs& outs) {
-  for (int64_t i = 0; i < n_blocks; ++i, b += 144) {
-    prefetch_ahead(b, 144);
-    const float d = half_at(b);
-    const float min = half_at(b + 2);
-    decltype(auto) out = outs.at(i);  // LaneBlocks: the one set of lane sums
-    if (!kRound) {
-      block_q4_k_avx2<0>(b, d, min, out);
-    } else if (std::isfinite(d) && std::isfinite(min)) {
-      block_q4_k_avx2<2>(b, d, min, out);
-    } else {
-      block_q4_k_avx2<1>(b, d, min, out);
-    }
-  }
-}
-
-// rows_q4_k by hand.
-struct StoreBlocks {
-  float* y;
-  StoreValues at(int64_t i) const { return {y + i * QK_K}; }
-};
-template <bool kRound>
-void rows_q4_k_avx2(const uint8_t* __restrict b, float* __restrict y, int64_t n_blocks) {
-  StoreBlocks outs{y};
-  blocks_q4_k_avx2<kRound>(b, n_blocks, outs);
-}
-
-#if defined(__FMA__)
-// The 16 lane sums of kernels.hpp in registers, taking decoded values straight from the decoder: value k of a block
-// (k a multiple of 16 in take16) goes to lane k mod 16, fma(x, w, s) as the kernels take it.
-struct LanesF64 {
-  __m256d s[4];
-  const double* x;  // the block's inputs
-  void take16(__m256 a, __m256 b, int k) {
-    s[0] = _mm256_fmadd_pd(_mm256_loadu_pd(x + k), _mm256_cvtps_pd(_mm256_castps256_ps128(a)), s[0]);
-    s[1] = _mm256_fmadd_pd(_mm256_loadu_pd(x + k + 4), _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)), s[1]);
-    s[2] = _mm256_fmadd_pd(_mm256_loadu_pd(x + k + 8), _mm256_cvtps_pd(_mm256_castps256_ps128(b)), s[2]);
-    s[3] = _mm256_fmadd_pd(_mm256_loadu_pd(x + k + 12), _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1)), s[3]);
-  }
-};
-struct LanesF32 {
-  __m256 s[2];
-  const float* x;
-  void take16(__m256 a, __m256 b, int k) {
-    s[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), a, s[0]);
-    s[1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), b, s[1]);
-  }
-};
-
-// A row's lane sums over its Q4_K blocks, the sums kept in the registers of `lanes` from block to block.
-template <typename Lanes, typename T>
-struct LaneBlocks {
-  Lanes& lanes;
-  const T* x;
-  Lanes& at(int64_t i) {
-    lanes.x = x + i * QK_K;
-    return lanes;
-  }
-};
-
-template <bool kRound>
-void dot_q4_k(const uint8_t* b, const double* x, int64_t n_blocks, double* acc) {
-  LanesF64 lanes{};
-  for (int i = 0; i < 4; ++i) lanes.s[i] = _mm256_loadu_pd(acc + 4 * i);
-  LaneBlocks<LanesF64, double> outs{lanes, x};
-  blocks_q4_k_avx2<kRound>(b, n_blocks, outs);
-  for (int i = 0; i < 4; ++i) _mm256_storeu_pd(acc + 4 * i, lanes.s[i]);
-}
-
-template <bool kRound>
-void dot_q4_k(const uint8_t* b, const float* x, int64_t n_blocks, float* acc) {
-  LanesF32 lanes{};
-  for (int i = 0; i < 2; ++i) lanes.s[i] = _mm256_loadu_ps(acc + 8 * i);
-  LaneBlocks<LanesF32, float> outs{lanes, x};
-  blocks_q4_k_avx2<kRound>(b, n_blocks, outs);
-  for (int i = 0; i < 2; ++i) _mm256_storeu_ps(acc + 8 * i, lanes.s[i]);
-}
-#define DIFFRUN_REF_FUSED_DOT 1
-#endif  // __FMA__
-#endif
-
 void rows_q5_k(const uint8_t* __restrict b, float* __restrict y, int64_t n_blocks) {  // d f16 | dmin f16 | scales[12] | qh[32] | qs[128]
   for (int64_t i = 0; i < n_blocks; ++i, b += 176) {
     prefetch_ahead(b, 176);
@@ -341,6 +179,348 @@ void rows_q6_k(const uint8_t* __restrict b, float* __restrict y, int64_t n_block
     }
   }
 }
+
+#if DIFFRUN_REF_AVX2_DECODE
+// ---- the block formats by hand for AVX2: each block's values made 16 at a time, in the operation order of the
+// scalar decoders above (so the same values bit for bit), and handed to an output: stored (rows_avx2) or taken
+// straight into the lane sums of reference_cpu/kernels.hpp (dot_avx2, with FMA) ----
+
+// round_f16's eight values at once: vcvtps2ph (nearest even) and back, NaN made Eigen's quiet NaN of the same sign.
+inline __m256 round8_f16(__m256 v) {
+  const __m256 quiet_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256 rounded = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  const __m256 nan = _mm256_or_ps(_mm256_and_ps(v, sign), quiet_nan);
+  return _mm256_blendv_ps(rounded, nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+// An output's values rounded to f16 on their way: kRound 1 as round_f16 does, 2 as it does values that cannot be NaN
+// (a block whose scales are finite has only finite values in every format here).
+template <int kRound, typename Out>
+struct Rounded {
+  Out& out;
+  void take16(__m256 a, __m256 b, int k) {
+    if (kRound == 1) {
+      a = round8_f16(a);
+      b = round8_f16(b);
+    } else {
+      a = _mm256_cvtph_ps(_mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+      b = _mm256_cvtph_ps(_mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT));
+    }
+    out.take16(a, b, k);
+  }
+};
+
+// Bytes 0..7 of q as floats, unsigned or signed.
+inline __m256 u8_ps(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)); }
+inline __m256 i8_ps(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
+inline __m128i lo128(__m256i v) { return _mm256_castsi256_si128(v); }
+inline __m128i hi128(__m256i v) { return _mm256_extracti128_si256(v, 1); }
+inline __m128i high8(__m128i v) { return _mm_srli_si128(v, 8); }
+
+// d * q - m for the 16 codes in bytes of q (one product, one difference, as the scalar K-quant decoders).
+template <typename Out>
+inline void k_values16(Out& out, __m128i q, __m256 d, __m256 m, int k) {
+  out.take16(_mm256_sub_ps(_mm256_mul_ps(d, u8_ps(q)), m), _mm256_sub_ps(_mm256_mul_ps(d, u8_ps(high8(q))), m), k);
+}
+
+// The eight sub-block scales d * sc_j and mins dmin * m_j of a Q4_K/Q5_K block at once (scale_min_k4's values, the
+// same products). The 12 scale bytes as three words w0, w1, w2: sc_0..3 = w0 & 63, m_0..3 = w1 & 63 (bytewise),
+// sc_4..7 = (w2 & 15) | (w0 >> 6) << 4 and m_4..7 = (w2 >> 4) | (w1 >> 6) << 4.
+inline void scales_k4_avx2(const uint8_t* scales, float d, float dmin, float* dsc /* [8] */, float* dm /* [8] */) {
+  uint32_t w[3];
+  std::memcpy(w, scales, 12);
+  const uint32_t sc_lo = w[0] & 0x3f3f3f3fu;
+  const uint32_t m_lo = w[1] & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+  const uint32_t m_hi = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+  const __m128i sc = _mm_set_epi32(0, 0, static_cast<int>(sc_hi), static_cast<int>(sc_lo));
+  const __m128i m = _mm_set_epi32(0, 0, static_cast<int>(m_hi), static_cast<int>(m_lo));
+  _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(d), u8_ps(sc)));
+  _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(dmin), u8_ps(m)));
+}
+
+// Each format: block size and bytes, whether a block's scales are finite, and the block's values.
+struct BlockQ4_0 {  // d f16 | qs[16]: (q - 8) * d, low nibbles values 0..15, high nibbles 16..31
+  static constexpr int kElems = 32, kBytes = 18;
+  static bool finite(const uint8_t* b) { return std::isfinite(half_at(b)); }
+  template <typename Out>
+  static void block(const uint8_t* b, Out& out) {
+    const __m256 d = _mm256_set1_ps(half_at(b));
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m128i low4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(qs, low4), eight);
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), low4), eight);
+    out.take16(_mm256_mul_ps(i8_ps(lo), d), _mm256_mul_ps(i8_ps(high8(lo)), d), 0);
+    out.take16(_mm256_mul_ps(i8_ps(hi), d), _mm256_mul_ps(i8_ps(high8(hi)), d), 16);
+  }
+};
+
+struct BlockQ4_1 {  // d f16 | m f16 | qs[16]: q * d + m
+  static constexpr int kElems = 32, kBytes = 20;
+  static bool finite(const uint8_t* b) { return std::isfinite(half_at(b)) && std::isfinite(half_at(b + 2)); }
+  template <typename Out>
+  static void block(const uint8_t* b, Out& out) {
+    const __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(qs, low4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
+    auto v = [&](__m128i q) { return _mm256_add_ps(_mm256_mul_ps(u8_ps(q), d), m); };
+    out.take16(v(lo), v(high8(lo)), 0);
+    out.take16(v(hi), v(high8(hi)), 16);
+  }
+};
+
+struct BlockQ8_0 {  // d f16 | qs int8[32]: q * d
+  static constexpr int kElems = 32, kBytes = 34;
+  static bool finite(const uint8_t* b) { return std::isfinite(half_at(b)); }
+  template <typename Out>
+  static void block(const uint8_t* b, Out& out) {
+    const __m256 d = _mm256_set1_ps(half_at(b));
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    const __m128i lo = lo128(qs), hi = hi128(qs);
+    out.take16(_mm256_mul_ps(i8_ps(lo), d), _mm256_mul_ps(i8_ps(high8(lo)), d), 0);
+    out.take16(_mm256_mul_ps(i8_ps(hi), d), _mm256_mul_ps(i8_ps(high8(hi)), d), 16);
+  }
+};
+
+struct BlockQ4_K {  // d f16 | dmin f16 | scales[12] | qs[128]; each pair of sub-blocks 32 bytes, low nibbles first
+  static constexpr int kElems = QK_K, kBytes = 144;
+  static bool finite(const uint8_t* b) { return std::isfinite(half_at(b)) && std::isfinite(half_at(b + 2)); }
+  template <typename Out>
+  static void block(const uint8_t* b, Out& out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    alignas(32) float dsc[8], dm[8];
+    scales_k4_avx2(b + 4, half_at(b), half_at(b + 2), dsc, dm);
+    const uint8_t* q = b + 16;
+    for (int is = 0; is < 8; is += 2, q += 32) {
+      const __m256 d1 = _mm256_broadcast_ss(dsc + is), m1 = _mm256_broadcast_ss(dm + is);
+      const __m256 d2 = _mm256_broadcast_ss(dsc + is + 1), m2 = _mm256_broadcast_ss(dm + is + 1);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      const __m256i lo = _mm256_and_si256(v, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      const int k = 32 * is;
+      k_values16(out, lo128(lo), d1, m1, k);
+      k_values16(out, hi128(lo), d1, m1, k + 16);
+      k_values16(out, lo128(hi), d2, m2, k + 32);
+      k_values16(out, hi128(hi), d2, m2, k + 48);
+    }
+  }
+};
+
+struct BlockQ5_K {  // d f16 | dmin f16 | scales[12] | qh[32] | qs[128]: Q4_K's nibbles with bit 4 from qh
+  static constexpr int kElems = QK_K, kBytes = 176;
+  static bool finite(const uint8_t* b) { return std::isfinite(half_at(b)) && std::isfinite(half_at(b + 2)); }
+  template <typename Out>
+  static void block(const uint8_t* b, Out& out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    alignas(32) float dsc[8], dm[8];
+    scales_k4_avx2(b + 4, half_at(b), half_at(b + 2), dsc, dm);
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));  // bits 2p, 2p+1 at bits 0, 1
+    const uint8_t* q = b + 48;
+    for (int is = 0; is < 8; is += 2, q += 32, h = _mm256_srli_epi16(h, 2)) {
+      const __m256 d1 = _mm256_broadcast_ss(dsc + is), m1 = _mm256_broadcast_ss(dm + is);
+      const __m256 d2 = _mm256_broadcast_ss(dsc + is + 1), m2 = _mm256_broadcast_ss(dm + is + 1);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
+                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+      const int k = 32 * is;
+      k_values16(out, lo128(lo), d1, m1, k);
+      k_values16(out, hi128(lo), d1, m1, k + 16);
+      k_values16(out, lo128(hi), d2, m2, k + 32);
+      k_values16(out, hi128(hi), d2, m2, k + 48);
+    }
+  }
+};
+
+// ql[128] | qh[64] | scales int8[16] | d f16. Per half of 128 values: ql[0..31] low nibbles are values 0..31 and
+// high nibbles 64..95, ql[32..63] low 32..63 and high 96..127, with qh bits (0,1), (4,5), (2,3), (6,7) on top; each
+// 16 values v have the scale d * sc[v / 16]; value = scale * (q - 32).
+struct BlockQ6_K {
+  static constexpr int kElems = QK_K, kBytes = 210;
+  static bool finite(const uint8_t* b) { return std::isfinite(half_at(b + 208)); }
+  template <typename Out>
+  static void block(const uint8_t* b, Out& out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+    const __m256 d = _mm256_set1_ps(half_at(b + 208));
+    alignas(32) float s[16];
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    _mm256_storeu_ps(s, _mm256_mul_ps(d, i8_ps(sc)));
+    _mm256_storeu_ps(s + 8, _mm256_mul_ps(d, i8_ps(high8(sc))));
+    for (int c = 0; c < 2; ++c) {
+      const uint8_t* ql = b + 64 * c;
+      const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+      const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * c));
+      auto codes = [&](__m256i nibbles, int shift) {  // (nibble | ((qh >> shift) & 3) << 4) - 32, signed bytes
+        const __m256i top = _mm256_and_si256(_mm256_srli_epi16(H, shift), three);
+        return _mm256_sub_epi8(_mm256_or_si256(nibbles, _mm256_slli_epi16(top, 4)), bias);
+      };
+      const __m256i q[4] = {codes(_mm256_and_si256(A, low4), 0), codes(_mm256_and_si256(B, low4), 2),
+                            codes(_mm256_and_si256(_mm256_srli_epi16(A, 4), low4), 4),
+                            codes(_mm256_and_si256(_mm256_srli_epi16(B, 4), low4), 6)};
+      for (int j = 0; j < 4; ++j) {  // values 32j .. 32j+31 of this half
+        const int g = 8 * c + 2 * j;
+        const __m256 s0 = _mm256_broadcast_ss(s + g), s1 = _mm256_broadcast_ss(s + g + 1);
+        const __m128i q0 = lo128(q[j]), q1 = hi128(q[j]);
+        out.take16(_mm256_mul_ps(s0, i8_ps(q0)), _mm256_mul_ps(s0, i8_ps(high8(q0))), 128 * c + 32 * j);
+        out.take16(_mm256_mul_ps(s1, i8_ps(q1)), _mm256_mul_ps(s1, i8_ps(high8(q1))), 128 * c + 32 * j + 16);
+      }
+    }
+  }
+};
+
+// The blocks of a row, block i's values handed to outs.at(i), rounded to f16 when kRound (the NaN handling only in
+// blocks whose scales are not finite).
+template <typename F, bool kRound, typename Outs>
+inline void blocks_avx2(const uint8_t* __restrict b, int64_t n_blocks, Outs& outs) {
+  for (int64_t i = 0; i < n_blocks; ++i, b += F::kBytes) {
+    prefetch_ahead(b, F::kBytes);
+    decltype(auto) out = outs.at(i);  // LaneBlocks: the one set of lane sums
+    using Out = std::remove_reference_t<decltype(out)>;
+    if (!kRound) {
+      F::block(b, out);
+    } else if (F::finite(b)) {
+      Rounded<2, Out> rounded{out};
+      F::block(b, rounded);
+    } else {
+      Rounded<1, Out> rounded{out};
+      F::block(b, rounded);
+    }
+  }
+}
+
+struct StoreValues {
+  float* y;
+  void take16(__m256 a, __m256 b, int k) {
+    _mm256_storeu_ps(y + k, a);
+    _mm256_storeu_ps(y + k + 8, b);
+  }
+};
+template <int kElems>
+struct StoreBlocks {
+  float* y;
+  StoreValues at(int64_t i) const { return {y + i * kElems}; }
+};
+
+template <typename F, bool kRound>
+void rows_avx2(const uint8_t* b, float* y, int64_t n_blocks) {
+  StoreBlocks<F::kElems> outs{y};
+  blocks_avx2<F, kRound>(b, n_blocks, outs);
+}
+
+// The decoders written by hand: n values of `type` at s into y (rounded to f16 when `round`); false for the others.
+bool decode_avx2(GgmlType type, const uint8_t* s, float* y, int64_t n, bool round) {
+#define DIFFRUN_REF_ROWS(F)                                                                      \
+  (round ? rows_avx2<F, true>(s, y, n / F::kElems) : rows_avx2<F, false>(s, y, n / F::kElems)); \
+  return true
+  switch (type) {
+    case GgmlType::Q4_0: DIFFRUN_REF_ROWS(BlockQ4_0);
+    case GgmlType::Q4_1: DIFFRUN_REF_ROWS(BlockQ4_1);
+    case GgmlType::Q8_0: DIFFRUN_REF_ROWS(BlockQ8_0);
+    case GgmlType::Q4_K: DIFFRUN_REF_ROWS(BlockQ4_K);
+    case GgmlType::Q5_K: DIFFRUN_REF_ROWS(BlockQ5_K);
+    case GgmlType::Q6_K: DIFFRUN_REF_ROWS(BlockQ6_K);
+    default: return false;
+  }
+#undef DIFFRUN_REF_ROWS
+}
+
+#if defined(__FMA__)
+// The 16 lane sums of kernels.hpp in registers, taking decoded values straight from the decoder: value k of a block
+// (k a multiple of 16 in take16) goes to lane k mod 16, fma(x, w, s) as the kernels take it.
+struct LanesF64 {
+  __m256d s[4];
+  const double* x;  // the block's inputs
+  void take16(__m256 a, __m256 b, int k) {
+    s[0] = _mm256_fmadd_pd(_mm256_loadu_pd(x + k), _mm256_cvtps_pd(_mm256_castps256_ps128(a)), s[0]);
+    s[1] = _mm256_fmadd_pd(_mm256_loadu_pd(x + k + 4), _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)), s[1]);
+    s[2] = _mm256_fmadd_pd(_mm256_loadu_pd(x + k + 8), _mm256_cvtps_pd(_mm256_castps256_ps128(b)), s[2]);
+    s[3] = _mm256_fmadd_pd(_mm256_loadu_pd(x + k + 12), _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1)), s[3]);
+  }
+  void load(const double* acc) {
+    for (int i = 0; i < 4; ++i) s[i] = _mm256_loadu_pd(acc + 4 * i);
+  }
+  void store(double* acc) const {
+    for (int i = 0; i < 4; ++i) _mm256_storeu_pd(acc + 4 * i, s[i]);
+  }
+};
+struct LanesF32 {
+  __m256 s[2];
+  const float* x;
+  void take16(__m256 a, __m256 b, int k) {
+    s[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), a, s[0]);
+    s[1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), b, s[1]);
+  }
+  void load(const float* acc) {
+    for (int i = 0; i < 2; ++i) s[i] = _mm256_loadu_ps(acc + 8 * i);
+  }
+  void store(float* acc) const {
+    for (int i = 0; i < 2; ++i) _mm256_storeu_ps(acc + 8 * i, s[i]);
+  }
+};
+
+// A row's lane sums over its blocks, kept in the registers of `lanes` from block to block.
+template <typename Lanes, typename T, int kElems>
+struct LaneBlocks {
+  Lanes& lanes;
+  const T* x;
+  Lanes& at(int64_t i) {
+    lanes.x = x + i * kElems;
+    return lanes;
+  }
+};
+
+template <typename F, bool kRound, typename Lanes, typename T>
+void dot_avx2(const uint8_t* b, const T* x, int64_t n_blocks, T* acc) {
+  Lanes lanes;
+  lanes.load(acc);
+  LaneBlocks<Lanes, T, F::kElems> outs{lanes, x};
+  blocks_avx2<F, kRound>(b, n_blocks, outs);
+  lanes.store(acc);
+}
+
+// F16 rows sixteen halves at a time (values exact; a signalling NaN comes out quiet, which the NaN result of the sum
+// does not see: kernels.hpp gives every NaN sum one NaN).
+template <typename Lanes, typename T>
+void dot_f16_avx2(const uint8_t* s, const T* x, int64_t n, T* acc) {
+  Lanes lanes;
+  lanes.load(acc);
+  lanes.x = x;
+  for (int64_t k = 0; k < n; k += 16) {
+    if (k % 32 == 0) __builtin_prefetch(s + 2 * k + kPrefetchAhead);
+    const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 2 * k)));
+    const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 2 * k + 16)));
+    lanes.take16(a, b, static_cast<int>(k));
+  }
+  lanes.store(acc);
+}
+
+template <typename Lanes, typename T>
+bool decode_dot_avx2(GgmlType type, const uint8_t* s, bool round, const T* x, int64_t n, T* acc) {
+#define DIFFRUN_REF_DOT(F)                                                                                    \
+  (round ? dot_avx2<F, true, Lanes>(s, x, n / F::kElems, acc) : dot_avx2<F, false, Lanes>(s, x, n / F::kElems, acc)); \
+  return true
+  switch (type) {
+    case GgmlType::Q4_0: DIFFRUN_REF_DOT(BlockQ4_0);
+    case GgmlType::Q4_1: DIFFRUN_REF_DOT(BlockQ4_1);
+    case GgmlType::Q8_0: DIFFRUN_REF_DOT(BlockQ8_0);
+    case GgmlType::Q4_K: DIFFRUN_REF_DOT(BlockQ4_K);
+    case GgmlType::Q5_K: DIFFRUN_REF_DOT(BlockQ5_K);
+    case GgmlType::Q6_K: DIFFRUN_REF_DOT(BlockQ6_K);
+    case GgmlType::F16:
+      if (n % 16 != 0) return false;  // rows of whole groups of 16 only (a piece's k0 stays a multiple of 16)
+      dot_f16_avx2<Lanes>(s, x, n, acc);
+      return true;
+    default: return false;
+  }
+#undef DIFFRUN_REF_DOT
+}
+#define DIFFRUN_REF_FUSED_DOT 1
+#endif  // __FMA__
+#endif  // DIFFRUN_REF_AVX2_DECODE
 
 #if defined(__F16C__)
 // Eight converted halves to floats or (exactly) to doubles.
@@ -394,14 +574,7 @@ RowsFn rows_fn(GgmlType t, int64_t* block) {
 // portable kernels are selected (reference_cpu/kernels.hpp); they give the same values.
 void decode(GgmlType type, const uint8_t* s, float* y, int64_t n, bool round = false) {
 #if DIFFRUN_REF_AVX2_DECODE
-  if (!portable_kernels() && type == GgmlType::Q4_K) {
-    if (round) {
-      rows_q4_k_avx2<true>(s, y, n / QK_K);
-    } else {
-      rows_q4_k_avx2<false>(s, y, n / QK_K);
-    }
-    return;
-  }
+  if (!portable_kernels() && decode_avx2(type, s, y, n, round)) return;
 #endif
   int64_t block = 0;
   if (const RowsFn fn = rows_fn(type, &block)) {
@@ -431,14 +604,9 @@ void dequantize_rows_f16(GgmlType type, const std::byte* src, float* dst, int64_
 template <typename T>
 bool decode_dot(GgmlType type, const std::byte* src, bool round, const T* x, int64_t n, T* acc) {
 #if DIFFRUN_REF_FUSED_DOT
-  if (!portable_kernels() && type == GgmlType::Q4_K) {
-    const auto* b = reinterpret_cast<const uint8_t*>(src);
-    if (round) {
-      dot_q4_k<true>(b, x, n / QK_K, acc);
-    } else {
-      dot_q4_k<false>(b, x, n / QK_K, acc);
-    }
-    return true;
+  if (!portable_kernels()) {
+    using Lanes = std::conditional_t<sizeof(T) == 8, LanesF64, LanesF32>;
+    return decode_dot_avx2<Lanes>(type, reinterpret_cast<const uint8_t*>(src), round, x, n, acc);
   }
 #else
   (void)type, (void)src, (void)round, (void)x, (void)n, (void)acc;

@@ -84,37 +84,39 @@ TEST(DequantRows, MatchDequantizeOnRandomBlocksOfEveryFormat) {
   }
 }
 
-// Decoding and dot product in one pass (Q4_K, vectorised) against the decoded values taken by lane_accumulate: the same
-// lane sums on random blocks, in f32 and f64, rounded to f16 or not, with finite scales (every lane equal) and with
-// any scales (NaN and infinities: a lane is NaN in both or equal); with the portable kernels decode_dot declines.
+// Decoding and dot product in one pass (vectorised) against the decoded values taken by lane_accumulate: the same
+// lane sums on random blocks of every format that has it, in f32 and f64, rounded to f16 or not, with finite scales
+// (every lane equal) and with any scales (NaN and infinities: a lane is NaN in both or equal); with the portable
+// kernels decode_dot declines.
 template <typename T>
-void expect_decode_dot_equals_decode_then_accumulate() {
+void expect_decode_dot_equals_decode_then_accumulate(GgmlType type, std::vector<int> half_offsets) {
   std::mt19937 rng(4);
   std::normal_distribution<double> normal;
   const int64_t n = 64 * 256;
+  const int64_t block_bytes = ggml_block_bytes(type), block_elements = ggml_block_elements(type);
   for (bool finite : {true, false}) {
-    std::vector<std::byte> bytes(static_cast<size_t>(n / 256 * 144));
+    std::vector<std::byte> bytes(static_cast<size_t>(n / block_elements * block_bytes));
     for (std::byte& b : bytes) b = static_cast<std::byte>(rng() & 0xff);
-    if (finite) {
-      for (size_t i = 0; i < bytes.size(); i += 144) {
-        bytes[i + 1] &= std::byte{0xbf};  // d and dmin: exponent below 31
-        bytes[i + 3] &= std::byte{0xbf};
+    if (finite) {  // every scale's exponent below 31
+      for (size_t i = 0; i < bytes.size(); i += static_cast<size_t>(block_bytes)) {
+        for (int o : half_offsets) bytes[i + o + 1] &= std::byte{0xbf};
       }
     }
     std::vector<T> x(n);
     for (T& v : x) v = static_cast<T>(normal(rng));
     for (bool round : {false, true}) {
-      SCOPED_TRACE(std::string(round ? "f16" : "wide") + (finite ? " finite scales" : " any scales"));
+      SCOPED_TRACE(std::string(ggml_type_name(type)) + (round ? " f16" : " wide") +
+                   (finite ? " finite scales" : " any scales"));
       std::vector<float> values(n);
       if (round) {
-        ref::dequantize_rows_f16(GgmlType::Q4_K, bytes.data(), values.data(), n);
+        ref::dequantize_rows_f16(type, bytes.data(), values.data(), n);
       } else {
-        ref::dequantize_rows(GgmlType::Q4_K, bytes.data(), values.data(), n);
+        ref::dequantize_rows(type, bytes.data(), values.data(), n);
       }
       T want[ref::kLanes] = {}, got[ref::kLanes] = {};
       ref::lane_accumulate(want, values.data(), x.data(), n, 1, n);
-      if (!ref::decode_dot(GgmlType::Q4_K, bytes.data(), round, x.data(), n, got)) {
-        GTEST_SKIP() << "no fused Q4_K decoder in this build (" << ref::kernels_name() << ")";
+      if (!ref::decode_dot(type, bytes.data(), round, x.data(), n, got)) {
+        GTEST_SKIP() << "no fused decoders in this build (" << ref::kernels_name() << ")";
       }
       for (int j = 0; j < ref::kLanes; ++j) {
         if (!finite && std::isnan(want[j]) && std::isnan(got[j])) continue;
@@ -122,14 +124,19 @@ void expect_decode_dot_equals_decode_then_accumulate() {
       }
       const KernelChoice portable(true);
       T declined[ref::kLanes] = {};
-      EXPECT_FALSE(ref::decode_dot(GgmlType::Q4_K, bytes.data(), round, x.data(), n, declined));
+      EXPECT_FALSE(ref::decode_dot(type, bytes.data(), round, x.data(), n, declined));
     }
   }
 }
 
 TEST(DequantRows, FusedDecodeDotEqualsDecodeThenAccumulate) {
-  expect_decode_dot_equals_decode_then_accumulate<float>();
-  expect_decode_dot_equals_decode_then_accumulate<double>();
+  const std::vector<std::pair<GgmlType, std::vector<int>>> formats = {
+      {GgmlType::Q4_0, {0}},    {GgmlType::Q4_1, {0, 2}}, {GgmlType::Q8_0, {0}}, {GgmlType::Q4_K, {0, 2}},
+      {GgmlType::Q5_K, {0, 2}}, {GgmlType::Q6_K, {208}},  {GgmlType::F16, {0}}};
+  for (const auto& [type, halves] : formats) {
+    expect_decode_dot_equals_decode_then_accumulate<float>(type, halves);
+    expect_decode_dot_equals_decode_then_accumulate<double>(type, halves);
+  }
 }
 
 TEST(DequantRows, F16TakesEveryHalfExactly) {
