@@ -431,7 +431,23 @@ bool decode_avx2(GgmlType type, const uint8_t* s, float* y, int64_t n, bool roun
 #if defined(__FMA__)
 // The 16 lane sums of kernels.hpp in registers, taking decoded values straight from the decoder: value k of a block
 // (k a multiple of 16 in take16) goes to lane k mod 16, fma(x, w, s) as the kernels take it.
-struct LanesF64 {
+#if defined(__AVX512F__)
+struct LanesF64 {  // two __m512d: lanes 0..7 and 8..15
+  __m512d s[2];
+  const double* x;  // the block's inputs
+  void take16(__m256 a, __m256 b, int k) {
+    s[0] = _mm512_fmadd_pd(_mm512_loadu_pd(x + k), _mm512_cvtps_pd(a), s[0]);
+    s[1] = _mm512_fmadd_pd(_mm512_loadu_pd(x + k + 8), _mm512_cvtps_pd(b), s[1]);
+  }
+  void load(const double* acc) {
+    for (int i = 0; i < 2; ++i) s[i] = _mm512_loadu_pd(acc + 8 * i);
+  }
+  void store(double* acc) const {
+    for (int i = 0; i < 2; ++i) _mm512_storeu_pd(acc + 8 * i, s[i]);
+  }
+};
+#else
+struct LanesF64 {  // four __m256d: lanes 0..3, 4..7, 8..11, 12..15
   __m256d s[4];
   const double* x;  // the block's inputs
   void take16(__m256 a, __m256 b, int k) {
@@ -447,6 +463,7 @@ struct LanesF64 {
     for (int i = 0; i < 4; ++i) _mm256_storeu_pd(acc + 4 * i, s[i]);
   }
 };
+#endif
 struct LanesF32 {
   __m256 s[2];
   const float* x;

@@ -1,14 +1,20 @@
-// The reference's dot-product kernels (reference_cpu/kernels.hpp): AVX2+FMA lane sums where the build has them, and
-// the portable loops (std::fma) that take the same sums in the same order. The order is documented in kernels.hpp.
+// The reference's dot-product kernels (reference_cpu/kernels.hpp): AVX-512 or AVX2+FMA lane sums where the build has
+// them, and the portable loops (std::fma) that take the same sums in the same order. The order is documented in
+// kernels.hpp; the vector kernels differ only in how many rows and tokens they take at once.
 #include "reference_cpu/kernels.hpp"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
+#include <utility>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define DIFFRUN_REF_AVX2 1
+#if defined(__AVX512F__)
+#define DIFFRUN_REF_AVX512 1
+#endif
 #endif
 
 namespace diffrun::ref {
@@ -17,28 +23,129 @@ namespace {
 
 std::atomic<bool> g_portable{false};
 
+// acc for (row r, token t): acc + r * lda + t * 16. Rows of weights w + r * ldw, token rows x + t * ldx.
+
 // ---- portable: lane k mod 16 takes fma(x[k], w[k], s) for k in order ----
 
 template <typename T, typename W>
-void accumulate_portable(T* acc, const W* w, const T* x, int64_t ldx, int nt, int64_t n) {
-  for (int t = 0; t < nt; ++t) {
-    T* s = acc + t * kLanes;
-    const T* xt = x + t * ldx;
-    int64_t k = 0;
-    for (; k + kLanes <= n; k += kLanes) {
-      for (int j = 0; j < kLanes; ++j) s[j] = std::fma(xt[k + j], static_cast<T>(w[k + j]), s[j]);
+void accumulate_portable(T* acc, int64_t lda, const W* w, int64_t ldw, int nr, const T* x, int64_t ldx, int nt,
+                         int64_t n) {
+  for (int r = 0; r < nr; ++r) {
+    for (int t = 0; t < nt; ++t) {
+      T* s = acc + r * lda + t * kLanes;
+      const W* wr = w + r * ldw;
+      const T* xt = x + t * ldx;
+      int64_t k = 0;
+      for (; k + kLanes <= n; k += kLanes) {
+        for (int j = 0; j < kLanes; ++j) s[j] = std::fma(xt[k + j], static_cast<T>(wr[k + j]), s[j]);
+      }
+      for (int j = 0; k < n; ++k, ++j) s[j] = std::fma(xt[k], static_cast<T>(wr[k]), s[j]);
     }
-    for (int j = 0; k < n; ++k, ++j) s[j] = std::fma(xt[k], static_cast<T>(w[k]), s[j]);
   }
 }
 
 #if DIFFRUN_REF_AVX2
 
-// ---- AVX2 + FMA: the 16 lanes of one output in four __m256d (f64) or two __m256 (f32) registers ----
-//
 // A piece's last n mod 16 inputs are taken as one more group of 16 with zeros after them: fma(0, 0, s) is s for every
 // s these sums can hold (they start at +0, and an exact zero result of fma rounds to +0, so no lane is ever -0), so
-// the padding changes nothing and the tail follows the same order.
+// the padding changes nothing and the tail follows the same order. Tail copies the last inputs of NR rows and NT
+// tokens into zero-padded groups of 16.
+template <typename T, typename W, int NR, int NT>
+struct Tail {
+  alignas(64) W w[NR][kLanes] = {};
+  alignas(64) T x[NT][kLanes] = {};
+  Tail(const W* wsrc, int64_t ldw, const T* xsrc, int64_t ldx, int64_t k0, int64_t n) {
+    for (int r = 0; r < NR; ++r) std::copy(wsrc + r * ldw + k0, wsrc + r * ldw + n, w[r]);
+    for (int t = 0; t < NT; ++t) std::copy(xsrc + t * ldx + k0, xsrc + t * ldx + n, x[t]);
+  }
+};
+
+#if DIFFRUN_REF_AVX512
+// ---- AVX-512: the 16 lanes of one output in two __m512d (f64) or one __m512 (f32) ----
+
+inline void load16(const float* w, __m512d& lo, __m512d& hi) {
+  lo = _mm512_cvtps_pd(_mm256_loadu_ps(w));
+  hi = _mm512_cvtps_pd(_mm256_loadu_ps(w + 8));
+}
+inline void load16(const double* w, __m512d& lo, __m512d& hi) {
+  lo = _mm512_loadu_pd(w);
+  hi = _mm512_loadu_pd(w + 8);
+}
+
+// f64: NR rows (1..2) by NT tokens (1..4), each weight loaded once for NT tokens and each input once for NR rows.
+template <int NR, int NT, typename W>
+void kernel_f64(double* acc, int64_t lda, const W* w, int64_t ldw, const double* x, int64_t ldx, int64_t n) {
+  __m512d s[NR][NT][2];
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      for (int i = 0; i < 2; ++i) s[r][t][i] = _mm512_loadu_pd(acc + r * lda + t * kLanes + 8 * i);
+    }
+  }
+  auto step = [&](const W* const* wr, const double* const* xt, int64_t k) {
+    __m512d wl[NR], wh[NR];
+    for (int r = 0; r < NR; ++r) load16(wr[r] + k, wl[r], wh[r]);
+    for (int t = 0; t < NT; ++t) {
+      const __m512d xl = _mm512_loadu_pd(xt[t] + k), xh = _mm512_loadu_pd(xt[t] + k + 8);
+      for (int r = 0; r < NR; ++r) {
+        s[r][t][0] = _mm512_fmadd_pd(xl, wl[r], s[r][t][0]);
+        s[r][t][1] = _mm512_fmadd_pd(xh, wh[r], s[r][t][1]);
+      }
+    }
+  };
+  const W* wr[NR];
+  const double* xt[NT];
+  for (int r = 0; r < NR; ++r) wr[r] = w + r * ldw;
+  for (int t = 0; t < NT; ++t) xt[t] = x + t * ldx;
+  const int64_t n16 = n / kLanes * kLanes;
+  for (int64_t k = 0; k < n16; k += kLanes) step(wr, xt, k);
+  if (n16 < n) {
+    const Tail<double, W, NR, NT> tail(w, ldw, x, ldx, n16, n);
+    for (int r = 0; r < NR; ++r) wr[r] = tail.w[r];
+    for (int t = 0; t < NT; ++t) xt[t] = tail.x[t];
+    step(wr, xt, 0);
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      for (int i = 0; i < 2; ++i) _mm512_storeu_pd(acc + r * lda + t * kLanes + 8 * i, s[r][t][i]);
+    }
+  }
+}
+
+// f32: NR rows (1..4) by NT tokens (1..4).
+template <int NR, int NT>
+void kernel_f32(float* acc, int64_t lda, const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t n) {
+  __m512 s[NR][NT];
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) s[r][t] = _mm512_loadu_ps(acc + r * lda + t * kLanes);
+  }
+  auto step = [&](const float* const* wr, const float* const* xt, int64_t k) {
+    __m512 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = _mm512_loadu_ps(wr[r] + k);
+    for (int t = 0; t < NT; ++t) {
+      const __m512 xv = _mm512_loadu_ps(xt[t] + k);
+      for (int r = 0; r < NR; ++r) s[r][t] = _mm512_fmadd_ps(xv, wv[r], s[r][t]);
+    }
+  };
+  const float* wr[NR];
+  const float* xt[NT];
+  for (int r = 0; r < NR; ++r) wr[r] = w + r * ldw;
+  for (int t = 0; t < NT; ++t) xt[t] = x + t * ldx;
+  const int64_t n16 = n / kLanes * kLanes;
+  for (int64_t k = 0; k < n16; k += kLanes) step(wr, xt, k);
+  if (n16 < n) {
+    const Tail<float, float, NR, NT> tail(w, ldw, x, ldx, n16, n);
+    for (int r = 0; r < NR; ++r) wr[r] = tail.w[r];
+    for (int t = 0; t < NT; ++t) xt[t] = tail.x[t];
+    step(wr, xt, 0);
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(acc + r * lda + t * kLanes, s[r][t]);
+  }
+}
+
+constexpr int kRowsF64 = 2, kTokensF64 = 4, kRowsF32 = 4, kTokensF32 = 4;
+
+#else  // AVX2 + FMA: the 16 lanes of one output in four __m256d (f64) or two __m256 (f32)
 
 inline void load16(const double* w, __m256d v[4]) {
   for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_pd(w + 4 * i);
@@ -51,82 +158,115 @@ inline void load16(const float* w, __m256d v[4]) {
   v[3] = _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1));
 }
 
-// f64: NT tokens (1..3), 4 registers of lane sums each; x operands read from memory by the FMAs.
-template <int NT, typename W>
-void accumulate_f64(double* acc, const W* w, const double* x, int64_t ldx, int64_t n) {
+// f64: one row by NT tokens (1..3), 4 registers of lane sums each; the inputs read from memory by the FMAs.
+template <int NR, int NT, typename W>
+void kernel_f64(double* acc, int64_t lda, const W* w, int64_t ldw, const double* x, int64_t ldx, int64_t n) {
+  static_assert(NR == 1);
+  (void)lda, (void)ldw;
   __m256d s[NT][4];
   for (int t = 0; t < NT; ++t) {
     for (int i = 0; i < 4; ++i) s[t][i] = _mm256_loadu_pd(acc + t * kLanes + 4 * i);
   }
+  auto step = [&](const W* wr, const double* const* xt, int64_t k) {
+    __m256d wv[4];
+    load16(wr + k, wv);
+    for (int t = 0; t < NT; ++t) {
+      for (int i = 0; i < 4; ++i) s[t][i] = _mm256_fmadd_pd(_mm256_loadu_pd(xt[t] + k + 4 * i), wv[i], s[t][i]);
+    }
+  };
+  const double* xt[NT];
+  for (int t = 0; t < NT; ++t) xt[t] = x + t * ldx;
   const int64_t n16 = n / kLanes * kLanes;
-  for (int64_t k = 0; k < n16; k += kLanes) {
-    __m256d wv[4];
-    load16(w + k, wv);
-    for (int t = 0; t < NT; ++t) {
-      const double* xt = x + t * ldx + k;
-      for (int i = 0; i < 4; ++i) s[t][i] = _mm256_fmadd_pd(_mm256_loadu_pd(xt + 4 * i), wv[i], s[t][i]);
-    }
-  }
+  for (int64_t k = 0; k < n16; k += kLanes) step(w, xt, k);
   if (n16 < n) {
-    alignas(32) W wt[kLanes] = {};
-    alignas(32) double xt[NT][kLanes] = {};
-    std::copy(w + n16, w + n, wt);
-    for (int t = 0; t < NT; ++t) std::copy(x + t * ldx + n16, x + t * ldx + n, xt[t]);
-    __m256d wv[4];
-    load16(wt, wv);
-    for (int t = 0; t < NT; ++t) {
-      for (int i = 0; i < 4; ++i) s[t][i] = _mm256_fmadd_pd(_mm256_loadu_pd(xt[t] + 4 * i), wv[i], s[t][i]);
-    }
+    const Tail<double, W, 1, NT> tail(w, ldw, x, ldx, n16, n);
+    for (int t = 0; t < NT; ++t) xt[t] = tail.x[t];
+    step(tail.w[0], xt, 0);
   }
   for (int t = 0; t < NT; ++t) {
     for (int i = 0; i < 4; ++i) _mm256_storeu_pd(acc + t * kLanes + 4 * i, s[t][i]);
   }
 }
 
-// f32: NT tokens (1..4), 2 registers of lane sums each.
-template <int NT>
-void accumulate_f32(float* acc, const float* w, const float* x, int64_t ldx, int64_t n) {
-  __m256 s[NT][2];
-  for (int t = 0; t < NT; ++t) {
-    for (int i = 0; i < 2; ++i) s[t][i] = _mm256_loadu_ps(acc + t * kLanes + 8 * i);
+// f32: NR rows (1..2) by NT tokens (1..3), 2 registers of lane sums each; per half of the 16 lanes the rows'
+// weights in registers, each token's inputs loaded once for them.
+template <int NR, int NT>
+void kernel_f32(float* acc, int64_t lda, const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t n) {
+  __m256 s[NR][NT][2];
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      for (int i = 0; i < 2; ++i) s[r][t][i] = _mm256_loadu_ps(acc + r * lda + t * kLanes + 8 * i);
+    }
   }
+  auto step = [&](const float* const* wr, const float* const* xt, int64_t k) {
+    for (int i = 0; i < 2; ++i) {
+      __m256 wv[NR];
+      for (int r = 0; r < NR; ++r) wv[r] = _mm256_loadu_ps(wr[r] + k + 8 * i);
+      for (int t = 0; t < NT; ++t) {
+        const __m256 xv = _mm256_loadu_ps(xt[t] + k + 8 * i);
+        for (int r = 0; r < NR; ++r) s[r][t][i] = _mm256_fmadd_ps(xv, wv[r], s[r][t][i]);
+      }
+    }
+  };
+  const float* wr[NR];
+  const float* xt[NT];
+  for (int r = 0; r < NR; ++r) wr[r] = w + r * ldw;
+  for (int t = 0; t < NT; ++t) xt[t] = x + t * ldx;
   const int64_t n16 = n / kLanes * kLanes;
-  for (int64_t k = 0; k < n16; k += kLanes) {
-    const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
-    for (int t = 0; t < NT; ++t) {
-      const float* xt = x + t * ldx + k;
-      s[t][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xt), w0, s[t][0]);
-      s[t][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xt + 8), w1, s[t][1]);
-    }
-  }
+  for (int64_t k = 0; k < n16; k += kLanes) step(wr, xt, k);
   if (n16 < n) {
-    alignas(32) float wt[kLanes] = {};
-    alignas(32) float xt[NT][kLanes] = {};
-    std::copy(w + n16, w + n, wt);
-    for (int t = 0; t < NT; ++t) std::copy(x + t * ldx + n16, x + t * ldx + n, xt[t]);
-    const __m256 w0 = _mm256_load_ps(wt), w1 = _mm256_load_ps(wt + 8);
+    const Tail<float, float, NR, NT> tail(w, ldw, x, ldx, n16, n);
+    for (int r = 0; r < NR; ++r) wr[r] = tail.w[r];
+    for (int t = 0; t < NT; ++t) xt[t] = tail.x[t];
+    step(wr, xt, 0);
+  }
+  for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NT; ++t) {
-      s[t][0] = _mm256_fmadd_ps(_mm256_load_ps(xt[t]), w0, s[t][0]);
-      s[t][1] = _mm256_fmadd_ps(_mm256_load_ps(xt[t] + 8), w1, s[t][1]);
+      for (int i = 0; i < 2; ++i) _mm256_storeu_ps(acc + r * lda + t * kLanes + 8 * i, s[r][t][i]);
     }
   }
-  for (int t = 0; t < NT; ++t) {
-    for (int i = 0; i < 2; ++i) _mm256_storeu_ps(acc + t * kLanes + 8 * i, s[t][i]);
-  }
+}
+
+constexpr int kRowsF64 = 1, kTokensF64 = 3, kRowsF32 = 2, kTokensF32 = 3;
+
+#endif  // DIFFRUN_REF_AVX512
+
+// One block of at most kRows rows and kTokens tokens through the kernel instantiated for its size.
+template <int kRows, int kTokens, typename Kernel>
+void dispatch_block(int nr, int nt, Kernel&& kernel) {
+  [&]<int... R, int... Tk>(std::integer_sequence<int, R...>, std::integer_sequence<int, Tk...>) {
+    auto row = [&]<int NR>(std::integral_constant<int, NR>) {
+      ((nt == Tk + 1 ? (kernel.template operator()<NR, Tk + 1>(), true) : false) || ...);
+    };
+    ((nr == R + 1 ? (row(std::integral_constant<int, R + 1>{}), true) : false) || ...);
+  }(std::make_integer_sequence<int, kRows>{}, std::make_integer_sequence<int, kTokens>{});
 }
 
 template <typename W>
-void accumulate_vector(double* acc, const W* w, const double* x, int64_t ldx, int nt, int64_t n) {
-  for (; nt >= 3; nt -= 3, acc += 3 * kLanes, x += 3 * ldx) accumulate_f64<3>(acc, w, x, ldx, n);
-  if (nt == 2) accumulate_f64<2>(acc, w, x, ldx, n);
-  if (nt == 1) accumulate_f64<1>(acc, w, x, ldx, n);
+void accumulate_vector(double* acc, int64_t lda, const W* w, int64_t ldw, int nr, const double* x, int64_t ldx,
+                       int nt, int64_t n) {
+  for (int r0 = 0; r0 < nr; r0 += kRowsF64) {
+    for (int t0 = 0; t0 < nt; t0 += kTokensF64) {
+      double* a = acc + r0 * lda + t0 * kLanes;
+      const W* wb = w + r0 * ldw;
+      const double* xb = x + t0 * ldx;
+      dispatch_block<kRowsF64, kTokensF64>(std::min(kRowsF64, nr - r0), std::min(kTokensF64, nt - t0),
+                                           [&]<int NR, int NT>() { kernel_f64<NR, NT>(a, lda, wb, ldw, xb, ldx, n); });
+    }
+  }
 }
 
-void accumulate_vector(float* acc, const float* w, const float* x, int64_t ldx, int nt, int64_t n) {
-  for (; nt >= 4; nt -= 4, acc += 4 * kLanes, x += 4 * ldx) accumulate_f32<4>(acc, w, x, ldx, n);
-  if (nt == 3) accumulate_f32<3>(acc, w, x, ldx, n);
-  if (nt == 2) accumulate_f32<2>(acc, w, x, ldx, n);
-  if (nt == 1) accumulate_f32<1>(acc, w, x, ldx, n);
+void accumulate_vector(float* acc, int64_t lda, const float* w, int64_t ldw, int nr, const float* x, int64_t ldx,
+                       int nt, int64_t n) {
+  for (int r0 = 0; r0 < nr; r0 += kRowsF32) {
+    for (int t0 = 0; t0 < nt; t0 += kTokensF32) {
+      float* a = acc + r0 * lda + t0 * kLanes;
+      const float* wb = w + r0 * ldw;
+      const float* xb = x + t0 * ldx;
+      dispatch_block<kRowsF32, kTokensF32>(std::min(kRowsF32, nr - r0), std::min(kTokensF32, nt - t0),
+                                           [&]<int NR, int NT>() { kernel_f32<NR, NT>(a, lda, wb, ldw, xb, ldx, n); });
+    }
+  }
 }
 
 #endif  // DIFFRUN_REF_AVX2
@@ -137,22 +277,46 @@ void set_portable_kernels(bool portable) { g_portable.store(portable, std::memor
 bool portable_kernels() { return g_portable.load(std::memory_order_relaxed); }
 
 const char* kernels_name() {
-#if DIFFRUN_REF_AVX2
+#if DIFFRUN_REF_AVX512
+  if (!portable_kernels()) return "avx512";
+#elif DIFFRUN_REF_AVX2
   if (!portable_kernels()) return "avx2-fma";
 #endif
   return "portable";
 }
 
+template <typename T>
+int kernel_rows() {
+#if DIFFRUN_REF_AVX2
+  if (!portable_kernels()) return sizeof(T) == 8 ? kRowsF64 : kRowsF32;
+#endif
+  return 1;
+}
+
+template <typename T>
+int kernel_tokens() {
+#if DIFFRUN_REF_AVX2
+  if (!portable_kernels()) return sizeof(T) == 8 ? kTokensF64 : kTokensF32;
+#endif
+  return 1;
+}
+
 template <typename T, typename W>
-void lane_accumulate(T* acc /* [nt,16] */, const W* w /* [n] */, const T* x /* [nt,ldx] */, int64_t ldx, int nt,
-                     int64_t n) {
+void lane_accumulate(T* acc /* [nr,lda] */, int64_t lda, const W* w /* [nr,ldw] */, int64_t ldw, int nr,
+                     const T* x /* [nt,ldx] */, int64_t ldx, int nt, int64_t n) {
 #if DIFFRUN_REF_AVX2
   if (!portable_kernels()) {
-    accumulate_vector(acc, w, x, ldx, nt, n);
+    accumulate_vector(acc, lda, w, ldw, nr, x, ldx, nt, n);
     return;
   }
 #endif
-  accumulate_portable(acc, w, x, ldx, nt, n);
+  accumulate_portable(acc, lda, w, ldw, nr, x, ldx, nt, n);
+}
+
+template <typename T, typename W>
+void lane_accumulate(T* acc /* [nt,16] */, const W* w /* [n] */, const T* x /* [nt,ldx] */, int64_t ldx, int nt,
+                     int64_t n) {
+  lane_accumulate(acc, static_cast<int64_t>(nt) * kLanes, w, 0, 1, x, ldx, nt, n);
 }
 
 template <typename T>
@@ -165,6 +329,16 @@ T lane_total(const T* acc /* [16] */) {
   return s[0];
 }
 
+template int kernel_rows<float>();
+template int kernel_rows<double>();
+template int kernel_tokens<float>();
+template int kernel_tokens<double>();
+template void lane_accumulate<float, float>(float*, int64_t, const float*, int64_t, int, const float*, int64_t, int,
+                                            int64_t);
+template void lane_accumulate<double, float>(double*, int64_t, const float*, int64_t, int, const double*, int64_t,
+                                             int, int64_t);
+template void lane_accumulate<double, double>(double*, int64_t, const double*, int64_t, int, const double*, int64_t,
+                                              int, int64_t);
 template void lane_accumulate<float, float>(float*, const float*, const float*, int64_t, int, int64_t);
 template void lane_accumulate<double, float>(double*, const float*, const double*, int64_t, int, int64_t);
 template void lane_accumulate<double, double>(double*, const double*, const double*, int64_t, int, int64_t);

@@ -1,5 +1,6 @@
 // The reference's dot-product kernels: every matmul output is one sum taken in one fixed order (below), by vectorised
-// kernels built for the host CPU (AVX2 with FMA) or by portable loops that take the same sums in the same order.
+// kernels built for the host CPU (AVX-512, or AVX2 with FMA) or by portable loops that take the same sums in the same
+// order.
 // K inputs; a weight row w [K] (decoded floats, or the dense matrix's values), token rows x [T,K].
 #pragma once
 
@@ -24,13 +25,25 @@ inline constexpr int kLanes = 16;
 void set_portable_kernels(bool portable);
 bool portable_kernels();
 
-// "avx2-fma" or "portable": the kernels the next matmul runs.
+// "avx512", "avx2-fma" or "portable": the kernels the next matmul runs.
 const char* kernels_name();
 
-// Lane sums of nt tokens against one weight row, over n consecutive inputs k0 .. k0+n-1, added to acc:
-// acc [nt, 16] the lane sums so far (lane j of token t at acc[t*16 + j]), w [n] the row's weights from k0 (W float or
-// T), x the token rows from k0 (token t at x + t*ldx). k0 must be a multiple of 16 unless this piece is the row's
-// last, so that piece after piece continues the same order (a row may be taken in any pieces of that kind).
+// The rows and tokens the kernels the next matmul runs take at once (their register blocking: each weight loaded
+// serves that many tokens, each input that many rows); the matmuls group their loops by them. No value depends on it.
+template <typename T>
+int kernel_rows();
+template <typename T>
+int kernel_tokens();
+
+// Lane sums of nr weight rows against nt tokens over n consecutive inputs k0 .. k0+n-1, added to acc: the lane sums
+// of row r and token t at acc + r*lda + t*16, row r's weights from k0 at w + r*ldw (W float or T), token t's inputs
+// from k0 at x + t*ldx. k0 must be a multiple of 16 unless this piece is the rows' last, so that piece after piece
+// continues the same order (a row may be taken in any pieces of that kind).
+template <typename T, typename W>
+void lane_accumulate(T* acc /* [nr,lda] */, int64_t lda, const W* w /* [nr,ldw] */, int64_t ldw, int nr,
+                     const T* x /* [nt,ldx] */, int64_t ldx, int nt, int64_t n);
+
+// The same for one weight row: acc [nt, 16] (lane j of token t at acc[t*16 + j]), w [n] the row's weights from k0.
 template <typename T, typename W>
 void lane_accumulate(T* acc /* [nt,16] */, const W* w /* [n] */, const T* x /* [nt,ldx] */, int64_t ldx, int nt,
                      int64_t n);

@@ -19,11 +19,6 @@ namespace {
 // fixed tree, then the bias): a function of x, the row and K alone. How the work is cut (rows per thread, tiles,
 // pieces of a row, groups of tokens) and which kernels run (vectorised or portable) change no value.
 
-// Tokens taken together against one weight row: the vectorised kernels' register blocking (3 tokens × 4 registers of
-// f64 lane sums, 4 tokens × 2 registers of f32 ones), so that each weight loaded serves that many tokens.
-template <typename T>
-constexpr int kTokenGroup = sizeof(T) == 8 ? 3 : 4;
-
 // Inputs a one-token step decodes at a time: 4 KB of floats, whole blocks of every format (block sizes 1, 32, 256).
 constexpr int kPiece = 1024;
 
@@ -45,25 +40,27 @@ T finish(const T* acc /* [16] */, const T* bias /* [N] or null */, int n) {
 }
 
 // out[t, n0 + r] for every token t and the rows r of a tile w [rows,K] (W float or T): per group of tokens, the
-// inputs a chunk at a time against every row of the tile, the lane sums kept in acc between chunks.
+// inputs a chunk at a time against every row of the tile, the lane sums kept in acc between chunks; the groups of
+// tokens and of rows those the kernels take at once.
 template <typename T, typename W>
 void tile_outputs(T* out /* [T,N] */, const T* x /* [T,K] */, const W* w /* [rows,K] */, const T* bias, int n_tokens,
                   int K, int N, int n0, int rows, std::vector<T>& acc /* [rows,G,16] */) {
-  constexpr int G = kTokenGroup<T>;
-  acc.resize(static_cast<size_t>(rows) * G * kLanes);
+  const int G = kernel_tokens<T>(), R = kernel_rows<T>();
+  const int64_t lda = static_cast<int64_t>(G) * kLanes;
+  acc.resize(static_cast<size_t>(rows * lda));
   for (int t0 = 0; t0 < n_tokens; t0 += G) {
     const int g = std::min(G, n_tokens - t0);
     std::fill(acc.begin(), acc.end(), T(0));
     for (int k0 = 0; k0 < K; k0 += kChunk) {
       const int m = std::min(kChunk, K - k0);
-      for (int r = 0; r < rows; ++r) {
-        lane_accumulate(&acc[static_cast<size_t>(r) * G * kLanes], w + static_cast<int64_t>(r) * K + k0,
-                        x + static_cast<int64_t>(t0) * K + k0, K, g, m);
+      for (int r0 = 0; r0 < rows; r0 += R) {
+        lane_accumulate(&acc[static_cast<size_t>(r0 * lda)], lda, w + static_cast<int64_t>(r0) * K + k0, K,
+                        std::min(R, rows - r0), x + static_cast<int64_t>(t0) * K + k0, K, g, m);
       }
     }
     for (int r = 0; r < rows; ++r) {
       for (int t = 0; t < g; ++t) {
-        out[static_cast<int64_t>(t0 + t) * N + n0 + r] = finish(&acc[(static_cast<size_t>(r) * G + t) * kLanes], bias,
+        out[static_cast<int64_t>(t0 + t) * N + n0 + r] = finish(&acc[static_cast<size_t>(r * lda + t * kLanes)], bias,
                                                                 n0 + r);
       }
     }
