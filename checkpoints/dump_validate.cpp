@@ -1,5 +1,8 @@
 // Dump validation against docs/dump-format.md on the HDF5 C API: every root attribute, step group and dataset, all problems listed.
-// Reads every dataset's data once, in blocks of rows (as compare would read it), within the readers' size limits.
+// Every attribute, type, allowed value, limit, letter, kind and architecture comes from the dump schema
+// (dump_schema.hpp); python/diffrun/validate.py runs the same checks in the same order with the same words
+// (DESIGN.md, "One validator"). Reads every dataset's data once, in blocks of rows (as compare would read it),
+// within the readers' size limits.
 #include "checkpoints/rows.hpp"
 #include "checkpoints/dump_validate.hpp"
 

@@ -181,8 +181,8 @@ const char* checkpoint_status_name(CheckpointStatus s) {
 }
 
 DimSizes dim_sizes(const ModelConfig& cfg) {
-  return {{"D", cfg.n_embd}, {"H", cfg.n_head}, {"Hkv", cfg.n_head_kv}, {"Dh", cfg.head_dim},
-          {"F", cfg.n_ff},   {"V", cfg.n_vocab}};
+  const auto sizes = diffrun::dim_sizes(cfg, -1, -1);  // the dump schema's letters (checkpoints/dump_schema.hpp)
+  return DimSizes(sizes.begin(), sizes.end());
 }
 
 std::vector<std::string> incompatibilities(const DumpMeta& a, const DumpMeta& b) {

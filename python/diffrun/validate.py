@@ -1,5 +1,7 @@
-"""Checks a dump against docs/dump-format.md and lists every problem at once: the twin of `diffrun validate`
-(checkpoints/dump_validate.cpp), with the same checks and the same wording.
+"""Checks a dump against docs/dump-format.md and lists every problem at once: `diffrun validate`'s checks
+(checkpoints/dump_validate.cpp) in Python, with the same wording, both driven by the dump schema (diffrun.schema:
+every attribute, type, allowed value, limit, dimension letter, kind and architecture comes from it; DESIGN.md,
+"One validator", says why neither calls the other).
 
     problems = diffrun.validate.validate("mine.h5")      # [Problem(where, what), ...]; [] when valid
     python -m diffrun.validate mine.h5 [--json]          # exit 0 valid, 1 problems, 2 unreadable
@@ -21,9 +23,9 @@ import numpy as np
 
 from . import attributes, schema, vocabulary
 from .attributes import class_text as _class_text
-from .schema import attr, column, dim
 from .dump import (ATTRIBUTE_TABLE, FORMAT_VERSIONS, DumpFormatError, link_refusal, read_attribute_table,
                    storage_refusal)
+from .schema import attr, column, dim
 
 # The root attributes, their types and allowed values: dump_schema.json (diffrun.schema).
 ROOT_ATTRIBUTES = schema.ROOT_ATTRIBUTES
@@ -31,7 +33,7 @@ NATIVE_DTYPES = schema.NATIVE_DTYPES
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 # The most layers a dump may declare: the readers' limit (the schema's max of n_layer). Every name list is sized by
 # n_layer, so a dump declaring 2e9 layers would exhaust memory before anything else is checked.
-MAX_LAYERS: int = next(a.max for a in ROOT_ATTRIBUTES if a.config and a.type == "integer")  # n_layer, the first
+MAX_LAYERS: int = schema.ROOT[attr.n_layer].max or 0
 
 
 @dataclass(frozen=True)
