@@ -1,0 +1,144 @@
+"""diffrun sweep on a tiny fixture with the CPU pair: clean statistics, a catalog fault found as one grouped
+problem at its checkpoint, the minimal failing case re-run through the main job, the JSON and JUnit reports, a
+killed sweep's partial report, and corpora refused with their file and line."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DIFFRUN = os.environ.get("DIFFRUN_BIN", str(REPO / "build/cli/diffrun"))
+FIXTURE_DIR = Path(os.environ.get("DIFFRUN_FIXTURE_DIR", str(REPO / "build/fixtures")))
+MODEL = FIXTURE_DIR / "tiny-llama-f32.gguf"
+CORPUS = REPO / "fixtures/sweep/prompts.jsonl"
+
+
+def sweep(*args: str, check_rc: int | None = None) -> subprocess.CompletedProcess:
+    r = subprocess.run([DIFFRUN, "sweep", "--model", str(MODEL), "--engine", "cpu", *args],
+                       capture_output=True, text=True, timeout=300)
+    if check_rc is not None:
+        assert r.returncode == check_rc, r.stdout + r.stderr
+    return r
+
+
+def test_the_shipped_corpus_is_valid_and_varied():
+    lines = [ln for ln in CORPUS.read_text(encoding="utf-8").splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    objs = [json.loads(ln) for ln in lines]
+    assert len(objs) >= 100
+    assert len({o["id"] for o in objs}) == len(objs)
+    for o in objs:
+        assert set(o) <= {"id", "prompt", "tokens", "chat", "steps"} and ("prompt" in o) != ("tokens" in o), o
+    kinds = {o["id"].split("-")[0] for o in objs}
+    assert {"chat", "code", "lang", "num", "long", "edge"} <= kinds
+
+
+def test_clean_sweep_passes_with_its_statistics(tmp_path):
+    js = tmp_path / "s.json"
+    r = sweep("--limit", "6", "--steps", "4", "--report-json", str(js), check_rc=0)
+    assert "RESULT: PASS" in r.stdout
+    rep = json.loads(js.read_text())
+    assert rep["complete"] is True and rep["planned_prompts"] >= 100
+    s = rep["summary"]
+    assert s["prompts"] == 6 and s["tokens"] == 6 * 5 and s["bad_tokens"] == 0
+    assert s["top1"] == 1.0 and 0 <= s["kl_median"] <= s["kl_p99"] <= s["kl_max"] < 1e-9
+    assert rep["problems"] == [] and rep["minimized"] == ""
+    for p in rep["prompts"]:
+        assert [t["step"] for t in p["tokens"]] == list(range(5))
+        assert "drill_down" not in p
+
+
+def test_a_fault_is_one_problem_at_its_checkpoint_and_minimized(tmp_path):
+    js, xml = tmp_path / "s.json", tmp_path / "s.xml"
+    r = sweep("--limit", "6", "--steps", "4", "--inject", "kv_cache_pos0", "--drill", "3", "--minimize",
+              "--report-json", str(js), "--report-junit", str(xml), check_rc=1)
+    assert "RESULT: DIVERGED" in r.stdout
+    rep = json.loads(js.read_text())
+    assert rep["summary"]["bad_prompts"] == 6
+    # The catalog's checkpoint and step for kv_cache_pos0: cache_k-0 at step 1, one problem for the 3 drilled prompts.
+    assert [g["checkpoint"] for g in rep["problems"]] == ["cache_k-0"]
+    assert len(rep["problems"][0]["prompts"]) == 3
+    drilled = [p["drill_down"] for p in rep["prompts"] if "drill_down" in p]
+    assert len(drilled) == 3 and all(d["step"] == 1 and d["verdict"] == "local" for d in drilled)
+    assert "1. cache_k-0, verdict local" in r.stdout
+    # The minimal case re-runs through the main job and fails at the same checkpoint.
+    cmd = rep["minimized"]
+    assert cmd.startswith("diffrun --model ") and "--tokens " in cmd and "--inject kv_cache_pos0" in cmd
+    argv = cmd.split()[1:]
+    tokens = argv[argv.index("--tokens") + 1].split(",")
+    assert 1 <= len(tokens) <= 4
+    m = subprocess.run([DIFFRUN, *argv, "--dump", "none", "--summary"], capture_output=True, text=True, timeout=300)
+    assert m.returncode == 1 and "cache_k-0" in m.stdout, m.stdout + m.stderr
+    # JUnit: a case per prompt (all failing), a case per problem.
+    root = ET.parse(xml).getroot()
+    suites = {s.get("name"): s for s in root}
+    assert len(suites["prompts"].findall("testcase")) == 6 and suites["prompts"].get("failures") == "6"
+    assert [c.get("name") for c in suites["problems"].findall("testcase")] == ["cache_k-0"]
+
+
+def test_prompt_files_text_and_json_lines(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("# a comment\n\nThe quick brown fox\n"
+                      '{"id": "ids", "tokens": [5, 6, 7], "steps": 2}\n'
+                      '{"prompt": "Say hi", "chat": true, "steps": 1}\n', encoding="utf-8")
+    js = tmp_path / "s.json"
+    sweep("--prompts", str(corpus), "--steps", "3", "--report-json", str(js), check_rc=0)
+    rep = json.loads(js.read_text())
+    got = [(p["id"], p["steps"], len(p["tokens"])) for p in rep["prompts"]]
+    assert got == [("line 3", 3, 4), ("ids", 2, 3), ("line 5", 1, 2)]
+    assert rep["prompts"][1]["ids"][-3:] == [5, 6, 7]
+
+
+@pytest.mark.parametrize("text, what", [
+    ('{"prompt": "x", "temperature": 1}\n', "unknown key \"temperature\""),
+    ('{"prompt": "x", "tokens": [1]}\n', "exactly one of"),
+    ('{"prompt": ""}\n', "non-empty string"),
+    ('{"tokens": [1, -2]}\n', "token ids"),
+    ('{"prompt": "x", "steps": "many"}\n', "\"steps\""),
+    ('{"prompt": \n', "not a JSON object"),
+    ("# only a comment\n\n", "no prompt in it"),
+])
+def test_bad_corpora_exit_2_naming_file_and_line(tmp_path, text, what):
+    corpus = tmp_path / "bad.jsonl"
+    corpus.write_text(text if "no prompt" in what else "Fine prompt\n" + text, encoding="utf-8")
+    r = sweep("--prompts", str(corpus))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert what in r.stderr and str(corpus) in r.stderr, r.stderr
+    if "no prompt" not in what:
+        assert f"{corpus}:2:" in r.stderr
+
+
+def test_a_killed_sweep_leaves_a_report_that_says_so(tmp_path):
+    js = tmp_path / "s.json"
+    p = subprocess.Popen([DIFFRUN, "sweep", "--model", str(MODEL), "--engine", "cpu", "--steps", "16",
+                          "--report-json", str(js)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not js.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=60)
+    assert p.returncode == 143
+    rep = json.loads(js.read_text())
+    assert rep["complete"] is False
+    assert 1 <= rep["summary"]["prompts"] < rep["planned_prompts"]
+    assert rep["skipped"], "the long documents do not fit tiny-llama's 256 positions"
+
+
+def test_prompts_longer_than_the_context_are_skipped_and_listed(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("short one\n" + "word " * 400 + "\n", encoding="utf-8")
+    js = tmp_path / "s.json"
+    r = sweep("--prompts", str(corpus), "--steps", "2", "--report-json", str(js), check_rc=0)
+    rep = json.loads(js.read_text())
+    assert rep["summary"]["prompts"] == 1 and len(rep["skipped"]) == 1 and rep["skipped"][0].startswith("line 2 (")
+    assert "skipped   1 prompt longer than the model's context" in r.stdout
+    only_long = tmp_path / "long.txt"
+    only_long.write_text("word " * 400 + "\n", encoding="utf-8")
+    r = sweep("--prompts", str(only_long))
+    assert r.returncode == 2 and "no prompt fits the model's context of 256" in r.stderr, r.stderr
