@@ -1,8 +1,13 @@
 // `diffrun sweep --prompts FILE`: a corpus through the pair, every generated token's logits compared, the worst prompts drilled down (cli/sweep.hpp).
+#include <sys/wait.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -46,8 +51,46 @@ struct SweepOptions {
   int margin = 2;
   bool minimize = false;
   int limit = 0;  // > 0: the first N prompts only
+  std::string engine_cmd;  // an outside engine: "CMD {reference} {out}"
   ReportOptions report;
 };
+
+// An outside engine (--engine-cmd): the command with {reference} and {out} replaced, run by /bin/sh.
+struct EngineCommand {
+  std::string tmpl;
+  std::string dir;  // the sweep's scratch directory (removed at the end)
+
+  // Runs it on `reference`, writing `out`; throws Error with its exit status and the end of its output.
+  void run(const std::string& reference, const std::string& out, const std::string& id) const {
+    std::string cmd = tmpl;
+    for (const auto& [key, value] : {std::pair<std::string, std::string>{"{reference}", reference}, {"{out}", out}}) {
+      for (size_t at = cmd.find(key); at != std::string::npos; at = cmd.find(key, at + value.size()))
+        cmd.replace(at, key.size(), value);
+    }
+    const std::string log = out + ".log";
+    const int status = std::system(fmt::format("{} > '{}' 2>&1", cmd, log).c_str());
+    if (status != 0) {
+      std::ifstream in(log);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (text.size() > 2000) text = "..." + text.substr(text.size() - 2000);
+      throw Error(fmt::format("--engine-cmd failed on prompt {} (exit status {}): {}\n{}", id,
+                              WIFEXITED(status) ? WEXITSTATUS(status) : status, cmd, text));
+    }
+  }
+};
+
+// A reference run of `ids` recorded into a dump at `path` (the checkpoints `filter` keeps; logits_rows 1
+// keeps each step's last logits row): what an outside engine reads its tokens from.
+void reference_dump(const GgufFile& file, Backend& ref, const std::vector<int32_t>& ids, int steps,
+                    const CheckpointFilter& filter, int64_t logits_rows, const std::string& path) {
+  ref.reset();
+  DumpWriterOptions w;
+  w.logits_rows = logits_rows;
+  DumpWriter writer(path, dump_meta(file, ref, "", ids), filter, w);
+  const StepsResult r = run_steps(ref, ids, steps, {}, writer);
+  set_run_attributes(writer, r, ref);
+  writer.finish();
+}
 
 // Writes `text` to `path` through a temporary and a rename, so a reader never sees half a file.
 void write_atomically(const std::string& path, const std::string& text) {
@@ -117,6 +160,22 @@ struct DrillContext {
   Progress& progress;
 };
 
+// The first divergence and verdict of a comparison, as a drill-down reports them.
+DrillResult drill_result(const diff::Comparison& c, int steps) {
+  DrillResult d;
+  d.ran = true;
+  d.steps = steps;
+  if (c.first_failure) {
+    const diff::CheckpointResult& f = c.results[*c.first_failure];
+    d.checkpoint = f.name;
+    d.step = f.step;
+    d.verdict = diff::verdict_kind_name(c.verdict.kind);
+    d.rule = c.verdict.rule;
+    d.explanation = c.verdict.explanation;
+  }
+  return d;
+}
+
 // The main job's pipeline on `ids` for `steps` steps, every checkpoint recorded, no dump: where the
 // first divergence is and its verdict.
 DrillResult drill_down(const DrillContext& cx, const std::vector<int32_t>& ids, int steps) {
@@ -135,27 +194,46 @@ DrillResult drill_down(const DrillContext& cx, const std::vector<int32_t>& ids, 
   popt.recording_check = false;
   popt.run_id = new_run_id();
   Progress quiet("diffrun sweep", false);
-  const std::vector<diff::Comparison> cs = run_pipeline(cx.file, cx.cfg, {pp}, ids, popt, quiet);
-  DrillResult d;
-  d.ran = true;
-  d.steps = steps;
-  const diff::Comparison& c = cs.front();
-  if (c.first_failure) {
-    const diff::CheckpointResult& f = c.results[*c.first_failure];
-    d.checkpoint = f.name;
-    d.step = f.step;
-    d.verdict = diff::verdict_kind_name(c.verdict.kind);
-    d.rule = c.verdict.rule;
-    d.explanation = c.verdict.explanation;
+  return drill_result(run_pipeline(cx.file, cx.cfg, {pp}, ids, popt, quiet).front(), steps);
+}
+
+// An outside engine's dump against the reference's, compared as `diffrun compare` would.
+diff::Comparison compare_files(const std::string& engine, const std::string& reference, const ReportOptions& opt) {
+  const DumpReader e(engine), r(reference);
+  return diff::compare_dumps(e, r, tolerances_for(e.meta(), r.meta(), opt), compare_options(opt));
+}
+
+// The per-token figures from an outside engine's dump: its result_output at each step against the
+// reference's last logits row (the comparison's metrics, rule and argmax check).
+std::vector<TokenStat> token_stats_of(const diff::Comparison& c, int steps) {
+  std::vector<TokenStat> out;
+  for (int step = 0; step <= steps; ++step) {
+    TokenStat t;
+    t.step = step;
+    t.bad = true, t.kl = NAN, t.top5 = 0, t.max_abs = NAN;  // unless the engine's dump has the step's logits
+    for (const diff::CheckpointResult& r : c.results) {
+      if (r.step != step || r.base != "result_output" || !r.metrics || !r.metrics->logits) continue;
+      const diff::LogitMetrics& lm = *r.metrics->logits;
+      t.bad = r.failed();
+      t.kl = lm.kl.empty() ? NAN : lm.kl.back();
+      t.top5 = lm.top5_overlap;
+      t.max_abs = r.metrics->max_abs;
+      t.engine = lm.argmax_a.empty() ? -1 : lm.argmax_a.back();
+      t.reference = lm.argmax_b.empty() ? -1 : lm.argmax_b.back();
+    }
+    if (step < static_cast<int>(c.tokens.size()) && c.tokens[step].engine >= 0) t.engine = c.tokens[step].engine;
+    out.push_back(t);
   }
-  return d;
+  return out;
 }
 
 // The shortest token prefix, then the fewest steps, whose drill-down still first fails at `target`
 // (bisection: a shorter prefix that fails there is kept). Returns {ids, steps}.
-std::pair<std::vector<int32_t>, int> minimize(const DrillContext& cx, std::vector<int32_t> ids, int steps,
-                                              const std::string& target) {
-  const auto fails = [&](const std::vector<int32_t>& p, int s) { return drill_down(cx, p, s).checkpoint == target; };
+using DrillFn = std::function<DrillResult(const std::vector<int32_t>& ids, int steps)>;
+
+std::pair<std::vector<int32_t>, int> minimize(const DrillContext& cx, const DrillFn& drill, std::vector<int32_t> ids,
+                                              int steps, const std::string& target) {
+  const auto fails = [&](const std::vector<int32_t>& p, int s) { return drill(p, s).checkpoint == target; };
   int lo = 1, hi = static_cast<int>(ids.size());  // hi fails
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
@@ -225,22 +303,49 @@ int run_sweep(const SweepOptions& o) {
   report.results.clear();
 
   DrillContext cx{*file, cfg, {}, {}, o.report, progress};
-  cx.eng.backend = engine_backend(o, progress);
+  const bool outside = !o.engine_cmd.empty();
+  cx.eng.backend = outside ? "cpu" : engine_backend(o, progress);
   cx.eng.precision = o.engine_precision;
   cx.eng.inject = o.inject;
   cx.ref.backend = "cpu";
   cx.ref.precision = o.reference_precision.empty() ? default_reference_precision(o.engine_precision) : o.reference_precision;
-  if (cx.eng.backend == "cpu" && cx.eng.precision == "f16")
+  if (!outside && cx.eng.backend == "cpu" && cx.eng.precision == "f16")
     throw InputError("the CPU backend computes in f32 or f64; --engine-precision f16 needs the CUDA engine (--engine cuda)");
-  report.pair = fmt::format("{}/{} engine vs cpu/{} reference", cx.eng.backend, cx.eng.precision, cx.ref.precision);
+  report.pair = outside ? fmt::format("outside engine `{}` vs cpu/{} reference", o.engine_cmd, cx.ref.precision)
+                        : fmt::format("{}/{} engine vs cpu/{} reference", cx.eng.backend, cx.eng.precision, cx.ref.precision);
   const CheckpointFilter everything;
-  check_run_options(*file, cfg, cx.eng, everything, true);
+  if (!outside) check_run_options(*file, cfg, cx.eng, everything, true);
   check_run_options(*file, cfg, cx.ref, everything, true);
   omp_set_num_threads(available_cores());
   std::unique_ptr<Backend> ref = make_backend(*file, cfg, cx.ref, static_cast<int>(longest));
-  std::unique_ptr<Backend> eng = make_backend(*file, cfg, cx.eng, static_cast<int>(longest));
-  const diff::ToleranceSet tol = tolerances_for(dump_meta(*file, *eng, "", {}), dump_meta(*file, *ref, "", {}), o.report);
+  std::unique_ptr<Backend> eng = outside ? nullptr : make_backend(*file, cfg, cx.eng, static_cast<int>(longest));
+  const diff::ToleranceSet tol =
+      outside ? diff::ToleranceSet{}
+              : tolerances_for(dump_meta(*file, *eng, "", {}), dump_meta(*file, *ref, "", {}), o.report);
   const diff::DimSizes dims = diff::dim_sizes(cfg);
+
+  // An outside engine reads a reference dump and writes its own, in a scratch directory of the sweep.
+  struct Scratch {
+    std::string dir;
+    ~Scratch() {
+      std::error_code ec;
+      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+    }
+  } scratch;
+  EngineCommand command{o.engine_cmd, ""};
+  if (outside) {
+    scratch.dir = (std::filesystem::temp_directory_path() / ("diffrun-sweep-" + new_run_id())).string();
+    std::filesystem::create_directories(scratch.dir);
+    command.dir = scratch.dir;
+  }
+  const auto scratch_file = [&](const std::string& name) { return (std::filesystem::path(scratch.dir) / name).string(); };
+  const DrillFn drill = [&](const std::vector<int32_t>& ids, int steps) {
+    if (!outside) return drill_down(cx, ids, steps);
+    const std::string rpath = scratch_file("drill-reference.h5"), epath = scratch_file("drill-engine.h5");
+    reference_dump(*file, *ref, ids, steps, everything, 0, rpath);
+    command.run(rpath, epath, "drill-down");
+    return drill_result(compare_files(epath, rpath, o.report), steps);
+  };
 
   // Phase 1: every prompt, logits only. The JSON report is rewritten after each prompt, marked
   // incomplete until the end, so a killed sweep leaves what it measured.
@@ -253,18 +358,25 @@ int run_sweep(const SweepOptions& o) {
   for (size_t i = 0; i < todo.size(); ++i) {
     PromptResult& r = todo[i];
     progress.update("prompt", static_cast<int>(i) + 1, static_cast<int>(todo.size()));
-    ref->reset();
-    const StepsResult rr = run_steps(*ref, r.ids, r.steps, {}, none, true);
-    const std::vector<int32_t> fed(rr.tokens.begin() + static_cast<std::ptrdiff_t>(r.ids.size()), rr.tokens.end());
-    eng->reset();
-    const StepsResult er = run_steps(*eng, r.ids, r.steps, fed, none, true);
-    r.tokens = token_stats(er, rr, tol, dims, static_cast<int64_t>(r.ids.size()));
+    if (outside) {
+      const std::string rpath = scratch_file("reference.h5"), epath = scratch_file("engine.h5");
+      reference_dump(*file, *ref, r.ids, r.steps, CheckpointFilter("result_output"), 1, rpath);
+      command.run(rpath, epath, r.prompt.id);
+      r.tokens = token_stats_of(compare_files(epath, rpath, o.report), r.steps);
+    } else {
+      ref->reset();
+      const StepsResult rr = run_steps(*ref, r.ids, r.steps, {}, none, true);
+      const std::vector<int32_t> fed(rr.tokens.begin() + static_cast<std::ptrdiff_t>(r.ids.size()), rr.tokens.end());
+      eng->reset();
+      const StepsResult er = run_steps(*eng, r.ids, r.steps, fed, none, true);
+      r.tokens = token_stats(er, rr, tol, dims, static_cast<int64_t>(r.ids.size()));
+    }
     report.results.push_back(std::move(r));
     write_reports();
   }
   progress.finish();
-  ref.reset();
   eng.reset();
+  if (!outside) ref.reset();  // the pipeline of a drill-down loads its own
 
   // Phase 2: the worst prompts with a bad token, every checkpoint, up to that token plus the margin.
   for (size_t i : worst_prompts(report.results, o.drill)) {
@@ -272,16 +384,21 @@ int run_sweep(const SweepOptions& o) {
     const int bad = r.first_bad();
     if (bad < 0) continue;
     progress.message(fmt::format("drill-down: {} (bad from step {}), every checkpoint", r.prompt.id, bad));
-    r.drill = drill_down(cx, r.ids, std::min(r.steps, bad + o.margin));
+    r.drill = drill(r.ids, std::min(r.steps, bad + o.margin));
     write_reports();
   }
   const std::vector<SweepProblem> groups = group_problems(report.results);
   if (o.minimize && !groups.empty() && !groups.front().checkpoint.empty()) {
     const PromptResult& r = report.results[groups.front().prompts.front()];
-    const auto [ids, steps] = minimize(cx, r.ids, r.drill->steps, groups.front().checkpoint);
-    report.minimized = fmt::format("diffrun --model {} --tokens {} --steps {}{}{}", o.model, fmt::join(ids, ","), steps,
-                                   o.inject.empty() ? "" : " --inject " + o.inject,
-                                   o.engine == "auto" ? "" : " --engine " + o.engine);
+    const auto [ids, steps] = minimize(cx, drill, r.ids, r.drill->steps, groups.front().checkpoint);
+    if (outside)
+      report.minimized = fmt::format("diffrun dump --backend cpu --precision {} --model {} --tokens {} --steps {} "
+                                     "--out reference.h5; then {} and diffrun compare on them",
+                                     cx.ref.precision, o.model, fmt::join(ids, ","), steps, o.engine_cmd);
+    else
+      report.minimized = fmt::format("diffrun --model {} --tokens {} --steps {}{}{}", o.model, fmt::join(ids, ","), steps,
+                                     o.inject.empty() ? "" : " --inject " + o.inject,
+                                     o.engine == "auto" ? "" : " --engine " + o.engine);
   }
   report.complete = true;
   write_reports();
@@ -325,11 +442,22 @@ const CommandRegistrar registrar{
                    "Shrink the first problem's prompt to the shortest token prefix and fewest steps that still fail at "
                    "its checkpoint, and print the diffrun command that re-runs it");
       app.add_option("--limit", o->limit, "Only the first N prompts of the corpus")->check(count_in(1));
+      app.add_option("--engine-cmd", o->engine_cmd,
+                     "An outside engine instead of diffrun's: a shell command containing {reference} and {out}, run per "
+                     "prompt on a reference dump (read the step tokens from it) to write the engine's dump at {out}");
       app.add_option("--tolerances", o->report.tolerances, "Tolerance rules (default: the pair's preset)");
       app.add_option("--report-json", o->report.report_json,
                      "Write the sweep report as JSON (rewritten after each prompt; \"complete\": false until the end)");
       app.add_option("--report-junit", o->report.report_junit, "Write JUnit XML: one case per prompt, one per problem");
-      return [o]() { return run_sweep(*o); };
+      return [o]() {
+        if (!o->engine_cmd.empty() && (o->engine_cmd.find("{reference}") == std::string::npos ||
+                                       o->engine_cmd.find("{out}") == std::string::npos))
+          throw InputError("--engine-cmd must contain {reference} and {out}, e.g. \"my_engine --reference {reference} "
+                           "--out {out}\"");
+        if (!o->engine_cmd.empty() && !o->inject.empty())
+          throw InputError("--inject changes diffrun's engine: with --engine-cmd seed the fault in the outside engine");
+        return run_sweep(*o);
+      };
     }};
 
 }  // namespace

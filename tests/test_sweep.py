@@ -142,3 +142,27 @@ def test_prompts_longer_than_the_context_are_skipped_and_listed(tmp_path):
     only_long.write_text("word " * 400 + "\n", encoding="utf-8")
     r = sweep("--prompts", str(only_long))
     assert r.returncode == 2 and "no prompt fits the model's context of 256" in r.stderr, r.stderr
+
+
+def test_an_outside_engine_through_engine_cmd(tmp_path):
+    """The numpy example engine (examples/numpy_engine) as --engine-cmd: clean, then with its seeded RoPE bug found
+    as one problem at Qrope-0."""
+    pytest.importorskip("gguf", reason="the numpy example engine reads the GGUF with the gguf package")
+    pytest.importorskip("diffrun", reason="the numpy example engine writes its dump with diffrun's Python package")
+    import sys
+    engine = (f"{sys.executable} {REPO / 'examples/numpy_engine/numpy_engine.py'} --model {MODEL} "
+              "--reference {reference} --out {out}")
+    js = tmp_path / "s.json"
+    r = sweep("--limit", "3", "--steps", "3", "--engine-cmd", engine, "--report-json", str(js), check_rc=0)
+    rep = json.loads(js.read_text())
+    assert rep["summary"]["tokens"] == 12 and rep["summary"]["bad_tokens"] == 0
+    assert rep["pair"].startswith("outside engine")
+    r = sweep("--limit", "3", "--steps", "3", "--engine-cmd", engine + " --bug rope_neox", "--report-json", str(js),
+              check_rc=1)
+    rep = json.loads(js.read_text())
+    assert [g["checkpoint"] for g in rep["problems"]] == ["Qrope-0"], r.stdout
+    # The command must name both files; a failing command is an error naming the prompt and its output.
+    r = sweep("--engine-cmd", "true {out}")
+    assert r.returncode == 2 and "{reference}" in r.stderr
+    r = sweep("--limit", "1", "--engine-cmd", "echo broken-engine {reference} {out}; exit 3")
+    assert r.returncode != 0 and "exit status 3" in r.stderr and "broken-engine" in r.stderr, r.stderr
