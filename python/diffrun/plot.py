@@ -3,6 +3,7 @@
     python -m diffrun.plot ENGINE.h5 REFERENCE.h5 [--out plots] [--step N] [--heatmap NAME ...] [--report R.json]
     python -m diffrun.plot RUN_DIR ...          (a diffrun run's --out: engine.h5 and reference.h5, or logic/ and
                                                  precision/ of a GPU run, each plotted into its own folder)
+    python -m diffrun.plot SWEEP.json [--out plots]   (`diffrun sweep --report-json`: the corpus's KL)
 
 writes, for the step of the first divergence (--step chooses another):
     errors_by_op_step<k>.png      relative L2 error of every checkpoint of the step in execution order (layer
@@ -10,6 +11,10 @@ writes, for the step of the first divergence (--step chooses another):
                                   first divergence's layer op by op, so a jump inside one layer shows
     rel_l2_by_layer_step<k>.png   relative L2 error against layer, one line per checkpoint kind
     heatmap_<name>_step<k>.png    |engine - reference| of one checkpoint over (token x channel), log colours
+For a sweep report instead:
+    sweep_kl_distribution.png     the KL(reference || engine) of every generated token, as a histogram on a log
+                                  axis (exact zeros counted apart), with its mean, median, p99 and max
+    sweep_kl_by_position.png      KL against the step for the worst prompts (by max KL), bad tokens marked x
 The default heatmap is the first divergence. It, each checkpoint's status and its rel_l2 bound come from
 diffrun's own comparison: the JSON report of --report (diffrun --report-json), else `diffrun compare` is run
 (--diffrun PATH, $DIFFRUN_BIN, `diffrun` on PATH, or build/cli/diffrun in the current directory or in the
@@ -422,10 +427,81 @@ def plot_pair(engine_path: str, reference_path: str, out: str, step: int | None,
     return written
 
 
+def is_sweep_report(path: str) -> dict | None:
+    """The JSON of `diffrun sweep --report-json` at path, or None for anything else."""
+    if not path.endswith(".json") or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DumpFormatError(path, f"not a JSON report: {e}") from None
+    return report if isinstance(report, dict) and "sweep_version" in report else None
+
+
+def plot_sweep(report: dict, out: str, worst: int = 5) -> list[str]:
+    """The sweep's KL distribution and, for its worst prompts, KL against the step (see the module's doc)."""
+    os.makedirs(out, exist_ok=True)
+    prompts = report.get("prompts", [])
+    kls = [t["kl"] for p in prompts for t in p["tokens"] if t["kl"] is not None]
+    s = report.get("summary", {})
+    title = f"{os.path.basename(report.get('model', ''))}: {report.get('pair', '')}"
+    if not report.get("complete", True):
+        title += " (INCOMPLETE sweep)"
+    written = []
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    positive = [k for k in kls if k > 0]
+    zeros = len(kls) - len(positive)
+    if positive:
+        lo, hi = min(positive), max(positive)
+        bins = np.logspace(math.log10(lo), math.log10(hi) + 1e-9, 40) if hi > lo else 10
+        ax.hist(positive, bins=bins, color=PASS_COLOR)
+        ax.set_xscale("log")
+        for key, style in (("kl_mean", "-"), ("kl_median", "--"), ("kl_p99", ":"), ("kl_max", "-.")):
+            v = s.get(key)
+            if v and v > 0:
+                ax.axvline(v, color=BOUND_COLOR, linestyle=style, label=f"{key[3:]} {v:.3g}")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "every token's KL is 0", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("KL(reference || engine), nats, per generated token")
+    ax.set_ylabel("tokens")
+    ax.set_title(f"{title}\n{len(kls)} tokens of {len(prompts)} prompts; {zeros} exactly 0 (not shown)", fontsize=9)
+    path = os.path.join(out, "sweep_kl_distribution.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    order = sorted(prompts, key=lambda p: -(p.get("max_kl") or 0))[:worst]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    floor = min(positive) / 10 if positive else 1e-20
+    for p in order:
+        steps = [t["step"] for t in p["tokens"]]
+        vals = [max(t["kl"] if t["kl"] is not None else float("nan"), floor) for t in p["tokens"]]
+        (line,) = ax.plot(steps, vals, marker=".", label=p["id"])
+        bad = [(st, v) for st, v, t in zip(steps, vals, p["tokens"]) if t["bad"]]
+        if bad:
+            ax.scatter([b[0] for b in bad], [b[1] for b in bad], color="black", marker="x", zorder=3, s=30)
+    ax.set_yscale("log")
+    ax.set_xlabel("step (0: the prefill's last token)")
+    ax.set_ylabel("KL, nats")
+    ax.set_title(f"{title}\nthe {len(order)} worst prompts by max KL; x: outside the result_output rule", fontsize=9)
+    if order:
+        ax.legend(fontsize=7)
+    path = os.path.join(out, "sweep_kl_by_position.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m diffrun.plot", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("engine", help="engine dump (side a), or a diffrun run's --out directory")
+    p.add_argument("engine", help="engine dump (side a), a diffrun run's --out directory, or a sweep's JSON report")
     p.add_argument("reference", nargs="?", help="reference dump (side b); absent with a run directory")
     p.add_argument("--out", default="diffrun-plots", help="directory for the PNGs (default diffrun-plots)")
     p.add_argument("--step", type=int, default=None,
@@ -436,6 +512,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--diffrun", metavar="PATH", help="the diffrun executable that compares when no --report is given")
     args = p.parse_args(argv)
     try:
+        sweep = is_sweep_report(args.engine) if args.reference is None else None
+        if sweep is not None:
+            for path in plot_sweep(sweep, args.out):
+                print(path)
+            return 0
         if args.reference is None:
             if not os.path.isdir(args.engine):
                 raise DumpFormatError(args.engine, "give the reference dump too, or a run's --out directory")

@@ -156,3 +156,25 @@ def test_bad_input_exits_2(tmp_path):
     assert plot.main([str(bogus), str(bogus), "--out", str(tmp_path)]) == 2
     assert plot.main([str(bogus), str(bogus), "--out", str(tmp_path), "--report", str(bogus)]) == 2
     assert plot.main([str(bogus), str(bogus), "--out", str(tmp_path), "--diffrun", str(bogus)]) == 2
+
+
+def test_sweep_report_plots(tmp_path):
+    """A `diffrun sweep --report-json` report (the format cli/sweep.cpp writes): the KL histogram and KL by step."""
+    report = {"sweep_version": 1, "model": "m.gguf", "pair": "cpu/f32 engine vs cpu/f64 reference", "complete": False,
+              "summary": {"kl_mean": 2e-6, "kl_median": 1e-7, "kl_p99": 3e-5, "kl_max": 4e-5},
+              "prompts": [{"id": f"p{i}", "max_kl": 4e-5 / (i + 1),
+                           "tokens": [{"step": s, "kl": (0.0 if s == 0 else 1e-7 * (s + i)), "bad": s == 3 and i == 0}
+                                      for s in range(5)]} for i in range(7)]}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(report))
+    out = tmp_path / "plots"
+    assert plot.main([str(path), "--out", str(out)]) == 0
+    for name in ("sweep_kl_distribution.png", "sweep_kl_by_position.png"):
+        png = out / name
+        assert png.stat().st_size > 5000, name
+        pixels = mpimg.imread(png)
+        assert pixels.std() > 0.01, f"{name} is blank"
+    # A dump-pair invocation still refuses a JSON that is not a sweep report.
+    other = tmp_path / "x.json"
+    other.write_text("{}")
+    assert plot.main([str(other)]) == 2
