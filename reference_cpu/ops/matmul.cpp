@@ -26,8 +26,8 @@ constexpr int kPiece = 1024;
 // hardware prefetchers follow; taking a piece of x against several rows at a time was 10% slower on the 7B shape).
 constexpr int kDecodeRows = 16;
 
-// Inputs a prefill takes against the rows of a tile before the next ones: a group of tokens' inputs (12 KB in f64)
-// stays in L1 across the tile's rows.
+// Inputs a prefill takes against the rows of a tile before the next ones: a group of tokens' inputs (16 KB for 4 f64
+// tokens) stays in L1 across the tile's rows.
 constexpr int kChunk = 512;
 
 // Rows a prefill decodes into a tile and then takes against every token: about 256 KB of floats (in L2), at least 8.
