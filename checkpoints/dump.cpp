@@ -302,7 +302,7 @@ struct DumpReader::Impl {
   }
 
   double read_double(hid_t obj, const char* name) const {
-    existing_attr(obj, name, {});
+    if (existing_attr(obj, name, {}).n != 1) fail(std::string("attribute '") + name + "' is not a scalar");
     std::string why;
     const std::optional<double> v = h5::read_real_attribute(obj, name, &why);
     if (!v) fail(std::string("cannot read attribute '") + name + "'" + why);

@@ -256,7 +256,8 @@ std::optional<std::string> read_string_attribute(hid_t obj, const char* name, bo
   Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
   if (!a.valid()) return failed<std::string>(why);
   Hid ftype(H5Aget_type(a.get()), H5Tclose);
-  if (H5Tget_class(ftype.get()) != H5T_STRING) return std::nullopt;
+  Hid space(H5Aget_space(a.get()), H5Sclose);
+  if (H5Tget_class(ftype.get()) != H5T_STRING || H5Sget_simple_extent_npoints(space.get()) != 1) return std::nullopt;
   const htri_t vlen = H5Tis_variable_str(ftype.get());
   if (vlen < 0) return failed<std::string>(why);
   if (vlen > 0 && !vlen_ok) return std::nullopt;
@@ -302,8 +303,11 @@ std::optional<std::vector<int64_t>> read_int_attribute(hid_t obj, const char* na
 
 std::optional<double> read_real_attribute(hid_t obj, const char* name, std::string* why) {
   Hid a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  if (!a.valid()) return failed<double>(why);
+  Hid space(H5Aget_space(a.get()), H5Sclose);
+  if (H5Sget_simple_extent_npoints(space.get()) != 1) return std::nullopt;  // one value read into one double
   double v = 0;
-  if (!a.valid() || H5Aread(a.get(), H5T_NATIVE_DOUBLE, &v) < 0) return failed<double>(why);
+  if (H5Aread(a.get(), H5T_NATIVE_DOUBLE, &v) < 0) return failed<double>(why);
   return v;
 }
 

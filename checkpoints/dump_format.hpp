@@ -117,13 +117,14 @@ AttrShape inspect_attribute(hid_t obj, const char* name);
 const char* class_text(H5T_class_t c);
 // A string attribute's value (up to its first NUL); a variable-length one only when `vlen_ok` (format version
 // 1 read with DIFFRUN_READ_V1=1): from version 2 on the type is checked before anything is read (HDF5 1.10
-// crashes on some damaged global heaps, found by fuzz_dump). nullopt when it is not a string or fails to read.
+// crashes on some damaged global heaps, found by fuzz_dump). nullopt when it is not one string or fails to read.
 // Each reader sets `why` (when given) to HDF5's message of a failed read, as detail() gives it.
 std::optional<std::string> read_string_attribute(hid_t obj, const char* name, bool vlen_ok, std::string* why = nullptr);
 // Integer attribute values as int64 (an enum over integers, h5py's bool, as its integers; with `floats`, a
 // float attribute converted by HDF5); nullopt for another class or a failed read.
 std::optional<std::vector<int64_t>> read_int_attribute(hid_t obj, const char* name, bool floats = false,
                                                        std::string* why = nullptr);
+// A scalar read as a double (nullopt for an attribute of another number of values).
 std::optional<double> read_real_attribute(hid_t obj, const char* name, std::string* why = nullptr);
 // The names of an object's attributes, in name order.
 std::vector<std::string> attribute_names(hid_t obj);

@@ -431,6 +431,7 @@ namespace {
 
 // One dump being validated: the open file, what its root says, and the result so far.
 struct Validation {
+  Validation(const std::string& p, const ValidateOptions& o, Hid f) : path(p), opt(o), file(std::move(f)) {}
   const std::string& path;
   const ValidateOptions& opt;
   Hid file;
@@ -863,7 +864,7 @@ void check_step(Validation& v, int s, const std::string& gname, int64_t& kv, boo
 }  // namespace
 
 ValidateResult validate_dump(const std::string& path, const ValidateOptions& opt) {
-  Validation v{path, opt, open_for_validation(path)};
+  Validation v(path, opt, open_for_validation(path));
   v.root = check_root_attributes(v.file.get());
   if (v.root.format_version == 1 && !version1_reads_allowed()) throw DumpError(path + ": " + version1_refused());
   v.result.problems = std::move(v.root.problems);

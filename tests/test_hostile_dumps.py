@@ -128,6 +128,22 @@ def test_fuzzed_samples_give_an_error_not_a_crash(sample: str):
         assert r.returncode in (1, 2), (args, r.returncode, r.stderr)
 
 
+def test_a_root_attribute_of_several_values_is_refused_where_one_is_read(ref: Path, tmp_path: Path):
+    """A real or integer config attribute stored as an array: read into one value, it overflowed the reader's
+    buffer (found by fuzz_dump under ASan); it is refused, and validate names it."""
+    for name, value in (("rms_eps", np.array([1e-5, 1e-5])), ("rope_theta", np.array([1e4, 1e4, 1e4])),
+                        ("n_embd", np.array([256, 256], np.int32))):
+        bad = tmp_path / f"{name}.h5"
+        shutil.copy(ref, bad)
+        with h5py.File(bad, "r+") as f:
+            del f.attrs[name]
+            f.attrs[name] = value
+        one_error_line(run("ls", bad), str(bad), f"attribute '{name}' is not a scalar")
+        r = run("validate", bad)
+        assert r.returncode == 1 and f"root attribute '{name}': holds {len(value)} values, expected one" in r.stdout, \
+            (r.stdout, r.stderr)
+
+
 # -- 3. validate reads what compare reads -----------------------------------------------------------------
 
 def test_validate_reports_data_compare_cannot_read(ref: Path, tmp_path: Path):
