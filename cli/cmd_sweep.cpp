@@ -9,6 +9,7 @@
 #include <functional>
 #include <iterator>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -52,8 +53,43 @@ struct SweepOptions {
   bool minimize = false;
   int limit = 0;  // > 0: the first N prompts only
   std::string engine_cmd;  // an outside engine: "CMD {reference} {out}"
+  std::string check;       // "chunked-prefill[=C]"
   ReportOptions report;
 };
+
+// --check chunked-prefill[=C]: C (default 8), or 0 without the option; InputError for anything else.
+int chunk_of(const std::string& check) {
+  if (check.empty()) return 0;
+  const std::string name = "chunked-prefill";
+  if (check == name) return 8;
+  if (check.rfind(name + "=", 0) == 0) {
+    const std::string v = check.substr(name.size() + 1);
+    if (!v.empty() && v.size() < 7 && v.find_first_not_of("0123456789") == std::string::npos && std::stoi(v) >= 1)
+      return std::stoi(v);
+  }
+  throw InputError(fmt::format("--check {}: the check is chunked-prefill or chunked-prefill=C (C a whole number >= 1)", check));
+}
+
+// The largest rel L2 the invariance checks pass with: 0 for the CPU backend, whose sums do not depend on
+// how many tokens a step takes (DESIGN.md, the reference's summation order); for the CUDA engine
+// provisional bounds (cuBLAS may sum a GEMM of other T in another order), not yet calibrated.
+double invariance_bound(const BackendOptions& eng) {
+  if (eng.backend == "cpu") return 0;
+  return eng.precision == "f16" ? 1e-2 : 1e-4;
+}
+
+InvarianceCheck invariance(const std::vector<float>& a, const std::vector<float>& b, double bound) {
+  InvarianceCheck c;
+  if (a.size() != b.size() || a.empty()) return {NAN, NAN, false};
+  const int64_t V = static_cast<int64_t>(a.size());
+  const int64_t shape[2] = {1, V};
+  const diff::TensorMetrics m = diff::compute_metrics(a, b, shape, "T,V", {}, {});
+  const diff::LogitMetrics lm = diff::compute_logit_metrics(a, b, 1, V);
+  c.rel_l2 = m.rel_l2;
+  c.kl = lm.kl.empty() ? NAN : lm.kl.front();
+  c.pass = m.finite() && c.rel_l2 <= bound;
+  return c;
+}
 
 // An outside engine (--engine-cmd): the command with {reference} and {out} replaced, run by /bin/sh.
 struct EngineCommand {
@@ -323,6 +359,10 @@ int run_sweep(const SweepOptions& o) {
       outside ? diff::ToleranceSet{}
               : tolerances_for(dump_meta(*file, *eng, "", {}), dump_meta(*file, *ref, "", {}), o.report);
   const diff::DimSizes dims = diff::dim_sizes(cfg);
+  report.chunk = chunk_of(o.check);
+  report.invariance_bound = invariance_bound(cx.eng);
+  if (report.chunk > 0 && outside)
+    throw InputError("--check needs diffrun's engine: an outside engine runs each prompt as one command");
 
   // An outside engine reads a reference dump and writes its own, in a scratch directory of the sweep.
   struct Scratch {
@@ -370,6 +410,22 @@ int run_sweep(const SweepOptions& o) {
       eng->reset();
       const StepsResult er = run_steps(*eng, r.ids, r.steps, fed, none, true);
       r.tokens = token_stats(er, rr, tol, dims, static_cast<int64_t>(r.ids.size()));
+      if (report.chunk > 0) {  // the engine against itself: chunks against the whole, decode against re-prefill
+        eng->reset();
+        std::vector<float> last;
+        int step = 0;
+        for (size_t at = 0; at < r.ids.size(); at += static_cast<size_t>(report.chunk)) {
+          const size_t n = std::min(static_cast<size_t>(report.chunk), r.ids.size() - at);
+          last = eng->forward(step++, std::span<const int32_t>(r.ids).subspan(at, n), none);
+        }
+        r.chunked = invariance(last, er.last_logits.front(), report.invariance_bound);
+        if (r.steps > 0) {
+          std::vector<int32_t> all = r.ids;
+          all.insert(all.end(), fed.begin(), fed.end());
+          eng->reset();
+          r.reprefill = invariance(er.last_logits.back(), eng->forward(0, all, none), report.invariance_bound);
+        }
+      }
     }
     report.results.push_back(std::move(r));
     write_reports();
@@ -442,6 +498,10 @@ const CommandRegistrar registrar{
                    "Shrink the first problem's prompt to the shortest token prefix and fewest steps that still fail at "
                    "its checkpoint, and print the diffrun command that re-runs it");
       app.add_option("--limit", o->limit, "Only the first N prompts of the corpus")->check(count_in(1));
+      app.add_option("--check", o->check,
+                     "chunked-prefill[=C]: also check the engine against itself: the prefill in chunks of C tokens "
+                     "(default 8) against the whole prefill, and the last decode step against a prefill of the same "
+                     "tokens (CPU: bit for bit; CUDA: provisional bounds)");
       app.add_option("--engine-cmd", o->engine_cmd,
                      "An outside engine instead of diffrun's: a shell command containing {reference} and {out}, run per "
                      "prompt on a reference dump (read the step tokens from it) to write the engine's dump at {out}");

@@ -268,7 +268,21 @@ std::string render_sweep_terminal(const SweepReport& r) {
     for (size_t g = 0; g < groups.size(); ++g) out += fmt::format("  {}. {}\n", g + 1, problem_line(groups[g], r.results));
   }
   if (!r.minimized.empty()) out += fmt::format("minimal failing case: {}\n", r.minimized);
-  const bool failed = s.bad_tokens > 0 ||
+  int checked = 0, chunk_fail = 0, reprefill_fail = 0;
+  double worst_chunk = 0, worst_reprefill = 0;
+  for (const PromptResult& p : r.results) {
+    if (p.chunked) ++checked, chunk_fail += p.chunked->pass ? 0 : 1, worst_chunk = std::max(worst_chunk, p.chunked->rel_l2);
+    if (p.reprefill)
+      reprefill_fail += p.reprefill->pass ? 0 : 1, worst_reprefill = std::max(worst_reprefill, p.reprefill->rel_l2);
+  }
+  if (r.chunk > 0) {
+    out += fmt::format("invariance (the engine against itself, bound rel_l2 {:.3g}) over {} prompts:\n", r.invariance_bound,
+                       checked);
+    out += fmt::format("  prefill in chunks of {} vs whole: {} fail, worst rel_l2 {:.3g}\n", r.chunk, chunk_fail, worst_chunk);
+    out += fmt::format("  last decode step vs a re-prefill of the same tokens: {} fail, worst rel_l2 {:.3g}\n",
+                       reprefill_fail, worst_reprefill);
+  }
+  const bool failed = chunk_fail > 0 || reprefill_fail > 0 || s.bad_tokens > 0 ||
                       std::any_of(groups.begin(), groups.end(), [](const SweepProblem& g) { return !g.checkpoint.empty(); });
   out += fmt::format("RESULT: {}\n", !r.complete ? "INCOMPLETE" : failed ? "DIVERGED" : "PASS");
   return out;
@@ -297,6 +311,8 @@ std::string render_sweep_json(const SweepReport& r) {
     json jp = {{"id", p.prompt.id}, {"line", p.prompt.line}, {"prompt", p.prompt.text}, {"ids", p.ids},
                {"steps", p.steps}, {"max_kl", num(p.max_kl())}, {"first_bad_step", p.first_bad()},
                {"tokens", tokens}};
+    for (const auto& [key, check] : {std::pair{"chunked_prefill", &p.chunked}, {"decode_vs_reprefill", &p.reprefill}})
+      if (*check) jp[key] = {{"rel_l2", num((*check)->rel_l2)}, {"kl", num((*check)->kl)}, {"pass", (*check)->pass}};
     if (p.drill && p.drill->ran)
       jp["drill_down"] = {{"steps", p.drill->steps}, {"checkpoint", p.drill->checkpoint}, {"step", p.drill->step},
                           {"verdict", p.drill->verdict}, {"rule", p.drill->rule},
@@ -312,6 +328,7 @@ std::string render_sweep_json(const SweepReport& r) {
   }
   j["problems"] = std::move(problems);
   j["minimized"] = r.minimized;
+  if (r.chunk > 0) j["invariance"] = {{"chunk", r.chunk}, {"max_rel_l2", r.invariance_bound}};
   return j.dump(1, ' ', false, json::error_handler_t::replace) + "\n";
 }
 

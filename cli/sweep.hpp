@@ -61,12 +61,22 @@ struct DrillResult {
   std::string verdict, rule, explanation;
 };
 
+// One invariance check of the engine against itself (--check chunked-prefill): the last logits row of
+// two ways to the same position.
+struct InvarianceCheck {
+  double rel_l2 = 0, kl = 0;
+  bool pass = true;
+};
+
 struct PromptResult {
   SweepPrompt prompt;
   std::vector<int32_t> ids;  // the prompt's token ids
   int steps = 0;
   std::vector<TokenStat> tokens;
   std::optional<DrillResult> drill;
+  // --check chunked-prefill: the prefill in chunks against the whole prefill, and the last decode step
+  // against a prefill of the prompt and the tokens fed (absent: not checked).
+  std::optional<InvarianceCheck> chunked, reprefill;
   double max_kl() const;
   int first_bad() const;  // the first bad token's step, -1 when none
 };
@@ -94,6 +104,8 @@ struct SweepReport {
   int planned = 0;       // prompts in the corpus
   std::string minimized;  // `diffrun --tokens ...` re-running the minimal failing case, or ""
   std::vector<std::string> skipped;  // prompts longer than the model's context: "id (N prompt tokens plus S steps)"
+  int chunk = 0;             // --check chunked-prefill's chunk length (0: not checked)
+  double invariance_bound = 0;  // the largest rel L2 either invariance check passes with
   std::vector<PromptResult> results;
 };
 

@@ -166,3 +166,23 @@ def test_an_outside_engine_through_engine_cmd(tmp_path):
     assert r.returncode == 2 and "{reference}" in r.stderr
     r = sweep("--limit", "1", "--engine-cmd", "echo broken-engine {reference} {out}; exit 3")
     assert r.returncode != 0 and "exit status 3" in r.stderr and "broken-engine" in r.stderr, r.stderr
+
+
+def test_check_chunked_prefill_holds_bit_for_bit_on_the_cpu_and_breaks_under_a_cache_fault(tmp_path):
+    """--check chunked-prefill=C: the engine in chunks of C against its whole prefill, and its last decode step
+    against a re-prefill; the CPU backend's sums do not depend on the tokens a step takes, so both are exact.
+    kv_cache_pos0 (every step's rows written at cache row 0) breaks both."""
+    js = tmp_path / "s.json"
+    r = sweep("--limit", "4", "--steps", "3", "--check", "chunked-prefill=3", "--report-json", str(js), check_rc=0)
+    rep = json.loads(js.read_text())
+    assert rep["invariance"] == {"chunk": 3, "max_rel_l2": 0.0}
+    for p in rep["prompts"]:
+        assert p["chunked_prefill"] == {"rel_l2": 0.0, "kl": 0.0, "pass": True}, p["id"]
+        assert p["decode_vs_reprefill"]["rel_l2"] == 0.0 and p["decode_vs_reprefill"]["pass"], p["id"]
+    assert "prefill in chunks of 3 vs whole: 0 fail" in r.stdout
+    r = sweep("--limit", "4", "--steps", "3", "--check", "chunked-prefill=3", "--inject", "kv_cache_pos0",
+              "--drill", "0", "--report-json", str(js), check_rc=1)
+    rep = json.loads(js.read_text())
+    assert all(not p["chunked_prefill"]["pass"] and not p["decode_vs_reprefill"]["pass"] for p in rep["prompts"])
+    r = sweep("--check", "chunked-prefill=0")
+    assert r.returncode == 2 and "--check chunked-prefill=0" in r.stderr
