@@ -319,8 +319,28 @@ void lane_accumulate(T* acc /* [nt,16] */, const W* w /* [n] */, const T* x /* [
   lane_accumulate(acc, static_cast<int64_t>(nt) * kLanes, w, 0, 1, x, ldx, nt, n);
 }
 
+#if DIFFRUN_REF_AVX2
+// The tree with vector adds: each step adds lanes j + h to lanes j for j < h, as the loop below does one at a time.
+float total_vector(const float* acc) {
+  const __m256 a = _mm256_add_ps(_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8));                 // h = 8
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));           // h = 4
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                            // h = 2
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));                                  // h = 1
+}
+double total_vector(const double* acc) {
+  const __m256d a0 = _mm256_add_pd(_mm256_loadu_pd(acc), _mm256_loadu_pd(acc + 8));              // h = 8
+  const __m256d a1 = _mm256_add_pd(_mm256_loadu_pd(acc + 4), _mm256_loadu_pd(acc + 12));
+  const __m256d b = _mm256_add_pd(a0, a1);                                                        // h = 4
+  const __m128d c = _mm_add_pd(_mm256_castpd256_pd128(b), _mm256_extractf128_pd(b, 1));          // h = 2
+  return _mm_cvtsd_f64(_mm_add_sd(c, _mm_unpackhi_pd(c, c)));                                    // h = 1
+}
+#endif
+
 template <typename T>
 T lane_total(const T* acc /* [16] */) {
+#if DIFFRUN_REF_AVX2
+  if (!portable_kernels()) return total_vector(acc);
+#endif
   T s[kLanes];
   std::copy(acc, acc + kLanes, s);
   for (int h = kLanes / 2; h >= 1; h /= 2) {

@@ -27,8 +27,9 @@ constexpr int kPiece = 1024;
 constexpr int kDecodeRows = 16;
 
 // Inputs a prefill takes against the rows of a tile before the next ones: a group of tokens' inputs (16 KB for 4 f64
-// tokens) stays in L1 across the tile's rows.
+// tokens) stays in L1 across the tile's rows. Rows of up to kChunkWhole inputs are taken whole.
 constexpr int kChunk = 512;
+constexpr int kChunkWhole = 1024;
 
 // Rows a prefill decodes into a tile and then takes against every token: about 256 KB of floats (in L2), at least 8.
 int tile_rows(int K) { return static_cast<int>(std::max<int64_t>(8, 262144 / (static_cast<int64_t>(K) * 4))); }
@@ -51,8 +52,9 @@ void tile_outputs(T* out /* [T,N] */, const T* x /* [T,K] */, const W* w /* [row
   for (int t0 = 0; t0 < n_tokens; t0 += G) {
     const int g = std::min(G, n_tokens - t0);
     std::fill(acc.begin(), acc.end(), T(0));
-    for (int k0 = 0; k0 < K; k0 += kChunk) {
-      const int m = std::min(kChunk, K - k0);
+    const int chunk = K <= kChunkWhole ? K : kChunk;
+    for (int k0 = 0; k0 < K; k0 += chunk) {
+      const int m = std::min(chunk, K - k0);
       for (int r0 = 0; r0 < rows; r0 += R) {
         lane_accumulate(&acc[static_cast<size_t>(r0 * lda)], lda, w + static_cast<int64_t>(r0) * K + k0, K,
                         std::min(R, rows - r0), x + static_cast<int64_t>(t0) * K + k0, K, g, m);
