@@ -515,6 +515,67 @@ void dot_f16_avx2(const uint8_t* s, const T* x, int64_t n, T* acc) {
   lanes.store(acc);
 }
 
+#if defined(__AVX512F__)
+// Q4_K at one token in f32 with AVX-512: each 16 values made in one __m512 (the same operations as BlockQ4_K's, 16
+// lanes wide) and taken into the 16 lane sums in one __m512 (10% less time a 7B f32-f16store step than through
+// BlockQ4_K's two __m256; in f64, where the values are widened to two __m512d anyway, no gain, so f64 takes BlockQ4_K).
+template <int kRound>
+inline __m512 round16_f16(__m512 v) {
+  if (kRound == 0) return v;
+  const __m512 rounded = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  if (kRound == 2) return rounded;
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512 nan = _mm512_castsi512_ps(_mm512_or_si512(sign, _mm512_set1_epi32(0x7fc00000)));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, nan);
+}
+
+struct LanesZ32 {
+  __m512 s;
+  void take(__m512 v, const float* x) { s = _mm512_fmadd_ps(_mm512_loadu_ps(x), v, s); }
+  void load(const float* acc) { s = _mm512_loadu_ps(acc); }
+  void store(float* acc) const { _mm512_storeu_ps(acc, s); }
+};
+
+template <int kRound, typename Lanes, typename T>
+inline void block_q4_k_z(const uint8_t* b, const T* x, Lanes& lanes) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  alignas(32) float dsc[8], dm[8];
+  scales_k4_avx2(b + 4, half_at(b), half_at(b + 2), dsc, dm);
+  const uint8_t* q = b + 16;
+  auto values = [](__m128i codes, __m512 d, __m512 m) {
+    return round16_f16<kRound>(_mm512_sub_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes))), m));
+  };
+  for (int is = 0; is < 8; is += 2, q += 32, x += 64) {
+    const __m512 d1 = _mm512_set1_ps(dsc[is]), m1 = _mm512_set1_ps(dm[is]);
+    const __m512 d2 = _mm512_set1_ps(dsc[is + 1]), m2 = _mm512_set1_ps(dm[is + 1]);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i lo = _mm256_and_si256(v, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    lanes.take(values(lo128(lo), d1, m1), x);
+    lanes.take(values(hi128(lo), d1, m1), x + 16);
+    lanes.take(values(lo128(hi), d2, m2), x + 32);
+    lanes.take(values(hi128(hi), d2, m2), x + 48);
+  }
+}
+
+template <bool kRound, typename Lanes, typename T>
+void dot_q4_k_z(const uint8_t* b, const T* x, int64_t n_blocks, T* acc) {
+  Lanes lanes;
+  lanes.load(acc);
+  for (int64_t i = 0; i < n_blocks; ++i, b += BlockQ4_K::kBytes, x += QK_K) {
+    prefetch_ahead(b, BlockQ4_K::kBytes);
+    if (!kRound) {
+      block_q4_k_z<0>(b, x, lanes);
+    } else if (BlockQ4_K::finite(b)) {
+      block_q4_k_z<2>(b, x, lanes);
+    } else {
+      block_q4_k_z<1>(b, x, lanes);
+    }
+  }
+  lanes.store(acc);
+}
+#endif  // __AVX512F__
+
 template <typename Lanes, typename T>
 bool decode_dot_avx2(GgmlType type, const uint8_t* s, bool round, const T* x, int64_t n, T* acc) {
 #define DIFFRUN_REF_DOT(F)                                                                                    \
@@ -524,7 +585,14 @@ bool decode_dot_avx2(GgmlType type, const uint8_t* s, bool round, const T* x, in
     case GgmlType::Q4_0: DIFFRUN_REF_DOT(BlockQ4_0);
     case GgmlType::Q4_1: DIFFRUN_REF_DOT(BlockQ4_1);
     case GgmlType::Q8_0: DIFFRUN_REF_DOT(BlockQ8_0);
-    case GgmlType::Q4_K: DIFFRUN_REF_DOT(BlockQ4_K);
+    case GgmlType::Q4_K:
+#if defined(__AVX512F__)
+      if constexpr (sizeof(T) == 4) {
+        round ? dot_q4_k_z<true, LanesZ32>(s, x, n / QK_K, acc) : dot_q4_k_z<false, LanesZ32>(s, x, n / QK_K, acc);
+        return true;
+      }
+#endif
+      DIFFRUN_REF_DOT(BlockQ4_K);
     case GgmlType::Q5_K: DIFFRUN_REF_DOT(BlockQ5_K);
     case GgmlType::Q6_K: DIFFRUN_REF_DOT(BlockQ6_K);
     case GgmlType::F16:
