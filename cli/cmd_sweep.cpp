@@ -9,6 +9,9 @@
 #include <functional>
 #include <iterator>
 #include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
 #include <span>
 #include <string>
 #include <vector>
@@ -54,6 +57,7 @@ struct SweepOptions {
   int limit = 0;  // > 0: the first N prompts only
   std::string engine_cmd;  // an outside engine: "CMD {reference} {out}"
   std::string check;       // "chunked-prefill[=C]"
+  int jobs = 0;            // prompts at once; 0: auto
   ReportOptions report;
 };
 
@@ -359,6 +363,12 @@ int run_sweep(const SweepOptions& o) {
       outside ? diff::ToleranceSet{}
               : tolerances_for(dump_meta(*file, *eng, "", {}), dump_meta(*file, *ref, "", {}), o.report);
   const diff::DimSizes dims = diff::dim_sizes(cfg);
+  // Concurrent prompts: --jobs, else one per 4 cores (1 on fewer than 8 cores, with an outside engine, and
+  // for models over 2 GB: each job holds its own reference's weights).
+  int jobs = o.jobs > 0 ? o.jobs : std::max(1, available_cores() / 4);
+  if (outside || (o.jobs <= 0 && std::filesystem::file_size(o.model) > (uint64_t(2) << 30))) jobs = 1;
+  jobs = std::min<int>(jobs, static_cast<int>(todo.size()));
+  if (jobs > 1) progress.message(fmt::format("{} prompts at once", jobs));
   report.chunk = chunk_of(o.check);
   report.invariance_bound = invariance_bound(cx.eng);
   if (report.chunk > 0 && outside)
@@ -394,42 +404,92 @@ int run_sweep(const SweepOptions& o) {
     if (!o.report.report_junit.empty()) write_atomically(o.report.report_junit, render_sweep_junit(report));
   };
   report.complete = false;
-  NullSink none;
-  for (size_t i = 0; i < todo.size(); ++i) {
-    PromptResult& r = todo[i];
-    progress.update("prompt", static_cast<int>(i) + 1, static_cast<int>(todo.size()));
+  // Prompts run on `jobs` threads, each with its own reference (and CPU engine; a CUDA engine is shared,
+  // one prompt at a time, as the references are the slow side). Results are reported in corpus order.
+  std::vector<std::unique_ptr<Backend>> refs, engs;
+  refs.push_back(std::move(ref));
+  engs.push_back(std::move(eng));
+  for (int j = 1; j < jobs; ++j) {
+    refs.push_back(make_backend(*file, cfg, cx.ref, static_cast<int>(longest)));
+    if (cx.eng.backend == "cpu") engs.push_back(make_backend(*file, cfg, cx.eng, static_cast<int>(longest)));
+  }
+  std::mutex engine_lock, report_lock;
+  std::vector<std::optional<PromptResult>> done(todo.size());
+  size_t next = 0, finished = 0;
+  std::exception_ptr failure;
+  const int threads_each = std::max(1, available_cores() / jobs);
+  const auto run_prompt = [&](PromptResult& r, Backend& rb, Backend* own_engine) {
+    NullSink none;
     if (outside) {
       const std::string rpath = scratch_file("reference.h5"), epath = scratch_file("engine.h5");
-      reference_dump(*file, *ref, r.ids, r.steps, CheckpointFilter("result_output"), 1, rpath);
+      reference_dump(*file, rb, r.ids, r.steps, CheckpointFilter("result_output"), 1, rpath);
       command.run(rpath, epath, r.prompt.id);
       r.tokens = token_stats_of(compare_files(epath, rpath, o.report), r.steps);
-    } else {
-      ref->reset();
-      const StepsResult rr = run_steps(*ref, r.ids, r.steps, {}, none, true);
-      const std::vector<int32_t> fed(rr.tokens.begin() + static_cast<std::ptrdiff_t>(r.ids.size()), rr.tokens.end());
-      eng->reset();
-      const StepsResult er = run_steps(*eng, r.ids, r.steps, fed, none, true);
-      r.tokens = token_stats(er, rr, tol, dims, static_cast<int64_t>(r.ids.size()));
-      if (report.chunk > 0) {  // the engine against itself: chunks against the whole, decode against re-prefill
-        eng->reset();
-        std::vector<float> last;
-        int step = 0;
-        for (size_t at = 0; at < r.ids.size(); at += static_cast<size_t>(report.chunk)) {
-          const size_t n = std::min(static_cast<size_t>(report.chunk), r.ids.size() - at);
-          last = eng->forward(step++, std::span<const int32_t>(r.ids).subspan(at, n), none);
-        }
-        r.chunked = invariance(last, er.last_logits.front(), report.invariance_bound);
-        if (r.steps > 0) {
-          std::vector<int32_t> all = r.ids;
-          all.insert(all.end(), fed.begin(), fed.end());
-          eng->reset();
-          r.reprefill = invariance(er.last_logits.back(), eng->forward(0, all, none), report.invariance_bound);
-        }
+      return;
+    }
+    rb.reset();
+    const StepsResult rr = run_steps(rb, r.ids, r.steps, {}, none, true);
+    const std::vector<int32_t> fed(rr.tokens.begin() + static_cast<std::ptrdiff_t>(r.ids.size()), rr.tokens.end());
+    std::unique_lock shared(engine_lock, std::defer_lock);
+    if (!own_engine) shared.lock();
+    Backend& e = own_engine ? *own_engine : *engs.front();
+    e.reset();
+    const StepsResult er = run_steps(e, r.ids, r.steps, fed, none, true);
+    r.tokens = token_stats(er, rr, tol, dims, static_cast<int64_t>(r.ids.size()));
+    if (report.chunk > 0) {  // the engine against itself: chunks against the whole, decode against re-prefill
+      e.reset();
+      std::vector<float> last;
+      int step = 0;
+      for (size_t at = 0; at < r.ids.size(); at += static_cast<size_t>(report.chunk)) {
+        const size_t n = std::min(static_cast<size_t>(report.chunk), r.ids.size() - at);
+        last = e.forward(step++, std::span<const int32_t>(r.ids).subspan(at, n), none);
+      }
+      r.chunked = invariance(last, er.last_logits.front(), report.invariance_bound);
+      if (r.steps > 0) {
+        std::vector<int32_t> all = r.ids;
+        all.insert(all.end(), fed.begin(), fed.end());
+        e.reset();
+        r.reprefill = invariance(er.last_logits.back(), e.forward(0, all, none), report.invariance_bound);
       }
     }
-    report.results.push_back(std::move(r));
-    write_reports();
+  };
+  const auto worker = [&](int j) {
+    omp_set_num_threads(threads_each);
+    // A CPU engine per job; one CUDA engine shared under engine_lock (nullptr here) when several jobs run.
+    Backend* own_engine = cx.eng.backend == "cpu" || jobs == 1 ? engs[j].get() : nullptr;
+    for (;;) {
+      size_t i;
+      {
+        std::lock_guard lock(report_lock);
+        if (next >= todo.size() || failure) return;
+        i = next++;
+      }
+      PromptResult r = todo[i];
+      try {
+        run_prompt(r, *refs[j], own_engine);
+      } catch (...) {
+        std::lock_guard lock(report_lock);
+        if (!failure) failure = std::current_exception();
+        return;
+      }
+      std::lock_guard lock(report_lock);
+      done[i] = std::move(r);
+      ++finished;
+      progress.update("prompt", static_cast<int>(finished), static_cast<int>(todo.size()));
+      report.results.clear();
+      for (const std::optional<PromptResult>& d : done)
+        if (d) report.results.push_back(*d);
+      write_reports();
+    }
+  };
+  {
+    std::vector<std::jthread> pool;
+    for (int j = 1; j < jobs; ++j) pool.emplace_back(worker, j);
+    worker(0);
   }
+  if (failure) std::rethrow_exception(failure);
+  ref = std::move(refs.front());
+  eng = std::move(engs.front());
   progress.finish();
   eng.reset();
   if (!outside) ref.reset();  // the pipeline of a drill-down loads its own
@@ -498,6 +558,10 @@ const CommandRegistrar registrar{
                    "Shrink the first problem's prompt to the shortest token prefix and fewest steps that still fail at "
                    "its checkpoint, and print the diffrun command that re-runs it");
       app.add_option("--limit", o->limit, "Only the first N prompts of the corpus")->check(count_in(1));
+      app.add_option("--jobs,-j", o->jobs,
+                     "Prompts at once, each with its own reference (default: one per 4 cores; 1 for an outside engine "
+                     "or a model over 2 GB)")
+          ->check(count_in(1, 256));
       app.add_option("--check", o->check,
                      "chunked-prefill[=C]: also check the engine against itself: the prefill in chunks of C tokens "
                      "(default 8) against the whole prefill, and the last decode step against a prefill of the same "

@@ -186,3 +186,15 @@ def test_check_chunked_prefill_holds_bit_for_bit_on_the_cpu_and_breaks_under_a_c
     assert all(not p["chunked_prefill"]["pass"] and not p["decode_vs_reprefill"]["pass"] for p in rep["prompts"])
     r = sweep("--check", "chunked-prefill=0")
     assert r.returncode == 2 and "--check chunked-prefill=0" in r.stderr
+
+
+def test_prompts_at_once_give_the_same_report(tmp_path):
+    """--jobs 3: three prompts at once, each with its own reference and CPU engine; every figure the same as one at a
+    time (the CPU backend's sums do not depend on its thread count), in corpus order."""
+    one, three = tmp_path / "1.json", tmp_path / "3.json"
+    sweep("--limit", "7", "--steps", "4", "--jobs", "1", "--report-json", str(one), check_rc=0)
+    sweep("--limit", "7", "--steps", "4", "--jobs", "3", "--report-json", str(three), check_rc=0)
+    a, b = json.loads(one.read_text()), json.loads(three.read_text())
+    assert [p["id"] for p in a["prompts"]] == [p["id"] for p in b["prompts"]]
+    assert [p["tokens"] for p in a["prompts"]] == [p["tokens"] for p in b["prompts"]]
+    assert a["summary"] == b["summary"]
