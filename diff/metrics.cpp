@@ -366,6 +366,8 @@ LogitMetrics compute_logit_metrics(std::span<const float> a, std::span<const flo
     lm.kl_max = std::max(lm.kl_max, r.kl);
     finite = finite && !std::isnan(r.kl);
   }
+  const auto last = a.subspan(static_cast<size_t>((rows - 1) * vocab), static_cast<size_t>(vocab));
+  for (int32_t i : top_k(last, LogitMetrics::kLastTop)) lm.top_a_last.emplace_back(last[static_cast<size_t>(i)], i);
   lm.top1 = static_cast<double>(agree) / static_cast<double>(rows);
   lm.top5_overlap = overlap_sum / static_cast<double>(rows);
   lm.kl_mean = kl_sum / static_cast<double>(rows);

@@ -77,6 +77,11 @@ struct LogitMetrics {
   std::vector<double> kl;             // KL(softmax(b) || softmax(a)) per token, in nats
   double kl_mean = 0.0;
   double kl_max = 0.0;
+  // The engine's (side a's) last row: its kLastTop largest finite values as (value, index), by value
+  // descending then index ascending; what compare's argmax check reads (compare.cpp), so that it needs
+  // no values kept.
+  static constexpr size_t kLastTop = 8;
+  std::vector<std::pair<float, int32_t>> top_a_last;
 };
 
 // Aggregates over data holding a NaN or Inf on either side are NaN (undefined), never a finite

@@ -117,6 +117,21 @@ TEST_F(Stream, FirstNaNAfterAnEarlierFailureKeepsBothPatterns) {
   expect_same(rel(1e-3));
 }
 
+// The engine's own argmax against its own logits (compare's rule argmax) needs no values kept: streamed,
+// the report is compare_dumps' (step 1's result_output fails; a larger logit was passed over).
+TEST_F(Stream, EngineArgmaxAgainstItsOwnLogits) {
+  engine.argmax = {7, 3, 4};
+  engine.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step == 1 && name == "result_output") v[15] = 10.0f;
+  };
+  expect_same(rel(1e9));
+  const DumpReader e(path("engine.h5")), r(path("reference.h5"));
+  const Comparison c = streamed(e, r, rel(1e9), true);
+  ASSERT_TRUE(c.diverged());
+  EXPECT_EQ(c.results[*c.first_failure].name, "result_output");
+  EXPECT_EQ(c.verdict.rule, "argmax");
+}
+
 TEST_F(Stream, OneSidedCheckpointsAndShapeMismatch) {
   engine.skip = [](int step, const std::string& name) { return step == 1 && name == "ffn_gate-0"; };
   reference.skip = [](int, const std::string& name) { return name == "kq_soft_max-3"; };
