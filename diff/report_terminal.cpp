@@ -113,6 +113,9 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s, boo
       if (k.metric == "nonfinite") {
         failed.push_back(fmt::format("{} NaN/Inf value(s) (engine {}, reference {}): non-finite always fails", num(k.value),
                                      m.nan_a + m.inf_a, m.nan_b + m.inf_b));
+      } else if (k.metric == "argmax") {
+        failed.push_back(fmt::format("argmax: the engine chose token {}, its own logits' argmax is {}",
+                                     static_cast<int64_t>(k.value), static_cast<int64_t>(k.limit)));
       } else {
         bool upper = k.bound.rfind("max_", 0) == 0;
         failed.push_back(fmt::format("{} {} {} {} {}", k.metric, num(k.value), upper ? ">" : "<", k.bound, num(k.limit)));
