@@ -132,17 +132,6 @@ void reference_dump(const GgufFile& file, Backend& ref, const std::vector<int32_
   writer.finish();
 }
 
-// Writes `text` to `path` through a temporary and a rename, so a reader never sees half a file.
-void write_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".diffrun-tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    if (!out) throw Error("cannot write " + tmp);
-  }
-  std::filesystem::rename(tmp, path);
-}
-
 std::string engine_backend(const SweepOptions& o, Progress& progress) {
   if (o.engine != "auto") return o.engine;
 #ifdef DIFFRUN_HAVE_CUDA
@@ -400,8 +389,9 @@ int run_sweep(const SweepOptions& o) {
   // Phase 1: every prompt, logits only. The JSON report is rewritten after each prompt, marked
   // incomplete until the end, so a killed sweep leaves what it measured.
   const auto write_reports = [&] {
-    if (!o.report.report_json.empty()) write_atomically(o.report.report_json, render_sweep_json(report));
-    if (!o.report.report_junit.empty()) write_atomically(o.report.report_junit, render_sweep_junit(report));
+    if (!o.report.report_json.empty()) write_text_file(o.report.report_json, render_sweep_json(report), "JSON", true);
+    if (!o.report.report_junit.empty())
+      write_text_file(o.report.report_junit, render_sweep_junit(report), "JUnit", true);
   };
   report.complete = false;
   // Prompts run on `jobs` threads, each with its own reference (and CPU engine; a CUDA engine is shared,

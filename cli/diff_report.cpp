@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <algorithm>
 #include <fstream>
 #include <optional>
@@ -22,14 +23,19 @@
 #include "model/error.hpp"
 
 namespace diffrun::cli {
-namespace {
-
-void write_text_file(const std::string& path, const std::string& text, const char* what) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+void write_text_file(const std::string& path, const std::string& text, const char* what, bool atomic) {
+  const std::string target = atomic ? path + ".diffrun-tmp" : path;
+  std::ofstream out(target, std::ios::binary | std::ios::trunc);
   out << text;
   out.close();
-  if (!out) throw InputError(fmt::format("{}: cannot write the {} report", path, what));
+  if (!out) throw InputError(fmt::format("{}: cannot write the {} report", target, what));
+  if (!atomic) return;
+  std::error_code ec;
+  std::filesystem::rename(target, path, ec);
+  if (ec) throw InputError(fmt::format("{}: cannot write the {} report: {}", path, what, ec.message()));
 }
+
+namespace {
 
 bool use_color(bool no_color) {
   if (no_color) return false;

@@ -59,6 +59,10 @@ struct ComparePair {
 int compare_and_report_pairs(const std::vector<ComparePair>& pairs, const ReportOptions& opt, Progress& progress,
                              const std::function<std::string(int32_t)>& token_text = {});
 
+// Writes a report's text to `path` (InputError naming it when it cannot). atomic: through "<path>.diffrun-tmp"
+// and a rename, so that a reader never sees half a report (the sweep rewrites its reports as it goes).
+void write_text_file(const std::string& path, const std::string& text, const char* what, bool atomic = false);
+
 // The tolerance rules a comparison of these dumps uses: --tolerances, else the preset of their
 // precision pair (f32_vs_f64, f16_vs_f32-f16store, f32_vs_f32_cross, ...).
 diff::ToleranceSet tolerances_for(const DumpMeta& engine, const DumpMeta& reference, const ReportOptions& opt);
