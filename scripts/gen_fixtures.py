@@ -6,6 +6,7 @@
     scripts/gen_fixtures.py --out DIR --shape tinyllama-1.1b      # full-size shape, Q5_K_M mix
     scripts/gen_fixtures.py --out DIR --shape smollm2-135m        # full-size shape, Q4_1 (Q8_0 embedding)
     scripts/gen_fixtures.py --out DIR --shape llama-7b-q4k        # llama 7B shape, Q4_K blocks (3.6 GiB, never commit)
+    scripts/gen_fixtures.py --out DIR --shape tinyllama-1.1b --format f16   # a shape in another format
 
 Needs only numpy and the gguf package. The tiny set is skipped when a stamp in DIR says it was
 written by the same generator sources, vocabularies and seed (--force rewrites it).
@@ -184,6 +185,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--shape", choices=sorted(models.FULL) + ["llama-7b-q4k"],
                     help="write one full-size shape instead of the tiny set")
+    ap.add_argument("--format", choices=sorted(models.FILE_TYPES),
+                    help="with --shape: the tensor format instead of the shape's usual one (e.g. f16)")
     ap.add_argument("--force", action="store_true", help="rewrite even when the stamp says up to date")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -194,10 +197,13 @@ def main() -> int:
         write_llama_7b_q4k(path, args.seed)
         print(f"gen_fixtures: wrote {path} ({path.stat().st_size / 2**20:.1f} MiB) in {time.monotonic() - t0:.1f} s")
         return 0
+    if args.format and args.shape in (None, "llama-7b-q4k"):
+        ap.error("--format goes with --shape (one of the models' shapes; llama-7b-q4k is Q4_K only)")
     if args.shape:
         shape = models.FULL[args.shape]
-        path = args.out / f"{shape.name}-{models.FULL_FORMAT[shape.name]}.gguf"
-        models.write_model(shape, models.FULL_FORMAT[shape.name], path, args.seed)
+        fmt = args.format or models.FULL_FORMAT[shape.name]
+        path = args.out / f"{shape.name}-{fmt}.gguf"
+        models.write_model(shape, fmt, path, args.seed)
         print(f"gen_fixtures: wrote {path} ({path.stat().st_size / 2**20:.1f} MiB) in {time.monotonic() - t0:.1f} s")
         return 0
 
