@@ -3,13 +3,14 @@
 //
 //   bench_cuda_engine [--precision f16|f32] [--steps N] [--json FILE] MODEL.gguf [MODEL.gguf ...]
 //   bench_cuda_engine [--precision f16|f32] --profile-prefill T MODEL.gguf
-//   bench_cuda_engine [--precision f16|f32] --profile-decode N MODEL.gguf
+//   bench_cuda_engine [--precision f16|f32] --profile-decode N [--profile-hooks] MODEL.gguf
 //
 // --profile-prefill T runs one warm-up prefill of T tokens, then one between cudaProfilerStart and
 // cudaProfilerStop (for `ncu --profile-from-start off`), and prints nothing else.
 // --profile-decode N runs a 32-token prefill and 4 warm-up decode steps (the CUDA graph captured), then
 // N decode steps (hooks off, argmax only) inside the profiler's range: with `ncu --graph-profiling node`
-// every node of the decode graph is one profiled kernel.
+// every node of the decode graph is one profiled kernel. With --profile-hooks those steps record every
+// checkpoint (to a sink that discards them) and copy the logits: the recorded graph's nodes.
 // --json FILE appends one JSON object per model and line (scripts/bench_vs_llamacpp.sh reads it).
 //
 // Roofline: a decode step reads every weight once, so its floor is weight_bytes / bandwidth. The
@@ -206,26 +207,31 @@ void profile_prefill(const std::string& path, const std::string& precision, int 
   BENCH_CUDA(cudaProfilerStop());
 }
 
-// A 32-token prefill and 4 warm-up decode steps, then `steps` decode steps inside the profiler's range.
-void profile_decode(const std::string& path, const std::string& precision, int steps) {
+// A 32-token prefill and 4 warm-up decode steps, then `steps` decode steps inside the profiler's range:
+// hooks off (argmax only), or with `hooks` every checkpoint recorded and the logits copied.
+void profile_decode(const std::string& path, const std::string& precision, int steps, bool hooks) {
   auto file = diffrun::GgufFile::open(path);
   const diffrun::ModelConfig cfg = diffrun::config_from_gguf(*file);
   auto eng = diffrun::make_cuda_engine(*file, cfg, precision, 32 + 4 + steps + 64);
   diffrun::NullSink none;
+  DiscardingSink every;
   eng->reset();
   int32_t next = eng->forward_argmax(0, prompt(32, cfg.n_vocab), none);
   int step = 1;
   std::vector<int32_t> tok(1);
-  for (; step <= 4; ++step) {
+  const auto decode = [&] {
     tok[0] = std::max(next, 0);
-    next = eng->forward_argmax(step, tok, none);
-  }
+    if (hooks) {
+      eng->forward(step, tok, every);
+      next = eng->last_argmax();
+    } else {
+      next = eng->forward_argmax(step, tok, none);
+    }
+  };
+  for (; step <= 4; ++step) decode();
   BENCH_CUDA(cudaDeviceSynchronize());
   BENCH_CUDA(cudaProfilerStart());
-  for (int s = 0; s < steps; ++s, ++step) {
-    tok[0] = std::max(next, 0);
-    next = eng->forward_argmax(step, tok, none);
-  }
+  for (int s = 0; s < steps; ++s, ++step) decode();
   BENCH_CUDA(cudaDeviceSynchronize());
   BENCH_CUDA(cudaProfilerStop());
 }
@@ -238,6 +244,7 @@ int main(int argc, char** argv) {
   std::string json;
   int profile_T = 0;
   int profile_decode_steps = 0;
+  bool profile_hooks = false;
   std::vector<std::string> models;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -259,6 +266,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "bench_cuda_engine: --profile-decode takes a step count >= 1, got '%s'\n", argv[i]);
         return 2;
       }
+    } else if (a == "--profile-hooks") {
+      profile_hooks = true;
     } else if (a == "-h" || a == "--help") {
       std::printf("usage: %s [--precision f16|f32] [--steps N] [--json FILE] MODEL.gguf [MODEL.gguf ...]\n", argv[0]);
       return 0;
@@ -279,7 +288,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (profile_decode_steps > 0) {
-      for (const std::string& m : models) profile_decode(m, precision, profile_decode_steps);
+      for (const std::string& m : models) profile_decode(m, precision, profile_decode_steps, profile_hooks);
       return 0;
     }
     cudaDeviceProp prop{};
