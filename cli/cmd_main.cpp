@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <future>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <utility>
@@ -259,12 +260,22 @@ int run_main(const MainOptions& o) {
   int total_cost = 0;
   for (const RunPair& p : pairs) total_cost += cost(p);
   const int ref_cores = cpu_engine ? std::max(1, 2 * cores / 3) : std::max(1, cores - n_pairs);
-  const auto ref_threads = [&](const RunPair& p) {
+  // The reference cores shared in proportion to each pair's cost; the cores the rounding down leaves go
+  // one at a time to the pair with the fewest threads for its cost (on 16 cores: 9 + 5, not 9 + 4).
+  std::vector<int> shares;
+  for (const RunPair& p : pairs) shares.push_back(std::max(1, ref_cores * cost(p) / total_cost));
+  for (int left = ref_cores - std::accumulate(shares.begin(), shares.end(), 0); left > 0; --left) {
+    size_t most_starved = 0;
+    for (size_t i = 1; i < pairs.size(); ++i)
+      if (shares[i] * cost(pairs[most_starved]) < shares[most_starved] * cost(pairs[i])) most_starved = i;
+    ++shares[most_starved];
+  }
+  const auto ref_threads = [&](size_t i) {
     if (o.threads > 0) return o.threads;
     if (env_threads > 0) return env_threads;
-    return std::max(1, ref_cores * cost(p) / total_cost);
+    return shares[i];
   };
-  const int eng_threads = env_threads > 0 && o.threads <= 0 ? env_threads : std::max(1, cores - ref_threads(pairs.front()));
+  const int eng_threads = env_threads > 0 && o.threads <= 0 ? env_threads : std::max(1, cores - ref_threads(0));
   std::vector<PipelinePair> ppairs;
   std::vector<std::unique_ptr<TempGuard>> guards;
   // Temporary files of the run (the isolation replay's with --dump divergence|none), removed at the end.
@@ -282,7 +293,7 @@ int run_main(const MainOptions& o) {
     pp.engine_path = (std::filesystem::path(p.dir) / "engine.h5").string();
     pp.reference_path = (std::filesystem::path(p.dir) / "reference.h5").string();
     pp.engine_threads = eng_threads;
-    pp.reference_threads = ref_threads(p);
+    pp.reference_threads = ref_threads(ppairs.size());
     if (dump != DumpMode::none) {
       std::filesystem::create_directories(p.dir);
       report_stale_temporaries(p.dir, o.remove_stale);
