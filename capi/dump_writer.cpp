@@ -15,6 +15,7 @@
 #include <new>
 #include <optional>
 #include <set>
+#include <unordered_set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -48,13 +49,14 @@ struct Slot {  // a device put captured into a CUDA graph: every launch copies i
   std::vector<int64_t> dims;
   diffrun_dtype dtype;
   size_t offset;
+  Checked checked;   // its checks at the capture, which every replay's step repeats only where they can differ
+  int64_t n_tokens;  // T at the capture
 };
 
 struct Pending {  // a device put on its way to the file
   int step;
   Checked c;
-  const char* data;                  // pinned staging memory, or copy.data()
-  std::vector<char> copy;            // a graph launch's data, copied out of its slots before the next launch
+  const char* data;                  // pinned staging memory: the ring, or a graph's slot until settled
   std::shared_ptr<CUevent_st> done;  // recorded after the copy on the caller's stream; null once waited for
   int graph = -1;                    // the graph whose slots hold the data, until copied out
 };
@@ -66,7 +68,6 @@ struct Staging {
   size_t size = 0;
   size_t ring_top = 0;      // immediate puts: [0, ring_top) in use
   size_t graph_bottom = 0;  // graph slots: [graph_bottom, size)
-  size_t copied = 0;        // bytes held in Pending::copy
   std::vector<CUevent> free_events;
   std::vector<Slot> capturing;             // the slots of the capture in progress
   std::vector<std::vector<Slot>> graphs;   // diffrun_dump_capture_end's graphs
@@ -87,7 +88,7 @@ struct diffrun_dump {
   std::vector<int32_t> token_ids;
   std::optional<std::vector<int32_t>> all_token_ids;
   std::vector<int32_t> fed;  // diffrun_dump_step_tokens' result
-  std::set<std::pair<int, std::string>> pending_names;  // (step, name) of device puts not yet in the file
+  std::unordered_set<std::string> step_names;  // what the current step recorded (written, staged or replayed)
   std::unique_ptr<diffrun::capi::Staging> staging;      // device puts: created by the first one
 };
 
@@ -144,9 +145,12 @@ int null_handle(const char* fn) {
   return DIFFRUN_DUMP_E_ARG;
 }
 
-void need(bool ok, int code, const std::string& message) {
-  if (!ok) throw ApiError{code, message};
-}
+// Throws ApiError{code, message} unless `ok`. A macro so that the message, often a few concatenations,
+// is only built when the check fails: a decode step's graph replays hundreds of checked puts.
+#define need(ok, code, message)                                 \
+  do {                                                          \
+    if (!(ok)) throw ApiError{(code), (message)};               \
+  } while (0)
 
 std::string str_arg(const char* s, const std::string& what) {
   need(s != nullptr, DIFFRUN_DUMP_E_ARG, what + " is NULL");
@@ -217,16 +221,16 @@ void start_step(diffrun_dump* d, int step) {
   d->step = step;
   d->step_has_tokens = false;
   d->n_tokens = 0;
+  d->step_names.clear();
 }
 
 std::string dataset_at(const diffrun_dump* d, const std::string& name) {
   return d->file->path() + ": dataset '" + diffrun::dump_step_group_name(d->step < 0 ? 0 : d->step) + "/" + name + "': ";
 }
 
-// `name` is in the file's `step` or on its way there from the device.
-bool recorded(const diffrun_dump* d, int step, const std::string& name) {
-  return d->file->has_dataset(step, name) || d->pending_names.count({step, name}) > 0;
-}
+// `name` was recorded in the current step: in the file, or on its way there from the device (steps only
+// go forward, so the step's names are all its datasets).
+bool recorded(const diffrun_dump* d, const std::string& name) { return d->step_names.count(name) > 0; }
 
 // The checks of every put, host or device, against the current step: name, dtype, shape and layout
 // against the vocabulary, tokens first, each name once. Reads `data` only for tokens (their ids).
@@ -257,7 +261,7 @@ Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t*
   }
   if (empty) n = 0;
   need(n == 0 || data != nullptr, DIFFRUN_DUMP_E_ARG, at + "data is NULL");
-  need(!recorded(d, d->step, name), DIFFRUN_DUMP_E_CHECKPOINT, at + "recorded twice in this step");
+  need(!recorded(d, name), DIFFRUN_DUMP_E_CHECKPOINT, at + "recorded twice in this step");
   std::string native = native_c ? native_c : type;
   need(native != "i32" || dtype == DIFFRUN_I32, DIFFRUN_DUMP_E_ARG, at + "native_dtype \"i32\" is for tokens");
   need(diffrun::parse_stored_dtype(native).has_value(), DIFFRUN_DUMP_E_ARG,
@@ -336,6 +340,7 @@ void put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, in
          const void* data, const char* layout_c, const char* native_c, bool foreign = false, int64_t row_offset = 0) {
   const Checked c = check_put(d, name_c, layer, dims, ndim, dtype, data, layout_c, native_c, foreign, row_offset);
   d->file->write(d->step, c.name, c.type, c.shape, data, c.attrs);
+  d->step_names.insert(c.name);
   if (c.name == "tokens") {
     d->step_has_tokens = true;
     d->n_tokens = c.shape[0];
@@ -424,16 +429,30 @@ std::string pending_at(const diffrun_dump* d, const Pending& p) {
   return d->file->path() + ": dataset '" + diffrun::dump_step_group_name(p.step) + "/" + p.c.name + "': ";
 }
 
-// Copies the data of every graph launch out of the graph's slots (waiting for the launch's copies),
-// so that the next launch may overwrite them.
+void drain(diffrun_dump* d);
+
+// Copies the data of every graph launch out of the graph's slots into the ring (waiting for the launch's
+// copies), so that the next launch may overwrite them. Pinned to pinned: no fresh heap pages to fault in
+// at every step. When the ring has no room for them all, everything pending goes to the file instead,
+// the launches' data straight from their slots.
 void settle_graphs(diffrun_dump* d) {
   Staging& s = *d->staging;
+  size_t need_bytes = 0;
+  for (const Pending& p : s.pending)
+    if (p.graph >= 0) need_bytes += (p.c.bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+  if (need_bytes == 0) return;
+  if (s.ring_top + need_bytes > s.graph_bottom) {
+    drain(d);
+    return;
+  }
   for (Pending& p : s.pending) {
     if (p.graph < 0) continue;
-    cuda_check(s.cu, s.cu->cuEventSynchronize(p.done.get()), pending_at(d, p) + "the copy from the device failed");
-    p.copy.assign(p.data, p.data + p.c.bytes);
-    p.data = p.copy.data();
-    s.copied += p.c.bytes;
+    if (p.done)
+      cuda_check(s.cu, s.cu->cuEventSynchronize(p.done.get()), pending_at(d, p) + "the copy from the device failed");
+    char* dst = s.base + s.ring_top;
+    std::memcpy(dst, p.data, p.c.bytes);
+    s.ring_top += (p.c.bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+    p.data = dst;
     p.done.reset();
     p.graph = -1;
   }
@@ -447,8 +466,6 @@ void drain(diffrun_dump* d) {
     if (p.done)
       cuda_check(s.cu, s.cu->cuEventSynchronize(p.done.get()), pending_at(d, p) + "the copy from the device failed");
     d->file->write(p.step, p.c.name, p.c.type, p.c.shape, p.data, p.c.attrs);
-    d->pending_names.erase({p.step, p.c.name});
-    s.copied -= p.copy.size();
     s.pending.pop_front();
   }
   s.ring_top = 0;
@@ -506,7 +523,8 @@ void put_device(diffrun_dump* d, const char* name_c, int layer, const int64_t* d
     cuda_check(cu, cu->cuMemcpyDtoHAsync(s.base + s.graph_bottom - aligned, src, c.bytes, str),
                at + "the copy could not be captured (cuMemcpyDtoHAsync)");
     s.graph_bottom -= aligned;
-    s.capturing.push_back(Slot{c.name, layer, std::vector<int64_t>(dims, dims + ndim), dtype, s.graph_bottom});
+    s.capturing.push_back(
+        Slot{c.name, layer, std::vector<int64_t>(dims, dims + ndim), dtype, s.graph_bottom, c, d->n_tokens});
     return;
   }
   Staging& s = staging(d, 0);
@@ -523,8 +541,8 @@ void put_device(diffrun_dump* d, const char* name_c, int layer, const int64_t* d
   cuda_check(cu, cu->cuMemcpyDtoHAsync(s.base + offset, src, c.bytes, str), at + "cuMemcpyDtoHAsync");
   auto done = take_event(s, at);
   cuda_check(cu, cu->cuEventRecord(done.get(), str), at + "cuEventRecord");
-  s.pending.push_back(Pending{d->step, c, s.base + offset, {}, std::move(done), -1});
-  d->pending_names.insert({d->step, c.name});
+  s.pending.push_back(Pending{d->step, c, s.base + offset, std::move(done), -1});
+  d->step_names.insert(c.name);
 }
 
 void replay(diffrun_dump* d, int graph, void* stream) {
@@ -535,17 +553,23 @@ void replay(diffrun_dump* d, int graph, void* stream) {
   need(!capturing(d, s.cu, stream, at), DIFFRUN_DUMP_E_ARG,
        at + "diffrun_dump_replay during a capture (call it after cudaGraphLaunch, outside any capture)");
   const std::vector<Slot>& slots = s.graphs[static_cast<size_t>(graph)];
-  // Every slot is checked against this step first, so that a failure records none of them.
-  std::vector<Checked> checked;
-  for (const Slot& x : slots)
-    checked.push_back(check_put(d, x.name.c_str(), x.layer, x.dims.data(), static_cast<int>(x.dims.size()), x.dtype,
-                                s.base + x.offset, nullptr, nullptr));
   if (slots.empty()) return;
+  // The capture checked each slot against the vocabulary; what a later step can change is checked again
+  // (tokens first, the same T, each name once), all before any is recorded, so that a failure records
+  // none of them.
+  need(d->step >= 0, DIFFRUN_DUMP_E_STEP, at + "no step started (call diffrun_dump_step first)");
+  need(d->step_has_tokens, DIFFRUN_DUMP_E_STEP, at + "put \"tokens\" first in every step (T and S come from it)");
+  for (const Slot& x : slots) {
+    need(x.n_tokens == d->n_tokens, DIFFRUN_DUMP_E_CHECKPOINT,
+         dataset_at(d, x.name) + "captured in a step of " + std::to_string(x.n_tokens) + " tokens, replayed in one of " +
+             std::to_string(d->n_tokens) + " (a graph replays fixed shapes)");
+    need(!recorded(d, x.name), DIFFRUN_DUMP_E_CHECKPOINT, dataset_at(d, x.name) + "recorded twice in this step");
+  }
   auto done = take_event(s, at);
   cuda_check(s.cu, s.cu->cuEventRecord(done.get(), static_cast<cu_abi::CUstream>(stream)), at + "cuEventRecord");
-  for (size_t i = 0; i < slots.size(); ++i) {
-    d->pending_names.insert({d->step, checked[i].name});
-    s.pending.push_back(Pending{d->step, std::move(checked[i]), s.base + slots[i].offset, {}, done, graph});
+  for (const Slot& x : slots) {
+    d->step_names.insert(x.name);
+    s.pending.push_back(Pending{d->step, x.checked, s.base + x.offset, done, graph});
   }
 }
 
@@ -699,7 +723,7 @@ int diffrun_dump_step(diffrun_dump* d, int step) {
     if (d->staging) {
       // The graphs' slots are free for their next launch; the file catches up when staging is half full.
       settle_graphs(d);
-      if (d->staging->ring_top + d->staging->copied > d->staging->size / 2) drain(d);
+      if (d->staging->ring_top > d->staging->size / 2) drain(d);
     }
     start_step(d, step);
   });

@@ -160,9 +160,12 @@ DIFFRUN_DUMP_API int diffrun_dump_put_rows(diffrun_dump* d, const char* name, in
  *
  * Memory: one pinned host allocation of 64 MiB (DIFFRUN_DUMP_STAGING_MB in the environment, or
  * diffrun_dump_set_staging, sets another size), allocated by the first device call. Immediate puts take
- * its space in order; a put that finds it full first writes every pending put to the file (waiting
- * for their copies). A graph's puts hold their slots (their bytes, 256-aligned) until close. One put
- * larger than the free space fails with DIFFRUN_DUMP_E_ARG.
+ * its space in order, and so does each graph launch's data when diffrun_dump_step copies it out of the
+ * graph's slots; a put that finds it full first writes every pending put to the file (waiting for their
+ * copies). A graph's puts hold their slots (their bytes, 256-aligned) until close. One put larger than
+ * the free space fails with DIFFRUN_DUMP_E_ARG. The file writes (HDF5, from the calling thread) come
+ * when the staging memory is over half full at a diffrun_dump_step, and at close: a staging size that
+ * holds every step keeps them out of the decode loop.
  *
  * Ordering: a put's copy reads the device memory when the stream reaches it, so the engine may reuse
  * the buffer for later work on the same stream right away (stream order); work on other streams must
@@ -183,6 +186,11 @@ DIFFRUN_DUMP_API int diffrun_dump_put_rows(diffrun_dump* d, const char* name, in
  * waiting for that launch to finish if it has not. Hence the rules:
  * - launch a recording graph at most once per step, and call diffrun_dump_step before launching it
  *   again; diffrun_dump_replay refuses a second launch in the same step ("recorded twice");
+ * - to keep the GPU busy while the host copies a step out, capture the step twice (two graph ids, each
+ *   with slots of its own) and launch them in turn, each launch before the diffrun_dump_step of its
+ *   step: cudaGraphLaunch(g[s % 2]); diffrun_dump_step(s); diffrun_dump_replay(g[s % 2]). The step's
+ *   wait for launch s - 1 then overlaps launch s, which writes the other graph's slots
+ *   (examples/cuda_engine does this). With one graph, launch it after diffrun_dump_step;
  * - checkpoints whose shape has S (kq_soft_max, cache_k, cache_v) change shape every step and are
  *   refused inside a capture: put them outside it;
  * - the first device put must not be inside a capture (pinned memory cannot be allocated there):
