@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -23,6 +24,7 @@
 #include <gtest/gtest.h>
 
 #include "checkpoints/dump.hpp"
+#include "checkpoints/fault_plan.hpp"
 #include "checkpoints/faults.hpp"
 #include "checkpoints/replay_sink.hpp"
 #include "diff/compare.hpp"
@@ -334,6 +336,73 @@ TEST(FaultSubtle, RmsNormFaultsAgainstTheF32AndF16Presets) {
         << describe_failure(f32);
     const diff::Comparison f16 = compare(faulty.path, ref.f64.path, "f16_vs_f64");
     EXPECT_FALSE(f16.diverged() && f16.results[*f16.first_failure].name == "attn_norm-0") << describe_failure(f16);
+  }
+}
+
+// Every field of a fault plan that a fault can set, one line each.
+std::string plan_fields(const FaultPlan& p) {
+  auto norm = [](const RmsNormFlaws& f) {
+    return std::to_string(f.off_by_one) + std::to_string(f.eps_outside_sqrt) + std::to_string(f.unweighted) +
+           std::to_string(f.skipped);
+  };
+  auto ops = [&](const OpArgs& o) {
+    return norm(o.norm) + " " + norm(o.first_norm) + " " + norm(o.attn_post_norm) + " " +
+           std::to_string(o.attention.causal) + std::to_string(o.attention.f16_exp) + " " +
+           std::to_string(o.gqa_head_modulo) + std::to_string(o.rope_cache_unrotated) + " " +
+           std::to_string(o.rope_position_offset) + " " + std::to_string(o.act_swapped) + " " +
+           std::to_string(o.embd_scale) + " " + std::to_string(o.logit_columns) + " " +
+           std::to_string(static_cast<int>(o.argmax_ties));
+  };
+  const ModelConfig& c = p.config;
+  const WeightEdits& w = p.weights;
+  return "config " + std::to_string(c.rope_theta) + " " + std::to_string(c.rope_theta_swa) + " " +
+         rope_type_name(c.rope_type) + " " + std::to_string(c.rms_eps) + " " + std::to_string(c.attn_scale) + " " +
+         std::to_string(c.sliding_window) + "\nweights " + std::to_string(w.dequant_scale_offset) +
+         std::to_string(w.embd_transposed) + std::to_string(w.qkv_bias_missing) +
+         std::to_string(w.attn_out_transposed) + std::to_string(w.ffn_down_transposed) +
+         std::to_string(w.weight_row_nan) + std::to_string(w.rms_norm_weight_twice) + "\nops " + ops(p.ops) +
+         "\none_token " + ops(p.one_token) + "\nfused " + std::to_string(p.fused.gate_up_swapped) +
+         std::to_string(p.fused.rope_position_offset) + std::to_string(p.fused.embd_norm_unweighted) +
+         std::to_string(p.fused.graph_position_frozen) + "\nhooks " + std::to_string(p.hooks.kv_cache_pos0) +
+         std::to_string(p.hooks.kv_cache_not_read) + std::to_string(p.hooks.residual_skipped) + "\n";
+}
+
+// Without faults the plan is production: the model's config and every op's default argument.
+TEST(FaultPlan, NoFaultIsProduction) {
+  for (const char* fixture : {"tiny-llama-f32.gguf", "tiny-gemma3-f32.gguf"}) {
+    SCOPED_TRACE(fixture);
+    const ModelConfig& cfg = reference_of(fixture).model.cfg;
+    const FaultPlan p = plan_faults({}, cfg);
+    FaultPlan expected;
+    expected.config = cfg;
+    expected.ops.embd_scale = std::sqrt(static_cast<double>(cfg.n_embd));
+    expected.ops.logit_columns = cfg.n_vocab;
+    expected.one_token = expected.ops;
+    EXPECT_EQ(plan_fields(p), plan_fields(expected));
+  }
+}
+
+// Every applicable fault lands somewhere in the plan, and the production-path ones leave every step's ops alone.
+TEST(FaultPlan, EveryFaultChangesThePlan) {
+  for (const char* fixture : {"tiny-llama-f32.gguf", "tiny-qwen2-f32.gguf", "tiny-gemma3-f32.gguf"}) {
+    SCOPED_TRACE(fixture);
+    const Model& m = reference_of(fixture).model;
+    const ModelConfig& cfg = m.cfg;
+    const FaultPlan clean = plan_faults({}, cfg);
+    for (const FaultInfo& info : fault_catalog()) {
+      if (!fault_not_applicable(info.id, cfg, m.file.get()).empty()) continue;
+      SCOPED_TRACE(info.name);
+      const FaultPlan p = plan_faults(FaultSet{info.id}, cfg);
+      EXPECT_NE(plan_fields(p), plan_fields(clean));
+      if (fault_in_production_path_only(info.id)) {
+        FaultPlan every_step = clean;
+        every_step.ops = p.ops;
+        every_step.config = p.config;
+        every_step.weights = p.weights;
+        every_step.hooks = p.hooks;
+        EXPECT_EQ(plan_fields(every_step), plan_fields(clean)) << "a production-path fault acts on every step";
+      }
+    }
   }
 }
 

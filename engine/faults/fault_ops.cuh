@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include "engine/gemm.cuh"
+#include "model/op_variants.hpp"
 
 namespace diffrun::engine {
 
@@ -27,14 +28,8 @@ void gemm_wrong_lda(float* y, const float* x, const float* w, int T, int K, int 
 void gemm_wrong_lda(float* y, const __half* x, const __half* w, int T, int K, int N, const CublasHandle& handle,
                     cudaStream_t stream);
 
-// What the flawed RMSNorm gets wrong (either or both).
-struct RmsNormFlaws {
-  bool off_by_one = false;        // rms_norm_off_by_one: the sum of squares misses x[D-1]
-  bool eps_outside_sqrt = false;  // rms_eps_outside_sqrt: 1 / (sqrt(mean) + eps)
-  bool any() const { return off_by_one || eps_outside_sqrt; }
-};
-
-// The clean rms_norm (ops/rms_norm.cuh: same arguments, same reduction) with the given flaws.
+// The clean rms_norm (ops/rms_norm.cuh: same arguments, same reduction) with the flaws off_by_one and
+// eps_outside_sqrt (model/op_variants.hpp).
 void rms_norm_flawed(float* out, const float* x, const float* w, int rows, int D, float eps, RmsNormFlaws flaws,
                      cudaStream_t stream);
 void rms_norm_flawed(__half* out, const float* x, const float* w, int rows, int D, float eps, RmsNormFlaws flaws,

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "model/op_variants.hpp"
 #include "reference_cpu/weights.hpp"
 
 namespace diffrun::ref {
@@ -20,14 +21,8 @@ void embedding_transposed(T* out /* [T,D] */, const int32_t* tokens /* [T] */, c
 template <typename T>
 void expand_kv_heads_modulo(T* out /* [rows,H*Dh] */, const T* kv /* [rows,Hkv*Dh] */, int rows, int H, int Hkv, int Dh);
 
-// What the flawed RMSNorm gets wrong (either or both).
-struct RmsNormFlaws {
-  bool off_by_one = false;        // rms_norm_off_by_one: the sum of squares misses x[D-1]
-  bool eps_outside_sqrt = false;  // rms_eps_outside_sqrt: 1 / (sqrt(mean) + eps)
-  bool any() const { return off_by_one || eps_outside_sqrt; }
-};
-
-// The clean RMSNorm's algorithm (ops/rms_norm.hpp) with the given flaws.
+// The clean RMSNorm's algorithm (ops/rms_norm.hpp) with the flaws off_by_one and eps_outside_sqrt
+// (model/op_variants.hpp).
 template <typename T>
 void rms_norm_flawed(T* out /* [R,D] */, const T* x /* [R,D] */, const T* w /* [D] */, int n_rows, int D, T eps,
                      RmsNormFlaws flaws);
