@@ -4,8 +4,6 @@
 #include "reference_cpu/reference.hpp"
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -13,9 +11,11 @@
 
 #include <omp.h>
 
+#include "checkpoints/fault_plan.hpp"
 #include "checkpoints/faults.hpp"
 #include "model/error.hpp"
 #include "reference_cpu/faults/fault_ops.hpp"
+#include "reference_cpu/faults/fault_weights.hpp"
 #include "reference_cpu/kv_cache.hpp"
 #include "reference_cpu/ops/add.hpp"
 #include "reference_cpu/ops/argmax.hpp"
@@ -49,18 +49,19 @@ class CpuBackend final : public Backend {
  public:
   CpuBackend(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults,
              const std::string& precision, const StoragePlan& storage, WeightHolding holding)
-      : cfg_(cfg), max_ctx_(max_ctx), w_(Weights<T>::load(file, cfg, faults, storage.weights_f16, holding)),
+      : model_cfg_(cfg), plan_(plan_faults(faults, cfg)), cfg_(plan_.config), max_ctx_(max_ctx),
+        w_(Weights<T>::load(file, cfg, faults, storage.weights_f16, holding)),
         cache_(cfg.n_layer, max_ctx, cfg.n_head_kv * cfg.head_dim), faults_(faults), precision_(precision),
         storage_(storage) {
     if (w_.token_embd.rows() < cfg_.n_vocab || w_.lm_head().rows() < cfg_.n_vocab) {
       throw ModelError("token_embd/output have fewer rows than the vocabulary of " + std::to_string(cfg_.n_vocab));
     }
-    prepare_faults();
+    edit_weights(w_, cfg_, plan_.weights);  // the faults' weight edits, before any step
   }
 
   std::string name() const override { return "cpu"; }
   std::string precision() const override { return precision_; }
-  const ModelConfig& config() const override { return cfg_; }
+  const ModelConfig& config() const override { return model_cfg_; }
   std::map<std::string, std::string> facts() const override {
     std::map<std::string, std::string> f{{"cpu_threads", std::to_string(omp_get_max_threads())},
             {"eigen_version", std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
@@ -94,159 +95,121 @@ class CpuBackend final : public Backend {
     Recorder<T> cp(sink, step);
     cp.ids("tokens", tokens);
     if (n == 1 && frozen_pos_ < 0) frozen_pos_ = n_past_;
+    // The engine runs its fused kernels on one-token steps, where the production-path faults act (fault_plan.hpp).
+    const OpArgs& args = n == 1 ? plan_.one_token : plan_.ops;
 
     std::vector<T> x(static_cast<size_t>(n) * D);  // [T,D] residual stream
-    if (faults_.has(Fault::embd_transposed)) {
-      const int Vt = static_cast<int>(w_.token_embd.rows());
-      embedding_transposed(x.data(), tokens.data(), w_.token_embd.data(), n, D, Vt);
-    } else {
-      embedding(x.data(), tokens.data(), w_.token_embd, n, D, V);
+    embedding(x.data(), tokens.data(), w_.token_embd, n, D, V);                   cp("embd", -1, {n, D}, x.data());
+    if (cfg_.embd_scale) {
+      scale(x.data(), x.data(), T(args.embd_scale), nD_of(n));                    cp("inp_scaled", -1, {n, D}, x.data());
     }
-    cp("embd", -1, {n, D}, x.data());
-    if (cfg_.embd_scale) {  // embd_scale_missing: the op skipped
-      if (!faults_.has(Fault::embd_scale_missing)) scale(x.data(), x.data(), T(std::sqrt(T(D))), nD_of(n));
-      cp("inp_scaled", -1, {n, D}, x.data());
-    }
-    for (int l = 0; l < cfg_.n_layer; ++l) layer(l, x, n, cp);
-
+    // Layer 0's attn_norm; each layer ends with the norm that opens the next one, or result_norm (as the engine).
     std::vector<T> xn(x.size());                   // [T,D]
-    norm(xn.data(), x.data(), w_.output_norm.data(), n, D);
-    store_gemm_input(xn.data(), nD_of(n));                                        cp("result_norm", -1, {n, D}, xn.data(), gemm_f16());
+    norm(xn.data(), x.data(), opening_norm(0), n, D, args.first_norm);
+    store_gemm_input(xn.data(), nD_of(n));
+    for (int l = 0; l < cfg_.n_layer; ++l) layer(l, x, xn, n, args, cp);
+    cp("result_norm", -1, {n, D}, xn.data(), gemm_f16());
+
     const int rows = cp.wants("result_output") ? n : 1;  // every token's logits only when recorded
     const T* last_rows = xn.data() + static_cast<size_t>(n - rows) * D;  // [rows,D]
-    // lm_head_padded_vocab: rows of Vp logits whose columns V..Vp-1 the lm head never writes.
-    const int Vp = faults_.has(Fault::lm_head_padded_vocab) ? fault_padded_vocab(V) : V;
-    std::vector<T> logits(static_cast<size_t>(rows) * Vp, T(kFaultUninitialisedLogit));  // [rows,Vp]
-    if (Vp == V) {
-      matmul(logits.data(), last_rows, w_.lm_head(), kNoBias, rows, D, V);
-    } else {
-      for (int r = 0; r < rows; ++r) {
-        matmul(&logits[static_cast<size_t>(r) * Vp], last_rows + static_cast<size_t>(r) * D, w_.lm_head(), kNoBias,
-               1, D, V);
-      }
-    }
+    const int Vp = args.logit_columns;  // V, or the padded vocabulary of lm_head_padded_vocab
+    std::vector<T> logits(static_cast<size_t>(rows) * Vp);  // [rows,Vp]
+    matmul_padded(logits.data(), last_rows, w_.lm_head(), rows, D, V, Vp);
     if (cfg_.final_logit_softcap > 0) softcap(logits.data(), logits.data(), T(cfg_.final_logit_softcap), int64_t(logits.size()));
     if (rows == n) cp("result_output", -1, {n, Vp}, logits.data());
 
     n_past_ += n;
     std::vector<float> last(logits.end() - Vp, logits.end());
-    last_argmax_ = argmax(last.data(), Vp, argmax_ties_);
+    last_argmax_ = argmax(last.data(), Vp, args.argmax_ties);
     return last;
   }
 
   int32_t last_argmax() const override { return last_argmax_; }
 
  private:
-  // One transformer block on x [T,D] in place.
-  void layer(int l, std::vector<T>& x /* [T,D] */, int n, Recorder<T>& cp) {
+  // One transformer block on x [T,D] in place. xn [T,D] holds its attn_norm on entry, and on return the norm that
+  // opens the next layer (result_norm after the last).
+  void layer(int l, std::vector<T>& x /* [T,D] */, std::vector<T>& xn /* [T,D] */, int n, const OpArgs& args,
+             Recorder<T>& cp) {
     const LayerWeights<T>& w = w_.layers[l];
     const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, F = cfg_.n_ff;
     const int Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n, pos0 = n_past_;
-    // rope_local_theta_global: local layers on the global base.
-    const double base = faults_.has(Fault::rope_local_theta_global) ? cfg_.rope_theta : cfg_.layer_rope_theta(l);
-    const T theta = T(faults_.has(Fault::rope_theta_10000) ? kFaultRopeTheta : base);
-    const bool neox = (cfg_.rope_type == RopeType::neox) != faults_.has(Fault::rope_pairing_swapped);
-    const auto rope = neox ? rope_neox<T> : rope_norm<T>;
+    const T theta = T(cfg_.layer_rope_theta(l));
+    const auto rope = cfg_.rope_type == RopeType::neox ? rope_neox<T> : rope_norm<T>;
     const std::vector<T> freq_factors(cfg_.rope_freq_factors.begin(), cfg_.rope_freq_factors.end());  // [Dh/2] or empty
     const T* ff = freq_factors.empty() ? nullptr : freq_factors.data();
-    const bool bias = !faults_.has(Fault::qkv_bias_missing);
     const size_t nD = static_cast<size_t>(n) * D;
     T* cache_k = cache_.k[l].data();  // [C,Hkv*Dh]; rows 0..S-1 valid after this step
     T* cache_v = cache_.v[l].data();  // [C,Hkv*Dh]
 
-    // The production-path faults act on one-token steps only, where the engine runs its fused kernels
-    // and its decode graph (checkpoints/faults.hpp).
-    const bool one = n == 1;
-    // embd_norm_fused_no_weight: layer 0's attn_norm without its weight.
-    const std::vector<T> ones = one && l == 0 && faults_.has(Fault::embd_norm_fused_no_weight)
-                                    ? std::vector<T>(static_cast<size_t>(D), T(1)) : std::vector<T>();
-    std::vector<T> xn(nD);                                 // [T,D]
-    norm(xn.data(), x.data(), ones.empty() ? w.attn_norm.data() : ones.data(), n, D);
-    store_gemm_input(xn.data(), nD);                                              cp("attn_norm", l, {n, D}, xn.data(), gemm_f16());
+    cp("attn_norm", l, {n, D}, xn.data(), gemm_f16());  // xn: the norm that opened the layer
 
     std::vector<T> q(static_cast<size_t>(n) * Q);          // [T,H*Dh]
     std::vector<T> k(static_cast<size_t>(n) * KV);         // [T,Hkv*Dh]
     std::vector<T> v(static_cast<size_t>(n) * KV);         // [T,Hkv*Dh]
-    matmul(q.data(), xn.data(), w.wq, bias ? bias_or_null(w.bq) : kNoBias, n, D, Q);  cp("Qcur", l, {n, H, Dh}, q.data());
-    matmul(k.data(), xn.data(), w.wk, bias ? bias_or_null(w.bk) : kNoBias, n, D, KV); cp("Kcur", l, {n, Hkv, Dh}, k.data());
-    matmul(v.data(), xn.data(), w.wv, bias ? bias_or_null(w.bv) : kNoBias, n, D, KV); cp("Vcur", l, {n, Hkv, Dh}, v.data());
+    matmul(q.data(), xn.data(), w.wq, bias_or_null(w.bq), n, D, Q);             cp("Qcur", l, {n, H, Dh}, q.data());
+    matmul(k.data(), xn.data(), w.wk, bias_or_null(w.bk), n, D, KV);            cp("Kcur", l, {n, Hkv, Dh}, k.data());
+    matmul(v.data(), xn.data(), w.wv, bias_or_null(w.bv), n, D, KV);            cp("Vcur", l, {n, Hkv, Dh}, v.data());
     if (cfg_.qk_norm) {
-      norm(q.data(), q.data(), w.q_norm.data(), n * H, Dh);                       cp("Qnorm", l, {n, H, Dh}, q.data());
-      norm(k.data(), k.data(), w.k_norm.data(), n * Hkv, Dh);                     cp("Knorm", l, {n, Hkv, Dh}, k.data());
+      norm(q.data(), q.data(), w.q_norm.data(), n * H, Dh, args.norm);           cp("Qnorm", l, {n, H, Dh}, q.data());
+      norm(k.data(), k.data(), w.k_norm.data(), n * Hkv, Dh, args.norm);         cp("Knorm", l, {n, Hkv, Dh}, k.data());
     }
-    // rope_cache_unrotated: the cache write stores K as it was before RoPE.
-    const std::vector<T> k_before_rope = faults_.has(Fault::rope_cache_unrotated) ? k : std::vector<T>();  // [T,Hkv*Dh]
-    // rope_fused_position_off: position n_past + 1; graph_position_frozen: the first one-token step's.
-    const int rope_pos = !one                                              ? pos0
-                         : faults_.has(Fault::rope_fused_position_off) ? pos0 + 1
-                         : faults_.has(Fault::graph_position_frozen)   ? frozen_pos_
-                                                                         : pos0;
+    const CachedKeys<T> k_cached(k, args.rope_cache_unrotated);  // what the cache write stores of K
+    // graph_position_frozen: one-token steps rotate at the position of the first (where the engine captures its graph).
+    const int rope_pos = (n == 1 && plan_.fused.graph_position_frozen ? frozen_pos_ : pos0) + args.rope_position_offset;
     rope(q.data(), q.data(), n, H, Dh, rope_pos, theta, ff);                      cp("Qrope", l, {n, H, Dh}, q.data());
     rope(k.data(), k.data(), n, Hkv, Dh, rope_pos, theta, ff);                    cp("Krope", l, {n, Hkv, Dh}, k.data());
 
-    const int write_pos = faults_.has(Fault::kv_cache_pos0) ? 0 : pos0;  // kv_cache_pos0: row 0 every step
-    const std::vector<T>& k_row = k_before_rope.empty() ? k : k_before_rope;  // [T,Hkv*Dh] what the cache gets
-    std::copy(k_row.begin(), k_row.end(), cache_k + static_cast<size_t>(write_pos) * KV); cp("cache_k", l, {S, Hkv, Dh}, cache_k);
+    const int write_pos = plan_.hooks.kv_cache_pos0 ? 0 : pos0;  // kv_cache_pos0: row 0 every step
+    std::copy_n(k_cached.rows(k), k.size(), cache_k + static_cast<size_t>(write_pos) * KV); cp("cache_k", l, {S, Hkv, Dh}, cache_k);
     std::copy(v.begin(), v.end(), cache_v + static_cast<size_t>(write_pos) * KV); cp("cache_v", l, {S, Hkv, Dh}, cache_v);
 
     // kv_cache_not_read: attention over the step's own K/V, as if nothing had been cached.
-    const bool read_cache = !faults_.has(Fault::kv_cache_not_read);
+    const bool read_cache = !plan_.hooks.kv_cache_not_read;
     const int past = read_cache ? pos0 : 0, S_att = past + n;
     std::vector<T> probs(static_cast<size_t>(H) * n * S_att);  // [H,T,S]
     std::vector<T> kqv(static_cast<size_t>(n) * Q);        // [T,H*Dh]
-    const T* keys = read_cache ? cache_k : k.data();
-    const T* values = read_cache ? cache_v : v.data();
-    int Hkv_att = Hkv;  // the KV heads attention is handed
-    std::vector<T> keys_h, values_h;  // gqa_head_modulo: the caches expanded to H heads the wrong way round
-    if (faults_.has(Fault::gqa_head_modulo)) {
-      keys_h.resize(static_cast<size_t>(S_att) * H * Dh);
-      values_h.resize(keys_h.size());
-      expand_kv_heads_modulo(keys_h.data(), keys, S_att, H, Hkv, Dh);
-      expand_kv_heads_modulo(values_h.data(), values, S_att, H, Hkv, Dh);
-      keys = keys_h.data(), values = values_h.data(), Hkv_att = H;
-    }
-    const T att_scale = faults_.has(Fault::attn_scale_missing) ? T(1) : T(cfg_.attention_scale());  // the argument
-    const int window = faults_.has(Fault::sliding_window_ignored) ? 0 : cfg_.layer_window(l);
-    attention(kqv.data(), probs.data(), q.data(), keys, values, n, past, H, Hkv_att, Dh, att_scale, window,
-              attention_variant_);
+    const AttentionKv<T> kv(read_cache ? cache_k : k.data(), read_cache ? cache_v : v.data(), S_att, H, Hkv, Dh,
+                            args.gqa_head_modulo);
+    attention(kqv.data(), probs.data(), q.data(), kv.k(), kv.v(), n, past, H, kv.heads(), Dh,
+              T(cfg_.attention_scale()), cfg_.layer_window(l), args.attention);
     cp("kq_soft_max", l, {H, n, S_att}, std::as_const(probs).data());  // read by no later op: never replaced
     store_gemm_input(kqv.data(), kqv.size());                                     cp("kqv_out", l, {n, H, Dh}, kqv.data(), gemm_f16());
 
     std::vector<T> attn_out(nD);                           // [T,D]
-    const WeightMatrix<T>& wo = faults_.has(Fault::attn_out_transposed) ? wo_flawed_[l] : w.wo;
-    matmul(attn_out.data(), kqv.data(), wo, kNoBias, n, Q, D);                    cp("attn_out", l, {n, D}, attn_out.data());
-    if (cfg_.post_norms) {  // post_norm_skipped: the op skipped
-      if (!faults_.has(Fault::post_norm_skipped)) norm(attn_out.data(), attn_out.data(), w.attn_post_norm.data(), n, D);
+    matmul(attn_out.data(), kqv.data(), w.wo, kNoBias, n, Q, D);                  cp("attn_out", l, {n, D}, attn_out.data());
+    if (cfg_.post_norms) {
+      norm(attn_out.data(), attn_out.data(), w.attn_post_norm.data(), n, D, args.attn_post_norm);
       cp("attn_post_norm", l, {n, D}, attn_out.data());
     }
     std::vector<T> ffn_inp(nD);                            // [T,D]
-    if (faults_.has(Fault::residual_skipped)) {
+    if (plan_.hooks.residual_skipped) {  // residual_skipped: ffn_inp = attn_out
       std::copy(attn_out.begin(), attn_out.end(), ffn_inp.begin());
     } else {
       add(ffn_inp.data(), x.data(), attn_out.data(), static_cast<int64_t>(nD));
     }
     store_residual(ffn_inp.data(), nD);                                           cp("ffn_inp", l, {n, D}, ffn_inp.data(), residual_f16());
-    norm(xn.data(), ffn_inp.data(), w.ffn_norm.data(), n, D);
+    norm(xn.data(), ffn_inp.data(), w.ffn_norm.data(), n, D, args.norm);
     store_gemm_input(xn.data(), nD);                                              cp("ffn_norm", l, {n, D}, xn.data(), gemm_f16());
 
     std::vector<T> gate(static_cast<size_t>(n) * F);       // [T,F]
     std::vector<T> up(static_cast<size_t>(n) * F);         // [T,F]
     matmul(gate.data(), xn.data(), w.w_gate, kNoBias, n, D, F);                   cp("ffn_gate", l, {n, F}, gate.data());
     matmul(up.data(), xn.data(), w.w_up, kNoBias, n, D, F);                       cp("ffn_up", l, {n, F}, up.data());
-    const bool swap =
-        faults_.has(Fault::swiglu_gate_up_swapped) || (one && faults_.has(Fault::swiglu_fused_gate_up_swapped));
     const auto act = cfg_.ffn_act == FfnAct::gelu_tanh ? geglu<T> : swiglu<T>;
-    act(gate.data(), swap ? up.data() : gate.data(), swap ? gate.data() : up.data(), static_cast<int64_t>(gate.size()));
+    const auto [act_in, act_mul] = in_order<const T*>(gate.data(), up.data(), args.act_swapped);
+    act(gate.data(), act_in, act_mul, static_cast<int64_t>(gate.size()));
     store_gemm_input(gate.data(), gate.size());
     cp(cfg_.ffn_act == FfnAct::gelu_tanh ? "ffn_geglu" : "ffn_swiglu", l, {n, F}, gate.data(), gemm_f16());
     std::vector<T> ffn_out(nD);                            // [T,D]
-    const WeightMatrix<T>& w_down = faults_.has(Fault::ffn_down_transposed) ? w_down_flawed_[l] : w.w_down;
-    matmul(ffn_out.data(), gate.data(), w_down, kNoBias, n, F, D);                cp("ffn_out", l, {n, D}, ffn_out.data());
+    matmul(ffn_out.data(), gate.data(), w.w_down, kNoBias, n, F, D);              cp("ffn_out", l, {n, D}, ffn_out.data());
     if (cfg_.post_norms) {
-      norm(ffn_out.data(), ffn_out.data(), w.ffn_post_norm.data(), n, D);         cp("ffn_post_norm", l, {n, D}, ffn_out.data());
+      norm(ffn_out.data(), ffn_out.data(), w.ffn_post_norm.data(), n, D, args.norm); cp("ffn_post_norm", l, {n, D}, ffn_out.data());
     }
     add(x.data(), ffn_inp.data(), ffn_out.data(), static_cast<int64_t>(nD));
     store_residual(x.data(), nD);                                                 cp("l_out", l, {n, D}, x.data(), residual_f16());
+    norm(xn.data(), x.data(), opening_norm(l + 1), n, D, args.norm);             // the next layer's attn_norm
+    store_gemm_input(xn.data(), nD);
   }
 
   // Emulated storage (reference_cpu/storage.hpp): the rounding points of the f16 engine's GEMM inputs
@@ -261,64 +224,28 @@ class CpuBackend final : public Backend {
   }
   size_t nD_of(int n) const { return static_cast<size_t>(n) * cfg_.n_embd; }
 
-  T eps() const { return T(faults_.has(Fault::rms_eps_1e5) ? kFaultRmsEps : cfg_.rms_eps); }
-
-  // RMSNorm of R rows of width D with the model's epsilon; its flawed variant under the RMSNorm faults.
-  void norm(T* out /* [R,D] */, const T* x /* [R,D] */, const T* w /* [D] */, int n_rows, int D) const {
-    if (rms_norm_flaws_.any())
-      rms_norm_flawed(out, x, w, n_rows, D, eps(), rms_norm_flaws_);
-    else
-      rms_norm(out, x, w, n_rows, D, eps());
+  // RMSNorm of R rows of width D with the model's epsilon and the op's flaws (none in production).
+  void norm(T* out /* [R,D] */, const T* x /* [R,D] */, const T* w /* [D] */, int n_rows, int D,
+            RmsNormFlaws flaws) const {
+    rms_norm(out, x, w, n_rows, D, T(cfg_.rms_eps), flaws);
   }
 
-  // What the injected faults change before any step: flawed weight views, squared norm weights, a NaN row. The
-  // matrices a fault edits or reads out of row order are held dense.
-  void prepare_faults() {
-    attention_variant_.causal = !faults_.has(Fault::causal_mask_missing);
-    argmax_ties_ = faults_.has(Fault::argmax_ties_highest) ? ArgmaxTies::highest : ArgmaxTies::lowest;
-    attention_variant_.f16_exp = faults_.has(Fault::softmax_f16_overflow);
-    rms_norm_flaws_.off_by_one = faults_.has(Fault::rms_norm_off_by_one);
-    rms_norm_flaws_.eps_outside_sqrt = faults_.has(Fault::rms_eps_outside_sqrt);
-    if (faults_.has(Fault::embd_transposed)) w_.token_embd.densify();
-    if (faults_.has(Fault::weight_row_nan))
-      w_.layers.at(0).wq.densify().row(kFaultNanWeightRow).setConstant(std::numeric_limits<T>::quiet_NaN());
-    for (const LayerWeights<T>& w : w_.layers) {
-      if (faults_.has(Fault::attn_out_transposed))
-        wo_flawed_.emplace_back(wrong_leading_dimension(w.wo.to_dense()));
-      if (faults_.has(Fault::ffn_down_transposed))
-        w_down_flawed_.emplace_back(wrong_leading_dimension(w.w_down.to_dense()));
-    }
-    if (faults_.has(Fault::rms_norm_weight_twice)) {  // norm(x)·w·w: every RMSNorm weight squared
-      auto twice = [](Vector<T>& v) { v = v.cwiseProduct(v); };
-      twice(w_.output_norm);
-      for (LayerWeights<T>& w : w_.layers) {
-        twice(w.attn_norm);
-        twice(w.ffn_norm);
-        if (cfg_.post_norms) {
-          twice(w.attn_post_norm);
-          twice(w.ffn_post_norm);
-        }
-        if (cfg_.qk_norm) {
-          twice(w.q_norm);
-          twice(w.k_norm);
-        }
-      }
-    }
+  // The RMSNorm weight applied to the residual stream before layer l: its attn_norm, or output_norm (result_norm)
+  // for l = n_layer.
+  const T* opening_norm(int l) const {
+    return l < cfg_.n_layer ? w_.layers[l].attn_norm.data() : w_.output_norm.data();
   }
 
-  ModelConfig cfg_;
+  ModelConfig model_cfg_;  // the model's, as config() reports it
+  FaultPlan plan_;         // the injected faults, resolved (checkpoints/fault_plan.hpp)
+  ModelConfig cfg_;        // what the forward reads: the model's with the faults' config edits
   int max_ctx_;
   Weights<T> w_;
   KvCache<T> cache_;
   FaultSet faults_;
   std::string precision_;  // the spec it was made with: "f32", "f64-f16store", ...
   StoragePlan storage_;
-  AttentionVariant attention_variant_;  // production's; the attention faults set another
-  ArgmaxTies argmax_ties_ = ArgmaxTies::lowest;  // production's; argmax_ties_highest the other
   int32_t last_argmax_ = -1;
-  RmsNormFlaws rms_norm_flaws_;
-  std::vector<WeightMatrix<T>> wo_flawed_;      // [n_layer] W_o read with the wrong leading dimension, attn_out_transposed only
-  std::vector<WeightMatrix<T>> w_down_flawed_;  // [n_layer] W_down likewise, ffn_down_transposed only
   int n_past_ = 0;
   // graph_position_frozen: n_past at the first one-token step since construction (where the engine
   // captures its decode graph; a reset keeps the graph, so it keeps this too); -1 before it.

@@ -1,30 +1,18 @@
-// Flawed variants of reference ops for fault injection: transposed embedding read, the modulo KV-head expansion,
-// flawed RMSNorm, wrong-lda weights. The attention faults run the clean attention with another AttentionVariant.
+// Flawed variants of reference ops for fault injection (the modulo KV-head expansion, flawed RMSNorm, wrong-lda
+// weights, logits over a padded vocabulary), and the entry points that take the fault plan's op arguments.
 #include "reference_cpu/faults/fault_ops.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <string>
 
 #include <Eigen/Core>
 
-#include "model/error.hpp"
+#include "checkpoints/faults.hpp"
+#include "reference_cpu/ops/matmul.hpp"
+#include "reference_cpu/ops/rms_norm.hpp"
 
 namespace diffrun::ref {
-
-template <typename T>
-void embedding_transposed(T* out /* [T,D] */, const int32_t* tokens /* [T] */, const T* table /* [V,D] */,
-                          int n_tokens, int D, int V) {
-  for (int t = 0; t < n_tokens; ++t) {
-    const int32_t id = tokens[t];
-    if (id < 0 || id >= V) {
-      throw InputError("token id " + std::to_string(id) + " at position " + std::to_string(t) +
-                       " is outside the vocabulary [0, " + std::to_string(V) + ")");
-    }
-    for (int i = 0; i < D; ++i) out[static_cast<int64_t>(t) * D + i] = table[static_cast<int64_t>(i) * V + id];
-  }
-}
 
 template <typename T>
 void expand_kv_heads_modulo(T* out /* [rows,H*Dh] */, const T* kv /* [rows,Hkv*Dh] */, int rows, int H, int Hkv, int Dh) {
@@ -48,18 +36,66 @@ void rms_norm_flawed(T* out /* [R,D] */, const T* x /* [R,D] */, const T* w /* [
 }
 
 template <typename T>
+void rms_norm(T* out /* [R,D] */, const T* x /* [R,D] */, const T* w /* [D] */, int n_rows, int D, T eps,
+              RmsNormFlaws flaws) {
+  if (!flaws.any()) {
+    rms_norm(out, x, w, n_rows, D, eps);
+  } else if (flaws.skipped) {
+    if (out != x) std::copy_n(x, static_cast<int64_t>(n_rows) * D, out);
+  } else if (flaws.unweighted) {  // the op handed ones for its weight
+    const std::vector<T> ones(static_cast<size_t>(D), T(1));
+    RmsNormFlaws rest = flaws;
+    rest.unweighted = false;
+    rms_norm(out, x, ones.data(), n_rows, D, eps, rest);
+  } else {
+    rms_norm_flawed(out, x, w, n_rows, D, eps, flaws);
+  }
+}
+
+template <typename T>
 Matrix<T> wrong_leading_dimension(const Matrix<T>& w /* [N,K] */) {
   const Eigen::Map<const Matrix<T>> as_kn(w.data(), w.cols(), w.rows());  // the same memory as [K, N]
   return as_kn.transpose();
 }
 
-template void embedding_transposed<float>(float*, const int32_t*, const float*, int, int, int);
-template void embedding_transposed<double>(double*, const int32_t*, const double*, int, int, int);
+template <typename T>
+void matmul_padded(T* out /* [T,Np] */, const T* x /* [T,K] */, const WeightMatrix<T>& W /* [>=N,K] */, int n_tokens,
+                   int K, int N, int Np) {
+  if (Np == N) {
+    matmul(out, x, W, static_cast<const T*>(nullptr), n_tokens, K, N);
+    return;
+  }
+  for (int t = 0; t < n_tokens; ++t) {  // one row at a time: the same values (the sums' order is K's alone)
+    T* row = out + static_cast<int64_t>(t) * Np;
+    matmul(row, x + static_cast<int64_t>(t) * K, W, static_cast<const T*>(nullptr), 1, K, N);
+    std::fill(row + N, row + Np, T(kFaultUninitialisedLogit));
+  }
+}
+
+template <typename T>
+AttentionKv<T>::AttentionKv(const T* k, const T* v, int rows, int H, int Hkv, int Dh, bool gqa_head_modulo)
+    : k_(k), v_(v), heads_(Hkv) {
+  if (!gqa_head_modulo) return;
+  k_held_.resize(static_cast<size_t>(rows) * H * Dh);
+  v_held_.resize(k_held_.size());
+  expand_kv_heads_modulo(k_held_.data(), k, rows, H, Hkv, Dh);
+  expand_kv_heads_modulo(v_held_.data(), v, rows, H, Hkv, Dh);
+  k_ = k_held_.data();
+  v_ = v_held_.data();
+  heads_ = H;
+}
+
 template void expand_kv_heads_modulo<float>(float*, const float*, int, int, int, int);
 template void expand_kv_heads_modulo<double>(double*, const double*, int, int, int, int);
 template void rms_norm_flawed<float>(float*, const float*, const float*, int, int, float, RmsNormFlaws);
 template void rms_norm_flawed<double>(double*, const double*, const double*, int, int, double, RmsNormFlaws);
+template void rms_norm<float>(float*, const float*, const float*, int, int, float, RmsNormFlaws);
+template void rms_norm<double>(double*, const double*, const double*, int, int, double, RmsNormFlaws);
 template Matrix<float> wrong_leading_dimension<float>(const Matrix<float>&);
 template Matrix<double> wrong_leading_dimension<double>(const Matrix<double>&);
+template void matmul_padded<float>(float*, const float*, const WeightMatrix<float>&, int, int, int, int);
+template void matmul_padded<double>(double*, const double*, const WeightMatrix<double>&, int, int, int, int);
+template class AttentionKv<float>;
+template class AttentionKv<double>;
 
 }  // namespace diffrun::ref

@@ -1,19 +1,17 @@
-// Flawed variants of reference ops for fault injection, kept out of the clean ops (reference_cpu/ops/).
-// T tokens, S positions attended, D model width, V table rows, H/Hkv heads, Dh head width, K inputs, N outputs.
+// Flawed variants of reference ops for fault injection, kept out of the clean ops (reference_cpu/ops/), and the
+// entry points that take the fault plan's op arguments (checkpoints/fault_plan.hpp): each runs the clean op for
+// production's argument, its flawed variant otherwise. The attention faults run the clean attention with another
+// AttentionVariant.
+// T tokens, S positions attended, D model width, H/Hkv heads, Dh head width, K inputs, N outputs, Np padded outputs.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "model/op_variants.hpp"
 #include "reference_cpu/weights.hpp"
 
 namespace diffrun::ref {
-
-// embd_transposed: the token table (row-major [V, D]) indexed as if it were [D, V]:
-// out[t, i] = table[i * V + tokens[t]]. Throws InputError for an id outside [0, V).
-template <typename T>
-void embedding_transposed(T* out /* [T,D] */, const int32_t* tokens /* [T] */, const T* table /* [V,D] */,
-                          int n_tokens, int D, int V);
 
 // gqa_head_modulo: the K or V cache [rows, Hkv·Dh] expanded to H heads the wrong way round (h % Hkv instead
 // of h / (H/Hkv)): out [rows, H·Dh] with out[s, h] = kv[s, h % Hkv]; the production attention then reads it
@@ -21,16 +19,61 @@ void embedding_transposed(T* out /* [T,D] */, const int32_t* tokens /* [T] */, c
 template <typename T>
 void expand_kv_heads_modulo(T* out /* [rows,H*Dh] */, const T* kv /* [rows,Hkv*Dh] */, int rows, int H, int Hkv, int Dh);
 
-// The clean RMSNorm's algorithm (ops/rms_norm.hpp) with the flaws off_by_one and eps_outside_sqrt
-// (model/op_variants.hpp).
+// The clean RMSNorm's algorithm (ops/rms_norm.hpp) with the flaws off_by_one and eps_outside_sqrt.
 template <typename T>
 void rms_norm_flawed(T* out /* [R,D] */, const T* x /* [R,D] */, const T* w /* [D] */, int n_rows, int D, T eps,
                      RmsNormFlaws flaws);
 
-// attn_out_transposed / ffn_down_transposed: the [N, K] weight as a GEMM reads it with the wrong
-// leading dimension: element (n, k) taken from W's memory at k * N + n (its memory read as [K, N]
-// row-major). W's transpose when N == K; always in bounds.
+// rms_norm with its flaws (model/op_variants.hpp): the clean op without any; nothing but a copy (when out is
+// not x) when skipped; handed ones for w when unweighted; rms_norm_flawed for the others.
+template <typename T>
+void rms_norm(T* out /* [R,D] */, const T* x /* [R,D] */, const T* w /* [D] */, int n_rows, int D, T eps,
+              RmsNormFlaws flaws);
+
+// attn_out_transposed / ffn_down_transposed / embd_transposed: the [N, K] weight as a GEMM reads it with the wrong
+// leading dimension: element (n, k) taken from W's memory at k * N + n (its memory read as [K, N] row-major). W's
+// transpose when N == K; always in bounds. For the token table [V, D] it is the table indexed as [D, V]:
+// row id holds table[i * V + id].
 template <typename T>
 Matrix<T> wrong_leading_dimension(const Matrix<T>& w /* [N,K] */);
+
+// matmul into rows Np >= N wide (lm_head_padded_vocab's logits over a padded vocabulary): out[t, 0..N-1] =
+// x[t] · Wᵀ, out[t, N..Np-1] the stale value kFaultUninitialisedLogit that no op writes. Np == N: matmul.
+template <typename T>
+void matmul_padded(T* out /* [T,Np] */, const T* x /* [T,K] */, const WeightMatrix<T>& W /* [>=N,K] */, int n_tokens,
+                   int K, int N, int Np);
+
+// The K/V heads attention reads: the given K and V [rows, Hkv·Dh] as they are, or under gqa_head_modulo both
+// expanded to H heads the wrong way round (held here).
+template <typename T>
+class AttentionKv {
+ public:
+  AttentionKv(const T* k /* [rows,Hkv*Dh] */, const T* v /* [rows,Hkv*Dh] */, int rows, int H, int Hkv, int Dh,
+              bool gqa_head_modulo);
+  const T* k() const { return k_; }  // [rows, heads()·Dh]
+  const T* v() const { return v_; }
+  int heads() const { return heads_; }
+
+ private:
+  std::vector<T> k_held_, v_held_;  // [rows, H·Dh] under gqa_head_modulo, else empty
+  const T* k_;
+  const T* v_;
+  int heads_;
+};
+
+// The K rows the cache write stores: K after RoPE, or under rope_cache_unrotated K as it was before (a copy held
+// from construction, before the rotation).
+template <typename T>
+class CachedKeys {
+ public:
+  CachedKeys(const std::vector<T>& k_before_rope /* [T,Hkv*Dh] */, bool unrotated)
+      : held_(unrotated ? k_before_rope : std::vector<T>()) {}
+  const T* rows(const std::vector<T>& k_rotated /* [T,Hkv*Dh] */) const {
+    return held_.empty() ? k_rotated.data() : held_.data();
+  }
+
+ private:
+  std::vector<T> held_;
+};
 
 }  // namespace diffrun::ref
