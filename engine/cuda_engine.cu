@@ -80,12 +80,17 @@
 //   (DIFFRUN_TILED_ATTENTION=0: attention writes both, as before; the "prefill_attention" fact
 //   says which). Both scratches are sized for max_ctx at construction,
 //   so a captured decode graph stays valid at every position. attn_scale_missing hands the production
-//   kernels scale 1 and gqa_head_modulo a cache expanded to H heads the wrong way round; the other
-//   attention faults run the flawed variant of attention at every T (their fault is the flaw, found
-//   against the reference).
-// - Fault injection (checkpoints/faults.hpp, --inject): each fault is chosen at its call site (a
-//   wrong argument, a flawed variant from engine/faults/, a skipped op); the clean kernels carry no
-//   fault branch, and without faults the step enqueues exactly what it did before.
+//   kernels scale 1 (a config edit) and gqa_head_modulo a cache expanded to H heads the wrong way round
+//   (attention_kv); the other attention faults run the production kernels with another AttentionVariant
+//   at every T (their fault is the flaw, found against the reference).
+// - Fault injection (checkpoints/faults.hpp, --inject) lives beside the forward, not inside it: the
+//   fault plan (checkpoints/fault_plan.hpp), resolved at construction, edits the config the forward
+//   reads (cfg_; config() stays the model's), FaultState (engine/faults/fault_state.cuh) edits the
+//   weights and resolves the positions and weights the fused kernels and the captured graph are handed,
+//   and the forward passes the plan's op arguments (plan_.ops) to its ops, the entry points of
+//   engine/faults/fault_ops.cuh running the clean kernel for production's argument. Two faults remain
+//   control flow here, one line each (plan_.hooks: kv_cache_not_read, residual_skipped). The clean
+//   kernels carry no fault branch, and without faults the step enqueues exactly what it did before.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -99,12 +104,14 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "checkpoints/fault_plan.hpp"
 #include "checkpoints/faults.hpp"
 #include "engine/checkpoint_stager.cuh"
 #include "engine/cuda_check.cuh"
 #include "engine/device_buffer.cuh"
 #include "engine/engine.hpp"
 #include "engine/faults/fault_ops.cuh"
+#include "engine/faults/fault_state.cuh"
 #include "engine/gemm.cuh"
 #include "engine/ops/add_rms_norm.cuh"
 #include "engine/ops/argmax.cuh"
@@ -224,14 +231,17 @@ class CudaEngineImpl final : public CudaEngine {
 
  public:
   CudaEngineImpl(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults)
-      : cfg_(cfg),
+      : model_cfg_(cfg),
+        plan_(plan_faults(faults, cfg)),
+        cfg_(plan_.config),
         max_ctx_(max_ctx),
         faults_(faults),
         cublas_(kF16 ? EnginePrecision::f16 : EnginePrecision::f32),
-        weights_(file, cfg, stream_, faults.has(Fault::dequant_scale_offset)),
+        weights_(file, cfg, stream_, plan_.weights.dequant_scale_offset),
         k_cache_(size_t(cfg.n_layer) * max_ctx * cfg.n_head_kv * cfg.head_dim, "the KV cache"),
         v_cache_(size_t(cfg.n_layer) * max_ctx * cfg.n_head_kv * cfg.head_dim, "the KV cache"),
         d_n_past_(1, "step state"),
+        fault_state_(plan_, weights_, cfg_, max_ctx, d_n_past_.get(), stream_),
         h_n_past_(1, "step state"),
         h_argmax_(1, "step state"),
         h_logits_(size_t(logit_columns()), "logits"),
@@ -297,19 +307,26 @@ class CudaEngineImpl final : public CudaEngine {
     clear_kv_cache();
     CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));
     CUDA_CHECK(cudaMemsetAsync(argmax_scratch_.get(), 0, argmax_scratch_.size() * sizeof(unsigned long long), stream_));
-    if (!cfg_.rope_freq_factors.empty()) {  // Llama 3's rope_freqs, uploaded once; prepare_faults synchronizes
+    if (!cfg_.rope_freq_factors.empty()) {  // Llama 3's rope_freqs, uploaded once
       d_rope_freqs_ = DeviceBuffer<float>(cfg_.rope_freq_factors.size(), "rope frequency factors");
       CUDA_CHECK(cudaMemcpyAsync(d_rope_freqs_.get(), cfg_.rope_freq_factors.data(), d_rope_freqs_.bytes(),
                                  cudaMemcpyHostToDevice, stream_));
     }
-    prepare_faults();  // synchronizes
+    // The fused kernels that have no variant for one of the plan's op arguments stay off under it (the facts
+    // above say what the environment asked).
+    const auto& fusable = fault_state_.fusable();
+    embd_norm_fused_ = embd_norm_fused_ && fusable.embedding_rms_norm;
+    rope_in_gemv_ = rope_in_gemv_ && fusable.matmul_qkv_rope;
+    swiglu_in_gemv_ = swiglu_in_gemv_ && fusable.matmul_gate_up_swiglu;
+    lm_head_argmax_ = lm_head_argmax_ && fusable.matmul_argmax;
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
   ~CudaEngineImpl() override { drop_graphs(); }
 
   std::string name() const override { return "cuda"; }
   std::string precision() const override { return kF16 ? "f16" : "f32"; }
-  const ModelConfig& config() const override { return cfg_; }
+  const ModelConfig& config() const override { return model_cfg_; }
   std::map<std::string, std::string> facts() const override { return facts_; }
   int n_past() const override { return n_past_; }
   int max_ctx() const override { return max_ctx_; }
@@ -357,6 +374,7 @@ class CudaEngineImpl final : public CudaEngine {
     prepare(step, n, sink);
     std::copy(tokens.begin(), tokens.end(), h_tokens_.get());
     *h_n_past_.get() = n_past_;
+    fault_state_.at_step(n_past_);
     // A recorded step runs what an unrecorded one runs: the same kernels, fused ones included, and a
     // decode step the captured graph (with the recording's copy nodes). Only isolation replay, which
     // replaces inputs between ops, enqueues the unfused twins one by one.
@@ -386,37 +404,31 @@ class CudaEngineImpl final : public CudaEngine {
   // The whole step on stream_: ids and n_past in, every op and its checkpoint, argmax, logits.
   void enqueue_step(int step, int n, Sink& sink, bool copy_logits) {
     const int D = cfg_.n_embd, V = cfg_.n_vocab;
+    const OpArgs& args = plan_.ops;
     Activations<W>& a = *act_;
     set_op_context(step, -1);
     step_inputs(a.tokens.get(), d_n_past_.get(), h_tokens_.device(), h_n_past_.device(), n, stream_);
-    if (faults_.has(Fault::rope_fused_position_off)) position_plus(d_pos_off_.get(), d_n_past_.get(), 1, stream_);
 
     step_fused_ = 0;
     // One token: the gather and layer 0's attn_norm in one kernel that reads the id from the host memory
     // itself, beside step_inputs (bit-identical; see the top). It writes embd (a.x) as well.
     const bool fused_start = embd_norm_fused_ && n == 1 && !step_replaying_ && !cfg_.embd_scale &&
-                             !faults_.has(Fault::embd_transposed) && !rms_norm_flaws_.any() &&
                              !weights_.token_embd.quantized() && D <= embedding_rms_norm_max_width();
     if (fused_start) {
-      // embd_norm_fused_no_weight: the fused kernel handed ones for layer 0's attn_norm weight.
-      const float* w0 = faults_.has(Fault::embd_norm_fused_no_weight) ? d_ones_.get() : norm_opening(0);
-      embedding_rms_norm(a.x.get(), a.xn.get(), h_tokens_.device(), weights_.token_embd.dense, w0, n, D, V, eps(),
-                         stream_);
+      // Its weight: layer 0's attn_norm, or what embd_norm_fused_no_weight hands it (engine/faults/fault_state.cuh).
+      embedding_rms_norm(a.x.get(), a.xn.get(), h_tokens_.device(), weights_.token_embd.dense,
+                         fault_state_.embd_norm_weight(), n, D, V, eps(), stream_);
       step_fused_ |= kFusedEmbeddingRmsNorm;
       cp(sink, step, "embd", -1, a.x.get(), {n, D});  // not replaying: records only
     } else {
-      if (faults_.has(Fault::embd_transposed))
-        embedding_transposed(a.x.get(), a.tokens.get(), dense_rows(weights_.token_embd, V, stream_), n, D, V, stream_);
-      else
-        embedding(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_);
+      embedding(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_);
       cp(sink, step, "embd", -1, a.x.get(), {n, D});
-      if (cfg_.embd_scale) {  // gemma3: the embedding rows times sqrt(D); embd_scale_missing skips it
+      if (cfg_.embd_scale) {  // gemma3: the embedding rows times sqrt(D)
         stager_.flush(stream_);  // before the in-place scale (embd is a.x)
-        if (!faults_.has(Fault::embd_scale_missing))
-          scale(a.x.get(), a.x.get(), sqrtf(static_cast<float>(D)), int64_t(n) * D, stream_);
+        scale(a.x.get(), a.x.get(), static_cast<float>(args.embd_scale), int64_t(n) * D, stream_);
         cp(sink, step, "inp_scaled", -1, a.x.get(), {n, D});
       }
-      norm(a.xn.get(), a.x.get(), norm_opening(0), n, D);  // layer 0's attn_norm
+      norm(a.xn.get(), a.x.get(), norm_opening(0), n, D, args.first_norm);  // layer 0's attn_norm
     }
     for (int l = 0; l < cfg_.n_layer; ++l) layer(step, l, n, sink);
     set_op_context(step, -1);
@@ -428,18 +440,12 @@ class CudaEngineImpl final : public CudaEngine {
     // The lm head and argmax in one launch (bit-identical; see the top). matmul_argmax launches nothing
     // and returns false for a head it does not take (then matmul, argmax).
     bool head_argmax = false;
-    if (lm_head_argmax_ && Vp == V && !step_replaying_ && !(cfg_.final_logit_softcap > 0)) {
+    if (lm_head_argmax_ && !step_replaying_ && !(cfg_.final_logit_softcap > 0)) {
       head_argmax = matmul_argmax(logits_.get(), h_argmax_.device(), last_row, weights_.lm_head, D, V,
-                                  argmax_scratch_.get(), stream_, argmax_ties_);
+                                  argmax_scratch_.get(), stream_, args.argmax_ties);
       if (head_argmax) step_fused_ |= kFusedMatmulArgmax;
     }
-    if (Vp != V) {
-      // lm_head_padded_vocab: a row of Vp logits, the lm head writes V of them; the rest hold stale bytes.
-      CUDA_CHECK(cudaMemsetAsync(logits_.get(), kFaultUninitialisedByte, size_t(Vp) * sizeof(float), stream_));
-      matmul(logits_.get(), last_row, weights_.lm_head, nullptr, 1, D, V, cublas_, stream_);
-    } else if (!head_argmax) {
-      matmul(logits_.get(), last_row, weights_.lm_head, nullptr, 1, D, V, cublas_, stream_);
-    }
+    if (!head_argmax) matmul_padded(logits_.get(), last_row, weights_.lm_head, 1, D, V, Vp, cublas_, stream_);
     if (cfg_.final_logit_softcap > 0)
       softcap(logits_.get(), logits_.get(), static_cast<float>(cfg_.final_logit_softcap), Vp, stream_);
     if (sink.wants("result_output")) {
@@ -449,14 +455,7 @@ class CudaEngineImpl final : public CudaEngine {
         // Every token's logits: the rows before the last from a side matmul that feeds nothing (the
         // "recomputed_checkpoints" fact), the last row the step's own.
         float* rows = logits_all_.get();  // [n, Vp]
-        if (Vp != V) {
-          CUDA_CHECK(cudaMemsetAsync(rows, kFaultUninitialisedByte, size_t(n - 1) * Vp * sizeof(float), stream_));
-          for (int r = 0; r + 1 < n; ++r)
-            matmul(rows + size_t(r) * Vp, a.xn.get() + size_t(r) * D, weights_.lm_head, nullptr, 1, D, V, cublas_,
-                   stream_);
-        } else {
-          matmul(rows, a.xn.get(), weights_.lm_head, nullptr, n - 1, D, V, cublas_, stream_);
-        }
+        matmul_padded(rows, a.xn.get(), weights_.lm_head, n - 1, D, V, Vp, cublas_, stream_);
         if (cfg_.final_logit_softcap > 0)
           softcap(rows, rows, static_cast<float>(cfg_.final_logit_softcap), int64_t(n - 1) * Vp, stream_);
         CUDA_CHECK(cudaMemcpyAsync(rows + size_t(n - 1) * Vp, logits_.get(), size_t(Vp) * sizeof(float),
@@ -468,7 +467,7 @@ class CudaEngineImpl final : public CudaEngine {
 
     const float* last = logits_.get();  // [Vp]
     if (!head_argmax)  // straight to the host
-      argmax(h_argmax_.device(), last, Vp, argmax_scratch_.get(), stream_, argmax_ties_);
+      argmax(h_argmax_.device(), last, Vp, argmax_scratch_.get(), stream_, args.argmax_ties);
     if (copy_logits)
       CUDA_CHECK(cudaMemcpyAsync(h_logits_.get(), last, size_t(Vp) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   }
@@ -477,68 +476,55 @@ class CudaEngineImpl final : public CudaEngine {
   void layer(int step, int l, int n, Sink& sink) {
     set_op_context(step, l);
     const DeviceLayerWeights<W>& w = weights_.layers[l];
+    const OpArgs& args = plan_.ops;
     Activations<W>& a = *act_;
     const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, F = cfg_.n_ff;
     const int Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n;
-    // rope_local_theta_global: local layers on the global base; sliding_window_ignored: no window.
-    const double base = faults_.has(Fault::rope_local_theta_global) ? cfg_.rope_theta : cfg_.layer_rope_theta(l);
-    const float theta = static_cast<float>(faults_.has(Fault::rope_theta_10000) ? kFaultRopeTheta : base);
-    // attn_scale_missing: the production attention kernels handed scale 1 (the fault is the argument).
-    const float att_scale = faults_.has(Fault::attn_scale_missing) ? 1.0f : static_cast<float>(cfg_.attention_scale());
-    const int window = faults_.has(Fault::sliding_window_ignored) ? 0 : cfg_.layer_window(l);
-    const bool neox = (cfg_.rope_type != RopeType::norm) != faults_.has(Fault::rope_pairing_swapped);
-    const bool bias = !faults_.has(Fault::qkv_bias_missing);
+    const float theta = static_cast<float>(cfg_.layer_rope_theta(l));
+    const float att_scale = static_cast<float>(cfg_.attention_scale());
+    const int window = cfg_.layer_window(l);
+    const bool neox = cfg_.rope_type != RopeType::norm;
     const int32_t* n_past = d_n_past_.get();  // [1] device; also the position of token 0
+    // The positions the RoPE and the cache write read: n_past in production (the faults' are fault_state's).
+    const auto& pos = fault_state_.positions(capturing_);
     float* cache_k = k_cache_.get() + size_t(l) * max_ctx_ * KV;  // [max_ctx, Hkv*Dh]; rows 0..S-1 valid after
     float* cache_v = v_cache_.get() + size_t(l) * max_ctx_ * KV;  // [max_ctx, Hkv*Dh]
 
     // a.xn = rms_norm(a.x) · attn_norm, written by the op before the layer (rms_norm or add_rms_norm).
     cp(sink, step, "attn_norm", l, a.xn.get(), {n, D});
-    const int32_t* write_pos = faults_.has(Fault::kv_cache_pos0) ? d_zero_.get() : n_past;  // kv_cache_pos0: row 0
-    // The position q and k rotate at: n_past, or under graph_position_frozen in a captured step the value
-    // written before the capture (every replay reads it again).
-    const int32_t* rope_pos =
-        faults_.has(Fault::graph_position_frozen) && capturing_ ? d_frozen_pos_.get() : n_past;
     // One token: the qkv GEMV applies the RoPE and writes the cache too (bit-identical). Recorded, it
     // also writes q and k before the rotation (Qcur, Kcur) into q_rope and k_rope, which it leaves free.
-    // rope_fused_position_off: the fused kernel handed n_past + 1.
-    GemvRope rope{cache_k, cache_v, faults_.has(Fault::rope_fused_position_off) ? d_pos_off_.get() : rope_pos,
-                  write_pos, d_rope_freqs_.get(), theta, H, Hkv, Dh, neox};
+    GemvRope rope{cache_k, cache_v, pos.fused_rope, pos.write, d_rope_freqs_.get(), theta, H, Hkv, Dh, neox};
     if (sink.wants(checkpoint_name("Qcur", l)) || sink.wants(checkpoint_name("Kcur", l))) {
       rope.q_unrotated = a.q_rope.get();
       rope.k_unrotated = a.k_rope.get();
     }
-    const bool fused_rope =
-        rope_in_gemv_ && n == 1 && !step_replaying_ && !cfg_.qk_norm && !faults_.has(Fault::rope_cache_unrotated) &&
-        matmul_qkv_rope(a.q.get(), a.k.get(), a.v.get(), bias ? w.bq : nullptr, bias ? w.bk : nullptr,
-                        bias ? w.bv : nullptr, a.xn.get(), w.wq, D, rope, stream_);
+    const bool fused_rope = rope_in_gemv_ && n == 1 && !step_replaying_ && !cfg_.qk_norm &&
+                            matmul_qkv_rope(a.q.get(), a.k.get(), a.v.get(), w.bq, w.bk, w.bv, a.xn.get(), w.wq, D,
+                                            rope, stream_);
     if (fused_rope) {
       step_fused_ |= kFusedMatmulQkvRope;
       cp(sink, step, "Qcur", l, a.q_rope.get(), {n, H, Dh});  // not replaying: records only
       cp(sink, step, "Kcur", l, a.k_rope.get(), {n, Hkv, Dh});
     } else {
-      matmul_cat({{a.q.get(), bias ? w.bq : nullptr, Q}, {a.k.get(), bias ? w.bk : nullptr, KV},
-                  {a.v.get(), bias ? w.bv : nullptr, KV}},
-                 a.xn.get(), w.wq, n, D, cublas_, stream_);
+      matmul_cat({{a.q.get(), w.bq, Q}, {a.k.get(), w.bk, KV}, {a.v.get(), w.bv, KV}}, a.xn.get(), w.wq, n, D, cublas_,
+                 stream_);
       cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
       cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
     }
     cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
     if (cfg_.qk_norm) {
       stager_.flush(stream_);  // q and k are normalized in place
-      norm(a.q.get(), a.q.get(), norm_w(w.q_norm), n * H, Dh);   cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
-      norm(a.k.get(), a.k.get(), norm_w(w.k_norm), n * Hkv, Dh); cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
+      norm(a.q.get(), a.q.get(), w.q_norm, n * H, Dh, args.norm);   cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
+      norm(a.k.get(), a.k.get(), w.k_norm, n * Hkv, Dh, args.norm); cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
     }
     // Rotated q and k: rope_qk's, out of place (so Qcur/Qnorm stay for the recording copies), or
     // matmul_qkv_rope's, in place.
     float* q_rot = fused_rope ? a.q.get() : a.q_rope.get();
     float* k_rot = fused_rope ? a.k.get() : a.k_rope.get();
-    if (faults_.has(Fault::rope_cache_unrotated))
-      rope_qk_cache_unrotated(q_rot, k_rot, cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh,
-                              rope_pos, write_pos, theta, d_rope_freqs_.get(), neox, stream_);
-    else if (!fused_rope)  // fused: matmul_qkv_rope rotated q and k and wrote the cache rows
-      rope_qk(q_rot, k_rot, cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, rope_pos, write_pos,
-              theta, d_rope_freqs_.get(), neox, stream_);
+    if (!fused_rope)  // fused: matmul_qkv_rope rotated q and k and wrote the cache rows
+      rope_qk(q_rot, k_rot, cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, pos.rope, pos.write,
+              theta, d_rope_freqs_.get(), neox, args.rope_cache_unrotated, stream_);
     cp(sink, step, "Qrope", l, q_rot, {n, H, Dh});
     cp(sink, step, "Krope", l, k_rot, {n, Hkv, Dh});  // replaced: the cache keeps rope_qk's rows (see the top)
     // Under capture S is read on the device, so that the graph records every position (DeviceRows).
@@ -548,37 +534,30 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "cache_v", l, cache_v, {S, Hkv, Dh}, cache_rows);
 
     // kv_cache_not_read: attention over the step's own K/V, as if nothing had been cached.
-    const bool read_cache = !faults_.has(Fault::kv_cache_not_read);
+    const bool read_cache = !plan_.hooks.kv_cache_not_read;
     const int S_att = read_cache ? S : n;
     const bool want_probs = sink.wants(checkpoint_name("kq_soft_max", l));
-    const float* keys = read_cache ? cache_k : k_rot;
-    const float* values = read_cache ? cache_v : a.v.get();
-    const int32_t* past = read_cache ? n_past : d_zero_.get();
-    int Hkv_att = Hkv;  // the KV heads the attention kernels are handed
-    if (faults_.has(Fault::gqa_head_modulo)) {  // the production kernels on a cache expanded the wrong way round
-      expand_kv_heads_modulo(gqa_k_.get(), keys, past, n, max_ctx_, H, Hkv, Dh, stream_);
-      expand_kv_heads_modulo(gqa_v_.get(), values, past, n, max_ctx_, H, Hkv, Dh, stream_);
-      keys = gqa_k_.get();
-      values = gqa_v_.get();
-      Hkv_att = H;
-    }
+    const int32_t* past = read_cache ? n_past : fault_state_.zero();
+    const AttentionKv kv = attention_kv(read_cache ? cache_k : k_rot, read_cache ? cache_v : a.v.get(), past, n,
+                                        max_ctx_, H, Hkv, Dh, args.gqa_head_modulo, fault_state_.kv_scratch_k(),
+                                        fault_state_.kv_scratch_v(), stream_);
     float* probs = nullptr;  // [H, T, S_att]
     if (split_attention(n)) {
       probs = attn_probs_.get();
-      attention_split(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale, window,
+      attention_split(a.kqv.get(), probs, q_rot, kv.k, kv.v, n, past, H, kv.heads, Dh, att_scale, window,
                       {attn_partial_.get(), attn_counters_.get(), attn_splits_, attn_min_keys_}, stream_,
-                      attention_variant_);
+                      args.attention);
     } else {
       probs = want_probs ? probs_.get() : nullptr;
       if (!tiled_attention_)
-        attention(a.kqv.get(), probs, q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale, window, stream_,
-                  attention_variant_);
+        attention(a.kqv.get(), probs, q_rot, kv.k, kv.v, n, past, H, kv.heads, Dh, att_scale, window, stream_,
+                  args.attention);
       else {  // the output from attention_tiled, recorded or not; the probabilities (when recorded) from attention
         if (probs)
-          attention(static_cast<W*>(nullptr), probs, q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale,
-                    window, stream_, attention_variant_);
-        attention_tiled(a.kqv.get(), q_rot, keys, values, n, past, H, Hkv_att, Dh, att_scale, window, stream_,
-                        attention_variant_);
+          attention(static_cast<W*>(nullptr), probs, q_rot, kv.k, kv.v, n, past, H, kv.heads, Dh, att_scale,
+                    window, stream_, args.attention);
+        attention_tiled(a.kqv.get(), q_rot, kv.k, kv.v, n, past, H, kv.heads, Dh, att_scale, window, stream_,
+                        args.attention);
       }
     }
     if (want_probs)
@@ -586,44 +565,36 @@ class CudaEngineImpl final : public CudaEngine {
                   capturing_ && read_cache ? DeviceRows{n_past, n, 2, max_ctx_} : DeviceRows{});
     cp(sink, step, "kqv_out", l, a.kqv.get(), {n, H, Dh});
 
-    if (faults_.has(Fault::attn_out_transposed))
-      gemm_wrong_lda(a.attn_out.get(), a.kqv.get(), dense_rows(w.wo, D, stream_), n, Q, D, cublas_, stream_);
-    else
-      matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_);
+    matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_);
     cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});
     if (cfg_.post_norms) {  // gemma3: RMSNorm of the attention output before the residual add
       stager_.flush(stream_);  // in place over attn_out
-      if (!faults_.has(Fault::post_norm_skipped)) norm(a.attn_out.get(), a.attn_out.get(), norm_w(w.attn_post_norm), n, D);
+      norm(a.attn_out.get(), a.attn_out.get(), w.attn_post_norm, n, D, args.attn_post_norm);
       cp(sink, step, "attn_post_norm", l, a.attn_out.get(), {n, D});
     }
-    if (faults_.has(Fault::residual_skipped)) {  // ffn_inp = attn_out: the residual add skipped, then a plain norm
+    if (plan_.hooks.residual_skipped) {  // ffn_inp = attn_out: the residual add skipped, then a plain norm
       CUDA_CHECK(cudaMemcpyAsync(a.ffn_inp.get(), a.attn_out.get(), size_t(n) * D * sizeof(float),
                                  cudaMemcpyDeviceToDevice, stream_));
       cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D});
-      norm(a.ffn_xn.get(), a.ffn_inp.get(), norm_w(w.ffn_norm), n, D);
+      norm(a.ffn_xn.get(), a.ffn_inp.get(), w.ffn_norm, n, D, args.norm);
     } else {
-      add_norm(a.ffn_inp.get(), a.ffn_xn.get(), a.x.get(), a.attn_out.get(), norm_w(w.ffn_norm), n, D);
+      add_norm(a.ffn_inp.get(), a.ffn_xn.get(), a.x.get(), a.attn_out.get(), w.ffn_norm, n, D, args.norm);
       cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D});
     }
     cp(sink, step, "ffn_norm", l, a.ffn_xn.get(), {n, D});
 
-    const bool swap = faults_.has(Fault::swiglu_gate_up_swapped);
-    // swiglu_fused_gate_up_swapped: Wup|Wgate in memory, so the first half's rows are up's; the GEMMs write
-    // each half where it belongs, the fused epilogue pairs them the wrong way round.
-    const bool stored_swapped = faults_.has(Fault::swiglu_fused_gate_up_swapped);
-    float* first = stored_swapped ? a.up.get() : a.gate.get();   // [T, F] rows 0..F-1 of w_gate
-    float* second = stored_swapped ? a.gate.get() : a.up.get();  // [T, F] rows F..2F-1
+    // Wgate|Wup's rows as stored: the GEMMs write each half where it belongs (swiglu_fused_gate_up_swapped stores
+    // Wup|Wgate, which only the fused epilogue pairs the wrong way round).
+    const auto [first, second] = in_order(a.gate.get(), a.up.get(), plan_.fused.gate_up_swapped);
     // One token: the gate|up GEMV writes gate, up and the SwiGLU (bit-identical; see the top).
-    const bool fused_swiglu =
-        swiglu_in_gemv_ && n == 1 && !step_replaying_ && !swap && cfg_.ffn_act != FfnAct::gelu_tanh &&
-        matmul_gate_up_swiglu(first, second, a.act.get(), a.ffn_xn.get(), w.w_gate, D, F, stream_);
+    const bool fused_swiglu = swiglu_in_gemv_ && n == 1 && !step_replaying_ && cfg_.ffn_act != FfnAct::gelu_tanh &&
+                              matmul_gate_up_swiglu(first, second, a.act.get(), a.ffn_xn.get(), w.w_gate, D, F, stream_);
     if (fused_swiglu) step_fused_ |= kFusedMatmulGateUpSwiglu;
     if (!fused_swiglu)
       matmul_cat({{first, nullptr, F}, {second, nullptr, F}}, a.ffn_xn.get(), w.w_gate, n, D, cublas_, stream_);
     cp(sink, step, "ffn_gate", l, a.gate.get(), {n, F});
     cp(sink, step, "ffn_up", l, a.up.get(), {n, F});
-    const float* act_in = swap ? a.up.get() : a.gate.get();    // [T, F]
-    const float* act_mul = swap ? a.gate.get() : a.up.get();   // [T, F]
+    const auto [act_in, act_mul] = in_order<const float*>(a.gate.get(), a.up.get(), args.act_swapped);  // [T, F] each
     if (fused_swiglu) {
       cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});  // not replaying: records only
     } else if (cfg_.ffn_act == FfnAct::gelu_tanh) {
@@ -633,104 +604,45 @@ class CudaEngineImpl final : public CudaEngine {
       swiglu(a.act.get(), act_in, act_mul, int64_t(n) * F, stream_);
       cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});
     }
-    if (faults_.has(Fault::ffn_down_transposed))
-      gemm_wrong_lda(a.ffn_out.get(), a.act.get(), dense_rows(w.w_down, D, stream_), n, F, D, cublas_, stream_);
-    else
-      matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_);
+    matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_);
     cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});
     if (cfg_.post_norms) {  // gemma3: RMSNorm of the FFN output before the residual add
       stager_.flush(stream_);  // in place over ffn_out
-      norm(a.ffn_out.get(), a.ffn_out.get(), norm_w(w.ffn_post_norm), n, D);
+      norm(a.ffn_out.get(), a.ffn_out.get(), w.ffn_post_norm, n, D, args.norm);
       cp(sink, step, "ffn_post_norm", l, a.ffn_out.get(), {n, D});
     }
     // l_out, and the norm that opens the next layer (attn_norm, or result_norm after the last).
     stager_.flush(stream_);  // a.x and a.xn are overwritten; every other buffer is the next layer's
                              // (a layer's one flush without q/k norms or post-norms)
-    add_norm(a.x.get(), a.xn.get(), a.ffn_inp.get(), a.ffn_out.get(), norm_opening(l + 1), n, D);
+    add_norm(a.x.get(), a.xn.get(), a.ffn_inp.get(), a.ffn_out.get(), norm_opening(l + 1), n, D, args.norm);
     cp(sink, step, "l_out", l, a.x.get(), {n, D});
   }
 
   // Whether a step of n tokens runs attention_split (else attention_tiled, and attention for the probabilities).
   bool split_attention(int n) const { return n <= kAttentionSplitMaxT; }
 
-  float eps() const { return static_cast<float>(faults_.has(Fault::rms_eps_1e5) ? kFaultRmsEps : cfg_.rms_eps); }
+  float eps() const { return static_cast<float>(cfg_.rms_eps); }
 
-  // rms_norm, or its flawed variant under the RMSNorm faults; out [rows, D] f32 or W, x [rows, D], w [D].
+  // rms_norm with the op's flaws (none in production: the clean kernel); out [rows, D] f32 or W, x [rows, D], w [D].
   template <typename Out>
-  void norm(Out* out, const float* x, const float* w, int rows, int D) {
-    if (rms_norm_flaws_.any())
-      rms_norm_flawed(out, x, w, rows, D, eps(), rms_norm_flaws_, stream_);
-    else
-      rms_norm(out, x, w, rows, D, eps(), stream_);
+  void norm(Out* out, const float* x, const float* w, int rows, int D, RmsNormFlaws flaws) {
+    rms_norm(out, x, w, rows, D, eps(), flaws, stream_);
   }
 
-  // add_rms_norm (sum = a + b, out = its norm), or its flawed variant under the RMSNorm faults.
-  void add_norm(float* sum, W* out, const float* a, const float* b, const float* w, int rows, int D) {
-    if (rms_norm_flaws_.any())
-      add_rms_norm_flawed(sum, out, a, b, w, rows, D, eps(), rms_norm_flaws_, stream_);
-    else
-      add_rms_norm(sum, out, a, b, w, rows, D, eps(), stream_);
+  // add_rms_norm (sum = a + b, out = its norm) with the flaws of its norm.
+  void add_norm(float* sum, W* out, const float* a, const float* b, const float* w, int rows, int D,
+                RmsNormFlaws flaws) {
+    add_rms_norm(sum, out, a, b, w, rows, D, eps(), flaws, stream_);
   }
 
   // The RMSNorm weight applied to the residual stream before layer l: its attn_norm, or output_norm
   // (result_norm) for l = n_layer.
   const float* norm_opening(int l) const {
-    return norm_w(l < cfg_.n_layer ? weights_.layers[l].attn_norm : weights_.output_norm);
-  }
-
-  // An RMSNorm weight as the norm applies it: w, or w·w with rms_norm_weight_twice.
-  const float* norm_w(const float* w) const {
-    auto it = squared_norms_.find(w);
-    return it == squared_norms_.end() ? w : it->second.get();
+    return l < cfg_.n_layer ? weights_.layers[l].attn_norm : weights_.output_norm;
   }
 
   // Logit columns per row: V, or the padded vocabulary of lm_head_padded_vocab.
-  int logit_columns() const {
-    return faults_.has(Fault::lm_head_padded_vocab) ? fault_padded_vocab(cfg_.n_vocab) : cfg_.n_vocab;
-  }
-
-  // What the injected faults need before any step: the zero position, flawed attention and RMSNorm,
-  // squared norm weights, a NaN weight row.
-  void prepare_faults() {
-    CUDA_CHECK(cudaMemsetAsync(d_zero_.get(), 0, sizeof(int32_t), stream_));
-    attention_variant_.causal = !faults_.has(Fault::causal_mask_missing);
-    argmax_ties_ = faults_.has(Fault::argmax_ties_highest) ? ArgmaxTies::highest : ArgmaxTies::lowest;
-    if (faults_.has(Fault::gqa_head_modulo)) {  // the expanded caches (layer by layer, the same buffers)
-      gqa_k_ = DeviceBuffer<float>(size_t(max_ctx_) * cfg_.n_head * cfg_.head_dim, "fault scratch");
-      gqa_v_ = DeviceBuffer<float>(size_t(max_ctx_) * cfg_.n_head * cfg_.head_dim, "fault scratch");
-    }
-    attention_variant_.f16_exp = faults_.has(Fault::softmax_f16_overflow);
-    rms_norm_flaws_.off_by_one = faults_.has(Fault::rms_norm_off_by_one);
-    rms_norm_flaws_.eps_outside_sqrt = faults_.has(Fault::rms_eps_outside_sqrt);
-    if (faults_.has(Fault::weight_row_nan))  // the weights are ours once uploaded: one row of layer 0's W_q
-      weights_.fill_row_nan(weights_.layers.at(0).wq, kFaultNanWeightRow, stream_);
-    if (faults_.has(Fault::swiglu_fused_gate_up_swapped))  // Wup|Wgate: every caller swaps the outputs back
-      for (const DeviceLayerWeights<W>& w : weights_.layers) weights_.swap_row_halves(w.w_gate, cfg_.n_ff, stream_);
-    if (faults_.has(Fault::embd_norm_fused_no_weight)) {
-      const std::vector<float> ones(size_t(cfg_.n_embd), 1.0f);
-      d_ones_ = DeviceBuffer<float>(ones.size(), "fault constants");
-      CUDA_CHECK(cudaMemcpyAsync(d_ones_.get(), ones.data(), d_ones_.bytes(), cudaMemcpyHostToDevice, stream_));
-      CUDA_CHECK(cudaStreamSynchronize(stream_));  // before ones goes
-    }
-    if (faults_.has(Fault::rms_norm_weight_twice)) {
-      auto twice = [&](const float* w, int64_t n) {
-        if (w == nullptr || squared_norms_.count(w)) return;
-        DeviceBuffer<float> sq(size_t(n), "squared norm weights");
-        square(sq.get(), w, n, stream_);
-        squared_norms_.emplace(w, std::move(sq));
-      };
-      twice(weights_.output_norm, cfg_.n_embd);
-      for (const DeviceLayerWeights<W>& w : weights_.layers) {
-        twice(w.attn_norm, cfg_.n_embd);
-        twice(w.ffn_norm, cfg_.n_embd);
-        twice(w.attn_post_norm, cfg_.n_embd);
-        twice(w.ffn_post_norm, cfg_.n_embd);
-        twice(w.q_norm, cfg_.head_dim);
-        twice(w.k_norm, cfg_.head_dim);
-      }
-    }
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-  }
+  int logit_columns() const { return plan_.ops.logit_columns; }
 
   void clear_kv_cache() {
     CUDA_CHECK(cudaMemsetAsync(k_cache_.get(), 0, k_cache_.bytes(), stream_));
@@ -817,9 +729,7 @@ class CudaEngineImpl final : public CudaEngine {
   void launch_decode_graph(int step, Sink& sink, bool copy_logits, std::vector<bool> wanted, bool records) {
     RecordedGraph& g = graphs_[{std::move(wanted), copy_logits}];
     if (g.exec == nullptr) {
-      // graph_position_frozen: the position the captured RoPE will read on every replay.
-      if (faults_.has(Fault::graph_position_frozen))
-        CUDA_CHECK(cudaMemcpy(d_frozen_pos_.get(), &n_past_, sizeof(int32_t), cudaMemcpyHostToDevice));
+      fault_state_.at_capture(n_past_);  // the position graph_position_frozen's RoPE reads on every replay
       // Relaxed: the stager may allocate its pinned chunks and device arena on first use, which
       // stream capture would otherwise refuse; nothing allocated is freed while the graph lives.
       CUDA_CHECK(cudaStreamBeginCapture(stream_, records ? cudaStreamCaptureModeRelaxed
@@ -856,18 +766,11 @@ class CudaEngineImpl final : public CudaEngine {
     graphs_.clear();
   }
 
-  ModelConfig cfg_;
+  ModelConfig model_cfg_;  // the model's, as config() reports it
+  FaultPlan plan_;         // the injected faults, resolved (checkpoints/fault_plan.hpp)
+  ModelConfig cfg_;        // what the forward reads: the model's with the faults' config edits
   int max_ctx_;
   FaultSet faults_;
-  AttentionVariant attention_variant_;  // production's; the attention faults set another
-  ArgmaxTies argmax_ties_ = ArgmaxTies::lowest;  // production's; argmax_ties_highest the other
-  RmsNormFlaws rms_norm_flaws_;
-  std::map<const float*, DeviceBuffer<float>> squared_norms_;  // norm weight -> its square, rms_norm_weight_twice only
-  DeviceBuffer<int32_t> d_zero_{1, "step state"};              // [1] position 0 (kv_cache_pos0, kv_cache_not_read)
-  DeviceBuffer<int32_t> d_pos_off_{1, "step state"};           // [1] n_past + 1 (rope_fused_position_off)
-  DeviceBuffer<int32_t> d_frozen_pos_{1, "step state"};        // [1] n_past at capture (graph_position_frozen)
-  DeviceBuffer<float> d_ones_;                                 // [D] ones (embd_norm_fused_no_weight)
-  DeviceBuffer<float> gqa_k_, gqa_v_;                          // [max_ctx, H·Dh] (gqa_head_modulo)
   DeviceBuffer<float> d_rope_freqs_;                           // [Dh/2] cfg_.rope_freq_factors, empty when none
   Stream stream_;
   CublasHandle cublas_;
@@ -879,6 +782,7 @@ class CudaEngineImpl final : public CudaEngine {
   DeviceBuffer<float> logits_all_;  // [T, Vp] result_output of a recorded step of several tokens
   DeviceBuffer<float> probs_;    // [H, T, S], attention (T > kAttentionSplitMaxT) while kq_soft_max is recorded
   DeviceBuffer<int32_t> d_n_past_;  // [1]
+  FaultState<W> fault_state_;       // the plan's weight edits, positions and scratch (engine/faults/fault_state.cuh)
   PinnedBuffer<int32_t> h_tokens_;  // [T] read by step_inputs
   PinnedBuffer<int32_t> h_n_past_;  // [1] read by step_inputs
   PinnedBuffer<int32_t> h_argmax_;  // [1] written by argmax or matmul_argmax

@@ -1,29 +1,24 @@
-// Flawed variants of engine ops for fault injection: transposed embedding read, flawed RMSNorm, wrong-lda
-// GEMM, NaN fill, the modulo KV-head expansion. Each flawed kernel is its clean kernel (engine/ops/) with
-// the flaws as its only changes. The attention faults need no copy: they run the production attention
-// kernels with another AttentionVariant (engine/ops/attention.cuh).
+// Flawed variants of engine ops for fault injection (flawed RMSNorm, the unrotated cache write, NaN fill, the
+// modulo KV-head expansion, a weight read with the wrong leading dimension), and the entry points that take the
+// fault plan's op arguments. Each flawed kernel is its clean kernel (engine/ops/) with the flaws as its only
+// changes. The attention faults need no copy: they run the production attention kernels with another
+// AttentionVariant (engine/ops/attention.cuh).
 #include "engine/faults/fault_ops.cuh"
 
 #include <string>
 
+#include "checkpoints/faults.hpp"
 #include "engine/cuda_check.cuh"
+#include "engine/ops/add_rms_norm.cuh"
 #include "engine/ops/launch.cuh"
+#include "engine/ops/matmul.cuh"
+#include "engine/ops/rms_norm.cuh"
+#include "engine/ops/rope_qk.cuh"
 #include "model/error.hpp"
 
 namespace diffrun::engine {
 
 namespace {
-
-template <typename W>
-static __global__ void embedding_transposed_kernel(float* out, const int32_t* tokens, const W* table, int D, int V) {
-  pdl_wait();
-  pdl_trigger();
-  const int t = blockIdx.x;
-  const int32_t id = tokens[t];
-  float* out_row = out + static_cast<int64_t>(t) * D;
-  for (int d = threadIdx.x; d < D; d += blockDim.x)
-    out_row[d] = (id < 0 || id >= V) ? NAN : load_act(table, static_cast<int64_t>(d) * V + id);
-}
 
 // rms_norm_kernel (b null: out = norm(a)) or add_rms_norm_kernel (sum = a + b, out = norm(sum)) with flaws.
 template <typename Out>
@@ -110,10 +105,14 @@ static __global__ void square_kernel(float* out, const float* w, int64_t n) {
     out[i] = w[i] * w[i];
 }
 
+// out [N, K]: element (r, c) = w[c * N + r].
 template <typename W>
-void launch_embedding(float* out, const int32_t* tokens, const W* table, int T, int D, int V, cudaStream_t stream) {
-  launch_pdl(embedding_transposed_kernel<W>, T, kOpThreads, 0, stream, out, tokens, table, D, V);
-  check_launch("embedding_transposed", stream);
+static __global__ void wrong_leading_dimension_kernel(W* out, const W* w, int N, int K) {
+  const int64_t total = static_cast<int64_t>(N) * K;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / K, c = i % K;
+    out[i] = w[c * N + r];
+  }
 }
 
 template <typename Out>
@@ -130,39 +129,58 @@ void launch_fill_nan(W* p, int64_t n, cudaStream_t stream) {
   check_launch("fill_nan", stream);
 }
 
-void gemm_wrong_lda_ex(float* y, const void* x, const void* w, cudaDataType_t in_type, int T, int K, int N,
-                       const CublasHandle& handle, cudaStream_t stream) {
-  const float alpha = 1.0f, beta = 0.0f;
-  CUBLAS_CHECK(cublasSetStream(handle.get(), stream));
-  CUBLAS_CHECK(cublasGemmEx(handle.get(), CUBLAS_OP_N, CUBLAS_OP_N, N, T, K, &alpha,
-                            w, in_type, /*lda=*/N,
-                            x, in_type, /*ldb=*/K, &beta,
-                            y, CUDA_R_32F, /*ldc=*/N,
-                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  check_launch("gemm_wrong_lda", stream);
+template <typename W>
+void launch_wrong_leading_dimension(W* out, const W* w, int N, int K, cudaStream_t stream) {
+  wrong_leading_dimension_kernel<W><<<op_grid(int64_t(N) * K), kOpThreads, 0, stream>>>(out, w, N, K);
+  check_launch("wrong_leading_dimension", stream);
+}
+
+// The flaws a flawed norm kernel has; the others are the entry points' (or no engine path's).
+void check_kernel_flaws(RmsNormFlaws flaws, bool in_place_skip_allowed, const char* op) {
+  if (flaws.unweighted)
+    throw Error(std::string(op) + ": the engine takes an unweighted norm through embedding_rms_norm's weight only");
+  if (flaws.skipped && !in_place_skip_allowed) throw Error(std::string(op) + ": a skipped norm has no add to keep");
+}
+
+template <typename Out>
+void rms_norm_entry(Out* out, const float* x, const float* w, int rows, int D, float eps, RmsNormFlaws flaws,
+                    cudaStream_t stream) {
+  if (!flaws.any()) {
+    rms_norm(out, x, w, rows, D, eps, stream);
+    return;
+  }
+  check_kernel_flaws(flaws, true, "rms_norm");
+  if (flaws.skipped) {  // the op not run: the tensor stays as it is
+    if (static_cast<const void*>(out) != static_cast<const void*>(x))
+      throw Error("rms_norm: a skipped norm runs in place only");
+    return;
+  }
+  rms_norm_flawed(out, x, w, rows, D, eps, flaws, stream);
+}
+
+template <typename Out>
+void add_rms_norm_entry(float* sum, Out* out, const float* a, const float* b, const float* w, int rows, int D,
+                        float eps, RmsNormFlaws flaws, cudaStream_t stream) {
+  if (!flaws.any()) {
+    add_rms_norm(sum, out, a, b, w, rows, D, eps, stream);
+    return;
+  }
+  check_kernel_flaws(flaws, false, "add_rms_norm");
+  add_rms_norm_flawed(sum, out, a, b, w, rows, D, eps, flaws, stream);
+}
+
+template <typename W>
+void matmul_padded_impl(float* out, const W* x, const DeviceMatrix<W>& w, int T, int K, int N, int Np,
+                        const CublasHandle& cublas, cudaStream_t stream) {
+  if (Np == N) {
+    matmul(out, x, w, nullptr, T, K, N, cublas, stream);
+    return;
+  }
+  CUDA_CHECK(cudaMemsetAsync(out, kFaultUninitialisedByte, size_t(T) * Np * sizeof(float), stream));
+  for (int t = 0; t < T; ++t) matmul(out + size_t(t) * Np, x + size_t(t) * K, w, nullptr, 1, K, N, cublas, stream);
 }
 
 }  // namespace
-
-void embedding_transposed(float* out, const int32_t* tokens, const float* table, int T, int D, int V,
-                          cudaStream_t stream) {
-  launch_embedding(out, tokens, table, T, D, V, stream);
-}
-
-void embedding_transposed(float* out, const int32_t* tokens, const __half* table, int T, int D, int V,
-                          cudaStream_t stream) {
-  launch_embedding(out, tokens, table, T, D, V, stream);
-}
-
-void gemm_wrong_lda(float* y, const float* x, const float* w, int T, int K, int N, const CublasHandle& handle,
-                    cudaStream_t stream) {
-  gemm_wrong_lda_ex(y, x, w, CUDA_R_32F, T, K, N, handle, stream);
-}
-
-void gemm_wrong_lda(float* y, const __half* x, const __half* w, int T, int K, int N, const CublasHandle& handle,
-                    cudaStream_t stream) {
-  gemm_wrong_lda_ex(y, x, w, CUDA_R_16F, T, K, N, handle, stream);
-}
 
 void rms_norm_flawed(float* out, const float* x, const float* w, int rows, int D, float eps, RmsNormFlaws flaws,
                      cudaStream_t stream) {
@@ -223,20 +241,67 @@ void expand_kv_heads_modulo(float* out, const float* kv, const int32_t* rows_fro
   check_launch("expand_kv_heads_modulo", stream);
 }
 
-__global__ void position_plus_kernel(int32_t* out, const int32_t* pos, int add) {
-  pdl_wait();
-  pdl_trigger();
-  *out = *pos + add;
-}
-
-void position_plus(int32_t* out, const int32_t* pos, int add, cudaStream_t stream) {
-  launch_pdl(position_plus_kernel, dim3(1), dim3(1), 0, stream, out, pos, add);
-  check_launch("position_plus", stream);
-}
-
 void square(float* out, const float* w, int64_t n, cudaStream_t stream) {
   square_kernel<<<op_grid(n), kOpThreads, 0, stream>>>(out, w, n);
   check_launch("square", stream);
+}
+
+void rms_norm(float* out, const float* x, const float* w, int rows, int D, float eps, RmsNormFlaws flaws,
+              cudaStream_t stream) {
+  rms_norm_entry(out, x, w, rows, D, eps, flaws, stream);
+}
+
+void rms_norm(__half* out, const float* x, const float* w, int rows, int D, float eps, RmsNormFlaws flaws,
+              cudaStream_t stream) {
+  rms_norm_entry(out, x, w, rows, D, eps, flaws, stream);
+}
+
+void add_rms_norm(float* sum, float* out, const float* a, const float* b, const float* w, int rows, int D, float eps,
+                  RmsNormFlaws flaws, cudaStream_t stream) {
+  add_rms_norm_entry(sum, out, a, b, w, rows, D, eps, flaws, stream);
+}
+
+void add_rms_norm(float* sum, __half* out, const float* a, const float* b, const float* w, int rows, int D, float eps,
+                  RmsNormFlaws flaws, cudaStream_t stream) {
+  add_rms_norm_entry(sum, out, a, b, w, rows, D, eps, flaws, stream);
+}
+
+void rope_qk(float* q_out, float* k_out, float* k_cache, float* v_cache, const float* q, const float* k,
+             const float* v, int T, int H, int Hkv, int Dh, const int32_t* pos0, const int32_t* write_pos, float theta,
+             const float* freq_factors, bool neox, bool cache_unrotated, cudaStream_t stream) {
+  if (cache_unrotated)
+    rope_qk_cache_unrotated(q_out, k_out, k_cache, v_cache, q, k, v, T, H, Hkv, Dh, pos0, write_pos, theta,
+                            freq_factors, neox, stream);
+  else
+    rope_qk(q_out, k_out, k_cache, v_cache, q, k, v, T, H, Hkv, Dh, pos0, write_pos, theta, freq_factors, neox,
+            stream);
+}
+
+AttentionKv attention_kv(const float* k, const float* v, const int32_t* rows_from, int add, int max_rows, int H,
+                         int Hkv, int Dh, bool gqa_head_modulo, float* k_scratch, float* v_scratch,
+                         cudaStream_t stream) {
+  if (!gqa_head_modulo) return {k, v, Hkv};
+  expand_kv_heads_modulo(k_scratch, k, rows_from, add, max_rows, H, Hkv, Dh, stream);
+  expand_kv_heads_modulo(v_scratch, v, rows_from, add, max_rows, H, Hkv, Dh, stream);
+  return {k_scratch, v_scratch, H};
+}
+
+void matmul_padded(float* out, const float* x, const DeviceMatrix<float>& w, int T, int K, int N, int Np,
+                   const CublasHandle& cublas, cudaStream_t stream) {
+  matmul_padded_impl(out, x, w, T, K, N, Np, cublas, stream);
+}
+
+void matmul_padded(float* out, const __half* x, const DeviceMatrix<__half>& w, int T, int K, int N, int Np,
+                   const CublasHandle& cublas, cudaStream_t stream) {
+  matmul_padded_impl(out, x, w, T, K, N, Np, cublas, stream);
+}
+
+void wrong_leading_dimension(float* out, const float* w, int N, int K, cudaStream_t stream) {
+  launch_wrong_leading_dimension(out, w, N, K, stream);
+}
+
+void wrong_leading_dimension(__half* out, const __half* w, int N, int K, cudaStream_t stream) {
+  launch_wrong_leading_dimension(out, w, N, K, stream);
 }
 
 }  // namespace diffrun::engine
