@@ -184,8 +184,7 @@ nlohmann::ordered_json config_attributes(const ModelConfig& c) {
 
 ModelConfig config_from_attributes(const nlohmann::json& v) {
   ModelConfig c;
-  for (Arch a : all_archs())
-    if (v.at(attr::arch).get<std::string>() == arch_name(a)) c.arch = a;
+  if (const std::optional<Arch> a = arch_from_name(v.at(attr::arch).get<std::string>())) c.arch = *a;
   set_arch_features(c);  // the flags the attributes do not carry (post-norms, FFN activation, ...)
   for (const auto& [name, field] : int_fields()) c.*field = static_cast<int>(v.at(name).get<int64_t>());
   for (const auto& [name, field] : real_fields()) c.*field = v.at(name).get<double>();

@@ -183,9 +183,7 @@ NameMap NameMap::parse(std::string_view json, const std::string& source) {
     if (rule.to.find("{L}") != std::string::npos && rule.match.find("{L}") == std::string::npos)
       throw InputError(label + ": \"to\" uses {L} but \"match\" has none");
     for (const auto& a : rule.archs) {
-      bool known = false;
-      for (Arch x : all_archs()) known |= a == arch_name(x);
-      if (!known) throw InputError(label + ": unknown arch \"" + printable(a, 64, '"') + "\"");
+      if (!arch_from_name(a)) throw InputError(label + ": unknown arch \"" + printable(a, 64, '"') + "\"");
     }
     for (const auto& c : rule.crop)
       if (!find_dim(c)) {

@@ -1,4 +1,4 @@
-// ModelConfig from GGUF metadata for llama, qwen2, qwen3 and gemma3, and the tensor table check before compute.
+// ModelConfig from GGUF metadata for every architecture of model/config_names.cpp, and the tensor table check before compute.
 #include "model/config.hpp"
 
 #include <algorithm>
@@ -135,12 +135,11 @@ void check_block_count(const GgufFile& file, const std::string& key, int n_layer
 ModelConfig config_from_gguf(const GgufFile& file) {
   ModelConfig c;
   const std::string arch = file.get_string("general.architecture");
-  bool known = false;
-  for (Arch a : all_archs())
-    if (arch == arch_name(a)) c.arch = a, known = true;
+  const std::optional<Arch> known = arch_from_name(arch);
   if (!known)
-    throw ModelError(fmt::format("{}: unsupported architecture '{}'; diffrun supports llama, qwen2, qwen3, gemma3",
-                                 file.path(), printable(arch)));
+    throw ModelError(fmt::format("{}: unsupported architecture '{}'; diffrun supports {}", file.path(),
+                                 printable(arch), arch_names()));
+  c.arch = *known;
   set_arch_features(c);
   auto key = [&](const char* suffix) { return arch + "." + suffix; };
   auto req = [&](const char* suffix) {

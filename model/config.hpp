@@ -1,7 +1,9 @@
 // ModelConfig per architecture, read from GGUF metadata, and the tensor table every backend needs.
 #pragma once
 
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "model/gguf.hpp"
@@ -12,7 +14,11 @@ enum class Arch { llama, qwen2, qwen3, gemma3 };
 enum class RopeType { norm, neox };  // NORM pairs (2i, 2i+1): llama. NEOX pairs (i, i+Dh/2): qwen2/qwen3/gemma3.
 enum class FfnAct { silu, gelu_tanh };  // gated FFN: silu(gate)·up (SwiGLU) or gelu_tanh(gate)·up (GeGLU, gemma3)
 
+// The architectures' names (GGUF general.architecture, a dump's `arch`), defined once in
+// model/config_names.cpp.
 const char* arch_name(Arch a);
+std::optional<Arch> arch_from_name(std::string_view name);  // nullopt: not an architecture diffrun runs
+std::string arch_names(const char* separator = ", ");        // "llama, qwen2, qwen3, gemma3"
 const char* rope_type_name(RopeType r);
 const std::vector<Arch>& all_archs();  // every supported architecture, in the order errors list them
 

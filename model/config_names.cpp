@@ -1,35 +1,79 @@
-// Names of the architectures and RoPE types and the flags each architecture implies, alone in a file so the C API's vocabulary checks link without the GGUF reader.
+// The architectures (their names and the flags each implies) and the RoPE type names: the one C++ definition, alone in a file so the C API's vocabulary checks link without the GGUF reader.
+// python/diffrun/dump_schema.json lists the same architectures with the same features under `archs`;
+// tests/test_dump_schema.cpp checks the two against each other.
 #include "model/config.hpp"
 
 #include <cmath>
 
 namespace diffrun {
 
+namespace {
+
+// One row per architecture, in the order errors list them: its general.architecture name and the
+// structural flags set_arch_features gives it.
+struct ArchSpec {
+  Arch arch;
+  const char* name;
+  RopeType rope_type;
+  bool qkv_bias, qk_norm, embd_scale, post_norms;
+  FfnAct ffn_act;
+};
+
+constexpr ArchSpec kArchs[] = {
+    // arch, name, rope, qkv_bias, qk_norm, embd_scale, post_norms, ffn_act
+    {Arch::llama, "llama", RopeType::norm, false, false, false, false, FfnAct::silu},
+    {Arch::qwen2, "qwen2", RopeType::neox, true, false, false, false, FfnAct::silu},
+    {Arch::qwen3, "qwen3", RopeType::neox, false, true, false, false, FfnAct::silu},
+    {Arch::gemma3, "gemma3", RopeType::neox, false, true, true, true, FfnAct::gelu_tanh},
+};
+
+const ArchSpec* find_spec(Arch a) {
+  for (const ArchSpec& s : kArchs)
+    if (s.arch == a) return &s;
+  return nullptr;
+}
+
+}  // namespace
+
 const char* arch_name(Arch a) {
-  switch (a) {
-    case Arch::llama: return "llama";
-    case Arch::qwen2: return "qwen2";
-    case Arch::qwen3: return "qwen3";
-    case Arch::gemma3: return "gemma3";
-  }
-  return "unknown";
+  const ArchSpec* s = find_spec(a);
+  return s ? s->name : "unknown";
+}
+
+std::optional<Arch> arch_from_name(std::string_view name) {
+  for (const ArchSpec& s : kArchs)
+    if (name == s.name) return s.arch;
+  return std::nullopt;
+}
+
+std::string arch_names(const char* separator) {
+  std::string out;
+  for (const ArchSpec& s : kArchs) out += (out.empty() ? "" : separator) + std::string(s.name);
+  return out;
 }
 
 const char* rope_type_name(RopeType r) { return r == RopeType::norm ? "norm" : "neox"; }
 
 const std::vector<Arch>& all_archs() {
-  static const std::vector<Arch> archs = {Arch::llama, Arch::qwen2, Arch::qwen3, Arch::gemma3};
+  static const std::vector<Arch> archs = [] {
+    std::vector<Arch> v;
+    for (const ArchSpec& s : kArchs) v.push_back(s.arch);
+    return v;
+  }();
   return archs;
 }
 
 double ModelConfig::attention_scale() const { return attn_scale > 0 ? attn_scale : 1.0 / std::sqrt(double(head_dim)); }
 
 void set_arch_features(ModelConfig& c) {
-  c.rope_type = c.arch == Arch::llama ? RopeType::norm : RopeType::neox;
-  c.qkv_bias = c.arch == Arch::qwen2;
-  c.qk_norm = c.arch == Arch::qwen3 || c.arch == Arch::gemma3;
-  c.embd_scale = c.post_norms = c.arch == Arch::gemma3;
-  c.ffn_act = c.arch == Arch::gemma3 ? FfnAct::gelu_tanh : FfnAct::silu;
+  const ArchSpec* s = find_spec(c.arch);
+  if (!s) return;
+  c.rope_type = s->rope_type;
+  c.qkv_bias = s->qkv_bias;
+  c.qk_norm = s->qk_norm;
+  c.embd_scale = s->embd_scale;
+  c.post_norms = s->post_norms;
+  c.ffn_act = s->ffn_act;
 }
 
 }  // namespace diffrun
