@@ -1,4 +1,4 @@
-// ModelConfig from GGUF metadata for every architecture of model/config_names.cpp, and the tensor table check before compute.
+// ModelConfig from GGUF metadata for every architecture of model/config_names.cpp (the tensor table and its check: model/tensor_table.cpp).
 #include "model/config.hpp"
 
 #include <algorithm>
@@ -6,11 +6,9 @@
 #include <functional>
 #include <limits>
 #include <string_view>
-#include <unordered_map>
 #include <unordered_set>
 
 #include <fmt/core.h>
-#include <fmt/ranges.h>
 
 #include "model/dequant.hpp"
 #include "model/error.hpp"
@@ -90,21 +88,21 @@ void rope_scaling(const GgufFile& file, const std::string& arch, ModelConfig& c)
   const float scale = factor == 0.0 ? 1.0f : static_cast<float>(factor);  // 0 means none, as in llama.cpp
 
   const int half = c.head_dim / 2;
-  if (const TensorInfo* t = file.find_tensor("rope_freqs.weight")) {
+  if (const TensorInfo* t = file.find_tensor(kRopeFreqsTensor)) {
     if (t->n_elements != half || t->rows() != 1)
-      throw ModelError(fmt::format("{}: tensor 'rope_freqs.weight' has {} elements in {} rows, expected one row of "
+      throw ModelError(fmt::format("{}: tensor '{}' has {} elements in {} rows, expected one row of "
                                    "{} (one factor per rotary pair, head dim {} / 2)",
-                                   file.path(), t->n_elements, t->rows(), half, c.head_dim));
+                                   file.path(), kRopeFreqsTensor, t->n_elements, t->rows(), half, c.head_dim));
     if (!dequant_supported(t->type))
-      throw ModelError(fmt::format("{}: tensor 'rope_freqs.weight' has dtype {}, which diffrun cannot dequantize",
-                                   file.path(), ggml_type_name(t->type)));
+      throw ModelError(fmt::format("{}: tensor '{}' has dtype {}, which diffrun cannot dequantize",
+                                   file.path(), kRopeFreqsTensor, ggml_type_name(t->type)));
     c.rope_freq_factors.resize(half);
     dequantize(t->type, file.tensor_data(*t).data(), c.rope_freq_factors.data(), half);
     for (int i = 0; i < half; ++i) {
       if (!(std::isfinite(c.rope_freq_factors[i]) && c.rope_freq_factors[i] > 0))
-        throw ModelError(fmt::format("{}: tensor 'rope_freqs.weight' element {} is {}; every factor must be finite "
+        throw ModelError(fmt::format("{}: tensor '{}' element {} is {}; every factor must be finite "
                                      "and positive",
-                                     file.path(), i, c.rope_freq_factors[i]));
+                                     file.path(), kRopeFreqsTensor, i, c.rope_freq_factors[i]));
     }
   }
   if (scale != 1.0f) {
@@ -122,11 +120,11 @@ void check_block_count(const GgufFile& file, const std::string& key, int n_layer
   for (const TensorInfo& t : file.tensors()) names.insert(t.name);
   int l = 0;
   const int limit = static_cast<int>(std::min<size_t>(static_cast<size_t>(n_layer), n_tensors));
-  while (l < limit && names.count(layer_tensor(l, "attn_norm.weight"))) ++l;
+  while (l < limit && names.count(first_layer_tensor(l))) ++l;
   if (l < n_layer)
     throw ModelError(fmt::format("{}: missing tensor '{}' ({} is {} but the file holds the tensors of {} block{}, "
                                  "{} tensors in all)",
-                                 file.path(), layer_tensor(l, "attn_norm.weight"), key, n_layer, l, l == 1 ? "" : "s",
+                                 file.path(), first_layer_tensor(l), key, n_layer, l, l == 1 ? "" : "s",
                                  n_tensors));
 }
 
@@ -190,7 +188,7 @@ ModelConfig config_from_gguf(const GgufFile& file) {
       throw ModelError(fmt::format("{}: {} = {} disagrees with the {} entries of tokenizer.ggml.tokens", file.path(),
                                    key("vocab_size"), v, c.n_vocab));
   }
-  c.tied_output = file.find_tensor("output.weight") == nullptr;
+  c.tied_output = file.find_tensor(tensor_name(TensorRole::output)) == nullptr;
   if (c.arch == Arch::gemma3) read_gemma3(file, c, key);
   // llama.cpp reads attention.sliding_window only for architectures with local layers (gemma3 here);
   // its llama, qwen2 and qwen3 attend every earlier position whatever the key says, and its converter
@@ -201,85 +199,6 @@ ModelConfig config_from_gguf(const GgufFile& file) {
                                     "position, and so does diffrun",
                                     key("attention.sliding_window"), w->to_display(), arch));
   return c;
-}
-
-std::string layer_tensor(int layer, const char* suffix) { return fmt::format("blk.{}.{}", layer, suffix); }
-
-std::vector<ExpectedTensor> expected_tensors(const ModelConfig& cfg) {
-  const int64_t D = cfg.n_embd, V = cfg.n_vocab, F = cfg.n_ff, Dh = cfg.head_dim;
-  const int64_t Dq = cfg.n_head * Dh, Dkv = cfg.n_head_kv * Dh;
-  std::vector<ExpectedTensor> t;
-  t.push_back({"token_embd.weight", {D, V}});
-  t.push_back({"output_norm.weight", {D}});
-  if (!cfg.tied_output) t.push_back({"output.weight", {D, V}});
-  for (int l = 0; l < cfg.n_layer; ++l) {
-    auto add = [&](const char* suffix, std::vector<int64_t> ne) { t.push_back({layer_tensor(l, suffix), ne}); };
-    add("attn_norm.weight", {D});
-    add("attn_q.weight", {D, Dq});
-    add("attn_k.weight", {D, Dkv});
-    add("attn_v.weight", {D, Dkv});
-    if (cfg.qkv_bias) {
-      add("attn_q.bias", {Dq});
-      add("attn_k.bias", {Dkv});
-      add("attn_v.bias", {Dkv});
-    }
-    if (cfg.qk_norm) {
-      add("attn_q_norm.weight", {Dh});
-      add("attn_k_norm.weight", {Dh});
-    }
-    add("attn_output.weight", {Dq, D});
-    if (cfg.post_norms) add("post_attention_norm.weight", {D});
-    add("ffn_norm.weight", {D});
-    add("ffn_gate.weight", {D, F});
-    add("ffn_up.weight", {D, F});
-    add("ffn_down.weight", {F, D});
-    if (cfg.post_norms) add("post_ffw_norm.weight", {D});
-  }
-  return t;
-}
-
-namespace {
-std::string shape_str(const std::vector<int64_t>& ne) { return fmt::format("[{}]", fmt::join(ne, ", ")); }
-
-// GGUF writers may keep trailing dimensions of 1 ([576, 1] for a [576] vector); they change nothing.
-std::vector<int64_t> trim_trailing_ones(std::vector<int64_t> ne) {
-  while (ne.size() > 1 && ne.back() == 1) ne.pop_back();
-  return ne;
-}
-}  // namespace
-
-void validate_tensors(const GgufFile& file, const ModelConfig& cfg) {
-  std::unordered_map<std::string_view, const TensorInfo*> by_name;
-  for (const TensorInfo& t : file.tensors()) by_name.emplace(t.name, &t);
-  // A hostile or broken block_count can ask for far more layers than the file holds tensors: name the
-  // first missing layer before listing (and allocating) billions of expected names.
-  if (static_cast<size_t>(cfg.n_layer) > file.tensors().size()) {
-    int l = 0;
-    while (by_name.count(layer_tensor(l, "attn_norm.weight"))) ++l;
-    throw ModelError(fmt::format("{}: missing tensor '{}' (expected shape [{}]; block_count is {} but the file "
-                                 "holds only {} tensors)",
-                                 file.path(), layer_tensor(l, "attn_norm.weight"), cfg.n_embd, cfg.n_layer,
-                                 file.tensors().size()));
-  }
-  for (const ExpectedTensor& e : expected_tensors(cfg)) {
-    const auto it = by_name.find(e.name);
-    const TensorInfo* t = it == by_name.end() ? nullptr : it->second;
-    if (!t)
-      throw ModelError(fmt::format("{}: missing tensor '{}' (expected shape {})", file.path(), e.name,
-                                   shape_str(e.ne)));
-    if (!dequant_supported(t->type))
-      throw ModelError(fmt::format("{}: tensor '{}' has dtype {}, which diffrun cannot dequantize", file.path(),
-                                   e.name, ggml_type_name(t->type)));
-    const std::vector<int64_t> found = trim_trailing_ones(t->ne);
-    bool ok = found == e.ne;
-    // Embedding and lm head may carry padded vocabulary rows beyond the token list (ne[1] >= V);
-    // the forward pass reads only the first V rows, and logits cover the real vocabulary.
-    const bool vocab_rows = e.name == "token_embd.weight" || e.name == "output.weight";
-    if (vocab_rows && found.size() == 2 && found[0] == e.ne[0] && found[1] >= e.ne[1]) ok = true;
-    if (!ok)
-      throw ModelError(fmt::format("{}: tensor '{}' has shape {}, expected {}{}", file.path(), e.name,
-                                   shape_str(t->ne), shape_str(e.ne), vocab_rows ? " (or more vocab rows)" : ""));
-  }
 }
 
 namespace {

@@ -1,4 +1,4 @@
-// ModelConfig per architecture, read from GGUF metadata, and the tensor table every backend needs.
+// ModelConfig per architecture, read from GGUF metadata (the tensor table every backend needs: model/tensor_table.hpp).
 #pragma once
 
 #include <optional>
@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "model/gguf.hpp"
+#include "model/tensor_table.hpp"  // the tensor table of a config: expected_tensors, validate_tensors
 
 namespace diffrun {
 
@@ -67,21 +68,6 @@ void set_arch_features(ModelConfig& cfg);
 
 // Throws ModelError listing the supported architectures for an unknown general.architecture.
 ModelConfig config_from_gguf(const GgufFile& file);
-
-// GGUF tensor names (llama.cpp's), e.g. layer_tensor(3, "attn_q.weight") == "blk.3.attn_q.weight".
-std::string layer_tensor(int layer, const char* suffix);
-
-// One entry per weight tensor the forward pass reads, with its expected GGUF dims (ne order);
-// rope_freqs.weight is read by config_from_gguf into rope_freq_factors and is not listed.
-struct ExpectedTensor {
-  std::string name;
-  std::vector<int64_t> ne;
-};
-std::vector<ExpectedTensor> expected_tensors(const ModelConfig& cfg);
-
-// Checks presence, dtype support (dequant_supported) and shape of every expected tensor before any
-// compute; throws ModelError naming the tensor with expected and found shapes.
-void validate_tensors(const GgufFile& file, const ModelConfig& cfg);
 
 // A one-paragraph description of the config for `diffrun inspect` and logs.
 std::string describe(const ModelConfig& cfg);
