@@ -7,7 +7,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include <cuda_fp16.h>
 
@@ -27,27 +29,19 @@ constexpr uint64_t kAlign = 256;
 
 uint64_t align_up(uint64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-// Tensors placed right after the one before them (no alignment gap), so that Wq|Wk|Wv, bq|bk|bv and
-// Wgate|Wup are each one concatenated tensor for the fused projections (matmul_cat).
-bool continues_previous(const std::string& name) {
-  for (const char* suffix : {".attn_k.weight", ".attn_v.weight", ".attn_k.bias", ".attn_v.bias", ".ffn_up.weight"})
-    if (name.ends_with(suffix)) return true;
-  return false;
+// Tensors placed right after the one before them in the table's order (no alignment gap), so that
+// Wq|Wk|Wv, bq|bk|bv and Wgate|Wup are each one concatenated tensor for the fused projections (matmul_cat).
+bool continues_previous(TensorRole r) {
+  using R = TensorRole;
+  return r == R::wk || r == R::wv || r == R::bk || r == R::bv || r == R::w_up;
 }
 
-// The members of the concatenation group of `name` (itself alone outside a group).
-std::vector<std::string> group_of(const std::string& name) {
-  auto with = [&](const char* suffix, std::initializer_list<const char*> members) {
-    const std::string stem = name.substr(0, name.size() - std::strlen(suffix));
-    std::vector<std::string> out;
-    for (const char* m : members) out.push_back(stem + m);
-    return out;
-  };
-  for (const char* s : {".attn_q.weight", ".attn_k.weight", ".attn_v.weight"})
-    if (name.ends_with(s)) return with(s, {".attn_q.weight", ".attn_k.weight", ".attn_v.weight"});
-  for (const char* s : {".ffn_gate.weight", ".ffn_up.weight"})
-    if (name.ends_with(s)) return with(s, {".ffn_gate.weight", ".ffn_up.weight"});
-  return {name};
+// The members of the concatenation group of a role, in the table's order (itself alone outside a group).
+std::vector<TensorRole> group_of(TensorRole r) {
+  using R = TensorRole;
+  if (r == R::wq || r == R::wk || r == R::wv) return {R::wq, R::wk, R::wv};
+  if (r == R::w_gate || r == R::w_up) return {R::w_gate, R::w_up};
+  return {r};
 }
 
 bool quantized_weights_enabled() {
@@ -55,7 +49,7 @@ bool quantized_weights_enabled() {
   return !(v != nullptr && std::strcmp(v, "0") == 0);
 }
 
-// One tensor to upload: `rows` rows of ne[0] values (fewer than the file holds for padded vocab).
+// One tensor of the table to upload: `rows` rows of ne[0] values (fewer than the file holds for padded vocab).
 struct Planned {
   const TensorInfo* info;
   int64_t n_elements;  // uploaded elements
@@ -63,13 +57,16 @@ struct Planned {
   bool is_matrix;      // stored in W (or quantized); vectors in f32
   bool quantized;      // kept as GGUF blocks
   uint64_t offset;     // in the arena
+  TensorRole role;
+  int layer;                                // -1 for a global tensor
+  std::optional<TensorRole> stands_in_for;  // token_embd as the lm head where output.weight is absent
 };
 
 std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t matrix_elem_bytes,
                           uint64_t* arena_bytes, uint64_t* scratch_elements) {
   const bool keep_quantized = quantized_weights_enabled();
-  auto quantizable = [&](const std::string& name) {
-    const TensorInfo& t = file.tensor(name);
+  auto quantizable = [&](TensorRole role, int layer) {
+    const TensorInfo& t = file.tensor(tensor_name(role, layer));
     return keep_quantized && t.ne.size() == 2 && qgemv_supported(t.type);
   };
   std::vector<Planned> out;
@@ -81,22 +78,21 @@ std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t
       throw ModelError(file.path() + ": tensor '" + e.name + "' has dtype " + ggml_type_name(t.type) +
                        ", which the CUDA engine cannot dequantize");
     const int64_t cols = t.ne.empty() ? 1 : t.ne[0];
-    const bool vocab = e.name == "token_embd.weight" || e.name == "output.weight";
-    const int64_t rows = vocab ? cfg.n_vocab : t.rows();
+    const int64_t rows = e.vocab_rows ? cfg.n_vocab : t.rows();
     const int64_t n = rows * cols;
     const uint64_t raw = static_cast<uint64_t>(n / ggml_block_elements(t.type)) * ggml_block_bytes(t.type);
-    const bool is_matrix = e.ne.size() == 2;
+    const bool is_matrix = e.matrix();
     bool quantized = is_matrix;
-    for (const std::string& member : group_of(e.name)) quantized = quantized && quantizable(member);
+    for (TensorRole member : group_of(e.role)) quantized = quantized && quantizable(member, e.layer);
     // A quantized member continues its group only in the same format (else its own aligned segment).
-    const bool continues = continues_previous(e.name) &&
+    const bool continues = continues_previous(e.role) &&
                            (!quantized || (!out.empty() && out.back().info->type == t.type));
     if (!continues) offset = align_up(offset);
     if (quantized) {
-      group_elements = continues_previous(e.name) ? group_elements + n : n;
+      group_elements = continues_previous(e.role) ? group_elements + n : n;
       *scratch_elements = std::max<uint64_t>(*scratch_elements, group_elements);
     }
-    out.push_back({&t, n, raw, is_matrix, quantized, offset});
+    out.push_back({&t, n, raw, is_matrix, quantized, offset, e.role, e.layer, e.stands_in_for});
     offset += quantized ? raw : static_cast<uint64_t>(n) * (is_matrix ? matrix_elem_bytes : sizeof(float));
   }
   *arena_bytes = align_up(offset);
@@ -222,15 +218,15 @@ DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cu
   }
   CUDA_CHECK(cudaStreamSynchronize(stream));  // before `staging` is freed
 
-  // A matrix from `name` to the end of its concatenation group: dense rows, or quantized segments
+  // A matrix from `from` to the end of its concatenation group: dense rows, or quantized segments
   // (consecutive members of one format merged, as the arena holds them back to back).
-  auto matrix = [&](const std::string& name) {
+  auto matrix = [&](const Planned& from) {
     DeviceMatrix<W> m;
-    const std::vector<std::string> group = group_of(name);
     bool from_here = false;
-    for (const std::string& member : group) {
-      from_here = from_here || member == name;
+    for (TensorRole role : group_of(from.role)) {
+      from_here = from_here || role == from.role;
       if (!from_here) continue;
+      const std::string member = tensor_name(role, from.layer);
       const Planned& p = *planned.at(member);
       m.K = static_cast<int>(p.info->ne[0]);
       const int rows = static_cast<int>(p.n_elements / m.K);
@@ -252,33 +248,37 @@ DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cu
     }
     return m;
   };
-  auto vector = [&](const std::string& name) { return static_cast<const float*>(by_name.at(name)); };
-  token_embd = matrix("token_embd.weight");
-  output_norm = vector("output_norm.weight");
-  lm_head = cfg.tied_output ? token_embd : matrix("output.weight");
+  auto vector = [&](const Planned& p) { return static_cast<const float*>(by_name.at(p.info->name)); };
   layers.resize(cfg.n_layer);
-  for (int l = 0; l < cfg.n_layer; ++l) {
-    DeviceLayerWeights<W>& w = layers[l];
-    w.attn_norm = vector(layer_tensor(l, "attn_norm.weight"));
-    w.wq = matrix(layer_tensor(l, "attn_q.weight"));
-    w.wk = matrix(layer_tensor(l, "attn_k.weight"));
-    w.wv = matrix(layer_tensor(l, "attn_v.weight"));
-    if (cfg.qkv_bias) {
-      w.bq = vector(layer_tensor(l, "attn_q.bias"));
-      w.bk = vector(layer_tensor(l, "attn_k.bias"));
-      w.bv = vector(layer_tensor(l, "attn_v.bias"));
+  // Every tensor of the table into the field named as its role, and token_embd also into lm_head where it
+  // stands in for an absent output.weight (the table's fallback).
+  auto assign = [&](TensorRole role, const Planned& p) {
+    DeviceLayerWeights<W>* w = p.layer >= 0 ? &layers[p.layer] : nullptr;
+    switch (role) {
+      case TensorRole::token_embd: token_embd = matrix(p); break;
+      case TensorRole::output_norm: output_norm = vector(p); break;
+      case TensorRole::output: lm_head = matrix(p); break;
+      case TensorRole::attn_norm: w->attn_norm = vector(p); break;
+      case TensorRole::wq: w->wq = matrix(p); break;
+      case TensorRole::wk: w->wk = matrix(p); break;
+      case TensorRole::wv: w->wv = matrix(p); break;
+      case TensorRole::bq: w->bq = vector(p); break;
+      case TensorRole::bk: w->bk = vector(p); break;
+      case TensorRole::bv: w->bv = vector(p); break;
+      case TensorRole::q_norm: w->q_norm = vector(p); break;
+      case TensorRole::k_norm: w->k_norm = vector(p); break;
+      case TensorRole::wo: w->wo = matrix(p); break;
+      case TensorRole::attn_post_norm: w->attn_post_norm = vector(p); break;
+      case TensorRole::ffn_norm: w->ffn_norm = vector(p); break;
+      case TensorRole::w_gate: w->w_gate = matrix(p); break;
+      case TensorRole::w_up: w->w_up = matrix(p); break;
+      case TensorRole::w_down: w->w_down = matrix(p); break;
+      case TensorRole::ffn_post_norm: w->ffn_post_norm = vector(p); break;
     }
-    if (cfg.qk_norm) {
-      w.q_norm = vector(layer_tensor(l, "attn_q_norm.weight"));
-      w.k_norm = vector(layer_tensor(l, "attn_k_norm.weight"));
-    }
-    w.wo = matrix(layer_tensor(l, "attn_output.weight"));
-    if (cfg.post_norms) w.attn_post_norm = vector(layer_tensor(l, "post_attention_norm.weight"));
-    w.ffn_norm = vector(layer_tensor(l, "ffn_norm.weight"));
-    w.w_gate = matrix(layer_tensor(l, "ffn_gate.weight"));
-    w.w_up = matrix(layer_tensor(l, "ffn_up.weight"));
-    w.w_down = matrix(layer_tensor(l, "ffn_down.weight"));
-    if (cfg.post_norms) w.ffn_post_norm = vector(layer_tensor(l, "post_ffw_norm.weight"));
+  };
+  for (const Planned& p : tensors) {
+    assign(p.role, p);
+    if (p.stands_in_for) assign(*p.stands_in_for, p);
   }
 }
 

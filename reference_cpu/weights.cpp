@@ -133,37 +133,39 @@ template <typename T>
 Weights<T> Weights<T>::load(const GgufFile& file, const ModelConfig& cfg, const FaultSet& faults, bool matrices_f16,
                             WeightHolding holding) {
   const bool faulty = faults.has(Fault::dequant_scale_offset);
-  auto load_matrix = [&](const std::string& name) {
-    return ref::load_matrix<T>(file, name, faulty, matrices_f16, holding);
-  };
-  auto load_vector = [&](const std::string& name) { return ref::load_vector<T>(file, name, faulty); };
   Weights<T> w;
-  w.token_embd = load_matrix("token_embd.weight");
-  w.output_norm = load_vector("output_norm.weight");
-  if (!cfg.tied_output) w.output = load_matrix("output.weight");
   w.layers.resize(cfg.n_layer);
-  for (int l = 0; l < cfg.n_layer; ++l) {
-    LayerWeights<T>& lw = w.layers[l];
-    lw.attn_norm = load_vector(layer_tensor(l, "attn_norm.weight"));
-    lw.wq = load_matrix(layer_tensor(l, "attn_q.weight"));
-    lw.wk = load_matrix(layer_tensor(l, "attn_k.weight"));
-    lw.wv = load_matrix(layer_tensor(l, "attn_v.weight"));
-    if (cfg.qkv_bias) {
-      lw.bq = load_vector(layer_tensor(l, "attn_q.bias"));
-      lw.bk = load_vector(layer_tensor(l, "attn_k.bias"));
-      lw.bv = load_vector(layer_tensor(l, "attn_v.bias"));
+  // Every tensor of the table into the field named as its role. Where output.weight is absent, `output` stays
+  // empty and lm_head() reads token_embd (the table's fallback), one matrix for both.
+  for (const ExpectedTensor& e : expected_tensors(cfg)) {
+    LayerWeights<T>* lw = e.layer >= 0 ? &w.layers[e.layer] : nullptr;
+    WeightMatrix<T>* m = nullptr;
+    Vector<T>* v = nullptr;
+    switch (e.role) {
+      case TensorRole::token_embd: m = &w.token_embd; break;
+      case TensorRole::output_norm: v = &w.output_norm; break;
+      case TensorRole::output: m = &w.output; break;
+      case TensorRole::attn_norm: v = &lw->attn_norm; break;
+      case TensorRole::wq: m = &lw->wq; break;
+      case TensorRole::wk: m = &lw->wk; break;
+      case TensorRole::wv: m = &lw->wv; break;
+      case TensorRole::bq: v = &lw->bq; break;
+      case TensorRole::bk: v = &lw->bk; break;
+      case TensorRole::bv: v = &lw->bv; break;
+      case TensorRole::q_norm: v = &lw->q_norm; break;
+      case TensorRole::k_norm: v = &lw->k_norm; break;
+      case TensorRole::wo: m = &lw->wo; break;
+      case TensorRole::attn_post_norm: v = &lw->attn_post_norm; break;
+      case TensorRole::ffn_norm: v = &lw->ffn_norm; break;
+      case TensorRole::w_gate: m = &lw->w_gate; break;
+      case TensorRole::w_up: m = &lw->w_up; break;
+      case TensorRole::w_down: m = &lw->w_down; break;
+      case TensorRole::ffn_post_norm: v = &lw->ffn_post_norm; break;
     }
-    if (cfg.qk_norm) {
-      lw.q_norm = load_vector(layer_tensor(l, "attn_q_norm.weight"));
-      lw.k_norm = load_vector(layer_tensor(l, "attn_k_norm.weight"));
-    }
-    lw.wo = load_matrix(layer_tensor(l, "attn_output.weight"));
-    if (cfg.post_norms) lw.attn_post_norm = load_vector(layer_tensor(l, "post_attention_norm.weight"));
-    lw.ffn_norm = load_vector(layer_tensor(l, "ffn_norm.weight"));
-    lw.w_gate = load_matrix(layer_tensor(l, "ffn_gate.weight"));
-    lw.w_up = load_matrix(layer_tensor(l, "ffn_up.weight"));
-    lw.w_down = load_matrix(layer_tensor(l, "ffn_down.weight"));
-    if (cfg.post_norms) lw.ffn_post_norm = load_vector(layer_tensor(l, "post_ffw_norm.weight"));
+    if (e.matrix() != (m != nullptr))
+      throw Error(e.name + ": the tensor table's rank and the reference's field disagree");
+    if (m) *m = ref::load_matrix<T>(file, e.name, faulty, matrices_f16, holding);
+    else *v = ref::load_vector<T>(file, e.name, faulty);
   }
   return w;
 }
