@@ -2,8 +2,6 @@
 #include "checkpoints/faults.hpp"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstring>
 
 #include <fmt/format.h>
 
@@ -184,23 +182,29 @@ const std::vector<FaultInfo> kCatalog = {
      "result_output"},
 };
 
-// The checkpoint first computed from GGUF tensor `name` ("blk.3.attn_q.weight" -> "Qcur-3").
-std::string checkpoint_of_tensor(const std::string& name) {
-  if (name == "token_embd.weight") return "embd";
-  if (name == "output_norm.weight") return "result_norm";
-  if (name == "output.weight") return "result_output";
-  int layer = -1;
-  char suffix[64] = {};
-  if (std::sscanf(name.c_str(), "blk.%d.%63s", &layer, suffix) != 2) return "";
-  static const std::pair<const char*, const char*> kMap[] = {
-      {"attn_norm.", "attn_norm"}, {"attn_q_norm.", "Qnorm"}, {"attn_k_norm.", "Knorm"}, {"attn_q.", "Qcur"},
-      {"attn_k.", "Kcur"},         {"attn_v.", "Vcur"},       {"attn_output.", "attn_out"}, {"ffn_norm.", "ffn_norm"},
-      {"ffn_gate.", "ffn_gate"},   {"ffn_up.", "ffn_up"},     {"ffn_down.", "ffn_out"},
-      {"post_attention_norm.", "attn_post_norm"}, {"post_ffw_norm.", "ffn_post_norm"}};
-  for (const auto& [prefix, base] : kMap) {
-    if (std::strncmp(suffix, prefix, std::strlen(prefix)) == 0) return checkpoint_name(base, layer);
+// The checkpoint first computed from a tensor of the table (wq of layer 3, blk.3.attn_q.weight -> "Qcur-3").
+std::string checkpoint_of_tensor(const ExpectedTensor& e) {
+  using R = TensorRole;
+  const char* base = "";
+  switch (e.role) {
+    case R::token_embd: base = "embd"; break;
+    case R::output_norm: base = "result_norm"; break;
+    case R::output: base = "result_output"; break;
+    case R::attn_norm: base = "attn_norm"; break;
+    case R::wq: case R::bq: base = "Qcur"; break;
+    case R::wk: case R::bk: base = "Kcur"; break;
+    case R::wv: case R::bv: base = "Vcur"; break;
+    case R::q_norm: base = "Qnorm"; break;
+    case R::k_norm: base = "Knorm"; break;
+    case R::wo: base = "attn_out"; break;
+    case R::attn_post_norm: base = "attn_post_norm"; break;
+    case R::ffn_norm: base = "ffn_norm"; break;
+    case R::w_gate: base = "ffn_gate"; break;
+    case R::w_up: base = "ffn_up"; break;
+    case R::w_down: base = "ffn_out"; break;
+    case R::ffn_post_norm: base = "ffn_post_norm"; break;
   }
-  return "";
+  return checkpoint_name(base, e.layer);
 }
 
 // The first checkpoint (in execution order) computed from a tensor in a legacy block format; "" if none.
@@ -210,8 +214,7 @@ std::string first_legacy_checkpoint(const ModelConfig& cfg, const GgufFile& file
   for (const ExpectedTensor& e : expected_tensors(cfg)) {
     const TensorInfo* t = file.find_tensor(e.name);
     if (!t || !dequant_fault_format(t->type)) continue;
-    const std::string cp = checkpoint_of_tensor(e.name);
-    if (cp.empty()) continue;
+    const std::string cp = checkpoint_of_tensor(e);
     const ParsedCheckpointName p = parse_checkpoint_name(cp);
     const int order = checkpoint_order(cfg, p.base, p.layer);
     if (best.empty() || order < best_order) {
