@@ -1,4 +1,4 @@
-// The CPU reference backend: an Eigen forward pass in f32 or f64 for llama, qwen2 and qwen3.
+// The CPU reference backend: an Eigen forward pass in f32 or f64 for every architecture of model/config_names.cpp.
 #pragma once
 
 #include <memory>

@@ -1,4 +1,4 @@
-// RoPE, NEOX pairing (i, i + Dh/2): qwen2, qwen3. (T, n_head, Dh)
+// RoPE, NEOX pairing (i, i + Dh/2): qwen2, qwen3, gemma3. (T, n_head, Dh)
 // Each pair i in [0, Dh/2) of each head of token t is rotated by angle = pos[t] · theta^(-2i/Dh),
 // with pos[t] = *pos0 + t, computed in f32 as float(pos) · powf(theta, -2.0f·i/Dh), then sincosf
 // (no fast math), as the reference computes it in its scalar type:
