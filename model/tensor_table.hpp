@@ -16,7 +16,8 @@ struct ModelConfig;
 
 // What a tensor is to the forward pass. Each loader maps a role to its own field, named as the role
 // (reference_cpu/weights.hpp, engine/weights.cuh); a switch over the roles with no default makes the compiler
-// name a role a loader forgot.
+// name a role a loader forgot. Shapes below as the loaders hold them, [rows, cols] (the table's ne order is the
+// reverse).
 enum class TensorRole : uint8_t {
   // global
   token_embd,      // [Vt, D] embedding rows (Vt >= V)
