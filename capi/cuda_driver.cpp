@@ -46,7 +46,12 @@ Loaded load() {
              bind(lib, "cuEventCreate", c.cuEventCreate, l.why) &
              bind(lib, "cuEventDestroy_v2", c.cuEventDestroy, l.why) &
              bind(lib, "cuEventRecord", c.cuEventRecord, l.why) &
-             bind(lib, "cuEventSynchronize", c.cuEventSynchronize, l.why);
+             bind(lib, "cuEventSynchronize", c.cuEventSynchronize, l.why) &
+             bind(lib, "cuMemHostGetDevicePointer_v2", c.cuMemHostGetDevicePointer, l.why) &
+             bind(lib, "cuModuleLoadData", c.cuModuleLoadData, l.why) &
+             bind(lib, "cuModuleUnload", c.cuModuleUnload, l.why) &
+             bind(lib, "cuModuleGetFunction", c.cuModuleGetFunction, l.why) &
+             bind(lib, "cuLaunchKernel", c.cuLaunchKernel, l.why);
   if (!all) return l;  // the library stays loaded: the engine may use it
   if (const CUresult rc = c.cuInit(0); rc != kCudaSuccess) {
     l.why = "no usable CUDA device (cuInit: " + cuda_error_text(c, rc) + ")";

@@ -16,6 +16,8 @@ using CUdeviceptr = unsigned long long;
 using CUstream = struct CUstream_st*;
 using CUevent = struct CUevent_st*;
 using CUcontext = struct CUctx_st*;
+using CUmodule = struct CUmod_st*;
+using CUfunction = struct CUfunc_st*;
 
 inline constexpr CUresult kCudaSuccess = 0;
 inline constexpr CUresult kCudaErrorInvalidValue = 1;
@@ -25,6 +27,7 @@ inline constexpr int kStreamCaptureNone = 0;           // CU_STREAM_CAPTURE_STAT
 inline constexpr int kStreamCaptureActive = 1;         // CU_STREAM_CAPTURE_STATUS_ACTIVE
 inline constexpr unsigned kEventDisableTiming = 0x2;   // CU_EVENT_DISABLE_TIMING
 inline constexpr unsigned kMemHostAllocPortable = 0x1;  // CU_MEMHOSTALLOC_PORTABLE
+inline constexpr unsigned kMemHostAllocDeviceMap = 0x2;  // CU_MEMHOSTALLOC_DEVICEMAP
 
 // The functions, by their exported (versioned, non per-thread) names in libcuda.so.1.
 struct CudaDriver {
@@ -43,6 +46,13 @@ struct CudaDriver {
   CUresult (*cuEventDestroy)(CUevent event);  // cuEventDestroy_v2
   CUresult (*cuEventRecord)(CUevent event, CUstream stream);
   CUresult (*cuEventSynchronize)(CUevent event);
+  // The batched copy of diffrun_dump_flush_device (capi/gather_kernel.cu).
+  CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr* dev, void* host, unsigned flags);  // _v2
+  CUresult (*cuModuleLoadData)(CUmodule* module, const void* image);
+  CUresult (*cuModuleUnload)(CUmodule module);
+  CUresult (*cuModuleGetFunction)(CUfunction* fn, CUmodule module, const char* name);
+  CUresult (*cuLaunchKernel)(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                             unsigned bz, unsigned shared_bytes, CUstream stream, void** params, void** extra);
 };
 
 // The driver, loaded and initialized (cuInit) once per process; nullptr when it cannot be, with the

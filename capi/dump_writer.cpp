@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "capi/cuda_driver.hpp"
+#include "capi/gather_kernel_ptx.hpp"
 #include "checkpoints/dump_format.hpp"
 #include "checkpoints/dump_validate.hpp"
 #include "checkpoints/rows.hpp"
@@ -72,6 +73,18 @@ struct Staging {
   std::vector<Slot> capturing;             // the slots of the capture in progress
   std::vector<std::vector<Slot>> graphs;   // diffrun_dump_capture_end's graphs
   std::deque<Pending> pending;             // in put order
+  // Deferred device puts (diffrun_dump_put_device_deferred), copied at the next diffrun_dump_flush_device.
+  struct Noted {
+    Checked c;
+    unsigned long long src;  // device
+    size_t offset;           // in the staging memory: a graph slot (captured), else set at the flush
+  };
+  std::vector<Noted> noted;
+  void* noted_stream = nullptr;
+  bool noted_captured = false;
+  unsigned long long device_base = 0;  // base as the device addresses it; 0: not mapped
+  CUmodule module = nullptr;           // capi/gather_kernel.cu's PTX, loaded in ctx
+  CUfunction gather = nullptr;         // null: the flush copies with cuMemcpyDtoHAsync, one per put
   ~Staging();
 };
 
@@ -401,13 +414,23 @@ Staging& staging(diffrun_dump* d, size_t bytes) {
   if (bytes == 0) bytes = default_staging_bytes();
   bytes = (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
   void* p = nullptr;
-  cuda_check(cu, cu->cuMemHostAlloc(&p, bytes, cu_abi::kMemHostAllocPortable),
+  cuda_check(cu, cu->cuMemHostAlloc(&p, bytes, cu_abi::kMemHostAllocPortable | cu_abi::kMemHostAllocDeviceMap),
              where(d) + "cannot allocate " + std::to_string(bytes) + " bytes of pinned staging memory");
   auto s = std::make_unique<Staging>();
   s->cu = cu;
   s->ctx = ctx;
   s->base = static_cast<char*>(p);
   s->size = s->graph_bottom = bytes;
+  // The batched copy of deferred puts: a kernel writing into the staging memory through its device
+  // mapping. Where either is unavailable, the flush falls back to one cuMemcpyDtoHAsync per put.
+  cu_abi::CUdeviceptr mapped = 0;
+  if (cu->cuMemHostGetDevicePointer(&mapped, p, 0) == cu_abi::kCudaSuccess &&
+      cu->cuModuleLoadData(&s->module, cu_abi::kGatherPtx) == cu_abi::kCudaSuccess) {
+    if (cu->cuModuleGetFunction(&s->gather, s->module, cu_abi::kGatherEntry) == cu_abi::kCudaSuccess)
+      s->device_base = mapped;
+    else
+      s->gather = nullptr;
+  }
   d->staging = std::move(s);
   return *d->staging;
 }
@@ -496,8 +519,23 @@ bool has_letter(const std::string& layout, const char* letter) {
   return false;
 }
 
+// Deferred puts since the last flush must all be of one stream and one side of a capture.
+void note_deferred(diffrun_dump* d, Staging& s, void* stream, bool captured, const std::string& at) {
+  if (s.noted.empty()) {
+    s.noted_stream = stream;
+    s.noted_captured = captured;
+    return;
+  }
+  need(stream == s.noted_stream, DIFFRUN_DUMP_E_ARG,
+       at + "deferred on another stream than the deferred puts before it: diffrun_dump_flush_device their stream first");
+  need(captured == s.noted_captured, DIFFRUN_DUMP_E_ARG,
+       at + "deferred puts on both sides of a capture's start or end: diffrun_dump_flush_device before "
+            "cudaStreamBeginCapture and before cudaStreamEndCapture");
+  (void)d;
+}
+
 void put_device(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, int ndim, diffrun_dtype dtype,
-                const void* device_ptr, void* stream) {
+                const void* device_ptr, void* stream, bool deferred) {
   need(name_c == nullptr || std::strcmp(name_c, "tokens") != 0, DIFFRUN_DUMP_E_ARG,
        where(d) + "tokens are host ids: put them with diffrun_dump_put");
   const Checked c = check_put(d, name_c, layer, dims, ndim, dtype, device_ptr, nullptr, nullptr);
@@ -520,8 +558,15 @@ void put_device(diffrun_dump* d, const char* name_c, int layer, const int64_t* d
     need(s.ring_top + aligned <= s.graph_bottom, DIFFRUN_DUMP_E_ARG,
          at + "no room for its graph slot (" + std::to_string(c.bytes) + " bytes)" + staging_hint(s) +
              "; diffrun_dump_flush before the capture empties the rest");
-    cuda_check(cu, cu->cuMemcpyDtoHAsync(s.base + s.graph_bottom - aligned, src, c.bytes, str),
-               at + "the copy could not be captured (cuMemcpyDtoHAsync)");
+    if (deferred) {
+      for (const Staging::Noted& x : s.noted)
+        need(x.c.name != c.name, DIFFRUN_DUMP_E_CHECKPOINT, at + "recorded twice in this capture");
+      note_deferred(d, s, stream, true, at);
+      s.noted.push_back(Staging::Noted{c, src, s.graph_bottom - aligned});
+    } else {
+      cuda_check(cu, cu->cuMemcpyDtoHAsync(s.base + s.graph_bottom - aligned, src, c.bytes, str),
+                 at + "the copy could not be captured (cuMemcpyDtoHAsync)");
+    }
     s.graph_bottom -= aligned;
     s.capturing.push_back(
         Slot{c.name, layer, std::vector<int64_t>(dims, dims + ndim), dtype, s.graph_bottom, c, d->n_tokens});
@@ -537,12 +582,93 @@ void put_device(diffrun_dump* d, const char* name_c, int layer, const int64_t* d
                    at + "device_ptr " + p + " is not memory CUDA knows (" + cu_abi::cuda_error_text(*cu, known) +
                        "); host memory goes through diffrun_dump_put"};
   }
+  if (deferred) {
+    need(c.bytes <= s.graph_bottom, DIFFRUN_DUMP_E_ARG, at + std::to_string(c.bytes) + " bytes do not fit" + staging_hint(s));
+    note_deferred(d, s, stream, false, at);
+    s.noted.push_back(Staging::Noted{c, src, 0});
+    d->step_names.insert(c.name);
+    return;
+  }
   const size_t offset = take_ring(d, s, c.bytes, at);
   cuda_check(cu, cu->cuMemcpyDtoHAsync(s.base + offset, src, c.bytes, str), at + "cuMemcpyDtoHAsync");
   auto done = take_event(s, at);
   cuda_check(cu, cu->cuEventRecord(done.get(), str), at + "cuEventRecord");
   s.pending.push_back(Pending{d->step, c, s.base + offset, std::move(done), -1});
   d->step_names.insert(c.name);
+}
+
+// The copies of every deferred put since the last flush, enqueued on `stream`: the gather kernel, up to
+// kGatherMaxItems puts a launch, or one cuMemcpyDtoHAsync each where the kernel is unavailable. Outside a
+// capture the puts then take ring space and wait for the file like immediate ones; inside one, the copies
+// become the graph's nodes, writing the slots noted at the puts.
+void flush_device(diffrun_dump* d, void* stream) {
+  if (!d->staging || d->staging->noted.empty()) return;
+  Staging& s = *d->staging;
+  const std::string at = where(d) + "diffrun_dump_flush_device: ";
+  need(stream == s.noted_stream, DIFFRUN_DUMP_E_ARG,
+       at + "the deferred puts since the last flush were made on another stream");
+  const bool cap = capturing(d, s.cu, stream, at);
+  need(cap == s.noted_captured, DIFFRUN_DUMP_E_ARG,
+       at + (cap ? "inside a capture, but the deferred puts were made outside it: flush before cudaStreamBeginCapture"
+                 : "outside a capture, but the deferred puts were made inside one: flush before cudaStreamEndCapture"));
+  if (!cap) {
+    size_t total = 0;
+    for (const Staging::Noted& n : s.noted) total += (n.c.bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+    if (s.ring_top + total > s.graph_bottom) drain(d);
+    need(s.ring_top + total <= s.graph_bottom, DIFFRUN_DUMP_E_ARG,
+         at + std::to_string(s.noted.size()) + " deferred puts (" + std::to_string(total) + " bytes) do not fit" +
+             staging_hint(s) + ": flush more often");
+    for (Staging::Noted& n : s.noted) {
+      n.offset = s.ring_top;
+      s.ring_top += (n.c.bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+    }
+  }
+  const auto str = static_cast<cu_abi::CUstream>(stream);
+  if (s.gather) {
+    struct Item {
+      unsigned long long src, dst, bytes;
+    };
+    struct Batch {  // DiffrunGatherBatch
+      Item item[cu_abi::kGatherMaxItems];
+      int count;
+    };
+    static_assert(sizeof(Batch) == 1544, "the layout of capi/gather_kernel.cu's parameter");
+    for (size_t first = 0; first < s.noted.size(); first += cu_abi::kGatherMaxItems) {
+      Batch b{};
+      unsigned long long most = 0;
+      b.count = static_cast<int>(std::min<size_t>(cu_abi::kGatherMaxItems, s.noted.size() - first));
+      for (int i = 0; i < b.count; ++i) {
+        const Staging::Noted& n = s.noted[first + static_cast<size_t>(i)];
+        b.item[i] = Item{n.src, s.device_base + n.offset, n.c.bytes};
+        most = std::max<unsigned long long>(most, n.c.bytes);
+      }
+      const unsigned threads = 256;
+      const unsigned blocks = static_cast<unsigned>(std::clamp<unsigned long long>((most + 16 * threads - 1) / (16 * threads), 1, 128));
+      void* params[] = {&b};
+      cuda_check(s.cu, s.cu->cuLaunchKernel(s.gather, blocks, static_cast<unsigned>(b.count), 1, threads, 1, 1, 0, str,
+                                            params, nullptr),
+                 at + "the copy kernel could not be launched");
+    }
+  } else {
+    for (const Staging::Noted& n : s.noted)
+      cuda_check(s.cu, s.cu->cuMemcpyDtoHAsync(s.base + n.offset, n.src, n.c.bytes, str),
+                 pending_at(d, Pending{d->step, n.c, nullptr, nullptr, -1}) + "cuMemcpyDtoHAsync");
+  }
+  if (!cap) {
+    auto done = take_event(s, at);
+    cuda_check(s.cu, s.cu->cuEventRecord(done.get(), str), at + "cuEventRecord");
+    for (const Staging::Noted& n : s.noted) s.pending.push_back(Pending{d->step, n.c, s.base + n.offset, done, -1});
+  }
+  s.noted.clear();
+}
+
+// Deferred puts must be flushed before the step ends, the capture's graph is taken, or the dump closes.
+void no_unflushed(const diffrun_dump* d, const char* what) {
+  if (!d->staging || d->staging->noted.empty()) return;
+  throw ApiError{DIFFRUN_DUMP_E_ARG, where(d) + what + ": " + std::to_string(d->staging->noted.size()) +
+                                         " deferred device puts not flushed (the first '" +
+                                         d->staging->noted.front().c.name +
+                                         "'): call diffrun_dump_flush_device on their stream first"};
 }
 
 void replay(diffrun_dump* d, int graph, void* stream) {
@@ -587,6 +713,7 @@ diffrun::capi::Staging::~Staging() {
   for (CUevent e : free_events) cu->cuEventDestroy(e);
   free_events.clear();
   if (base) cu->cuMemFreeHost(base);
+  if (module) cu->cuModuleUnload(module);
   if (pushed) cu->cuCtxPopCurrent(&prev);
 }
 
@@ -720,6 +847,7 @@ int diffrun_dump_step_tokens(diffrun_dump* d, int step, const int32_t** ids, siz
 int diffrun_dump_step(diffrun_dump* d, int step) {
   if (!d) return null_handle("diffrun_dump_step");
   return guard(d, [&] {
+    no_unflushed(d, "diffrun_dump_step");
     if (d->staging) {
       // The graphs' slots are free for their next launch; the file catches up when staging is half full.
       settle_graphs(d);
@@ -770,7 +898,18 @@ int diffrun_dump_set_staging(diffrun_dump* d, size_t bytes) {
 int diffrun_dump_put_device(diffrun_dump* d, const char* name, int layer, const int64_t* dims, int ndim,
                             diffrun_dtype dtype, const void* device_ptr, void* stream) {
   if (!d) return null_handle("diffrun_dump_put_device");
-  return guard(d, [&] { put_device(d, name, layer, dims, ndim, dtype, device_ptr, stream); });
+  return guard(d, [&] { put_device(d, name, layer, dims, ndim, dtype, device_ptr, stream, false); });
+}
+
+int diffrun_dump_put_device_deferred(diffrun_dump* d, const char* name, int layer, const int64_t* dims, int ndim,
+                                     diffrun_dtype dtype, const void* device_ptr, void* stream) {
+  if (!d) return null_handle("diffrun_dump_put_device_deferred");
+  return guard(d, [&] { put_device(d, name, layer, dims, ndim, dtype, device_ptr, stream, true); });
+}
+
+int diffrun_dump_flush_device(diffrun_dump* d, void* stream) {
+  if (!d) return null_handle("diffrun_dump_flush_device");
+  return guard(d, [&] { flush_device(d, stream); });
 }
 
 int diffrun_dump_capture_end(diffrun_dump* d, int* graph) {
@@ -778,6 +917,7 @@ int diffrun_dump_capture_end(diffrun_dump* d, int* graph) {
   return guard(d, [&] {
     need(graph != nullptr, DIFFRUN_DUMP_E_ARG, where(d) + "graph is NULL");
     *graph = -1;
+    no_unflushed(d, "diffrun_dump_capture_end");
     Staging& s = staging(d, 0);
     s.graphs.push_back(std::move(s.capturing));
     s.capturing.clear();
@@ -800,6 +940,7 @@ int diffrun_dump_flush(diffrun_dump* d) {
 int diffrun_dump_close(diffrun_dump* d) {
   if (!d) return null_handle("diffrun_dump_close");
   const int rc = guard(d, [&] {
+    no_unflushed(d, "diffrun_dump_close");
     if (d->staging) drain(d);
     need(d->step >= 0 && (d->step > 0 || d->step_has_tokens), DIFFRUN_DUMP_E_STEP,
          where(d) + "no step recorded (a dump holds at least step 0 with its tokens)");

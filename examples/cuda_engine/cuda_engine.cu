@@ -1,5 +1,6 @@
 // cuda_engine.cu: a small llama engine in CUDA (F16 weights from a GGUF, cuBLAS) whose decode step is one
-// captured CUDA graph, debugged with diffrun through the C API's device puts, recorded inside the graph.
+// captured CUDA graph, debugged with diffrun through the C API's deferred device puts (one copy kernel a
+// layer), recorded inside the graph.
 //
 //   diffrun dump --backend cpu --precision f64 --model M.gguf --prompt "Hello" --steps 4 --out ref.h5
 //   cuda_engine --model M.gguf --reference ref.h5 --out mine.h5      # teacher-forced on ref.h5's tokens
@@ -7,8 +8,8 @@
 //
 // Precision: f16 weights and GEMM inputs, f32 accumulation, f32 residual stream, norms, RoPE, softmax and KV
 // cache (the dump says precision "f16": compare uses the f16_vs_f64 preset). The prefill runs op by op; the
-// decode step (one token) is captured once into a CUDA graph that reads its position from device memory
-// (d_pos, which the graph advances), so one graph replays at every position.
+// decode step (one token) is captured into a CUDA graph that reads its position from device memory (d_pos,
+// which the graph advances), so it replays at every position; captured twice, the two graphs taking turns.
 //
 // --bug rope-pos   decode steps rotate q and k at position n_past + 1  -> first divergence Qrope-0 at step 1
 // --bench N        N runs recorded and N unrecorded; prints the median decode ms/token of each and the ratio
@@ -415,14 +416,20 @@ struct Engine {
                               &zero, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 
-  // A checkpoint [T, cols] in device memory: copied on the stream, inside the graph while capturing.
+  // A checkpoint [T, cols] in device memory, noted (a deferred device put): copied at the next flush(),
+  // so its buffer must keep its values until then.
   void record(const char* name, int layer, const float* data, int T, int cols) {
     if (!dump) return;
     char full[64];
     if (layer >= 0) std::snprintf(full, sizeof full, "%s-%d", name, layer);
     else std::snprintf(full, sizeof full, "%s", name);
     const int64_t dims[2] = {T, cols};
-    DR_CHECK(diffrun_dump_put_device(dump, full, layer, dims, 2, DIFFRUN_F32, data, stream));
+    DR_CHECK(diffrun_dump_put_device_deferred(dump, full, layer, dims, 2, DIFFRUN_F32, data, stream));
+  }
+  // Copies what was noted since the last flush, one kernel on the stream (a graph node while capturing):
+  // before a noted buffer is overwritten (x, at the end of each layer) and at the end of the pass.
+  void flush() {
+    if (dump) DR_CHECK(diffrun_dump_flush_device(dump, stream));
   }
 
   // One forward pass over T tokens at positions *d_pos ..; then *d_pos += T. `decode`: the graph's step.
@@ -433,6 +440,7 @@ struct Engine {
     const int grid = 64;
     embed<<<T, kThreads, 0, stream>>>(m.tok_embd, d_tokens, d_pos, D, x);
     record("embd", -1, x, T, D);
+    flush();  // layer 0 writes its l_out over x
     for (int l = 0; l < c.n_layer; ++l) {
       const Layer& w = m.layers[l];
       rms_norm<<<T, kThreads, 0, stream>>>(x, w.attn_norm, c.rms_eps, D, xn, x16);
@@ -469,11 +477,13 @@ struct Engine {
       record("ffn_out", l, fo, T, D);
       add<<<grid, kThreads, 0, stream>>>(h, fo, T * D, x);
       record("l_out", l, x, T, D);
+      flush();  // the next layer reuses every buffer
     }
     rms_norm<<<T, kThreads, 0, stream>>>(x, m.output_norm, c.rms_eps, D, xn, x16);
     record("result_norm", -1, xn, T, D);
     gemm(m.output, c.n_vocab, D, T, logits);  // the real vocabulary's rows only
     record("result_output", -1, logits, T, c.n_vocab);
+    flush();
     advance<<<1, 1, 0, stream>>>(d_pos, T);
     CUDA_CHECK(cudaGetLastError());
   }

@@ -92,6 +92,20 @@ int main(int argc, char** argv) {
     CHECK(rc == DIFFRUN_DUMP_E_ARG && strstr(diffrun_dump_last_error(d), "not a graph") != NULL,
           "replay of an unknown graph: rc %d, \"%s\"", rc, diffrun_dump_last_error(d));
   }
+  /* Deferred puts: the same checks first, the same clear error without CUDA; a flush with nothing noted
+   * does nothing. */
+  CHECK_RC(diffrun_dump_put_device_deferred(d, "embd", -1, wrong, 2, DIFFRUN_F32, host, NULL),
+           DIFFRUN_DUMP_E_CHECKPOINT, "embd");
+  CHECK_RC(diffrun_dump_put_device_deferred(NULL, "embd", -1, td, 2, DIFFRUN_F32, host, NULL), DIFFRUN_DUMP_E_ARG, "");
+  {
+    const int rc = diffrun_dump_put_device_deferred(d, "ffn_gate-0", 0, tf, 2, DIFFRUN_F32, host, NULL);
+    const char* msg = diffrun_dump_last_error(d);
+    CHECK((rc == DIFFRUN_DUMP_E_CUDA && strstr(msg, "CUDA") != NULL) ||
+              (rc == DIFFRUN_DUMP_E_ARG && strstr(msg, "is not memory CUDA knows") != NULL),
+          "deferred device put of host memory: rc %d, message \"%s\"", rc, msg);
+  }
+  CHECK_RC(diffrun_dump_flush_device(d, NULL), DIFFRUN_DUMP_OK, "");
+  CHECK_RC(diffrun_dump_flush_device(NULL, NULL), DIFFRUN_DUMP_E_ARG, "");
   CHECK_RC(diffrun_dump_flush(d), DIFFRUN_DUMP_OK, "");
   CHECK(strcmp(diffrun_dump_strerror(DIFFRUN_DUMP_E_CUDA), "CUDA unavailable or failed") == 0, "strerror");
 

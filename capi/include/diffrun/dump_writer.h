@@ -217,6 +217,23 @@ DIFFRUN_DUMP_API int diffrun_dump_set_staging(diffrun_dump* d, size_t bytes);
 DIFFRUN_DUMP_API int diffrun_dump_put_device(diffrun_dump* d, const char* name, int layer, const int64_t* dims,
                                              int ndim, diffrun_dtype dtype, const void* device_ptr, void* stream);
 
+/* Deferred device puts, for engines that record many checkpoints a step (a graph of a few hundred
+ * copy nodes costs a copy-engine round trip each, ~6 us, between two kernels): the same checks and
+ * arguments as diffrun_dump_put_device, but nothing is enqueued. The tensor is noted, and
+ * diffrun_dump_flush_device(d, stream) copies every tensor noted since the last flush with one kernel
+ * launch per 64 of them (a small kernel of the library's own, loaded through the driver, writing into the
+ * staging memory's device mapping; where it cannot be loaded, one cuMemcpyDtoHAsync each). The rule
+ * that comes with it: a noted tensor's memory must keep its values until the flush is reached in stream
+ * order, so flush before an op overwrites a noted buffer (e.g. once a layer, where buffers are reused
+ * from layer to layer) and at the end of the step. Every deferred put since the last flush must be on
+ * the flush's stream and on the same side of a capture; inside a capture each flush is one kernel node
+ * of the graph, and the graph replays like one of immediate puts. diffrun_dump_step, _capture_end and
+ * _close refuse to run while deferred puts are not flushed (DIFFRUN_DUMP_E_ARG). */
+DIFFRUN_DUMP_API int diffrun_dump_put_device_deferred(diffrun_dump* d, const char* name, int layer,
+                                                      const int64_t* dims, int ndim, diffrun_dtype dtype,
+                                                      const void* device_ptr, void* stream);
+DIFFRUN_DUMP_API int diffrun_dump_flush_device(diffrun_dump* d, void* stream);
+
 /* After cudaStreamEndCapture: the device puts captured since the last call (or the open) form one
  * graph; *graph is its id (0, 1, ...), for diffrun_dump_replay. A capture without device puts gives a
  * graph that records nothing. */
