@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <utility>
 
@@ -348,6 +349,203 @@ T lane_total(const T* acc /* [16] */) {
   }
   return s[0];
 }
+
+#if DIFFRUN_REF_AVX512
+namespace {
+
+// Per type: the vector, the tokens per vector (L), the rows a kernel takes (NR), the vectors of tokens (VT): NR * VT
+// lane sums in registers, VT input vectors and one broadcast weight besides.
+template <typename T>
+struct TokenLanes;
+template <>
+struct TokenLanes<double> {
+  using V = __m512d;
+  static constexpr int L = 8, NR = 6, VT = 4;
+  static V zero() { return _mm512_setzero_pd(); }
+  static V load(const double* p) { return _mm512_loadu_pd(p); }
+  static void store(double* p, V v) { _mm512_storeu_pd(p, v); }
+  static V set1(double v) { return _mm512_set1_pd(v); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_pd(a, b); }
+  static V one_nan(V v) {
+    return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q), v,
+                                _mm512_set1_pd(std::numeric_limits<double>::quiet_NaN()));
+  }
+};
+template <>
+struct TokenLanes<float> {
+  using V = __m512;
+  static constexpr int L = 16, NR = 12, VT = 2;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float v) { return _mm512_set1_ps(v); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V one_nan(V v) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v,
+                                _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  }
+};
+
+template <typename T>
+int64_t n_i(int K) { return (K + kLanes - 1) / kLanes; }
+
+// NR rows by VT vectors of tokens over the inputs of one piece: for each chain j, its inputs k = c0 + j + 16 i of
+// the piece in order, acc[v][r] = fma(x[t, k], w[r, k], acc[v][r]) for the tokens t of vector v. sums [16][VT][NR][L]
+// (this group of tokens); xp the group's packed inputs from the piece's first i; js the stride between chains.
+template <typename T, int NR, int VT>
+void token_lanes_kernel(T* sums, bool first, const T* w, int64_t ldw, const T* xp, int64_t js, int kc) {
+  using K = TokenLanes<T>;
+  using V = typename K::V;
+  constexpr int L = K::L, G = VT * L;
+  for (int j = 0; j < kLanes; ++j) {
+    const int n = (kc - j + kLanes - 1) / kLanes;  // the piece's inputs of chain j (c0 is a multiple of 16)
+    T* sj = sums + static_cast<int64_t>(j) * K::VT * K::NR * L;
+    V acc[VT][NR];
+    for (int v = 0; v < VT; ++v) {
+      for (int r = 0; r < NR; ++r) acc[v][r] = first ? K::zero() : K::load(sj + (v * K::NR + r) * L);
+    }
+    const T* xj = xp + j * js;
+    const T* wj = w + j;
+    for (int i = 0; i < n; ++i, xj += G, wj += kLanes) {
+      V xv[VT];
+      for (int v = 0; v < VT; ++v) xv[v] = K::load(xj + v * L);
+      for (int r = 0; r < NR; ++r) {
+        const V b = K::set1(wj[r * ldw]);
+        for (int v = 0; v < VT; ++v) acc[v][r] = K::fma(xv[v], b, acc[v][r]);
+      }
+    }
+    for (int v = 0; v < VT; ++v) {
+      for (int r = 0; r < NR; ++r) K::store(sj + (v * K::NR + r) * L, acc[v][r]);
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+bool token_lanes() {
+  return !portable_kernels();
+}
+template <typename T>
+int token_lanes_rows() {
+  return TokenLanes<T>::NR;
+}
+template <typename T>
+int token_lanes_group() {
+  return TokenLanes<T>::VT * TokenLanes<T>::L;
+}
+template <typename T>
+int64_t token_lanes_packed_size(int n_tokens, int K) {
+  const int G = token_lanes_group<T>();
+  return static_cast<int64_t>((n_tokens + G - 1) / G) * G * kLanes * n_i<T>(K);
+}
+template <typename T>
+void token_lanes_pack(T* xp, const T* x, int n_tokens, int K) {
+  using KL = TokenLanes<T>;
+  const int G = token_lanes_group<T>();
+  const int64_t nI = n_i<T>(K);
+  for (int t0 = 0; t0 < n_tokens; t0 += G) {
+    const int gw = std::min(G, (n_tokens - t0 + KL::L - 1) / KL::L * KL::L);  // the group's lanes, whole vectors
+    T* g = xp + static_cast<int64_t>(t0) * kLanes * nI;
+    for (int j = 0; j < kLanes; ++j) {
+      for (int64_t i = 0; i < nI; ++i) {
+        T* p = g + (j * nI + i) * gw;
+        const int64_t k = 16 * i + j;
+        for (int t = 0; t < gw; ++t) p[t] = (t0 + t < n_tokens && k < K) ? x[static_cast<int64_t>(t0 + t) * K + k] : T(0);
+      }
+    }
+  }
+}
+template <typename T>
+int64_t token_lanes_sums_size(int n_tokens) {
+  using KL = TokenLanes<T>;
+  const int G = token_lanes_group<T>();
+  return static_cast<int64_t>((n_tokens + G - 1) / G) * kLanes * KL::VT * KL::NR * KL::L;
+}
+template <typename T>
+void token_lanes_accumulate(T* sums, bool first, const T* w, int64_t ldw, int nr, const T* xp, int n_tokens, int K,
+                            int c0, int kc) {
+  using KL = TokenLanes<T>;
+  const int G = token_lanes_group<T>();
+  const int64_t nI = n_i<T>(K);
+  for (int t0 = 0; t0 < n_tokens; t0 += G) {
+    const int vt = std::min(KL::VT, (n_tokens - t0 + KL::L - 1) / KL::L);
+    const int gw = vt * KL::L;
+    const T* g = xp + static_cast<int64_t>(t0) * kLanes * nI + (c0 / kLanes) * gw;
+    T* s = sums + static_cast<int64_t>(t0 / G) * kLanes * KL::VT * KL::NR * KL::L;
+    dispatch_block<KL::NR, KL::VT>(nr, vt, [&]<int NR, int VT>() {
+      token_lanes_kernel<T, NR, VT>(s, first, w, ldw, g, nI * gw, kc);
+    });
+  }
+}
+template <typename T>
+void token_lanes_finish(T* out, int N, int n0, int nr, const T* sums, const T* bias, int n_tokens) {
+  using KL = TokenLanes<T>;
+  using V = typename KL::V;
+  constexpr int L = KL::L;
+  const int G = token_lanes_group<T>();
+  const int64_t js = static_cast<int64_t>(KL::VT) * KL::NR * L;
+  for (int t0 = 0; t0 < n_tokens; t0 += G) {
+    const T* s = sums + static_cast<int64_t>(t0 / G) * kLanes * js;
+    for (int v = 0; v * L < std::min(G, n_tokens - t0); ++v) {
+      for (int r = 0; r < nr; ++r) {
+        V l[kLanes];
+        for (int j = 0; j < kLanes; ++j) l[j] = KL::load(s + j * js + (v * KL::NR + r) * L);
+        for (int h = kLanes / 2; h >= 1; h /= 2) {
+          for (int j = 0; j < h; ++j) l[j] = KL::add(l[j], l[j + h]);
+        }
+        if (bias) l[0] = KL::add(l[0], KL::set1(bias[n0 + r]));
+        alignas(64) T o[L];
+        KL::store(o, KL::one_nan(l[0]));
+        const int nt = std::min(L, n_tokens - t0 - v * L);
+        for (int t = 0; t < nt; ++t) out[static_cast<int64_t>(t0 + v * L + t) * N + n0 + r] = o[t];
+      }
+    }
+  }
+}
+#else
+template <typename T>
+bool token_lanes() {
+  return false;
+}
+template <typename T>
+int token_lanes_rows() {
+  return 1;
+}
+template <typename T>
+int token_lanes_group() {
+  return 1;
+}
+template <typename T>
+int64_t token_lanes_packed_size(int, int) {
+  return 0;
+}
+template <typename T>
+void token_lanes_pack(T*, const T*, int, int) {}
+template <typename T>
+int64_t token_lanes_sums_size(int) {
+  return 0;
+}
+template <typename T>
+void token_lanes_accumulate(T*, bool, const T*, int64_t, int, const T*, int, int, int, int) {}
+template <typename T>
+void token_lanes_finish(T*, int, int, int, const T*, const T*, int) {}
+#endif  // DIFFRUN_REF_AVX512
+
+#define DIFFRUN_REF_TOKEN_LANES(T)                                                                          \
+  template bool token_lanes<T>();                                                                           \
+  template int token_lanes_rows<T>();                                                                       \
+  template int token_lanes_group<T>();                                                                      \
+  template int64_t token_lanes_packed_size<T>(int, int);                                                    \
+  template void token_lanes_pack<T>(T*, const T*, int, int);                                                \
+  template int64_t token_lanes_sums_size<T>(int);                                                           \
+  template void token_lanes_accumulate<T>(T*, bool, const T*, int64_t, int, const T*, int, int, int, int); \
+  template void token_lanes_finish<T>(T*, int, int, int, const T*, const T*, int);
+DIFFRUN_REF_TOKEN_LANES(float)
+DIFFRUN_REF_TOKEN_LANES(double)
+#undef DIFFRUN_REF_TOKEN_LANES
 
 template int kernel_rows<float>();
 template int kernel_rows<double>();

@@ -48,6 +48,36 @@ template <typename T, typename W>
 void lane_accumulate(T* acc /* [nt,16] */, const W* w /* [n] */, const T* x /* [nt,ldx] */, int64_t ldx, int nt,
                      int64_t n);
 
+// ---- A prefill's kernels with the tokens in the vector lanes (AVX-512 builds, vectorised kernels only) ----
+// The lane sums of an output are 16 separate chains of fmas (chain j: the inputs k = j, j+16, ... in order); a
+// vector can as well hold one chain of several tokens as several chains of one token. These kernels hold chain j of
+// 8 (f64) or 16 (f32) tokens in a register and take each weight w[n, k] broadcast, so a weight row is read as the
+// decoder wrote it and each input vector serves several rows: the same fmas in the same order, so the same values.
+// The tokens are packed once per matmul: per group of token_lanes_group() tokens, xp[j][i][g] = x[t0 + g, 16 i + j]
+// (zero beyond the tokens).
+template <typename T>
+bool token_lanes();  // whether the next matmul has these kernels
+template <typename T>
+int token_lanes_rows();  // the rows they take at once (a matmul's row groups)
+template <typename T>
+int token_lanes_group();  // tokens per packed group
+template <typename T>
+int64_t token_lanes_packed_size(int n_tokens, int K);
+template <typename T>
+void token_lanes_pack(T* xp, const T* x /* [T,K] */, int n_tokens, int K);
+// Size of the lane sums of one row group against every token.
+template <typename T>
+int64_t token_lanes_sums_size(int n_tokens);
+// Lane sums of nr (<= token_lanes_rows()) rows against every token over the inputs c0 .. c0+kc-1 (c0 a multiple of
+// 16): row r's weights from c0 at w + r*ldw; sums (token_lanes_sums_size) started at zero when first, else
+// continued.
+template <typename T>
+void token_lanes_accumulate(T* sums, bool first, const T* w, int64_t ldw, int nr, const T* xp, int n_tokens, int K,
+                            int c0, int kc);
+// out[t, n0 + r] for every token and the nr rows: the tree, the bias, the one NaN.
+template <typename T>
+void token_lanes_finish(T* out /* [T,N] */, int N, int n0, int nr, const T* sums, const T* bias, int n_tokens);
+
 // The tree over the 16 lane sums of one output.
 template <typename T>
 T lane_total(const T* acc /* [16] */);

@@ -215,7 +215,7 @@ void expect_streamed_matmul_equals_dense(const GgufFile& file, const TensorInfo&
   std::vector<T> bias(N);
   for (T& b : bias) b = static_cast<T>(normal(rng));
   const int threads_before = omp_get_max_threads();
-  for (int n_tokens : {1, 7}) {
+  for (int n_tokens : {1, 7, 40}) {
     std::vector<T> x(static_cast<size_t>(n_tokens) * K);
     for (T& v : x) v = static_cast<T>(normal(rng));
     std::vector<T> first;  // the values at 1 thread, vectorised: every thread count and both kernels give them
@@ -268,7 +268,7 @@ void expect_documented_order() {
   const int threads_before = omp_get_max_threads();
   int order_mattered = 0;
   for (int K : {1, 5, 16, 17, 31, 64, 100, 515, 1040, 4099}) {
-    for (int n_tokens : {1, 2, 3, 4, 5, 7, 9}) {
+    for (int n_tokens : {1, 2, 3, 4, 5, 7, 9, 16, 33}) {
       const int N = 37;
       std::vector<T> x(static_cast<size_t>(n_tokens) * K), w(static_cast<size_t>(N) * K), bias(N);
       for (T& v : x) v = value();

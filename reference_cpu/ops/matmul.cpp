@@ -69,6 +69,47 @@ void tile_outputs(T* out /* [T,N] */, const T* x /* [T,K] */, const W* w /* [row
   }
 }
 
+// Prefills of at least this many tokens take the token-lane kernels (kernels.hpp) where the build has them.
+constexpr int kTokenLanesMin = 8;
+
+// Inputs the token-lane kernels take against a tile's rows before the next ones: whole blocks of every format, and
+// for a row group of 6 f64 rows 24 KB of weights, which stay in L1 across the 16 chains.
+constexpr int kLanesChunk = 512;
+
+// out = x · Wᵀ with the token-lane kernels: tiles of 4 row groups shared among the threads; per tile and piece of
+// kLanesChunk inputs, rows(n0, n, c0, kc, buffer) gives the tile's weights ([n, kc] as T, its row stride returned
+// through ldw), which every row group takes against every token.
+template <typename T, typename Rows>
+void matmul_token_lanes(T* out, const T* x, const T* bias, int n_tokens, int K, int N, Rows&& rows) {
+  std::vector<T> xp(static_cast<size_t>(token_lanes_packed_size<T>(n_tokens, K)));
+  token_lanes_pack(xp.data(), x, n_tokens, K);
+  const int NR = token_lanes_rows<T>(), R = 4 * NR;
+  const int64_t ss = token_lanes_sums_size<T>(n_tokens);
+  const int n_tiles = (N + R - 1) / R;
+#pragma omp parallel
+  {
+    std::vector<T> sums(static_cast<size_t>(4 * ss));
+    std::vector<float> buffer;
+#pragma omp for schedule(dynamic) nowait
+    for (int b = 0; b < n_tiles; ++b) {
+      const int n0 = b * R, n = std::min(N, n0 + R) - n0;
+      for (int c0 = 0; c0 < K; c0 += kLanesChunk) {
+        const int kc = std::min(kLanesChunk, K - c0);
+        int64_t ldw = 0;
+        const T* w = rows(n0, n, c0, kc, buffer, ldw);
+        for (int g = 0; g * NR < n; ++g) {
+          token_lanes_accumulate(&sums[static_cast<size_t>(g * ss)], c0 == 0, w + g * NR * ldw, ldw,
+                                 std::min(NR, n - g * NR), xp.data(), n_tokens, K, c0, kc);
+        }
+      }
+      for (int g = 0; g * NR < n; ++g) {
+        token_lanes_finish(out, N, n0 + g * NR, std::min(NR, n - g * NR), &sums[static_cast<size_t>(g * ss)], bias,
+                           n_tokens);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -82,6 +123,14 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const T* W /* [N,K] */, 
       lane_accumulate(acc, W + static_cast<int64_t>(n) * K, x, K, 1, K);
       out[n] = finish(acc, bias, n);
     }
+    return;
+  }
+  if (n_tokens >= kTokenLanesMin && token_lanes<T>()) {
+    matmul_token_lanes(out, x, bias, n_tokens, K, N,
+                       [&](int n0, int, int c0, int, std::vector<float>&, int64_t& ldw) -> const T* {
+                         ldw = K;
+                         return W + static_cast<int64_t>(n0) * K + c0;
+                       });
     return;
   }
   // Prefill: tiles of rows shared among the threads, each against every token.
@@ -132,6 +181,24 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const WeightMatrix<T>& W
         }
       }
     }
+    return;
+  }
+  if (n_tokens >= kTokenLanesMin && token_lanes<T>()) {
+    // A tile's piece decoded into floats (and widened to doubles in f64) once, taken against every token.
+    matmul_token_lanes(out, x, bias, n_tokens, K, N,
+                       [&](int n0, int n, int c0, int kc, std::vector<float>& buffer, int64_t& ldw) -> const T* {
+                         const size_t size = static_cast<size_t>(n) * kc;
+                         buffer.resize(size * (sizeof(T) / sizeof(float) + 1) + 2);
+                         W.decode_floats(buffer.data(), n0, n, c0, kc);
+                         ldw = kc;
+                         if constexpr (sizeof(T) == sizeof(float)) {
+                           return buffer.data();
+                         } else {
+                           T* wide = reinterpret_cast<T*>(buffer.data() + size + (size & 1));
+                           for (size_t i = 0; i < size; ++i) wide[i] = buffer[i];
+                           return wide;
+                         }
+                       });
     return;
   }
   // Prefill: each tile of rows decoded once, into a per-thread buffer of floats, and taken against every token.
