@@ -281,27 +281,25 @@ std::pair<std::vector<int32_t>, int> minimize(const DrillContext& cx, const Dril
   return {ids, shi};
 }
 
-int run_sweep(const SweepOptions& o) {
-  Progress progress("diffrun sweep");
-  if (!o.report.report_json.empty()) check_output_file("--report-json", o.report.report_json);
-  if (!o.report.report_junit.empty()) check_output_file("--report-junit", o.report.report_junit);
-  std::vector<SweepPrompt> prompts = o.prompts.empty() ? parse_sweep_prompts(sweep_default_corpus(), kSweepDefaultCorpusName)
-                                                       : load_sweep_prompts(o.prompts);
-  const size_t planned = prompts.size();
-  if (o.limit > 0 && static_cast<size_t>(o.limit) < prompts.size()) prompts.resize(o.limit);
-  progress.message(fmt::format("loading {}", o.model));
-  const auto file = GgufFile::open(o.model);
-  const ModelConfig cfg = load_config(*file);
-  validate_tensors(*file, cfg);
-  const auto tok = load_tokenizer(*file);
+// The report files are checked before anything loads, so a bad path costs nothing.
+void check_report_files(const ReportOptions& report) {
+  if (!report.report_json.empty()) check_output_file("--report-json", report.report_json);
+  if (!report.report_junit.empty()) check_output_file("--report-junit", report.report_junit);
+}
 
-  // Every prompt's ids first: a bad line is refused before anything runs.
-  SweepReport report;
-  report.model = o.model;
-  report.corpus = o.prompts.empty() ? kSweepDefaultCorpusName : o.prompts;
-  report.planned = static_cast<int>(planned);
+// The prompts to run, tokenized, and the most positions one of them needs.
+struct PlannedPrompts {
+  std::vector<PromptResult> todo;
   int64_t longest = 0;
-  for (SweepPrompt& p : prompts) {
+};
+
+// Every prompt's ids first: a bad line is refused before anything runs; a prompt longer than the model's
+// context is skipped (report.skipped, and a message says so).
+PlannedPrompts tokenize_prompts(const SweepOptions& o, const GgufFile& file, const Tokenizer& tok,
+                                const ModelConfig& cfg, const std::vector<SweepPrompt>& prompts, SweepReport& report,
+                                Progress& progress) {
+  PlannedPrompts plan;
+  for (const SweepPrompt& p : prompts) {
     PromptOptions po;
     po.chat = p.chat.value_or(o.chat);
     po.system = o.system;
@@ -310,7 +308,7 @@ int run_sweep(const SweepOptions& o) {
     else po.tokens = fmt::format("{}", fmt::join(p.tokens, ","));
     PromptResult r;
     try {
-      r.ids = prompt_tokens(*file, *tok, po);
+      r.ids = prompt_tokens(file, tok, po);
     } catch (const InputError& e) {
       throw InputError(fmt::format("{} ({}): {}", report.corpus, p.id, e.what()));
     }
@@ -319,21 +317,22 @@ int run_sweep(const SweepOptions& o) {
       report.skipped.push_back(fmt::format("{} ({} prompt tokens plus {} steps)", p.id, r.ids.size(), r.steps));
       continue;
     }
-    longest = std::max<int64_t>(longest, static_cast<int64_t>(r.ids.size()) + r.steps);
+    plan.longest = std::max<int64_t>(plan.longest, static_cast<int64_t>(r.ids.size()) + r.steps);
     r.prompt = p;
-    report.results.push_back(std::move(r));
+    plan.todo.push_back(std::move(r));
   }
   if (!report.skipped.empty())
     progress.message(fmt::format("{} prompt{} longer than the model's context of {} skipped: {}", report.skipped.size(),
                                  report.skipped.size() == 1 ? "" : "s", cfg.n_ctx, fmt::join(report.skipped, ", ")));
-  if (report.results.empty())
+  if (plan.todo.empty())
     throw InputError(fmt::format("{}: no prompt fits the model's context of {} positions", report.corpus, cfg.n_ctx));
-  std::vector<PromptResult> todo = std::move(report.results);
-  report.results.clear();
+  return plan;
+}
 
-  DrillContext cx{*file, cfg, {}, {}, o.report, progress};
-  const bool outside = !o.engine_cmd.empty();
-  cx.eng.backend = outside ? "cpu" : engine_backend(o, progress);
+// The pair's two sides (an outside engine's side is described by the CPU backend's options) and the
+// report's line naming them.
+void set_up_pair(const SweepOptions& o, bool outside, DrillContext& cx, SweepReport& report) {
+  cx.eng.backend = outside ? "cpu" : engine_backend(o, cx.progress);
   cx.eng.precision = o.engine_precision;
   cx.eng.inject = o.inject;
   cx.ref.backend = "cpu";
@@ -342,111 +341,155 @@ int run_sweep(const SweepOptions& o) {
     throw InputError("the CPU backend computes in f32 or f64; --engine-precision f16 needs the CUDA engine (--engine cuda)");
   report.pair = outside ? fmt::format("outside engine `{}` vs cpu/{} reference", o.engine_cmd, cx.ref.precision)
                         : fmt::format("{}/{} engine vs cpu/{} reference", cx.eng.backend, cx.eng.precision, cx.ref.precision);
-  const CheckpointFilter everything;
-  if (!outside) check_run_options(*file, cfg, cx.eng, everything, true);
-  check_run_options(*file, cfg, cx.ref, everything, true);
-  omp_set_num_threads(available_cores());
-  std::unique_ptr<Backend> ref = make_backend(*file, cfg, cx.ref, static_cast<int>(longest));
-  std::unique_ptr<Backend> eng = outside ? nullptr : make_backend(*file, cfg, cx.eng, static_cast<int>(longest));
-  const diff::ToleranceSet tol =
-      outside ? diff::ToleranceSet{}
-              : tolerances_for(dump_meta(*file, *eng, "", {}), dump_meta(*file, *ref, "", {}), o.report);
-  const diff::DimSizes dims = diff::dim_sizes(cfg);
-  // Concurrent prompts: --jobs, else one per 4 cores (1 on fewer than 8 cores, with an outside engine, and
-  // for models over 2 GB: each job holds its own reference's weights).
+}
+
+// Concurrent prompts: --jobs, else one per 4 cores (1 on fewer than 8 cores, with an outside engine, and
+// for models over 2 GB: each job holds its own reference's weights); never more than the prompts.
+int sweep_jobs(const SweepOptions& o, bool outside, size_t prompts, Progress& progress) {
   int jobs = o.jobs > 0 ? o.jobs : std::max(1, available_cores() / 4);
   if (outside || (o.jobs <= 0 && std::filesystem::file_size(o.model) > (uint64_t(2) << 30))) jobs = 1;
-  jobs = std::min<int>(jobs, static_cast<int>(todo.size()));
+  jobs = std::min<int>(jobs, static_cast<int>(prompts));
   if (jobs > 1) progress.message(fmt::format("{} prompts at once", jobs));
-  report.chunk = chunk_of(o.check);
-  report.invariance_bound = invariance_bound(cx.eng);
-  if (report.chunk > 0 && outside)
-    throw InputError("--check needs diffrun's engine: an outside engine runs each prompt as one command");
+  return jobs;
+}
 
-  // An outside engine reads a reference dump and writes its own, in a scratch directory of the sweep.
-  struct Scratch {
-    std::string dir;
-    ~Scratch() {
-      std::error_code ec;
-      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+// An outside engine reads a reference dump and writes its own, in a scratch directory of the sweep
+// (created only for an outside engine, removed with what it holds at the end).
+class Scratch {
+ public:
+  explicit Scratch(bool create) {
+    if (!create) return;
+    dir_ = (std::filesystem::temp_directory_path() / ("diffrun-sweep-" + new_run_id())).string();
+    std::filesystem::create_directories(dir_);
+  }
+  ~Scratch() {
+    std::error_code ec;
+    if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+
+  const std::string& dir() const { return dir_; }
+  std::string file(const std::string& name) const { return (std::filesystem::path(dir_) / name).string(); }
+
+ private:
+  std::string dir_;
+};
+
+// Phase 1's pair: one reference per job, a CPU engine per job or one CUDA engine shared under a lock (the
+// references are the slow side), an outside engine's command, and what the logits are judged by.
+class LogitsRunner {
+ public:
+  LogitsRunner(const SweepOptions& o, const DrillContext& cx, bool outside, int64_t longest)
+      : o_(o), cx_(cx), outside_(outside), longest_(static_cast<int>(longest)) {
+    refs_.push_back(make_backend(cx.file, cx.cfg, cx.ref, longest_));
+    engs_.push_back(outside ? nullptr : make_backend(cx.file, cx.cfg, cx.eng, longest_));
+    if (!outside)
+      tol_ = tolerances_for(dump_meta(cx.file, *engs_.front(), "", {}), dump_meta(cx.file, *refs_.front(), "", {}),
+                            o.report);
+    dims_ = diff::dim_sizes(cx.cfg);
+  }
+
+  // The invariance check's chunk (0: none) and bound; the outside engine's command and scratch directory.
+  void set_check(int chunk, double bound) { chunk_ = chunk, bound_ = bound; }
+  void set_command(const EngineCommand& command, const Scratch& scratch) { command_ = command, scratch_ = &scratch; }
+
+  // The backends of jobs 1..jobs-1 (a CUDA engine is not duplicated).
+  void add_jobs(int jobs) {
+    for (int j = 1; j < jobs; ++j) {
+      refs_.push_back(make_backend(cx_.file, cx_.cfg, cx_.ref, longest_));
+      if (cx_.eng.backend == "cpu") engs_.push_back(make_backend(cx_.file, cx_.cfg, cx_.eng, longest_));
     }
-  } scratch;
-  EngineCommand command{o.engine_cmd, ""};
-  if (outside) {
-    scratch.dir = (std::filesystem::temp_directory_path() / ("diffrun-sweep-" + new_run_id())).string();
-    std::filesystem::create_directories(scratch.dir);
-    command.dir = scratch.dir;
   }
-  const auto scratch_file = [&](const std::string& name) { return (std::filesystem::path(scratch.dir) / name).string(); };
-  const DrillFn drill = [&](const std::vector<int32_t>& ids, int steps) {
-    if (!outside) return drill_down(cx, ids, steps);
-    const std::string rpath = scratch_file("drill-reference.h5"), epath = scratch_file("drill-engine.h5");
-    reference_dump(*file, *ref, ids, steps, everything, 0, rpath);
-    command.run(rpath, epath, "drill-down");
-    return drill_result(compare_files(epath, rpath, o.report), steps);
-  };
 
-  // Phase 1: every prompt, logits only. The JSON report is rewritten after each prompt, marked
-  // incomplete until the end, so a killed sweep leaves what it measured.
-  const auto write_reports = [&] {
-    if (!o.report.report_json.empty()) write_text_file(o.report.report_json, render_sweep_json(report), "JSON", true);
-    if (!o.report.report_junit.empty())
-      write_text_file(o.report.report_junit, render_sweep_junit(report), "JUnit", true);
-  };
-  report.complete = false;
-  // Prompts run on `jobs` threads, each with its own reference (and CPU engine; a CUDA engine is shared,
-  // one prompt at a time, as the references are the slow side). Results are reported in corpus order.
-  std::vector<std::unique_ptr<Backend>> refs, engs;
-  refs.push_back(std::move(ref));
-  engs.push_back(std::move(eng));
-  for (int j = 1; j < jobs; ++j) {
-    refs.push_back(make_backend(*file, cfg, cx.ref, static_cast<int>(longest)));
-    if (cx.eng.backend == "cpu") engs.push_back(make_backend(*file, cfg, cx.eng, static_cast<int>(longest)));
+  Backend& reference(int job) { return *refs_[job]; }
+  // Job j's own engine: a CPU engine per job; nullptr where several jobs share one CUDA engine.
+  Backend* own_engine(int job, int jobs) { return cx_.eng.backend == "cpu" || jobs == 1 ? engs_[job].get() : nullptr; }
+  // After phase 1 the engine goes, and the reference too unless an outside engine's drill-down needs it
+  // (the pipeline of a drill-down loads its own).
+  void release_first() {
+    engs_.front().reset();
+    if (!outside_) refs_.front().reset();
   }
-  std::mutex engine_lock, report_lock;
+
+  // One prompt's per-token figures (and the invariance checks), on reference `rb`.
+  void run_prompt(PromptResult& r, Backend& rb, Backend* own_engine) {
+    if (outside_) return run_outside(r, rb);
+    NullSink none;
+    rb.reset();
+    const StepsResult rr = run_steps(rb, r.ids, r.steps, {}, none, true);
+    const std::vector<int32_t> fed(rr.tokens.begin() + static_cast<std::ptrdiff_t>(r.ids.size()), rr.tokens.end());
+    std::unique_lock shared(engine_lock_, std::defer_lock);
+    if (!own_engine) shared.lock();
+    Backend& e = own_engine ? *own_engine : *engs_.front();
+    e.reset();
+    const StepsResult er = run_steps(e, r.ids, r.steps, fed, none, true);
+    r.tokens = token_stats(er, rr, tol_, dims_, static_cast<int64_t>(r.ids.size()));
+    if (chunk_ > 0) check_invariance(r, e, er, fed);
+  }
+
+  // The drill-down of an outside engine: a reference dump of every checkpoint, the command, the comparison.
+  DrillResult drill_outside(const std::vector<int32_t>& ids, int steps) {
+    const std::string rpath = scratch_->file("drill-reference.h5"), epath = scratch_->file("drill-engine.h5");
+    reference_dump(cx_.file, *refs_.front(), ids, steps, CheckpointFilter(), 0, rpath);
+    command_.run(rpath, epath, "drill-down");
+    return drill_result(compare_files(epath, rpath, o_.report), steps);
+  }
+
+ private:
+  void run_outside(PromptResult& r, Backend& rb) {
+    const std::string rpath = scratch_->file("reference.h5"), epath = scratch_->file("engine.h5");
+    reference_dump(cx_.file, rb, r.ids, r.steps, CheckpointFilter("result_output"), 1, rpath);
+    command_.run(rpath, epath, r.prompt.id);
+    r.tokens = token_stats_of(compare_files(epath, rpath, o_.report), r.steps);
+  }
+
+  // The engine against itself: its prefill in chunks against the whole, its last decode step against a
+  // prefill of every token it was fed.
+  void check_invariance(PromptResult& r, Backend& e, const StepsResult& er, const std::vector<int32_t>& fed) {
+    NullSink none;
+    e.reset();
+    std::vector<float> last;
+    int step = 0;
+    for (size_t at = 0; at < r.ids.size(); at += static_cast<size_t>(chunk_)) {
+      const size_t n = std::min(static_cast<size_t>(chunk_), r.ids.size() - at);
+      last = e.forward(step++, std::span<const int32_t>(r.ids).subspan(at, n), none);
+    }
+    r.chunked = invariance(last, er.last_logits.front(), bound_);
+    if (r.steps > 0) {
+      std::vector<int32_t> all = r.ids;
+      all.insert(all.end(), fed.begin(), fed.end());
+      e.reset();
+      r.reprefill = invariance(er.last_logits.back(), e.forward(0, all, none), bound_);
+    }
+  }
+
+  const SweepOptions& o_;
+  const DrillContext& cx_;
+  const bool outside_;
+  const int longest_;
+  std::vector<std::unique_ptr<Backend>> refs_, engs_;
+  diff::ToleranceSet tol_;
+  diff::DimSizes dims_;
+  int chunk_ = 0;
+  double bound_ = 0;
+  EngineCommand command_;
+  const Scratch* scratch_ = nullptr;
+  std::mutex engine_lock_;
+};
+
+// Phase 1: every prompt on `jobs` threads, each with its own reference; results are reported in corpus
+// order, `write_reports` after each prompt. The first failure stops the others and is rethrown.
+void run_prompts(LogitsRunner& runner, const std::vector<PromptResult>& todo, int jobs, SweepReport& report,
+                 Progress& progress, const std::function<void()>& write_reports) {
+  std::mutex report_lock;
   std::vector<std::optional<PromptResult>> done(todo.size());
   size_t next = 0, finished = 0;
   std::exception_ptr failure;
   const int threads_each = std::max(1, available_cores() / jobs);
-  const auto run_prompt = [&](PromptResult& r, Backend& rb, Backend* own_engine) {
-    NullSink none;
-    if (outside) {
-      const std::string rpath = scratch_file("reference.h5"), epath = scratch_file("engine.h5");
-      reference_dump(*file, rb, r.ids, r.steps, CheckpointFilter("result_output"), 1, rpath);
-      command.run(rpath, epath, r.prompt.id);
-      r.tokens = token_stats_of(compare_files(epath, rpath, o.report), r.steps);
-      return;
-    }
-    rb.reset();
-    const StepsResult rr = run_steps(rb, r.ids, r.steps, {}, none, true);
-    const std::vector<int32_t> fed(rr.tokens.begin() + static_cast<std::ptrdiff_t>(r.ids.size()), rr.tokens.end());
-    std::unique_lock shared(engine_lock, std::defer_lock);
-    if (!own_engine) shared.lock();
-    Backend& e = own_engine ? *own_engine : *engs.front();
-    e.reset();
-    const StepsResult er = run_steps(e, r.ids, r.steps, fed, none, true);
-    r.tokens = token_stats(er, rr, tol, dims, static_cast<int64_t>(r.ids.size()));
-    if (report.chunk > 0) {  // the engine against itself: chunks against the whole, decode against re-prefill
-      e.reset();
-      std::vector<float> last;
-      int step = 0;
-      for (size_t at = 0; at < r.ids.size(); at += static_cast<size_t>(report.chunk)) {
-        const size_t n = std::min(static_cast<size_t>(report.chunk), r.ids.size() - at);
-        last = e.forward(step++, std::span<const int32_t>(r.ids).subspan(at, n), none);
-      }
-      r.chunked = invariance(last, er.last_logits.front(), report.invariance_bound);
-      if (r.steps > 0) {
-        std::vector<int32_t> all = r.ids;
-        all.insert(all.end(), fed.begin(), fed.end());
-        e.reset();
-        r.reprefill = invariance(er.last_logits.back(), e.forward(0, all, none), report.invariance_bound);
-      }
-    }
-  };
   const auto worker = [&](int j) {
     omp_set_num_threads(threads_each);
-    // A CPU engine per job; one CUDA engine shared under engine_lock (nullptr here) when several jobs run.
-    Backend* own_engine = cx.eng.backend == "cpu" || jobs == 1 ? engs[j].get() : nullptr;
+    Backend* own_engine = runner.own_engine(j, jobs);
     for (;;) {
       size_t i;
       {
@@ -456,7 +499,7 @@ int run_sweep(const SweepOptions& o) {
       }
       PromptResult r = todo[i];
       try {
-        run_prompt(r, *refs[j], own_engine);
+        runner.run_prompt(r, runner.reference(j), own_engine);
       } catch (...) {
         std::lock_guard lock(report_lock);
         if (!failure) failure = std::current_exception();
@@ -478,13 +521,11 @@ int run_sweep(const SweepOptions& o) {
     worker(0);
   }
   if (failure) std::rethrow_exception(failure);
-  ref = std::move(refs.front());
-  eng = std::move(engs.front());
-  progress.finish();
-  eng.reset();
-  if (!outside) ref.reset();  // the pipeline of a drill-down loads its own
+}
 
-  // Phase 2: the worst prompts with a bad token, every checkpoint, up to that token plus the margin.
+// Phase 2: the worst prompts with a bad token, every checkpoint, up to that token plus the margin.
+void drill_worst(const SweepOptions& o, const DrillFn& drill, SweepReport& report, Progress& progress,
+                 const std::function<void()>& write_reports) {
   for (size_t i : worst_prompts(report.results, o.drill)) {
     PromptResult& r = report.results[i];
     const int bad = r.first_bad();
@@ -493,18 +534,79 @@ int run_sweep(const SweepOptions& o) {
     r.drill = drill(r.ids, std::min(r.steps, bad + o.margin));
     write_reports();
   }
+}
+
+// The command that re-runs a minimized problem: the main job's, or for an outside engine the reference
+// dump, the engine's command and `diffrun compare`.
+std::string minimized_command(const SweepOptions& o, const DrillContext& cx, const std::vector<int32_t>& ids,
+                              int steps) {
+  if (!o.engine_cmd.empty())
+    return fmt::format("diffrun dump --backend cpu --precision {} --model {} --tokens {} --steps {} "
+                       "--out reference.h5; then {} and diffrun compare on them",
+                       cx.ref.precision, o.model, fmt::join(ids, ","), steps, o.engine_cmd);
+  return fmt::format("diffrun --model {} --tokens {} --steps {}{}{}", o.model, fmt::join(ids, ","), steps,
+                     o.inject.empty() ? "" : " --inject " + o.inject, o.engine == "auto" ? "" : " --engine " + o.engine);
+}
+
+int run_sweep(const SweepOptions& o) {
+  Progress progress("diffrun sweep");
+  check_report_files(o.report);
+  std::vector<SweepPrompt> prompts = o.prompts.empty() ? parse_sweep_prompts(sweep_default_corpus(), kSweepDefaultCorpusName)
+                                                       : load_sweep_prompts(o.prompts);
+  const size_t planned = prompts.size();
+  if (o.limit > 0 && static_cast<size_t>(o.limit) < prompts.size()) prompts.resize(o.limit);
+  progress.message(fmt::format("loading {}", o.model));
+  const auto file = GgufFile::open(o.model);
+  const ModelConfig cfg = load_config(*file);
+  validate_tensors(*file, cfg);
+  const auto tok = load_tokenizer(*file);
+
+  SweepReport report;
+  report.model = o.model;
+  report.corpus = o.prompts.empty() ? kSweepDefaultCorpusName : o.prompts;
+  report.planned = static_cast<int>(planned);
+  const PlannedPrompts plan = tokenize_prompts(o, *file, *tok, cfg, prompts, report, progress);
+
+  DrillContext cx{*file, cfg, {}, {}, o.report, progress};
+  const bool outside = !o.engine_cmd.empty();
+  set_up_pair(o, outside, cx, report);
+  const CheckpointFilter everything;
+  if (!outside) check_run_options(*file, cfg, cx.eng, everything, true);
+  check_run_options(*file, cfg, cx.ref, everything, true);
+  omp_set_num_threads(available_cores());
+  LogitsRunner runner(o, cx, outside, plan.longest);
+  const int jobs = sweep_jobs(o, outside, plan.todo.size(), progress);
+  report.chunk = chunk_of(o.check);
+  report.invariance_bound = invariance_bound(cx.eng);
+  if (report.chunk > 0 && outside)
+    throw InputError("--check needs diffrun's engine: an outside engine runs each prompt as one command");
+  runner.set_check(report.chunk, report.invariance_bound);
+  const Scratch scratch(outside);
+  runner.set_command(EngineCommand{o.engine_cmd, scratch.dir()}, scratch);
+  const DrillFn drill = [&](const std::vector<int32_t>& ids, int steps) {
+    return outside ? runner.drill_outside(ids, steps) : drill_down(cx, ids, steps);
+  };
+
+  // Phase 1: every prompt, logits only. The JSON report is rewritten after each prompt, marked
+  // incomplete until the end, so a killed sweep leaves what it measured.
+  const std::function<void()> write_reports = [&] {
+    if (!o.report.report_json.empty()) write_text_file(o.report.report_json, render_sweep_json(report), "JSON", true);
+    if (!o.report.report_junit.empty())
+      write_text_file(o.report.report_junit, render_sweep_junit(report), "JUnit", true);
+  };
+  report.complete = false;
+  runner.add_jobs(jobs);
+  run_prompts(runner, plan.todo, jobs, report, progress, write_reports);
+  progress.finish();
+  runner.release_first();
+
+  // Phase 2: the drill-downs, then the first problem minimized.
+  drill_worst(o, drill, report, progress, write_reports);
   const std::vector<SweepProblem> groups = group_problems(report.results);
   if (o.minimize && !groups.empty() && !groups.front().checkpoint.empty()) {
     const PromptResult& r = report.results[groups.front().prompts.front()];
     const auto [ids, steps] = minimize(cx, drill, r.ids, r.drill->steps, groups.front().checkpoint);
-    if (outside)
-      report.minimized = fmt::format("diffrun dump --backend cpu --precision {} --model {} --tokens {} --steps {} "
-                                     "--out reference.h5; then {} and diffrun compare on them",
-                                     cx.ref.precision, o.model, fmt::join(ids, ","), steps, o.engine_cmd);
-    else
-      report.minimized = fmt::format("diffrun --model {} --tokens {} --steps {}{}{}", o.model, fmt::join(ids, ","), steps,
-                                     o.inject.empty() ? "" : " --inject " + o.inject,
-                                     o.engine == "auto" ? "" : " --engine " + o.engine);
+    report.minimized = minimized_command(o, cx, ids, steps);
   }
   report.complete = true;
   write_reports();
