@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include "checkpoints/dump.hpp"
 #include "checkpoints/dump_size.hpp"
@@ -198,11 +199,191 @@ StepsResult run_backend(const GgufFile& file, const ModelConfig& cfg, const Back
   return r;
 }
 
-int run_main(const MainOptions& o) {
-  Progress progress("diffrun");
+// The output directory and report files are checked before anything loads.
+void check_outputs(const MainOptions& o) {
   check_output_dir("--out", o.out);
   if (!o.report.report_json.empty()) check_output_file("--report-json", o.report.report_json);
   if (!o.report.report_junit.empty()) check_output_file("--report-junit", o.report.report_junit);
+}
+
+// The isolation replay takes the reference's checkpoints from memory when they fit in 1 GiB (no
+// dump written for it or read back), else from the reference's dump. DIFFRUN_ISOLATION_HOLD_MAX
+// (bytes) sets another limit (0: always from the dump; the tests compare the two ways).
+uint64_t isolation_hold_limit() {
+  uint64_t hold_limit = uint64_t(1) << 30;
+  if (const char* v = std::getenv("DIFFRUN_ISOLATION_HOLD_MAX"); v && *v) hold_limit = parse_bytes(v);
+  return hold_limit;
+}
+
+PipelineOptions pipeline_options(const MainOptions& o, DumpMode dump, const CheckpointFilter& filter,
+                                 const DumpWriterOptions& wopt, const std::string& prompt) {
+  PipelineOptions popt;
+  popt.steps = o.steps;
+  popt.dump = dump;
+  popt.stop_at_first = o.stop_at_first;
+  popt.filter = filter;
+  popt.writer = wopt;
+  popt.prompt = prompt;
+  popt.run_id = new_run_id();
+  popt.report = o.report;
+  popt.recording_check = !o.no_recording_check;
+  return popt;
+}
+
+// OpenMP threads: each pair's reference, and the engine (a cpu engine's; the same for every pair).
+struct ThreadSplit {
+  std::vector<int> reference;
+  int engine = 1;
+};
+
+// Threads: each cpu reference gets --threads; by default the cores the engine side leaves (a cpu
+// engine takes a third, a CUDA engine's thread and each comparator mostly wait: one core per pair),
+// shared between the references by cost, an f64 reference twice an f32 one. A cpu engine gets the
+// rest, at least one. OMP_NUM_THREADS, when set, is every cpu backend's count unless --threads.
+ThreadSplit split_threads(const MainOptions& o, const std::vector<RunPair>& pairs) {
+  const int cores = available_cores();
+  const int n_pairs = static_cast<int>(pairs.size());
+  const bool cpu_engine = pairs.front().eng.backend == "cpu";
+  const char* omp_env = std::getenv("OMP_NUM_THREADS");
+  const int env_threads = omp_env && *omp_env ? std::max(1, std::atoi(omp_env)) : 0;
+  const auto cost = [](const RunPair& p) { return p.ref.precision.starts_with("f64") ? 2 : 1; };
+  int total_cost = 0;
+  for (const RunPair& p : pairs) total_cost += cost(p);
+  const int ref_cores = cpu_engine ? std::max(1, 2 * cores / 3) : std::max(1, cores - n_pairs);
+  // The reference cores shared in proportion to each pair's cost; the cores the rounding down leaves go
+  // one at a time to the pair with the fewest threads for its cost (on 16 cores: 9 + 5, not 9 + 4).
+  std::vector<int> shares;
+  for (const RunPair& p : pairs) shares.push_back(std::max(1, ref_cores * cost(p) / total_cost));
+  for (int left = ref_cores - std::accumulate(shares.begin(), shares.end(), 0); left > 0; --left) {
+    size_t most_starved = 0;
+    for (size_t i = 1; i < pairs.size(); ++i)
+      if (shares[i] * cost(pairs[most_starved]) < shares[most_starved] * cost(pairs[i])) most_starved = i;
+    ++shares[most_starved];
+  }
+  ThreadSplit split;
+  for (size_t i = 0; i < pairs.size(); ++i)
+    split.reference.push_back(o.threads > 0 ? o.threads : env_threads > 0 ? env_threads : shares[i]);
+  split.engine = env_threads > 0 && o.threads <= 0 ? env_threads : std::max(1, cores - split.reference.front());
+  return split;
+}
+
+// Temporary files of the run (the isolation replay's with --dump divergence|none), removed at the end.
+struct TempFiles : std::vector<std::string> {
+  ~TempFiles() {
+    std::error_code ec;
+    for (const std::string& f : *this) std::filesystem::remove(f, ec);
+  }
+};
+
+// Pair i's part of the pipeline: its dumps' paths and threads; with a dump, its directory made (stale
+// temporaries reported) and its files guarded; where its isolation replay reads the reference from.
+PipelinePair pipeline_pair(const RunPair& p, size_t i, const MainOptions& o, const PipelineOptions& popt,
+                           const ThreadSplit& threads, bool reference_fits,
+                           std::vector<std::unique_ptr<TempGuard>>& guards, TempFiles& scratch) {
+  PipelinePair pp;
+  pp.title = p.title;
+  pp.engine = p.eng;
+  pp.reference = p.ref;
+  pp.engine_path = (std::filesystem::path(p.dir) / "engine.h5").string();
+  pp.reference_path = (std::filesystem::path(p.dir) / "reference.h5").string();
+  pp.engine_threads = threads.engine;
+  pp.reference_threads = threads.reference[i];
+  const DumpMode dump = popt.dump;
+  if (dump != DumpMode::none) {
+    std::filesystem::create_directories(p.dir);
+    report_stale_temporaries(p.dir, o.remove_stale);
+    guards.push_back(std::make_unique<TempGuard>(pp.engine_path));
+    guards.push_back(std::make_unique<TempGuard>(pp.reference_path));
+  }
+  // The isolation replay reads the reference's checkpoints from memory when they fit the hold limit;
+  // else its full dump: with --dump divergence or none a temporary file, removed after the replay,
+  // so that the report is the same in every mode.
+  pp.hold_reference = p.isolate && reference_fits;
+  // A CUDA engine's replay runs beside the pipeline (a second engine on the device), a CPU engine's
+  // after it (the cores are the references').
+  pp.replay_beside = pp.hold_reference && p.eng.backend == "cuda";
+  if (dump == DumpMode::full) pp.isolated_path = (std::filesystem::path(p.dir) / "engine-isolated.h5").string();
+  if (p.isolate && !pp.hold_reference) {
+    pp.replay_path = dump == DumpMode::full ? pp.reference_path
+                                            : (std::filesystem::temp_directory_path() /
+                                               fmt::format("diffrun-{}-{}-reference.h5", popt.run_id, i))
+                                                  .string();
+    if (dump != DumpMode::full) {
+      scratch.push_back(pp.replay_path);
+      guards.push_back(std::make_unique<TempGuard>(pp.replay_path));
+    }
+  }
+  pp.keep_engine = p.isolate;
+  return pp;
+}
+
+// What the pipeline's isolated pairs left for the replay after it: their engines, loaded once for the
+// run, and their references' checkpoints when held in memory.
+struct Kept {
+  std::vector<std::unique_ptr<Backend>> engines;
+  std::vector<HeldReference> held;
+};
+
+// Isolation replay after the pipeline: the engine again, each checkpoint recorded and then replaced by
+// the reference's (from memory, or from the reference's dump), for every isolated pair the pipeline did
+// not already replay beside itself.
+void replay_isolated(const GgufFile& file, const ModelConfig& cfg, const MainOptions& o, const std::vector<int32_t>& ids,
+                     const PipelineOptions& popt, const std::vector<RunPair>& pairs,
+                     const std::vector<PipelinePair>& ppairs, std::vector<diff::Comparison>& comparisons, Kept& kept,
+                     TempFiles& scratch, Progress& progress) {
+  std::vector<int32_t> tokens;  // the first reference's greedy choices, fed to every run
+  for (const diff::StepTokens& t : comparisons.front().tokens) tokens.push_back(t.reference);
+  const int steps = static_cast<int>(tokens.size()) - 1;
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    if (!pairs[i].isolate) continue;
+    diff::Comparison& c = comparisons[i];
+    std::unique_ptr<Backend>& engine = kept.engines[i];
+    std::string path = (std::filesystem::path(pairs[i].dir) / "engine-isolated.h5").string();
+    if (!c.isolated_path.empty()) {  // replayed beside the pipeline
+      engine.reset();
+      continue;
+    }
+    if (ppairs[i].hold_reference) {
+      if (!engine || engine->max_ctx() < static_cast<int>(ids.size()) + steps)
+        engine = make_backend(file, cfg, pairs[i].eng, static_cast<int>(ids.size()) + steps);
+      add_isolation_held(c, file, cfg, *engine, kept.held[i], ppairs[i], ids, popt, progress);
+      continue;
+    }
+    if (popt.dump != DumpMode::full) {
+      path = ppairs[i].replay_path.substr(0, ppairs[i].replay_path.size() - 12) + "engine-isolated.h5";
+      scratch.push_back(path);
+    }
+    run_backend(file, cfg, pairs[i].eng, "engine isolated", ids, o, popt.prompt, popt.filter, popt.writer, tokens, steps,
+                path, popt.run_id, progress, ppairs[i].replay_path, std::move(engine));
+    const DumpReader isolated(path), reference(ppairs[i].replay_path);
+    add_isolation_for(c, isolated, reference, o.report);
+    if (popt.dump != DumpMode::full) c.isolated_path = not_written(popt.dump);
+  }
+}
+
+// The report of every pair; its exit code. Both backends of each pair were asked to record the same
+// checkpoints: anything less than all of them compared fails.
+int report_pairs(const MainOptions& o, const ModelConfig& cfg, const Tokenizer& tok, const std::vector<RunPair>& pairs,
+                 std::vector<diff::Comparison>& comparisons, Progress& progress) {
+  const auto token_text = [&](int32_t id) {
+    if (id < 0 || id >= cfg.n_vocab) return std::string("(outside the vocabulary)");
+    const int32_t one[1] = {id};
+    return tok.decode(one);
+  };
+  ReportOptions report = o.report;
+  if (report.require_coverage <= 0) report.require_coverage = 100;
+  for (diff::Comparison& c : comparisons) c.coverage.required = report.require_coverage;
+  std::vector<std::string> titles;
+  for (const RunPair& p : pairs) titles.push_back(p.title);
+  progress.timing("isolation done");
+  const int rc = report_comparisons(titles, comparisons, report, token_text);
+  progress.timing("report done");
+  return rc;
+}
+
+int run_main(const MainOptions& o) {
+  Progress progress("diffrun");
+  check_outputs(o);
   const CheckpointFilter filter(o.checkpoints);
   // The CUDA driver starts and makes the context while the model loads and the references start (the
   // engines wait for it).
@@ -229,154 +410,30 @@ int run_main(const MainOptions& o) {
   uint64_t held_bytes = 0;  // a reference's checkpoints in memory, the cache whole
   const DumpWriterOptions wopt = plan_dump_size(cfg, static_cast<int64_t>(ids.size()), o.steps, filter, o.size,
                                                 [&](const std::string& s) { progress.message(s); }, &held_bytes);
-  // The isolation replay takes the reference's checkpoints from memory when they fit in 1 GiB (no
-  // dump written for it or read back), else from the reference's dump. DIFFRUN_ISOLATION_HOLD_MAX
-  // (bytes) sets another limit (0: always from the dump; the tests compare the two ways).
-  uint64_t hold_limit = uint64_t(1) << 30;
-  if (const char* v = std::getenv("DIFFRUN_ISOLATION_HOLD_MAX"); v && *v) hold_limit = parse_bytes(v);
+  const uint64_t hold_limit = isolation_hold_limit();
   const std::string prompt = prompt_text(*file, o.prompt);
+  const PipelineOptions popt = pipeline_options(o, parse_dump_mode(o.dump), filter, wopt, prompt);
 
-  const DumpMode dump = parse_dump_mode(o.dump);
-  PipelineOptions popt;
-  popt.steps = o.steps;
-  popt.dump = dump;
-  popt.stop_at_first = o.stop_at_first;
-  popt.filter = filter;
-  popt.writer = wopt;
-  popt.prompt = prompt;
-  popt.run_id = new_run_id();
-  popt.report = o.report;
-  popt.recording_check = !o.no_recording_check;
-  // Threads: each cpu reference gets --threads; by default the cores the engine side leaves (a cpu
-  // engine takes a third, a CUDA engine's thread and each comparator mostly wait: one core per pair),
-  // shared between the references by cost, an f64 reference twice an f32 one. A cpu engine gets the
-  // rest, at least one. OMP_NUM_THREADS, when set, is every cpu backend's count unless --threads.
-  const int cores = available_cores();
-  const int n_pairs = static_cast<int>(pairs.size());
-  const bool cpu_engine = pairs.front().eng.backend == "cpu";
-  const char* omp_env = std::getenv("OMP_NUM_THREADS");
-  const int env_threads = omp_env && *omp_env ? std::max(1, std::atoi(omp_env)) : 0;
-  const auto cost = [](const RunPair& p) { return p.ref.precision.starts_with("f64") ? 2 : 1; };
-  int total_cost = 0;
-  for (const RunPair& p : pairs) total_cost += cost(p);
-  const int ref_cores = cpu_engine ? std::max(1, 2 * cores / 3) : std::max(1, cores - n_pairs);
-  // The reference cores shared in proportion to each pair's cost; the cores the rounding down leaves go
-  // one at a time to the pair with the fewest threads for its cost (on 16 cores: 9 + 5, not 9 + 4).
-  std::vector<int> shares;
-  for (const RunPair& p : pairs) shares.push_back(std::max(1, ref_cores * cost(p) / total_cost));
-  for (int left = ref_cores - std::accumulate(shares.begin(), shares.end(), 0); left > 0; --left) {
-    size_t most_starved = 0;
-    for (size_t i = 1; i < pairs.size(); ++i)
-      if (shares[i] * cost(pairs[most_starved]) < shares[most_starved] * cost(pairs[i])) most_starved = i;
-    ++shares[most_starved];
-  }
-  const auto ref_threads = [&](size_t i) {
-    if (o.threads > 0) return o.threads;
-    if (env_threads > 0) return env_threads;
-    return shares[i];
-  };
-  const int eng_threads = env_threads > 0 && o.threads <= 0 ? env_threads : std::max(1, cores - ref_threads(0));
+  const ThreadSplit threads = split_threads(o, pairs);
   std::vector<PipelinePair> ppairs;
   std::vector<std::unique_ptr<TempGuard>> guards;
-  // Temporary files of the run (the isolation replay's with --dump divergence|none), removed at the end.
-  struct Scratch : std::vector<std::string> {
-    ~Scratch() {
-      std::error_code ec;
-      for (const std::string& f : *this) std::filesystem::remove(f, ec);
-    }
-  } scratch;
-  for (const RunPair& p : pairs) {
-    PipelinePair pp;
-    pp.title = p.title;
-    pp.engine = p.eng;
-    pp.reference = p.ref;
-    pp.engine_path = (std::filesystem::path(p.dir) / "engine.h5").string();
-    pp.reference_path = (std::filesystem::path(p.dir) / "reference.h5").string();
-    pp.engine_threads = eng_threads;
-    pp.reference_threads = ref_threads(ppairs.size());
-    if (dump != DumpMode::none) {
-      std::filesystem::create_directories(p.dir);
-      report_stale_temporaries(p.dir, o.remove_stale);
-      guards.push_back(std::make_unique<TempGuard>(pp.engine_path));
-      guards.push_back(std::make_unique<TempGuard>(pp.reference_path));
-    }
-    // The isolation replay reads the reference's checkpoints from memory when they fit hold_limit;
-    // else its full dump: with --dump divergence or none a temporary file, removed after the replay,
-    // so that the report is the same in every mode.
-    pp.hold_reference = p.isolate && held_bytes <= hold_limit;
-    // A CUDA engine's replay runs beside the pipeline (a second engine on the device), a CPU engine's
-    // after it (the cores are the references').
-    pp.replay_beside = pp.hold_reference && p.eng.backend == "cuda";
-    if (dump == DumpMode::full) pp.isolated_path = (std::filesystem::path(p.dir) / "engine-isolated.h5").string();
-    if (p.isolate && !pp.hold_reference) {
-      pp.replay_path = dump == DumpMode::full ? pp.reference_path
-                                              : (std::filesystem::temp_directory_path() /
-                                                 fmt::format("diffrun-{}-{}-reference.h5", popt.run_id, ppairs.size()))
-                                                    .string();
-      if (dump != DumpMode::full) {
-        scratch.push_back(pp.replay_path);
-        guards.push_back(std::make_unique<TempGuard>(pp.replay_path));
-      }
-    }
-    pp.keep_engine = p.isolate;
-    ppairs.push_back(pp);
-  }
-  std::string threads;
-  for (const PipelinePair& pp : ppairs) threads += fmt::format("{}{}", threads.empty() ? "" : "+", pp.reference_threads);
-  progress.message(fmt::format("{} prompt tokens, {} decode steps; {} pair{} at once, reference threads {}{}", ids.size(),
-                               o.steps, n_pairs, n_pairs == 1 ? "" : "s", threads,
-                               cpu_engine ? fmt::format(", engine threads {}", eng_threads) : std::string()));
-  std::vector<std::unique_ptr<Backend>> engines;  // the isolated pairs' engines, loaded once for the run
-  std::vector<HeldReference> held;                 // the isolated pairs' references, when held in memory
-  std::vector<diff::Comparison> comparisons = run_pipeline(*file, cfg, ppairs, ids, popt, progress, &engines, &held);
+  TempFiles scratch;
+  for (const RunPair& p : pairs)
+    ppairs.push_back(pipeline_pair(p, ppairs.size(), o, popt, threads, held_bytes <= hold_limit, guards, scratch));
+  const int n_pairs = static_cast<int>(pairs.size());
+  const bool cpu_engine = pairs.front().eng.backend == "cpu";
+  progress.message(fmt::format("{} prompt tokens, {} decode steps; {} pair{} at once, reference threads {}{}",
+                               ids.size(), o.steps, n_pairs, n_pairs == 1 ? "" : "s", fmt::join(threads.reference, "+"),
+                               cpu_engine ? fmt::format(", engine threads {}", threads.engine) : std::string()));
+  Kept kept;
+  std::vector<diff::Comparison> comparisons =
+      run_pipeline(*file, cfg, ppairs, ids, popt, progress, &kept.engines, &kept.held);
   progress.timing("pipeline done");
   guards.clear();
 
-  // Isolation replay: the engine again, each checkpoint recorded and then replaced by the reference's.
-  if (std::any_of(pairs.begin(), pairs.end(), [](const RunPair& p) { return p.isolate; })) {
-    std::vector<int32_t> tokens;  // the first reference's greedy choices, fed to every run
-    for (const diff::StepTokens& t : comparisons.front().tokens) tokens.push_back(t.reference);
-    const int steps = static_cast<int>(tokens.size()) - 1;
-    for (size_t i = 0; i < pairs.size(); ++i) {
-      if (!pairs[i].isolate) continue;
-      diff::Comparison& c = comparisons[i];
-      std::string path = (std::filesystem::path(pairs[i].dir) / "engine-isolated.h5").string();
-      if (!c.isolated_path.empty()) {  // replayed beside the pipeline
-        engines[i].reset();
-        continue;
-      }
-      if (ppairs[i].hold_reference) {
-        if (!engines[i] || engines[i]->max_ctx() < static_cast<int>(ids.size()) + steps)
-          engines[i] = make_backend(*file, cfg, pairs[i].eng, static_cast<int>(ids.size()) + steps);
-        add_isolation_held(c, *file, cfg, *engines[i], held[i], ppairs[i], ids, popt, progress);
-        continue;
-      }
-      if (dump != DumpMode::full) {
-        path = ppairs[i].replay_path.substr(0, ppairs[i].replay_path.size() - 12) + "engine-isolated.h5";
-        scratch.push_back(path);
-      }
-      run_backend(*file, cfg, pairs[i].eng, "engine isolated", ids, o, prompt, filter, wopt, tokens, steps, path,
-                  popt.run_id, progress, ppairs[i].replay_path, std::move(engines[i]));
-      const DumpReader isolated(path), reference(ppairs[i].replay_path);
-      add_isolation_for(c, isolated, reference, o.report);
-      if (dump != DumpMode::full) c.isolated_path = not_written(dump);
-    }
-  }
-  const auto token_text = [&](int32_t id) {
-    if (id < 0 || id >= cfg.n_vocab) return std::string("(outside the vocabulary)");
-    const int32_t one[1] = {id};
-    return tok->decode(one);
-  };
-  // Both backends of each pair were asked to record the same checkpoints: anything less than all of them compared fails.
-  ReportOptions report = o.report;
-  if (report.require_coverage <= 0) report.require_coverage = 100;
-  for (diff::Comparison& c : comparisons) c.coverage.required = report.require_coverage;
-  std::vector<std::string> titles;
-  for (const RunPair& p : pairs) titles.push_back(p.title);
-  progress.timing("isolation done");
-  const int rc = report_comparisons(titles, comparisons, report, token_text);
-  progress.timing("report done");
-  return rc;
+  if (std::any_of(pairs.begin(), pairs.end(), [](const RunPair& p) { return p.isolate; }))
+    replay_isolated(*file, cfg, o, ids, popt, pairs, ppairs, comparisons, kept, scratch, progress);
+  return report_pairs(o, cfg, *tok, pairs, comparisons, progress);
 }
 
 const CommandRegistrar registrar{
