@@ -28,8 +28,9 @@ struct Sums {
 // The RoPE hints of Qrope/Krope [T, H or Hkv, Dh] (pattern.hpp); "" when none fits. sd: the error's energy.
 std::string rope_hint(std::span<const float> a, std::span<const float> b, const std::vector<NamedDim>& named,
                       const PatternContext& cx, double exact_below, double sd) {
-  if (named.size() != 3 || named[0].dim != "T" || (named[1].dim != "H" && named[1].dim != "Hkv") ||
-      named[2].dim != "Dh" || named[2].extent < 4 || named[2].extent % 2 != 0 || !(sd > 0))
+  if (named.size() != 3 || named[0].dim != "T" ||
+      (named[1].dim != "H" && named[1].dim != "Hkv") || named[2].dim != "Dh" ||
+      named[2].extent < 4 || named[2].extent % 2 != 0 || !(sd > 0))
     return "";
   const int64_t T = named[0].extent, H = named[1].extent, Dh = named[2].extent, half = Dh / 2;
   const auto pair_of = [&](bool neox, int64_t i) {
@@ -187,44 +188,65 @@ std::string format_ranges(const std::vector<int64_t>& indices) {
   return fmt::format("{}", fmt::join(parts, ","));
 }
 
-ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, std::span<const int64_t> shape,
-                           std::string_view layout, const DimSizes& dims, std::string_view base, double exact_below,
-                           const PatternContext& context) {
-  ErrorPattern p;
-  p.exact_below = exact_below;
-  const int64_t n = static_cast<int64_t>(std::min(a.size(), b.size()));
-  const std::vector<NamedDim> named = named_dims(shape, layout, dims);
-  int64_t named_n = 1;
-  for (const auto& d : named) named_n *= d.extent;
-  const SliceAxes ax = named_n == n ? slice_axes(named) : SliceAxes{};
-  const int order[3] = {ax.head, ax.row, ax.channel};  // the order the summary names them in
-  std::vector<int64_t> strides(named.size(), 1);
-  for (size_t k = named.size(); k-- > 1;) strides[k - 1] = strides[k] * named[k].extent;
+namespace {
 
-  std::vector<Sums> sums(3);
+// The tensor's dims as the pattern slices it: the named dims, the slice axes' positions in them (-1:
+// absent; none unless the named dims cover every element), and each dim's stride.
+struct SliceLayout {
+  std::vector<NamedDim> named;
+  int64_t named_n = 1;  // the elements the named dims cover
+  SliceAxes ax;
+  int order[3];  // the axes in the order the summary names them in: head, row, channel
+  std::vector<int64_t> strides;
+};
+
+SliceLayout slice_layout(std::span<const int64_t> shape, std::string_view layout, const DimSizes& dims, int64_t n) {
+  SliceLayout L;
+  L.named = named_dims(shape, layout, dims);
+  for (const auto& d : L.named) L.named_n *= d.extent;
+  L.ax = L.named_n == n ? slice_axes(L.named) : SliceAxes{};
+  L.order[0] = L.ax.head, L.order[1] = L.ax.row, L.order[2] = L.ax.channel;
+  L.strides.assign(L.named.size(), 1);
+  for (size_t k = L.named.size(); k-- > 1;) L.strides[k - 1] = L.strides[k] * L.named[k].extent;
+  return L;
+}
+
+// The sums of one pass over the elements: over the whole tensor (finite pairs only), per slice of each
+// axis in `order`, and in kq_soft_max's [H, T, S] the probabilities the engine puts on future positions.
+struct Totals {
+  double sa = 0, sb = 0, sab = 0, sd = 0;
+  std::vector<Sums> sums;  // by order's index
+  int64_t future_nonzero = 0;
+};
+
+Totals sum_slices(std::span<const float> a, std::span<const float> b, int64_t n, const SliceLayout& L,
+                  std::string_view base) {
+  Totals t;
+  t.sums.resize(3);
+  const std::vector<NamedDim>& named = L.named;
   for (int k = 0; k < 3; ++k) {
-    if (order[k] < 0) continue;
-    const size_t e = static_cast<size_t>(named[order[k]].extent);
-    sums[k] = {std::vector<double>(e), std::vector<double>(e), std::vector<double>(e), std::vector<double>(e),
-               std::vector<char>(e)};
+    if (L.order[k] < 0) continue;
+    const size_t e = static_cast<size_t>(named[L.order[k]].extent);
+    t.sums[k] = {std::vector<double>(e), std::vector<double>(e), std::vector<double>(e), std::vector<double>(e),
+                 std::vector<char>(e)};
   }
   // Causal mask: in [H, T, S], token t of a step with S - T cached positions sees positions <= S - T + t.
-  const bool causal = base == "kq_soft_max" && named.size() == 3 && named[1].dim == "T" && named[2].dim == "S";
+  const bool causal = base == "kq_soft_max" && named.size() == 3 && named[1].dim == "T" &&
+                      named[2].dim == "S";
   const int64_t n_past = causal ? named[2].extent - named[1].extent : 0;
-  double sa = 0, sb = 0, sab = 0, sd = 0;
   for (int64_t i = 0; i < n; ++i) {
     const double x = a[i], y = b[i];
     const bool finite = std::isfinite(x) && std::isfinite(y);
     if (finite) {
-      sa += x * x;
-      sb += y * y;
-      sab += x * y;
-      sd += (x - y) * (x - y);
+      t.sa += x * x;
+      t.sb += y * y;
+      t.sab += x * y;
+      t.sd += (x - y) * (x - y);
     }
     for (int k = 0; k < 3; ++k) {
-      if (order[k] < 0) continue;
-      const int64_t j = (i / strides[order[k]]) % named[order[k]].extent;
-      Sums& s = sums[k];
+      if (L.order[k] < 0) continue;
+      const int64_t j = (i / L.strides[L.order[k]]) % named[L.order[k]].extent;
+      Sums& s = t.sums[k];
       if (!finite) {
         s.nonfinite[j] = 1;
         continue;
@@ -235,41 +257,38 @@ ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, s
       s.ab[j] += x * y;
     }
     if (causal && finite) {
-      const int64_t t = (i / strides[1]) % named[1].extent, pos = i % named[2].extent;
-      if (pos > n_past + t && y == 0 && x != 0) ++p.future_nonzero;
+      const int64_t tok = (i / L.strides[1]) % named[1].extent, pos = i % named[2].extent;
+      if (pos > n_past + tok && y == 0 && x != 0) ++t.future_nonzero;
     }
   }
-  p.cosine = (sa == 0 && sb == 0) ? 1.0 : (sa == 0 || sb == 0) ? 0.0 : sab / std::sqrt(sa * sb);
+  return t;
+}
 
-  bool any_wrong = false;
-  for (int k = 0; k < 3; ++k) {
-    if (order[k] < 0) continue;
-    const NamedDim& d = named[order[k]];
-    AxisPattern axp;
-    axp.dim = d.dim;
-    axp.label = label_of(d.dim, order[k] == ax.row);
-    axp.extent = d.extent;
-    const Sums& s = sums[k];
-    for (int64_t j = 0; j < d.extent; ++j) {
-      const double rel = s.nonfinite[j] ? INFINITY : s.b2[j] > 0 ? std::sqrt(s.d2[j] / s.b2[j]) : (s.d2[j] > 0 ? INFINITY : 0.0);
-      if (rel <= exact_below) {
-        axp.exact.push_back(j);
-      } else {
-        axp.wrong.push_back(j);
-        if (s.nonfinite[j]) axp.nonfinite.push_back(j);
-        if (!s.nonfinite[j] && s.a2[j] == 0 && s.b2[j] > 0) axp.zero_engine.push_back(j);
-      }
+// One axis's slices split into exact (rel L2 <= exact_below) and wrong, the wrong ones into non-finite
+// and all zero in the engine.
+AxisPattern axis_pattern(const NamedDim& d, bool is_row, const Sums& s, double exact_below) {
+  AxisPattern axp;
+  axp.dim = d.dim;
+  axp.label = label_of(d.dim, is_row);
+  axp.extent = d.extent;
+  for (int64_t j = 0; j < d.extent; ++j) {
+    const double rel = s.nonfinite[j] ? INFINITY : s.b2[j] > 0 ? std::sqrt(s.d2[j] / s.b2[j]) : (s.d2[j] > 0 ? INFINITY : 0.0);
+    if (rel <= exact_below) {
+      axp.exact.push_back(j);
+    } else {
+      axp.wrong.push_back(j);
+      if (s.nonfinite[j]) axp.nonfinite.push_back(j);
+      if (!s.nonfinite[j] && s.a2[j] == 0 && s.b2[j] > 0) axp.zero_engine.push_back(j);
     }
-    any_wrong = any_wrong || !axp.wrong.empty();
-    p.axes.push_back(std::move(axp));
   }
+  return axp;
+}
 
-  // The summary: the axes whose slices split into exact and wrong (into finite and not, over
-  // non-finite data).
-  bool any_nonfinite = false;
-  for (const auto& axp : p.axes) any_nonfinite = any_nonfinite || !axp.nonfinite.empty();
+// The summary: the axes whose slices split into exact and wrong (into finite and not, over non-finite
+// data).
+std::string axes_summary(const std::vector<AxisPattern>& axes, bool any_nonfinite, bool any_wrong) {
   std::vector<std::string> parts;
-  for (const auto& axp : p.axes) {
+  for (const auto& axp : axes) {
     if (any_nonfinite) {
       if (!axp.nonfinite.empty() && static_cast<int64_t>(axp.nonfinite.size()) < axp.extent) {
         parts.push_back(fmt::format("{}{} {}", parts.empty() ? "NaN/Inf only in " : "", axp.label,
@@ -288,73 +307,120 @@ ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, s
     parts.push_back("NaN/Inf in every slice");
   } else if (parts.empty() && any_wrong) {
     std::vector<std::string> labels;
-    for (const auto& axp : p.axes) labels.push_back(axp.label);
+    for (const auto& axp : axes) labels.push_back(axp.label);
     parts.push_back(labels.empty() ? std::string("the error is spread over the tensor")
                                    : fmt::format("every slice wrong ({}): the error is spread over the tensor",
                                                  fmt::join(labels, ", ")));
   }
-  p.summary = fmt::format("{}", fmt::join(parts, "; "));
+  return fmt::format("{}", fmt::join(parts, "; "));
+}
+
+// What the hint is read from: the row, head and channel axes' patterns (null where absent), whether any
+// slice is wrong or non-finite, the bug class read from the error's structure, and whether one factor (or
+// one per channel) explains the error.
+struct Evidence {
+  const AxisPattern* rows = nullptr;
+  const AxisPattern* heads = nullptr;
+  const AxisPattern* channels = nullptr;
+  bool any_wrong = false, any_nonfinite = false;
+  std::string structural;
+  double scale = 1;
+  bool scaled = false, channel_scaled = false;
+};
+
+// Scaled copies: the error the best single factor (or one factor per channel) leaves is under 1% of
+// the error's energy.
+void find_scaling(const Totals& t, const SliceLayout& L, Evidence& e) {
+  e.scale = t.sb > 0 ? t.sab / t.sb : 1.0;
+  e.scaled = e.any_wrong && t.sb > 0 && t.sd > 0 && (t.sa - t.sab * t.sab / t.sb) <= 0.01 * t.sd &&
+             std::abs(e.scale - 1) > 1e-3;
+  if (e.any_wrong && !e.scaled && t.sd > 0 && e.channels && e.rows && e.rows->extent >= 2 && e.channels->extent >= 2) {
+    const Sums* cs = nullptr;
+    for (int k = 0; k < 3; ++k)
+      if (L.order[k] == L.ax.channel) cs = &t.sums[k];
+    double left = 0;
+    for (size_t j = 0; cs && j < cs->a2.size(); ++j) left += cs->b2[j] > 0 ? cs->a2[j] - cs->ab[j] * cs->ab[j] / cs->b2[j] : cs->a2[j];
+    e.channel_scaled = cs && left <= 0.01 * t.sd;
+  }
+}
+
+// The bug class the pattern points to (pattern.hpp), the first that fits; "" when none does.
+std::string bug_hint(const ErrorPattern& p, const Evidence& e, std::string_view base) {
+  const AxisPattern* rows = e.rows;
+  const AxisPattern* heads = e.heads;
+  const AxisPattern* channels = e.channels;
+  if (e.any_nonfinite) {
+    // Over non-finite data "wrong" means "holds a NaN/Inf": only the token and channel hints hold.
+    const size_t nt = rows ? rows->nonfinite.size() : 0, nc = channels ? channels->nonfinite.size() : 0;
+    if (rows && rows->dim == "T" && nt == 1 && rows->extent > 1)
+      return fmt::format("one token holds them: that token (T={})", rows->nonfinite.front());
+    if (channels && nc > 0 && nc * 8 <= static_cast<size_t>(channels->extent) &&
+        (!rows || static_cast<int64_t>(nt) == rows->extent))
+      return "a few channels hold them in every token: a weight row, a bias or a scale of those channels";
+    return "";
+  }
+  if (p.future_nonzero > 0)
+    return fmt::format("{} probabilities on future positions where the reference has 0: the causal mask",
+                       p.future_nonzero);
+  if (rows && rows->dim == "S" && !rows->zero_engine.empty() && rows->partial())
+    return fmt::format("cache row {} never written in the engine: the K/V write position", format_ranges(rows->zero_engine));
+  if (!e.structural.empty()) return e.structural;
+  if (heads && heads->partial() && (base == "kq_soft_max" || base == "kqv_out"))
+    return "some query heads exact, others not: the query-to-KV head mapping (GQA)";
+  if (rows && rows->dim == "T" && rows->partial() && rows->wrong.size() == 1)
+    return fmt::format("one token wrong: that token (T={})", rows->wrong.front());
+  if (channels && channels->partial() && channels->wrong.size() * 8 <= static_cast<size_t>(channels->extent))
+    return "a few channels wrong: a weight row, a bias or a scale of those channels";
+  if (e.scaled)
+    return fmt::format("the engine's values are the reference's x {:.4g} (cosine {:.4f}): a scale factor (a constant "
+                       "missing or applied twice, a unit or a dtype), not a layout", e.scale, p.cosine);
+  if (e.channel_scaled)
+    return "each channel scaled by its own factor, the same in every token: a per-channel weight applied twice or "
+           "not at all (an RMSNorm weight)";
+  if (e.any_wrong && std::abs(p.cosine) < 0.1)
+    return fmt::format("cosine {:.3f}, uncorrelated: a layout, a transpose or the wrong tensor", p.cosine);
+  return "";
+}
+
+}  // namespace
+
+ErrorPattern error_pattern(std::span<const float> a, std::span<const float> b, std::span<const int64_t> shape,
+                           std::string_view layout, const DimSizes& dims, std::string_view base, double exact_below,
+                           const PatternContext& context) {
+  ErrorPattern p;
+  p.exact_below = exact_below;
+  const int64_t n = static_cast<int64_t>(std::min(a.size(), b.size()));
+  const SliceLayout L = slice_layout(shape, layout, dims, n);
+  const Totals t = sum_slices(a, b, n, L, base);
+  p.future_nonzero = t.future_nonzero;
+  p.cosine = (t.sa == 0 && t.sb == 0) ? 1.0 : (t.sa == 0 || t.sb == 0) ? 0.0 : t.sab / std::sqrt(t.sa * t.sb);
+
+  Evidence e;
+  for (int k = 0; k < 3; ++k) {
+    if (L.order[k] < 0) continue;
+    p.axes.push_back(axis_pattern(L.named[L.order[k]], L.order[k] == L.ax.row, t.sums[k], exact_below));
+    e.any_wrong = e.any_wrong || !p.axes.back().wrong.empty();
+  }
+  for (const auto& axp : p.axes) e.any_nonfinite = e.any_nonfinite || !axp.nonfinite.empty();
+  p.summary = axes_summary(p.axes, e.any_nonfinite, e.any_wrong);
 
   auto find = [&](int axis) -> const AxisPattern* {
     for (const auto& axp : p.axes) {
-      if (axis >= 0 && axp.dim == named[axis].dim) return &axp;
+      if (axis >= 0 && axp.dim == L.named[axis].dim) return &axp;
     }
     return nullptr;
   };
-  const AxisPattern* rows = find(ax.row);
-  const AxisPattern* heads = find(ax.head);
-  const AxisPattern* channels = find(ax.channel);
-  // Scaled copies: the error the best single factor (or one factor per channel) leaves is under 1% of
-  // the error's energy.
-  const double scale = sb > 0 ? sab / sb : 1.0;
-  const bool scaled = any_wrong && sb > 0 && sd > 0 && (sa - sab * sab / sb) <= 0.01 * sd && std::abs(scale - 1) > 1e-3;
-  bool channel_scaled = false;
-  if (any_wrong && !scaled && sd > 0 && channels && rows && rows->extent >= 2 && channels->extent >= 2) {
-    const Sums* cs = nullptr;
-    for (int k = 0; k < 3; ++k)
-      if (order[k] == ax.channel) cs = &sums[k];
-    double left = 0;
-    for (size_t j = 0; cs && j < cs->a2.size(); ++j) left += cs->b2[j] > 0 ? cs->a2[j] - cs->ab[j] * cs->ab[j] / cs->b2[j] : cs->a2[j];
-    channel_scaled = cs && left <= 0.01 * sd;
-  }
+  e.rows = find(L.ax.row);
+  e.heads = find(L.ax.head);
+  e.channels = find(L.ax.channel);
+  find_scaling(t, L, e);
   // The bug classes read from the error's structure (pattern.hpp), before the generic slice hints.
-  std::string structural;
-  if (!any_nonfinite && any_wrong && p.future_nonzero == 0 && sd > 0) {
-    if ((base == "Qrope" || base == "Krope") && named_n == n)
-      structural = rope_hint(a.first(n), b.first(n), named, context, exact_below, sd);
-    if (structural.empty()) structural = block_offset_hint(a.first(n), b.first(n), shape, sd);
+  if (!e.any_nonfinite && e.any_wrong && p.future_nonzero == 0 && t.sd > 0) {
+    if ((base == "Qrope" || base == "Krope") && L.named_n == n)
+      e.structural = rope_hint(a.first(n), b.first(n), L.named, context, exact_below, t.sd);
+    if (e.structural.empty()) e.structural = block_offset_hint(a.first(n), b.first(n), shape, t.sd);
   }
-  if (any_nonfinite) {
-    // Over non-finite data "wrong" means "holds a NaN/Inf": only the token and channel hints hold.
-    const size_t nt = rows ? rows->nonfinite.size() : 0, nc = channels ? channels->nonfinite.size() : 0;
-    if (rows && rows->dim == "T" && nt == 1 && rows->extent > 1) {
-      p.hint = fmt::format("one token holds them: that token (T={})", rows->nonfinite.front());
-    } else if (channels && nc > 0 && nc * 8 <= static_cast<size_t>(channels->extent) &&
-               (!rows || static_cast<int64_t>(nt) == rows->extent)) {
-      p.hint = "a few channels hold them in every token: a weight row, a bias or a scale of those channels";
-    }
-  } else if (p.future_nonzero > 0) {
-    p.hint = fmt::format("{} probabilities on future positions where the reference has 0: the causal mask",
-                         p.future_nonzero);
-  } else if (rows && rows->dim == "S" && !rows->zero_engine.empty() && rows->partial()) {
-    p.hint = fmt::format("cache row {} never written in the engine: the K/V write position", format_ranges(rows->zero_engine));
-  } else if (!structural.empty()) {
-    p.hint = structural;
-  } else if (heads && heads->partial() && (base == "kq_soft_max" || base == "kqv_out")) {
-    p.hint = "some query heads exact, others not: the query-to-KV head mapping (GQA)";
-  } else if (rows && rows->dim == "T" && rows->partial() && rows->wrong.size() == 1) {
-    p.hint = fmt::format("one token wrong: that token (T={})", rows->wrong.front());
-  } else if (channels && channels->partial() && channels->wrong.size() * 8 <= static_cast<size_t>(channels->extent)) {
-    p.hint = "a few channels wrong: a weight row, a bias or a scale of those channels";
-  } else if (scaled) {
-    p.hint = fmt::format("the engine's values are the reference's x {:.4g} (cosine {:.4f}): a scale factor (a constant "
-                         "missing or applied twice, a unit or a dtype), not a layout", scale, p.cosine);
-  } else if (channel_scaled) {
-    p.hint = "each channel scaled by its own factor, the same in every token: a per-channel weight applied twice or "
-             "not at all (an RMSNorm weight)";
-  } else if (any_wrong && std::abs(p.cosine) < 0.1) {
-    p.hint = fmt::format("cosine {:.3f}, uncorrelated: a layout, a transpose or the wrong tensor", p.cosine);
-  }
+  p.hint = bug_hint(p, e, base);
   return p;
 }
 
