@@ -185,155 +185,182 @@ void first_nonfinite(std::string& out, const Comparison& c, const Style& s) {
   verdict_lines(out, c.nonfinite_verdict, s);
 }
 
+// The results of one step by kind and layer, and what the table's columns need to know of them.
+struct LayerGrid {
+  int step = 0;
+  std::vector<std::string> kinds;  // in execution order
+  std::map<std::string, std::map<int, const CheckpointResult*>> by_kind;  // kind -> layer -> result
+  int last = 0;                    // the last layer
+  double lo = INFINITY, hi = 0;    // the smallest and largest finite, nonzero rel_l2
+  size_t kind_w = 4;               // the kind column's width
+  bool any_local = false;          // some result of the step has a local error (isolation replay)
+};
+
+LayerGrid layer_grid(const Comparison& c, int step) {
+  LayerGrid g;
+  g.step = step;
+  for (const auto& r : c.results) {
+    if (r.step != step || r.layer < 0) continue;
+    if (!g.by_kind.count(r.base)) g.kinds.push_back(r.base);
+    g.by_kind[r.base][r.layer] = &r;
+  }
+  g.last = c.reference_meta.config.n_layer - 1;
+  for (const auto& [kind, layers] : g.by_kind) {
+    g.kind_w = std::max(g.kind_w, kind.size());
+    g.last = std::max(g.last, layers.rbegin()->first);
+    for (const auto& [l, r] : layers) {
+      double v = r->metrics ? r->metrics->rel_l2 : 0.0;
+      if (r->metrics && r->metrics->finite() && std::isfinite(v) && v > 0) {
+        g.lo = std::min(g.lo, v);
+        g.hi = std::max(g.hi, v);
+      }
+    }
+  }
+  g.any_local = std::any_of(c.results.begin(), c.results.end(), [&](const CheckpointResult& r) {
+    return r.step == step && r.local.has_value();
+  });
+  return g;
+}
+
+// One kind's row of the table.
+struct LayerRow {
+  std::string kind, local, first, final_, max, first_fail;
+  int fails = 0, compared = 0, first_fail_layer = -1;
+  bool fails_on = false;  // fails at every compared layer from its first failure on
+  bool local_fails = false;  // fails in isolation replay at some layer: an error of its own
+  std::vector<double> series;
+};
+
+LayerRow layer_row(const std::string& kind, const std::map<int, const CheckpointResult*>& layers, int last) {
+  LayerRow row;
+  row.kind = kind;
+  double local_mx = -1;
+  for (const auto& [l, r] : layers) {
+    if (r->local && r->local->failed()) row.local_fails = true;
+    if (r->local && !std::isnan(r->local->rel_l2) && r->local->rel_l2 > local_mx) local_mx = r->local->rel_l2;
+  }
+  row.local = local_mx >= 0 ? fmt::format("{}", num(local_mx)) : "-";
+  double mx = -1;
+  int mx_layer = -1, first_nonfinite = -1;
+  bool gap = false;  // a passing layer after the first failing one
+  std::map<int, std::string> cells;  // layer -> what the column shows
+  for (int l = 0; l <= last; ++l) {
+    auto it = layers.find(l);
+    const TensorMetrics* m = (it != layers.end() && it->second->metrics) ? &*it->second->metrics : nullptr;
+    double v = m ? m->rel_l2 : std::nan("");
+    if (it != layers.end() && it->second->compared()) ++row.compared;
+    if (it != layers.end() && it->second->failed()) {
+      ++row.fails;
+      if (row.first_fail_layer < 0) row.first_fail_layer = l;
+    } else if (it != layers.end() && it->second->compared() && row.first_fail_layer >= 0) {
+      gap = true;
+    }
+    if (m && !m->finite()) {
+      // Non-finite data: "NaN"/"Inf" in the cells, '!' in the growth line, never a number.
+      cells[l] = rel_str(*m);
+      if (first_nonfinite < 0) first_nonfinite = l;
+      v = INFINITY;
+    } else {
+      cells[l] = std::isnan(v) ? std::string("-") : num(v);
+      if (!std::isnan(v) && v > mx) { mx = v; mx_layer = l; }
+    }
+    row.series.push_back(v);
+  }
+  row.fails_on = row.fails > 0 && !gap;
+  row.first = cells[0];
+  row.final_ = cells[last];
+  row.max = first_nonfinite >= 0 ? fmt::format("{} ({})", cells[first_nonfinite], first_nonfinite)
+            : mx >= 0            ? fmt::format("{} ({})", num(mx), mx_layer)
+                                 : std::string("-");
+  row.first_fail = row.first_fail_layer >= 0 ? std::to_string(row.first_fail_layer) : "-";
+  return row;
+}
+
+// The kinds that fail at every layer from where they first fail, as everything downstream of the
+// divergence does, and the layers they first fail at.
+struct Downstream {
+  std::vector<std::string> kinds;
+  int from = -1, to = -1;
+};
+
+// After a divergence, a kind carries information when it is the divergence's own, passes, fails only
+// at some layers, fails in isolation replay (an error of its own), or fails first before the
+// divergence's layer; the rest fail everywhere downstream. None without a divergence or with `full`.
+Downstream downstream_kinds(const Comparison& c, const std::vector<LayerRow>& rows, bool full) {
+  Downstream d;
+  if (!c.first_failure || full) return d;
+  const CheckpointResult& first = c.results[*c.first_failure];
+  const int div_layer = std::max(0, first.layer);
+  for (const auto& row : rows) {
+    if (row.kind == first.base || !row.fails_on || row.local_fails || row.first_fail_layer < div_layer) continue;
+    d.kinds.push_back(row.kind);
+    d.from = d.from < 0 ? row.first_fail_layer : std::min(d.from, row.first_fail_layer);
+    d.to = std::max(d.to, row.first_fail_layer);
+  }
+  return d;
+}
+
+// A row's growth series with `per_mark` layers to a mark (the largest of them).
+std::vector<double> marks_of(const std::vector<double>& series, int per_mark) {
+  std::vector<double> out;
+  for (size_t i = 0; i < series.size(); i += per_mark) {
+    double v = std::nan("");
+    for (size_t j = i; j < std::min(series.size(), i + per_mark); ++j) {
+      if (!std::isnan(series[j]) && (std::isnan(v) || series[j] > v)) v = series[j];
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+// The table: its title and legend, the header, one line per row not in `downstream`, then the line
+// naming those.
+void print_layer_rows(std::string& out, const LayerGrid& g, const std::vector<LayerRow>& rows,
+                      const Downstream& downstream, const Style& s) {
+  // Fixed columns: kind, [local], layer 0, layer last, max (layer), fails, first; the rest is the sparkline.
+  const int fixed = 2 + static_cast<int>(g.kind_w) + (g.any_local ? 9 : 0) + 9 + 9 + 14 + 6 + 6 + 2;
+  const int spark_room = std::max(8, kTerminalWidth - fixed);
+  const int per_mark = (g.last + 1 + spark_room - 1) / spark_room;  // layers per sparkline mark
+  out += '\n';
+  out += s.bold(fmt::format("Relative L2 error by layer (step {})", g.step)) + "\n";
+  const std::string marks = per_mark > 1 ? fmt::format(", one mark per {} layers (the largest)", per_mark) : "";
+  if (g.hi > 0) {
+    out += fmt::format("  growth: layers 0..{}{}; log scale ▁ {} .. █ {}; ! NaN/Inf\n", g.last, marks, num(g.lo), num(g.hi));
+  }
+  if (g.any_local) out += "  local: the kind's largest rel_l2 in isolation replay (each op on the reference's inputs)\n";
+  const std::string kind_fmt = fmt::format("{{:<{}}}", g.kind_w);
+  out += fmt::format("  {}{} {:>8} {:>8} {:>13} {:>5} {:>5}  {}\n", fmt::format(fmt::runtime(kind_fmt), "kind"),
+                     g.any_local ? fmt::format(" {:>8}", "local") : "", "layer 0", fmt::format("layer {}", g.last),
+                     "max (layer)", "fails", "first", "growth");
+  for (const auto& row : rows) {
+    if (std::find(downstream.kinds.begin(), downstream.kinds.end(), row.kind) != downstream.kinds.end()) continue;
+    const std::vector<double> series = marks_of(row.series, per_mark);
+    std::string fails_str = row.fails ? s.red(fmt::format("{:>5}", row.fails)) : fmt::format("{:>5}", 0);
+    std::string spark = g.hi > 0 ? sparkline(series, g.lo, g.hi) : sparkline(series);
+    out += fmt::format("  {}{} {:>8} {:>8} {:>13} {} {:>5}  {}\n", fmt::format(fmt::runtime(kind_fmt), row.kind),
+                       g.any_local ? fmt::format(" {:>8}", row.local) : "", row.first, row.final_, row.max, fails_str,
+                       row.first_fail, spark);
+  }
+  if (!downstream.kinds.empty()) {
+    const std::string from = downstream.to > downstream.from ? fmt::format("{}-{}", downstream.from, downstream.to)
+                                                             : std::to_string(downstream.from);
+    out += s.dim(fmt::format("  {} more kinds fail at every layer from layer {} on, downstream (--full shows them): {}",
+                             downstream.kinds.size(), from, fmt::join(downstream.kinds, ", "))) + "\n";
+  }
+}
+
 // One row per checkpoint kind of the first divergence's step: local error (isolation replay), rel_l2
 // at the first and last layer, the max, failures, first failing layer, and a growth sparkline (one
 // mark per layer, or per group of layers when they do not fit). After a divergence, the kinds that
 // fail at every layer from where they first fail, as everything downstream does, are named in one
-// line (`full` lists them as rows).
+// line (`full` lists them as rows). Then the step's checkpoints outside the layers in one line.
 void layer_table(std::string& out, const Comparison& c, const Style& s, bool full) {
   const int step = c.first_failure ? c.results[*c.first_failure].step : 0;
-  const std::string first_kind = c.first_failure ? c.results[*c.first_failure].base : std::string();
-  const int n_layer = c.reference_meta.config.n_layer;
-  // kind -> layer -> result, in execution order of the kinds.
-  std::vector<std::string> kinds;
-  std::map<std::string, std::map<int, const CheckpointResult*>> by_kind;
-  for (const auto& r : c.results) {
-    if (r.step != step || r.layer < 0) continue;
-    if (!by_kind.count(r.base)) kinds.push_back(r.base);
-    by_kind[r.base][r.layer] = &r;
-  }
-  if (kinds.empty()) return;
-  int last = n_layer - 1;
-  double lo = INFINITY, hi = 0;
-  size_t kind_w = 4;
-  for (const auto& [kind, layers] : by_kind) {
-    kind_w = std::max(kind_w, kind.size());
-    last = std::max(last, layers.rbegin()->first);
-    for (const auto& [l, r] : layers) {
-      double v = r->metrics ? r->metrics->rel_l2 : 0.0;
-      if (r->metrics && r->metrics->finite() && std::isfinite(v) && v > 0) {
-        lo = std::min(lo, v);
-        hi = std::max(hi, v);
-      }
-    }
-  }
-  const bool any_local = std::any_of(c.results.begin(), c.results.end(), [&](const CheckpointResult& r) {
-    return r.step == step && r.local.has_value();
-  });
-  // Fixed columns: kind, [local], layer 0, layer last, max (layer), fails, first; the rest is the sparkline.
-  const int fixed = 2 + static_cast<int>(kind_w) + (any_local ? 9 : 0) + 9 + 9 + 14 + 6 + 6 + 2;
-  const int spark_room = std::max(8, kTerminalWidth - fixed);
-  const int per_mark = (last + 1 + spark_room - 1) / spark_room;  // layers per sparkline mark
-
-  struct Row {
-    std::string kind, local, first, final_, max, first_fail;
-    int fails = 0, compared = 0, first_fail_layer = -1;
-    bool fails_on = false;  // fails at every compared layer from its first failure on
-    bool local_fails = false;  // fails in isolation replay at some layer: an error of its own
-    std::vector<double> series;
-  };
-  std::vector<Row> rows;
-  for (const auto& kind : kinds) {
-    const auto& layers = by_kind[kind];
-    Row row;
-    row.kind = kind;
-    double local_mx = -1;
-    int local_layer = -1;
-    for (const auto& [l, r] : layers) {
-      if (r->local && r->local->failed()) row.local_fails = true;
-      if (r->local && !std::isnan(r->local->rel_l2) && r->local->rel_l2 > local_mx) {
-        local_mx = r->local->rel_l2;
-        local_layer = l;
-      }
-    }
-    row.local = local_mx >= 0 ? fmt::format("{}", num(local_mx)) : "-";
-    (void)local_layer;
-    double mx = -1;
-    int mx_layer = -1, first_nonfinite = -1;
-    bool gap = false;  // a passing layer after the first failing one
-    std::map<int, std::string> cells;  // layer -> what the column shows
-    for (int l = 0; l <= last; ++l) {
-      auto it = layers.find(l);
-      const TensorMetrics* m = (it != layers.end() && it->second->metrics) ? &*it->second->metrics : nullptr;
-      double v = m ? m->rel_l2 : std::nan("");
-      if (it != layers.end() && it->second->compared()) ++row.compared;
-      if (it != layers.end() && it->second->failed()) {
-        ++row.fails;
-        if (row.first_fail_layer < 0) row.first_fail_layer = l;
-      } else if (it != layers.end() && it->second->compared() && row.first_fail_layer >= 0) {
-        gap = true;
-      }
-      if (m && !m->finite()) {
-        // Non-finite data: "NaN"/"Inf" in the cells, '!' in the growth line, never a number.
-        cells[l] = rel_str(*m);
-        if (first_nonfinite < 0) first_nonfinite = l;
-        v = INFINITY;
-      } else {
-        cells[l] = std::isnan(v) ? std::string("-") : num(v);
-        if (!std::isnan(v) && v > mx) { mx = v; mx_layer = l; }
-      }
-      row.series.push_back(v);
-    }
-    row.fails_on = row.fails > 0 && !gap;
-    row.first = cells[0];
-    row.final_ = cells[last];
-    row.max = first_nonfinite >= 0 ? fmt::format("{} ({})", cells[first_nonfinite], first_nonfinite)
-              : mx >= 0            ? fmt::format("{} ({})", num(mx), mx_layer)
-                                   : std::string("-");
-    row.first_fail = row.first_fail_layer >= 0 ? std::to_string(row.first_fail_layer) : "-";
-    rows.push_back(std::move(row));
-  }
-  // After a divergence, a kind carries information when it is the divergence's own, passes, fails
-  // only at some layers, fails in isolation replay (an error of its own), or fails first before the
-  // divergence's layer; the rest fail everywhere downstream.
-  std::vector<std::string> downstream;
-  int downstream_from = -1, downstream_to = -1;
-  if (c.first_failure && !full) {
-    const int div_layer = std::max(0, c.results[*c.first_failure].layer);
-    for (auto& row : rows) {
-      if (row.kind == first_kind || !row.fails_on || row.local_fails || row.first_fail_layer < div_layer) continue;
-      downstream.push_back(row.kind);
-      downstream_from = downstream_from < 0 ? row.first_fail_layer : std::min(downstream_from, row.first_fail_layer);
-      downstream_to = std::max(downstream_to, row.first_fail_layer);
-    }
-  }
-  const auto hidden = [&](const Row& row) {
-    return std::find(downstream.begin(), downstream.end(), row.kind) != downstream.end();
-  };
-
-  out += '\n';
-  out += s.bold(fmt::format("Relative L2 error by layer (step {})", step)) + "\n";
-  const std::string marks = per_mark > 1 ? fmt::format(", one mark per {} layers (the largest)", per_mark) : "";
-  if (hi > 0) {
-    out += fmt::format("  growth: layers 0..{}{}; log scale ▁ {} .. █ {}; ! NaN/Inf\n", last, marks, num(lo), num(hi));
-  }
-  if (any_local) out += "  local: the kind's largest rel_l2 in isolation replay (each op on the reference's inputs)\n";
-  const std::string kind_fmt = fmt::format("{{:<{}}}", kind_w);
-  out += fmt::format("  {}{} {:>8} {:>8} {:>13} {:>5} {:>5}  {}\n", fmt::format(fmt::runtime(kind_fmt), "kind"),
-                     any_local ? fmt::format(" {:>8}", "local") : "", "layer 0", fmt::format("layer {}", last),
-                     "max (layer)", "fails", "first", "growth");
-  for (const auto& row : rows) {
-    if (hidden(row)) continue;
-    std::vector<double> series;
-    for (size_t i = 0; i < row.series.size(); i += per_mark) {
-      double v = std::nan("");
-      for (size_t j = i; j < std::min(row.series.size(), i + per_mark); ++j) {
-        if (!std::isnan(row.series[j]) && (std::isnan(v) || row.series[j] > v)) v = row.series[j];
-      }
-      series.push_back(v);
-    }
-    std::string fails_str = row.fails ? s.red(fmt::format("{:>5}", row.fails)) : fmt::format("{:>5}", 0);
-    std::string spark = hi > 0 ? sparkline(series, lo, hi) : sparkline(series);
-    out += fmt::format("  {}{} {:>8} {:>8} {:>13} {} {:>5}  {}\n", fmt::format(fmt::runtime(kind_fmt), row.kind),
-                       any_local ? fmt::format(" {:>8}", row.local) : "", row.first, row.final_, row.max, fails_str,
-                       row.first_fail, spark);
-  }
-  if (!downstream.empty()) {
-    const std::string from = downstream_to > downstream_from ? fmt::format("{}-{}", downstream_from, downstream_to)
-                                                             : std::to_string(downstream_from);
-    out += s.dim(fmt::format("  {} more kinds fail at every layer from layer {} on, downstream (--full shows them): {}",
-                             downstream.size(), from, fmt::join(downstream, ", "))) + "\n";
-  }
+  const LayerGrid g = layer_grid(c, step);
+  if (g.kinds.empty()) return;
+  std::vector<LayerRow> rows;
+  for (const auto& kind : g.kinds) rows.push_back(layer_row(kind, g.by_kind.at(kind), g.last));
+  print_layer_rows(out, g, rows, downstream_kinds(c, rows, full), s);
   std::vector<std::string> others;
   for (const auto& r : c.results) {
     if (r.step == step && r.layer < 0 && r.metrics) {
