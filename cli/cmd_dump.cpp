@@ -10,6 +10,7 @@
 #include <omp.h>
 
 #include "checkpoints/dump.hpp"
+#include "checkpoints/dump_schema_names.hpp"
 #include "checkpoints/replay_sink.hpp"
 #include "cli/command.hpp"
 #include "cli/options.hpp"
@@ -71,7 +72,7 @@ int run_dump(const DumpOptions& o) {
   std::vector<int32_t> forced;
   if (!o.replay.empty()) {
     reference = std::make_unique<DumpReader>(o.replay);
-    const std::vector<int32_t> all = reference->int_attribute("all_token_ids");
+    const std::vector<int32_t> all = reference->int_attribute(attr::all_token_ids);
     if (reference->meta().token_ids != ids || all.size() < ids.size() + o.steps) {
       throw InputError(fmt::format("--replay {}: the reference dump does not hold this prompt and {} decode steps",
                                    o.replay, o.steps));

@@ -15,6 +15,7 @@
 #include <fmt/ranges.h>
 
 #include "checkpoints/dump.hpp"
+#include "checkpoints/dump_schema_names.hpp"
 #include "checkpoints/dump_size.hpp"
 #include "checkpoints/replay_sink.hpp"
 #include "cli/command.hpp"
@@ -180,7 +181,7 @@ StepsResult run_backend(const GgufFile& file, const ModelConfig& cfg, const Back
   }
   // Every dump of the run carries its id, so compare refuses a new reference beside an interrupted run's old engine.
   DumpMeta meta = dump_meta(file, *backend, prompt, ids);
-  meta.facts["run_id"] = run_id;
+  meta.facts[attr::run_id] = run_id;
   const TempGuard guard(path);
   DumpWriter writer(path, meta, filter, wopt);
   const std::string what = fmt::format("{} {}/{} step", role, backend_opt.backend, backend_opt.precision);

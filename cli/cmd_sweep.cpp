@@ -20,6 +20,7 @@
 #include <fmt/ranges.h>
 #include <omp.h>
 
+#include "checkpoints/vocabulary.hpp"
 #include "cli/command.hpp"
 #include "cli/diff_report.hpp"
 #include "cli/interrupt.hpp"
@@ -82,12 +83,15 @@ double invariance_bound(const BackendOptions& eng) {
   return eng.precision == "f16" ? 1e-2 : 1e-4;
 }
 
+// The layout of a logits row, as the vocabulary declares result_output's.
+const char* logits_layout() { return find_checkpoint_kind("result_output")->layout; }
+
 InvarianceCheck invariance(const std::vector<float>& a, const std::vector<float>& b, double bound) {
   InvarianceCheck c;
   if (a.size() != b.size() || a.empty()) return {NAN, NAN, false};
   const int64_t V = static_cast<int64_t>(a.size());
   const int64_t shape[2] = {1, V};
-  const diff::TensorMetrics m = diff::compute_metrics(a, b, shape, "T,V", {}, {});
+  const diff::TensorMetrics m = diff::compute_metrics(a, b, shape, logits_layout(), {}, {});
   const diff::LogitMetrics lm = diff::compute_logit_metrics(a, b, 1, V);
   c.rel_l2 = m.rel_l2;
   c.kl = lm.kl.empty() ? NAN : lm.kl.front();
@@ -162,7 +166,7 @@ std::vector<TokenStat> token_stats(const StepsResult& eng, const StepsResult& re
       continue;
     }
     const int64_t shape[2] = {1, V};
-    diff::TensorMetrics m = diff::compute_metrics(a, b, shape, "T,V", dims, rule.element);
+    diff::TensorMetrics m = diff::compute_metrics(a, b, shape, logits_layout(), dims, rule.element);
     m.logits = diff::compute_logit_metrics(a, b, 1, V);
     const int64_t positions = prompt_len + static_cast<int64_t>(s);
     const double scale = tol.length_scale(positions) * tol.reduction_scale("result_output", dims);

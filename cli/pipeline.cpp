@@ -13,6 +13,7 @@
 
 #include <fmt/core.h>
 
+#include "checkpoints/dump_schema_names.hpp"
 #include "cli/pipeline_internal.hpp"
 #include "model/error.hpp"
 
@@ -74,7 +75,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
   cx.sh.timing("{}: loaded", who);
   Message meta(Message::meta);
   meta.dump_meta = dump_meta(cx.file, *backend, cx.opt.prompt, cx.ids);
-  meta.dump_meta.facts["run_id"] = cx.opt.run_id;
+  meta.dump_meta.facts[attr::run_id] = cx.opt.run_id;
   // As the writer fills them, so that the comparison's metadata is the dumps' in every --dump mode.
   meta.dump_meta.created_utc = utc_now_iso8601();
   meta.dump_meta.diffrun_version = DIFFRUN_VERSION;

@@ -11,6 +11,7 @@
 
 #include <fmt/core.h>
 
+#include "checkpoints/dump_schema_names.hpp"
 #include "cli/pipeline_internal.hpp"
 #include "model/error.hpp"
 
@@ -160,7 +161,7 @@ class HeldReplay {
   static DumpMeta meta_of(const GgufFile& file, const Backend& engine, const std::vector<int32_t>& ids,
                           const PipelineOptions& opt) {
     DumpMeta meta = dump_meta(file, engine, opt.prompt, ids);
-    meta.facts["run_id"] = opt.run_id;
+    meta.facts[attr::run_id] = opt.run_id;
     meta.created_utc = utc_now_iso8601();
     meta.diffrun_version = DIFFRUN_VERSION;
     return meta;

@@ -7,6 +7,7 @@
 
 #include <fmt/core.h>
 
+#include "checkpoints/dump_schema_names.hpp"
 #include "checkpoints/faults.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "cli/options.hpp"
@@ -221,11 +222,11 @@ StepsResult run_steps(Backend& backend, std::span<const int32_t> prompt, int ste
 void set_run_attributes(DumpWriter& writer, const std::map<std::string, std::string>& facts,
                         const std::vector<int32_t>& tokens, const std::vector<int32_t>& argmax,
                         const StepPaths& paths) {
-  writer.set_attribute("all_token_ids", tokens);
-  writer.set_attribute("argmax", argmax);
+  writer.set_attribute(attr::all_token_ids, tokens);
+  writer.set_attribute(attr::argmax, argmax);
   if (facts.count("fused_kernel_bits")) {
-    writer.set_attribute("step_graph", paths.graph);
-    writer.set_attribute("step_fused", paths.fused);
+    writer.set_attribute(attr::step_graph, paths.graph);
+    writer.set_attribute(attr::step_fused, paths.fused);
   }
 }
 

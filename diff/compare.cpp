@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "checkpoints/dump_schema_names.hpp"
 #include "checkpoints/rows.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "model/error.hpp"
@@ -23,20 +24,20 @@ std::vector<std::string> config_differences(const ModelConfig& a, const ModelCon
   auto field = [&](const char* name, auto x, auto y) {
     if (x != y) out.push_back(fmt::format("{} {} vs {}", name, x, y));
   };
-  field("arch", std::string(arch_name(a.arch)), std::string(arch_name(b.arch)));
-  field("n_layer", a.n_layer, b.n_layer);
-  field("n_embd", a.n_embd, b.n_embd);
-  field("n_head", a.n_head, b.n_head);
-  field("n_head_kv", a.n_head_kv, b.n_head_kv);
-  field("head_dim", a.head_dim, b.head_dim);
-  field("n_ff", a.n_ff, b.n_ff);
-  field("n_vocab", a.n_vocab, b.n_vocab);
-  field("rope_theta", a.rope_theta, b.rope_theta);
-  field("rope_type", std::string(rope_type_name(a.rope_type)), std::string(rope_type_name(b.rope_type)));
-  field("rms_eps", a.rms_eps, b.rms_eps);
-  field("tied_output", a.tied_output, b.tied_output);
-  field("qkv_bias", a.qkv_bias, b.qkv_bias);
-  field("qk_norm", a.qk_norm, b.qk_norm);
+  field(attr::arch, std::string(arch_name(a.arch)), std::string(arch_name(b.arch)));
+  field(attr::n_layer, a.n_layer, b.n_layer);
+  field(attr::n_embd, a.n_embd, b.n_embd);
+  field(attr::n_head, a.n_head, b.n_head);
+  field(attr::n_head_kv, a.n_head_kv, b.n_head_kv);
+  field(attr::head_dim, a.head_dim, b.head_dim);
+  field(attr::n_ff, a.n_ff, b.n_ff);
+  field(attr::n_vocab, a.n_vocab, b.n_vocab);
+  field(attr::rope_theta, a.rope_theta, b.rope_theta);
+  field(attr::rope_type, std::string(rope_type_name(a.rope_type)), std::string(rope_type_name(b.rope_type)));
+  field(attr::rms_eps, a.rms_eps, b.rms_eps);
+  field(attr::tied_output, a.tied_output, b.tied_output);
+  field(attr::qkv_bias, a.qkv_bias, b.qkv_bias);
+  field(attr::qk_norm, a.qk_norm, b.qk_norm);
   return out;
 }
 
@@ -192,7 +193,7 @@ std::vector<std::string> incompatibilities(const DumpMeta& a, const DumpMeta& b)
   for (const auto& d : config_differences(a.config, b.config)) out.push_back("config " + d);
   // The top-level job marks both dumps of a pair; a pair from two runs is what an interrupted run
   // leaves beside the previous one's file.
-  const auto ra = a.facts.find("run_id"), rb = b.facts.find("run_id");
+  const auto ra = a.facts.find(attr::run_id), rb = b.facts.find(attr::run_id);
   if (ra != a.facts.end() && rb != b.facts.end() && ra->second != rb->second) {
     out.push_back(fmt::format("different runs (run_id {} vs {}): was one of them left by an interrupted run?",
                               ra->second, rb->second));
@@ -492,9 +493,9 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
                            },
                            &a, &b);
       },
-      ref_steps, engine.int_attribute("argmax"), reference.int_attribute("argmax"));
-  c.step_fused = engine.int_attribute("step_fused");
-  c.step_graph = engine.int_attribute("step_graph");
+      ref_steps, engine.int_attribute(attr::argmax), reference.int_attribute(attr::argmax));
+  c.step_fused = engine.int_attribute(attr::step_fused);
+  c.step_graph = engine.int_attribute(attr::step_graph);
   return c;
 }
 

@@ -9,6 +9,8 @@
 
 #include <fmt/core.h>
 
+#include "checkpoints/dump_schema_names.hpp"
+
 namespace diffrun::diff {
 namespace {
 
@@ -115,12 +117,12 @@ SliceAxes slice_axes(const std::vector<NamedDim>& named) {
   SliceAxes ax;
   for (size_t i = 0; i < named.size(); ++i) {
     const std::string& d = named[i].dim;
-    if (d == "T") ax.row = static_cast<int>(i);
-    if (d == "S" && ax.row < 0) ax.row = static_cast<int>(i);
-    if ((d == "H" || d == "Hkv") && ax.head < 0) ax.head = static_cast<int>(i);
+    if (d == dim_letter::T) ax.row = static_cast<int>(i);
+    if (d == dim_letter::S && ax.row < 0) ax.row = static_cast<int>(i);
+    if ((d == dim_letter::H || d == dim_letter::Hkv) && ax.head < 0) ax.head = static_cast<int>(i);
   }
   // S is the row axis only of cache-like layouts (S first); in H,T,S it is the channel.
-  if (ax.row >= 0 && named[ax.row].dim == "S" && ax.row != 0) ax.row = -1;
+  if (ax.row >= 0 && named[ax.row].dim == dim_letter::S && ax.row != 0) ax.row = -1;
   if (named.size() >= 2) ax.channel = static_cast<int>(named.size()) - 1;
   if (ax.channel == ax.row || ax.channel == ax.head) ax.channel = -1;
   return ax;

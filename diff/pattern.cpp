@@ -9,14 +9,16 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "checkpoints/dump_schema_names.hpp"
+
 namespace diffrun::diff {
 namespace {
 
 std::string label_of(const std::string& dim, bool is_row) {
-  if (dim == "T") return "token rows";
-  if (dim == "S") return is_row ? "cache rows" : "positions";
-  if (dim == "H") return "heads";
-  if (dim == "Hkv") return "KV heads";
+  if (dim == dim_letter::T) return "token rows";
+  if (dim == dim_letter::S) return is_row ? "cache rows" : "positions";
+  if (dim == dim_letter::H) return "heads";
+  if (dim == dim_letter::Hkv) return "KV heads";
   return "channels " + dim;
 }
 
@@ -28,8 +30,8 @@ struct Sums {
 // The RoPE hints of Qrope/Krope [T, H or Hkv, Dh] (pattern.hpp); "" when none fits. sd: the error's energy.
 std::string rope_hint(std::span<const float> a, std::span<const float> b, const std::vector<NamedDim>& named,
                       const PatternContext& cx, double exact_below, double sd) {
-  if (named.size() != 3 || named[0].dim != "T" ||
-      (named[1].dim != "H" && named[1].dim != "Hkv") || named[2].dim != "Dh" ||
+  if (named.size() != 3 || named[0].dim != dim_letter::T ||
+      (named[1].dim != dim_letter::H && named[1].dim != dim_letter::Hkv) || named[2].dim != dim_letter::Dh ||
       named[2].extent < 4 || named[2].extent % 2 != 0 || !(sd > 0))
     return "";
   const int64_t T = named[0].extent, H = named[1].extent, Dh = named[2].extent, half = Dh / 2;
@@ -231,8 +233,8 @@ Totals sum_slices(std::span<const float> a, std::span<const float> b, int64_t n,
                  std::vector<char>(e)};
   }
   // Causal mask: in [H, T, S], token t of a step with S - T cached positions sees positions <= S - T + t.
-  const bool causal = base == "kq_soft_max" && named.size() == 3 && named[1].dim == "T" &&
-                      named[2].dim == "S";
+  const bool causal = base == "kq_soft_max" && named.size() == 3 && named[1].dim == dim_letter::T &&
+                      named[2].dim == dim_letter::S;
   const int64_t n_past = causal ? named[2].extent - named[1].extent : 0;
   for (int64_t i = 0; i < n; ++i) {
     const double x = a[i], y = b[i];
@@ -352,7 +354,7 @@ std::string bug_hint(const ErrorPattern& p, const Evidence& e, std::string_view 
   if (e.any_nonfinite) {
     // Over non-finite data "wrong" means "holds a NaN/Inf": only the token and channel hints hold.
     const size_t nt = rows ? rows->nonfinite.size() : 0, nc = channels ? channels->nonfinite.size() : 0;
-    if (rows && rows->dim == "T" && nt == 1 && rows->extent > 1)
+    if (rows && rows->dim == dim_letter::T && nt == 1 && rows->extent > 1)
       return fmt::format("one token holds them: that token (T={})", rows->nonfinite.front());
     if (channels && nc > 0 && nc * 8 <= static_cast<size_t>(channels->extent) &&
         (!rows || static_cast<int64_t>(nt) == rows->extent))
@@ -362,12 +364,12 @@ std::string bug_hint(const ErrorPattern& p, const Evidence& e, std::string_view 
   if (p.future_nonzero > 0)
     return fmt::format("{} probabilities on future positions where the reference has 0: the causal mask",
                        p.future_nonzero);
-  if (rows && rows->dim == "S" && !rows->zero_engine.empty() && rows->partial())
+  if (rows && rows->dim == dim_letter::S && !rows->zero_engine.empty() && rows->partial())
     return fmt::format("cache row {} never written in the engine: the K/V write position", format_ranges(rows->zero_engine));
   if (!e.structural.empty()) return e.structural;
   if (heads && heads->partial() && (base == "kq_soft_max" || base == "kqv_out"))
     return "some query heads exact, others not: the query-to-KV head mapping (GQA)";
-  if (rows && rows->dim == "T" && rows->partial() && rows->wrong.size() == 1)
+  if (rows && rows->dim == dim_letter::T && rows->partial() && rows->wrong.size() == 1)
     return fmt::format("one token wrong: that token (T={})", rows->wrong.front());
   if (channels && channels->partial() && channels->wrong.size() * 8 <= static_cast<size_t>(channels->extent))
     return "a few channels wrong: a weight row, a bias or a scale of those channels";

@@ -13,6 +13,7 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
+#include "checkpoints/dump_schema_names.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "diff/presets_embedded.hpp"
 #include "model/error.hpp"
@@ -475,11 +476,11 @@ double ToleranceSet::reduction_scale(std::string_view base, const DimSizes& dims
   int64_t k = 0, k_cal = 0;
   if (base == "Qcur" || base == "Kcur" || base == "Vcur" || base == "ffn_gate" || base == "ffn_up" ||
       base == "result_output") {
-    k = size("D"), k_cal = c.n_embd;
+    k = size(dim_letter::D), k_cal = c.n_embd;
   } else if (base == "attn_out") {
-    k = size("H") * size("Dh"), k_cal = c.attn_width;
+    k = size(dim_letter::H) * size(dim_letter::Dh), k_cal = c.attn_width;
   } else if (base == "ffn_out") {
-    k = size("F"), k_cal = c.n_ff;
+    k = size(dim_letter::F), k_cal = c.n_ff;
   }
   if (k_cal <= 0 || k <= k_cal) return 1.0;
   return std::pow(static_cast<double>(k) / static_cast<double>(k_cal), c.exponent);
