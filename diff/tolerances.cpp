@@ -474,8 +474,13 @@ double ToleranceSet::reduction_scale(std::string_view base, const DimSizes& dims
     return it == dims.end() ? 0 : it->second;
   };
   int64_t k = 0, k_cal = 0;
-  if (base == "Qcur" || base == "Kcur" || base == "Vcur" || base == "ffn_gate" || base == "ffn_up" ||
-      base == "result_output") {
+  // Reductions over D: the projections out of the residual stream, the RMSNorms' sums of squares, and
+  // what carries a q/k/v projection's error on unchanged (RoPE, the cache, the attention over them).
+  static constexpr std::string_view kOverD[] = {
+      "attn_norm", "Qcur",     "Kcur",       "Vcur",       "Qnorm",     "Knorm",          "Qrope",
+      "Krope",     "cache_k",  "cache_v",    "kq_soft_max", "kqv_out",  "attn_post_norm", "ffn_norm",
+      "ffn_gate",  "ffn_up",   "ffn_swiglu", "ffn_geglu",  "ffn_post_norm", "result_norm", "result_output"};
+  if (std::find(std::begin(kOverD), std::end(kOverD), base) != std::end(kOverD)) {
     k = size(dim_letter::D), k_cal = c.n_embd;
   } else if (base == "attn_out") {
     k = size(dim_letter::H) * size(dim_letter::Dh), k_cal = c.attn_width;

@@ -6,6 +6,7 @@
     scripts/gen_fixtures.py --out DIR --shape tinyllama-1.1b      # full-size shape, Q5_K_M mix
     scripts/gen_fixtures.py --out DIR --shape smollm2-135m        # full-size shape, Q4_1 (Q8_0 embedding)
     scripts/gen_fixtures.py --out DIR --shape llama-7b-q4k        # llama 7B shape, Q4_K blocks (3.6 GiB, never commit)
+    scripts/gen_fixtures.py --out DIR --shape llama-13b-q4k       # llama 13B shape, Q4_K blocks (6.8 GiB, never commit)
     scripts/gen_fixtures.py --out DIR --shape tinyllama-1.1b --format f16   # a shape in another format
 
 Needs only numpy and the gguf package. The tiny set is skipped when a stamp in DIR says it was
@@ -123,17 +124,25 @@ ONE_OFF = {LLAMA3_ROPE_FILE: write_llama3_rope, MISTRAL_FILE: write_mistral, TIE
 
 LLAMA_7B = models.Shape("llama-7b", "llama-7b", "llama", 32, 4096, 32, 32, 128, 11008, 4096, 10000.0, 1e-5, False,
                         "llama_spm", n_vocab=32000)
+LLAMA_13B = models.Shape("llama-13b", "llama-13b", "llama", 40, 5120, 40, 40, 128, 13824, 4096, 10000.0, 1e-5, False,
+                         "llama_spm", n_vocab=32000)
+# --shape name -> (shape, the rng stream's second key, file name): llama shapes whose every matrix is Q4_K.
+Q4K_SHAPES = {
+    "llama-7b-q4k": (LLAMA_7B, 7, "llama-7b-q4_k.gguf"),
+    "llama-13b-q4k": (LLAMA_13B, 13, "llama-13b-q4_k.gguf"),
+}
 
 
-def write_llama_7b_q4k(path: Path, seed: int) -> None:
-    """A llama-7B-shaped model (32 layers, D 4096, F 11008, 32 heads, V 32000) whose every matrix is Q4_K, for the
-    reference's memory bound. The blocks are random and written directly (no float weights, no quantizer), one
-    tensor at a time, so it takes seconds per GB and little memory. Each value is d·sc·q - dmin·m with q uniform in
-    0..15, sc uniform in 4..8 and m = round(7.5·sc): about zero mean, and a standard deviation near the tiny fixtures'
-    (0.02; 0.2 for the token table). Norm weights are 1 + 0.1·N(0, 1) in F32, as in every fixture."""
-    shape = LLAMA_7B
+def write_llama_q4k(name: str, path: Path, seed: int) -> None:
+    """A llama-7B- or 13B-shaped model (7B: 32 layers, D 4096, F 11008, 32 heads; 13B: 40 layers, D 5120, F 13824,
+    40 heads; V 32000) whose every matrix is Q4_K, for the reference's memory bound and the tolerances at size.
+    The blocks are random and written directly (no float weights, no quantizer), one tensor at a time, so it takes
+    seconds per GB and little memory. Each value is d·sc·q - dmin·m with q uniform in 0..15, sc uniform in 4..8 and
+    m = round(7.5·sc): about zero mean, and a standard deviation near the tiny fixtures' (0.02; 0.2 for the token
+    table). Norm weights are 1 + 0.1·N(0, 1) in F32, as in every fixture."""
+    shape, stream, _ = Q4K_SHAPES[name]
     v = models.load_vocab(shape)
-    rng = np.random.default_rng([seed, 7])
+    rng = np.random.default_rng([seed, stream])
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), shape.arch)
     w.add_type("model")
@@ -183,7 +192,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="output folder")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--shape", choices=sorted(models.FULL) + ["llama-7b-q4k"],
+    ap.add_argument("--shape", choices=sorted(models.FULL) + sorted(Q4K_SHAPES),
                     help="write one full-size shape instead of the tiny set")
     ap.add_argument("--format", choices=sorted(models.FILE_TYPES),
                     help="with --shape: the tensor format instead of the shape's usual one (e.g. f16)")
@@ -192,13 +201,13 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
 
-    if args.shape == "llama-7b-q4k":
-        path = args.out / "llama-7b-q4_k.gguf"
-        write_llama_7b_q4k(path, args.seed)
+    if args.shape in Q4K_SHAPES:
+        path = args.out / Q4K_SHAPES[args.shape][2]
+        write_llama_q4k(args.shape, path, args.seed)
         print(f"gen_fixtures: wrote {path} ({path.stat().st_size / 2**20:.1f} MiB) in {time.monotonic() - t0:.1f} s")
         return 0
-    if args.format and args.shape in (None, "llama-7b-q4k"):
-        ap.error("--format goes with --shape (one of the models' shapes; llama-7b-q4k is Q4_K only)")
+    if args.format and (args.shape is None or args.shape in Q4K_SHAPES):
+        ap.error("--format goes with --shape (one of the models' shapes; the llama-*-q4k shapes are Q4_K only)")
     if args.shape:
         shape = models.FULL[args.shape]
         fmt = args.format or models.FULL_FORMAT[shape.name]

@@ -382,10 +382,11 @@ TEST(Tolerances, BoundsScaleBeyondTheCalibratedContext) {
   }
 }
 
-// calibrated_reduction: on a wider model a matmul output's rel L2 bounds scale by (K / K_cal)^exponent, K its
-// reduction length (D for Qcur..ffn_up and result_output, H·Dh for attn_out, F for ffn_out); other kinds and
-// models no wider than the calibration keep scale 1.
-TEST(Tolerances, CalibratedReductionScalesMatmulOutputsOnWiderModels) {
+// calibrated_reduction: on a wider model a checkpoint's rel L2 bounds scale by (K / K_cal)^exponent, K its
+// reduction length: D for the projections out of the residual stream, the RMSNorms and what carries a q/k/v
+// projection's error (RoPE, the cache, the attention), H·Dh for attn_out, F for ffn_out; the embedding, the
+// residual sums and models no wider than the calibration keep scale 1.
+TEST(Tolerances, CalibratedReductionScalesReductionsOnWiderModels) {
   const ToleranceSet t = parse_tolerances(R"({
     "calibrated_reduction": {"n_embd": 576, "n_ff": 1536, "attn_width": 576, "exponent": 1},
     "default": {"max_rel_l2": 1e-5, "reason": "r"}})",
@@ -396,8 +397,11 @@ TEST(Tolerances, CalibratedReductionScalesMatmulOutputsOnWiderModels) {
   EXPECT_DOUBLE_EQ(t.reduction_scale("result_output", wide), 4096.0 / 576);
   EXPECT_DOUBLE_EQ(t.reduction_scale("attn_out", wide), 4096.0 / 576);
   EXPECT_DOUBLE_EQ(t.reduction_scale("ffn_out", wide), 11008.0 / 1536);
-  EXPECT_DOUBLE_EQ(t.reduction_scale("attn_norm", wide), 1.0);  // not a matmul's output
-  EXPECT_DOUBLE_EQ(t.reduction_scale("kq_soft_max", wide), 1.0);
+  EXPECT_DOUBLE_EQ(t.reduction_scale("attn_norm", wide), 4096.0 / 576);  // its sum of squares runs over D
+  EXPECT_DOUBLE_EQ(t.reduction_scale("result_norm", wide), 4096.0 / 576);
+  EXPECT_DOUBLE_EQ(t.reduction_scale("kq_soft_max", wide), 4096.0 / 576);  // q and k's error, carried on
+  EXPECT_DOUBLE_EQ(t.reduction_scale("embd", wide), 1.0);                   // exact in both precisions
+  EXPECT_DOUBLE_EQ(t.reduction_scale("l_out", wide), 1.0);                  // a residual sum
   const DimSizes narrow = {{"D", 256}, {"F", 512}, {"H", 4}, {"Dh", 64}};
   EXPECT_DOUBLE_EQ(t.reduction_scale("Qcur", narrow), 1.0);
   const ToleranceSet sq = parse_tolerances(R"({
