@@ -486,6 +486,9 @@ double ToleranceSet::reduction_scale(std::string_view base, const DimSizes& dims
     k = size(dim_letter::H) * size(dim_letter::Dh), k_cal = c.attn_width;
   } else if (base == "ffn_out") {
     k = size(dim_letter::F), k_cal = c.n_ff;
+  } else if (base == "ffn_inp" || base == "l_out") {
+    // The residual stream adds up every attention and FFN output before it: the larger of their scales.
+    return std::max(reduction_scale("attn_out", dims), reduction_scale("ffn_out", dims));
   }
   if (k_cal <= 0 || k <= k_cal) return 1.0;
   return std::pow(static_cast<double>(k) / static_cast<double>(k_cal), c.exponent);

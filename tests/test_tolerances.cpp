@@ -384,8 +384,8 @@ TEST(Tolerances, BoundsScaleBeyondTheCalibratedContext) {
 
 // calibrated_reduction: on a wider model a checkpoint's rel L2 bounds scale by (K / K_cal)^exponent, K its
 // reduction length: D for the projections out of the residual stream, the RMSNorms and what carries a q/k/v
-// projection's error (RoPE, the cache, the attention), H·Dh for attn_out, F for ffn_out; the embedding, the
-// residual sums and models no wider than the calibration keep scale 1.
+// projection's error (RoPE, the cache, the attention), H·Dh for attn_out, F for ffn_out, the larger of those
+// two for the residual sums; the embedding and models no wider than the calibration keep scale 1.
 TEST(Tolerances, CalibratedReductionScalesReductionsOnWiderModels) {
   const ToleranceSet t = parse_tolerances(R"({
     "calibrated_reduction": {"n_embd": 576, "n_ff": 1536, "attn_width": 576, "exponent": 1},
@@ -401,7 +401,8 @@ TEST(Tolerances, CalibratedReductionScalesReductionsOnWiderModels) {
   EXPECT_DOUBLE_EQ(t.reduction_scale("result_norm", wide), 4096.0 / 576);
   EXPECT_DOUBLE_EQ(t.reduction_scale("kq_soft_max", wide), 4096.0 / 576);  // q and k's error, carried on
   EXPECT_DOUBLE_EQ(t.reduction_scale("embd", wide), 1.0);                   // exact in both precisions
-  EXPECT_DOUBLE_EQ(t.reduction_scale("l_out", wide), 1.0);                  // a residual sum
+  EXPECT_DOUBLE_EQ(t.reduction_scale("l_out", wide), 11008.0 / 1536);  // a residual sum: the larger of attn_out's, ffn_out's
+  EXPECT_DOUBLE_EQ(t.reduction_scale("ffn_inp", {{"D", 4096}, {"F", 22016}, {"H", 32}, {"Dh", 128}}), 22016.0 / 1536);
   const DimSizes narrow = {{"D", 256}, {"F", 512}, {"H", 4}, {"Dh", 64}};
   EXPECT_DOUBLE_EQ(t.reduction_scale("Qcur", narrow), 1.0);
   const ToleranceSet sq = parse_tolerances(R"({
