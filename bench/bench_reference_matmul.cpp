@@ -19,6 +19,7 @@
 
 #include "model/error.hpp"
 #include "model/gguf.hpp"
+#include "bench/bench_util.hpp"
 #include "reference_cpu/kernels.hpp"
 #include "reference_cpu/ops/matmul.hpp"
 #include "reference_cpu/storage.hpp"
@@ -29,17 +30,8 @@ namespace {
 using namespace diffrun;
 using Clock = std::chrono::steady_clock;
 
-double cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench_util::cpu_seconds;
+using bench_util::median;
 
 template <typename T>
 uint64_t hash_bits(const std::vector<T>& v) {  // FNV-1a over the bytes

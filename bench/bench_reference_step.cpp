@@ -18,6 +18,7 @@
 #include "model/config.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"
+#include "bench/bench_util.hpp"
 #include "reference_cpu/kernels.hpp"
 #include "reference_cpu/reference.hpp"
 
@@ -28,17 +29,8 @@ using namespace diffrun;
 
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-double cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench_util::cpu_seconds;
+using bench_util::median;
 
 int32_t argmax(const std::vector<float>& logits) {
   return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
