@@ -91,6 +91,13 @@ std::vector<std::string> checkpoint_names(const ModelConfig& cfg);
 // The checkpoint holding a step's input token ids (int32 [T]); every dump records it.
 inline constexpr std::string_view kTokensCheckpoint = "tokens";
 
+// The reduction a kind's rounding error grows with (tolerance presets scale their bounds by it on models
+// wider than their calibration): over D (the projections out of the residual stream, the RMSNorms' sums of
+// squares, and what carries a q/k/v or gate/up error on unchanged), over n_head·head_dim (attn_out), over F
+// (ffn_out), the larger of those two (the residual sums ffn_inp and l_out), or none (tokens, the embedding).
+enum class KindReduction { none, n_embd, attn_width, ffn, residual };
+KindReduction kind_reduction(std::string_view base);
+
 // `--checkpoints 'attn_*,result_*'`: comma-separated globs (* and ?) over full names; empty = all.
 class CheckpointFilter {
  public:

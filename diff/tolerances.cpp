@@ -473,25 +473,21 @@ double ToleranceSet::reduction_scale(std::string_view base, const DimSizes& dims
     const auto it = dims.find(d);
     return it == dims.end() ? 0 : it->second;
   };
-  int64_t k = 0, k_cal = 0;
-  // Reductions over D: the projections out of the residual stream, the RMSNorms' sums of squares, and
-  // what carries a q/k/v projection's error on unchanged (RoPE, the cache, the attention over them).
-  static constexpr std::string_view kOverD[] = {
-      "attn_norm", "Qcur",     "Kcur",       "Vcur",       "Qnorm",     "Knorm",          "Qrope",
-      "Krope",     "cache_k",  "cache_v",    "kq_soft_max", "kqv_out",  "attn_post_norm", "ffn_norm",
-      "ffn_gate",  "ffn_up",   "ffn_swiglu", "ffn_geglu",  "ffn_post_norm", "result_norm", "result_output"};
-  if (std::find(std::begin(kOverD), std::end(kOverD), base) != std::end(kOverD)) {
-    k = size(dim_letter::D), k_cal = c.n_embd;
-  } else if (base == "attn_out") {
-    k = size(dim_letter::H) * size(dim_letter::Dh), k_cal = c.attn_width;
-  } else if (base == "ffn_out") {
-    k = size(dim_letter::F), k_cal = c.n_ff;
-  } else if (base == "ffn_inp" || base == "l_out") {
-    // The residual stream adds up every attention and FFN output before it: the larger of their scales.
-    return std::max(reduction_scale("attn_out", dims), reduction_scale("ffn_out", dims));
+  // (K / K_cal)^exponent for a reduction of length K calibrated at K_cal; 1 where K is not longer.
+  const auto scale = [&](int64_t k, int64_t k_cal) {
+    if (k_cal <= 0 || k <= k_cal) return 1.0;
+    return std::pow(static_cast<double>(k) / static_cast<double>(k_cal), c.exponent);
+  };
+  const double attn = scale(size(dim_letter::H) * size(dim_letter::Dh), c.attn_width);
+  const double ffn = scale(size(dim_letter::F), c.n_ff);
+  switch (kind_reduction(base)) {
+    case KindReduction::n_embd: return scale(size(dim_letter::D), c.n_embd);
+    case KindReduction::attn_width: return attn;
+    case KindReduction::ffn: return ffn;
+    case KindReduction::residual: return std::max(attn, ffn);  // every attention and FFN output before it
+    case KindReduction::none: break;
   }
-  if (k_cal <= 0 || k <= k_cal) return 1.0;
-  return std::pow(static_cast<double>(k) / static_cast<double>(k_cal), c.exponent);
+  return 1.0;
 }
 
 std::vector<BoundCheck> check_bounds(const TensorMetrics& m, const ToleranceRule& rule, int64_t positions,
