@@ -372,6 +372,9 @@ namespace cu_abi = diffrun::capi;
 
 constexpr size_t kStagingAlign = 256;
 
+// `bytes` rounded up to the staging memory's alignment: the space a put takes.
+constexpr size_t staged_size(size_t bytes) { return (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
+
 void cuda_check(const CudaDriver* cu, CUresult rc, const std::string& what) {
   if (rc != cu_abi::kCudaSuccess) throw ApiError{DIFFRUN_DUMP_E_CUDA, what + ": " + cu_abi::cuda_error_text(*cu, rc)};
 }
@@ -412,7 +415,7 @@ Staging& staging(diffrun_dump* d, size_t bytes) {
        where(d) + "no current CUDA context in this thread: initialize CUDA in it first (cudaSetDevice, or any "
                   "CUDA runtime call that creates the context)");
   if (bytes == 0) bytes = default_staging_bytes();
-  bytes = (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+  bytes = staged_size(bytes);
   void* p = nullptr;
   cuda_check(cu, cu->cuMemHostAlloc(&p, bytes, cu_abi::kMemHostAllocPortable | cu_abi::kMemHostAllocDeviceMap),
              where(d) + "cannot allocate " + std::to_string(bytes) + " bytes of pinned staging memory");
@@ -462,7 +465,7 @@ void settle_graphs(diffrun_dump* d) {
   Staging& s = *d->staging;
   size_t need_bytes = 0;
   for (const Pending& p : s.pending)
-    if (p.graph >= 0) need_bytes += (p.c.bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+    if (p.graph >= 0) need_bytes += staged_size(p.c.bytes);
   if (need_bytes == 0) return;
   if (s.ring_top + need_bytes > s.graph_bottom) {
     drain(d);
@@ -474,7 +477,7 @@ void settle_graphs(diffrun_dump* d) {
       cuda_check(s.cu, s.cu->cuEventSynchronize(p.done.get()), pending_at(d, p) + "the copy from the device failed");
     char* dst = s.base + s.ring_top;
     std::memcpy(dst, p.data, p.c.bytes);
-    s.ring_top += (p.c.bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+    s.ring_top += staged_size(p.c.bytes);
     p.data = dst;
     p.done.reset();
     p.graph = -1;
@@ -501,7 +504,7 @@ std::string staging_hint(const Staging& s) {
 
 // Space for an immediate put: drains every pending put (waiting for their copies) when the ring is full.
 size_t take_ring(diffrun_dump* d, Staging& s, size_t bytes, const std::string& at) {
-  const size_t aligned = (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+  const size_t aligned = staged_size(bytes);
   need(aligned <= s.graph_bottom, DIFFRUN_DUMP_E_ARG, at + std::to_string(bytes) + " bytes do not fit" + staging_hint(s));
   if (s.ring_top + aligned > s.graph_bottom) drain(d);
   const size_t offset = s.ring_top;
@@ -520,7 +523,7 @@ bool has_letter(const std::string& layout, const char* letter) {
 }
 
 // Deferred puts since the last flush must all be of one stream and one side of a capture.
-void note_deferred(diffrun_dump* d, Staging& s, void* stream, bool captured, const std::string& at) {
+void note_deferred(Staging& s, void* stream, bool captured, const std::string& at) {
   if (s.noted.empty()) {
     s.noted_stream = stream;
     s.noted_captured = captured;
@@ -531,7 +534,6 @@ void note_deferred(diffrun_dump* d, Staging& s, void* stream, bool captured, con
   need(captured == s.noted_captured, DIFFRUN_DUMP_E_ARG,
        at + "deferred puts on both sides of a capture's start or end: diffrun_dump_flush_device before "
             "cudaStreamBeginCapture and before cudaStreamEndCapture");
-  (void)d;
 }
 
 void put_device(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, int ndim, diffrun_dtype dtype,
@@ -554,14 +556,14 @@ void put_device(diffrun_dump* d, const char* name_c, int layer, const int64_t* d
          at + "its S dimension grows every step but a graph replays fixed shapes: put it outside the capture");
     for (const Slot& x : s.capturing)
       need(x.name != c.name, DIFFRUN_DUMP_E_CHECKPOINT, at + "recorded twice in this capture");
-    const size_t aligned = (c.bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+    const size_t aligned = staged_size(c.bytes);
     need(s.ring_top + aligned <= s.graph_bottom, DIFFRUN_DUMP_E_ARG,
          at + "no room for its graph slot (" + std::to_string(c.bytes) + " bytes)" + staging_hint(s) +
              "; diffrun_dump_flush before the capture empties the rest");
     if (deferred) {
       for (const Staging::Noted& x : s.noted)
         need(x.c.name != c.name, DIFFRUN_DUMP_E_CHECKPOINT, at + "recorded twice in this capture");
-      note_deferred(d, s, stream, true, at);
+      note_deferred(s, stream, true, at);
       s.noted.push_back(Staging::Noted{c, src, s.graph_bottom - aligned});
     } else {
       cuda_check(cu, cu->cuMemcpyDtoHAsync(s.base + s.graph_bottom - aligned, src, c.bytes, str),
@@ -584,7 +586,7 @@ void put_device(diffrun_dump* d, const char* name_c, int layer, const int64_t* d
   }
   if (deferred) {
     need(c.bytes <= s.graph_bottom, DIFFRUN_DUMP_E_ARG, at + std::to_string(c.bytes) + " bytes do not fit" + staging_hint(s));
-    note_deferred(d, s, stream, false, at);
+    note_deferred(s, stream, false, at);
     s.noted.push_back(Staging::Noted{c, src, 0});
     d->step_names.insert(c.name);
     return;
@@ -613,14 +615,14 @@ void flush_device(diffrun_dump* d, void* stream) {
                  : "outside a capture, but the deferred puts were made inside one: flush before cudaStreamEndCapture"));
   if (!cap) {
     size_t total = 0;
-    for (const Staging::Noted& n : s.noted) total += (n.c.bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+    for (const Staging::Noted& n : s.noted) total += staged_size(n.c.bytes);
     if (s.ring_top + total > s.graph_bottom) drain(d);
     need(s.ring_top + total <= s.graph_bottom, DIFFRUN_DUMP_E_ARG,
          at + std::to_string(s.noted.size()) + " deferred puts (" + std::to_string(total) + " bytes) do not fit" +
              staging_hint(s) + ": flush more often");
     for (Staging::Noted& n : s.noted) {
       n.offset = s.ring_top;
-      s.ring_top += (n.c.bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+      s.ring_top += staged_size(n.c.bytes);
     }
   }
   const auto str = static_cast<cu_abi::CUstream>(stream);
@@ -885,7 +887,7 @@ int diffrun_dump_set_staging(diffrun_dump* d, size_t bytes) {
   if (!d) return null_handle("diffrun_dump_set_staging");
   return guard(d, [&] {
     if (d->staging) {
-      need(bytes == 0 || (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign == d->staging->size,
+      need(bytes == 0 || staged_size(bytes) == d->staging->size,
            DIFFRUN_DUMP_E_ARG,
            where(d) + "the staging memory is allocated already (" + std::to_string(d->staging->size) +
                " bytes): set its size before the first device put");
