@@ -96,12 +96,15 @@ CheckpointStager::CheckpointStager() : gather_(gather_wanted()) {
   CUDA_CHECK(cudaStreamCreateWithFlags(&copier_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreateWithFlags(&gathered_, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming));
+  for (cudaEvent_t& e : tickets_) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
 }
 
 CheckpointStager::~CheckpointStager() {
   if (copier_) cudaStreamSynchronize(copier_);
   if (gathered_) cudaEventDestroy(gathered_);
   if (copied_) cudaEventDestroy(copied_);
+  for (cudaEvent_t e : tickets_)
+    if (e) cudaEventDestroy(e);
   if (copier_) cudaStreamDestroy(copier_);
 }
 
@@ -223,16 +226,36 @@ void CheckpointStager::launch_gathers(const std::vector<Copy>& copies, cudaStrea
   }
 }
 
-void CheckpointStager::flush(cudaStream_t stream) {
-  // Tensors that stay unchanged until the step ends (DeviceRows::until_step_end: the cache) are gathered
-  // on the copy stream, beside the compute; the others on the compute stream, before it moves on.
+void CheckpointStager::flush(cudaStream_t stream) { enqueue_copies(stream, false); }
+
+bool CheckpointStager::enqueue_copies(cudaStream_t stream, bool all_beside) {
+  // Tensors that stay unchanged until the step ends (DeviceRows::until_step_end: the cache), or all of
+  // them (all_beside), are gathered on the copy stream, beside the compute; the others on the compute
+  // stream, before it moves on.
+  // All beside: the gathers write straight into the pinned memory through its device mapping, as the
+  // cache's do. Those writes overlap the compute; the copy engine's copies out of the arena, in a
+  // graph beside it, did not (bench/NOTES.md: 0.09 ms of the 0.5B shape's 0.13 ms hook cost).
+  if (all_beside)
+    for (Copy& c : copies_)
+      if (c.in_arena) {
+        const Chunk& chunk = chunks_[c.chunk];
+        c.dst = reinterpret_cast<float*>(chunk.mapped + (static_cast<unsigned char*>(c.host) - chunk.mem.get()));
+        c.in_arena = false;
+      }
   std::vector<Copy> beside;
   std::vector<Copy> here;
-  for (const Copy& c : copies_) (c.beside ? beside : here).push_back(c);
+  for (const Copy& c : copies_) (c.beside || all_beside ? beside : here).push_back(c);
   launch_gathers(here, stream, true);
+  const bool arena = std::any_of(copies_.begin(), copies_.end(), [](const Copy& c) { return c.in_arena; });
+  if (beside.empty() && !arena) {
+    copies_.clear();
+    return false;
+  }
+  CUDA_CHECK(cudaEventRecord(gathered_, stream));
+  CUDA_CHECK(cudaStreamWaitEvent(copier_, gathered_, 0));
+  launch_gathers(beside, copier_, false);  // before the copies out of the arena, which may read what they wrote
   // The arena's new part to pinned memory on the copy stream, in runs contiguous on both sides and
   // inside one pinned chunk (two chunks may be adjacent in memory; one copy may not span both).
-  bool waited = false;
   for (size_t i = 0; i < copies_.size();) {
     if (!copies_[i].in_arena) {
       ++i;
@@ -247,26 +270,33 @@ void CheckpointStager::flush(cudaStream_t stream) {
               static_cast<unsigned char*>(copies_[i].host) == to + bytes;
          ++i)
       bytes += aligned(copies_[i].n * sizeof(float));
-    if (!waited) {
-      CUDA_CHECK(cudaEventRecord(gathered_, stream));
-      CUDA_CHECK(cudaStreamWaitEvent(copier_, gathered_, 0));
-      waited = true;
-    }
     CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToHost, copier_));
   }
-  if (!beside.empty()) {
-    if (!waited) {
-      CUDA_CHECK(cudaEventRecord(gathered_, stream));
-      CUDA_CHECK(cudaStreamWaitEvent(copier_, gathered_, 0));
-      waited = true;
-    }
-    launch_gathers(beside, copier_, false);
-  }
-  if (waited) {
-    CUDA_CHECK(cudaEventRecord(copied_, copier_));
-    copying_ = true;
-  }
+  CUDA_CHECK(cudaEventRecord(copied_, copier_));
+  copying_ = true;
   copies_.clear();
+  return true;
+}
+
+int CheckpointStager::flush_beside(cudaStream_t stream) {
+  if (!gather_) return -1;  // memcpy mode: each copy was enqueued at stage()
+  if (!enqueue_copies(stream, true)) return -1;
+  const int ticket = next_ticket_;
+  next_ticket_ ^= 1;
+  CUDA_CHECK(cudaEventRecord(tickets_[ticket], copier_));
+  return ticket;
+}
+
+void CheckpointStager::wait_flushed(int ticket, cudaStream_t stream) {
+  if (ticket < 0) return;
+  if (ticket > 1) throw Error("checkpoint stager: no flush ticket " + std::to_string(ticket));
+  CUDA_CHECK(cudaStreamWaitEvent(stream, tickets_[ticket], 0));
+}
+
+const float* CheckpointStager::last_staged_f32(std::string_view name) const {
+  const std::vector<Pending>& staged = restaged_ ? *restaged_ : pending_;
+  if (staged.empty() || staged.back().name != name || staged.back().host_f16) return nullptr;
+  return static_cast<const float*>(staged.back().host);
 }
 
 void CheckpointStager::finish(cudaStream_t stream) {

@@ -15,7 +15,14 @@
 //   through the device's mapping of it; a full arena waits for its copies out before it is reused.
 // - "memcpy": one cudaMemcpyAsync per tensor at stage() (f16 widened on the host); flush() does
 //   nothing. The path before gather, kept for A/B and as the fallback.
-// Both record the same values, in the same order (EngineModel.CheckpointCopyModesRecordTheSameValues).
+// - flush_beside() (gather mode): every gather of the flush on the second stream, each writing straight
+//   into the pinned memory through its device mapping, after the compute stream's work so far; the
+//   compute stream waits on its ticket only before it overwrites one of the tensors. The engine's
+//   one-token steps flush each layer this way (their activation sets alternate, so a layer's tensors
+//   live until the end of the next one): no gather kernel or copy sits between two of their ops. The
+//   copy engine's copies out of the arena did not overlap the compute inside the decode graph (they
+//   cost about their transfer time, 0.09 of the 0.5B shape's 0.17 ms a step); the mapped writes do.
+// Both modes record the same values, in the same order (EngineModel.CheckpointCopyModesRecordTheSameValues).
 //
 // Recording inside a captured CUDA graph (gather mode): the engine stages, flushes and finishes while
 // its decode step is captured, so the gather kernels and the copies out become nodes of the step's
@@ -28,6 +35,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <cuda_fp16.h>
@@ -82,6 +90,18 @@ class CheckpointStager {
   // flush(), then makes `stream` wait for the copies to pinned memory: the step's end, before the
   // synchronization that precedes deliver().
   void finish(cudaStream_t stream);
+  // Like flush(), but every copy (the gather kernels too) runs on the copy stream, after the work
+  // enqueued on `stream` so far: nothing lands on `stream`, so the compute goes on at once. For tensors
+  // that keep their values for a while after (a one-token step's alternating activation sets, see
+  // engine/cuda_engine.cu). Returns a ticket for wait_flushed(), or -1 when nothing was staged.
+  int flush_beside(cudaStream_t stream);
+  // Makes `stream` wait until the copies of flush_beside()'s ticket have read their tensors: before an
+  // op overwrites one of them. Tickets alternate between two events: a ticket is good until the
+  // second flush_beside() after it. -1: nothing to wait for.
+  void wait_flushed(int ticket, cudaStream_t stream);
+  // After the step's synchronization, before deliver(): the pinned f32 copy of the last staged tensor
+  // when it is named `name` (the logits, which a step stages last), else null.
+  const float* last_staged_f32(std::string_view name) const;
 
   // Enqueues the upload of n replacement values (host f32) over `dev`, converted to dev's type,
   // after flushing what was staged (a staged copy of `dev` records the values before replacement).
@@ -132,6 +152,10 @@ class CheckpointStager {
 
   void* reserve(size_t bytes);
   void launch_gathers(const std::vector<Copy>& copies, cudaStream_t stream, bool pdl);
+  // The copies of what was staged since the last flush: gathers on `stream` (PDL) unless beside or
+  // `all_beside`, the rest on the copy stream after `stream`'s work so far. Whether it enqueued anything
+  // on the copy stream.
+  bool enqueue_copies(cudaStream_t stream, bool all_beside);
   void note(int step, std::string name, int layer, const char* layout, std::vector<int64_t> shape, const void* dev,
             bool f16, cudaStream_t stream, DeviceRows rows);
 
@@ -145,6 +169,8 @@ class CheckpointStager {
   cudaEvent_t gathered_ = nullptr;
   cudaEvent_t copied_ = nullptr;
   bool copying_ = false;  // copies to pinned memory enqueued since the compute stream last waited
+  cudaEvent_t tickets_[2] = {nullptr, nullptr};  // flush_beside(): the copy stream after its gathers
+  int next_ticket_ = 0;
   std::vector<Chunk> chunks_;
   size_t current_ = 0;
   std::vector<Pending> pending_;

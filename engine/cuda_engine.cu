@@ -39,6 +39,14 @@
 //   op, before each add_rms_norm; finish at the end of the step), from there to pinned memory on a
 //   second stream, then delivered to the sink after the step's one synchronization. DIFFRUN_CHECKPOINT_COPY=memcpy copies each with cudaMemcpyAsync right after
 //   its op instead (the "checkpoint_copies" fact).
+// - A one-token step (not isolation replay) alternates two activation sets by layer parity, recorded
+//   or not: layer l reads set l-1 (the residual and its norm) and writes set l; the embedding writes
+//   the odd set (alt_, one token, with its own attention probabilities). Nothing a layer stages is then
+//   overwritten before the end of the next layer, so a recorded layer's gathers run on the copy stream
+//   beside the next layer's compute (stager_.flush_beside), and the compute stream only waits on them
+//   before the add_rms_norm that overwrites the previous layer's set: the recorded decode graph has no
+//   gather kernel between two ops. The kernels and their order are production's; only the buffers
+//   alternate. A recorded step's returned logits are its result_output copy (no second copy out).
 // - Fused ops, each writing every checkpoint tensor of the twins it combines (so recording stays copies
 //   only): matmul_cat (Wq|Wk|Wv and Wgate|Wup concatenated at load, one GEMV per group when T = 1),
 //   rope_qk (q and k in one launch, with the KV cache write) and add_rms_norm (ffn_inp + ffn_norm;
@@ -240,6 +248,7 @@ class CudaEngineImpl final : public CudaEngine {
         weights_(file, cfg, stream_, plan_.weights.dequant_scale_offset),
         k_cache_(size_t(cfg.n_layer) * max_ctx * cfg.n_head_kv * cfg.head_dim, "the KV cache"),
         v_cache_(size_t(cfg.n_layer) * max_ctx * cfg.n_head_kv * cfg.head_dim, "the KV cache"),
+        alt_(cfg_, 1),
         d_n_past_(1, "step state"),
         fault_state_(plan_, weights_, cfg_, max_ctx, d_n_past_.get(), stream_),
         h_n_past_(1, "step state"),
@@ -248,6 +257,7 @@ class CudaEngineImpl final : public CudaEngine {
         attn_splits_(attention_split_count(cfg.n_head, sm_count())),
         attn_min_keys_(env_positive_int("DIFFRUN_ATTENTION_SPLIT_MIN_KEYS", kAttentionSplitMinKeys)),
         attn_probs_(attn_probs_floats(cfg, max_ctx), "attention scratch"),
+        attn_probs_alt_(size_t(cfg.n_head) * max_ctx, "attention scratch"),
         attn_partial_(attn_partial_floats(cfg, attn_splits_), "attention scratch"),
         attn_counters_(size_t(kAttentionSplitMaxT) * cfg.n_head, "attention scratch"),
         argmax_scratch_(2, "step state"),
@@ -349,17 +359,20 @@ class CudaEngineImpl final : public CudaEngine {
   }
 
   std::vector<float> forward(int step, std::span<const int32_t> tokens, Sink& sink) override {
-    run(step, tokens, sink, /*copy_logits=*/true);
-    return std::vector<float>(h_logits_.get(), h_logits_.get() + logit_columns());
+    std::vector<float> logits;
+    run(step, tokens, sink, &logits);
+    return logits;
   }
 
   int32_t forward_argmax(int step, std::span<const int32_t> tokens, Sink& sink) override {
-    run(step, tokens, sink, /*copy_logits=*/false);
+    run(step, tokens, sink, nullptr);
     return *h_argmax_.get();
   }
 
  private:
-  void run(int step, std::span<const int32_t> tokens, Sink& sink, bool copy_logits) {
+  // One step; `logits` (when given) gets the last token's logits.
+  void run(int step, std::span<const int32_t> tokens, Sink& sink, std::vector<float>* logits) {
+    const bool copy_logits = logits != nullptr;
     const int n = static_cast<int>(tokens.size());
     if (n == 0) throw InputError("step " + std::to_string(step) + " has no tokens");
     if (n_past_ + n > max_ctx_)
@@ -398,6 +411,13 @@ class CudaEngineImpl final : public CudaEngine {
       throw;
     }
     n_past_ += n;
+    if (logits) {  // before deliver(), which ends the staged copies' step
+      const float* staged = logits_from_recording(n, sink) ? stager_.last_staged_f32("result_output") : nullptr;
+      if (logits_from_recording(n, sink) && staged == nullptr)
+        throw Error("step " + std::to_string(step) + ": result_output was not the last checkpoint staged");
+      const float* from = staged ? staged : h_logits_.get();
+      logits->assign(from, from + logit_columns());
+    }
     stager_.deliver(sink);
   }
 
@@ -405,9 +425,11 @@ class CudaEngineImpl final : public CudaEngine {
   void enqueue_step(int step, int n, Sink& sink, bool copy_logits) {
     const int D = cfg_.n_embd, V = cfg_.n_vocab;
     const OpArgs& args = plan_.ops;
-    Activations<W>& a = *act_;
     set_op_context(step, -1);
-    step_inputs(a.tokens.get(), d_n_past_.get(), h_tokens_.device(), h_n_past_.device(), n, stream_);
+    step_inputs(act_->tokens.get(), d_n_past_.get(), h_tokens_.device(), h_n_past_.device(), n, stream_);
+    alternate_ = n == 1 && !step_replaying_;
+    flush_ticket_ = -1;
+    Activations<W>& a = set_of(-1);  // the embedding's: what layer 0 reads
 
     step_fused_ = 0;
     // One token: the gather and layer 0's attn_norm in one kernel that reads the id from the host memory
@@ -421,7 +443,7 @@ class CudaEngineImpl final : public CudaEngine {
       step_fused_ |= kFusedEmbeddingRmsNorm;
       cp(sink, step, "embd", -1, a.x.get(), {n, D});  // not replaying: records only
     } else {
-      embedding(a.x.get(), a.tokens.get(), weights_.token_embd, n, D, V, stream_);
+      embedding(a.x.get(), act_->tokens.get(), weights_.token_embd, n, D, V, stream_);
       cp(sink, step, "embd", -1, a.x.get(), {n, D});
       if (cfg_.embd_scale) {  // gemma3: the embedding rows times sqrt(D)
         stager_.flush(stream_);  // before the in-place scale (embd is a.x)
@@ -433,9 +455,10 @@ class CudaEngineImpl final : public CudaEngine {
     for (int l = 0; l < cfg_.n_layer; ++l) layer(step, l, n, sink);
     set_op_context(step, -1);
 
-    cp(sink, step, "result_norm", -1, a.xn.get(), {n, D});  // a.xn: from the last layer's add_rms_norm
+    const Activations<W>& out = set_of(cfg_.n_layer - 1);
+    cp(sink, step, "result_norm", -1, out.xn.get(), {n, D});  // out.xn: from the last layer's add_rms_norm
     // The last token's logits, as every step computes them, recorded or not.
-    const W* last_row = a.xn.get() + size_t(n - 1) * D;  // [D]
+    const W* last_row = out.xn.get() + size_t(n - 1) * D;  // [D]
     const int Vp = logit_columns();  // V, or the padded vocabulary of lm_head_padded_vocab
     // The lm head and argmax in one launch (bit-identical; see the top). matmul_argmax launches nothing
     // and returns false for a head it does not take (then matmul, argmax).
@@ -455,7 +478,7 @@ class CudaEngineImpl final : public CudaEngine {
         // Every token's logits: the rows before the last from a side matmul that feeds nothing (the
         // "recomputed_checkpoints" fact), the last row the step's own.
         float* rows = logits_all_.get();  // [n, Vp]
-        matmul_padded(rows, a.xn.get(), weights_.lm_head, n - 1, D, V, Vp, cublas_, stream_);
+        matmul_padded(rows, out.xn.get(), weights_.lm_head, n - 1, D, V, Vp, cublas_, stream_);
         if (cfg_.final_logit_softcap > 0)
           softcap(rows, rows, static_cast<float>(cfg_.final_logit_softcap), int64_t(n - 1) * Vp, stream_);
         CUDA_CHECK(cudaMemcpyAsync(rows + size_t(n - 1) * Vp, logits_.get(), size_t(Vp) * sizeof(float),
@@ -463,21 +486,33 @@ class CudaEngineImpl final : public CudaEngine {
         cp(sink, step, "result_output", -1, rows, {n, Vp});
       }
     }
+    if (alternate_) stager_.flush_beside(stream_);  // the step's last copies, straight to pinned memory
     stager_.finish(stream_);  // the step's last staged copies, and the wait for their copies out
 
     const float* last = logits_.get();  // [Vp]
     if (!head_argmax)  // straight to the host
       argmax(h_argmax_.device(), last, Vp, argmax_scratch_.get(), stream_, args.argmax_ties);
-    if (copy_logits)
+    // A one-token step that records result_output returns that copy (run()); others copy the row here.
+    if (copy_logits && !logits_from_recording(n, sink))
       CUDA_CHECK(cudaMemcpyAsync(h_logits_.get(), last, size_t(Vp) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   }
 
-  // One transformer block on the residual stream a.x [T, D] in place.
+  // Whether the step's returned logits are its recorded result_output's pinned copy.
+  bool logits_from_recording(int n, const Sink& sink) const {
+    return n == 1 && !step_replaying_ && sink.wants("result_output");
+  }
+
+  // The activation set layer l writes (l = -1: the embedding's): act_, or in an alternating step the
+  // odd layers' alt_ (see the top).
+  Activations<W>& set_of(int l) { return alternate_ && (l & 1) ? alt_ : *act_; }
+
+  // One transformer block: the residual stream in.x [T, D] to a.x (the same set unless alternating).
   void layer(int step, int l, int n, Sink& sink) {
     set_op_context(step, l);
     const DeviceLayerWeights<W>& w = weights_.layers[l];
     const OpArgs& args = plan_.ops;
-    Activations<W>& a = *act_;
+    const Activations<W>& in = set_of(l - 1);  // the residual stream and its norm, from the layer before
+    Activations<W>& a = set_of(l);              // what this layer writes
     const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, F = cfg_.n_ff;
     const int Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n;
     const float theta = static_cast<float>(cfg_.layer_rope_theta(l));
@@ -490,8 +525,8 @@ class CudaEngineImpl final : public CudaEngine {
     float* cache_k = k_cache_.get() + size_t(l) * max_ctx_ * KV;  // [max_ctx, Hkv*Dh]; rows 0..S-1 valid after
     float* cache_v = v_cache_.get() + size_t(l) * max_ctx_ * KV;  // [max_ctx, Hkv*Dh]
 
-    // a.xn = rms_norm(a.x) · attn_norm, written by the op before the layer (rms_norm or add_rms_norm).
-    cp(sink, step, "attn_norm", l, a.xn.get(), {n, D});
+    // in.xn = rms_norm(in.x) · attn_norm, written by the op before the layer (rms_norm or add_rms_norm).
+    cp(sink, step, "attn_norm", l, in.xn.get(), {n, D});
     // One token: the qkv GEMV applies the RoPE and writes the cache too (bit-identical). Recorded, it
     // also writes q and k before the rotation (Qcur, Kcur) into q_rope and k_rope, which it leaves free.
     GemvRope rope{cache_k, cache_v, pos.fused_rope, pos.write, d_rope_freqs_.get(), theta, H, Hkv, Dh, neox};
@@ -500,14 +535,14 @@ class CudaEngineImpl final : public CudaEngine {
       rope.k_unrotated = a.k_rope.get();
     }
     const bool fused_rope = rope_in_gemv_ && n == 1 && !step_replaying_ && !cfg_.qk_norm &&
-                            matmul_qkv_rope(a.q.get(), a.k.get(), a.v.get(), w.bq, w.bk, w.bv, a.xn.get(), w.wq, D,
+                            matmul_qkv_rope(a.q.get(), a.k.get(), a.v.get(), w.bq, w.bk, w.bv, in.xn.get(), w.wq, D,
                                             rope, stream_);
     if (fused_rope) {
       step_fused_ |= kFusedMatmulQkvRope;
       cp(sink, step, "Qcur", l, a.q_rope.get(), {n, H, Dh});  // not replaying: records only
       cp(sink, step, "Kcur", l, a.k_rope.get(), {n, Hkv, Dh});
     } else {
-      matmul_cat({{a.q.get(), w.bq, Q}, {a.k.get(), w.bk, KV}, {a.v.get(), w.bv, KV}}, a.xn.get(), w.wq, n, D, cublas_,
+      matmul_cat({{a.q.get(), w.bq, Q}, {a.k.get(), w.bk, KV}, {a.v.get(), w.bv, KV}}, in.xn.get(), w.wq, n, D, cublas_,
                  stream_);
       cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
       cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
@@ -543,7 +578,7 @@ class CudaEngineImpl final : public CudaEngine {
                                         fault_state_.kv_scratch_v(), stream_);
     float* probs = nullptr;  // [H, T, S_att]
     if (split_attention(n)) {
-      probs = attn_probs_.get();
+      probs = alternate_ && (l & 1) ? attn_probs_alt_.get() : attn_probs_.get();
       attention_split(a.kqv.get(), probs, q_rot, kv.k, kv.v, n, past, H, kv.heads, Dh, att_scale, window,
                       {attn_partial_.get(), attn_counters_.get(), attn_splits_, attn_min_keys_}, stream_,
                       args.attention);
@@ -578,7 +613,7 @@ class CudaEngineImpl final : public CudaEngine {
       cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D});
       norm(a.ffn_xn.get(), a.ffn_inp.get(), w.ffn_norm, n, D, args.norm);
     } else {
-      add_norm(a.ffn_inp.get(), a.ffn_xn.get(), a.x.get(), a.attn_out.get(), w.ffn_norm, n, D, args.norm);
+      add_norm(a.ffn_inp.get(), a.ffn_xn.get(), in.x.get(), a.attn_out.get(), w.ffn_norm, n, D, args.norm);
       cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D});
     }
     cp(sink, step, "ffn_norm", l, a.ffn_xn.get(), {n, D});
@@ -612,8 +647,16 @@ class CudaEngineImpl final : public CudaEngine {
       cp(sink, step, "ffn_post_norm", l, a.ffn_out.get(), {n, D});
     }
     // l_out, and the norm that opens the next layer (attn_norm, or result_norm after the last).
-    stager_.flush(stream_);  // a.x and a.xn are overwritten; every other buffer is the next layer's
-                             // (a layer's one flush without q/k norms or post-norms)
+    if (alternate_) {
+      // This layer's checkpoints are copied beside the next layer; a.x and a.xn (the layer before
+      // last's output, staged in the previous layer) are overwritten now: their copies must be done.
+      const int ticket = stager_.flush_beside(stream_);
+      stager_.wait_flushed(flush_ticket_, stream_);
+      flush_ticket_ = ticket;
+    } else {
+      stager_.flush(stream_);  // a.x and a.xn are overwritten; every other buffer is the next layer's
+                               // (a layer's one flush without q/k norms or post-norms)
+    }
     add_norm(a.x.get(), a.xn.get(), a.ffn_inp.get(), a.ffn_out.get(), norm_opening(l + 1), n, D, args.norm);
     cp(sink, step, "l_out", l, a.x.get(), {n, D});
   }
@@ -778,6 +821,9 @@ class CudaEngineImpl final : public CudaEngine {
   DeviceBuffer<float> k_cache_;  // [n_layer][max_ctx, Hkv*Dh]
   DeviceBuffer<float> v_cache_;  // [n_layer][max_ctx, Hkv*Dh]
   std::unique_ptr<Activations<W>> act_;
+  Activations<W> alt_;           // [1 token] the odd layers' set of a one-token step (see the top)
+  bool alternate_ = false;       // this step alternates act_ and alt_ by layer parity
+  int flush_ticket_ = -1;        // the previous layer's stager_.flush_beside() (alternating steps)
   DeviceBuffer<float> logits_;   // [Vp] the last token's logits
   DeviceBuffer<float> logits_all_;  // [T, Vp] result_output of a recorded step of several tokens
   DeviceBuffer<float> probs_;    // [H, T, S], attention (T > kAttentionSplitMaxT) while kq_soft_max is recorded
@@ -790,6 +836,7 @@ class CudaEngineImpl final : public CudaEngine {
   int attn_splits_;                          // attention_split blocks per (token, head)
   int attn_min_keys_;                        // keys per split a query needs to use another split
   DeviceBuffer<float> attn_probs_;           // [H, T, S] of attention_split steps, T ≤ kAttentionSplitMaxT
+  DeviceBuffer<float> attn_probs_alt_;       // [H, 1, S] the odd layers' of an alternating step
   DeviceBuffer<float> attn_partial_;         // [T, H, splits, Dh + 2] attention_split partials
   DeviceBuffer<uint32_t> attn_counters_;     // [T, H] attention_split tickets, zero between launches
   DeviceBuffer<unsigned long long> argmax_scratch_;  // [2] argmax's packed best and ticket, zero between launches
