@@ -13,6 +13,7 @@
 //
 // --bug rope-pos   decode steps rotate q and k at position n_past + 1  -> first divergence Qrope-0 at step 1
 // --bench N        N runs recorded and N unrecorded; prints the median decode ms/token of each and the ratio
+// --immediate      record with diffrun_dump_put_device (one copy each, at the put) instead of deferred puts
 // --probe          exit 0 when a CUDA device is present, 77 when not
 // Exit status: 0 done, 1 a CUDA/diffrun failure, 2 bad input, 77 no CUDA device.
 #include <cublas_v2.h>
@@ -374,6 +375,7 @@ struct Engine {
   Model m;
   int max_t, max_s;  // rows of a step (the prompt), positions in all
   bool bug_rope_pos = false;
+  bool immediate_puts = false;  // --immediate: diffrun_dump_put_device instead of the deferred puts
   cudaStream_t stream;
   cublasHandle_t blas;
   int *d_tokens, *d_pos;
@@ -424,7 +426,10 @@ struct Engine {
     if (layer >= 0) std::snprintf(full, sizeof full, "%s-%d", name, layer);
     else std::snprintf(full, sizeof full, "%s", name);
     const int64_t dims[2] = {T, cols};
-    DR_CHECK(diffrun_dump_put_device_deferred(dump, full, layer, dims, 2, DIFFRUN_F32, data, stream));
+    if (immediate_puts)  // copied now, in stream order: the buffer may change right after
+      DR_CHECK(diffrun_dump_put_device(dump, full, layer, dims, 2, DIFFRUN_F32, data, stream));
+    else
+      DR_CHECK(diffrun_dump_put_device_deferred(dump, full, layer, dims, 2, DIFFRUN_F32, data, stream));
   }
   // Copies what was noted since the last flush, one kernel on the stream (a graph node while capturing):
   // before a noted buffer is overwritten (x, at the end of each layer) and at the end of the pass.
@@ -570,6 +575,7 @@ static double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   std::string model, reference, out, bug_name;
   int bench = 0;
+  bool immediate = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&] { return i + 1 < argc ? std::string(argv[++i]) : (bad_input(a + " needs a value"), ""); };
@@ -578,11 +584,12 @@ int main(int argc, char** argv) {
     else if (a == "--out") out = value();
     else if (a == "--bug") bug_name = value();
     else if (a == "--bench") bench = std::atoi(value().c_str());
+    else if (a == "--immediate") immediate = true;
     else if (a == "--probe") {
       int n = 0;
       return cudaGetDeviceCount(&n) == cudaSuccess && n > 0 ? 0 : 77;
     } else bad_input("unknown argument " + a + " (--model M.gguf --reference REF.h5 --out OUT.h5 [--bug rope-pos] "
-                     "[--bench N] | --probe)");
+                     "[--bench N] [--immediate] | --probe)");
   }
   if (model.empty() || reference.empty() || out.empty()) bad_input("--model, --reference and --out are required");
   if (!bug_name.empty() && bug_name != "rope-pos") bad_input("unknown bug " + bug_name + " (rope-pos)");
@@ -606,6 +613,7 @@ int main(int argc, char** argv) {
 
   Engine e(load_model(model.c_str()), static_cast<int>(steps[0].size()), static_cast<int>(all.size()));
   e.bug_rope_pos = bug != nullptr;
+  e.immediate_puts = immediate;
   for (int32_t id : all)
     if (id < 0 || id >= e.m.c.n_vocab) bad_input("token id " + std::to_string(id) + " outside the model's vocabulary");
   if ((e.m.c.head_dim + all.size()) * sizeof(float) > 48 * 1024) bad_input("too many positions for this example");

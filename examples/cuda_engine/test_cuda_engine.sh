@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA example engine end to end (ctest example_cuda_engine, label gpu): against diffrun's f64 CPU reference on a
 # tiny F16 llama, the clean engine (decode steps recorded inside its CUDA graph) passes every checkpoint it records at
-# every step, and with --bug rope-pos the first divergence is Qrope-0 at step 1. Then --bench prints the recording's
-# cost. Exit 0 passed, 1 failed (with the evidence), 77 skipped (no CUDA device).
+# every step, and so does the same recording through immediate device puts (bit for bit, where h5py is there); with
+# --bug rope-pos the first divergence is Qrope-0 at step 1. Then --bench prints the recording's cost. Exit 0 passed, 1 failed (with the evidence), 77 skipped (no CUDA device).
 #   test_cuda_engine.sh ENGINE DIFFRUN MODEL.gguf
 set -u
 engine=$1 diffrun=$2 model=$3
@@ -63,6 +63,34 @@ assert not bad, f"not passing: {[(c['step'], c['name'], c['status']) for c in ba
 assert sorted(per_step) == list(range(steps + 1)), f"steps compared {sorted(per_step)}, want 0..{steps}"
 assert all(n == want for n in per_step.values()), f"want {want} passing checkpoints in every step"
 assert report["engine"]["backend"] == "cuda_engine" and report["engine"]["precision"] == "f16"
+EOF
+
+# The same recording through immediate device puts (one copy node each inside the graph): it passes, and where
+# h5py is there, every checkpoint equals the deferred puts' bit for bit.
+run_engine immediate --immediate
+compare immediate
+rc=$?
+((rc == 0)) || { cat "$tmp/immediate.compare"; fail "compare of the engine with --immediate exited $rc (want 0)"; }
+"$py" - "$tmp/clean.h5" "$tmp/immediate.h5" <<'EOF' || fail "immediate and deferred device puts recorded different values"
+import sys
+try:
+    import h5py, numpy as np
+except ImportError:
+    print("immediate: h5py missing, the bit-for-bit check against the deferred puts skipped")
+    sys.exit(0)
+a, b = h5py.File(sys.argv[1], "r"), h5py.File(sys.argv[2], "r")
+names, bnames = [], []
+a.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+b.visititems(lambda n, o: bnames.append(n) if isinstance(o, h5py.Dataset) else None)
+assert sorted(names) == sorted(bnames), f"datasets differ: {sorted(set(names) ^ set(bnames))[:10]}"
+def same(x, y):
+    x, y = np.asarray(x[()]), np.asarray(y[()])
+    if x.dtype.kind in "fiu":  # bit for bit
+        return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+    return np.array_equal(x, y)
+diff = [n for n in names if not same(a[n], b[n])]
+assert not diff, f"values differ in {diff[:10]}"
+print(f"immediate: {len(names)} datasets equal to the deferred puts' bit for bit")
 EOF
 
 run_engine bug --bug rope-pos
