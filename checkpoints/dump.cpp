@@ -38,7 +38,7 @@ const std::set<std::string, std::less<>>& reserved_root_attributes() {
   static const std::set<std::string, std::less<>> keys = [] {
     std::set<std::string, std::less<>> k;
     for (const auto& a : root_attributes())
-      if (a.required) k.insert(a.name);
+      if (a.required || a.config) k.insert(a.name);  // the optional config ones (experts) too
     return k;
   }();
   return keys;
@@ -336,6 +336,7 @@ struct DumpReader::Impl {
     for (const RootAttribute& a : root_attributes()) {
       if (!a.config) continue;
       const char* n = a.name.c_str();
+      if (!a.required && H5Aexists(root, n) <= 0) continue;  // an expert size of a dense model
       switch (a.type) {
         case AttrType::string: {
           const std::string v = read_str(root, n);
@@ -371,7 +372,7 @@ struct DumpReader::Impl {
   void check_config() const {
     const nlohmann::ordered_json values = config_attributes(meta.config);
     for (const RootAttribute& a : root_attributes()) {
-      if (!a.config || a.type != AttrType::integer) continue;
+      if (!a.config || a.type != AttrType::integer || !values.contains(a.name)) continue;
       const int64_t v = values.at(a.name).get<int64_t>();
       if (v < 1 || v > a.max)
         fail("attribute '" + a.name + "' is " + std::to_string(v) + ", outside 1.." + std::to_string(a.max));

@@ -138,7 +138,9 @@ const std::vector<std::pair<std::string, int ModelConfig::*>>& int_fields() {
       {attr::n_layer, &ModelConfig::n_layer},     {attr::n_embd, &ModelConfig::n_embd},
       {attr::n_head, &ModelConfig::n_head},       {attr::n_head_kv, &ModelConfig::n_head_kv},
       {attr::head_dim, &ModelConfig::head_dim},   {attr::n_ff, &ModelConfig::n_ff},
-      {attr::n_vocab, &ModelConfig::n_vocab},     {attr::n_ctx, &ModelConfig::n_ctx}};
+      {attr::n_vocab, &ModelConfig::n_vocab},     {attr::n_ctx, &ModelConfig::n_ctx},
+      {attr::n_expert, &ModelConfig::n_expert},   {attr::n_expert_used, &ModelConfig::n_expert_used},
+      {attr::n_ff_exp, &ModelConfig::n_ff_exp}};
   return fields;
 }
 // ModelConfig's boolean and real fields under their attribute names.
@@ -177,8 +179,12 @@ nlohmann::ordered_json config_attributes(const ModelConfig& c) {
   for (const auto& [name, field] : real_fields()) all[name] = c.*field;
   for (const auto& [name, field] : bool_fields()) all[name] = c.*field;
   nlohmann::ordered_json out = nlohmann::ordered_json::object();
-  for (const auto& a : dump_schema().root)
-    if (a.config) out[a.name] = all.at(a.name);  // throws for a config attribute ModelConfig lacks
+  for (const auto& a : dump_schema().root) {
+    if (!a.config) continue;
+    // An optional one (the experts' sizes) is written only where it applies: a dense model has none.
+    if (!a.required && a.type == AttrType::integer && all.at(a.name).get<int64_t>() == 0) continue;
+    out[a.name] = all.at(a.name);  // throws for a config attribute ModelConfig lacks
+  }
   return out;
 }
 
@@ -186,7 +192,9 @@ ModelConfig config_from_attributes(const nlohmann::json& v) {
   ModelConfig c;
   if (const std::optional<Arch> a = arch_from_name(v.at(attr::arch).get<std::string>())) c.arch = *a;
   set_arch_features(c);  // the flags the attributes do not carry (post-norms, FFN activation, ...)
-  for (const auto& [name, field] : int_fields()) c.*field = static_cast<int>(v.at(name).get<int64_t>());
+  for (const auto& [name, field] : int_fields())  // an absent optional one (a dense model's experts) is 0
+    c.*field = v.contains(name) ? static_cast<int>(v.at(name).get<int64_t>()) : 0;
+  c.moe = c.moe || c.n_expert > 0;
   for (const auto& [name, field] : real_fields()) c.*field = v.at(name).get<double>();
   for (const auto& [name, field] : bool_fields())
     c.*field = v.at(name).is_boolean() ? v.at(name).get<bool>() : v.at(name).get<int64_t>() != 0;
@@ -207,11 +215,16 @@ int64_t dim_size(const ModelConfig& cfg, const std::string& letter, int64_t n_to
 nlohmann::json config_features(const ModelConfig& c) {
   return {{"rope_type", rope_type_name(c.rope_type)}, {"qkv_bias", c.qkv_bias},
           {"qk_norm", c.qk_norm},                     {"embd_scale", c.embd_scale},
-          {"post_norms", c.post_norms},               {"ffn_act", c.ffn_act == FfnAct::silu ? "silu" : "gelu_tanh"}};
+          {"post_norms", c.post_norms},               {"ffn_act", c.ffn_act == FfnAct::silu ? "silu" : "gelu_tanh"},
+          {"moe", c.moe}};
 }
 
 bool needs_met(std::string_view needs, const nlohmann::json& features) {
   if (needs.empty()) return true;
+  // "a&b": both; "!a": a feature that is false or absent.
+  if (const size_t amp = needs.find('&'); amp != std::string_view::npos)
+    return needs_met(needs.substr(0, amp), features) && needs_met(needs.substr(amp + 1), features);
+  if (needs.front() == '!') return !needs_met(needs.substr(1), features);
   const size_t eq = needs.find('=');
   const std::string name(needs.substr(0, eq));
   if (!features.contains(name)) return false;

@@ -261,7 +261,7 @@ std::optional<ModelConfig> check_config(const nlohmann::json& values, const Prob
   for (const RootAttribute& a : root_attributes()) {
     if (!a.config) continue;
     if (!values.contains(a.name)) {
-      ok = false;
+      ok = ok && !a.required;  // an optional one (the experts' sizes) is absent for a dense model
       continue;
     }
     const nlohmann::json& v = values.at(a.name);

@@ -30,7 +30,9 @@ namespace {
 KindNeeds parse_needs(const std::string& needs) {
   static const std::pair<const char*, KindNeeds> known[] = {
       {"", KindNeeds::none},           {"qk_norm", KindNeeds::qk_norm},          {"embd_scale", KindNeeds::embd_scale},
-      {"post_norms", KindNeeds::post_norms}, {"ffn_act=silu", KindNeeds::ffn_silu}, {"ffn_act=gelu_tanh", KindNeeds::ffn_gelu}};
+      {"post_norms", KindNeeds::post_norms}, {"ffn_act=silu", KindNeeds::ffn_silu}, {"ffn_act=gelu_tanh", KindNeeds::ffn_gelu},
+      {"!moe", KindNeeds::dense_ffn},        {"ffn_act=silu&!moe", KindNeeds::dense_silu},
+      {"ffn_act=gelu_tanh&!moe", KindNeeds::dense_gelu}, {"moe", KindNeeds::moe}};
   for (const auto& [text, n] : known)
     if (needs == text) return n;
   throw std::logic_error("dump_schema.json: a kind needs '" + needs + "', which kind_applies does not know");
@@ -65,6 +67,10 @@ bool kind_applies(const CheckpointKind& k, const ModelConfig& cfg) {
     case KindNeeds::post_norms: return cfg.post_norms;
     case KindNeeds::ffn_silu: return cfg.ffn_act == FfnAct::silu;
     case KindNeeds::ffn_gelu: return cfg.ffn_act == FfnAct::gelu_tanh;
+    case KindNeeds::dense_ffn: return !cfg.moe;
+    case KindNeeds::dense_silu: return !cfg.moe && cfg.ffn_act == FfnAct::silu;
+    case KindNeeds::dense_gelu: return !cfg.moe && cfg.ffn_act == FfnAct::gelu_tanh;
+    case KindNeeds::moe: return cfg.moe;
   }
   return true;
 }
@@ -180,7 +186,9 @@ int checkpoint_order(const ModelConfig& cfg, std::string_view base, int layer) {
   if (!k) throw InputError("unknown checkpoint '" + name + "' (not in the checkpoint vocabulary)");
   if (!kind_applies(*k, cfg))
     throw InputError("checkpoint '" + name + "' does not exist for architecture " + arch_name(cfg.arch) +
-                     (k->needs == KindNeeds::qk_norm ? " without per-head q/k norms" : ""));
+                     (k->needs == KindNeeds::qk_norm ? " without per-head q/k norms"
+                      : k->needs == KindNeeds::moe   ? " without experts"
+                                                     : ""));
   const int per_layer = checkpoints_per_layer(cfg);
   const int lead = leading_count(cfg);
   if (k->per_layer) {

@@ -19,7 +19,7 @@ const char* native_dtype_name(NativeDType d);
 // Layouts name every dimension of the stored array, one letter group per dimension: per-head
 // tensors are 3-D ("T,H,Dh", "T,Hkv,Dh", "S,Hkv,Dh") so a diff can report (token, head, dim).
 // Letters: T tokens of the step, S positions attended (KV cache length after the step), D n_embd,
-// H n_head, Hkv n_head_kv, Dh head_dim, F n_ff, V n_vocab.
+// H n_head, Hkv n_head_kv, Dh head_dim, F n_ff, V n_vocab, E n_expert, K n_expert_used, Fe n_ff_exp.
 //
 // `inputs` is the kind's dataflow: the checkpoints its operands are, comma-separated. A name is the
 // same layer's checkpoint for a per-layer kind; "@prev" is the previous layer's (the stream before the
@@ -36,6 +36,10 @@ enum class KindNeeds : uint8_t {
   post_norms,  // ModelConfig::post_norms: gemma3
   ffn_silu,    // ModelConfig::ffn_act == silu: llama, qwen2, qwen3
   ffn_gelu,    // ModelConfig::ffn_act == gelu_tanh: gemma3
+  dense_ffn,   // !ModelConfig::moe: the dense FFN's projections
+  dense_silu,  // ffn_silu and dense: ffn_swiglu
+  dense_gelu,  // ffn_gelu and dense: ffn_geglu
+  moe,         // ModelConfig::moe: qwen3moe, llama with experts (Mixtral)
 };
 
 struct CheckpointKind {

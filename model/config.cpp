@@ -69,6 +69,56 @@ void read_gemma3(const GgufFile& file, ModelConfig& c, const std::function<std::
   c.attn_scale = c.n_layer == 62 ? 1.0 / std::sqrt(double(c.n_embd / c.n_head)) : 1.0 / std::sqrt(double(c.head_dim));
 }
 
+// The largest expert count llama.cpp accepts (LLAMA_MAX_EXPERTS); diffrun refuses more too.
+constexpr int64_t kMaxExperts = 512;
+
+// Mixture of experts as llama.cpp reads it for qwen3moe and llama (Mixtral: llama with expert_count > 0):
+// expert_count experts, expert_used_count of them per token, each of width expert_feed_forward_length (qwen3moe;
+// n_ff / expert_used_count where the key is absent) or feed_forward_length (llama). llama.cpp builds both with a
+// softmax router and renormalised top-k weights whatever expert_gating_func and expert_weights_norm say: followed
+// here, and said in a note where the file says otherwise. A scale of the weights and shared experts are refused.
+void read_moe(const GgufFile& file, ModelConfig& c, const std::function<std::string(const char*)>& key) {
+  const int64_t n_expert = file.get_int(key("expert_count"), 0);
+  if (n_expert < 0 || n_expert > kMaxExperts)
+    throw ModelError(fmt::format("{}: {} = {} is outside 0..{}", file.path(), key("expert_count"), n_expert,
+                                 kMaxExperts));
+  if (n_expert == 0) {
+    if (c.arch == Arch::qwen3moe)
+      throw ModelError(fmt::format("{}: {} is {}; a qwen3moe model needs experts", file.path(), key("expert_count"),
+                                   file.find(key("expert_count")) ? "0" : "absent"));
+    return;
+  }
+  if (c.arch != Arch::qwen3moe && c.arch != Arch::llama)
+    throw ModelError(fmt::format("{}: {} = {}, but diffrun runs experts only for qwen3moe and llama (Mixtral)",
+                                 file.path(), key("expert_count"), n_expert));
+  c.moe = true;
+  c.n_expert = static_cast<int>(n_expert);
+  c.n_expert_used = positive_int(file, key("expert_used_count"), file.get_int(key("expert_used_count")));
+  if (c.n_expert_used > c.n_expert)
+    throw ModelError(fmt::format("{}: {} = {} exceeds {} = {}", file.path(), key("expert_used_count"),
+                                 c.n_expert_used, key("expert_count"), c.n_expert));
+  c.n_ff_exp = c.arch == Arch::llama ? c.n_ff
+                                     : positive_int(file, key("expert_feed_forward_length"),
+                                                    file.get_int(key("expert_feed_forward_length"),
+                                                                 c.n_ff / c.n_expert_used));
+  if (const int64_t shared = file.get_int(key("expert_shared_count"), 0); shared != 0)
+    throw ModelError(fmt::format("{}: {} = {}: shared experts are not supported", file.path(),
+                                 key("expert_shared_count"), shared));
+  if (const double scale = file.get_float(key("expert_weights_scale"), 0.0); scale != 0.0 && scale != 1.0)
+    throw ModelError(fmt::format("{}: {} = {:g}: a scale of the expert weights is not supported", file.path(),
+                                 key("expert_weights_scale"), scale));
+  const std::string arch = arch_name(c.arch);
+  if (const GgufValue* g = file.find(key("expert_gating_func")); g && file.get_int(key("expert_gating_func")) != 1)
+    c.notes.push_back(fmt::format("{} = {} is not applied: llama.cpp's {} architecture routes with a softmax, and "
+                                  "so does diffrun",
+                                  key("expert_gating_func"), g->to_display(), arch));
+  if (const GgufValue* n = file.find(key("expert_weights_norm")); n && !n->as_bool(key("expert_weights_norm")))
+    c.notes.push_back(fmt::format("{} = false is not applied: llama.cpp's {} architecture renormalises the top-k "
+                                  "weights, and so does diffrun",
+                                  key("expert_weights_norm"), arch));
+  c.expert_weights_norm = true;
+}
+
 // Llama 3 RoPE scaling as llama.cpp applies it (ggml_rope_ext with freq_factors and freq_scale): pair i's
 // angle is pos · theta^(-2i/Dh) / rope_freqs[i] · (1 / rope.scaling.factor). Fills c.rope_freq_factors with
 // both folded together; leaves it empty when the file has neither. YaRN and LongRoPE are refused.
@@ -190,6 +240,7 @@ ModelConfig config_from_gguf(const GgufFile& file) {
   }
   c.tied_output = file.find_tensor(tensor_name(TensorRole::output)) == nullptr;
   if (c.arch == Arch::gemma3) read_gemma3(file, c, key);
+  read_moe(file, c, key);
   // llama.cpp reads attention.sliding_window only for architectures with local layers (gemma3 here);
   // its llama, qwen2 and qwen3 attend every earlier position whatever the key says, and its converter
   // never writes the key for Mistral. Followed here, and said.
@@ -215,6 +266,9 @@ std::string gemma_text(const ModelConfig& cfg) {
   }
   if (cfg.attn_scale > 0) s += fmt::format(", attention scale {:g}", cfg.attn_scale);
   if (cfg.final_logit_softcap > 0) s += fmt::format(", final logit softcap {:g}", cfg.final_logit_softcap);
+  if (cfg.moe)
+    s += fmt::format(", {} experts (E) of width {} (Fe), {} used per token (K){}", cfg.n_expert, cfg.n_ff_exp,
+                     cfg.n_expert_used, cfg.expert_weights_norm ? " with renormalised weights" : "");
   return s;
 }
 }  // namespace

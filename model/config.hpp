@@ -11,7 +11,7 @@
 
 namespace diffrun {
 
-enum class Arch { llama, qwen2, qwen3, gemma3 };
+enum class Arch { llama, qwen2, qwen3, gemma3, qwen3moe };
 enum class RopeType { norm, neox };  // NORM pairs (2i, 2i+1): llama. NEOX pairs (i, i+Dh/2): qwen2/qwen3/gemma3.
 enum class FfnAct { silu, gelu_tanh };  // gated FFN: silu(gate)·up (SwiGLU) or gelu_tanh(gate)·up (GeGLU, gemma3)
 
@@ -19,7 +19,7 @@ enum class FfnAct { silu, gelu_tanh };  // gated FFN: silu(gate)·up (SwiGLU) or
 // model/config_names.cpp.
 const char* arch_name(Arch a);
 std::optional<Arch> arch_from_name(std::string_view name);  // nullopt: not an architecture diffrun runs
-std::string arch_names(const char* separator = ", ");        // "llama, qwen2, qwen3, gemma3"
+std::string arch_names(const char* separator = ", ");        // "llama, qwen2, qwen3, gemma3, qwen3moe"
 const char* rope_type_name(RopeType r);
 const std::vector<Arch>& all_archs();  // every supported architecture, in the order errors list them
 
@@ -45,6 +45,15 @@ struct ModelConfig {
   bool embd_scale = false;   // gemma3: the embedding row times sqrt(D) (checkpoint inp_scaled)
   bool post_norms = false;   // gemma3: RMSNorm of the attention and FFN outputs before their residual adds
   FfnAct ffn_act = FfnAct::silu;
+  // Mixture of experts (qwen3moe; llama with expert_count > 0, Mixtral): every layer's FFN is routed. Per token the
+  // router's softmax over all E experts picks the K most probable (ties: the lower id), their probabilities are
+  // renormalised to sum 1 (expert_weights_norm; llama.cpp does so for both), and the output is the weighted sum of
+  // those K experts' SwiGLU FFNs of width Fe. llama.cpp's build_moe_ffn.
+  bool moe = false;          // n_expert > 0
+  int n_expert = 0;          // E: experts per layer (expert_count)
+  int n_expert_used = 0;     // K: experts each token uses (expert_used_count)
+  int n_ff_exp = 0;          // Fe: one expert's FFN width (qwen3moe: expert_feed_forward_length; llama: n_ff)
+  bool expert_weights_norm = true;  // the K weights divided by their sum
   int sliding_window = 0;            // positions a local layer attends (query included); 0: no local layers
   std::vector<uint8_t> swa_layers;   // [n_layer] 1 where the layer is local (sliding window); empty: none
   double rope_theta_swa = 10000.0;   // RoPE base of local layers

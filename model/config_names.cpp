@@ -17,14 +17,16 @@ struct ArchSpec {
   RopeType rope_type;
   bool qkv_bias, qk_norm, embd_scale, post_norms;
   FfnAct ffn_act;
+  bool moe;  // always routed (llama is routed only where expert_count > 0: Mixtral)
 };
 
 constexpr ArchSpec kArchs[] = {
-    // arch, name, rope, qkv_bias, qk_norm, embd_scale, post_norms, ffn_act
-    {Arch::llama, "llama", RopeType::norm, false, false, false, false, FfnAct::silu},
-    {Arch::qwen2, "qwen2", RopeType::neox, true, false, false, false, FfnAct::silu},
-    {Arch::qwen3, "qwen3", RopeType::neox, false, true, false, false, FfnAct::silu},
-    {Arch::gemma3, "gemma3", RopeType::neox, false, true, true, true, FfnAct::gelu_tanh},
+    // arch, name, rope, qkv_bias, qk_norm, embd_scale, post_norms, ffn_act, moe
+    {Arch::llama, "llama", RopeType::norm, false, false, false, false, FfnAct::silu, false},
+    {Arch::qwen2, "qwen2", RopeType::neox, true, false, false, false, FfnAct::silu, false},
+    {Arch::qwen3, "qwen3", RopeType::neox, false, true, false, false, FfnAct::silu, false},
+    {Arch::gemma3, "gemma3", RopeType::neox, false, true, true, true, FfnAct::gelu_tanh, false},
+    {Arch::qwen3moe, "qwen3moe", RopeType::neox, false, true, false, false, FfnAct::silu, true},
 };
 
 const ArchSpec* find_spec(Arch a) {
@@ -74,6 +76,7 @@ void set_arch_features(ModelConfig& c) {
   c.embd_scale = s->embd_scale;
   c.post_norms = s->post_norms;
   c.ffn_act = s->ffn_act;
+  c.moe = s->moe || c.n_expert > 0;
 }
 
 }  // namespace diffrun

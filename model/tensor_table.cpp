@@ -39,10 +39,21 @@ constexpr TensorSpec kTable[] = {
     {.role = R::attn_post_norm, .name = "post_attention_norm.weight", .per_layer = true, .when = &C::post_norms,
      .ne = {D}},
     {.role = R::ffn_norm, .name = "ffn_norm.weight", .per_layer = true, .ne = {D}},
-    {.role = R::w_gate, .name = "ffn_gate.weight", .per_layer = true, .rank = 2, .ne = {D, F}},
-    {.role = R::w_up, .name = "ffn_up.weight", .per_layer = true, .rank = 2, .ne = {D, F}},
-    {.role = R::w_down, .name = "ffn_down.weight", .per_layer = true, .rank = 2, .ne = {F, D}},
+    {.role = R::w_gate, .name = "ffn_gate.weight", .per_layer = true, .when = &C::moe, .when_is = false, .rank = 2,
+     .ne = {D, F}},
+    {.role = R::w_up, .name = "ffn_up.weight", .per_layer = true, .when = &C::moe, .when_is = false, .rank = 2,
+     .ne = {D, F}},
+    {.role = R::w_down, .name = "ffn_down.weight", .per_layer = true, .when = &C::moe, .when_is = false, .rank = 2,
+     .ne = {F, D}},
     {.role = R::ffn_post_norm, .name = "post_ffw_norm.weight", .per_layer = true, .when = &C::post_norms, .ne = {D}},
+    {.role = R::ffn_gate_inp, .name = "ffn_gate_inp.weight", .per_layer = true, .when = &C::moe, .rank = 2,
+     .ne = {D, E}},
+    {.role = R::ffn_gate_exps, .name = "ffn_gate_exps.weight", .per_layer = true, .when = &C::moe, .rank = 3,
+     .ne = {D, Fe, E}},
+    {.role = R::ffn_up_exps, .name = "ffn_up_exps.weight", .per_layer = true, .when = &C::moe, .rank = 3,
+     .ne = {D, Fe, E}},
+    {.role = R::ffn_down_exps, .name = "ffn_down_exps.weight", .per_layer = true, .when = &C::moe, .rank = 3,
+     .ne = {Fe, D, E}},
 };
 
 constexpr bool table_in_role_order() {
@@ -51,7 +62,7 @@ constexpr bool table_in_role_order() {
   return true;
 }
 static_assert(table_in_role_order(), "kTable lists the roles in their enum order");
-static_assert(static_cast<size_t>(R::ffn_post_norm) + 1 == std::size(kTable), "every role has a row");
+static_assert(static_cast<size_t>(R::ffn_down_exps) + 1 == std::size(kTable), "every role has a row");
 
 bool needed(const TensorSpec& s, const ModelConfig& c) { return !s.when || c.*s.when == s.when_is; }
 
@@ -63,6 +74,8 @@ int64_t size_of(TensorDim d, const ModelConfig& c) {
     case Dh: return c.head_dim;
     case Dq: return int64_t(c.n_head) * c.head_dim;
     case Dkv: return int64_t(c.n_head_kv) * c.head_dim;
+    case E: return c.n_expert;
+    case Fe: return c.n_ff_exp;
   }
   return 0;
 }

@@ -1,5 +1,6 @@
 // The GGUF tensor table: every weight tensor the forward pass reads, with its role, expected shape and the config flag that asks for it; the config check and both weight loaders read it.
-// D model width, V real vocabulary, F feed-forward width, Dh head width, Dq = H*Dh, Dkv = Hkv*Dh.
+// D model width, V real vocabulary, F feed-forward width, Dh head width, Dq = H*Dh, Dkv = Hkv*Dh, E experts,
+// Fe one expert's feed-forward width.
 #pragma once
 
 #include <cstdint>
@@ -36,14 +37,18 @@ enum class TensorRole : uint8_t {
   wo,              // [D, Dq]
   attn_post_norm,  // [D]    post_norms
   ffn_norm,        // [D]
-  w_gate,          // [F, D]
-  w_up,            // [F, D]
-  w_down,          // [D, F]
+  w_gate,          // [F, D]   not moe
+  w_up,            // [F, D]   not moe
+  w_down,          // [D, F]   not moe
   ffn_post_norm,   // [D]    post_norms
+  ffn_gate_inp,    // [E, D]   moe: the router
+  ffn_gate_exps,   // [E, Fe, D] moe: every expert's gate projection (GGUF ne [D, Fe, E])
+  ffn_up_exps,     // [E, Fe, D] moe
+  ffn_down_exps,   // [E, D, Fe] moe (GGUF ne [Fe, D, E])
 };
 
 // A dimension of an expected shape, sized by the config.
-enum class TensorDim : uint8_t { D, V, F, Dh, Dq, Dkv };
+enum class TensorDim : uint8_t { D, V, F, Dh, Dq, Dkv, E, Fe };
 
 // A feature flag of the config (&ModelConfig::qkv_bias).
 using ConfigFlag = bool ModelConfig::*;
@@ -55,8 +60,8 @@ struct TensorSpec {
   bool per_layer = false;
   ConfigFlag when = nullptr;  // read when the config's flag `when` is `when_is`; nullptr: always
   bool when_is = true;
-  int rank = 1;            // 1: a vector (norm weight, bias), 2: a matrix
-  TensorDim ne[2] = {};    // the expected GGUF shape, ne order (ne[0] the contiguous dimension)
+  int rank = 1;            // 1: a vector (norm weight, bias), 2: a matrix, 3: one matrix per expert
+  TensorDim ne[3] = {};    // the expected GGUF shape, ne order (ne[0] the contiguous dimension)
   bool vocab_rows = false;  // ne[1] may exceed V (padded vocabulary rows, never read)
   std::optional<TensorRole> fallback = {};  // read in its place when the file lacks it (output: token_embd)
 };
@@ -87,7 +92,7 @@ struct ExpectedTensor {
   // The absent tensor this one stands in for (token_embd as the lm head where output.weight is absent).
   std::optional<TensorRole> stands_in_for;
 
-  bool matrix() const { return ne.size() == 2; }
+  bool matrix() const { return ne.size() >= 2; }  // a matrix, or a stack of one per expert (3-D)
 };
 std::vector<ExpectedTensor> expected_tensors(const ModelConfig& cfg);
 

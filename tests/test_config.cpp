@@ -144,9 +144,25 @@ TEST(ConfigReal, EveryFixture) {
       ASSERT_EQ(c.notes.size(), 1u);
       EXPECT_EQ(c.notes[0].rfind("llama.attention.sliding_window = 8 is not applied", 0), 0u) << c.notes[0];
       EXPECT_NE(describe(c).find("note: " + c.notes[0]), std::string::npos) << describe(c);
+    } else if (name.rfind("tiny-qwen3moe", 0) == 0) {
+      // scripts/fixturegen/models.py MOE: 8 experts of width 128, 2 per token, renormalised.
+      EXPECT_EQ(c.arch, Arch::qwen3moe);
+      EXPECT_TRUE(c.moe && c.qk_norm && c.expert_weights_norm);
+      EXPECT_EQ(c.n_expert, 8);
+      EXPECT_EQ(c.n_expert_used, 2);
+      EXPECT_EQ(c.n_ff_exp, 128);
+      EXPECT_NE(describe(c).find("8 experts (E) of width 128 (Fe), 2 used per token (K)"), std::string::npos);
+    } else if (name.rfind("tiny-mixtral", 0) == 0) {
+      // llama with llama.expert_count 4: the experts are feed_forward_length wide.
+      EXPECT_EQ(c.arch, Arch::llama);
+      EXPECT_TRUE(c.moe && !c.qk_norm);
+      EXPECT_EQ(c.n_expert, 4);
+      EXPECT_EQ(c.n_expert_used, 2);
+      EXPECT_EQ(c.n_ff_exp, c.n_ff);
     } else if (name.rfind("tiny-llama", 0) == 0) {
       ++seen[0];
       EXPECT_EQ(c.arch, Arch::llama);
+      EXPECT_FALSE(c.moe);
       EXPECT_EQ(c.rope_type, RopeType::norm);
       EXPECT_EQ(c.tied_output, name.find("-tied-") != std::string::npos);
       EXPECT_LT(c.n_head_kv, c.n_head) << "tiny llama has GQA";
@@ -159,6 +175,7 @@ TEST(ConfigReal, EveryFixture) {
     } else if (name.rfind("tiny-qwen3", 0) == 0) {
       ++seen[2];
       EXPECT_EQ(c.arch, Arch::qwen3);
+      EXPECT_FALSE(c.moe);
       EXPECT_EQ(c.rope_type, RopeType::neox);
       EXPECT_TRUE(c.qk_norm);
       EXPECT_FALSE(c.qkv_bias);
@@ -482,6 +499,91 @@ TEST_F(ConfigCrafted, NonFiniteAbsurdOrInconsistentMetadataNamesTheKey) {
   EXPECT_EQ(e.find_first_of(std::string("\n\x1b\0", 3)), std::string::npos) << e;
   EXPECT_NE(e.find("... (5016 bytes)"), std::string::npos) << e;
   EXPECT_LT(e.size(), 600u) << e;
+}
+
+// A mixture of experts: llama with llama.expert_count (Mixtral) or qwen3moe, 4 experts of width 8 (qwen3moe's
+// expert_feed_forward_length), 2 per token, in place of the dense FFN's three tensors.
+Spec moe_spec(const std::string& arch) {
+  Spec s = llama_spec();
+  s.arch = arch;
+  std::erase_if(s.tensors, [](const Tensor& t) { return t.name.find(".ffn_") != std::string::npos &&
+                                                        t.name.find("ffn_norm") == std::string::npos; });
+  const uint64_t fe = arch == "llama" ? 16 : 8;
+  s.tensors.push_back({"blk.0.ffn_gate_inp.weight", {8, 4}});
+  s.tensors.push_back({"blk.0.ffn_gate_exps.weight", {8, fe, 4}});
+  s.tensors.push_back({"blk.0.ffn_up_exps.weight", {8, fe, 4}});
+  s.tensors.push_back({"blk.0.ffn_down_exps.weight", {fe, 8, 4}});
+  set_int(s, "expert_count", 4);
+  set_int(s, "expert_used_count", 2);
+  if (arch == "qwen3moe") {
+    set_int(s, "expert_feed_forward_length", 8);
+    for (const char* n : {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"}) s.tensors.push_back({n, {4}});
+  }
+  return s;
+}
+
+TEST_F(ConfigCrafted, MoeKeys) {
+  for (const std::string arch : {"llama", "qwen3moe"}) {
+    SCOPED_TRACE(arch);
+    auto f = open(moe_spec(arch));
+    const ModelConfig c = config_from_gguf(*f);
+    EXPECT_TRUE(c.moe);
+    EXPECT_EQ(c.n_expert, 4);
+    EXPECT_EQ(c.n_expert_used, 2);
+    EXPECT_EQ(c.n_ff_exp, arch == "llama" ? 16 : 8);  // llama: feed_forward_length; qwen3moe: its own key
+    EXPECT_TRUE(c.expert_weights_norm);
+    EXPECT_TRUE(c.notes.empty());
+    EXPECT_NO_THROW(validate_tensors(*f, c));
+    // The dense FFN's tensors are not read; the router and the three expert stacks are, 3-D.
+    std::set<std::string> want = names_of(*f);
+    EXPECT_EQ(names_of(expected_tensors(c)), want);
+    for (const ExpectedTensor& e : expected_tensors(c))
+      if (e.name == "blk.0.ffn_down_exps.weight") EXPECT_EQ(e.ne, (std::vector<int64_t>{c.n_ff_exp, 8, 4}));
+  }
+  // qwen3moe without expert_feed_forward_length: n_ff / expert_used_count, as llama.cpp.
+  Spec s = moe_spec("qwen3moe");
+  drop_int(s, "expert_feed_forward_length");
+  EXPECT_EQ(config_from_gguf(*open(s)).n_ff_exp, 16 / 2);
+  // A dense llama has no experts.
+  EXPECT_FALSE(config_from_gguf(*open(llama_spec())).moe);
+}
+
+TEST_F(ConfigCrafted, MoeNotesWhatLlamaCppIgnores) {
+  Spec s = moe_spec("qwen3moe");
+  set_int(s, "expert_gating_func", 2);  // sigmoid: llama.cpp's qwen3moe routes with a softmax whatever it says
+  const ModelConfig c = config_from_gguf(*open(s));
+  ASSERT_EQ(c.notes.size(), 1u);
+  EXPECT_EQ(c.notes[0].rfind("qwen3moe.expert_gating_func = 2 is not applied", 0), 0u) << c.notes[0];
+}
+
+TEST_F(ConfigCrafted, MoeErrors) {
+  auto expect_error = [&](Spec s, const std::string& part) {
+    const std::string e = error_of(s);
+    EXPECT_NE(e.find(part), std::string::npos) << "error: " << e << "\nexpected: " << part;
+  };
+  Spec s = moe_spec("qwen3moe");
+  drop_int(s, "expert_count");
+  expect_error(s, "qwen3moe.expert_count is absent; a qwen3moe model needs experts");
+  s = moe_spec("qwen3moe");
+  set_int(s, "expert_used_count", 5);
+  expect_error(s, "qwen3moe.expert_used_count = 5 exceeds qwen3moe.expert_count = 4");
+  s = moe_spec("llama");
+  drop_int(s, "expert_used_count");
+  expect_error(s, "llama.expert_used_count");
+  s = moe_spec("llama");
+  set_int(s, "expert_count", 513);
+  expect_error(s, "llama.expert_count = 513 is outside 0..512");
+  s = moe_spec("qwen3moe");
+  set_int(s, "expert_shared_count", 1);
+  expect_error(s, "qwen3moe.expert_shared_count = 1: shared experts are not supported");
+  s = moe_spec("llama");
+  s.tensors.back().ne = {16, 8, 3};  // ffn_down_exps with 3 experts
+  expect_error(s, "tensor 'blk.0.ffn_down_exps.weight' has shape [16, 8, 3], expected [16, 8, 4]");
+  s = moe_spec("llama");
+  std::erase_if(s.tensors, [](const Tensor& t) { return t.name == "blk.0.ffn_gate_inp.weight"; });
+  expect_error(s, "missing tensor 'blk.0.ffn_gate_inp.weight' (expected shape [8, 4])");
+  s = moe_spec("qwen2");
+  expect_error(s, "qwen2.expert_count = 4, but diffrun runs experts only for qwen3moe and llama (Mixtral)");
 }
 
 TEST(Config, PrintableEscapesAndTruncates) {

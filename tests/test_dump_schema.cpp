@@ -81,6 +81,7 @@ TEST(DumpSchema, ConfigAttributesRoundTripEveryField) {
   set_arch_features(c);
   c.n_layer = 3, c.n_embd = 64, c.n_head = 4, c.n_head_kv = 2, c.head_dim = 16, c.n_ff = 96, c.n_vocab = 300;
   c.n_ctx = 512, c.rope_theta = 12345.0, c.rms_eps = 1e-5, c.tied_output = true, c.qkv_bias = true, c.qk_norm = false;
+  c.n_expert = 8, c.n_expert_used = 2, c.n_ff_exp = 32;  // qwen3moe (the last architecture) has experts
   const nlohmann::ordered_json attrs = config_attributes(c);
   std::vector<std::string> names, config;
   for (const auto& [name, value] : attrs.items()) names.push_back(name);
@@ -94,10 +95,33 @@ TEST(DumpSchema, ConfigAttributesRoundTripEveryField) {
   const auto sizes = dim_sizes(c, 5, 7);
   for (const DimLetter& d : dump_schema().dims) {
     ASSERT_TRUE(sizes.count(d.letter)) << d.letter;
-    if (!d.attribute.empty()) EXPECT_EQ(sizes.at(d.letter), attrs.at(d.attribute).get<int64_t>()) << d.letter;
+    if (!d.attribute.empty()) {
+      EXPECT_EQ(sizes.at(d.letter), attrs.at(d.attribute).get<int64_t>()) << d.letter;
+    }
   }
   EXPECT_EQ(sizes.at(token_rows_dim()), 5);
   EXPECT_EQ(sizes.at(cache_rows_dim()), 7);
+}
+
+// The experts' sizes are optional config attributes: a dense model writes none of them and reads back as dense.
+TEST(DumpSchema, DenseConfigsHaveNoExpertAttributes) {
+  ModelConfig c;
+  c.arch = Arch::llama;
+  set_arch_features(c);
+  c.n_layer = 3, c.n_embd = 64, c.n_head = 4, c.n_head_kv = 2, c.head_dim = 16, c.n_ff = 96, c.n_vocab = 300;
+  c.n_ctx = 512;
+  const nlohmann::ordered_json attrs = config_attributes(c);
+  for (const RootAttribute& a : root_attributes())
+    if (a.config) EXPECT_EQ(attrs.contains(a.name), a.required) << a.name;
+  const ModelConfig back = config_from_attributes(attrs);
+  EXPECT_FALSE(back.moe);
+  EXPECT_EQ(back.n_expert, 0);
+  EXPECT_EQ(config_features(back)["moe"], false);
+  // Mixtral: llama with experts, told apart by n_expert alone.
+  c.n_expert = 4, c.n_expert_used = 2, c.n_ff_exp = 96;
+  EXPECT_TRUE(config_from_attributes(config_attributes(c)).moe);
+  EXPECT_TRUE(needs_met("ffn_act=silu&!moe", config_features(back)));
+  EXPECT_FALSE(needs_met("moe", config_features(back)));
 }
 
 TEST(DumpSchema, TheAttributeTableHasTheSchemasColumns) {

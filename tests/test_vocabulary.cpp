@@ -84,6 +84,35 @@ TEST(Vocabulary, Gemma3AddsScaledEmbeddingPostNormsAndGeglu) {
   EXPECT_EQ(checkpoint_inputs("l_out", 2, 3, llama), (std::vector<std::string>{"ffn_out-2", "ffn_inp-2"}));
 }
 
+// A mixture of experts (qwen3moe, or llama with experts): the routing kinds in place of the dense FFN's, in
+// build_moe_ffn's order, and the dataflow from ffn_norm through the routing to l_out.
+TEST(Vocabulary, MoeReplacesTheDenseFfnWithTheRouting) {
+  for (Arch a : {Arch::qwen3moe, Arch::llama}) {
+    ModelConfig c = tiny(a);
+    c.n_expert = 8, c.n_expert_used = 2, c.n_ff_exp = 16, c.moe = true;
+    std::vector<std::string> after_norm;
+    bool seen = false;
+    for (const std::string& n : checkpoint_names(c)) {
+      if (n == "ffn_norm-0") seen = true;
+      else if (seen && n.ends_with("-0")) after_norm.push_back(n);
+    }
+    const std::vector<std::string> expected = {
+        "ffn_moe_logits-0", "ffn_moe_probs-0", "ffn_moe_topk-0", "ffn_moe_weights-0", "ffn_moe_weights_norm-0",
+        "ffn_moe_gate-0", "ffn_moe_up-0", "ffn_moe_swiglu-0", "ffn_moe_down-0", "ffn_moe_out-0", "l_out-0"};
+    EXPECT_EQ(after_norm, expected) << arch_name(a);
+    EXPECT_THROW(checkpoint_order(c, "ffn_gate", 0), InputError);
+    EXPECT_EQ(checkpoint_shape(c, *find_checkpoint_kind("ffn_moe_down"), 5, 5), (std::vector<int64_t>{5, 2, c.n_embd}));
+    EXPECT_EQ(checkpoint_shape(c, *find_checkpoint_kind("ffn_moe_probs"), 5, 5), (std::vector<int64_t>{5, 8}));
+    EXPECT_EQ(checkpoint_shape(c, *find_checkpoint_kind("ffn_moe_gate"), 5, 5), (std::vector<int64_t>{5, 2, 16}));
+  }
+  EXPECT_THROW(checkpoint_order(tiny(Arch::llama), "ffn_moe_topk", 0), InputError);  // a dense llama
+  const auto moe = [](const std::string& n) { return n.find("ffn_out") == std::string::npos && n.find("post_norm") == std::string::npos; };
+  EXPECT_EQ(checkpoint_inputs("l_out", 1, 2, moe), (std::vector<std::string>{"ffn_moe_out-1", "ffn_inp-1"}));
+  EXPECT_EQ(checkpoint_inputs("ffn_moe_out", 1, 2, moe),
+            (std::vector<std::string>{"ffn_moe_down-1", "ffn_moe_weights_norm-1"}));
+  EXPECT_EQ(checkpoint_inputs("ffn_moe_logits", 0, 2, moe), std::vector<std::string>{"ffn_norm-0"});
+}
+
 TEST(Vocabulary, OrderIsIndexInTheFullList) {
   for (Arch a : all_archs()) {
     const ModelConfig c = tiny(a);
@@ -161,15 +190,17 @@ TEST(Vocabulary, NamesParseAndFormat) {
 }
 
 TEST(Vocabulary, ArchsAndJson) {
-  EXPECT_EQ(kind_archs(*find_checkpoint_kind("Knorm")), (std::vector<Arch>{Arch::qwen3, Arch::gemma3}));
-  EXPECT_EQ(kind_archs(*find_checkpoint_kind("Kcur")).size(), 4u);
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("Knorm")), (std::vector<Arch>{Arch::qwen3, Arch::gemma3, Arch::qwen3moe}));
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("Kcur")).size(), 5u);
+  // llama emits the routing kinds only with experts (Mixtral), which kind_archs' default config has not.
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("ffn_moe_topk")), std::vector<Arch>{Arch::qwen3moe});
   EXPECT_EQ(kind_archs(*find_checkpoint_kind("ffn_swiglu")), (std::vector<Arch>{Arch::llama, Arch::qwen2, Arch::qwen3}));
   EXPECT_EQ(kind_archs(*find_checkpoint_kind("ffn_geglu")), std::vector<Arch>{Arch::gemma3});
   const auto doc = nlohmann::json::parse(vocabulary_json());
   ASSERT_EQ(doc["kinds"].size(), checkpoint_kinds().size());
   EXPECT_EQ(doc["kinds"][0]["base"], "tokens");
   EXPECT_EQ(doc["kinds"][7]["base"], "Qnorm");
-  EXPECT_EQ(doc["kinds"][7]["archs"], nlohmann::json::array({"qwen3", "gemma3"}));
+  EXPECT_EQ(doc["kinds"][7]["archs"], nlohmann::json::array({"qwen3", "gemma3", "qwen3moe"}));
   EXPECT_EQ(doc["kinds"][4]["layout"], "T,H,Dh");
   EXPECT_EQ(doc["kinds"][4]["per_layer"], true);
 }

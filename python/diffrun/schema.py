@@ -113,7 +113,8 @@ dim = Names("dimension letter", [d["letter"] for d in SCHEMA["dims"]])
 def dim_sizes(meta: Mapping[str, object], n_tokens: int, n_kv: int) -> dict[str, int]:
     """Sizes of the layout letters for a dump's root attributes (`meta`) and a step's T and S."""
     sizes = {ROW_DIM: n_tokens, CACHE_DIM: n_kv}
-    sizes.update({letter: int(meta[attr]) for letter, attr in DIMS.items() if attr})  # type: ignore[arg-type]
+    # An optional size (the experts' of a dense model) is absent: 0.
+    sizes.update({letter: int(meta.get(attr, 0)) for letter, attr in DIMS.items() if attr})  # type: ignore[arg-type]
     return sizes
 
 
@@ -125,8 +126,13 @@ def features(arch: str, **overrides: Any) -> dict[str, Any]:
 
 
 def needs_met(needs: str, feats: Mapping[str, Any]) -> bool:
-    """Whether a kind's `needs` ("", "qk_norm", "ffn_act=silu") holds for these features."""
+    """Whether a kind's `needs` ("", "qk_norm", "ffn_act=silu", "!moe", "ffn_act=silu&!moe") holds for these
+    features: "a&b" both, "!a" a feature that is false or absent."""
     if not needs:
         return True
+    if "&" in needs:
+        return all(needs_met(n, feats) for n in needs.split("&"))
+    if needs.startswith("!"):
+        return not needs_met(needs[1:], feats)
     name, sep, value = needs.partition("=")
     return feats.get(name) == value if sep else bool(feats.get(name))

@@ -146,7 +146,7 @@ def _check_config(values: dict[str, Any], problem: Callable[[str, str], None]) -
     ok = True
     for a in schema.CONFIG_ATTRIBUTES:
         if a.name not in values:
-            ok = False
+            ok = ok and not a.required  # an optional one (the experts' sizes) is absent for a dense model
             continue
         x = values[a.name]
         if a.type == "integer" and x <= 0:
@@ -162,7 +162,7 @@ def _check_config(values: dict[str, Any], problem: Callable[[str, str], None]) -
         if a.divides and values.get(a.name, 0) > 0 and a.divides in values and values[a.divides] % values[a.name]:
             problem(a.name, f"is {values[a.name]}, which does not divide {a.divides} = {values[a.divides]}")
             ok = False
-    return _Config({a.name: values[a.name] for a in schema.CONFIG_ATTRIBUTES}) if ok else None
+    return _Config({a.name: values[a.name] for a in schema.CONFIG_ATTRIBUTES if a.name in values}) if ok else None
 
 
 def _check_root(f: h5py.File) -> _Root:
