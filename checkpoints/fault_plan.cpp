@@ -49,6 +49,9 @@ FaultPlan plan_faults(const FaultSet& faults, const ModelConfig& cfg) {
   o.embd_scale = has(Fault::embd_scale_missing) ? 1.0 : std::sqrt(static_cast<double>(cfg.n_embd));
   o.logit_columns = has(Fault::lm_head_padded_vocab) ? fault_padded_vocab(cfg.n_vocab) : cfg.n_vocab;
   o.argmax_ties = has(Fault::argmax_ties_highest) ? ArgmaxTies::highest : ArgmaxTies::lowest;
+  o.moe_routing.softmax_over_topk = has(Fault::moe_softmax_over_topk);
+  o.moe_routing.not_renormalised = has(Fault::moe_weights_not_renormalised);
+  o.moe_routing.id_off_by_one = has(Fault::moe_expert_id_off_by_one);
 
   // The production path, and its twin on the reference's one-token steps.
   FusedPathFaults& f = p.fused;

@@ -55,6 +55,7 @@ struct OpArgs {
   int logit_columns = 0;              // the logits' row width: V, or Vp under lm_head_padded_vocab (the lm
                                       // head writes V columns of each row, the rest hold stale bytes)
   ArgmaxTies argmax_ties = ArgmaxTies::lowest;  // argmax_ties_highest
+  MoeRoutingFlaws moe_routing;        // moe_softmax_over_topk, moe_weights_not_renormalised, moe_expert_id_off_by_one
 };
 
 // The production-path faults (fault_in_production_path_only): what the engine's fused one-token kernels and its

@@ -180,6 +180,24 @@ const std::vector<FaultInfo> kCatalog = {
      "the logits are right; the engine's own token (the dump's argmax) is not its logits' argmax, an exact tie "
      "with a lower id passed over (rule argmax). Real logits tie rarely, so it needs a model made to tie",
      "result_output"},
+    {Fault::moe_softmax_over_topk, "moe_softmax_over_topk",
+     "routing weights from a softmax over the K selected logits instead of the probabilities of all E experts",
+     "ffn_moe_weights-0", 0, "mixture-of-experts models (qwen3moe, Mixtral)",
+     "ffn_moe_probs-0 and ffn_moe_topk-0 are right; the weights already sum to 1, so under renormalisation "
+     "ffn_moe_weights_norm-0 and everything after it are right again: only a model without renormalisation "
+     "would change its output",
+     "ffn_moe_weights,ffn_moe_weights_norm"},
+    {Fault::moe_weights_not_renormalised, "moe_weights_not_renormalised",
+     "the K routing weights used as they are, not divided by their sum as the model asks",
+     "ffn_moe_weights_norm-0", 0, "mixture-of-experts models (qwen3moe, Mixtral)",
+     "ffn_moe_weights-0 is right; the normalised weights are the unnormalised ones, each expert's output "
+     "scaled by the share of probability the K experts hold",
+     "ffn_moe_weights_norm"},
+    {Fault::moe_expert_id_off_by_one, "moe_expert_id_off_by_one",
+     "expert id + 1 (mod E) selected in place of each chosen expert, its probability taken as the weight",
+     "ffn_moe_topk-0", 0, "mixture-of-experts models (qwen3moe, Mixtral)",
+     "ffn_moe_probs-0 is right; every selected id is one higher (E-1 becomes 0)",
+     "ffn_moe_topk,ffn_moe_weights,ffn_moe_weights_norm"},
 };
 
 // The checkpoint first computed from a tensor of the table (wq of layer 3, blk.3.attn_q.weight -> "Qcur-3").
@@ -203,6 +221,10 @@ std::string checkpoint_of_tensor(const ExpectedTensor& e) {
     case R::w_up: base = "ffn_up"; break;
     case R::w_down: base = "ffn_out"; break;
     case R::ffn_post_norm: base = "ffn_post_norm"; break;
+    case R::ffn_gate_inp: base = "ffn_moe_logits"; break;
+    case R::ffn_gate_exps: base = "ffn_moe_gate"; break;
+    case R::ffn_up_exps: base = "ffn_moe_up"; break;
+    case R::ffn_down_exps: base = "ffn_moe_down"; break;
   }
   return checkpoint_name(base, e.layer);
 }
@@ -255,6 +277,13 @@ bool fault_in_production_path_only(Fault f) {
 
 std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile* file) {
   switch (f) {
+    case Fault::moe_softmax_over_topk:
+    case Fault::moe_weights_not_renormalised:
+    case Fault::moe_expert_id_off_by_one:
+      return cfg.moe ? "" : "the model has no experts";
+    case Fault::swiglu_gate_up_swapped:
+    case Fault::ffn_down_transposed:
+      return cfg.moe ? "the model's FFN is routed to experts: it has no dense ffn_gate/ffn_up/ffn_down" : "";
     case Fault::qkv_bias_missing:
       return cfg.qkv_bias ? "" : "the model has no q/k/v biases";
     case Fault::rope_theta_10000:
@@ -275,6 +304,7 @@ std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile
     case Fault::rms_eps_1e5:
       return same_f32(cfg.rms_eps, kFaultRmsEps) ? "the model's rms_eps is already 1e-5" : "";
     case Fault::swiglu_fused_gate_up_swapped: {
+      if (cfg.moe) return "the model's FFN is routed to experts: it has no dense ffn_gate/ffn_up to fuse";
       if (cfg.ffn_act == FfnAct::gelu_tanh) return "the model's FFN is GeGLU, which no kernel fuses into the GEMV";
       if (!file) return "which tensor formats the model has is not known here";
       const TensorInfo* g = file->find_tensor("blk.0.ffn_gate.weight");

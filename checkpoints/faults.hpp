@@ -58,8 +58,12 @@ enum class Fault : int {
   embd_norm_fused_no_weight,     // embedding_rms_norm skips layer 0's attn_norm weight
   graph_position_frozen,         // the decode graph's RoPE reads the position baked in at capture
   argmax_ties_highest,           // the greedy argmax breaks exact ties toward the higher token id
+  // Mixture of experts: the routing (reference_cpu/faults/ holds the CPU twin of each).
+  moe_softmax_over_topk,         // the weights a softmax over the K selected logits, not the probabilities of all E
+  moe_weights_not_renormalised,  // the K weights used without dividing by their sum
+  moe_expert_id_off_by_one,      // expert id + 1 (mod E) selected in place of each chosen one
 };
-inline constexpr int kFaultCount = 31;
+inline constexpr int kFaultCount = 34;
 
 struct FaultInfo {
   Fault id;

@@ -30,6 +30,15 @@ struct RmsNormFlaws {
   bool any() const { return off_by_one || eps_outside_sqrt || unweighted || skipped; }
 };
 
+// What mixture-of-experts routing gets wrong (none in production); the backends' faults/ directories hold the entry
+// point that takes these flaws.
+struct MoeRoutingFlaws {
+  bool softmax_over_topk = false;  // moe_softmax_over_topk: the weights a softmax over the K selected logits
+  bool not_renormalised = false;   // moe_weights_not_renormalised: the K weights used as they are
+  bool id_off_by_one = false;      // moe_expert_id_off_by_one: expert id + 1 (mod E) selected, and its weight
+  bool any() const { return softmax_over_topk || not_renormalised || id_off_by_one; }
+};
+
 // Two operands of an op in the order it takes them: (a, b), or (b, a) when `swapped` (the fault plan's
 // operand-order arguments: swiglu_gate_up_swapped hands SwiGLU (up, gate)).
 template <typename P>

@@ -1,9 +1,10 @@
 // The CPU reference backend: one readable forward pass (one line per op, then its checkpoint), f32 or f64.
 // T tokens of the step, S = n_past + T positions attended, D model width, H/Hkv heads, Dh head width,
-// F feed-forward width, V real vocabulary.
+// F feed-forward width, V real vocabulary, E experts, K experts used per token, Fe one expert's width.
 #include "reference_cpu/reference.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -23,6 +24,7 @@
 #include "reference_cpu/ops/embedding.hpp"
 #include "reference_cpu/ops/geglu.hpp"
 #include "reference_cpu/ops/matmul.hpp"
+#include "reference_cpu/ops/moe.hpp"
 #include "reference_cpu/ops/rms_norm.hpp"
 #include "reference_cpu/ops/rope.hpp"
 #include "reference_cpu/ops/scale.hpp"
@@ -132,7 +134,7 @@ class CpuBackend final : public Backend {
   void layer(int l, std::vector<T>& x /* [T,D] */, std::vector<T>& xn /* [T,D] */, int n, const OpArgs& args,
              Recorder<T>& cp) {
     const LayerWeights<T>& w = w_.layers[l];
-    const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, F = cfg_.n_ff;
+    const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim;
     const int Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n, pos0 = n_past_;
     const T theta = T(cfg_.layer_rope_theta(l));
     const auto rope = cfg_.rope_type == RopeType::neox ? rope_neox<T> : rope_norm<T>;
@@ -192,17 +194,9 @@ class CpuBackend final : public Backend {
     norm(xn.data(), ffn_inp.data(), w.ffn_norm.data(), n, D, args.norm);
     store_gemm_input(xn.data(), nD);                                              cp("ffn_norm", l, {n, D}, xn.data(), gemm_f16());
 
-    std::vector<T> gate(static_cast<size_t>(n) * F);       // [T,F]
-    std::vector<T> up(static_cast<size_t>(n) * F);         // [T,F]
-    matmul(gate.data(), xn.data(), w.w_gate, kNoBias, n, D, F);                   cp("ffn_gate", l, {n, F}, gate.data());
-    matmul(up.data(), xn.data(), w.w_up, kNoBias, n, D, F);                       cp("ffn_up", l, {n, F}, up.data());
-    const auto act = cfg_.ffn_act == FfnAct::gelu_tanh ? geglu<T> : swiglu<T>;
-    const auto [act_in, act_mul] = in_order<const T*>(gate.data(), up.data(), args.act_swapped);
-    act(gate.data(), act_in, act_mul, static_cast<int64_t>(gate.size()));
-    store_gemm_input(gate.data(), gate.size());
-    cp(cfg_.ffn_act == FfnAct::gelu_tanh ? "ffn_geglu" : "ffn_swiglu", l, {n, F}, gate.data(), gemm_f16());
     std::vector<T> ffn_out(nD);                            // [T,D]
-    matmul(ffn_out.data(), gate.data(), w.w_down, kNoBias, n, F, D);              cp("ffn_out", l, {n, D}, ffn_out.data());
+    if (cfg_.moe) moe_ffn(ffn_out.data(), xn.data(), w, l, n, args, cp);
+    else dense_ffn(ffn_out.data(), xn.data(), w, l, n, args, cp);
     if (cfg_.post_norms) {
       norm(ffn_out.data(), ffn_out.data(), w.ffn_post_norm.data(), n, D, args.norm); cp("ffn_post_norm", l, {n, D}, ffn_out.data());
     }
@@ -210,6 +204,87 @@ class CpuBackend final : public Backend {
     store_residual(x.data(), nD);                                                 cp("l_out", l, {n, D}, x.data(), residual_f16());
     norm(xn.data(), x.data(), opening_norm(l + 1), n, D, args.norm);             // the next layer's attn_norm
     store_gemm_input(xn.data(), nD);
+  }
+
+  // The gated FFN on xn [T,D] (the layer's ffn_norm) into out [T,D].
+  void dense_ffn(T* out /* [T,D] */, const T* xn /* [T,D] */, const LayerWeights<T>& w, int l, int n,
+                 const OpArgs& args, Recorder<T>& cp) {
+    const int D = cfg_.n_embd, F = cfg_.n_ff;
+    std::vector<T> gate(static_cast<size_t>(n) * F);       // [T,F]
+    std::vector<T> up(static_cast<size_t>(n) * F);         // [T,F]
+    matmul(gate.data(), xn, w.w_gate, kNoBias, n, D, F);                          cp("ffn_gate", l, {n, F}, gate.data());
+    matmul(up.data(), xn, w.w_up, kNoBias, n, D, F);                              cp("ffn_up", l, {n, F}, up.data());
+    const auto act = cfg_.ffn_act == FfnAct::gelu_tanh ? geglu<T> : swiglu<T>;
+    const auto [act_in, act_mul] = in_order<const T*>(gate.data(), up.data(), args.act_swapped);
+    act(gate.data(), act_in, act_mul, static_cast<int64_t>(gate.size()));
+    store_gemm_input(gate.data(), gate.size());
+    cp(cfg_.ffn_act == FfnAct::gelu_tanh ? "ffn_geglu" : "ffn_swiglu", l, {n, F}, gate.data(), gemm_f16());
+    matmul(out, gate.data(), w.w_down, kNoBias, n, F, D);                         cp("ffn_out", l, {n, D}, out);
+  }
+
+  // The routed FFN on xn [T,D] into out [T,D], as llama.cpp's build_moe_ffn: the router's softmax over E experts,
+  // the K most probable, each one's SwiGLU FFN on the token, the outputs summed with their renormalised weights.
+  // Slot s = t·K + j is token t's j-th expert. An isolation replay replaces the ids and weights too: the experts
+  // then run with the reference's routing (forced routing).
+  void moe_ffn(T* out /* [T,D] */, const T* xn /* [T,D] */, const LayerWeights<T>& w, int l, int n,
+               const OpArgs& args, Recorder<T>& cp) {
+    const int D = cfg_.n_embd, E = cfg_.n_expert, K = cfg_.n_expert_used, Fe = cfg_.n_ff_exp;
+    const size_t slots = static_cast<size_t>(n) * K;
+    std::vector<T> logits(static_cast<size_t>(n) * E), probs(logits.size());   // [T,E]
+    std::vector<int32_t> topk(slots);                                           // [T,K]
+    std::vector<T> weights(slots), weights_norm(slots);                         // [T,K]
+    matmul(logits.data(), xn, w.ffn_gate_inp, kNoBias, n, D, E);                  cp("ffn_moe_logits", l, {n, E}, logits.data());
+    moe_route(probs.data(), topk.data(), weights.data(), weights_norm.data(), logits.data(), n, E, K,
+              cfg_.expert_weights_norm, args.moe_routing);
+    cp("ffn_moe_probs", l, {n, E}, probs.data());
+    std::vector<T> ids(topk.begin(), topk.end());          // [T,K] the ids as values, as the dump holds them
+    cp("ffn_moe_topk", l, {n, K}, ids.data());
+    expert_ids(topk, ids, E, l);
+    cp("ffn_moe_weights", l, {n, K}, weights.data());
+    cp("ffn_moe_weights_norm", l, {n, K}, weights_norm.data());
+
+    std::vector<T> gate(slots * Fe), up(slots * Fe);       // [T,K,Fe]
+    std::vector<T> down(slots * D);                        // [T,K,D]
+    expert_matmul(gate.data(), xn, false, w.ffn_gate_exps, topk, n, K, D, Fe);   cp("ffn_moe_gate", l, {n, K, Fe}, gate.data());
+    expert_matmul(up.data(), xn, false, w.ffn_up_exps, topk, n, K, D, Fe);       cp("ffn_moe_up", l, {n, K, Fe}, up.data());
+    swiglu(gate.data(), gate.data(), up.data(), static_cast<int64_t>(gate.size()));
+    store_gemm_input(gate.data(), gate.size());                                   cp("ffn_moe_swiglu", l, {n, K, Fe}, gate.data(), gemm_f16());
+    expert_matmul(down.data(), gate.data(), true, w.ffn_down_exps, topk, n, K, Fe, D); cp("ffn_moe_down", l, {n, K, D}, down.data());
+    moe_combine(out, down.data(), weights_norm.data(), n, K, D);                  cp("ffn_moe_out", l, {n, D}, out);
+  }
+
+  // out [T·K, N]: slot s's row is expert topk[s]'s matrix [N, Kin] times its input, x's row t (per_slot false: every
+  // slot of token t reads x [T, Kin]) or row s (per_slot: x [T·K, Kin]). Each expert's slots go through one matmul,
+  // whose sums are the same for any number of rows (reference_cpu/kernels.hpp).
+  void expert_matmul(T* out /* [T*K,N] */, const T* x /* [T,Kin] or [T*K,Kin] */, bool per_slot,
+                     const std::vector<WeightMatrix<T>>& W /* E x [N,Kin] */, const std::vector<int32_t>& topk /* [T,K] */,
+                     int n, int K, int Kin, int N) const {
+    std::vector<size_t> mine;
+    std::vector<T> xs, ys;
+    for (size_t e = 0; e < W.size(); ++e) {
+      mine.clear();
+      for (size_t s = 0; s < topk.size(); ++s)
+        if (topk[s] == static_cast<int32_t>(e)) mine.push_back(s);
+      if (mine.empty()) continue;
+      const int m = static_cast<int>(mine.size());
+      xs.resize(static_cast<size_t>(m) * Kin);
+      ys.resize(static_cast<size_t>(m) * N);
+      for (int i = 0; i < m; ++i)
+        std::copy_n(x + (per_slot ? mine[i] : mine[i] / K) * Kin, Kin, xs.data() + static_cast<size_t>(i) * Kin);
+      matmul(ys.data(), xs.data(), W[e], kNoBias, m, Kin, N);
+      for (int i = 0; i < m; ++i) std::copy_n(ys.data() + static_cast<size_t>(i) * N, N, out + mine[i] * N);
+    }
+  }
+
+  // The selected ids back from their recorded values (an isolation replay's, the reference's, where it replaced
+  // them): whole numbers in 0..E-1, else InputError naming the layer.
+  static void expert_ids(std::vector<int32_t>& topk /* [T,K] */, const std::vector<T>& ids /* [T,K] */, int E, int l) {
+    for (size_t s = 0; s < ids.size(); ++s) {
+      if (!(ids[s] >= 0 && ids[s] < E && ids[s] == std::floor(ids[s])))
+        throw InputError("ffn_moe_topk-" + std::to_string(l) + " holds " + std::to_string(double(ids[s])) +
+                         ", not an expert id in 0.." + std::to_string(E - 1));
+      topk[s] = static_cast<int32_t>(ids[s]);
+    }
   }
 
   // Emulated storage (reference_cpu/storage.hpp): the rounding points of the f16 engine's GEMM inputs

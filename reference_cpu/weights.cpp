@@ -110,6 +110,14 @@ bool WeightMatrix<T>::decode_dot(T* acc /* [16] */, int64_t r, int64_t c0, int64
 }
 
 template <typename T>
+WeightMatrix<T> WeightMatrix<T>::row_block(int64_t r0, int64_t n) const {
+  if (dense()) return WeightMatrix<T>(Matrix<T>(dense_.middleRows(r0, n)));
+  if (owned_.empty()) return WeightMatrix<T>(type_, bytes_ + r0 * row_bytes_, n, cols_, round_f16_);
+  const std::byte* from = owned_.data() + r0 * row_bytes_;
+  return WeightMatrix<T>(type_, std::vector<std::byte>(from, from + n * row_bytes_), n, cols_, round_f16_);
+}
+
+template <typename T>
 Matrix<T>& WeightMatrix<T>::densify() {
   if (!dense()) {
     Matrix<T> all(rows_, cols_);
@@ -141,6 +149,7 @@ Weights<T> Weights<T>::load(const GgufFile& file, const ModelConfig& cfg, const 
     LayerWeights<T>* lw = e.layer >= 0 ? &w.layers[e.layer] : nullptr;
     WeightMatrix<T>* m = nullptr;
     Vector<T>* v = nullptr;
+    std::vector<WeightMatrix<T>>* experts = nullptr;  // a GGUF stack [E, rows, cols], one matrix per expert
     switch (e.role) {
       case TensorRole::token_embd: m = &w.token_embd; break;
       case TensorRole::output_norm: v = &w.output_norm; break;
@@ -161,11 +170,23 @@ Weights<T> Weights<T>::load(const GgufFile& file, const ModelConfig& cfg, const 
       case TensorRole::w_up: m = &lw->w_up; break;
       case TensorRole::w_down: m = &lw->w_down; break;
       case TensorRole::ffn_post_norm: v = &lw->ffn_post_norm; break;
+      case TensorRole::ffn_gate_inp: m = &lw->ffn_gate_inp; break;
+      case TensorRole::ffn_gate_exps: experts = &lw->ffn_gate_exps; break;
+      case TensorRole::ffn_up_exps: experts = &lw->ffn_up_exps; break;
+      case TensorRole::ffn_down_exps: experts = &lw->ffn_down_exps; break;
     }
-    if (e.matrix() != (m != nullptr))
+    if (e.matrix() != (m != nullptr || experts != nullptr))
       throw Error(e.name + ": the tensor table's rank and the reference's field disagree");
-    if (m) *m = ref::load_matrix<T>(file, e.name, faulty, matrices_f16, holding);
-    else *v = ref::load_vector<T>(file, e.name, faulty);
+    if (experts) {
+      const WeightMatrix<T> stack = ref::load_matrix<T>(file, e.name, faulty, matrices_f16, holding);
+      const int64_t n_experts = e.ne[2], rows = e.ne[1];
+      experts->clear();
+      for (int64_t x = 0; x < n_experts; ++x) experts->push_back(stack.row_block(x * rows, rows));
+    } else if (m) {
+      *m = ref::load_matrix<T>(file, e.name, faulty, matrices_f16, holding);
+    } else {
+      *v = ref::load_vector<T>(file, e.name, faulty);
+    }
   }
   return w;
 }

@@ -54,6 +54,10 @@ class WeightMatrix {
   // lane_accumulate; false, touching nothing, where it has none.
   bool decode_dot(T* acc /* [16] */, int64_t r, int64_t c0, int64_t nc, const T* x /* [nc] */) const;
 
+  // Rows r0 .. r0+n-1 as a matrix of their own: a view of the same bytes (streamed), or a copy of them (owned bytes,
+  // dense values). One expert's matrix out of a GGUF stack [E·rows, cols].
+  WeightMatrix row_block(int64_t r0, int64_t n) const;
+
   // Decodes every row once and holds them (for the faults that edit or reinterpret a matrix); returns them.
   Matrix<T>& densify();
   Matrix<T> to_dense() const;
@@ -88,6 +92,10 @@ struct LayerWeights {
   WeightMatrix<T> w_up;     // [F, D]
   WeightMatrix<T> w_down;   // [D, F]
   Vector<T> ffn_post_norm;  // [D], gemma3 only
+  WeightMatrix<T> ffn_gate_inp;                // [E, D], moe only: the router
+  std::vector<WeightMatrix<T>> ffn_gate_exps;  // E x [Fe, D], moe only
+  std::vector<WeightMatrix<T>> ffn_up_exps;    // E x [Fe, D], moe only
+  std::vector<WeightMatrix<T>> ffn_down_exps;  // E x [D, Fe], moe only
 };
 
 template <typename T>

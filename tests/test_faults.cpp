@@ -233,18 +233,21 @@ TEST_P(FaultCatalog, EveryApplicableFaultIsFoundWhereTheCatalogSays) {
 INSTANTIATE_TEST_SUITE_P(
     TinyF32, FaultCatalog,
     ::testing::Values(ArchCase{"tiny-llama-f32.gguf",
-                               {Fault::qkv_bias_missing, Fault::rope_theta_10000, Fault::rms_eps_1e5,
+                               {Fault::moe_softmax_over_topk, Fault::moe_weights_not_renormalised,
+                                Fault::moe_expert_id_off_by_one, Fault::qkv_bias_missing, Fault::rope_theta_10000, Fault::rms_eps_1e5,
                                 Fault::dequant_scale_offset, Fault::embd_scale_missing, Fault::post_norm_skipped,
                                 Fault::sliding_window_ignored, Fault::rope_local_theta_global,
                                 Fault::argmax_ties_highest},
                                {}},
                       ArchCase{"tiny-qwen2-f32.gguf",
-                               {Fault::dequant_scale_offset, Fault::embd_scale_missing, Fault::post_norm_skipped,
+                               {Fault::moe_softmax_over_topk, Fault::moe_weights_not_renormalised,
+                                Fault::moe_expert_id_off_by_one, Fault::dequant_scale_offset, Fault::embd_scale_missing, Fault::post_norm_skipped,
                                 Fault::sliding_window_ignored, Fault::rope_local_theta_global,
                                 Fault::argmax_ties_highest},
                                {}},
                       ArchCase{"tiny-qwen3-f32.gguf",
-                               {Fault::qkv_bias_missing, Fault::dequant_scale_offset, Fault::embd_scale_missing,
+                               {Fault::moe_softmax_over_topk, Fault::moe_weights_not_renormalised,
+                                Fault::moe_expert_id_off_by_one, Fault::qkv_bias_missing, Fault::dequant_scale_offset, Fault::embd_scale_missing,
                                 Fault::post_norm_skipped, Fault::sliding_window_ignored,
                                 Fault::rope_local_theta_global, Fault::rope_fused_position_off,
                                 Fault::argmax_ties_highest},
@@ -253,10 +256,28 @@ INSTANTIATE_TEST_SUITE_P(
                       // embeddings scaled by sqrt(D) make mean(x^2) large, so an eps fault moves attn_norm-0
                       // below the f32_vs_f64 bound: checked f32 vs f32.
                       ArchCase{"tiny-gemma3-f32.gguf",
-                               {Fault::qkv_bias_missing, Fault::gqa_head_modulo, Fault::dequant_scale_offset,
+                               {Fault::moe_softmax_over_topk, Fault::moe_weights_not_renormalised,
+                                Fault::moe_expert_id_off_by_one, Fault::qkv_bias_missing, Fault::gqa_head_modulo, Fault::dequant_scale_offset,
                                 Fault::swiglu_fused_gate_up_swapped, Fault::rope_fused_position_off,
                                 Fault::embd_norm_fused_no_weight, Fault::argmax_ties_highest},
-                               {Fault::rms_eps_1e5, Fault::rms_eps_outside_sqrt}}),
+                               {Fault::rms_eps_1e5, Fault::rms_eps_outside_sqrt}},
+                      // Mixtures of experts: the dense FFN's faults do not apply; the routing faults do, each
+                      // found at its own routing checkpoint of layer 0 (ffn_moe_topk, ffn_moe_weights,
+                      // ffn_moe_weights_norm).
+                      ArchCase{"tiny-qwen3moe-f32.gguf",
+                               {Fault::qkv_bias_missing, Fault::dequant_scale_offset, Fault::embd_scale_missing,
+                                Fault::post_norm_skipped, Fault::sliding_window_ignored,
+                                Fault::rope_local_theta_global, Fault::rope_fused_position_off,
+                                Fault::argmax_ties_highest, Fault::swiglu_gate_up_swapped,
+                                Fault::ffn_down_transposed, Fault::swiglu_fused_gate_up_swapped},
+                               {}},
+                      ArchCase{"tiny-mixtral-f32.gguf",
+                               {Fault::qkv_bias_missing, Fault::rms_eps_1e5, Fault::dequant_scale_offset,
+                                Fault::embd_scale_missing, Fault::post_norm_skipped, Fault::sliding_window_ignored,
+                                Fault::rope_local_theta_global, Fault::argmax_ties_highest,
+                                Fault::swiglu_gate_up_swapped, Fault::ffn_down_transposed,
+                                Fault::swiglu_fused_gate_up_swapped},
+                               {}}),
     [](const auto& param_info) {
       std::string name = param_info.param.fixture;
       name = name.substr(5, name.find('-', 5) - 5);  // "tiny-qwen2-f32.gguf" -> "qwen2"
@@ -351,7 +372,8 @@ std::string plan_fields(const FaultPlan& p) {
            std::to_string(o.gqa_head_modulo) + std::to_string(o.rope_cache_unrotated) + " " +
            std::to_string(o.rope_position_offset) + " " + std::to_string(o.act_swapped) + " " +
            std::to_string(o.embd_scale) + " " + std::to_string(o.logit_columns) + " " +
-           std::to_string(static_cast<int>(o.argmax_ties));
+           std::to_string(static_cast<int>(o.argmax_ties)) + " " + std::to_string(o.moe_routing.softmax_over_topk) +
+           std::to_string(o.moe_routing.not_renormalised) + std::to_string(o.moe_routing.id_off_by_one);
   };
   const ModelConfig& c = p.config;
   const WeightEdits& w = p.weights;
@@ -384,7 +406,8 @@ TEST(FaultPlan, NoFaultIsProduction) {
 
 // Every applicable fault lands somewhere in the plan, and the production-path ones leave every step's ops alone.
 TEST(FaultPlan, EveryFaultChangesThePlan) {
-  for (const char* fixture : {"tiny-llama-f32.gguf", "tiny-qwen2-f32.gguf", "tiny-gemma3-f32.gguf"}) {
+  for (const char* fixture :
+       {"tiny-llama-f32.gguf", "tiny-qwen2-f32.gguf", "tiny-gemma3-f32.gguf", "tiny-qwen3moe-f32.gguf"}) {
     SCOPED_TRACE(fixture);
     const Model& m = reference_of(fixture).model;
     const ModelConfig& cfg = m.cfg;

@@ -10,6 +10,7 @@
 
 #include "checkpoints/faults.hpp"
 #include "reference_cpu/ops/matmul.hpp"
+#include "reference_cpu/ops/moe.hpp"
 #include "reference_cpu/ops/rms_norm.hpp"
 
 namespace diffrun::ref {
@@ -85,6 +86,35 @@ AttentionKv<T>::AttentionKv(const T* k, const T* v, int rows, int H, int Hkv, in
   heads_ = H;
 }
 
+template <typename T>
+void moe_route(T* probs /* [T,E] */, int32_t* topk /* [T,K] */, T* weights /* [T,K] */, T* weights_norm /* [T,K] */,
+               const T* logits /* [T,E] */, int n_tokens, int E, int K, bool renormalise, MoeRoutingFlaws flaws) {
+  moe_route(probs, topk, weights, weights_norm, logits, n_tokens, E, K, renormalise);
+  if (!flaws.any()) return;
+  for (int t = 0; t < n_tokens; ++t) {
+    const T* l = logits + static_cast<size_t>(t) * E;
+    const T* p = probs + static_cast<size_t>(t) * E;
+    int32_t* ids = topk + static_cast<size_t>(t) * K;
+    T* w = weights + static_cast<size_t>(t) * K;
+    T* wn = weights_norm + static_cast<size_t>(t) * K;
+    if (flaws.id_off_by_one)
+      for (int j = 0; j < K; ++j) w[j] = p[ids[j] = (ids[j] + 1) % E];
+    if (flaws.softmax_over_topk) {
+      T max = l[ids[0]], sum = 0;
+      for (int j = 1; j < K; ++j) max = std::max(max, l[ids[j]]);
+      for (int j = 0; j < K; ++j) sum += (w[j] = std::exp(l[ids[j]] - max));
+      for (int j = 0; j < K; ++j) w[j] /= sum;
+    }
+    T w_sum = 0;
+    for (int j = 0; j < K; ++j) w_sum += w[j];
+    const bool norm = renormalise && !flaws.not_renormalised;
+    for (int j = 0; j < K; ++j) wn[j] = norm ? w[j] / std::max(w_sum, T(6.103515625e-5)) : w[j];
+  }
+}
+
+template void moe_route<float>(float*, int32_t*, float*, float*, const float*, int, int, int, bool, MoeRoutingFlaws);
+template void moe_route<double>(double*, int32_t*, double*, double*, const double*, int, int, int, bool,
+                                MoeRoutingFlaws);
 template void expand_kv_heads_modulo<float>(float*, const float*, int, int, int, int);
 template void expand_kv_heads_modulo<double>(double*, const double*, int, int, int, int);
 template void rms_norm_flawed<float>(float*, const float*, const float*, int, int, float, RmsNormFlaws);

@@ -30,6 +30,13 @@ template <typename T>
 void rms_norm(T* out /* [R,D] */, const T* x /* [R,D] */, const T* w /* [D] */, int n_rows, int D, T eps,
               RmsNormFlaws flaws);
 
+// moe_route with its flaws (model/op_variants.hpp): the clean op without any; with them, the clean op and then its
+// outputs redone as the flaws say: each id one higher (mod E) with that expert's probability as its weight, the
+// weights a softmax over the selected logits, the normalised weights left unnormalised. probs must not alias logits.
+template <typename T>
+void moe_route(T* probs /* [T,E] */, int32_t* topk /* [T,K] */, T* weights /* [T,K] */, T* weights_norm /* [T,K] */,
+               const T* logits /* [T,E] */, int n_tokens, int E, int K, bool renormalise, MoeRoutingFlaws flaws);
+
 // attn_out_transposed / ffn_down_transposed / embd_transposed: the [N, K] weight as a GEMM reads it with the wrong
 // leading dimension: element (n, k) taken from W's memory at k * N + n (its memory read as [K, N] row-major). W's
 // transpose when N == K; always in bounds. For the token table [V, D] it is the table indexed as [D, V]:

@@ -1,0 +1,57 @@
+// Mixture-of-experts routing (softmax, top-k, renormalised weights) and the weighted sum of the experts' outputs.
+// T tokens, E experts, K experts used per token, D model width.
+#include "reference_cpu/ops/moe.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+namespace diffrun::ref {
+
+template <typename T>
+void moe_route(T* probs /* [T,E] */, int32_t* topk /* [T,K] */, T* weights /* [T,K] */, T* weights_norm /* [T,K] */,
+               const T* logits /* [T,E] */, int n_tokens, int E, int K, bool renormalise) {
+  std::vector<int32_t> order(E);
+  for (int t = 0; t < n_tokens; ++t) {
+    const T* l = logits + static_cast<size_t>(t) * E;
+    T* p = probs + static_cast<size_t>(t) * E;
+    const T max = *std::max_element(l, l + E);
+    T sum = 0;
+    for (int e = 0; e < E; ++e) sum += (p[e] = std::exp(l[e] - max));
+    for (int e = 0; e < E; ++e) p[e] /= sum;
+
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
+    int32_t* ids = topk + static_cast<size_t>(t) * K;
+    T* w = weights + static_cast<size_t>(t) * K;
+    T* wn = weights_norm + static_cast<size_t>(t) * K;
+    T w_sum = 0;
+    for (int j = 0; j < K; ++j) {
+      ids[j] = order[j];
+      w_sum += (w[j] = p[order[j]]);
+    }
+    const T divisor = std::max(w_sum, T(6.103515625e-5));
+    for (int j = 0; j < K; ++j) wn[j] = renormalise ? w[j] / divisor : w[j];
+  }
+}
+
+template <typename T>
+void moe_combine(T* out /* [T,D] */, const T* down /* [T,K,D] */, const T* weights /* [T,K] */, int n_tokens, int K,
+                 int D) {
+  for (int t = 0; t < n_tokens; ++t) {
+    T* o = out + static_cast<size_t>(t) * D;
+    for (int j = 0; j < K; ++j) {
+      const T* d = down + (static_cast<size_t>(t) * K + j) * D;
+      const T w = weights[static_cast<size_t>(t) * K + j];
+      for (int i = 0; i < D; ++i) o[i] = j == 0 ? d[i] * w : o[i] + d[i] * w;
+    }
+  }
+}
+
+template void moe_route<float>(float*, int32_t*, float*, float*, const float*, int, int, int, bool);
+template void moe_route<double>(double*, int32_t*, double*, double*, const double*, int, int, int, bool);
+template void moe_combine<float>(float*, const float*, const float*, int, int, int);
+template void moe_combine<double>(double*, const double*, const double*, int, int, int);
+
+}  // namespace diffrun::ref
