@@ -40,8 +40,10 @@ def tiny_files() -> list[tuple[models.Shape, str, str]]:
 
 
 def extra_files() -> list[tuple[models.Shape, str, str]]:
-    """The architectures written in a few formats only (models.EXTRA): tiny-gemma3."""
-    return [(s, fmt, f"{s.name}-{fmt}.gguf") for s in models.EXTRA.values() for fmt in models.EXTRA_FORMATS]
+    """The architectures written in a few formats only (models.EXTRA, models.MOE): tiny-gemma3, tiny-qwen3moe,
+    tiny-mixtral."""
+    return [(s, fmt, f"{s.name}-{fmt}.gguf") for s in models.EXTRA.values() for fmt in models.EXTRA_FORMATS] + \
+        [(s, fmt, f"{s.name}-{fmt}.gguf") for s in models.MOE.values() for fmt in models.MOE_FORMATS]
 
 
 def gguf_version() -> str:

@@ -11,7 +11,9 @@ namespace diffrun::llamacpp {
 
 namespace {
 
-// Value of element (i0, i1, i2, i3) of a f32/f16/bf16 tensor whose bytes (from offset 0) are `raw`.
+// Value of element (i0, i1, i2, i3) of a f32/f16/bf16/i32 tensor whose bytes (from offset 0) are `raw`. An i32 node
+// (ffn_moe_topk: expert ids) is stored as floats, exact below 2^24, with native dtype f32 as the reference records
+// its ids (the format keeps i32 for `tokens`).
 float element(const ggml_tensor* t, const uint8_t* raw, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
   const uint8_t* p = raw + i0 * t->nb[0] + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
   switch (t->type) {
@@ -30,7 +32,12 @@ float element(const ggml_tensor* t, const uint8_t* raw, int64_t i0, int64_t i1, 
       std::memcpy(&v, p, sizeof v);
       return ggml_bf16_to_fp32(v);
     }
-    default: return 0.0f;  // unreachable: take() only gathers the three float types
+    case GGML_TYPE_I32: {
+      int32_t v;
+      std::memcpy(&v, p, sizeof v);
+      return static_cast<float>(v);
+    }
+    default: return 0.0f;  // unreachable: take() only gathers the three float types and i32
   }
 }
 
@@ -72,7 +79,7 @@ void Capture::take(const ggml_tensor* t) {
   std::string base(raw_name);
   // HDF5 reserves '/' as the path separator.
   std::replace(base.begin(), base.end(), '/', '_');
-  if (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_F16 && t->type != GGML_TYPE_BF16) {
+  if (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_F16 && t->type != GGML_TYPE_BF16 && t->type != GGML_TYPE_I32) {
     ++skipped_[base + " (" + ggml_type_name(t->type) + ")"];
     return;
   }

@@ -1,6 +1,7 @@
 """Model shapes, deterministic random weights and the GGUF writer for the fixtures.
 
-Dimension letters: D n_embd, H heads, Hkv KV heads, Dh head dim, F n_ff, V vocabulary.
+Dimension letters: D n_embd, H heads, Hkv KV heads, Dh head dim, F n_ff, V vocabulary, E experts, K experts used,
+Fe one expert's FFN width.
 Every float weight is drawn from its own generator seeded by (seed, family, tensor name), so the
 same family gives the same float weights in every format (tiny-llama and tiny-llama-tied share
 them too) and a test can regenerate any tensor's float reference with `float_weights`.
@@ -24,7 +25,7 @@ from . import quants, vocab
 class Shape:
     name: str          # file stem: <name>-<fmt>.gguf
     family: str        # weight seed key
-    arch: str          # llama | qwen2 | qwen3 | gemma3
+    arch: str          # llama | qwen2 | qwen3 | gemma3 | qwen3moe
     n_layer: int
     n_embd: int        # D
     n_head: int        # H
@@ -42,6 +43,9 @@ class Shape:
     sliding_window: int = 0     # {arch}.attention.sliding_window: gemma3's local layers (every 6th is global); on
                                 # llama (tiny-mistral) written but not applied, as in llama.cpp
     logit_softcap: float = 0.0  # gemma3: final_logit_softcapping when > 0
+    n_expert: int = 0           # E > 0: every layer's FFN routed to experts (qwen3moe; llama: Mixtral)
+    n_expert_used: int = 0      # K
+    n_ff_exp: int = 0           # Fe: expert_feed_forward_length (qwen3moe); llama's experts are n_ff wide
 
 
 TINY = {s.name: s for s in [
@@ -61,6 +65,23 @@ EXTRA = {s.name: s for s in [
           qk_norm=True, sliding_window=8, logit_softcap=30.0),
 ]}
 EXTRA_FORMATS = ["f32", "q8_0", "kmix"]
+
+# Mixtures of experts, in F32 and Q8_0 (the router ffn_gate_inp stays F32, as llama.cpp's quantizer keeps it).
+# tiny-qwen3moe: 8 experts of width 128, 2 per token; tiny-mixtral: llama with 4 experts of width n_ff (512), 2 per
+# token.
+# The router's rows are drawn so that its logits on a normalised token have a standard deviation near
+# ROUTER_LOGIT_STD: the margin between the K-th and (K+1)-th logit is then the gap of two order statistics of E
+# normals, spread from ~1e-3 to a few units as in trained routers (Qwen3-30B-A3B's top-8 of 128: a median margin of a
+# few tenths), so a prompt of a dozen tokens meets margins down to a few hundredths. f32 against f64 (errors ~1e-6)
+# flips none of them; an engine error of a few percent would flip some.
+MOE = {s.name: s for s in [
+    Shape("tiny-qwen3moe", "tiny-qwen3moe", "qwen3moe", 2, 256, 8, 4, 32, 512, 256, 1e6, 1e-6, True, "qwen2_bpe",
+          qk_norm=True, n_expert=8, n_expert_used=2, n_ff_exp=128),
+    Shape("tiny-mixtral", "tiny-mixtral", "llama", 2, 256, 4, 2, 64, 512, 256, 1e6, 1e-5, False, "llama_spm",
+          n_expert=4, n_expert_used=2, n_ff_exp=512),
+]}
+MOE_FORMATS = ["f32", "q8_0"]
+ROUTER_LOGIT_STD = 2.0
 
 FULL = {s.name: s for s in [
     Shape("qwen2.5-0.5b", "qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 64, 4864, 32768, 1e6, 1e-6, True,
@@ -113,9 +134,16 @@ def tensor_shapes(shape: Shape, n_vocab: int) -> dict[str, tuple[int, ...]]:
         if shape.arch == "gemma3":
             out[b + "post_attention_norm.weight"] = (D,)
         out[b + "ffn_norm.weight"] = (D,)
-        out[b + "ffn_gate.weight"] = (F, D)
-        out[b + "ffn_up.weight"] = (F, D)
-        out[b + "ffn_down.weight"] = (D, F)
+        if shape.n_expert:
+            E, Fe = shape.n_expert, shape.n_ff_exp
+            out[b + "ffn_gate_inp.weight"] = (E, D)
+            out[b + "ffn_gate_exps.weight"] = (E, Fe, D)
+            out[b + "ffn_up_exps.weight"] = (E, Fe, D)
+            out[b + "ffn_down_exps.weight"] = (E, D, Fe)
+        else:
+            out[b + "ffn_gate.weight"] = (F, D)
+            out[b + "ffn_up.weight"] = (F, D)
+            out[b + "ffn_down.weight"] = (D, F)
         if shape.arch == "gemma3":
             out[b + "post_ffw_norm.weight"] = (D,)
     out["output_norm.weight"] = (D,)
@@ -138,6 +166,9 @@ def float_weights(shape: Shape, name: str, dims: tuple[int, ...], seed: int) -> 
             idx = rng.choice(dims[0], size=3, replace=False)
             b[idx] = rng.uniform(20.0, 40.0, size=3).astype(np.float32) * rng.choice([-1.0, 1.0], size=3)
         return b.astype(np.float32)
+    if name.endswith("ffn_gate_inp.weight"):
+        # The router: its input (ffn_norm) has entries of size ~1, so logits have std ROUTER_LOGIT_STD.
+        return (ROUTER_LOGIT_STD / np.sqrt(dims[-1]) * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
     std = float(np.clip(0.8 / np.sqrt(dims[-1]), 0.02, 0.05))
     return (std * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
 
@@ -149,7 +180,7 @@ def _use_more_bits(layer: int, n_layer: int) -> bool:
 
 def tensor_type(fmt: str, name: str, n_layer: int) -> QT:
     """The GGML type a tensor is stored in for a fixture format; norms and biases are always F32."""
-    if not name.endswith(".weight") or name.endswith("norm.weight"):
+    if not name.endswith(".weight") or name.endswith("norm.weight") or name.endswith("ffn_gate_inp.weight"):
         return QT.F32
     if fmt in quants.FORMATS:
         return quants.FORMATS[fmt]
@@ -190,9 +221,14 @@ def write_model(shape: Shape, fmt: str, path: Path, seed: int,
     w.add_feed_forward_length(shape.n_ff)
     w.add_head_count(shape.n_head)
     w.add_head_count_kv(shape.n_head_kv)
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "gemma3", "qwen3moe"):
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
+    if shape.n_expert:
+        w.add_expert_count(shape.n_expert)
+        w.add_expert_used_count(shape.n_expert_used)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(shape.n_ff_exp)
     if shape.sliding_window:
         w.add_sliding_window(shape.sliding_window)
     if shape.logit_softcap:
@@ -212,7 +248,11 @@ def write_model(shape: Shape, fmt: str, path: Path, seed: int,
         if edit is not None:
             data = edit(name, data)
         qtype = tensor_type(fmt, name, shape.n_layer)
-        stored = quants.quantize(data, qtype) if len(dims) == 2 else data
+        if len(dims) == 3:  # one matrix per expert: quantized as rows of the last dimension, kept 3-D
+            stored = quants.quantize(data.reshape(-1, dims[-1]), qtype)
+            stored = stored.reshape(dims[0], dims[1], -1)
+        else:
+            stored = quants.quantize(data, qtype) if len(dims) == 2 else data
         w.add_tensor(name, stored, raw_dtype=None if qtype in (QT.F32, QT.F16) else qtype)
         del data
     w.write_header_to_file()
