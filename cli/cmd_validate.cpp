@@ -108,7 +108,9 @@ int run_skeleton(const ValidateCommand& o) {
   const auto file = GgufFile::open(o.skeleton);
   const ModelConfig cfg = config_from_gguf(*file);
   nlohmann::ordered_json attrs = nlohmann::ordered_json::array();
+  const nlohmann::ordered_json config = config_attributes(cfg);
   for (const RootAttribute& a : root_attributes()) {
+    if (a.config && !config.contains(a.name)) continue;  // an expert size of a dense model: not written
     nlohmann::ordered_json e = {{"name", a.name},
                                 {"type", dump_schema().skeleton_type.at(attr_type_name(a.type))},
                                 {"required", a.required},

@@ -124,7 +124,7 @@ namespace {
 void check_cuda_engine_supports(const ModelConfig& cfg) {
   if (cfg.moe)
     throw InputError(fmt::format("the CUDA engine does not run mixture-of-experts models yet (architecture {} with {} "
-                                 "experts, {} used per token); the CPU reference does: --backend cpu",
+                                 "experts, {} used per token); the CPU reference does (--engine cpu, or --backend cpu)",
                                  arch_name(cfg.arch), cfg.n_expert, cfg.n_expert_used));
 }
 
