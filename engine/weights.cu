@@ -274,6 +274,11 @@ DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cu
       case TensorRole::w_up: w->w_up = matrix(p); break;
       case TensorRole::w_down: w->w_down = matrix(p); break;
       case TensorRole::ffn_post_norm: w->ffn_post_norm = vector(p); break;
+      case TensorRole::ffn_gate_inp:
+      case TensorRole::ffn_gate_exps:
+      case TensorRole::ffn_up_exps:
+      case TensorRole::ffn_down_exps:  // the CUDA engine runs dense FFNs only (cli/run.cpp refuses MoE models)
+        throw InputError("the CUDA engine has no mixture-of-experts FFN: run this model with the CPU reference");
     }
   };
   for (const Planned& p : tensors) {
