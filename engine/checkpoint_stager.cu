@@ -109,7 +109,8 @@ CheckpointStager::~CheckpointStager() {
 }
 
 const char* CheckpointStager::mode() const {
-  return gather_ ? "gather (batched copy kernels into a device arena, copied out beside the compute)"
+  return gather_ ? "gather (batched copy kernels: a one-token step's beside the next layer, into mapped pinned "
+                   "memory; longer steps' into a device arena, copied out beside the compute)"
                  : "memcpy (one cudaMemcpyAsync per tensor)";
 }
 
