@@ -38,7 +38,7 @@ const std::set<std::string, std::less<>>& reserved_root_attributes() {
   static const std::set<std::string, std::less<>> keys = [] {
     std::set<std::string, std::less<>> k;
     for (const auto& a : root_attributes())
-      if (a.required || a.config) k.insert(a.name);  // the optional config ones (experts) too
+      if (a.required || a.config || a.shard) k.insert(a.name);  // the optional config and shard ones too
     return k;
   }();
   return keys;
@@ -92,6 +92,8 @@ struct DumpWriter::Impl {
     f.set_ints(attr::token_ids, meta.token_ids);
     f.set_string(attr::created_utc, meta.created_utc);
     f.set_string(attr::diffrun_version, meta.diffrun_version);
+    if (meta.rank) f.set_int(attr::rank, *meta.rank);
+    if (meta.world_size) f.set_int(attr::world_size, *meta.world_size);
     for (const auto& [key, value] : meta.facts) {
       if (is_format_attribute(key)) fail("backend fact '" + key + "' collides with a format attribute");
       f.set_string(key, value);
@@ -178,7 +180,7 @@ void DumpWriter::record(int step, std::string_view name, int layer, std::string_
   }
   if (n != data.size())
     m.fail("shape holds " + std::to_string(n) + " values but " + std::to_string(data.size()) + " were passed", name);
-  DatasetAttributes attrs{order, layer, std::string(layout), native_dtype_name(native), std::nullopt};
+  DatasetAttributes attrs{order, layer, std::string(layout), native_dtype_name(native), std::nullopt, {}, std::nullopt, std::nullopt};
   // Row cuts (DumpWriterOptions): the last rows of the row dimension, from row_offset on.
   const int rd = row_dim(layout);
   if (rd >= 0 && static_cast<size_t>(rd) < shape.size() && shape[rd] > 0) {
@@ -219,7 +221,7 @@ void DumpWriter::record_ids(int step, std::string_view name, std::span<const int
   const int order = m.checked_order(step, name, -1, dim_letter::T, 1);
   if (name == "tokens") m.step_tokens[step] = static_cast<int64_t>(ids.size());
   const int64_t shape[1] = {static_cast<int64_t>(ids.size())};
-  m.file->write(step, name, StoredDType::i32, shape, ids.data(), {order, -1, dim_letter::T, native_dtype_name(NativeDType::i32), std::nullopt});
+  m.file->write(step, name, StoredDType::i32, shape, ids.data(), {order, -1, dim_letter::T, native_dtype_name(NativeDType::i32), std::nullopt, {}, std::nullopt, std::nullopt});
 }
 
 void DumpWriter::set_attribute(const std::string& key, const std::vector<int32_t>& values) {
@@ -355,6 +357,8 @@ struct DumpReader::Impl {
     meta.token_ids = read_ints(root, attr::token_ids);
     meta.created_utc = read_str(root, attr::created_utc);
     meta.diffrun_version = read_str(root, attr::diffrun_version);
+    if (H5Aexists(root, attr::rank) > 0) meta.rank = read_int(root, attr::rank);
+    if (H5Aexists(root, attr::world_size) > 0) meta.world_size = read_int(root, attr::world_size);
     check_config();
 
     // Other root attributes: strings are backend facts, integers are set_attribute() arrays.
@@ -416,6 +420,7 @@ struct DumpReader::Impl {
   mutable std::mutex piece_mutex;
   std::vector<std::pair<int, std::string>> dropped;
   const NameMap* names = nullptr;
+  std::unique_ptr<const DumpReader::Source> source;  // a merged dump: its reads
 
   // One dataset as found in the file, before names and layouts are resolved.
   struct Raw {
@@ -425,6 +430,8 @@ struct DumpReader::Impl {
     std::string stored_dtype;
     std::optional<int> order, layer, row_offset;
     std::optional<std::string> layout, native_dtype;
+    std::string split;
+    std::optional<int> shard_offset, partial;
   };
 
   std::optional<std::string> opt_str(hid_t obj, const char* name, std::string_view where) const {
@@ -480,7 +487,13 @@ struct DumpReader::Impl {
       r.layout = opt_str(ds.get(), column::layout, where);
       r.native_dtype = opt_str(ds.get(), column::native_dtype, where);
       r.row_offset = opt_int(ds.get(), column::row_offset, where);
+      r.split = opt_str(ds.get(), column::split, where).value_or("");
+      r.shard_offset = opt_int(ds.get(), column::shard_offset, where);
+      r.partial = opt_int(ds.get(), column::partial, where);
     } else if (row) {
+      r.split = row->attrs.split;
+      r.shard_offset = row->attrs.shard_offset;
+      r.partial = row->attrs.partial;
       r.order = row->attrs.order;
       r.layer = row->attrs.layer;
       if (!row->attrs.layout.empty()) r.layout = row->attrs.layout;
@@ -725,6 +738,7 @@ struct DumpReader::Impl {
       info.row_offset = *r.row_offset;
       if (total >= 0) step_sizes[letter] = total - *r.row_offset;
     }
+    if (kind && !r.is_int) shard_sizes(*kind, r, where, step_sizes, info);
     if (kind && !r.is_int &&
         plan(*kind, stored_layout, n.rule ? n.rule->crop : std::vector<std::string>{}, step_sizes, r.shape, t, shape)) {
       info.shape = shape;
@@ -738,6 +752,28 @@ struct DumpReader::Impl {
     transforms[{step, n.name}] = std::move(t);
     stored_row_offset[{step, n.name}] = info.row_offset;
     return info;
+  }
+
+  // A rank's shard (docs/dump-format.md, "Shards"): its split letter's size is the shard's extent, the
+  // data's element count over the other letters' sizes, so that the layout is planned as for a whole checkpoint.
+  void shard_sizes(const CheckpointKind& kind, const Raw& r, const std::string& where,
+                   std::map<std::string, int64_t>& sizes, DatasetInfo& info) const {
+    info.partial = r.partial.value_or(0) != 0;
+    info.shard_offset = r.shard_offset.value_or(0);
+    info.split = r.split;
+    if (r.split.empty()) return;
+    const std::vector<std::string> letters = layout_dims(kind.layout);
+    if (std::find(letters.begin(), letters.end(), r.split) == letters.end())
+      fail("attribute 'split' is '" + r.split + "', not a letter of the layout " + kind.layout, where);
+    int64_t others = 1, count = 1;
+    for (const auto& l : letters) {
+      if (l == r.split) continue;
+      const auto it = sizes.find(l);
+      if (it == sizes.end()) return;  // T or S unknown
+      others *= it->second;
+    }
+    for (int64_t d : r.shape) count *= d;
+    if (others > 0 && count % others == 0) sizes[r.split] = count / others;
   }
 
   void scan_steps() {
@@ -923,6 +959,16 @@ DumpReader::DumpReader(const std::string& path, const NameMap* names) : impl_(st
 
 DumpReader::~DumpReader() = default;
 
+DumpReader::DumpReader(std::string path, DumpMeta meta, std::map<int, std::vector<DatasetInfo>> steps,
+                       std::vector<std::string> int_attribute_names, std::unique_ptr<const Source> source)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->path = std::move(path);
+  impl_->meta = std::move(meta);
+  impl_->steps = std::move(steps);
+  impl_->int_attribute_names = std::move(int_attribute_names);
+  impl_->source = std::move(source);
+}
+
 const std::string& DumpReader::path() const { return impl_->path; }
 const DumpMeta& DumpReader::meta() const { return impl_->meta; }
 
@@ -947,18 +993,26 @@ const DatasetInfo* DumpReader::find(int step, const std::string& name) const {
 }
 
 std::vector<float> DumpReader::read(int step, const std::string& name) const {
+  if (impl_->source) return impl_->source->read(step, name);
+  return impl_->read_floats(step, name);
+}
+
+std::vector<float> DumpReader::read_rank(int step, const std::string& name, int rank) const {
+  if (impl_->source) return impl_->source->read_rank(step, name, rank);
   return impl_->read_floats(step, name);
 }
 
 std::vector<int32_t> DumpReader::read_ids(int step, const std::string& name) const {
   const DatasetInfo* info = find(step, name);
   if (info && !info->is_int) impl_->fail("holds floats, not ids", step_group_name(step) + "/" + name);
+  if (impl_->source) return impl_->source->read_ids(step, name);
   return impl_->read_ids(step, name);
 }
 
 std::vector<int32_t> DumpReader::int_attribute(const std::string& key) const {
   const auto& names = impl_->int_attribute_names;
   if (std::find(names.begin(), names.end(), key) == names.end()) return {};
+  if (impl_->source) return impl_->source->int_attribute(key);
   return impl_->read_ints(impl_->file.get(), key.c_str());
 }
 

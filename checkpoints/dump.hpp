@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,8 @@ struct DumpMeta {
   std::string diffrun_version;     // filled by the writer when empty
   std::map<std::string, std::string> facts;  // backend facts (device, tf32, math mode...)
   int format_version = kDumpFormatVersion;
+  // A tensor-parallel engine's rank dump (docs/dump-format.md, "Shards"): its rank and the ranks' count.
+  std::optional<int> rank, world_size;
 };
 
 // How DumpWriter stores what it is given. A checkpoint cut to its last rows carries the dataset
@@ -80,6 +83,14 @@ class DumpWriter final : public Sink {
   std::unique_ptr<Impl> impl_;
 };
 
+// Where one rank's shard lies in a checkpoint merged from rank dumps (checkpoints/shards.hpp).
+struct ShardPiece {
+  int rank = 0;
+  std::string path;    // the rank's dump
+  int64_t offset = 0;  // along DatasetInfo::split (0 for a replicated or partial checkpoint)
+  int64_t extent = 0;  // the shard's size along it (0 for a replicated or partial one: the whole checkpoint)
+};
+
 // One dataset as the reader presents it: under its vocabulary name, in the vocabulary's layout
 // where it can be brought there (see DumpReader), else as stored.
 struct DatasetInfo {
@@ -98,6 +109,13 @@ struct DatasetInfo {
   // `shape` counts those (docs/dump-format.md, "Rows"). A cache holding the rows its step wrote is
   // presented whole ([S, Hkv, Dh], row_offset 0) when the steps before it hold the other rows.
   int64_t row_offset = 0;
+  // A rank dump's shard (docs/dump-format.md, "Shards"): the layout letter it is split along ("": replicated, or
+  // partial), its first index along it, whether it holds partial sums awaiting the ranks' all-reduce. A checkpoint
+  // merged from rank dumps keeps split and partial, and lists each rank's piece in `shards` (empty: one file).
+  std::string split;
+  int64_t shard_offset = 0;
+  bool partial = false;
+  std::vector<ShardPiece> shards;
 };
 
 // Reads dumps of any writer, tolerantly (docs/dump-format.md):
@@ -118,6 +136,18 @@ class DumpReader {
  public:
   // Throws DumpError naming the file (not HDF5, not a diffrun dump, unsupported version).
   explicit DumpReader(const std::string& path, const NameMap* names = nullptr);
+  // What a dump not read from one file reads from: rank dumps merged (checkpoints/shards.hpp).
+  struct Source {
+    virtual ~Source() = default;
+    virtual std::vector<float> read(int step, const std::string& name) const = 0;
+    virtual std::vector<int32_t> read_ids(int step, const std::string& name) const = 0;
+    virtual std::vector<int32_t> int_attribute(const std::string& key) const = 0;
+    // One rank's shard of a merged checkpoint as that rank's reader presents it.
+    virtual std::vector<float> read_rank(int step, const std::string& name, int rank) const = 0;
+  };
+  // A dump presented from `source`: `path` names it in reports, `steps` are its datasets by step.
+  DumpReader(std::string path, DumpMeta meta, std::map<int, std::vector<DatasetInfo>> steps,
+             std::vector<std::string> int_attribute_names, std::unique_ptr<const Source> source);
   ~DumpReader();
   const std::string& path() const;
   const DumpMeta& meta() const;
@@ -128,6 +158,8 @@ class DumpReader {
   // Reads one dataset (throws DumpError naming file and dataset).
   std::vector<float> read(int step, const std::string& name) const;
   std::vector<int32_t> read_ids(int step, const std::string& name) const;
+  // One rank's shard of a checkpoint merged from rank dumps (DatasetInfo::shards); of a dump read from one file, read().
+  std::vector<float> read_rank(int step, const std::string& name, int rank) const;
   std::vector<int32_t> int_attribute(const std::string& key) const;  // empty when absent
   // Datasets a name map dropped (step, name in the file), for reports.
   const std::vector<std::pair<int, std::string>>& dropped() const;

@@ -527,6 +527,9 @@ std::vector<AttributeRow> read_attribute_table(hid_t group, const std::string& g
   ints(column::order, [](AttributeRow& r, int v) { r.attrs.order = v; });
   ints(column::layer, [](AttributeRow& r, int v) { r.attrs.layer = v; });
   ints(column::row_offset, [](AttributeRow& r, int v) { r.attrs.row_offset = v; });
+  strings(column::split, false, [](AttributeRow& r, std::string v) { r.attrs.split = std::move(v); });
+  ints(column::shard_offset, [](AttributeRow& r, int v) { r.attrs.shard_offset = v; });
+  ints(column::partial, [](AttributeRow& r, int v) { r.attrs.partial = v; });
   std::set<std::string_view> seen;
   for (const auto& r : rows) {
     if (r.name.empty()) fail("a row without a name");
@@ -761,24 +764,28 @@ struct DumpFile::Impl {
   void write_tables() {
     for (const auto& [s, rows] : tables) {
       const std::string where = dump_step_group_name(s) + "/" + kAttributeTable;
-      size_t name_n = 1, layout_n = 1, native_n = 1, dtype_n = 1;
+      size_t name_n = 1, layout_n = 1, native_n = 1, dtype_n = 1, split_n = 1;
       for (const auto& r : rows) {
+        split_n = std::max(split_n, r.attrs.split.size());
         name_n = std::max(name_n, r.name.size());
         layout_n = std::max(layout_n, r.attrs.layout.size());
         native_n = std::max(native_n, r.attrs.native_dtype.size());
         dtype_n = std::max(dtype_n, r.dtype.size());
       }
-      // Packed rows: name, order, layer, layout, native_dtype, row_offset, dtype.
+      // Packed rows: name, order, layer, layout, native_dtype, row_offset, dtype, split, shard_offset, partial.
       const size_t o_order = name_n, o_layer = o_order + 4, o_layout = o_layer + 4, o_native = o_layout + layout_n,
-                   o_row = o_native + native_n, o_dtype = o_row + 4, row = o_dtype + dtype_n;
+                   o_row = o_native + native_n, o_dtype = o_row + 4, o_split = o_dtype + dtype_n,
+                   o_shard = o_split + split_n, o_partial = o_shard + 4, row = o_partial + 4;
       const Hid s_name = h5::fixed_string_type(name_n), s_layout = h5::fixed_string_type(layout_n),
-                s_native = h5::fixed_string_type(native_n), s_dtype = h5::fixed_string_type(dtype_n);
+                s_native = h5::fixed_string_type(native_n), s_dtype = h5::fixed_string_type(dtype_n),
+                s_split = h5::fixed_string_type(split_n);
       Hid ftype(H5Tcreate(H5T_COMPOUND, row), H5Tclose), mtype(H5Tcreate(H5T_COMPOUND, row), H5Tclose);
       for (auto [t, ints] : {std::pair{ftype.get(), H5T_STD_I32LE}, std::pair{mtype.get(), H5T_NATIVE_INT32}}) {
         if (H5Tinsert(t, "name", 0, s_name.get()) < 0 || H5Tinsert(t, column::order, o_order, ints) < 0 ||
             H5Tinsert(t, column::layer, o_layer, ints) < 0 || H5Tinsert(t, column::layout, o_layout, s_layout.get()) < 0 ||
             H5Tinsert(t, column::native_dtype, o_native, s_native.get()) < 0 || H5Tinsert(t, column::row_offset, o_row, ints) < 0 ||
-            H5Tinsert(t, column::dtype, o_dtype, s_dtype.get()) < 0)
+            H5Tinsert(t, column::dtype, o_dtype, s_dtype.get()) < 0 || H5Tinsert(t, column::split, o_split, s_split.get()) < 0 ||
+            H5Tinsert(t, column::shard_offset, o_shard, ints) < 0 || H5Tinsert(t, column::partial, o_partial, ints) < 0)
           fail("cannot build the attribute table's type", where);
       }
       std::vector<char> buf(rows.size() * row, '\0');
@@ -796,6 +803,9 @@ struct DumpFile::Impl {
         std::memcpy(p + o_native, r.attrs.native_dtype.data(), r.attrs.native_dtype.size());
         put_int(o_row, r.attrs.row_offset);
         std::memcpy(p + o_dtype, r.dtype.data(), r.dtype.size());
+        std::memcpy(p + o_split, r.attrs.split.data(), r.attrs.split.size());
+        put_int(o_shard, r.attrs.shard_offset);
+        put_int(o_partial, r.attrs.partial);
       }
       hsize_t n = rows.size();
       Hid space(H5Screate_simple(1, &n, nullptr), H5Sclose);

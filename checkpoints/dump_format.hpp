@@ -138,6 +138,11 @@ struct DatasetAttributes {
   std::string layout;
   std::string native_dtype;
   std::optional<int> row_offset;  // kq_soft_max holding its rows from this one on (--softmax-rows)
+  // A rank dump's shard (docs/dump-format.md, "Shards"): the layout letter it is split along ("": replicated), its
+  // first index along it, and 1 where the values are partial sums that the ranks' all-reduce adds up.
+  std::string split;
+  std::optional<int> shard_offset;
+  std::optional<int> partial;
 };
 
 // One row of a step's attribute table (format version 2): the attributes of the dataset `name`.

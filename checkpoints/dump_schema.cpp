@@ -47,6 +47,7 @@ RootAttribute parse_attribute(const nlohmann::json& a, const nlohmann::json& doc
   r.required = a.value("required", false);
   if (a.contains("values")) r.values = parse_values(a.at("values"), doc);
   r.config = a.value("config", false);
+  r.shard = a.value("shard", false);
   r.max = a.value("max", int64_t(0));
   r.max_why = a.value("max_why", "");
   r.positive = a.value("positive", false);

@@ -27,6 +27,7 @@ struct RootAttribute {
   bool required = false;
   std::vector<std::string> values;  // the allowed strings of an enum string; empty: any
   bool config = false;              // part of the model config (`arch` .. `qk_norm`)
+  bool shard = false;               // says where a rank dump's data lie (rank, world_size; split, shard_offset, partial)
   int64_t max = 0;                  // > 0: the largest value readers accept
   std::string max_why;              // said with a value over max
   bool positive = false;            // a real that must be > 0

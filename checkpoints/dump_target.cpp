@@ -252,6 +252,7 @@ class ChildTarget final : public DumpTarget {
     e.put<int32_t>(step).str(name).put<uint8_t>(static_cast<uint8_t>(type)).put<uint32_t>(static_cast<uint32_t>(shape.size()));
     for (int64_t d : shape) e.put<int64_t>(d);
     e.opt(attrs.order).opt(attrs.layer).str(attrs.layout).str(attrs.native_dtype).opt(attrs.row_offset);
+    e.str(attrs.split).opt(attrs.shard_offset).opt(attrs.partial);
     e.put<uint64_t>(data_bytes);
     e.pad8();
     if (finished_) throw DumpError(path_ + ": dataset '" + std::string(name) + "': write after the dump was closed");
@@ -442,6 +443,9 @@ int dump_child_main(int fd) {
           attrs.layout = d.str();
           attrs.native_dtype = d.str();
           attrs.row_offset = d.opt();
+          attrs.split = d.str();
+          attrs.shard_offset = d.opt();
+          attrs.partial = d.opt();
           const auto bytes = d.get<uint64_t>();
           d.align8(payload.data());
           file->write(step, name, type, shape, d.take(bytes), attrs);

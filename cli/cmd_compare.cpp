@@ -1,4 +1,5 @@
-// `diffrun compare ENGINE.h5 REFERENCE.h5` (or `compare RUN_DIR`): the first divergence between existing dumps from any writer.
+// `diffrun compare ENGINE.h5 REFERENCE.h5` (or `compare RUN_DIR`, or `compare RANK0.h5 RANK1.h5 .. REFERENCE.h5`): the
+// first divergence between existing dumps from any writer.
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -24,8 +25,9 @@ namespace {
 namespace fs = std::filesystem;
 
 struct CompareCommand {
-  std::string engine;     // the engine dump, or the --out directory of a top-level run
-  std::string reference;  // empty: `engine` is a run directory
+  // The engine side (one dump, a tensor-parallel run's rank dumps or their directory), then the reference dump; or
+  // one --out directory of a top-level run.
+  std::vector<std::string> dumps;
   std::string isolated;
   std::string model;  // decodes the token ids of the token table
   std::string steps;  // "0,3-5"
@@ -93,8 +95,11 @@ const CommandRegistrar registrar{
     "per-layer errors",
     [](CLI::App& sub) -> std::function<int()> {
       auto o = std::make_shared<CompareCommand>();
-      sub.add_option("engine", o->engine, "Engine dump (side a), or the --out directory of a diffrun run")->required();
-      sub.add_option("reference", o->reference, "Reference dump (side b); absent when the first argument is a directory");
+      sub.add_option("dumps", o->dumps,
+                     "Engine dump (side a), then the reference dump (side b); or the --out directory of a diffrun run. "
+                     "Side a may be a tensor-parallel run's rank dumps (several files, or their directory), merged "
+                     "(the last argument is the reference)")
+          ->required();
       sub.add_option("--isolated", o->isolated,
                      "The engine's isolation-replay dump (diffrun dump --replay REFERENCE): local error per checkpoint");
       sub.add_option("--model,-m", o->model, "The dumps' GGUF model: its tokenizer decodes the token ids in the report");
@@ -120,20 +125,21 @@ const CommandRegistrar registrar{
             return tok->decode(one);
           };
         }
-        if (o->reference.empty()) {
-          if (!fs::is_directory(o->engine)) {
+        if (o->dumps.size() == 1) {
+          if (!fs::is_directory(o->dumps[0])) {
             throw InputError(fmt::format("{}: give the reference dump too (diffrun compare ENGINE.h5 REFERENCE.h5), "
                                          "or a run's --out directory",
-                                         o->engine));
+                                         o->dumps[0]));
           }
-          std::vector<ComparePair> pairs = run_dir_pairs(o->engine);
+          std::vector<ComparePair> pairs = run_dir_pairs(o->dumps[0]);
           if (!o->isolated.empty()) {
             if (pairs.size() != 1) throw InputError("--isolated: the run directory holds two pairs; compare one of them");
             pairs[0].isolated_path = o->isolated;
           }
           return compare_and_report_pairs(pairs, o->report, progress, token_text);
         }
-        return compare_and_report(o->engine, o->reference, o->report, progress, token_text, o->isolated);
+        const std::vector<std::string> engine(o->dumps.begin(), o->dumps.end() - 1);
+        return compare_and_report(engine, o->dumps.back(), o->report, progress, token_text, o->isolated);
       };
     }};
 

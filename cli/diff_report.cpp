@@ -16,6 +16,7 @@
 #include "checkpoints/dump.hpp"
 #include "cli/options.hpp"
 #include "checkpoints/name_map.hpp"
+#include "checkpoints/shards.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "diff/compare.hpp"
 #include "diff/report.hpp"
@@ -140,14 +141,19 @@ void add_isolation_for(diff::Comparison& c, const DumpReader& isolated, const Du
 namespace {
 
 // The comparison of one engine dump with one reference dump (and its isolated run), as the options ask.
-diff::Comparison compare(const std::string& engine_path, const std::string& reference_path, const ReportOptions& opt,
-                         Progress& progress, const std::string& isolated_path) {
+diff::Comparison compare(const std::vector<std::string>& engine_paths, const std::string& reference_path,
+                         const ReportOptions& opt, Progress& progress, const std::string& isolated_path) {
   const std::optional<NameMap> engine_names =
       opt.names.empty() ? std::nullopt : std::optional<NameMap>(NameMap::load(opt.names));
   const std::optional<NameMap> reference_names =
       opt.reference_names.empty() ? std::nullopt : std::optional<NameMap>(NameMap::load(opt.reference_names));
-  const DumpReader engine(engine_path, engine_names ? &*engine_names : nullptr);
-  const DumpReader reference(reference_path, reference_names ? &*reference_names : nullptr);
+  // Either side may be a tensor-parallel run's rank dumps (several files, or their directory), merged.
+  const std::unique_ptr<DumpReader> engine_dump =
+      open_dump_set(dump_set_paths(engine_paths), engine_names ? &*engine_names : nullptr);
+  const std::unique_ptr<DumpReader> reference_dump =
+      open_dump_set(dump_set_paths({reference_path}), reference_names ? &*reference_names : nullptr);
+  const DumpReader &engine = *engine_dump, &reference = *reference_dump;
+  const std::string& engine_path = engine.path();
   const diff::ToleranceSet tolerances = tolerances_for(engine.meta(), reference.meta(), opt);
   progress.message(fmt::format("comparing {} ({}) with {} ({})", engine_path, engine.meta().precision, reference_path,
                                reference.meta().precision));
@@ -164,10 +170,10 @@ diff::Comparison compare(const std::string& engine_path, const std::string& refe
 
 }  // namespace
 
-int compare_and_report(const std::string& engine_path, const std::string& reference_path, const ReportOptions& opt,
-                       Progress& progress, const std::function<std::string(int32_t)>& token_text,
-                       const std::string& isolated_path) {
-  return report_comparisons({opt.title}, {compare(engine_path, reference_path, opt, progress, isolated_path)}, opt,
+int compare_and_report(const std::vector<std::string>& engine_paths, const std::string& reference_path,
+                       const ReportOptions& opt, Progress& progress,
+                       const std::function<std::string(int32_t)>& token_text, const std::string& isolated_path) {
+  return report_comparisons({opt.title}, {compare(engine_paths, reference_path, opt, progress, isolated_path)}, opt,
                             token_text);
 }
 
@@ -175,13 +181,13 @@ int compare_and_report_pairs(const std::vector<ComparePair>& pairs, const Report
                              const std::function<std::string(int32_t)>& token_text) {
   if (pairs.size() == 1) {
     const ComparePair& p = pairs.front();
-    return compare_and_report(p.engine_path, p.reference_path, opt, progress, token_text, p.isolated_path);
+    return compare_and_report({p.engine_path}, p.reference_path, opt, progress, token_text, p.isolated_path);
   }
   std::vector<std::string> titles;
   std::vector<diff::Comparison> comparisons;
   for (const ComparePair& p : pairs) {
     titles.push_back(p.title);
-    comparisons.push_back(compare(p.engine_path, p.reference_path, opt, progress, p.isolated_path));
+    comparisons.push_back(compare({p.engine_path}, p.reference_path, opt, progress, p.isolated_path));
   }
   return report_comparisons(titles, comparisons, opt, token_text);
 }

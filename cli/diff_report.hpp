@@ -42,8 +42,11 @@ struct ReportOptions {
 // isolated_path (optional): the engine's isolation-replay dump; its comparison with the reference
 // gives each checkpoint's local error, shown beside the propagated one and used by the verdict.
 // Throws diffrun errors (exit 2) for dumps or tolerances that cannot be used.
-int compare_and_report(const std::string& engine_path, const std::string& reference_path, const ReportOptions& opt,
-                       Progress& progress, const std::function<std::string(int32_t)>& token_text = {},
+// engine_paths: one dump, or a tensor-parallel run's rank dumps (several files, or one directory of them), merged
+// (checkpoints/shards.hpp); reference_path likewise one dump or a directory of rank dumps.
+int compare_and_report(const std::vector<std::string>& engine_paths, const std::string& reference_path,
+                       const ReportOptions& opt, Progress& progress,
+                       const std::function<std::string(int32_t)>& token_text = {},
                        const std::string& isolated_path = {});
 
 // One comparison of a run that compares several engine/reference pairs (the default GPU run: the f32

@@ -14,6 +14,7 @@
 #include "checkpoints/dump_schema_names.hpp"
 #include "checkpoints/rows.hpp"
 #include "checkpoints/vocabulary.hpp"
+#include "diff/shards.hpp"
 #include "model/error.hpp"
 
 namespace diffrun::diff {
@@ -468,10 +469,18 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
       std::erase_if(ref_ds, unselected);
     }
     add_step_results(c, eng_ds, ref_ds, [&](const DatasetInfo* e, const DatasetInfo* r) {
-      return compare_checkpoint(step, e, r, tolerances, dims, n_kv, [&](std::vector<float>& a, std::vector<float>& b) {
-        a = engine.read(step, e->name);
-        b = reference.read(step, r->name);
-      });
+      // A checkpoint merged from rank dumps keeps its compared values for judge_ranks.
+      const bool merged = e && r && !e->shards.empty() && !e->is_int;
+      std::vector<float> a, b;
+      CheckpointResult res = compare_checkpoint(
+          step, e, r, tolerances, dims, n_kv,
+          [&](std::vector<float>& x, std::vector<float>& y) {
+            x = engine.read(step, e->name);
+            y = reference.read(step, r->name);
+          },
+          merged ? &a : nullptr, merged ? &b : nullptr);
+      if (merged) judge_ranks(res, *e, engine, a, b, tolerances, dims);
+      return res;
     });
   }
   if (c.coverage.compared == 0 && !opt.checkpoints.all()) {

@@ -42,6 +42,8 @@
 //       "rule": {"match": str ("" = default), "reason"},
 //       "checks": [{"metric", "bound", "value", "limit", "pass"}],
 //       "local": null | {"status", "rel_l2"},                 // isolation replay, when it ran
+//       "ranks": null | {"split": letter ("" replicated), "partial": bool, "blamed": [int], "note": str,  // merged
+//          "ranks": [{"rank", "path", "from", "to", "rel_l2", "failed", "copy_differs"}]},  // from rank dumps, failing
 //       "metrics": null | {
 //          "n", "max_abs", "mean_abs", "rel_l2", "nmse", "cosine", "sqnr_db", "n_fail", "fail_frac",
 //          "atol", "rtol", "nan_engine", "inf_engine", "nan_reference", "inf_reference",
@@ -138,6 +140,14 @@ json side(const DumpMeta& m, const std::string& path) {
           {"facts", facts}};
 }
 
+json ranks_json(const RankBlame& b) {
+  json ranks = json::array();
+  for (const RankShare& s : b.ranks)
+    ranks.push_back({{"rank", s.rank}, {"path", s.path}, {"from", s.from}, {"to", s.to}, {"rel_l2", number(s.rel_l2)},
+                     {"failed", s.failed}, {"copy_differs", s.copy_differs}});
+  return {{"split", b.split}, {"partial", b.partial}, {"blamed", b.blamed}, {"note", b.note}, {"ranks", ranks}};
+}
+
 json metrics_json(const TensorMetrics& m) {
   json j = {{"n", m.n},
             {"max_abs", number(m.max_abs)},
@@ -208,6 +218,7 @@ json checkpoint_json(const CheckpointResult& r) {
           {"checks", checks},
           {"local", r.local ? json{{"status", checkpoint_status_name(r.local->status)}, {"rel_l2", number(r.local->rel_l2)}}
                             : json(nullptr)},
+          {"ranks", r.ranks ? ranks_json(*r.ranks) : json(nullptr)},
           {"metrics", r.metrics ? metrics_json(*r.metrics) : json(nullptr)}};
 }
 

@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include "diff/report.hpp"
+#include "diff/shards.hpp"
 #include "model/config.hpp"
 
 namespace diffrun::diff {
@@ -71,6 +72,21 @@ void pattern_line(std::string& out, const std::optional<ErrorPattern>& p) {
   if (!p || (p->summary.empty() && p->hint.empty())) return;
   if (!p->summary.empty()) out += fmt::format("  pattern   {}\n", p->summary);
   if (!p->hint.empty()) out += fmt::format("  {}  -> {}\n", p->summary.empty() ? "pattern " : "        ", p->hint);
+}
+
+// "ranks     rank 1 (H 2..3), rel_l2 0.5 out of bounds; rank 0 (H 0..1) within": a checkpoint merged from rank dumps.
+void ranks_line(std::string& out, const std::optional<RankBlame>& b) {
+  if (!b) return;
+  const std::string blamed = blamed_ranks_text(*b);
+  std::vector<std::string> fine;
+  for (const RankShare& s : b->ranks) {
+    if (s.failed || s.copy_differs || std::isnan(s.rel_l2)) continue;
+    fine.push_back(b->split.empty() ? fmt::format("{}", s.rank) : fmt::format("{} ({} {}..{})", s.rank, b->split, s.from, s.to - 1));
+  }
+  std::string text = blamed.empty() ? std::string() : blamed + ": out of bounds";
+  if (!fine.empty()) text += fmt::format("{}rank{} {} within", text.empty() ? "" : "; ", fine.size() == 1 ? "" : "s", fmt::join(fine, ", "));
+  if (!b->note.empty()) text += (text.empty() ? "" : "; ") + b->note;
+  out += fmt::format("  ranks     {}\n", text);
 }
 
 void verdict_lines(std::string& out, const Verdict& v, const Style& s) {
@@ -157,6 +173,7 @@ void first_divergence(std::string& out, const Comparison& c, const Style& s, boo
     }
   }
   pattern_line(out, c.pattern);
+  ranks_line(out, f.ranks);
   if (f.local) {
     out += fmt::format("  local     {} in isolation replay (this op on the reference's inputs): {}\n", local_str(*f.local),
                        f.local->failed() ? "fails its tolerance" : "within tolerance");

@@ -30,6 +30,23 @@ struct LocalError {
   bool failed() const { return status == CheckpointStatus::fail || status == CheckpointStatus::shape_mismatch; }
 };
 
+// A checkpoint merged from rank dumps (checkpoints/shards.hpp): each rank's share of a failure (diff/shards.hpp).
+struct RankShare {
+  int rank = 0;
+  std::string path;                // the rank's dump
+  int64_t from = 0, to = 0;        // the slice it holds along RankBlame::split, [from, to); 0, 0: the whole
+  double rel_l2 = 0.0;             // its slice against the reference's same slice; NaN where not measured
+  bool failed = false;             // its slice fails the checkpoint's bounds
+  bool copy_differs = false;       // its copy of a replicated slice differs from the lowest rank holding it
+};
+struct RankBlame {
+  std::string split;  // the layout letter the ranks split along; "" replicated
+  bool partial = false;
+  std::vector<RankShare> ranks;
+  std::vector<int> blamed;  // the ranks whose slice fails (or whose copy differs), in rank order
+  std::string note;         // what cannot be told from this checkpoint (partial sums)
+};
+
 struct CheckpointResult {
   int step = 0;
   std::string name;  // "Qcur-3"
@@ -56,6 +73,7 @@ struct CheckpointResult {
   std::string layout_suspect;
   double layout_suspect_rel_l2 = 0.0;
   std::optional<F16Fit> f16_fit;  // failing and finite only (compare_checkpoint)
+  std::optional<RankBlame> ranks;  // a failing checkpoint merged from rank dumps (diff/shards.hpp)
 
   bool failed() const { return status == CheckpointStatus::fail || status == CheckpointStatus::shape_mismatch; }
   bool compared() const { return metrics.has_value(); }

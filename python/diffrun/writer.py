@@ -54,6 +54,7 @@ DIFFRUN_VERSION = "0.1.0"
 # ids (int32 array).
 _WRITTEN_AS = {"string": "str", "integer": "int", "real": "float", "boolean": "bool", "integer array": "ids"}
 ROOT_ATTRIBUTES: dict[str, str] = {a.name: _WRITTEN_AS[a.type] for a in schema.ROOT_ATTRIBUTES if a.required}
+_WRITTEN: dict[str, str] = {a.name: _WRITTEN_AS[a.type] for a in schema.ROOT_ATTRIBUTES}  # optional ones too
 # What a reference dump lends a writer opened with like=: the model and its config, the prompt.
 PRECISIONS = schema.ROOT["precision"].values or ()
 _FROM_REFERENCE = [k for k in ROOT_ATTRIBUTES
@@ -74,18 +75,21 @@ def _table(rows: list[tuple[str, dict[str, Any]]]) -> np.ndarray:
     """A step's attribute table: one row per dataset, strings fixed-length and sized to the column's
     longest value, absent integers ABSENT_INT."""
     enc = [(name, {k: (v.encode("utf-8") if isinstance(v, str) else v) for k, v in a.items()}) for name, a in rows]
-    width = {c: max([1] + [len(a.get(c, b"")) for _, a in enc]) for c in (column.layout, column.native_dtype, column.dtype)}
+    width = {c: max([1] + [len(a.get(c, b"")) for _, a in enc])
+             for c in (column.layout, column.native_dtype, column.dtype, column.split)}
     utf8 = lambda n: h5py.string_dtype("utf-8", n)  # noqa: E731 - fixed-length UTF-8, NUL-padded
     # the columns in the order diffrun's C++ writer stores them
     dtype = np.dtype([("name", utf8(max([1] + [len(n.encode("utf-8")) for n, _ in enc]))), (column.order, "<i4"),
                       (column.layer, "<i4"), (column.layout, utf8(width[column.layout])),
                       (column.native_dtype, utf8(width[column.native_dtype])), (column.row_offset, "<i4"),
-                      (column.dtype, utf8(width[column.dtype]))])
+                      (column.dtype, utf8(width[column.dtype])), (column.split, utf8(width[column.split])),
+                      (column.shard_offset, "<i4"), (column.partial, "<i4")])
     table = np.zeros(len(enc), dtype=dtype)
     for i, (name, a) in enumerate(enc):
         table[i] = (name.encode("utf-8"), a.get(column.order, ABSENT_INT), a.get(column.layer, ABSENT_INT),
                     a.get(column.layout, b""), a.get(column.native_dtype, b""), a.get(column.row_offset, ABSENT_INT),
-                    a.get(column.dtype, b""))
+                    a.get(column.dtype, b""), a.get(column.split, b""), a.get(column.shard_offset, ABSENT_INT),
+                    a.get(column.partial, ABSENT_INT))
     return table
 
 
@@ -293,7 +297,7 @@ class Writer:
     def _write_root(self, attrs: Mapping[str, Any]) -> None:
         a = self._file.attrs
         for key, value in attrs.items():
-            kind = ROOT_ATTRIBUTES.get(key)
+            kind = _WRITTEN.get(key)
             try:
                 if kind == "str":
                     a.create(key, _fixed_str(value))
@@ -350,19 +354,47 @@ class Writer:
         return self
 
     def put(self, name: str, array: Any, layer: int | None = None, layout: str | None = None,
-            native_dtype: str | None = None) -> None:
+            native_dtype: str | None = None, *, split: str | None = None, shard_offset: int | None = None,
+            partial: bool = False) -> None:
         """Records one checkpoint of the current step. Vocabulary names are checked (layer, layout, rank);
         other names (a foreign engine's) are stored as given, with layout only when passed. A torch CUDA tensor
-        is copied asynchronously and written later (diffrun.cuda_staging), after the same checks."""
+        is copied asynchronously and written later (diffrun.cuda_staging), after the same checks.
+
+        A tensor-parallel rank's dump (root attributes rank and world_size, docs/dump-format.md "Shards") says how
+        each checkpoint is sharded: split=LETTER and shard_offset=I for this rank's slice I.. along that letter of
+        the layout (column-parallel outputs: Qcur split along H, ffn_up along F), partial=True for partial sums the
+        ranks' all-reduce adds up (row-parallel outputs: attn_out, ffn_out before it); neither for a replicated one."""
         if self._step is None:
             self.step(0)
+        shard = self._shard_attributes(name, split, shard_offset, partial)
         if cuda_staging.is_cuda_tensor(array):
+            if shard:
+                raise DumpWriteError(self.path, "shard attributes are for host puts", f"step_{self._step:04d}/{name}")
             self._put_device(name, array, layer, layout, native_dtype)
         else:
-            self._put(self._step, name, _as_numpy(array), layer, layout, native_dtype)
+            self._put(self._step, name, _as_numpy(array), layer, layout, native_dtype, shard=shard)
+
+    def _shard_attributes(self, name: str, split: str | None, shard_offset: int | None,
+                          partial: bool) -> dict[str, Any]:
+        """The table columns of a shard (empty for a whole checkpoint), checked against the root attributes."""
+        where = f"step_{self._step:04d}/{name}"
+        if split is None and shard_offset is None and not partial:
+            return {}
+        if attr.world_size not in self.meta or attr.rank not in self.meta:
+            raise DumpWriteError(self.path, f"shard attributes in a dump without the root attributes {attr.rank} and "
+                                 f"{attr.world_size} (meta={{...}})", where)
+        if split is not None and partial:
+            raise DumpWriteError(self.path, "split and partial at once: a rank's piece is one or the other", where)
+        if shard_offset is not None and split is None:
+            raise DumpWriteError(self.path, "shard_offset without split", where)
+        if partial:
+            return {column.partial: 1}
+        if int(shard_offset or 0) < 0:
+            raise DumpWriteError(self.path, f"shard_offset {shard_offset} is negative", where)
+        return {column.split: str(split), column.shard_offset: int(shard_offset or 0)}
 
     def _put(self, step: int, name: str, data: np.ndarray, layer: int | None, layout: str | None,
-             native_dtype: str | None, write: bool = True) -> None:
+             native_dtype: str | None, write: bool = True, shard: Mapping[str, Any] | None = None) -> None:
         """put()'s checks, then (write=True) the dataset; write=False checks a device put (data: its shape and
         dtype only)."""
         if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
@@ -399,9 +431,14 @@ class Writer:
                 raise DumpWriteError(self.path, f"layout '{layout}' is not a permutation of the vocabulary's "
                                      f"'{kind.layout}'", where)
             dims = layout.split(",")
+            split = (shard or {}).get(column.split)
+            if split is not None and split not in dims:
+                raise DumpWriteError(self.path, f"split '{split}' is not a letter of the layout '{layout}'", where)
             if data.ndim == 2 and len(dims) == 3 and layout == kind.layout:
                 # [T, H*Dh] as an engine holds it: stored [T, H, Dh] like every other writer's
                 heads = int(self.meta[attr.n_head if dims[1] == dim.H else attr.n_head_kv])
+                if split == dims[1]:  # this rank's heads
+                    heads = data.shape[1] // int(self.meta[attr.head_dim])
                 head_dim = int(self.meta[attr.head_dim])
                 if data.shape[1] != heads * head_dim:
                     raise DumpWriteError(self.path, f"shape {tuple(data.shape)}: {data.shape[1]} columns are not "
@@ -414,6 +451,8 @@ class Writer:
                 raise DumpWriteError(self.path, "token ids are int32 and checkpoints are floats", where)
             if name == "tokens":
                 self._check_tokens(step, data, int(layer), where, values=write)
+            elif split is not None:
+                self._check_shard(name, data, dims, split, int(shard[column.shard_offset]), step, where)
             else:
                 n_tokens = self._tokens_first(step, where)
                 problem = check_checkpoint(self._config, name, int(layer), tuple(int(x) for x in data.shape), layout,
@@ -451,8 +490,23 @@ class Writer:
         attrs.update({column.order: int(order), column.layer: int(layer), column.native_dtype: str(native)})
         if layout is not None:
             attrs[column.layout] = layout
+        attrs.update(shard or {})
         self._rows.setdefault(step, []).append((name, attrs))
         self._written[step].append(name)
+
+    def _check_shard(self, name: str, data: np.ndarray, dims: list[str], split: str, offset: int, step: int,
+                     where: str) -> None:
+        """A slice along `split`: every other dimension the whole checkpoint's, the slice within it."""
+        n_tokens = self._tokens_first(step, where)
+        full = [self._config.size(d, n_tokens, self._kv[step]) for d in dims]
+        have = list(data.shape)
+        i = dims.index(split)
+        if data.ndim != len(dims) or have[:i] + have[i + 1:] != full[:i] + full[i + 1:]:
+            raise DumpWriteError(self.path, f"shape {tuple(have)} is not a slice along {split} of layout "
+                                 f"'{','.join(dims)}' = {tuple(full)}", where)
+        if offset + have[i] > full[i]:
+            raise DumpWriteError(self.path, f"slice {split} {offset}..{offset + have[i] - 1} passes its size "
+                                 f"{full[i]}", where)
 
     def _tokens_first(self, step: int, where: str) -> int:
         """The step's T; a checkpoint before the step's tokens is refused (T and S come from them)."""

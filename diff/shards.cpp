@@ -1,0 +1,119 @@
+// Checkpoints merged from rank dumps: the copies of each slice compared, each rank's slice judged by the rule.
+#include "diff/shards.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "checkpoints/vocabulary.hpp"
+
+namespace diffrun::diff {
+namespace {
+
+// Elements [from, to) of dimension `dim` of a row-major tensor of `shape`.
+std::vector<float> slice(std::span<const float> v, const std::vector<int64_t>& shape, int dim, int64_t from, int64_t to) {
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < dim; ++i) outer *= shape[i];
+  for (size_t i = dim + 1; i < shape.size(); ++i) inner *= shape[i];
+  const int64_t full = shape[dim], n = to - from;
+  std::vector<float> out(static_cast<size_t>(outer * n * inner));
+  for (int64_t o = 0; o < outer; ++o)
+    std::copy_n(v.begin() + (o * full + from) * inner, n * inner, out.begin() + o * n * inner);
+  return out;
+}
+
+// Whether `a` against `b` (shape, layout) fails the rule; its rel_l2 into `rel_l2`.
+bool fails(std::span<const float> a, std::span<const float> b, const std::vector<int64_t>& shape,
+           const CheckpointResult& r, const ToleranceRule& rule, const DimSizes& dims, double& rel_l2) {
+  const TensorMetrics m = compute_metrics(a, b, shape, r.layout, dims, rule.element);
+  rel_l2 = m.rel_l2;
+  const std::vector<BoundCheck> checks = check_bounds(m, rule, r.positions, r.bound_scale);
+  return std::any_of(checks.begin(), checks.end(), [](const BoundCheck& k) { return !k.pass; });
+}
+
+// Ranks holding the same slice hold the same bits; marks each copy that differs from the lowest rank's.
+int compare_copies(RankBlame& blame, const DatasetInfo& engine, const DumpReader& reader) {
+  std::map<std::pair<int64_t, int64_t>, std::vector<size_t>> holders;
+  for (size_t i = 0; i < engine.shards.size(); ++i)
+    holders[{engine.shards[i].offset, engine.shards[i].extent}].push_back(i);
+  int differing = 0;
+  for (const auto& [slice_at, ranks] : holders) {
+    if (ranks.size() < 2) continue;
+    const std::vector<float> first = reader.read_rank(engine.step, engine.name, engine.shards[ranks[0]].rank);
+    for (size_t k = 1; k < ranks.size(); ++k) {
+      const std::vector<float> copy = reader.read_rank(engine.step, engine.name, engine.shards[ranks[k]].rank);
+      if (copy.size() == first.size() && std::memcmp(copy.data(), first.data(), copy.size() * sizeof(float)) == 0)
+        continue;
+      blame.ranks[ranks[k]].copy_differs = true;
+      ++differing;
+    }
+  }
+  return differing;
+}
+
+}  // namespace
+
+void judge_ranks(CheckpointResult& r, const DatasetInfo& engine, const DumpReader& reader, std::span<const float> a,
+                 std::span<const float> b, const ToleranceSet& tolerances, const DimSizes& dims) {
+  if (!r.metrics || engine.shards.empty()) return;
+  RankBlame blame;
+  blame.split = engine.split;
+  blame.partial = engine.partial;
+  for (const ShardPiece& p : engine.shards)
+    blame.ranks.push_back({p.rank, p.path, p.offset, p.offset + p.extent, std::numeric_limits<double>::quiet_NaN()});
+  if (!engine.partial) {
+    if (const int differing = compare_copies(blame, engine, reader); differing > 0) {
+      r.status = CheckpointStatus::fail;
+      r.checks.push_back({"replicas", "equal across the ranks holding a slice", static_cast<double>(differing), 0.0, false});
+    }
+  }
+  if (!r.failed()) return;
+  const ToleranceRule& rule = tolerances.rule_for(r.name);
+  const std::vector<std::string> letters = layout_dims(r.layout);
+  const auto at = std::find(letters.begin(), letters.end(), engine.split);
+  if (engine.partial) {
+    blame.note = fmt::format("partial sums of {} ranks: the sum's error cannot be told apart by rank (the layer's "
+                             "column-parallel input shows which rank's inputs were wrong)",
+                             engine.shards.size());
+  } else if (!engine.split.empty() && at != letters.end() && letters.size() == r.shape_reference.size()) {
+    const int dim = static_cast<int>(at - letters.begin());
+    for (RankShare& s : blame.ranks) {
+      std::vector<int64_t> shape = r.shape_reference;
+      shape[dim] = s.to - s.from;
+      DimSizes slice_dims = dims;
+      slice_dims[engine.split] = shape[dim];
+      s.failed = fails(slice(a, r.shape_reference, dim, s.from, s.to), slice(b, r.shape_reference, dim, s.from, s.to),
+                       shape, r, rule, slice_dims, s.rel_l2);
+    }
+  } else if (engine.split.empty()) {
+    for (RankShare& s : blame.ranks) {
+      const std::vector<float> copy = reader.read_rank(engine.step, engine.name, s.rank);
+      if (copy.size() == b.size()) s.failed = fails(copy, b, r.shape_reference, r, rule, dims, s.rel_l2);
+    }
+  }
+  for (const RankShare& s : blame.ranks)
+    if (s.failed || s.copy_differs) blame.blamed.push_back(s.rank);
+  if (blame.blamed.empty() && blame.note.empty())
+    blame.note = "no rank's slice fails alone: the error is spread over the ranks";
+  r.ranks = std::move(blame);
+}
+
+std::string blamed_ranks_text(const RankBlame& blame) {
+  std::vector<std::string> parts;
+  for (const RankShare& s : blame.ranks) {
+    if (!s.failed && !s.copy_differs) continue;
+    std::string text = fmt::format("rank {}", s.rank);
+    if (!blame.split.empty()) text += fmt::format(" ({} {}..{})", blame.split, s.from, s.to - 1);
+    if (!std::isnan(s.rel_l2)) text += fmt::format(", rel_l2 {:.3g}", s.rel_l2);
+    if (s.copy_differs) text += ", its copy differs from the other ranks'";
+    parts.push_back(std::move(text));
+  }
+  return fmt::format("{}", fmt::join(parts, "; "));
+}
+
+}  // namespace diffrun::diff
