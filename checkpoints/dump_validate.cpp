@@ -323,6 +323,24 @@ void check_ids(RootCheck& r, const nlohmann::json& values, const ProblemFn& prob
   if (ids.count(argmax)) r.argmax = ids[argmax];
 }
 
+// A rank dump's rank and world size: both or neither, 0 <= rank < world_size.
+void check_rank(RootCheck& r, const nlohmann::json& values, const ProblemFn& problem) {
+  if (values.contains(attr::rank)) r.rank = values.at(attr::rank).get<int64_t>();
+  if (values.contains(attr::world_size)) r.world_size = values.at(attr::world_size).get<int64_t>();
+  if (r.rank.has_value() != r.world_size.has_value()) {
+    problem(r.rank ? attr::world_size : attr::rank,
+            std::string("missing: a rank dump has both ") + attr::rank + " and " + attr::world_size);
+    return;
+  }
+  if (!r.rank) return;
+  const int64_t max = find_root_attribute(attr::world_size)->max;
+  if (*r.world_size < 1 || *r.world_size > max)
+    problem(attr::world_size, "is " + std::to_string(*r.world_size) + ", outside 1.." + std::to_string(max));
+  else if (*r.rank < 0 || *r.rank >= *r.world_size)
+    problem(attr::rank, "is " + std::to_string(*r.rank) + ", outside 0.." + std::to_string(*r.world_size - 1) +
+                            " (world_size " + std::to_string(*r.world_size) + ")");
+}
+
 }  // namespace
 
 RootCheck check_root_attributes(hid_t file) {
@@ -363,6 +381,7 @@ RootCheck check_root_attributes(hid_t file) {
                          std::to_string(kDumpFormatOldestVersion) + " to " + std::to_string(kDumpFormatVersion));
   r.config = check_config(values, problem);
   check_ids(r, values, problem);
+  check_rank(r, values, problem);
   return r;
 }
 
@@ -630,6 +649,8 @@ std::optional<int64_t> check_tokens(Validation& v, hid_t g, int s, const std::st
 struct DatasetAttrs {
   std::optional<int64_t> order, layer, row_offset;
   std::optional<std::string> layout, native, dtype;
+  std::optional<std::string> split;  // a rank dump's shard (docs/dump-format.md, "Shards")
+  std::optional<int64_t> shard_offset, partial;
 };
 
 // Version 1: attributes of the dataset itself, their types checked.
@@ -670,8 +691,27 @@ DatasetAttrs table_attributes(const std::map<std::string, AttributeRow>& table, 
     if (!row.attrs.layout.empty()) d.layout = row.attrs.layout;
     if (!row.attrs.native_dtype.empty()) d.native = row.attrs.native_dtype;
     if (!row.dtype.empty()) d.dtype = row.dtype;
+    if (!row.attrs.split.empty()) d.split = row.attrs.split;
+    d.shard_offset = row.attrs.shard_offset, d.partial = row.attrs.partial;
   }
   return d;
+}
+
+// A shard's attributes (docs/dump-format.md, "Shards"): in a rank dump, split along a letter of the layout other
+// than the row dimension, partial 0 or 1 and not with split, shard_offset only with split. The slice's place along
+// the split letter is checked with the shape (check_shape).
+void check_shard_attributes(Validation& v, const std::string& where, const DatasetAttrs& a) {
+  if (!a.split && !a.shard_offset && !a.partial) return;
+  if (!v.root.world_size)
+    v.problem(where, std::string("shard attributes in a dump without the root attributes ") + attr::rank + " and " +
+                         attr::world_size);
+  if (a.partial && *a.partial != 0 && *a.partial != 1)
+    v.problem(where, "attribute 'partial' is " + std::to_string(*a.partial) + ", expected 0 or 1");
+  if (a.partial && *a.partial == 1 && a.split)
+    v.problem(where, "attributes 'split' and 'partial' together: a rank's piece is a slice or a partial sum");
+  if (a.shard_offset && !a.split) v.problem(where, "attribute 'shard_offset' without 'split'");
+  if (a.shard_offset && *a.shard_offset < 0)
+    v.problem(where, "attribute 'shard_offset' is " + std::to_string(*a.shard_offset) + ", expected >= 0");
 }
 
 // The dataset attributes against the name and the vocabulary (`rd`: the kind's row dimension, -1 for none).
@@ -699,6 +739,7 @@ void check_dataset_attributes(Validation& v, const std::string& where, const Par
   const std::string& bf16 = dataset_attribute(column::dtype).values.at(0);
   if (a.dtype && *a.dtype != bf16)
     v.problem(where, "attribute 'dtype' is \"" + *a.dtype + "\"; the only value is \"" + bf16 + "\" (on uint16 data)");
+  check_shard_attributes(v, where, a);
 }
 
 // The stored dtype of a float checkpoint.
@@ -738,6 +779,43 @@ struct StepState {
   std::vector<std::pair<DumpProblem, int>> ambiguous;
 };
 
+// A rank's slice along `split`: the config with that letter's size the slice's (its element count over the other
+// letters'), so that check_checkpoint checks the rest; the slice must lie within the whole dimension. False (a
+// problem reported) when it cannot.
+bool shard_config(Validation& v, const std::string& where, const CheckpointKind& kind, const std::string& split,
+                  int64_t offset, const std::vector<int64_t>& shape, int64_t rows, int64_t kv_rows,
+                  std::optional<ModelConfig>& out) {
+  const std::vector<std::string> letters = layout_dims(kind.layout);
+  const DimLetter* d = find_dim(split);
+  if (std::find(letters.begin(), letters.end(), split) == letters.end() || !d || d->attribute.empty()) {
+    v.problem(where, "attribute 'split' is '" + split + "', expected a letter of its layout " + kind.layout +
+                         " other than " + token_rows_dim() + " and " + cache_rows_dim());
+    return false;
+  }
+  const std::map<std::string, int64_t> sizes = dim_sizes(*v.cfg(), rows, kv_rows);
+  int64_t others = 1, count = 1;
+  for (const auto& l : letters)
+    if (l != split) others *= sizes.at(l);
+  for (int64_t x : shape) count *= x;
+  const int64_t full = sizes.at(split);
+  if (others <= 0 || count % others != 0 || count / others < 1 || count / others > full) {
+    v.problem(where, "holds " + std::to_string(count) + " values, not a slice along " + split + " of layout " +
+                         kind.layout + " (" + split + " = " + std::to_string(full) + ")");
+    return false;
+  }
+  const int64_t extent = count / others;
+  if (offset + extent > full) {
+    v.problem(where, "attribute 'shard_offset' is " + std::to_string(offset) + ": its slice " + split + " " +
+                         std::to_string(offset) + ".." + std::to_string(offset + extent - 1) + " passes " + split +
+                         " = " + std::to_string(full));
+    return false;
+  }
+  nlohmann::json values = config_attributes(*v.cfg());
+  values[d->attribute] = extent;
+  out = config_from_attributes(values);
+  return true;
+}
+
 // The shape of a float checkpoint against the vocabulary (T and S known), then its layout's ambiguity.
 void check_shape(Validation& v, hid_t ds, const std::string& where, const std::string& name,
                  const ParsedCheckpointName& parsed, const CheckpointKind& kind, const DatasetAttrs& a, int rd,
@@ -759,9 +837,11 @@ void check_shape(Validation& v, hid_t ds, const std::string& where, const std::s
     }
     (cache ? kv_rows : rows) = total - *a.row_offset;
   }
+  std::optional<ModelConfig> sharded;
+  if (a.split && !shard_config(v, where, kind, *a.split, a.shard_offset.value_or(0), shape, rows, kv_rows, sharded)) return;
   std::vector<int64_t> canonical;
-  const std::string p = check_checkpoint(*v.cfg(), name, parsed.layer, shape, a.layout.value_or(""), rows, kv_rows,
-                                         &canonical);
+  const std::string p = check_checkpoint(sharded ? *sharded : *v.cfg(), name, parsed.layer, shape,
+                                         a.layout.value_or(""), rows, kv_rows, &canonical);
   if (!p.empty()) {
     v.problem(where, p);
     return;

@@ -30,6 +30,7 @@ struct RootCheck {
   std::vector<int32_t> token_ids;
   std::optional<std::vector<int32_t>> all_token_ids;
   std::optional<std::vector<int32_t>> argmax;
+  std::optional<int64_t> rank, world_size;  // a tensor-parallel engine's rank dump (docs/dump-format.md, "Shards")
   int format_version = 0;        // 0: unknown (missing or unreadable)
   bool vlen_strings_ok = true;   // version 1 (or unknown): strings may be variable-length
 };

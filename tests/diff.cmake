@@ -42,3 +42,10 @@ add_test(NAME test_presets
          COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_presets.py
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_presets PROPERTIES LABELS "cpu;python" TIMEOUT 120 ENVIRONMENT "${DIFFRUN_TEST_ENV}")
+
+# Sharded dumps: a reference dump split into 2 and 4 rank dumps merges back clean; a seeded shard bug names its rank.
+add_test(NAME test_shards
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_shards.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_shards PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
+  ENVIRONMENT "${DIFFRUN_TEST_ENV}")

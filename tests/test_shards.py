@@ -1,0 +1,108 @@
+"""Sharded dumps (docs/dump-format.md, "Shards"): a CPU reference dump of a tiny fixture split into N rank dumps the
+Megatron way (scripts/shard_dump.py) merges back and compares clean against the whole dump; a seeded shard bug is
+found at its checkpoint with the rank and slice named; broken rank sets are refused (exit 2) with the reason."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = os.environ.get("DIFFRUN_BIN")
+FIXTURES = os.environ.get("DIFFRUN_FIXTURE_DIR")
+ROOT = Path(__file__).resolve().parent.parent
+SHARD = ROOT / "scripts" / "shard_dump.py"
+
+
+def run(*args):
+    return subprocess.run([BIN, *map(str, args)], capture_output=True, text=True)
+
+
+def shard(ref, out, *args):
+    subprocess.run([sys.executable, SHARD, ref, out, *map(str, args)], check=True, capture_output=True, text=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    if not BIN or not FIXTURES:
+        pytest.skip("DIFFRUN_BIN and DIFFRUN_FIXTURE_DIR are set by ctest (test_shards)")
+    d = tmp_path_factory.mktemp("ref")
+    # tiny-llama: H = 4, Hkv = 2 (so at N = 4 each KV head is copied to two ranks), F = 512; prefill and 2 decodes
+    r = run("dump", "--backend", "cpu", "--precision", "f64", "--model", Path(FIXTURES) / "tiny-llama-f32.gguf",
+            "--tokens", "1,5,9,13", "--steps", "2", "--out", d / "ref.h5")
+    assert r.returncode == 0, r.stderr
+    return d / "ref.h5"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_rank_dumps_merge_back_to_the_whole_dump(ref, tmp_path, ranks):
+    out = shard(ref, tmp_path / "tp", "--ranks", ranks)
+    for f in sorted(out.iterdir()):
+        r = run("validate", f)
+        assert r.returncode == 0, r.stdout + r.stderr
+    r = run("compare", out, ref, "--report-json", tmp_path / "r.json", "--summary")
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    compared = [c for c in report["checkpoints"] if c["metrics"]]
+    assert len(compared) > 100
+    # the merge gives the whole dump back bit for bit (partials cut exactly, slices placed at their offsets)
+    assert all(c["metrics"]["max_abs"] == 0 for c in compared)
+    # the files listed one by one are the same set
+    files = sorted(out.iterdir())
+    assert run("compare", *files, ref, "--summary").returncode == 0
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_corrupted_shard_names_its_rank_and_slice(ref, tmp_path, ranks):
+    # rank 1's first local query head scaled: at N = 2 rank 1 holds heads 2..3, at N = 4 head 1
+    out = shard(ref, tmp_path / "bad", "--ranks", ranks, "--corrupt", "Qcur-1:1")
+    r = run("compare", out, ref, "--report-json", tmp_path / "r.json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    heads = 4 // ranks
+    lo, hi = heads, 2 * heads - 1
+    assert "FIRST DIVERGENCE  Qcur-1  (step 0, layer 1)" in r.stdout
+    assert f"ranks     rank 1 (H {lo}..{hi})" in r.stdout, r.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    first = report["first_divergence"]
+    failed = next(c for c in report["checkpoints"] if c["name"] == "Qcur-1" and c["step"] == 0)
+    assert first["name"] == "Qcur-1" and first["step"] == 0
+    assert failed["ranks"]["split"] == "H" and failed["ranks"]["blamed"] == [1]
+    share = failed["ranks"]["ranks"][1]
+    assert (share["from"], share["to"], share["failed"]) == (lo, hi + 1, True)
+
+
+def test_a_replica_that_differs_names_its_rank(ref, tmp_path):
+    out = shard(ref, tmp_path / "rep", "--ranks", 2, "--corrupt", "l_out-0:1")
+    r = run("compare", out, ref)
+    assert r.returncode == 1
+    assert "FIRST DIVERGENCE  l_out-0  (step 0, layer 0)" in r.stdout
+    assert "rank 1" in r.stdout and "its copy differs" in r.stdout, r.stdout
+
+
+def test_a_wrong_partial_sum_says_it_cannot_name_a_rank(ref, tmp_path):
+    out = shard(ref, tmp_path / "part", "--ranks", 2, "--corrupt", "attn_out-1:1")
+    r = run("compare", out, ref)
+    assert r.returncode == 1
+    assert "FIRST DIVERGENCE  attn_out-1  (step 0, layer 1)" in r.stdout
+    assert "partial sums of 2 ranks" in r.stdout
+
+
+def test_broken_rank_sets_are_refused(ref, tmp_path):
+    two = shard(ref, tmp_path / "two", "--ranks", 2)
+    four = shard(ref, tmp_path / "four", "--ranks", 4)
+    gap = shard(ref, tmp_path / "gap", "--ranks", 4, "--drop-rank", 2)
+    cases = {
+        "rank 2 missing": [gap, ref],
+        "rank dumps of different world sizes": [two / "rank0.h5", four / "rank1.h5", ref],
+        "are both rank 0": [two / "rank0.h5", two / "rank0.h5", ref],
+        "give all of them, or their directory": [two / "rank1.h5", ref],
+        "not a rank dump": [ref, two / "rank1.h5", ref],
+    }
+    for message, args in cases.items():
+        r = run("compare", *args)
+        assert r.returncode == 2, (message, r.stdout, r.stderr)
+        assert message in r.stderr, (message, r.stderr)
