@@ -305,7 +305,7 @@ Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t*
              at + "id " + std::to_string(ids[0]) + " but all_token_ids feeds " +
                  std::to_string((*d->all_token_ids)[i]) + " at this step (teacher forcing)");
     }
-    c.attrs = {0, -1, diffrun::dim_letter::T, "i32", std::nullopt};
+    c.attrs = {0, -1, diffrun::dim_letter::T, "i32", std::nullopt, {}, std::nullopt, std::nullopt};
     return c;
   }
 
@@ -313,7 +313,7 @@ Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t*
   need(d->step_has_tokens, DIFFRUN_DUMP_E_STEP, at + "put \"tokens\" first in every step (T and S come from it)");
   if (foreign) {
     // Stored as given, no order/layer/layout: `diffrun compare --names MAP` maps it.
-    c.attrs = {std::nullopt, std::nullopt, "", native, std::nullopt};
+    c.attrs = {std::nullopt, std::nullopt, "", native, std::nullopt, {}, std::nullopt, std::nullopt};
     return c;
   }
   const std::string layout = layout_c ? layout_c : "";
@@ -345,7 +345,8 @@ Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t*
   // Merged heads are stored in the vocabulary's shape (same bytes).
   c.shape = canonical;
   c.attrs = {order, layer, layout.empty() ? std::string(kind->layout) : layout, native,
-             row_offset != 0 ? std::optional<int>(static_cast<int>(row_offset)) : std::nullopt};
+             row_offset != 0 ? std::optional<int>(static_cast<int>(row_offset)) : std::nullopt, {}, std::nullopt,
+             std::nullopt};
   return c;
 }
 
