@@ -256,8 +256,7 @@ std::vector<std::string> dump_set_paths(const std::vector<std::string>& args) {
   for (const auto& e : fs::directory_iterator(args.front()))
     if (e.is_regular_file() && e.path().extension() == ".h5") out.push_back(e.path().string());
   std::sort(out.begin(), out.end());
-  if (out.empty()) throw InputError(fmt::format("{}: a directory without dumps (*.h5)", args.front()));
-  return out;
+  return out.empty() ? args : out;  // no dumps in it: the reader names the directory as one
 }
 
 std::unique_ptr<DumpReader> open_dump_set(const std::vector<std::string>& paths, const NameMap* names) {

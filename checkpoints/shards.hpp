@@ -23,7 +23,7 @@
 namespace diffrun {
 
 // The dumps one side of a comparison names: the files given, or, for one directory, its regular files ending in
-// ".h5" in name order. InputError for an empty directory or a path that is neither.
+// ".h5" in name order (a directory without any: itself, which the reader refuses as a directory).
 std::vector<std::string> dump_set_paths(const std::vector<std::string>& args);
 
 // One dump (a single file that is not one rank of several), or the rank dumps `paths` merged. The merged dump's

@@ -111,6 +111,7 @@ int run_skeleton(const ValidateCommand& o) {
   const nlohmann::ordered_json config = config_attributes(cfg);
   for (const RootAttribute& a : root_attributes()) {
     if (a.config && !config.contains(a.name)) continue;  // an expert size of a dense model: not written
+    if (a.shard) continue;  // a rank dump's (docs/dump-format.md, "Shards"); the skeleton is a whole dump's
     nlohmann::ordered_json e = {{"name", a.name},
                                 {"type", dump_schema().skeleton_type.at(attr_type_name(a.type))},
                                 {"required", a.required},

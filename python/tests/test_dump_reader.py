@@ -71,7 +71,8 @@ def test_plain_h5py_sees_the_documented_layout(sample):
             assert sorted(group.keys()) == sorted(names + ["_attributes"])
             # the attribute table: a numpy structured array, one row per dataset, in the order written
             t = group["_attributes"][()]
-            assert t.dtype.names == ("name", "order", "layer", "layout", "native_dtype", "row_offset", "dtype")
+            assert t.dtype.names == ("name", "order", "layer", "layout", "native_dtype", "row_offset", "dtype", "split",
+                                     "shard_offset", "partial")
             assert [n.decode() for n in t["name"]] == names and list(t["order"]) == list(range(len(names)))
             assert t.dtype["name"].itemsize == max(len(n) for n in names)
             table = dump_h5.table(group)
