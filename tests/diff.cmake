@@ -48,4 +48,4 @@ add_test(NAME test_shards
          COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider tests/test_shards.py
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(test_shards PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
-  ENVIRONMENT "${DIFFRUN_TEST_ENV}")
+  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python")

@@ -106,3 +106,51 @@ def test_broken_rank_sets_are_refused(ref, tmp_path):
         r = run("compare", *args)
         assert r.returncode == 2, (message, r.stdout, r.stderr)
         assert message in r.stderr, (message, r.stderr)
+
+
+def _edit(path, fn):
+    import h5py
+    with h5py.File(path, "r+") as f:
+        fn(f)
+
+
+def _root(key, value):
+    import numpy as np
+    return lambda f: f.attrs.modify(key, np.int64(value))
+
+
+def _row(name, column, value):
+    """Sets one column of the first step's attribute-table row of checkpoint `name`."""
+    def fn(f):
+        step = sorted(k for k in f.keys() if k.startswith("step_"))[0]
+        table = f[step]["_attributes"]
+        rows = table[()]
+        for i, r in enumerate(rows):
+            if bytes(r["name"]).decode() == name:
+                rows[i][column] = value
+        table[...] = rows
+    return fn
+
+
+@pytest.mark.parametrize("broken", [
+    ("world_size 0", _root("world_size", 0)),
+    ("rank past world_size", _root("rank", 3)),
+    ("world_size missing", lambda f: f.attrs.__delitem__("world_size")),
+    ("split not a layout letter", _row("Qcur-0", "split", b"X")),
+    ("slice past the dimension", _row("Qcur-0", "shard_offset", 3)),
+    ("partial not 0 or 1", _row("attn_out-0", "partial", 2)),
+    ("split and partial together", _row("Qcur-0", "partial", 1)),
+], ids=lambda b: b[0])
+def test_both_validators_read_rank_dumps_alike(ref, tmp_path, broken):
+    """diffrun validate and the Python package's validator accept the rank dumps and give the same problems,
+    word for word, for each broken shard attribute."""
+    from diffrun.validate import validate
+    out = shard(ref, tmp_path / "tp", "--ranks", 2)
+    rank1 = out / "rank1.h5"
+    assert validate(rank1).valid
+    _edit(rank1, broken[1])
+    r = run("validate", rank1, "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    cpp = [(p["where"], p["what"]) for p in json.loads(r.stdout)["problems"]]
+    py = [(p.where, p.what) for p in validate(rank1).problems]
+    assert cpp and sorted(cpp) == sorted(py)

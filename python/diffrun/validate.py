@@ -101,6 +101,7 @@ class _Root:
     all_token_ids: list[int] | None = None
     argmax: list[int] | None = None
     format_version: int = 0  # 0: unknown (missing or unreadable)
+    world_size: int | None = None  # a rank dump's (valid rank and world_size)
 
 
 def _read_root_value(f: h5py.File, a: schema.Attribute, problem: Callable[[str, str], None]) -> Any:
@@ -201,7 +202,65 @@ def _check_root(f: h5py.File) -> _Root:
         problem(version, f"is {values[version]}, this diffrun reads versions {FORMAT_VERSIONS[0]} to {FORMAT_VERSIONS[-1]}")
     r.config = _check_config(values, problem)
     _check_ids(r, values, problem)
+    _check_rank(r, values, problem)
     return r
+
+
+def _check_rank(r: _Root, values: dict[str, Any], problem: Callable[[str, str], None]) -> None:
+    """A rank dump's rank and world size (docs/dump-format.md, "Shards"): both or neither, 0 <= rank < world_size."""
+    rank, world = values.get(attr.rank), values.get(attr.world_size)
+    if (rank is None) != (world is None):
+        problem(attr.world_size if rank is not None else attr.rank,
+                f"missing: a rank dump has both {attr.rank} and {attr.world_size}")
+        return
+    if rank is None:
+        return
+    r.world_size = world
+    most = next(a for a in ROOT_ATTRIBUTES if a.name == attr.world_size).max
+    if not 1 <= world <= most:
+        problem(attr.world_size, f"is {world}, outside 1..{most}")
+    elif not 0 <= rank < world:
+        problem(attr.rank, f"is {rank}, outside 0..{world - 1} (world_size {world})")
+
+
+def _shard_problems(world_size: int | None, split: str | None, offset: int | None, partial: int | None) -> list[str]:
+    """A dataset's shard attributes on their own: split along a letter, partial 0 or 1 and not with split,
+    shard_offset only with split, all only in a rank dump."""
+    if split is None and offset is None and partial is None:
+        return []
+    out = []
+    if world_size is None:
+        out.append(f"shard attributes in a dump without the root attributes {attr.rank} and {attr.world_size}")
+    if partial is not None and partial not in (0, 1):
+        out.append(f"attribute 'partial' is {partial}, expected 0 or 1")
+    if partial == 1 and split is not None:
+        out.append("attributes 'split' and 'partial' together: a rank's piece is a slice or a partial sum")
+    if offset is not None and split is None:
+        out.append("attribute 'shard_offset' without 'split'")
+    if offset is not None and offset < 0:
+        out.append(f"attribute 'shard_offset' is {offset}, expected >= 0")
+    return out
+
+
+def _shard_config(cfg: _Config, layout_dims: list[str], split: str, offset: int, shape: tuple[int, ...],
+                  rows: int, kv_rows: int) -> tuple[_Config | None, str]:
+    """A rank's slice along `split`: the config with that letter's size the slice's, so that check_checkpoint
+    checks the rest; the slice must lie within the whole dimension. (config, "") or (None, the problem)."""
+    if split not in layout_dims or schema.DIMS.get(split) is None:
+        return None, (f"attribute 'split' is '{split}', expected a letter of its layout {','.join(layout_dims)} "
+                      f"other than {schema.ROW_DIM} and {schema.CACHE_DIM}")
+    sizes = schema.dim_sizes(cfg.values, rows, kv_rows)
+    others = int(np.prod([sizes[d] for d in layout_dims if d != split], dtype=np.int64))
+    count = int(np.prod(shape, dtype=np.int64))
+    full = sizes[split]
+    if others <= 0 or count % others != 0 or not 1 <= count // others <= full:
+        return None, (f"holds {count} values, not a slice along {split} of layout {','.join(layout_dims)} "
+                      f"({split} = {full})")
+    extent = count // others
+    if offset + extent > full:
+        return None, (f"attribute 'shard_offset' is {offset}: its slice {split} {offset}..{offset + extent - 1} "
+                      f"passes {split} = {full}")
+    return _Config(dict(cfg.values, **{schema.DIMS[split]: extent})), ""
 
 
 def _check_ids(r: _Root, values: dict[str, Any], problem: Callable[[str, str], None]) -> None:
@@ -552,6 +611,10 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
                                "result_output, cache_k, per-token checkpoints)")
                 row_offset = None
             layout, native, dtype_attr = scalar_str(column.layout), scalar_str(column.native_dtype), scalar_str(column.dtype)
+            split = scalar_str(column.split)
+            shard_offset, partial = scalar_int(column.shard_offset), scalar_int(column.partial)
+            for what in _shard_problems(root.world_size, split, shard_offset, partial):
+                problem(where, what)
             if layer is not None and layer != parsed_layer:
                 problem(where, f"attribute 'layer' is {layer} but the name says {parsed_layer}")
             if order is not None and cfg and _order_error(cfg, base, parsed_layer) is None:
@@ -594,7 +657,14 @@ def _validate(path: str, f: h5py.File, foreign_name: Callable[[str], bool] | Non
                     kv_rows = n_kv - row_offset
                 else:
                     rows = n_tokens - row_offset
-            p = check_checkpoint(cfg, name, parsed_layer, tuple(ds.shape), layout or "", rows, kv_rows)
+            shard_cfg = cfg
+            if split is not None and row_kind is not None:
+                shard_cfg, what = _shard_config(cfg, list(row_kind.dims), split, shard_offset or 0,
+                                                tuple(ds.shape), rows, kv_rows)
+                if shard_cfg is None:
+                    problem(where, what)
+                    continue
+            p = check_checkpoint(shard_cfg, name, parsed_layer, tuple(ds.shape), layout or "", rows, kv_rows)
             if p:
                 problem(where, p)
                 continue
