@@ -1,5 +1,6 @@
 // The comparator: refuses incomparable dumps, compares every checkpoint in order, finds the first divergence.
 #include "diff/compare.hpp"
+#include "diff/routing.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -247,6 +248,7 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
   }
   r.bound_scale = tolerances.length_scale(positions) * tolerances.reduction_scale(r.base, dims);
   r.checks = check_bounds(m, rule, positions, r.bound_scale);
+  if (m.finite()) r.routing = routing_rows(r.base, a, b, r.shape_reference, r.checks);
   r.metrics = std::move(m);
   const bool ok = std::all_of(r.checks.begin(), r.checks.end(), [](const BoundCheck& k) { return k.pass; });
   r.status = ok ? CheckpointStatus::pass : CheckpointStatus::fail;
@@ -344,6 +346,7 @@ void finish_comparison(Comparison& c, const ToleranceSet& tolerances, const Comp
                          cx);
   };
   check_engine_argmax(c, engine_argmax);
+  c.routing = summarise_routing(c.results);
   c.first_failure = first_failure_of(c.results);
   c.first_nonfinite = first_nonfinite_of(c.results);
   if (c.first_nonfinite) c.nonfinite_verdict = decide_verdict(c.results, *c.first_nonfinite, n_layer, opt.jump_factor);

@@ -34,6 +34,7 @@
 #include "diff/metrics.hpp"
 #include "diff/pattern.hpp"
 #include "diff/result.hpp"
+#include "diff/routing.hpp"
 #include "diff/tolerances.hpp"
 #include "diff/verdict.hpp"
 
@@ -103,6 +104,9 @@ struct Comparison {
   // for a shape mismatch.
   std::optional<ErrorPattern> pattern, nonfinite_pattern;
   std::vector<StepTokens> tokens;
+  // Mixtures of experts: every compared ffn_moe_topk's flips, their margins and router errors
+  // (diff/routing.hpp); empty for a dense model.
+  RoutingSummary routing;
   int n_pass = 0, n_fail = 0, n_one_sided = 0;
   Coverage coverage;
   std::string isolated_path;  // the isolation-replay dump, when add_isolation ran

@@ -19,6 +19,15 @@
 //                the engine dump), "percent", "required" (0: none), "met": bool, "missing_kinds": [str],
 //                "missing_steps": [int] (steps of the reference the engine dump lacks: never met)},
 //   "warnings": [str],
+//   "routing": null (no ffn_moe_topk compared) | {              // mixtures of experts: diff/routing.hpp
+//       "token_layers" (compared), "flipped" (another set of experts), "reordered" (the same set in
+//       another order), "flip_rate" (flipped / token_layers), "topk_overlap" (mean shared ids / K),
+//       "drift", "local", "undetermined" (of the flipped and reordered),
+//       "layers": [{"step", "layer", "tokens", "k", "flipped", "differing", "topk_overlap"}],
+//       "flips": [{"step", "layer", "token", "reference": [int], "engine": [int], "overlap",
+//                  "reordered", "margin" (reference's K-th minus (K+1)-th router logit), "gap" (the
+//                  largest reference logit difference the engine's choice crossed), "router_error",
+//                  "kind": "drift"|"local"|"undetermined"}]},
 //   "first_divergence": null | {
 //       "index": int (into "checkpoints"), "step", "name", "layer",
 //       "preceding": [int] (indices of the passing checkpoints just before it),
@@ -28,7 +37,9 @@
 //       "verdict": {"kind": "local"|"drift"|"undetermined", "precision": bool (drift explained by the
 //                   engine's storage precision, rule "storage"), "rule", "explanation", "ratio",
 //                   "inputs": [{"name", "rel_l2"}], "growth": [{"layer", "rel_l2"}],
-//                   "unrecorded_inputs": [str] (direct dataflow inputs the step did not record)}},
+//                   "unrecorded_inputs": [str] (direct dataflow inputs the step did not record),
+//                   "routing_flip": bool (drift: other experts chosen across a near tie, rule
+//                   "routing_flip")}},
 //   "first_nonfinite": null | {                               // the first checkpoint with a NaN/Inf on
 //       "index", "step", "name", "layer",                     // either side (it always fails)
 //       "engine": {"nan", "inf", "first": null | {"flat", "coords": {letter: index}, "value"}},
@@ -122,7 +133,38 @@ json verdict_json(const Verdict& v) {
           {"ratio", number(v.ratio)},
           {"inputs", inputs},
           {"growth", growth},
-          {"unrecorded_inputs", v.unrecorded_inputs}};
+          {"unrecorded_inputs", v.unrecorded_inputs},
+          {"routing_flip", v.routing_flip}};
+}
+
+json flip_json(const RoutingFlip& f) {
+  return {{"step", f.step},          {"layer", f.layer},       {"token", f.token},
+          {"reference", f.reference}, {"engine", f.engine},     {"overlap", f.overlap},
+          {"reordered", f.reordered}, {"margin", number(f.margin)}, {"gap", number(f.gap)},
+          {"router_error", number(f.router_error)}, {"kind", flip_kind_name(f.kind)}};
+}
+
+json routing_json(const RoutingSummary& r) {
+  if (r.empty()) return nullptr;
+  json layers = json::array(), flips = json::array();
+  for (const RoutingLayer& l : r.layers) {
+    int64_t flipped = 0;
+    for (const RoutingFlip& f : l.flips) {
+      flipped += f.reordered ? 0 : 1;
+      flips.push_back(flip_json(f));
+    }
+    layers.push_back({{"step", l.step},
+                      {"layer", l.layer},
+                      {"tokens", l.tokens},
+                      {"k", l.k},
+                      {"flipped", flipped},
+                      {"differing", l.flips.size()},
+                      {"topk_overlap", l.tokens && l.k ? static_cast<double>(l.overlap_sum) / (l.tokens * l.k) : 1.0}});
+  }
+  return {{"token_layers", r.token_layers}, {"flipped", r.flipped},    {"reordered", r.reordered},
+          {"flip_rate", r.flip_rate()},     {"topk_overlap", r.topk_overlap()}, {"drift", r.drift},
+          {"local", r.local},               {"undetermined", r.undetermined}, {"layers", layers},
+          {"flips", flips}};
 }
 
 json side(const DumpMeta& m, const std::string& path) {
@@ -258,6 +300,7 @@ nlohmann::ordered_json report_json(const Comparison& c) {
   } else {
     j["recording_check"] = nullptr;
   }
+  j["routing"] = routing_json(c.routing);
   if (c.first_failure) {
     const CheckpointResult& f = c.results[*c.first_failure];
     j["first_divergence"] = {{"index", *c.first_failure},

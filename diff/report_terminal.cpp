@@ -93,6 +93,7 @@ void verdict_lines(std::string& out, const Verdict& v, const Style& s) {
   std::string kind = verdict_kind_name(v.kind);
   std::transform(kind.begin(), kind.end(), kind.begin(), [](unsigned char ch) { return std::toupper(ch); });
   if (v.precision) kind += " (precision)";
+  if (v.routing_flip) kind += " (routing flip)";
   out += fmt::format("  verdict   {} (rule {}): {}\n", s.bold(kind), v.rule, v.explanation);
   if (!v.inputs.empty()) {
     std::vector<std::string> ins;
@@ -104,6 +105,37 @@ void verdict_lines(std::string& out, const Verdict& v, const Style& s) {
   }
   if (!v.unrecorded_inputs.empty())
     out += fmt::format("            not recorded: {} (an input of this op)\n", fmt::join(v.unrecorded_inputs, ", "));
+}
+
+// Mixtures of experts, before the first divergence: where the two sides chose other experts, per step,
+// layer and token, with the margin and the router error that decide each (diff/routing.hpp); the first
+// kMaxFlipLines flips, local ones first.
+constexpr size_t kMaxFlipLines = 8;
+void routing_lines(std::string& out, const RoutingSummary& r, const Style& s) {
+  if (r.differing() == 0) return;
+  const std::string head = fmt::format(
+      "ROUTING  {} of {} (token, layer) chose other experts (flip rate {:.3g}%){}, top-k overlap {:.3f}: {} drift "
+      "(routing flip), {} local{}",
+      r.flipped, r.token_layers, 100.0 * r.flip_rate(),
+      r.reordered ? fmt::format(", {} the same experts in another order", r.reordered) : std::string(),
+      r.topk_overlap(), r.drift, r.local, r.undetermined ? fmt::format(", {} undetermined", r.undetermined) : std::string());
+  out += (r.local ? s.red(head) : s.yellow(head)) + "\n";
+  std::vector<const RoutingFlip*> flips;
+  for (const RoutingLayer& l : r.layers)
+    for (const RoutingFlip& f : l.flips) flips.push_back(&f);
+  std::stable_sort(flips.begin(), flips.end(), [](const RoutingFlip* a, const RoutingFlip* b) {
+    return (a->kind == FlipKind::local) > (b->kind == FlipKind::local);
+  });
+  for (size_t i = 0; i < flips.size() && i < kMaxFlipLines; ++i) {
+    const RoutingFlip& f = *flips[i];
+    out += fmt::format("  step {} layer {} token {}: experts {{{}}} vs reference {{{}}} ({} of {} shared), margin {}, "
+                       "gap {}, router error {}: {}\n",
+                       f.step, f.layer, f.token, fmt::join(f.engine, ","), fmt::join(f.reference, ","), f.overlap,
+                       f.reference.size(), num(f.margin), num(f.gap), num(f.router_error),
+                       f.kind == FlipKind::drift ? "drift (routing flip)" : flip_kind_name(f.kind));
+  }
+  if (flips.size() > kMaxFlipLines) out += fmt::format("  ... {} more (the JSON report lists every one)\n", flips.size() - kMaxFlipLines);
+  out += "\n";
 }
 
 // notes: the tolerance rule's calibration note and the bounds that would pass ("to pass"), shown
@@ -572,6 +604,7 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
     out += s.yellow(fmt::format("  warning: present in one dump only, not compared: {}", fmt::join(names, ", "))) + "\n";
   }
   out += "\n";
+  routing_lines(out, c.routing, s);
   if (c.first_failure) {
     first_divergence(out, c, s, opt.explain || c.verdict.kind == VerdictKind::drift);
     if (c.first_nonfinite && *c.first_nonfinite != *c.first_failure) first_nonfinite(out, c, s);

@@ -47,6 +47,16 @@ struct RankBlame {
   std::string note;         // what cannot be told from this checkpoint (partial sums)
 };
 
+// What the routing verdict (diff/routing.hpp) reads of an MoE checkpoint, kept when it is compared so
+// that no values need be held: ffn_moe_topk's ids on both sides ([T, K], -1 where a value is not a
+// whole number), ffn_moe_logits' reference values ([T, E]) and the router error bound per token.
+struct RoutingRows {
+  int64_t rows = 0, width = 0;
+  std::vector<int32_t> ids_engine, ids_reference;
+  std::vector<float> logits_reference;
+  std::vector<double> error;
+};
+
 struct CheckpointResult {
   int step = 0;
   std::string name;  // "Qcur-3"
@@ -74,6 +84,7 @@ struct CheckpointResult {
   double layout_suspect_rel_l2 = 0.0;
   std::optional<F16Fit> f16_fit;  // failing and finite only (compare_checkpoint)
   std::optional<RankBlame> ranks;  // a failing checkpoint merged from rank dumps (diff/shards.hpp)
+  std::optional<RoutingRows> routing;  // ffn_moe_topk and ffn_moe_logits, when compared and finite
 
   bool failed() const { return status == CheckpointStatus::fail || status == CheckpointStatus::shape_mismatch; }
   bool compared() const { return metrics.has_value(); }

@@ -56,6 +56,7 @@ struct Context {
   std::vector<const CheckpointResult*> inputs;
   std::vector<LayerError> growth;
   double jump_factor;
+  std::optional<RoutingLayer> routing;  // the failing ffn_moe_topk's flips
 };
 
 using Rule = bool (*)(const Context&, Verdict&);
@@ -197,6 +198,57 @@ bool rule_nonfinite(const Context& c, Verdict& v) {
   return true;
 }
 
+std::string ids_text(const std::vector<int32_t>& ids) { return fmt::format("{{{}}}", fmt::join(ids, ",")); }
+
+// The selected experts differ (diff/routing.hpp): the flip with the largest gap over its router error
+// decides. The isolation rule, before it, decides where the replay fed the reference's router inputs.
+bool rule_routing(const Context& c, Verdict& v) {
+  if (c.failing.base != "ffn_moe_topk" || !c.routing || c.routing->flips.empty()) return false;
+  const std::vector<RoutingFlip>& flips = c.routing->flips;
+  v.flips = flips;
+  v.rule = "routing";
+  const auto over = [](const RoutingFlip& f) { return f.gap / f.router_error; };
+  const RoutingFlip* worst = nullptr;
+  for (const RoutingFlip& f : flips) {
+    if (f.kind == FlipKind::undetermined) {
+      v.kind = VerdictKind::undetermined;
+      v.explanation = fmt::format("token {} chose experts {} where the reference chose {}, and ffn_moe_logits-{} was "
+                                  "not compared: record the router logits on both sides to tell a flip by drift "
+                                  "from a routing bug",
+                                  f.token, ids_text(f.engine), ids_text(f.reference), f.layer);
+      return true;
+    }
+    // A local flip before any drift one, then the largest gap over the router error.
+    const bool local = f.kind == FlipKind::local;
+    if (!worst || (local && worst->kind != FlipKind::local) ||
+        (local == (worst->kind == FlipKind::local) && over(f) > over(*worst)))
+      worst = &f;
+  }
+  const RoutingFlip& w = *worst;
+  const std::string what = fmt::format("token {} chose experts {} where the reference chose {} ({} in common)", w.token,
+                                       ids_text(w.engine), ids_text(w.reference), w.overlap);
+  if (w.kind == FlipKind::local) {
+    v.kind = VerdictKind::local;
+    v.explanation = fmt::format("{}: the reference's router logits rank them apart by {:.3g} (margin between the "
+                                "K-th and (K+1)-th {:.3g}), {} twice the router error {:.3g} at that token: the "
+                                "selection is wrong, not the logits ({} of {} tokens differ)",
+                                what, w.gap, w.margin,
+                                std::isinf(w.gap) ? std::string("an id naming no expert, far beyond")
+                                                  : fmt::format("{:.3g}x", w.gap / (2 * w.router_error)),
+                                w.router_error, flips.size(), c.routing->tokens);
+    return true;
+  }
+  v.kind = VerdictKind::drift;
+  v.rule = "routing_flip";
+  v.routing_flip = true;
+  v.explanation = fmt::format("{} of {} tokens chose other experts, each across a gap of the reference's router "
+                              "logits within twice the router error (largest: {}, gap {:.3g}, margin {:.3g}, router "
+                              "error {:.3g}): a near tie that precision error tipped; what follows in this token "
+                              "comes from the other experts",
+                              flips.size(), c.routing->tokens, what, w.gap, w.margin, w.router_error);
+  return true;
+}
+
 // Unit roundoff of a storage dtype narrower than f32, 0 for the others.
 double storage_roundoff(std::string_view dtype) {
   if (dtype == "f16") return std::ldexp(1.0, -11);
@@ -288,7 +340,7 @@ bool rule_no_jump(const Context& c, Verdict& v) {
 
 // In order; the first rule that decides wins.
 constexpr Rule kRules[] = {rule_shape,   rule_argmax, rule_layout,        rule_f16_storage,
-                           rule_isolation, rule_nonfinite, rule_storage, rule_embedding,
+                           rule_isolation, rule_nonfinite, rule_routing, rule_storage, rule_embedding,
                            rule_jump,    rule_smooth_growth, rule_no_jump};
 
 }  // namespace
@@ -341,6 +393,10 @@ Verdict decide_verdict(const std::vector<CheckpointResult>& results, size_t fail
     }
   }
   v.growth = c.growth;
+  if (f.base == "ffn_moe_topk" && f.routing) {
+    const auto logits = step.find(checkpoint_name("ffn_moe_logits", f.layer));
+    c.routing = analyse_routing(f, logits == step.end() ? nullptr : logits->second);
+  }
   if (c.metrics) {
     double max_in = 0;
     for (const auto& in : v.inputs) max_in = std::max(max_in, in.rel_l2);

@@ -12,6 +12,10 @@
 //   isolation     (isolation replay ran) this op on the reference's inputs fails its tolerance
 //                 -> local; passes it -> drift (the error came in through its inputs)
 //   nonfinite     non-finite values appear here, inputs are finite      -> local
+//   routing       ffn_moe_topk chose other experts (diff/routing.hpp): a flip across a gap of the
+//                 reference's router logits larger than twice the router error -> local; every flip
+//                 within it -> drift (routing flip, rule routing_flip); a flip whose router logits
+//                 were not compared -> undetermined
 //   storage       the engine stores this tensor narrower than the reference (native dtype f16 or
 //                 bf16 against f32/f64) and rel_l2 <= u + jump_factor x its inputs' max, u the
 //                 unit roundoff of that storage (f16 2^-11, bf16 2^-8): what rounding the stored
@@ -35,6 +39,7 @@
 #include <vector>
 
 #include "diff/result.hpp"
+#include "diff/routing.hpp"
 
 namespace diffrun::diff {
 
@@ -59,6 +64,8 @@ struct Verdict {
   double ratio = 0.0;                // rel_l2 / max input rel_l2 (inf when the inputs are exact)
   std::vector<LayerError> growth;    // the same kind's rel_l2 by layer up to the failing one
   bool precision = false;            // drift explained by the engine's declared storage precision (rule storage)
+  bool routing_flip = false;         // drift: other experts chosen across a margin within the router's error
+  std::vector<RoutingFlip> flips;    // rule routing/routing_flip: the failing layer's flipped tokens
   // Direct dataflow inputs of the op (the vocabulary's, a kind no op reads back standing for its own)
   // that the step does not hold compared: "cache_k-0 or Krope-0" for an operand with alternatives.
   std::vector<std::string> unrecorded_inputs;

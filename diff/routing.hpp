@@ -1,0 +1,91 @@
+// The routing verdict of a mixture of experts: where the two sides chose other experts, and whether the
+// router's error explains it.
+//
+// Decisions:
+// - A (token, layer) is flipped when its ffn_moe_topk rows differ as sets of expert ids; one whose sets
+//   are equal but ordered otherwise is reordered (its slots, and every [T, K, ...] checkpoint, are
+//   permuted). Both are judged alike.
+// - The margin is the reference's K-th minus (K+1)-th router logit (ffn_moe_logits) at that token: how
+//   close the choice was. The gap is what the engine's choice had to cross: the largest reference
+//   logit difference l_i - l_j over the pairs the two sides rank in opposite order (i above j on the
+//   reference, j above i on the engine; outside the top K counts as one rank below it). A swap of the
+//   K-th and (K+1)-th expert crosses the margin itself; a choice further down crosses more.
+// - The router error at a token is the larger of the engine's observed error there (the largest
+//   |a - b| over its logits row) and the largest element error the tolerance rule of ffn_moe_logits
+//   admits on that row (its max_abs, else its row or tensor rel L2 bound times the row's norm, as
+//   scaled for the step): the size the preset declares for this pair's precision error. An ordering
+//   of two experts changes when their logits' difference moves by more than the gap, which two
+//   element errors of size e do when gap <= 2e: such a flip is drift ("drift (routing flip)"). A flip
+//   with a larger gap is local: the selection, not the logits (an expert id off by one, a softmax over
+//   the wrong set). Where the engine's logits were not compared, the flip is undetermined.
+// - Wrong routing weights with the same experts are no flip: ffn_moe_weights fails on its own and the
+//   ordinary rules call it local.
+// - The evidence is kept by compare_checkpoint (RoutingRows on the results of ffn_moe_topk and
+//   ffn_moe_logits), so the streaming comparison and compare_dumps judge alike with no values kept.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "diff/result.hpp"
+
+namespace diffrun::diff {
+
+enum class FlipKind { drift, local, undetermined };
+const char* flip_kind_name(FlipKind k);
+
+// One (token, layer) whose selected experts differ.
+struct RoutingFlip {
+  int step = 0;
+  int layer = -1;
+  int64_t token = 0;                      // the row of the step's ffn_moe_topk
+  std::vector<int32_t> reference, engine; // the K ids, most probable first
+  int overlap = 0;                        // |reference ∩ engine|
+  bool reordered = false;                 // the same set in another order
+  double margin = std::nan("");           // reference's K-th minus (K+1)-th logit (NaN: logits not compared)
+  double gap = std::nan("");              // the largest reference logit difference the engine crossed
+  double router_error = std::nan("");     // the router error bound at this token
+  FlipKind kind = FlipKind::undetermined;
+};
+
+// The routing of one (step, layer): its tokens and those that flipped.
+struct RoutingLayer {
+  int step = 0;
+  int layer = -1;
+  int64_t tokens = 0;
+  int64_t k = 0;
+  int64_t overlap_sum = 0;  // sum over tokens of |reference ∩ engine|
+  std::vector<RoutingFlip> flips;
+};
+
+// Over every compared ffn_moe_topk of a comparison.
+struct RoutingSummary {
+  std::vector<RoutingLayer> layers;  // step order, then layer order; only those compared
+  int64_t token_layers = 0;          // (token, layer) pairs compared
+  int64_t flipped = 0;    // another set of experts
+  int64_t reordered = 0;  // the same set in another order
+  int64_t drift = 0, local = 0, undetermined = 0;  // of the flipped and reordered
+  int64_t differing() const { return flipped + reordered; }
+  double flip_rate() const { return token_layers ? static_cast<double>(flipped) / token_layers : 0.0; }
+  double topk_overlap() const;       // mean |reference ∩ engine| / K over (token, layer)
+  bool empty() const { return layers.empty(); }
+};
+
+// The evidence compare_checkpoint keeps for kind `base` (ffn_moe_topk or ffn_moe_logits, 2-D [T, K] or
+// [T, E]) from the values compared and the checks it made against its rule; nullopt for any other kind.
+std::optional<RoutingRows> routing_rows(std::string_view base, std::span<const float> a, std::span<const float> b,
+                                        std::span<const int64_t> shape, const std::vector<BoundCheck>& checks);
+
+// The routing of one ffn_moe_topk result, judged with the same step and layer's ffn_moe_logits result
+// (null when not compared).
+RoutingLayer analyse_routing(const CheckpointResult& topk, const CheckpointResult* logits);
+
+// Every compared ffn_moe_topk of `results`.
+RoutingSummary summarise_routing(const std::vector<CheckpointResult>& results);
+
+}  // namespace diffrun::diff
