@@ -162,9 +162,11 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
 
 // Appends one step's results to c in the comparator's order (the reference's datasets by order,
 // engine-only ones placed by their own order), counting coverage, passes, failures and one-sided
-// checkpoints; `result` gives each checkpoint's result.
+// checkpoints; `result` gives each checkpoint's result. A checkpoint failing only in the slots of a
+// routing flip by drift passes (excuse_routing_flip, diff/routing.hpp; the step's results are its evidence).
 void add_step_results(Comparison& c, const std::vector<DatasetInfo>& engine, const std::vector<DatasetInfo>& reference,
-                      const std::function<CheckpointResult(const DatasetInfo* engine, const DatasetInfo* reference)>& result);
+                      const std::function<CheckpointResult(const DatasetInfo* engine, const DatasetInfo* reference)>& result,
+                      const ToleranceSet& tolerances);
 
 // After the last step: the first failure and the first NaN/Inf with their verdicts and error
 // patterns (`values` gives the compared values of results[index]), the passing checkpoints before

@@ -55,6 +55,8 @@
 //       "local": null | {"status", "rel_l2"},                 // isolation replay, when it ran
 //       "ranks": null | {"split": letter ("" replicated), "partial": bool, "blamed": [int], "note": str,  // merged
 //          "ranks": [{"rank", "path", "from", "to", "rel_l2", "failed", "copy_differs"}]},  // from rank dumps, failing
+//       "routing_excused": int (slots left out as a routing flip's by drift; the metrics and checks
+//                          are over the other slots: diff/routing.hpp),
 //       "metrics": null | {
 //          "n", "max_abs", "mean_abs", "rel_l2", "nmse", "cosine", "sqnr_db", "n_fail", "fail_frac",
 //          "atol", "rtol", "nan_engine", "inf_engine", "nan_reference", "inf_reference",
@@ -261,7 +263,8 @@ json checkpoint_json(const CheckpointResult& r) {
           {"local", r.local ? json{{"status", checkpoint_status_name(r.local->status)}, {"rel_l2", number(r.local->rel_l2)}}
                             : json(nullptr)},
           {"ranks", r.ranks ? ranks_json(*r.ranks) : json(nullptr)},
-          {"metrics", r.metrics ? metrics_json(*r.metrics) : json(nullptr)}};
+          {"metrics", r.metrics ? metrics_json(*r.metrics) : json(nullptr)},
+          {"routing_excused", r.routing_excused}};
 }
 
 }  // namespace

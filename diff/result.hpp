@@ -49,12 +49,16 @@ struct RankBlame {
 
 // What the routing verdict (diff/routing.hpp) reads of an MoE checkpoint, kept when it is compared so
 // that no values need be held: ffn_moe_topk's ids on both sides ([T, K], -1 where a value is not a
-// whole number), ffn_moe_logits' reference values ([T, E]) and the router error bound per token.
+// whole number), ffn_moe_logits' reference values ([T, E]) and the router error bound per token, and for
+// every kind laid out per slot ([T, K, ...]: ffn_moe_topk, the weights, gate, up, swiglu, down) the
+// sums of (a - b)^2 and b^2 and the largest |a - b| of each (token, slot), so that the slots of a
+// routing flip can be left out of its comparison.
 struct RoutingRows {
   int64_t rows = 0, width = 0;
   std::vector<int32_t> ids_engine, ids_reference;
   std::vector<float> logits_reference;
   std::vector<double> error;
+  std::vector<double> slot_err2, slot_ref2, slot_max_abs;  // [T, K]
 };
 
 struct CheckpointResult {
@@ -84,7 +88,10 @@ struct CheckpointResult {
   double layout_suspect_rel_l2 = 0.0;
   std::optional<F16Fit> f16_fit;  // failing and finite only (compare_checkpoint)
   std::optional<RankBlame> ranks;  // a failing checkpoint merged from rank dumps (diff/shards.hpp)
-  std::optional<RoutingRows> routing;  // ffn_moe_topk and ffn_moe_logits, when compared and finite
+  std::optional<RoutingRows> routing;  // ffn_moe_logits and the per-slot kinds, when compared and finite
+  // Slots left out of the comparison as those of a routing flip by drift (excuse_routing_flip): the
+  // metrics and checks are then over the other slots.
+  int64_t routing_excused = 0;
 
   bool failed() const { return status == CheckpointStatus::fail || status == CheckpointStatus::shape_mismatch; }
   bool compared() const { return metrics.has_value(); }

@@ -26,6 +26,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -76,10 +77,23 @@ struct RoutingSummary {
   bool empty() const { return layers.empty(); }
 };
 
-// The evidence compare_checkpoint keeps for kind `base` (ffn_moe_topk or ffn_moe_logits, 2-D [T, K] or
-// [T, E]) from the values compared and the checks it made against its rule; nullopt for any other kind.
-std::optional<RoutingRows> routing_rows(std::string_view base, std::span<const float> a, std::span<const float> b,
-                                        std::span<const int64_t> shape, const std::vector<BoundCheck>& checks);
+// The evidence compare_checkpoint keeps for kind `base` of layout `layout` (ffn_moe_logits [T, E], or a
+// kind laid out per slot, [T, K, ...], ffn_moe_topk among them) from the values compared and the checks
+// it made against its rule; nullopt for any other kind.
+std::optional<RoutingRows> routing_rows(std::string_view base, std::string_view layout, std::span<const float> a,
+                                        std::span<const float> b, std::span<const int64_t> shape,
+                                        const std::vector<BoundCheck>& checks);
+
+// A flip by drift is no failure. Where every token of a layer whose experts differ is a drift flip, a
+// failing checkpoint of that layer laid out per slot ([T, K, ...]) is judged again over the slots whose
+// expert is the same on both sides (a flipped token's other slots, and a reordered token's, are left
+// out): its rel L2, row rel L2, NMSE and max |a - b| recomputed from RoutingRows, its rule's bounds
+// checked again; it passes when they all do (routing_excused: the slots left out). Downstream of the
+// slots (ffn_moe_out, l_out, later layers and steps) nothing is left out: the other experts' output is
+// judged by the tolerance, and a failure there is called drift (routing flip) by the verdict. `find`
+// gives a result of the same step by name (null when absent). Returns true when `r` was excused.
+bool excuse_routing_flip(CheckpointResult& r, const std::function<const CheckpointResult*(const std::string&)>& find,
+                         const ToleranceSet& tolerances);
 
 // The routing of one ffn_moe_topk result, judged with the same step and layer's ffn_moe_logits result
 // (null when not compared).

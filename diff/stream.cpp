@@ -66,7 +66,21 @@ CheckpointResult StreamComparison::compare_pair(Pending& eng, Pending& ref, std:
 }
 
 void StreamComparison::settle(CheckpointResult r, std::vector<float>& a, std::vector<float>& b) {
-  if (r.failed() && r.metrics && (first_failed_step_ < 0 || r.step <= first_failed_step_)) keep_candidate(first_failure_, r, a, b);
+  // A routing flip by drift, judged as end_step will judge it (add_step_results) from the step's routing
+  // checkpoints settled so far (they come first in execution order), so that its slots hold no candidate.
+  if (r.failed() && r.routing) {
+    const auto& settled = steps_[r.step].results;
+    excuse_routing_flip(r, [&](const std::string& name) -> const CheckpointResult* {
+      const auto it = settled.find(name);
+      return it == settled.end() ? nullptr : &it->second;
+    }, tolerances_);
+  }
+  const bool excusable = r.routing && !r.routing->slot_err2.empty();
+  if (r.failed() && r.metrics && (first_failed_step_ < 0 || r.step <= first_failed_step_)) {
+    // A slot kind may still pass at end_step (a flip judged with the whole step): kept beside the candidate.
+    if (excusable) routing_kept_.push_back(Kept{r.step, r.order, r.name, a, b});
+    else keep_candidate(first_failure_, r, a, b);
+  }
   if (r.metrics && !r.metrics->finite() && (first_nonfinite_step_ < 0 || r.step <= first_nonfinite_step_))
     keep_candidate(first_nonfinite_, r, a, b);
   steps_[r.step].results.emplace(r.name, std::move(r));
@@ -172,7 +186,7 @@ StreamComparison::StepEnd StreamComparison::end_step(int step) {
     if (e && r) return std::move(st.results.at(e->name));
     return compare_checkpoint(step, e, r, tolerances_, dims_, positions_through(step),
                               [](std::vector<float>&, std::vector<float>&) {});
-  });
+  }, tolerances_);
   st.results.clear();
   st.ordered = std::move(part.results);
   StepEnd out;
@@ -181,6 +195,16 @@ StreamComparison::StepEnd StreamComparison::end_step(int step) {
     out.nonfinite = out.nonfinite || (r.metrics && !r.metrics->finite());
   }
   if (out.failed && first_failed_step_ < 0) first_failed_step_ = step;
+  // The slot kinds' values kept at settle: those that passed in the end are not needed, nor any but the first.
+  std::erase_if(routing_kept_, [&](const Kept& k) {
+    if (first_failed_step_ >= 0 && k.step > first_failed_step_) return true;
+    if (k.step != step) return false;
+    const auto it = std::find_if(st.ordered.begin(), st.ordered.end(), [&](const CheckpointResult& r) { return r.name == k.name; });
+    return it == st.ordered.end() || !it->failed();
+  });
+  std::sort(routing_kept_.begin(), routing_kept_.end(),
+            [](const Kept& x, const Kept& y) { return std::make_pair(x.step, x.order) < std::make_pair(y.step, y.order); });
+  if (routing_kept_.size() > 1) routing_kept_.resize(1);
   if (out.nonfinite && first_nonfinite_step_ < 0) first_nonfinite_step_ = step;
   // Candidates of later steps than the first failing one are never needed.
   if (first_failure_ && first_failed_step_ >= 0 && first_failure_->step > first_failed_step_) first_failure_.reset();
@@ -211,7 +235,7 @@ Comparison StreamComparison::finish(const std::string& engine_path, const std::s
     size_t next = 0;
     const auto& ordered = st.ordered;  // a lambda may not capture a structured binding (clang 14)
     add_step_results(c, st.infos[0], st.infos[1],
-                     [&](const DatasetInfo*, const DatasetInfo*) { return ordered.at(next++); });
+                     [&](const DatasetInfo*, const DatasetInfo*) { return ordered.at(next++); }, tolerances_);
   }
   if (c.coverage.compared == 0) throw DumpError("the engine and the reference recorded no checkpoint in common");
   engine_argmax.resize(std::min(engine_argmax.size(), static_cast<size_t>(last_step + 1)));
@@ -224,6 +248,13 @@ Comparison StreamComparison::finish(const std::string& engine_path, const std::s
           if (*kept && (*kept)->step == r.step && (*kept)->name == r.name) {
             a = (*kept)->a;
             b = (*kept)->b;
+            return;
+          }
+        }
+        for (const Kept& k : routing_kept_) {
+          if (k.step == r.step && k.name == r.name) {
+            a = k.a;
+            b = k.b;
             return;
           }
         }

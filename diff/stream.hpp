@@ -8,7 +8,8 @@
 //   Comparison that compare_dumps returns for those dumps.
 // - Bounded memory: a checkpoint's values are held until the other side's arrive, then compared and
 //   released. Only the values of the first failing checkpoint and of the first one holding a NaN/Inf
-//   are kept (their error patterns), one candidate of each at a time.
+//   are kept (their error patterns), one candidate of each at a time; and, until their step ends, those
+//   of the failing MoE slot kinds of that step, which a routing flip by drift may excuse.
 // - Steps end in order (end_step), and finish(last_step) keeps the steps up to last_step only: a run
 //   stopped after its first divergence (--stop-at-first) reports the steps it promised, whatever the
 //   backends computed beyond them.
@@ -108,6 +109,9 @@ class StreamComparison {
   int first_failed_step_ = -1;
   int first_nonfinite_step_ = -1;
   std::optional<Kept> first_failure_, first_nonfinite_;
+  // Failing checkpoints laid out per slot, which a routing flip by drift may still excuse at end_step
+  // (diff/routing.hpp): each of the open step, then the first that stayed failing.
+  std::vector<Kept> routing_kept_;
 };
 
 }  // namespace diffrun::diff

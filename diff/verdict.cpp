@@ -57,6 +57,7 @@ struct Context {
   std::vector<LayerError> growth;
   double jump_factor;
   std::optional<RoutingLayer> routing;  // the failing ffn_moe_topk's flips
+  std::optional<RoutingFlip> prior_flip; // the first drift flip before the failing checkpoint
 };
 
 using Rule = bool (*)(const Context&, Verdict&);
@@ -249,6 +250,25 @@ bool rule_routing(const Context& c, Verdict& v) {
   return true;
 }
 
+// Downstream of a routing flip by drift (its token's other experts change ffn_moe_out, the layers after
+// and, through the cache, the later steps): the error here is the flip's, not a bug of this op. The
+// isolation rule, before it, checks the op on the reference's inputs where the replay ran.
+bool rule_after_flip(const Context& c, Verdict& v) {
+  if (!c.prior_flip || c.failing.base == "ffn_moe_topk") return false;
+  const RoutingFlip& f = *c.prior_flip;
+  v.kind = VerdictKind::drift;
+  v.rule = "routing_flip";
+  v.routing_flip = true;
+  v.flips = {f};
+  v.explanation = fmt::format("downstream of a routing flip by drift: at step {} layer {} token {} chose experts {} where "
+                              "the reference chose {}, across a gap of {:.3g} within twice the router error {:.3g}; the "
+                              "other experts' output carries on from there (--isolate checks this op on the "
+                              "reference's inputs)",
+                              f.step, f.layer, f.token, ids_text(f.engine), ids_text(f.reference), f.gap,
+                              f.router_error);
+  return true;
+}
+
 // Unit roundoff of a storage dtype narrower than f32, 0 for the others.
 double storage_roundoff(std::string_view dtype) {
   if (dtype == "f16") return std::ldexp(1.0, -11);
@@ -341,7 +361,7 @@ bool rule_no_jump(const Context& c, Verdict& v) {
 // In order; the first rule that decides wins.
 constexpr Rule kRules[] = {rule_shape,   rule_argmax, rule_layout,        rule_f16_storage,
                            rule_isolation, rule_nonfinite, rule_routing, rule_storage, rule_embedding,
-                           rule_jump,    rule_smooth_growth, rule_no_jump};
+                           rule_after_flip, rule_jump,    rule_smooth_growth, rule_no_jump};
 
 }  // namespace
 
@@ -378,7 +398,7 @@ Verdict decide_verdict(const std::vector<CheckpointResult>& results, size_t fail
   }
   auto recorded = [&](const std::string& name) { return step.count(name) > 0; };
 
-  Context c{f, f.compared() ? &*f.metrics : nullptr, {}, {}, jump_factor};
+  Context c{f, f.compared() ? &*f.metrics : nullptr, {}, {}, jump_factor, std::nullopt, std::nullopt};
   Verdict v;
   v.unrecorded_inputs = unrecorded_inputs(f.base, f.layer, n_layer, recorded);
   for (const auto& name : dataflow_inputs(f.base, f.layer, n_layer, recorded)) {
@@ -396,6 +416,18 @@ Verdict decide_verdict(const std::vector<CheckpointResult>& results, size_t fail
   if (f.base == "ffn_moe_topk" && f.routing) {
     const auto logits = step.find(checkpoint_name("ffn_moe_logits", f.layer));
     c.routing = analyse_routing(f, logits == step.end() ? nullptr : logits->second);
+  }
+  // The first drift flip before it: an earlier step's, or this step's at an earlier checkpoint.
+  for (const CheckpointResult& r : results) {
+    if (r.base != "ffn_moe_topk" || !r.routing || r.step > f.step || (r.step == f.step && r.order >= f.order)) continue;
+    const CheckpointResult* logits = nullptr;
+    for (const CheckpointResult& x : results)
+      if (x.step == r.step && x.layer == r.layer && x.base == "ffn_moe_logits" && x.compared()) logits = &x;
+    const RoutingLayer l = analyse_routing(r, logits);
+    const auto drift = std::find_if(l.flips.begin(), l.flips.end(), [](const RoutingFlip& x) { return x.kind == FlipKind::drift; });
+    if (drift == l.flips.end()) continue;
+    if (!c.prior_flip || std::make_pair(drift->step, drift->layer) < std::make_pair(c.prior_flip->step, c.prior_flip->layer))
+      c.prior_flip = *drift;
   }
   if (c.metrics) {
     double max_in = 0;

@@ -16,6 +16,9 @@
 //                 reference's router logits larger than twice the router error -> local; every flip
 //                 within it -> drift (routing flip, rule routing_flip); a flip whose router logits
 //                 were not compared -> undetermined
+//   (after embedding)
+//   routing_flip  downstream of a drift flip (an earlier step's, or this step's before this checkpoint)
+//                 -> drift (routing flip): the other experts' output carries on, not a bug here
 //   storage       the engine stores this tensor narrower than the reference (native dtype f16 or
 //                 bf16 against f32/f64) and rel_l2 <= u + jump_factor x its inputs' max, u the
 //                 unit roundoff of that storage (f16 2^-11, bf16 2^-8): what rounding the stored
