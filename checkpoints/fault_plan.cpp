@@ -33,6 +33,7 @@ FaultPlan plan_faults(const FaultSet& faults, const ModelConfig& cfg) {
   w.ffn_down_transposed = has(Fault::ffn_down_transposed);
   w.weight_row_nan = has(Fault::weight_row_nan);
   w.rms_norm_weight_twice = has(Fault::rms_norm_weight_twice);
+  w.expert_gate_up_swapped = has(Fault::moe_expert_gate_up_swapped);
 
   // Op arguments.
   OpArgs& o = p.ops;

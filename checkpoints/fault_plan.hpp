@@ -8,7 +8,7 @@
 //   rms_eps_1e5, attn_scale_missing, sliding_window_ignored, rope_pairing_swapped;
 // - weight edits (WeightEdits, made by each backend's constructor in one place: reference_cpu/faults/fault_weights,
 //   engine/faults/fault_state): dequant_scale_offset (at load), embd_transposed, qkv_bias_missing,
-//   attn_out_transposed, ffn_down_transposed, weight_row_nan, rms_norm_weight_twice;
+//   attn_out_transposed, ffn_down_transposed, weight_row_nan, rms_norm_weight_twice, moe_expert_gate_up_swapped;
 // - op arguments (OpArgs, the struct the forward passes to its ops): rms_norm_off_by_one, rms_eps_outside_sqrt,
 //   post_norm_skipped (RmsNormFlaws), causal_mask_missing, softmax_f16_overflow (AttentionVariant),
 //   gqa_head_modulo, rope_cache_unrotated, swiglu_gate_up_swapped, embd_scale_missing, lm_head_padded_vocab,
@@ -37,6 +37,7 @@ struct WeightEdits {
   bool ffn_down_transposed = false;    // W_down likewise
   bool weight_row_nan = false;         // row kFaultNanWeightRow of blk.0.attn_q.weight set to NaN
   bool rms_norm_weight_twice = false;  // every RMSNorm weight squared: norm(x)·w·w
+  bool expert_gate_up_swapped = false; // expert kFaultSwappedExpert's ffn_gate_exps and ffn_up_exps swapped, every layer
 };
 
 // The arguments the forward passes to its ops; the defaults are production's.

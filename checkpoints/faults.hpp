@@ -62,8 +62,9 @@ enum class Fault : int {
   moe_softmax_over_topk,         // the weights a softmax over the K selected logits, not the probabilities of all E
   moe_weights_not_renormalised,  // the K weights used without dividing by their sum
   moe_expert_id_off_by_one,      // expert id + 1 (mod E) selected in place of each chosen one
+  moe_expert_gate_up_swapped,    // expert 0's gate and up matrices swapped in every layer (a converter's slip)
 };
-inline constexpr int kFaultCount = 34;
+inline constexpr int kFaultCount = 35;
 
 struct FaultInfo {
   Fault id;
@@ -135,6 +136,9 @@ inline constexpr float kFaultUninitialisedLogit = 3.39615136e38f;  // the f32 wh
 
 // weight_row_nan: the row of blk.0.attn_q.weight ([H·Dh, D], one row per output feature) set to NaN.
 inline constexpr int kFaultNanWeightRow = 0;
+
+// moe_expert_gate_up_swapped: the expert whose gate and up matrices are swapped, in every layer.
+inline constexpr int kFaultSwappedExpert = 0;
 
 // softmax_f16_overflow: each attention weight is e = f16(exp(q·k)) (the raw score, no max subtracted,
 // rounded to f16: Inf once q·k > ln(65520) = 11.09), then e^(1/sqrt(Dh)) = exp(q·k / sqrt(Dh)) and

@@ -234,20 +234,23 @@ INSTANTIATE_TEST_SUITE_P(
     TinyF32, FaultCatalog,
     ::testing::Values(ArchCase{"tiny-llama-f32.gguf",
                                {Fault::moe_softmax_over_topk, Fault::moe_weights_not_renormalised,
-                                Fault::moe_expert_id_off_by_one, Fault::qkv_bias_missing, Fault::rope_theta_10000, Fault::rms_eps_1e5,
+                                Fault::moe_expert_id_off_by_one, Fault::moe_expert_gate_up_swapped,
+                                Fault::qkv_bias_missing, Fault::rope_theta_10000, Fault::rms_eps_1e5,
                                 Fault::dequant_scale_offset, Fault::embd_scale_missing, Fault::post_norm_skipped,
                                 Fault::sliding_window_ignored, Fault::rope_local_theta_global,
                                 Fault::argmax_ties_highest},
                                {}},
                       ArchCase{"tiny-qwen2-f32.gguf",
                                {Fault::moe_softmax_over_topk, Fault::moe_weights_not_renormalised,
-                                Fault::moe_expert_id_off_by_one, Fault::dequant_scale_offset, Fault::embd_scale_missing, Fault::post_norm_skipped,
+                                Fault::moe_expert_id_off_by_one, Fault::moe_expert_gate_up_swapped,
+                                Fault::dequant_scale_offset, Fault::embd_scale_missing, Fault::post_norm_skipped,
                                 Fault::sliding_window_ignored, Fault::rope_local_theta_global,
                                 Fault::argmax_ties_highest},
                                {}},
                       ArchCase{"tiny-qwen3-f32.gguf",
                                {Fault::moe_softmax_over_topk, Fault::moe_weights_not_renormalised,
-                                Fault::moe_expert_id_off_by_one, Fault::qkv_bias_missing, Fault::dequant_scale_offset, Fault::embd_scale_missing,
+                                Fault::moe_expert_id_off_by_one, Fault::moe_expert_gate_up_swapped,
+                                Fault::qkv_bias_missing, Fault::dequant_scale_offset, Fault::embd_scale_missing,
                                 Fault::post_norm_skipped, Fault::sliding_window_ignored,
                                 Fault::rope_local_theta_global, Fault::rope_fused_position_off,
                                 Fault::argmax_ties_highest},
@@ -257,13 +260,15 @@ INSTANTIATE_TEST_SUITE_P(
                       // below the f32_vs_f64 bound: checked f32 vs f32.
                       ArchCase{"tiny-gemma3-f32.gguf",
                                {Fault::moe_softmax_over_topk, Fault::moe_weights_not_renormalised,
-                                Fault::moe_expert_id_off_by_one, Fault::qkv_bias_missing, Fault::gqa_head_modulo, Fault::dequant_scale_offset,
+                                Fault::moe_expert_id_off_by_one, Fault::moe_expert_gate_up_swapped,
+                                Fault::qkv_bias_missing, Fault::gqa_head_modulo, Fault::dequant_scale_offset,
                                 Fault::swiglu_fused_gate_up_swapped, Fault::rope_fused_position_off,
                                 Fault::embd_norm_fused_no_weight, Fault::argmax_ties_highest},
                                {Fault::rms_eps_1e5, Fault::rms_eps_outside_sqrt}},
                       // Mixtures of experts: the dense FFN's faults do not apply; the routing faults do, each
                       // found at its own routing checkpoint of layer 0 (ffn_moe_topk, ffn_moe_weights,
-                      // ffn_moe_weights_norm).
+                      // ffn_moe_weights_norm), and expert 0's swapped gate and up at ffn_moe_gate-0 (the prompt
+                      // selects expert 0 in layer 0 on both fixtures).
                       ArchCase{"tiny-qwen3moe-f32.gguf",
                                {Fault::qkv_bias_missing, Fault::dequant_scale_offset, Fault::embd_scale_missing,
                                 Fault::post_norm_skipped, Fault::sliding_window_ignored,
@@ -283,6 +288,31 @@ INSTANTIATE_TEST_SUITE_P(
       name = name.substr(5, name.find('-', 5) - 5);  // "tiny-qwen2-f32.gguf" -> "qwen2"
       return name;
     });
+
+// The routing verdict on the CPU pair: the f32 reference against the f64 one chooses the same experts
+// everywhere; with moe_expert_id_off_by_one, ffn_moe_topk-0 is the first divergence and the rule routing
+// calls it local (before any isolation replay): the ids moved across margins far above the router error.
+TEST(FaultMoe, ExpertIdOffByOneIsALocalRoutingFlipAndTheCleanPairFlipsNothing) {
+  for (const char* fixture : {"tiny-qwen3moe-f32.gguf", "tiny-mixtral-f32.gguf"}) {
+    SCOPED_TRACE(fixture);
+    Reference& ref = reference_of(fixture);
+    const diff::Comparison clean = compare(matched_reference(ref, fixture).path, ref.f64.path, "f32_vs_f64");
+    EXPECT_FALSE(clean.diverged()) << describe_failure(clean);
+    EXPECT_EQ(clean.routing.token_layers, static_cast<int64_t>(kPrompt.size() + kSteps) * ref.model.cfg.n_layer);
+    EXPECT_EQ(clean.routing.differing(), 0);
+    EXPECT_EQ(clean.routing.topk_overlap(), 1.0);
+
+    const Dump faulty = dump(ref.model, "f32", FaultSet{Fault::moe_expert_id_off_by_one}, ref.f64.argmax,
+                             std::string(fixture) + "-routing-off-by-one");
+    const diff::Comparison c = compare(faulty.path, ref.f64.path, "f32_vs_f64");
+    ASSERT_TRUE(c.diverged());
+    EXPECT_EQ(c.results[*c.first_failure].name, "ffn_moe_topk-0");
+    EXPECT_EQ(c.verdict.kind, diff::VerdictKind::local) << describe_failure(c);
+    EXPECT_EQ(c.verdict.rule, "routing") << describe_failure(c);
+    EXPECT_GT(c.routing.local, 0);
+    EXPECT_LT(c.routing.topk_overlap(), 1.0);
+  }
+}
 
 // Exact ties in every token's logits (lm head rows in equal pairs): the f32 reference breaking them toward the
 // higher id is caught at result_output of step 0 by its own argmax, though its logits pass.
@@ -382,7 +412,8 @@ std::string plan_fields(const FaultPlan& p) {
          std::to_string(c.sliding_window) + "\nweights " + std::to_string(w.dequant_scale_offset) +
          std::to_string(w.embd_transposed) + std::to_string(w.qkv_bias_missing) +
          std::to_string(w.attn_out_transposed) + std::to_string(w.ffn_down_transposed) +
-         std::to_string(w.weight_row_nan) + std::to_string(w.rms_norm_weight_twice) + "\nops " + ops(p.ops) +
+         std::to_string(w.weight_row_nan) + std::to_string(w.rms_norm_weight_twice) +
+         std::to_string(w.expert_gate_up_swapped) + "\nops " + ops(p.ops) +
          "\none_token " + ops(p.one_token) + "\nfused " + std::to_string(p.fused.gate_up_swapped) +
          std::to_string(p.fused.rope_position_offset) + std::to_string(p.fused.embd_norm_unweighted) +
          std::to_string(p.fused.graph_position_frozen) + "\nhooks " + std::to_string(p.hooks.kv_cache_pos0) +

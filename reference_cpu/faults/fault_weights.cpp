@@ -1,8 +1,9 @@
 // The fault plan's weight edits on the reference's weights: a transposed token table, dropped biases, W_o and W_down
-// read with the wrong leading dimension, a NaN row, squared norm weights.
+// read with the wrong leading dimension, a NaN row, squared norm weights, one expert's gate and up swapped.
 #include "reference_cpu/faults/fault_weights.hpp"
 
 #include <limits>
+#include <utility>
 
 #include "reference_cpu/faults/fault_ops.hpp"
 
@@ -26,6 +27,8 @@ void edit_weights(Weights<T>& w, const ModelConfig& cfg, const WeightEdits& edit
     }
     if (edits.attn_out_transposed) lw.wo = WeightMatrix<T>(wrong_leading_dimension(lw.wo.to_dense()));
     if (edits.ffn_down_transposed) lw.w_down = WeightMatrix<T>(wrong_leading_dimension(lw.w_down.to_dense()));
+    if (edits.expert_gate_up_swapped && cfg.moe)  // the two views of the file's bytes trade places
+      std::swap(lw.ffn_gate_exps.at(kFaultSwappedExpert), lw.ffn_up_exps.at(kFaultSwappedExpert));
     if (edits.rms_norm_weight_twice) {
       twice(lw.attn_norm);
       twice(lw.ffn_norm);
