@@ -307,10 +307,13 @@ KindReduction kind_reduction(std::string_view base) {
   static constexpr std::string_view kOverD[] = {
       "attn_norm",  "Qcur",    "Kcur",    "Vcur",           "Qnorm",    "Knorm",     "Qrope",
       "Krope",      "cache_k", "cache_v", "kq_soft_max",    "kqv_out",  "attn_post_norm", "ffn_norm",
-      "ffn_gate",   "ffn_up",  "ffn_swiglu", "ffn_geglu",   "ffn_post_norm", "result_norm", "result_output"};
+      "ffn_gate",   "ffn_up",  "ffn_swiglu", "ffn_geglu",   "ffn_post_norm", "result_norm", "result_output",
+      "ffn_moe_logits", "ffn_moe_probs", "ffn_moe_weights", "ffn_moe_weights_norm", "ffn_moe_gate", "ffn_moe_up",
+      "ffn_moe_swiglu"};
   if (std::find(std::begin(kOverD), std::end(kOverD), base) != std::end(kOverD)) return KindReduction::n_embd;
   if (base == "attn_out") return KindReduction::attn_width;
   if (base == "ffn_out") return KindReduction::ffn;
+  if (base == "ffn_moe_down" || base == "ffn_moe_out") return KindReduction::expert_ffn;
   if (base == "ffn_inp" || base == "l_out") return KindReduction::residual;
   return KindReduction::none;
 }

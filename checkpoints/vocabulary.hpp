@@ -97,9 +97,11 @@ inline constexpr std::string_view kTokensCheckpoint = "tokens";
 
 // The reduction a kind's rounding error grows with (tolerance presets scale their bounds by it on models
 // wider than their calibration): over D (the projections out of the residual stream, the RMSNorms' sums of
-// squares, and what carries a q/k/v or gate/up error on unchanged), over n_head·head_dim (attn_out), over F
-// (ffn_out), the larger of those two (the residual sums ffn_inp and l_out), or none (tokens, the embedding).
-enum class KindReduction { none, n_embd, attn_width, ffn, residual };
+// squares, and what carries a q/k/v or gate/up error on unchanged: the router and each expert's gate, up and
+// swiglu too), over n_head·head_dim (attn_out), over F (ffn_out), over one expert's Fe (ffn_moe_down and
+// ffn_moe_out, the sum of the weighted downs), the larger of attn_width and F (the residual sums ffn_inp
+// and l_out), or none (tokens, the embedding).
+enum class KindReduction { none, n_embd, attn_width, ffn, expert_ffn, residual };
 KindReduction kind_reduction(std::string_view base);
 
 // `--checkpoints 'attn_*,result_*'`: comma-separated globs (* and ?) over full names; empty = all.

@@ -484,6 +484,7 @@ double ToleranceSet::reduction_scale(std::string_view base, const DimSizes& dims
     case KindReduction::n_embd: return scale(size(dim_letter::D), c.n_embd);
     case KindReduction::attn_width: return attn;
     case KindReduction::ffn: return ffn;
+    case KindReduction::expert_ffn: return scale(size(dim_letter::Fe), c.n_ff);  // one expert's FFN, as ffn_out's
     case KindReduction::residual: return std::max(attn, ffn);  // every attention and FFN output before it
     case KindReduction::none: break;
   }

@@ -403,6 +403,14 @@ TEST(Tolerances, CalibratedReductionScalesReductionsOnWiderModels) {
   EXPECT_DOUBLE_EQ(t.reduction_scale("embd", wide), 1.0);                   // exact in both precisions
   EXPECT_DOUBLE_EQ(t.reduction_scale("l_out", wide), 11008.0 / 1536);  // a residual sum: the larger of attn_out's, ffn_out's
   EXPECT_DOUBLE_EQ(t.reduction_scale("ffn_inp", {{"D", 4096}, {"F", 22016}, {"H", 32}, {"Dh", 128}}), 22016.0 / 1536);
+  // Mixtures of experts: the router and each expert's gate/up reduce over D, an expert's down over its Fe
+  // (Mixtral's 14336 against the calibrated F), and what carries them on the same.
+  const DimSizes moe = {{"D", 4096}, {"F", 14336}, {"Fe", 14336}, {"H", 32}, {"Dh", 128}, {"E", 8}, {"K", 2}};
+  for (const char* kind : {"ffn_moe_logits", "ffn_moe_probs", "ffn_moe_weights_norm", "ffn_moe_gate", "ffn_moe_swiglu"})
+    EXPECT_DOUBLE_EQ(t.reduction_scale(kind, moe), 4096.0 / 576) << kind;
+  EXPECT_DOUBLE_EQ(t.reduction_scale("ffn_moe_down", moe), 14336.0 / 1536);
+  EXPECT_DOUBLE_EQ(t.reduction_scale("ffn_moe_out", {{"D", 2048}, {"F", 6144}, {"Fe", 768}}), 1.0);  // Qwen3-30B-A3B
+  EXPECT_DOUBLE_EQ(t.reduction_scale("ffn_moe_topk", moe), 1.0);  // ids: exact or not
   const DimSizes narrow = {{"D", 256}, {"F", 512}, {"H", 4}, {"Dh", 64}};
   EXPECT_DOUBLE_EQ(t.reduction_scale("Qcur", narrow), 1.0);
   const ToleranceSet sq = parse_tolerances(R"({
