@@ -15,6 +15,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <set>
@@ -549,6 +551,26 @@ Cli run_cli(const std::string& args) {
   const int status = ::pclose(p);
   r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+// A routing tie that precision tips, through the whole top-level job: on the CPU twin of the precision pair
+// (f32-f16store vs f64-f16store, its replay under the _local preset) this prompt makes tiny-qwen3moe Q8_0
+// order its top two experts of token 12 in layer 1 the other way (6.5e-4 apart): a reorder by drift, listed
+// and excused (both slots), and the run passes.
+TEST(FaultCli, ARoutingReorderByDriftPassesAndIsListed) {
+  const std::string model = test::fixture_path("tiny-qwen3moe-q8_0.gguf");
+  const std::string out = (temp_dir() / "cli-routing").string();
+  const Cli r = run_cli("--model " + model + " --tokens 14,131,242,156,227,118,248,84,53,146,242,103,156,201,79,218,211 "
+                        "--steps 4 --engine cpu --engine-precision f32-f16store --reference-precision f64-f16store "
+                        "--threads 1 --dump none --no-color --out " + out + " --report-json " + out + ".json");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("ROUTING  0 of 42 (token, layer) chose other experts"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("step 0 layer 1 token 12: experts {4,7} vs reference {7,4}"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("drift (routing flip)"), std::string::npos) << r.out;
+  std::ifstream in(out + ".json");
+  const std::string json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(json.find("\"reordered\": 1"), std::string::npos);
+  EXPECT_NE(json.find("\"routing_excused\": 2"), std::string::npos);
 }
 
 TEST(FaultCli, InjectAndIsolateThroughTheBinary) {
