@@ -645,8 +645,11 @@ std::string render_terminal(const Comparison& c, const TerminalOptions& opt) {
 std::string render_summary(const Comparison& c) {
   int agree = 0;
   for (const auto& t : c.tokens) agree += t.match() ? 1 : 0;
-  const std::string counts = fmt::format("{}/{} checkpoints fail; tokens {}/{} agree", c.n_fail, c.n_pass + c.n_fail,
-                                         agree, c.tokens.size());
+  std::string counts = fmt::format("{}/{} checkpoints fail; tokens {}/{} agree", c.n_fail, c.n_pass + c.n_fail, agree,
+                                   c.tokens.size());
+  if (c.routing.differing() > 0)
+    counts += fmt::format("; routing: {} of {} (token, layer) chose other experts, {} drift, {} local", c.routing.differing(),
+                          c.routing.token_layers, c.routing.drift, c.routing.local);
   std::string nonfinite;
   if (c.first_nonfinite) {
     const CheckpointResult& n = c.results[*c.first_nonfinite];

@@ -20,6 +20,9 @@
 //   the wrong set). Where the engine's logits were not compared, the flip is undetermined.
 // - Wrong routing weights with the same experts are no flip: ffn_moe_weights fails on its own and the
 //   ordinary rules call it local.
+// - A flip by drift is no failure (excuse_routing_flip): the slots of the other experts are left out of
+//   the per-slot checkpoints, and a failure downstream gets the verdict drift (routing flip). The report
+//   lists every flip first (the terminal's ROUTING block, the JSON's "routing").
 // - The evidence is kept by compare_checkpoint (RoutingRows on the results of ffn_moe_topk and
 //   ffn_moe_logits), so the streaming comparison and compare_dumps judge alike with no values kept.
 #pragma once

@@ -144,6 +144,10 @@ TEST_F(Routing, NearTieFlipWithinTheRouterErrorIsDriftAndNoFailure) {
   EXPECT_LT(routing, text.find("within tolerance")) << text;
   EXPECT_NE(text.find("drift (routing flip)"), std::string::npos) << text;
   EXPECT_NE(text.find("RESULT: PASS"), std::string::npos) << text;
+  EXPECT_NE(render_summary(c).find("PASS"), std::string::npos);
+  EXPECT_NE(render_summary(c).find("routing: 1 of 20 (token, layer) chose other experts, 1 drift, 0 local"),
+            std::string::npos)
+      << render_summary(c);
   const nlohmann::json j = nlohmann::json::parse(render_json(c));
   EXPECT_EQ(j["routing"]["flipped"], 1);
   EXPECT_EQ(j["routing"]["flips"][0]["kind"], "drift");
