@@ -680,7 +680,8 @@ DatasetAttrs version1_attributes(Validation& v, hid_t ds, const std::string& whe
   }
   const auto i = [&](const char* n) { return ints.count(n) ? ints[n] : std::nullopt; };
   const auto t = [&](const char* n) { return strings.count(n) ? strings[n] : std::nullopt; };
-  return {i(column::order), i(column::layer), i(column::row_offset), t(column::layout), t(column::native_dtype), t(column::dtype)};
+  return {i(column::order),  i(column::layer), i(column::row_offset), t(column::layout),      t(column::native_dtype),
+          t(column::dtype),  t(column::split), i(column::shard_offset), i(column::partial)};
 }
 
 DatasetAttrs table_attributes(const std::map<std::string, AttributeRow>& table, const std::string& name) {
