@@ -11,6 +11,7 @@
 #include <deque>
 #include <exception>
 #include <limits>
+#include <map>
 #include <memory>
 #include <new>
 #include <optional>
@@ -23,6 +24,7 @@
 #include "capi/cuda_driver.hpp"
 #include "capi/gather_kernel_ptx.hpp"
 #include "checkpoints/dump_format.hpp"
+#include "checkpoints/dump_schema.hpp"
 #include "checkpoints/dump_validate.hpp"
 #include "checkpoints/rows.hpp"
 #include "checkpoints/vocabulary.hpp"
@@ -103,6 +105,10 @@ struct diffrun_dump {
   std::vector<int32_t> fed;  // diffrun_dump_step_tokens' result
   std::unordered_set<std::string> step_names;  // what the current step recorded (written, staged or replayed)
   std::unique_ptr<diffrun::capi::Staging> staging;      // device puts: created by the first one
+  // diffrun_dump_set_shard: what the next puts hold of their checkpoint in a rank dump.
+  std::string shard_split;    // the layout letter split along; "": not split
+  int64_t shard_offset = 0;   // the slice's first index along shard_split
+  bool shard_partial = false; // partial sums the ranks' all-reduce adds
 };
 
 namespace {
@@ -245,6 +251,40 @@ std::string dataset_at(const diffrun_dump* d, const std::string& name) {
 // go forward, so the step's names are all its datasets).
 bool recorded(const diffrun_dump* d, const std::string& name) { return d->step_names.count(name) > 0; }
 
+// A put under diffrun_dump_set_shard with a split: the config whose size of the split letter is the slice's
+// (its element count over the other letters'), so that check_checkpoint checks the rest; the slice must lie within
+// the whole dimension (docs/dump-format.md, "Shards"). nullopt when the put is not split or names no checkpoint
+// (check_checkpoint names that).
+std::optional<diffrun::ModelConfig> shard_config(const diffrun_dump* d, const std::string& at, const std::string& name,
+                                                 const std::vector<int64_t>& shape, int64_t n_tokens, int64_t n_kv) {
+  if (d->shard_split.empty()) return std::nullopt;
+  const diffrun::CheckpointKind* kind = diffrun::find_checkpoint_kind(diffrun::parse_checkpoint_name(name).base);
+  if (!kind) return std::nullopt;
+  const std::vector<std::string> letters = diffrun::layout_dims(kind->layout);
+  const diffrun::DimLetter* dim = diffrun::find_dim(d->shard_split);
+  need(std::find(letters.begin(), letters.end(), d->shard_split) != letters.end() && dim && !dim->attribute.empty(),
+       DIFFRUN_DUMP_E_CHECKPOINT,
+       at + "split along '" + d->shard_split + "', not a letter of its layout " + kind->layout + " other than " +
+           diffrun::dim_letter::T + " and " + diffrun::dim_letter::S);
+  const std::map<std::string, int64_t> sizes = diffrun::dim_sizes(*d->config, n_tokens, n_kv);
+  int64_t others = 1, count = 1;
+  for (const std::string& l : letters)
+    if (l != d->shard_split) others *= sizes.at(l);
+  for (int64_t x : shape) count *= x;
+  const int64_t full = sizes.at(d->shard_split);
+  need(others > 0 && count % others == 0 && count / others >= 1 && count / others <= full, DIFFRUN_DUMP_E_CHECKPOINT,
+       at + shape_text(shape) + " holds " + std::to_string(count) + " values, not a slice along " + d->shard_split +
+           " of layout " + kind->layout + " (" + d->shard_split + " = " + std::to_string(full) + ")");
+  const int64_t extent = count / others;
+  need(d->shard_offset + extent <= full, DIFFRUN_DUMP_E_CHECKPOINT,
+       at + "shard_offset " + std::to_string(d->shard_offset) + ": the slice " + d->shard_split + " " +
+           std::to_string(d->shard_offset) + ".." + std::to_string(d->shard_offset + extent - 1) + " passes " +
+           d->shard_split + " = " + std::to_string(full));
+  nlohmann::json values = diffrun::config_attributes(*d->config);
+  values[dim->attribute] = extent;
+  return diffrun::config_from_attributes(values);
+}
+
 // The checks of every put, host or device, against the current step: name, dtype, shape and layout
 // against the vocabulary, tokens first, each name once. Reads `data` only for tokens (their ids).
 Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t* dims, int ndim, diffrun_dtype dtype,
@@ -335,8 +375,10 @@ Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t*
       rows -= row_offset;
     }
   }
+  const std::optional<diffrun::ModelConfig> sharded = shard_config(d, at, name, shape, n_tokens, n_kv);
   std::vector<int64_t> canonical;
-  const std::string problem = diffrun::check_checkpoint(cfg, name, layer, shape, layout, n_tokens, n_kv, &canonical);
+  const std::string problem =
+      diffrun::check_checkpoint(sharded ? *sharded : cfg, name, layer, shape, layout, n_tokens, n_kv, &canonical);
   need(problem.empty(), DIFFRUN_DUMP_E_CHECKPOINT,
        at + problem + (row_offset != 0 ? " (with row_offset " + std::to_string(row_offset) + ")" : std::string()));
   const diffrun::ParsedCheckpointName parsed = diffrun::parse_checkpoint_name(name);
@@ -345,8 +387,9 @@ Checked check_put(diffrun_dump* d, const char* name_c, int layer, const int64_t*
   // Merged heads are stored in the vocabulary's shape (same bytes).
   c.shape = canonical;
   c.attrs = {order, layer, layout.empty() ? std::string(kind->layout) : layout, native,
-             row_offset != 0 ? std::optional<int>(static_cast<int>(row_offset)) : std::nullopt, {}, std::nullopt,
-             std::nullopt};
+             row_offset != 0 ? std::optional<int>(static_cast<int>(row_offset)) : std::nullopt, d->shard_split,
+             d->shard_split.empty() ? std::nullopt : std::optional<int>(static_cast<int>(d->shard_offset)),
+             d->shard_partial ? std::optional<int>(1) : std::nullopt};
   return c;
 }
 
@@ -783,8 +826,10 @@ int diffrun_dump_set_int(diffrun_dump* d, const char* name, int32_t value) {
   return guard(d, [&] {
     const std::string n = str_arg(name, "the attribute name");
     settable(d, n, AttrType::integer);
-    need(value > 0, DIFFRUN_DUMP_E_META, where(d) + "root attribute '" + n + "': " + std::to_string(value) +
-                                             " (a positive integer)");
+    const bool zero_ok = n == diffrun::attr::rank;  // rank 0 is a rank
+    need(value > 0 || (zero_ok && value == 0), DIFFRUN_DUMP_E_META,
+         where(d) + "root attribute '" + n + "': " + std::to_string(value) +
+             (zero_ok ? " (0 .. world_size - 1)" : " (a positive integer)"));
     d->file->set_int(n, value);
   });
 }
@@ -876,6 +921,26 @@ int diffrun_dump_put_foreign(diffrun_dump* d, const char* name, const int64_t* d
                              const void* data, const char* native_dtype) {
   if (!d) return null_handle("diffrun_dump_put_foreign");
   return guard(d, [&] { put(d, name, -1, dims, ndim, dtype, data, nullptr, native_dtype, true); });
+}
+
+int diffrun_dump_set_shard(diffrun_dump* d, const char* split, int64_t shard_offset, int partial) {
+  if (!d) return null_handle("diffrun_dump_set_shard");
+  return guard(d, [&] {
+    const std::string s = split ? split : "";
+    need(partial == 0 || partial == 1, DIFFRUN_DUMP_E_ARG,
+         where(d) + "diffrun_dump_set_shard: partial is " + std::to_string(partial) + ", expected 0 or 1");
+    need(!(partial == 1 && !s.empty()), DIFFRUN_DUMP_E_ARG,
+         where(d) + "diffrun_dump_set_shard: a split and partial sums together (a rank's piece is one or the other)");
+    need(!s.empty() || shard_offset == 0, DIFFRUN_DUMP_E_ARG,
+         where(d) + "diffrun_dump_set_shard: shard_offset " + std::to_string(shard_offset) + " without a split");
+    need(shard_offset >= 0 && shard_offset <= std::numeric_limits<int32_t>::max(), DIFFRUN_DUMP_E_ARG,
+         where(d) + "diffrun_dump_set_shard: shard_offset " + std::to_string(shard_offset) + ", expected 0 .. 2^31 - 1");
+    need(s.empty() || diffrun::find_dim(s) != nullptr, DIFFRUN_DUMP_E_ARG,
+         where(d) + "diffrun_dump_set_shard: '" + s + "' is not a dimension letter of the format (diffrun vocab)");
+    d->shard_split = s;
+    d->shard_offset = shard_offset;
+    d->shard_partial = partial == 1;
+  });
 }
 
 int diffrun_dump_put_rows(diffrun_dump* d, const char* name, int layer, const int64_t* dims, int ndim,

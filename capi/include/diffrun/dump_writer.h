@@ -137,6 +137,20 @@ DIFFRUN_DUMP_API int diffrun_dump_put_foreign(diffrun_dump* d, const char* name,
 DIFFRUN_DUMP_API int diffrun_dump_put_rows(diffrun_dump* d, const char* name, int layer, const int64_t* dims, int ndim,
                                            diffrun_dtype dtype, const void* data, int64_t row_offset);
 
+/* A tensor-parallel rank's dump (docs/dump-format.md, "Shards"): set the root attributes rank
+ * (diffrun_dump_set_int; 0 is allowed for it) and world_size with the meta, then call
+ * diffrun_dump_set_shard before the puts of a checkpoint the rank holds a piece of:
+ *   split         the layout letter its slice is cut along (Megatron: "H" for Qcur, "Hkv" for Kcur, Vcur
+ *                 and the cache, "F" for ffn_gate/ffn_up/ffn_swiglu); NULL for no split
+ *   shard_offset  the slice's first index along split (0 without a split)
+ *   partial       1 where the values are partial sums that the ranks' all-reduce adds (attn_out and
+ *                 ffn_out of row-parallel projections), else 0; not with a split
+ * The setting holds for every later put of the handle, host or device, until set again;
+ * diffrun_dump_set_shard(d, NULL, 0, 0) goes back to whole (replicated) tensors. A split put's dims are
+ * its slice's ([T, H/N, Dh] for Qcur on N ranks), checked to lie within the whole dimension.
+ * `diffrun compare RANK_DIR REF.h5` merges the ranks' dumps and names a rank whose slice is wrong. */
+DIFFRUN_DUMP_API int diffrun_dump_set_shard(diffrun_dump* d, const char* split, int64_t shard_offset, int partial);
+
 /* ---- Device puts: checkpoints in CUDA device memory, recorded without synchronizing the engine ----
  *
  * diffrun_dump_put_device records a checkpoint the engine holds in device memory: it enqueues an
