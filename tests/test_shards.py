@@ -154,3 +154,29 @@ def test_both_validators_read_rank_dumps_alike(ref, tmp_path, broken):
     cpp = [(p["where"], p["what"]) for p in json.loads(r.stdout)["problems"]]
     py = [(p.where, p.what) for p in validate(rank1).problems]
     assert cpp and sorted(cpp) == sorted(py)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_python_reader_reads_a_rank_directory_as_the_whole_dump(ref, tmp_path, ranks):
+    """diffrun.open(DIR) merges the rank dumps (at N = 4 each KV head is a copy on two ranks): every checkpoint of
+    every step equals the unsharded dump's, shape and values."""
+    import numpy as np
+    import diffrun
+    out = shard(ref, tmp_path / "tp", "--ranks", ranks)
+    with diffrun.open(out) as merged, diffrun.open(ref) as whole:
+        assert merged.world_size == ranks and merged.steps() == whole.steps()
+        for step in whole.steps():
+            assert sorted(merged.names(step)) == sorted(whole.names(step))
+            for name in whole.names(step):
+                a, b = merged.get(name, step), whole.get(name, step)
+                assert merged.info(name, step).shape == whole.info(name, step).shape == b.shape, name
+                assert a.shape == b.shape and np.array_equal(a, b), (step, name)
+
+
+def test_the_python_reader_refuses_a_broken_rank_set(ref, tmp_path):
+    import diffrun
+    out = shard(ref, tmp_path / "tp", "--ranks", 4, "--drop-rank", 2)
+    with pytest.raises(diffrun.DumpFormatError, match="rank 2 of world_size 4 missing"):
+        diffrun.open(out)
+    with pytest.raises(diffrun.DumpFormatError, match="not a rank dump"):
+        diffrun.open_ranks([ref, out / "rank0.h5"])

@@ -15,12 +15,13 @@ Modules that need more than numpy and h5py (plot, torch, adapters) are not impor
 """
 
 from .dump import FORMAT, FORMAT_VERSION, DatasetInfo, Dump, DumpFormatError, open
+from .shards import RankDumps, open_ranks
 from . import vocabulary, writer
 from .fingerprint import fingerprint
 from .writer import DumpWriteError, Writer
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "DatasetInfo", "Dump", "DumpFormatError", "DumpWriteError", "Writer",
-           "fingerprint", "open", "validate", "vocabulary", "writer"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "DatasetInfo", "Dump", "DumpFormatError", "DumpWriteError", "RankDumps",
+           "Writer", "fingerprint", "open", "open_ranks", "validate", "vocabulary", "writer"]
 
 
 def __getattr__(name: str):

@@ -410,6 +410,10 @@ class Dump:
         )
 
 
-def open(path: str | os.PathLike[str]) -> Dump:  # noqa: A001 - the package's entry point is diffrun.open
-    """Opens a dump; raises DumpFormatError naming the file when it is not a readable diffrun dump."""
+def open(path: str | os.PathLike[str]):  # noqa: A001 - the package's entry point is diffrun.open
+    """Opens a dump; raises DumpFormatError naming the file when it is not a readable diffrun dump. A
+    directory is a tensor-parallel run's rank dumps, read as one (diffrun.shards.RankDumps)."""
+    if os.path.isdir(os.fspath(path)):
+        from .shards import open_ranks
+        return open_ranks(path)
     return Dump(path)
