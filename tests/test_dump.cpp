@@ -220,7 +220,7 @@ TEST_F(DumpTest, TheTemporaryIsCreatedExclusivelyNeverThroughASymlink) {
   const std::string tmp = dump_temporary_path(p, static_cast<long>(::getpid()));
   std::ofstream(path("victim.txt")) << "secret";
   ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0600), 0);
-  for (const std::string target : {path("victim.txt"), path("nowhere"), path("fifo")}) {
+  for (const std::string& target : {path("victim.txt"), path("nowhere"), path("fifo")}) {
     SCOPED_TRACE(target);
     fs::create_symlink(target, tmp);
     try {

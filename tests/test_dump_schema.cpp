@@ -111,8 +111,11 @@ TEST(DumpSchema, DenseConfigsHaveNoExpertAttributes) {
   c.n_layer = 3, c.n_embd = 64, c.n_head = 4, c.n_head_kv = 2, c.head_dim = 16, c.n_ff = 96, c.n_vocab = 300;
   c.n_ctx = 512;
   const nlohmann::ordered_json attrs = config_attributes(c);
-  for (const RootAttribute& a : root_attributes())
-    if (a.config) EXPECT_EQ(attrs.contains(a.name), a.required) << a.name;
+  for (const RootAttribute& a : root_attributes()) {
+    if (a.config) {
+      EXPECT_EQ(attrs.contains(a.name), a.required) << a.name;
+    }
+  }
   const ModelConfig back = config_from_attributes(attrs);
   EXPECT_FALSE(back.moe);
   EXPECT_EQ(back.n_expert, 0);
