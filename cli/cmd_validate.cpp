@@ -1,5 +1,7 @@
 // `diffrun validate DUMP` lists every way a dump departs from docs/dump-format.md; `--skeleton MODEL.gguf` prints what a valid one holds.
+// `diffrun validate DIR`: a tensor-parallel run's rank dumps, each dump, then the set as compare merges it.
 #include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -11,6 +13,7 @@
 #include "checkpoints/dump_format.hpp"
 #include "checkpoints/dump_validate.hpp"
 #include "checkpoints/name_map.hpp"
+#include "checkpoints/shards.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "cli/command.hpp"
 #include "cli/terminal.hpp"
@@ -28,7 +31,38 @@ struct ValidateCommand {
   bool json = false;
 };
 
+int run_validate(const ValidateCommand& o);
+
+// A directory of rank dumps (docs/dump-format.md, "Shards"): each dump as run_validate checks one, then, when every
+// one is valid, the set as `diffrun compare DIR REF.h5` merges it (every rank once, one world size, the same model,
+// steps, tokens and checkpoints, slices that tile each dimension). Exit 1 when a dump or the set has a problem.
+int run_validate_set(const ValidateCommand& o) {
+  if (o.json) throw InputError("validate --json takes one dump; check a directory of rank dumps without --json");
+  const std::vector<std::string> paths = dump_set_paths({o.dump});
+  if (paths.size() == 1 && paths[0] == o.dump) throw InputError(o.dump + ": a directory without .h5 dumps");
+  int rc = 0;
+  for (const std::string& p : paths) {
+    ValidateCommand one = o;
+    one.dump = p;
+    rc = std::max(rc, run_validate(one));
+  }
+  if (rc != 0) {
+    fmt::print("{}: the rank set is not checked until each dump is valid\n", printable(o.dump, 400, 0));
+    return rc;
+  }
+  try {
+    const std::unique_ptr<DumpReader> merged = open_dump_set(paths);
+    fmt::print("{}: {} dump{} that compare reads as one\n", printable(o.dump, 400, 0), paths.size(),
+               paths.size() == 1 ? "" : "s");
+  } catch (const InputError& e) {
+    fmt::print("{}: rank set: {}\n", printable(o.dump, 400, 0), terminal_safe(e.what()));
+    return 1;
+  }
+  return 0;
+}
+
 int run_validate(const ValidateCommand& o) {
+  if (std::filesystem::is_directory(o.dump)) return run_validate_set(o);
   ValidateOptions vopt;
   std::optional<NameMap> map;
   if (!o.names.empty()) {
@@ -168,7 +202,9 @@ int run_skeleton(const ValidateCommand& o) {
 const CommandRegistrar reg("validate", "Check a dump against the format (every problem at once), or print a model's skeleton",
                            [](CLI::App& app) {
                              auto o = std::make_shared<ValidateCommand>();
-                             app.add_option("dump", o->dump, "Dump file (HDF5) to check");
+                             app.add_option("dump", o->dump,
+                                            "Dump file (HDF5) to check, or a directory of a tensor-parallel "
+                                            "run's rank dumps (each, then the set)");
                              app.add_option("--skeleton", o->skeleton,
                                             "Print the root attributes and datasets a dump of this GGUF model holds");
                              app.add_option("--names", o->names,

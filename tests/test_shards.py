@@ -180,3 +180,15 @@ def test_the_python_reader_refuses_a_broken_rank_set(ref, tmp_path):
         diffrun.open(out)
     with pytest.raises(diffrun.DumpFormatError, match="not a rank dump"):
         diffrun.open_ranks([ref, out / "rank0.h5"])
+
+
+def test_validate_checks_a_rank_directory_and_its_set(ref, tmp_path):
+    """diffrun validate DIR: each rank dump, then the set as compare merges it (exit 1 for a broken set)."""
+    out = shard(ref, tmp_path / "tp", "--ranks", 2)
+    r = run("validate", out)
+    assert r.returncode == 0 and "2 dumps that compare reads as one" in r.stdout, r.stdout + r.stderr
+    gap = shard(ref, tmp_path / "gap", "--ranks", 4, "--drop-rank", 2)
+    r = run("validate", gap)
+    assert r.returncode == 1 and "rank set:" in r.stdout and "rank 2 missing" in r.stdout, r.stdout + r.stderr
+    r = run("validate", out, "--json")
+    assert r.returncode == 2 and "takes one dump" in r.stderr, r.stdout + r.stderr
