@@ -537,8 +537,11 @@ TEST_F(ConfigCrafted, MoeKeys) {
     // The dense FFN's tensors are not read; the router and the three expert stacks are, 3-D.
     std::set<std::string> want = names_of(*f);
     EXPECT_EQ(names_of(expected_tensors(c)), want);
-    for (const ExpectedTensor& e : expected_tensors(c))
-      if (e.name == "blk.0.ffn_down_exps.weight") EXPECT_EQ(e.ne, (std::vector<int64_t>{c.n_ff_exp, 8, 4}));
+    for (const ExpectedTensor& e : expected_tensors(c)) {
+      if (e.name == "blk.0.ffn_down_exps.weight") {
+        EXPECT_EQ(e.ne, (std::vector<int64_t>{c.n_ff_exp, 8, 4}));
+      }
+    }
   }
   // qwen3moe without expert_feed_forward_length: n_ff / expert_used_count, as llama.cpp.
   Spec s = moe_spec("qwen3moe");
