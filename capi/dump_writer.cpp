@@ -11,7 +11,6 @@
 #include <deque>
 #include <exception>
 #include <limits>
-#include <map>
 #include <memory>
 #include <new>
 #include <optional>
@@ -251,38 +250,18 @@ std::string dataset_at(const diffrun_dump* d, const std::string& name) {
 // go forward, so the step's names are all its datasets).
 bool recorded(const diffrun_dump* d, const std::string& name) { return d->step_names.count(name) > 0; }
 
-// A put under diffrun_dump_set_shard with a split: the config whose size of the split letter is the slice's
-// (its element count over the other letters'), so that check_checkpoint checks the rest; the slice must lie within
-// the whole dimension (docs/dump-format.md, "Shards"). nullopt when the put is not split or names no checkpoint
-// (check_checkpoint names that).
+// A put under diffrun_dump_set_shard with a split: the config sized for its slice (diffrun::shard_slice_config);
+// nullopt when the put is not split or names no checkpoint (check_checkpoint names that).
 std::optional<diffrun::ModelConfig> shard_config(const diffrun_dump* d, const std::string& at, const std::string& name,
                                                  const std::vector<int64_t>& shape, int64_t n_tokens, int64_t n_kv) {
   if (d->shard_split.empty()) return std::nullopt;
   const diffrun::CheckpointKind* kind = diffrun::find_checkpoint_kind(diffrun::parse_checkpoint_name(name).base);
   if (!kind) return std::nullopt;
-  const std::vector<std::string> letters = diffrun::layout_dims(kind->layout);
-  const diffrun::DimLetter* dim = diffrun::find_dim(d->shard_split);
-  need(std::find(letters.begin(), letters.end(), d->shard_split) != letters.end() && dim && !dim->attribute.empty(),
-       DIFFRUN_DUMP_E_CHECKPOINT,
-       at + "split along '" + d->shard_split + "', not a letter of its layout " + kind->layout + " other than " +
-           diffrun::dim_letter::T + " and " + diffrun::dim_letter::S);
-  const std::map<std::string, int64_t> sizes = diffrun::dim_sizes(*d->config, n_tokens, n_kv);
-  int64_t others = 1, count = 1;
-  for (const std::string& l : letters)
-    if (l != d->shard_split) others *= sizes.at(l);
-  for (int64_t x : shape) count *= x;
-  const int64_t full = sizes.at(d->shard_split);
-  need(others > 0 && count % others == 0 && count / others >= 1 && count / others <= full, DIFFRUN_DUMP_E_CHECKPOINT,
-       at + shape_text(shape) + " holds " + std::to_string(count) + " values, not a slice along " + d->shard_split +
-           " of layout " + kind->layout + " (" + d->shard_split + " = " + std::to_string(full) + ")");
-  const int64_t extent = count / others;
-  need(d->shard_offset + extent <= full, DIFFRUN_DUMP_E_CHECKPOINT,
-       at + "shard_offset " + std::to_string(d->shard_offset) + ": the slice " + d->shard_split + " " +
-           std::to_string(d->shard_offset) + ".." + std::to_string(d->shard_offset + extent - 1) + " passes " +
-           d->shard_split + " = " + std::to_string(full));
-  nlohmann::json values = diffrun::config_attributes(*d->config);
-  values[dim->attribute] = extent;
-  return diffrun::config_from_attributes(values);
+  diffrun::ModelConfig sharded;
+  const std::string problem = diffrun::shard_slice_config(*d->config, kind->layout, d->shard_split, d->shard_offset,
+                                                          shape, n_tokens, n_kv, &sharded);
+  need(problem.empty(), DIFFRUN_DUMP_E_CHECKPOINT, at + problem);
+  return sharded;
 }
 
 // The checks of every put, host or device, against the current step: name, dtype, shape and layout

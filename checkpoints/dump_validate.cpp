@@ -446,6 +446,34 @@ std::string check_checkpoint(const ModelConfig& cfg, std::string_view name, int 
   return what;
 }
 
+std::string shard_slice_config(const ModelConfig& cfg, std::string_view layout, const std::string& split,
+                               int64_t offset, std::span<const int64_t> shape, int64_t n_tokens, int64_t n_kv,
+                               ModelConfig* out) {
+  const std::vector<std::string> letters = layout_dims(layout);
+  const DimLetter* d = find_dim(split);
+  if (std::find(letters.begin(), letters.end(), split) == letters.end() || !d || d->attribute.empty())
+    return "attribute 'split' is '" + split + "', expected a letter of its layout " + std::string(layout) +
+           " other than " + token_rows_dim() + " and " + cache_rows_dim();
+  const std::map<std::string, int64_t> sizes = dim_sizes(cfg, n_tokens, n_kv);
+  int64_t others = 1, count = 1;
+  for (const auto& l : letters)
+    if (l != split) others *= sizes.at(l);
+  for (int64_t x : shape) count *= x;
+  const int64_t full = sizes.at(split);
+  if (others <= 0 || count % others != 0 || count / others < 1 || count / others > full)
+    return "holds " + std::to_string(count) + " values, not a slice along " + split + " of layout " +
+           std::string(layout) + " (" + split + " = " + std::to_string(full) + ")";
+  const int64_t extent = count / others;
+  if (offset + extent > full)
+    return "attribute 'shard_offset' is " + std::to_string(offset) + ": its slice " + split + " " +
+           std::to_string(offset) + ".." + std::to_string(offset + extent - 1) + " passes " + split + " = " +
+           std::to_string(full);
+  nlohmann::json values = config_attributes(cfg);
+  values[d->attribute] = extent;
+  *out = config_from_attributes(values);
+  return "";
+}
+
 namespace {
 
 // One dump being validated: the open file, what its root says, and the result so far.
@@ -780,40 +808,17 @@ struct StepState {
   std::vector<std::pair<DumpProblem, int>> ambiguous;
 };
 
-// A rank's slice along `split`: the config with that letter's size the slice's (its element count over the other
-// letters'), so that check_checkpoint checks the rest; the slice must lie within the whole dimension. False (a
-// problem reported) when it cannot.
+// A rank's slice along `split` (shard_slice_config), its problem reported. False when there is one.
 bool shard_config(Validation& v, const std::string& where, const CheckpointKind& kind, const std::string& split,
                   int64_t offset, const std::vector<int64_t>& shape, int64_t rows, int64_t kv_rows,
                   std::optional<ModelConfig>& out) {
-  const std::vector<std::string> letters = layout_dims(kind.layout);
-  const DimLetter* d = find_dim(split);
-  if (std::find(letters.begin(), letters.end(), split) == letters.end() || !d || d->attribute.empty()) {
-    v.problem(where, "attribute 'split' is '" + split + "', expected a letter of its layout " + kind.layout +
-                         " other than " + token_rows_dim() + " and " + cache_rows_dim());
+  ModelConfig sharded;
+  const std::string p = shard_slice_config(*v.cfg(), kind.layout, split, offset, shape, rows, kv_rows, &sharded);
+  if (!p.empty()) {
+    v.problem(where, p);
     return false;
   }
-  const std::map<std::string, int64_t> sizes = dim_sizes(*v.cfg(), rows, kv_rows);
-  int64_t others = 1, count = 1;
-  for (const auto& l : letters)
-    if (l != split) others *= sizes.at(l);
-  for (int64_t x : shape) count *= x;
-  const int64_t full = sizes.at(split);
-  if (others <= 0 || count % others != 0 || count / others < 1 || count / others > full) {
-    v.problem(where, "holds " + std::to_string(count) + " values, not a slice along " + split + " of layout " +
-                         kind.layout + " (" + split + " = " + std::to_string(full) + ")");
-    return false;
-  }
-  const int64_t extent = count / others;
-  if (offset + extent > full) {
-    v.problem(where, "attribute 'shard_offset' is " + std::to_string(offset) + ": its slice " + split + " " +
-                         std::to_string(offset) + ".." + std::to_string(offset + extent - 1) + " passes " + split +
-                         " = " + std::to_string(full));
-    return false;
-  }
-  nlohmann::json values = config_attributes(*v.cfg());
-  values[d->attribute] = extent;
-  out = config_from_attributes(values);
+  out = sharded;
   return true;
 }
 

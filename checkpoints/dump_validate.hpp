@@ -46,6 +46,14 @@ std::string check_checkpoint(const ModelConfig& cfg, std::string_view name, int 
                              std::string_view layout, int64_t n_tokens, int64_t n_kv,
                              std::vector<int64_t>* canonical = nullptr);
 
+// A rank dump's slice of a checkpoint of `layout` along the letter `split` at `offset` (docs/dump-format.md,
+// "Shards"): `out` gets the config whose size of that letter is the slice's (its element count over the other
+// letters'), for check_checkpoint to check the rest. Returns "" when the slice lies within the whole dimension,
+// else the problem (a letter that is not the layout's or is T or S, a count that is no slice, a slice past the end).
+std::string shard_slice_config(const ModelConfig& cfg, std::string_view layout, const std::string& split,
+                               int64_t offset, std::span<const int64_t> shape, int64_t n_tokens, int64_t n_kv,
+                               ModelConfig* out);
+
 // What a name map sees of one dataset: its name, the names of its step (to count repeats "#k"),
 // the dump's config (absent when incomplete) and its backend facts.
 struct ForeignName {
