@@ -1,5 +1,5 @@
 // KV cache write kernel (T, Hkv·Dh): one thread per element of K and of V.
-#include "engine/ops/kv_store.cuh"
+#include "tests/engine_ops/kv_store.cuh"
 
 #include "engine/cuda_check.cuh"
 #include "engine/ops/launch.cuh"

@@ -1,5 +1,5 @@
 // RoPE NORM kernel (T, n_head, Dh): one thread per rotated pair.
-#include "engine/ops/rope_norm.cuh"
+#include "tests/engine_ops/rope_norm.cuh"
 
 #include "engine/cuda_check.cuh"
 #include "engine/ops/launch.cuh"

@@ -1,4 +1,6 @@
 // KV cache write (T, Hkv, Dh): cache rows n_past + t ← the step's K (after RoPE) and V rows.
+// Test-only (tests/test_engine_ops.cpp): the unfused op that rope_qk's cache write is checked against;
+// the engine's forward runs rope_qk.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,6 @@
 // Residual add (T, D): out = a + b, f32 (out may alias a or b).
+// Test-only (tests/test_engine_ops.cpp): the unfused op that add_rms_norm's sum is checked against;
+// the engine's forward runs add_rms_norm.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // RoPE NEOX kernel (T, n_head, Dh): one thread per rotated pair.
-#include "engine/ops/rope_neox.cuh"
+#include "tests/engine_ops/rope_neox.cuh"
 
 #include "engine/cuda_check.cuh"
 #include "engine/ops/launch.cuh"
