@@ -42,8 +42,7 @@
 #include "reference_cpu/ops/swiglu.hpp"
 #include "tests/engine_ops/add.cuh"
 #include "tests/engine_ops/kv_store.cuh"
-#include "tests/engine_ops/rope_neox.cuh"
-#include "tests/engine_ops/rope_norm.cuh"
+#include "tests/engine_ops/rope.cuh"
 #include "tests/test_engine_common.hpp"
 
 namespace diffrun {
