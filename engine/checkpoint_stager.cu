@@ -229,6 +229,19 @@ void CheckpointStager::launch_gathers(const std::vector<Copy>& copies, cudaStrea
 
 void CheckpointStager::flush(cudaStream_t stream) { enqueue_copies(stream, false); }
 
+void CheckpointStager::before_overwrite(const void* dev, size_t bytes, cudaStream_t stream) {
+  const auto* lo = static_cast<const unsigned char*>(dev);
+  const auto* hi = lo + bytes;
+  for (const Copy& c : copies_) {
+    const auto* begin = static_cast<const unsigned char*>(c.src);
+    const auto* end = begin + c.n * (c.f16 ? sizeof(__half) : sizeof(float));  // DeviceRows: the most rows
+    if (begin < hi && lo < end) {
+      flush(stream);
+      return;
+    }
+  }
+}
+
 bool CheckpointStager::enqueue_copies(cudaStream_t stream, bool all_beside) {
   // Tensors that stay unchanged until the step ends (DeviceRows::until_step_end: the cache), or all of
   // them (all_beside), are gathered on the copy stream, beside the compute; the others on the compute

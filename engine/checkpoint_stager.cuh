@@ -87,6 +87,9 @@ class CheckpointStager {
 
   // Enqueues the copies of everything staged since the last flush (gather mode; else nothing).
   void flush(cudaStream_t stream);
+  // flush() when a tensor staged since the last flush lies in the device bytes [dev, dev + bytes): before
+  // an op writes over them in place. Nothing otherwise, and nothing in memcpy mode (copied at stage()).
+  void before_overwrite(const void* dev, size_t bytes, cudaStream_t stream);
   // flush(), then makes `stream` wait for the copies to pinned memory: the step's end, before the
   // synchronization that precedes deliver().
   void finish(cudaStream_t stream);

@@ -35,15 +35,16 @@
 //   tokens, a side matmul computes the rows before the last (the last row is the step's own).
 // - Nothing recorded: no copies, no synchronization, no extra kernels. Recorded: each tensor is staged
 //   right after its op, and copied into a device arena by a batched gather kernel (CheckpointStager)
-//   before the next op that overwrites one of the staged buffers (stager_.flush: before an in-place
-//   op, before each add_rms_norm; finish at the end of the step), from there to pinned memory on a
-//   second stream, then delivered to the sink after the step's one synchronization. DIFFRUN_CHECKPOINT_COPY=memcpy copies each with cudaMemcpyAsync right after
-//   its op instead (the "checkpoint_copies" fact).
+//   before the next op that overwrites one of the staged buffers (overwrites(buf) before an op that
+//   writes in place, end_layer_copies() before the add_rms_norm that ends a layer, finish at the end
+//   of the step), from there to pinned memory on a second stream, then delivered to the sink after the
+//   step's one synchronization. DIFFRUN_CHECKPOINT_COPY=memcpy copies each with cudaMemcpyAsync right
+//   after its op instead (the "checkpoint_copies" fact).
 // - A one-token step (not isolation replay) alternates two activation sets by layer parity, recorded
 //   or not: layer l reads set l-1 (the residual and its norm) and writes set l; the embedding writes
 //   the odd set (alt_, one token, with its own attention probabilities). Nothing a layer stages is then
 //   overwritten before the end of the next layer, so a recorded layer's gathers run on the copy stream
-//   beside the next layer's compute (stager_.flush_beside), and the compute stream only waits on them
+//   beside the next layer's compute (end_layer_copies), and the compute stream only waits on them
 //   before the add_rms_norm that overwrites the previous layer's set: the recorded decode graph has no
 //   gather kernel between two ops. The kernels and their order are production's; only the buffers
 //   alternate. A recorded step's returned logits are its result_output copy (no second copy out).
@@ -446,7 +447,7 @@ class CudaEngineImpl final : public CudaEngine {
       embedding(a.x.get(), act_->tokens.get(), weights_.token_embd, n, D, V, stream_);
       cp(sink, step, "embd", -1, a.x.get(), {n, D});
       if (cfg_.embd_scale) {  // gemma3: the embedding rows times sqrt(D)
-        stager_.flush(stream_);  // before the in-place scale (embd is a.x)
+        overwrites(a.x);  // the scale is in place (embd is a.x)
         scale(a.x.get(), a.x.get(), static_cast<float>(args.embd_scale), int64_t(n) * D, stream_);
         cp(sink, step, "inp_scaled", -1, a.x.get(), {n, D});
       }
@@ -506,20 +507,30 @@ class CudaEngineImpl final : public CudaEngine {
   // odd layers' alt_ (see the top).
   Activations<W>& set_of(int l) { return alternate_ && (l & 1) ? alt_ : *act_; }
 
-  // One transformer block: the residual stream in.x [T, D] to a.x (the same set unless alternating).
+  // One transformer block, llama.cpp's build_attn and build_ffn in turn: the residual stream and its
+  // norm from set l-1 (in.x, in.xn) to set l (a.x, a.xn; the same set unless alternating). Each op is
+  // followed by its checkpoint; an op that writes over a buffer in place says so first (overwrites()),
+  // and the layer's end takes the copies of what the next layer writes over (end_layer_copies()).
   void layer(int step, int l, int n, Sink& sink) {
     set_op_context(step, l);
-    const DeviceLayerWeights<W>& w = weights_.layers[l];
-    const OpArgs& args = plan_.ops;
     const Activations<W>& in = set_of(l - 1);  // the residual stream and its norm, from the layer before
     Activations<W>& a = set_of(l);              // what this layer writes
-    const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, F = cfg_.n_ff;
-    const int Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n;
+    attention_block(step, l, n, sink, in, a);   // in.xn → a.attn_out
+    ffn_block(step, l, n, sink, in, a);         // in.x + a.attn_out → a.ffn_inp → a.ffn_out
+    end_layer_copies();
+    const int D = cfg_.n_embd;
+    // l_out, and the norm that opens the next layer (attn_norm, or result_norm after the last).
+    add_norm(a.x.get(), a.xn.get(), a.ffn_inp.get(), a.ffn_out.get(), norm_opening(l + 1), n, D, plan_.ops.norm);
+    cp(sink, step, "l_out", l, a.x.get(), {n, D});
+  }
+
+  // Attention: attn_norm (in.xn) → Q/K/V → their norms → RoPE and the KV cache → attention → attn_out.
+  void attention_block(int step, int l, int n, Sink& sink, const Activations<W>& in, Activations<W>& a) {
+    const DeviceLayerWeights<W>& w = weights_.layers[l];
+    const OpArgs& args = plan_.ops;
+    const int D = cfg_.n_embd, H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, Q = H * Dh, KV = Hkv * Dh, S = n_past_ + n;
     const float theta = static_cast<float>(cfg_.layer_rope_theta(l));
-    const float att_scale = static_cast<float>(cfg_.attention_scale());
-    const int window = cfg_.layer_window(l);
     const bool neox = cfg_.rope_type != RopeType::norm;
-    const int32_t* n_past = d_n_past_.get();  // [1] device; also the position of token 0
     // The positions the RoPE and the cache write read: n_past in production (the faults' are fault_state's).
     const auto& pos = fault_state_.positions(capturing_);
     float* cache_k = k_cache_.get() + size_t(l) * max_ctx_ * KV;  // [max_ctx, Hkv*Dh]; rows 0..S-1 valid after
@@ -542,15 +553,16 @@ class CudaEngineImpl final : public CudaEngine {
       cp(sink, step, "Qcur", l, a.q_rope.get(), {n, H, Dh});  // not replaying: records only
       cp(sink, step, "Kcur", l, a.k_rope.get(), {n, Hkv, Dh});
     } else {
-      matmul_cat({{a.q.get(), w.bq, Q}, {a.k.get(), w.bk, KV}, {a.v.get(), w.bv, KV}}, in.xn.get(), w.wq, n, D, cublas_,
-                 stream_);
+      matmul_cat({{a.q.get(), w.bq, Q}, {a.k.get(), w.bk, KV}, {a.v.get(), w.bv, KV}}, in.xn.get(), w.wq, n, D,
+                 cublas_, stream_);
       cp(sink, step, "Qcur", l, a.q.get(), {n, H, Dh});
       cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
     }
     cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
-    if (cfg_.qk_norm) {
-      stager_.flush(stream_);  // q and k are normalized in place
+    if (cfg_.qk_norm) {  // qwen3, gemma3: q and k normalized in place
+      overwrites(a.q);
       norm(a.q.get(), a.q.get(), w.q_norm, n * H, Dh, args.norm);   cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
+      overwrites(a.k);
       norm(a.k.get(), a.k.get(), w.k_norm, n * Hkv, Dh, args.norm); cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
     }
     // Rotated q and k: rope_qk's, out of place (so Qcur/Qnorm stay for the recording copies), or
@@ -564,15 +576,35 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "Krope", l, k_rot, {n, Hkv, Dh});  // replaced: the cache keeps rope_qk's rows (see the top)
     // Under capture S is read on the device, so that the graph records every position (DeviceRows).
     // The cache rows stay as they are until the step ends: gathered beside the compute.
-    const DeviceRows cache_rows = capturing_ ? DeviceRows{n_past, n, 0, max_ctx_, true} : DeviceRows{};
+    const DeviceRows cache_rows = capturing_ ? DeviceRows{d_n_past_.get(), n, 0, max_ctx_, true} : DeviceRows{};
     cp(sink, step, "cache_k", l, cache_k, {S, Hkv, Dh}, cache_rows);
     cp(sink, step, "cache_v", l, cache_v, {S, Hkv, Dh}, cache_rows);
 
+    attend(step, l, n, sink, a, q_rot, k_rot, cache_k, cache_v);  // kq_soft_max (recorded only), kqv_out
+    cp(sink, step, "kqv_out", l, a.kqv.get(), {n, H, Dh});
+
+    matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_);
+    cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});
+    if (cfg_.post_norms) {  // gemma3: RMSNorm of the attention output before the residual add, in place
+      overwrites(a.attn_out);
+      norm(a.attn_out.get(), a.attn_out.get(), w.attn_post_norm, n, D, args.attn_post_norm);
+      cp(sink, step, "attn_post_norm", l, a.attn_out.get(), {n, D});
+    }
+  }
+
+  // The attention kernels of a step of n tokens into a.kqv, and its kq_soft_max checkpoint: attention_split
+  // (decode; its probabilities are its scores), or attention_tiled (prefill) with attention beside it for
+  // the probabilities when they are recorded (the "recomputed_checkpoints" fact).
+  void attend(int step, int l, int n, Sink& sink, Activations<W>& a, const float* q_rot, const float* k_rot,
+              const float* cache_k, const float* cache_v) {
+    const OpArgs& args = plan_.ops;
+    const int H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, window = cfg_.layer_window(l);
+    const float att_scale = static_cast<float>(cfg_.attention_scale());
     // kv_cache_not_read: attention over the step's own K/V, as if nothing had been cached.
     const bool read_cache = !plan_.hooks.kv_cache_not_read;
-    const int S_att = read_cache ? S : n;
+    const int S_att = read_cache ? n_past_ + n : n;
     const bool want_probs = sink.wants(checkpoint_name("kq_soft_max", l));
-    const int32_t* past = read_cache ? n_past : fault_state_.zero();
+    const int32_t* past = read_cache ? d_n_past_.get() : fault_state_.zero();
     const AttentionKv kv = attention_kv(read_cache ? cache_k : k_rot, read_cache ? cache_v : a.v.get(), past, n,
                                         max_ctx_, H, Hkv, Dh, args.gqa_head_modulo, fault_state_.kv_scratch_k(),
                                         fault_state_.kv_scratch_v(), stream_);
@@ -584,10 +616,10 @@ class CudaEngineImpl final : public CudaEngine {
                       args.attention);
     } else {
       probs = want_probs ? probs_.get() : nullptr;
-      if (!tiled_attention_)
+      if (!tiled_attention_) {
         attention(a.kqv.get(), probs, q_rot, kv.k, kv.v, n, past, H, kv.heads, Dh, att_scale, window, stream_,
                   args.attention);
-      else {  // the output from attention_tiled, recorded or not; the probabilities (when recorded) from attention
+      } else {  // the output from attention_tiled, recorded or not; the probabilities (when recorded) from attention
         if (probs)
           attention(static_cast<W*>(nullptr), probs, q_rot, kv.k, kv.v, n, past, H, kv.heads, Dh, att_scale,
                     window, stream_, args.attention);
@@ -597,16 +629,14 @@ class CudaEngineImpl final : public CudaEngine {
     }
     if (want_probs)
       record_only(step, "kq_soft_max", l, probs, {H, n, S_att},
-                  capturing_ && read_cache ? DeviceRows{n_past, n, 2, max_ctx_} : DeviceRows{});
-    cp(sink, step, "kqv_out", l, a.kqv.get(), {n, H, Dh});
+                  capturing_ && read_cache ? DeviceRows{d_n_past_.get(), n, 2, max_ctx_} : DeviceRows{});
+  }
 
-    matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_);
-    cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});
-    if (cfg_.post_norms) {  // gemma3: RMSNorm of the attention output before the residual add
-      stager_.flush(stream_);  // in place over attn_out
-      norm(a.attn_out.get(), a.attn_out.get(), w.attn_post_norm, n, D, args.attn_post_norm);
-      cp(sink, step, "attn_post_norm", l, a.attn_out.get(), {n, D});
-    }
+  // The FFN: ffn_inp = in.x + attn_out and its ffn_norm → gate and up → SwiGLU (GeGLU) → down → ffn_out.
+  void ffn_block(int step, int l, int n, Sink& sink, const Activations<W>& in, Activations<W>& a) {
+    const DeviceLayerWeights<W>& w = weights_.layers[l];
+    const OpArgs& args = plan_.ops;
+    const int D = cfg_.n_embd, F = cfg_.n_ff;
     if (plan_.hooks.residual_skipped) {  // ffn_inp = attn_out: the residual add skipped, then a plain norm
       CUDA_CHECK(cudaMemcpyAsync(a.ffn_inp.get(), a.attn_out.get(), size_t(n) * D * sizeof(float),
                                  cudaMemcpyDeviceToDevice, stream_));
@@ -641,24 +671,33 @@ class CudaEngineImpl final : public CudaEngine {
     }
     matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_);
     cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});
-    if (cfg_.post_norms) {  // gemma3: RMSNorm of the FFN output before the residual add
-      stager_.flush(stream_);  // in place over ffn_out
+    if (cfg_.post_norms) {  // gemma3: RMSNorm of the FFN output before the residual add, in place
+      overwrites(a.ffn_out);
       norm(a.ffn_out.get(), a.ffn_out.get(), w.ffn_post_norm, n, D, args.norm);
       cp(sink, step, "ffn_post_norm", l, a.ffn_out.get(), {n, D});
     }
-    // l_out, and the norm that opens the next layer (attn_norm, or result_norm after the last).
-    if (alternate_) {
-      // This layer's checkpoints are copied beside the next layer; a.x and a.xn (the layer before
-      // last's output, staged in the previous layer) are overwritten now: their copies must be done.
-      const int ticket = stager_.flush_beside(stream_);
-      stager_.wait_flushed(flush_ticket_, stream_);
-      flush_ticket_ = ticket;
-    } else {
-      stager_.flush(stream_);  // a.x and a.xn are overwritten; every other buffer is the next layer's
-                               // (a layer's one flush without q/k norms or post-norms)
+  }
+
+  // Before an op writes over `buf` in place: the recording copies still to take from it are taken first
+  // (nothing when none of its tensors is staged, or in the memcpy copy mode).
+  template <typename T>
+  void overwrites(const DeviceBuffer<T>& buf) {
+    stager_.before_overwrite(buf.get(), buf.bytes(), stream_);
+  }
+
+  // The end of a layer, before its add_rms_norm writes a.x and a.xn: the next layer writes over every
+  // other buffer of the set too, so the copies of everything staged so far are taken now. A one-token
+  // step takes them on the copy stream, beside the next layer (its sets alternate: nothing this layer
+  // staged is written before the end of the next one), and waits only for the previous layer's, whose
+  // a.x and a.xn (the layer before last's output) the add_rms_norm overwrites.
+  void end_layer_copies() {
+    if (!alternate_) {
+      stager_.flush(stream_);
+      return;
     }
-    add_norm(a.x.get(), a.xn.get(), a.ffn_inp.get(), a.ffn_out.get(), norm_opening(l + 1), n, D, args.norm);
-    cp(sink, step, "l_out", l, a.x.get(), {n, D});
+    const int ticket = stager_.flush_beside(stream_);
+    stager_.wait_flushed(flush_ticket_, stream_);
+    flush_ticket_ = ticket;
   }
 
   // Whether a step of n tokens runs attention_split (else attention_tiled, and attention for the probabilities).
