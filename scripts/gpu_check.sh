@@ -63,7 +63,7 @@ quiet_stage fixtures python3 scripts/gen_fixtures.py --out "$FIXTURES"
 quiet_stage fixture_qwen05b python3 scripts/gen_fixtures.py --out "$FIXTURES" --shape qwen2.5-0.5b
 
 export DIFFRUN_QWEN05B=""
-[ -f "$QWEN05B" ] && export DIFFRUN_QWEN05B=$PWD/$QWEN05B
+[ -f "$QWEN05B" ] && export DIFFRUN_QWEN05B=$(realpath "$QWEN05B")
 export DIFFRUN_SMOLLM2_SLICE=""
 if [ -n "$SLICE" ]; then
   if [ -f "$SLICE" ]; then export DIFFRUN_SMOLLM2_SLICE=$(realpath "$SLICE"); else echo "no SmolLM2 slice at $SLICE"; fi
