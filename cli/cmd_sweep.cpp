@@ -148,6 +148,15 @@ std::string engine_backend(const SweepOptions& o, Progress& progress) {
   return "cpu";
 }
 
+// The first bound of `checks` that failed, as "rel_l2 5.1e-03 > max_rel_l2 4.4e-03"; "" when all passed.
+std::string first_failed_bound(const std::vector<diff::BoundCheck>& checks) {
+  for (const diff::BoundCheck& c : checks)
+    if (!c.pass)  // a min_ bound fails below its limit, the others above
+      return fmt::format("{} {:.3g} {} {} {:.3g}", c.metric, c.value, c.bound.rfind("min_", 0) == 0 ? "<" : ">", c.bound,
+                         c.limit);
+  return "";
+}
+
 // The per-token figures of one prompt: the engine's last logits row of each step against the reference's.
 std::vector<TokenStat> token_stats(const StepsResult& eng, const StepsResult& ref, const diff::ToleranceSet& tol,
                                    const diff::DimSizes& dims, int64_t prompt_len) {
@@ -160,7 +169,8 @@ std::vector<TokenStat> token_stats(const StepsResult& eng, const StepsResult& re
     TokenStat t;
     t.step = static_cast<int>(s);
     if (static_cast<int64_t>(a.size()) != V) {  // a padded vocabulary: a shape mismatch, always bad
-      t.bad = true, t.kl = NAN, t.top5 = 0, t.max_abs = NAN;
+      t.bad = true, t.kl = NAN, t.top5 = 0, t.max_abs = NAN, t.rel_l2 = NAN;
+      t.why = fmt::format("the engine's row has {} logits, the reference's {}", a.size(), V);
       t.engine = s < eng.argmax.size() ? eng.argmax[s] : -1, t.reference = s < ref.argmax.size() ? ref.argmax[s] : -1;
       out.push_back(t);
       continue;
@@ -171,14 +181,19 @@ std::vector<TokenStat> token_stats(const StepsResult& eng, const StepsResult& re
     const int64_t positions = prompt_len + static_cast<int64_t>(s);
     const double scale = tol.length_scale(positions) * tol.reduction_scale("result_output", dims);
     const std::vector<diff::BoundCheck> checks = diff::check_bounds(m, rule, positions, scale);
-    t.bad = std::any_of(checks.begin(), checks.end(), [](const diff::BoundCheck& c) { return !c.pass; });
+    t.why = first_failed_bound(checks);
+    t.bad = !t.why.empty();
     t.kl = m.logits->kl.empty() ? NAN : m.logits->kl.front();
     t.top5 = m.logits->top5_overlap;
     t.max_abs = m.max_abs;
+    t.rel_l2 = m.rel_l2;
     t.engine = s < eng.argmax.size() ? eng.argmax[s] : diff::argmax(a);
     t.reference = s < ref.argmax.size() ? ref.argmax[s] : diff::argmax(b);
     // The engine's own choice against its own logits (compare's rule argmax), as in a full run.
-    if (t.engine >= 0 && t.engine != diff::argmax(a)) t.bad = true;
+    if (t.engine >= 0 && t.engine != diff::argmax(a)) {
+      if (!t.bad) t.why = fmt::format("the engine picked {}, not its logits' argmax {}", t.engine, diff::argmax(a));
+      t.bad = true;
+    }
     out.push_back(t);
   }
   return out;
@@ -243,14 +258,18 @@ std::vector<TokenStat> token_stats_of(const diff::Comparison& c, int steps) {
   for (int step = 0; step <= steps; ++step) {
     TokenStat t;
     t.step = step;
-    t.bad = true, t.kl = NAN, t.top5 = 0, t.max_abs = NAN;  // unless the engine's dump has the step's logits
+    t.bad = true, t.kl = NAN, t.top5 = 0, t.max_abs = NAN, t.rel_l2 = NAN;  // unless the engine's dump has the step's logits
+    t.why = "the engine's dump has no logits for the step";
     for (const diff::CheckpointResult& r : c.results) {
       if (r.step != step || r.base != "result_output" || !r.metrics || !r.metrics->logits) continue;
       const diff::LogitMetrics& lm = *r.metrics->logits;
       t.bad = r.failed();
+      t.why = first_failed_bound(r.checks);
+      if (t.bad && t.why.empty()) t.why = "the logits' shapes differ";
       t.kl = lm.kl.empty() ? NAN : lm.kl.back();
       t.top5 = lm.top5_overlap;
       t.max_abs = r.metrics->max_abs;
+      t.rel_l2 = r.metrics->rel_l2;
       t.engine = lm.argmax_a.empty() ? -1 : lm.argmax_a.back();
       t.reference = lm.argmax_b.empty() ? -1 : lm.argmax_b.back();
     }

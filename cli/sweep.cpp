@@ -260,6 +260,8 @@ std::string render_sweep_terminal(const SweepReport& r) {
       const int fb = p.first_bad();
       out += fmt::format("  {:<24} KL {:<10.3g} {:<14} {}\n", p.prompt.id, p.max_kl(),
                          fb < 0 ? std::string("no bad token") : fmt::format("bad at step {}", fb), short_text(p.prompt, 50));
+      for (const TokenStat& t : p.tokens)
+        if (t.bad && t.step == fb) out += fmt::format("  {:<24} step {}: {}\n", "", fb, t.why);
     }
   }
   const std::vector<SweepProblem> groups = group_problems(r.results);
@@ -305,9 +307,13 @@ std::string render_sweep_json(const SweepReport& r) {
   json prompts = json::array();
   for (const PromptResult& p : r.results) {
     json tokens = json::array();
-    for (const TokenStat& t : p.tokens)
-      tokens.push_back({{"step", t.step}, {"reference", t.reference}, {"engine", t.engine}, {"kl", num(t.kl)},
-                        {"top5_overlap", num(t.top5)}, {"max_abs", num(t.max_abs)}, {"bad", t.bad}});
+    for (const TokenStat& t : p.tokens) {
+      json jt = {{"step", t.step},           {"reference", t.reference}, {"engine", t.engine},
+                 {"kl", num(t.kl)},          {"top5_overlap", num(t.top5)}, {"max_abs", num(t.max_abs)},
+                 {"rel_l2", num(t.rel_l2)}, {"bad", t.bad}};
+      if (t.bad) jt["why"] = t.why;
+      tokens.push_back(std::move(jt));
+    }
     json jp = {{"id", p.prompt.id}, {"line", p.prompt.line}, {"prompt", p.prompt.text}, {"ids", p.ids},
                {"steps", p.steps}, {"max_kl", num(p.max_kl())}, {"first_bad_step", p.first_bad()},
                {"tokens", tokens}};

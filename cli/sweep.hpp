@@ -49,7 +49,9 @@ struct TokenStat {
   double kl = 0;                        // KL(reference || engine), nats
   double top5 = 1;                      // |top5 ∩ top5| / 5
   double max_abs = 0;                   // largest |Δlogit|
+  double rel_l2 = 0;                    // ||engine − reference|| / ||reference|| of the row
   bool bad = false;                     // the result_output rule failed
+  std::string why;                      // bad: the first failed bound ("rel_l2 5.1e-03 > max_rel_l2 4.4e-03")
 };
 
 // Where a drill-down found the first divergence.

@@ -51,6 +51,7 @@ def test_clean_sweep_passes_with_its_statistics(tmp_path):
     assert rep["problems"] == [] and rep["minimized"] == ""
     for p in rep["prompts"]:
         assert [t["step"] for t in p["tokens"]] == list(range(5))
+        assert all(0 <= t["rel_l2"] < 1e-6 and "why" not in t for t in p["tokens"])
         assert "drill_down" not in p
 
 
@@ -61,6 +62,12 @@ def test_a_fault_is_one_problem_at_its_checkpoint_and_minimized(tmp_path):
     assert "RESULT: DIVERGED" in r.stdout
     rep = json.loads(js.read_text())
     assert rep["summary"]["bad_prompts"] == 6
+    # Each bad token says which bound of result_output's rule failed, with its value.
+    bad = [t for p in rep["prompts"] for t in p["tokens"] if t["bad"]]
+    metrics = ("max_abs", "rel_l2", "row_rel_l2", "kl_max", "cosine", "top1", "top5_overlap", "nonfinite")
+    assert bad and all(t["why"].split()[0] in metrics and (" > " in t["why"] or " < " in t["why"]) for t in bad), bad[:3]
+    assert all(t["rel_l2"] > 0 for t in bad)
+    assert "step 1: " in r.stdout
     # The catalog's checkpoint and step for kv_cache_pos0: cache_k-0 at step 1, one problem for the 3 drilled prompts.
     assert [g["checkpoint"] for g in rep["problems"]] == ["cache_k-0"]
     assert len(rep["problems"][0]["prompts"]) == 3
