@@ -501,12 +501,24 @@ class LogitsRunner {
   std::mutex engine_lock_;
 };
 
-// Phase 1: every prompt on `jobs` threads, each with its own reference; results are reported in corpus
-// order, `write_reports` after each prompt. The first failure stops the others and is rethrown.
+// The order the jobs take the prompts in: the longest first (positions run: prompt ids plus steps), so that
+// a long document does not start last and leave the other jobs idle at the end; ties in corpus order.
+std::vector<size_t> longest_first(const std::vector<PromptResult>& todo) {
+  std::vector<size_t> order(todo.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  const auto cost = [&](size_t i) { return todo[i].ids.size() + static_cast<size_t>(std::max(todo[i].steps, 0)); };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost(a) > cost(b); });
+  return order;
+}
+
+// Phase 1: every prompt on `jobs` threads, each with its own reference, the longest first; results are
+// reported in corpus order, `write_reports` after each prompt. The first failure stops the others and is
+// rethrown.
 void run_prompts(LogitsRunner& runner, const std::vector<PromptResult>& todo, int jobs, SweepReport& report,
                  Progress& progress, const std::function<void()>& write_reports) {
   std::mutex report_lock;
   std::vector<std::optional<PromptResult>> done(todo.size());
+  const std::vector<size_t> order = jobs > 1 ? longest_first(todo) : std::vector<size_t>{};
   size_t next = 0, finished = 0;
   std::exception_ptr failure;
   const int threads_each = std::max(1, available_cores() / jobs);
@@ -518,7 +530,8 @@ void run_prompts(LogitsRunner& runner, const std::vector<PromptResult>& todo, in
       {
         std::lock_guard lock(report_lock);
         if (next >= todo.size() || failure) return;
-        i = next++;
+        i = order.empty() ? next : order[next];
+        ++next;
       }
       PromptResult r = todo[i];
       try {
