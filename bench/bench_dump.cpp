@@ -22,7 +22,7 @@
 
 #include <fmt/core.h>
 
-#include "checkpoints/dump.hpp"
+#include "dump/dump.hpp"
 
 namespace {
 

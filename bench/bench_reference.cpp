@@ -14,7 +14,7 @@
 #include <fmt/core.h>
 #include <omp.h>
 
-#include "checkpoints/dump.hpp"
+#include "dump/dump.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "checkpoints/dump.hpp"
-#include "checkpoints/dump_format.hpp"
 #include "diffrun/dump_writer.h"
+#include "dump/dump.hpp"
+#include "dump/dump_format.hpp"
 #include "model/error.hpp"
 
 struct diffrun_dump_reader {

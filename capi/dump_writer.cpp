@@ -22,11 +22,11 @@
 
 #include "capi/cuda_driver.hpp"
 #include "capi/gather_kernel_ptx.hpp"
-#include "checkpoints/dump_format.hpp"
 #include "checkpoints/dump_schema.hpp"
-#include "checkpoints/dump_validate.hpp"
-#include "checkpoints/rows.hpp"
 #include "checkpoints/vocabulary.hpp"
+#include "dump/dump_format.hpp"
+#include "dump/dump_validate.hpp"
+#include "dump/rows.hpp"
 #include "model/error.hpp"
 
 namespace diffrun::capi {

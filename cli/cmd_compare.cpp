@@ -10,11 +10,11 @@
 
 #include <fmt/format.h>
 
-#include "checkpoints/dump.hpp"
 #include "cli/command.hpp"
 #include "cli/diff_report.hpp"
 #include "cli/progress.hpp"
 #include "cli/run.hpp"
+#include "dump/dump.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"
 #include "model/tokenizer.hpp"

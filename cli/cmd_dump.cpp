@@ -9,13 +9,13 @@
 #include <fmt/core.h>
 #include <omp.h>
 
-#include "checkpoints/dump.hpp"
 #include "checkpoints/dump_schema_names.hpp"
-#include "checkpoints/replay_sink.hpp"
 #include "cli/command.hpp"
 #include "cli/options.hpp"
 #include "cli/interrupt.hpp"
 #include "cli/run.hpp"
+#include "dump/dump.hpp"
+#include "dump/replay_sink.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"

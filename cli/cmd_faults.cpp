@@ -1,8 +1,8 @@
 // `diffrun faults`: the fault catalog as a table (name, where it must first show, to which models it applies).
 #include <cstdio>
 
-#include "checkpoints/faults.hpp"
 #include "cli/command.hpp"
+#include "faults/faults.hpp"
 
 namespace diffrun::cli {
 namespace {

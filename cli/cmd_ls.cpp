@@ -9,10 +9,10 @@
 #include <fmt/core.h>
 #include <fmt/ranges.h>
 
-#include "checkpoints/dump.hpp"
 #include "checkpoints/name_map.hpp"
 #include "cli/command.hpp"
 #include "cli/options.hpp"
+#include "dump/dump.hpp"
 #include "model/error.hpp"
 
 namespace diffrun::cli {

@@ -14,10 +14,7 @@
 #include <fmt/core.h>
 #include <fmt/ranges.h>
 
-#include "checkpoints/dump.hpp"
 #include "checkpoints/dump_schema_names.hpp"
-#include "checkpoints/dump_size.hpp"
-#include "checkpoints/replay_sink.hpp"
 #include "cli/command.hpp"
 #include "cli/options.hpp"
 #include "cli/diff_report.hpp"
@@ -26,6 +23,9 @@
 #include "cli/progress.hpp"
 #include "cli/run.hpp"
 #include "diff/compare.hpp"
+#include "dump/dump.hpp"
+#include "dump/dump_size.hpp"
+#include "dump/replay_sink.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"

@@ -10,11 +10,11 @@
 
 #include <fmt/core.h>
 
-#include "checkpoints/dump.hpp"
 #include "checkpoints/name_map.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "cli/command.hpp"
 #include "cli/options.hpp"
+#include "dump/dump.hpp"
 #include "model/error.hpp"
 
 namespace diffrun::cli {

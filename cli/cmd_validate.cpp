@@ -9,14 +9,14 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
-#include "checkpoints/dump.hpp"
-#include "checkpoints/dump_format.hpp"
-#include "checkpoints/dump_validate.hpp"
 #include "checkpoints/name_map.hpp"
-#include "checkpoints/shards.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "cli/command.hpp"
 #include "cli/terminal.hpp"
+#include "dump/dump.hpp"
+#include "dump/dump_format.hpp"
+#include "dump/dump_validate.hpp"
+#include "dump/shards.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"

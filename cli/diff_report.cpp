@@ -13,14 +13,14 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
-#include "checkpoints/dump.hpp"
 #include "cli/options.hpp"
 #include "checkpoints/name_map.hpp"
-#include "checkpoints/shards.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "diff/compare.hpp"
 #include "diff/report.hpp"
 #include "diff/tolerances.hpp"
+#include "dump/dump.hpp"
+#include "dump/shards.hpp"
 #include "model/error.hpp"
 
 namespace diffrun::cli {

@@ -8,10 +8,10 @@
 
 #include <CLI/CLI.hpp>
 
-#include "checkpoints/dump.hpp"
 #include "cli/progress.hpp"
 #include "diff/compare.hpp"
 #include "diff/tolerances.hpp"
+#include "dump/dump.hpp"
 
 namespace diffrun::cli {
 
@@ -43,7 +43,7 @@ struct ReportOptions {
 // gives each checkpoint's local error, shown beside the propagated one and used by the verdict.
 // Throws diffrun errors (exit 2) for dumps or tolerances that cannot be used.
 // engine_paths: one dump, or a tensor-parallel run's rank dumps (several files, or one directory of them), merged
-// (checkpoints/shards.hpp); reference_path likewise one dump or a directory of rank dumps.
+// (dump/shards.hpp); reference_path likewise one dump or a directory of rank dumps.
 int compare_and_report(const std::vector<std::string>& engine_paths, const std::string& reference_path,
                        const ReportOptions& opt, Progress& progress,
                        const std::function<std::string(int32_t)>& token_text = {},

@@ -17,7 +17,7 @@
 
 #include <fmt/core.h>
 
-#include "checkpoints/dump_format.hpp"
+#include "dump/dump_format.hpp"
 
 namespace diffrun::cli {
 namespace {

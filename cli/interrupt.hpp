@@ -13,7 +13,7 @@ namespace diffrun::cli {
 void install_interrupt_handlers();
 
 // While alive, a signal removes dump_temporary_path(final_path, pid) ("<final_path>.diffrun-tmp-<pid>"),
-// the file a DumpWriter for `final_path` writes before its rename (checkpoints/dump.hpp). At most 8
+// the file a DumpWriter for `final_path` writes before its rename (dump/dump.hpp). At most 8
 // guards are live at once.
 class TempGuard {
  public:

@@ -41,12 +41,12 @@
 #include <string>
 #include <vector>
 
-#include "checkpoints/dump.hpp"
 #include "cli/diff_report.hpp"
 #include "cli/progress.hpp"
 #include "cli/run.hpp"
 #include "diff/compare.hpp"
 #include "diff/stream.hpp"
+#include "dump/dump.hpp"
 #include "model/config.hpp"
 #include "model/gguf.hpp"
 

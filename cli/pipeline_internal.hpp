@@ -30,12 +30,12 @@
 
 #include <fmt/core.h>
 
-#include "checkpoints/dump_format.hpp"
-#include "checkpoints/replay_sink.hpp"
-#include "checkpoints/rows.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "cli/interrupt.hpp"
 #include "diff/stream.hpp"
+#include "dump/dump_format.hpp"
+#include "dump/replay_sink.hpp"
+#include "dump/rows.hpp"
 #include "model/error.hpp"
 
 namespace diffrun::cli::pipeline_detail {

@@ -8,9 +8,9 @@
 #include <fmt/core.h>
 
 #include "checkpoints/dump_schema_names.hpp"
-#include "checkpoints/faults.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "cli/options.hpp"
+#include "faults/faults.hpp"
 #include "model/chat_template.hpp"
 #include "model/error.hpp"
 #include "reference_cpu/reference.hpp"

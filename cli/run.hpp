@@ -12,9 +12,9 @@
 #include <CLI/CLI.hpp>
 
 #include "checkpoints/backend.hpp"
-#include "checkpoints/dump.hpp"
-#include "checkpoints/dump_size.hpp"
 #include "checkpoints/sink.hpp"
+#include "dump/dump.hpp"
+#include "dump/dump_size.hpp"
 #include "model/config.hpp"
 #include "model/gguf.hpp"
 #include "model/tokenizer.hpp"
@@ -49,7 +49,7 @@ std::string prompt_text(const GgufFile& file, const PromptOptions& opt);
 struct BackendOptions {
   std::string backend = "cpu";
   std::string precision = "f32";
-  std::string inject;  // faults to inject, "name[,name]" (checkpoints/faults.hpp); empty: none
+  std::string inject;  // faults to inject, "name[,name]" (faults/faults.hpp); empty: none
   void add_options(CLI::App& app);  // --backend --precision --inject
 };
 
@@ -133,7 +133,7 @@ struct DumpSizeOptions {
   void add_options(CLI::App& app);
 };
 
-// Estimates each dump of a run (checkpoints/dump_size.hpp) and says so through `say`. With
+// Estimates each dump of a run (dump/dump_size.hpp) and says so through `say`. With
 // --cache-rows auto, a dump over the limit first keeps the cache rows each step wrote; with
 // --softmax-rows auto, then only as many kq_soft_max rows as fit; with
 // --token-rows auto, if that is not enough, every per-token checkpoint keeps as many last rows as

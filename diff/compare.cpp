@@ -13,9 +13,9 @@
 #include <fmt/ranges.h>
 
 #include "checkpoints/dump_schema_names.hpp"
-#include "checkpoints/rows.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "diff/shards.hpp"
+#include "dump/rows.hpp"
 #include "model/error.hpp"
 
 namespace diffrun::diff {

@@ -29,7 +29,6 @@
 #include <string>
 #include <vector>
 
-#include "checkpoints/dump.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "diff/metrics.hpp"
 #include "diff/pattern.hpp"
@@ -37,6 +36,7 @@
 #include "diff/routing.hpp"
 #include "diff/tolerances.hpp"
 #include "diff/verdict.hpp"
+#include "dump/dump.hpp"
 
 namespace diffrun::diff {
 

@@ -30,7 +30,7 @@ struct LocalError {
   bool failed() const { return status == CheckpointStatus::fail || status == CheckpointStatus::shape_mismatch; }
 };
 
-// A checkpoint merged from rank dumps (checkpoints/shards.hpp): each rank's share of a failure (diff/shards.hpp).
+// A checkpoint merged from rank dumps (dump/shards.hpp): each rank's share of a failure (diff/shards.hpp).
 struct RankShare {
   int rank = 0;
   std::string path;                // the rank's dump

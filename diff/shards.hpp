@@ -1,4 +1,4 @@
-// Checkpoints merged from a tensor-parallel engine's rank dumps (checkpoints/shards.hpp): the ranks holding one slice
+// Checkpoints merged from a tensor-parallel engine's rank dumps (dump/shards.hpp): the ranks holding one slice
 // must agree, and a failing checkpoint names the ranks whose slice is wrong.
 //
 // Decisions:
@@ -14,10 +14,10 @@
 
 #include <span>
 
-#include "checkpoints/dump.hpp"
 #include "diff/metrics.hpp"
 #include "diff/result.hpp"
 #include "diff/tolerances.hpp"
+#include "dump/dump.hpp"
 
 namespace diffrun::diff {
 

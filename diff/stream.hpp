@@ -24,8 +24,8 @@
 #include <utility>
 #include <vector>
 
-#include "checkpoints/dump.hpp"
 #include "diff/compare.hpp"
+#include "dump/dump.hpp"
 
 namespace diffrun::diff {
 

@@ -113,8 +113,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "checkpoints/fault_plan.hpp"
-#include "checkpoints/faults.hpp"
+#include "faults/fault_plan.hpp"
+#include "faults/faults.hpp"
 #include "engine/checkpoint_stager.cuh"
 #include "engine/cuda_check.cuh"
 #include "engine/device_buffer.cuh"

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "checkpoints/backend.hpp"
-#include "checkpoints/faults.hpp"
+#include "faults/faults.hpp"
 #include "model/config.hpp"
 #include "model/gguf.hpp"
 

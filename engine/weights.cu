@@ -14,7 +14,7 @@
 #include <cuda_fp16.h>
 
 #include "engine/cuda_check.cuh"
-#include "checkpoints/faults.hpp"
+#include "faults/faults.hpp"
 #include "engine/dequant.cuh"
 #include "engine/device_buffer.cuh"
 #include "engine/faults/fault_ops.cuh"

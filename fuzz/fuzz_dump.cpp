@@ -9,9 +9,9 @@
 
 #include <hdf5.h>
 
-#include "checkpoints/dump.hpp"
-#include "checkpoints/dump_validate.hpp"
 #include "checkpoints/name_map.hpp"
+#include "dump/dump.hpp"
+#include "dump/dump_validate.hpp"
 #include "model/error.hpp"
 
 namespace {

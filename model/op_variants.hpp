@@ -1,7 +1,7 @@
 // Variants of ops that both backends share (twin ops take the same argument). Production runs each
-// default; the fault catalog's faults on these ops (checkpoints/faults.hpp) run the same ops, kernels
+// default; the fault catalog's faults on these ops (faults/faults.hpp) run the same ops, kernels
 // included, with another variant, so a fault tests the code production runs, not a copy of it. The
-// fault plan (checkpoints/fault_plan.hpp) holds the variants a run's ops take.
+// fault plan (faults/fault_plan.hpp) holds the variants a run's ops take.
 #pragma once
 
 #include <utility>

@@ -12,8 +12,8 @@
 
 #include <omp.h>
 
-#include "checkpoints/fault_plan.hpp"
-#include "checkpoints/faults.hpp"
+#include "faults/fault_plan.hpp"
+#include "faults/faults.hpp"
 #include "model/error.hpp"
 #include "reference_cpu/faults/fault_ops.hpp"
 #include "reference_cpu/faults/fault_weights.hpp"
@@ -312,7 +312,7 @@ class CpuBackend final : public Backend {
   }
 
   ModelConfig model_cfg_;  // the model's, as config() reports it
-  FaultPlan plan_;         // the injected faults, resolved (checkpoints/fault_plan.hpp)
+  FaultPlan plan_;         // the injected faults, resolved (faults/fault_plan.hpp)
   ModelConfig cfg_;        // what the forward reads: the model's with the faults' config edits
   int max_ctx_;
   Weights<T> w_;

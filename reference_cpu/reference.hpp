@@ -5,7 +5,7 @@
 #include <string>
 
 #include "checkpoints/backend.hpp"
-#include "checkpoints/faults.hpp"
+#include "faults/faults.hpp"
 #include "model/config.hpp"
 #include "model/gguf.hpp"
 
@@ -20,8 +20,8 @@ enum class WeightHolding { streamed, dense };
 // Validates the tensors and maps the weights for `precision`: "f32" | "f64", the arithmetic,
 // optionally with emulated storage "-f16store" (the f16 engine's f16 weights and GEMM inputs) or
 // "-f16residual" (the residual stream in f16); reference_cpu/storage.hpp lists the rounding points.
-// The KV cache holds max_ctx positions. `faults` (checkpoints/faults.hpp) are resolved into the backend's fault
-// plan at construction (checkpoints/fault_plan.hpp) and so injected into the forward pass.
+// The KV cache holds max_ctx positions. `faults` (faults/faults.hpp) are resolved into the backend's fault
+// plan at construction (faults/fault_plan.hpp) and so injected into the forward pass.
 // Throws InputError for another precision, max_ctx < 1 or a fault that does not apply to the model,
 // ModelError for a missing or malformed tensor.
 // The file must outlive the backend.

@@ -9,7 +9,7 @@
 
 #include <Eigen/Core>
 
-#include "checkpoints/faults.hpp"
+#include "faults/faults.hpp"
 #include "model/config.hpp"
 #include "model/gguf.hpp"
 #include "reference_cpu/reference.hpp"

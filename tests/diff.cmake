@@ -6,7 +6,7 @@ diffrun_test(test_pattern SOURCES test_pattern.cpp LIBS diffrun_diff)
 diffrun_test(test_stream SOURCES test_stream.cpp LIBS diffrun_diff)
 diffrun_test(test_routing SOURCES test_routing.cpp LIBS diffrun_diff)
 # Runs the built diffrun ($DIFFRUN_BIN) on synthetic dumps and on a tiny fixture model.
-diffrun_test(test_cli SOURCES test_cli.cpp LIBS diffrun_checkpoints FIXTURES tiny_models TIMEOUT 600)
+diffrun_test(test_cli SOURCES test_cli.cpp LIBS diffrun_dump FIXTURES tiny_models TIMEOUT 600)
 add_dependencies(test_cli diffrun)
 
 # Python: metrics.py against the C++ JSON report, and the plots (both run the built diffrun on a fixture).

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpoints/dump.hpp"
+#include "dump/dump.hpp"
 
 namespace diffrun::test {
 

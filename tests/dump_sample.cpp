@@ -6,7 +6,7 @@
 #include <exception>
 #include <vector>
 
-#include "checkpoints/dump.hpp"
+#include "dump/dump.hpp"
 
 namespace {
 

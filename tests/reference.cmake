@@ -3,7 +3,7 @@ diffrun_test(test_reference_ops SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_referen
              LIBS diffrun_reference)
 diffrun_test(test_reference_model SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_reference_model.cpp
              ${PROJECT_SOURCE_DIR}/cli/run.cpp ${PROJECT_SOURCE_DIR}/cli/options.cpp
-             LIBS diffrun_reference CLI11::CLI11 FIXTURES "tiny_models;smollm2" TIMEOUT 600)
+             LIBS diffrun_reference diffrun_dump CLI11::CLI11 FIXTURES "tiny_models;smollm2" TIMEOUT 600)
 diffrun_test(test_reference_goldens SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_reference_goldens.cpp
              LIBS diffrun_reference nlohmann_json::nlohmann_json FIXTURES "tiny_models;smollm2" TIMEOUT 300)
 add_dependencies(test_reference_model diffrun)

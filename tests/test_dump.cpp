@@ -10,7 +10,7 @@
 #include <numeric>
 #include <regex>
 
-#include "checkpoints/dump.hpp"
+#include "dump/dump.hpp"
 #include "model/error.hpp"
 #include "tests/test_util.hpp"
 

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "checkpoints/dump_format.hpp"
-#include "checkpoints/dump_validate.hpp"
+#include "dump/dump_format.hpp"
+#include "dump/dump_validate.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
 

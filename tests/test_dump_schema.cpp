@@ -11,9 +11,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "checkpoints/dump_format.hpp"
 #include "checkpoints/dump_schema.hpp"
 #include "checkpoints/vocabulary.hpp"
+#include "dump/dump_format.hpp"
 
 namespace diffrun {
 namespace {

@@ -3,8 +3,8 @@
 
 #include <filesystem>
 
-#include "checkpoints/dump.hpp"
-#include "checkpoints/dump_size.hpp"
+#include "dump/dump.hpp"
+#include "dump/dump_size.hpp"
 #include "model/error.hpp"
 #include "tests/test_util.hpp"
 

@@ -36,12 +36,12 @@
 
 #include <gtest/gtest.h>
 
-#include "checkpoints/dump.hpp"
-#include "checkpoints/faults.hpp"
-#include "checkpoints/replay_sink.hpp"
 #include "diff/compare.hpp"
 #include "diff/tolerances.hpp"
+#include "dump/dump.hpp"
+#include "dump/replay_sink.hpp"
 #include "engine/engine.hpp"
+#include "faults/faults.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"

@@ -25,12 +25,12 @@
 
 #include <gtest/gtest.h>
 
-#include "checkpoints/dump.hpp"
-#include "checkpoints/fault_plan.hpp"
-#include "checkpoints/faults.hpp"
-#include "checkpoints/replay_sink.hpp"
 #include "diff/compare.hpp"
 #include "diff/tolerances.hpp"
+#include "dump/dump.hpp"
+#include "dump/replay_sink.hpp"
+#include "faults/fault_plan.hpp"
+#include "faults/faults.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"

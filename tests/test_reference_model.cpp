@@ -19,10 +19,10 @@
 
 #include <gtest/gtest.h>
 
-#include "checkpoints/dump.hpp"
 #include "checkpoints/sink.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "cli/run.hpp"
+#include "dump/dump.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"

@@ -18,8 +18,8 @@
 
 #include <gtest/gtest.h>
 
-#include "checkpoints/faults.hpp"
 #include "checkpoints/sink.hpp"
+#include "faults/faults.hpp"
 #include "model/config.hpp"
 #include "model/dequant.hpp"
 #include "model/gguf.hpp"

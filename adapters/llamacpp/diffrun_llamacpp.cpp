@@ -24,8 +24,8 @@
 #include <llama.h>
 
 #include "capture.hpp"
-#include "checkpoints/dump.hpp"
 #include "diffrun/dump_writer.h"
+#include "dump/dump.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"
 

@@ -1,10 +1,10 @@
 // diffrun-dump-child: writes one dump for a diffrun process, which talks to it over its standard
-// input (checkpoints/dump_target.hpp). Not meant to be run by hand.
+// input (dump/dump_target.hpp). Not meant to be run by hand.
 #include <unistd.h>
 
 #include <cstdio>
 
-#include "checkpoints/dump_target.hpp"
+#include "dump/dump_target.hpp"
 
 int main(int argc, char**) {
   if (argc > 1 || ::isatty(STDIN_FILENO)) {

@@ -7,13 +7,13 @@
 
 #include <string>
 
-#include "checkpoints/faults.hpp"
 #include "engine/cuda_check.cuh"
 #include "engine/ops/add_rms_norm.cuh"
 #include "engine/ops/launch.cuh"
 #include "engine/ops/matmul.cuh"
 #include "engine/ops/rms_norm.cuh"
 #include "engine/ops/rope_qk.cuh"
+#include "faults/faults.hpp"
 #include "model/error.hpp"
 
 namespace diffrun::engine {

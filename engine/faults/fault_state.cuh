@@ -11,9 +11,9 @@
 
 #include <cuda_runtime.h>
 
-#include "checkpoints/fault_plan.hpp"
 #include "engine/device_buffer.cuh"
 #include "engine/weights.cuh"
+#include "faults/fault_plan.hpp"
 #include "model/config.hpp"
 
 namespace diffrun::engine {

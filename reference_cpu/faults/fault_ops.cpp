@@ -8,7 +8,7 @@
 
 #include <Eigen/Core>
 
-#include "checkpoints/faults.hpp"
+#include "faults/faults.hpp"
 #include "reference_cpu/ops/matmul.hpp"
 #include "reference_cpu/ops/moe.hpp"
 #include "reference_cpu/ops/rms_norm.hpp"

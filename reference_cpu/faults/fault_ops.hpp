@@ -1,5 +1,5 @@
 // Flawed variants of reference ops for fault injection, kept out of the clean ops (reference_cpu/ops/), and the
-// entry points that take the fault plan's op arguments (checkpoints/fault_plan.hpp): each runs the clean op for
+// entry points that take the fault plan's op arguments (faults/fault_plan.hpp): each runs the clean op for
 // production's argument, its flawed variant otherwise. The attention faults run the clean attention with another
 // AttentionVariant.
 // T tokens, S positions attended, D model width, H/Hkv heads, Dh head width, K inputs, N outputs, Np padded outputs.

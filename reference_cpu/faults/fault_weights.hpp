@@ -1,8 +1,8 @@
-// The fault plan's weight edits on the reference's weights (checkpoints/fault_plan.hpp, WeightEdits), made once by
+// The fault plan's weight edits on the reference's weights (faults/fault_plan.hpp, WeightEdits), made once by
 // the backend's constructor: the forward pass then reads the edited weights like any others.
 #pragma once
 
-#include "checkpoints/fault_plan.hpp"
+#include "faults/fault_plan.hpp"
 #include "model/config.hpp"
 #include "reference_cpu/weights.hpp"
 

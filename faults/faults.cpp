@@ -1,5 +1,5 @@
 // The fault catalog: names, descriptions, expected first checkpoints, applicability, parsing, shared fault parameters.
-#include "checkpoints/faults.hpp"
+#include "faults/faults.hpp"
 
 #include <algorithm>
 

@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "checkpoints/dump.hpp"
 #include "checkpoints/name_map.hpp"
+#include "dump/dump.hpp"
 
 namespace diffrun {
 

@@ -1,5 +1,5 @@
 // Isolation replay sink: records through to the wrapped sink, replaces from the reference dump.
-#include "checkpoints/replay_sink.hpp"
+#include "dump/replay_sink.hpp"
 
 namespace diffrun {
 

@@ -4,7 +4,7 @@
 // {FALSE=0, TRUE=1} over int8 (h5py reads numpy.bool_); float16 is h5py's half type. Datasets are
 // contiguous, uncompressed (or chunked with shuffle + deflate, set_compression), without fill values
 // or timestamps.
-#include "checkpoints/dump_format.hpp"
+#include "dump/dump_format.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>

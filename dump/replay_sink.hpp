@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "checkpoints/dump.hpp"
 #include "checkpoints/sink.hpp"
+#include "dump/dump.hpp"
 
 namespace diffrun {
 

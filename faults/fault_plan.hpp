@@ -1,4 +1,4 @@
-// The fault plan: the injected faults (checkpoints/faults.hpp) resolved once, when a backend is constructed, into
+// The fault plan: the injected faults (faults/faults.hpp) resolved once, when a backend is constructed, into
 // what each one changes, sorted by where it acts. Both backends build theirs with plan_faults, so both inject a
 // fault the same way; their forward passes then read op after op, with no fault condition but a few control-flow
 // hooks. D model width, H/Hkv heads, Dh head width, V real vocabulary, Vp padded vocabulary, Vt table rows.
@@ -21,7 +21,7 @@
 //   residual_skipped.
 #pragma once
 
-#include "checkpoints/faults.hpp"
+#include "faults/faults.hpp"
 #include "model/config.hpp"
 #include "model/op_variants.hpp"
 

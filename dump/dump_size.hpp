@@ -10,7 +10,7 @@
 namespace diffrun {
 
 // What a run records: step 0 is the prefill of `prompt_tokens`, then `steps` one-token decode steps.
-// The row limits are DumpWriterOptions' (checkpoints/dump.hpp): > 0 keeps only the last rows of a
+// The row limits are DumpWriterOptions' (dump/dump.hpp): > 0 keeps only the last rows of a
 // step, 0 every row.
 struct DumpPlan {
   int64_t prompt_tokens = 0;

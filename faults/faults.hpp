@@ -4,7 +4,7 @@
 // Both backends honour the same FaultSet (`--inject NAME[,NAME]`): the CPU reference so the whole
 // mechanism is testable without a GPU, the CUDA engine to prove that diffrun finds engine bugs.
 // Each fault reproduces one mistake from the bug classes of the seed notes in code. Both backends
-// resolve the set once, at construction, into a fault plan (checkpoints/fault_plan.hpp): config
+// resolve the set once, at construction, into a fault plan (faults/fault_plan.hpp): config
 // edits, weight edits, op arguments (a wrong argument, a wrong operand order, a skipped op, or where
 // no argument of a clean op can express it, a separate flawed variant of the op), the
 // production-path faults of the fused kernels, and a few control-flow hooks; the clean ops carry no

@@ -10,11 +10,11 @@
 #include <string>
 #include <string_view>
 
-#include "checkpoints/dump_format.hpp"
+#include "dump/dump_format.hpp"
 
 namespace diffrun {
 
-// The DumpFile operations DumpWriter uses (checkpoints/dump_format.hpp says what each does).
+// The DumpFile operations DumpWriter uses (dump/dump_format.hpp says what each does).
 class DumpTarget {
  public:
   virtual ~DumpTarget() = default;

@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "checkpoints/dump_format.hpp"
 #include "checkpoints/name_map.hpp"
-#include "checkpoints/rows.hpp"
 #include "checkpoints/sink.hpp"
+#include "dump/dump_format.hpp"
+#include "dump/rows.hpp"
 #include "model/config.hpp"
 
 namespace diffrun {
@@ -50,7 +50,7 @@ struct DumpWriterOptions {
   bool cache_all_rows = false;
   // 1..9: datasets are chunked and gzip-compressed at this level (deflate, built into HDF5); 0: not.
   int compress = 0;
-  // true: the HDF5 calls run in a diffrun-dump-child process (checkpoints/dump_target.hpp), so that
+  // true: the HDF5 calls run in a diffrun-dump-child process (dump/dump_target.hpp), so that
   // dumps written at once do not wait for each other on HDF5's process-wide lock; where that
   // executable is missing, in this process. The file is the same either way. record() then checks
   // names and shapes as before, but an error of the file itself (a full disk) comes from a later call.
@@ -83,7 +83,7 @@ class DumpWriter final : public Sink {
   std::unique_ptr<Impl> impl_;
 };
 
-// Where one rank's shard lies in a checkpoint merged from rank dumps (checkpoints/shards.hpp).
+// Where one rank's shard lies in a checkpoint merged from rank dumps (dump/shards.hpp).
 struct ShardPiece {
   int rank = 0;
   std::string path;    // the rank's dump
@@ -136,7 +136,7 @@ class DumpReader {
  public:
   // Throws DumpError naming the file (not HDF5, not a diffrun dump, unsupported version).
   explicit DumpReader(const std::string& path, const NameMap* names = nullptr);
-  // What a dump not read from one file reads from: rank dumps merged (checkpoints/shards.hpp).
+  // What a dump not read from one file reads from: rank dumps merged (dump/shards.hpp).
   struct Source {
     virtual ~Source() = default;
     virtual std::vector<float> read(int step, const std::string& name) const = 0;

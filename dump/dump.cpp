@@ -1,12 +1,12 @@
 // HDF5 dump writer and reader ("diffrun-dump", docs/dump-format.md) on the HDF5 1.10 C API.
 // The writer checks checkpoints against the vocabulary and writes through DumpFile
-// (checkpoints/dump_format.hpp), the one implementation of the file format, shared with the C API:
+// (dump/dump_format.hpp), the one implementation of the file format, shared with the C API:
 // root attributes (meta), groups /step_NNNN, one contiguous float32 (int32 for ids) dataset per
 // checkpoint, their order, layer, layout and native_dtype in the step's attribute table (format
 // version 2; the reader also reads version 1, where they are dataset attributes). HDF5's automatic error printing is
 // turned off; every failure is a DumpError naming the file (and dataset), with HDF5's innermost
 // message appended.
-#include "checkpoints/dump.hpp"
+#include "dump/dump.hpp"
 
 #include <hdf5.h>
 #include <unistd.h>
@@ -24,7 +24,7 @@
 #include <set>
 #include <utility>
 
-#include "checkpoints/dump_target.hpp"
+#include "dump/dump_target.hpp"
 #include "model/error.hpp"
 #include "model/file_check.hpp"
 

@@ -1,5 +1,5 @@
-// Dump size estimate (checkpoints/dump_size.hpp): the vocabulary's shapes per step, plus HDF5's overhead per object.
-#include "checkpoints/dump_size.hpp"
+// Dump size estimate (dump/dump_size.hpp): the vocabulary's shapes per step, plus HDF5's overhead per object.
+#include "dump/dump_size.hpp"
 
 #include <fmt/core.h>
 
@@ -7,7 +7,7 @@
 #include <cctype>
 #include <cmath>
 
-#include "checkpoints/rows.hpp"
+#include "dump/rows.hpp"
 #include "model/error.hpp"
 
 namespace diffrun {

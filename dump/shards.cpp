@@ -1,5 +1,5 @@
 // A tensor-parallel engine's rank dumps merged into one dump: the set's checks, each checkpoint's merge plan, the reads.
-#include "checkpoints/shards.hpp"
+#include "dump/shards.hpp"
 
 #include <algorithm>
 #include <filesystem>

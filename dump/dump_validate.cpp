@@ -3,8 +3,8 @@
 // (dump_schema.hpp); python/diffrun/validate.py runs the same checks in the same order with the same words
 // (DESIGN.md, "One validator"). Reads every dataset's data once, in blocks of rows (as compare would read it),
 // within the readers' size limits.
-#include "checkpoints/rows.hpp"
-#include "checkpoints/dump_validate.hpp"
+#include "dump/rows.hpp"
+#include "dump/dump_validate.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -14,8 +14,8 @@
 #include <map>
 #include <set>
 
-#include "checkpoints/dump_format.hpp"
 #include "checkpoints/vocabulary.hpp"
+#include "dump/dump_format.hpp"
 #include "model/error.hpp"
 
 namespace diffrun {

@@ -5,7 +5,7 @@
 // finish frames; the child answers open and finish with a reply frame (ok and the bytes written, or
 // an error), and sends an error reply on its own when any other frame fails, then removes its
 // temporary and exits. The parent reads that reply when a send fails (the child is gone) or at finish.
-#include "checkpoints/dump_target.hpp"
+#include "dump/dump_target.hpp"
 
 #include <signal.h>
 #include <spawn.h>
@@ -23,7 +23,7 @@
 #include <optional>
 #include <vector>
 
-#include "checkpoints/dump_format.hpp"
+#include "dump/dump_format.hpp"
 #include "model/error.hpp"
 
 extern char** environ;

@@ -1,5 +1,5 @@
-// Row cuts of a dump: the row dimension of a layout and the rows a writer keeps (checkpoints/rows.hpp).
-#include "checkpoints/rows.hpp"
+// Row cuts of a dump: the row dimension of a layout and the rows a writer keeps (dump/rows.hpp).
+#include "dump/rows.hpp"
 
 #include <algorithm>
 #include <string>

@@ -1,6 +1,6 @@
 // The fault plan: each injected fault turned into a config edit, a weight edit, an op argument, a production-path
 // fault or a control-flow hook, once per backend.
-#include "checkpoints/fault_plan.hpp"
+#include "faults/fault_plan.hpp"
 
 #include <cmath>
 #include <limits>
