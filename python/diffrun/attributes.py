@@ -1,6 +1,6 @@
 """The Python package's one reader of HDF5 attributes (root attributes, version-1 dataset attributes): what an
 attribute is without reading it, and its value as a string, integers or a real. diffrun.dump and diffrun.validate
-read through it; the C++ side has its twin in checkpoints/dump_format.cpp (h5::inspect_attribute and friends).
+read through it; the C++ side has its twin in dump/dump_format.cpp (h5::inspect_attribute and friends).
 """
 
 from __future__ import annotations

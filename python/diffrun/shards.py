@@ -5,7 +5,7 @@ attribute (at `shard_offset`), partial sums to add up (`partial` = 1), or the wh
 `RankDumps` reads the set with the interface of `Dump` (steps, names, info, get, meta) and returns whole tensors:
 slices placed at their offsets (slices of the same offset are copies, KV heads where Hkv < N, and must agree),
 partial sums added in float64 in rank order and rounded to float32 once, a replicated tensor rank 0's copy. This
-is the merge of `diffrun compare RANKS... REF.h5` (checkpoints/shards.cpp), which also checks the replicas and
+is the merge of `diffrun compare RANKS... REF.h5` (dump/shards.cpp), which also checks the replicas and
 names the rank whose slice is wrong; this reader only reads.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Checks a dump against docs/dump-format.md and lists every problem at once: `diffrun validate`'s checks
-(checkpoints/dump_validate.cpp) in Python, with the same wording, both driven by the dump schema (diffrun.schema:
+(dump/dump_validate.cpp) in Python, with the same wording, both driven by the dump schema (diffrun.schema:
 every attribute, type, allowed value, limit, dimension letter, kind and architecture comes from it; DESIGN.md,
 "One validator", says why neither calls the other).
 
@@ -371,7 +371,7 @@ def _bracketed(dims: list[str]) -> str:
 def _layout_ambiguity(ds: h5py.Dataset, base: str, vocab_dims: list[str], shape: tuple[int, ...],
                       n_past: int) -> tuple[str, str]:
     """(problem, warning) of a dataset stored in its vocabulary shape without a layout attribute, two of whose
-    dims have the same size (> 1); as layout_ambiguity in checkpoints/dump_validate.cpp."""
+    dims have the same size (> 1); as layout_ambiguity in dump/dump_validate.cpp."""
     swaps = [(i, j) for i in range(len(shape)) for j in range(i + 1, len(shape)) if shape[i] == shape[j] > 1]
     if not swaps or len(vocab_dims) != len(shape):
         return "", ""

@@ -1,4 +1,4 @@
-"""Writer of diffrun dumps (HDF5, format "diffrun-dump"), the Python twin of checkpoints/dump.cpp's DumpWriter.
+"""Writer of diffrun dumps (HDF5, format "diffrun-dump"), the Python twin of dump/dump.cpp's DumpWriter.
 
     import diffrun
     with diffrun.writer.open("mine.h5", backend="mine", precision="f32", like="reference.h5") as w:

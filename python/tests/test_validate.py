@@ -1,5 +1,5 @@
 """diffrun.validate on a set of broken dumps: the problems it lists, and the same list as `diffrun validate --json`
-(the C++ checks in checkpoints/dump_validate.cpp) wherever the built diffrun has that command.
+(the C++ checks in dump/dump_validate.cpp) wherever the built diffrun has that command.
 
 Needs DIFFRUN_BIN and DIFFRUN_FIXTURE_DIR (ctest sets them).
 """
