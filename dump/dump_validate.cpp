@@ -3,7 +3,6 @@
 // (dump_schema.hpp); python/diffrun/validate.py runs the same checks in the same order with the same words
 // (DESIGN.md, "One validator"). Reads every dataset's data once, in blocks of rows (as compare would read it),
 // within the readers' size limits.
-#include "dump/rows.hpp"
 #include "dump/dump_validate.hpp"
 
 #include <algorithm>
@@ -16,6 +15,7 @@
 
 #include "checkpoints/vocabulary.hpp"
 #include "dump/dump_format.hpp"
+#include "dump/rows.hpp"
 #include "model/error.hpp"
 
 namespace diffrun {

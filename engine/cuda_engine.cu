@@ -92,8 +92,8 @@
 //   kernels scale 1 (a config edit) and gqa_head_modulo a cache expanded to H heads the wrong way round
 //   (attention_kv); the other attention faults run the production kernels with another AttentionVariant
 //   at every T (their fault is the flaw, found against the reference).
-// - Fault injection (checkpoints/faults.hpp, --inject) lives beside the forward, not inside it: the
-//   fault plan (checkpoints/fault_plan.hpp), resolved at construction, edits the config the forward
+// - Fault injection (faults/faults.hpp, --inject) lives beside the forward, not inside it: the
+//   fault plan (faults/fault_plan.hpp), resolved at construction, edits the config the forward
 //   reads (cfg_; config() stays the model's), FaultState (engine/faults/fault_state.cuh) edits the
 //   weights and resolves the positions and weights the fused kernels and the captured graph are handed,
 //   and the forward passes the plan's op arguments (plan_.ops) to its ops, the entry points of
@@ -113,8 +113,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "faults/fault_plan.hpp"
-#include "faults/faults.hpp"
 #include "engine/checkpoint_stager.cuh"
 #include "engine/cuda_check.cuh"
 #include "engine/device_buffer.cuh"
@@ -135,6 +133,8 @@
 #include "engine/ops/step_inputs.cuh"
 #include "engine/ops/swiglu.cuh"
 #include "engine/weights.cuh"
+#include "faults/fault_plan.hpp"
+#include "faults/faults.hpp"
 #include "model/error.hpp"
 
 namespace diffrun {
@@ -849,7 +849,7 @@ class CudaEngineImpl final : public CudaEngine {
   }
 
   ModelConfig model_cfg_;  // the model's, as config() reports it
-  FaultPlan plan_;         // the injected faults, resolved (checkpoints/fault_plan.hpp)
+  FaultPlan plan_;         // the injected faults, resolved (faults/fault_plan.hpp)
   ModelConfig cfg_;        // what the forward reads: the model's with the faults' config edits
   int max_ctx_;
   FaultSet faults_;

@@ -33,8 +33,8 @@ class CudaEngine : public Backend {
 // softmax and KV cache. precision "f32": everything f32, TF32 off. The KV cache holds max_ctx
 // positions. Throws Error when there is no CUDA device or not enough device memory (saying how
 // much was needed and how much is free), InputError for another precision or max_ctx < 1,
-// ModelError for a missing or malformed tensor. `faults` (checkpoints/faults.hpp) are resolved into
-// the engine's fault plan at construction (checkpoints/fault_plan.hpp; InputError for one that does
+// ModelError for a missing or malformed tensor. `faults` (faults/faults.hpp) are resolved into
+// the engine's fault plan at construction (faults/fault_plan.hpp; InputError for one that does
 // not apply to the model).
 std::unique_ptr<CudaEngine> make_cuda_engine(const GgufFile& file, const ModelConfig& cfg,
                                              const std::string& precision, int max_ctx, const FaultSet& faults = {});

@@ -1,5 +1,5 @@
-// Flawed variants of engine ops for fault injection (checkpoints/faults.hpp), kept out of the clean kernels, and
-// the entry points that take the fault plan's op arguments (checkpoints/fault_plan.hpp): each enqueues exactly the
+// Flawed variants of engine ops for fault injection (faults/faults.hpp), kept out of the clean kernels, and
+// the entry points that take the fault plan's op arguments (faults/fault_plan.hpp): each enqueues exactly the
 // clean op for production's argument, its flawed variant otherwise.
 // T tokens, S positions attended, D model width, V table rows, H/Hkv heads, Dh head width, K inputs, N outputs,
 // Np padded outputs.

@@ -1,4 +1,4 @@
-// What the fault plan (checkpoints/fault_plan.hpp) needs of the engine, made once when it is constructed: the
+// What the fault plan (faults/fault_plan.hpp) needs of the engine, made once when it is constructed: the
 // weight edits, the weight embedding_rms_norm is handed, the positions the position-dependent kernels read (the
 // production path's position faults are which position a kernel is handed), the scratch of gqa_head_modulo, and
 // which fused kernels can take the plan's op arguments. Without faults it edits nothing and hands every kernel
