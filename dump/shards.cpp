@@ -69,10 +69,10 @@ void check_same_run(const Readers& ranks) {
     const auto differs = [&](const char* what) {
       throw InputError(fmt::format("rank dumps {} and {} differ in {}", r0.path(), r->path(), what));
     };
-    if (r->meta().model_fingerprint != r0.meta().model_fingerprint) differs("model_fingerprint");
+    if (r->meta().model_fingerprint != r0.meta().model_fingerprint) differs(attr::model_fingerprint);
     if (config_attributes(r->meta().config) != config_attributes(r0.meta().config)) differs("their model config");
-    if (r->meta().precision != r0.meta().precision) differs("precision");
-    if (r->meta().token_ids != r0.meta().token_ids) differs("token_ids");
+    if (r->meta().precision != r0.meta().precision) differs(attr::precision);
+    if (r->meta().token_ids != r0.meta().token_ids) differs(attr::token_ids);
     if (r->steps() != r0.steps()) differs("their steps");
   }
 }
