@@ -522,9 +522,7 @@ void dot_f16_avx2(const uint8_t* s, const T* x, int64_t n, T* acc) {
 // code byte zero-extended is its own index for the low nibble and, shifted right by 4, for the high one); the 16
 // lane sums in one __m512. Per 16 values a zero-extension, a permute and an fma, where BlockQ4_K's path takes a
 // conversion, a product, a difference and the f16 rounding: 20% less time a 7B matrix than making the values 16 at
-// a time in one __m512 (measured on the workstation, 2026-11-28). In f64 the table, widened to two __m512d and
-// looked up with vpermt2pd 8 values at a time, was no faster there than BlockQ4_K's path (the permutes and the
-// widening of the tables cost what the conversions did), so f64 takes BlockQ4_K.
+// a time in one __m512 (measured on the workstation, 2026-11-28). f64 takes the same tables widened (below).
 // round_f16 of 16 values (kRound 1: as Rounded<1>; 2: values that cannot be NaN, as Rounded<2>; 0: none).
 template <int kRound>
 inline __m512 round16_f16(__m512 v) {
@@ -574,6 +572,64 @@ void dot_q4_k_table(const uint8_t* b, const float* x, int64_t n_blocks, float* a
   }
   _mm512_storeu_ps(acc, s);
 }
+
+// f64: the same tables widened to doubles (two __m512d each, exact) and each 8 values looked up with vpermi2pd, whose
+// index is the code in the low 4 bits of each 64-bit lane: 8 code bytes broadcast to every lane and shifted right by
+// 8 i (low nibbles) or 8 i + 4 (high nibbles) for lane i. Per 8 values a shift, a permute and an fma, where
+// BlockQ4_K's path takes a widening, a conversion, a product and a difference: 5-6% less CPU time a 7B decode step on
+// the workstation (bench/NOTES.md); the same doubles, so the same lane sums bit for bit. (Tried there and no faster:
+// the index by vpmovzxbq or vpmultishiftqb, the table in floats looked up 16 at a time with vpermps and widened, two
+// rows in turn, and the index bytes transposed once per block with vpermb and read back at byte offsets.)
+template <int kRound>
+[[gnu::always_inline]] inline void block_q4_k_table_f64(const uint8_t* b, const double* x, __m512d& s0, __m512d& s1) {
+  alignas(32) float dsc[8], dm[8];
+  scales_k4_avx2(b + 4, half_at(b), half_at(b + 2), dsc, dm);
+  const __m512i shift_lo = _mm512_setr_epi64(0, 8, 16, 24, 32, 40, 48, 56);
+  const __m512i shift_hi = _mm512_setr_epi64(4, 12, 20, 28, 36, 44, 52, 60);
+  const uint8_t* q = b + 16;
+  for (int is = 0; is < 8; is += 2, q += 32, x += 64) {
+    const __m512 t1 = q4_k_table<kRound>(dsc + is, dm + is), t2 = q4_k_table<kRound>(dsc + is + 1, dm + is + 1);
+    auto wide = [](__m512 t, int h) {
+      return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), h)));
+    };
+    const __m512d t1a = wide(t1, 0), t1b = wide(t1, 1), t2a = wide(t2, 0), t2b = wide(t2, 1);
+    __m512i w[4];
+    for (int g = 0; g < 4; ++g) {
+      uint64_t v;
+      std::memcpy(&v, q + 8 * g, 8);
+      w[g] = _mm512_set1_epi64(static_cast<long long>(v));
+    }
+    // values 0..31 (low nibbles), then 32..63 (high nibbles): values 16 i .. 16 i + 7 to s0, the next 8 to s1
+    auto take = [&](__m512d& s, int k, __m512d ta, __m512d tb, __m512i codes, __m512i shift) {
+      s = _mm512_fmadd_pd(_mm512_loadu_pd(x + k), _mm512_permutex2var_pd(ta, _mm512_srlv_epi64(codes, shift), tb), s);
+    };
+    for (int g = 0; g < 4; g += 2) {
+      take(s0, 8 * g, t1a, t1b, w[g], shift_lo);
+      take(s1, 8 * g + 8, t1a, t1b, w[g + 1], shift_lo);
+    }
+    for (int g = 0; g < 4; g += 2) {
+      take(s0, 32 + 8 * g, t2a, t2b, w[g], shift_hi);
+      take(s1, 40 + 8 * g, t2a, t2b, w[g + 1], shift_hi);
+    }
+  }
+}
+
+template <bool kRound>
+void dot_q4_k_table_f64(const uint8_t* b, const double* x, int64_t n_blocks, double* acc) {
+  __m512d s0 = _mm512_loadu_pd(acc), s1 = _mm512_loadu_pd(acc + 8);
+  for (int64_t i = 0; i < n_blocks; ++i, b += BlockQ4_K::kBytes, x += QK_K) {
+    prefetch_ahead(b, BlockQ4_K::kBytes);
+    if (!kRound) {
+      block_q4_k_table_f64<0>(b, x, s0, s1);
+    } else if (BlockQ4_K::finite(b)) {
+      block_q4_k_table_f64<2>(b, x, s0, s1);
+    } else {
+      block_q4_k_table_f64<1>(b, x, s0, s1);
+    }
+  }
+  _mm512_storeu_pd(acc, s0);
+  _mm512_storeu_pd(acc + 8, s1);
+}
 #endif  // __AVX512F__
 
 template <typename Lanes, typename T>
@@ -589,6 +645,9 @@ bool decode_dot_avx2(GgmlType type, const uint8_t* s, bool round, const T* x, in
 #if defined(__AVX512F__)
       if constexpr (sizeof(T) == 4) {
         round ? dot_q4_k_table<true>(s, x, n / QK_K, acc) : dot_q4_k_table<false>(s, x, n / QK_K, acc);
+        return true;
+      } else {
+        round ? dot_q4_k_table_f64<true>(s, x, n / QK_K, acc) : dot_q4_k_table_f64<false>(s, x, n / QK_K, acc);
         return true;
       }
 #endif
