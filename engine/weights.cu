@@ -277,7 +277,11 @@ DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cu
       case TensorRole::ffn_gate_inp:
       case TensorRole::ffn_gate_exps:
       case TensorRole::ffn_up_exps:
-      case TensorRole::ffn_down_exps:  // the CUDA engine runs dense FFNs only (cli/run.cpp refuses MoE models)
+      case TensorRole::ffn_down_exps:
+      case TensorRole::ffn_gate_inp_shexp:
+      case TensorRole::ffn_gate_shexp:
+      case TensorRole::ffn_up_shexp:
+      case TensorRole::ffn_down_shexp:  // the CUDA engine runs dense FFNs only (cli/run.cpp refuses MoE models)
         throw InputError("the CUDA engine has no mixture-of-experts FFN: run this model with the CPU reference");
     }
   };

@@ -234,6 +234,8 @@ std::string checkpoint_of_tensor(const ExpectedTensor& e) {
     case R::ffn_gate_exps: base = "ffn_moe_gate"; break;
     case R::ffn_up_exps: base = "ffn_moe_up"; break;
     case R::ffn_down_exps: base = "ffn_moe_down"; break;
+    case R::ffn_gate_inp_shexp: base = "ffn_shexp_gate_inp"; break;
+    case R::ffn_gate_shexp: case R::ffn_up_shexp: case R::ffn_down_shexp: base = "ffn_shexp"; break;
   }
   return checkpoint_name(base, e.layer);
 }

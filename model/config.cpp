@@ -72,24 +72,45 @@ void read_gemma3(const GgufFile& file, ModelConfig& c, const std::function<std::
 // The largest expert count llama.cpp accepts (LLAMA_MAX_EXPERTS); diffrun refuses more too.
 constexpr int64_t kMaxExperts = 512;
 
-// Mixture of experts as llama.cpp reads it for qwen3moe and llama (Mixtral: llama with expert_count > 0):
-// expert_count experts, expert_used_count of them per token, each of width expert_feed_forward_length (qwen3moe;
-// n_ff / expert_used_count where the key is absent) or feed_forward_length (llama). llama.cpp builds both with a
-// softmax router and renormalised top-k weights whatever expert_gating_func and expert_weights_norm say: followed
-// here, and said in a note where the file says otherwise. A scale of the weights and shared experts are refused.
+// qwen2moe's one shared expert as llama.cpp's qwen2moe model reads it: its width is
+// expert_shared_feed_forward_length, n_ff where the key is absent. llama.cpp builds exactly one shared expert and
+// never reads expert_shared_count; a count other than 1 (a file that means something else) is refused.
+void read_shared_expert(const GgufFile& file, ModelConfig& c, const std::function<std::string(const char*)>& key) {
+  const int64_t shared = file.get_int(key("expert_shared_count"), c.moe_shexp ? 1 : 0);
+  if (!c.moe_shexp) {
+    if (shared != 0)
+      throw ModelError(fmt::format("{}: {} = {}: shared experts are supported only for qwen2moe", file.path(),
+                                   key("expert_shared_count"), shared));
+    return;
+  }
+  if (shared != 1)
+    throw ModelError(fmt::format("{}: {} = {}: qwen2moe is built with exactly one shared expert", file.path(),
+                                 key("expert_shared_count"), shared));
+  c.n_ff_shexp = positive_int(file, key("expert_shared_feed_forward_length"),
+                              file.get_int(key("expert_shared_feed_forward_length"), c.n_ff));
+}
+
+// Mixture of experts as llama.cpp reads it for qwen3moe, qwen2moe and llama (Mixtral: llama with expert_count > 0):
+// expert_count experts, expert_used_count of them per token, each of width expert_feed_forward_length (qwen3moe,
+// qwen2moe; n_ff / expert_used_count where the key is absent) or feed_forward_length (llama). llama.cpp builds them
+// with a softmax router whatever expert_gating_func says, the top-k weights renormalised for qwen3moe and llama and
+// not for qwen2moe whatever expert_weights_norm says: followed here, and said in a note where the file says
+// otherwise. qwen2moe adds its shared expert (read_shared_expert). A scale of the weights is refused.
 void read_moe(const GgufFile& file, ModelConfig& c, const std::function<std::string(const char*)>& key) {
   const int64_t n_expert = file.get_int(key("expert_count"), 0);
   if (n_expert < 0 || n_expert > kMaxExperts)
     throw ModelError(fmt::format("{}: {} = {} is outside 0..{}", file.path(), key("expert_count"), n_expert,
                                  kMaxExperts));
   if (n_expert == 0) {
-    if (c.arch == Arch::qwen3moe)
-      throw ModelError(fmt::format("{}: {} is {}; a qwen3moe model needs experts", file.path(), key("expert_count"),
-                                   file.find(key("expert_count")) ? "0" : "absent"));
+    if (c.moe)  // qwen3moe, qwen2moe: routed by their architecture
+      throw ModelError(fmt::format("{}: {} is {}; a {} model needs experts", file.path(), key("expert_count"),
+                                   file.find(key("expert_count")) ? "0" : "absent", arch_name(c.arch)));
+    read_shared_expert(file, c, key);  // refuses a shared expert count without experts
     return;
   }
-  if (c.arch != Arch::qwen3moe && c.arch != Arch::llama)
-    throw ModelError(fmt::format("{}: {} = {}, but diffrun runs experts only for qwen3moe and llama (Mixtral)",
+  if (!c.moe && c.arch != Arch::llama)
+    throw ModelError(fmt::format("{}: {} = {}, but diffrun runs experts only for qwen3moe, qwen2moe and llama "
+                                 "(Mixtral)",
                                  file.path(), key("expert_count"), n_expert));
   c.moe = true;
   c.n_expert = static_cast<int>(n_expert);
@@ -101,9 +122,7 @@ void read_moe(const GgufFile& file, ModelConfig& c, const std::function<std::str
                                      : positive_int(file, key("expert_feed_forward_length"),
                                                     file.get_int(key("expert_feed_forward_length"),
                                                                  c.n_ff / c.n_expert_used));
-  if (const int64_t shared = file.get_int(key("expert_shared_count"), 0); shared != 0)
-    throw ModelError(fmt::format("{}: {} = {}: shared experts are not supported", file.path(),
-                                 key("expert_shared_count"), shared));
+  read_shared_expert(file, c, key);
   if (const double scale = file.get_float(key("expert_weights_scale"), 0.0); scale != 0.0 && scale != 1.0)
     throw ModelError(fmt::format("{}: {} = {:g}: a scale of the expert weights is not supported", file.path(),
                                  key("expert_weights_scale"), scale));
@@ -112,11 +131,13 @@ void read_moe(const GgufFile& file, ModelConfig& c, const std::function<std::str
     c.notes.push_back(fmt::format("{} = {} is not applied: llama.cpp's {} architecture routes with a softmax, and "
                                   "so does diffrun",
                                   key("expert_gating_func"), g->to_display(), arch));
-  if (const GgufValue* n = file.find(key("expert_weights_norm")); n && !n->as_bool(key("expert_weights_norm")))
-    c.notes.push_back(fmt::format("{} = false is not applied: llama.cpp's {} architecture renormalises the top-k "
-                                  "weights, and so does diffrun",
-                                  key("expert_weights_norm"), arch));
-  c.expert_weights_norm = true;
+  c.expert_weights_norm = !c.moe_shexp;  // llama.cpp's build_moe_ffn norm_w: false for qwen2moe
+  if (const GgufValue* n = file.find(key("expert_weights_norm"));
+      n && n->as_bool(key("expert_weights_norm")) != c.expert_weights_norm)
+    c.notes.push_back(fmt::format("{} = {} is not applied: llama.cpp's {} architecture {} the top-k weights, and "
+                                  "so does diffrun",
+                                  key("expert_weights_norm"), n->to_display(), arch,
+                                  c.expert_weights_norm ? "renormalises" : "does not renormalise"));
 }
 
 // Llama 3 RoPE scaling as llama.cpp applies it (ggml_rope_ext with freq_factors and freq_scale): pair i's
@@ -269,6 +290,7 @@ std::string gemma_text(const ModelConfig& cfg) {
   if (cfg.moe)
     s += fmt::format(", {} experts (E) of width {} (Fe), {} used per token (K){}", cfg.n_expert, cfg.n_ff_exp,
                      cfg.n_expert_used, cfg.expert_weights_norm ? " with renormalised weights" : "");
+  if (cfg.moe_shexp) s += fmt::format(", a shared expert of width {} gated by a sigmoid", cfg.n_ff_shexp);
   return s;
 }
 }  // namespace

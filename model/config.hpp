@@ -11,7 +11,7 @@
 
 namespace diffrun {
 
-enum class Arch { llama, qwen2, qwen3, gemma3, qwen3moe };
+enum class Arch { llama, qwen2, qwen3, gemma3, qwen3moe, qwen2moe };
 enum class RopeType { norm, neox };  // NORM pairs (2i, 2i+1): llama. NEOX pairs (i, i+Dh/2): qwen2/qwen3/gemma3.
 enum class FfnAct { silu, gelu_tanh };  // gated FFN: silu(gate)·up (SwiGLU) or gelu_tanh(gate)·up (GeGLU, gemma3)
 
@@ -19,7 +19,7 @@ enum class FfnAct { silu, gelu_tanh };  // gated FFN: silu(gate)·up (SwiGLU) or
 // model/config_names.cpp.
 const char* arch_name(Arch a);
 std::optional<Arch> arch_from_name(std::string_view name);  // nullopt: not an architecture diffrun runs
-std::string arch_names(const char* separator = ", ");        // "llama, qwen2, qwen3, gemma3, qwen3moe"
+std::string arch_names(const char* separator = ", ");        // "llama, qwen2, qwen3, gemma3, qwen3moe, qwen2moe"
 const char* rope_type_name(RopeType r);
 const std::vector<Arch>& all_archs();  // every supported architecture, in the order errors list them
 
@@ -53,7 +53,11 @@ struct ModelConfig {
   int n_expert = 0;          // E: experts per layer (expert_count)
   int n_expert_used = 0;     // K: experts each token uses (expert_used_count)
   int n_ff_exp = 0;          // Fe: one expert's FFN width (qwen3moe: expert_feed_forward_length; llama: n_ff)
-  bool expert_weights_norm = true;  // the K weights divided by their sum
+  bool expert_weights_norm = true;  // the K weights divided by their sum (not qwen2moe: llama.cpp passes norm_w false)
+  // qwen2moe's shared expert, beside the routed ones: a dense SwiGLU FFN of width n_ff_shexp over the same normed
+  // input, times sigmoid(ffn_gate_inp_shexp · x), added to the experts' weighted sum (llama.cpp's qwen2moe graph).
+  bool moe_shexp = false;
+  int n_ff_shexp = 0;        // Fs: the shared expert's width (expert_shared_feed_forward_length; n_ff where absent)
   int sliding_window = 0;            // positions a local layer attends (query included); 0: no local layers
   std::vector<uint8_t> swa_layers;   // [n_layer] 1 where the layer is local (sliding window); empty: none
   double rope_theta_swa = 10000.0;   // RoPE base of local layers

@@ -18,15 +18,17 @@ struct ArchSpec {
   bool qkv_bias, qk_norm, embd_scale, post_norms;
   FfnAct ffn_act;
   bool moe;  // always routed (llama is routed only where expert_count > 0: Mixtral)
+  bool moe_shexp;  // a shared expert beside the routed ones, and the top-k weights not renormalised (qwen2moe)
 };
 
 constexpr ArchSpec kArchs[] = {
-    // arch, name, rope, qkv_bias, qk_norm, embd_scale, post_norms, ffn_act, moe
-    {Arch::llama, "llama", RopeType::norm, false, false, false, false, FfnAct::silu, false},
-    {Arch::qwen2, "qwen2", RopeType::neox, true, false, false, false, FfnAct::silu, false},
-    {Arch::qwen3, "qwen3", RopeType::neox, false, true, false, false, FfnAct::silu, false},
-    {Arch::gemma3, "gemma3", RopeType::neox, false, true, true, true, FfnAct::gelu_tanh, false},
-    {Arch::qwen3moe, "qwen3moe", RopeType::neox, false, true, false, false, FfnAct::silu, true},
+    // arch, name, rope, qkv_bias, qk_norm, embd_scale, post_norms, ffn_act, moe, moe_shexp
+    {Arch::llama, "llama", RopeType::norm, false, false, false, false, FfnAct::silu, false, false},
+    {Arch::qwen2, "qwen2", RopeType::neox, true, false, false, false, FfnAct::silu, false, false},
+    {Arch::qwen3, "qwen3", RopeType::neox, false, true, false, false, FfnAct::silu, false, false},
+    {Arch::gemma3, "gemma3", RopeType::neox, false, true, true, true, FfnAct::gelu_tanh, false, false},
+    {Arch::qwen3moe, "qwen3moe", RopeType::neox, false, true, false, false, FfnAct::silu, true, false},
+    {Arch::qwen2moe, "qwen2moe", RopeType::neox, true, false, false, false, FfnAct::silu, true, true},
 };
 
 const ArchSpec* find_spec(Arch a) {
@@ -77,6 +79,8 @@ void set_arch_features(ModelConfig& c) {
   c.post_norms = s->post_norms;
   c.ffn_act = s->ffn_act;
   c.moe = s->moe || c.n_expert > 0;
+  c.moe_shexp = s->moe_shexp;
+  c.expert_weights_norm = !s->moe_shexp;
 }
 
 }  // namespace diffrun

@@ -54,6 +54,14 @@ constexpr TensorSpec kTable[] = {
      .ne = {D, Fe, E}},
     {.role = R::ffn_down_exps, .name = "ffn_down_exps.weight", .per_layer = true, .when = &C::moe, .rank = 3,
      .ne = {Fe, D, E}},
+    {.role = R::ffn_gate_inp_shexp, .name = "ffn_gate_inp_shexp.weight", .per_layer = true, .when = &C::moe_shexp,
+     .ne = {D}},
+    {.role = R::ffn_gate_shexp, .name = "ffn_gate_shexp.weight", .per_layer = true, .when = &C::moe_shexp, .rank = 2,
+     .ne = {D, Fs}},
+    {.role = R::ffn_up_shexp, .name = "ffn_up_shexp.weight", .per_layer = true, .when = &C::moe_shexp, .rank = 2,
+     .ne = {D, Fs}},
+    {.role = R::ffn_down_shexp, .name = "ffn_down_shexp.weight", .per_layer = true, .when = &C::moe_shexp, .rank = 2,
+     .ne = {Fs, D}},
 };
 
 constexpr bool table_in_role_order() {
@@ -62,7 +70,7 @@ constexpr bool table_in_role_order() {
   return true;
 }
 static_assert(table_in_role_order(), "kTable lists the roles in their enum order");
-static_assert(static_cast<size_t>(R::ffn_down_exps) + 1 == std::size(kTable), "every role has a row");
+static_assert(static_cast<size_t>(R::ffn_down_shexp) + 1 == std::size(kTable), "every role has a row");
 
 bool needed(const TensorSpec& s, const ModelConfig& c) { return !s.when || c.*s.when == s.when_is; }
 
@@ -76,6 +84,7 @@ int64_t size_of(TensorDim d, const ModelConfig& c) {
     case Dkv: return int64_t(c.n_head_kv) * c.head_dim;
     case E: return c.n_expert;
     case Fe: return c.n_ff_exp;
+    case Fs: return c.n_ff_shexp;
   }
   return 0;
 }

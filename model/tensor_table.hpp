@@ -1,6 +1,6 @@
 // The GGUF tensor table: every weight tensor the forward pass reads, with its role, expected shape and the config flag that asks for it; the config check and both weight loaders read it.
 // D model width, V real vocabulary, F feed-forward width, Dh head width, Dq = H*Dh, Dkv = Hkv*Dh, E experts,
-// Fe one expert's feed-forward width.
+// Fe one expert's feed-forward width, Fs the shared expert's (qwen2moe).
 #pragma once
 
 #include <cstdint>
@@ -45,10 +45,14 @@ enum class TensorRole : uint8_t {
   ffn_gate_exps,   // [E, Fe, D] moe: every expert's gate projection (GGUF ne [D, Fe, E])
   ffn_up_exps,     // [E, Fe, D] moe
   ffn_down_exps,   // [E, D, Fe] moe (GGUF ne [Fe, D, E])
+  ffn_gate_inp_shexp,  // [D]   moe_shexp (qwen2moe): the shared expert's gate, one logit per token
+  ffn_gate_shexp,      // [Fs, D] moe_shexp: the shared expert's SwiGLU FFN
+  ffn_up_shexp,        // [Fs, D] moe_shexp
+  ffn_down_shexp,      // [D, Fs] moe_shexp
 };
 
 // A dimension of an expected shape, sized by the config.
-enum class TensorDim : uint8_t { D, V, F, Dh, Dq, Dkv, E, Fe };
+enum class TensorDim : uint8_t { D, V, F, Dh, Dq, Dkv, E, Fe, Fs };
 
 // A feature flag of the config (&ModelConfig::qkv_bias).
 using ConfigFlag = bool ModelConfig::*;

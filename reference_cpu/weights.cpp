@@ -174,6 +174,10 @@ Weights<T> Weights<T>::load(const GgufFile& file, const ModelConfig& cfg, const 
       case TensorRole::ffn_gate_exps: experts = &lw->ffn_gate_exps; break;
       case TensorRole::ffn_up_exps: experts = &lw->ffn_up_exps; break;
       case TensorRole::ffn_down_exps: experts = &lw->ffn_down_exps; break;
+      case TensorRole::ffn_gate_inp_shexp: v = &lw->ffn_gate_inp_shexp; break;
+      case TensorRole::ffn_gate_shexp: m = &lw->ffn_gate_shexp; break;
+      case TensorRole::ffn_up_shexp: m = &lw->ffn_up_shexp; break;
+      case TensorRole::ffn_down_shexp: m = &lw->ffn_down_shexp; break;
     }
     if (e.matrix() != (m != nullptr || experts != nullptr))
       throw Error(e.name + ": the tensor table's rank and the reference's field disagree");

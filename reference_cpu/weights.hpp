@@ -96,6 +96,10 @@ struct LayerWeights {
   std::vector<WeightMatrix<T>> ffn_gate_exps;  // E x [Fe, D], moe only
   std::vector<WeightMatrix<T>> ffn_up_exps;    // E x [Fe, D], moe only
   std::vector<WeightMatrix<T>> ffn_down_exps;  // E x [D, Fe], moe only
+  Vector<T> ffn_gate_inp_shexp;                // [D], moe_shexp only (qwen2moe): the shared expert's gate
+  WeightMatrix<T> ffn_gate_shexp;              // [Fs, D], moe_shexp only: the shared expert's FFN
+  WeightMatrix<T> ffn_up_shexp;                // [Fs, D], moe_shexp only
+  WeightMatrix<T> ffn_down_shexp;              // [D, Fs], moe_shexp only
 };
 
 template <typename T>

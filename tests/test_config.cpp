@@ -152,6 +152,17 @@ TEST(ConfigReal, EveryFixture) {
       EXPECT_EQ(c.n_expert_used, 2);
       EXPECT_EQ(c.n_ff_exp, 128);
       EXPECT_NE(describe(c).find("8 experts (E) of width 128 (Fe), 2 used per token (K)"), std::string::npos);
+    } else if (name.rfind("tiny-qwen2moe", 0) == 0) {
+      // scripts/fixturegen/models.py MOE: qwen2's biases, 8 experts of width 128, 2 per token, not renormalised,
+      // and a shared expert of width 384 (expert_shared_feed_forward_length).
+      EXPECT_EQ(c.arch, Arch::qwen2moe);
+      EXPECT_TRUE(c.moe && c.moe_shexp && c.qkv_bias && !c.qk_norm && !c.expert_weights_norm && !c.tied_output);
+      EXPECT_EQ(c.rope_type, RopeType::neox);
+      EXPECT_EQ(c.n_expert, 8);
+      EXPECT_EQ(c.n_expert_used, 2);
+      EXPECT_EQ(c.n_ff_exp, 128);
+      EXPECT_EQ(c.n_ff_shexp, 384);
+      EXPECT_NE(describe(c).find("a shared expert of width 384 gated by a sigmoid"), std::string::npos);
     } else if (name.rfind("tiny-mixtral", 0) == 0) {
       // llama with llama.expert_count 4: the experts are feed_forward_length wide.
       EXPECT_EQ(c.arch, Arch::llama);
@@ -519,19 +530,32 @@ Spec moe_spec(const std::string& arch) {
     set_int(s, "expert_feed_forward_length", 8);
     for (const char* n : {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"}) s.tensors.push_back({n, {4}});
   }
+  if (arch == "qwen2moe") {  // qwen2's q/k/v biases and the shared expert, of width 12 (not n_ff)
+    set_int(s, "expert_feed_forward_length", 8);
+    set_int(s, "expert_shared_feed_forward_length", 12);
+    s.tensors.push_back({"blk.0.attn_q.bias", {8}});
+    s.tensors.push_back({"blk.0.attn_k.bias", {4}});
+    s.tensors.push_back({"blk.0.attn_v.bias", {4}});
+    s.tensors.push_back({"blk.0.ffn_gate_inp_shexp.weight", {8}});
+    s.tensors.push_back({"blk.0.ffn_gate_shexp.weight", {8, 12}});
+    s.tensors.push_back({"blk.0.ffn_up_shexp.weight", {8, 12}});
+    s.tensors.push_back({"blk.0.ffn_down_shexp.weight", {12, 8}});
+  }
   return s;
 }
 
 TEST_F(ConfigCrafted, MoeKeys) {
-  for (const std::string arch : {"llama", "qwen3moe"}) {
+  for (const std::string arch : {"llama", "qwen3moe", "qwen2moe"}) {
     SCOPED_TRACE(arch);
     auto f = open(moe_spec(arch));
     const ModelConfig c = config_from_gguf(*f);
     EXPECT_TRUE(c.moe);
     EXPECT_EQ(c.n_expert, 4);
     EXPECT_EQ(c.n_expert_used, 2);
-    EXPECT_EQ(c.n_ff_exp, arch == "llama" ? 16 : 8);  // llama: feed_forward_length; qwen3moe: its own key
-    EXPECT_TRUE(c.expert_weights_norm);
+    EXPECT_EQ(c.n_ff_exp, arch == "llama" ? 16 : 8);  // llama: feed_forward_length; qwen3moe, qwen2moe: their key
+    EXPECT_EQ(c.expert_weights_norm, arch != "qwen2moe");  // llama.cpp's qwen2moe does not renormalise
+    EXPECT_EQ(c.moe_shexp, arch == "qwen2moe");
+    EXPECT_EQ(c.n_ff_shexp, arch == "qwen2moe" ? 12 : 0);
     EXPECT_TRUE(c.notes.empty());
     EXPECT_NO_THROW(validate_tensors(*f, c));
     // The dense FFN's tensors are not read; the router and the three expert stacks are, 3-D.
@@ -547,6 +571,17 @@ TEST_F(ConfigCrafted, MoeKeys) {
   Spec s = moe_spec("qwen3moe");
   drop_int(s, "expert_feed_forward_length");
   EXPECT_EQ(config_from_gguf(*open(s)).n_ff_exp, 16 / 2);
+  // qwen2moe without expert_shared_feed_forward_length: a shared expert n_ff wide, as llama.cpp.
+  s = moe_spec("qwen2moe");
+  drop_int(s, "expert_shared_feed_forward_length");
+  for (Tensor& t : s.tensors) {
+    if (t.name == "blk.0.ffn_gate_shexp.weight" || t.name == "blk.0.ffn_up_shexp.weight") t.ne = {8, 16};
+    if (t.name == "blk.0.ffn_down_shexp.weight") t.ne = {16, 8};
+  }
+  auto f = open(s);
+  const ModelConfig c = config_from_gguf(*f);
+  EXPECT_EQ(c.n_ff_shexp, 16);
+  EXPECT_NO_THROW(validate_tensors(*f, c));
   // A dense llama has no experts.
   EXPECT_FALSE(config_from_gguf(*open(llama_spec())).moe);
 }
@@ -578,7 +613,16 @@ TEST_F(ConfigCrafted, MoeErrors) {
   expect_error(s, "llama.expert_count = 513 is outside 0..512");
   s = moe_spec("qwen3moe");
   set_int(s, "expert_shared_count", 1);
-  expect_error(s, "qwen3moe.expert_shared_count = 1: shared experts are not supported");
+  expect_error(s, "qwen3moe.expert_shared_count = 1: shared experts are supported only for qwen2moe");
+  s = moe_spec("qwen2moe");
+  set_int(s, "expert_shared_count", 2);
+  expect_error(s, "qwen2moe.expert_shared_count = 2: qwen2moe is built with exactly one shared expert");
+  s = moe_spec("qwen2moe");
+  drop_int(s, "expert_count");
+  expect_error(s, "qwen2moe.expert_count is absent; a qwen2moe model needs experts");
+  s = moe_spec("qwen2moe");
+  std::erase_if(s.tensors, [](const Tensor& t) { return t.name == "blk.0.ffn_gate_inp_shexp.weight"; });
+  expect_error(s, "missing tensor 'blk.0.ffn_gate_inp_shexp.weight' (expected shape [8])");
   s = moe_spec("llama");
   s.tensors.back().ne = {16, 8, 3};  // ffn_down_exps with 3 experts
   expect_error(s, "tensor 'blk.0.ffn_down_exps.weight' has shape [16, 8, 3], expected [16, 8, 4]");
@@ -586,7 +630,7 @@ TEST_F(ConfigCrafted, MoeErrors) {
   std::erase_if(s.tensors, [](const Tensor& t) { return t.name == "blk.0.ffn_gate_inp.weight"; });
   expect_error(s, "missing tensor 'blk.0.ffn_gate_inp.weight' (expected shape [8, 4])");
   s = moe_spec("qwen2");
-  expect_error(s, "qwen2.expert_count = 4, but diffrun runs experts only for qwen3moe and llama (Mixtral)");
+  expect_error(s, "qwen2.expert_count = 4, but diffrun runs experts only for qwen3moe, qwen2moe and llama (Mixtral)");
 }
 
 TEST(Config, PrintableEscapesAndTruncates) {

@@ -93,6 +93,29 @@ TEST(TensorTable, EachArchitecturesTensors) {
   }
 }
 
+// qwen2moe: qwen2's biases, the router and expert stacks in place of the dense FFN, then the shared expert's gate
+// vector [D] and its FFN of width Fs (n_ff_shexp), as llama.cpp's qwen2moe loads them.
+TEST(TensorTable, Qwen2MoeAddsTheSharedExpert) {
+  ModelConfig c = config_of(Arch::qwen2moe, false);
+  c.n_expert = 4, c.n_expert_used = 2, c.n_ff_exp = 8, c.n_ff_shexp = 12;
+  ASSERT_TRUE(c.moe && c.moe_shexp && c.qkv_bias);
+  Shapes after_norm;
+  bool seen = false;
+  for (const ExpectedTensor& t : expected_tensors(c)) {
+    if (t.layer != 0) continue;
+    if (t.name == "blk.0.ffn_norm.weight") seen = true;
+    else if (seen) after_norm.emplace_back(t.name, t.ne);
+  }
+  const Shapes want = {{"blk.0.ffn_gate_inp.weight", {16, 4}},       {"blk.0.ffn_gate_exps.weight", {16, 8, 4}},
+                       {"blk.0.ffn_up_exps.weight", {16, 8, 4}},      {"blk.0.ffn_down_exps.weight", {8, 16, 4}},
+                       {"blk.0.ffn_gate_inp_shexp.weight", {16}},     {"blk.0.ffn_gate_shexp.weight", {16, 12}},
+                       {"blk.0.ffn_up_shexp.weight", {16, 12}},       {"blk.0.ffn_down_shexp.weight", {12, 16}}};
+  EXPECT_EQ(after_norm, want);
+  int biases = 0;
+  for (const ExpectedTensor& t : expected_tensors(c)) biases += t.name.ends_with(".bias");
+  EXPECT_EQ(biases, 3 * 2);
+}
+
 TEST(TensorTable, TiedOutputReadsTokenEmbd) {
   const std::vector<ExpectedTensor> ts = expected_tensors(config_of(Arch::llama, true));
   for (const ExpectedTensor& t : ts) {
@@ -103,7 +126,7 @@ TEST(TensorTable, TiedOutputReadsTokenEmbd) {
 }
 
 TEST(ArchNames, OneListEveryWay) {
-  EXPECT_EQ(arch_names(), "llama, qwen2, qwen3, gemma3, qwen3moe");
+  EXPECT_EQ(arch_names(), "llama, qwen2, qwen3, gemma3, qwen3moe, qwen2moe");
   for (Arch a : all_archs()) EXPECT_EQ(arch_from_name(arch_name(a)), a);
   EXPECT_EQ(arch_from_name("gemma2"), std::nullopt);
   EXPECT_EQ(arch_from_name(""), std::nullopt);
