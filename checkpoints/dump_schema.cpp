@@ -217,12 +217,14 @@ nlohmann::json config_features(const ModelConfig& c) {
   return {{"rope_type", rope_type_name(c.rope_type)}, {"qkv_bias", c.qkv_bias},
           {"qk_norm", c.qk_norm},                     {"embd_scale", c.embd_scale},
           {"post_norms", c.post_norms},               {"ffn_act", c.ffn_act == FfnAct::silu ? "silu" : "gelu_tanh"},
-          {"moe", c.moe}};
+          {"moe", c.moe},                             {"moe_shexp", c.moe_shexp}};
 }
 
 bool needs_met(std::string_view needs, const nlohmann::json& features) {
   if (needs.empty()) return true;
-  // "a&b": both; "!a": a feature that is false or absent.
+  // "a|b": either (binds loosest); "a&b": both; "!a": a feature that is false or absent.
+  if (const size_t bar = needs.find('|'); bar != std::string_view::npos)
+    return needs_met(needs.substr(0, bar), features) || needs_met(needs.substr(bar + 1), features);
   if (const size_t amp = needs.find('&'); amp != std::string_view::npos)
     return needs_met(needs.substr(0, amp), features) && needs_met(needs.substr(amp + 1), features);
   if (needs.front() == '!') return !needs_met(needs.substr(1), features);

@@ -32,7 +32,9 @@ KindNeeds parse_needs(const std::string& needs) {
       {"", KindNeeds::none},           {"qk_norm", KindNeeds::qk_norm},          {"embd_scale", KindNeeds::embd_scale},
       {"post_norms", KindNeeds::post_norms}, {"ffn_act=silu", KindNeeds::ffn_silu}, {"ffn_act=gelu_tanh", KindNeeds::ffn_gelu},
       {"!moe", KindNeeds::dense_ffn},        {"ffn_act=silu&!moe", KindNeeds::dense_silu},
-      {"ffn_act=gelu_tanh&!moe", KindNeeds::dense_gelu}, {"moe", KindNeeds::moe}};
+      {"ffn_act=gelu_tanh&!moe", KindNeeds::dense_gelu}, {"moe", KindNeeds::moe},
+      {"moe&!moe_shexp", KindNeeds::moe_norm},         {"moe_shexp", KindNeeds::moe_shexp},
+      {"!moe|moe_shexp", KindNeeds::ffn_out}};
   for (const auto& [text, n] : known)
     if (needs == text) return n;
   throw std::logic_error("dump_schema.json: a kind needs '" + needs + "', which kind_applies does not know");
@@ -71,6 +73,9 @@ bool kind_applies(const CheckpointKind& k, const ModelConfig& cfg) {
     case KindNeeds::dense_silu: return !cfg.moe && cfg.ffn_act == FfnAct::silu;
     case KindNeeds::dense_gelu: return !cfg.moe && cfg.ffn_act == FfnAct::gelu_tanh;
     case KindNeeds::moe: return cfg.moe;
+    case KindNeeds::moe_norm: return cfg.moe && !cfg.moe_shexp;
+    case KindNeeds::moe_shexp: return cfg.moe_shexp;
+    case KindNeeds::ffn_out: return !cfg.moe || cfg.moe_shexp;
   }
   return true;
 }
@@ -107,6 +112,10 @@ std::vector<std::string> checkpoint_inputs(std::string_view base, int layer, int
     const size_t comma = std::min(list.find(','), list.size());
     std::string_view operand = list.substr(0, comma);
     list.remove_prefix(std::min(comma + 1, list.size()));
+    if (operand.starts_with('?')) {  // an operand only where it was recorded
+      if (std::string name = resolve(operand.substr(1)); recorded(name)) out.push_back(std::move(name));
+      continue;
+    }
     std::string chosen;
     while (true) {  // the first recorded alternative, else the last
       const size_t bar = operand.find('|');
@@ -188,6 +197,7 @@ int checkpoint_order(const ModelConfig& cfg, std::string_view base, int layer) {
     throw InputError("checkpoint '" + name + "' does not exist for architecture " + arch_name(cfg.arch) +
                      (k->needs == KindNeeds::qk_norm ? " without per-head q/k norms"
                       : k->needs == KindNeeds::moe   ? " without experts"
+                      : k->needs == KindNeeds::moe_shexp ? " without a shared expert"
                                                      : ""));
   const int per_layer = checkpoints_per_layer(cfg);
   const int lead = leading_count(cfg);
@@ -309,10 +319,10 @@ KindReduction kind_reduction(std::string_view base) {
       "Krope",      "cache_k", "cache_v", "kq_soft_max",    "kqv_out",  "attn_post_norm", "ffn_norm",
       "ffn_gate",   "ffn_up",  "ffn_swiglu", "ffn_geglu",   "ffn_post_norm", "result_norm", "result_output",
       "ffn_moe_logits", "ffn_moe_probs", "ffn_moe_weights", "ffn_moe_weights_norm", "ffn_moe_gate", "ffn_moe_up",
-      "ffn_moe_swiglu"};
+      "ffn_moe_swiglu", "ffn_shexp_gate_inp", "ffn_shexp_gate"};
   if (std::find(std::begin(kOverD), std::end(kOverD), base) != std::end(kOverD)) return KindReduction::n_embd;
   if (base == "attn_out") return KindReduction::attn_width;
-  if (base == "ffn_out") return KindReduction::ffn;
+  if (base == "ffn_out" || base == "ffn_shexp" || base == "ffn_shexp_out") return KindReduction::ffn;
   if (base == "ffn_moe_down" || base == "ffn_moe_out") return KindReduction::expert_ffn;
   if (base == "ffn_inp" || base == "l_out") return KindReduction::residual;
   return KindReduction::none;

@@ -24,7 +24,7 @@ const char* native_dtype_name(NativeDType d);
 // `inputs` is the kind's dataflow: the checkpoints its operands are, comma-separated. A name is the
 // same layer's checkpoint for a per-layer kind; "@prev" is the previous layer's (the stream before the
 // layers, inp_scaled or embd, at layer 0) and "@last" the last layer's. "A|B": A where A was recorded,
-// else B.
+// else B. "?A": A where A was recorded, else no operand (ffn_out's shared expert, qwen2moe only).
 //
 // `needs` is the config feature a kind exists for (KindNeeds); kinds with none exist for every config.
 // `read_back`: a later op reads this tensor, so an isolation replay replaces it; false for a tensor only
@@ -39,7 +39,10 @@ enum class KindNeeds : uint8_t {
   dense_ffn,   // !ModelConfig::moe: the dense FFN's projections
   dense_silu,  // ffn_silu and dense: ffn_swiglu
   dense_gelu,  // ffn_gelu and dense: ffn_geglu
-  moe,         // ModelConfig::moe: qwen3moe, llama with experts (Mixtral)
+  moe,         // ModelConfig::moe: qwen3moe, qwen2moe, llama with experts (Mixtral)
+  moe_norm,    // moe and not moe_shexp: the renormalised top-k weights (not qwen2moe: llama.cpp's norm_w false)
+  moe_shexp,   // ModelConfig::moe_shexp: qwen2moe's shared expert
+  ffn_out,     // a dense FFN's down projection, or qwen2moe's sum of the experts and the shared expert
 };
 
 struct CheckpointKind {

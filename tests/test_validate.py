@@ -102,7 +102,7 @@ def test_each_class_of_root_problem_is_named(ref_dump: Path, tmp_path: Path):
     assert rc == 1, lines
     expected = [
         "root attribute 'rope_type': is an integer, expected a string",
-        "root attribute 'arch': is \"mistral\", expected \"llama\", \"qwen2\", \"qwen3\", \"gemma3\" or \"qwen3moe\"",
+        "root attribute 'arch': is \"mistral\", expected \"llama\", \"qwen2\", \"qwen3\", \"gemma3\", \"qwen3moe\" or \"qwen2moe\"",
         "root attribute 'tied_output': is a string, expected a boolean",
         "root attribute 'model_fingerprint': missing",
         "root attribute 'n_head': is a float, expected an int32 scalar",

@@ -76,9 +76,11 @@ TEST(Vocabulary, Gemma3AddsScaledEmbeddingPostNormsAndGeglu) {
   const auto all = [](const std::string&) { return true; };
   EXPECT_EQ(checkpoint_inputs("attn_norm", 0, 3, all), std::vector<std::string>{"inp_scaled"});
   EXPECT_EQ(checkpoint_inputs("ffn_inp", 1, 3, all), (std::vector<std::string>{"attn_post_norm-1", "l_out-0"}));
-  EXPECT_EQ(checkpoint_inputs("ffn_out", 1, 3, all), std::vector<std::string>{"ffn_geglu-1"});
+  const auto gemma = [](const std::string& n) { return n.find("ffn_shexp") == std::string::npos; };
+  EXPECT_EQ(checkpoint_inputs("ffn_out", 1, 3, gemma), std::vector<std::string>{"ffn_geglu-1"});
   const auto llama = [](const std::string& n) { return n.find("post_norm") == std::string::npos &&
-                                                       n.find("geglu") == std::string::npos && n != "inp_scaled"; };
+                                                       n.find("geglu") == std::string::npos && n != "inp_scaled" &&
+                                                       n.find("shexp") == std::string::npos; };
   EXPECT_EQ(checkpoint_inputs("attn_norm", 0, 3, llama), std::vector<std::string>{"embd"});
   EXPECT_EQ(checkpoint_inputs("ffn_out", 1, 3, llama), std::vector<std::string>{"ffn_swiglu-1"});
   EXPECT_EQ(checkpoint_inputs("l_out", 2, 3, llama), (std::vector<std::string>{"ffn_out-2", "ffn_inp-2"}));
@@ -111,6 +113,41 @@ TEST(Vocabulary, MoeReplacesTheDenseFfnWithTheRouting) {
   EXPECT_EQ(checkpoint_inputs("ffn_moe_out", 1, 2, moe),
             (std::vector<std::string>{"ffn_moe_down-1", "ffn_moe_weights_norm-1"}));
   EXPECT_EQ(checkpoint_inputs("ffn_moe_logits", 0, 2, moe), std::vector<std::string>{"ffn_norm-0"});
+}
+
+// qwen2moe: the routing without renormalised weights (llama.cpp's norm_w false), then the shared expert (its gate
+// logit, the sigmoid, its FFN, the gated output) and ffn_out, the sum of both, as llama.cpp's qwen2moe graph.
+TEST(Vocabulary, Qwen2MoeAddsTheSharedExpertAfterTheRouting) {
+  ModelConfig c = tiny(Arch::qwen2moe);
+  c.n_expert = 8, c.n_expert_used = 2, c.n_ff_exp = 16, c.n_ff_shexp = 24;
+  ASSERT_TRUE(c.moe && c.moe_shexp && c.qkv_bias && !c.expert_weights_norm);
+  std::vector<std::string> after_norm;
+  bool seen = false;
+  for (const std::string& n : checkpoint_names(c)) {
+    if (n == "ffn_norm-0") seen = true;
+    else if (seen && n.ends_with("-0")) after_norm.push_back(n);
+  }
+  const std::vector<std::string> expected = {
+      "ffn_moe_logits-0", "ffn_moe_probs-0", "ffn_moe_topk-0", "ffn_moe_weights-0", "ffn_moe_gate-0",
+      "ffn_moe_up-0", "ffn_moe_swiglu-0", "ffn_moe_down-0", "ffn_moe_out-0", "ffn_shexp_gate_inp-0",
+      "ffn_shexp_gate-0", "ffn_shexp-0", "ffn_shexp_out-0", "ffn_out-0", "l_out-0"};
+  EXPECT_EQ(after_norm, expected);
+  EXPECT_THROW(checkpoint_order(c, "ffn_moe_weights_norm", 0), InputError);
+  EXPECT_THROW(checkpoint_order(tiny(Arch::qwen3moe), "ffn_shexp", 0), InputError);
+  EXPECT_THROW(checkpoint_order(tiny(Arch::qwen3moe), "ffn_out", 0), InputError);
+  EXPECT_EQ(checkpoint_shape(c, *find_checkpoint_kind("ffn_shexp_gate"), 5, 5), (std::vector<int64_t>{5}));
+  EXPECT_EQ(checkpoint_shape(c, *find_checkpoint_kind("ffn_shexp"), 5, 5), (std::vector<int64_t>{5, c.n_embd}));
+  const auto recorded = [](const std::string& n) { return n.find("weights_norm") == std::string::npos &&
+                                                          n.find("swiglu") == std::string::npos &&
+                                                          n.find("geglu") == std::string::npos &&
+                                                          n.find("post_norm") == std::string::npos; };
+  EXPECT_EQ(checkpoint_inputs("ffn_moe_out", 1, 2, recorded),
+            (std::vector<std::string>{"ffn_moe_down-1", "ffn_moe_weights-1"}));
+  EXPECT_EQ(checkpoint_inputs("ffn_shexp_out", 1, 2, recorded),
+            (std::vector<std::string>{"ffn_shexp-1", "ffn_shexp_gate-1"}));
+  EXPECT_EQ(checkpoint_inputs("ffn_out", 1, 2, recorded),
+            (std::vector<std::string>{"ffn_moe_out-1", "ffn_shexp_out-1"}));
+  EXPECT_EQ(checkpoint_inputs("l_out", 1, 2, recorded), (std::vector<std::string>{"ffn_out-1", "ffn_inp-1"}));
 }
 
 TEST(Vocabulary, OrderIsIndexInTheFullList) {
@@ -191,9 +228,13 @@ TEST(Vocabulary, NamesParseAndFormat) {
 
 TEST(Vocabulary, ArchsAndJson) {
   EXPECT_EQ(kind_archs(*find_checkpoint_kind("Knorm")), (std::vector<Arch>{Arch::qwen3, Arch::gemma3, Arch::qwen3moe}));
-  EXPECT_EQ(kind_archs(*find_checkpoint_kind("Kcur")).size(), 5u);
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("Kcur")).size(), 6u);
   // llama emits the routing kinds only with experts (Mixtral), which kind_archs' default config has not.
-  EXPECT_EQ(kind_archs(*find_checkpoint_kind("ffn_moe_topk")), std::vector<Arch>{Arch::qwen3moe});
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("ffn_moe_topk")), (std::vector<Arch>{Arch::qwen3moe, Arch::qwen2moe}));
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("ffn_moe_weights_norm")), std::vector<Arch>{Arch::qwen3moe});
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("ffn_shexp_out")), std::vector<Arch>{Arch::qwen2moe});
+  EXPECT_EQ(kind_archs(*find_checkpoint_kind("ffn_out")),
+            (std::vector<Arch>{Arch::llama, Arch::qwen2, Arch::qwen3, Arch::gemma3, Arch::qwen2moe}));
   EXPECT_EQ(kind_archs(*find_checkpoint_kind("ffn_swiglu")), (std::vector<Arch>{Arch::llama, Arch::qwen2, Arch::qwen3}));
   EXPECT_EQ(kind_archs(*find_checkpoint_kind("ffn_geglu")), std::vector<Arch>{Arch::gemma3});
   const auto doc = nlohmann::json::parse(vocabulary_json());
@@ -215,6 +256,7 @@ TEST(Vocabulary, DataflowInputsNameEarlierKinds) {
       const size_t end = std::min(list.find_first_of(",|"), list.size());
       std::string_view name = list.substr(0, end);
       list.remove_prefix(std::min(end + 1, list.size()));
+      if (name.starts_with('?')) name.remove_prefix(1);  // an operand only where recorded
       const bool other_layer = name.find('@') != std::string_view::npos;
       name = name.substr(0, name.find('@'));
       const CheckpointKind* k = find_checkpoint_kind(name);

@@ -126,10 +126,12 @@ def features(arch: str, **overrides: Any) -> dict[str, Any]:
 
 
 def needs_met(needs: str, feats: Mapping[str, Any]) -> bool:
-    """Whether a kind's `needs` ("", "qk_norm", "ffn_act=silu", "!moe", "ffn_act=silu&!moe") holds for these
-    features: "a&b" both, "!a" a feature that is false or absent."""
+    """Whether a kind's `needs` ("", "qk_norm", "ffn_act=silu", "!moe", "ffn_act=silu&!moe", "!moe|moe_shexp")
+    holds for these features: "a|b" either (binds loosest), "a&b" both, "!a" a feature that is false or absent."""
     if not needs:
         return True
+    if "|" in needs:
+        return any(needs_met(n, feats) for n in needs.split("|"))
     if "&" in needs:
         return all(needs_met(n, feats) for n in needs.split("&"))
     if needs.startswith("!"):

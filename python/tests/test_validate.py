@@ -138,7 +138,8 @@ def test_a_diffrun_dump_is_valid(good):
         ("step_0000/tokens", "attribute 'layout' is \"S\", expected \"T\""),
     ]),
     ("no_config", [
-        ("root attribute 'arch'", "missing (a string: \"llama\", \"qwen2\", \"qwen3\", \"gemma3\" or \"qwen3moe\")"),
+        ("root attribute 'arch'",
+         "missing (a string: \"llama\", \"qwen2\", \"qwen3\", \"gemma3\", \"qwen3moe\" or \"qwen2moe\")"),
         ("root attribute 'qk_norm'", "is a string, expected a boolean (h5py bool, or an integer 0/1)"),
         ("root attribute 'rms_eps'", "is -1.000000, expected a positive real"),
         ("root attribute 'n_head_kv'", "is 3, which does not divide n_head = 4"),

@@ -84,8 +84,8 @@ DIFFRUN_DUMP_API int diffrun_dump_step_tokens(diffrun_dump* d, int step, const i
 /* Root attributes by name (docs/dump-format.md lists them with their types); setting one again
  * replaces it. set_string on a name the format does not define records a backend fact.
  *   strings:  backend, precision ("f16", "bf16", "f32", "f64"), model_path, model_fingerprint,
- *             arch ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe"), rope_type ("norm", "neox"), prompt,
- *             created_utc, diffrun_version, and facts
+ *             arch ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe"), rope_type ("norm", "neox"),
+ *             prompt, created_utc, diffrun_version, and facts
  *   integers: n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx; models with experts
  *             also n_expert, n_expert_used, n_ff_exp
  *   reals:    rope_theta, rms_eps
