@@ -57,6 +57,7 @@ struct OpArgs {
                                       // head writes V columns of each row, the rest hold stale bytes)
   ArgmaxTies argmax_ties = ArgmaxTies::lowest;  // argmax_ties_highest
   MoeRoutingFlaws moe_routing;        // moe_softmax_over_topk, moe_weights_not_renormalised, moe_expert_id_off_by_one
+  bool shexp_gate_skipped = false;    // moe_shared_expert_gate_skipped: the shared expert's output not gated
 };
 
 // The production-path faults (fault_in_production_path_only): what the engine's fused one-token kernels and its

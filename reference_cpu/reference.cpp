@@ -241,7 +241,7 @@ class CpuBackend final : public Backend {
     cp("ffn_moe_topk", l, {n, K}, ids.data());
     expert_ids(topk, ids, E, l);
     cp("ffn_moe_weights", l, {n, K}, weights.data());
-    cp("ffn_moe_weights_norm", l, {n, K}, weights_norm.data());
+    if (cfg_.expert_weights_norm) cp("ffn_moe_weights_norm", l, {n, K}, weights_norm.data());  // not qwen2moe
 
     std::vector<T> gate(slots * Fe), up(slots * Fe);       // [T,K,Fe]
     std::vector<T> down(slots * D);                        // [T,K,D]
@@ -250,7 +250,32 @@ class CpuBackend final : public Backend {
     swiglu(gate.data(), gate.data(), up.data(), static_cast<int64_t>(gate.size()));
     store_gemm_input(gate.data(), gate.size());                                   cp("ffn_moe_swiglu", l, {n, K, Fe}, gate.data(), gemm_f16());
     expert_matmul(down.data(), gate.data(), true, w.ffn_down_exps, topk, n, K, Fe, D); cp("ffn_moe_down", l, {n, K, D}, down.data());
-    moe_combine(out, down.data(), weights_norm.data(), n, K, D);                  cp("ffn_moe_out", l, {n, D}, out);
+    // Weighted by the recorded weights an isolation replay replaces: renormalised, or as selected (qwen2moe).
+    const T* slot_weights = cfg_.expert_weights_norm ? weights_norm.data() : weights.data();
+    moe_combine(out, down.data(), slot_weights, n, K, D);                         cp("ffn_moe_out", l, {n, D}, out);
+    if (cfg_.moe_shexp) shared_expert(out, xn, w, l, n, args, cp);
+  }
+
+  // qwen2moe's shared expert on xn [T,D], added to out [T,D] (ffn_moe_out) as llama.cpp's qwen2moe graph: a SwiGLU
+  // FFN of width Fs, times sigmoid(xn · ffn_gate_inp_shexp) per token. Its gate, up and SwiGLU are not recorded
+  // (llama.cpp names them as the dense FFN's, ffn_gate etc., which qwen2moe's dumps do not hold).
+  void shared_expert(T* out /* [T,D] */, const T* xn /* [T,D] */, const LayerWeights<T>& w, int l, int n,
+                     const OpArgs& args, Recorder<T>& cp) {
+    const int D = cfg_.n_embd, Fs = cfg_.n_ff_shexp;
+    const size_t nD = static_cast<size_t>(n) * D;
+    std::vector<T> gate_inp(n), gate(n);                   // [T]
+    shexp_gate_logits(gate_inp.data(), xn, w.ffn_gate_inp_shexp.data(), n, D);   cp("ffn_shexp_gate_inp", l, {n}, gate_inp.data());
+    sigmoid(gate.data(), gate_inp.data(), n);                                     cp("ffn_shexp_gate", l, {n}, gate.data());
+    std::vector<T> g(static_cast<size_t>(n) * Fs), u(g.size());  // [T,Fs]
+    std::vector<T> shexp(nD);                              // [T,D]
+    matmul(g.data(), xn, w.ffn_gate_shexp, kNoBias, n, D, Fs);
+    matmul(u.data(), xn, w.ffn_up_shexp, kNoBias, n, D, Fs);
+    swiglu(g.data(), g.data(), u.data(), static_cast<int64_t>(g.size()));
+    store_gemm_input(g.data(), g.size());
+    matmul(shexp.data(), g.data(), w.ffn_down_shexp, kNoBias, n, Fs, D);         cp("ffn_shexp", l, {n, D}, shexp.data());
+    if (args.shexp_gate_skipped) std::fill(gate.begin(), gate.end(), T(1));      // fault: the sigmoid gate dropped
+    scale_rows(shexp.data(), shexp.data(), gate.data(), n, D);                    cp("ffn_shexp_out", l, {n, D}, shexp.data());
+    add(out, out, shexp.data(), static_cast<int64_t>(nD));                        cp("ffn_out", l, {n, D}, out);
   }
 
   // out [T·K, N]: slot s's row is expert topk[s]'s matrix [N, Kin] times its input, x's row t (per_slot false: every

@@ -1,4 +1,5 @@
-// Mixture-of-experts routing (softmax, top-k, renormalised weights) and the weighted sum of the experts' outputs.
+// Mixture-of-experts routing (softmax, top-k, renormalised weights), the weighted sum of the experts' outputs and
+// qwen2moe's shared expert gate.
 // T tokens, E experts, K experts used per token, D model width.
 #include "reference_cpu/ops/moe.hpp"
 
@@ -49,6 +50,33 @@ void moe_combine(T* out /* [T,D] */, const T* down /* [T,K,D] */, const T* weigh
   }
 }
 
+template <typename T>
+void shexp_gate_logits(T* gate_inp /* [T] */, const T* x /* [T,D] */, const T* w /* [D] */, int n_tokens, int D) {
+  for (int t = 0; t < n_tokens; ++t) {
+    const T* xt = x + static_cast<size_t>(t) * D;
+    T sum = 0;
+    for (int i = 0; i < D; ++i) sum += xt[i] * w[i];
+    gate_inp[t] = sum;
+  }
+}
+
+template <typename T>
+void sigmoid(T* out /* [n] */, const T* x /* [n] */, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = T(1) / (T(1) + std::exp(-x[i]));
+}
+
+template <typename T>
+void scale_rows(T* out /* [T,D] */, const T* shexp /* [T,D] */, const T* gate /* [T] */, int n_tokens, int D) {
+  for (int t = 0; t < n_tokens; ++t)
+    for (int i = 0; i < D; ++i) out[static_cast<size_t>(t) * D + i] = shexp[static_cast<size_t>(t) * D + i] * gate[t];
+}
+
+template void shexp_gate_logits<float>(float*, const float*, const float*, int, int);
+template void shexp_gate_logits<double>(double*, const double*, const double*, int, int);
+template void sigmoid<float>(float*, const float*, int64_t);
+template void sigmoid<double>(double*, const double*, int64_t);
+template void scale_rows<float>(float*, const float*, const float*, int, int);
+template void scale_rows<double>(double*, const double*, const double*, int, int);
 template void moe_route<float>(float*, int32_t*, float*, float*, const float*, int, int, int, bool);
 template void moe_route<double>(double*, int32_t*, double*, double*, const double*, int, int, int, bool);
 template void moe_combine<float>(float*, const float*, const float*, int, int, int);

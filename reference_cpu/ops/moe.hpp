@@ -1,5 +1,5 @@
-// Mixture-of-experts routing and combination, as llama.cpp's build_moe_ffn. T tokens, E experts, K experts used
-// per token, D model width.
+// Mixture-of-experts routing and combination, as llama.cpp's build_moe_ffn, and qwen2moe's shared expert gate.
+// T tokens, E experts, K experts used per token, D model width.
 #pragma once
 
 #include <cstdint>
@@ -19,5 +19,16 @@ void moe_route(T* probs /* [T,E] */, int32_t* topk /* [T,K] */, T* weights /* [T
 template <typename T>
 void moe_combine(T* out /* [T,D] */, const T* down /* [T,K,D] */, const T* weights /* [T,K] */, int n_tokens, int K,
                  int D);
+
+// qwen2moe's shared expert gate, as llama.cpp's qwen2moe graph: gate_inp[t] = x[t] · w (ffn_gate_inp_shexp, one
+// logit per token), then gate = sigmoid(gate_inp) (llama.cpp: silu(x) / x).
+template <typename T>
+void shexp_gate_logits(T* gate_inp /* [T] */, const T* x /* [T,D] */, const T* w /* [D] */, int n_tokens, int D);
+template <typename T>
+void sigmoid(T* out /* [n] */, const T* x /* [n] */, int64_t n);
+
+// out[t, i] = shexp[t, i] · gate[t]: the shared expert's output times its gate (ffn_shexp_out). out may alias shexp.
+template <typename T>
+void scale_rows(T* out /* [T,D] */, const T* shexp /* [T,D] */, const T* gate /* [T] */, int n_tokens, int D);
 
 }  // namespace diffrun::ref
