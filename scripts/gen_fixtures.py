@@ -41,7 +41,7 @@ def tiny_files() -> list[tuple[models.Shape, str, str]]:
 
 def extra_files() -> list[tuple[models.Shape, str, str]]:
     """The architectures written in a few formats only (models.EXTRA, models.MOE): tiny-gemma3, tiny-qwen3moe,
-    tiny-mixtral."""
+    tiny-mixtral, tiny-qwen2moe."""
     return [(s, fmt, f"{s.name}-{fmt}.gguf") for s in models.EXTRA.values() for fmt in models.EXTRA_FORMATS] + \
         [(s, fmt, f"{s.name}-{fmt}.gguf") for s in models.MOE.values() for fmt in models.MOE_FORMATS]
 

@@ -18,11 +18,13 @@ endforeach()
 # Mixtures of experts: every routing checkpoint (logits, probabilities, top-k ids, weights, each expert's gate/up/
 # SwiGLU/down, the weighted sum) against build_moe_ffn. F32 only: with quantized weights llama.cpp's CPU matmul
 # quantizes its activations too (Q8_0 x Q8_0 dot products: Qcur-0 0.5% off), so the same weights no longer give the
-# same sums. qwen3moe's graph names no attn_out.
+# same sums. qwen3moe's and qwen2moe's graphs name no attn_out. qwen2moe: its weights not renormalised
+# (no ffn_moe_weights_norm) and its shared expert (ffn_shexp_gate_inp, ffn_shexp_gate, ffn_shexp, ffn_shexp_out, then
+# ffn_out, the sum).
 set(_diffrun_no_attn_out "tokens,embd,attn_norm-*,Q*,K*,V*,cache_*,kq*,ffn_*,l_out-*,result_*")
-foreach(fixture tiny-llama3rope-f32 tiny-mistral-f32 tiny-mixtral-f32 tiny-qwen3moe-f32)
+foreach(fixture tiny-llama3rope-f32 tiny-mistral-f32 tiny-mixtral-f32 tiny-qwen3moe-f32 tiny-qwen2moe-f32)
   set(_diffrun_filter "")
-  if(fixture MATCHES "qwen3moe")
+  if(fixture MATCHES "moe")
     set(_diffrun_filter "${_diffrun_no_attn_out}")
   endif()
   add_test(NAME llamacpp_${fixture} COMMAND tests/llamacpp_fixture.sh ${fixture} ${_diffrun_filter}

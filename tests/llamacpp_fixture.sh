@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp's own graph (the llama.cpp adapter) against diffrun's f64 reference on one tiny fixture: tiny-llama3rope-f32 (rope_freqs), tiny-mistral-f32 (sliding_window key not applied), or a mixture of experts (tiny-qwen3moe, tiny-mixtral: every routing checkpoint).
+# llama.cpp's own graph (the llama.cpp adapter) against diffrun's f64 reference on one tiny fixture: tiny-llama3rope-f32 (rope_freqs), tiny-mistral-f32 (sliding_window key not applied), or a mixture of experts (tiny-qwen3moe, tiny-mixtral, tiny-qwen2moe: every routing checkpoint, qwen2moe's shared expert).
 #
 #   tests/llamacpp_fixture.sh tiny-mistral-f32   (ctest: llamacpp_tiny-mistral-f32, label llamacpp)
 #   tests/llamacpp_fixture.sh tiny-qwen3moe-f32 'tokens,embd,...'   compare only these checkpoints (compare --checkpoints):

@@ -1,7 +1,7 @@
 """Model shapes, deterministic random weights and the GGUF writer for the fixtures.
 
 Dimension letters: D n_embd, H heads, Hkv KV heads, Dh head dim, F n_ff, V vocabulary, E experts, K experts used,
-Fe one expert's FFN width.
+Fe one expert's FFN width, Fs the shared expert's (qwen2moe).
 Every float weight is drawn from its own generator seeded by (seed, family, tensor name), so the
 same family gives the same float weights in every format (tiny-llama and tiny-llama-tied share
 them too) and a test can regenerate any tensor's float reference with `float_weights`.
@@ -25,7 +25,7 @@ from . import quants, vocab
 class Shape:
     name: str          # file stem: <name>-<fmt>.gguf
     family: str        # weight seed key
-    arch: str          # llama | qwen2 | qwen3 | gemma3 | qwen3moe
+    arch: str          # llama | qwen2 | qwen3 | gemma3 | qwen3moe | qwen2moe
     n_layer: int
     n_embd: int        # D
     n_head: int        # H
@@ -45,7 +45,8 @@ class Shape:
     logit_softcap: float = 0.0  # gemma3: final_logit_softcapping when > 0
     n_expert: int = 0           # E > 0: every layer's FFN routed to experts (qwen3moe; llama: Mixtral)
     n_expert_used: int = 0      # K
-    n_ff_exp: int = 0           # Fe: expert_feed_forward_length (qwen3moe); llama's experts are n_ff wide
+    n_ff_exp: int = 0           # Fe: expert_feed_forward_length (qwen3moe, qwen2moe); llama's experts are n_ff wide
+    n_ff_shexp: int = 0         # Fs > 0: a shared expert beside the routed ones (qwen2moe)
 
 
 TINY = {s.name: s for s in [
@@ -68,7 +69,8 @@ EXTRA_FORMATS = ["f32", "q8_0", "kmix"]
 
 # Mixtures of experts, in F32 and Q8_0 (the router ffn_gate_inp stays F32, as llama.cpp's quantizer keeps it).
 # tiny-qwen3moe: 8 experts of width 128, 2 per token; tiny-mixtral: llama with 4 experts of width n_ff (512), 2 per
-# token.
+# token; tiny-qwen2moe: qwen2's attention (q/k/v biases, an untied lm head as llama.cpp's qwen2moe requires), 8
+# experts of width 128, 2 per token, and a shared expert of width 384 (expert_shared_feed_forward_length, not n_ff).
 # The router's rows are drawn so that its logits on a normalised token have a standard deviation near
 # ROUTER_LOGIT_STD: the margin between the K-th and (K+1)-th logit is then the gap of two order statistics of E
 # normals, spread from ~1e-3 to a few units as in trained routers (Qwen3-30B-A3B's top-8 of 128: a median margin of a
@@ -79,6 +81,8 @@ MOE = {s.name: s for s in [
           qk_norm=True, n_expert=8, n_expert_used=2, n_ff_exp=128),
     Shape("tiny-mixtral", "tiny-mixtral", "llama", 2, 256, 4, 2, 64, 512, 256, 1e6, 1e-5, False, "llama_spm",
           n_expert=4, n_expert_used=2, n_ff_exp=512),
+    Shape("tiny-qwen2moe", "tiny-qwen2moe", "qwen2moe", 2, 256, 8, 2, 32, 512, 256, 1e6, 1e-6, False, "qwen2_bpe",
+          qkv_bias=True, n_expert=8, n_expert_used=2, n_ff_exp=128, n_ff_shexp=384),
 ]}
 MOE_FORMATS = ["f32", "q8_0"]
 ROUTER_LOGIT_STD = 2.0
@@ -140,6 +144,12 @@ def tensor_shapes(shape: Shape, n_vocab: int) -> dict[str, tuple[int, ...]]:
             out[b + "ffn_gate_exps.weight"] = (E, Fe, D)
             out[b + "ffn_up_exps.weight"] = (E, Fe, D)
             out[b + "ffn_down_exps.weight"] = (E, D, Fe)
+            if shape.n_ff_shexp:
+                Fs = shape.n_ff_shexp
+                out[b + "ffn_gate_inp_shexp.weight"] = (D,)
+                out[b + "ffn_gate_shexp.weight"] = (Fs, D)
+                out[b + "ffn_up_shexp.weight"] = (Fs, D)
+                out[b + "ffn_down_shexp.weight"] = (D, Fs)
         else:
             out[b + "ffn_gate.weight"] = (F, D)
             out[b + "ffn_up.weight"] = (F, D)
@@ -179,8 +189,9 @@ def _use_more_bits(layer: int, n_layer: int) -> bool:
 
 
 def tensor_type(fmt: str, name: str, n_layer: int) -> QT:
-    """The GGML type a tensor is stored in for a fixture format; norms and biases are always F32."""
-    if not name.endswith(".weight") or name.endswith("norm.weight") or name.endswith("ffn_gate_inp.weight"):
+    """The GGML type a tensor is stored in for a fixture format; norms, biases, the router and the shared expert's
+    gate vector are always F32."""
+    if not name.endswith(".weight") or name.endswith(("norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
         return QT.F32
     if fmt in quants.FORMATS:
         return quants.FORMATS[fmt]
@@ -227,8 +238,10 @@ def write_model(shape: Shape, fmt: str, path: Path, seed: int,
     if shape.n_expert:
         w.add_expert_count(shape.n_expert)
         w.add_expert_used_count(shape.n_expert_used)
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "qwen2moe"):
             w.add_expert_feed_forward_length(shape.n_ff_exp)
+        if shape.n_ff_shexp:
+            w.add_expert_shared_feed_forward_length(shape.n_ff_shexp)
     if shape.sliding_window:
         w.add_sliding_window(shape.sliding_window)
     if shape.logit_softcap:
