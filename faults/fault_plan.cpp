@@ -53,6 +53,7 @@ FaultPlan plan_faults(const FaultSet& faults, const ModelConfig& cfg) {
   o.moe_routing.softmax_over_topk = has(Fault::moe_softmax_over_topk);
   o.moe_routing.not_renormalised = has(Fault::moe_weights_not_renormalised);
   o.moe_routing.id_off_by_one = has(Fault::moe_expert_id_off_by_one);
+  o.shexp_gate_skipped = has(Fault::moe_shared_expert_gate_skipped);
 
   // The production path, and its twin on the reference's one-token steps.
   FusedPathFaults& f = p.fused;

@@ -12,7 +12,7 @@
 // - op arguments (OpArgs, the struct the forward passes to its ops): rms_norm_off_by_one, rms_eps_outside_sqrt,
 //   post_norm_skipped (RmsNormFlaws), causal_mask_missing, softmax_f16_overflow (AttentionVariant),
 //   gqa_head_modulo, rope_cache_unrotated, swiglu_gate_up_swapped, embd_scale_missing, lm_head_padded_vocab,
-//   argmax_ties_highest;
+//   argmax_ties_highest, the MoE routing flaws (MoeRoutingFlaws), moe_shared_expert_gate_skipped;
 // - the production path (FusedPathFaults): swiglu_fused_gate_up_swapped, rope_fused_position_off,
 //   embd_norm_fused_no_weight, graph_position_frozen. The engine hands each to its fused kernel or captured graph
 //   at construction (a weight, a position); the CPU reference, which has no fused kernels, takes them on its

@@ -204,9 +204,14 @@ const std::vector<FaultInfo> kCatalog = {
      "ffn_moe_gate-0", 0, "mixture-of-experts models (qwen3moe, Mixtral)",
      "the routing is right; in the slots that select expert 0, ffn_moe_gate-0 holds the up projection and "
      "ffn_moe_up-0 the gate, the other slots are right. It shows at the first step whose tokens select expert 0 "
-     "in layer 0: step 0 for the tests' prompts. (The shared expert of qwen2moe, and its faults, are not "
-     "supported: no fault for a dropped shared expert)",
+     "in layer 0: step 0 for the tests' prompts",
      "ffn_moe_gate,ffn_moe_up"},
+    {Fault::moe_shared_expert_gate_skipped, "moe_shared_expert_gate_skipped",
+     "qwen2moe's shared expert added to the routed experts' sum without its gate, sigmoid(ffn_gate_inp_shexp · x)",
+     "ffn_shexp_out-0", 0, "mixture-of-experts models with a shared expert (qwen2moe)",
+     "the routing, ffn_moe_out-0, ffn_shexp_gate-0 and ffn_shexp-0 are right; ffn_shexp_out-0 is ffn_shexp-0 "
+     "itself, each token's row too large by 1 / its gate",
+     "ffn_shexp_out"},
 };
 
 // The checkpoint first computed from a tensor of the table (wq of layer 3, blk.3.attn_q.weight -> "Qcur-3").
@@ -288,8 +293,12 @@ bool fault_in_production_path_only(Fault f) {
 
 std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile* file) {
   switch (f) {
-    case Fault::moe_softmax_over_topk:
     case Fault::moe_weights_not_renormalised:
+      if (cfg.moe && !cfg.expert_weights_norm) return "the model does not renormalise its expert weights";
+      return cfg.moe ? "" : "the model has no experts";
+    case Fault::moe_shared_expert_gate_skipped:
+      return cfg.moe_shexp ? "" : "the model has no shared expert";
+    case Fault::moe_softmax_over_topk:
     case Fault::moe_expert_id_off_by_one:
     case Fault::moe_expert_gate_up_swapped:
       return cfg.moe ? "" : "the model has no experts";

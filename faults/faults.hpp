@@ -63,8 +63,9 @@ enum class Fault : int {
   moe_weights_not_renormalised,  // the K weights used without dividing by their sum
   moe_expert_id_off_by_one,      // expert id + 1 (mod E) selected in place of each chosen one
   moe_expert_gate_up_swapped,    // expert 0's gate and up matrices swapped in every layer (a converter's slip)
+  moe_shared_expert_gate_skipped,  // qwen2moe's shared expert added without its sigmoid gate
 };
-inline constexpr int kFaultCount = 35;
+inline constexpr int kFaultCount = 36;
 
 struct FaultInfo {
   Fault id;

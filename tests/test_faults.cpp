@@ -237,6 +237,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ArchCase{"tiny-llama-f32.gguf",
                                {Fault::moe_softmax_over_topk, Fault::moe_weights_not_renormalised,
                                 Fault::moe_expert_id_off_by_one, Fault::moe_expert_gate_up_swapped,
+                                Fault::moe_shared_expert_gate_skipped,
                                 Fault::qkv_bias_missing, Fault::rope_theta_10000, Fault::rms_eps_1e5,
                                 Fault::dequant_scale_offset, Fault::embd_scale_missing, Fault::post_norm_skipped,
                                 Fault::sliding_window_ignored, Fault::rope_local_theta_global,
@@ -245,6 +246,7 @@ INSTANTIATE_TEST_SUITE_P(
                       ArchCase{"tiny-qwen2-f32.gguf",
                                {Fault::moe_softmax_over_topk, Fault::moe_weights_not_renormalised,
                                 Fault::moe_expert_id_off_by_one, Fault::moe_expert_gate_up_swapped,
+                                Fault::moe_shared_expert_gate_skipped,
                                 Fault::dequant_scale_offset, Fault::embd_scale_missing, Fault::post_norm_skipped,
                                 Fault::sliding_window_ignored, Fault::rope_local_theta_global,
                                 Fault::argmax_ties_highest},
@@ -252,6 +254,7 @@ INSTANTIATE_TEST_SUITE_P(
                       ArchCase{"tiny-qwen3-f32.gguf",
                                {Fault::moe_softmax_over_topk, Fault::moe_weights_not_renormalised,
                                 Fault::moe_expert_id_off_by_one, Fault::moe_expert_gate_up_swapped,
+                                Fault::moe_shared_expert_gate_skipped,
                                 Fault::qkv_bias_missing, Fault::dequant_scale_offset, Fault::embd_scale_missing,
                                 Fault::post_norm_skipped, Fault::sliding_window_ignored,
                                 Fault::rope_local_theta_global, Fault::rope_fused_position_off,
@@ -263,6 +266,7 @@ INSTANTIATE_TEST_SUITE_P(
                       ArchCase{"tiny-gemma3-f32.gguf",
                                {Fault::moe_softmax_over_topk, Fault::moe_weights_not_renormalised,
                                 Fault::moe_expert_id_off_by_one, Fault::moe_expert_gate_up_swapped,
+                                Fault::moe_shared_expert_gate_skipped,
                                 Fault::qkv_bias_missing, Fault::gqa_head_modulo, Fault::dequant_scale_offset,
                                 Fault::swiglu_fused_gate_up_swapped, Fault::rope_fused_position_off,
                                 Fault::embd_norm_fused_no_weight, Fault::argmax_ties_highest},
@@ -270,16 +274,26 @@ INSTANTIATE_TEST_SUITE_P(
                       // Mixtures of experts: the dense FFN's faults do not apply; the routing faults do, each
                       // found at its own routing checkpoint of layer 0 (ffn_moe_topk, ffn_moe_weights,
                       // ffn_moe_weights_norm), and expert 0's swapped gate and up at ffn_moe_gate-0 (the prompt
-                      // selects expert 0 in layer 0 on both fixtures).
+                      // selects expert 0 in layer 0 on every MoE fixture).
                       ArchCase{"tiny-qwen3moe-f32.gguf",
                                {Fault::qkv_bias_missing, Fault::dequant_scale_offset, Fault::embd_scale_missing,
                                 Fault::post_norm_skipped, Fault::sliding_window_ignored,
                                 Fault::rope_local_theta_global, Fault::rope_fused_position_off,
                                 Fault::argmax_ties_highest, Fault::swiglu_gate_up_swapped,
-                                Fault::ffn_down_transposed, Fault::swiglu_fused_gate_up_swapped},
+                                Fault::ffn_down_transposed, Fault::swiglu_fused_gate_up_swapped,
+                                Fault::moe_shared_expert_gate_skipped},
                                {}},
                       ArchCase{"tiny-mixtral-f32.gguf",
                                {Fault::qkv_bias_missing, Fault::rms_eps_1e5, Fault::dequant_scale_offset,
+                                Fault::embd_scale_missing, Fault::post_norm_skipped, Fault::sliding_window_ignored,
+                                Fault::rope_local_theta_global, Fault::argmax_ties_highest,
+                                Fault::swiglu_gate_up_swapped, Fault::ffn_down_transposed,
+                                Fault::swiglu_fused_gate_up_swapped, Fault::moe_shared_expert_gate_skipped},
+                               {}},
+                      // qwen2moe: qwen2's attention (q/k/v biases), routed experts whose weights are not
+                      // renormalised, and the shared expert, whose dropped gate is found at ffn_shexp_out-0.
+                      ArchCase{"tiny-qwen2moe-f32.gguf",
+                               {Fault::moe_weights_not_renormalised, Fault::dequant_scale_offset,
                                 Fault::embd_scale_missing, Fault::post_norm_skipped, Fault::sliding_window_ignored,
                                 Fault::rope_local_theta_global, Fault::argmax_ties_highest,
                                 Fault::swiglu_gate_up_swapped, Fault::ffn_down_transposed,
@@ -295,7 +309,7 @@ INSTANTIATE_TEST_SUITE_P(
 // everywhere; with moe_expert_id_off_by_one, ffn_moe_topk-0 is the first divergence and the rule routing
 // calls it local (before any isolation replay): the ids moved across margins far above the router error.
 TEST(FaultMoe, ExpertIdOffByOneIsALocalRoutingFlipAndTheCleanPairFlipsNothing) {
-  for (const char* fixture : {"tiny-qwen3moe-f32.gguf", "tiny-mixtral-f32.gguf"}) {
+  for (const char* fixture : {"tiny-qwen3moe-f32.gguf", "tiny-mixtral-f32.gguf", "tiny-qwen2moe-f32.gguf"}) {
     SCOPED_TRACE(fixture);
     Reference& ref = reference_of(fixture);
     const diff::Comparison clean = compare(matched_reference(ref, fixture).path, ref.f64.path, "f32_vs_f64");
@@ -405,7 +419,8 @@ std::string plan_fields(const FaultPlan& p) {
            std::to_string(o.rope_position_offset) + " " + std::to_string(o.act_swapped) + " " +
            std::to_string(o.embd_scale) + " " + std::to_string(o.logit_columns) + " " +
            std::to_string(static_cast<int>(o.argmax_ties)) + " " + std::to_string(o.moe_routing.softmax_over_topk) +
-           std::to_string(o.moe_routing.not_renormalised) + std::to_string(o.moe_routing.id_off_by_one);
+           std::to_string(o.moe_routing.not_renormalised) + std::to_string(o.moe_routing.id_off_by_one) +
+           std::to_string(o.shexp_gate_skipped);
   };
   const ModelConfig& c = p.config;
   const WeightEdits& w = p.weights;
@@ -440,7 +455,8 @@ TEST(FaultPlan, NoFaultIsProduction) {
 // Every applicable fault lands somewhere in the plan, and the production-path ones leave every step's ops alone.
 TEST(FaultPlan, EveryFaultChangesThePlan) {
   for (const char* fixture :
-       {"tiny-llama-f32.gguf", "tiny-qwen2-f32.gguf", "tiny-gemma3-f32.gguf", "tiny-qwen3moe-f32.gguf"}) {
+       {"tiny-llama-f32.gguf", "tiny-qwen2-f32.gguf", "tiny-gemma3-f32.gguf", "tiny-qwen3moe-f32.gguf",
+        "tiny-qwen2moe-f32.gguf"}) {
     SCOPED_TRACE(fixture);
     const Model& m = reference_of(fixture).model;
     const ModelConfig& cfg = m.cfg;
