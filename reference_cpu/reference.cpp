@@ -273,8 +273,7 @@ class CpuBackend final : public Backend {
     swiglu(g.data(), g.data(), u.data(), static_cast<int64_t>(g.size()));
     store_gemm_input(g.data(), g.size());
     matmul(shexp.data(), g.data(), w.ffn_down_shexp, kNoBias, n, Fs, D);         cp("ffn_shexp", l, {n, D}, shexp.data());
-    if (args.shexp_gate_skipped) std::fill(gate.begin(), gate.end(), T(1));      // fault: the sigmoid gate dropped
-    scale_rows(shexp.data(), shexp.data(), gate.data(), n, D);                    cp("ffn_shexp_out", l, {n, D}, shexp.data());
+    scale_rows(shexp.data(), shexp.data(), gate.data(), n, D, args.shexp_gate_skipped); cp("ffn_shexp_out", l, {n, D}, shexp.data());
     add(out, out, shexp.data(), static_cast<int64_t>(nD));                        cp("ffn_out", l, {n, D}, out);
   }
 

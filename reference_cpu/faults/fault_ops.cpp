@@ -112,6 +112,15 @@ void moe_route(T* probs /* [T,E] */, int32_t* topk /* [T,K] */, T* weights /* [T
   }
 }
 
+template <typename T>
+void scale_rows(T* out /* [T,D] */, const T* shexp /* [T,D] */, const T* gate /* [T] */, int n_tokens, int D,
+                bool gate_skipped) {
+  if (!gate_skipped) return scale_rows(out, shexp, gate, n_tokens, D);
+  if (out != shexp) std::copy_n(shexp, static_cast<size_t>(n_tokens) * D, out);
+}
+
+template void scale_rows<float>(float*, const float*, const float*, int, int, bool);
+template void scale_rows<double>(double*, const double*, const double*, int, int, bool);
 template void moe_route<float>(float*, int32_t*, float*, float*, const float*, int, int, int, bool, MoeRoutingFlaws);
 template void moe_route<double>(double*, int32_t*, double*, double*, const double*, int, int, int, bool,
                                 MoeRoutingFlaws);

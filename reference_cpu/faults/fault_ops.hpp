@@ -37,6 +37,12 @@ template <typename T>
 void moe_route(T* probs /* [T,E] */, int32_t* topk /* [T,K] */, T* weights /* [T,K] */, T* weights_norm /* [T,K] */,
                const T* logits /* [T,E] */, int n_tokens, int E, int K, bool renormalise, MoeRoutingFlaws flaws);
 
+// scale_rows with moe_shared_expert_gate_skipped: the clean op without it; out = shexp unscaled (the shared
+// expert's output added without its sigmoid gate) with it. out may alias shexp.
+template <typename T>
+void scale_rows(T* out /* [T,D] */, const T* shexp /* [T,D] */, const T* gate /* [T] */, int n_tokens, int D,
+                bool gate_skipped);
+
 // attn_out_transposed / ffn_down_transposed / embd_transposed: the [N, K] weight as a GEMM reads it with the wrong
 // leading dimension: element (n, k) taken from W's memory at k * N + n (its memory read as [K, N] row-major). W's
 // transpose when N == K; always in bounds. For the token table [V, D] it is the table indexed as [D, V]:
