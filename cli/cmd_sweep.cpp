@@ -189,11 +189,12 @@ std::vector<TokenStat> token_stats(const StepsResult& eng, const StepsResult& re
     t.top5 = m.logits->top5_overlap;
     t.max_abs = m.max_abs;
     t.rel_l2 = m.rel_l2;
-    t.engine = s < eng.argmax.size() ? eng.argmax[s] : diff::argmax(a);
+    const int32_t own = diff::argmax(a);  // the engine's logits' argmax, a full pass over the row
+    t.engine = s < eng.argmax.size() ? eng.argmax[s] : own;
     t.reference = s < ref.argmax.size() ? ref.argmax[s] : diff::argmax(b);
     // The engine's own choice against its own logits (compare's rule argmax), as in a full run.
-    if (t.engine >= 0 && t.engine != diff::argmax(a)) {
-      if (!t.bad) t.why = fmt::format("the engine picked {}, not its logits' argmax {}", t.engine, diff::argmax(a));
+    if (t.engine >= 0 && t.engine != own) {
+      if (!t.bad) t.why = fmt::format("the engine picked {}, not its logits' argmax {}", t.engine, own);
       t.bad = true;
     }
     out.push_back(t);
