@@ -163,9 +163,15 @@ bool cuda_engines_fit(const GgufFile& file, const ModelConfig& cfg, const std::v
 
 void check_run_options(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
                        const CheckpointFilter& filter, bool to_compare) {
-  parse_faults(opt.inject).check_applicable(cfg, &file);
+  const FaultSet faults = parse_faults(opt.inject);
+  faults.check_applicable(cfg, &file);
   if (opt.backend == "cuda") {
     check_cuda_engine_supports(cfg);
+    for (Fault f : faults.list()) {
+      if (const std::string why = fault_dormant(f, cfg, &file, opt.precision); !why.empty())
+        fmt::print(stderr, "diffrun: note: --inject {} changes nothing in the cuda/{} engine: {}\n", fault_info(f).name,
+                   opt.precision, why);
+    }
 #ifdef DIFFRUN_HAVE_CUDA
     std::string why;
     if (!cuda_device_available(&why)) throw Error("no usable CUDA device: " + why);

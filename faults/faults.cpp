@@ -362,6 +362,16 @@ std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile
   }
 }
 
+std::string fault_dormant(Fault f, const ModelConfig& cfg, const GgufFile* file, std::string_view engine_precision) {
+  if (f != Fault::swiglu_fused_gate_up_swapped || engine_precision != "f32" || !file) return "";
+  if (!fault_not_applicable(f, cfg, file).empty()) return "";
+  const GgmlType t = file->tensor("blk.0.ffn_gate.weight").type;
+  if (t != GgmlType::Q4_K && t != GgmlType::Q5_K && t != GgmlType::Q6_K) return "";
+  return fmt::format("the f32 engine runs {} ffn_gate|ffn_up unfused (the SIMT GEMV), so matmul_gate_up_swiglu never "
+                     "runs there; the f16 engine fuses it",
+                     ggml_type_name(t));
+}
+
 std::string expected_checkpoint(Fault f, const ModelConfig& cfg, const GgufFile* file) {
   const std::string why = fault_not_applicable(f, cfg, file);
   if (!why.empty()) throw InputError(fmt::format("fault {} does not apply: {}", fault_info(f).name, why));

@@ -196,6 +196,10 @@ void check_model(const std::string& path, const std::string& label, std::vector<
       if (!only.empty() && std::find(only.begin(), only.end(), info.id) == only.end()) continue;
       if (!fault_not_applicable(info.id, m.cfg, m.file.get()).empty()) continue;
       if (fault_in_production_path_only(info.id)) continue;  // check_production_path_faults
+      if (const std::string why = fault_dormant(info.id, m.cfg, m.file.get(), p.engine); !why.empty()) {
+        std::printf("fault-table %-12s %-4s %-24s dormant: %s\n", label.c_str(), p.engine, info.name, why.c_str());
+        continue;
+      }
       const bool rms_subtle = info.id == Fault::rms_eps_1e5 || info.id == Fault::rms_norm_off_by_one ||
                               info.id == Fault::rms_eps_outside_sqrt;
       const bool tiny_effect = info.id == Fault::rms_eps_outside_sqrt && m.cfg.rms_eps < 5e-6;
@@ -285,6 +289,10 @@ void check_production_path_faults(const std::string& path, const std::string& la
     for (const FaultInfo& info : fault_catalog()) {
       if (!fault_in_production_path_only(info.id)) continue;
       if (!fault_not_applicable(info.id, m.cfg, m.file.get()).empty()) continue;
+      if (const std::string why = fault_dormant(info.id, m.cfg, m.file.get(), p.engine); !why.empty()) {
+        std::printf("fault-table %-12s %-4s %-28s dormant: %s\n", label.c_str(), p.engine, info.name, why.c_str());
+        continue;
+      }
       SCOPED_TRACE(info.name);
       const std::string expected = expected_checkpoint(info.id, m.cfg, m.file.get());
       const Dump faulty =
@@ -378,6 +386,27 @@ TEST(EngineFaults, SmolLM2Slice) {
   const std::string path = test::env_or("DIFFRUN_SMOLLM2_SLICE", "");
   if (path.empty()) GTEST_SKIP() << "DIFFRUN_SMOLLM2_SLICE is not set";
   check_model(path, "smollm2-slice");
+}
+
+// Every applicable catalog fault on the models DIFFRUN_FAULT_MODELS names (paths separated by ':'), both default
+// pairs, the production-path faults too: the full-size shapes (`gen_fixtures.py --shape llama-7b-q4k`) have
+// reduction lengths 8-16x the tiny fixtures', so this checks that the size-scaled bounds still leave every
+// fault at its checkpoint, step and verdict. Unset: skipped.
+TEST(EngineFaults, EnvModels) {
+  DIFFRUN_REQUIRE_CUDA();
+  const std::string list = test::env_or("DIFFRUN_FAULT_MODELS", "");
+  if (list.empty()) GTEST_SKIP() << "DIFFRUN_FAULT_MODELS is not set (GGUF paths separated by ':')";
+  size_t begin = 0;
+  while (begin <= list.size()) {
+    const size_t end = std::min(list.find(':', begin), list.size());
+    const std::string path = list.substr(begin, end - begin);
+    begin = end + 1;
+    if (path.empty()) continue;
+    SCOPED_TRACE(path);
+    const std::string label = fs::path(path).stem().string();
+    check_model(path, label);
+    check_production_path_faults(path, label);
+  }
 }
 
 // --- Sensitivity: the smallest relative error of one weight row the default GPU run catches ---
