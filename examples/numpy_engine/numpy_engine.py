@@ -70,17 +70,26 @@ class Engine:
     def step(self, ids, put):
         """One forward pass over the step's ids; put(name, array) records a checkpoint and returns the tensor the
         pass goes on with: the array itself, or in the isolation replay the reference's tensor of that name."""
-        T, pos0 = len(ids), self.cache_k[0].shape[0]
         put("tokens", np.asarray(ids, np.int32))
         x = self.w["token_embd.weight"][ids]
         x = put("embd", x)
-        pos = np.arange(pos0, pos0 + T, dtype=np.float64)
+        pos = self.positions(len(ids))
         for l in range(self.L):
             x = self.layer(l, x, pos, put)
         x = rms_norm(x, self.w["output_norm.weight"], self.eps)
         x = put("result_norm", x)
         lm_head = self.w.get("output.weight", self.w["token_embd.weight"])
         put("result_output", (x @ lm_head.T)[:, : self.V])
+
+    def positions(self, n_tokens):
+        """The positions of a step's tokens: those after the rows already in the KV cache."""
+        past = self.cache_k[0].shape[0]
+        return np.arange(past, past + n_tokens, dtype=np.float64)
+
+    def append_cache(self, l, k, v):
+        """Writes the step's keys and values [T, Hkv, Dh] into layer l's KV cache, after its rows."""
+        self.cache_k[l] = np.concatenate([self.cache_k[l], k])
+        self.cache_v[l] = np.concatenate([self.cache_v[l], v])
 
     def layer(self, l, x, pos, put):
         w = {k[len(f"blk.{l}."):-len(".weight")]: v for k, v in self.w.items() if k.startswith(f"blk.{l}.")}
@@ -94,8 +103,7 @@ class Engine:
         q = rope(q, pos, self.theta, self.bug == "rope_neox")
         k = rope(k, pos, self.theta, self.bug == "rope_neox")
         q, k = put(f"Qrope-{l}", q), put(f"Krope-{l}", k)
-        self.cache_k[l] = np.concatenate([self.cache_k[l], k])
-        self.cache_v[l] = np.concatenate([self.cache_v[l], v])
+        self.append_cache(l, k, v)
         self.cache_k[l] = put(f"cache_k-{l}", self.cache_k[l])
         self.cache_v[l] = put(f"cache_v-{l}", self.cache_v[l])
         keys, values = self.cache_k[l], self.cache_v[l]
