@@ -486,17 +486,17 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
       std::erase_if(ref_ds, unselected);
     }
     add_step_results(c, eng_ds, ref_ds, [&](const DatasetInfo* e, const DatasetInfo* r) {
-      // A checkpoint merged from rank dumps keeps its compared values for judge_ranks.
+      // A checkpoint merged from rank dumps keeps the reference's compared values for judge_ranks.
       const bool merged = e && r && !e->shards.empty() && !e->is_int;
-      std::vector<float> a, b;
+      std::vector<float> b;
       CheckpointResult res = compare_checkpoint(
           step, e, r, tolerances, dims, n_kv,
           [&](std::vector<float>& x, std::vector<float>& y) {
             x = engine.read(step, e->name);
             y = reference.read(step, r->name);
           },
-          merged ? &a : nullptr, merged ? &b : nullptr);
-      if (merged) judge_ranks(res, *e, engine, a, b, tolerances, dims);
+          nullptr, merged ? &b : nullptr);
+      if (merged) judge_ranks(res, *e, engine, b, tolerances, dims);
       return res;
     }, tolerances);
   }

@@ -37,7 +37,8 @@ struct RankShare {
   int64_t from = 0, to = 0;        // the slice it holds along RankBlame::split, [from, to); 0, 0: the whole
   double rel_l2 = 0.0;             // its slice against the reference's same slice; NaN where not measured
   bool failed = false;             // its slice fails the checkpoint's bounds
-  bool copy_differs = false;       // its copy of a replicated slice differs from the lowest rank holding it
+  bool copy_differs = false;       // the copies of its slice disagree and its copy is to blame (it fails alone,
+                                   // or no copy does)
 };
 struct RankBlame {
   std::string split;  // the layout letter the ranks split along; "" replicated

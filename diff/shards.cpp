@@ -11,6 +11,7 @@
 #include <fmt/ranges.h>
 
 #include "checkpoints/vocabulary.hpp"
+#include "dump/rows.hpp"
 
 namespace diffrun::diff {
 namespace {
@@ -36,41 +37,53 @@ bool fails(std::span<const float> a, std::span<const float> b, const std::vector
   return std::any_of(checks.begin(), checks.end(), [](const BoundCheck& k) { return !k.pass; });
 }
 
-// Ranks holding the same slice hold the same bits; marks each copy that differs from the lowest rank's.
-int compare_copies(RankBlame& blame, const DatasetInfo& engine, const DumpReader& reader) {
+// The groups of ranks (indices into engine.shards) holding copies of one slice that are not all the same bits.
+std::vector<std::vector<size_t>> disagreeing_copies(const DatasetInfo& engine, const DumpReader& reader) {
   std::map<std::pair<int64_t, int64_t>, std::vector<size_t>> holders;
   for (size_t i = 0; i < engine.shards.size(); ++i)
     holders[{engine.shards[i].offset, engine.shards[i].extent}].push_back(i);
-  int differing = 0;
+  std::vector<std::vector<size_t>> out;
   for (const auto& [slice_at, ranks] : holders) {
     if (ranks.size() < 2) continue;
     const std::vector<float> first = reader.read_rank(engine.step, engine.name, engine.shards[ranks[0]].rank);
     for (size_t k = 1; k < ranks.size(); ++k) {
       const std::vector<float> copy = reader.read_rank(engine.step, engine.name, engine.shards[ranks[k]].rank);
-      if (copy.size() == first.size() && std::memcmp(copy.data(), first.data(), copy.size() * sizeof(float)) == 0)
-        continue;
-      blame.ranks[ranks[k]].copy_differs = true;
-      ++differing;
+      if (copy.size() != first.size() || std::memcmp(copy.data(), first.data(), copy.size() * sizeof(float)) != 0) {
+        out.push_back(ranks);
+        break;
+      }
     }
   }
-  return differing;
+  return out;
+}
+
+// A rank's own piece (`shape`: as compared) with the rows the comparison kept: those from r.row_offset on.
+std::vector<float> own_piece(const DumpReader& reader, const DatasetInfo& engine, const CheckpointResult& r, int rank,
+                             std::vector<int64_t> shape) {
+  std::vector<float> v = reader.read_rank(engine.step, engine.name, rank);
+  const int rd = row_dim(r.layout);
+  const int64_t drop = r.row_offset - engine.row_offset;
+  if (drop <= 0 || rd < 0 || static_cast<size_t>(rd) >= shape.size()) return v;
+  shape[rd] += drop;
+  return slice(v, shape, rd, drop, shape[rd]);
 }
 
 }  // namespace
 
-void judge_ranks(CheckpointResult& r, const DatasetInfo& engine, const DumpReader& reader, std::span<const float> a,
-                 std::span<const float> b, const ToleranceSet& tolerances, const DimSizes& dims) {
+void judge_ranks(CheckpointResult& r, const DatasetInfo& engine, const DumpReader& reader, std::span<const float> b,
+                 const ToleranceSet& tolerances, const DimSizes& dims) {
   if (!r.metrics || engine.shards.empty()) return;
   RankBlame blame;
   blame.split = engine.split;
   blame.partial = engine.partial;
   for (const ShardPiece& p : engine.shards)
     blame.ranks.push_back({p.rank, p.path, p.offset, p.offset + p.extent, std::numeric_limits<double>::quiet_NaN()});
-  if (!engine.partial) {
-    if (const int differing = compare_copies(blame, engine, reader); differing > 0) {
-      r.status = CheckpointStatus::fail;
-      r.checks.push_back({"replicas", "equal across the ranks holding a slice", static_cast<double>(differing), 0.0, false});
-    }
+  const std::vector<std::vector<size_t>> disagreeing = engine.partial ? std::vector<std::vector<size_t>>{}
+                                                                      : disagreeing_copies(engine, reader);
+  if (!disagreeing.empty()) {
+    r.status = CheckpointStatus::fail;
+    r.checks.push_back({"replicas", "equal across the ranks holding a slice", static_cast<double>(disagreeing.size()),
+                        0.0, false});
   }
   if (!r.failed()) return;
   const ToleranceRule& rule = tolerances.rule_for(r.name);
@@ -80,21 +93,29 @@ void judge_ranks(CheckpointResult& r, const DatasetInfo& engine, const DumpReade
     blame.note = fmt::format("partial sums of {} ranks: the sum's error cannot be told apart by rank (the layer's "
                              "column-parallel input shows which rank's inputs were wrong)",
                              engine.shards.size());
-  } else if (!engine.split.empty() && at != letters.end() && letters.size() == r.shape_reference.size()) {
-    const int dim = static_cast<int>(at - letters.begin());
+  } else if (engine.split.empty() || (at != letters.end() && letters.size() == r.shape_reference.size())) {
+    // Each rank's own piece (not the merged tensor, which presents one copy of a slice several ranks hold) against
+    // the same slice of the reference.
+    const int dim = engine.split.empty() ? -1 : static_cast<int>(at - letters.begin());
     for (RankShare& s : blame.ranks) {
       std::vector<int64_t> shape = r.shape_reference;
-      shape[dim] = s.to - s.from;
       DimSizes slice_dims = dims;
-      slice_dims[engine.split] = shape[dim];
-      s.failed = fails(slice(a, r.shape_reference, dim, s.from, s.to), slice(b, r.shape_reference, dim, s.from, s.to),
-                       shape, r, rule, slice_dims, s.rel_l2);
+      std::vector<float> cut;
+      std::span<const float> theirs = b;
+      if (dim >= 0) {
+        shape[dim] = s.to - s.from;
+        slice_dims[engine.split] = shape[dim];
+        cut = slice(b, r.shape_reference, dim, s.from, s.to);
+        theirs = cut;
+      }
+      const std::vector<float> mine = own_piece(reader, engine, r, s.rank, shape);
+      if (mine.size() == theirs.size()) s.failed = fails(mine, theirs, shape, r, rule, slice_dims, s.rel_l2);
     }
-  } else if (engine.split.empty()) {
-    for (RankShare& s : blame.ranks) {
-      const std::vector<float> copy = reader.read_rank(engine.step, engine.name, s.rank);
-      if (copy.size() == b.size()) s.failed = fails(copy, b, r.shape_reference, r, rule, dims, s.rel_l2);
-    }
+  }
+  // Of copies that disagree, those failing alone are to blame; where none does, each of them.
+  for (const std::vector<size_t>& group : disagreeing) {
+    const bool any_fails = std::any_of(group.begin(), group.end(), [&](size_t i) { return blame.ranks[i].failed; });
+    for (size_t i : group) blame.ranks[i].copy_differs = !any_fails || blame.ranks[i].failed;
   }
   for (const RankShare& s : blame.ranks)
     if (s.failed || s.copy_differs) blame.blamed.push_back(s.rank);

@@ -85,6 +85,23 @@ bool rule_argmax(const Context& c, Verdict& v) {
   return false;
 }
 
+// Ranks holding copies of one slice disagree (check "replicas", diff/shards.hpp): an all-reduce or a replicated
+// computation gives every rank the same bits, so no error carried in from the inputs explains it.
+bool rule_replicas(const Context& c, Verdict& v) {
+  for (const BoundCheck& b : c.failing.checks) {
+    if (b.metric != "replicas" || b.pass) continue;
+    v.kind = VerdictKind::local;
+    v.rule = "replicas";
+    v.explanation = "ranks holding the same slice hold different values: the ranks' copies of a replicated value "
+                    "(an all-reduce, a broadcast, a KV head copied) differ, whatever their inputs' error";
+    if (c.failing.ranks && !c.failing.ranks->blamed.empty())
+      v.explanation += fmt::format(" (rank{} {})", c.failing.ranks->blamed.size() == 1 ? "" : "s",
+                                   fmt::join(c.failing.ranks->blamed, ", "));
+    return true;
+  }
+  return false;
+}
+
 // The dump's layout: an equal-sized pair of dims read swapped matches the reference (find_layout_suspect).
 bool rule_layout(const Context& c, Verdict& v) {
   if (c.failing.layout_suspect.empty()) return false;
@@ -359,7 +376,7 @@ bool rule_no_jump(const Context& c, Verdict& v) {
 }
 
 // In order; the first rule that decides wins.
-constexpr Rule kRules[] = {rule_shape,   rule_argmax, rule_layout,        rule_f16_storage,
+constexpr Rule kRules[] = {rule_shape,   rule_argmax, rule_replicas, rule_layout,        rule_f16_storage,
                            rule_isolation, rule_nonfinite, rule_routing, rule_storage, rule_embedding,
                            rule_after_flip, rule_jump,    rule_smooth_growth, rule_no_jump};
 

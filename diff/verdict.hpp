@@ -4,6 +4,7 @@
 // names them: CheckpointKind::inputs, see dataflow_inputs); diff/ knows no architecture. The
 // rules run in order and the first that decides wins; the report prints the rule and its numbers:
 //   shape         shapes differ                                         -> local
+//   replicas      ranks holding copies of one slice (rank dumps) disagree -> local (diff/shards.hpp)
 //   layout        an equal-sized pair of the layout's dims read swapped matches the reference far
 //                 better (CheckpointResult::layout_suspect)                -> undetermined: label it
 //   f16_storage   every engine value is an f16 value and |a - b| <= half an f16 spacing of the

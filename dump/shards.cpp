@@ -193,7 +193,8 @@ class MergedSource final : public DumpReader::Source {
     return std::vector<float>(acc.begin(), acc.end());
   }
 
-  // Each rank's piece placed at its offset along the split dimension (a copy of a slice written again, the same).
+  // Each rank's piece placed at its offset along the split dimension; of the copies of a slice several ranks hold,
+  // the lowest rank's (placed last), as a replicated checkpoint presents rank 0's.
   std::vector<float> concatenate(int step, const std::string& name, const MergePlan& p) const {
     int64_t outer = 1, inner = 1, total = 1;
     for (int i = 0; i < p.dim; ++i) outer *= p.shape[i];
@@ -201,9 +202,10 @@ class MergedSource final : public DumpReader::Source {
     for (int64_t d : p.shape) total *= d;
     const int64_t full = p.shape[p.dim];
     std::vector<float> out(static_cast<size_t>(total));
-    for (const auto& r : ranks_) {
-      const DatasetInfo* d = r->find(step, name);
-      const std::vector<float> v = r->read(step, name);
+    for (auto it = ranks_.rbegin(); it != ranks_.rend(); ++it) {
+      const DumpReader& r = **it;
+      const DatasetInfo* d = r.find(step, name);
+      const std::vector<float> v = r.read(step, name);
       const int64_t extent = d->shape[p.dim];
       for (int64_t o = 0; o < outer; ++o)
         std::copy_n(v.begin() + o * extent * inner, extent * inner,

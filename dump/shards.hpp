@@ -6,7 +6,8 @@
 //   summed (in float64, in rank order, rounded to float32 once); neither: replicated, rank 0's values presented
 //   (diff/shards.hpp checks that the other ranks' copies are the same).
 // - Pieces of several ranks with the same offset and extent are copies of one slice (KV heads replicated where
-//   n_head_kv < world_size); pieces that overlap otherwise, or leave a gap, refuse the set.
+//   n_head_kv < world_size), the lowest rank's presented; pieces that overlap otherwise, or leave a gap, refuse the
+//   set.
 // - The set must be whole and agree: every rank 0..world_size-1 once, one world size, one model, config,
 //   precision, prompt and steps, the same tokens and checkpoints in each step. Anything else is an InputError
 //   naming the files (exit 2).

@@ -83,6 +83,25 @@ def test_a_replica_that_differs_names_its_rank(ref, tmp_path):
     assert "rank 1" in r.stdout and "its copy differs" in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("ranks, corrupt, name", [
+    (2, "l_out-0:0", "l_out-0"),      # rank 0's copy of a replicated checkpoint
+    (4, "cache_k-0:0", "cache_k-0"),  # rank 0's copy of KV head 0, which rank 1 holds too
+])
+def test_a_wrong_copy_on_rank_0_names_rank_0_alone(ref, tmp_path, ranks, corrupt, name):
+    """Each rank is judged on its own copy, not on the one the merge presents: the rank whose copy is wrong is named,
+    the lowest rank included, and the rank holding the right copy is not; the verdict is local (rule replicas)."""
+    out = shard(ref, tmp_path / "rep", "--ranks", ranks, "--corrupt", corrupt)
+    r = run("compare", out, ref, "--report-json", tmp_path / "r.json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    first = report["first_divergence"]
+    failed = next(c for c in report["checkpoints"] if c["name"] == name and c["step"] == 0)
+    assert (first["name"], first["step"]) == (name, 0), r.stdout
+    assert failed["ranks"]["blamed"] == [0], r.stdout
+    assert [s["rank"] for s in failed["ranks"]["ranks"] if s["copy_differs"]] == [0], r.stdout
+    assert first["verdict"]["kind"] == "local" and first["verdict"]["rule"] == "replicas", r.stdout
+
+
 def test_a_wrong_partial_sum_says_it_cannot_name_a_rank(ref, tmp_path):
     out = shard(ref, tmp_path / "part", "--ranks", 2, "--corrupt", "attn_out-1:1")
     r = run("compare", out, ref)
