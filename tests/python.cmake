@@ -13,6 +13,14 @@ add_test(NAME example_numpy_engine
 set_tests_properties(example_numpy_engine PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
   ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
 
+# examples/tp_numpy_engine: the numpy engine as 2 and 4 tensor-parallel ranks, one rank dump each; clean, then each
+# seeded shard bug at its checkpoint, step and rank.
+add_test(NAME example_tp_numpy_engine
+         COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider examples/tp_numpy_engine/test_tp_numpy_engine.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(example_tp_numpy_engine PROPERTIES LABELS "cpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 300
+  ENVIRONMENT "${DIFFRUN_TEST_ENV};PYTHONPATH=${PROJECT_SOURCE_DIR}/python;OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
+
 # diffrun.torch and diffrun.adapters.transformers (label torch): skips (exit 77) without torch/transformers/gguf.
 add_test(NAME test_python_torch
          COMMAND ${Python3_EXECUTABLE} python/tests/run_torch_tests.py
