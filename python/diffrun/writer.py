@@ -55,11 +55,13 @@ DIFFRUN_VERSION = "0.1.0"
 _WRITTEN_AS = {"string": "str", "integer": "int", "real": "float", "boolean": "bool", "integer array": "ids"}
 ROOT_ATTRIBUTES: dict[str, str] = {a.name: _WRITTEN_AS[a.type] for a in schema.ROOT_ATTRIBUTES if a.required}
 _WRITTEN: dict[str, str] = {a.name: _WRITTEN_AS[a.type] for a in schema.ROOT_ATTRIBUTES}  # optional ones too
-# What a reference dump lends a writer opened with like=: the model and its config, the prompt.
+# What a reference dump lends a writer opened with like=: the model and its config (the optional sizes of a
+# mixture of experts too), the prompt.
 PRECISIONS = schema.ROOT["precision"].values or ()
 _FROM_REFERENCE = [k for k in ROOT_ATTRIBUTES
                    if k not in (attr.format, attr.format_version, attr.backend, attr.precision, attr.created_utc,
-                                attr.diffrun_version)]
+                                attr.diffrun_version)] + \
+    [a for a in schema.DIMS.values() if a and a not in ROOT_ATTRIBUTES]
 
 _NATIVE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.float64): "f64",
            np.dtype(np.uint16): "bf16", np.dtype(np.int32): "i32"}

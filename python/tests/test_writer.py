@@ -71,6 +71,24 @@ def test_copy_of_a_reference_compares_clean(reference, tmp_path):
     assert r.returncode == 0 and "python" in r.stdout, r.stdout + r.stderr
 
 
+def test_copy_of_a_mixture_of_experts_compares_clean(tmp_path):
+    """like= lends a mixture of experts' sizes too (n_expert, n_expert_used, n_ff_exp): the routing kinds of a
+    qwen2moe reference ([T, E], [T, K], [T, K, Fe]) are written again and compare clean, every checkpoint."""
+    need_cpp()
+    ref, out = tmp_path / "moe.h5", tmp_path / "copy.h5"
+    subprocess.run([BIN, "dump", "--backend", "cpu", "--precision", "f64", "--model",
+                    str(FIXTURES / "tiny-qwen2moe-f32.gguf"), "--tokens", "1,5,9", "--steps", "1", "--out", str(ref)],
+                   check=True, capture_output=True)
+    copy_dump(ref, out)
+    with diffrun.open(ref) as r, diffrun.open(out) as c:
+        for key in ("n_expert", "n_expert_used", "n_ff_exp"):
+            assert c.meta[key] == r.meta[key], key
+        assert {"ffn_moe_topk-1", "ffn_moe_gate-1", "ffn_shexp_gate-1"} <= set(c.names(1))
+    rc, report = compare(out, ref, tmp_path)
+    assert rc == 0, report
+    assert report["coverage"]["percent"] == 100.0
+
+
 def test_a_changed_checkpoint_is_the_first_divergence(reference, tmp_path):
     out = tmp_path / "changed.h5"
 
