@@ -339,7 +339,7 @@ class Dump:
         vocabulary come after every vocabulary name, in the order they are listed."""
         if not hasattr(self, "_orders"):
             try:
-                names = vocabulary.checkpoint_names(str(self.meta[attr.arch]), int(self.meta[attr.n_layer]))
+                names = vocabulary.names_for(schema.stated_features(self.meta), int(self.meta[attr.n_layer]))
             except (KeyError, ValueError):
                 names = []
             self._orders = {n: i for i, n in enumerate(names)}

@@ -125,6 +125,13 @@ def features(arch: str, **overrides: Any) -> dict[str, Any]:
     return f
 
 
+def stated_features(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The features of a dump's architecture, with those its root attributes state (qk_norm, n_expert: a llama with
+    experts is a mixture of experts, ...) taken from them."""
+    stated = {f["name"]: meta[f["attribute"]] for f in FEATURES.values() if f.get("attribute") in meta}
+    return features(str(meta[attr.arch]), **{k: v if isinstance(v, str) else bool(v) for k, v in stated.items()})
+
+
 def needs_met(needs: str, feats: Mapping[str, Any]) -> bool:
     """Whether a kind's `needs` ("", "qk_norm", "ffn_act=silu", "!moe", "ffn_act=silu&!moe", "!moe|moe_shexp")
     holds for these features: "a|b" either (binds loosest), "a&b" both, "!a" a feature that is false or absent."""

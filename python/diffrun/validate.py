@@ -70,10 +70,7 @@ class _Config:
     @property
     def features(self) -> dict[str, Any]:
         """The architecture's features, with those the dump states as attributes (qk_norm, ...) taken from it."""
-        stated = {f["name"]: self.values[f["attribute"]] for f in schema.FEATURES.values()
-                  if f.get("attribute") in self.values}
-        return schema.features(self.values[attr.arch], **{k: (bool(v) if isinstance(v, int) else v)
-                                                      for k, v in stated.items()})
+        return schema.stated_features(self.values)
 
     def size(self, letter: str, n_tokens: int, n_kv: int) -> int:
         return schema.dim_sizes(self.values, n_tokens, n_kv)[letter]

@@ -236,7 +236,7 @@ class Writer:
             raise DumpWriteError(self.path, self._root_text(root))
         self._config = root.config
         self._token_ids = list(root.token_ids)
-        self._names = vocabulary.checkpoint_names(self._arch, self._n_layer)
+        self._names = vocabulary.names_for(self._config.features, self._n_layer)  # a llama's experts too
         self._order = {n: i for i, n in enumerate(self._names)}
 
     @staticmethod
