@@ -147,5 +147,41 @@ TEST(NameMap, BuiltinMapsTargetTheVocabulary) {
   EXPECT_EQ(mapped(NameMap::load("hf"), "model.layers.11.self_attn.q_proj", 1, Arch::llama), "(drop)");
 }
 
+// The hf map's mixtures of experts: transformers 4 and 5 module names per architecture, each MoE kind from one
+// module only (two datasets of a step mapped to one name are an error), per-expert modules dropped.
+TEST(NameMap, HfMixturesOfExperts) {
+  const NameMap hf = NameMap::load("hf");
+  for (Arch a : {Arch::qwen3moe, Arch::qwen2moe, Arch::llama}) {
+    EXPECT_EQ(mapped(hf, "model.layers.3.mlp.gate", 1, a), "ffn_moe_logits-3") << arch_name(a);
+    EXPECT_EQ(mapped(hf, "model.layers.3.mlp.experts.act_fn", 1, a), "(drop)") << arch_name(a);
+    EXPECT_EQ(mapped(hf, "model.layers.3.mlp.experts.5.down_proj", 1, a), "(drop)") << arch_name(a);
+    EXPECT_EQ(mapped(hf, "model.layers.3.post_attention_layernorm", 1, a), "ffn_norm-3") << arch_name(a);
+  }
+  EXPECT_EQ(mapped(hf, "model.layers.1.self_attn.q_proj", 1, Arch::qwen3moe), "Qcur-1");
+  EXPECT_EQ(mapped(hf, "model.layers.1.self_attn.k_proj", 1, Arch::qwen2moe), "Kcur-1");
+  // qwen3moe: the block's output in both versions; transformers 5's experts module holds the same sum
+  EXPECT_EQ(mapped(hf, "model.layers.0.mlp", 1, Arch::qwen3moe), "ffn_moe_out-0");
+  EXPECT_EQ(mapped(hf, "model.layers.0.mlp.experts", 1, Arch::qwen3moe), "(drop)");
+  // qwen2moe: the block adds the gated shared expert to the experts' sum
+  EXPECT_EQ(mapped(hf, "model.layers.0.mlp", 1, Arch::qwen2moe), "ffn_out-0");
+  EXPECT_EQ(mapped(hf, "model.layers.0.mlp.experts", 1, Arch::qwen2moe), "ffn_moe_out-0");
+  EXPECT_EQ(mapped(hf, "model.layers.0.mlp.shared_expert", 1, Arch::qwen2moe), "ffn_shexp-0");
+  EXPECT_EQ(mapped(hf, "model.layers.0.mlp.shared_expert_gate", 1, Arch::qwen2moe), "ffn_shexp_gate_inp-0");
+  EXPECT_EQ(mapped(hf, "model.layers.0.mlp.shared_expert.down_proj", 1, Arch::qwen2moe), "(drop)");
+  EXPECT_EQ(mapped(hf, "model.layers.0.mlp.shared_expert.gate_proj", 1, Arch::qwen2moe), "(drop)");
+  // Mixtral (llama with experts): transformers 5's mlp.experts, transformers 4's block_sparse_moe; a dense llama's
+  // mlp stays dropped
+  EXPECT_EQ(mapped(hf, "model.layers.2.mlp.experts", 1, Arch::llama), "ffn_moe_out-2");
+  EXPECT_EQ(mapped(hf, "model.layers.2.mlp", 1, Arch::llama), "(drop)");
+  EXPECT_EQ(mapped(hf, "model.layers.2.block_sparse_moe", 1, Arch::llama), "ffn_moe_out-2");
+  EXPECT_EQ(mapped(hf, "model.layers.2.block_sparse_moe.gate", 1, Arch::llama), "ffn_moe_logits-2");
+  EXPECT_EQ(mapped(hf, "model.layers.2.block_sparse_moe.experts.1.w1", 1, Arch::llama), "(drop)");
+  EXPECT_EQ(mapped(hf, "model.layers.2.self_attn.q_proj", 1, Arch::llama), "(drop)");
+  // the dense models are unchanged
+  EXPECT_EQ(mapped(hf, "model.layers.0.mlp", 1, Arch::qwen3), "(drop)");
+  EXPECT_EQ(mapped(hf, "model.layers.0.mlp.down_proj", 1, Arch::qwen3), "ffn_out-0");
+  EXPECT_EQ(mapped(hf, "model.layers.0.mlp.gate", 1, Arch::qwen2), "(none)");
+}
+
 }  // namespace
 }  // namespace diffrun
