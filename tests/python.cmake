@@ -29,6 +29,15 @@ set_tests_properties(test_python_torch PROPERTIES LABELS "torch;python" FIXTURES
   SKIP_RETURN_CODE 77 ENVIRONMENT "${DIFFRUN_TEST_ENV}"
   ENVIRONMENT_MODIFICATION "PYTHONPATH=path_list_prepend:${PROJECT_SOURCE_DIR}/python")  # keeps a PYTHONPATH that holds torch
 
+# The mixtures of experts against transformers (label torch): the CPU reference of tiny-qwen3moe, tiny-qwen2moe and
+# tiny-mixtral at every checkpoint transformers exposes, the hf name map on their modules; skips (exit 77) likewise.
+add_test(NAME test_transformers_moe
+         COMMAND ${Python3_EXECUTABLE} python/tests/run_torch_tests.py python/tests/test_transformers_moe.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_transformers_moe PROPERTIES LABELS "torch;python" FIXTURES_REQUIRED "tiny_models" TIMEOUT 900
+  SKIP_RETURN_CODE 77 ENVIRONMENT "${DIFFRUN_TEST_ENV}"
+  ENVIRONMENT_MODIFICATION "PYTHONPATH=path_list_prepend:${PROJECT_SOURCE_DIR}/python")
+
 # diffrun.writer with torch CUDA tensors, graph capture included (label gpu): skips (exit 77) without torch or a device.
 add_test(NAME test_python_cuda_writer
          COMMAND ${Python3_EXECUTABLE} python/tests/test_writer_cuda.py

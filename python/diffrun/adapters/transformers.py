@@ -5,7 +5,8 @@
     diffrun compare hf.h5 ref.h5
 
 --model is a GGUF (loaded with AutoModelForCausalLM.from_pretrained(dir, gguf_file=...), which dequantizes
-it) or a Hugging Face model directory. Llama, Qwen2, Qwen3 and Gemma 3, eager attention, float32 (or
+it) or a Hugging Face model directory. Llama, Qwen2, Qwen3 and Gemma 3, and the mixtures of experts Qwen3-MoE,
+Qwen2-MoE and Mixtral (transformers 5: experts as fused 3-D weights), eager attention and experts, float32 (or
 float64) weights. The reference's token ids are fed step by step (step 0 the prompt, then one token per
 decode step through past_key_values), and forward hooks plus a wrapped apply_rotary_pos_emb record embd,
 inp_scaled (gemma3), attn_norm, Qcur/Kcur/Vcur, Qnorm/Knorm (qwen3, gemma3: the inputs of the RoPE),
@@ -22,6 +23,20 @@ the names below (the norms stored as 1 + weight, as llama.cpp's converter writes
 the gguf package's dequantization, and the dump's `weights` attribute says which. The KV cache keeps
 every position on local layers too (the mask applies the window), so cache_k, cache_v and kq_soft_max
 have the reference's shapes.
+
+Mixtures of experts: transformers' GGUF config mapping leaves moe_intermediate_size and
+shared_expert_intermediate_size at their defaults, so they are set from <arch>.expert_feed_forward_length and
+expert_shared_feed_forward_length; its loader's weights are checked against the gguf package's as for Gemma 3.
+It reads no Mixtral GGUF (a llama with expert_count), so Mixtral is built from a MixtralConfig of the GGUF's
+metadata and the gguf package's tensors (q/k rows put back in transformers' order, ffn_gate_exps and
+ffn_up_exps [E, F, D] stacked into gate_up_proj [E, 2F, D]). Recorded in place of the dense FFN's kinds, where
+the modules expose them: ffn_moe_logits, ffn_moe_topk and the selected weights (the router's (logits, weights,
+ids)), the weights being ffn_moe_weights_norm where the model renormalises them (Qwen3-MoE, Mixtral) and
+ffn_moe_weights where it does not (Qwen2-MoE), ffn_moe_out (the experts module's output); Qwen2-MoE's
+ffn_shexp (the shared expert), ffn_shexp_gate_inp (its gate's logit) and ffn_out (the block's output).
+transformers computes the router's probabilities, the shared expert's sigmoid and each expert's gate, up and
+down inside the modules' forwards (the experts per expert over its routed tokens, not per token and slot), so
+ffn_moe_probs, ffn_moe_gate/up/swiglu/down, ffn_shexp_gate and ffn_shexp_out are not recorded.
 
 Llama GGUFs store q/k rows permuted for llama.cpp's interleaved RoPE (pairs 2i, 2i+1), which
 transformers' loader undoes (its rotate_half pairs i, i+Dh/2). For a reference whose rope_type is
@@ -158,15 +173,11 @@ def gemma3_config(path: Path):
 def gemma3_weights(path: Path) -> dict:
     """Gemma3ForCausalLM's state dict (float32 numpy) dequantized from the GGUF by the gguf package."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors, dequantized = _dequantized(GGUFReader(str(path)))
 
     def get(name: str, minus_one: bool = False) -> np.ndarray:
-        t = tensors[name]
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(n) for n in reversed(t.shape)])
+        w = dequantized(name)
         return w - np.float32(1) if minus_one else w
 
     out = {"model.embed_tokens.weight": get("token_embd.weight"),
@@ -179,6 +190,220 @@ def gemma3_weights(path: Path) -> dict:
             out[f"model.layers.{L}.{dst}.weight"] = get(f"blk.{L}.{src}.weight", minus_one)
         L += 1
     return out
+
+
+def _dequantized(reader):
+    """name -> the gguf package's dequantization of a GGUF tensor (float32, numpy shape reversed(ne))."""
+    from gguf.quants import dequantize
+
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name: str) -> np.ndarray:
+        t = tensors[name]
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        return w.reshape([int(n) for n in reversed(t.shape)])
+
+    return tensors, get
+
+
+def moe_settings(path: Path) -> dict | None:
+    """A mixture of experts' facts from a GGUF (qwen3moe, qwen2moe, or llama with expert_count: Mixtral); None for
+    a dense model."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = _gguf_value(reader, "general.architecture")
+
+    def key(suffix, default=None):
+        return _gguf_value(reader, f"{arch}.{suffix}", default)
+
+    n_expert = int(key("expert_count", 0))
+    if n_expert == 0 or arch not in ("qwen3moe", "qwen2moe", "llama"):
+        return None
+    n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return dict(
+        arch=arch,
+        n_layer=int(key("block_count")),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=int(key("attention.head_count_kv", n_head)),
+        head_dim=int(key("attention.key_length", n_embd // n_head)),
+        n_ctx=int(key("context_length")),
+        rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=key("rope.scaling.type", "none"),
+        n_vocab=int(key("vocab_size", len(tokens.data) if tokens is not None else 0)),
+        n_expert=n_expert,
+        n_expert_used=int(key("expert_used_count")),
+        # llama.cpp: an expert of llama (Mixtral) is feed_forward_length wide
+        n_ff_exp=int(key("expert_feed_forward_length", 0) or key("feed_forward_length")),
+        n_ff_shexp=int(key("expert_shared_feed_forward_length", 0)),
+        tied=all(t.name != "output.weight" for t in reader.tensors),
+    )
+
+
+def hf_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """q/k weight rows of a llama GGUF (interleaved RoPE pairs 2i, 2i+1 per head) in transformers' order (i, i+Dh/2):
+    the inverse of the permutation llama.cpp's converter applies."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def moe_weights(path: Path, s: dict) -> dict:
+    """The state dict (float32 numpy, transformers 5's names) of a mixture of experts, from the gguf package."""
+    from gguf import GGUFReader
+
+    tensors, get = _dequantized(GGUFReader(str(path)))
+    mixtral = s["arch"] == "llama"
+    out = {"model.embed_tokens.weight": get("token_embd.weight"), "model.norm.weight": get("output_norm.weight"),
+           "lm_head.weight": get("output.weight") if "output.weight" in tensors else get("token_embd.weight")}
+    for L in range(s["n_layer"]):
+        b, h = f"blk.{L}.", f"model.layers.{L}."
+        q, k = get(b + "attn_q.weight"), get(b + "attn_k.weight")
+        if mixtral:
+            q, k = hf_rows(q, s["n_head"]), hf_rows(k, s["n_head_kv"])
+        out.update({h + "input_layernorm.weight": get(b + "attn_norm.weight"),
+                    h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k,
+                    h + "self_attn.v_proj.weight": get(b + "attn_v.weight"),
+                    h + "self_attn.o_proj.weight": get(b + "attn_output.weight"),
+                    h + "post_attention_layernorm.weight": get(b + "ffn_norm.weight"),
+                    h + "mlp.gate.weight": get(b + "ffn_gate_inp.weight"),
+                    # transformers 5's experts: gate rows then up rows of each expert, [E, 2F, D]
+                    h + "mlp.experts.gate_up_proj": np.concatenate([get(b + "ffn_gate_exps.weight"),
+                                                                    get(b + "ffn_up_exps.weight")], axis=1),
+                    h + "mlp.experts.down_proj": get(b + "ffn_down_exps.weight")})
+        for x in ("q", "k", "v"):
+            if f"{b}attn_{x}.bias" in tensors:
+                out[f"{h}self_attn.{x}_proj.bias"] = get(f"{b}attn_{x}.bias")
+        for x in ("q", "k"):
+            if f"{b}attn_{x}_norm.weight" in tensors:
+                out[f"{h}self_attn.{x}_norm.weight"] = get(f"{b}attn_{x}_norm.weight")
+        if s["n_ff_shexp"]:
+            for x in ("gate", "up", "down"):
+                out[f"{h}mlp.shared_expert.{x}_proj.weight"] = get(f"{b}ffn_{x}_shexp.weight")
+            out[h + "mlp.shared_expert_gate.weight"] = get(b + "ffn_gate_inp_shexp.weight").reshape(1, -1)
+    return out
+
+
+def _mixtral_config(s: dict):
+    """A MixtralConfig from a llama GGUF with experts."""
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(vocab_size=s["n_vocab"], hidden_size=s["n_embd"], intermediate_size=s["n_ff_exp"],
+                           num_hidden_layers=s["n_layer"], num_attention_heads=s["n_head"],
+                           num_key_value_heads=s["n_head_kv"], head_dim=s["head_dim"],
+                           max_position_embeddings=s["n_ctx"], rms_norm_eps=s["rms_eps"],
+                           num_local_experts=s["n_expert"], num_experts_per_tok=s["n_expert_used"],
+                           tie_word_embeddings=s["tied"], sliding_window=None)
+    rp = getattr(config, "rope_parameters", None)
+    if isinstance(rp, dict):
+        rp.update(rope_type="default", rope_theta=s["rope_theta"])
+    else:
+        config.rope_theta = s["rope_theta"]
+    return config
+
+
+def _weights_differ(model, expected: dict) -> list[str]:
+    """The names of `expected` that the model's state dict lacks or holds other values for (max |diff| > 1e-6)."""
+    state = model.state_dict()
+    differ = []
+    for name, w in expected.items():
+        got = state.get(name)
+        if got is None or tuple(got.shape) != w.shape:
+            differ.append(f"{name} (missing or shape {None if got is None else tuple(got.shape)})")
+        elif (err := float(np.max(np.abs(got.detach().float().cpu().numpy() - w)))) > 1e-6:
+            differ.append(f"{name} (max |diff| {err:.3g})")
+    return differ
+
+
+def _built(cls, config, expected: dict, path: Path, optional=("embed_scale",)):
+    """cls(config) holding `expected` (numpy); ValueError when the names or shapes do not match."""
+    torch = _torch()
+    hf = cls(config)
+    missing, unexpected = hf.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in expected.items()},
+                                             strict=False)
+    missing = [k for k in missing if not k.endswith(optional)]
+    if missing or unexpected:
+        raise ValueError(f"{path}: {cls.__name__}'s weights do not match the GGUF's: missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]}")
+    return hf
+
+
+def _from_gguf(path: Path, config, expected: dict, cls, dtype_kw: str, **kwargs):
+    """transformers' GGUF loader's model (float32) when its weights are the gguf package's dequantization
+    (`expected`), else cls(config) holding `expected`; its diffrun_weights says which, and why."""
+    torch = _torch()
+    from transformers import AutoModelForCausalLM
+
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
+                                                  attn_implementation="eager", **kwargs, **{dtype_kw: torch.float32})
+        differ = _weights_differ(hf, expected)
+        if not differ:
+            hf.diffrun_weights = "transformers GGUF loader (equal to the gguf package's dequantization)"
+            return hf
+        reason = f"its weights differ from the gguf package's: {', '.join(differ[:4])}" + \
+            (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+    except Exception as e:  # transformers' GGUF loader does not read this file
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    config._attn_implementation = "eager"
+    if "experts_implementation" in kwargs:
+        config._experts_implementation = kwargs["experts_implementation"]
+    hf = _built(cls, config, expected, path)
+    hf.diffrun_weights = f"the gguf package's dequantization (transformers GGUF loader not used: {reason})"
+    return hf
+
+
+def _load_moe(path: Path, s: dict, dtype_kw: str):
+    """A Qwen3-MoE, Qwen2-MoE or Mixtral model (float32, eager experts) from a GGUF; see the module doc."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, MixtralForCausalLM
+
+    expected = moe_weights(path, s)
+    if s["arch"] == "llama":
+        config = _mixtral_config(s)
+        config._attn_implementation = "eager"
+        if hasattr(config, "_experts_implementation"):
+            config._experts_implementation = "eager"
+        hf = _built(MixtralForCausalLM, config, expected, path)
+        hf.diffrun_weights = ("the gguf package's dequantization (transformers' GGUF loader reads no llama with "
+                              "experts)")
+        return hf
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    config.head_dim = s["head_dim"]
+    config.moe_intermediate_size = s["n_ff_exp"]
+    if s["n_ff_shexp"]:
+        config.shared_expert_intermediate_size = s["n_ff_shexp"]
+    kwargs = {"experts_implementation": "eager"} if hasattr(config, "_experts_implementation") else {}
+    return _from_gguf(path, config, expected, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], dtype_kw, **kwargs)
+
+
+def _check_moe(hf, s: dict) -> str:
+    """Raises ValueError where the built model does not route as the GGUF says; else a one-line summary."""
+    cfg = hf.config
+    n_expert = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    wrong = []
+    if n_expert != s["n_expert"] or cfg.num_experts_per_tok != s["n_expert_used"]:
+        wrong.append(f"{n_expert} experts, {cfg.num_experts_per_tok} per token")
+    for L, layer in enumerate(hf.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None or not hasattr(experts, "gate_up_proj"):
+            wrong.append(f"layer {L} has no fused experts (transformers 5 needed)")
+            break
+    # llama.cpp renormalises the selected weights of qwen3moe and llama (Mixtral), not of qwen2moe's
+    norm = getattr(cfg, "norm_topk_prob", cfg.model_type == "mixtral")
+    if norm != (s["arch"] != "qwen2moe"):
+        wrong.append(f"norm_topk_prob {norm}")
+    inv = getattr(hf.model.rotary_emb, "inv_freq", None)
+    dh = s["head_dim"]
+    if inv is None or abs(float(inv[1]) / s["rope_theta"] ** (-2.0 / dh) - 1) > 1e-6:
+        wrong.append("RoPE base")
+    if s["rope_scaling"] not in ("none", None):
+        wrong.append(f"rope scaling '{s['rope_scaling']}' is not handled here")
+    if wrong:
+        raise ValueError("the transformers model does not follow the GGUF: " + "; ".join(wrong))
+    shexp = f", a shared expert of width {s['n_ff_shexp']}" if s["n_ff_shexp"] else ""
+    return (f"{type(hf).__name__}: {s['n_layer']} layers, {s['n_expert']} experts of width {s['n_ff_exp']}, "
+            f"{s['n_expert_used']} per token, weights {'renormalised' if norm else 'as selected'}{shexp}")
 
 
 def _check_gemma3(hf, s: dict) -> str:
@@ -215,41 +440,13 @@ def _check_gemma3(hf, s: dict) -> str:
 
 def _load_gemma3(path: Path, dtype_kw: str):
     """Gemma3ForCausalLM (float32) from a gemma3 GGUF, with a config from its metadata; see the module doc."""
-    torch = _torch()
-    from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
+    from transformers import Gemma3ForCausalLM
 
     config = gemma3_config(path)
     expected = gemma3_weights(path)
     if config.tie_word_embeddings:
         expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
-                                                  attn_implementation="eager", **{dtype_kw: torch.float32})
-        state = hf.state_dict()
-        differ = []
-        for name, w in expected.items():
-            got = state.get(name)
-            if got is None or tuple(got.shape) != w.shape:
-                differ.append(f"{name} (missing or shape {None if got is None else tuple(got.shape)})")
-            elif (err := float(np.max(np.abs(got.detach().float().cpu().numpy() - w)))) > 1e-6:
-                differ.append(f"{name} (max |diff| {err:.3g})")
-        if not differ:
-            hf.diffrun_weights = "transformers GGUF loader (equal to the gguf package's dequantization)"
-            return hf
-        reason = f"its weights differ from the gguf package's: {', '.join(differ[:4])}" + \
-            (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
-    except Exception as e:  # transformers' GGUF loader does not read this file
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    config._attn_implementation = "eager"
-    hf = Gemma3ForCausalLM(config)
-    state = {k: torch.from_numpy(v.copy()) for k, v in expected.items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("embed_scale")]
-    if missing or unexpected:
-        raise ValueError(f"{path}: Gemma3ForCausalLM's weights do not match the GGUF's: missing {missing[:4]}, "
-                         f"unexpected {unexpected[:4]}")
-    hf.diffrun_weights = f"the gguf package's dequantization (transformers GGUF loader not used: {reason})"
-    return hf
+    return _from_gguf(path, config, expected, Gemma3ForCausalLM, dtype_kw)
 
 
 def load_model(model: str | os.PathLike[str], dtype: str = "float32", device: str = "cpu"):
@@ -266,6 +463,10 @@ def load_model(model: str | os.PathLike[str], dtype: str = "float32", device: st
         hf = _load_gemma3(path, dtype_kw)
         hf.diffrun_config = _check_gemma3(hf, gemma3_settings(path))
         return hf.to(torch_dtype).to(device).eval()
+    if path.is_file() and (moe := moe_settings(path)) is not None:
+        hf = _load_moe(path, moe, dtype_kw)
+        hf.diffrun_config = _check_moe(hf, moe)
+        return hf.to(torch_dtype).to(device).eval()
     kwargs: dict = {}
     if path.is_file():
         kwargs = {"gguf_file": path.name}
@@ -276,6 +477,9 @@ def load_model(model: str | os.PathLike[str], dtype: str = "float32", device: st
         path = path.parent
     else:
         config = AutoConfig.from_pretrained(str(path))
+    if hasattr(config, "_experts_implementation") and (getattr(config, "num_experts", 0) or
+                                                       getattr(config, "num_local_experts", 0)):
+        kwargs["experts_implementation"] = "eager"
     hf = AutoModelForCausalLM.from_pretrained(str(path), config=config, attn_implementation="eager",
                                               **{dtype_kw: torch_dtype}, **kwargs)
     hf.to(device).eval()
@@ -334,10 +538,13 @@ class TransformersRecorder:
                 self._hook(layer.post_attention_layernorm, f"ffn_inp-{L}", pre=True)
                 self._hook(layer.post_attention_layernorm, f"ffn_norm-{L}")
                 act = "ffn_swiglu"
-            self._hook(m.gate_proj, f"ffn_gate-{L}")
-            self._hook(m.up_proj, f"ffn_up-{L}")
-            self._hook(m.down_proj, f"{act}-{L}", pre=True)
-            self._hook(m.down_proj, f"ffn_out-{L}")
+            if hasattr(m, "experts"):
+                self._hook_moe(L, m)
+            else:
+                self._hook(m.gate_proj, f"ffn_gate-{L}")
+                self._hook(m.up_proj, f"ffn_up-{L}")
+                self._hook(m.down_proj, f"{act}-{L}", pre=True)
+                self._hook(m.down_proj, f"ffn_out-{L}")
             self._hook(layer, f"l_out-{L}", index=0)
         self._hook(core.norm, "result_norm")
         # result_output: the model's logits (after Gemma's final softcap), put by run()
@@ -357,6 +564,35 @@ class TransformersRecorder:
             return qe, ke
 
         self._module.apply_rotary_pos_emb = rope
+
+    def _hook_moe(self, L: int, block) -> None:
+        """A sparse MoE block (transformers 5): its modules' inputs are [T, D], no batch dimension."""
+        torch = self.torch
+        cfg = self.model.config
+        # the router's selected weights: renormalised (Qwen3-MoE's norm_topk_prob, Mixtral always) or as selected
+        weights = "ffn_moe_weights_norm" if getattr(cfg, "norm_topk_prob", cfg.model_type == "mixtral") \
+            else "ffn_moe_weights"
+
+        def router(_m, _inputs, output):
+            logits, scores, ids = output if isinstance(output, (tuple, list)) else (output, None, None)
+            self.put(f"ffn_moe_logits-{L}", logits)
+            if ids is not None:  # slot j: the j-th most probable expert (torch.topk, sorted)
+                self.put(f"ffn_moe_topk-{L}", ids.to(torch.float32))
+                self.put(f"{weights}-{L}", scores)
+
+        self.handles.append(block.gate.register_forward_hook(router))
+        self._hook_flat(block.experts, f"ffn_moe_out-{L}")
+        if hasattr(block, "shared_expert"):  # Qwen2-MoE
+            self._hook_flat(block.shared_expert, f"ffn_shexp-{L}")
+            self._hook_flat(block.shared_expert_gate, f"ffn_shexp_gate_inp-{L}", reshape=(-1,))
+            self._hook(block, f"ffn_out-{L}")
+
+    def _hook_flat(self, module, name: str, reshape: tuple | None = None) -> None:
+        """The output of a module that sees the step's tokens as [T, ...] rows, without a batch dimension."""
+        def hook(_m, _inputs, output):
+            self.put(name, output.reshape(reshape) if reshape else output)
+
+        self.handles.append(module.register_forward_hook(hook))
 
     def put(self, name: str, t, heads: int | None = None, permute: bool = False, crop: int | None = None) -> None:
         t = t.detach()
