@@ -9,8 +9,8 @@ if(DIFFRUN_HAVE_CUDA)
            WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
   set_tests_properties(test_engine_qgemv_simt PROPERTIES ENVIRONMENT "${DIFFRUN_TEST_ENV};DIFFRUN_QGEMV_MMA=0"
                        SKIP_RETURN_CODE 77 LABELS gpu)
-  # tests/engine_ops/: the unfused kernels (add, rope_norm, rope_neox, kv_store) that the engine's fused ones
-  # (add_rms_norm, rope_qk) are checked against; only this test calls them, so they are compiled into it, not
+  # tests/engine_ops/: the unfused kernels (rope_norm, rope_neox, kv_store) that the engine's fused ones
+  # (rope_qk) are checked against; only this test calls them, so they are compiled into it, not
   # into diffrun_engine.
   file(GLOB test_engine_ops_kernels CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/engine_ops/*.cu)
   diffrun_test(test_engine_ops GPU SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_engine_ops.cpp ${test_engine_ops_kernels}

@@ -40,7 +40,7 @@
 #include "reference_cpu/ops/rope.hpp"
 #include "reference_cpu/ops/scale.hpp"
 #include "reference_cpu/ops/swiglu.hpp"
-#include "tests/engine_ops/add.cuh"
+#include "engine/ops/add.cuh"
 #include "tests/engine_ops/kv_store.cuh"
 #include "tests/engine_ops/rope.cuh"
 #include "tests/test_engine_common.hpp"

@@ -1,5 +1,5 @@
 // Residual add kernel: elementwise, grid-stride.
-#include "tests/engine_ops/add.cuh"
+#include "engine/ops/add.cuh"
 
 #include "engine/cuda_check.cuh"
 #include "engine/ops/launch.cuh"
