@@ -117,25 +117,12 @@ void BackendOptions::add_options(CLI::App& app) {
   app.add_option("--inject", inject, "Inject faults from the catalog (diffrun faults), e.g. rope_theta_10000,kv_cache_pos0");
 }
 
-namespace {
-
-// The model features the CUDA engine does not run yet, checked before it is asked to load: InputError (exit 2)
-// naming the feature.
-void check_cuda_engine_supports(const ModelConfig& cfg) {
-  if (cfg.moe)
-    throw InputError(fmt::format("the CUDA engine does not run mixture-of-experts models yet (architecture {} with {} "
-                                 "experts, {} used per token); the CPU reference does (--engine cpu, or --backend cpu)",
-                                 arch_name(cfg.arch), cfg.n_expert, cfg.n_expert_used));
-}
-
-}  // namespace
 
 std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
                                       int max_ctx) {
   const FaultSet faults = parse_faults(opt.inject);
   if (opt.backend == "cpu") return make_cpu_backend(file, cfg, opt.precision, max_ctx, faults);
   if (opt.backend == "cuda") {
-    check_cuda_engine_supports(cfg);
 #ifdef DIFFRUN_HAVE_CUDA
     std::string why;
     if (!cuda_device_available(&why)) throw Error("no usable CUDA device: " + why);
@@ -166,7 +153,6 @@ void check_run_options(const GgufFile& file, const ModelConfig& cfg, const Backe
   const FaultSet faults = parse_faults(opt.inject);
   faults.check_applicable(cfg, &file);
   if (opt.backend == "cuda") {
-    check_cuda_engine_supports(cfg);
     for (Fault f : faults.list()) {
       if (const std::string why = fault_dormant(f, cfg, &file, opt.precision); !why.empty())
         fmt::print(stderr, "diffrun: note: --inject {} changes nothing in the cuda/{} engine: {}\n", fault_info(f).name,

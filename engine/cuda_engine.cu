@@ -1,6 +1,7 @@
 // The CUDA engine backend: one readable forward pass (one line per op, then its checkpoint), f16 or f32.
 // T tokens of the step, S = n_past + T positions attended, D model width, H/Hkv heads, Dh head width,
-// F feed-forward width, V real vocabulary.
+// F feed-forward width, V real vocabulary; E experts, K experts used per token, Fe one expert's width, Fs the shared
+// expert's.
 //
 // Decisions, written down here:
 // - Activations are f32 except the inputs of GEMMs, which are W (f16 in the f16 engine): the
@@ -72,6 +73,13 @@
 //   blocks on the device (engine/weights.cuh): the quantized GEMV at T = 1 (Q4_K/Q5_K/Q6_K on tensor
 //   cores in the f16 engine; DIFFRUN_QGEMV_MMA=0, the "kquant_gemv" fact), at T > 1 their rows
 //   dequantized into a scratch for the same cuBLAS GEMM; the "quantized_weights" fact lists them.
+// - Mixture of experts (qwen3moe, qwen2moe, Mixtral; moe_ffn): the router's logits, softmax and top-k on the
+//   device (moe_route), then the selected ids copied to the host once a layer (after their checkpoint, which an
+//   isolation replay replaces: forced routing), where each expert's slots are grouped; each expert used runs
+//   the linear layer of a dense matrix on its rows (gather_rows, matmul on its view of the stacked tensor,
+//   scatter_rows): the quantized GEMV when one token picked it, dequantization and cuBLAS otherwise. Only the
+//   selected experts run. The copy makes every step synchronize once a layer, so MoE steps run kernel by kernel
+//   (no captured graph) and without alternating activation sets; the "moe" fact says so.
 // - Isolation replay replaces the inputs an op reads, never recomputes an output by another code
 //   path: a fused op runs on replaced inputs (rope_qk on the reference's Kcur and Vcur, add_rms_norm
 //   on its attn_out and residual), each of its outputs is recorded as the op computed it, then
@@ -101,6 +109,7 @@
 //   control flow here, one line each (plan_.hooks: kv_cache_not_read, residual_skipped). The clean
 //   kernels carry no fault branch, and without faults the step enqueues exactly what it did before.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -132,6 +141,8 @@
 #include "engine/ops/scale.cuh"
 #include "engine/ops/step_inputs.cuh"
 #include "engine/ops/swiglu.cuh"
+#include "engine/ops/moe.cuh"
+#include "engine/ops/add.cuh"
 #include "engine/weights.cuh"
 #include "faults/fault_plan.hpp"
 #include "faults/faults.hpp"
@@ -222,6 +233,70 @@ struct Activations {
   DeviceBuffer<int32_t> tokens;  // [T]
 };
 
+// Mixture-of-experts buffers for steps of up to `capacity` tokens (K slots a token), shared by the layers.
+template <typename W>
+struct MoeBuffers {
+  MoeBuffers(const ModelConfig& c, int cap)
+      : capacity(cap),
+        logits(size_t(cap) * c.n_expert, "MoE activations"),
+        probs(size_t(cap) * c.n_expert, "MoE activations"),
+        topk(slots(c, cap), "MoE activations"),
+        ids(slots(c, cap), "MoE activations"),
+        weights(slots(c, cap), "MoE activations"),
+        weights_norm(slots(c, cap), "MoE activations"),
+        gate(slots(c, cap) * c.n_ff_exp, "MoE activations"),
+        up(slots(c, cap) * c.n_ff_exp, "MoE activations"),
+        act(slots(c, cap) * c.n_ff_exp, "MoE activations"),
+        down(slots(c, cap) * c.n_embd, "MoE activations"),
+        xs(size_t(cap) * widest(c), "MoE activations"),
+        ys(size_t(cap) * widest(c), "MoE activations"),
+        rows(slots(c, cap), "MoE activations"),
+        moe_out(size_t(cap) * c.n_embd, "MoE activations"),
+        shexp_gate_inp(size_t(cap), "MoE activations"),
+        shexp_gate(size_t(cap), "MoE activations"),
+        shexp_g(size_t(cap) * std::max(c.n_ff_shexp, 1), "MoE activations"),
+        shexp_u(size_t(cap) * std::max(c.n_ff_shexp, 1), "MoE activations"),
+        shexp_act(size_t(cap) * std::max(c.n_ff_shexp, 1), "MoE activations"),
+        shexp(size_t(cap) * c.n_embd, "MoE activations"),
+        shexp_out(size_t(cap) * c.n_embd, "MoE activations"),
+        h_ids(slots(c, cap), "MoE expert ids"),
+        h_rows(slots(c, cap), "MoE expert ids") {}
+
+  static size_t slots(const ModelConfig& c, int cap) { return size_t(cap) * c.n_expert_used; }
+  static size_t widest(const ModelConfig& c) { return size_t(std::max(c.n_embd, c.n_ff_exp)); }
+  static uint64_t bytes(const ModelConfig& c, int cap) {
+    if (!c.moe) return 0;
+    const uint64_t S = slots(c, cap), E = c.n_expert, Fe = c.n_ff_exp, D = c.n_embd, Fs = std::max(c.n_ff_shexp, 1);
+    return uint64_t(cap) * (4 * (2 * E + 2 * D + 2 + 2 * Fs + 2 * D + widest(c)) + sizeof(W) * (widest(c) + Fs)) +
+           S * (4 * (4 + 2 * Fe + D) + sizeof(W) * Fe);
+  }
+
+  int capacity;
+  DeviceBuffer<float> logits;        // [T, E] ffn_moe_logits
+  DeviceBuffer<float> probs;         // [T, E] ffn_moe_probs
+  DeviceBuffer<int32_t> topk;        // [T, K] the selected experts
+  DeviceBuffer<float> ids;           // [T, K] ffn_moe_topk: the ids as values
+  DeviceBuffer<float> weights;       // [T, K] ffn_moe_weights
+  DeviceBuffer<float> weights_norm;  // [T, K] ffn_moe_weights_norm
+  DeviceBuffer<float> gate;          // [T, K, Fe] ffn_moe_gate
+  DeviceBuffer<float> up;            // [T, K, Fe] ffn_moe_up
+  DeviceBuffer<W> act;               // [T, K, Fe] ffn_moe_swiglu (GEMM input)
+  DeviceBuffer<float> down;          // [T, K, D] ffn_moe_down
+  DeviceBuffer<W> xs;                // [T, max(D, Fe)] one expert's input rows
+  DeviceBuffer<float> ys;            // [T, max(D, Fe)] its output rows
+  DeviceBuffer<int32_t> rows;        // [T·K] the slots grouped by expert
+  DeviceBuffer<float> moe_out;       // [T, D] ffn_moe_out where a shared expert is added after it
+  DeviceBuffer<float> shexp_gate_inp;  // [T]
+  DeviceBuffer<float> shexp_gate;      // [T]
+  DeviceBuffer<float> shexp_g;         // [T, Fs] the shared expert's gate projection
+  DeviceBuffer<float> shexp_u;         // [T, Fs] its up projection
+  DeviceBuffer<W> shexp_act;           // [T, Fs] its SwiGLU (GEMM input)
+  DeviceBuffer<float> shexp;           // [T, D] ffn_shexp
+  DeviceBuffer<float> shexp_out;       // [T, D] ffn_shexp_out
+  PinnedBuffer<float> h_ids;           // [T·K] the ids, read back
+  PinnedBuffer<int32_t> h_rows;        // [T·K] rows, built on the host
+};
+
 class Stream {
  public:
   Stream() { CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
@@ -263,7 +338,7 @@ class CudaEngineImpl final : public CudaEngine {
         attn_counters_(size_t(kAttentionSplitMaxT) * cfg.n_head, "attention scratch"),
         argmax_scratch_(2, "step state"),
         names_(checkpoint_names(cfg)),
-        graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS")),
+        graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS") && !cfg.moe),
         tiled_attention_(!env_is_zero("DIFFRUN_TILED_ATTENTION")),
         swiglu_in_gemv_(!env_is_zero("DIFFRUN_SWIGLU_IN_GEMV")),
         rope_in_gemv_(!env_is_zero("DIFFRUN_ROPE_IN_GEMV")),
@@ -314,6 +389,9 @@ class CudaEngineImpl final : public CudaEngine {
              "result_output's rows before the last in steps of several tokens (a side matmul)"},
         {"checkpoint_copies", stager_.mode()},
     };
+    if (cfg_.moe)
+      facts_["moe"] = "routing on the device, the selected ids read back once a layer; only the selected experts run, "
+                      "each on its tokens' rows; steps kernel by kernel (no graph)";
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
     clear_kv_cache();
     CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));
@@ -428,7 +506,7 @@ class CudaEngineImpl final : public CudaEngine {
     const OpArgs& args = plan_.ops;
     set_op_context(step, -1);
     step_inputs(act_->tokens.get(), d_n_past_.get(), h_tokens_.device(), h_n_past_.device(), n, stream_);
-    alternate_ = n == 1 && !step_replaying_;
+    alternate_ = n == 1 && !step_replaying_ && !cfg_.moe;  // MoE: the layers share moe_'s buffers
     flush_ticket_ = -1;
     Activations<W>& a = set_of(-1);  // the embedding's: what layer 0 reads
 
@@ -632,11 +710,11 @@ class CudaEngineImpl final : public CudaEngine {
                   capturing_ && read_cache ? DeviceRows{d_n_past_.get(), n, 2, max_ctx_} : DeviceRows{});
   }
 
-  // The FFN: ffn_inp = in.x + attn_out and its ffn_norm → gate and up → SwiGLU (GeGLU) → down → ffn_out.
+  // The FFN: ffn_inp = in.x + attn_out and its ffn_norm → the dense FFN or the experts → ffn_out.
   void ffn_block(int step, int l, int n, Sink& sink, const Activations<W>& in, Activations<W>& a) {
     const DeviceLayerWeights<W>& w = weights_.layers[l];
     const OpArgs& args = plan_.ops;
-    const int D = cfg_.n_embd, F = cfg_.n_ff;
+    const int D = cfg_.n_embd;
     if (plan_.hooks.residual_skipped) {  // ffn_inp = attn_out: the residual add skipped, then a plain norm
       CUDA_CHECK(cudaMemcpyAsync(a.ffn_inp.get(), a.attn_out.get(), size_t(n) * D * sizeof(float),
                                  cudaMemcpyDeviceToDevice, stream_));
@@ -647,7 +725,22 @@ class CudaEngineImpl final : public CudaEngine {
       cp(sink, step, "ffn_inp", l, a.ffn_inp.get(), {n, D});
     }
     cp(sink, step, "ffn_norm", l, a.ffn_xn.get(), {n, D});
+    if (cfg_.moe)
+      moe_ffn(step, l, n, sink, a);
+    else
+      dense_ffn(step, l, n, sink, a);
+    if (cfg_.post_norms) {  // gemma3: RMSNorm of the FFN output before the residual add, in place
+      overwrites(a.ffn_out);
+      norm(a.ffn_out.get(), a.ffn_out.get(), w.ffn_post_norm, n, D, args.norm);
+      cp(sink, step, "ffn_post_norm", l, a.ffn_out.get(), {n, D});
+    }
+  }
 
+  // The gated FFN on a.ffn_xn: gate and up → SwiGLU (GeGLU) → down → a.ffn_out.
+  void dense_ffn(int step, int l, int n, Sink& sink, Activations<W>& a) {
+    const DeviceLayerWeights<W>& w = weights_.layers[l];
+    const OpArgs& args = plan_.ops;
+    const int D = cfg_.n_embd, F = cfg_.n_ff;
     // Wgate|Wup's rows as stored: the GEMMs write each half where it belongs (swiglu_fused_gate_up_swapped stores
     // Wup|Wgate, which only the fused epilogue pairs the wrong way round).
     const auto [first, second] = in_order(a.gate.get(), a.up.get(), plan_.fused.gate_up_swapped);
@@ -671,10 +764,103 @@ class CudaEngineImpl final : public CudaEngine {
     }
     matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_);
     cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});
-    if (cfg_.post_norms) {  // gemma3: RMSNorm of the FFN output before the residual add, in place
-      overwrites(a.ffn_out);
-      norm(a.ffn_out.get(), a.ffn_out.get(), w.ffn_post_norm, n, D, args.norm);
-      cp(sink, step, "ffn_post_norm", l, a.ffn_out.get(), {n, D});
+  }
+
+  // The routed FFN on a.ffn_xn into a.ffn_out, as the reference's moe_ffn (llama.cpp's build_moe_ffn): the router's
+  // softmax over E experts, the K most probable, each one's SwiGLU FFN on the token, the outputs summed with their
+  // weights (renormalised where the model says). The ids are read back after their checkpoint, so an isolation
+  // replay runs the experts the reference chose, with its weights (forced routing).
+  void moe_ffn(int step, int l, int n, Sink& sink, Activations<W>& a) {
+    const DeviceLayerWeights<W>& w = weights_.layers[l];
+    const int D = cfg_.n_embd, E = cfg_.n_expert, K = cfg_.n_expert_used, Fe = cfg_.n_ff_exp;
+    const int slots = n * K;
+    MoeBuffers<W>& m = *moe_;
+    matmul(m.logits.get(), a.ffn_xn.get(), w.ffn_gate_inp, nullptr, n, D, E, cublas_, stream_);
+    cp(sink, step, "ffn_moe_logits", l, m.logits.get(), {n, E});
+    moe_route(m.probs.get(), m.topk.get(), m.weights.get(), m.weights_norm.get(), m.logits.get(), n, E, K,
+              cfg_.expert_weights_norm, plan_.ops.moe_routing, stream_);
+    cp(sink, step, "ffn_moe_probs", l, m.probs.get(), {n, E});
+    ids_as_values(m.ids.get(), m.topk.get(), slots, stream_);
+    cp(sink, step, "ffn_moe_topk", l, m.ids.get(), {n, K});
+    cp(sink, step, "ffn_moe_weights", l, m.weights.get(), {n, K});
+    if (cfg_.expert_weights_norm) cp(sink, step, "ffn_moe_weights_norm", l, m.weights_norm.get(), {n, K});
+    const std::vector<int> first = group_slots_by_expert(m, slots, E, l);
+
+    expert_matmul(m.gate.get(), a.ffn_xn.get(), K, w.ffn_gate_exps, first, D, Fe);
+    cp(sink, step, "ffn_moe_gate", l, m.gate.get(), {n, K, Fe});
+    expert_matmul(m.up.get(), a.ffn_xn.get(), K, w.ffn_up_exps, first, D, Fe);
+    cp(sink, step, "ffn_moe_up", l, m.up.get(), {n, K, Fe});
+    swiglu(m.act.get(), m.gate.get(), m.up.get(), int64_t(slots) * Fe, stream_);
+    cp(sink, step, "ffn_moe_swiglu", l, m.act.get(), {n, K, Fe});
+    expert_matmul(m.down.get(), m.act.get(), 1, w.ffn_down_exps, first, Fe, D);
+    cp(sink, step, "ffn_moe_down", l, m.down.get(), {n, K, D});
+    // Weighted by the recorded weights an isolation replay replaces: renormalised, or as selected (qwen2moe).
+    const float* slot_weights = cfg_.expert_weights_norm ? m.weights_norm.get() : m.weights.get();
+    float* out = cfg_.moe_shexp ? m.moe_out.get() : a.ffn_out.get();
+    moe_combine(out, m.down.get(), slot_weights, n, K, D, stream_);
+    cp(sink, step, "ffn_moe_out", l, out, {n, D});
+    if (cfg_.moe_shexp) shared_expert(step, l, n, sink, a, out);
+  }
+
+  // qwen2moe's shared expert on a.ffn_xn, added to the experts' sum `moe_out` into a.ffn_out: a SwiGLU FFN of width
+  // Fs times sigmoid(ffn_gate_inp_shexp · x) per token. Its gate, up and SwiGLU are not recorded (the reference's
+  // shared_expert says why).
+  void shared_expert(int step, int l, int n, Sink& sink, Activations<W>& a, const float* moe_out) {
+    const DeviceLayerWeights<W>& w = weights_.layers[l];
+    const int D = cfg_.n_embd, Fs = cfg_.n_ff_shexp;
+    MoeBuffers<W>& m = *moe_;
+    shexp_gate_logits(m.shexp_gate_inp.get(), a.ffn_xn.get(), w.ffn_gate_inp_shexp, n, D, stream_);
+    cp(sink, step, "ffn_shexp_gate_inp", l, m.shexp_gate_inp.get(), {n});
+    sigmoid(m.shexp_gate.get(), m.shexp_gate_inp.get(), n, stream_);
+    cp(sink, step, "ffn_shexp_gate", l, m.shexp_gate.get(), {n});
+    matmul(m.shexp_g.get(), a.ffn_xn.get(), w.ffn_gate_shexp, nullptr, n, D, Fs, cublas_, stream_);
+    matmul(m.shexp_u.get(), a.ffn_xn.get(), w.ffn_up_shexp, nullptr, n, D, Fs, cublas_, stream_);
+    swiglu(m.shexp_act.get(), m.shexp_g.get(), m.shexp_u.get(), int64_t(n) * Fs, stream_);
+    matmul(m.shexp.get(), m.shexp_act.get(), w.ffn_down_shexp, nullptr, n, Fs, D, cublas_, stream_);
+    cp(sink, step, "ffn_shexp", l, m.shexp.get(), {n, D});
+    scale_rows(m.shexp_out.get(), m.shexp.get(), m.shexp_gate.get(), n, D, plan_.ops.shexp_gate_skipped, stream_);
+    cp(sink, step, "ffn_shexp_out", l, m.shexp_out.get(), {n, D});
+    add(a.ffn_out.get(), moe_out, m.shexp_out.get(), int64_t(n) * D, stream_);
+    cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});
+  }
+
+  // The step's routing on the host: the ffn_moe_topk values (the engine's, or the reference's in an isolation
+  // replay) read back and checked (whole numbers in 0..E-1, else InputError naming the layer, as the reference's
+  // expert_ids), then the slots grouped by expert into moe_->rows: expert e's slots are rows [first[e],
+  // first[e + 1]). Synchronizes the stream.
+  std::vector<int> group_slots_by_expert(MoeBuffers<W>& m, int slots, int E, int l) {
+    CUDA_CHECK(cudaMemcpyAsync(m.h_ids.get(), m.ids.get(), size_t(slots) * sizeof(float), cudaMemcpyDeviceToHost,
+                               stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));  // also: the last layer's upload of h_rows is done
+    std::vector<int> first(size_t(E) + 1, 0);
+    for (int s = 0; s < slots; ++s) {
+      const float id = m.h_ids.get()[s];
+      if (!(id >= 0 && id < E && id == std::floor(id)))
+        throw InputError("ffn_moe_topk-" + std::to_string(l) + " holds " + std::to_string(id) +
+                         ", not an expert id in 0.." + std::to_string(E - 1));
+      ++first[size_t(id) + 1];
+    }
+    for (int e = 0; e < E; ++e) first[e + 1] += first[e];
+    std::vector<int> next(first.begin(), first.end() - 1);
+    for (int s = 0; s < slots; ++s) m.h_rows.get()[next[size_t(m.h_ids.get()[s])]++] = s;
+    CUDA_CHECK(cudaMemcpyAsync(m.rows.get(), m.h_rows.get(), size_t(slots) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                               stream_));
+    return first;
+  }
+
+  // out [T·K, N]: slot s's row is its expert's matrix [N, Kin] times its input, row s / div of x (div K: every slot
+  // of token t reads x [T, Kin] row t; div 1: x [T·K, Kin] row s). Each expert used takes its slots' rows
+  // (moe_->rows from first[e]) through one linear layer.
+  void expert_matmul(float* out, const W* x, int div, const std::vector<DeviceMatrix<W>>& experts,
+                     const std::vector<int>& first, int Kin, int N) {
+    MoeBuffers<W>& m = *moe_;
+    for (size_t e = 0; e + 1 < first.size(); ++e) {
+      const int count = first[e + 1] - first[e];
+      if (count == 0) continue;
+      const int32_t* rows = m.rows.get() + first[e];
+      gather_rows(m.xs.get(), x, rows, div, count, Kin, stream_);
+      matmul(m.ys.get(), m.xs.get(), experts[e], nullptr, count, Kin, N, cublas_, stream_);
+      scatter_rows(out, m.ys.get(), rows, count, N, stream_);
     }
   }
 
@@ -783,16 +969,21 @@ class CudaEngineImpl final : public CudaEngine {
     const size_t logits_needed = size_t(logit_columns());
     const size_t all_rows_needed = sink.wants("result_output") && n > 1 ? size_t(n) * logit_columns() : 0;
     const bool grow_act = !act_ || act_->capacity < n;
+    const bool grow_moe = cfg_.moe && (!moe_ || moe_->capacity < n);
     const bool grow_probs = probs_.size() < probs_needed;
     const bool grow_logits = logits_.size() < logits_needed;
     const bool grow_all_rows = logits_all_.size() < all_rows_needed;
-    if (!grow_act && !grow_probs && !grow_logits && !grow_all_rows) return;
+    if (!grow_act && !grow_moe && !grow_probs && !grow_logits && !grow_all_rows) return;
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     drop_graphs();
     if (grow_act) {
       act_.reset();
       act_ = std::make_unique<Activations<W>>(cfg_, n);
       h_tokens_ = PinnedBuffer<int32_t>(size_t(n), "token ids");
+    }
+    if (grow_moe) {
+      moe_.reset();
+      moe_ = std::make_unique<MoeBuffers<W>>(cfg_, n);
     }
     if (grow_probs) probs_ = DeviceBuffer<float>(probs_needed, "the kq_soft_max checkpoint");
     if (grow_logits) logits_ = DeviceBuffer<float>(logits_needed, "the logits");
@@ -860,6 +1051,7 @@ class CudaEngineImpl final : public CudaEngine {
   DeviceBuffer<float> k_cache_;  // [n_layer][max_ctx, Hkv*Dh]
   DeviceBuffer<float> v_cache_;  // [n_layer][max_ctx, Hkv*Dh]
   std::unique_ptr<Activations<W>> act_;
+  std::unique_ptr<MoeBuffers<W>> moe_;  // mixture-of-experts models only
   Activations<W> alt_;           // [1 token] the odd layers' set of a one-token step (see the top)
   bool alternate_ = false;       // this step alternates act_ and alt_ by layer parity
   int flush_ticket_ = -1;        // the previous layer's stager_.flush_beside() (alternating steps)
@@ -918,7 +1110,8 @@ DeviceNeed device_need(const GgufFile& file, const ModelConfig& cfg, int max_ctx
   const uint64_t attn = sizeof(float) * (uint64_t(cfg.n_head) * kAttentionSplitMaxT * max_ctx +
                                           uint64_t(kAttentionSplitMaxT) * cfg.n_head * kAttentionSplitMaxSplits *
                                               (cfg.head_dim + 2));
-  n.other = Activations<W>::bytes(cfg, tokens) + uint64_t(tokens) * cfg.n_vocab * sizeof(float) +
+  n.other = Activations<W>::bytes(cfg, tokens) + MoeBuffers<W>::bytes(cfg, tokens) +
+            uint64_t(tokens) * cfg.n_vocab * sizeof(float) +
             kCublasWorkspaceBytes + attn;
   return n;
 }

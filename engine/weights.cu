@@ -67,7 +67,7 @@ std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t
   const bool keep_quantized = quantized_weights_enabled();
   auto quantizable = [&](TensorRole role, int layer) {
     const TensorInfo& t = file.tensor(tensor_name(role, layer));
-    return keep_quantized && t.ne.size() == 2 && qgemv_supported(t.type);
+    return keep_quantized && (t.ne.size() == 2 || t.ne.size() == 3) && qgemv_supported(t.type);
   };
   std::vector<Planned> out;
   uint64_t offset = 0, group_elements = 0;
@@ -89,7 +89,8 @@ std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t
                            (!quantized || (!out.empty() && out.back().info->type == t.type));
     if (!continues) offset = align_up(offset);
     if (quantized) {
-      group_elements = continues_previous(e.role) ? group_elements + n : n;
+      const int64_t one = t.ne.size() == 3 ? n / t.ne[2] : n;  // a stack of experts: one expert's matrix at a time
+      group_elements = continues_previous(e.role) ? group_elements + one : one;
       *scratch_elements = std::max<uint64_t>(*scratch_elements, group_elements);
     }
     out.push_back({&t, n, raw, is_matrix, quantized, offset, e.role, e.layer, e.stands_in_for});
@@ -249,6 +250,28 @@ DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cu
     return m;
   };
   auto vector = [&](const Planned& p) { return static_cast<const float*>(by_name.at(p.info->name)); };
+  // A stack of expert matrices [E, N, K] as E matrices, each N rows of the stacked tensor.
+  auto experts = [&](const Planned& p) {
+    const int K = static_cast<int>(p.info->ne[0]), N = static_cast<int>(p.info->ne[1]);
+    const int E = static_cast<int>(p.info->ne[2]);
+    const auto* base = static_cast<const unsigned char*>(by_name.at(p.info->name));
+    std::vector<DeviceMatrix<W>> out(E);
+    for (int e = 0; e < E; ++e) {
+      DeviceMatrix<W>& m = out[e];
+      m.K = K;
+      m.rows = N;
+      if (!p.quantized) {
+        m.dense = reinterpret_cast<const W*>(base) + size_t(e) * N * K;
+        continue;
+      }
+      const uint64_t expert_bytes =
+          uint64_t(N) * (K / ggml_block_elements(p.info->type)) * ggml_block_bytes(p.info->type);
+      m.n_segments = 1;
+      m.segments[0] = typename DeviceMatrix<W>::Segment{p.info->type, base + e * expert_bytes, N};
+      m.scratch = scratch_.get();
+    }
+    return out;
+  };
   layers.resize(cfg.n_layer);
   // Every tensor of the table into the field named as its role, and token_embd also into lm_head where it
   // stands in for an absent output.weight (the table's fallback).
@@ -274,15 +297,14 @@ DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cu
       case TensorRole::w_up: w->w_up = matrix(p); break;
       case TensorRole::w_down: w->w_down = matrix(p); break;
       case TensorRole::ffn_post_norm: w->ffn_post_norm = vector(p); break;
-      case TensorRole::ffn_gate_inp:
-      case TensorRole::ffn_gate_exps:
-      case TensorRole::ffn_up_exps:
-      case TensorRole::ffn_down_exps:
-      case TensorRole::ffn_gate_inp_shexp:
-      case TensorRole::ffn_gate_shexp:
-      case TensorRole::ffn_up_shexp:
-      case TensorRole::ffn_down_shexp:  // the CUDA engine runs dense FFNs only (cli/run.cpp refuses MoE models)
-        throw InputError("the CUDA engine has no mixture-of-experts FFN: run this model with the CPU reference");
+      case TensorRole::ffn_gate_inp: w->ffn_gate_inp = matrix(p); break;
+      case TensorRole::ffn_gate_exps: w->ffn_gate_exps = experts(p); break;
+      case TensorRole::ffn_up_exps: w->ffn_up_exps = experts(p); break;
+      case TensorRole::ffn_down_exps: w->ffn_down_exps = experts(p); break;
+      case TensorRole::ffn_gate_inp_shexp: w->ffn_gate_inp_shexp = vector(p); break;
+      case TensorRole::ffn_gate_shexp: w->ffn_gate_shexp = matrix(p); break;
+      case TensorRole::ffn_up_shexp: w->ffn_up_shexp = matrix(p); break;
+      case TensorRole::ffn_down_shexp: w->ffn_down_shexp = matrix(p); break;
     }
   };
   for (const Planned& p : tensors) {

@@ -11,6 +11,8 @@
 // Concatenated at load: wq, wk, wv are consecutive rows of one [H*Dh + 2*Hkv*Dh, D] matrix (wq's
 // DeviceMatrix covers all three; wk covers wk|wv), bq|bk|bv likewise one vector, and w_gate, w_up one
 // [2F, D] matrix. A group is quantized only when every member's format has kernels (else expanded).
+// A mixture of experts' stacked expert tensors [E, N, K] stay one tensor, viewed as E matrices; the
+// dequantization scratch holds one expert's matrix.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +46,16 @@ struct DeviceLayerWeights {
   DeviceMatrix<W> w_up;          // [F, D]
   DeviceMatrix<W> w_down;        // [D, F]
   const float* ffn_post_norm = nullptr;  // [D], gemma3 only
+  // Mixture of experts (qwen3moe, qwen2moe, Mixtral): the router and each expert's matrices, views into the
+  // stacked [E, ...] tensors of the file (GGUF blocks, or dense rows of W).
+  DeviceMatrix<W> ffn_gate_inp;               // [E, D]
+  std::vector<DeviceMatrix<W>> ffn_gate_exps;  // E x [Fe, D]
+  std::vector<DeviceMatrix<W>> ffn_up_exps;    // E x [Fe, D]
+  std::vector<DeviceMatrix<W>> ffn_down_exps;  // E x [D, Fe]
+  const float* ffn_gate_inp_shexp = nullptr;  // [D], qwen2moe's shared expert gate
+  DeviceMatrix<W> ffn_gate_shexp;             // [Fs, D]
+  DeviceMatrix<W> ffn_up_shexp;               // [Fs, D]
+  DeviceMatrix<W> ffn_down_shexp;             // [D, Fs]
 };
 
 // Device bytes the weights take in type W, and the largest raw tensor (the upload staging buffer).

@@ -95,10 +95,10 @@ const FaultInfo& fault_info(Fault f);
 std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile* file = nullptr);
 
 // Empty when an engine of this precision ("f32", "f16") runs the code the fault flaws on this model; otherwise
-// why it never does, so the fault changes nothing there. One case today: swiglu_fused_gate_up_swapped on an f32
-// CUDA engine whose ffn_gate|ffn_up are Q4_K/Q5_K/Q6_K, which that engine keeps unfused (engine/ops/matmul.cu,
-// gate_up_swiglu_impl; an f16 engine with DIFFRUN_QGEMV_MMA=0 does too). The fault applies to the model: the
-// f16 pair of the default run finds it.
+// why it never does, so the fault changes nothing there: swiglu_fused_gate_up_swapped on an f32 CUDA engine whose
+// ffn_gate|ffn_up are Q4_K/Q5_K/Q6_K, which that engine keeps unfused (engine/ops/matmul.cu, gate_up_swiglu_impl;
+// an f16 engine with DIFFRUN_QGEMV_MMA=0 does too; the f16 pair of the default run finds it), and
+// graph_position_frozen on a mixture of experts, whose steps never run as a captured graph.
 std::string fault_dormant(Fault f, const ModelConfig& cfg, const GgufFile* file, std::string_view engine_precision);
 
 // The checkpoint name where the fault must first show for this model: the catalog's, except for

@@ -369,6 +369,18 @@ TEST(EngineFaults, TinyGemma3) {
   check_model(test::fixture_path("tiny-gemma3-f32.gguf"), "tiny-gemma3");
 }
 
+// Mixture of experts: the routing faults (softmax over the top-k, weights not renormalised, expert id off by one,
+// one expert's gate and up swapped, qwen2moe's shared expert ungated) and every other fault that applies, both
+// default pairs, the clean engines passing in isolation (forced routing: the replay runs the reference's experts).
+TEST(EngineFaults, TinyMoe) {
+  DIFFRUN_REQUIRE_CUDA();
+  for (const char* name : {"tiny-qwen3moe-f32.gguf", "tiny-mixtral-f32.gguf", "tiny-qwen2moe-f32.gguf"}) {
+    const std::string path = test::fixture_path(name);
+    check_model(path, fs::path(path).stem().string());
+    check_production_path_faults(path, fs::path(path).stem().string());
+  }
+}
+
 // Every token's logits tie exactly (lm head rows in equal pairs): the engine's argmax and matmul_argmax
 // breaking ties toward the higher id are caught at result_output of step 0 by the engine's own argmax.
 TEST(EngineFaults, ArgmaxTiesOnTiedLogits) {

@@ -11,6 +11,7 @@
 #include "engine/ops/add_rms_norm.cuh"
 #include "engine/ops/launch.cuh"
 #include "engine/ops/matmul.cuh"
+#include "engine/ops/moe.cuh"
 #include "engine/ops/rms_norm.cuh"
 #include "engine/ops/rope_qk.cuh"
 #include "faults/faults.hpp"
@@ -302,6 +303,52 @@ void wrong_leading_dimension(float* out, const float* w, int N, int K, cudaStrea
 
 void wrong_leading_dimension(__half* out, const __half* w, int N, int K, cudaStream_t stream) {
   launch_wrong_leading_dimension(out, w, N, K, stream);
+}
+
+namespace {
+
+// After the clean moe_route: token t's choice edited by the flaws, as reference_cpu/faults/fault_ops.cpp does.
+static __global__ void moe_route_flaws_kernel(int32_t* topk, float* weights, float* weights_norm, const float* logits,
+                                              const float* probs, int n_tokens, int E, int K, bool renormalise,
+                                              MoeRoutingFlaws flaws) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= n_tokens) return;
+  const float* l = logits + size_t(t) * E;
+  const float* p = probs + size_t(t) * E;
+  int32_t* ids = topk + size_t(t) * K;
+  float* w = weights + size_t(t) * K;
+  float* wn = weights_norm + size_t(t) * K;
+  if (flaws.id_off_by_one)
+    for (int j = 0; j < K; ++j) w[j] = p[ids[j] = (ids[j] + 1) % E];
+  if (flaws.softmax_over_topk) {
+    float max = l[ids[0]], sum = 0.0f;
+    for (int j = 1; j < K; ++j) max = fmaxf(max, l[ids[j]]);
+    for (int j = 0; j < K; ++j) sum += (w[j] = expf(l[ids[j]] - max));
+    for (int j = 0; j < K; ++j) w[j] /= sum;
+  }
+  float w_sum = 0.0f;
+  for (int j = 0; j < K; ++j) w_sum += w[j];
+  const bool norm = renormalise && !flaws.not_renormalised;
+  for (int j = 0; j < K; ++j) wn[j] = norm ? w[j] / fmaxf(w_sum, 6.103515625e-5f) : w[j];
+}
+
+}  // namespace
+
+void moe_route(float* probs, int32_t* topk, float* weights, float* weights_norm, const float* logits, int n_tokens,
+               int E, int K, bool renormalise, MoeRoutingFlaws flaws, cudaStream_t stream) {
+  moe_route(probs, topk, weights, weights_norm, logits, n_tokens, E, K, renormalise, stream);
+  if (!flaws.any() || n_tokens == 0) return;
+  constexpr int kThreads = 64;
+  moe_route_flaws_kernel<<<(n_tokens + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      topk, weights, weights_norm, logits, probs, n_tokens, E, K, renormalise, flaws);
+  check_launch("moe_route (flawed)", stream);
+}
+
+void scale_rows(float* out, const float* shexp, const float* gate, int n_tokens, int D, bool gate_skipped,
+                cudaStream_t stream) {
+  if (!gate_skipped) return scale_rows(out, shexp, gate, n_tokens, D, stream);
+  if (out != shexp)
+    CUDA_CHECK(cudaMemcpyAsync(out, shexp, size_t(n_tokens) * D * sizeof(float), cudaMemcpyDeviceToDevice, stream));
 }
 
 }  // namespace diffrun::engine

@@ -2,6 +2,8 @@
 // scratch, and the fused kernels the plan's op arguments allow.
 #include "engine/faults/fault_state.cuh"
 
+#include <utility>
+
 #include "engine/cuda_check.cuh"
 #include "engine/faults/fault_ops.cuh"
 #include "engine/ops/matmul.cuh"
@@ -22,6 +24,8 @@ FaultState<W>::FaultState(const FaultPlan& plan, DeviceWeights<W>& weights, cons
     if (e.qkv_bias_missing) w.bq = w.bk = w.bv = nullptr;
     if (e.attn_out_transposed) w.wo = wrong_leading_dimension_of(w.wo, D, stream);
     if (e.ffn_down_transposed) w.w_down = wrong_leading_dimension_of(w.w_down, D, stream);
+    if (e.expert_gate_up_swapped)  // the two views of the file's bytes trade places, as the reference's do
+      std::swap(w.ffn_gate_exps.at(kFaultSwappedExpert), w.ffn_up_exps.at(kFaultSwappedExpert));
   }
   if (e.weight_row_nan)  // the weights are ours once uploaded: one row of layer 0's W_q
     weights.fill_row_nan(weights.layers.at(0).wq, kFaultNanWeightRow, stream);

@@ -1,0 +1,191 @@
+// Mixture-of-experts kernels: routing (one thread a token: E and K are small), the weighted combination, the shared
+// expert's gate, and the row moves around each expert's matmul. Elementwise ones grid-stride.
+#include "engine/ops/moe.cuh"
+
+#include "engine/cuda_check.cuh"
+#include "engine/ops/launch.cuh"
+
+namespace diffrun::engine {
+
+namespace {
+
+constexpr float kMinWeightSum = 6.103515625e-5f;  // 2^-14, llama.cpp's clamp of the top-k sum (smallest normal f16)
+
+// Selection by K passes over the probabilities: each takes the largest not yet taken, the lower id on ties (a
+// strictly greater one replaces it), which is the order of a stable sort by descending probability.
+static __global__ void moe_route_kernel(float* probs, int32_t* topk, float* weights, float* weights_norm,
+                                        const float* logits, int n_tokens, int E, int K, bool renormalise) {
+  pdl_wait();
+  pdl_trigger();
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= n_tokens) return;
+  const float* l = logits + size_t(t) * E;
+  float* p = probs + size_t(t) * E;
+  float max = l[0];
+  for (int e = 1; e < E; ++e) max = fmaxf(max, l[e]);
+  float sum = 0.0f;
+  for (int e = 0; e < E; ++e) sum += (p[e] = expf(l[e] - max));
+  for (int e = 0; e < E; ++e) p[e] /= sum;
+  int32_t* ids = topk + size_t(t) * K;
+  float* w = weights + size_t(t) * K;
+  float* wn = weights_norm + size_t(t) * K;
+  float w_sum = 0.0f;
+  for (int j = 0; j < K; ++j) {
+    int best = -1;
+    for (int e = 0; e < E; ++e) {
+      bool taken = false;
+      for (int i = 0; i < j; ++i) taken = taken || ids[i] == e;
+      if (!taken && (best < 0 || p[e] > p[best])) best = e;
+    }
+    ids[j] = best;
+    w_sum += (w[j] = p[best]);
+  }
+  const float divisor = fmaxf(w_sum, kMinWeightSum);
+  for (int j = 0; j < K; ++j) wn[j] = renormalise ? w[j] / divisor : w[j];
+}
+
+static __global__ void moe_combine_kernel(float* out, const float* down, const float* weights, int n_tokens, int K,
+                                          int D) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t n = int64_t(n_tokens) * D;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / D, d = i % D;
+    float o = 0.0f;
+    for (int j = 0; j < K; ++j) {
+      const float v = __fmul_rn(down[(t * K + j) * D + d], weights[t * K + j]);
+      o = j == 0 ? v : __fadd_rn(o, v);
+    }
+    out[i] = o;
+  }
+}
+
+// One block a token: the dot product in block_sum's order.
+template <typename X>
+static __global__ void shexp_gate_logits_kernel(float* gate_inp, const X* x, const float* w, int D) {
+  pdl_wait();
+  pdl_trigger();
+  const X* row = x + size_t(blockIdx.x) * D;
+  float s = 0.0f;
+  for (int d = threadIdx.x; d < D; d += kOpThreads) s += load_act(row, d) * w[d];
+  s = block_sum(s);
+  if (threadIdx.x == 0) gate_inp[blockIdx.x] = s;
+}
+
+static __global__ void sigmoid_kernel(float* out, const float* x, int64_t n) {
+  pdl_wait();
+  pdl_trigger();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = 1.0f / (1.0f + expf(-x[i]));
+}
+
+static __global__ void scale_rows_kernel(float* out, const float* shexp, const float* gate, int n_tokens, int D) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t n = int64_t(n_tokens) * D;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = shexp[i] * gate[i / D];
+}
+
+template <typename X>
+static __global__ void gather_rows_kernel(X* dst, const X* src, const int32_t* rows, int div, int n, int cols) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t total = int64_t(n) * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = src[int64_t(rows[i / cols] / div) * cols + i % cols];
+}
+
+static __global__ void scatter_rows_kernel(float* dst, const float* src, const int32_t* rows, int n, int cols) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t total = int64_t(n) * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
+    dst[int64_t(rows[i / cols]) * cols + i % cols] = src[i];
+}
+
+static __global__ void ids_as_values_kernel(float* out, const int32_t* ids, int64_t n) {
+  pdl_wait();
+  pdl_trigger();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = static_cast<float>(ids[i]);
+}
+
+template <typename X>
+void launch_shexp_gate_logits(float* gate_inp, const X* x, const float* w, int n_tokens, int D, cudaStream_t stream) {
+  if (n_tokens == 0) return;
+  launch_pdl(shexp_gate_logits_kernel<X>, dim3(n_tokens), kOpThreads, 0, stream, gate_inp, x, w, D);
+  check_launch("shexp_gate_logits", stream);
+}
+
+template <typename X>
+void launch_gather_rows(X* dst, const X* src, const int32_t* rows, int div, int n, int cols, cudaStream_t stream) {
+  const int64_t total = int64_t(n) * cols;
+  if (total == 0) return;
+  launch_pdl(gather_rows_kernel<X>, op_grid(total), kOpThreads, 0, stream, dst, src, rows, div, n, cols);
+  check_launch("gather_rows", stream);
+}
+
+}  // namespace
+
+void moe_route(float* probs, int32_t* topk, float* weights, float* weights_norm, const float* logits, int n_tokens,
+               int E, int K, bool renormalise, cudaStream_t stream) {
+  if (n_tokens == 0) return;
+  constexpr int kThreads = 64;
+  launch_pdl(moe_route_kernel, dim3((n_tokens + kThreads - 1) / kThreads), kThreads, 0, stream, probs, topk, weights,
+             weights_norm, logits, n_tokens, E, K, renormalise);
+  check_launch("moe_route", stream);
+}
+
+void moe_combine(float* out, const float* down, const float* weights, int n_tokens, int K, int D,
+                 cudaStream_t stream) {
+  const int64_t n = int64_t(n_tokens) * D;
+  if (n == 0) return;
+  launch_pdl(moe_combine_kernel, op_grid(n), kOpThreads, 0, stream, out, down, weights, n_tokens, K, D);
+  check_launch("moe_combine", stream);
+}
+
+void shexp_gate_logits(float* gate_inp, const float* x, const float* w, int n_tokens, int D, cudaStream_t stream) {
+  launch_shexp_gate_logits(gate_inp, x, w, n_tokens, D, stream);
+}
+
+void shexp_gate_logits(float* gate_inp, const __half* x, const float* w, int n_tokens, int D, cudaStream_t stream) {
+  launch_shexp_gate_logits(gate_inp, x, w, n_tokens, D, stream);
+}
+
+void sigmoid(float* out, const float* x, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  launch_pdl(sigmoid_kernel, op_grid(n), kOpThreads, 0, stream, out, x, n);
+  check_launch("sigmoid", stream);
+}
+
+void scale_rows(float* out, const float* shexp, const float* gate, int n_tokens, int D, cudaStream_t stream) {
+  const int64_t n = int64_t(n_tokens) * D;
+  if (n == 0) return;
+  launch_pdl(scale_rows_kernel, op_grid(n), kOpThreads, 0, stream, out, shexp, gate, n_tokens, D);
+  check_launch("scale_rows", stream);
+}
+
+void gather_rows(float* dst, const float* src, const int32_t* rows, int div, int n, int cols, cudaStream_t stream) {
+  launch_gather_rows(dst, src, rows, div, n, cols, stream);
+}
+
+void gather_rows(__half* dst, const __half* src, const int32_t* rows, int div, int n, int cols,
+                 cudaStream_t stream) {
+  launch_gather_rows(dst, src, rows, div, n, cols, stream);
+}
+
+void scatter_rows(float* dst, const float* src, const int32_t* rows, int n, int cols, cudaStream_t stream) {
+  const int64_t total = int64_t(n) * cols;
+  if (total == 0) return;
+  launch_pdl(scatter_rows_kernel, op_grid(total), kOpThreads, 0, stream, dst, src, rows, n, cols);
+  check_launch("scatter_rows", stream);
+}
+
+void ids_as_values(float* out, const int32_t* ids, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  launch_pdl(ids_as_values_kernel, op_grid(n), kOpThreads, 0, stream, out, ids, n);
+  check_launch("ids_as_values", stream);
+}
+
+}  // namespace diffrun::engine

@@ -1,0 +1,49 @@
+// Mixture-of-experts ops (T tokens, E experts, K experts used per token, D model width), the twins of
+// reference_cpu/ops/moe.hpp with the same names and arguments, in f32: llama.cpp's build_moe_ffn routing and
+// combination, and qwen2moe's shared expert gate. Slot s = t·K + j is token t's j-th expert. gather_rows and
+// scatter_rows move a group of slots' rows in and out of one expert's matmul (the reference copies them on the
+// host, reference.cpp expert_matmul).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace diffrun::engine {
+
+// Per token: probs = softmax(logits) over all E experts (max subtracted); topk = the K most probable experts, most
+// probable first, ties to the lower id; weights = their probabilities; weights_norm = weights / max(sum of weights,
+// 2^-14) when renormalise, else weights. One thread a token. probs may alias logits.
+void moe_route(float* probs /* [T,E] */, int32_t* topk /* [T,K] */, float* weights /* [T,K] */,
+               float* weights_norm /* [T,K] */, const float* logits /* [T,E] */, int n_tokens, int E, int K,
+               bool renormalise, cudaStream_t stream);
+
+// out[t] = the sum over j = 0..K-1, in that order, of weights[t, j] · down[t, j].
+void moe_combine(float* out /* [T,D] */, const float* down /* [T,K,D] */, const float* weights /* [T,K] */,
+                 int n_tokens, int K, int D, cudaStream_t stream);
+
+// gate_inp[t] = x[t] · w (one logit a token; x f32 or the f16 engine's GEMM input).
+void shexp_gate_logits(float* gate_inp /* [T] */, const float* x /* [T,D] */, const float* w /* [D] */,
+                       int n_tokens, int D, cudaStream_t stream);
+void shexp_gate_logits(float* gate_inp /* [T] */, const __half* x /* [T,D] */, const float* w /* [D] */,
+                       int n_tokens, int D, cudaStream_t stream);
+
+// out[i] = 1 / (1 + exp(-x[i])).
+void sigmoid(float* out /* [n] */, const float* x /* [n] */, int64_t n, cudaStream_t stream);
+
+// out[t, i] = shexp[t, i] · gate[t]. out may alias shexp.
+void scale_rows(float* out /* [T,D] */, const float* shexp /* [T,D] */, const float* gate /* [T] */, int n_tokens,
+                int D, cudaStream_t stream);
+
+// dst row i = src row rows[i] / div (div 1: the slot's own row; K: its token's row), for i < n; width cols.
+void gather_rows(float* dst, const float* src, const int32_t* rows, int div, int n, int cols, cudaStream_t stream);
+void gather_rows(__half* dst, const __half* src, const int32_t* rows, int div, int n, int cols, cudaStream_t stream);
+
+// dst row rows[i] = src row i, for i < n; width cols.
+void scatter_rows(float* dst, const float* src, const int32_t* rows, int n, int cols, cudaStream_t stream);
+
+// out[i] = ids[i] as a float: the expert ids as the ffn_moe_topk checkpoint holds them.
+void ids_as_values(float* out, const int32_t* ids, int64_t n, cudaStream_t stream);
+
+}  // namespace diffrun::engine
