@@ -155,7 +155,10 @@ RoutingLayer analyse_routing(const CheckpointResult& topk, const CheckpointResul
         }
       }
       f.router_error = lg->error[static_cast<size_t>(t)];
-      f.kind = f.gap <= 2 * f.router_error ? FlipKind::drift : FlipKind::local;
+      // Drift: the pair was within the router's error of a tie on the reference's side. A negative gap beyond it
+      // means the reference's own logits order the pair the engine's way: its choice contradicts its router, which
+      // no drift of the engine explains.
+      f.kind = std::abs(f.gap) <= 2 * f.router_error ? FlipKind::drift : FlipKind::local;
     }
     out.flips.push_back(std::move(f));
   }

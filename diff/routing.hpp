@@ -15,9 +15,11 @@
 //   admits on that row (its max_abs, else its row or tensor rel L2 bound times the row's norm, as
 //   scaled for the step): the size the preset declares for this pair's precision error. An ordering
 //   of two experts changes when their logits' difference moves by more than the gap, which two
-//   element errors of size e do when gap <= 2e: such a flip is drift ("drift (routing flip)"). A flip
+//   element errors of size e do when |gap| <= 2e: such a flip is drift ("drift (routing flip)"). A flip
 //   with a larger gap is local: the selection, not the logits (an expert id off by one, a softmax over
-//   the wrong set). Where the engine's logits were not compared, the flip is undetermined.
+//   the wrong set). So is one whose gap is below -2e: the reference's own logits order the pair the
+//   engine's way, so its choice contradicts its router (a flawed reference), which no drift explains.
+//   Where the engine's logits were not compared, the flip is undetermined.
 // - Wrong routing weights with the same experts are no flip: ffn_moe_weights fails on its own and the
 //   ordinary rules call it local.
 // - A flip by drift is no failure (excuse_routing_flip): the slots of the other experts are left out of

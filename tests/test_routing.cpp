@@ -42,7 +42,7 @@ constexpr int kTieLayer = 1, kTieToken = 1;
 constexpr float kTieMargin = 1e-6f;
 
 void routing_values(const std::string& name, int step, std::vector<float>& v, bool engine, bool flip_tie,
-                    int flip_wide) {
+                    int flip_wide, int wrong_reference = -1) {
   const ParsedCheckpointName p = parse_checkpoint_name(name);
   const bool logits = p.base == "ffn_moe_logits", topk = p.base == "ffn_moe_topk";
   if (!logits && !topk) return;
@@ -59,6 +59,8 @@ void routing_values(const std::string& name, int step, std::vector<float>& v, bo
     if (tie && engine && flip_tie) ids = {0, 2};
     // A flip across the 0.5 margin at token `flip_wide` of step 0, layer 2, its logits right.
     if (engine && step == 0 && p.layer == 2 && static_cast<int>(t) == flip_wide) ids = {0, 3};
+    // A reference whose choice contradicts its own logits (expert 3 where its logits rank expert 1 second).
+    if (!engine && step == 0 && p.layer == 2 && static_cast<int>(t) == wrong_reference) ids = {0, 3};
     for (size_t i = 0; i < width; ++i) v[t * width + i] = logits ? l[i] : static_cast<float>(ids[i]);
   }
 }
@@ -75,12 +77,13 @@ class Routing : public ::testing::Test {
 
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
 
-  static SyntheticDump dump(const char* backend, const char* precision, bool engine, bool flip_tie, int flip_wide) {
+  static SyntheticDump dump(const char* backend, const char* precision, bool engine, bool flip_tie, int flip_wide,
+                            int wrong_reference = -1) {
     SyntheticDump d;
     d.meta = test::synthetic_meta(backend, precision);
     d.meta.config = moe_config();
     d.perturb = [=](int step, const std::string& name, std::vector<float>& v) {
-      routing_values(name, step, v, engine, flip_tie, flip_wide);
+      routing_values(name, step, v, engine, flip_tie, flip_wide, wrong_reference);
     };
     return d;
   }
@@ -202,6 +205,22 @@ TEST_F(Routing, FlipAcrossAWideMarginIsLocal) {
   const std::string text = render_terminal(c);
   EXPECT_LT(text.find("layer 2 token 2"), text.find("layer 1 token 1")) << "local flips are listed first:\n" << text;
   EXPECT_NE(text.find("RESULT: DIVERGED at ffn_moe_topk-2"), std::string::npos) << text;
+}
+
+// A flip whose pair the reference's own logits order the engine's way, by far more than the router's error: the
+// reference's choice contradicts its router (a flawed reference, or a dump that is not what it says), which no drift
+// of the engine explains. Its gap is negative (-1: expert 3 is 1.0 below expert 1): local, not drift.
+TEST_F(Routing, AReferenceChoiceAgainstItsOwnLogitsIsLocal) {
+  dump("cpu", "f64", false, false, -1, 2).write(path("reference.h5"));
+  const Comparison c = run(dump("cpu", "f32", true, false, -1));
+  EXPECT_EQ(c.routing.local, 1);
+  EXPECT_EQ(c.routing.drift, 0);
+  ASSERT_TRUE(c.diverged());
+  EXPECT_EQ(c.results[*c.first_failure].name, "ffn_moe_topk-2");
+  EXPECT_EQ(c.verdict.kind, VerdictKind::local) << c.verdict.explanation;
+  ASSERT_EQ(c.verdict.flips.size(), 1u);
+  EXPECT_NEAR(c.verdict.flips[0].gap, -1.0, 1e-5);
+  EXPECT_EQ(c.verdict.flips[0].kind, FlipKind::local);
 }
 
 TEST_F(Routing, WrongWeightsWithTheSameExpertsAreLocal) {
