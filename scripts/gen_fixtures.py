@@ -128,16 +128,24 @@ LLAMA_7B = models.Shape("llama-7b", "llama-7b", "llama", 32, 4096, 32, 32, 128, 
                         "llama_spm", n_vocab=32000)
 LLAMA_13B = models.Shape("llama-13b", "llama-13b", "llama", 40, 5120, 40, 40, 128, 13824, 4096, 10000.0, 1e-5, False,
                          "llama_spm", n_vocab=32000)
-# --shape name -> (shape, the rng stream's second key, file name): llama shapes whose every matrix is Q4_K.
+# Qwen3-30B-A3B's shape: 48 layers, D 2048, 32 query and 4 KV heads of 128, 128 experts of width 768, 8 per token,
+# V 151936, untied lm head; n_ff is its config's dense width (6144), which no tensor of it uses.
+QWEN3_30B_A3B = models.Shape("qwen3-30b-a3b", "qwen3-30b-a3b", "qwen3moe", 48, 2048, 32, 4, 128, 6144, 4096, 1e6, 1e-6,
+                             False, "qwen2_bpe", n_vocab=151936, qk_norm=True, n_expert=128, n_expert_used=8,
+                             n_ff_exp=768)
+# --shape name -> (shape, the rng stream's second key, file name): shapes whose every matrix is Q4_K.
 Q4K_SHAPES = {
     "llama-7b-q4k": (LLAMA_7B, 7, "llama-7b-q4_k.gguf"),
     "llama-13b-q4k": (LLAMA_13B, 13, "llama-13b-q4_k.gguf"),
+    "qwen3-30b-a3b-q4k": (QWEN3_30B_A3B, 30, "qwen3-30b-a3b-q4_k.gguf"),
 }
 
 
-def write_llama_q4k(name: str, path: Path, seed: int) -> None:
-    """A llama-7B- or 13B-shaped model (7B: 32 layers, D 4096, F 11008, 32 heads; 13B: 40 layers, D 5120, F 13824,
-    40 heads; V 32000) whose every matrix is Q4_K, for the reference's memory bound and the tolerances at size.
+def write_q4k(name: str, path: Path, seed: int) -> None:
+    """A full-size model whose every matrix is Q4_K, for the reference's memory bound and the tolerances at size:
+    llama 7B (32 layers, D 4096, F 11008, 32 heads) or 13B (40 layers, D 5120, F 13824, 40 heads), V 32000; or
+    Qwen3-30B-A3B (a mixture of experts, 17 GB: each expert stack [E, N, K] Q4_K, the router ffn_gate_inp F32 as
+    llama.cpp's quantizer keeps it, its logits of std models.ROUTER_LOGIT_STD as the tiny MoE fixtures').
     The blocks are random and written directly (no float weights, no quantizer), one tensor at a time, so it takes
     seconds per GB and little memory. Each value is d·sc·q - dmin·m with q uniform in 0..15, sc uniform in 4..8 and
     m = round(7.5·sc): about zero mean, and a standard deviation near the tiny fixtures' (0.02; 0.2 for the token
@@ -155,6 +163,13 @@ def write_llama_q4k(name: str, path: Path, seed: int) -> None:
     w.add_feed_forward_length(shape.n_ff)
     w.add_head_count(shape.n_head)
     w.add_head_count_kv(shape.n_head_kv)
+    if shape.qk_norm:
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
+    if shape.n_expert:
+        w.add_expert_count(shape.n_expert)
+        w.add_expert_used_count(shape.n_expert_used)
+        w.add_expert_feed_forward_length(shape.n_ff_exp)
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_S)
@@ -164,27 +179,28 @@ def write_llama_q4k(name: str, path: Path, seed: int) -> None:
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     block_bytes = 144  # d f16 | dmin f16 | scales[12] | qs[128], 256 values
     shapes = models.tensor_shapes(shape, len(v.tokens))
+    dense = {name for name, dims in shapes.items() if len(dims) == 1 or name.endswith("ffn_gate_inp.weight")}
     for name, dims in shapes.items():
-        if len(dims) == 2:
-            w.add_tensor_info(name, (dims[0], dims[1] // quants.QK_K * block_bytes), np.dtype(np.uint8),
-                              dims[0] * dims[1] // quants.QK_K * block_bytes, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        if name in dense:
+            w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
         else:
-            w.add_tensor_info(name, dims, np.dtype(np.float32), dims[0] * 4)
+            w.add_tensor_info(name, (*dims[:-1], dims[-1] // quants.QK_K * block_bytes), np.dtype(np.uint8),
+                              int(np.prod(dims)) // quants.QK_K * block_bytes, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for name, dims in shapes.items():
-        if len(dims) == 1:
+        if name in dense:
             w.write_tensor_data(models.float_weights(shape, name, dims, seed))
             continue
-        n = dims[0] * dims[1] // quants.QK_K
+        n = int(np.prod(dims)) // quants.QK_K
         std = 0.2 if name == "token_embd.weight" else 0.02
         sc = rng.integers(4, 9, size=(n, 8), dtype=np.uint8)
         mn = np.rint(7.5 * sc).astype(np.uint8)
         d = (std / 27.7 * rng.uniform(0.8, 1.2, size=(n, 1))).astype(np.float16).view(np.uint8).reshape(n, 2)
         qs = np.frombuffer(rng.bytes(n * 128), dtype=np.uint8).reshape(n, 128)
         blocks = np.concatenate([d, d, quants._pack_k_scales(sc, mn), qs], axis=1)  # dmin = d
-        w.write_tensor_data(blocks.reshape(dims[0], -1))
+        w.write_tensor_data(blocks.reshape(*dims[:-1], -1))
         del sc, mn, d, qs, blocks
     w.close()
     os.replace(tmp, path)
@@ -205,11 +221,11 @@ def main() -> int:
 
     if args.shape in Q4K_SHAPES:
         path = args.out / Q4K_SHAPES[args.shape][2]
-        write_llama_q4k(args.shape, path, args.seed)
+        write_q4k(args.shape, path, args.seed)
         print(f"gen_fixtures: wrote {path} ({path.stat().st_size / 2**20:.1f} MiB) in {time.monotonic() - t0:.1f} s")
         return 0
     if args.format and (args.shape is None or args.shape in Q4K_SHAPES):
-        ap.error("--format goes with --shape (one of the models' shapes; the llama-*-q4k shapes are Q4_K only)")
+        ap.error("--format goes with --shape (one of the models' shapes; the *-q4k shapes are Q4_K only)")
     if args.shape:
         shape = models.FULL[args.shape]
         fmt = args.format or models.FULL_FORMAT[shape.name]
