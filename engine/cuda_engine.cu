@@ -850,13 +850,19 @@ class CudaEngineImpl final : public CudaEngine {
 
   // out [T·K, N]: slot s's row is its expert's matrix [N, Kin] times its input, row s / div of x (div K: every slot
   // of token t reads x [T, Kin] row t; div 1: x [T·K, Kin] row s). Each expert used takes its slots' rows
-  // (moe_->rows from first[e]) through one linear layer.
+  // (moe_->rows from first[e]) through one linear layer; an expert of one slot (every expert of a decode step) reads
+  // and writes its rows in place, the same values without the two copies.
   void expert_matmul(float* out, const W* x, int div, const std::vector<DeviceMatrix<W>>& experts,
                      const std::vector<int>& first, int Kin, int N) {
     MoeBuffers<W>& m = *moe_;
     for (size_t e = 0; e + 1 < first.size(); ++e) {
       const int count = first[e + 1] - first[e];
       if (count == 0) continue;
+      if (count == 1) {
+        const int s = m.h_rows.get()[first[e]];
+        matmul(out + size_t(s) * N, x + size_t(s / div) * Kin, experts[e], nullptr, 1, Kin, N, cublas_, stream_);
+        continue;
+      }
       const int32_t* rows = m.rows.get() + first[e];
       gather_rows(m.xs.get(), x, rows, div, count, Kin, stream_);
       matmul(m.ys.get(), m.xs.get(), experts[e], nullptr, count, Kin, N, cublas_, stream_);
