@@ -267,8 +267,10 @@ struct MoeBuffers {
   static uint64_t bytes(const ModelConfig& c, int cap) {
     if (!c.moe) return 0;
     const uint64_t S = slots(c, cap), E = c.n_expert, Fe = c.n_ff_exp, D = c.n_embd, Fs = std::max(c.n_ff_shexp, 1);
-    return uint64_t(cap) * (4 * (2 * E + 2 * D + 2 + 2 * Fs + 2 * D + widest(c)) + sizeof(W) * (widest(c) + Fs)) +
-           S * (4 * (4 + 2 * Fe + D) + sizeof(W) * Fe);
+    // Per token: logits, probs, moe_out, shexp, shexp_out, the shared gate's two values, shexp_g, shexp_u, ys (4
+    // bytes each), xs and shexp_act (W). Per slot: topk, ids, weights, weights_norm, rows, gate, up, down; act (W).
+    return uint64_t(cap) * (4 * (2 * E + 3 * D + 2 + 2 * Fs + widest(c)) + sizeof(W) * (widest(c) + Fs)) +
+           S * (4 * (5 + 2 * Fe + D) + sizeof(W) * Fe);
   }
 
   int capacity;
