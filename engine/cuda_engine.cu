@@ -76,9 +76,9 @@
 // - Mixture of experts (qwen3moe, qwen2moe, Mixtral; moe_ffn): the router's logits, softmax and top-k on the
 //   device (moe_route), then the selected ids copied to the host once a layer (after their checkpoint, which an
 //   isolation replay replaces: forced routing), where each expert's slots are grouped; each expert used runs
-//   the linear layer of a dense matrix on its rows (gather_rows, matmul on its view of the stacked tensor,
-//   scatter_rows): the quantized GEMV when one token picked it, dequantization and cuBLAS otherwise. Only the
-//   selected experts run. The copy makes every step synchronize once a layer, so MoE steps run kernel by kernel
+//   one linear layer on its view of the stacked tensor: on its slot's rows in place when one slot chose it (the
+//   quantized GEMV; every expert of a decode step), else on its slots' rows gathered (gather_rows, dequantization
+//   and cuBLAS, scatter_rows). Only the selected experts run. The copy makes every step synchronize once a layer, so MoE steps run kernel by kernel
 //   (no captured graph) and without alternating activation sets; the "moe" fact says so.
 // - Isolation replay replaces the inputs an op reads, never recomputes an output by another code
 //   path: a fused op runs on replaced inputs (rope_qk on the reference's Kcur and Vcur, add_rms_norm
