@@ -167,6 +167,8 @@ void bench_model(const std::string& path, const std::string& precision, int step
                 T, T / off, off * 1e3, T / on, on * 1e3, double(all.bytes) / 6 / (1 << 20));
   }
   const double dec = time_decode(*eng, steps, none, false);
+  // A mixture of experts' decode runs kernel by kernel (no graph) and reads only the chosen experts' weights.
+  const bool graph = eng->last_step_path().graph;
   const double dec_logits = time_decode(*eng, steps, none, true);
   const double dec_nograph = time_decode(*eng_nograph, steps, none, false);
   // Hooks on: the sink receives every checkpoint, the logits as result_output, and the step returns
@@ -178,8 +180,14 @@ void bench_model(const std::string& path, const std::string& precision, int step
   const double roof = wb / dec / bandwidth;
   std::printf("  decode batch 1, PDL %s (DIFFRUN_PDL), median of %d steps after a 32-token prefill:\n",
               eng->facts().at("pdl").c_str(), steps);
-  std::printf("    hooks off, argmax only (CUDA graph)  %8.1f tok/s  %.3f ms/token  roofline %.1f%%\n", 1 / dec,
-              dec * 1e3, roof * 100);
+  if (cfg.moe) {
+    std::printf("    hooks off, argmax only (no graph)    %8.1f tok/s  %.3f ms/token  (MoE: no roofline, a step reads "
+                "%d of %d experts)\n",
+                1 / dec, dec * 1e3, cfg.n_expert_used, cfg.n_expert);
+  } else {
+    std::printf("    hooks off, argmax only (%s)  %8.1f tok/s  %.3f ms/token  roofline %.1f%%\n",
+                graph ? "CUDA graph" : "no graph  ", 1 / dec, dec * 1e3, roof * 100);
+  }
   std::printf("    hooks off, logits copied to host     %8.1f tok/s  %.3f ms/token\n", 1 / dec_logits,
               dec_logits * 1e3);
   std::printf("    hooks off, no CUDA graph             %8.1f tok/s  %.3f ms/token\n", 1 / dec_nograph,
@@ -199,7 +207,8 @@ void bench_model(const std::string& path, const std::string& precision, int step
               1 / dec_no_cache, dec_no_cache * 1e3, dec_no_cache / dec, double(no_cache.bytes) / steps / (1 << 20));
   std::printf("    hooks on, result_output only         %8.1f tok/s  %.3f ms/token  overhead %.3fx\n",
               1 / dec_logits_only, dec_logits_only * 1e3, dec_logits_only / dec);
-  std::printf("    weights read per token %.1f MiB -> %.0f GB/s achieved\n", wb / (1 << 20), wb / dec / 1e9);
+  if (!cfg.moe)
+    std::printf("    weights read per token %.1f MiB -> %.0f GB/s achieved\n", wb / (1 << 20), wb / dec / 1e9);
   std::fflush(stdout);
   if (!json.empty()) {
     FILE* f = std::fopen(json.c_str(), "a");
