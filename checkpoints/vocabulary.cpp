@@ -233,16 +233,30 @@ std::vector<std::string> checkpoint_names(const ModelConfig& cfg) {
   return names;
 }
 
-std::vector<std::string> layout_dims(std::string_view layout) {
-  std::vector<std::string> dims;
+namespace {
+
+// The pieces of s between separators: "a,b" -> {"a", "b"}, "" -> {""}.
+std::vector<std::string> split_at(std::string_view s, char sep) {
+  std::vector<std::string> out;
   size_t start = 0;
-  while (start <= layout.size()) {
-    size_t comma = layout.find(',', start);
-    if (comma == std::string_view::npos) comma = layout.size();
-    dims.emplace_back(layout.substr(start, comma - start));
-    start = comma + 1;
+  while (start <= s.size()) {
+    size_t end = s.find(sep, start);
+    if (end == std::string_view::npos) end = s.size();
+    out.emplace_back(s.substr(start, end - start));
+    start = end + 1;
   }
-  return dims;
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> layout_dims(std::string_view layout) { return split_at(layout, ','); }
+
+std::vector<std::vector<std::string>> layout_factors(std::string_view layout) {
+  std::vector<std::vector<std::string>> out;
+  if (layout.empty()) return out;
+  for (const std::string& dim : layout_dims(layout)) out.push_back(split_at(dim, '*'));
+  return out;
 }
 
 std::vector<int64_t> checkpoint_shape(const ModelConfig& cfg, const CheckpointKind& k, int64_t n_tokens,

@@ -71,6 +71,9 @@ int checkpoints_per_layer(const ModelConfig& cfg);
 
 // "T,Hkv,Dh" -> {"T", "Hkv", "Dh"}.
 std::vector<std::string> layout_dims(std::string_view layout);
+// "T,H*Dh" -> {{"T"}, {"H", "Dh"}}: each dimension's letters, one stored as the product of several split at '*'
+// (a foreign dump's flat layout); "" -> {}.
+std::vector<std::vector<std::string>> layout_factors(std::string_view layout);
 
 // The shape a step stores for this kind: n_tokens = T, n_kv = S (positions in the cache after it).
 std::vector<int64_t> checkpoint_shape(const ModelConfig& cfg, const CheckpointKind& k, int64_t n_tokens,

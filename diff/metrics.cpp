@@ -10,24 +10,13 @@
 #include <fmt/core.h>
 
 #include "checkpoints/dump_schema_names.hpp"
+#include "checkpoints/vocabulary.hpp"
 
 namespace diffrun::diff {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-std::vector<std::string> split(std::string_view s, char sep) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (true) {
-    size_t pos = s.find(sep, start);
-    out.emplace_back(s.substr(start, pos == std::string_view::npos ? std::string_view::npos : pos - start));
-    if (pos == std::string_view::npos) break;
-    start = pos + 1;
-  }
-  return out;
-}
 
 // Splits one stored dimension of `extent` into the sizes of its factors ("H*Dh"), or returns
 // an empty vector when the factors' sizes cannot be established.
@@ -72,14 +61,15 @@ std::vector<Coordinate> layout_coordinates(int64_t flat, std::span<const int64_t
     index[i] = rest % extent;
     rest /= extent;
   }
-  std::vector<std::string> parts = layout.empty() ? std::vector<std::string>{} : split(layout, ',');
+  const std::vector<std::string> parts = layout.empty() ? std::vector<std::string>{} : layout_dims(layout);
+  const std::vector<std::vector<std::string>> all_factors = layout_factors(layout);
   std::vector<Coordinate> coords;
   if (parts.size() != shape.size()) {
     for (size_t i = 0; i < shape.size(); ++i) coords.push_back({fmt::format("d{}", i), index[i]});
     return coords;
   }
   for (size_t i = 0; i < shape.size(); ++i) {
-    std::vector<std::string> factors = split(parts[i], '*');
+    const std::vector<std::string>& factors = all_factors[i];
     std::vector<int64_t> sizes = factors.size() > 1 ? factor_sizes(factors, shape[i], dims)
                                                     : std::vector<int64_t>{};
     if (sizes.empty()) {
@@ -98,11 +88,12 @@ std::vector<Coordinate> layout_coordinates(int64_t flat, std::span<const int64_t
 }
 
 std::vector<NamedDim> named_dims(std::span<const int64_t> shape, std::string_view layout, const DimSizes& dims) {
-  std::vector<std::string> parts = layout.empty() ? std::vector<std::string>{} : split(layout, ',');
+  const std::vector<std::string> parts = layout.empty() ? std::vector<std::string>{} : layout_dims(layout);
+  const std::vector<std::vector<std::string>> all_factors = layout_factors(layout);
   std::vector<NamedDim> out;
   if (parts.size() != shape.size()) return out;
   for (size_t i = 0; i < shape.size(); ++i) {
-    std::vector<std::string> factors = split(parts[i], '*');
+    const std::vector<std::string>& factors = all_factors[i];
     std::vector<int64_t> sizes = factors.size() > 1 ? factor_sizes(factors, shape[i], dims) : std::vector<int64_t>{};
     if (sizes.empty()) {
       out.push_back({parts[i], shape[i]});

@@ -512,18 +512,8 @@ struct DumpReader::Impl {
             const std::map<std::string, int64_t>& sizes, std::vector<int64_t> shape, Transform& t,
             std::vector<int64_t>& out_shape) const {
     const std::vector<std::string> want = layout_dims(kind.layout);
-    std::vector<std::vector<std::string>> groups;
-    for (const auto& g : layout_dims(layout.empty() ? std::string_view(kind.layout) : std::string_view(layout))) {
-      std::vector<std::string> letters;
-      size_t start = 0;
-      while (start <= g.size()) {
-        size_t star = g.find('*', start);
-        if (star == std::string::npos) star = g.size();
-        letters.push_back(g.substr(start, star - start));
-        start = star + 1;
-      }
-      groups.push_back(std::move(letters));
-    }
+    const std::vector<std::vector<std::string>> groups =
+        layout_factors(layout.empty() ? std::string_view(kind.layout) : std::string_view(layout));
     std::vector<std::string> flat;
     for (const auto& g : groups) flat.insert(flat.end(), g.begin(), g.end());
     std::vector<std::string> a = flat, b = want;

@@ -195,6 +195,10 @@ TEST(Vocabulary, Layouts) {
   EXPECT_EQ(find_checkpoint_kind("nope"), nullptr);
   EXPECT_EQ(layout_dims("S,Hkv,Dh"), (std::vector<std::string>{"S", "Hkv", "Dh"}));
   EXPECT_EQ(layout_dims("T"), (std::vector<std::string>{"T"}));
+  using Factors = std::vector<std::vector<std::string>>;
+  EXPECT_EQ(layout_factors("T,H*Dh"), (Factors{{"T"}, {"H", "Dh"}}));
+  EXPECT_EQ(layout_factors("S,Hkv,Dh"), (Factors{{"S"}, {"Hkv"}, {"Dh"}}));
+  EXPECT_EQ(layout_factors(""), Factors{});
 }
 
 TEST(Vocabulary, Shapes) {
