@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <stdexcept>
 
 #include <nlohmann/json.hpp>
@@ -251,6 +252,13 @@ std::vector<std::string> split_at(std::string_view s, char sep) {
 }  // namespace
 
 std::vector<std::string> layout_dims(std::string_view layout) { return split_at(layout, ','); }
+
+int32_t checked_expert_id(double value, int n_expert, int layer) {
+  if (!(value >= 0 && value < n_expert && value == std::floor(value)))
+    throw InputError(checkpoint_name("ffn_moe_topk", layer) + " holds " + std::to_string(value) +
+                     ", not an expert id in 0.." + std::to_string(n_expert - 1));
+  return static_cast<int32_t>(value);
+}
 
 std::vector<std::vector<std::string>> layout_factors(std::string_view layout) {
   std::vector<std::vector<std::string>> out;

@@ -91,6 +91,11 @@ struct ParsedCheckpointName {
 };
 ParsedCheckpointName parse_checkpoint_name(std::string_view name);
 
+// One expert id as ffn_moe_topk-<layer> holds it (ids stored as values): a whole number in 0..n_expert-1, else
+// InputError naming the checkpoint. Both backends read their ids back this way (an isolation replay's are the
+// reference's).
+int32_t checked_expert_id(double value, int n_expert, int layer);
+
 // Canonical execution index of a checkpoint within a step for this config (the dump's `order`):
 // its index in checkpoint_names(cfg). Throws InputError for a name this config does not emit.
 int checkpoint_order(const ModelConfig& cfg, std::string_view base, int layer);

@@ -109,7 +109,6 @@
 //   control flow here, one line each (plan_.hooks: kv_cache_not_read, residual_skipped). The clean
 //   kernels carry no fault branch, and without faults the step enqueues exactly what it did before.
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -827,24 +826,21 @@ class CudaEngineImpl final : public CudaEngine {
   }
 
   // The step's routing on the host: the ffn_moe_topk values (the engine's, or the reference's in an isolation
-  // replay) read back and checked (whole numbers in 0..E-1, else InputError naming the layer, as the reference's
-  // expert_ids), then the slots grouped by expert into moe_->rows: expert e's slots are rows [first[e],
-  // first[e + 1]). Synchronizes the stream.
+  // replay) read back and checked (checked_expert_id, as the reference's expert_ids), then the slots grouped by
+  // expert into moe_->rows: expert e's slots are rows [first[e], first[e + 1]). Synchronizes the stream.
   std::vector<int> group_slots_by_expert(MoeBuffers<W>& m, int slots, int E, int l) {
     CUDA_CHECK(cudaMemcpyAsync(m.h_ids.get(), m.ids.get(), size_t(slots) * sizeof(float), cudaMemcpyDeviceToHost,
                                stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // also: the last layer's upload of h_rows is done
+    std::vector<int32_t> ids(static_cast<size_t>(slots));
     std::vector<int> first(size_t(E) + 1, 0);
     for (int s = 0; s < slots; ++s) {
-      const float id = m.h_ids.get()[s];
-      if (!(id >= 0 && id < E && id == std::floor(id)))
-        throw InputError("ffn_moe_topk-" + std::to_string(l) + " holds " + std::to_string(id) +
-                         ", not an expert id in 0.." + std::to_string(E - 1));
-      ++first[size_t(id) + 1];
+      ids[s] = checked_expert_id(m.h_ids.get()[s], E, l);
+      ++first[size_t(ids[s]) + 1];
     }
     for (int e = 0; e < E; ++e) first[e + 1] += first[e];
     std::vector<int> next(first.begin(), first.end() - 1);
-    for (int s = 0; s < slots; ++s) m.h_rows.get()[next[size_t(m.h_ids.get()[s])]++] = s;
+    for (int s = 0; s < slots; ++s) m.h_rows.get()[next[size_t(ids[s])]++] = s;
     CUDA_CHECK(cudaMemcpyAsync(m.rows.get(), m.h_rows.get(), size_t(slots) * sizeof(int32_t), cudaMemcpyHostToDevice,
                                stream_));
     return first;

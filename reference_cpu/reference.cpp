@@ -301,14 +301,9 @@ class CpuBackend final : public Backend {
   }
 
   // The selected ids back from their recorded values (an isolation replay's, the reference's, where it replaced
-  // them): whole numbers in 0..E-1, else InputError naming the layer.
+  // them): checked_expert_id each.
   static void expert_ids(std::vector<int32_t>& topk /* [T,K] */, const std::vector<T>& ids /* [T,K] */, int E, int l) {
-    for (size_t s = 0; s < ids.size(); ++s) {
-      if (!(ids[s] >= 0 && ids[s] < E && ids[s] == std::floor(ids[s])))
-        throw InputError("ffn_moe_topk-" + std::to_string(l) + " holds " + std::to_string(double(ids[s])) +
-                         ", not an expert id in 0.." + std::to_string(E - 1));
-      topk[s] = static_cast<int32_t>(ids[s]);
-    }
+    for (size_t s = 0; s < ids.size(); ++s) topk[s] = checked_expert_id(double(ids[s]), E, l);
   }
 
   // Emulated storage (reference_cpu/storage.hpp): the rounding points of the f16 engine's GEMM inputs

@@ -1,4 +1,6 @@
 // Tests of the checkpoint vocabulary: order, names per architecture, layouts, shapes, filter globs, errors.
+#include <cmath>
+
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -346,6 +348,22 @@ TEST(NativeDType, Names) {
   EXPECT_STREQ(native_dtype_name(NativeDType::f32), "f32");
   EXPECT_STREQ(native_dtype_name(NativeDType::f64), "f64");
   EXPECT_STREQ(native_dtype_name(NativeDType::i32), "i32");
+}
+
+// The expert ids both backends read back from ffn_moe_topk (an isolation replay's are the reference's): whole numbers
+// within the experts, else an InputError naming the checkpoint and the value.
+TEST(Vocabulary, CheckedExpertIdNamesTheCheckpoint) {
+  EXPECT_EQ(checked_expert_id(3.0, 8, 2), 3);
+  EXPECT_EQ(checked_expert_id(0.0, 8, 0), 0);
+  for (double bad : {2.5, -1.0, 8.0, std::nan("")}) {
+    try {
+      checked_expert_id(bad, 8, 2);
+      ADD_FAILURE() << bad << " was taken as an expert id";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("ffn_moe_topk-2 holds"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("not an expert id in 0..7"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace
