@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "checkpoints/vocabulary.hpp"
+#include "model/dequant.hpp"
 #include "model/error.hpp"
 
 namespace diffrun {
@@ -369,7 +370,7 @@ std::string fault_dormant(Fault f, const ModelConfig& cfg, const GgufFile* file,
   if (f != Fault::swiglu_fused_gate_up_swapped || engine_precision != "f32" || !file) return "";
   if (!fault_not_applicable(f, cfg, file).empty()) return "";
   const GgmlType t = file->tensor("blk.0.ffn_gate.weight").type;
-  if (t != GgmlType::Q4_K && t != GgmlType::Q5_K && t != GgmlType::Q6_K) return "";
+  if (!gemv_super_block(t)) return "";
   return fmt::format("the f32 engine runs {} ffn_gate|ffn_up unfused (the SIMT GEMV), so matmul_gate_up_swiglu never "
                      "runs there; the f16 engine fuses it",
                      ggml_type_name(t));

@@ -96,8 +96,9 @@ std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile
 
 // Empty when an engine of this precision ("f32", "f16") runs the code the fault flaws on this model; otherwise
 // why it never does, so the fault changes nothing there: swiglu_fused_gate_up_swapped on an f32 CUDA engine whose
-// ffn_gate|ffn_up are Q4_K/Q5_K/Q6_K, which that engine keeps unfused (engine/ops/matmul.cu, gate_up_swiglu_impl;
-// an f16 engine with DIFFRUN_QGEMV_MMA=0 does too; the f16 pair of the default run finds it), and
+// ffn_gate|ffn_up are in a gemv_super_block format (model/dequant.hpp), which that engine keeps unfused
+// (engine/ops/matmul.cu, gate_up_swiglu_impl; an f16 engine with DIFFRUN_QGEMV_MMA=0 does too; the f16 pair of the
+// default run finds it), and
 // graph_position_frozen on a mixture of experts, whose steps never run as a captured graph.
 std::string fault_dormant(Fault f, const ModelConfig& cfg, const GgufFile* file, std::string_view engine_precision);
 

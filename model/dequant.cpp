@@ -338,6 +338,8 @@ bool dequant_supported(GgmlType t) {
   return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16 || block_fn(t) != nullptr;
 }
 
+bool gemv_super_block(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K; }
+
 void dequantize(GgmlType t, const void* src, float* dst, int64_t n) { dequantize_impl(t, src, dst, n); }
 void dequantize(GgmlType t, const void* src, double* dst, int64_t n) { dequantize_impl(t, src, dst, n); }
 

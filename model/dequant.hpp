@@ -11,6 +11,11 @@ namespace diffrun {
 // F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
 bool dequant_supported(GgmlType t);
 
+// Q4_K, Q5_K, Q6_K: the super-block formats of the CUDA engine's quantized GEMV. On its SIMT kernel (f32 activations,
+// or DIFFRUN_QGEMV_MMA=0) a Wgate|Wup in one of them stays out of the fused gate|up SwiGLU GEMV
+// (engine/ops/matmul.cu); the fault catalog's fault_dormant reads the same rule.
+bool gemv_super_block(GgmlType t);
+
 // n must be a multiple of ggml_block_elements(t); src holds n / block_elements blocks.
 // Throws ModelError for an unsupported type. The f64 path produces the same values widened
 // (every dequantized value is exactly representable in f32).

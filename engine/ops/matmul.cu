@@ -12,6 +12,7 @@
 #include "engine/ops/gemv_epilogue.cuh"
 #include "engine/ops/launch.cuh"
 #include "engine/ops/qgemv.cuh"
+#include "model/dequant.hpp"
 #include "model/error.hpp"
 
 namespace diffrun::engine {
@@ -417,7 +418,7 @@ bool gate_up_swiglu_impl(float* gate, float* up, W* act, const W* x, const Devic
   // ms/token fused, 1.434 unfused; bench/NOTES.md, v7). The tensor-core kernel pairs rows within a tile.
   const GgmlType t = w.segments[0].type;
   const bool mma = std::is_same_v<W, __half> && qgemv_mma_enabled();
-  if (!mma && (t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K)) return false;
+  if (!mma && gemv_super_block(t)) return false;
   qgemv_swiglu(w.segments[0].type, gate, up, act, x, w.segments[0].raw, K, F, stream);
   return true;
 }
