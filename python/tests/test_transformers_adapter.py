@@ -149,7 +149,7 @@ def test_generic_hooks_compare_through_names_hf(tmp_path):
     import torch
 
     import diffrun.torch as dtorch
-    from diffrun.adapters.transformers import load_model
+    from diffrun.adapters.transformers import feed, load_model
 
     path = FIXTURES / "tiny-qwen2-q8_0.gguf"
     ref, out, report = tmp_path / "ref.h5", tmp_path / "raw.h5", tmp_path / "report.json"
@@ -158,14 +158,8 @@ def test_generic_hooks_compare_through_names_hf(tmp_path):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(path, "float32", device)
     with diffrun.open(ref) as r, diffrun.writer.open(out, backend="transformers", precision="f32", like=r) as w, \
-            dtorch.record(model, w), torch.no_grad():
-        cache = None
-        for step in r.steps():
-            w.step(step)
-            ids = r.get("tokens", step)
-            w.put("tokens", ids)
-            cache = model(input_ids=torch.tensor(ids[None, :].astype("int64"), device=device),
-                          past_key_values=cache, use_cache=True).past_key_values
+            dtorch.record(model, w):
+        feed(model, r, w, device)
     with diffrun.open(out) as d:
         assert "model.layers.1.self_attn.q_proj" in d.names(0) and "lm_head" in d.names(2)
     c = subprocess.run([BIN, "compare", str(out), str(ref), "--names", "hf", "--no-color", "--report-json",

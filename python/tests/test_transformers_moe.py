@@ -166,23 +166,15 @@ MAPPED = {"tiny-qwen3moe-f32.gguf": {"ffn_moe_logits", "ffn_moe_out", "Qcur", "Q
 
 @pytest.mark.parametrize("model", MODELS, ids=[m.split(".")[0] for m in MODELS])
 def test_forward_hooks_on_every_module_compare_through_names_hf(model, runs, tmp_path):
-    import torch
-
     import diffrun.torch as dtorch
-    from diffrun.adapters.transformers import load_model
+    from diffrun.adapters.transformers import feed, load_model
 
     ref, _, _ = runs[model]
     raw, report = tmp_path / "raw.h5", tmp_path / "report.json"
     hf = load_model(FIXTURES / model, "float32", "cpu")
     with diffrun.open(ref) as r, diffrun.writer.open(raw, backend="transformers", precision="f32", like=r) as w, \
-            dtorch.record(hf, w), torch.no_grad():
-        cache = None
-        for step in r.steps():
-            w.step(step)
-            ids = r.get("tokens", step)
-            w.put("tokens", ids)
-            cache = hf(input_ids=torch.tensor(ids[None, :].astype("int64")), past_key_values=cache,
-                       use_cache=True).past_key_values
+            dtorch.record(hf, w):
+        feed(hf, r, w)
     with diffrun.open(raw) as d:
         recorded = set(d.names(0))
     assert {"model.layers.1.mlp.gate", "model.layers.1.mlp.experts"} <= recorded

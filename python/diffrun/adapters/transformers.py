@@ -633,11 +633,10 @@ class TransformersRecorder:
         self._module.apply_rotary_pos_emb = self._rope
 
 
-def run(model, reference: diffrun.Dump, writer: Writer, device: str = "cpu") -> None:
-    """Feeds each step's tokens of the reference through the model, recording every checkpoint."""
+def feed(model, reference: diffrun.Dump, writer: Writer, device: str = "cpu", each=None) -> None:
+    """Teacher forcing: each step's tokens of the reference through the model with one KV cache, the writer at that
+    step with its tokens put; `each(out)` sees every step's model output (hooks record the rest)."""
     torch = _torch()
-    rec = TransformersRecorder(model, writer, int(reference.meta[attr.n_vocab]),
-                               interleaved_rope=reference.meta[attr.rope_type] == schema.ROPE_TYPES[0])
     cache = None
     if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
         # A cache built from the config would keep only the last window-1 positions on local layers; a plain
@@ -645,17 +644,29 @@ def run(model, reference: diffrun.Dump, writer: Writer, device: str = "cpu") -> 
         from transformers import DynamicCache
 
         cache = DynamicCache()
+    with torch.no_grad():
+        for step in reference.steps():
+            writer.step(step)
+            ids = reference.get("tokens", step)
+            writer.put("tokens", ids)
+            out = model(input_ids=torch.tensor(ids[None, :].astype(np.int64), device=device),
+                        past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            if each is not None:
+                each(out)
+
+
+def run(model, reference: diffrun.Dump, writer: Writer, device: str = "cpu") -> None:
+    """Feeds each step's tokens of the reference through the model, recording every checkpoint."""
+    rec = TransformersRecorder(model, writer, int(reference.meta[attr.n_vocab]),
+                               interleaved_rope=reference.meta[attr.rope_type] == schema.ROPE_TYPES[0])
+
+    def record(out) -> None:
+        rec.put("result_output", out.logits[0], crop=rec.n_vocab)
+        rec.record_cache(out.past_key_values)
+
     try:
-        with torch.no_grad():
-            for step in reference.steps():
-                writer.step(step)
-                ids = reference.get("tokens", step)
-                writer.put("tokens", ids)
-                out = model(input_ids=torch.tensor(ids[None, :].astype(np.int64), device=device),
-                            past_key_values=cache, use_cache=True)
-                rec.put("result_output", out.logits[0], crop=rec.n_vocab)
-                cache = out.past_key_values
-                rec.record_cache(cache)
+        feed(model, reference, writer, device, record)
     finally:
         rec.remove()
 
