@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "checkpoints/vocabulary.hpp"
 
@@ -29,6 +31,23 @@ class Sink {
   // Isolation replay: when this returns non-null, the backend continues from these values
   // (same shape as recorded) instead of its own. Default: no replacement.
   virtual const float* replacement(int step, std::string_view name) const { return nullptr; }
+};
+
+// The sinks of a tensor-parallel run, one per rank: each rank records its own shard into rank(r) (a rank dump).
+// Handed to a tensor-parallel backend as its Sink; another Sink given to one gets the ranks' checkpoints merged
+// into whole tensors. As a Sink itself it records nothing and asks what rank 0's sink asks.
+class RankSinks final : public Sink {
+ public:
+  explicit RankSinks(std::vector<Sink*> ranks) : ranks_(std::move(ranks)) {}
+  int world_size() const { return static_cast<int>(ranks_.size()); }
+  Sink& rank(int r) const { return *ranks_.at(static_cast<size_t>(r)); }
+  bool wants(std::string_view name) const override { return !ranks_.empty() && ranks_.front()->wants(name); }
+  void record(int, std::string_view, int, std::string_view, std::span<const int64_t>, NativeDType,
+              std::span<const float>) override {}
+  void record_ids(int, std::string_view, std::span<const int32_t>) override {}
+
+ private:
+  std::vector<Sink*> ranks_;
 };
 
 // Records nothing.

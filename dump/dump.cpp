@@ -181,6 +181,12 @@ void DumpWriter::record(int step, std::string_view name, int layer, std::string_
   if (n != data.size())
     m.fail("shape holds " + std::to_string(n) + " values but " + std::to_string(data.size()) + " were passed", name);
   DatasetAttributes attrs{order, layer, std::string(layout), native_dtype_name(native), std::nullopt, {}, std::nullopt, std::nullopt};
+  if (m.options.shard) {
+    const ShardSpec spec = m.options.shard(name);
+    attrs.split = spec.split;
+    if (!spec.split.empty()) attrs.shard_offset = static_cast<int>(spec.offset);
+    if (spec.partial) attrs.partial = 1;
+  }
   // Row cuts (DumpWriterOptions): the last rows of the row dimension, from row_offset on.
   const int rd = row_dim(layout);
   if (rd >= 0 && static_cast<size_t>(rd) < shape.size() && shape[rd] > 0) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -10,6 +11,7 @@
 
 #include "checkpoints/name_map.hpp"
 #include "checkpoints/sink.hpp"
+#include "checkpoints/tensor_parallel.hpp"
 #include "dump/dump_format.hpp"
 #include "dump/rows.hpp"
 #include "model/config.hpp"
@@ -55,6 +57,9 @@ struct DumpWriterOptions {
   // executable is missing, in this process. The file is the same either way. record() then checks
   // names and shapes as before, but an error of the file itself (a full disk) comes from a later call.
   bool child_process = false;
+  // A rank dump of a tensor-parallel engine: what each checkpoint of this rank is (split, partial or replicated),
+  // stored as its split, shard_offset and partial attributes (docs/dump-format.md, "Shards"). Empty: a whole dump.
+  std::function<ShardSpec(std::string_view name)> shard;
 };
 
 // Writes to "<path>.diffrun-tmp-<pid>" (created exclusively: DumpFile) and renames to `path` in
