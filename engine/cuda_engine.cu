@@ -125,6 +125,7 @@
 #include "engine/cuda_check.cuh"
 #include "engine/device_buffer.cuh"
 #include "engine/engine.hpp"
+#include "engine/tp_engine.hpp"
 #include "engine/faults/fault_ops.cuh"
 #include "engine/faults/fault_state.cuh"
 #include "engine/gemm.cuh"
@@ -138,6 +139,7 @@
 #include "engine/ops/rms_norm.cuh"
 #include "engine/ops/rope_qk.cuh"
 #include "engine/ops/scale.cuh"
+#include "engine/tp_comm.cuh"
 #include "engine/ops/step_inputs.cuh"
 #include "engine/ops/swiglu.cuh"
 #include "engine/ops/moe.cuh"
@@ -315,28 +317,30 @@ class CudaEngineImpl final : public CudaEngine {
   static constexpr bool kF16 = std::is_same_v<W, __half>;
 
  public:
-  CudaEngineImpl(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults)
-      : model_cfg_(cfg),
+  // tp: a tensor-parallel rank (its slice of the model and its communicator); world 1 for the whole model.
+  CudaEngineImpl(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults, const TpRank& tp)
+      : tp_(tp),
+        model_cfg_(cfg),
         plan_(plan_faults(faults, cfg)),
-        cfg_(plan_.config),
+        cfg_(tp.slice.world > 1 ? tp_local_config(plan_.config, tp.slice) : plan_.config),
         max_ctx_(max_ctx),
         faults_(faults),
         cublas_(kF16 ? EnginePrecision::f16 : EnginePrecision::f32),
-        weights_(file, cfg, stream_, plan_.weights.dequant_scale_offset),
-        k_cache_(size_t(cfg.n_layer) * max_ctx * cfg.n_head_kv * cfg.head_dim, "the KV cache"),
-        v_cache_(size_t(cfg.n_layer) * max_ctx * cfg.n_head_kv * cfg.head_dim, "the KV cache"),
+        weights_(file, cfg, stream_, plan_.weights.dequant_scale_offset, tp.slice.world > 1 ? &tp_.slice : nullptr),
+        k_cache_(size_t(cfg_.n_layer) * max_ctx * cfg_.n_head_kv * cfg_.head_dim, "the KV cache"),
+        v_cache_(size_t(cfg_.n_layer) * max_ctx * cfg_.n_head_kv * cfg_.head_dim, "the KV cache"),
         alt_(cfg_, 1),
         d_n_past_(1, "step state"),
         fault_state_(plan_, weights_, cfg_, max_ctx, d_n_past_.get(), stream_),
         h_n_past_(1, "step state"),
         h_argmax_(1, "step state"),
         h_logits_(size_t(logit_columns()), "logits"),
-        attn_splits_(attention_split_count(cfg.n_head, sm_count())),
+        attn_splits_(attention_split_count(cfg_.n_head, sm_count())),
         attn_min_keys_(env_positive_int("DIFFRUN_ATTENTION_SPLIT_MIN_KEYS", kAttentionSplitMinKeys)),
-        attn_probs_(attn_probs_floats(cfg, max_ctx), "attention scratch"),
-        attn_probs_alt_(size_t(cfg.n_head) * max_ctx, "attention scratch"),
-        attn_partial_(attn_partial_floats(cfg, attn_splits_), "attention scratch"),
-        attn_counters_(size_t(kAttentionSplitMaxT) * cfg.n_head, "attention scratch"),
+        attn_probs_(attn_probs_floats(cfg_, max_ctx), "attention scratch"),
+        attn_probs_alt_(size_t(cfg_.n_head) * max_ctx, "attention scratch"),
+        attn_partial_(attn_partial_floats(cfg_, attn_splits_), "attention scratch"),
+        attn_counters_(size_t(kAttentionSplitMaxT) * cfg_.n_head, "attention scratch"),
         argmax_scratch_(2, "step state"),
         names_(checkpoint_names(cfg)),
         graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS") && !cfg.moe),
@@ -394,6 +398,15 @@ class CudaEngineImpl final : public CudaEngine {
       facts_["moe"] = "routing on the device, the selected ids read back once a layer; only the selected experts run, "
                       "each on its tokens' rows; steps kernel by kernel (no graph)";
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
+    if (tp_.slice.world > 1) {
+      const TpSlice& t = tp_.slice;
+      facts_["tensor_parallel"] =
+          "rank " + std::to_string(t.rank) + " of " + std::to_string(t.world) + " (NCCL " + nccl_version() +
+          "): query heads " + std::to_string(t.h0) + ".." + std::to_string(t.h1 - 1) + ", KV heads " +
+          std::to_string(t.kv0) + ".." + std::to_string(t.kv1 - 1) + ", FFN channels " + std::to_string(t.f0) + ".." +
+          std::to_string(t.f1 - 1) + "; attn_out and ffn_out all-reduced (sum) after their checkpoint; embedding and "
+          "lm head replicated";
+    }
     clear_kv_cache();
     CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));
     CUDA_CHECK(cudaMemsetAsync(argmax_scratch_.get(), 0, argmax_scratch_.size() * sizeof(unsigned long long), stream_));
@@ -663,7 +676,8 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "kqv_out", l, a.kqv.get(), {n, H, Dh});
 
     matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_);
-    cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});
+    cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});  // a tensor-parallel rank's: its partial sum
+    all_reduce(a.attn_out, n * D);
     if (cfg_.post_norms) {  // gemma3: RMSNorm of the attention output before the residual add, in place
       overwrites(a.attn_out);
       norm(a.attn_out.get(), a.attn_out.get(), w.attn_post_norm, n, D, args.attn_post_norm);
@@ -764,7 +778,16 @@ class CudaEngineImpl final : public CudaEngine {
       cp(sink, step, "ffn_swiglu", l, a.act.get(), {n, F});
     }
     matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_);
-    cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});
+    cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});  // a tensor-parallel rank's: its partial sum
+    all_reduce(a.ffn_out, n * D);
+  }
+
+  // A tensor-parallel rank: the row-parallel projection's partial sums in `buf` become the ranks' sum, in place
+  // (after the staged copy of the partial checkpoint). One GPU: nothing.
+  void all_reduce(DeviceBuffer<float>& buf, int count) {
+    if (tp_.slice.world <= 1) return;
+    overwrites(buf);
+    all_reduce_sum(buf.get(), size_t(count), tp_.comm, stream_);
   }
 
   // The routed FFN on a.ffn_xn into a.ffn_out, as the reference's moe_ffn (llama.cpp's build_moe_ffn): the router's
@@ -1043,6 +1066,7 @@ class CudaEngineImpl final : public CudaEngine {
     graphs_.clear();
   }
 
+  TpRank tp_;              // a tensor-parallel rank's slice and communicator (world 1: the whole model)
   ModelConfig model_cfg_;  // the model's, as config() reports it
   FaultPlan plan_;         // the injected faults, resolved (faults/fault_plan.hpp)
   ModelConfig cfg_;        // what the forward reads: the model's with the faults' config edits
@@ -1106,10 +1130,13 @@ struct DeviceNeed {
   uint64_t total() const { return wf.weight_bytes + wf.staging_bytes + wf.scratch_bytes + kv + other; }
 };
 
+// slice: a tensor-parallel rank's (its weights, cache and activations); null: the whole model.
 template <typename W>
-DeviceNeed device_need(const GgufFile& file, const ModelConfig& cfg, int max_ctx, int tokens) {
+DeviceNeed device_need(const GgufFile& file, const ModelConfig& model, int max_ctx, int tokens,
+                       const TpSlice* slice = nullptr) {
   DeviceNeed n;
-  n.wf = DeviceWeights<W>::footprint(file, cfg);
+  n.wf = DeviceWeights<W>::footprint(file, model, slice);
+  const ModelConfig cfg = slice && slice->world > 1 ? tp_local_config(model, *slice) : model;
   n.kv = 2ull * cfg.n_layer * uint64_t(max_ctx) * cfg.n_head_kv * cfg.head_dim * sizeof(float);
   const uint64_t attn = sizeof(float) * (uint64_t(cfg.n_head) * kAttentionSplitMaxT * max_ctx +
                                           uint64_t(kAttentionSplitMaxT) * cfg.n_head * kAttentionSplitMaxSplits *
@@ -1121,8 +1148,8 @@ DeviceNeed device_need(const GgufFile& file, const ModelConfig& cfg, int max_ctx
 }
 
 template <typename W>
-void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_ctx) {
-  const DeviceNeed need = device_need<W>(file, cfg, max_ctx, 1);
+void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const TpSlice* slice) {
+  const DeviceNeed need = device_need<W>(file, cfg, max_ctx, 1, slice);
   const WeightFootprint& wf = need.wf;
   const uint64_t kv = need.kv, other = need.other, needed = need.total();
   size_t free_b = 0, total_b = 0;
@@ -1141,9 +1168,10 @@ void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_c
 }
 
 template <typename W>
-std::unique_ptr<CudaEngine> create(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults) {
-  check_device_memory<W>(file, cfg, max_ctx);
-  return std::make_unique<CudaEngineImpl<W>>(file, cfg, max_ctx, faults);
+std::unique_ptr<CudaEngine> create(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults,
+                                   const TpRank& tp) {
+  check_device_memory<W>(file, cfg, max_ctx, tp.slice.world > 1 ? &tp.slice : nullptr);
+  return std::make_unique<CudaEngineImpl<W>>(file, cfg, max_ctx, faults, tp);
 }
 
 }  // namespace
@@ -1165,6 +1193,12 @@ bool cuda_device_available(std::string* why) {
 
 std::unique_ptr<CudaEngine> make_cuda_engine(const GgufFile& file, const ModelConfig& cfg,
                                              const std::string& precision, int max_ctx, const FaultSet& faults) {
+  return engine::make_cuda_engine_rank(file, cfg, precision, max_ctx, faults, {});
+}
+
+std::unique_ptr<CudaEngine> engine::make_cuda_engine_rank(const GgufFile& file, const ModelConfig& cfg,
+                                                          const std::string& precision, int max_ctx,
+                                                          const FaultSet& faults, const TpRank& tp) {
   if (precision != "f16" && precision != "f32")
     throw InputError("the cuda backend computes in f16 or f32, not '" + precision + "'");
   if (max_ctx < 1) throw InputError("the CUDA engine needs a context of at least 1 position");
@@ -1177,8 +1211,8 @@ std::unique_ptr<CudaEngine> make_cuda_engine(const GgufFile& file, const ModelCo
     throw ModelError("n_head " + std::to_string(cfg.n_head) + " is not a multiple of n_head_kv " +
                      std::to_string(cfg.n_head_kv));
   faults.check_applicable(cfg, &file);
-  if (precision == "f16") return create<__half>(file, cfg, max_ctx, faults);
-  return create<float>(file, cfg, max_ctx, faults);
+  if (precision == "f16") return create<__half>(file, cfg, max_ctx, faults, tp);
+  return create<float>(file, cfg, max_ctx, faults, tp);
 }
 
 uint64_t cuda_engine_device_bytes(const GgufFile& file, const ModelConfig& cfg, const std::string& precision,

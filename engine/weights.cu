@@ -49,7 +49,30 @@ bool quantized_weights_enabled() {
   return !(v != nullptr && std::strcmp(v, "0") == 0);
 }
 
-// One tensor of the table to upload: `rows` rows of ne[0] values (fewer than the file holds for padded vocab).
+// The part of a tensor a tensor-parallel rank uploads: rows [r0, r1) of columns [c0, c1) (GGUF's ne[1..] rows of
+// ne[0] columns; a vector is one row); r1 / c1 = -1: to the end.
+struct Cut {
+  int64_t r0 = 0, r1 = -1, c0 = 0, c1 = -1;
+};
+
+Cut cut_of(TensorRole role, const ModelConfig& cfg, const TpSlice* s) {
+  using R = TensorRole;
+  if (s == nullptr || s->world <= 1) return {};
+  const int64_t Dh = cfg.head_dim;
+  switch (role) {
+    case R::wq: return {s->h0 * Dh, s->h1 * Dh, 0, -1};
+    case R::bq: return {0, -1, s->h0 * Dh, s->h1 * Dh};
+    case R::wk: case R::wv: return {s->kv0 * Dh, s->kv1 * Dh, 0, -1};
+    case R::bk: case R::bv: return {0, -1, s->kv0 * Dh, s->kv1 * Dh};
+    case R::wo: return {0, -1, s->h0 * Dh, s->h1 * Dh};
+    case R::w_gate: case R::w_up: return {s->f0, s->f1, 0, -1};
+    case R::w_down: return {0, -1, s->f0, s->f1};
+    default: return {};
+  }
+}
+
+// One tensor of the table to upload: `rows` rows of `cols` values (fewer than the file holds for padded vocab, or
+// a tensor-parallel rank's cut).
 struct Planned {
   const TensorInfo* info;
   int64_t n_elements;  // uploaded elements
@@ -60,10 +83,28 @@ struct Planned {
   TensorRole role;
   int layer;                                // -1 for a global tensor
   std::optional<TensorRole> stands_in_for;  // token_embd as the lm head where output.weight is absent
+  int64_t cols;                             // uploaded columns (ne[0], or the cut's)
+  Cut cut;                                  // resolved: r1, c1 >= 0
 };
 
+// The bytes of p's cut of its tensor: the file's own where they are contiguous (whole rows), else each row's
+// columns gathered into `gathered`.
+std::span<const std::byte> cut_bytes(const GgufFile& file, const Planned& p, std::vector<std::byte>& gathered) {
+  const TensorInfo& t = *p.info;
+  const int64_t bs = ggml_block_elements(t.type), bb = static_cast<int64_t>(ggml_block_bytes(t.type));
+  const int64_t file_cols = t.ne.empty() ? 1 : t.ne[0];
+  const int64_t row_bytes = file_cols / bs * bb;
+  std::span<const std::byte> all = file.tensor_data(t);
+  if (p.cut.c0 == 0 && p.cut.c1 == file_cols) return all.subspan(static_cast<size_t>(p.cut.r0 * row_bytes), p.raw_bytes);
+  const int64_t piece = (p.cut.c1 - p.cut.c0) / bs * bb, skip = p.cut.c0 / bs * bb;
+  gathered.resize(p.raw_bytes);
+  for (int64_t r = p.cut.r0; r < p.cut.r1; ++r)
+    std::memcpy(gathered.data() + (r - p.cut.r0) * piece, all.data() + r * row_bytes + skip, static_cast<size_t>(piece));
+  return gathered;
+}
+
 std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t matrix_elem_bytes,
-                          uint64_t* arena_bytes, uint64_t* scratch_elements) {
+                          uint64_t* arena_bytes, uint64_t* scratch_elements, const TpSlice* slice) {
   const bool keep_quantized = quantized_weights_enabled();
   auto quantizable = [&](TensorRole role, int layer) {
     const TensorInfo& t = file.tensor(tensor_name(role, layer));
@@ -77,10 +118,19 @@ std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t
     if (!device_dequant_supported(t.type))
       throw ModelError(file.path() + ": tensor '" + e.name + "' has dtype " + ggml_type_name(t.type) +
                        ", which the CUDA engine cannot dequantize");
-    const int64_t cols = t.ne.empty() ? 1 : t.ne[0];
-    const int64_t rows = e.vocab_rows ? cfg.n_vocab : t.rows();
+    const int64_t file_cols = t.ne.empty() ? 1 : t.ne[0];
+    Cut cut = cut_of(e.role, cfg, slice);
+    if (cut.r1 < 0) cut.r1 = e.vocab_rows ? cfg.n_vocab : t.rows();
+    if (cut.c1 < 0) cut.c1 = file_cols;
+    const int64_t bs = ggml_block_elements(t.type);
+    if (cut.c0 % bs != 0 || cut.c1 % bs != 0)
+      throw ModelError(file.path() + ": tensor '" + e.name + "' (" + ggml_type_name(t.type) + ", blocks of " +
+                       std::to_string(bs) + ") cannot be cut at columns " + std::to_string(cut.c0) + ".." +
+                       std::to_string(cut.c1) + " for tensor-parallel rank " + std::to_string(slice ? slice->rank : 0) +
+                       ": the cut must fall on block boundaries");
+    const int64_t cols = cut.c1 - cut.c0, rows = cut.r1 - cut.r0;
     const int64_t n = rows * cols;
-    const uint64_t raw = static_cast<uint64_t>(n / ggml_block_elements(t.type)) * ggml_block_bytes(t.type);
+    const uint64_t raw = static_cast<uint64_t>(n / bs) * ggml_block_bytes(t.type);
     const bool is_matrix = e.matrix();
     bool quantized = is_matrix;
     for (TensorRole member : group_of(e.role)) quantized = quantized && quantizable(member, e.layer);
@@ -93,7 +143,7 @@ std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t
       group_elements = continues_previous(e.role) ? group_elements + one : one;
       *scratch_elements = std::max<uint64_t>(*scratch_elements, group_elements);
     }
-    out.push_back({&t, n, raw, is_matrix, quantized, offset, e.role, e.layer, e.stands_in_for});
+    out.push_back({&t, n, raw, is_matrix, quantized, offset, e.role, e.layer, e.stands_in_for, cols, cut});
     offset += quantized ? raw : static_cast<uint64_t>(n) * (is_matrix ? matrix_elem_bytes : sizeof(float));
   }
   *arena_bytes = align_up(offset);
@@ -163,10 +213,10 @@ class HostPieces {
 }  // namespace
 
 template <typename W>
-WeightFootprint DeviceWeights<W>::footprint(const GgufFile& file, const ModelConfig& cfg) {
+WeightFootprint DeviceWeights<W>::footprint(const GgufFile& file, const ModelConfig& cfg, const TpSlice* slice) {
   WeightFootprint f;
   uint64_t scratch = 0;
-  for (const Planned& p : plan(file, cfg, sizeof(W), &f.weight_bytes, &scratch))
+  for (const Planned& p : plan(file, cfg, sizeof(W), &f.weight_bytes, &scratch, slice))
     if (!p.quantized) f.staging_bytes = std::max(f.staging_bytes, p.raw_bytes);
   f.scratch_bytes = scratch * sizeof(W);
   return f;
@@ -174,9 +224,9 @@ WeightFootprint DeviceWeights<W>::footprint(const GgufFile& file, const ModelCon
 
 template <typename W>
 DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cudaStream_t stream,
-                                 bool dequant_scale_offset) {
+                                 bool dequant_scale_offset, const TpSlice* slice) {
   uint64_t scratch_elements = 0;
-  const std::vector<Planned> tensors = plan(file, cfg, sizeof(W), &bytes_, &scratch_elements);
+  const std::vector<Planned> tensors = plan(file, cfg, sizeof(W), &bytes_, &scratch_elements, slice);
   uint64_t staging_bytes = 0, largest_raw = 1;
   std::map<std::string, int> quantized_counts;
   for (const Planned& p : tensors) {
@@ -200,7 +250,8 @@ DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cu
     planned[p.info->name] = &p;
     void* dst = arena_.get() + p.offset;
     // Stream-ordered: the next tensor's upload into `staging` waits for this dequantization.
-    std::span<const std::byte> raw = file.tensor_data(*p.info).first(p.raw_bytes);
+    std::vector<std::byte> gathered;  // a tensor-parallel rank's columns
+    std::span<const std::byte> raw = cut_bytes(file, p, gathered);
     std::vector<std::byte> faulty;  // host.copy returns once it has taken the bytes
     if (dequant_scale_offset && dequant_fault_format(p.info->type)) {
       faulty = dequant_fault_bytes(p.info->type, raw);
@@ -229,7 +280,7 @@ DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cu
       if (!from_here) continue;
       const std::string member = tensor_name(role, from.layer);
       const Planned& p = *planned.at(member);
-      m.K = static_cast<int>(p.info->ne[0]);
+      m.K = static_cast<int>(p.cols);
       const int rows = static_cast<int>(p.n_elements / m.K);
       if (!p.quantized) {
         if (m.rows == 0) m.dense = static_cast<const W*>(by_name.at(member));

@@ -13,6 +13,10 @@
 // [2F, D] matrix. A group is quantized only when every member's format has kernels (else expanded).
 // A mixture of experts' stacked expert tensors [E, N, K] stay one tensor, viewed as E matrices; the
 // dequantization scratch holds one expert's matrix.
+// A tensor-parallel rank (TpSlice, checkpoints/tensor_parallel.hpp) uploads its slice alone: Wq|bq rows of its
+// query heads, Wk|Wv|bk|bv of its KV heads, Wgate|Wup of its channels (column parallel), and Wo, Wdown the columns
+// of its heads and channels (row parallel; quantized rows cut on block boundaries, each row's blocks gathered on
+// the host). Everything else whole.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +25,7 @@
 
 #include <cuda_runtime.h>
 
+#include "checkpoints/tensor_parallel.hpp"
 #include "engine/device_buffer.cuh"
 #include "engine/device_matrix.cuh"
 #include "model/config.hpp"
@@ -68,12 +73,14 @@ struct WeightFootprint {
 template <typename W>
 class DeviceWeights {
  public:
-  static WeightFootprint footprint(const GgufFile& file, const ModelConfig& cfg);
+  static WeightFootprint footprint(const GgufFile& file, const ModelConfig& cfg, const TpSlice* slice = nullptr);
 
   // Uploads and dequantizes every tensor the forward pass reads (validate_tensors must have passed).
   // dequant_scale_offset: tensors in the legacy block formats are uploaded as dequant_fault_bytes
   // (their scale read 2 bytes late) and decoded by the clean kernels.
-  DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cudaStream_t stream, bool dequant_scale_offset = false);
+  // slice: a tensor-parallel rank's (null: the whole model).
+  DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cudaStream_t stream, bool dequant_scale_offset = false,
+                const TpSlice* slice = nullptr);
 
   DeviceMatrix<W> token_embd;          // [V, D]
   const float* output_norm = nullptr;  // [D]

@@ -4,6 +4,7 @@
 // the running output and exp-sum are rescaled by exp(m_old − m_new), and p = exp(score − m_new) goes through
 // shared memory into P·V. The keys a block reads are the union of its queries' causal (and windowed) ranges;
 // each score is masked per (query, key) as in attention. Blocks run heaviest first (last query tile first).
+#include <atomic>
 #include "engine/ops/attention.cuh"
 
 #include <string>
@@ -266,12 +267,17 @@ template <int DH, typename Out>
 void launch_dh(Out* out, const float* q, const float* k_cache, const float* v_cache, int T, const int32_t* n_past,
                int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream, AttentionVariant v) {
   const size_t smem = smem_floats<DH>() * sizeof(float);
-  static const bool attribute_set = [&] {  // above 48 KiB a kernel must opt in, once per instantiation
+  // Above 48 KiB a kernel must opt in, once per instantiation and device (a tensor-parallel engine's ranks each
+  // launch it on their own).
+  static std::atomic<uint64_t> set_on_devices{0};
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = uint64_t{1} << (device & 63);
+  if (!(set_on_devices.load() & bit)) {
     CUDA_CHECK(cudaFuncSetAttribute(attention_tiled_kernel<DH, Out>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
-    return true;
-  }();
-  (void)attribute_set;
+    set_on_devices.fetch_or(bit);
+  }
   const dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(H));
   launch_pdl(attention_tiled_kernel<DH, Out>, grid, kThreads, smem, stream, out, q, k_cache, v_cache, T, n_past, H,
              Hkv, Dh, scale, window, v);
