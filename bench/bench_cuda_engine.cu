@@ -1,7 +1,7 @@
 // Benchmark of the CUDA engine: prefill and decode tokens/s, hooks off and on, and the fraction of the
 // memory-bandwidth roofline that decode reaches. Prints figures; not a test.
 //
-//   bench_cuda_engine [--precision f16|f32] [--steps N] [--json FILE] MODEL.gguf [MODEL.gguf ...]
+//   bench_cuda_engine [--precision f16|f32] [--steps N] [--tp N] [--json FILE] MODEL.gguf [MODEL.gguf ...]
 //   bench_cuda_engine [--precision f16|f32] --profile-prefill T MODEL.gguf
 //   bench_cuda_engine [--precision f16|f32] --profile-decode N [--profile-hooks] MODEL.gguf
 //
@@ -12,6 +12,8 @@
 // every node of the decode graph is one profiled kernel. With --profile-hooks those steps record every
 // checkpoint (to a sink that discards them) and copy the logits: the recorded graph's nodes.
 // --json FILE appends one JSON object per model and line (scripts/bench_vs_llamacpp.sh reads it).
+// --tp N runs the tensor-parallel engine over N GPUs (engine/tp_engine.hpp); its roofline is one GPU's: the
+// weights one rank reads per token over one GPU's copy bandwidth.
 //
 // Roofline: a decode step reads every weight once, so its floor is weight_bytes / bandwidth. The
 // bandwidth is measured here with a device-to-device cudaMemcpy of 1 GiB (read + write bytes
@@ -21,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -29,6 +32,7 @@
 
 #include "checkpoints/sink.hpp"
 #include "engine/engine.hpp"
+#include "engine/tp_engine.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"
@@ -137,23 +141,30 @@ double time_decode(diffrun::CudaEngine& eng, int steps, diffrun::Sink& sink, boo
   return median(times);
 }
 
+// The engine: one GPU, or tensor-parallel over tp GPUs.
+std::unique_ptr<diffrun::CudaEngine> make_engine(const diffrun::GgufFile& file, const diffrun::ModelConfig& cfg,
+                                                 const std::string& precision, int ctx, int tp) {
+  if (tp > 1) return diffrun::make_tp_cuda_engine(file, cfg, precision, ctx, tp);
+  return diffrun::make_cuda_engine(file, cfg, precision, ctx);
+}
+
 void bench_model(const std::string& path, const std::string& precision, int steps, double bandwidth,
-                 const std::string& json) {
+                 const std::string& json, int tp) {
   auto file = diffrun::GgufFile::open(path);
   const diffrun::ModelConfig cfg = diffrun::config_from_gguf(*file);
   const int ctx = 512 + steps + 64;
   auto t0 = Clock::now();
-  auto eng = diffrun::make_cuda_engine(*file, cfg, precision, ctx);
+  auto eng = make_engine(*file, cfg, precision, ctx, tp);
   const double load_s = seconds_since(t0);
   setenv("DIFFRUN_CUDA_GRAPHS", "0", 1);
-  auto eng_nograph = diffrun::make_cuda_engine(*file, cfg, precision, ctx);
+  auto eng_nograph = make_engine(*file, cfg, precision, ctx, tp);
   unsetenv("DIFFRUN_CUDA_GRAPHS");
 
   diffrun::NullSink none;
   DiscardingSink all;
   const double wb = double(eng->weight_bytes());
-  std::printf("\n%s\n  %s, precision %s, weights on device %.1f MiB, load %.2f s\n", path.c_str(),
-              diffrun::describe(cfg).c_str(), precision.c_str(), wb / (1 << 20), load_s);
+  std::printf("\n%s\n  %s, precision %s, tp %d, weights on (each) device %.1f MiB, load %.2f s\n", path.c_str(),
+              diffrun::describe(cfg).c_str(), precision.c_str(), tp, wb / (1 << 20), load_s);
   for (const auto& [k, v] : eng->facts()) std::printf("  %s: %s\n", k.c_str(), v.c_str());
 
   double prefill_off[2] = {0, 0};
@@ -214,10 +225,10 @@ void bench_model(const std::string& path, const std::string& precision, int step
     FILE* f = std::fopen(json.c_str(), "a");
     if (!f) throw diffrun::Error("cannot open " + json + " for writing");
     std::fprintf(f,
-                 "{\"model\": \"%s\", \"precision\": \"%s\", \"quantized_weights\": \"%s\", \"weight_bytes\": %.0f, "
+                 "{\"model\": \"%s\", \"precision\": \"%s\", \"tp\": %d, \"quantized_weights\": \"%s\", \"weight_bytes\": %.0f, "
                  "\"bandwidth\": %.0f, \"decode_tok_s\": %.2f, \"decode_roofline\": %.4f, \"decode_nograph_tok_s\": "
                  "%.2f, \"decode_hooks_tok_s\": %.2f, \"prefill32_tok_s\": %.1f, \"prefill512_tok_s\": %.1f}\n",
-                 path.c_str(), precision.c_str(), eng->facts().at("quantized_weights").c_str(), wb, bandwidth, 1 / dec,
+                 path.c_str(), precision.c_str(), tp, eng->facts().at("quantized_weights").c_str(), wb, bandwidth, 1 / dec,
                  roof, 1 / dec_nograph, 1 / dec_hooks, 32 / prefill_off[0], 512 / prefill_off[1]);
     std::fclose(f);
   }
@@ -276,6 +287,7 @@ int main(int argc, char** argv) {
   int steps = 128;
   std::string json;
   int profile_T = 0;
+  int tp = 1;
   int profile_decode_steps = 0;
   bool profile_hooks = false;
   std::vector<std::string> models;
@@ -285,6 +297,12 @@ int main(int argc, char** argv) {
       precision = argv[++i];
     } else if (a == "--steps" && i + 1 < argc) {
       steps = std::atoi(argv[++i]);
+    } else if (a == "--tp" && i + 1 < argc) {
+      tp = std::atoi(argv[++i]);
+      if (tp < 1) {
+        std::fprintf(stderr, "bench_cuda_engine: --tp takes a rank count >= 1, got '%s'\n", argv[i]);
+        return 2;
+      }
     } else if (a == "--json" && i + 1 < argc) {
       json = argv[++i];
     } else if (a == "--profile-prefill" && i + 1 < argc) {
@@ -302,7 +320,7 @@ int main(int argc, char** argv) {
     } else if (a == "--profile-hooks") {
       profile_hooks = true;
     } else if (a == "-h" || a == "--help") {
-      std::printf("usage: %s [--precision f16|f32] [--steps N] [--json FILE] MODEL.gguf [MODEL.gguf ...]\n", argv[0]);
+      std::printf("usage: %s [--precision f16|f32] [--steps N] [--tp N] [--json FILE] MODEL.gguf [MODEL.gguf ...]\n", argv[0]);
       return 0;
     } else {
       models.push_back(a);
@@ -328,7 +346,7 @@ int main(int argc, char** argv) {
     BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
     const double bw = copy_bandwidth();
     std::printf("device %s; device-to-device copy bandwidth %.0f GB/s (read + write)\n", prop.name, bw / 1e9);
-    for (const std::string& m : models) bench_model(m, precision, steps, bw, json);
+    for (const std::string& m : models) bench_model(m, precision, steps, bw, json, tp);
   } catch (const diffrun::Error& e) {
     std::fprintf(stderr, "bench_cuda_engine: %s\n", e.what());
     return 2;

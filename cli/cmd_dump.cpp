@@ -20,6 +20,9 @@
 #include "model/error.hpp"
 #include "model/gguf.hpp"
 #include "model/tokenizer.hpp"
+#ifdef DIFFRUN_HAVE_CUDA
+#include "engine/tp_engine.hpp"
+#endif
 
 namespace diffrun::cli {
 namespace {
@@ -41,9 +44,71 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// --tp N: where rank r's dump goes, DIR/rank<r>.h5. The directory is made where missing; one holding other dumps
+// is refused (compare DIR would take them for ranks of this run).
+std::vector<std::string> rank_dump_paths(const std::string& dir, int world) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
+    throw InputError(fmt::format("--out {}: with --tp {} it names a directory for the rank dumps, and this is a file",
+                                 dir, world));
+  fs::create_directories(dir, ec);
+  if (ec) throw InputError(fmt::format("--out {}: cannot make the directory: {}", dir, ec.message()));
+  std::vector<std::string> paths;
+  for (int r = 0; r < world; ++r) paths.push_back((fs::path(dir) / fmt::format("rank{}.h5", r)).string());
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.path().extension() != ".h5") continue;
+    if (std::find(paths.begin(), paths.end(), entry.path().string()) == paths.end())
+      throw InputError(fmt::format("--out {}: holds {}, which is not a rank dump of this --tp {} run; remove it or "
+                                   "give another directory (compare reads every .h5 file there)",
+                                   dir, entry.path().filename().string(), world));
+  }
+  for (const std::string& p : paths) check_dump_output_file("--out", p);
+  return paths;
+}
+
+#ifdef DIFFRUN_HAVE_CUDA
+// `dump --tp N`: every rank records its own shard into its rank dump (docs/dump-format.md, "Shards").
+int run_rank_dumps(const DumpOptions& o, const GgufFile& file, TpCudaEngine& tp, const std::vector<int32_t>& ids,
+                   const CheckpointFilter& filter, DumpWriterOptions wopt) {
+  const int world = tp.world_size();
+  const std::vector<std::string> paths = rank_dump_paths(o.out, world);
+  std::vector<std::unique_ptr<TempGuard>> guards;
+  std::vector<std::unique_ptr<DumpWriter>> writers;
+  std::vector<Sink*> sinks;
+  for (int r = 0; r < world; ++r) {
+    DumpMeta meta = dump_meta(file, tp, prompt_text(file, o.prompt), ids);
+    meta.facts = tp.rank(r).facts();
+    meta.rank = r;
+    meta.world_size = world;
+    const TpSlice slice = tp.slice(r);
+    wopt.shard = [slice](std::string_view name) { return megatron_shard(name, slice); };
+    guards.push_back(std::make_unique<TempGuard>(paths[size_t(r)]));
+    writers.push_back(std::make_unique<DumpWriter>(paths[size_t(r)], meta, filter, wopt));
+    sinks.push_back(writers.back().get());
+  }
+  RankSinks ranks(sinks);
+  const auto t1 = std::chrono::steady_clock::now();
+  const StepsResult res = run_steps(tp, ids, o.steps, {}, ranks, false, [&](int step, int total) {
+    fmt::print(stderr, "diffrun dump: step {}/{} done ({:.1f} s)\n", step + 1, total + 1, seconds_since(t1));
+  });
+  uint64_t bytes = 0;
+  for (int r = 0; r < world; ++r) {
+    set_run_attributes(*writers[size_t(r)], tp.rank(r).facts(), res.tokens, res.argmax, res.paths);
+    writers[size_t(r)]->finish();
+    bytes += writers[size_t(r)]->bytes_written();
+  }
+  fmt::print("{}: {} rank dumps of {} steps, {:.1f} MB, {} tokens (diffrun compare {} REFERENCE.h5 merges them)\n",
+             o.out, world, o.steps + 1, bytes / 1e6, res.tokens.size(), o.out);
+  return 0;
+}
+#endif
+
 int run_dump(const DumpOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
-  check_dump_output_file("--out", o.out);
+  if (o.backend.tp > 1 && !o.replay.empty())
+    throw InputError("--replay: the isolation replay runs on one GPU, not with --tp");
+  if (o.backend.tp <= 1) check_dump_output_file("--out", o.out);
   if (o.threads > 0) omp_set_num_threads(o.threads);
   const CheckpointFilter filter(o.checkpoints);
   fmt::print(stderr, "diffrun dump: loading {}\n", o.model);
@@ -63,6 +128,12 @@ int run_dump(const DumpOptions& o) {
   fmt::print(stderr, "diffrun dump: {} {} ready in {:.1f} s; prompt {} tokens, {} decode steps\n", backend->name(),
              backend->precision(), seconds_since(t0), ids.size(), o.steps);
 
+#ifdef DIFFRUN_HAVE_CUDA
+  if (o.backend.tp > 1) {
+    report_stale_temporaries(o.out, o.remove_stale);
+    return run_rank_dumps(o, *file, dynamic_cast<TpCudaEngine&>(*backend), ids, filter, wopt);
+  }
+#endif
   report_stale_temporaries(std::filesystem::path(o.out).parent_path().string(), o.remove_stale);
   const TempGuard guard(o.out);
   DumpWriter writer(o.out, dump_meta(*file, *backend, prompt_text(*file, o.prompt), ids), filter, wopt);
@@ -123,7 +194,8 @@ const CommandRegistrar reg("dump", "Run one backend and write its checkpoints to
   o->backend.add_options(app);
   app.add_option("--steps", o->steps, "Greedy decode steps after the prefill")->capture_default_str()
       ->check(count_in(0));
-  app.add_option("--out,-o", o->out, "Dump file to write (HDF5)")->required();
+  app.add_option("--out,-o", o->out, "Dump file to write (HDF5); with --tp N a directory for rank0.h5 .. rankN-1.h5")
+      ->required();
   app.add_flag("--remove-stale", o->remove_stale,
                "Remove the dump temporaries (*.diffrun-tmp-PID) that killed runs left beside --out (otherwise only listed)");
   app.add_option("--checkpoints", o->checkpoints, "Record only these checkpoints, e.g. 'attn_*,result_*'");

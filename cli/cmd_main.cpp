@@ -47,6 +47,7 @@ struct MainOptions {
   std::string out = "diffrun-out";
   std::string checkpoints;
   std::string inject;    // faults injected into the engine side
+  int tp = 1;            // the engine tensor-parallel over this many GPUs (engine/tp_engine.hpp)
   bool isolate = false;  // also run the engine in isolation replay (local error per checkpoint)
   std::string dump = "full";  // full, divergence or none
   int stop_at_first = -1;     // >= 0: end the run this many steps after the first divergence
@@ -125,6 +126,7 @@ std::vector<RunPair> run_pairs(const MainOptions& o, DeviceProbe& probe, Progres
     p.eng.backend = backend;
     p.eng.precision = eng_precision;
     p.eng.inject = o.inject;
+    p.eng.tp = o.tp;
     p.ref.backend = "cpu";
     p.ref.precision = ref_precision;
     p.title = fmt::format("{}: {}/{} engine vs cpu/{} reference", title, backend, eng_precision, ref_precision);
@@ -135,7 +137,15 @@ std::vector<RunPair> run_pairs(const MainOptions& o, DeviceProbe& probe, Progres
     // some: replacing those alone, a replay would measure the chain of ops between two of them
     // against one op's tolerance (a false LOCAL).
     p.isolate = o.isolate || (ref_precision.ends_with("-f16store") && o.checkpoints.empty());
-    if (ref_precision.ends_with("-f16store") && !p.isolate) {
+    if (o.tp > 1 && p.isolate) {
+      // The replay would hand each rank the reference's whole tensor where the rank holds a slice or a partial sum.
+      if (o.isolate) throw InputError("--isolate: the isolation replay runs on one GPU, not with --tp");
+      p.isolate = false;
+      progress.message(fmt::format("the {} pair runs without the isolation replay at --tp {} (it replays on one GPU "
+                                   "only), so its verdicts come from the jump rule",
+                                   title, o.tp));
+    }
+    else if (ref_precision.ends_with("-f16store") && !p.isolate) {
       progress.message(fmt::format("the {} pair runs without the isolation replay: --checkpoints records only some "
                                    "checkpoints, so its verdicts come from the jump rule",
                                    title));
@@ -461,6 +471,7 @@ const CommandRegistrar registrar{
       o->size.add_options(app);
       app.add_option("--inject", o->inject,
                      "Inject faults into the engine side (diffrun faults lists them), e.g. rope_theta_10000,kv_cache_pos0");
+      add_tp_option(app, o->tp);
       app.add_flag("--isolate", o->isolate,
                    "Also run the engine in isolation replay (each op on the reference's inputs): local error per "
                    "checkpoint. Needs every checkpoint (not with --checkpoints)");

@@ -16,6 +16,7 @@
 #include "reference_cpu/reference.hpp"
 #ifdef DIFFRUN_HAVE_CUDA
 #include "engine/engine.hpp"
+#include "engine/tp_engine.hpp"
 #endif
 
 namespace diffrun::cli {
@@ -115,6 +116,15 @@ void BackendOptions::add_options(CLI::App& app) {
                  "residual stream in f16), f32 or f16 (cuda)")
       ->check(CLI::IsMember(precision_choices()));
   app.add_option("--inject", inject, "Inject faults from the catalog (diffrun faults), e.g. rope_theta_10000,kv_cache_pos0");
+  add_tp_option(app, tp);
+}
+
+void add_tp_option(CLI::App& app, int& tp) {
+  app.add_option("--tp", tp,
+                 "cuda: run the engine tensor-parallel over N GPUs of this host (NCCL, Megatron layout; dump writes "
+                 "one rank dump per GPU into the --out directory)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
 }
 
 
@@ -126,6 +136,7 @@ std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& c
 #ifdef DIFFRUN_HAVE_CUDA
     std::string why;
     if (!cuda_device_available(&why)) throw Error("no usable CUDA device: " + why);
+    if (opt.tp > 1) return make_tp_cuda_engine(file, cfg, opt.precision, max_ctx, opt.tp, faults);
     return make_cuda_backend(file, cfg, opt.precision, max_ctx, faults);
 #else
     throw Error("diffrun was built without the CUDA engine");
@@ -152,6 +163,9 @@ void check_run_options(const GgufFile& file, const ModelConfig& cfg, const Backe
                        const CheckpointFilter& filter, bool to_compare) {
   const FaultSet faults = parse_faults(opt.inject);
   faults.check_applicable(cfg, &file);
+  if (opt.tp > 1 && opt.backend != "cuda")
+    throw InputError("--tp " + std::to_string(opt.tp) + " runs the cuda backend over several GPUs, not the " +
+                     opt.backend + " backend");
   if (opt.backend == "cuda") {
     for (Fault f : faults.list()) {
       if (const std::string why = fault_dormant(f, cfg, &file, opt.precision); !why.empty())
@@ -161,6 +175,7 @@ void check_run_options(const GgufFile& file, const ModelConfig& cfg, const Backe
 #ifdef DIFFRUN_HAVE_CUDA
     std::string why;
     if (!cuda_device_available(&why)) throw Error("no usable CUDA device: " + why);
+    if (opt.tp > 1) check_tp(file, cfg, opt.tp, !faults.empty());
 #else
     throw Error("diffrun was built without the CUDA engine");
 #endif

@@ -50,8 +50,12 @@ struct BackendOptions {
   std::string backend = "cpu";
   std::string precision = "f32";
   std::string inject;  // faults to inject, "name[,name]" (faults/faults.hpp); empty: none
-  void add_options(CLI::App& app);  // --backend --precision --inject
+  int tp = 1;          // cuda: tensor-parallel ranks, one GPU each (engine/tp_engine.hpp)
+  void add_options(CLI::App& app);  // --backend --precision --inject --tp
 };
+
+// --tp N (cuda: tensor-parallel ranks), for the commands that take BackendOptions or an engine of their own.
+void add_tp_option(CLI::App& app, int& tp);
 
 // Every precision a backend takes: f16 (cuda), f32, f64, and the cpu's emulated storage specs
 // (f32-f16store, f64-f16store, f32-f16residual, f64-f16residual; reference_cpu/storage.hpp).
