@@ -124,8 +124,7 @@ def write_tied_rows(path: Path, seed: int) -> None:
 ONE_OFF = {LLAMA3_ROPE_FILE: write_llama3_rope, MISTRAL_FILE: write_mistral, TIED_ROWS_FILE: write_tied_rows}
 
 
-LLAMA_7B = models.Shape("llama-7b", "llama-7b", "llama", 32, 4096, 32, 32, 128, 11008, 4096, 10000.0, 1e-5, False,
-                        "llama_spm", n_vocab=32000)
+LLAMA_7B = models.FULL["llama-7b"]
 LLAMA_13B = models.Shape("llama-13b", "llama-13b", "llama", 40, 5120, 40, 40, 128, 13824, 4096, 10000.0, 1e-5, False,
                          "llama_spm", n_vocab=32000)
 # Qwen3-30B-A3B's shape: 48 layers, D 2048, 32 query and 4 KV heads of 128, 128 experts of width 768, 8 per token,

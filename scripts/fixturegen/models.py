@@ -92,11 +92,15 @@ FULL = {s.name: s for s in [
           "qwen2_bpe", n_vocab=151936, qkv_bias=True),
     Shape("tinyllama-1.1b", "tinyllama-1.1b", "llama", 22, 2048, 32, 4, 64, 5632, 2048, 10000.0, 1e-5, False,
           "llama_spm", n_vocab=32000),
+    # Llama 2 7B's shape, F16 by default: the tensor-parallel engine's decode benchmark (the Q4_K file is
+    # gen_fixtures --shape llama-7b-q4k).
+    Shape("llama-7b", "llama-7b", "llama", 32, 4096, 32, 32, 128, 11008, 4096, 10000.0, 1e-5, False,
+          "llama_spm", n_vocab=32000),
     # SmolLM2-135M's shape (its vocabulary size, not its tokenizer), for benchmarks on hosts without it.
     Shape("smollm2-135m", "smollm2-135m", "llama", 30, 576, 9, 3, 64, 1536, 8192, 100000.0, 1e-5, True,
           "llama_spm", n_vocab=49152),
 ]}
-FULL_FORMAT = {"qwen2.5-0.5b": "f16", "tinyllama-1.1b": "q5_k_m", "smollm2-135m": "q4_1_q8_0embd"}
+FULL_FORMAT = {"qwen2.5-0.5b": "f16", "tinyllama-1.1b": "q5_k_m", "smollm2-135m": "q4_1_q8_0embd", "llama-7b": "f16"}
 
 TINY_FORMATS = list(quants.FORMATS) + ["kmix"]
 
