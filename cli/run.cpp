@@ -12,6 +12,7 @@
 #include "cli/options.hpp"
 #include "faults/faults.hpp"
 #include "model/chat_template.hpp"
+#include "faults/tp_faults.hpp"
 #include "model/error.hpp"
 #include "reference_cpu/reference.hpp"
 #ifdef DIFFRUN_HAVE_CUDA
@@ -130,13 +131,16 @@ void add_tp_option(CLI::App& app, int& tp) {
 
 std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
                                       int max_ctx) {
-  const FaultSet faults = parse_faults(opt.inject);
+  std::string one_gpu;
+  const std::vector<TpFault> tp_faults = take_tp_faults(opt.inject, &one_gpu);
+  const FaultSet faults = parse_faults(one_gpu);
   if (opt.backend == "cpu") return make_cpu_backend(file, cfg, opt.precision, max_ctx, faults);
   if (opt.backend == "cuda") {
 #ifdef DIFFRUN_HAVE_CUDA
     std::string why;
     if (!cuda_device_available(&why)) throw Error("no usable CUDA device: " + why);
-    if (opt.tp > 1) return make_tp_cuda_engine(file, cfg, opt.precision, max_ctx, opt.tp, faults);
+    if (opt.tp > 1 || !tp_faults.empty())
+      return make_tp_cuda_engine(file, cfg, opt.precision, max_ctx, opt.tp, faults, tp_faults);
     return make_cuda_backend(file, cfg, opt.precision, max_ctx, faults);
 #else
     throw Error("diffrun was built without the CUDA engine");
@@ -161,9 +165,11 @@ bool cuda_engines_fit(const GgufFile& file, const ModelConfig& cfg, const std::v
 
 void check_run_options(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
                        const CheckpointFilter& filter, bool to_compare) {
-  const FaultSet faults = parse_faults(opt.inject);
+  std::string one_gpu;
+  const std::vector<TpFault> tp_faults = take_tp_faults(opt.inject, &one_gpu);
+  const FaultSet faults = parse_faults(one_gpu);
   faults.check_applicable(cfg, &file);
-  if (opt.tp > 1 && opt.backend != "cuda")
+  if ((opt.tp > 1 || !tp_faults.empty()) && opt.backend != "cuda")
     throw InputError("--tp " + std::to_string(opt.tp) + " runs the cuda backend over several GPUs, not the " +
                      opt.backend + " backend");
   if (opt.backend == "cuda") {
@@ -175,7 +181,7 @@ void check_run_options(const GgufFile& file, const ModelConfig& cfg, const Backe
 #ifdef DIFFRUN_HAVE_CUDA
     std::string why;
     if (!cuda_device_available(&why)) throw Error("no usable CUDA device: " + why);
-    if (opt.tp > 1) check_tp(file, cfg, opt.tp, !faults.empty());
+    if (opt.tp > 1 || !tp_faults.empty()) check_tp(file, cfg, opt.tp, !faults.empty(), tp_faults);
 #else
     throw Error("diffrun was built without the CUDA engine");
 #endif

@@ -322,11 +322,11 @@ class CudaEngineImpl final : public CudaEngine {
       : tp_(tp),
         model_cfg_(cfg),
         plan_(plan_faults(faults, cfg)),
-        cfg_(tp.slice.world > 1 ? tp_local_config(plan_.config, tp.slice) : plan_.config),
+        cfg_(tp.cut.slice.world > 1 ? tp_local_config(plan_.config, tp.cut.slice) : plan_.config),
         max_ctx_(max_ctx),
         faults_(faults),
         cublas_(kF16 ? EnginePrecision::f16 : EnginePrecision::f32),
-        weights_(file, cfg, stream_, plan_.weights.dequant_scale_offset, tp.slice.world > 1 ? &tp_.slice : nullptr),
+        weights_(file, cfg, stream_, plan_.weights.dequant_scale_offset, tp.cut.slice.world > 1 ? &tp_.cut : nullptr),
         k_cache_(size_t(cfg_.n_layer) * max_ctx * cfg_.n_head_kv * cfg_.head_dim, "the KV cache"),
         v_cache_(size_t(cfg_.n_layer) * max_ctx * cfg_.n_head_kv * cfg_.head_dim, "the KV cache"),
         alt_(cfg_, 1),
@@ -398,14 +398,18 @@ class CudaEngineImpl final : public CudaEngine {
       facts_["moe"] = "routing on the device, the selected ids read back once a layer; only the selected experts run, "
                       "each on its tokens' rows; steps kernel by kernel (no graph)";
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
-    if (tp_.slice.world > 1) {
-      const TpSlice& t = tp_.slice;
+    if (tp_.cut.slice.world > 1) {
+      const TpSlice& t = tp_.cut.slice;
       facts_["tensor_parallel"] =
           "rank " + std::to_string(t.rank) + " of " + std::to_string(t.world) + " (NCCL " + nccl_version() +
           "): query heads " + std::to_string(t.h0) + ".." + std::to_string(t.h1 - 1) + ", KV heads " +
           std::to_string(t.kv0) + ".." + std::to_string(t.kv1 - 1) + ", FFN channels " + std::to_string(t.f0) + ".." +
           std::to_string(t.f1 - 1) + "; attn_out and ffn_out all-reduced (sum) after their checkpoint; embedding and "
           "lm head replicated";
+      facts_["tp_all_reduce"] =
+          tp_.peer ? "one-shot through peer memory up to " + std::to_string(tp_.peer->max_floats) +
+                         " floats (f32 sums in rank order), NCCL above"
+                   : "NCCL";
     }
     clear_kv_cache();
     CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));
@@ -677,7 +681,7 @@ class CudaEngineImpl final : public CudaEngine {
 
     matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_);
     cp(sink, step, "attn_out", l, a.attn_out.get(), {n, D});  // a tensor-parallel rank's: its partial sum
-    all_reduce(a.attn_out, n * D);
+    if (!tp_.skip_attn_allreduce) all_reduce(a.attn_out, n * D);
     if (cfg_.post_norms) {  // gemma3: RMSNorm of the attention output before the residual add, in place
       overwrites(a.attn_out);
       norm(a.attn_out.get(), a.attn_out.get(), w.attn_post_norm, n, D, args.attn_post_norm);
@@ -780,14 +784,18 @@ class CudaEngineImpl final : public CudaEngine {
     matmul(a.ffn_out.get(), a.act.get(), w.w_down, nullptr, n, F, D, cublas_, stream_);
     cp(sink, step, "ffn_out", l, a.ffn_out.get(), {n, D});  // a tensor-parallel rank's: its partial sum
     all_reduce(a.ffn_out, n * D);
+    if (tp_.ffn_allreduce_twice) all_reduce(a.ffn_out, n * D);
   }
 
   // A tensor-parallel rank: the row-parallel projection's partial sums in `buf` become the ranks' sum, in place
   // (after the staged copy of the partial checkpoint). One GPU: nothing.
   void all_reduce(DeviceBuffer<float>& buf, int count) {
-    if (tp_.slice.world <= 1) return;
+    if (tp_.cut.slice.world <= 1) return;
     overwrites(buf);
-    all_reduce_sum(buf.get(), size_t(count), tp_.comm, stream_);
+    if (tp_.peer && count <= tp_.peer->max_floats)
+      peer_all_reduce_sum(buf.get(), count, *tp_.peer, stream_);
+    else
+      all_reduce_sum(buf.get(), size_t(count), tp_.comm, stream_);
   }
 
   // The routed FFN on a.ffn_xn into a.ffn_out, as the reference's moe_ffn (llama.cpp's build_moe_ffn): the router's
@@ -1133,10 +1141,10 @@ struct DeviceNeed {
 // slice: a tensor-parallel rank's (its weights, cache and activations); null: the whole model.
 template <typename W>
 DeviceNeed device_need(const GgufFile& file, const ModelConfig& model, int max_ctx, int tokens,
-                       const TpSlice* slice = nullptr) {
+                       const WeightCut* cut = nullptr) {
   DeviceNeed n;
-  n.wf = DeviceWeights<W>::footprint(file, model, slice);
-  const ModelConfig cfg = slice && slice->world > 1 ? tp_local_config(model, *slice) : model;
+  n.wf = DeviceWeights<W>::footprint(file, model, cut);
+  const ModelConfig cfg = cut && cut->slice.world > 1 ? tp_local_config(model, cut->slice) : model;
   n.kv = 2ull * cfg.n_layer * uint64_t(max_ctx) * cfg.n_head_kv * cfg.head_dim * sizeof(float);
   const uint64_t attn = sizeof(float) * (uint64_t(cfg.n_head) * kAttentionSplitMaxT * max_ctx +
                                           uint64_t(kAttentionSplitMaxT) * cfg.n_head * kAttentionSplitMaxSplits *
@@ -1148,8 +1156,8 @@ DeviceNeed device_need(const GgufFile& file, const ModelConfig& model, int max_c
 }
 
 template <typename W>
-void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const TpSlice* slice) {
-  const DeviceNeed need = device_need<W>(file, cfg, max_ctx, 1, slice);
+void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const WeightCut* cut) {
+  const DeviceNeed need = device_need<W>(file, cfg, max_ctx, 1, cut);
   const WeightFootprint& wf = need.wf;
   const uint64_t kv = need.kv, other = need.other, needed = need.total();
   size_t free_b = 0, total_b = 0;
@@ -1170,7 +1178,7 @@ void check_device_memory(const GgufFile& file, const ModelConfig& cfg, int max_c
 template <typename W>
 std::unique_ptr<CudaEngine> create(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults,
                                    const TpRank& tp) {
-  check_device_memory<W>(file, cfg, max_ctx, tp.slice.world > 1 ? &tp.slice : nullptr);
+  check_device_memory<W>(file, cfg, max_ctx, tp.cut.slice.world > 1 ? &tp.cut : nullptr);
   return std::make_unique<CudaEngineImpl<W>>(file, cfg, max_ctx, faults, tp);
 }
 

@@ -110,7 +110,9 @@ class RankThreads {
   bool stop_ = false;
 };
 
-// One rank's checkpoints of a step, kept in the order recorded, for the merge into a whole tensor.
+// One rank's checkpoints of a step, kept in the order recorded, for the merge into a whole tensor. Its storage
+// is kept from step to step (a decode step's records fit the last one's), so that recording does not page in
+// fresh memory each step.
 class RankCollector final : public Sink {
  public:
   struct Record {
@@ -121,21 +123,33 @@ class RankCollector final : public Sink {
     NativeDType native;
     std::vector<float> data;
   };
-  explicit RankCollector(const Sink& downstream) : downstream_(downstream) {}
-  bool wants(std::string_view name) const override { return downstream_.wants(name); }
+  // A new step, whose records go to `downstream` once merged.
+  void begin(const Sink& downstream) {
+    downstream_ = &downstream;
+    count = 0;
+    id_records.clear();
+  }
+  bool wants(std::string_view name) const override { return downstream_->wants(name); }
   void record(int, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
               NativeDType native, std::span<const float> data) override {
-    records.push_back({std::string(name), layer, std::string(layout), {shape.begin(), shape.end()}, native,
-                       {data.begin(), data.end()}});
+    if (count == records.size()) records.emplace_back();
+    Record& r = records[count++];
+    r.name.assign(name);
+    r.layer = layer;
+    r.layout.assign(layout);
+    r.shape.assign(shape.begin(), shape.end());
+    r.native = native;
+    r.data.assign(data.begin(), data.end());
   }
   void record_ids(int, std::string_view name, std::span<const int32_t> ids) override {
     id_records.emplace_back(std::string(name), std::vector<int32_t>(ids.begin(), ids.end()));
   }
-  std::vector<Record> records;
+  std::vector<Record> records;  // the first `count` are this step's
+  size_t count = 0;
   std::vector<std::pair<std::string, std::vector<int32_t>>> id_records;
 
  private:
-  const Sink& downstream_;
+  const Sink* downstream_ = nullptr;
 };
 
 // The size of layout letter `letter` in the whole model.
@@ -149,16 +163,40 @@ int64_t whole_extent(const ModelConfig& cfg, const std::string& letter) {
 class TpEngineImpl final : public TpCudaEngine {
  public:
   TpEngineImpl(const GgufFile& file, const ModelConfig& cfg, const std::string& precision, int max_ctx, int world,
-               const FaultSet& faults)
+               const FaultSet& faults, const std::vector<TpFault>& tp_faults)
       : cfg_(cfg), world_(world), threads_(world) {
     const int64_t unit = f_unit(file, cfg);
     for (int r = 0; r < world; ++r) slices_.push_back(tp_slice(cfg, r, world, unit));
     comms_ = world > 1 ? engine::nccl_comms(world) : std::vector<void*>{nullptr};
+    // Decode steps' sums (up to kPeerTokens tokens) through peer memory; the prefill's through NCCL.
+    peers_ = engine::PeerAllReduceSet::make(world, kPeerTokens * cfg.n_embd);
     ranks_.resize(static_cast<size_t>(world));
+    std::vector<TpRank> ranks;
+    std::vector<FaultSet> rank_faults(size_t(world), faults);
+    for (int r = 0; r < world; ++r) {
+      const TpSlice& s = slices_[size_t(r)];
+      ranks.push_back(TpRank{{s, s, s}, comms_[size_t(r)]});
+      if (peers_) ranks.back().peer = peers_->rank(r);
+    }
+    // The tensor-parallel faults (faults/tp_faults.hpp): what each changes on which rank.
+    TpRank& last = ranks.back();
+    for (TpFault f : tp_faults) {
+      switch (f) {
+        case TpFault::wq_shard_offset: last.cut.q_rows = slices_[0]; break;
+        case TpFault::attn_allreduce_skipped: for (TpRank& r : ranks) r.skip_attn_allreduce = true; break;
+        case TpFault::ffn_allreduce_twice: for (TpRank& r : ranks) r.ffn_allreduce_twice = true; break;
+        case TpFault::kv_head_wrong_rank:
+          last.cut.kv_rows.kv0 = (last.cut.slice.kv0 + 1) % cfg.n_head_kv;
+          last.cut.kv_rows.kv1 = last.cut.kv_rows.kv0 + 1;
+          break;
+        case TpFault::rope_position_offset: rank_faults.back().add(Fault::rope_fused_position_off); break;
+        case TpFault::stale_kv_row: rank_faults.back().add(Fault::kv_cache_pos0); break;
+      }
+    }
     try {
-        run_ranks([&](int r) {
-        ranks_[size_t(r)] = engine::make_cuda_engine_rank(file, cfg, precision, max_ctx, faults,
-                                                          TpRank{slices_[size_t(r)], comms_[size_t(r)]});
+      run_ranks([&](int r) {
+        ranks_[size_t(r)] = engine::make_cuda_engine_rank(file, cfg, precision, max_ctx, rank_faults[size_t(r)],
+                                                          ranks[size_t(r)]);
       });
     } catch (...) {
       release();
@@ -168,6 +206,9 @@ class TpEngineImpl final : public TpCudaEngine {
     facts_["tensor_parallel"] = std::to_string(world) + " ranks (NCCL " + engine::nccl_version() +
                                 "), Megatron layout; checkpoints merged from the ranks' (partial sums added in "
                                 "float64 in rank order); embedding and lm head replicated";
+    std::string injected;
+    for (TpFault f : tp_faults) injected += std::string(injected.empty() ? "" : ",") + tp_fault_info(f).name;
+    if (!injected.empty()) facts_["injected_faults"] = injected;
   }
   ~TpEngineImpl() override { release(); }
 
@@ -222,29 +263,29 @@ class TpEngineImpl final : public TpCudaEngine {
       run_ranks([&](int r) { fn(r, ranked->rank(r)); });
       return;
     }
-    std::vector<RankCollector> collected;
-    collected.reserve(size_t(world_));
-    for (int r = 0; r < world_; ++r) collected.emplace_back(sink);
-    run_ranks([&](int r) { fn(r, collected[size_t(r)]); });
-    merge_into(step, collected, sink);
+    if (collectors_.empty()) collectors_.resize(size_t(world_));
+    for (RankCollector& c : collectors_) c.begin(sink);
+    run_ranks([&](int r) { fn(r, collectors_[size_t(r)]); });
+    merge_into(step, collectors_, sink);
   }
 
   // The ranks' checkpoints of a step as whole tensors, in rank 0's order.
-  void merge_into(int step, std::vector<RankCollector>& ranks, Sink& sink) const {
+  void merge_into(int step, std::vector<RankCollector>& ranks, Sink& sink) {
     for (const auto& [name, ids] : ranks[0].id_records) sink.record_ids(step, name, ids);
-    const size_t count = ranks[0].records.size();
+    const size_t count = ranks[0].count;
     for (const RankCollector& c : ranks)
-      if (c.records.size() != count) throw Error("tensor-parallel merge: the ranks recorded different checkpoints");
+      if (c.count != count) throw Error("tensor-parallel merge: the ranks recorded different checkpoints");
     for (size_t i = 0; i < count; ++i) {
       const RankCollector::Record& r0 = ranks[0].records[i];
       const ShardSpec spec0 = megatron_shard(r0.name, slices_[0]);
-      if (spec0.partial) {
-        std::vector<double> sum(r0.data.size(), 0.0);
-        for (const RankCollector& c : ranks) {
-          const std::vector<float>& d = c.records[i].data;
-          for (size_t k = 0; k < sum.size(); ++k) sum[k] += d[k];
+      if (spec0.partial) {  // in float64, in rank order, rounded once
+        std::vector<float>& whole = merged_;
+        whole.resize(r0.data.size());
+        for (size_t k = 0; k < whole.size(); ++k) {
+          double sum = 0;
+          for (const RankCollector& c : ranks) sum += c.records[i].data[k];
+          whole[k] = static_cast<float>(sum);
         }
-        std::vector<float> whole(sum.begin(), sum.end());
         sink.record(step, r0.name, r0.layer, r0.layout, r0.shape, r0.native, whole);
         continue;
       }
@@ -262,7 +303,8 @@ class TpEngineImpl final : public TpCudaEngine {
       int64_t outer = 1, inner = 1;
       for (size_t k = 0; k < d; ++k) outer *= shape[k];
       for (size_t k = d + 1; k < shape.size(); ++k) inner *= shape[k];
-      std::vector<float> whole(size_t(outer * shape[d] * inner), 0.0f);
+      std::vector<float>& whole = merged_;
+      whole.assign(size_t(outer * shape[d] * inner), 0.0f);
       for (int r = world_ - 1; r >= 0; --r) {  // copies of one slice (KV heads where Hkv < N): rank 0's last
         const RankCollector::Record& piece = ranks[size_t(r)].records[i];
         const ShardSpec spec = megatron_shard(piece.name, slices_[size_t(r)]);
@@ -306,23 +348,33 @@ class TpEngineImpl final : public TpCudaEngine {
     ranks_.clear();
     for (void* c : comms_) engine::nccl_destroy(c);
     comms_.clear();
+    peers_.reset();
   }
+
+  static constexpr int kPeerTokens = 4;
 
   ModelConfig cfg_;
   int world_;
   RankThreads threads_;
   std::vector<TpSlice> slices_;
   std::vector<void*> comms_;
+  std::unique_ptr<engine::PeerAllReduceSet> peers_;
   std::vector<std::unique_ptr<CudaEngine>> ranks_;
   std::map<std::string, std::string> facts_;
   std::string spent_;  // the error that ended the engine ("": none)
+  std::vector<RankCollector> collectors_;  // each rank's records of a merged step, kept from step to step
+  std::vector<float> merged_;              // one merged checkpoint
 };
 
 }  // namespace
 
-void check_tp(const GgufFile& file, const ModelConfig& cfg, int world, bool with_faults) {
+void check_tp(const GgufFile& file, const ModelConfig& cfg, int world, bool with_faults,
+              const std::vector<TpFault>& tp_faults) {
   const std::string tp = "--tp " + std::to_string(world);
   if (world < 1) throw InputError(tp + ": the number of ranks must be at least 1");
+  for (TpFault f : tp_faults)
+    if (const std::string why = tp_fault_refusal(f, cfg, world); !why.empty())
+      throw InputError(std::string("--inject ") + tp_fault_info(f).name + " does not apply: " + why);
   const int devices = cuda_device_count();
   if (devices < world)
     throw InputError(tp + " needs " + std::to_string(world) + " GPUs; this host has " + std::to_string(devices));
@@ -346,9 +398,9 @@ void check_tp(const GgufFile& file, const ModelConfig& cfg, int world, bool with
 
 std::unique_ptr<TpCudaEngine> make_tp_cuda_engine(const GgufFile& file, const ModelConfig& cfg,
                                                   const std::string& precision, int max_ctx, int world,
-                                                  const FaultSet& faults) {
-  check_tp(file, cfg, world, !faults.empty());
-  return std::make_unique<TpEngineImpl>(file, cfg, precision, max_ctx, world, faults);
+                                                  const FaultSet& faults, const std::vector<TpFault>& tp_faults) {
+  check_tp(file, cfg, world, !faults.empty(), tp_faults);
+  return std::make_unique<TpEngineImpl>(file, cfg, precision, max_ctx, world, faults, tp_faults);
 }
 
 }  // namespace diffrun

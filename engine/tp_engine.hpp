@@ -18,6 +18,7 @@
 
 #include "checkpoints/tensor_parallel.hpp"
 #include "engine/engine.hpp"
+#include "faults/tp_faults.hpp"
 
 namespace diffrun {
 
@@ -34,14 +35,17 @@ class TpCudaEngine : public CudaEngine {
 };
 
 // What make_tp_cuda_engine refuses, checked before anything loads (InputError; see below).
-void check_tp(const GgufFile& file, const ModelConfig& cfg, int world, bool with_faults);
+void check_tp(const GgufFile& file, const ModelConfig& cfg, int world, bool with_faults,
+              const std::vector<TpFault>& tp_faults = {});
 
 // N ranks on devices 0..N-1 (N >= 1). InputError (exit 2) when this host has fewer GPUs than N (both counts
-// named), when the model cannot be split over N ranks (checkpoints/tensor_parallel.hpp says why), when faults are
-// asked for at N > 1 (the tensor-parallel catalog is not built) or when diffrun was built without NCCL.
+// named), when the model cannot be split over N ranks (checkpoints/tensor_parallel.hpp says why), when one-GPU
+// faults are asked for at N > 1, a tensor-parallel fault at N = 1 or where it does not apply
+// (faults/tp_faults.hpp), or when diffrun was built without NCCL.
 std::unique_ptr<TpCudaEngine> make_tp_cuda_engine(const GgufFile& file, const ModelConfig& cfg,
                                                   const std::string& precision, int max_ctx, int world,
-                                                  const FaultSet& faults = {});
+                                                  const FaultSet& faults = {},
+                                                  const std::vector<TpFault>& tp_faults = {});
 
 namespace engine {
 struct TpRank;

@@ -55,15 +55,18 @@ struct Cut {
   int64_t r0 = 0, r1 = -1, c0 = 0, c1 = -1;
 };
 
-Cut cut_of(TensorRole role, const ModelConfig& cfg, const TpSlice* s) {
+Cut cut_of(TensorRole role, const ModelConfig& cfg, const WeightCut* c) {
   using R = TensorRole;
-  if (s == nullptr || s->world <= 1) return {};
+  if (c == nullptr || c->slice.world <= 1) return {};
+  const TpSlice* s = &c->slice;
+  const TpSlice& q = c->q_rows;
+  const TpSlice& kv = c->kv_rows;
   const int64_t Dh = cfg.head_dim;
   switch (role) {
-    case R::wq: return {s->h0 * Dh, s->h1 * Dh, 0, -1};
-    case R::bq: return {0, -1, s->h0 * Dh, s->h1 * Dh};
-    case R::wk: case R::wv: return {s->kv0 * Dh, s->kv1 * Dh, 0, -1};
-    case R::bk: case R::bv: return {0, -1, s->kv0 * Dh, s->kv1 * Dh};
+    case R::wq: return {q.h0 * Dh, q.h1 * Dh, 0, -1};
+    case R::bq: return {0, -1, q.h0 * Dh, q.h1 * Dh};
+    case R::wk: case R::wv: return {kv.kv0 * Dh, kv.kv1 * Dh, 0, -1};
+    case R::bk: case R::bv: return {0, -1, kv.kv0 * Dh, kv.kv1 * Dh};
     case R::wo: return {0, -1, s->h0 * Dh, s->h1 * Dh};
     case R::w_gate: case R::w_up: return {s->f0, s->f1, 0, -1};
     case R::w_down: return {0, -1, s->f0, s->f1};
@@ -104,7 +107,7 @@ std::span<const std::byte> cut_bytes(const GgufFile& file, const Planned& p, std
 }
 
 std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t matrix_elem_bytes,
-                          uint64_t* arena_bytes, uint64_t* scratch_elements, const TpSlice* slice) {
+                          uint64_t* arena_bytes, uint64_t* scratch_elements, const WeightCut* slice) {
   const bool keep_quantized = quantized_weights_enabled();
   auto quantizable = [&](TensorRole role, int layer) {
     const TensorInfo& t = file.tensor(tensor_name(role, layer));
@@ -126,7 +129,7 @@ std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t
     if (cut.c0 % bs != 0 || cut.c1 % bs != 0)
       throw ModelError(file.path() + ": tensor '" + e.name + "' (" + ggml_type_name(t.type) + ", blocks of " +
                        std::to_string(bs) + ") cannot be cut at columns " + std::to_string(cut.c0) + ".." +
-                       std::to_string(cut.c1) + " for tensor-parallel rank " + std::to_string(slice ? slice->rank : 0) +
+                       std::to_string(cut.c1) + " for tensor-parallel rank " + std::to_string(slice ? slice->slice.rank : 0) +
                        ": the cut must fall on block boundaries");
     const int64_t cols = cut.c1 - cut.c0, rows = cut.r1 - cut.r0;
     const int64_t n = rows * cols;
@@ -213,7 +216,7 @@ class HostPieces {
 }  // namespace
 
 template <typename W>
-WeightFootprint DeviceWeights<W>::footprint(const GgufFile& file, const ModelConfig& cfg, const TpSlice* slice) {
+WeightFootprint DeviceWeights<W>::footprint(const GgufFile& file, const ModelConfig& cfg, const WeightCut* slice) {
   WeightFootprint f;
   uint64_t scratch = 0;
   for (const Planned& p : plan(file, cfg, sizeof(W), &f.weight_bytes, &scratch, slice))
@@ -224,7 +227,7 @@ WeightFootprint DeviceWeights<W>::footprint(const GgufFile& file, const ModelCon
 
 template <typename W>
 DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cudaStream_t stream,
-                                 bool dequant_scale_offset, const TpSlice* slice) {
+                                 bool dequant_scale_offset, const WeightCut* slice) {
   uint64_t scratch_elements = 0;
   const std::vector<Planned> tensors = plan(file, cfg, sizeof(W), &bytes_, &scratch_elements, slice);
   uint64_t staging_bytes = 0, largest_raw = 1;

@@ -33,6 +33,12 @@
 
 namespace diffrun::engine {
 
+// A tensor-parallel rank's cut of the weights: its slice, and the slices its Wq|bq and Wk|Wv|bk|bv rows come from
+// (its own, but under the faults tp_wq_shard_offset and tp_kv_head_wrong_rank, faults/tp_faults.hpp).
+struct WeightCut {
+  TpSlice slice, q_rows, kv_rows;
+};
+
 template <typename W>
 struct DeviceLayerWeights {
   const float* attn_norm = nullptr;  // [D]
@@ -73,14 +79,14 @@ struct WeightFootprint {
 template <typename W>
 class DeviceWeights {
  public:
-  static WeightFootprint footprint(const GgufFile& file, const ModelConfig& cfg, const TpSlice* slice = nullptr);
+  static WeightFootprint footprint(const GgufFile& file, const ModelConfig& cfg, const WeightCut* cut = nullptr);
 
   // Uploads and dequantizes every tensor the forward pass reads (validate_tensors must have passed).
   // dequant_scale_offset: tensors in the legacy block formats are uploaded as dequant_fault_bytes
   // (their scale read 2 bytes late) and decoded by the clean kernels.
-  // slice: a tensor-parallel rank's (null: the whole model).
+  // cut: a tensor-parallel rank's (null: the whole model).
   DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cudaStream_t stream, bool dequant_scale_offset = false,
-                const TpSlice* slice = nullptr);
+                const WeightCut* cut = nullptr);
 
   DeviceMatrix<W> token_embd;          // [V, D]
   const float* output_norm = nullptr;  // [D]

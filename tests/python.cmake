@@ -45,3 +45,9 @@ add_test(NAME test_python_cuda_writer
 set_tests_properties(test_python_cuda_writer PROPERTIES LABELS "gpu;python" TIMEOUT 300 SKIP_RETURN_CODE 77
   ENVIRONMENT "${DIFFRUN_TEST_ENV}"
   ENVIRONMENT_MODIFICATION "PYTHONPATH=path_list_prepend:${PROJECT_SOURCE_DIR}/python")
+
+# The tensor-parallel fault catalog through the CLI (label gpu): exits 77 (skipped) on a host of fewer than 2 GPUs.
+add_test(NAME test_engine_tp_faults COMMAND ${Python3_EXECUTABLE} tests/test_engine_tp_faults.py
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_engine_tp_faults PROPERTIES LABELS "gpu;python" FIXTURES_REQUIRED tiny_models TIMEOUT 600
+  SKIP_RETURN_CODE 77 ENVIRONMENT "${DIFFRUN_TEST_ENV}")

@@ -83,6 +83,7 @@ TEST(EngineTp, MergedRanksMatchOneGpuOnTinyFixtures) {
       auto one = make_cuda_engine(*file, cfg, "f32", 16);
       auto tp = make_tp_cuda_engine(*file, cfg, "f32", 16, world);
       EXPECT_NE(tp->facts().at("tensor_parallel").find(std::to_string(world) + " ranks"), std::string::npos);
+      if (runs == 0) std::printf("all-reduce: %s\n", tp->rank(0).facts().at("tp_all_reduce").c_str());
       std::vector<int32_t> tokens = prompt_ids(cfg.n_vocab, 7);
       double worst = 0;
       std::string worst_name;
@@ -99,7 +100,9 @@ TEST(EngineTp, MergedRanksMatchOneGpuOnTinyFixtures) {
           if (rel > worst) worst = rel, worst_name = cp;
         }
         EXPECT_EQ(tp->last_argmax(), one->last_argmax()) << "step " << step;
-        if (step > 0) EXPECT_TRUE(tp->last_step_path().graph) << "decode step " << step << " ran as a graph";
+        if (step > 0) {
+          EXPECT_TRUE(tp->last_step_path().graph) << "decode step " << step << " ran as a graph";
+        }
         tokens = {one->last_argmax()};
       }
       std::printf("%s TP = %d: worst rel L2 against one GPU %.2e (%s)\n", name.c_str(), world, worst,
@@ -181,7 +184,9 @@ TEST(EngineTp, RecordingRunsTheProductionPath) {
           MemorySink rec;
           NullSink none;
           std::vector<float> logits = tp->forward(step, tokens, pass == 0 ? static_cast<Sink&>(none) : rec);
-          if (step > 0) EXPECT_TRUE(tp->last_step_path().graph);
+          if (step > 0) {
+            EXPECT_TRUE(tp->last_step_path().graph);
+          }
           (pass == 0 ? plain : recorded).push_back(logits);
           tokens = {tp->last_argmax()};
         }
@@ -204,9 +209,13 @@ TEST(EngineTp, RefusesWhatItCannotRun) {
     EXPECT_NE(msg.find("needs " + std::to_string(more) + " GPUs"), std::string::npos) << msg;
     EXPECT_NE(msg.find("has " + std::to_string(more - 1)), std::string::npos) << msg;
   }
+  EXPECT_THROW(make_tp_cuda_engine(*file, cfg, "f32", 16, 1, {}, {TpFault::attn_allreduce_skipped}), InputError)
+      << "a tensor-parallel fault on one GPU";
   if (cuda_device_count() < 2) return;
   auto kq = GgufFile::open(test::fixture_path("tiny-llama-q4_k.gguf"));  // Wo's 128 columns a rank: half a block
   EXPECT_THROW(make_tp_cuda_engine(*kq, config_from_gguf(*kq), "f32", 16, 2), InputError);
+  EXPECT_THROW(make_tp_cuda_engine(*file, cfg, "f32", 16, 2, {}, {TpFault::kv_head_wrong_rank}), InputError)
+      << "tiny qwen2's 2 KV heads are not copied at N = 2";
 }
 
 }  // namespace
