@@ -48,6 +48,7 @@ struct MainOptions {
   std::string checkpoints;
   std::string inject;    // faults injected into the engine side
   int tp = 1;            // the engine tensor-parallel over this many GPUs (engine/tp_engine.hpp)
+  bool tp_invariance = true;  // with tp > 1 and both default pairs: a third, the f32 engine at tp against one GPU
   bool isolate = false;  // also run the engine in isolation replay (local error per checkpoint)
   std::string dump = "full";  // full, divergence or none
   int stop_at_first = -1;     // >= 0: end the run this many steps after the first divergence
@@ -159,9 +160,20 @@ std::vector<RunPair> run_pairs(const MainOptions& o, DeviceProbe& probe, Progres
     return p;
   };
   if (backend == "cuda" && o.engine_precision.empty() && o.reference_precision.empty()) {
-    return {pair("logic", "f32", "f64", (std::filesystem::path(o.out) / "logic").string()),
-            pair("precision", "f16", default_reference_precision("f16"),
-                 (std::filesystem::path(o.out) / "precision").string())};
+    std::vector<RunPair> pairs = {pair("logic", "f32", "f64", (std::filesystem::path(o.out) / "logic").string()),
+                                  pair("precision", "f16", default_reference_precision("f16"),
+                                       (std::filesystem::path(o.out) / "precision").string())};
+    if (o.tp > 1 && o.tp_invariance) {
+      // TP invariance: the f32 engine at --tp N against itself on one GPU (DESIGN.md, "Tensor parallelism").
+      RunPair p = pair("tp", "f32", "f32", (std::filesystem::path(o.out) / "tp").string());
+      p.ref.backend = "cuda";
+      p.ref.tp = 1;
+      p.ref.inject.clear();
+      p.isolate = false;
+      p.title = fmt::format("tp invariance: cuda/f32 engine at --tp {} vs cuda/f32 engine on one GPU", o.tp);
+      pairs.push_back(p);
+    }
+    return pairs;
   }
   const std::string eng_precision = o.engine_precision.empty() ? (backend == "cuda" ? "f16" : "f32") : o.engine_precision;
   const std::string ref_precision =
@@ -257,18 +269,20 @@ ThreadSplit split_threads(const MainOptions& o, const std::vector<RunPair>& pair
   const bool cpu_engine = pairs.front().eng.backend == "cpu";
   const char* omp_env = std::getenv("OMP_NUM_THREADS");
   const int env_threads = omp_env && *omp_env ? std::max(1, std::atoi(omp_env)) : 0;
-  const auto cost = [](const RunPair& p) { return p.ref.precision.starts_with("f64") ? 2 : 1; };
+  // A cuda reference (the tp invariance pair's one-GPU engine) takes no reference cores.
+  const auto cost = [](const RunPair& p) { return p.ref.backend != "cpu" ? 0 : p.ref.precision.starts_with("f64") ? 2 : 1; };
   int total_cost = 0;
   for (const RunPair& p : pairs) total_cost += cost(p);
   const int ref_cores = cpu_engine ? std::max(1, 2 * cores / 3) : std::max(1, cores - n_pairs);
   // The reference cores shared in proportion to each pair's cost; the cores the rounding down leaves go
   // one at a time to the pair with the fewest threads for its cost (on 16 cores: 9 + 5, not 9 + 4).
   std::vector<int> shares;
-  for (const RunPair& p : pairs) shares.push_back(std::max(1, ref_cores * cost(p) / total_cost));
+  for (const RunPair& p : pairs) shares.push_back(std::max(1, ref_cores * cost(p) / std::max(1, total_cost)));
   for (int left = ref_cores - std::accumulate(shares.begin(), shares.end(), 0); left > 0; --left) {
     size_t most_starved = 0;
     for (size_t i = 1; i < pairs.size(); ++i)
-      if (shares[i] * cost(pairs[most_starved]) < shares[most_starved] * cost(pairs[i])) most_starved = i;
+      if (cost(pairs[i]) > 0 && shares[i] * cost(pairs[most_starved]) < shares[most_starved] * cost(pairs[i]))
+        most_starved = i;
     ++shares[most_starved];
   }
   ThreadSplit split;
@@ -472,6 +486,9 @@ const CommandRegistrar registrar{
       app.add_option("--inject", o->inject,
                      "Inject faults into the engine side (diffrun faults lists them), e.g. rope_theta_10000,kv_cache_pos0");
       add_tp_option(app, o->tp);
+      app.add_flag("!--no-tp-invariance", o->tp_invariance,
+                   "With --tp N: leave out the third pair, the f32 engine at --tp N against itself on one GPU (a "
+                   "model too large for one GPU needs this)");
       app.add_flag("--isolate", o->isolate,
                    "Also run the engine in isolation replay (each op on the reference's inputs): local error per "
                    "checkpoint. Needs every checkpoint (not with --checkpoints)");
