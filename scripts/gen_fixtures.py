@@ -132,11 +132,20 @@ LLAMA_13B = models.Shape("llama-13b", "llama-13b", "llama", 40, 5120, 40, 40, 12
 QWEN3_30B_A3B = models.Shape("qwen3-30b-a3b", "qwen3-30b-a3b", "qwen3moe", 48, 2048, 32, 4, 128, 6144, 4096, 1e6, 1e-6,
                              False, "qwen2_bpe", n_vocab=151936, qk_norm=True, n_expert=128, n_expert_used=8,
                              n_ff_exp=768)
+# Llama 2 70B's shape (80 layers, D 8192, 64 query and 8 KV heads, F 28672; 39 GiB in Q4_K) and Qwen2.5-14B's (48
+# layers, D 5120, 40 and 8 heads, F 13824, V 152064, q/k/v biases; 8.6 GiB): the tensor-parallel engine's sizes
+# (4 and 2 GPUs).
+LLAMA_70B = models.Shape("llama-70b", "llama-70b", "llama", 80, 8192, 64, 8, 128, 28672, 4096, 10000.0, 1e-5, False,
+                         "llama_spm", n_vocab=32000)
+QWEN25_14B = models.Shape("qwen2.5-14b", "qwen2.5-14b", "qwen2", 48, 5120, 40, 8, 128, 13824, 32768, 1e6, 1e-6, False,
+                          "qwen2_bpe", n_vocab=152064, qkv_bias=True)
 # --shape name -> (shape, the rng stream's second key, file name): shapes whose every matrix is Q4_K.
 Q4K_SHAPES = {
     "llama-7b-q4k": (LLAMA_7B, 7, "llama-7b-q4_k.gguf"),
     "llama-13b-q4k": (LLAMA_13B, 13, "llama-13b-q4_k.gguf"),
     "qwen3-30b-a3b-q4k": (QWEN3_30B_A3B, 30, "qwen3-30b-a3b-q4_k.gguf"),
+    "llama-70b-q4k": (LLAMA_70B, 70, "llama-70b-q4_k.gguf"),
+    "qwen2.5-14b-q4k": (QWEN25_14B, 14, "qwen2.5-14b-q4_k.gguf"),
 }
 
 
