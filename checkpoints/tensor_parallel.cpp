@@ -1,8 +1,10 @@
 #include "checkpoints/tensor_parallel.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "checkpoints/vocabulary.hpp"
+#include "model/error.hpp"
 
 namespace diffrun {
 
@@ -77,6 +79,38 @@ ShardSpec megatron_shard(std::string_view name, const TpSlice& s) {
     break;
   }
   return spec;
+}
+
+void place_shard(std::span<float> whole, std::span<const int64_t> whole_shape, int dim, int64_t offset,
+                 std::span<const float> piece) {
+  if (dim < 0 || static_cast<size_t>(dim) >= whole_shape.size()) throw Error("place_shard: no dimension " + std::to_string(dim));
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < dim; ++i) outer *= whole_shape[static_cast<size_t>(i)];
+  for (size_t i = static_cast<size_t>(dim) + 1; i < whole_shape.size(); ++i) inner *= whole_shape[i];
+  const int64_t full = whole_shape[static_cast<size_t>(dim)];
+  if (outer * inner == 0) return;
+  const int64_t extent = static_cast<int64_t>(piece.size()) / (outer * inner);
+  if (extent * outer * inner != static_cast<int64_t>(piece.size()) || offset < 0 || offset + extent > full ||
+      static_cast<int64_t>(whole.size()) != outer * full * inner)
+    throw Error("place_shard: a piece of " + std::to_string(piece.size()) + " values at offset " +
+                std::to_string(offset) + " does not fit dimension " + std::to_string(dim) + " of " +
+                std::to_string(full));
+  for (int64_t o = 0; o < outer; ++o)
+    std::copy_n(piece.begin() + o * extent * inner, extent * inner, whole.begin() + (o * full + offset) * inner);
+}
+
+std::vector<float> add_partials(const std::vector<std::span<const float>>& ranks) {
+  if (ranks.empty()) return {};
+  const size_t n = ranks.front().size();
+  for (const auto& r : ranks)
+    if (r.size() != n) throw Error("add_partials: the ranks' partial sums differ in size");
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    double sum = 0;
+    for (const auto& r : ranks) sum += r[i];
+    out[i] = static_cast<float>(sum);
+  }
+  return out;
 }
 
 }  // namespace diffrun

@@ -17,8 +17,10 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "model/config.hpp"
 
@@ -48,5 +50,15 @@ struct ShardSpec {
 // The checkpoint `name` (vocabulary name, "-L" suffix or not) of rank s in the Megatron layout: attn_out and
 // ffn_out partial (recorded before their all-reduce); a layout with H, Hkv or F split along it; else replicated.
 ShardSpec megatron_shard(std::string_view name, const TpSlice& s);
+
+// The merge of one checkpoint's rank pieces (docs/dump-format.md, "Shards"), the one rule of every place that
+// merges them (dump/shards.cpp for rank dumps, the TP engine for its merged recording):
+// - place_shard: a rank's piece (its slice along dimension `dim` of the whole shape, from `offset`; every other
+//   dimension whole) copied into `whole`. Copies of one slice on several ranks: the caller places the lowest
+//   rank's last.
+// - add_partials: the ranks' partial sums added in float64 in rank order, rounded to float32 once.
+void place_shard(std::span<float> whole, std::span<const int64_t> whole_shape, int dim, int64_t offset,
+                 std::span<const float> piece);
+std::vector<float> add_partials(const std::vector<std::span<const float>>& ranks);
 
 }  // namespace diffrun

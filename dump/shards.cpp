@@ -184,32 +184,20 @@ class MergedSource final : public DumpReader::Source {
 
  private:
   std::vector<float> sum(int step, const std::string& name) const {
-    std::vector<double> acc;
-    for (const auto& r : ranks_) {
-      const std::vector<float> v = r->read(step, name);
-      if (acc.empty()) acc.assign(v.size(), 0.0);
-      for (size_t i = 0; i < v.size() && i < acc.size(); ++i) acc[i] += v[i];
-    }
-    return std::vector<float>(acc.begin(), acc.end());
+    std::vector<std::vector<float>> values;
+    for (const auto& r : ranks_) values.push_back(r->read(step, name));
+    return add_partials({values.begin(), values.end()});
   }
 
   // Each rank's piece placed at its offset along the split dimension; of the copies of a slice several ranks hold,
   // the lowest rank's (placed last), as a replicated checkpoint presents rank 0's.
   std::vector<float> concatenate(int step, const std::string& name, const MergePlan& p) const {
-    int64_t outer = 1, inner = 1, total = 1;
-    for (int i = 0; i < p.dim; ++i) outer *= p.shape[i];
-    for (size_t i = p.dim + 1; i < p.shape.size(); ++i) inner *= p.shape[i];
+    int64_t total = 1;
     for (int64_t d : p.shape) total *= d;
-    const int64_t full = p.shape[p.dim];
     std::vector<float> out(static_cast<size_t>(total));
     for (auto it = ranks_.rbegin(); it != ranks_.rend(); ++it) {
       const DumpReader& r = **it;
-      const DatasetInfo* d = r.find(step, name);
-      const std::vector<float> v = r.read(step, name);
-      const int64_t extent = d->shape[p.dim];
-      for (int64_t o = 0; o < outer; ++o)
-        std::copy_n(v.begin() + o * extent * inner, extent * inner,
-                    out.begin() + (o * full + d->shard_offset) * inner);
+      place_shard(out, p.shape, p.dim, r.find(step, name)->shard_offset, r.read(step, name));
     }
     return out;
   }

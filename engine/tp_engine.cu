@@ -278,15 +278,10 @@ class TpEngineImpl final : public TpCudaEngine {
     for (size_t i = 0; i < count; ++i) {
       const RankCollector::Record& r0 = ranks[0].records[i];
       const ShardSpec spec0 = megatron_shard(r0.name, slices_[0]);
-      if (spec0.partial) {  // in float64, in rank order, rounded once
-        std::vector<float>& whole = merged_;
-        whole.resize(r0.data.size());
-        for (size_t k = 0; k < whole.size(); ++k) {
-          double sum = 0;
-          for (const RankCollector& c : ranks) sum += c.records[i].data[k];
-          whole[k] = static_cast<float>(sum);
-        }
-        sink.record(step, r0.name, r0.layer, r0.layout, r0.shape, r0.native, whole);
+      if (spec0.partial) {
+        std::vector<std::span<const float>> pieces;
+        for (const RankCollector& c : ranks) pieces.emplace_back(c.records[i].data);
+        sink.record(step, r0.name, r0.layer, r0.layout, r0.shape, r0.native, add_partials(pieces));
         continue;
       }
       if (spec0.split.empty()) {
@@ -300,17 +295,13 @@ class TpEngineImpl final : public TpCudaEngine {
       const size_t d = size_t(at - dims.begin());
       std::vector<int64_t> shape = r0.shape;
       shape[d] = whole_extent(cfg_, spec0.split);
-      int64_t outer = 1, inner = 1;
-      for (size_t k = 0; k < d; ++k) outer *= shape[k];
-      for (size_t k = d + 1; k < shape.size(); ++k) inner *= shape[k];
+      int64_t total = 1;
+      for (int64_t e : shape) total *= e;
       std::vector<float>& whole = merged_;
-      whole.assign(size_t(outer * shape[d] * inner), 0.0f);
+      whole.resize(size_t(total));
       for (int r = world_ - 1; r >= 0; --r) {  // copies of one slice (KV heads where Hkv < N): rank 0's last
         const RankCollector::Record& piece = ranks[size_t(r)].records[i];
-        const ShardSpec spec = megatron_shard(piece.name, slices_[size_t(r)]);
-        for (int64_t o = 0; o < outer; ++o)
-          std::copy_n(piece.data.data() + o * spec.extent * inner, spec.extent * inner,
-                      whole.data() + (o * shape[d] + spec.offset) * inner);
+        place_shard(whole, shape, int(d), megatron_shard(piece.name, slices_[size_t(r)]).offset, piece.data);
       }
       sink.record(step, r0.name, r0.layer, r0.layout, shape, r0.native, whole);
     }

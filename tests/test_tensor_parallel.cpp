@@ -1,8 +1,11 @@
 // checkpoints/tensor_parallel: the Megatron split of a model over N ranks, and what each rank's checkpoints hold.
+#include <vector>
+
 #include <gtest/gtest.h>
 
 #include "checkpoints/tensor_parallel.hpp"
 #include "model/config.hpp"
+#include "model/error.hpp"
 
 namespace diffrun {
 namespace {
@@ -100,6 +103,37 @@ TEST(TensorParallel, MegatronShardOfEachCheckpoint) {
     EXPECT_FALSE(r.partial) << replicated;
   }
   EXPECT_EQ(megatron_shard("Qcur-0", tp_slice(c, 0, 1, 64)).split, "") << "one rank holds everything";
+}
+
+// The merge primitives: pieces placed along a middle dimension reproduce the whole; Hkv copies placed lowest rank
+// last present rank 0's; partial sums in float64, rounded once; pieces that do not fit are refused.
+TEST(TensorParallel, MergePrimitives) {
+  const std::vector<int64_t> shape = {2, 4, 3};  // [T, H, Dh], split along H
+  std::vector<float> whole(24), merged(24, -1.0f);
+  for (size_t i = 0; i < whole.size(); ++i) whole[i] = float(i);
+  for (int64_t h0 : {0, 1}) {  // uneven slices: H 0..0 and 1..3
+    const int64_t h1 = h0 == 0 ? 1 : 4;
+    std::vector<float> piece;
+    for (int64_t t = 0; t < 2; ++t)
+      for (int64_t h = h0; h < h1; ++h)
+        for (int64_t d = 0; d < 3; ++d) piece.push_back(whole[size_t((t * 4 + h) * 3 + d)]);
+    place_shard(merged, shape, 1, h0, piece);
+  }
+  EXPECT_EQ(merged, whole);
+  std::vector<float> copy(6, 7.0f), mine(6, 1.0f), out(6);
+  const std::vector<int64_t> one_head = {2, 1, 3};
+  place_shard(out, one_head, 1, 0, copy);
+  place_shard(out, one_head, 1, 0, mine);  // rank 0 placed last
+  EXPECT_EQ(out, mine);
+  EXPECT_THROW(place_shard(merged, shape, 1, 3, std::vector<float>(12)), Error);  // 2 heads from H 3: past the end
+  EXPECT_THROW(place_shard(merged, shape, 3, 0, std::vector<float>(6)), Error);
+
+  const std::vector<float> a = {1.0f, 1e8f, 0.1f}, b = {1e-8f, -1e8f, 0.2f};
+  const std::vector<float> sum = add_partials({a, b});
+  EXPECT_EQ(sum[0], 1.0f);
+  EXPECT_EQ(sum[1], 0.0f);
+  EXPECT_EQ(sum[2], static_cast<float>(double(0.1f) + double(0.2f)));  // float64, rounded once
+  EXPECT_THROW(add_partials({a, std::vector<float>(2)}), Error);
 }
 
 }  // namespace
