@@ -406,6 +406,26 @@ int report_pairs(const MainOptions& o, const ModelConfig& cfg, const Tokenizer& 
   return rc;
 }
 
+// The tp invariance pair's one-GPU f32 engine shares device 0 with rank 0 of the two tensor-parallel engines; where
+// they would not fit in its free memory now, the pair is left out (with a message) rather than the run failing.
+void drop_tp_pair_if_too_large(const GgufFile& file, const ModelConfig& cfg, const MainOptions& o, int max_ctx,
+                               int tokens, std::vector<RunPair>& pairs, Progress& progress) {
+#ifdef DIFFRUN_HAVE_CUDA
+  const auto tp_pair = std::find_if(pairs.begin(), pairs.end(), [](const RunPair& p) { return p.ref.backend == "cuda"; });
+  if (tp_pair == pairs.end()) return;
+  const uint64_t one_gpu = cuda_engine_device_bytes(file, cfg, "f32", max_ctx, tokens);
+  const uint64_t ranks = (one_gpu + cuda_engine_device_bytes(file, cfg, "f16", max_ctx, tokens)) / uint64_t(o.tp);
+  const uint64_t free_bytes = cuda_free_device_bytes();
+  if (one_gpu + ranks <= free_bytes) return;
+  progress.message(fmt::format("the tp invariance pair is left out: its one-GPU f32 engine ({:.1f} GiB) and rank 0 of the "
+                               "tensor-parallel engines ({:.1f} GiB) do not fit in GPU 0's {:.1f} GiB free",
+                               one_gpu / 1073741824.0, ranks / 1073741824.0, free_bytes / 1073741824.0));
+  pairs.erase(tp_pair);
+#else
+  (void)file, (void)cfg, (void)o, (void)max_ctx, (void)tokens, (void)pairs, (void)progress;
+#endif
+}
+
 int run_main(const MainOptions& o) {
   Progress progress("diffrun");
   check_outputs(o);
@@ -419,7 +439,7 @@ int run_main(const MainOptions& o) {
   validate_tensors(*file, cfg);
   const auto tok = load_tokenizer(*file);
   progress.timing("model and tokenizer loaded");
-  const std::vector<RunPair> pairs = run_pairs(o, probe, progress);
+  std::vector<RunPair> pairs = run_pairs(o, probe, progress);
   progress.timing("pairs chosen");
   // Every option is checked before the reference runs (it may take minutes).
   for (const RunPair& p : pairs) {
@@ -432,6 +452,7 @@ int run_main(const MainOptions& o) {
     throw InputError(fmt::format("the prompt ({} tokens) plus {} steps exceeds the model's context of {}", ids.size(),
                                  o.steps, cfg.n_ctx));
   }
+  drop_tp_pair_if_too_large(*file, cfg, o, static_cast<int>(needed), static_cast<int>(ids.size()), pairs, progress);
   uint64_t held_bytes = 0;  // a reference's checkpoints in memory, the cache whole
   const DumpWriterOptions wopt = plan_dump_size(cfg, static_cast<int64_t>(ids.size()), o.steps, filter, o.size,
                                                 [&](const std::string& s) { progress.message(s); }, &held_bytes);
