@@ -3,6 +3,8 @@
 // bytes go from the file's mapping through two pinned pieces of host memory (HostPieces).
 #include "engine/weights.cuh"
 
+#include "engine/weight_cut.hpp"
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -49,31 +51,6 @@ bool quantized_weights_enabled() {
   return !(v != nullptr && std::strcmp(v, "0") == 0);
 }
 
-// The part of a tensor a tensor-parallel rank uploads: rows [r0, r1) of columns [c0, c1) (GGUF's ne[1..] rows of
-// ne[0] columns; a vector is one row); r1 / c1 = -1: to the end.
-struct Cut {
-  int64_t r0 = 0, r1 = -1, c0 = 0, c1 = -1;
-};
-
-Cut cut_of(TensorRole role, const ModelConfig& cfg, const WeightCut* c) {
-  using R = TensorRole;
-  if (c == nullptr || c->slice.world <= 1) return {};
-  const TpSlice* s = &c->slice;
-  const TpSlice& q = c->q_rows;
-  const TpSlice& kv = c->kv_rows;
-  const int64_t Dh = cfg.head_dim;
-  switch (role) {
-    case R::wq: return {q.h0 * Dh, q.h1 * Dh, 0, -1};
-    case R::bq: return {0, -1, q.h0 * Dh, q.h1 * Dh};
-    case R::wk: case R::wv: return {kv.kv0 * Dh, kv.kv1 * Dh, 0, -1};
-    case R::bk: case R::bv: return {0, -1, kv.kv0 * Dh, kv.kv1 * Dh};
-    case R::wo: return {0, -1, s->h0 * Dh, s->h1 * Dh};
-    case R::w_gate: case R::w_up: return {s->f0, s->f1, 0, -1};
-    case R::w_down: return {0, -1, s->f0, s->f1};
-    default: return {};
-  }
-}
-
 // One tensor of the table to upload: `rows` rows of `cols` values (fewer than the file holds for padded vocab, or
 // a tensor-parallel rank's cut).
 struct Planned {
@@ -90,21 +67,7 @@ struct Planned {
   Cut cut;                                  // resolved: r1, c1 >= 0
 };
 
-// The bytes of p's cut of its tensor: the file's own where they are contiguous (whole rows), else each row's
-// columns gathered into `gathered`.
-std::span<const std::byte> cut_bytes(const GgufFile& file, const Planned& p, std::vector<std::byte>& gathered) {
-  const TensorInfo& t = *p.info;
-  const int64_t bs = ggml_block_elements(t.type), bb = static_cast<int64_t>(ggml_block_bytes(t.type));
-  const int64_t file_cols = t.ne.empty() ? 1 : t.ne[0];
-  const int64_t row_bytes = file_cols / bs * bb;
-  std::span<const std::byte> all = file.tensor_data(t);
-  if (p.cut.c0 == 0 && p.cut.c1 == file_cols) return all.subspan(static_cast<size_t>(p.cut.r0 * row_bytes), p.raw_bytes);
-  const int64_t piece = (p.cut.c1 - p.cut.c0) / bs * bb, skip = p.cut.c0 / bs * bb;
-  gathered.resize(p.raw_bytes);
-  for (int64_t r = p.cut.r0; r < p.cut.r1; ++r)
-    std::memcpy(gathered.data() + (r - p.cut.r0) * piece, all.data() + r * row_bytes + skip, static_cast<size_t>(piece));
-  return gathered;
-}
+
 
 std::vector<Planned> plan(const GgufFile& file, const ModelConfig& cfg, uint64_t matrix_elem_bytes,
                           uint64_t* arena_bytes, uint64_t* scratch_elements, const WeightCut* slice) {
@@ -254,7 +217,7 @@ DeviceWeights<W>::DeviceWeights(const GgufFile& file, const ModelConfig& cfg, cu
     void* dst = arena_.get() + p.offset;
     // Stream-ordered: the next tensor's upload into `staging` waits for this dequantization.
     std::vector<std::byte> gathered;  // a tensor-parallel rank's columns
-    std::span<const std::byte> raw = cut_bytes(file, p, gathered);
+    std::span<const std::byte> raw = cut_bytes(file, *p.info, p.cut, gathered);
     std::vector<std::byte> faulty;  // host.copy returns once it has taken the bytes
     if (dequant_scale_offset && dequant_fault_format(p.info->type)) {
       faulty = dequant_fault_bytes(p.info->type, raw);

@@ -28,16 +28,11 @@
 #include "checkpoints/tensor_parallel.hpp"
 #include "engine/device_buffer.cuh"
 #include "engine/device_matrix.cuh"
+#include "engine/weight_cut.hpp"
 #include "model/config.hpp"
 #include "model/gguf.hpp"
 
 namespace diffrun::engine {
-
-// A tensor-parallel rank's cut of the weights: its slice, and the slices its Wq|bq and Wk|Wv|bk|bv rows come from
-// (its own, but under the faults tp_wq_shard_offset and tp_kv_head_wrong_rank, faults/tp_faults.hpp).
-struct WeightCut {
-  TpSlice slice, q_rows, kv_rows;
-};
 
 template <typename W>
 struct DeviceLayerWeights {

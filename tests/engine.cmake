@@ -20,8 +20,11 @@ if(DIFFRUN_HAVE_CUDA)
                LIBS diffrun_engine diffrun_reference FIXTURES tiny_models TIMEOUT 900)
   # DIFFRUN_SMOLLM2_SLICE and DIFFRUN_QWEN05B (optional model paths) pass through ctest's environment.
 endif()
-# The tensor-parallel engine (label gpu; skips with a message on a host of fewer than 2 GPUs).
+# The tensor-parallel engine (label gpu; skips with a message on a host of fewer than 2 GPUs), and its weight cut
+# (host code, no device: label cpu).
 if(DIFFRUN_HAVE_CUDA)
+  diffrun_test(test_weight_cut SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_weight_cut.cpp LIBS diffrun_engine diffrun_model
+               FIXTURES tiny_models)
   diffrun_test(test_engine_tp GPU SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_engine_tp.cpp
                LIBS diffrun_engine FIXTURES tiny_models TIMEOUT 900)
 endif()
