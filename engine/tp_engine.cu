@@ -123,13 +123,20 @@ class RankCollector final : public Sink {
     NativeDType native;
     std::vector<float> data;
   };
-  // A new step, whose records go to `downstream` once merged.
-  void begin(const Sink& downstream) {
+  // A new step, whose records go to `downstream` once merged. A rank other than 0 (`slice` given) keeps only its
+  // split and partial checkpoints: the merge presents rank 0's copy of a replicated one.
+  void begin(const Sink& downstream, const TpSlice* slice) {
     downstream_ = &downstream;
+    slice_ = slice;
     count = 0;
     id_records.clear();
   }
-  bool wants(std::string_view name) const override { return downstream_->wants(name); }
+  bool wants(std::string_view name) const override {
+    if (!downstream_->wants(name)) return false;
+    if (slice_ == nullptr) return true;
+    const ShardSpec spec = megatron_shard(name, *slice_);
+    return spec.partial || !spec.split.empty();
+  }
   void record(int, std::string_view name, int layer, std::string_view layout, std::span<const int64_t> shape,
               NativeDType native, std::span<const float> data) override {
     if (count == records.size()) records.emplace_back();
@@ -150,6 +157,7 @@ class RankCollector final : public Sink {
 
  private:
   const Sink* downstream_ = nullptr;
+  const TpSlice* slice_ = nullptr;
 };
 
 // The size of layout letter `letter` in the whole model.
@@ -243,7 +251,7 @@ class TpEngineImpl final : public TpCudaEngine {
     std::vector<float> logits;
     step_ranks(step, sink, [&](int r, Sink& s) {
       if (r == 0) logits = ranks_[0]->forward(step, tokens, s);
-      else ranks_[size_t(r)]->forward(step, tokens, s);
+      else ranks_[size_t(r)]->forward_argmax(step, tokens, s);  // the same logits as rank 0's: not copied out
     });
     return logits;
   }
@@ -264,7 +272,7 @@ class TpEngineImpl final : public TpCudaEngine {
       return;
     }
     if (collectors_.empty()) collectors_.resize(size_t(world_));
-    for (RankCollector& c : collectors_) c.begin(sink);
+    for (int r = 0; r < world_; ++r) collectors_[size_t(r)].begin(sink, r == 0 ? nullptr : &slices_[size_t(r)]);
     run_ranks([&](int r) { fn(r, collectors_[size_t(r)]); });
     merge_into(step, collectors_, sink);
   }
@@ -272,20 +280,28 @@ class TpEngineImpl final : public TpCudaEngine {
   // The ranks' checkpoints of a step as whole tensors, in rank 0's order.
   void merge_into(int step, std::vector<RankCollector>& ranks, Sink& sink) {
     for (const auto& [name, ids] : ranks[0].id_records) sink.record_ids(step, name, ids);
-    const size_t count = ranks[0].count;
-    for (const RankCollector& c : ranks)
-      if (c.count != count) throw Error("tensor-parallel merge: the ranks recorded different checkpoints");
-    for (size_t i = 0; i < count; ++i) {
+    std::vector<size_t> next(ranks.size(), 0);  // ranks 1..: their next record (split and partial ones only)
+    // Rank r's record of rank 0's record i (the same checkpoint, in the same order).
+    const auto of_rank = [&](size_t r, size_t i) -> const RankCollector::Record& {
+      if (r == 0) return ranks[0].records[i];
+      if (next[r] >= ranks[r].count || ranks[r].records[next[r]].name != ranks[0].records[i].name)
+        throw Error("tensor-parallel merge: rank " + std::to_string(r) + " did not record " + ranks[0].records[i].name);
+      return ranks[r].records[next[r]];
+    };
+    for (size_t i = 0; i < ranks[0].count; ++i) {
       const RankCollector::Record& r0 = ranks[0].records[i];
       const ShardSpec spec0 = megatron_shard(r0.name, slices_[0]);
-      if (spec0.partial) {
-        std::vector<std::span<const float>> pieces;
-        for (const RankCollector& c : ranks) pieces.emplace_back(c.records[i].data);
-        sink.record(step, r0.name, r0.layer, r0.layout, r0.shape, r0.native, add_partials(pieces));
+      if (spec0.split.empty() && !spec0.partial) {  // replicated: rank 0's
+        sink.record(step, r0.name, r0.layer, r0.layout, r0.shape, r0.native, r0.data);
         continue;
       }
-      if (spec0.split.empty()) {
-        sink.record(step, r0.name, r0.layer, r0.layout, r0.shape, r0.native, r0.data);
+      std::vector<const RankCollector::Record*> piece(ranks.size());
+      for (size_t r = 0; r < ranks.size(); ++r) piece[r] = &of_rank(r, i);
+      for (size_t r = 1; r < ranks.size(); ++r) ++next[r];
+      if (spec0.partial) {
+        std::vector<std::span<const float>> pieces;
+        for (const RankCollector::Record* p : piece) pieces.emplace_back(p->data);
+        sink.record(step, r0.name, r0.layer, r0.layout, r0.shape, r0.native, add_partials(pieces));
         continue;
       }
       const std::vector<std::string> dims = layout_dims(r0.layout);
@@ -299,12 +315,13 @@ class TpEngineImpl final : public TpCudaEngine {
       for (int64_t e : shape) total *= e;
       std::vector<float>& whole = merged_;
       whole.resize(size_t(total));
-      for (int r = world_ - 1; r >= 0; --r) {  // copies of one slice (KV heads where Hkv < N): rank 0's last
-        const RankCollector::Record& piece = ranks[size_t(r)].records[i];
-        place_shard(whole, shape, int(d), megatron_shard(piece.name, slices_[size_t(r)]).offset, piece.data);
-      }
+      for (int r = world_ - 1; r >= 0; --r)  // copies of one slice (KV heads where Hkv < N): rank 0's last
+        place_shard(whole, shape, int(d), megatron_shard(r0.name, slices_[size_t(r)]).offset, piece[size_t(r)]->data);
       sink.record(step, r0.name, r0.layer, r0.layout, shape, r0.native, whole);
     }
+    for (size_t r = 1; r < ranks.size(); ++r)
+      if (next[r] != ranks[r].count)
+        throw Error("tensor-parallel merge: rank " + std::to_string(r) + " recorded checkpoints rank 0 did not");
   }
 
   // fn(r) on every rank's thread. A rank that throws aborts every communicator first, so that the other ranks'
