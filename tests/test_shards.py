@@ -211,3 +211,28 @@ def test_validate_checks_a_rank_directory_and_its_set(ref, tmp_path):
     assert r.returncode == 1 and "rank set:" in r.stdout and "rank 2 missing" in r.stdout, r.stdout + r.stderr
     r = run("validate", out, "--json")
     assert r.returncode == 2 and "takes one dump" in r.stderr, r.stdout + r.stderr
+
+
+def test_a_tensor_parallel_engine_against_one_gpu_takes_the_cross_preset(ref, tmp_path):
+    """TP invariance (DESIGN.md, "Tensor parallelism"): rank dumps whose ranks carry the tensor_parallel fact, compared
+    against a dump of the same backend and precision without it, are judged by <p>_vs_<p>_cross (the summation orders
+    differ), not by the bit-exact <p>_vs_<p>; without the fact on either side, <p>_vs_<p>."""
+    import h5py
+    import numpy as np
+    whole = tmp_path / "f32.h5"
+    r = run("dump", "--backend", "cpu", "--precision", "f32", "--model", Path(FIXTURES) / "tiny-llama-f32.gguf",
+            "--tokens", "1,5,9,13", "--steps", "2", "--out", whole)
+    assert r.returncode == 0, r.stderr
+    ranks = shard(whole, tmp_path / "tp", "--ranks", "2")
+
+    def preset(engine, reference):
+        report = tmp_path / "report.json"
+        c = run("compare", engine, reference, "--no-color", "--report-json", report)
+        assert c.returncode in (0, 1), c.stderr
+        return json.loads(report.read_text())["tolerances"]["preset"]
+
+    assert preset(ranks, whole) == "f32_vs_f32"
+    for p in sorted(ranks.iterdir()):
+        with h5py.File(p, "r+") as f:
+            f.attrs["tensor_parallel"] = np.bytes_("2 ranks")  # fixed-length, as the format stores strings
+    assert preset(ranks, whole) == "f32_vs_f32_cross"
