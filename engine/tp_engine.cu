@@ -176,8 +176,13 @@ class TpEngineImpl final : public TpCudaEngine {
     const int64_t unit = f_unit(file, cfg);
     for (int r = 0; r < world; ++r) slices_.push_back(tp_slice(cfg, r, world, unit));
     comms_ = world > 1 ? engine::nccl_comms(world) : std::vector<void*>{nullptr};
-    // Decode steps' sums (up to kPeerTokens tokens) through peer memory; the prefill's through NCCL.
-    peers_ = engine::PeerAllReduceSet::make(world, kPeerTokens * cfg.n_embd);
+    try {
+      // Decode steps' sums (up to kPeerTokens tokens) through peer memory; the prefill's through NCCL.
+      peers_ = engine::PeerAllReduceSet::make(world, kPeerTokens * cfg.n_embd);
+    } catch (...) {
+      release();
+      throw;
+    }
     ranks_.resize(static_cast<size_t>(world));
     std::vector<TpRank> ranks;
     std::vector<FaultSet> rank_faults(size_t(world), faults);
