@@ -74,12 +74,15 @@
 //   cores in the f16 engine; DIFFRUN_QGEMV_MMA=0, the "kquant_gemv" fact), at T > 1 their rows
 //   dequantized into a scratch for the same cuBLAS GEMM; the "quantized_weights" fact lists them.
 // - Mixture of experts (qwen3moe, qwen2moe, Mixtral; moe_ffn): the router's logits, softmax and top-k on the
-//   device (moe_route), then the selected ids copied to the host once a layer (after their checkpoint, which an
-//   isolation replay replaces: forced routing), where each expert's slots are grouped; each expert used runs
-//   one linear layer on its view of the stacked tensor: on its slot's rows in place when one slot chose it (the
-//   quantized GEMV; every expert of a decode step), else on its slots' rows gathered (gather_rows, dequantization
-//   and cuBLAS, scatter_rows). Only the selected experts run. The copy makes every step synchronize once a layer, so MoE steps run kernel by kernel
-//   (no captured graph) and without alternating activation sets; the "moe" fact says so.
+//   device (moe_route). A one-token step (not an isolation replay) gathers the K selected experts' weights by their
+//   ids on the device (gather_experts, from each layer's table of expert addresses) and runs all K gate|up rows as
+//   one GEMV with the SwiGLU fused, then each slot's down projection: nothing is read back, so decode steps are
+//   captured graphs like a dense model's. Steps of several tokens and isolation replay (forced routing: the
+//   reference's ids replace ffn_moe_topk) copy the ids to the host once a layer, where each expert's slots are
+//   grouped; each expert used runs one linear layer on its view of the stacked tensor: on its slot's rows in place
+//   when one slot chose it, else on its slots' rows gathered (gather_rows, dequantization and cuBLAS,
+//   scatter_rows). Only the selected experts run. MoE steps do not alternate activation sets (the layers share
+//   moe_'s buffers); the "moe" fact says all this.
 // - Isolation replay replaces the inputs an op reads, never recomputes an output by another code
 //   path: a fused op runs on replaced inputs (rope_qk on the reference's Kcur and Vcur, add_rms_norm
 //   on its attn_out and residual), each of its outputs is recorded as the op computed it, then
@@ -343,7 +346,7 @@ class CudaEngineImpl final : public CudaEngine {
         attn_counters_(size_t(kAttentionSplitMaxT) * cfg_.n_head, "attention scratch"),
         argmax_scratch_(2, "step state"),
         names_(checkpoint_names(cfg)),
-        graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS") && !cfg.moe),
+        graphs_enabled_(!sync_check_enabled() && !env_is_zero("DIFFRUN_CUDA_GRAPHS")),
         tiled_attention_(!env_is_zero("DIFFRUN_TILED_ATTENTION")),
         swiglu_in_gemv_(!env_is_zero("DIFFRUN_SWIGLU_IN_GEMV")),
         rope_in_gemv_(!env_is_zero("DIFFRUN_ROPE_IN_GEMV")),
@@ -394,9 +397,12 @@ class CudaEngineImpl final : public CudaEngine {
              "result_output's rows before the last in steps of several tokens (a side matmul)"},
         {"checkpoint_copies", stager_.mode()},
     };
-    if (cfg_.moe)
-      facts_["moe"] = "routing on the device, the selected ids read back once a layer; only the selected experts run, "
-                      "each on its tokens' rows; steps kernel by kernel (no graph)";
+    if (cfg_.moe) {
+      facts_["moe"] = "routing on the device; one-token steps gather the selected experts' weights by their ids on "
+                      "the device (one graph); steps of several tokens, and isolation replay, read the ids back once a "
+                      "layer and run each expert used on its tokens' rows; only the selected experts run";
+      prepare_expert_gather();
+    }
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
     if (tp_.cut.slice.world > 1) {
       const TpSlice& t = tp_.cut.slice;
@@ -816,15 +822,18 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "ffn_moe_topk", l, m.ids.get(), {n, K});
     cp(sink, step, "ffn_moe_weights", l, m.weights.get(), {n, K});
     if (cfg_.expert_weights_norm) cp(sink, step, "ffn_moe_weights_norm", l, m.weights_norm.get(), {n, K});
-    const std::vector<int> first = group_slots_by_expert(m, slots, E, l);
-
-    expert_matmul(m.gate.get(), a.ffn_xn.get(), K, w.ffn_gate_exps, first, D, Fe);
-    cp(sink, step, "ffn_moe_gate", l, m.gate.get(), {n, K, Fe});
-    expert_matmul(m.up.get(), a.ffn_xn.get(), K, w.ffn_up_exps, first, D, Fe);
-    cp(sink, step, "ffn_moe_up", l, m.up.get(), {n, K, Fe});
-    swiglu(m.act.get(), m.gate.get(), m.up.get(), int64_t(slots) * Fe, stream_);
-    cp(sink, step, "ffn_moe_swiglu", l, m.act.get(), {n, K, Fe});
-    expert_matmul(m.down.get(), m.act.get(), 1, w.ffn_down_exps, first, Fe, D);
+    if (n == 1 && !step_replaying_) {
+      gathered_experts(step, l, sink, a);
+    } else {
+      const std::vector<int> first = group_slots_by_expert(m, slots, E, l);
+      expert_matmul(m.gate.get(), a.ffn_xn.get(), K, w.ffn_gate_exps, first, D, Fe);
+      cp(sink, step, "ffn_moe_gate", l, m.gate.get(), {n, K, Fe});
+      expert_matmul(m.up.get(), a.ffn_xn.get(), K, w.ffn_up_exps, first, D, Fe);
+      cp(sink, step, "ffn_moe_up", l, m.up.get(), {n, K, Fe});
+      swiglu(m.act.get(), m.gate.get(), m.up.get(), int64_t(slots) * Fe, stream_);
+      cp(sink, step, "ffn_moe_swiglu", l, m.act.get(), {n, K, Fe});
+      expert_matmul(m.down.get(), m.act.get(), 1, w.ffn_down_exps, first, Fe, D);
+    }
     cp(sink, step, "ffn_moe_down", l, m.down.get(), {n, K, D});
     // Weighted by the recorded weights an isolation replay replaces: renormalised, or as selected (qwen2moe).
     const float* slot_weights = cfg_.expert_weights_norm ? m.weights_norm.get() : m.weights.get();
@@ -832,6 +841,99 @@ class CudaEngineImpl final : public CudaEngine {
     moe_combine(out, m.down.get(), slot_weights, n, K, D, stream_);
     cp(sink, step, "ffn_moe_out", l, out, {n, D});
     if (cfg_.moe_shexp) shared_expert(step, l, n, sink, a, out);
+  }
+
+  // The experts of a one-token step (not an isolation replay): the K selected experts' matrices gathered by their
+  // ids on the device (gather_experts) into expert_scratch_ as [K gates][K ups][K downs]; then Wgate|Wup of all K as
+  // one matrix of 2·K·Fe rows (every slot reads the same row x: one GEMV, the SwiGLU fused as in dense_ffn) and each
+  // slot's Wdown on its own act row. Nothing is read back, so the step stays one captured graph. Each row's sum is
+  // the one the per-expert GEMVs of a step of several tokens' slots of one would make (rows are summed alike in any
+  // launch).
+  void gathered_experts(int step, int l, Sink& sink, Activations<W>& a) {
+    const DeviceLayerWeights<W>& w = weights_.layers[l];
+    const int D = cfg_.n_embd, E = cfg_.n_expert, K = cfg_.n_expert_used, Fe = cfg_.n_ff_exp;
+    MoeBuffers<W>& m = *moe_;
+    const DeviceMatrix<W>& g0 = w.ffn_gate_exps[0];
+    const DeviceMatrix<W>& u0 = w.ffn_up_exps[0];
+    const DeviceMatrix<W>& d0 = w.ffn_down_exps[0];
+    const uint64_t gb = expert_bytes(g0), ub = expert_bytes(u0), db = expert_bytes(d0);
+    unsigned char* gates = expert_scratch_.get();
+    unsigned char* ups = gates + uint64_t(K) * gb;
+    unsigned char* downs = ups + uint64_t(K) * ub;
+    const uint64_t* table = expert_tables_.get() + size_t(l) * 3 * E;
+    ExpertStacks st;
+    st.n = 3;
+    st.dst[0] = gates, st.dst[1] = ups, st.dst[2] = downs;
+    st.table[0] = table, st.table[1] = table + E, st.table[2] = table + 2 * E;
+    st.bytes[0] = gb, st.bytes[1] = ub, st.bytes[2] = db;
+    gather_experts(st, m.ids.get(), K, E, stream_);
+    DeviceMatrix<W> gate_up = expert_view(g0, gates, K * Fe);  // K·Fe gate rows, then K·Fe up rows
+    append_rows(gate_up, expert_view(u0, ups, K * Fe));
+    const bool fused = swiglu_in_gemv_ &&
+                       matmul_gate_up_swiglu(m.gate.get(), m.up.get(), m.act.get(), a.ffn_xn.get(), gate_up, D, K * Fe,
+                                             stream_);
+    if (fused) step_fused_ |= kFusedMatmulGateUpSwiglu;
+    else
+      matmul_cat({{m.gate.get(), nullptr, K * Fe}, {m.up.get(), nullptr, K * Fe}}, a.ffn_xn.get(), gate_up, 1, D,
+                 cublas_, stream_);
+    cp(sink, step, "ffn_moe_gate", l, m.gate.get(), {1, K, Fe});
+    cp(sink, step, "ffn_moe_up", l, m.up.get(), {1, K, Fe});
+    if (!fused) swiglu(m.act.get(), m.gate.get(), m.up.get(), int64_t(K) * Fe, stream_);
+    cp(sink, step, "ffn_moe_swiglu", l, m.act.get(), {1, K, Fe});
+    for (int k = 0; k < K; ++k)
+      matmul(m.down.get() + size_t(k) * D, m.act.get() + size_t(k) * Fe, expert_view(d0, downs + uint64_t(k) * db, D),
+             nullptr, 1, Fe, D, cublas_, stream_);
+  }
+
+  // Bytes of one expert's matrix in its stack (dense rows of W, or one segment of GGUF blocks).
+  static uint64_t expert_bytes(const DeviceMatrix<W>& m) {
+    if (!m.quantized()) return uint64_t(m.rows) * m.K * sizeof(W);
+    const auto& s = m.segments[0];
+    return uint64_t(s.rows) * (m.K / ggml_block_elements(s.type)) * ggml_block_bytes(s.type);
+  }
+  static uint64_t expert_address(const DeviceMatrix<W>& m) {
+    return m.quantized() ? reinterpret_cast<uint64_t>(m.segments[0].raw) : reinterpret_cast<uint64_t>(m.dense);
+  }
+  // `rows` rows in the format of expert matrix `like` at `raw`.
+  static DeviceMatrix<W> expert_view(const DeviceMatrix<W>& like, const unsigned char* raw, int rows) {
+    DeviceMatrix<W> v;
+    v.K = like.K;
+    v.rows = rows;
+    if (!like.quantized()) {
+      v.dense = reinterpret_cast<const W*>(raw);
+      return v;
+    }
+    v.n_segments = 1;
+    v.segments[0] = {like.segments[0].type, raw, rows};
+    v.scratch = like.scratch;
+    return v;
+  }
+  // m's rows followed by `more`'s, which lie right after them in memory (one segment where the formats agree).
+  static void append_rows(DeviceMatrix<W>& m, const DeviceMatrix<W>& more) {
+    if (m.quantized() && m.segments[0].type != more.segments[0].type) m.segments[m.n_segments++] = more.segments[0];
+    else if (m.quantized()) m.segments[m.n_segments - 1].rows += more.rows;
+    m.rows += more.rows;
+  }
+
+  // MoE: each layer's expert addresses for gather_experts ([n_layer][gate, up, down][E], the views as the fault
+  // edits left them) and the scratch the K selected experts are gathered into.
+  void prepare_expert_gather() {
+    const int E = cfg_.n_expert, K = cfg_.n_expert_used;
+    std::vector<uint64_t> table(size_t(cfg_.n_layer) * 3 * E);
+    uint64_t largest = 0;
+    for (int l = 0; l < cfg_.n_layer; ++l) {
+      const DeviceLayerWeights<W>& w = weights_.layers[l];
+      const std::vector<DeviceMatrix<W>>* stacks[3] = {&w.ffn_gate_exps, &w.ffn_up_exps, &w.ffn_down_exps};
+      uint64_t bytes = 0;
+      for (int i = 0; i < 3; ++i) {
+        for (int e = 0; e < E; ++e) table[(size_t(l) * 3 + i) * E + e] = expert_address(stacks[i]->at(size_t(e)));
+        bytes += expert_bytes(stacks[i]->at(0));
+      }
+      largest = std::max(largest, bytes);
+    }
+    expert_tables_ = DeviceBuffer<uint64_t>(table.size(), "MoE expert addresses");
+    CUDA_CHECK(cudaMemcpy(expert_tables_.get(), table.data(), table.size() * sizeof(uint64_t), cudaMemcpyHostToDevice));
+    expert_scratch_ = DeviceBuffer<unsigned char>(size_t(largest) * K, "the selected experts' weights");
   }
 
   // qwen2moe's shared expert on a.ffn_xn, added to the experts' sum `moe_out` into a.ffn_out: a SwiGLU FFN of width
@@ -1088,6 +1190,8 @@ class CudaEngineImpl final : public CudaEngine {
   DeviceBuffer<float> v_cache_;  // [n_layer][max_ctx, Hkv*Dh]
   std::unique_ptr<Activations<W>> act_;
   std::unique_ptr<MoeBuffers<W>> moe_;  // mixture-of-experts models only
+  DeviceBuffer<uint64_t> expert_tables_;       // MoE: [n_layer][gate, up, down][E] expert addresses
+  DeviceBuffer<unsigned char> expert_scratch_;  // MoE: a one-token step's K experts, gathered
   Activations<W> alt_;           // [1 token] the odd layers' set of a one-token step (see the top)
   bool alternate_ = false;       // this step alternates act_ and alt_ by layer parity
   int flush_ticket_ = -1;        // the previous layer's stager_.flush_beside() (alternating steps)

@@ -364,9 +364,6 @@ std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile
 }
 
 std::string fault_dormant(Fault f, const ModelConfig& cfg, const GgufFile* file, std::string_view engine_precision) {
-  if (f == Fault::graph_position_frozen && cfg.moe)
-    return "the engine runs a mixture of experts' steps kernel by kernel (it reads the routing back each layer): "
-           "no decode graph is captured";
   if (f != Fault::swiglu_fused_gate_up_swapped || engine_precision != "f32" || !file) return "";
   if (!fault_not_applicable(f, cfg, file).empty()) return "";
   const GgmlType t = file->tensor("blk.0.ffn_gate.weight").type;

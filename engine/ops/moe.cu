@@ -2,6 +2,8 @@
 // expert's gate, and the row moves around each expert's matmul. Elementwise ones grid-stride.
 #include "engine/ops/moe.cuh"
 
+#include <algorithm>
+
 #include "engine/cuda_check.cuh"
 #include "engine/ops/launch.cuh"
 
@@ -104,6 +106,25 @@ static __global__ void scatter_rows_kernel(float* dst, const float* src, const i
     dst[int64_t(rows[i / cols]) * cols + i % cols] = src[i];
 }
 
+// grid (blocks, K, stacks): block x of slot y copies its share of stack z's expert.
+static __global__ void gather_experts_kernel(ExpertStacks s, const float* ids, int E) {
+  pdl_wait();
+  const int k = blockIdx.y, i = blockIdx.z;
+  const float v = ids[k];
+  const int e = v >= 0.0f ? min(static_cast<int>(v), E - 1) : 0;
+  const uint64_t bytes = s.bytes[i];
+  const unsigned char* src = reinterpret_cast<const unsigned char*>(s.table[i][e]);
+  unsigned char* dst = s.dst[i] + uint64_t(k) * bytes;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  const uint64_t first = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+    for (uint64_t j = first; j < bytes / 16; j += stride)
+      reinterpret_cast<uint4*>(dst)[j] = reinterpret_cast<const uint4*>(src)[j];
+  } else {
+    for (uint64_t j = first; j < bytes; j += stride) dst[j] = src[j];
+  }
+}
+
 static __global__ void ids_as_values_kernel(float* out, const int32_t* ids, int64_t n) {
   pdl_wait();
   pdl_trigger();
@@ -180,6 +201,17 @@ void scatter_rows(float* dst, const float* src, const int32_t* rows, int n, int 
   if (total == 0) return;
   launch_pdl(scatter_rows_kernel, op_grid(total), kOpThreads, 0, stream, dst, src, rows, n, cols);
   check_launch("scatter_rows", stream);
+}
+
+void gather_experts(const ExpertStacks& stacks, const float* ids, int K, int E, cudaStream_t stream) {
+  if (stacks.n == 0 || K == 0) return;
+  uint64_t largest = 0;
+  for (int i = 0; i < stacks.n; ++i) largest = std::max(largest, stacks.bytes[i]);
+  // About 64 KiB a block: the largest stack's expert in that many blocks, every slot and stack alike.
+  const unsigned blocks = static_cast<unsigned>(std::clamp<uint64_t>((largest + 65535) / 65536, 1, 1024));
+  launch_pdl(gather_experts_kernel, dim3(blocks, static_cast<unsigned>(K), static_cast<unsigned>(stacks.n)), 256, 0,
+             stream, stacks, ids, E);
+  check_launch("gather_experts", stream);
 }
 
 void ids_as_values(float* out, const int32_t* ids, int64_t n, cudaStream_t stream) {

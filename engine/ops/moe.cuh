@@ -36,6 +36,21 @@ void sigmoid(float* out /* [n] */, const float* x /* [n] */, int64_t n, cudaStre
 void scale_rows(float* out /* [T,D] */, const float* shexp /* [T,D] */, const float* gate /* [T] */, int n_tokens,
                 int D, cudaStream_t stream);
 
+// A one-token step's experts gathered by their ids on the device: for each slot k < K and each of the n stacks
+// (gate, up, down), the `bytes[i]` bytes of expert ids[k]'s matrix (at address table[i][e], a device array of E
+// addresses: the experts' views, as fault edits leave them) copied to dst[i] + k·bytes[i]. ids as ffn_moe_topk holds
+// them (values), clamped to 0..E-1.
+// So a decode step needs no read-back of its ids: the GEMVs after it read fixed addresses, and the step stays one
+// captured graph. It moves weights, not activations: no reference twin.
+struct ExpertStacks {
+  static constexpr int kMax = 3;
+  unsigned char* dst[kMax];
+  const uint64_t* table[kMax];
+  uint64_t bytes[kMax];
+  int n = 0;
+};
+void gather_experts(const ExpertStacks& stacks, const float* ids /* [K] */, int K, int E, cudaStream_t stream);
+
 // dst row i = src row rows[i] / div (div 1: the slot's own row; K: its token's row), for i < n; width cols.
 void gather_rows(float* dst, const float* src, const int32_t* rows, int div, int n, int cols, cudaStream_t stream);
 void gather_rows(__half* dst, const __half* src, const int32_t* rows, int div, int n, int cols, cudaStream_t stream);
