@@ -1,6 +1,6 @@
 // The tensor-parallel engine (--tp N, engine/tp_engine.hpp) on the GPU host: N ranks against the one-GPU engine,
 // both f32, on the tiny fixtures that split; the ranks' shards against the merge; the production path recorded;
-// the refusals. Skips (with the reason) without 2 GPUs.
+// the refusals. The tests of N >= 2 skip (with the reason) without 2 GPUs; one rank runs on any GPU host.
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -111,6 +111,30 @@ TEST(EngineTp, MergedRanksMatchOneGpuOnTinyFixtures) {
     }
   }
   EXPECT_GT(runs, 0);
+}
+
+// One rank (make_tp_cuda_engine at N = 1, runnable on any GPU host): the rank thread, its collector and the merge
+// hand back exactly what the one-GPU engine computes, every checkpoint bit for bit.
+TEST(EngineTp, OneRankIsTheOneGpuEngine) {
+  DIFFRUN_REQUIRE_CUDA();
+  for (const char* name : {"tiny-llama-q8_0.gguf", "tiny-qwen3moe-q8_0.gguf"}) {
+    SCOPED_TRACE(name);
+    auto file = GgufFile::open(test::fixture_path(name));
+    const ModelConfig cfg = config_from_gguf(*file);
+    auto one = make_cuda_engine(*file, cfg, "f32", 16);
+    auto tp = make_tp_cuda_engine(*file, cfg, "f32", 16, 1);
+    std::vector<int32_t> tokens = prompt_ids(cfg.n_vocab, 6);
+    for (int step = 0; step <= 3; ++step) {
+      MemorySink a, b;
+      const std::vector<float> la = one->forward(step, tokens, a);
+      const std::vector<float> lb = tp->forward(step, tokens, b);
+      EXPECT_EQ(la, lb) << "step " << step;
+      ASSERT_EQ(a.order[step], b.order[step]);
+      for (const auto& [cp, r] : a.tensors[step]) EXPECT_EQ(b.tensors[step].at(cp).data, r.data) << cp;
+      EXPECT_EQ(tp->last_step_path().graph, one->last_step_path().graph);
+      tokens = {one->last_argmax()};
+    }
+  }
 }
 
 // Each rank's own sink holds its Megatron shard: split pieces are the merge's slices, partial sums add up to it,
