@@ -130,15 +130,16 @@ __global__ void __launch_bounds__(kPeerThreads) peer_all_reduce_kernel(float* x,
   if (threadIdx.x == 0) *p.epoch = e;
 }
 
-bool env_says_nccl() {
+// DIFFRUN_TP_ALLREDUCE=peer asks for the one-shot kernel (opt-in: see DESIGN.md, "Tensor parallelism").
+bool env_asks_peer() {
   const char* v = std::getenv("DIFFRUN_TP_ALLREDUCE");
-  return v && std::strcmp(v, "nccl") == 0;
+  return v && std::strcmp(v, "peer") == 0;
 }
 
 }  // namespace
 
 std::unique_ptr<PeerAllReduceSet> PeerAllReduceSet::make(int world, int max_floats) {
-  if (world < 2 || world > PeerAllReduce::kMaxRanks || env_says_nccl()) return nullptr;
+  if (world < 2 || world > PeerAllReduce::kMaxRanks || !env_asks_peer()) return nullptr;
   for (int r = 0; r < world; ++r)
     for (int q = 0; q < world; ++q) {
       int can = 0;

@@ -32,7 +32,7 @@ struct PeerAllReduce {
 // The buffers of a PeerAllReduce on every device (0..world-1) and peer access between them.
 class PeerAllReduceSet {
  public:
-  // Null where a pair of devices has no peer access, world > kMaxRanks, or DIFFRUN_TP_ALLREDUCE=nccl.
+  // Null unless DIFFRUN_TP_ALLREDUCE=peer, and where a pair of devices has no peer access or world > kMaxRanks.
   static std::unique_ptr<PeerAllReduceSet> make(int world, int max_floats);
   ~PeerAllReduceSet();
   PeerAllReduceSet(const PeerAllReduceSet&) = delete;

@@ -177,7 +177,7 @@ class TpEngineImpl final : public TpCudaEngine {
     for (int r = 0; r < world; ++r) slices_.push_back(tp_slice(cfg, r, world, unit));
     comms_ = world > 1 ? engine::nccl_comms(world) : std::vector<void*>{nullptr};
     try {
-      // Decode steps' sums (up to kPeerTokens tokens) through peer memory; the prefill's through NCCL.
+      // DIFFRUN_TP_ALLREDUCE=peer: decode steps' sums (up to kPeerTokens tokens) through peer memory, the rest NCCL.
       peers_ = engine::PeerAllReduceSet::make(world, kPeerTokens * cfg.n_embd);
     } catch (...) {
       release();
