@@ -169,9 +169,13 @@ void check_run_options(const GgufFile& file, const ModelConfig& cfg, const Backe
   const std::vector<TpFault> tp_faults = take_tp_faults(opt.inject, &one_gpu);
   const FaultSet faults = parse_faults(one_gpu);
   faults.check_applicable(cfg, &file);
-  if ((opt.tp > 1 || !tp_faults.empty()) && opt.backend != "cuda")
+  if (opt.tp > 1 && opt.backend != "cuda")
     throw InputError("--tp " + std::to_string(opt.tp) + " runs the cuda backend over several GPUs, not the " +
                      opt.backend + " backend");
+  if (!tp_faults.empty() && opt.backend != "cuda")
+    throw InputError(std::string("--inject ") + tp_fault_info(tp_faults.front()).name +
+                     ": the tensor-parallel faults are the cuda engine's at --tp 2 or more, not the " + opt.backend +
+                     " backend's");
   if (opt.backend == "cuda") {
     for (Fault f : faults.list()) {
       if (const std::string why = fault_dormant(f, cfg, &file, opt.precision); !why.empty())

@@ -353,6 +353,23 @@ TEST_F(Cli, PromptBadInputs) {
   EXPECT_EQ(run("--model " + shell_quote(model) + " --tokens 1 --steps -1").rc, 2);
 }
 
+// --tp and the tensor-parallel faults: refused, exit 2, with what is wrong, wherever they cannot run (here: on the
+// CPU backend, an unknown fault name).
+TEST_F(Cli, TensorParallelBadInputs) {
+  const std::string model = diffrun::test::fixture_path("tiny-llama-f32.gguf");
+  if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model;
+  const std::string m = " --model " + shell_quote(model) + " --tokens 1,2";
+  expect_error(run("dump --backend cpu --tp 2" + m + " --out " + shell_quote(path("tp"))), "--tp 2 runs the cuda backend");
+  expect_error(run("dump --backend cpu --inject tp_stale_kv_row" + m + " --out " + shell_quote(path("tp.h5"))),
+               "tensor-parallel faults are the cuda engine's");
+  expect_error(run("dump --backend cuda --tp 2 --inject tp_nope" + m + " --out " + shell_quote(path("tp"))),
+               "unknown tensor-parallel fault 'tp_nope'");
+  expect_error(run("dump --backend cpu --tp 0" + m + " --out " + shell_quote(path("tp"))), "--tp");
+  const Result faults = run("faults");
+  EXPECT_EQ(faults.rc, 0);
+  EXPECT_NE(faults.out.find("tp_attn_allreduce_skipped"), std::string::npos);
+}
+
 // The reference that emulates the f16 engine's storage (f32-f16store) against the same storage in f64
 // arithmetic: the CPU twin of the default GPU precision pair, under its preset (f16_vs_f32-f16store).
 // The stored tensors hold f16 values and say so; a small RMSNorm error that the old f16 preset let
