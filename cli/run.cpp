@@ -129,11 +129,24 @@ void add_tp_option(CLI::App& app, int& tp) {
 }
 
 
+namespace {
+
+// --inject split into the one-GPU catalog's faults and the tensor-parallel ones (faults/tp_faults.hpp).
+struct Injected {
+  FaultSet faults;
+  std::vector<TpFault> tp;
+};
+Injected injected(const BackendOptions& opt) {
+  std::string one_gpu;
+  std::vector<TpFault> tp = take_tp_faults(opt.inject, &one_gpu);
+  return {parse_faults(one_gpu), std::move(tp)};
+}
+
+}  // namespace
+
 std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
                                       int max_ctx) {
-  std::string one_gpu;
-  const std::vector<TpFault> tp_faults = take_tp_faults(opt.inject, &one_gpu);
-  const FaultSet faults = parse_faults(one_gpu);
+  const auto [faults, tp_faults] = injected(opt);
   if (opt.backend == "cpu") return make_cpu_backend(file, cfg, opt.precision, max_ctx, faults);
   if (opt.backend == "cuda") {
 #ifdef DIFFRUN_HAVE_CUDA
@@ -165,9 +178,7 @@ bool cuda_engines_fit(const GgufFile& file, const ModelConfig& cfg, const std::v
 
 void check_run_options(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
                        const CheckpointFilter& filter, bool to_compare) {
-  std::string one_gpu;
-  const std::vector<TpFault> tp_faults = take_tp_faults(opt.inject, &one_gpu);
-  const FaultSet faults = parse_faults(one_gpu);
+  const auto [faults, tp_faults] = injected(opt);
   faults.check_applicable(cfg, &file);
   if (opt.tp > 1 && opt.backend != "cuda")
     throw InputError("--tp " + std::to_string(opt.tp) + " runs the cuda backend over several GPUs, not the " +

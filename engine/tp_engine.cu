@@ -14,8 +14,10 @@
 
 #include <cuda_runtime.h>
 
+#include "checkpoints/dump_schema.hpp"
 #include "checkpoints/tensor_parallel.hpp"
 #include "checkpoints/vocabulary.hpp"
+#include "engine/cuda_check.cuh"
 #include "engine/tp_comm.cuh"
 #include "model/error.hpp"
 #include "model/gguf.hpp"
@@ -83,7 +85,7 @@ class RankThreads {
       }
       try {
         if (!bound) {
-          CUDA_SET_DEVICE(r);
+          CUDA_CHECK(cudaSetDevice(r));
           bound = true;
         }
         (*job)(r);
@@ -94,10 +96,6 @@ class RankThreads {
       std::lock_guard lock(m_);
       if (--pending_ == 0) done_cv_.notify_all();
     }
-  }
-  static void CUDA_SET_DEVICE(int r) {
-    const cudaError_t e = cudaSetDevice(r);
-    if (e != cudaSuccess) throw Error("cudaSetDevice(" + std::to_string(r) + "): " + cudaGetErrorString(e));
   }
 
   std::vector<std::thread> threads_;
@@ -159,14 +157,6 @@ class RankCollector final : public Sink {
   const Sink* downstream_ = nullptr;
   const TpSlice* slice_ = nullptr;
 };
-
-// The size of layout letter `letter` in the whole model.
-int64_t whole_extent(const ModelConfig& cfg, const std::string& letter) {
-  if (letter == "H") return cfg.n_head;
-  if (letter == "Hkv") return cfg.n_head_kv;
-  if (letter == "F") return cfg.n_ff;
-  throw Error("tensor-parallel merge: no whole extent for layout letter '" + letter + "'");
-}
 
 class TpEngineImpl final : public TpCudaEngine {
  public:
@@ -315,7 +305,7 @@ class TpEngineImpl final : public TpCudaEngine {
         throw Error("tensor-parallel merge: " + r0.name + " has no dimension " + spec0.split);
       const size_t d = size_t(at - dims.begin());
       std::vector<int64_t> shape = r0.shape;
-      shape[d] = whole_extent(cfg_, spec0.split);
+      shape[d] = dim_size(cfg_, spec0.split, -1, -1);  // the whole model's H, Hkv or F
       int64_t total = 1;
       for (int64_t e : shape) total *= e;
       std::vector<float>& whole = merged_;

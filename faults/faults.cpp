@@ -417,8 +417,9 @@ void FaultSet::check_applicable(const ModelConfig& cfg, const GgufFile* file) co
   }
 }
 
-FaultSet parse_faults(std::string_view csv) {
-  FaultSet set;
+std::vector<std::string> fault_list(std::string_view csv) {
+  std::vector<std::string> out;
+  if (csv.find_first_not_of(" \t,") == std::string_view::npos) return out;  // "" or only separators: no fault
   size_t pos = 0;
   while (pos <= csv.size()) {
     size_t end = csv.find(',', pos);
@@ -427,10 +428,15 @@ FaultSet parse_faults(std::string_view csv) {
     while (!item.empty() && (item.front() == ' ' || item.front() == '\t')) item.remove_prefix(1);
     while (!item.empty() && (item.back() == ' ' || item.back() == '\t')) item.remove_suffix(1);
     pos = end + 1;
-    if (item.empty()) {
-      if (csv.find_first_not_of(" \t,") == std::string_view::npos) break;  // "" or only separators: no fault
-      throw InputError(fmt::format("--inject '{}': an empty fault name", csv));
-    }
+    if (item.empty()) throw InputError(fmt::format("--inject '{}': an empty fault name", csv));
+    out.emplace_back(item);
+  }
+  return out;
+}
+
+FaultSet parse_faults(std::string_view csv) {
+  FaultSet set;
+  for (const std::string& item : fault_list(csv)) {
     auto it = std::find_if(kCatalog.begin(), kCatalog.end(), [&](const FaultInfo& f) { return item == f.name; });
     if (it == kCatalog.end()) {
       std::string names;

@@ -127,6 +127,10 @@ class FaultSet {
 // "rope_theta_10000,kv_cache_pos0" (spaces around names allowed; empty: no fault). Throws
 // InputError naming an unknown fault and listing the catalog.
 FaultSet parse_faults(std::string_view csv);
+// The names of an --inject list, "a, b" -> {"a", "b"} (blanks around each dropped; "" or separators alone: none);
+// InputError for an empty name between others. parse_faults and the tensor-parallel catalog
+// (faults/tp_faults.hpp) read lists through it.
+std::vector<std::string> fault_list(std::string_view csv);
 
 // The catalog as a text table (`diffrun faults`).
 std::string fault_table();

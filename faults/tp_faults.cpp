@@ -1,5 +1,6 @@
 #include "faults/tp_faults.hpp"
 
+#include "faults/faults.hpp"
 #include "model/error.hpp"
 
 namespace diffrun {
@@ -61,11 +62,7 @@ std::string tp_fault_refusal(TpFault f, const ModelConfig& cfg, int world) {
 std::vector<TpFault> take_tp_faults(const std::string& inject, std::string* rest) {
   std::vector<TpFault> out;
   rest->clear();
-  size_t start = 0;
-  while (start <= inject.size()) {
-    const size_t comma = std::min(inject.find(',', start), inject.size());
-    const std::string name = inject.substr(start, comma - start);
-    start = comma + 1;
+  for (const std::string& name : fault_list(inject)) {
     if (name.rfind("tp_", 0) == 0) {
       const std::optional<TpFault> f = find_tp_fault(name);
       if (!f) {
@@ -74,10 +71,9 @@ std::vector<TpFault> take_tp_faults(const std::string& inject, std::string* rest
         throw InputError("--inject: unknown tensor-parallel fault '" + name + "' (the catalog: " + names + ")");
       }
       out.push_back(*f);
-    } else if (!name.empty()) {
+    } else {
       *rest += (rest->empty() ? "" : ",") + name;
     }
-    if (comma == inject.size()) break;
   }
   return out;
 }

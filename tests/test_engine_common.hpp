@@ -64,6 +64,13 @@ class MemorySink final : public Sink {
   CheckpointFilter filter_;
 };
 
+// A prompt of n token ids spread over the vocabulary (7, 138, 269, ... mod n_vocab).
+inline std::vector<int32_t> prompt_ids(int n_vocab, int n) {
+  std::vector<int32_t> ids;
+  for (int i = 0; i < n; ++i) ids.push_back(static_cast<int32_t>((7 + 131 * i) % n_vocab));
+  return ids;
+}
+
 // ‖a − b‖ / ‖b‖ in f64 (0 when both are zero, infinity when only b is).
 inline double rel_l2(std::span<const float> a, std::span<const float> b) {
   double num = 0, den = 0;

@@ -28,15 +28,10 @@ namespace diffrun {
 namespace {
 
 using test::MemorySink;
+using test::prompt_ids;
 using test::rel_l2;
 
 constexpr double kF32Tolerance = 1e-4;
-
-std::vector<int32_t> prompt_ids(int n_vocab, int n) {
-  std::vector<int32_t> ids;
-  for (int i = 0; i < n; ++i) ids.push_back(static_cast<int32_t>((7 + 131 * i) % n_vocab));
-  return ids;
-}
 
 int32_t host_argmax(const std::vector<float>& v) {
   return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());

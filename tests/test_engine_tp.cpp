@@ -22,6 +22,7 @@ namespace diffrun {
 namespace {
 
 using test::MemorySink;
+using test::prompt_ids;
 using test::rel_l2;
 
 #define REQUIRE_GPUS(n)                                                                                   \
@@ -39,12 +40,6 @@ std::vector<std::string> tp_fixtures() {
   out.push_back("tiny-gemma3-f32.gguf");
   out.push_back("tiny-gemma3-q8_0.gguf");
   return out;
-}
-
-std::vector<int32_t> prompt_ids(int n_vocab, int n) {
-  std::vector<int32_t> ids;
-  for (int i = 0; i < n; ++i) ids.push_back((7 + 13 * i) % n_vocab);
-  return ids;
 }
 
 // Whether `world` ranks can run the model (the same checks make_tp_cuda_engine makes); the reason where not.
