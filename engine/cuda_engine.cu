@@ -74,9 +74,10 @@
 //   cores in the f16 engine; DIFFRUN_QGEMV_MMA=0, the "kquant_gemv" fact), at T > 1 their rows
 //   dequantized into a scratch for the same cuBLAS GEMM; the "quantized_weights" fact lists them.
 // - Mixture of experts (qwen3moe, qwen2moe, Mixtral; moe_ffn): the router's logits, softmax and top-k on the
-//   device (moe_route). A one-token step (not an isolation replay) gathers the K selected experts' weights by their
-//   ids on the device (gather_experts, from each layer's table of expert addresses) and runs all K gate|up rows as
-//   one GEMV with the SwiGLU fused, then each slot's down projection: nothing is read back, so decode steps are
+//   device (moe_route). A one-token step (not an isolation replay) finds the K selected experts by their ids on the
+//   device (each layer's table of expert addresses): K-quant experts in the f16 engine are read where they lie
+//   (matmul_experts_*), others gathered first (gather_experts); all K gate|up rows run as one GEMV with the SwiGLU
+//   fused, then the K down projections as one GEMV where a kernel takes it: nothing is read back, so decode steps are
 //   captured graphs like a dense model's. Steps of several tokens and isolation replay (forced routing: the
 //   reference's ids replace ffn_moe_topk) copy the ids to the host once a layer, where each expert's slots are
 //   grouped; each expert used runs one linear layer on its view of the stacked tensor: on its slot's rows in place
@@ -150,6 +151,7 @@
 #include "engine/weights.cuh"
 #include "faults/fault_plan.hpp"
 #include "faults/faults.hpp"
+#include "model/dequant.hpp"
 #include "model/error.hpp"
 
 namespace diffrun {
@@ -397,12 +399,6 @@ class CudaEngineImpl final : public CudaEngine {
              "result_output's rows before the last in steps of several tokens (a side matmul)"},
         {"checkpoint_copies", stager_.mode()},
     };
-    if (cfg_.moe) {
-      facts_["moe"] = "routing on the device; one-token steps gather the selected experts' weights by their ids on "
-                      "the device (one graph); steps of several tokens, and isolation replay, read the ids back once a "
-                      "layer and run each expert used on its tokens' rows; only the selected experts run";
-      prepare_expert_gather();
-    }
     if (!faults_.empty()) facts_["injected_faults"] = faults_.names();
     if (tp_.cut.slice.world > 1) {
       const TpSlice& t = tp_.cut.slice;
@@ -432,6 +428,7 @@ class CudaEngineImpl final : public CudaEngine {
     rope_in_gemv_ = rope_in_gemv_ && fusable.matmul_qkv_rope;
     swiglu_in_gemv_ = swiglu_in_gemv_ && fusable.matmul_gate_up_swiglu;
     lm_head_argmax_ = lm_head_argmax_ && fusable.matmul_argmax;
+    if (cfg_.moe) prepare_expert_gather();  // after swiglu_in_gemv_ is settled
     CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
@@ -843,12 +840,12 @@ class CudaEngineImpl final : public CudaEngine {
     if (cfg_.moe_shexp) shared_expert(step, l, n, sink, a, out);
   }
 
-  // The experts of a one-token step (not an isolation replay): the K selected experts' matrices gathered by their
-  // ids on the device (gather_experts) into expert_scratch_ as [K gates][K ups][K downs]; then Wgate|Wup of all K as
-  // one matrix of 2·K·Fe rows (every slot reads the same row x: one GEMV, the SwiGLU fused as in dense_ffn) and each
-  // slot's Wdown on its own act row. Nothing is read back, so the step stays one captured graph. Each row's sum is
-  // the one the per-expert GEMVs of a step of several tokens' slots of one would make (rows are summed alike in any
-  // launch).
+  // The experts of a one-token step (not an isolation replay), found by their ids on the device: read where they lie
+  // (experts_in_place_), or gathered (gather_experts) into expert_scratch_ as [K gates][K ups][K downs]. Then Wgate|Wup
+  // of all K as one matrix of 2·K·Fe rows (every slot reads the same row x: one GEMV, the SwiGLU fused as in
+  // dense_ffn) and the K Wdown, each slot's on its own act row (one launch where a kernel takes it). Nothing is read
+  // back, so the step stays one captured graph. Each row's sum is the one the per-expert GEMVs of a step of several
+  // tokens' slots of one would make (rows are summed alike in any launch).
   void gathered_experts(int step, int l, Sink& sink, Activations<W>& a) {
     const DeviceLayerWeights<W>& w = weights_.layers[l];
     const int D = cfg_.n_embd, E = cfg_.n_expert, K = cfg_.n_expert_used, Fe = cfg_.n_ff_exp;
@@ -857,10 +854,22 @@ class CudaEngineImpl final : public CudaEngine {
     const DeviceMatrix<W>& u0 = w.ffn_up_exps[0];
     const DeviceMatrix<W>& d0 = w.ffn_down_exps[0];
     const uint64_t gb = expert_bytes(g0), ub = expert_bytes(u0), db = expert_bytes(d0);
+    const uint64_t* table = expert_tables_.get() + size_t(l) * 3 * E;
+    if (experts_in_place_) {  // the K-quant experts read where they lie: nothing gathered
+      if (!matmul_experts_gate_up_swiglu(m.gate.get(), m.up.get(), m.act.get(), a.ffn_xn.get(), g0, table, table + E,
+                                         m.ids.get(), E, K, D, Fe, stream_))
+        throw Error("cuda engine: layer " + std::to_string(l) + "'s experts have no in-place gate|up kernel");
+      step_fused_ |= kFusedMatmulGateUpSwiglu;
+      cp(sink, step, "ffn_moe_gate", l, m.gate.get(), {1, K, Fe});
+      cp(sink, step, "ffn_moe_up", l, m.up.get(), {1, K, Fe});
+      cp(sink, step, "ffn_moe_swiglu", l, m.act.get(), {1, K, Fe});
+      if (!matmul_experts_grouped(m.down.get(), m.act.get(), d0, table + 2 * E, m.ids.get(), E, K, Fe, D, stream_))
+        throw Error("cuda engine: layer " + std::to_string(l) + "'s experts have no in-place down kernel");
+      return;
+    }
     unsigned char* gates = expert_scratch_.get();
     unsigned char* ups = gates + uint64_t(K) * gb;
     unsigned char* downs = ups + uint64_t(K) * ub;
-    const uint64_t* table = expert_tables_.get() + size_t(l) * 3 * E;
     ExpertStacks st;
     st.n = 3;
     st.dst[0] = gates, st.dst[1] = ups, st.dst[2] = downs;
@@ -880,9 +889,11 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "ffn_moe_up", l, m.up.get(), {1, K, Fe});
     if (!fused) swiglu(m.act.get(), m.gate.get(), m.up.get(), int64_t(K) * Fe, stream_);
     cp(sink, step, "ffn_moe_swiglu", l, m.act.get(), {1, K, Fe});
-    for (int k = 0; k < K; ++k)
-      matmul(m.down.get() + size_t(k) * D, m.act.get() + size_t(k) * Fe, expert_view(d0, downs + uint64_t(k) * db, D),
-             nullptr, 1, Fe, D, cublas_, stream_);
+    // The K slots' down projections as one launch where a kernel takes it (each row the value of its slot's own).
+    if (!matmul_grouped(m.down.get(), m.act.get(), expert_view(d0, downs, K * D), K, Fe, D, stream_))
+      for (int k = 0; k < K; ++k)
+        matmul(m.down.get() + size_t(k) * D, m.act.get() + size_t(k) * Fe,
+               expert_view(d0, downs + uint64_t(k) * db, D), nullptr, 1, Fe, D, cublas_, stream_);
   }
 
   // Bytes of one expert's matrix in its stack (dense rows of W, or one segment of GGUF blocks).
@@ -933,7 +944,30 @@ class CudaEngineImpl final : public CudaEngine {
     }
     expert_tables_ = DeviceBuffer<uint64_t>(table.size(), "MoE expert addresses");
     CUDA_CHECK(cudaMemcpy(expert_tables_.get(), table.data(), table.size() * sizeof(uint64_t), cudaMemcpyHostToDevice));
-    expert_scratch_ = DeviceBuffer<unsigned char>(size_t(largest) * K, "the selected experts' weights");
+    experts_in_place_ = experts_readable_in_place();
+    if (!experts_in_place_)
+      expert_scratch_ = DeviceBuffer<unsigned char>(size_t(largest) * K, "the selected experts' weights");
+    facts_["moe"] = std::string("routing on the device; one-token steps ") +
+                    (experts_in_place_ ? "read the selected K-quant experts where they lie, by their ids on the device"
+                                       : "gather the selected experts' weights by their ids on the device") +
+                    " (one graph); steps of several tokens, and isolation replay, read the ids back once a layer and "
+                    "run each expert used on its tokens' rows; only the selected experts run";
+  }
+
+  // Whether every layer's experts take the in-place kernels (matmul_experts_*): the f16 engine on the tensor-core
+  // GEMV, gate and up in one K-quant format, down in one, the SwiGLU fused, D a whole number of 16-row tiles.
+  bool experts_readable_in_place() const {
+    if constexpr (!std::is_same_v<W, __half>) return false;
+    if (!swiglu_in_gemv_ || !qgemv_mma_enabled() || cfg_.n_embd % 16 != 0) return false;
+    for (const DeviceLayerWeights<W>& w : weights_.layers) {
+      const DeviceMatrix<W>& g = w.ffn_gate_exps.at(0);
+      const DeviceMatrix<W>& u = w.ffn_up_exps.at(0);
+      const DeviceMatrix<W>& d = w.ffn_down_exps.at(0);
+      for (const DeviceMatrix<W>* x : {&g, &u, &d})
+        if (!x->quantized() || x->n_segments != 1 || !gemv_super_block(x->segments[0].type)) return false;
+      if (g.segments[0].type != u.segments[0].type) return false;
+    }
+    return true;
   }
 
   // qwen2moe's shared expert on a.ffn_xn, added to the experts' sum `moe_out` into a.ffn_out: a SwiGLU FFN of width
@@ -1191,7 +1225,8 @@ class CudaEngineImpl final : public CudaEngine {
   std::unique_ptr<Activations<W>> act_;
   std::unique_ptr<MoeBuffers<W>> moe_;  // mixture-of-experts models only
   DeviceBuffer<uint64_t> expert_tables_;       // MoE: [n_layer][gate, up, down][E] expert addresses
-  DeviceBuffer<unsigned char> expert_scratch_;  // MoE: a one-token step's K experts, gathered
+  DeviceBuffer<unsigned char> expert_scratch_;  // MoE: a one-token step's K experts, gathered (not in place)
+  bool experts_in_place_ = false;  // MoE: one-token steps read the K-quant experts where they lie (no gather)
   Activations<W> alt_;           // [1 token] the odd layers' set of a one-token step (see the top)
   bool alternate_ = false;       // this step alternates act_ and alt_ by layer parity
   int flush_ticket_ = -1;        // the previous layer's stager_.flush_beside() (alternating steps)
@@ -1253,7 +1288,11 @@ DeviceNeed device_need(const GgufFile& file, const ModelConfig& model, int max_c
   const uint64_t attn = sizeof(float) * (uint64_t(cfg.n_head) * kAttentionSplitMaxT * max_ctx +
                                           uint64_t(kAttentionSplitMaxT) * cfg.n_head * kAttentionSplitMaxSplits *
                                               (cfg.head_dim + 2));
-  n.other = Activations<W>::bytes(cfg, tokens) + MoeBuffers<W>::bytes(cfg, tokens) +
+  // MoE: a one-token step's K selected experts, gathered where they are not read in place (prepare_expert_gather);
+  // bounded by their dense size.
+  const uint64_t expert_scratch =
+      cfg.moe ? 3ull * cfg.n_ff_exp * cfg.n_embd * sizeof(W) * uint64_t(cfg.n_expert_used) : 0;
+  n.other = Activations<W>::bytes(cfg, tokens) + MoeBuffers<W>::bytes(cfg, tokens) + expert_scratch +
             uint64_t(tokens) * cfg.n_vocab * sizeof(float) +
             kCublasWorkspaceBytes + attn;
   return n;

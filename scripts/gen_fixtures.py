@@ -40,10 +40,11 @@ def tiny_files() -> list[tuple[models.Shape, str, str]]:
 
 
 def extra_files() -> list[tuple[models.Shape, str, str]]:
-    """The architectures written in a few formats only (models.EXTRA, models.MOE): tiny-gemma3, tiny-qwen3moe,
-    tiny-mixtral, tiny-qwen2moe."""
+    """The architectures written in a few formats only (models.EXTRA, models.MOE, models.MOE_KQUANT): tiny-gemma3,
+    tiny-qwen3moe, tiny-mixtral, tiny-qwen2moe."""
     return [(s, fmt, f"{s.name}-{fmt}.gguf") for s in models.EXTRA.values() for fmt in models.EXTRA_FORMATS] + \
-        [(s, fmt, f"{s.name}-{fmt}.gguf") for s in models.MOE.values() for fmt in models.MOE_FORMATS]
+        [(s, fmt, f"{s.name}-{fmt}.gguf") for s in models.MOE.values() for fmt in models.MOE_FORMATS] + \
+        [(models.MOE[n], fmt, f"{n}-{fmt}.gguf") for n, fmts in models.MOE_KQUANT.items() for fmt in fmts]
 
 
 def gguf_version() -> str:

@@ -372,9 +372,11 @@ TEST(EngineFaults, TinyGemma3) {
 // Mixture of experts: the routing faults (softmax over the top-k, weights not renormalised, expert id off by one,
 // one expert's gate and up swapped, qwen2moe's shared expert ungated) and every other fault that applies, both
 // default pairs, the clean engines passing in isolation (forced routing: the replay runs the reference's experts).
+// tiny-mixtral-q4_k: the f16 engine's decode reads its K-quant experts in place (no gather).
 TEST(EngineFaults, TinyMoe) {
   DIFFRUN_REQUIRE_CUDA();
-  for (const char* name : {"tiny-qwen3moe-f32.gguf", "tiny-mixtral-f32.gguf", "tiny-qwen2moe-f32.gguf"}) {
+  for (const char* name :
+       {"tiny-qwen3moe-f32.gguf", "tiny-mixtral-f32.gguf", "tiny-qwen2moe-f32.gguf", "tiny-mixtral-q4_k.gguf"}) {
     const std::string path = test::fixture_path(name);
     check_model(path, fs::path(path).stem().string());
     check_production_path_faults(path, fs::path(path).stem().string());

@@ -383,7 +383,7 @@ TEST(EngineModel, RecordingRunsTheProductionPathOnEveryTinyFixture) {
       names.push_back(std::string("tiny-") + arch + "-" + fmt + ".gguf");
   for (const char* extra : {"tiny-gemma3-f32.gguf", "tiny-gemma3-q8_0.gguf", "tiny-gemma3-kmix.gguf",
                             "tiny-llama3rope-f32.gguf", "tiny-mistral-f32.gguf", "tiny-qwen3moe-q8_0.gguf",
-                            "tiny-mixtral-f32.gguf", "tiny-qwen2moe-q8_0.gguf"})
+                            "tiny-mixtral-f32.gguf", "tiny-qwen2moe-q8_0.gguf", "tiny-mixtral-q4_k.gguf"})
     names.push_back(extra);
   for (const std::string& name : names) {
     const std::string path = test::fixture_path(name);

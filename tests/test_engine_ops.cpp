@@ -25,6 +25,7 @@
 #include "engine/ops/step_inputs.cuh"
 #include "engine/ops/geglu.cuh"
 #include "engine/ops/matmul.cuh"
+#include "engine/ops/moe.cuh"
 #include "engine/ops/rms_norm.cuh"
 #include "engine/ops/rope_qk.cuh"
 #include "engine/ops/scale.cuh"
@@ -36,6 +37,7 @@
 #include "reference_cpu/ops/embedding.hpp"
 #include "reference_cpu/ops/geglu.hpp"
 #include "reference_cpu/ops/matmul.hpp"
+#include "reference_cpu/ops/moe.hpp"
 #include "reference_cpu/ops/rms_norm.hpp"
 #include "reference_cpu/ops/rope.hpp"
 #include "reference_cpu/ops/scale.hpp"
@@ -919,6 +921,69 @@ TEST(EngineOps, ArgmaxLowestIndexOnTiesSkipsNaN) {
 // and a partial one (72); a tie between two rows far apart (the lower index), a NaN row (never wins),
 // every output NaN (-1); repeated launches on one scratch. Where matmul would run 4 warps a row (N <
 // 4096 with long K) or a quantized matrix is given, it launches nothing and says so.
+// moe_route (one warp a token) against the f64 reference twin: the same experts in the same order, the
+// probabilities and weights within f32 rounding; E a multiple of 32 or not (Mixtral's 8, qwen2moe's 60, 128, 256);
+// ties to the lower id; a token of NaN logits takes experts 0..K-1; probs may alias the logits.
+TEST(EngineOps, MoeRouteMatchesReference) {
+  DIFFRUN_REQUIRE_CUDA();
+  for (auto [E, K] : {std::pair{8, 2}, std::pair{60, 4}, std::pair{128, 8}, std::pair{256, 8}})
+    for (bool renormalise : {true, false}) {
+      SCOPED_TRACE("E " + std::to_string(E) + " K " + std::to_string(K) + (renormalise ? " renormalised" : ""));
+      const int T = 37;
+      // Token t: the E values 0.05·i in a shuffled order (no near-ties), but token 1 all equal, token 2 pairs of
+      // equal values, token 3 NaN at one expert.
+      std::vector<float> logits(size_t(T) * E);
+      std::mt19937 rng(static_cast<uint32_t>(E * 31 + K));
+      for (int t = 0; t < T; ++t) {
+        std::vector<int> order(E);
+        for (int i = 0; i < E; ++i) order[i] = i;
+        std::shuffle(order.begin(), order.end(), rng);
+        for (int e = 0; e < E; ++e) logits[size_t(t) * E + e] = 0.05f * float(order[e]) - 2.0f;
+      }
+      for (int e = 0; e < E; ++e) {
+        logits[size_t(1) * E + e] = 0.25f;
+        logits[size_t(2) * E + e] = 0.1f * float((E - 1 - e) / 2);
+      }
+      logits[size_t(3) * E + E / 2] = std::nanf("");
+      std::vector<double> p_ref(logits.size()), w_ref(size_t(T) * K), wn_ref(size_t(T) * K);
+      std::vector<int32_t> ids_ref(size_t(T) * K);
+      ref::moe_route<double>(p_ref.data(), ids_ref.data(), w_ref.data(), wn_ref.data(), widen(logits).data(), T, E, K,
+                             renormalise);
+      for (bool alias : {false, true}) {
+        SCOPED_TRACE(alias ? "probs in place of the logits" : "probs apart");
+        DeviceArray<float> d_logits(logits), d_probs(std::vector<float>(logits.size(), std::nanf("")));
+        DeviceArray<int32_t> d_ids(std::vector<int32_t>(size_t(T) * K, -7));
+        DeviceArray<float> d_w(std::vector<float>(size_t(T) * K)), d_wn(std::vector<float>(size_t(T) * K));
+        float* probs = alias ? d_logits.get() : d_probs.get();
+        engine::moe_route(probs, d_ids.get(), d_w.get(), d_wn.get(), d_logits.get(), T, E, K, renormalise, nullptr);
+        TEST_CUDA_CHECK(cudaDeviceSynchronize());
+        const std::vector<int32_t> ids = d_ids.download();
+        const std::vector<float> p = alias ? d_logits.download() : d_probs.download();
+        const std::vector<float> w = d_w.download(), wn = d_wn.download();
+        for (int t = 0; t < T; ++t) {
+          SCOPED_TRACE("token " + std::to_string(t));
+          for (int j = 0; j < K; ++j) {
+            const size_t s = size_t(t) * K + j;
+            if (t == 3) {  // every probability NaN: experts in id order
+              EXPECT_EQ(ids[s], j);
+              EXPECT_TRUE(std::isnan(w[s]));
+              continue;
+            }
+            EXPECT_EQ(ids[s], ids_ref[s]) << "slot " << j;
+            EXPECT_NEAR(w[s], w_ref[s], 1e-6 * std::max(1.0, std::abs(w_ref[s])));
+            EXPECT_NEAR(wn[s], wn_ref[s], 2e-6 * std::max(1.0, std::abs(wn_ref[s])));
+          }
+          if (t != 3) {
+            EXPECT_LT(rel_l2(std::vector<float>(p.begin() + size_t(t) * E, p.begin() + size_t(t + 1) * E),
+                             narrow(std::vector<double>(p_ref.begin() + size_t(t) * E,
+                                                        p_ref.begin() + size_t(t + 1) * E))),
+                      1e-6);
+          }
+        }
+      }
+    }
+}
+
 TEST(EngineOps, MatmulArgmaxMatchesMatmulThenArgmax) {
   DIFFRUN_REQUIRE_CUDA();
   engine::CublasHandle h32(engine::EnginePrecision::f32), h16(engine::EnginePrecision::f16);

@@ -1,12 +1,15 @@
 // GPU test: the quantized kernels (engine/ops/qgemv) per format against the CPU dequantization
 // (model/dequant.cpp) with f32 math: the GEMV (f32 and f16 activations, 1 and 4 warps per row, the
 // K-quants' tensor-core kernel with f16 activations,
-// parts, bias, a concatenation of two formats, the SwiGLU and RoPE epilogues), the row dequantization (bit-exact)
+// parts, bias, a concatenation of two formats, the SwiGLU and RoPE epilogues, the grouped launch), the row
+// dequantization (bit-exact)
 // and the embedding.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include <cuda_fp16.h>
@@ -252,6 +255,116 @@ TEST(EngineQgemv, SwigluEpilogueMatchesQgemvThenSwiglu) {
         TEST_CUDA_CHECK(cudaGetLastError());
       }
     }
+}
+
+// The grouped GEMV (a one-token MoE step's K down projections in one launch) against one qgemv per group: every
+// row bit-identical, K-quant formats, group shapes on both warp counts (K = 768: 8 warps; K = 4096 with 2,048
+// rows a group: 16); it refuses, launching nothing, what it has no kernel for.
+TEST(EngineQgemv, GroupedMatchesQgemvPerGroup) {
+  DIFFRUN_REQUIRE_CUDA();
+  if (!engine::qgemv_mma_enabled()) GTEST_SKIP() << "the tensor-core GEMV is off on this device";
+  for (GgmlType t : {GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K})
+    for (auto [G, N, K] : {std::tuple{8, 2048, 768}, std::tuple{3, 48, 256}, std::tuple{2, 2048, 4096}}) {
+      SCOPED_TRACE(std::string(ggml_type_name(t)) + " G " + std::to_string(G) + " N " + std::to_string(N) + " K " +
+                   std::to_string(K));
+      const uint32_t seed = 700 + static_cast<uint32_t>(t);
+      const int rows = G * N;
+      const std::vector<uint8_t> raw = random_rows(format_of(t), rows, K, seed);
+      const std::vector<float> x32 = random_floats(size_t(G) * K, seed + 1, 1.0f);
+      std::vector<__half> x16(x32.size());
+      for (size_t i = 0; i < x32.size(); ++i) x16[i] = __float2half_rn(x32[i]);
+      DeviceArray<uint8_t> d_raw(raw);
+      DeviceArray<__half> dx(x16);
+      const std::vector<float> nan(rows, std::nanf(""));
+      DeviceArray<float> want(nan), got(nan);
+      const int64_t group_bytes = int64_t(N) * (K / ggml_block_elements(t)) * ggml_block_bytes(t);
+      for (int g = 0; g < G; ++g) {
+        const engine::GemvParts part{{want.get() + size_t(g) * N}, {nullptr}, {N}, 1};
+        engine::qgemv(t, part, 0, N, dx.get() + size_t(g) * K, d_raw.get() + g * group_bytes, K, nullptr);
+      }
+      ASSERT_TRUE(engine::qgemv_grouped(t, got.get(), dx.get(), d_raw.get(), rows, N, K, nullptr));
+      EXPECT_EQ(got.download(), want.download());
+      TEST_CUDA_CHECK(cudaGetLastError());
+    }
+  // No kernel: a legacy format, a group off the 16-row tiles, rows not a whole number of groups.
+  const std::vector<uint8_t> raw = random_rows(format_of(GgmlType::Q8_0), 64, 256, 9);
+  DeviceArray<uint8_t> d_raw(raw);
+  DeviceArray<__half> dx(std::vector<__half>(4 * 256));
+  const std::vector<float> nan(64, std::nanf(""));
+  DeviceArray<float> out(nan);
+  EXPECT_FALSE(engine::qgemv_grouped(GgmlType::Q8_0, out.get(), dx.get(), d_raw.get(), 64, 16, 256, nullptr));
+  EXPECT_FALSE(engine::qgemv_grouped(GgmlType::Q4_K, out.get(), dx.get(), d_raw.get(), 24, 8, 256, nullptr));
+  EXPECT_FALSE(engine::qgemv_grouped(GgmlType::Q4_K, out.get(), dx.get(), d_raw.get(), 40, 16, 256, nullptr));
+  for (float v : out.download()) EXPECT_TRUE(std::isnan(v)) << "a refused launch wrote " << v;
+}
+
+// The in-place expert launches (a one-token MoE step's selected experts read where they lie, by ids on the device)
+// against the same launches on the experts gathered in slot order: gate, up, act and the down rows bit-identical;
+// an id repeated, and one past E - 1 (clamped to E - 1, as gather_experts clamps).
+TEST(EngineQgemv, ExpertsInPlaceMatchGatheredExperts) {
+  DIFFRUN_REQUIRE_CUDA();
+  if (!engine::qgemv_mma_enabled()) GTEST_SKIP() << "the tensor-core GEMV is off on this device";
+  for (GgmlType t : {GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K}) {
+    SCOPED_TRACE(ggml_type_name(t));
+    const int E = 6, n_slots = 4, F = 48, D = 512;  // gate/up [F, D], down [D, F]: F a multiple of 16, not of 256
+    const int Fk = 256;                              // the down projection's K: F rounded to a super-block
+    const Format& f = format_of(t);
+    const int64_t gu_bytes = int64_t(F) * (D / 256) * ggml_block_bytes(t);
+    const int64_t dn_bytes = int64_t(D) * (Fk / 256) * ggml_block_bytes(t);
+    const std::vector<uint8_t> gate = random_rows(f, int64_t(E) * F, D, 810 + static_cast<uint32_t>(t));
+    const std::vector<uint8_t> up = random_rows(f, int64_t(E) * F, D, 820 + static_cast<uint32_t>(t));
+    const std::vector<uint8_t> down = random_rows(f, int64_t(E) * D, Fk, 830 + static_cast<uint32_t>(t));
+    const std::vector<float> ids = {3.0f, 0.0f, 3.0f, 9.0f};  // 9 reads expert E - 1
+    const std::vector<int> chosen = {3, 0, 3, E - 1};
+    std::vector<uint8_t> g_gathered, u_gathered, d_gathered;
+    for (int e : chosen) {
+      g_gathered.insert(g_gathered.end(), gate.begin() + e * gu_bytes, gate.begin() + (e + 1) * gu_bytes);
+      u_gathered.insert(u_gathered.end(), up.begin() + e * gu_bytes, up.begin() + (e + 1) * gu_bytes);
+      d_gathered.insert(d_gathered.end(), down.begin() + e * dn_bytes, down.begin() + (e + 1) * dn_bytes);
+    }
+    std::vector<uint8_t> gu_gathered = g_gathered;  // [K gates][K ups], as the engine's scratch
+    gu_gathered.insert(gu_gathered.end(), u_gathered.begin(), u_gathered.end());
+    DeviceArray<uint8_t> d_gate(gate), d_up(up), d_down(down), d_gu(gu_gathered), d_dn(d_gathered);
+    std::vector<uint64_t> tables(3 * E);
+    for (int e = 0; e < E; ++e) {
+      tables[e] = reinterpret_cast<uint64_t>(d_gate.get() + e * gu_bytes);
+      tables[E + e] = reinterpret_cast<uint64_t>(d_up.get() + e * gu_bytes);
+      tables[2 * E + e] = reinterpret_cast<uint64_t>(d_down.get() + e * dn_bytes);
+    }
+    DeviceArray<uint64_t> d_tables(tables);
+    DeviceArray<float> d_ids(ids);
+    const std::vector<float> x32 = random_floats(D, 840, 1.0f);
+    std::vector<__half> x16(D);
+    for (int i = 0; i < D; ++i) x16[i] = __float2half_rn(x32[i]);
+    DeviceArray<__half> dx(x16);
+    const int SF = n_slots * F;
+    const std::vector<float> nan(SF, std::nanf(""));
+    std::vector<__half> nan16(SF, __float2half_rn(std::nanf("")));
+    DeviceArray<float> g1(nan), u1(nan), g2(nan), u2(nan);
+    DeviceArray<__half> a1(nan16), a2(nan16);
+    engine::qgemv_swiglu(t, g1.get(), u1.get(), a1.get(), dx.get(), d_gu.get(), D, SF, nullptr);
+    ASSERT_TRUE(engine::qgemv_experts_swiglu(t, g2.get(), u2.get(), a2.get(), dx.get(), d_tables.get(),
+                                             d_tables.get() + E, d_ids.get(), E, n_slots, F, D, nullptr));
+    EXPECT_EQ(g2.download(), g1.download());
+    EXPECT_EQ(u2.download(), u1.download());
+    std::vector<float> want, got;
+    for (__half h : a1.download()) want.push_back(__half2float(h));
+    for (__half h : a2.download()) got.push_back(__half2float(h));
+    EXPECT_EQ(got, want);
+    // The down projections: slot s on its own act row (F values, zero-padded to Fk).
+    std::vector<__half> act(size_t(n_slots) * Fk, __float2half_rn(0.0f));
+    const std::vector<float> a_rows = random_floats(size_t(n_slots) * F, 850, 1.0f);
+    for (int s = 0; s < n_slots; ++s)
+      for (int i = 0; i < F; ++i) act[size_t(s) * Fk + i] = __float2half_rn(a_rows[size_t(s) * F + i]);
+    DeviceArray<__half> d_act(act);
+    const std::vector<float> nan_d(size_t(n_slots) * D, std::nanf(""));
+    DeviceArray<float> o1(nan_d), o2(nan_d);
+    ASSERT_TRUE(engine::qgemv_grouped(t, o1.get(), d_act.get(), d_dn.get(), n_slots * D, D, Fk, nullptr));
+    ASSERT_TRUE(engine::qgemv_experts_grouped(t, o2.get(), d_act.get(), d_tables.get() + 2 * E, d_ids.get(), E,
+                                              n_slots, D, Fk, nullptr));
+    EXPECT_EQ(o2.download(), o1.download());
+    TEST_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 // The quantized qkv GEMV with the RoPE epilogue against qgemv over the same rows then rope_qk: q, k,

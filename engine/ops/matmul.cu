@@ -473,6 +473,53 @@ bool matmul_gate_up_swiglu(float* gate, float* up, __half* act, const __half* x,
   return gate_up_swiglu_impl(gate, up, act, x, w, K, F, stream);
 }
 
+bool matmul_grouped(float*, const float*, const DeviceMatrix<float>&, int, int, int, cudaStream_t) {
+  return false;  // the f32 engine's GEMVs take one x
+}
+
+bool matmul_grouped(float* out, const __half* x, const DeviceMatrix<__half>& w, int G, int K, int N,
+                    cudaStream_t stream) {
+  if (K != w.K)
+    throw Error("matmul_grouped: K = " + std::to_string(K) + " against a matrix of " + std::to_string(w.K) +
+                " columns");
+  if (int64_t(G) * N > w.rows)
+    throw Error("matmul_grouped: " + std::to_string(int64_t(G) * N) + " rows asked of a matrix of " +
+                std::to_string(w.rows));
+  if (!w.quantized() || w.n_segments != 1 || w.segments[0].rows < G * N) return false;
+  return qgemv_grouped(w.segments[0].type, out, x, w.segments[0].raw, G * N, N, K, stream);
+}
+
+bool matmul_experts_gate_up_swiglu(float*, float*, float*, const float*, const DeviceMatrix<float>&, const uint64_t*,
+                                   const uint64_t*, const float*, int, int, int, int, cudaStream_t) {
+  return false;  // the f32 engine gathers
+}
+
+bool matmul_experts_gate_up_swiglu(float* gate, float* up, __half* act, const __half* x,
+                                   const DeviceMatrix<__half>& like, const uint64_t* gate_table,
+                                   const uint64_t* up_table, const float* ids, int E, int n_slots, int K, int F,
+                                   cudaStream_t stream) {
+  if (K != like.K)
+    throw Error("matmul_experts_gate_up_swiglu: K = " + std::to_string(K) + " against experts of " +
+                std::to_string(like.K) + " columns");
+  if (!like.quantized() || like.n_segments != 1 || like.segments[0].rows != F) return false;
+  return qgemv_experts_swiglu(like.segments[0].type, gate, up, act, x, gate_table, up_table, ids, E, n_slots, F, K,
+                              stream);
+}
+
+bool matmul_experts_grouped(float*, const float*, const DeviceMatrix<float>&, const uint64_t*, const float*, int, int,
+                            int, int, cudaStream_t) {
+  return false;
+}
+
+bool matmul_experts_grouped(float* out, const __half* x, const DeviceMatrix<__half>& like, const uint64_t* table,
+                            const float* ids, int E, int n_slots, int K, int N, cudaStream_t stream) {
+  if (K != like.K)
+    throw Error("matmul_experts_grouped: K = " + std::to_string(K) + " against experts of " + std::to_string(like.K) +
+                " columns");
+  if (!like.quantized() || like.n_segments != 1 || like.segments[0].rows != N) return false;
+  return qgemv_experts_grouped(like.segments[0].type, out, x, table, ids, E, n_slots, N, K, stream);
+}
+
 bool matmul_argmax(float* out, int32_t* token, const float* x, const DeviceMatrix<float>& w, int K, int N,
                    unsigned long long* scratch, cudaStream_t stream, ArgmaxTies ties) {
   return matmul_argmax_impl(out, token, x, w, K, N, scratch, stream, ties);

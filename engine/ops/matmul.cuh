@@ -57,6 +57,35 @@ void matmul_cat(std::initializer_list<MatmulPart> parts, const float* x, const D
 void matmul_cat(std::initializer_list<MatmulPart> parts, const __half* x, const DeviceMatrix<__half>& w, int T,
                 int K, const CublasHandle& cublas, cudaStream_t stream);
 
+// G one-token matmuls in one launch, each on its own x row and its own rows of w: out row g [N] = the rows
+// [g·N, (g+1)·N) of w · x row g [K] (w [G·N, K]: a one-token MoE step's K selected experts' down projections,
+// gathered one after another). Each value bit-identical to matmul(out + g·N, x + g·K, those rows, T = 1). Returns
+// false, launching nothing, where no kernel takes it (qgemv_grouped: K-quant blocks, f16 activations, the
+// tensor-core GEMV): then run the G matmuls.
+bool matmul_grouped(float* out, const float* x, const DeviceMatrix<float>& w, int G, int K, int N,
+                    cudaStream_t stream);
+bool matmul_grouped(float* out, const __half* x, const DeviceMatrix<__half>& w, int G, int K, int N,
+                    cudaStream_t stream);
+
+// A one-token MoE step's selected experts read where they lie in their stacks (engine/ops/qgemv GemvExpertRows),
+// so nothing is gathered: the experts' rows at table[ids[s]] (each [E] device addresses of the experts' matrices,
+// in the format of `like`, expert 0's matrix). matmul_experts_gate_up_swiglu: matmul_gate_up_swiglu over the
+// n_slots experts' gate rows [n_slots·F] then their up rows; matmul_experts_grouped: matmul_grouped over the n_slots
+// experts' N rows, slot s on x row s. Each value bit-identical to those ops on the experts gathered in slot order.
+// False, launching nothing, where no kernel takes them (only K-quant blocks with f16 activations on the tensor-core
+// GEMV; gate and up in one format): then gather.
+bool matmul_experts_gate_up_swiglu(float* gate, float* up, float* act, const float* x, const DeviceMatrix<float>& like,
+                                   const uint64_t* gate_table, const uint64_t* up_table, const float* ids, int E,
+                                   int n_slots, int K, int F, cudaStream_t stream);
+bool matmul_experts_gate_up_swiglu(float* gate, float* up, __half* act, const __half* x,
+                                   const DeviceMatrix<__half>& like, const uint64_t* gate_table,
+                                   const uint64_t* up_table, const float* ids, int E, int n_slots, int K, int F,
+                                   cudaStream_t stream);
+bool matmul_experts_grouped(float* out, const float* x, const DeviceMatrix<float>& like, const uint64_t* table,
+                            const float* ids, int E, int n_slots, int K, int N, cudaStream_t stream);
+bool matmul_experts_grouped(float* out, const __half* x, const DeviceMatrix<__half>& like, const uint64_t* table,
+                            const float* ids, int E, int n_slots, int K, int N, cudaStream_t stream);
+
 // Fused twin of matmul_cat({gate, up}) on Wgate|Wup for one token followed by swiglu: gate [F] and
 // up [F] f32 bit-identical to matmul_cat's (the same GEMV per row, the same launch shape), and act [F]
 // = silu(gate)·up bit-identical to the swiglu kernel's (f32, or f16 in the f16 engine); one launch.

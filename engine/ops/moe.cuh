@@ -14,7 +14,8 @@ namespace diffrun::engine {
 
 // Per token: probs = softmax(logits) over all E experts (max subtracted); topk = the K most probable experts, most
 // probable first, ties to the lower id; weights = their probabilities; weights_norm = weights / max(sum of weights,
-// 2^-14) when renormalise, else weights. One thread a token. probs may alias logits.
+// 2^-14) when renormalise, else weights; a NaN probability after every number. One warp a token, at most 1,024
+// experts. probs may alias logits.
 void moe_route(float* probs /* [T,E] */, int32_t* topk /* [T,K] */, float* weights /* [T,K] */,
                float* weights_norm /* [T,K] */, const float* logits /* [T,E] */, int n_tokens, int E, int K,
                bool renormalise, cudaStream_t stream);

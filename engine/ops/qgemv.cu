@@ -484,16 +484,30 @@ __device__ __forceinline__ void mma_tile_finish(const GemvParts& parts, int row0
   }
 }
 
+// Where row r's blocks lie: w + r·row_bytes, or with expert rows (ex.table[0] set) row r % ex.rows of the expert
+// the launch's slot (r / ex.rows) % ex.K selected, in table (r / (ex.K·ex.rows)). The ids are values (ffn_moe_topk),
+// clamped to 0..E-1 as gather_experts clamps them.
+__device__ __forceinline__ const uint8_t* gemv_row_blocks(const uint8_t* w, int r, int64_t row_bytes,
+                                                          const GemvExpertRows& ex) {
+  if (ex.table[0] == nullptr) return w + int64_t(r) * row_bytes;
+  const int per_table = ex.K * ex.rows;
+  const int i = r / per_table, rr = r - i * per_table, slot = rr / ex.rows;
+  const float v = ex.ids[slot];
+  const int e = v >= 0.0f ? min(static_cast<int>(v), ex.E - 1) : 0;
+  return reinterpret_cast<const uint8_t*>(ex.table[i][e]) + int64_t(rr - slot * ex.rows) * row_bytes;
+}
+
 template <typename Q, int kEpi, int kWarps>
 static __global__ void __launch_bounds__(kWarps * 32)
 qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__ x, const uint8_t* __restrict__ w,
-                 int K, bool prefetch, __half* __restrict__ act, GemvRope rope) {
+                 int K, bool prefetch, __half* __restrict__ act, GemvRope rope, int x_group, GemvExpertRows ex) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row_bytes = int64_t(K / Q::kElems) * Q::kBytes;
   int pair_a, pair_b;
   const int ra = gemv_slot_row<kEpi, 16>(blockIdx.x, g, rows, rope, pair_a);
   const int rb = gemv_slot_row<kEpi, 16>(blockIdx.x, g + 8, rows, rope, pair_b);
-  if (prefetch) {  // the tile's rows, while the preceding kernel runs
+  if (prefetch && ex.table[0] == nullptr) {  // the tile's rows, while the preceding kernel runs (expert rows: their
+                                             // ids are not known before the wait)
     if constexpr (kEpi == kGemvPlain) {
       if (threadIdx.x == 0) {
         const int first = blockIdx.x * 16;
@@ -509,8 +523,10 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
   const GemvRopeAt at = gemv_rope_positions<kEpi>(rope);
   // A slot without a row (the last tile) computes row 0 again; its value is never written.
   float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  mma_tile_sums<Q, kWarps>(w + int64_t(ra < rows ? ra : 0) * row_bytes, w + int64_t(rb < rows ? rb : 0) * row_bytes, x,
-                           K, warp, t, c);
+  // x_group > 0 (plain launches only): the tile's 16 rows read x row (first row / x_group), one group's input.
+  const __half* xt = x_group > 0 ? x + int64_t(blockIdx.x * 16 / x_group) * K : x;
+  mma_tile_sums<Q, kWarps>(gemv_row_blocks(w, ra < rows ? ra : 0, row_bytes, ex),
+                           gemv_row_blocks(w, rb < rows ? rb : 0, row_bytes, ex), xt, K, warp, t, c);
   mma_tile_finish<kEpi, kWarps>(parts, row0, rows, gemv_rope_with(rope, at), act, c, warp, g, t);
 }
 
@@ -660,10 +676,10 @@ void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X*
         // same matrix agree.
         if (mma_warps(rows, K) == 16)
           launch_pdl(qgemv_mma_kernel<Q, kEpi, 16>, static_cast<unsigned>(tiles), 16 * 32, 0, stream, parts, row0,
-                     rows, x, wb, K, gemv_prefetch_enabled(), act, rope);
+                     rows, x, wb, K, gemv_prefetch_enabled(), act, rope, 0, GemvExpertRows{});
         else
           launch_pdl(qgemv_mma_kernel<Q, kEpi, 8>, static_cast<unsigned>(tiles), 8 * 32, 0, stream, parts, row0,
-                     rows, x, wb, K, gemv_prefetch_enabled(), act, rope);
+                     rows, x, wb, K, gemv_prefetch_enabled(), act, rope, 0, GemvExpertRows{});
         return;
       }
     }
@@ -729,6 +745,66 @@ bool qgemv_rope2(GgmlType ta, const void* wa, int rows_a, GgmlType tb, const voi
   else launch(Q5_K{}, Q6_K{});
   check_launch("qgemv rope (two formats)", stream);
   return true;
+}
+
+namespace {
+
+// The plain or SwiGLU tensor-core launch over `rows` rows with x groups and expert rows (qgemv_grouped,
+// qgemv_experts_*), the warps of a launch over `like_rows` rows. False where there is no such kernel.
+template <int kEpi>
+bool mma_launch(GgmlType t, const GemvParts& parts, int rows, int like_rows, const __half* x, int x_group,
+                const void* w, const GemvExpertRows& ex, int K, __half* act, cudaStream_t stream, const char* what) {
+  if (!qgemv_mma_enabled() || (t != GgmlType::Q4_K && t != GgmlType::Q5_K && t != GgmlType::Q6_K)) return false;
+  check_k(t, K, what);
+  if (w) check_blocks(t, w, what);
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || (x_group > 0 && (K * sizeof(__half)) % 16 != 0))
+    throw Error(std::string(what) + ": the activation rows are not 16-byte aligned");
+  if (rows <= 0) return true;
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const unsigned tiles = static_cast<unsigned>(gemv_grid(16, kEpi, rows));
+  const bool wide = mma_warps(like_rows, K) == 16;
+  dispatch(t, what, [&](auto q) {
+    using Q = decltype(q);
+    if constexpr (kHasMmaLane<Q>) {
+      if (wide)
+        launch_pdl(qgemv_mma_kernel<Q, kEpi, 16>, tiles, 16 * 32, 0, stream, parts, 0, rows, x, wb, K,
+                   gemv_prefetch_enabled(), act, GemvRope{}, x_group, ex);
+      else
+        launch_pdl(qgemv_mma_kernel<Q, kEpi, 8>, tiles, 8 * 32, 0, stream, parts, 0, rows, x, wb, K,
+                   gemv_prefetch_enabled(), act, GemvRope{}, x_group, ex);
+    }
+  });
+  check_launch(what, stream);
+  return true;
+}
+
+}  // namespace
+
+bool qgemv_grouped(GgmlType t, float* out, const __half* x, const void* w, int rows, int group, int K,
+                   cudaStream_t stream) {
+  if (group <= 0 || group % 16 != 0 || rows % group != 0) return false;
+  // Each row summed as one group's own launch (qgemv over `group` rows) sums it: that launch's warp count.
+  return mma_launch<kGemvPlain>(t, GemvParts{{out}, {nullptr}, {rows}, 1}, rows, group, x, group, w, GemvExpertRows{},
+                                K, nullptr, stream, "qgemv_grouped");
+}
+
+bool qgemv_experts_swiglu(GgmlType t, float* gate, float* up, __half* act, const __half* x,
+                          const uint64_t* gate_table, const uint64_t* up_table, const float* ids, int E, int n_slots,
+                          int F, int K, cudaStream_t stream) {
+  if (n_slots <= 0 || F <= 0) return false;
+  const GemvExpertRows ex{{gate_table, up_table}, ids, E, n_slots, F};
+  const int rows = 2 * n_slots * F;
+  return mma_launch<kGemvSwiglu>(t, GemvParts{{gate, up}, {nullptr, nullptr}, {n_slots * F, rows}, 2}, rows, rows, x,
+                                 0, nullptr, ex, K, act, stream, "qgemv_experts_swiglu");
+}
+
+bool qgemv_experts_grouped(GgmlType t, float* out, const __half* x, const uint64_t* table, const float* ids, int E,
+                           int n_slots, int N, int K, cudaStream_t stream) {
+  if (n_slots <= 0 || N <= 0 || N % 16 != 0) return false;
+  const GemvExpertRows ex{{table, nullptr}, ids, E, n_slots, N};
+  const int rows = n_slots * N;
+  return mma_launch<kGemvPlain>(t, GemvParts{{out}, {nullptr}, {rows}, 1}, rows, N, x, N, nullptr, ex, K, nullptr,
+                                stream, "qgemv_experts_grouped");
 }
 
 bool qgemv_supported(GgmlType t) {

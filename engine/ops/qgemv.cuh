@@ -33,6 +33,16 @@ struct GemvParts {
   int n_parts;
 };
 
+// A one-token MoE step's selected experts' rows, read where they lie in their stacks (no gather): row r of the
+// launch is row r % rows of expert ids[(r / rows) % K] of table[r / (K·rows)] (table: [E] device addresses of
+// each expert's rows, the expert views as the fault edits left them; ids: ffn_moe_topk's values, clamped to
+// 0..E-1). table[0] null: the launch's own contiguous rows.
+struct GemvExpertRows {
+  const uint64_t* table[2] = {nullptr, nullptr};
+  const float* ids = nullptr;
+  int E = 0, K = 0, rows = 0;
+};
+
 // The RoPE epilogue of a one-token Wq|Wk|Wv GEMV (matmul_qkv_rope): rope_qk's arguments for T = 1.
 struct GemvRope {
   float* k_cache = nullptr;            // [max_ctx, Hkv·Dh] (one layer): row write_pos ← rotated k
@@ -71,6 +81,26 @@ void qgemv_swiglu(GgmlType t, float* gate, float* up, float* act, const float* x
                   cudaStream_t stream);
 void qgemv_swiglu(GgmlType t, float* gate, float* up, __half* act, const __half* x, const void* w, int K, int F,
                   cudaStream_t stream);
+
+// qgemv of `rows` rows (one format, t) whose input changes every `group` rows: out[r] = w row r · x row
+// (r / group), x [rows / group, K] (f16, 16-byte aligned rows). Each row's value is bit-identical to a qgemv
+// over its own group of `group` rows (the same launch shape). One launch for a one-token MoE step's K down
+// projections (each slot's expert on its own act row). Returns false, launching nothing, where it has no
+// kernel: only Q4_K, Q5_K and Q6_K on the tensor-core path, group a multiple of 16 dividing rows; the caller then
+// runs qgemv per group.
+bool qgemv_grouped(GgmlType t, float* out, const __half* x, const void* w, int rows, int group, int K,
+                   cudaStream_t stream);
+
+// The same launches on a one-token MoE step's selected experts where they lie (GemvExpertRows), so that nothing is
+// gathered: qgemv_experts_swiglu is qgemv_swiglu over the n_slots experts' gate rows [n_slots·F] then their up rows
+// (gate_table, up_table); qgemv_experts_grouped is qgemv_grouped over the n_slots experts' N rows each (table), slot
+// s on x row s. Each value bit-identical to those launches on the experts' rows gathered in that order. False,
+// launching nothing, where there is no such kernel (as qgemv_grouped): the caller gathers.
+bool qgemv_experts_swiglu(GgmlType t, float* gate, float* up, __half* act, const __half* x,
+                          const uint64_t* gate_table, const uint64_t* up_table, const float* ids, int E, int n_slots,
+                          int F, int K, cudaStream_t stream);
+bool qgemv_experts_grouped(GgmlType t, float* out, const __half* x, const uint64_t* table, const float* ids, int E,
+                           int n_slots, int N, int K, cudaStream_t stream);
 
 // Fused twin of qgemv over Wq|Wk|Wv (one format; qkv: parts q [H·Dh], k and v [Hkv·Dh], with their
 // biases or null) for one token then rope_qk: q and k rotated at *rope.pos0, k and v written to cache

@@ -85,6 +85,9 @@ MOE = {s.name: s for s in [
           qkv_bias=True, n_expert=8, n_expert_used=2, n_ff_exp=128, n_ff_shexp=384),
 ]}
 MOE_FORMATS = ["f32", "q8_0"]
+# And tiny-mixtral in Q4_K (every width a multiple of 256, the experts' down projections included): the f16 engine's
+# decode reads K-quant experts where they lie (engine/ops/qgemv GemvExpertRows), a path only these formats take.
+MOE_KQUANT = {"tiny-mixtral": ["q4_k"]}
 ROUTER_LOGIT_STD = 2.0
 
 FULL = {s.name: s for s in [
