@@ -254,8 +254,10 @@ struct MoeBuffers {
         up(slots(c, cap) * c.n_ff_exp, "MoE activations"),
         act(slots(c, cap) * c.n_ff_exp, "MoE activations"),
         down(slots(c, cap) * c.n_embd, "MoE activations"),
-        xs(size_t(cap) * widest(c), "MoE activations"),
-        ys(size_t(cap) * widest(c), "MoE activations"),
+        xs(slots(c, cap) * widest(c), "MoE activations"),
+        ys(slots(c, cap) * widest(c), "MoE activations"),
+        run_experts(run_cap(c)),
+        run_scratch(size_t(run_experts > 1 ? run_experts : 0) * expert_elements(c), "MoE expert dequantization"),
         rows(slots(c, cap), "MoE activations"),
         moe_out(size_t(cap) * c.n_embd, "MoE activations"),
         shexp_gate_inp(size_t(cap), "MoE activations"),
@@ -270,13 +272,24 @@ struct MoeBuffers {
 
   static size_t slots(const ModelConfig& c, int cap) { return size_t(cap) * c.n_expert_used; }
   static size_t widest(const ModelConfig& c) { return size_t(std::max(c.n_embd, c.n_ff_exp)); }
+  // One expert's matrix (gate, up: [Fe, D]; down: [D, Fe]) in values.
+  static size_t expert_elements(const ModelConfig& c) { return size_t(c.n_ff_exp) * c.n_embd; }
+  // How many adjacent experts a step of several tokens dequantizes in one launch: as many as kRunScratchBytes hold
+  // (1: one at a time, into the weights' own scratch, and no run scratch).
+  static constexpr uint64_t kRunScratchBytes = 64ull << 20;
+  static int run_cap(const ModelConfig& c) {
+    if (!c.moe || c.n_expert < 2) return 1;
+    return static_cast<int>(
+        std::clamp<uint64_t>(kRunScratchBytes / (expert_elements(c) * sizeof(W)), 1, uint64_t(c.n_expert)));
+  }
   static uint64_t bytes(const ModelConfig& c, int cap) {
     if (!c.moe) return 0;
     const uint64_t S = slots(c, cap), E = c.n_expert, Fe = c.n_ff_exp, D = c.n_embd, Fs = std::max(c.n_ff_shexp, 1);
-    // Per token: logits, probs, moe_out, shexp, shexp_out, the shared gate's two values, shexp_g, shexp_u, ys (4
-    // bytes each), xs and shexp_act (W). Per slot: topk, ids, weights, weights_norm, rows, gate, up, down; act (W).
-    return uint64_t(cap) * (4 * (2 * E + 3 * D + 2 + 2 * Fs + widest(c)) + sizeof(W) * (widest(c) + Fs)) +
-           S * (4 * (5 + 2 * Fe + D) + sizeof(W) * Fe);
+    const uint64_t run = run_cap(c) > 1 ? uint64_t(run_cap(c)) * expert_elements(c) * sizeof(W) : 0;
+    // Per token: logits, probs, moe_out, shexp, shexp_out, the shared gate's two values, shexp_g, shexp_u (4 bytes
+    // each), shexp_act (W). Per slot: topk, ids, weights, weights_norm, rows, gate, up, down, ys; act, xs (W).
+    return uint64_t(cap) * (4 * (2 * E + 3 * D + 2 + 2 * Fs) + sizeof(W) * Fs) +
+           S * (4 * (5 + 2 * Fe + D + widest(c)) + sizeof(W) * (Fe + widest(c))) + run;
   }
 
   int capacity;
@@ -290,8 +303,10 @@ struct MoeBuffers {
   DeviceBuffer<float> up;            // [T, K, Fe] ffn_moe_up
   DeviceBuffer<W> act;               // [T, K, Fe] ffn_moe_swiglu (GEMM input)
   DeviceBuffer<float> down;          // [T, K, D] ffn_moe_down
-  DeviceBuffer<W> xs;                // [T, max(D, Fe)] one expert's input rows
-  DeviceBuffer<float> ys;            // [T, max(D, Fe)] its output rows
+  DeviceBuffer<W> xs;                // [T·K, max(D, Fe)] the slots' input rows, grouped by expert
+  DeviceBuffer<float> ys;            // [T·K, max(D, Fe)] their output rows
+  int run_experts;                   // run_cap: adjacent experts dequantized in one launch
+  DeviceBuffer<W> run_scratch;       // [run_experts, Fe·D] their dense values (none when run_experts is 1)
   DeviceBuffer<int32_t> rows;        // [T·K] the slots grouped by expert
   DeviceBuffer<float> moe_out;       // [T, D] ffn_moe_out where a shared expert is added after it
   DeviceBuffer<float> shexp_gate_inp;  // [T]
@@ -1014,25 +1029,54 @@ class CudaEngineImpl final : public CudaEngine {
   }
 
   // out [T·K, N]: slot s's row is its expert's matrix [N, Kin] times its input, row s / div of x (div K: every slot
-  // of token t reads x [T, Kin] row t; div 1: x [T·K, Kin] row s). Each expert used takes its slots' rows
-  // (moe_->rows from first[e]) through one linear layer; an expert of one slot (every expert of a decode step) reads
-  // and writes its rows in place, the same values without the two copies.
+  // of token t reads x [T, Kin] row t; div 1: x [T·K, Kin] row s). Every slot's input row is gathered once, in expert
+  // order (moe_->rows), and every output row scattered back once. An expert chosen by one slot runs the one-token
+  // GEMV on its row (every expert of a replayed decode step: the values of the decode's GEMVs). Experts chosen by
+  // several run one GEMM each on their rows; quantized ones are dequantized first, adjacent experts whose blocks lie
+  // one after another together in one launch (up to run_experts; views a fault edit moved break a run).
   void expert_matmul(float* out, const W* x, int div, const std::vector<DeviceMatrix<W>>& experts,
                      const std::vector<int>& first, int Kin, int N) {
     MoeBuffers<W>& m = *moe_;
-    for (size_t e = 0; e + 1 < first.size(); ++e) {
-      const int count = first[e + 1] - first[e];
-      if (count == 0) continue;
-      if (count == 1) {
-        const int s = m.h_rows.get()[first[e]];
-        matmul(out + size_t(s) * N, x + size_t(s / div) * Kin, experts[e], nullptr, 1, Kin, N, cublas_, stream_);
+    const int E = static_cast<int>(first.size()) - 1, slots = first.back();
+    if (slots == 0) return;
+    gather_rows(m.xs.get(), x, m.rows.get(), div, slots, Kin, stream_);
+    const auto count = [&](int e) { return first[size_t(e) + 1] - first[size_t(e)]; };
+    for (int e = 0; e < E;) {
+      if (count(e) == 0) {
+        ++e;
         continue;
       }
-      const int32_t* rows = m.rows.get() + first[e];
-      gather_rows(m.xs.get(), x, rows, div, count, Kin, stream_);
-      matmul(m.ys.get(), m.xs.get(), experts[e], nullptr, count, Kin, N, cublas_, stream_);
-      scatter_rows(out, m.ys.get(), rows, count, N, stream_);
+      float* y = m.ys.get() + size_t(first[e]) * N;
+      const W* xr = m.xs.get() + size_t(first[e]) * Kin;
+      if (count(e) == 1 || !experts[e].quantized() || m.run_experts < 2) {
+        matmul(y, xr, experts[e], nullptr, count(e), Kin, N, cublas_, stream_);
+        ++e;
+        continue;
+      }
+      int e1 = e + 1;  // experts e..e1-1: each chosen by several slots, their blocks adjacent
+      while (e1 < E && e1 - e < m.run_experts && count(e1) > 1 && adjacent_experts(experts[e1 - 1], experts[e1])) ++e1;
+      DeviceMatrix<W> run =
+          expert_view(experts[e], static_cast<const unsigned char*>(experts[e].segments[0].raw), (e1 - e) * N);
+      run.scratch = m.run_scratch.get();
+      const W* dense = dense_rows(run, (e1 - e) * N, stream_);
+      for (int i = e; i < e1; ++i) {
+        DeviceMatrix<W> one;
+        one.K = Kin;
+        one.rows = N;
+        one.dense = dense + size_t(i - e) * N * Kin;
+        matmul(m.ys.get() + size_t(first[i]) * N, m.xs.get() + size_t(first[i]) * Kin, one, nullptr, count(i), Kin, N,
+               cublas_, stream_);
+      }
+      e = e1;
     }
+    scatter_rows(out, m.ys.get(), m.rows.get(), slots, N, stream_);
+  }
+
+  // Whether expert matrix b's blocks start where a's end, in a's one format (so one view covers both).
+  static bool adjacent_experts(const DeviceMatrix<W>& a, const DeviceMatrix<W>& b) {
+    if (!a.quantized() || !b.quantized() || a.n_segments != 1 || b.n_segments != 1) return false;
+    return a.segments[0].type == b.segments[0].type && a.K == b.K && a.rows == b.rows &&
+           static_cast<const unsigned char*>(a.segments[0].raw) + expert_bytes(a) == b.segments[0].raw;
   }
 
   // Before an op writes over `buf` in place: the recording copies still to take from it are taken first
