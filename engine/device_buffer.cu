@@ -1,8 +1,10 @@
-// Device and pinned allocation with errors that give the sizes involved.
+// Device and pinned allocation with errors that give the sizes involved; frees deferred past stream captures.
 #include "engine/device_buffer.cuh"
 
 #include <cstdio>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "engine/cuda_check.cuh"
 #include "model/error.hpp"
@@ -39,6 +41,68 @@ void* pinned_alloc(size_t bytes, const char* what) {
   }
   return p;
 }
+
+namespace {
+
+// One device's captures in flight and the frees waiting for them. Frees run under the lock, so no capture on the
+// device begins while one runs; a device's lock is only ever taken by threads working on that device (so a rank of a
+// tensor-parallel engine never waits on another rank's). Never destroyed: buffers with static storage may be freed
+// at exit after it.
+struct Frees {
+  struct Deferred {
+    void* p;
+    bool pinned;
+  };
+  std::mutex lock;
+  int captures = 0;
+  std::vector<Deferred> deferred;
+};
+
+constexpr int kMaxDevices = 64;
+
+int current_device() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) (void)cudaGetLastError();
+  return device >= 0 && device < kMaxDevices ? device : 0;
+}
+
+Frees& frees(int device) {
+  static Frees* f = new Frees[kMaxDevices];
+  return f[device];
+}
+
+void free_now(void* p, bool pinned) {
+  if (pinned) cudaFreeHost(p);
+  else cudaFree(p);
+}
+
+void free_or_defer(void* p, bool pinned) {
+  if (!p) return;
+  Frees& f = frees(current_device());
+  std::lock_guard<std::mutex> g(f.lock);
+  if (f.captures > 0) f.deferred.push_back({p, pinned});
+  else free_now(p, pinned);
+}
+
+}  // namespace
+
+CaptureInFlight::CaptureInFlight() : device_(current_device()) {
+  Frees& f = frees(device_);
+  std::lock_guard<std::mutex> g(f.lock);
+  ++f.captures;
+}
+
+CaptureInFlight::~CaptureInFlight() {
+  Frees& f = frees(device_);
+  std::lock_guard<std::mutex> g(f.lock);
+  if (--f.captures > 0) return;
+  for (const Frees::Deferred& d : f.deferred) free_now(d.p, d.pinned);
+  f.deferred.clear();
+}
+
+void device_free(void* p) { free_or_defer(p, false); }
+
+void pinned_free(void* p) { free_or_defer(p, true); }
 
 void* pinned_device_address(void* host) {
   void* d = nullptr;

@@ -21,6 +21,28 @@ void* pinned_alloc(size_t bytes, const char* what);
 // addressing).
 void* pinned_device_address(void* host);
 
+// A stream capture in flight in this process (a decode graph being captured, on any thread), as a scope around
+// cudaStreamBeginCapture .. cudaStreamEndCapture. A free synchronizes the device (cudaFree, cudaFreeHost), and
+// synchronizing a device that has a stream in capture mode is illegal and invalidates that capture: one engine's
+// buffers growing (a prefill) beside another engine's first decode step (its capture) would fail that step with
+// cudaErrorStreamCaptureInvalidated. So while a capture is in flight, frees wait in a list; the last capture to end
+// runs them. Per device: the current device's captures and frees.
+class CaptureInFlight {
+ public:
+  CaptureInFlight();
+  ~CaptureInFlight();
+  CaptureInFlight(const CaptureInFlight&) = delete;
+  CaptureInFlight& operator=(const CaptureInFlight&) = delete;
+
+ private:
+  int device_;
+};
+
+// cudaFree and cudaFreeHost, deferred while a capture is in flight on the current device (CaptureInFlight); errors
+// are not reported (a free fails only after a fatal error, which the next checked call reports).
+void device_free(void* p);
+void pinned_free(void* p);
+
 // n elements of T in device memory (uninitialized).
 template <typename T>
 class DeviceBuffer {
@@ -48,7 +70,7 @@ class DeviceBuffer {
 
  private:
   void release() {
-    if (p_) cudaFree(p_);  // a free during teardown cannot be reported; it only fails after a fatal error
+    device_free(p_);
     p_ = nullptr;
     n_ = 0;
   }
@@ -95,7 +117,7 @@ class PinnedBuffer {
 
  private:
   void release() {
-    if (p_) cudaFreeHost(p_);
+    pinned_free(p_);
     p_ = nullptr;
     dev_ = nullptr;
     n_ = 0;

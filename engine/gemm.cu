@@ -34,7 +34,7 @@ CublasHandle::CublasHandle(EnginePrecision precision) : precision_(precision) {
 
 CublasHandle::~CublasHandle() {
   if (handle_) cublasDestroy(handle_);
-  if (workspace_) cudaFree(workspace_);
+  device_free(workspace_);
 }
 
 std::string CublasHandle::math_mode_name() const {

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "engine/cuda_check.cuh"
+#include "engine/device_buffer.cuh"
 #include "engine/ops/launch.cuh"
 #include "model/error.hpp"
 
@@ -177,8 +178,8 @@ PeerAllReduceSet::~PeerAllReduceSet() {
   if (cudaGetDevice(&previous) != cudaSuccess) previous = 0;
   for (int r = 0; r < world_; ++r) {
     if (cudaSetDevice(r) != cudaSuccess) continue;
-    cudaFree(bufs_[size_t(r)]);
-    cudaFree(flags_[size_t(r)]);
+    device_free(bufs_[size_t(r)]);
+    device_free(flags_[size_t(r)]);
   }
   cudaSetDevice(previous);
   (void)cudaGetLastError();

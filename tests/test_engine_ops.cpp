@@ -7,7 +7,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -982,6 +984,42 @@ TEST(EngineOps, MoeRouteMatchesReference) {
         }
       }
     }
+}
+
+// A buffer let go on another thread while a stream is capturing (one engine's buffers growing beside another's first
+// decode step): the free waits until the capture ends, so the capture stays valid (a cudaFree there synchronizes the
+// device and invalidates it: cudaErrorStreamCaptureInvalidated), and then runs.
+TEST(EngineOps, FreesWaitOutAnotherThreadsCapture) {
+  DIFFRUN_REQUIRE_CUDA();
+  cudaStream_t s = nullptr;
+  TEST_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  engine::DeviceBuffer<float> work(256, "a captured memset's target");
+  auto doomed = std::make_unique<engine::DeviceBuffer<float>>(size_t(1) << 20, "a buffer let go mid-capture");
+  void* const doomed_ptr = doomed->get();
+  cudaGraph_t graph = nullptr;
+  cudaError_t end_err = cudaSuccess;
+  cudaMemoryType during = cudaMemoryTypeUnregistered;
+  {
+    engine::CaptureInFlight in_flight;
+    TEST_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    TEST_CUDA_CHECK(cudaMemsetAsync(work.get(), 0, work.bytes(), s));
+    std::thread other([&] {
+      doomed.reset();
+      cudaPointerAttributes a{};
+      if (cudaPointerGetAttributes(&a, doomed_ptr) == cudaSuccess) during = a.type;
+      else (void)cudaGetLastError();
+    });
+    other.join();
+    end_err = cudaStreamEndCapture(s, &graph);
+  }
+  EXPECT_EQ(end_err, cudaSuccess) << cudaGetErrorString(end_err);
+  EXPECT_EQ(during, cudaMemoryTypeDevice) << "the buffer was freed during the capture";
+  cudaPointerAttributes after{};
+  const cudaError_t q = cudaPointerGetAttributes(&after, doomed_ptr);
+  if (q != cudaSuccess) (void)cudaGetLastError();
+  EXPECT_TRUE(q != cudaSuccess || after.type != cudaMemoryTypeDevice) << "the deferred free did not run";
+  if (graph) cudaGraphDestroy(graph);
+  TEST_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
 TEST(EngineOps, MatmulArgmaxMatchesMatmulThenArgmax) {
