@@ -227,9 +227,11 @@ void bench_model(const std::string& path, const std::string& precision, int step
     std::fprintf(f,
                  "{\"model\": \"%s\", \"precision\": \"%s\", \"tp\": %d, \"quantized_weights\": \"%s\", \"weight_bytes\": %.0f, "
                  "\"bandwidth\": %.0f, \"decode_tok_s\": %.2f, \"decode_roofline\": %.4f, \"decode_nograph_tok_s\": "
-                 "%.2f, \"decode_hooks_tok_s\": %.2f, \"prefill32_tok_s\": %.1f, \"prefill512_tok_s\": %.1f}\n",
+                 "%.2f, \"decode_hooks_tok_s\": %.2f, \"prefill32_tok_s\": %.1f, \"prefill512_tok_s\": %.1f, "
+                 "\"moe\": %s}\n",
                  path.c_str(), precision.c_str(), tp, eng->facts().at("quantized_weights").c_str(), wb, bandwidth, 1 / dec,
-                 roof, 1 / dec_nograph, 1 / dec_hooks, 32 / prefill_off[0], 512 / prefill_off[1]);
+                 roof, 1 / dec_nograph, 1 / dec_hooks, 32 / prefill_off[0], 512 / prefill_off[1],
+                 cfg.moe ? "true" : "false");
     std::fclose(f);
   }
 }
