@@ -411,8 +411,20 @@ void rows_avx2(const uint8_t* b, float* y, int64_t n_blocks) {
   blocks_avx2<F, kRound>(b, n_blocks, outs);
 }
 
+#if defined(__AVX512F__) && defined(__FMA__)
+template <bool kRound>
+void rows_q4_k_table(const uint8_t* b, float* y, int64_t n_blocks);  // below, with the decode-dot's tables
+#endif
+
 // The decoders written by hand: n values of `type` at s into y (rounded to f16 when `round`); false for the others.
 bool decode_avx2(GgmlType type, const uint8_t* s, float* y, int64_t n, bool round) {
+#if defined(__AVX512F__) && defined(__FMA__)
+  if (type == GgmlType::Q4_K) {
+    if (round) rows_q4_k_table<true>(s, y, n / QK_K);
+    else rows_q4_k_table<false>(s, y, n / QK_K);
+    return true;
+  }
+#endif
 #define DIFFRUN_REF_ROWS(F)                                                                      \
   (round ? rows_avx2<F, true>(s, y, n / F::kElems) : rows_avx2<F, false>(s, y, n / F::kElems)); \
   return true
@@ -572,6 +584,42 @@ void dot_q4_k_table(const uint8_t* b, const float* x, int64_t n_blocks, float* a
   }
   _mm512_storeu_ps(acc, s);
 }
+
+// Q4_K rows stored by the same tables (a prefill's decoded rows): each value looked up by its code and stored, not
+// summed. The same floats as BlockQ4_K's path (each table entry is d * q - m for its code, one product and one
+// difference, rounded as asked), per 16 values a zero-extension, a permute and a store.
+template <int kRound>
+[[gnu::always_inline]] inline void store_q4_k_table(const uint8_t* b, float* y) {
+  alignas(32) float dsc[8], dm[8];
+  scales_k4_avx2(b + 4, half_at(b), half_at(b + 2), dsc, dm);
+  const uint8_t* q = b + 16;
+  for (int is = 0; is < 8; is += 2, q += 32, y += 64) {
+    const __m512 t1 = q4_k_table<kRound>(dsc + is, dm + is), t2 = q4_k_table<kRound>(dsc + is + 1, dm + is + 1);
+    const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    // values 0..31 (low nibbles), then 32..63 (high nibbles)
+    _mm512_storeu_ps(y, _mm512_permutexvar_ps(c0, t1));
+    _mm512_storeu_ps(y + 16, _mm512_permutexvar_ps(c1, t1));
+    _mm512_storeu_ps(y + 32, _mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), t2));
+    _mm512_storeu_ps(y + 48, _mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), t2));
+  }
+}
+
+template <bool kRound>
+void rows_q4_k_table(const uint8_t* b, float* y, int64_t n_blocks) {
+  for (int64_t i = 0; i < n_blocks; ++i, b += BlockQ4_K::kBytes, y += QK_K) {
+    prefetch_ahead(b, BlockQ4_K::kBytes);
+    if (!kRound) {
+      store_q4_k_table<0>(b, y);
+    } else if (BlockQ4_K::finite(b)) {
+      store_q4_k_table<2>(b, y);
+    } else {
+      store_q4_k_table<1>(b, y);
+    }
+  }
+}
+template void rows_q4_k_table<true>(const uint8_t*, float*, int64_t);
+template void rows_q4_k_table<false>(const uint8_t*, float*, int64_t);
 
 // f64: the same tables widened to doubles (two __m512d each, exact) and each 8 values looked up with vpermi2pd, whose
 // index is the code in the low 4 bits of each 64-bit lane: 8 code bytes broadcast to every lane and shifted right by
