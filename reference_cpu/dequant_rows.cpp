@@ -552,71 +552,60 @@ template <int kRound>
   return round16_f16<kRound>(_mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(*d), codes), _mm512_set1_ps(*m)));
 }
 
-template <int kRound>
-[[gnu::always_inline]] inline void block_q4_k_table(const uint8_t* b, const float* x, __m512& s) {
+// A Q4_K block's 256 values by table, 16 at a time in input order: f(k, v) with v the values k .. k + 15.
+template <int kRound, typename F>
+[[gnu::always_inline]] inline void q4_k_table_values(const uint8_t* b, F&& f) {
   alignas(32) float dsc[8], dm[8];
   scales_k4_avx2(b + 4, half_at(b), half_at(b + 2), dsc, dm);
   const uint8_t* q = b + 16;
-  for (int is = 0; is < 8; is += 2, q += 32, x += 64) {
+  for (int is = 0, k = 0; is < 8; is += 2, q += 32, k += 64) {
     const __m512 t1 = q4_k_table<kRound>(dsc + is, dm + is), t2 = q4_k_table<kRound>(dsc + is + 1, dm + is + 1);
     const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
     const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
-    // values 0..31 (low nibbles), then 32..63 (high nibbles), each 16 into lanes 0..15 in input order
-    s = _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_permutexvar_ps(c0, t1), s);
-    s = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), _mm512_permutexvar_ps(c1, t1), s);
-    s = _mm512_fmadd_ps(_mm512_loadu_ps(x + 32), _mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), t2), s);
-    s = _mm512_fmadd_ps(_mm512_loadu_ps(x + 48), _mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), t2), s);
+    // values 0..31 (low nibbles), then 32..63 (high nibbles)
+    f(k, _mm512_permutexvar_ps(c0, t1));
+    f(k + 16, _mm512_permutexvar_ps(c1, t1));
+    f(k + 32, _mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), t2));
+    f(k + 48, _mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), t2));
   }
 }
 
+// Each of n_blocks Q4_K blocks at b in turn: f.template operator()<kRound>(block, i), the block's rounding chosen by
+// its own scales (finite: no NaN to handle), or none.
+template <bool kRound, typename F>
+[[gnu::always_inline]] inline void q4_k_blocks(const uint8_t* b, int64_t n_blocks, F&& f) {
+  for (int64_t i = 0; i < n_blocks; ++i, b += BlockQ4_K::kBytes) {
+    prefetch_ahead(b, BlockQ4_K::kBytes);
+    if (!kRound) {
+      f.template operator()<0>(b, i);
+    } else if (BlockQ4_K::finite(b)) {
+      f.template operator()<2>(b, i);
+    } else {
+      f.template operator()<1>(b, i);
+    }
+  }
+}
+
+// The lane sums: each 16 values into lanes 0..15 by one fma.
 template <bool kRound>
 void dot_q4_k_table(const uint8_t* b, const float* x, int64_t n_blocks, float* acc) {
   __m512 s = _mm512_loadu_ps(acc);
-  for (int64_t i = 0; i < n_blocks; ++i, b += BlockQ4_K::kBytes, x += QK_K) {
-    prefetch_ahead(b, BlockQ4_K::kBytes);
-    if (!kRound) {
-      block_q4_k_table<0>(b, x, s);
-    } else if (BlockQ4_K::finite(b)) {
-      block_q4_k_table<2>(b, x, s);
-    } else {
-      block_q4_k_table<1>(b, x, s);
-    }
-  }
+  q4_k_blocks<kRound>(b, n_blocks, [&]<int R>(const uint8_t* block, int64_t i) {
+    const float* xb = x + i * QK_K;
+    q4_k_table_values<R>(block, [&](int k, __m512 v) { s = _mm512_fmadd_ps(_mm512_loadu_ps(xb + k), v, s); });
+  });
   _mm512_storeu_ps(acc, s);
 }
 
 // Q4_K rows stored by the same tables (a prefill's decoded rows): each value looked up by its code and stored, not
 // summed. The same floats as BlockQ4_K's path (each table entry is d * q - m for its code, one product and one
 // difference, rounded as asked), per 16 values a zero-extension, a permute and a store.
-template <int kRound>
-[[gnu::always_inline]] inline void store_q4_k_table(const uint8_t* b, float* y) {
-  alignas(32) float dsc[8], dm[8];
-  scales_k4_avx2(b + 4, half_at(b), half_at(b + 2), dsc, dm);
-  const uint8_t* q = b + 16;
-  for (int is = 0; is < 8; is += 2, q += 32, y += 64) {
-    const __m512 t1 = q4_k_table<kRound>(dsc + is, dm + is), t2 = q4_k_table<kRound>(dsc + is + 1, dm + is + 1);
-    const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
-    // values 0..31 (low nibbles), then 32..63 (high nibbles)
-    _mm512_storeu_ps(y, _mm512_permutexvar_ps(c0, t1));
-    _mm512_storeu_ps(y + 16, _mm512_permutexvar_ps(c1, t1));
-    _mm512_storeu_ps(y + 32, _mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), t2));
-    _mm512_storeu_ps(y + 48, _mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), t2));
-  }
-}
-
 template <bool kRound>
 void rows_q4_k_table(const uint8_t* b, float* y, int64_t n_blocks) {
-  for (int64_t i = 0; i < n_blocks; ++i, b += BlockQ4_K::kBytes, y += QK_K) {
-    prefetch_ahead(b, BlockQ4_K::kBytes);
-    if (!kRound) {
-      store_q4_k_table<0>(b, y);
-    } else if (BlockQ4_K::finite(b)) {
-      store_q4_k_table<2>(b, y);
-    } else {
-      store_q4_k_table<1>(b, y);
-    }
-  }
+  q4_k_blocks<kRound>(b, n_blocks, [&]<int R>(const uint8_t* block, int64_t i) {
+    float* yb = y + i * QK_K;
+    q4_k_table_values<R>(block, [&](int k, __m512 v) { _mm512_storeu_ps(yb + k, v); });
+  });
 }
 template void rows_q4_k_table<true>(const uint8_t*, float*, int64_t);
 template void rows_q4_k_table<false>(const uint8_t*, float*, int64_t);
@@ -665,16 +654,9 @@ template <int kRound>
 template <bool kRound>
 void dot_q4_k_table_f64(const uint8_t* b, const double* x, int64_t n_blocks, double* acc) {
   __m512d s0 = _mm512_loadu_pd(acc), s1 = _mm512_loadu_pd(acc + 8);
-  for (int64_t i = 0; i < n_blocks; ++i, b += BlockQ4_K::kBytes, x += QK_K) {
-    prefetch_ahead(b, BlockQ4_K::kBytes);
-    if (!kRound) {
-      block_q4_k_table_f64<0>(b, x, s0, s1);
-    } else if (BlockQ4_K::finite(b)) {
-      block_q4_k_table_f64<2>(b, x, s0, s1);
-    } else {
-      block_q4_k_table_f64<1>(b, x, s0, s1);
-    }
-  }
+  q4_k_blocks<kRound>(b, n_blocks, [&]<int R>(const uint8_t* block, int64_t i) {
+    block_q4_k_table_f64<R>(block, x + i * QK_K, s0, s1);
+  });
   _mm512_storeu_pd(acc, s0);
   _mm512_storeu_pd(acc + 8, s1);
 }
