@@ -870,45 +870,44 @@ class CudaEngineImpl final : public CudaEngine {
     const DeviceMatrix<W>& d0 = w.ffn_down_exps[0];
     const uint64_t gb = expert_bytes(g0), ub = expert_bytes(u0), db = expert_bytes(d0);
     const uint64_t* table = expert_tables_.get() + size_t(l) * 3 * E;
+    unsigned char* downs = nullptr;  // the gathered experts' Wdown (not in place)
+    bool fused = true;
     if (experts_in_place_) {  // the K-quant experts read where they lie: nothing gathered
       if (!matmul_experts_gate_up_swiglu(m.gate.get(), m.up.get(), m.act.get(), a.ffn_xn.get(), g0, table, table + E,
                                          m.ids.get(), E, K, D, Fe, stream_))
         throw Error("cuda engine: layer " + std::to_string(l) + "'s experts have no in-place gate|up kernel");
-      step_fused_ |= kFusedMatmulGateUpSwiglu;
-      cp(sink, step, "ffn_moe_gate", l, m.gate.get(), {1, K, Fe});
-      cp(sink, step, "ffn_moe_up", l, m.up.get(), {1, K, Fe});
-      cp(sink, step, "ffn_moe_swiglu", l, m.act.get(), {1, K, Fe});
-      if (!matmul_experts_grouped(m.down.get(), m.act.get(), d0, table + 2 * E, m.ids.get(), E, K, Fe, D, stream_))
-        throw Error("cuda engine: layer " + std::to_string(l) + "'s experts have no in-place down kernel");
-      return;
+    } else {
+      unsigned char* gates = expert_scratch_.get();
+      unsigned char* ups = gates + uint64_t(K) * gb;
+      downs = ups + uint64_t(K) * ub;
+      ExpertStacks st;
+      st.n = 3;
+      st.dst[0] = gates, st.dst[1] = ups, st.dst[2] = downs;
+      st.table[0] = table, st.table[1] = table + E, st.table[2] = table + 2 * E;
+      st.bytes[0] = gb, st.bytes[1] = ub, st.bytes[2] = db;
+      gather_experts(st, m.ids.get(), K, E, stream_);
+      DeviceMatrix<W> gate_up = expert_view(g0, gates, K * Fe);  // K·Fe gate rows, then K·Fe up rows
+      append_rows(gate_up, expert_view(u0, ups, K * Fe));
+      fused = swiglu_in_gemv_ && matmul_gate_up_swiglu(m.gate.get(), m.up.get(), m.act.get(), a.ffn_xn.get(), gate_up,
+                                                       D, K * Fe, stream_);
+      if (!fused)
+        matmul_cat({{m.gate.get(), nullptr, K * Fe}, {m.up.get(), nullptr, K * Fe}}, a.ffn_xn.get(), gate_up, 1, D,
+                   cublas_, stream_);
     }
-    unsigned char* gates = expert_scratch_.get();
-    unsigned char* ups = gates + uint64_t(K) * gb;
-    unsigned char* downs = ups + uint64_t(K) * ub;
-    ExpertStacks st;
-    st.n = 3;
-    st.dst[0] = gates, st.dst[1] = ups, st.dst[2] = downs;
-    st.table[0] = table, st.table[1] = table + E, st.table[2] = table + 2 * E;
-    st.bytes[0] = gb, st.bytes[1] = ub, st.bytes[2] = db;
-    gather_experts(st, m.ids.get(), K, E, stream_);
-    DeviceMatrix<W> gate_up = expert_view(g0, gates, K * Fe);  // K·Fe gate rows, then K·Fe up rows
-    append_rows(gate_up, expert_view(u0, ups, K * Fe));
-    const bool fused = swiglu_in_gemv_ &&
-                       matmul_gate_up_swiglu(m.gate.get(), m.up.get(), m.act.get(), a.ffn_xn.get(), gate_up, D, K * Fe,
-                                             stream_);
     if (fused) step_fused_ |= kFusedMatmulGateUpSwiglu;
-    else
-      matmul_cat({{m.gate.get(), nullptr, K * Fe}, {m.up.get(), nullptr, K * Fe}}, a.ffn_xn.get(), gate_up, 1, D,
-                 cublas_, stream_);
     cp(sink, step, "ffn_moe_gate", l, m.gate.get(), {1, K, Fe});
     cp(sink, step, "ffn_moe_up", l, m.up.get(), {1, K, Fe});
     if (!fused) swiglu(m.act.get(), m.gate.get(), m.up.get(), int64_t(K) * Fe, stream_);
     cp(sink, step, "ffn_moe_swiglu", l, m.act.get(), {1, K, Fe});
     // The K slots' down projections as one launch where a kernel takes it (each row the value of its slot's own).
-    if (!matmul_grouped(m.down.get(), m.act.get(), expert_view(d0, downs, K * D), K, Fe, D, stream_))
+    if (experts_in_place_) {
+      if (!matmul_experts_grouped(m.down.get(), m.act.get(), d0, table + 2 * E, m.ids.get(), E, K, Fe, D, stream_))
+        throw Error("cuda engine: layer " + std::to_string(l) + "'s experts have no in-place down kernel");
+    } else if (!matmul_grouped(m.down.get(), m.act.get(), expert_view(d0, downs, K * D), K, Fe, D, stream_)) {
       for (int k = 0; k < K; ++k)
         matmul(m.down.get() + size_t(k) * D, m.act.get() + size_t(k) * Fe,
                expert_view(d0, downs + uint64_t(k) * db, D), nullptr, 1, Fe, D, cublas_, stream_);
+    }
   }
 
   // Bytes of one expert's matrix in its stack (dense rows of W, or one segment of GGUF blocks).
