@@ -1,7 +1,8 @@
-// Device and pinned allocation with errors that give the sizes involved; frees deferred past stream captures.
+// Device and pinned allocation with errors that give the sizes involved; releases deferred past stream captures.
 #include "engine/device_buffer.cuh"
 
 #include <cstdio>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -44,18 +45,14 @@ void* pinned_alloc(size_t bytes, const char* what) {
 
 namespace {
 
-// One device's captures in flight and the frees waiting for them. Frees run under the lock, so no capture on the
-// device begins while one runs; a device's lock is only ever taken by threads working on that device (so a rank of a
-// tensor-parallel engine never waits on another rank's). Never destroyed: buffers with static storage may be freed
-// at exit after it.
-struct Frees {
-  struct Deferred {
-    void* p;
-    bool pinned;
-  };
+// One device's captures in flight and the releases waiting for them. Releases run under the lock, so no capture on
+// the device begins while one runs; a device's lock is only ever taken by threads working on that device (so a rank
+// of a tensor-parallel engine never waits on another rank's). Never destroyed: buffers with static storage may be
+// freed at exit after it.
+struct Releases {
   std::mutex lock;
   int captures = 0;
-  std::vector<Deferred> deferred;
+  std::vector<std::function<void()>> deferred;
 };
 
 constexpr int kMaxDevices = 64;
@@ -66,43 +63,41 @@ int current_device() {
   return device >= 0 && device < kMaxDevices ? device : 0;
 }
 
-Frees& frees(int device) {
-  static Frees* f = new Frees[kMaxDevices];
-  return f[device];
-}
-
-void free_now(void* p, bool pinned) {
-  if (pinned) cudaFreeHost(p);
-  else cudaFree(p);
-}
-
-void free_or_defer(void* p, bool pinned) {
-  if (!p) return;
-  Frees& f = frees(current_device());
-  std::lock_guard<std::mutex> g(f.lock);
-  if (f.captures > 0) f.deferred.push_back({p, pinned});
-  else free_now(p, pinned);
+Releases& releases(int device) {
+  static Releases* r = new Releases[kMaxDevices];
+  return r[device];
 }
 
 }  // namespace
 
 CaptureInFlight::CaptureInFlight() : device_(current_device()) {
-  Frees& f = frees(device_);
-  std::lock_guard<std::mutex> g(f.lock);
-  ++f.captures;
+  Releases& r = releases(device_);
+  std::lock_guard<std::mutex> g(r.lock);
+  ++r.captures;
 }
 
 CaptureInFlight::~CaptureInFlight() {
-  Frees& f = frees(device_);
-  std::lock_guard<std::mutex> g(f.lock);
-  if (--f.captures > 0) return;
-  for (const Frees::Deferred& d : f.deferred) free_now(d.p, d.pinned);
-  f.deferred.clear();
+  Releases& r = releases(device_);
+  std::lock_guard<std::mutex> g(r.lock);
+  if (--r.captures > 0) return;
+  for (const std::function<void()>& release : r.deferred) release();
+  r.deferred.clear();
 }
 
-void device_free(void* p) { free_or_defer(p, false); }
+void after_captures(std::function<void()> release) {
+  Releases& r = releases(current_device());
+  std::lock_guard<std::mutex> g(r.lock);
+  if (r.captures > 0) r.deferred.push_back(std::move(release));
+  else release();
+}
 
-void pinned_free(void* p) { free_or_defer(p, true); }
+void device_free(void* p) {
+  if (p) after_captures([p] { cudaFree(p); });
+}
+
+void pinned_free(void* p) {
+  if (p) after_captures([p] { cudaFreeHost(p); });
+}
 
 void* pinned_device_address(void* host) {
   void* d = nullptr;

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -22,11 +23,13 @@ void* pinned_alloc(size_t bytes, const char* what);
 void* pinned_device_address(void* host);
 
 // A stream capture in flight in this process (a decode graph being captured, on any thread), as a scope around
-// cudaStreamBeginCapture .. cudaStreamEndCapture. A free synchronizes the device (cudaFree, cudaFreeHost), and
-// synchronizing a device that has a stream in capture mode is illegal and invalidates that capture: one engine's
-// buffers growing (a prefill) beside another engine's first decode step (its capture) would fail that step with
-// cudaErrorStreamCaptureInvalidated. So while a capture is in flight, frees wait in a list; the last capture to end
-// runs them. Per device: the current device's captures and frees.
+// cudaStreamBeginCapture .. cudaStreamEndCapture. A call on another thread that synchronizes the whole device while
+// a stream captures invalidates that capture (cudaErrorStreamCaptureInvalidated at its next launch), whatever its
+// capture mode. cublasDestroy is one: with another thread destroying cuBLAS handles, 300 of 300 captures failed
+// (CUDA 13, H200), so one engine let go at the end of its run (its cuBLAS handle) failed another's first decode step
+// or recording check beside it. cudaFree and cudaFreeHost, documented as synchronizing, failed none there; they wait
+// too. So while a capture is in flight on the device, releases wait in a list and the last capture to end runs them.
+// Per device: the current device's captures and releases.
 class CaptureInFlight {
  public:
   CaptureInFlight();
@@ -38,8 +41,12 @@ class CaptureInFlight {
   int device_;
 };
 
-// cudaFree and cudaFreeHost, deferred while a capture is in flight on the current device (CaptureInFlight); errors
-// are not reported (a free fails only after a fatal error, which the next checked call reports).
+// Runs `release` now, or when the last capture in flight on the current device ends (CaptureInFlight). For the
+// calls that may synchronize the device: cudaFree, cudaFreeHost, cublasDestroy.
+void after_captures(std::function<void()> release);
+
+// cudaFree and cudaFreeHost through after_captures; errors are not reported (a free fails only after a fatal error,
+// which the next checked call reports).
 void device_free(void* p);
 void pinned_free(void* p);
 

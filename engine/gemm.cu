@@ -32,9 +32,13 @@ CublasHandle::CublasHandle(EnginePrecision precision) : precision_(precision) {
   CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, kWorkspaceBytes));
 }
 
+// cublasDestroy synchronizes the device: past any capture in flight (after_captures), with its workspace after it.
 CublasHandle::~CublasHandle() {
-  if (handle_) cublasDestroy(handle_);
-  device_free(workspace_);
+  if (!handle_) return;
+  after_captures([h = handle_, ws = workspace_] {
+    cublasDestroy(h);
+    cudaFree(ws);
+  });
 }
 
 std::string CublasHandle::math_mode_name() const {

@@ -166,9 +166,16 @@ std::unique_ptr<PeerAllReduceSet> PeerAllReduceSet::make(int world, int max_floa
     }
     CUDA_CHECK(cudaMalloc(&set->bufs_[size_t(r)], sizeof(float) * 2 * size_t(world) * size_t(max_floats)));
     CUDA_CHECK(cudaMalloc(&set->flags_[size_t(r)], sizeof(unsigned long long) * size_t(world + 1)));
-    CUDA_CHECK(cudaMemset(set->flags_[size_t(r)], 0, sizeof(unsigned long long) * size_t(world + 1)));
+    // Zeroed on a stream of its own and waited for: the all-reduce's non-blocking streams do not wait on the legacy
+    // stream, and a cudaDeviceSynchronize would invalidate a capture of another engine on the device.
+    cudaStream_t zero = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&zero, cudaStreamNonBlocking));
+    const cudaError_t set_err =
+        cudaMemsetAsync(set->flags_[size_t(r)], 0, sizeof(unsigned long long) * size_t(world + 1), zero);
+    const cudaError_t sync_err = set_err == cudaSuccess ? cudaStreamSynchronize(zero) : set_err;
+    cudaStreamDestroy(zero);
+    CUDA_CHECK(sync_err);
   }
-  CUDA_CHECK(cudaDeviceSynchronize());
   CUDA_CHECK(cudaSetDevice(previous));
   return set;
 }

@@ -987,8 +987,8 @@ TEST(EngineOps, MoeRouteMatchesReference) {
 }
 
 // A buffer let go on another thread while a stream is capturing (one engine's buffers growing beside another's first
-// decode step): the free waits until the capture ends, so the capture stays valid (a cudaFree there synchronizes the
-// device and invalidates it: cudaErrorStreamCaptureInvalidated), and then runs.
+// decode step): the free waits until the capture ends (cudaFree is documented as synchronizing, and a device
+// synchronization invalidates a capture: cudaErrorStreamCaptureInvalidated), and then runs.
 TEST(EngineOps, FreesWaitOutAnotherThreadsCapture) {
   DIFFRUN_REQUIRE_CUDA();
   cudaStream_t s = nullptr;
@@ -1019,6 +1019,43 @@ TEST(EngineOps, FreesWaitOutAnotherThreadsCapture) {
   if (q != cudaSuccess) (void)cudaGetLastError();
   EXPECT_TRUE(q != cudaSuccess || after.type != cudaMemoryTypeDevice) << "the deferred free did not run";
   if (graph) cudaGraphDestroy(graph);
+  TEST_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+// An engine let go on another thread while a stream is capturing (one pair's engine done beside another's first
+// decode step or recording check): its cuBLAS handle's cublasDestroy synchronizes the device, which invalidated every
+// such capture before it waited for the capture to end (after_captures).
+TEST(EngineOps, CublasDestroyWaitsOutAnotherThreadsCapture) {
+  DIFFRUN_REQUIRE_CUDA();
+  cudaStream_t s = nullptr;
+  TEST_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  engine::DeviceBuffer<float> work(256, "a captured memset's target");
+  auto doomed = std::make_unique<engine::CublasHandle>(engine::EnginePrecision::f32);
+  cudaGraph_t graph = nullptr;
+  cudaError_t launch_err = cudaSuccess, end_err = cudaSuccess;
+  {
+    engine::CaptureInFlight in_flight;
+    TEST_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    TEST_CUDA_CHECK(cudaMemsetAsync(work.get(), 0, work.bytes(), s));
+    std::thread other([&] {
+      engine::CublasHandle created_and_gone(engine::EnginePrecision::f16);
+      doomed.reset();
+    });
+    other.join();
+    launch_err = cudaMemsetAsync(work.get(), 1, work.bytes(), s);
+    end_err = cudaStreamEndCapture(s, &graph);
+  }
+  EXPECT_EQ(launch_err, cudaSuccess) << cudaGetErrorString(launch_err);
+  EXPECT_EQ(end_err, cudaSuccess) << cudaGetErrorString(end_err);
+  (void)cudaGetLastError();
+  if (graph) {
+    cudaGraphExec_t exec = nullptr;
+    TEST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    TEST_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    TEST_CUDA_CHECK(cudaStreamSynchronize(s));
+    TEST_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    cudaGraphDestroy(graph);
+  }
   TEST_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
