@@ -1,5 +1,6 @@
 // `diffrun --prompt P`: run the reference, then the engine on the same tokens (per precision pair), compare, report, exit 0/1/2.
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -351,13 +352,11 @@ struct Kept {
 
 // Isolation replay after the pipeline: the engine again, each checkpoint recorded and then replaced by
 // the reference's (from memory, or from the reference's dump), for every isolated pair the pipeline did
-// not already replay beside itself.
+// not already replay beside itself. `tokens`: the first reference's greedy choices, fed to every run.
 void replay_isolated(const GgufFile& file, const ModelConfig& cfg, const MainOptions& o, const std::vector<int32_t>& ids,
-                     const PipelineOptions& popt, const std::vector<RunPair>& pairs,
+                     const std::vector<int32_t>& tokens, const PipelineOptions& popt, const std::vector<RunPair>& pairs,
                      const std::vector<PipelinePair>& ppairs, std::vector<diff::Comparison>& comparisons, Kept& kept,
                      TempFiles& scratch, Progress& progress) {
-  std::vector<int32_t> tokens;  // the first reference's greedy choices, fed to every run
-  for (const diff::StepTokens& t : comparisons.front().tokens) tokens.push_back(t.reference);
   const int steps = static_cast<int>(tokens.size()) - 1;
   for (size_t i = 0; i < pairs.size(); ++i) {
     if (!pairs[i].isolate) continue;
@@ -383,6 +382,75 @@ void replay_isolated(const GgufFile& file, const ModelConfig& cfg, const MainOpt
     const DumpReader isolated(path), reference(ppairs[i].replay_path);
     add_isolation_for(c, isolated, reference, o.report);
     if (popt.dump != DumpMode::full) c.isolated_path = not_written(popt.dump);
+  }
+}
+
+// Runs of a pair again with its reference following the engine's routing, at most this many.
+constexpr int kMaxRoutingFollowUps = 4;
+
+// The drift flips of `c` at or before its first divergence (step order, then execution order) that `followed` does
+// not hold yet: what following them may change. None when a flip of the comparison is local or undetermined (a
+// routing bug, or no evidence): the report shows it as it is.
+std::vector<diff::RoutingFlip> flips_to_follow(const diff::Comparison& c, const std::vector<diff::RoutingFlip>& followed) {
+  if (!c.diverged() || c.routing.local > 0 || c.routing.undetermined > 0) return {};
+  const diff::CheckpointResult& failure = c.results[*c.first_failure];
+  const auto topk_order = [&](int step, int layer) {
+    const std::string name = checkpoint_name("ffn_moe_topk", layer);
+    for (const diff::CheckpointResult& r : c.results)
+      if (r.step == step && r.name == name) return r.order;
+    return INT_MAX;
+  };
+  const auto same_row = [](const diff::RoutingFlip& a, const diff::RoutingFlip& b) {
+    return a.step == b.step && a.layer == b.layer && a.token == b.token;
+  };
+  std::vector<diff::RoutingFlip> out;
+  for (const diff::RoutingLayer& l : c.routing.layers) {
+    if (l.step > failure.step || (l.step == failure.step && topk_order(l.step, l.layer) > failure.order)) continue;
+    for (const diff::RoutingFlip& f : l.flips) {
+      if (f.kind != diff::FlipKind::drift) continue;
+      if (std::none_of(followed.begin(), followed.end(), [&](const diff::RoutingFlip& g) { return same_row(f, g); }))
+        out.push_back(f);
+    }
+  }
+  return out;
+}
+
+// A routing flip by drift is no bug: a near tie of the router that the two programs' rounding tipped either way. But
+// from it on, the two sides run other experts on that token, and what comes after differs by far more than any
+// tolerance: every layer after it, and later steps through the cache. So where a pair diverged and drift flips came
+// at or before its first divergence, the pair runs again (engine and reference, on the same tokens) with its CPU
+// reference taking the engine's experts at those (step, layer, token)s (ForcedRouting), and that run's comparison
+// replaces the first: the flips themselves were judged in the first run (RoutingSummary::followed keeps them), and
+// everything after them now compares the same experts' outputs, so a bug after a flip is still found. The run again
+// may show new drift flips (the reference's inputs changed after the followed ones): up to kMaxRoutingFollowUps runs.
+void follow_routing_drift(const GgufFile& file, const ModelConfig& cfg, const std::vector<PipelinePair>& ppairs,
+                          const std::vector<int32_t>& ids, const std::vector<int32_t>& fed, const PipelineOptions& popt,
+                          std::vector<diff::Comparison>& comparisons, Kept& kept, Progress& progress) {
+  for (size_t p = 0; p < ppairs.size(); ++p) {
+    if (ppairs[p].reference.backend != "cpu") continue;
+    std::vector<diff::RoutingFlip> followed;
+    for (int round = 0; round < kMaxRoutingFollowUps; ++round) {
+      const std::vector<diff::RoutingFlip> more = flips_to_follow(comparisons[p], followed);
+      if (more.empty()) break;
+      followed.insert(followed.end(), more.begin(), more.end());
+      auto forced = std::make_shared<ForcedRouting>();
+      for (const diff::RoutingFlip& f : followed) forced->rows.push_back({f.step, f.layer, f.token, f.engine});
+      progress.message(fmt::format("{}: {} routing flip{} by drift (step {} layer {} token {} the first); running the "
+                                   "pair again with the reference following the engine's experts there",
+                                   ppairs[p].title, more.size(), more.size() == 1 ? "" : "s", more.front().step,
+                                   more.front().layer, more.front().token));
+      PipelinePair again = ppairs[p];
+      again.reference.forced_routing = std::move(forced);
+      PipelineOptions opt = popt;
+      opt.feed = fed;
+      std::vector<std::unique_ptr<Backend>> engines;
+      std::vector<HeldReference> held;
+      std::vector<diff::Comparison> out = run_pipeline(file, cfg, {again}, ids, opt, progress, &engines, &held);
+      comparisons[p] = std::move(out.front());
+      if (p < kept.engines.size()) kept.engines[p] = std::move(engines.front());
+      if (p < kept.held.size()) kept.held[p] = std::move(held.front());
+    }
+    if (!followed.empty()) comparisons[p].routing.followed = std::move(followed);  // with the first runs' evidence
   }
 }
 
@@ -475,10 +543,13 @@ int run_main(const MainOptions& o) {
   std::vector<diff::Comparison> comparisons =
       run_pipeline(*file, cfg, ppairs, ids, popt, progress, &kept.engines, &kept.held);
   progress.timing("pipeline done");
+  std::vector<int32_t> fed;  // the first reference's greedy choices, fed to every backend (and to any run again)
+  for (const diff::StepTokens& t : comparisons.front().tokens) fed.push_back(t.reference);
+  if (cfg.moe) follow_routing_drift(*file, cfg, ppairs, ids, fed, popt, comparisons, kept, progress);
   guards.clear();
 
   if (std::any_of(pairs.begin(), pairs.end(), [](const RunPair& p) { return p.isolate; }))
-    replay_isolated(*file, cfg, o, ids, popt, pairs, ppairs, comparisons, kept, scratch, progress);
+    replay_isolated(*file, cfg, o, ids, fed, popt, pairs, ppairs, comparisons, kept, scratch, progress);
   return report_pairs(o, cfg, *tok, pairs, comparisons, progress);
 }
 

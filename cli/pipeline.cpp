@@ -116,7 +116,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
     if (check_recording) recorded_logits.push_back(logits);
     if (source) {
       std::lock_guard lock(cx.sh.m);
-      cx.sh.feed.push_back(end.argmax);
+      if (static_cast<int>(cx.sh.feed.size()) == step) cx.sh.feed.push_back(end.argmax);  // beyond opt.feed
       cx.sh.cv.notify_all();  // the other backends wait for the token
     }
     cx.sh.push(side, p, std::move(end));
@@ -151,6 +151,7 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
                                            std::vector<std::unique_ptr<Backend>>* kept,
                                            std::vector<HeldReference>* held) {
   Shared sh;
+  sh.feed = opt.feed;
   sh.ended.assign(pairs.size(), -1);
   sh.queue[kEngine].resize(pairs.size());
   sh.queue[kReference].resize(pairs.size());

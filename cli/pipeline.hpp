@@ -107,6 +107,10 @@ struct PipelineOptions {
   // Each CUDA engine runs the steps once more unrecorded after its last step, and its logits must equal
   // the recorded run's bit for bit (Comparison::recording); off: --no-recording-check.
   bool recording_check = true;
+  // The tokens of the decode steps, fed from the start (feed[s] is step s + 1's): every backend is fed them,
+  // and the first pair's reference chooses greedily only the steps beyond them. A run again of a pair (the
+  // routing follow-up, cli/cmd_main.cpp) is fed the first run's tokens. Empty: chosen as the run goes.
+  std::vector<int32_t> feed;
 };
 
 // The recording check: `engine` reset and run again on the prompt and the fed tokens with nothing

@@ -147,7 +147,9 @@ Injected injected(const BackendOptions& opt) {
 std::unique_ptr<Backend> make_backend(const GgufFile& file, const ModelConfig& cfg, const BackendOptions& opt,
                                       int max_ctx) {
   const auto [faults, tp_faults] = injected(opt);
-  if (opt.backend == "cpu") return make_cpu_backend(file, cfg, opt.precision, max_ctx, faults);
+  if (opt.backend == "cpu")
+    return make_cpu_backend(file, cfg, opt.precision, max_ctx, faults, WeightHolding::streamed, opt.forced_routing);
+  if (opt.forced_routing) throw Error("forced routing is the CPU reference's, not the " + opt.backend + " backend's");
   if (opt.backend == "cuda") {
 #ifdef DIFFRUN_HAVE_CUDA
     std::string why;

@@ -18,6 +18,7 @@
 #include "model/config.hpp"
 #include "model/gguf.hpp"
 #include "model/tokenizer.hpp"
+#include "reference_cpu/reference.hpp"
 
 namespace diffrun::cli {
 
@@ -51,6 +52,9 @@ struct BackendOptions {
   std::string precision = "f32";
   std::string inject;  // faults to inject, "name[,name]" (faults/faults.hpp); empty: none
   int tp = 1;          // cuda: tensor-parallel ranks, one GPU each (engine/tp_engine.hpp)
+  // cpu: expert choices to follow (reference_cpu/reference.hpp); the job sets them on a reference it runs again
+  // after a routing flip by drift (cli/cmd_main.cpp)
+  std::shared_ptr<const ForcedRouting> forced_routing;
   void add_options(CLI::App& app);  // --backend --precision --inject --tp
 };
 

@@ -361,6 +361,10 @@ void finish_comparison(Comparison& c, const ToleranceSet& tolerances, const Comp
   };
   check_engine_argmax(c, engine_argmax);
   c.routing = summarise_routing(c.results);
+  if (const auto fact = c.reference_meta.facts.find("routing_followed"); fact != c.reference_meta.facts.end()) {
+    if (auto followed = parse_routing_followed(fact->second)) c.routing.followed = std::move(*followed);
+    else c.warnings.push_back("the reference's fact routing_followed does not read as 'step S layer L token T: ids; ...'");
+  }
   c.first_failure = first_failure_of(c.results);
   c.first_nonfinite = first_nonfinite_of(c.results);
   if (c.first_nonfinite) c.nonfinite_verdict = decide_verdict(c.results, *c.first_nonfinite, n_layer, opt.jump_factor);

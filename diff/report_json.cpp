@@ -27,7 +27,10 @@
 //       "flips": [{"step", "layer", "token", "reference": [int], "engine": [int], "overlap",
 //                  "reordered", "margin" (reference's K-th minus (K+1)-th router logit), "gap" (the
 //                  largest reference logit difference the engine's choice crossed), "router_error",
-//                  "kind": "drift"|"local"|"undetermined"}]},
+//                  "kind": "drift"|"local"|"undetermined"}],
+//       "followed": [flip as in "flips"] (drift flips the reference followed: the pair ran again with the
+//                   engine's experts there; from a dump's fact routing_followed only "step", "layer",
+//                   "token" and "engine" are known, "reference" is [] and the numbers null)},
 //   "first_divergence": null | {
 //       "index": int (into "checkpoints"), "step", "name", "layer",
 //       "preceding": [int] (indices of the passing checkpoints just before it),
@@ -163,10 +166,12 @@ json routing_json(const RoutingSummary& r) {
                       {"differing", l.flips.size()},
                       {"topk_overlap", l.tokens && l.k ? static_cast<double>(l.overlap_sum) / (l.tokens * l.k) : 1.0}});
   }
+  json followed = json::array();
+  for (const RoutingFlip& f : r.followed) followed.push_back(flip_json(f));
   return {{"token_layers", r.token_layers}, {"flipped", r.flipped},    {"reordered", r.reordered},
           {"flip_rate", r.flip_rate()},     {"topk_overlap", r.topk_overlap()}, {"drift", r.drift},
           {"local", r.local},               {"undetermined", r.undetermined}, {"layers", layers},
-          {"flips", flips}};
+          {"flips", flips},                 {"followed", followed}};
 }
 
 json side(const DumpMeta& m, const std::string& path) {

@@ -107,11 +107,35 @@ void verdict_lines(std::string& out, const Verdict& v, const Style& s) {
     out += fmt::format("            not recorded: {} (an input of this op)\n", fmt::join(v.unrecorded_inputs, ", "));
 }
 
+// The drift flips the reference followed (RoutingSummary::followed): the pair ran again with the engine's experts
+// there; the first kMaxFlipLines of them.
+constexpr size_t kMaxFollowedLines = 8;
+void followed_lines(std::string& out, const RoutingSummary& r, const Style& s) {
+  if (r.followed.empty()) return;
+  out += s.yellow(fmt::format("ROUTING  followed {} routing flip{} by drift: the reference ran again with the engine's "
+                              "experts there, so what comes after compares the same experts' outputs",
+                              r.followed.size(), r.followed.size() == 1 ? "" : "s")) +
+         "\n";
+  for (size_t i = 0; i < r.followed.size() && i < kMaxFollowedLines; ++i) {
+    const RoutingFlip& f = r.followed[i];
+    out += fmt::format("  step {} layer {} token {}: the engine's experts {{{}}}", f.step, f.layer, f.token,
+                       fmt::join(f.engine, ","));
+    if (!f.reference.empty())
+      out += fmt::format(" for the reference's {{{}}}, margin {}, gap {}, router error {}", fmt::join(f.reference, ","),
+                         num(f.margin), num(f.gap), num(f.router_error));
+    out += "\n";
+  }
+  if (r.followed.size() > kMaxFollowedLines)
+    out += fmt::format("  ... {} more (the JSON report lists every one)\n", r.followed.size() - kMaxFollowedLines);
+  if (r.differing() == 0) out += "\n";
+}
+
 // Mixtures of experts, before the first divergence: where the two sides chose other experts, per step,
 // layer and token, with the margin and the router error that decide each (diff/routing.hpp); the first
 // kMaxFlipLines flips, local ones first.
 constexpr size_t kMaxFlipLines = 8;
 void routing_lines(std::string& out, const RoutingSummary& r, const Style& s) {
+  followed_lines(out, r, s);
   if (r.differing() == 0) return;
   const std::string head = fmt::format(
       "ROUTING  {} of {} (token, layer) chose other experts (flip rate {:.3g}%){}, top-k overlap {:.3f}: {} drift "
@@ -650,6 +674,8 @@ std::string render_summary(const Comparison& c) {
   if (c.routing.differing() > 0)
     counts += fmt::format("; routing: {} of {} (token, layer) chose other experts, {} drift, {} local", c.routing.differing(),
                           c.routing.token_layers, c.routing.drift, c.routing.local);
+  if (!c.routing.followed.empty())
+    counts += fmt::format("; routing: {} drift flip(s) followed", c.routing.followed.size());
   std::string nonfinite;
   if (c.first_nonfinite) {
     const CheckpointResult& n = c.results[*c.first_nonfinite];

@@ -2,10 +2,14 @@
 #include "diff/routing.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <map>
+#include <sstream>
+#include <string>
 #include <utility>
 
 #include "checkpoints/vocabulary.hpp"
@@ -242,6 +246,36 @@ RoutingSummary summarise_routing(const std::vector<CheckpointResult>& results) {
     s.layers.push_back(std::move(l));
   }
   return s;
+}
+
+std::optional<std::vector<RoutingFlip>> parse_routing_followed(std::string_view fact) {
+  std::vector<RoutingFlip> flips;
+  std::istringstream rows{std::string(fact)};
+  std::string row;
+  while (std::getline(rows, row, ';')) {
+    RoutingFlip f;
+    char colon = 0;
+    std::string w_step, w_layer, w_token;
+    std::istringstream in(row);
+    if (!(in >> w_step >> f.step >> w_layer >> f.layer >> w_token >> f.token >> colon) || w_step != "step" ||
+        w_layer != "layer" || w_token != "token" || colon != ':' || f.step < 0 || f.layer < 0 || f.token < 0)
+      return std::nullopt;
+    std::string ids;
+    in >> ids;
+    std::istringstream id_list(ids);
+    std::string id;
+    while (std::getline(id_list, id, ',')) {
+      char* end = nullptr;
+      const long v = std::strtol(id.c_str(), &end, 10);
+      if (id.empty() || *end != '\0' || v < 0 || v > INT32_MAX) return std::nullopt;
+      f.engine.push_back(static_cast<int32_t>(v));
+    }
+    std::string rest;
+    if (f.engine.empty() || (in >> rest)) return std::nullopt;
+    f.kind = FlipKind::drift;
+    flips.push_back(std::move(f));
+  }
+  return flips;
 }
 
 }  // namespace diffrun::diff

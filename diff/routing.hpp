@@ -76,11 +76,21 @@ struct RoutingSummary {
   int64_t flipped = 0;    // another set of experts
   int64_t reordered = 0;  // the same set in another order
   int64_t drift = 0, local = 0, undetermined = 0;  // of the flipped and reordered
+  // Drift flips the reference followed: the job ran the pair again with the reference taking the engine's
+  // experts at these (step, layer, token)s (reference_cpu/reference.hpp ForcedRouting), so their ffn_moe_topk
+  // rows now agree and what comes after them compares the same experts' outputs. From the job, with the first
+  // run's evidence (margin, gap, router error); from a dump, the reference's fact routing_followed (the engine's
+  // ids alone, the rest unknown).
+  std::vector<RoutingFlip> followed;
   int64_t differing() const { return flipped + reordered; }
   double flip_rate() const { return token_layers ? static_cast<double>(flipped) / token_layers : 0.0; }
   double topk_overlap() const;       // mean |reference ∩ engine| / K over (token, layer)
-  bool empty() const { return layers.empty(); }
+  bool empty() const { return layers.empty() && followed.empty(); }
 };
+
+// The fact routing_followed of a reference ("step 0 layer 1 token 8: 1,0; step ...", as reference_cpu writes it) as
+// flips of kind drift holding the engine's ids; nullopt when it does not read so.
+std::optional<std::vector<RoutingFlip>> parse_routing_followed(std::string_view fact);
 
 // The evidence compare_checkpoint keeps for kind `base` of layout `layout` (ffn_moe_logits [T, E], or a
 // kind laid out per slot, [T, K, ...], ffn_moe_topk among them) from the values compared and the checks

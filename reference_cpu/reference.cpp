@@ -50,11 +50,12 @@ class CpuBackend final : public Backend {
 
  public:
   CpuBackend(const GgufFile& file, const ModelConfig& cfg, int max_ctx, const FaultSet& faults,
-             const std::string& precision, const StoragePlan& storage, WeightHolding holding)
+             const std::string& precision, const StoragePlan& storage, WeightHolding holding,
+             std::shared_ptr<const ForcedRouting> forced)
       : model_cfg_(cfg), plan_(plan_faults(faults, cfg)), cfg_(plan_.config), max_ctx_(max_ctx),
         w_(Weights<T>::load(file, cfg, faults, storage.weights_f16, holding)),
         cache_(cfg.n_layer, max_ctx, cfg.n_head_kv * cfg.head_dim), faults_(faults), precision_(precision),
-        storage_(storage) {
+        storage_(storage), forced_(std::move(forced)) {
     if (w_.token_embd.rows() < cfg_.n_vocab || w_.lm_head().rows() < cfg_.n_vocab) {
       throw ModelError("token_embd/output have fewer rows than the vocabulary of " + std::to_string(cfg_.n_vocab));
     }
@@ -70,6 +71,7 @@ class CpuBackend final : public Backend {
                                   std::to_string(EIGEN_MINOR_VERSION)},
             {"eigen_simd", Eigen::SimdInstructionSetsInUse()}};
     if (!faults_.empty()) f["injected_faults"] = faults_.names();
+    if (forced_ && !forced_->rows.empty()) f["routing_followed"] = followed_fact(*forced_);
     if (storage_.any()) {
       f["weights_dtype"] = storage_.weights_f16 ? "f16" : precision_.substr(0, 3);
       f["emulated_f16_storage"] = storage_.gemm_inputs_f16 ? "attn_norm,ffn_norm,result_norm,kqv_out,ffn_swiglu/ffn_geglu"
@@ -95,6 +97,7 @@ class CpuBackend final : public Backend {
                        std::to_string(n) + " new tokens exceed the context of " + std::to_string(max_ctx_));
     }
     Recorder<T> cp(sink, step);
+    step_ = step;
     cp.ids("tokens", tokens);
     if (n == 1 && frozen_pos_ < 0) frozen_pos_ = n_past_;
     // The engine runs its fused kernels on one-token steps, where the production-path faults act (fault_plan.hpp).
@@ -236,6 +239,7 @@ class CpuBackend final : public Backend {
     matmul(logits.data(), xn, w.ffn_gate_inp, kNoBias, n, D, E);                  cp("ffn_moe_logits", l, {n, E}, logits.data());
     moe_route(probs.data(), topk.data(), weights.data(), weights_norm.data(), logits.data(), n, E, K,
               cfg_.expert_weights_norm, args.moe_routing);
+    if (forced_) follow_routing(topk, weights, weights_norm, probs, l, n);
     cp("ffn_moe_probs", l, {n, E}, probs.data());
     std::vector<T> ids(topk.begin(), topk.end());          // [T,K] the ids as values, as the dump holds them
     cp("ffn_moe_topk", l, {n, K}, ids.data());
@@ -302,6 +306,46 @@ class CpuBackend final : public Backend {
 
   // The selected ids back from their recorded values (an isolation replay's, the reference's, where it replaced
   // them): checked_expert_id each.
+  // The rows of forced_ at this step and layer: their experts in place of the top K, weighed by this reference's
+  // probabilities of them.
+  void follow_routing(std::vector<int32_t>& topk /* [T,K] */, std::vector<T>& weights /* [T,K] */,
+                      std::vector<T>& weights_norm /* [T,K] */, const std::vector<T>& probs /* [T,E] */, int l,
+                      int n) const {
+    const int E = cfg_.n_expert, K = cfg_.n_expert_used;
+    for (const ForcedRouting::Row& r : forced_->rows) {
+      if (r.step != step_ || r.layer != l) continue;
+      const std::string where = "forced routing at step " + std::to_string(r.step) + ", layer " + std::to_string(l) +
+                                ", token " + std::to_string(r.token);
+      if (r.token < 0 || r.token >= n)
+        throw InputError(where + ": the step has " + std::to_string(n) + " token(s)");
+      if (static_cast<int>(r.ids.size()) != K)
+        throw InputError(where + ": " + std::to_string(r.ids.size()) + " expert ids, the model uses " +
+                         std::to_string(K) + " per token");
+      for (int j = 0; j < K; ++j) {
+        if (r.ids[j] < 0 || r.ids[j] >= E)
+          throw InputError(where + ": expert id " + std::to_string(r.ids[j]) + " outside 0.." + std::to_string(E - 1));
+        if (std::find(r.ids.begin(), r.ids.begin() + j, r.ids[j]) != r.ids.begin() + j)
+          throw InputError(where + ": expert " + std::to_string(r.ids[j]) + " chosen twice");
+      }
+      const size_t row = static_cast<size_t>(r.token) * K;
+      std::copy(r.ids.begin(), r.ids.end(), topk.begin() + row);
+      moe_weigh(weights.data() + row, weights_norm.data() + row, probs.data() + static_cast<size_t>(r.token) * E,
+                r.ids.data(), K, cfg_.expert_weights_norm);
+    }
+  }
+
+  // The fact routing_followed: "step 0 layer 1 token 8: 1,0; ..." over the rows.
+  static std::string followed_fact(const ForcedRouting& forced) {
+    std::string s;
+    for (const ForcedRouting::Row& r : forced.rows) {
+      if (!s.empty()) s += "; ";
+      s += "step " + std::to_string(r.step) + " layer " + std::to_string(r.layer) + " token " + std::to_string(r.token) +
+           ":";
+      for (size_t j = 0; j < r.ids.size(); ++j) s += (j ? "," : " ") + std::to_string(r.ids[j]);
+    }
+    return s;
+  }
+
   static void expert_ids(std::vector<int32_t>& topk /* [T,K] */, const std::vector<T>& ids /* [T,K] */, int E, int l) {
     for (size_t s = 0; s < ids.size(); ++s) topk[s] = checked_expert_id(double(ids[s]), E, l);
   }
@@ -341,6 +385,8 @@ class CpuBackend final : public Backend {
   StoragePlan storage_;
   int32_t last_argmax_ = -1;
   int n_past_ = 0;
+  int step_ = 0;                                  // the step forward() runs
+  std::shared_ptr<const ForcedRouting> forced_;  // expert choices to follow (null: none)
   // graph_position_frozen: n_past at the first one-token step since construction (where the engine
   // captures its decode graph; a reset keeps the graph, so it keeps this too); -1 before it.
   int frozen_pos_ = -1;
@@ -349,8 +395,11 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_cpu_backend(const GgufFile& file, const ModelConfig& cfg, const std::string& precision,
-                                          int max_ctx, const FaultSet& faults, WeightHolding holding) {
+                                          int max_ctx, const FaultSet& faults, WeightHolding holding,
+                                          std::shared_ptr<const ForcedRouting> forced) {
   if (max_ctx < 1) throw InputError("the CPU reference needs a context of at least 1 position");
+  if (forced && !forced->rows.empty() && !cfg.moe)
+    throw InputError("forced routing needs a mixture-of-experts model; this one has no experts");
   validate_tensors(file, cfg);
   faults.check_applicable(cfg, &file);
   const size_t dash = precision.find('-');
@@ -367,8 +416,8 @@ std::unique_ptr<Backend> make_cpu_backend(const GgufFile& file, const ModelConfi
     throw InputError("the cpu backend's precision is f32 or f64, optionally with emulated storage "
                      "(f32-f16store, f64-f16store, f32-f16residual, f64-f16residual, f32-f16store-f16residual), not '" + precision + "'");
   }
-  if (arith == "f32") return std::make_unique<CpuBackend<float>>(file, cfg, max_ctx, faults, precision, storage, holding);
-  return std::make_unique<CpuBackend<double>>(file, cfg, max_ctx, faults, precision, storage, holding);
+  if (arith == "f32") return std::make_unique<CpuBackend<float>>(file, cfg, max_ctx, faults, precision, storage, holding, forced);
+  return std::make_unique<CpuBackend<double>>(file, cfg, max_ctx, faults, precision, storage, holding, std::move(forced));
 }
 
 }  // namespace diffrun

@@ -25,16 +25,18 @@ void moe_route(T* probs /* [T,E] */, int32_t* topk /* [T,K] */, T* weights /* [T
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
     int32_t* ids = topk + static_cast<size_t>(t) * K;
-    T* w = weights + static_cast<size_t>(t) * K;
-    T* wn = weights_norm + static_cast<size_t>(t) * K;
-    T w_sum = 0;
-    for (int j = 0; j < K; ++j) {
-      ids[j] = order[j];
-      w_sum += (w[j] = p[order[j]]);
-    }
-    const T divisor = std::max(w_sum, T(6.103515625e-5));
-    for (int j = 0; j < K; ++j) wn[j] = renormalise ? w[j] / divisor : w[j];
+    std::copy_n(order.begin(), K, ids);
+    moe_weigh(weights + static_cast<size_t>(t) * K, weights_norm + static_cast<size_t>(t) * K, p, ids, K, renormalise);
   }
+}
+
+template <typename T>
+void moe_weigh(T* weights /* [K] */, T* weights_norm /* [K] */, const T* probs /* [E] */, const int32_t* ids /* [K] */,
+               int K, bool renormalise) {
+  T w_sum = 0;
+  for (int j = 0; j < K; ++j) w_sum += (weights[j] = probs[ids[j]]);
+  const T divisor = std::max(w_sum, T(6.103515625e-5));
+  for (int j = 0; j < K; ++j) weights_norm[j] = renormalise ? weights[j] / divisor : weights[j];
 }
 
 template <typename T>
@@ -77,6 +79,8 @@ template void sigmoid<float>(float*, const float*, int64_t);
 template void sigmoid<double>(double*, const double*, int64_t);
 template void scale_rows<float>(float*, const float*, const float*, int, int);
 template void scale_rows<double>(double*, const double*, const double*, int, int);
+template void moe_weigh<float>(float*, float*, const float*, const int32_t*, int, bool);
+template void moe_weigh<double>(double*, double*, const double*, const int32_t*, int, bool);
 template void moe_route<float>(float*, int32_t*, float*, float*, const float*, int, int, int, bool);
 template void moe_route<double>(double*, int32_t*, double*, double*, const double*, int, int, int, bool);
 template void moe_combine<float>(float*, const float*, const float*, int, int, int);

@@ -14,6 +14,13 @@ template <typename T>
 void moe_route(T* probs /* [T,E] */, int32_t* topk /* [T,K] */, T* weights /* [T,K] */, T* weights_norm /* [T,K] */,
                const T* logits /* [T,E] */, int n_tokens, int E, int K, bool renormalise);
 
+// One token's weights of the K experts `ids` (most probable first): weights[j] = probs[ids[j]], and weights_norm as
+// moe_route makes them. moe_route's own weighting, and the reference's alone (no engine twin): it weighs the experts
+// of a routing the reference is told to follow (make_cpu_backend's ForcedRouting) by its own probabilities.
+template <typename T>
+void moe_weigh(T* weights /* [K] */, T* weights_norm /* [K] */, const T* probs /* [E] */, const int32_t* ids /* [K] */,
+               int K, bool renormalise);
+
 // out[t] = sum over slots j = 0..K-1, in that order, of weights[t, j] · down[t, j] (llama.cpp multiplies each
 // expert's output by its weight, then adds the slots' views one after another).
 template <typename T>
