@@ -667,6 +667,15 @@ void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptio
   };
   int unfused = 0;
   std::string unfused_example;
+  // Where the reference followed the engine's experts (RoutingSummary::followed), its ids and weights are not what
+  // its op computes on its inputs, which the replayed engine's are: no local error there.
+  const auto followed_routing = [&](const CheckpointResult& r) {
+    if (r.base != "ffn_moe_topk" && r.base != "ffn_moe_weights" && r.base != "ffn_moe_weights_norm") return false;
+    return std::any_of(c.routing.followed.begin(), c.routing.followed.end(),
+                       [&](const RoutingFlip& f) { return f.step == r.step && f.layer == r.layer; });
+  };
+  int followed = 0;
+  std::string followed_example;
   bool local_only_first = false;  // the first failure fails on its local error alone
   std::optional<size_t> first_local;
   for (size_t i = 0; i < c.results.size(); ++i) {
@@ -679,6 +688,10 @@ void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptio
     }
     if (unfused_in_replay(r)) {
       if (unfused++ == 0) unfused_example = fmt::format("{} at step {}", r.name, r.step);
+      continue;
+    }
+    if (followed_routing(r)) {
+      if (followed++ == 0) followed_example = fmt::format("{} at step {}", r.name, r.step);
       continue;
     }
     const CheckpointResult& iso = *it->second;
@@ -700,6 +713,12 @@ void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptio
         "reference or holds only its last rows, so the replay ran it on the engine's own values and the isolated "
         "error spans several ops",
         chained, chained_example));
+  }
+  if (followed > 0 && (c.first_failure || first_local)) {  // a clean run needs no word of it
+    c.warnings.push_back(fmt::format(
+        "isolation: {} checkpoint(s) have no local error ({} the first): the reference followed the engine's experts "
+        "there (routing followed), so its choice is not what its op computes on its inputs",
+        followed, followed_example));
   }
   if (first_local && (!c.first_failure || *first_local < *c.first_failure)) {
     c.first_failure = first_local;

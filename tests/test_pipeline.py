@@ -335,12 +335,16 @@ TIED_JOB = ["--steps", "3", "--engine", "cpu", "--no-color", "--threads", "1"]
 TIED_TOKENS = ",".join(str(3 + (7 * i) % 250) for i in range(24))
 
 
-def test_a_routing_flip_by_drift_is_followed_and_passes(tmp_path):
+@pytest.mark.parametrize("isolate", [[], ["--isolate"]])
+def test_a_routing_flip_by_drift_is_followed_and_passes(tmp_path, isolate):
     # The first run diverges after the flips (the flipped tokens' ffn_moe_out is another expert's); the pair runs
-    # again with the reference taking the engine's experts there, and passes: no false alarm from a near tie.
+    # again with the reference taking the engine's experts there, and passes: no false alarm from a near tie. Under
+    # isolation the engine replayed on the reference's probabilities chooses the reference's own experts, not the
+    # followed ones: no local error where the reference followed.
     model = near_tied_router(tmp_path)
     out, js = tmp_path / "out", tmp_path / "report.json"
-    r = run("-m", str(model), "--tokens", TIED_TOKENS, *TIED_JOB, "--out", str(out), "--report-json", str(js))
+    r = run("-m", str(model), "--tokens", TIED_TOKENS, *TIED_JOB, *isolate, "--out", str(out), "--report-json",
+            str(js))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "running the pair again with the reference following the engine's experts" in r.stderr, r.stderr
     assert "ROUTING  followed" in r.stdout, r.stdout
