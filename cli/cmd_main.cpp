@@ -385,12 +385,15 @@ void replay_isolated(const GgufFile& file, const ModelConfig& cfg, const MainOpt
   }
 }
 
-// Runs of a pair again with its reference following the engine's routing, at most this many.
-constexpr int kMaxRoutingFollowUps = 4;
+// Runs of a pair again with its reference following the engine's routing, at most this many (each follows the
+// flips up to the next divergence: about one a decode step that flips, the default run's 8 steps included).
+constexpr int kMaxRoutingFollowUps = 8;
 
 // The drift flips of `c` at or before its first divergence (step order, then execution order) that `followed` does
 // not hold yet: what following them may change. None when a flip of the comparison is local or undetermined (a
-// routing bug, or no evidence): the report shows it as it is.
+// routing bug, or no evidence): the report shows it as it is. Flips after the first divergence are left for a run
+// again: there the router error is inflated by what diverged, and a routing bug of the decode steps alone would be
+// judged drift and followed.
 std::vector<diff::RoutingFlip> flips_to_follow(const diff::Comparison& c, const std::vector<diff::RoutingFlip>& followed) {
   if (!c.diverged() || c.routing.local > 0 || c.routing.undetermined > 0) return {};
   const diff::CheckpointResult& failure = c.results[*c.first_failure];
