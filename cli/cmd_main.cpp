@@ -385,6 +385,11 @@ void replay_isolated(const GgufFile& file, const ModelConfig& cfg, const MainOpt
   }
 }
 
+// Whether two flips are of the same (step, layer, token).
+bool same_row(const diff::RoutingFlip& a, const diff::RoutingFlip& b) {
+  return a.step == b.step && a.layer == b.layer && a.token == b.token;
+}
+
 // Runs of a pair again with its reference following the engine's routing, at most this many (each follows the
 // flips up to the next divergence: about one a decode step that flips, the default run's 8 steps included).
 constexpr int kMaxRoutingFollowUps = 8;
@@ -402,9 +407,6 @@ std::vector<diff::RoutingFlip> flips_to_follow(const diff::Comparison& c, const 
     for (const diff::CheckpointResult& r : c.results)
       if (r.step == step && r.name == name) return r.order;
     return INT_MAX;
-  };
-  const auto same_row = [](const diff::RoutingFlip& a, const diff::RoutingFlip& b) {
-    return a.step == b.step && a.layer == b.layer && a.token == b.token;
   };
   std::vector<diff::RoutingFlip> out;
   for (const diff::RoutingLayer& l : c.routing.layers) {
@@ -450,6 +452,19 @@ void follow_routing_drift(const GgufFile& file, const ModelConfig& cfg, const st
       std::vector<HeldReference> held;
       std::vector<diff::Comparison> out = run_pipeline(file, cfg, {again}, ids, opt, progress, &engines, &held);
       comparisons[p] = std::move(out.front());
+      // The engine ran again on the same tokens: where it now chose otherwise at a followed row, it is not
+      // deterministic, and that row's flip is judged against experts the reference took from the first run.
+      for (const diff::RoutingLayer& l : comparisons[p].routing.layers) {
+        for (const diff::RoutingFlip& f : l.flips) {
+          const auto first =
+              std::find_if(followed.begin(), followed.end(), [&](const diff::RoutingFlip& g) { return same_row(f, g); });
+          if (first == followed.end()) continue;
+          comparisons[p].warnings.push_back(fmt::format(
+              "routing: at step {} layer {} token {} the engine chose experts {{{}}} in the run again, {{{}}} in the "
+              "first run: it does not choose alike on the same tokens",
+              f.step, f.layer, f.token, fmt::join(f.engine, ","), fmt::join(first->engine, ",")));
+        }
+      }
       if (p < kept.engines.size()) kept.engines[p] = std::move(engines.front());
       if (p < kept.held.size()) kept.held[p] = std::move(held.front());
     }
