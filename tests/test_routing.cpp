@@ -277,3 +277,27 @@ TEST_F(Routing, StreamingComparisonJudgesAlike) {
   ASSERT_TRUE(streamed.first_failure.has_value());
   EXPECT_EQ(streamed.results[*streamed.first_failure].name, "ffn_moe_topk-2");
 }
+
+// The reference's fact routing_followed as compare reads it back: every row, or nothing for a fact that does not read
+// so (compare then warns and lists no followed flip).
+TEST(RoutingFollowed, FactReadsBackRowByRow) {
+  const auto rows = parse_routing_followed("step 0 layer 1 token 8: 1,0; step 3 layer 0 token 0: 7,2");
+  ASSERT_TRUE(rows.has_value());
+  ASSERT_EQ(rows->size(), 2u);
+  EXPECT_EQ((*rows)[0].step, 0);
+  EXPECT_EQ((*rows)[0].layer, 1);
+  EXPECT_EQ((*rows)[0].token, 8);
+  EXPECT_EQ((*rows)[0].engine, (std::vector<int32_t>{1, 0}));
+  EXPECT_TRUE((*rows)[0].reference.empty());
+  EXPECT_EQ((*rows)[0].kind, FlipKind::drift);
+  EXPECT_EQ((*rows)[1].step, 3);
+  EXPECT_EQ((*rows)[1].engine, (std::vector<int32_t>{7, 2}));
+  EXPECT_TRUE(parse_routing_followed("").has_value());
+  EXPECT_TRUE(parse_routing_followed("")->empty());
+  for (const char* bad : {"step 0 layer 1 token 8:", "step 0 layer 1 token 8 1,0", "step x layer 1 token 8: 1",
+                          "step 0 layer -1 token 8: 1", "step 0 layer 1 token 8: 1,,2", "step 0 layer 1 token 8: 1,a",
+                          "step 0 layer 1 token 8: 1,0 extra", "step 0 layer 1 token 8: 99999999999",
+                          "stop 0 layer 1 token 8: 1", "step 0 layer 1 token 8: -3"}) {
+    EXPECT_FALSE(parse_routing_followed(bad).has_value()) << bad;
+  }
+}
