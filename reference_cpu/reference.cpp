@@ -304,8 +304,6 @@ class CpuBackend final : public Backend {
     }
   }
 
-  // The selected ids back from their recorded values (an isolation replay's, the reference's, where it replaced
-  // them): checked_expert_id each.
   // The rows of forced_ at this step and layer: their experts in place of the top K, weighed by this reference's
   // probabilities of them.
   void follow_routing(std::vector<int32_t>& topk /* [T,K] */, std::vector<T>& weights /* [T,K] */,
@@ -346,6 +344,8 @@ class CpuBackend final : public Backend {
     return s;
   }
 
+  // The selected ids back from their recorded values (an isolation replay's, the reference's, where it replaced
+  // them): checked_expert_id each.
   static void expert_ids(std::vector<int32_t>& topk /* [T,K] */, const std::vector<T>& ids /* [T,K] */, int E, int l) {
     for (size_t s = 0; s < ids.size(); ++s) topk[s] = checked_expert_id(double(ids[s]), E, l);
   }

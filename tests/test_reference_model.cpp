@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -244,6 +245,81 @@ TEST(TinyFixtures, ResetBackendEqualsAFreshOne) {
     const cli::StepsResult b = cli::run_steps(*fresh, prompt, 3, {}, none, /*keep_logits=*/true);
     EXPECT_EQ(a.last_logits, b.last_logits);
   }
+}
+
+// Forced routing (the job's routing follow-up): the reference runs the given experts at the given (step, layer,
+// token), weighted by its own probabilities of them, records them as chosen and names the rows in its facts; every
+// other token's values are the unforced run's, bit for bit. Rows that do not fit the model or the step are
+// InputErrors naming them, and so is forced routing on a model without experts.
+TEST(TinyFixtures, ForcedRoutingRunsTheGivenExperts) {
+  const std::string path = test::fixture_path("tiny-mixtral-f32.gguf");
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " missing (run through ctest: fixture tiny_models)";
+  auto file = GgufFile::open(path);
+  const ModelConfig cfg = config_from_gguf(*file);
+  ASSERT_TRUE(cfg.moe);
+  const int E = cfg.n_expert, K = cfg.n_expert_used, D = cfg.n_embd;
+  const std::vector<int32_t> prompt = {3, 17, 42, 99, 7};
+  const int t = 2;  // the token whose experts are forced, at step 0, layer 0
+  for (const char* precision : {"f32", "f64"}) {
+    SCOPED_TRACE(precision);
+    MemorySink own;
+    auto plain = make_cpu_backend(*file, cfg, precision, 16);
+    (void)cli::run_steps(*plain, prompt, 1, {}, own);
+    const std::vector<float>& topk = own.entries.at({0, "ffn_moe_topk-0"}).values;
+    // The reference's first choice, then its (K+1)-th: another set of experts.
+    std::vector<float> by_prob(own.entries.at({0, "ffn_moe_probs-0"}).values.begin() + size_t(t) * E,
+                               own.entries.at({0, "ffn_moe_probs-0"}).values.begin() + size_t(t + 1) * E);
+    std::vector<int32_t> order(E);
+    for (int e = 0; e < E; ++e) order[e] = e;
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return by_prob[a] > by_prob[b]; });
+    ASSERT_EQ(order[0], int32_t(topk[size_t(t) * K]));
+    std::vector<int32_t> ids(order.begin(), order.begin() + K);
+    ids[K - 1] = order[K];
+    auto forced = std::make_shared<ForcedRouting>();
+    forced->rows.push_back({0, 0, t, ids});
+    MemorySink followed;
+    auto follower = make_cpu_backend(*file, cfg, precision, 16, {}, WeightHolding::streamed, forced);
+    (void)cli::run_steps(*follower, prompt, 1, {}, followed);
+    EXPECT_NE(follower->facts().at("routing_followed").find("step 0 layer 0 token 2:"), std::string::npos);
+    const std::vector<float>& ftopk = followed.entries.at({0, "ffn_moe_topk-0"}).values;
+    const std::vector<float>& w = followed.entries.at({0, "ffn_moe_weights-0"}).values;
+    const std::vector<float>& wn = followed.entries.at({0, "ffn_moe_weights_norm-0"}).values;
+    double sum = 0;
+    for (int j = 0; j < K; ++j) {
+      EXPECT_EQ(ftopk[size_t(t) * K + j], float(ids[j]));
+      EXPECT_EQ(w[size_t(t) * K + j], by_prob[ids[j]]);
+      sum += w[size_t(t) * K + j];
+    }
+    for (int j = 0; j < K; ++j) EXPECT_NEAR(wn[size_t(t) * K + j], w[size_t(t) * K + j] / sum, 1e-6);
+    // Token t's FFN output is other experts'; every other token's is the unforced run's, bit for bit.
+    const std::vector<float>& out = own.entries.at({0, "ffn_moe_out-0"}).values;
+    const std::vector<float>& fout = followed.entries.at({0, "ffn_moe_out-0"}).values;
+    for (int u = 0; u < static_cast<int>(prompt.size()); ++u) {
+      const bool same = std::equal(out.begin() + size_t(u) * D, out.begin() + size_t(u + 1) * D, fout.begin() + size_t(u) * D);
+      EXPECT_EQ(same, u != t) << "token " << u;
+    }
+  }
+  const auto fails_with = [&](ForcedRouting::Row row, const std::string& what) {
+    auto forced = std::make_shared<ForcedRouting>();
+    forced->rows.push_back(std::move(row));
+    auto b = make_cpu_backend(*file, cfg, "f32", 16, {}, WeightHolding::streamed, forced);
+    NullSink none;
+    try {
+      (void)cli::run_steps(*b, prompt, 1, {}, none);
+      ADD_FAILURE() << "no error for " << what;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  fails_with({0, 0, 5, {0, 1}}, "token 5: the step has 5 token(s)");
+  fails_with({0, 1, 0, {0}}, "1 expert ids, the model uses 2 per token");
+  fails_with({1, 0, 0, {0, E}}, "expert id " + std::to_string(E) + " outside 0.." + std::to_string(E - 1));
+  fails_with({0, 0, 1, {3, 3}}, "expert 3 chosen twice");
+  auto dense = GgufFile::open(test::fixture_path("tiny-llama-f32.gguf"));
+  auto forced = std::make_shared<ForcedRouting>();
+  forced->rows.push_back({0, 0, 0, {0, 1}});
+  EXPECT_THROW(make_cpu_backend(*dense, config_from_gguf(*dense), "f32", 16, {}, WeightHolding::streamed, forced),
+               InputError);
 }
 
 // tiny-gemma3 (window 8 on layers 0-4, layer 5 global, softcap 30) in each of its formats: a 12-token
