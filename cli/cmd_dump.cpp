@@ -11,11 +11,13 @@
 
 #include "checkpoints/dump_schema_names.hpp"
 #include "cli/command.hpp"
+#include "cli/diff_report.hpp"
 #include "cli/options.hpp"
 #include "cli/interrupt.hpp"
 #include "cli/run.hpp"
 #include "dump/dump.hpp"
 #include "dump/replay_sink.hpp"
+#include "diff/compare.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
 #include "model/gguf.hpp"
@@ -35,6 +37,7 @@ struct DumpOptions {
   std::string out;
   std::string checkpoints;
   std::string replay;  // isolation replay from this reference dump
+  std::string follow_routing;  // an engine's dump whose drift routing flips the reference follows
   bool remove_stale = false;  // remove the temporaries killed runs left beside --out
   DumpSizeOptions size;
   int threads = 0;  // OpenMP threads of the cpu backend; 0: OMP_NUM_THREADS or every core
@@ -104,17 +107,80 @@ int run_rank_dumps(const DumpOptions& o, const GgufFile& file, TpCudaEngine& tp,
 }
 #endif
 
+// `dump --follow-routing ENGINE`: the cpu reference for an engine's dump of a mixture of experts, fed its tokens, run
+// again (at most kMaxRoutingFollowUps times) taking the engine's experts wherever the comparison of the two dumps
+// finds a routing flip by drift at or before its first divergence (flips_to_follow), as the main job does with its
+// own engines. The dump names the rows in its fact routing_followed; `compare ENGINE OUT` then lists them.
+int run_followed_dump(const DumpOptions& o, const GgufFile& file, const ModelConfig& cfg,
+                      const std::vector<int32_t>& ids, const CheckpointFilter& filter, const DumpWriterOptions& wopt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const DumpReader engine(o.follow_routing);
+  const std::vector<int32_t> all = engine.int_attribute(attr::all_token_ids);
+  if (engine.meta().token_ids != ids || all.size() < ids.size() + o.steps) {
+    throw InputError(fmt::format("--follow-routing {}: the engine dump does not hold this prompt and {} decode steps "
+                                 "(its root attributes token_ids and all_token_ids)",
+                                 o.follow_routing, o.steps));
+  }
+  const std::vector<int32_t> fed(all.begin() + static_cast<std::ptrdiff_t>(ids.size()), all.end());
+  const int max_ctx = static_cast<int>(ids.size()) + o.steps;
+  std::vector<diff::RoutingFlip> followed;
+  for (int round = 0;; ++round) {
+    BackendOptions bo = o.backend;
+    if (!followed.empty()) {
+      auto forced = std::make_shared<ForcedRouting>();
+      for (const diff::RoutingFlip& f : followed) forced->rows.push_back({f.step, f.layer, f.token, f.engine});
+      bo.forced_routing = std::move(forced);
+    }
+    auto backend = make_backend(file, cfg, bo, max_ctx);
+    {
+      const TempGuard guard(o.out);
+      DumpWriter writer(o.out, dump_meta(file, *backend, prompt_text(file, o.prompt), ids), filter, wopt);
+      const StepsResult r = run_steps(*backend, ids, o.steps, fed, writer, false, [&](int step, int total) {
+        fmt::print(stderr, "diffrun dump: step {}/{} done ({:.1f} s)\n", step + 1, total + 1, seconds_since(t0));
+      });
+      set_run_attributes(writer, r, *backend);
+      writer.finish();
+    }
+    if (round == kMaxRoutingFollowUps) break;
+    const DumpReader reference(o.out);
+    const ReportOptions defaults;  // the preset of the two dumps' precisions
+    const diff::Comparison c = diff::compare_dumps(engine, reference, tolerances_for(engine.meta(), reference.meta(), defaults),
+                                                   compare_options(defaults));
+    const std::vector<diff::RoutingFlip> more = flips_to_follow(c, followed);
+    if (more.empty()) break;
+    followed.insert(followed.end(), more.begin(), more.end());
+    fmt::print(stderr,
+               "diffrun dump: {} routing flip{} by drift against {} (step {} layer {} token {} the first); running "
+               "again with the engine's experts there\n",
+               more.size(), more.size() == 1 ? "" : "s", o.follow_routing, more.front().step, more.front().layer,
+               more.front().token);
+  }
+  fmt::print("{}: {} steps fed the tokens of {}; followed {} routing flip{} by drift (fact routing_followed)\n", o.out,
+             o.steps + 1, o.follow_routing, followed.size(), followed.size() == 1 ? "" : "s");
+  return 0;
+}
+
 int run_dump(const DumpOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
   if (o.backend.tp > 1 && !o.replay.empty())
     throw InputError("--replay: the isolation replay runs on one GPU, not with --tp");
   if (o.backend.tp <= 1) check_dump_output_file("--out", o.out);
+  if (!o.follow_routing.empty()) {
+    if (!o.replay.empty()) throw InputError("--follow-routing and --replay: give one");
+    if (o.backend.backend != "cpu" || o.backend.tp > 1)
+      throw InputError("--follow-routing: the reference that follows an engine's routing is the cpu backend's");
+    std::error_code ec;
+    if (std::filesystem::exists(o.out, ec) && std::filesystem::equivalent(o.out, o.follow_routing, ec))
+      throw InputError("--follow-routing " + o.follow_routing + " is the --out file: the engine dump would be overwritten");
+  }
   if (o.threads > 0) omp_set_num_threads(o.threads);
   const CheckpointFilter filter(o.checkpoints);
   fmt::print(stderr, "diffrun dump: loading {}\n", o.model);
   const auto file = GgufFile::open(o.model);
   const ModelConfig cfg = load_config(*file);
   check_run_options(*file, cfg, o.backend, filter);
+  if (!o.follow_routing.empty() && !cfg.moe)
+    throw InputError("--follow-routing: " + o.model + " has no experts (routing is a mixture of experts')");
   const auto tok = load_tokenizer(*file);
   const std::vector<int32_t> ids = prompt_tokens(*file, *tok, o.prompt);
   const int64_t needed = static_cast<int64_t>(ids.size()) + o.steps;
@@ -124,6 +190,10 @@ int run_dump(const DumpOptions& o) {
   }
   const DumpWriterOptions wopt = plan_dump_size(cfg, static_cast<int64_t>(ids.size()), o.steps, filter, o.size,
                                                 [](const std::string& s) { fmt::print(stderr, "diffrun dump: {}\n", s); });
+  if (!o.follow_routing.empty()) {
+    report_stale_temporaries(std::filesystem::path(o.out).parent_path().string(), o.remove_stale);
+    return run_followed_dump(o, *file, cfg, ids, filter, wopt);
+  }
   auto backend = make_backend(*file, cfg, o.backend, static_cast<int>(needed));
   fmt::print(stderr, "diffrun dump: {} {} ready in {:.1f} s; prompt {} tokens, {} decode steps\n", backend->name(),
              backend->precision(), seconds_since(t0), ids.size(), o.steps);
@@ -204,6 +274,10 @@ const CommandRegistrar reg("dump", "Run one backend and write its checkpoints to
       ->check(count_in(1, 4096));
   app.add_option("--replay", o->replay,
                  "Isolation replay: feed this reference dump's tokens and continue from its tensor at every checkpoint");
+  app.add_option("--follow-routing", o->follow_routing,
+                 "Mixtures of experts, cpu: the reference for this engine dump, fed its tokens and run again taking "
+                 "its experts where a near tie of the router flipped (a routing flip by drift), so that compare "
+                 "judges what comes after on the same experts");
   return [o] { return run_dump(*o); };
 });
 

@@ -1,6 +1,5 @@
 // `diffrun --prompt P`: run the reference, then the engine on the same tokens (per precision pair), compare, report, exit 0/1/2.
 #include <algorithm>
-#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -385,41 +384,6 @@ void replay_isolated(const GgufFile& file, const ModelConfig& cfg, const MainOpt
   }
 }
 
-// Whether two flips are of the same (step, layer, token).
-bool same_row(const diff::RoutingFlip& a, const diff::RoutingFlip& b) {
-  return a.step == b.step && a.layer == b.layer && a.token == b.token;
-}
-
-// Runs of a pair again with its reference following the engine's routing, at most this many (each follows the
-// flips up to the next divergence: about one a decode step that flips, the default run's 8 steps included).
-constexpr int kMaxRoutingFollowUps = 8;
-
-// The drift flips of `c` at or before its first divergence (step order, then execution order) that `followed` does
-// not hold yet: what following them may change. None when a flip of the comparison is local or undetermined (a
-// routing bug, or no evidence): the report shows it as it is. Flips after the first divergence are left for a run
-// again: there the router error is inflated by what diverged, and a routing bug of the decode steps alone would be
-// judged drift and followed.
-std::vector<diff::RoutingFlip> flips_to_follow(const diff::Comparison& c, const std::vector<diff::RoutingFlip>& followed) {
-  if (!c.diverged() || c.routing.local > 0 || c.routing.undetermined > 0) return {};
-  const diff::CheckpointResult& failure = c.results[*c.first_failure];
-  const auto topk_order = [&](int step, int layer) {
-    const std::string name = checkpoint_name("ffn_moe_topk", layer);
-    for (const diff::CheckpointResult& r : c.results)
-      if (r.step == step && r.name == name) return r.order;
-    return INT_MAX;
-  };
-  std::vector<diff::RoutingFlip> out;
-  for (const diff::RoutingLayer& l : c.routing.layers) {
-    if (l.step > failure.step || (l.step == failure.step && topk_order(l.step, l.layer) > failure.order)) continue;
-    for (const diff::RoutingFlip& f : l.flips) {
-      if (f.kind != diff::FlipKind::drift) continue;
-      if (std::none_of(followed.begin(), followed.end(), [&](const diff::RoutingFlip& g) { return same_row(f, g); }))
-        out.push_back(f);
-    }
-  }
-  return out;
-}
-
 // A routing flip by drift is no bug: a near tie of the router that the two programs' rounding tipped either way. But
 // from it on, the two sides run other experts on that token, and what comes after differs by far more than any
 // tolerance: every layer after it, and later steps through the cache. So where a pair diverged and drift flips came
@@ -457,7 +421,7 @@ void follow_routing_drift(const GgufFile& file, const ModelConfig& cfg, const st
       for (const diff::RoutingLayer& l : comparisons[p].routing.layers) {
         for (const diff::RoutingFlip& f : l.flips) {
           const auto first =
-              std::find_if(followed.begin(), followed.end(), [&](const diff::RoutingFlip& g) { return same_row(f, g); });
+              std::find_if(followed.begin(), followed.end(), [&](const diff::RoutingFlip& g) { return same_routing_row(f, g); });
           if (first == followed.end()) continue;
           comparisons[p].warnings.push_back(fmt::format(
               "routing: at step {} layer {} token {} the engine chose experts {{{}}} in the run again, {{{}}} in the "

@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -254,6 +255,32 @@ int report_comparisons(const std::vector<std::string>& titles, const std::vector
     write_text_file(opt.report_junit, diff::render_junit(titled), "JUnit");
   }
   return code;
+}
+
+bool same_routing_row(const diff::RoutingFlip& a, const diff::RoutingFlip& b) {
+  return a.step == b.step && a.layer == b.layer && a.token == b.token;
+}
+
+std::vector<diff::RoutingFlip> flips_to_follow(const diff::Comparison& c, const std::vector<diff::RoutingFlip>& followed) {
+  if (!c.diverged() || c.routing.local > 0 || c.routing.undetermined > 0) return {};
+  const diff::CheckpointResult& failure = c.results[*c.first_failure];
+  const auto topk_order = [&](int step, int layer) {
+    const std::string name = checkpoint_name("ffn_moe_topk", layer);
+    for (const diff::CheckpointResult& r : c.results)
+      if (r.step == step && r.name == name) return r.order;
+    return INT_MAX;
+  };
+  std::vector<diff::RoutingFlip> out;
+  for (const diff::RoutingLayer& l : c.routing.layers) {
+    if (l.step > failure.step || (l.step == failure.step && topk_order(l.step, l.layer) > failure.order)) continue;
+    for (const diff::RoutingFlip& f : l.flips) {
+      if (f.kind != diff::FlipKind::drift) continue;
+      if (std::none_of(followed.begin(), followed.end(),
+                       [&](const diff::RoutingFlip& g) { return same_routing_row(f, g); }))
+        out.push_back(f);
+    }
+  }
+  return out;
 }
 
 }  // namespace diffrun::cli

@@ -66,6 +66,22 @@ int compare_and_report_pairs(const std::vector<ComparePair>& pairs, const Report
 // and a rename, so that a reader never sees half a report (the sweep rewrites its reports as it goes).
 void write_text_file(const std::string& path, const std::string& text, const char* what, bool atomic = false);
 
+// Following routing flips by drift (mixtures of experts; DESIGN.md, "The job follows a drift flip"): a reference
+// runs again taking the engine's experts where a near tie flipped, so that what comes after compares the same
+// experts' outputs. At most this many runs again (each follows the flips up to the next divergence: about one a
+// decode step that flips, the default run's 8 steps included).
+constexpr int kMaxRoutingFollowUps = 8;
+
+// Whether two flips are of the same (step, layer, token).
+bool same_routing_row(const diff::RoutingFlip& a, const diff::RoutingFlip& b);
+
+// The drift flips of `c` at or before its first divergence (step order, then execution order) that `followed` does
+// not hold yet: what following them may change. None when `c` did not diverge, or when a flip of the comparison is
+// local or undetermined (a routing bug, or no evidence): the report shows it as it is. Flips after the first
+// divergence are left for a run again: there the router error is inflated by what diverged, and a routing bug of the
+// decode steps alone would be judged drift and followed.
+std::vector<diff::RoutingFlip> flips_to_follow(const diff::Comparison& c, const std::vector<diff::RoutingFlip>& followed);
+
 // The tolerance rules a comparison of these dumps uses: --tolerances, else the preset of their
 // precision pair (f32_vs_f64, f16_vs_f32-f16store, f32_vs_f32_cross, ...).
 diff::ToleranceSet tolerances_for(const DumpMeta& engine, const DumpMeta& reference, const ReportOptions& opt);

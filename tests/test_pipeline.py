@@ -378,3 +378,51 @@ def test_a_bug_beside_routing_flips_by_drift_is_still_found(tmp_path, fault, che
     assert r.returncode == 1, r.stdout + r.stderr
     first = json.loads(js.read_text())["first_divergence"]
     assert (first["name"], first["step"], first["verdict"]["kind"]) == (checkpoint, step, "local"), first
+
+
+def test_a_reference_follows_an_outside_engines_routing_flips(tmp_path):
+    # An engine's own dump of the near-tied router (here the cpu backend at f32 stands in for it) against the f64
+    # reference made with --follow-routing: fed the engine's tokens, run again where the engine chose otherwise across
+    # a near tie; compare passes and lists the followed rows. A bug beside the flips is still found.
+    model = near_tied_router(tmp_path)
+    common = ["-m", str(model), "--tokens", TIED_TOKENS, "--steps", "3"]
+    for name, extra in (("mine", []), ("mine-bug", ["--inject", "kv_cache_pos0"])):
+        r = run("dump", "--backend", "cpu", "--precision", "f32", *common, *extra, "--out", str(tmp_path / f"{name}.h5"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = run("dump", "--backend", "cpu", "--precision", "f64", *common, "--follow-routing",
+                str(tmp_path / f"{name}.h5"), "--out", str(tmp_path / f"ref-{name}.h5"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "running again with the engine's experts there" in r.stderr, r.stderr
+        assert re.search(r"followed [1-9]\d* routing flips? by drift", r.stdout), r.stdout
+    js = tmp_path / "compare.json"
+    c = run("compare", str(tmp_path / "mine.h5"), str(tmp_path / "ref-mine.h5"), "--no-color", "--report-json", str(js))
+    assert c.returncode == 0, c.stdout + c.stderr
+    assert "ROUTING  followed" in c.stdout, c.stdout
+    followed = json.loads(js.read_text())["routing"]["followed"]
+    assert followed and all(f["layer"] == 0 and f["kind"] == "drift" for f in followed), followed
+    c = run("compare", str(tmp_path / "mine-bug.h5"), str(tmp_path / "ref-mine-bug.h5"), "--no-color", "--report-json",
+            str(js))
+    assert c.returncode == 1, c.stdout + c.stderr
+    first = json.loads(js.read_text())["first_divergence"]
+    assert (first["name"], first["step"], first["verdict"]["kind"]) == ("cache_k-0", 1, "local"), first
+
+
+def test_follow_routing_refuses_what_it_cannot_follow(tmp_path):
+    model = near_tied_router(tmp_path)
+    common = ["-m", str(model), "--tokens", TIED_TOKENS, "--steps", "2"]
+    mine = tmp_path / "mine.h5"
+    assert run("dump", "--backend", "cpu", *common, "--out", str(mine)).returncode == 0
+    cases = [
+        (["--backend", "cuda", *common, "--follow-routing", str(mine), "--out", str(tmp_path / "a.h5")],
+         "is the cpu backend's"),
+        (["--backend", "cpu", *common, "--follow-routing", str(mine), "--out", str(mine)], "would be overwritten"),
+        (["--backend", "cpu", "-m", str(model), "--tokens", "5,6,7", "--steps", "2", "--follow-routing", str(mine),
+          "--out", str(tmp_path / "b.h5")], "does not hold this prompt"),
+        (["--backend", "cpu", "-m", str(FIXTURES / "tiny-llama-f32.gguf"), "--tokens", TIED_TOKENS, "--steps", "2",
+          "--follow-routing", str(mine), "--out", str(tmp_path / "c.h5")], "has no experts"),
+        (["--backend", "cpu", *common, "--follow-routing", str(mine), "--replay", str(mine), "--out",
+          str(tmp_path / "d.h5")], "give one"),
+    ]
+    for args, says in cases:
+        r = run("dump", *args)
+        assert r.returncode == 2 and says in r.stderr, (args, r.stdout + r.stderr)
