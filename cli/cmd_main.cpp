@@ -384,58 +384,6 @@ void replay_isolated(const GgufFile& file, const ModelConfig& cfg, const MainOpt
   }
 }
 
-// A routing flip by drift is no bug: a near tie of the router that the two programs' rounding tipped either way. But
-// from it on, the two sides run other experts on that token, and what comes after differs by far more than any
-// tolerance: every layer after it, and later steps through the cache. So where a pair diverged and drift flips came
-// at or before its first divergence, the pair runs again (engine and reference, on the same tokens) with its CPU
-// reference taking the engine's experts at those (step, layer, token)s (ForcedRouting), and that run's comparison
-// replaces the first: the flips themselves were judged in the first run (RoutingSummary::followed keeps them), and
-// everything after them now compares the same experts' outputs, so a bug after a flip is still found. The run again
-// may show new drift flips (the reference's inputs changed after the followed ones): up to kMaxRoutingFollowUps runs.
-void follow_routing_drift(const GgufFile& file, const ModelConfig& cfg, const std::vector<PipelinePair>& ppairs,
-                          const std::vector<int32_t>& ids, const std::vector<int32_t>& fed, const PipelineOptions& popt,
-                          std::vector<diff::Comparison>& comparisons, Kept& kept, Progress& progress) {
-  for (size_t p = 0; p < ppairs.size(); ++p) {
-    if (ppairs[p].reference.backend != "cpu") continue;
-    std::vector<diff::RoutingFlip> followed;
-    for (int round = 0; round < kMaxRoutingFollowUps; ++round) {
-      const std::vector<diff::RoutingFlip> more = flips_to_follow(comparisons[p], followed);
-      if (more.empty()) break;
-      followed.insert(followed.end(), more.begin(), more.end());
-      auto forced = std::make_shared<ForcedRouting>();
-      for (const diff::RoutingFlip& f : followed) forced->rows.push_back({f.step, f.layer, f.token, f.engine});
-      progress.message(fmt::format("{}: {} routing flip{} by drift (step {} layer {} token {} the first); running the "
-                                   "pair again with the reference following the engine's experts there",
-                                   ppairs[p].title, more.size(), more.size() == 1 ? "" : "s", more.front().step,
-                                   more.front().layer, more.front().token));
-      PipelinePair again = ppairs[p];
-      again.reference.forced_routing = std::move(forced);
-      PipelineOptions opt = popt;
-      opt.feed = fed;
-      std::vector<std::unique_ptr<Backend>> engines;
-      std::vector<HeldReference> held;
-      std::vector<diff::Comparison> out = run_pipeline(file, cfg, {again}, ids, opt, progress, &engines, &held);
-      comparisons[p] = std::move(out.front());
-      // The engine ran again on the same tokens: where it now chose otherwise at a followed row, it is not
-      // deterministic, and that row's flip is judged against experts the reference took from the first run.
-      for (const diff::RoutingLayer& l : comparisons[p].routing.layers) {
-        for (const diff::RoutingFlip& f : l.flips) {
-          const auto first =
-              std::find_if(followed.begin(), followed.end(), [&](const diff::RoutingFlip& g) { return same_routing_row(f, g); });
-          if (first == followed.end()) continue;
-          comparisons[p].warnings.push_back(fmt::format(
-              "routing: at step {} layer {} token {} the engine chose experts {{{}}} in the run again, {{{}}} in the "
-              "first run: it does not choose alike on the same tokens",
-              f.step, f.layer, f.token, fmt::join(f.engine, ","), fmt::join(first->engine, ",")));
-        }
-      }
-      if (p < kept.engines.size()) kept.engines[p] = std::move(engines.front());
-      if (p < kept.held.size()) kept.held[p] = std::move(held.front());
-    }
-    if (!followed.empty()) comparisons[p].routing.followed = std::move(followed);  // with the first runs' evidence
-  }
-}
-
 // The report of every pair; its exit code. Both backends of each pair were asked to record the same
 // checkpoints: anything less than all of them compared fails.
 int report_pairs(const MainOptions& o, const ModelConfig& cfg, const Tokenizer& tok, const std::vector<RunPair>& pairs,
@@ -527,7 +475,7 @@ int run_main(const MainOptions& o) {
   progress.timing("pipeline done");
   std::vector<int32_t> fed;  // the first reference's greedy choices, fed to every backend (and to any run again)
   for (const diff::StepTokens& t : comparisons.front().tokens) fed.push_back(t.reference);
-  if (cfg.moe) follow_routing_drift(*file, cfg, ppairs, ids, fed, popt, comparisons, kept, progress);
+  if (cfg.moe) follow_routing_drift(*file, cfg, ppairs, ids, fed, popt, comparisons, progress, &kept.engines, &kept.held);
   guards.clear();
 
   if (std::any_of(pairs.begin(), pairs.end(), [](const RunPair& p) { return p.isolate; }))

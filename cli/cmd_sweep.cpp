@@ -2,6 +2,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -245,7 +246,15 @@ DrillResult drill_down(const DrillContext& cx, const std::vector<int32_t>& ids, 
   popt.recording_check = false;
   popt.run_id = new_run_id();
   Progress quiet("diffrun sweep", false);
-  return drill_result(run_pipeline(cx.file, cx.cfg, {pp}, ids, popt, quiet).front(), steps);
+  std::vector<diff::Comparison> c = run_pipeline(cx.file, cx.cfg, {pp}, ids, popt, quiet);
+  if (cx.cfg.moe) {
+    std::vector<int32_t> fed;  // the reference's greedy choices, fed to the run again
+    for (const diff::StepTokens& t : c.front().tokens) fed.push_back(t.reference);
+    follow_routing_drift(cx.file, cx.cfg, {pp}, ids, fed, popt, c, quiet);
+  }
+  DrillResult d = drill_result(c.front(), steps);
+  d.routing_followed = static_cast<int>(c.front().routing.followed.size());
+  return d;
 }
 
 // An outside engine's dump against the reference's, compared as `diffrun compare` would.
@@ -562,15 +571,18 @@ void run_prompts(LogitsRunner& runner, const std::vector<PromptResult>& todo, in
   if (failure) std::rethrow_exception(failure);
 }
 
-// Phase 2: the worst prompts with a bad token, every checkpoint, up to that token plus the margin.
+// Phase 2: the worst prompts with a bad token (every one: every_bad_prompt), every checkpoint, up to that token plus
+// the margin.
 void drill_worst(const SweepOptions& o, const DrillFn& drill, SweepReport& report, Progress& progress,
-                 const std::function<void()>& write_reports) {
-  for (size_t i : worst_prompts(report.results, o.drill)) {
+                 const std::function<void()>& write_reports, bool every_bad_prompt) {
+  for (size_t i : worst_prompts(report.results, every_bad_prompt ? INT_MAX : o.drill)) {
     PromptResult& r = report.results[i];
     const int bad = r.first_bad();
     if (bad < 0) continue;
     progress.message(fmt::format("drill-down: {} (bad from step {}), every checkpoint", r.prompt.id, bad));
-    r.drill = drill(r.ids, std::min(r.steps, bad + o.margin));
+    // every_bad_prompt (a mixture of experts): every step, so that a drill-down that followed routing flips and
+    // found nothing explains all the prompt's bad tokens.
+    r.drill = drill(r.ids, every_bad_prompt ? r.steps : std::min(r.steps, bad + o.margin));
     write_reports();
   }
 }
@@ -640,7 +652,10 @@ int run_sweep(const SweepOptions& o) {
   runner.release_first();
 
   // Phase 2: the drill-downs, then the first problem minimized.
-  drill_worst(o, drill, report, progress, write_reports);
+  // A mixture of experts' bad tokens may be routing flips by drift, which only a drill-down (following them) tells
+  // from a bug: every prompt with a bad token is drilled, not only the --drill worst (the main job's pipeline, so not
+  // with an outside engine, whose drill-down follows nothing).
+  drill_worst(o, drill, report, progress, write_reports, cx.cfg.moe && !outside);
   const std::vector<SweepProblem> groups = group_problems(report.results);
   if (o.minimize && !groups.empty() && !groups.front().checkpoint.empty()) {
     const PromptResult& r = report.results[groups.front().prompts.front()];

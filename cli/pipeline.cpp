@@ -12,6 +12,7 @@
 #include <thread>
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include "checkpoints/dump_schema_names.hpp"
 #include "cli/pipeline_internal.hpp"
@@ -199,5 +200,52 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
   }
   return out;
 }
+
+// The routing follow-up (pipeline.hpp).
+void follow_routing_drift(const GgufFile& file, const ModelConfig& cfg, const std::vector<PipelinePair>& pairs,
+                          const std::vector<int32_t>& ids, const std::vector<int32_t>& fed, const PipelineOptions& popt,
+                          std::vector<diff::Comparison>& comparisons, Progress& progress,
+                          std::vector<std::unique_ptr<Backend>>* kept, std::vector<HeldReference>* held) {
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    if (pairs[p].reference.backend != "cpu") continue;
+    std::vector<diff::RoutingFlip> followed;
+    for (int round = 0; round < kMaxRoutingFollowUps; ++round) {
+      const std::vector<diff::RoutingFlip> more = flips_to_follow(comparisons[p], followed);
+      if (more.empty()) break;
+      followed.insert(followed.end(), more.begin(), more.end());
+      auto forced = std::make_shared<ForcedRouting>();
+      for (const diff::RoutingFlip& f : followed) forced->rows.push_back({f.step, f.layer, f.token, f.engine});
+      progress.message(fmt::format("{}: {} routing flip{} by drift (step {} layer {} token {} the first); running the "
+                                   "pair again with the reference following the engine's experts there",
+                                   pairs[p].title, more.size(), more.size() == 1 ? "" : "s", more.front().step,
+                                   more.front().layer, more.front().token));
+      PipelinePair again = pairs[p];
+      again.reference.forced_routing = std::move(forced);
+      PipelineOptions opt = popt;
+      opt.feed = fed;
+      std::vector<std::unique_ptr<Backend>> engines;
+      std::vector<HeldReference> references;
+      std::vector<diff::Comparison> out = run_pipeline(file, cfg, {again}, ids, opt, progress, &engines, &references);
+      comparisons[p] = std::move(out.front());
+      // The engine ran again on the same tokens: where it now chose otherwise at a followed row, it is not
+      // deterministic, and that row's flip is judged against experts the reference took from the first run.
+      for (const diff::RoutingLayer& l : comparisons[p].routing.layers) {
+        for (const diff::RoutingFlip& f : l.flips) {
+          const auto first =
+              std::find_if(followed.begin(), followed.end(), [&](const diff::RoutingFlip& g) { return same_routing_row(f, g); });
+          if (first == followed.end()) continue;
+          comparisons[p].warnings.push_back(fmt::format(
+              "routing: at step {} layer {} token {} the engine chose experts {{{}}} in the run again, {{{}}} in the "
+              "first run: it does not choose alike on the same tokens",
+              f.step, f.layer, f.token, fmt::join(f.engine, ","), fmt::join(first->engine, ",")));
+        }
+      }
+      if (kept && p < kept->size()) (*kept)[p] = std::move(engines.front());
+      if (held && p < held->size()) (*held)[p] = std::move(references.front());
+    }
+    if (!followed.empty()) comparisons[p].routing.followed = std::move(followed);  // with the first runs' evidence
+  }
+}
+
 
 }  // namespace diffrun::cli

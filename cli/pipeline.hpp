@@ -133,6 +133,22 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
                                            std::vector<std::unique_ptr<Backend>>* kept = nullptr,
                                            std::vector<HeldReference>* held = nullptr);
 
+// A routing flip by drift is no bug: a near tie of the router that the two programs' rounding tipped either way. But
+// from it on, the two sides run other experts on that token, and what comes after differs by far more than any
+// tolerance: every layer after it, and later steps through the cache. So where a pair diverged and drift flips came
+// at or before its first divergence, the pair runs again (engine and reference, on the same tokens) with its CPU
+// reference taking the engine's experts at those (step, layer, token)s (ForcedRouting), and that run's comparison
+// replaces the first: the flips themselves were judged in the first run (RoutingSummary::followed keeps them), and
+// everything after them now compares the same experts' outputs, so a bug after a flip is still found. The run again
+// may show new drift flips (the reference's inputs changed after the followed ones): up to kMaxRoutingFollowUps runs.
+// Only pairs with a CPU reference; the comparison of each pair run again replaces comparisons[p], its engine and held
+// reference (*kept)[p] and (*held)[p] where given. `fed`: the tokens the first run fed (PipelineOptions::feed).
+void follow_routing_drift(const GgufFile& file, const ModelConfig& cfg, const std::vector<PipelinePair>& pairs,
+                          const std::vector<int32_t>& ids, const std::vector<int32_t>& fed, const PipelineOptions& opt,
+                          std::vector<diff::Comparison>& comparisons, Progress& progress,
+                          std::vector<std::unique_ptr<Backend>>* kept = nullptr,
+                          std::vector<HeldReference>* held = nullptr);
+
 // The isolation replay of `engine` (reset first) on a held reference, attached to `c` as
 // add_isolation_for attaches a replay's dump: the engine fed the reference's tokens, each checkpoint
 // recorded and then replaced by the reference's (ReplaySink's rules: a checkpoint the reference

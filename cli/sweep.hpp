@@ -61,6 +61,10 @@ struct DrillResult {
   std::string checkpoint;               // "" when nothing diverged with every checkpoint recorded
   int step = -1;
   std::string verdict, rule, explanation;
+  // Mixtures of experts: routing flips by drift the drill-down followed (follow_routing_drift). A drill-down that
+  // followed some and then found nothing explains the prompt's bad tokens up to its steps: routing drift, no failure.
+  int routing_followed = 0;
+  bool explains_bad_tokens() const { return ran && checkpoint.empty() && routing_followed > 0; }
 };
 
 // One invariance check of the engine against itself (--check chunked-prefill): the last logits row of
@@ -85,6 +89,11 @@ struct PromptResult {
 
 struct SweepSummary {
   int prompts = 0, tokens = 0, bad_tokens = 0, bad_prompts = 0;
+  // Of the bad ones: those a drill-down explained as routing flips by drift (DrillResult::explains_bad_tokens), which
+  // fail nothing. A prompt is explained when all its bad tokens are.
+  int explained_tokens = 0, explained_prompts = 0;
+  int failing_tokens() const { return bad_tokens - explained_tokens; }
+  int failing_prompts() const { return bad_prompts - explained_prompts; }
   double kl_mean = 0, kl_median = 0, kl_p99 = 0, kl_max = 0;
   double top1 = 1, top5 = 1;  // agreement rate, mean top-5 overlap
 };

@@ -205,3 +205,30 @@ def test_prompts_at_once_give_the_same_report(tmp_path):
     assert [p["id"] for p in a["prompts"]] == [p["id"] for p in b["prompts"]]
     assert [p["tokens"] for p in a["prompts"]] == [p["tokens"] for p in b["prompts"]]
     assert a["summary"] == b["summary"]
+
+
+def test_a_mixture_of_experts_sweep_drills_every_bad_prompt_and_follows_drift_flips(tmp_path):
+    # The near-tied router (tests/test_pipeline.py): its logits differ at every prompt, routing flips by drift. Every
+    # bad prompt is drilled (not only --drill's), each drill-down follows the flips and finds nothing: the bad tokens
+    # are explained and the sweep passes. A bug beside them still fails it, at its checkpoint.
+    from test_pipeline import near_tied_router
+    model = near_tied_router(tmp_path)
+    js, xml = tmp_path / "s.json", tmp_path / "s.xml"
+    r = subprocess.run([DIFFRUN, "sweep", "--model", str(model), "--engine", "cpu", "--limit", "6", "--steps", "3",
+                        "--drill", "1", "--report-json", str(js), "--report-junit", str(xml)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "explained by routing flips by drift" in r.stdout and "RESULT: PASS" in r.stdout, r.stdout
+    rep = json.loads(js.read_text())
+    s = rep["summary"]
+    assert s["bad_tokens"] > 0 and s["explained_tokens"] == s["bad_tokens"], s
+    assert s["explained_prompts"] == s["bad_prompts"] > 1, s
+    drilled = [p["drill_down"] for p in rep["prompts"] if "drill_down" in p]
+    assert len(drilled) == s["bad_prompts"] and all(d["routing_followed"] > 0 and d["checkpoint"] == "" for d in drilled)
+    suites = ET.parse(xml).getroot()
+    assert suites.get("failures") == "0", xml.read_text()
+    r = subprocess.run([DIFFRUN, "sweep", "--model", str(model), "--engine", "cpu", "--limit", "6", "--steps", "3",
+                        "--inject", "kv_cache_pos0", "--report-json", str(js)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1 and "RESULT: DIVERGED" in r.stdout, r.stdout + r.stderr
+    assert [p["checkpoint"] for p in json.loads(js.read_text())["problems"]] == ["cache_k-0"]
