@@ -106,6 +106,14 @@ std::vector<std::string> checkpoint_names(const ModelConfig& cfg);
 // The checkpoint holding a step's input token ids (int32 [T]); every dump records it.
 inline constexpr std::string_view kTokensCheckpoint = "tokens";
 
+// A mixture of experts' routing, as the kinds of the table name it: the router's logits ([T, E]), the K experts chosen
+// per token (ids stored as values, [T, K]) and their weights as selected and renormalised. The routing verdict
+// (diff/routing.hpp) and the routing follow-up read them by these names.
+inline constexpr std::string_view kRouterLogitsKind = "ffn_moe_logits";
+inline constexpr std::string_view kExpertIdsKind = "ffn_moe_topk";
+inline constexpr std::string_view kExpertWeightsKind = "ffn_moe_weights";
+inline constexpr std::string_view kExpertWeightsNormKind = "ffn_moe_weights_norm";
+
 // The reduction a kind's rounding error grows with (tolerance presets scale their bounds by it on models
 // wider than their calibration): over D (the projections out of the residual stream, the RMSNorms' sums of
 // squares, and what carries a q/k/v or gate/up error on unchanged: the router and each expert's gate, up and

@@ -126,11 +126,7 @@ int run_followed_dump(const DumpOptions& o, const GgufFile& file, const ModelCon
   std::vector<diff::RoutingFlip> followed;
   for (int round = 0;; ++round) {
     BackendOptions bo = o.backend;
-    if (!followed.empty()) {
-      auto forced = std::make_shared<ForcedRouting>();
-      for (const diff::RoutingFlip& f : followed) forced->rows.push_back({f.step, f.layer, f.token, f.engine});
-      bo.forced_routing = std::move(forced);
-    }
+    if (!followed.empty()) bo.forced_routing = forced_routing(followed);
     auto backend = make_backend(file, cfg, bo, max_ctx);
     {
       const TempGuard guard(o.out);

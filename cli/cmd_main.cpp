@@ -473,8 +473,7 @@ int run_main(const MainOptions& o) {
   std::vector<diff::Comparison> comparisons =
       run_pipeline(*file, cfg, ppairs, ids, popt, progress, &kept.engines, &kept.held);
   progress.timing("pipeline done");
-  std::vector<int32_t> fed;  // the first reference's greedy choices, fed to every backend (and to any run again)
-  for (const diff::StepTokens& t : comparisons.front().tokens) fed.push_back(t.reference);
+  const std::vector<int32_t> fed = fed_tokens(comparisons.front());  // fed to every backend, and to any run again
   if (cfg.moe) follow_routing_drift(*file, cfg, ppairs, ids, fed, popt, comparisons, progress, &kept.engines, &kept.held);
   guards.clear();
 

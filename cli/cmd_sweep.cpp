@@ -247,11 +247,7 @@ DrillResult drill_down(const DrillContext& cx, const std::vector<int32_t>& ids, 
   popt.run_id = new_run_id();
   Progress quiet("diffrun sweep", false);
   std::vector<diff::Comparison> c = run_pipeline(cx.file, cx.cfg, {pp}, ids, popt, quiet);
-  if (cx.cfg.moe) {
-    std::vector<int32_t> fed;  // the reference's greedy choices, fed to the run again
-    for (const diff::StepTokens& t : c.front().tokens) fed.push_back(t.reference);
-    follow_routing_drift(cx.file, cx.cfg, {pp}, ids, fed, popt, c, quiet);
-  }
+  if (cx.cfg.moe) follow_routing_drift(cx.file, cx.cfg, {pp}, ids, fed_tokens(c.front()), popt, c, quiet);
   DrillResult d = drill_result(c.front(), steps);
   d.routing_followed = static_cast<int>(c.front().routing.followed.size());
   return d;

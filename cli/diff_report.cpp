@@ -265,7 +265,7 @@ std::vector<diff::RoutingFlip> flips_to_follow(const diff::Comparison& c, const 
   if (!c.diverged() || c.routing.local > 0 || c.routing.undetermined > 0) return {};
   const diff::CheckpointResult& failure = c.results[*c.first_failure];
   const auto topk_order = [&](int step, int layer) {
-    const std::string name = checkpoint_name("ffn_moe_topk", layer);
+    const std::string name = checkpoint_name(kExpertIdsKind, layer);
     for (const diff::CheckpointResult& r : c.results)
       if (r.step == step && r.name == name) return r.order;
     return INT_MAX;
@@ -281,6 +281,12 @@ std::vector<diff::RoutingFlip> flips_to_follow(const diff::Comparison& c, const 
     }
   }
   return out;
+}
+
+std::shared_ptr<const ForcedRouting> forced_routing(const std::vector<diff::RoutingFlip>& followed) {
+  auto forced = std::make_shared<ForcedRouting>();
+  for (const diff::RoutingFlip& f : followed) forced->rows.push_back({f.step, f.layer, f.token, f.engine});
+  return forced;
 }
 
 }  // namespace diffrun::cli

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "diff/compare.hpp"
 #include "diff/tolerances.hpp"
 #include "dump/dump.hpp"
+#include "reference_cpu/reference.hpp"
 
 namespace diffrun::cli {
 
@@ -81,6 +83,9 @@ bool same_routing_row(const diff::RoutingFlip& a, const diff::RoutingFlip& b);
 // divergence are left for a run again: there the router error is inflated by what diverged, and a routing bug of the
 // decode steps alone would be judged drift and followed.
 std::vector<diff::RoutingFlip> flips_to_follow(const diff::Comparison& c, const std::vector<diff::RoutingFlip>& followed);
+
+// The expert choices a reference takes to follow `followed`: each flip's (step, layer, token) and the engine's ids.
+std::shared_ptr<const ForcedRouting> forced_routing(const std::vector<diff::RoutingFlip>& followed);
 
 // The tolerance rules a comparison of these dumps uses: --tolerances, else the preset of their
 // precision pair (f32_vs_f64, f16_vs_f32-f16store, f32_vs_f32_cross, ...).

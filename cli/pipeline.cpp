@@ -213,14 +213,12 @@ void follow_routing_drift(const GgufFile& file, const ModelConfig& cfg, const st
       const std::vector<diff::RoutingFlip> more = flips_to_follow(comparisons[p], followed);
       if (more.empty()) break;
       followed.insert(followed.end(), more.begin(), more.end());
-      auto forced = std::make_shared<ForcedRouting>();
-      for (const diff::RoutingFlip& f : followed) forced->rows.push_back({f.step, f.layer, f.token, f.engine});
       progress.message(fmt::format("{}: {} routing flip{} by drift (step {} layer {} token {} the first); running the "
                                    "pair again with the reference following the engine's experts there",
                                    pairs[p].title, more.size(), more.size() == 1 ? "" : "s", more.front().step,
                                    more.front().layer, more.front().token));
       PipelinePair again = pairs[p];
-      again.reference.forced_routing = std::move(forced);
+      again.reference.forced_routing = forced_routing(followed);
       PipelineOptions opt = popt;
       opt.feed = fed;
       std::vector<std::unique_ptr<Backend>> engines;
@@ -247,5 +245,11 @@ void follow_routing_drift(const GgufFile& file, const ModelConfig& cfg, const st
   }
 }
 
+
+std::vector<int32_t> fed_tokens(const diff::Comparison& first) {
+  std::vector<int32_t> fed;
+  for (const diff::StepTokens& t : first.tokens) fed.push_back(t.reference);
+  return fed;
+}
 
 }  // namespace diffrun::cli

@@ -133,6 +133,9 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
                                            std::vector<std::unique_ptr<Backend>>* kept = nullptr,
                                            std::vector<HeldReference>* held = nullptr);
 
+// The tokens a run fed: the first pair's reference's greedy choice after each step (its comparison's StepTokens).
+std::vector<int32_t> fed_tokens(const diff::Comparison& first);
+
 // A routing flip by drift is no bug: a near tie of the router that the two programs' rounding tipped either way. But
 // from it on, the two sides run other experts on that token, and what comes after differs by far more than any
 // tolerance: every layer after it, and later steps through the cache. So where a pair diverged and drift flips came

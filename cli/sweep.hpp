@@ -85,6 +85,8 @@ struct PromptResult {
   std::optional<InvarianceCheck> chunked, reprefill;
   double max_kl() const;
   int first_bad() const;  // the first bad token's step, -1 when none
+  // Whether the drill-down explains token t's badness (DrillResult::explains_bad_tokens, t within its steps).
+  bool explained(const TokenStat& t) const { return drill && drill->explains_bad_tokens() && t.step <= drill->steps; }
 };
 
 struct SweepSummary {

@@ -670,7 +670,7 @@ void add_isolation(Comparison& c, const Comparison& isolated, const CompareOptio
   // Where the reference followed the engine's experts (RoutingSummary::followed), its ids and weights are not what
   // its op computes on its inputs, which the replayed engine's are: no local error there.
   const auto followed_routing = [&](const CheckpointResult& r) {
-    if (r.base != "ffn_moe_topk" && r.base != "ffn_moe_weights" && r.base != "ffn_moe_weights_norm") return false;
+    if (r.base != kExpertIdsKind && r.base != kExpertWeightsKind && r.base != kExpertWeightsNormKind) return false;
     return std::any_of(c.routing.followed.begin(), c.routing.followed.end(),
                        [&](const RoutingFlip& f) { return f.step == r.step && f.layer == r.layer; });
   };

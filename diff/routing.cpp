@@ -56,7 +56,7 @@ std::optional<RoutingRows> routing_rows(std::string_view base, std::string_view 
                                         const std::vector<BoundCheck>& checks) {
   const std::vector<std::string> dims = layout_dims(layout);
   const bool per_slot = dims.size() >= 2 && dims[0] == "T" && dims[1] == "K" && shape.size() == dims.size();
-  const bool logits = base == "ffn_moe_logits" && shape.size() == 2;
+  const bool logits = base == kRouterLogitsKind && shape.size() == 2;
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   if ((!per_slot && !logits) || a.size() != b.size() || static_cast<int64_t>(b.size()) != n) return std::nullopt;
@@ -76,7 +76,7 @@ std::optional<RoutingRows> routing_rows(std::string_view base, std::string_view 
         r.slot_max_abs[s] = std::max(r.slot_max_abs[s], std::abs(d));
       }
     }
-    if (base == "ffn_moe_topk") {
+    if (base == kExpertIdsKind) {
       r.ids_engine.resize(a.size());
       r.ids_reference.resize(b.size());
       std::transform(a.begin(), a.end(), r.ids_engine.begin(), expert_id);
@@ -172,12 +172,12 @@ RoutingLayer analyse_routing(const CheckpointResult& topk, const CheckpointResul
 bool excuse_routing_flip(CheckpointResult& r, const std::function<const CheckpointResult*(const std::string&)>& find,
                          const ToleranceSet& tolerances) {
   if (!r.failed() || !r.metrics || !r.metrics->finite() || !r.routing || r.routing->slot_err2.empty()) return false;
-  const CheckpointResult* topk = r.base == "ffn_moe_topk" ? &r : find(checkpoint_name("ffn_moe_topk", r.layer));
+  const CheckpointResult* topk = r.base == kExpertIdsKind ? &r : find(checkpoint_name(kExpertIdsKind, r.layer));
   if (!topk || !topk->routing || topk->routing->ids_reference.empty()) return false;
   const RoutingRows& ids = *topk->routing;
   const RoutingRows& mine = *r.routing;
   if (mine.rows != ids.rows || mine.width != ids.width) return false;
-  const RoutingLayer layer = analyse_routing(*topk, find(checkpoint_name("ffn_moe_logits", r.layer)));
+  const RoutingLayer layer = analyse_routing(*topk, find(checkpoint_name(kRouterLogitsKind, r.layer)));
   if (layer.flips.empty()) return false;
   for (const RoutingFlip& f : layer.flips)
     if (f.kind != FlipKind::drift) return false;
@@ -231,9 +231,9 @@ RoutingSummary summarise_routing(const std::vector<CheckpointResult>& results) {
   RoutingSummary s;
   std::map<std::pair<int, int>, const CheckpointResult*> logits;
   for (const CheckpointResult& r : results)
-    if (r.base == "ffn_moe_logits" && r.routing) logits[{r.step, r.layer}] = &r;
+    if (r.base == kRouterLogitsKind && r.routing) logits[{r.step, r.layer}] = &r;
   for (const CheckpointResult& r : results) {
-    if (r.base != "ffn_moe_topk" || !r.routing) continue;
+    if (r.base != kExpertIdsKind || !r.routing) continue;
     const auto it = logits.find({r.step, r.layer});
     RoutingLayer l = analyse_routing(r, it == logits.end() ? nullptr : it->second);
     s.token_layers += l.tokens;

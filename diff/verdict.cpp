@@ -221,7 +221,7 @@ std::string ids_text(const std::vector<int32_t>& ids) { return fmt::format("{{{}
 // The selected experts differ (diff/routing.hpp): the flip with the largest gap over its router error
 // decides. The isolation rule, before it, decides where the replay fed the reference's router inputs.
 bool rule_routing(const Context& c, Verdict& v) {
-  if (c.failing.base != "ffn_moe_topk" || !c.routing || c.routing->flips.empty()) return false;
+  if (c.failing.base != kExpertIdsKind || !c.routing || c.routing->flips.empty()) return false;
   const std::vector<RoutingFlip>& flips = c.routing->flips;
   v.flips = flips;
   v.rule = "routing";
@@ -271,7 +271,7 @@ bool rule_routing(const Context& c, Verdict& v) {
 // and, through the cache, the later steps): the error here is the flip's, not a bug of this op. The
 // isolation rule, before it, checks the op on the reference's inputs where the replay ran.
 bool rule_after_flip(const Context& c, Verdict& v) {
-  if (!c.prior_flip || c.failing.base == "ffn_moe_topk") return false;
+  if (!c.prior_flip || c.failing.base == kExpertIdsKind) return false;
   const RoutingFlip& f = *c.prior_flip;
   v.kind = VerdictKind::drift;
   v.rule = "routing_flip";
@@ -430,16 +430,16 @@ Verdict decide_verdict(const std::vector<CheckpointResult>& results, size_t fail
     }
   }
   v.growth = c.growth;
-  if (f.base == "ffn_moe_topk" && f.routing) {
-    const auto logits = step.find(checkpoint_name("ffn_moe_logits", f.layer));
+  if (f.base == kExpertIdsKind && f.routing) {
+    const auto logits = step.find(checkpoint_name(kRouterLogitsKind, f.layer));
     c.routing = analyse_routing(f, logits == step.end() ? nullptr : logits->second);
   }
   // The first drift flip before it: an earlier step's, or this step's at an earlier checkpoint.
   for (const CheckpointResult& r : results) {
-    if (r.base != "ffn_moe_topk" || !r.routing || r.step > f.step || (r.step == f.step && r.order >= f.order)) continue;
+    if (r.base != kExpertIdsKind || !r.routing || r.step > f.step || (r.step == f.step && r.order >= f.order)) continue;
     const CheckpointResult* logits = nullptr;
     for (const CheckpointResult& x : results)
-      if (x.step == r.step && x.layer == r.layer && x.base == "ffn_moe_logits" && x.compared()) logits = &x;
+      if (x.step == r.step && x.layer == r.layer && x.base == kRouterLogitsKind && x.compared()) logits = &x;
     const RoutingLayer l = analyse_routing(r, logits);
     const auto drift = std::find_if(l.flips.begin(), l.flips.end(), [](const RoutingFlip& x) { return x.kind == FlipKind::drift; });
     if (drift == l.flips.end()) continue;

@@ -1219,7 +1219,7 @@ class CudaEngineImpl final : public CudaEngine {
       fault_state_.at_capture(n_past_);  // the position graph_position_frozen's RoPE reads on every replay
       // Relaxed: the stager may allocate its pinned chunks and device arena on first use, which
       // stream capture would otherwise refuse; nothing allocated is freed while the graph lives.
-      // in_flight: other threads' frees (another engine's buffers) wait until the capture ends.
+      // in_flight: other threads' releases (another engine's buffers and cuBLAS handle) wait until the capture ends.
       CaptureInFlight in_flight;
       CUDA_CHECK(cudaStreamBeginCapture(stream_, records ? cudaStreamCaptureModeRelaxed
                                                          : cudaStreamCaptureModeThreadLocal));
