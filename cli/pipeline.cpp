@@ -213,10 +213,12 @@ void follow_routing_drift(const GgufFile& file, const ModelConfig& cfg, const st
       const std::vector<diff::RoutingFlip> more = flips_to_follow(comparisons[p], followed);
       if (more.empty()) break;
       followed.insert(followed.end(), more.begin(), more.end());
-      progress.message(fmt::format("{}: {} routing flip{} by drift (step {} layer {} token {} the first); running the "
-                                   "pair again with the reference following the engine's experts there",
-                                   pairs[p].title, more.size(), more.size() == 1 ? "" : "s", more.front().step,
-                                   more.front().layer, more.front().token));
+      const diff::CheckpointResult& failure = comparisons[p].results[*comparisons[p].first_failure];
+      progress.message(fmt::format("{}: diverged at {} (step {}) after {} routing flip{} by drift (step {} layer {} "
+                                   "token {} the first); running the pair again with the reference following the "
+                                   "engine's experts there",
+                                   pairs[p].title, failure.name, failure.step, more.size(), more.size() == 1 ? "" : "s",
+                                   more.front().step, more.front().layer, more.front().token));
       PipelinePair again = pairs[p];
       again.reference.forced_routing = forced_routing(followed);
       PipelineOptions opt = popt;

@@ -77,13 +77,15 @@
 //   device (moe_route). A one-token step (not an isolation replay) finds the K selected experts by their ids on the
 //   device (each layer's table of expert addresses): K-quant experts in the f16 engine are read where they lie
 //   (matmul_experts_*), others gathered first (gather_experts); all K gate|up rows run as one GEMV with the SwiGLU
-//   fused, then the K down projections as one GEMV where a kernel takes it: nothing is read back, so decode steps are
-//   captured graphs like a dense model's. Steps of several tokens and isolation replay (forced routing: the
-//   reference's ids replace ffn_moe_topk) copy the ids to the host once a layer, where each expert's slots are
-//   grouped; each expert used runs one linear layer on its view of the stacked tensor: on its slot's rows in place
-//   when one slot chose it, else on its slots' rows gathered (gather_rows, dequantization and cuBLAS,
-//   scatter_rows). Only the selected experts run. MoE steps do not alternate activation sets (the layers share
-//   moe_'s buffers); the "moe" fact says all this.
+//   fused, then the K down projections as one GEMV where a kernel takes it (in place: with their weighted sum,
+//   matmul_experts_down_combine): nothing is read back, so decode steps are captured graphs like a dense model's.
+//   Steps of several tokens and isolation replay (forced routing: the reference's ids replace ffn_moe_topk) copy the
+//   ids to the host once a layer, where each expert's slots are grouped. K-quant experts in the f16 engine then run
+//   all in one launch on tensor cores, read where they lie, on the slots' rows in place (matmul_experts_rows: each
+//   row the one-token GEMV's value); otherwise the slots' rows are gathered in expert order (gather_rows), each
+//   expert used runs one linear layer on its view of the stacked tensor (the one-token GEMV when one slot chose it,
+//   else dequantization and cuBLAS), and the outputs are scattered back (scatter_rows). Only the selected experts
+//   run. MoE steps do not alternate activation sets (the layers share moe_'s buffers); the "moe" fact says all this.
 // - Isolation replay replaces the inputs an op reads, never recomputes an output by another code
 //   path: a fused op runs on replaced inputs (rope_qk on the reference's Kcur and Vcur, add_rms_norm
 //   on its attn_out and residual), each of its outputs is recorded as the op computed it, then
@@ -167,13 +169,14 @@ constexpr uint32_t kFusedEmbeddingRmsNorm = 1;
 constexpr uint32_t kFusedMatmulQkvRope = 2;
 constexpr uint32_t kFusedMatmulGateUpSwiglu = 4;
 constexpr uint32_t kFusedMatmulArgmax = 8;
+constexpr uint32_t kFusedExpertsDownCombine = 16;
 constexpr const char* kFusedKernelBits =
-    "1 embedding_rms_norm, 2 matmul_qkv_rope, 4 matmul_gate_up_swiglu, 8 matmul_argmax";
+    "1 embedding_rms_norm, 2 matmul_qkv_rope, 4 matmul_gate_up_swiglu, 8 matmul_argmax, 16 matmul_experts_down_combine";
 // What each fused kernel's epilogue writes, and what reads the position inside a graph replay (a value
 // baked in at capture would show there): isolation replay, unfused and outside the graph, gives these
 // no local error where the step ran the kernel or the graph (diff::add_isolation).
 constexpr const char* kFusedKernelCheckpoints =
-    "1 embd,attn_norm-0; 2 Qrope,Krope,cache_k,cache_v; 4 ffn_swiglu; 8 result_output; "
+    "1 embd,attn_norm-0; 2 Qrope,Krope,cache_k,cache_v; 4 ffn_swiglu; 8 result_output; 16 ffn_moe_out; "
     "graph Qrope,Krope,cache_k,cache_v";
 
 bool env_is_zero(const char* name) {
@@ -268,7 +271,9 @@ struct MoeBuffers {
         shexp(size_t(cap) * c.n_embd, "MoE activations"),
         shexp_out(size_t(cap) * c.n_embd, "MoE activations"),
         h_ids(slots(c, cap), "MoE expert ids"),
-        h_rows(slots(c, cap), "MoE expert ids") {}
+        h_rows(slots(c, cap), "MoE expert ids"),
+        groups(size_t(std::max(c.n_expert, 1)), "MoE expert groups"),
+        h_groups(size_t(std::max(c.n_expert, 1)), "MoE expert groups") {}
 
   static size_t slots(const ModelConfig& c, int cap) { return size_t(cap) * c.n_expert_used; }
   static size_t widest(const ModelConfig& c) { return size_t(std::max(c.n_embd, c.n_ff_exp)); }
@@ -289,7 +294,8 @@ struct MoeBuffers {
     // Per token: logits, probs, moe_out, shexp, shexp_out, the shared gate's two values, shexp_g, shexp_u (4 bytes
     // each), shexp_act (W). Per slot: topk, ids, weights, weights_norm, rows, gate, up, down, ys; act, xs (W).
     return uint64_t(cap) * (4 * (2 * E + 3 * D + 2 + 2 * Fs) + sizeof(W) * Fs) +
-           S * (4 * (5 + 2 * Fe + D + widest(c)) + sizeof(W) * (Fe + widest(c))) + run;
+           S * (4 * (5 + 2 * Fe + D + widest(c)) + sizeof(W) * (Fe + widest(c))) + run +
+           uint64_t(std::max(c.n_expert, 1)) * 2 * sizeof(ExpertRows);
   }
 
   int capacity;
@@ -318,6 +324,9 @@ struct MoeBuffers {
   DeviceBuffer<float> shexp_out;       // [T, D] ffn_shexp_out
   PinnedBuffer<float> h_ids;           // [T·K] the ids, read back
   PinnedBuffer<int32_t> h_rows;        // [T·K] rows, built on the host
+  DeviceBuffer<ExpertRows> groups;     // [E] each expert used: its positions in rows (matmul_experts_rows)
+  PinnedBuffer<ExpertRows> h_groups;   // built on the host with rows
+  int n_groups = 0;
 };
 
 class Stream {
@@ -834,23 +843,25 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "ffn_moe_topk", l, m.ids.get(), {n, K});
     cp(sink, step, "ffn_moe_weights", l, m.weights.get(), {n, K});
     if (cfg_.expert_weights_norm) cp(sink, step, "ffn_moe_weights_norm", l, m.weights_norm.get(), {n, K});
-    if (n == 1 && !step_replaying_) {
-      gathered_experts(step, l, sink, a);
-    } else {
-      const std::vector<int> first = group_slots_by_expert(m, slots, E, l);
-      expert_matmul(m.gate.get(), a.ffn_xn.get(), K, w.ffn_gate_exps, first, D, Fe);
-      cp(sink, step, "ffn_moe_gate", l, m.gate.get(), {n, K, Fe});
-      expert_matmul(m.up.get(), a.ffn_xn.get(), K, w.ffn_up_exps, first, D, Fe);
-      cp(sink, step, "ffn_moe_up", l, m.up.get(), {n, K, Fe});
-      swiglu(m.act.get(), m.gate.get(), m.up.get(), int64_t(slots) * Fe, stream_);
-      cp(sink, step, "ffn_moe_swiglu", l, m.act.get(), {n, K, Fe});
-      expert_matmul(m.down.get(), m.act.get(), 1, w.ffn_down_exps, first, Fe, D);
-    }
-    cp(sink, step, "ffn_moe_down", l, m.down.get(), {n, K, D});
     // Weighted by the recorded weights an isolation replay replaces: renormalised, or as selected (qwen2moe).
     const float* slot_weights = cfg_.expert_weights_norm ? m.weights_norm.get() : m.weights.get();
     float* out = cfg_.moe_shexp ? m.moe_out.get() : a.ffn_out.get();
-    moe_combine(out, m.down.get(), slot_weights, n, K, D, stream_);
+    bool combined = false;  // the experts' down projections and their weighted sum in one launch
+    if (n == 1 && !step_replaying_) {
+      combined = gathered_experts(step, l, sink, a, slot_weights, out);
+    } else {
+      const std::vector<int> first = group_slots_by_expert(m, slots, E, l);
+      const uint64_t* table = expert_tables_.get() + size_t(l) * 3 * E;  // gate, up, down: [E] each
+      expert_matmul(m.gate.get(), a.ffn_xn.get(), K, w.ffn_gate_exps, table, first, D, Fe);
+      cp(sink, step, "ffn_moe_gate", l, m.gate.get(), {n, K, Fe});
+      expert_matmul(m.up.get(), a.ffn_xn.get(), K, w.ffn_up_exps, table + E, first, D, Fe);
+      cp(sink, step, "ffn_moe_up", l, m.up.get(), {n, K, Fe});
+      swiglu(m.act.get(), m.gate.get(), m.up.get(), int64_t(slots) * Fe, stream_);
+      cp(sink, step, "ffn_moe_swiglu", l, m.act.get(), {n, K, Fe});
+      expert_matmul(m.down.get(), m.act.get(), 1, w.ffn_down_exps, table + 2 * E, first, Fe, D);
+    }
+    cp(sink, step, "ffn_moe_down", l, m.down.get(), {n, K, D});
+    if (!combined) moe_combine(out, m.down.get(), slot_weights, n, K, D, stream_);
     cp(sink, step, "ffn_moe_out", l, out, {n, D});
     if (cfg_.moe_shexp) shared_expert(step, l, n, sink, a, out);
   }
@@ -858,10 +869,11 @@ class CudaEngineImpl final : public CudaEngine {
   // The experts of a one-token step (not an isolation replay), found by their ids on the device: read where they lie
   // (experts_in_place_), or gathered (gather_experts) into expert_scratch_ as [K gates][K ups][K downs]. Then Wgate|Wup
   // of all K as one matrix of 2·K·Fe rows (every slot reads the same row x: one GEMV, the SwiGLU fused as in
-  // dense_ffn) and the K Wdown, each slot's on its own act row (one launch where a kernel takes it). Nothing is read
-  // back, so the step stays one captured graph. Each row's sum is the one the per-expert GEMVs of a step of several
-  // tokens' slots of one would make (rows are summed alike in any launch).
-  void gathered_experts(int step, int l, Sink& sink, Activations<W>& a) {
+  // dense_ffn) and the K Wdown, each slot's on its own act row (one launch where a kernel takes it; in place, with
+  // the slots' weighted sum into `out`: then it returns true and moe_combine is not run). Nothing is read back, so
+  // the step stays one captured graph. Each row's sum is the one the per-expert GEMVs of a step of several tokens'
+  // slots of one would make (rows are summed alike in any launch).
+  bool gathered_experts(int step, int l, Sink& sink, Activations<W>& a, const float* slot_weights, float* out) {
     const DeviceLayerWeights<W>& w = weights_.layers[l];
     const int D = cfg_.n_embd, E = cfg_.n_expert, K = cfg_.n_expert_used, Fe = cfg_.n_ff_exp;
     MoeBuffers<W>& m = *moe_;
@@ -901,6 +913,11 @@ class CudaEngineImpl final : public CudaEngine {
     cp(sink, step, "ffn_moe_swiglu", l, m.act.get(), {1, K, Fe});
     // The K slots' down projections as one launch where a kernel takes it (each row the value of its slot's own).
     if (experts_in_place_) {
+      if (matmul_experts_down_combine(m.down.get(), out, m.act.get(), d0, table + 2 * E, m.ids.get(), slot_weights, E,
+                                      K, Fe, D, stream_)) {
+        step_fused_ |= kFusedExpertsDownCombine;
+        return true;
+      }
       if (!matmul_experts_grouped(m.down.get(), m.act.get(), d0, table + 2 * E, m.ids.get(), E, K, Fe, D, stream_))
         throw Error("cuda engine: layer " + std::to_string(l) + "'s experts have no in-place down kernel");
     } else if (!matmul_grouped(m.down.get(), m.act.get(), expert_view(d0, downs, K * D), K, Fe, D, stream_)) {
@@ -908,6 +925,7 @@ class CudaEngineImpl final : public CudaEngine {
         matmul(m.down.get() + size_t(k) * D, m.act.get() + size_t(k) * Fe,
                expert_view(d0, downs + uint64_t(k) * db, D), nullptr, 1, Fe, D, cublas_, stream_);
     }
+    return false;
   }
 
   // Bytes of one expert's matrix in its stack (dense rows of W, or one segment of GGUF blocks).
@@ -965,7 +983,11 @@ class CudaEngineImpl final : public CudaEngine {
                     (experts_in_place_ ? "read the selected K-quant experts where they lie, by their ids on the device"
                                        : "gather the selected experts' weights by their ids on the device") +
                     " (one graph); steps of several tokens, and isolation replay, read the ids back once a layer and "
-                    "run each expert used on its tokens' rows; only the selected experts run";
+                    "run each expert used on its tokens' rows" +
+                    (experts_in_place_ ? std::string(", all experts in one launch on the slots' rows in place, each row "
+                                                     "the one-token GEMV's value")
+                                       : std::string()) +
+                    "; only the selected experts run";
   }
 
   // Whether every layer's experts take the in-place kernels (matmul_experts_*): the f16 engine on the tensor-core
@@ -1024,20 +1046,30 @@ class CudaEngineImpl final : public CudaEngine {
     for (int s = 0; s < slots; ++s) m.h_rows.get()[next[size_t(ids[s])]++] = s;
     CUDA_CHECK(cudaMemcpyAsync(m.rows.get(), m.h_rows.get(), size_t(slots) * sizeof(int32_t), cudaMemcpyHostToDevice,
                                stream_));
+    m.n_groups = 0;
+    for (int e = 0; e < E; ++e)
+      if (first[size_t(e) + 1] > first[e]) m.h_groups.get()[m.n_groups++] = {e, first[e], first[size_t(e) + 1] - first[e], 0};
+    CUDA_CHECK(cudaMemcpyAsync(m.groups.get(), m.h_groups.get(), size_t(m.n_groups) * sizeof(ExpertRows),
+                               cudaMemcpyHostToDevice, stream_));
     return first;
   }
 
   // out [T·K, N]: slot s's row is its expert's matrix [N, Kin] times its input, row s / div of x (div K: every slot
   // of token t reads x [T, Kin] row t; div 1: x [T·K, Kin] row s). Every slot's input row is gathered once, in expert
-  // order (moe_->rows), and every output row scattered back once. An expert chosen by one slot runs the one-token
-  // GEMV on its row (every expert of a replayed decode step: the values of the decode's GEMVs). Experts chosen by
-  // several run one GEMM each on their rows; quantized ones are dequantized first, adjacent experts whose blocks lie
-  // one after another together in one launch (up to run_experts; views a fault edit moved break a run).
+  // order (moe_->rows), and every output row scattered back once; except that K-quant experts in the f16 engine run
+  // all in one launch, read where they lie (table: the experts' addresses), on the slots' rows of x and into theirs
+  // of out (matmul_experts_rows, each value the one-token GEMV's). Otherwise an expert chosen by one slot runs the
+  // one-token GEMV on its row (every expert of a replayed decode step: the values of the decode's GEMVs), and experts
+  // chosen by several run one GEMM each on their rows; quantized ones are dequantized first, adjacent experts whose
+  // blocks lie one after another together in one launch (up to run_experts; views a fault edit moved break a run).
   void expert_matmul(float* out, const W* x, int div, const std::vector<DeviceMatrix<W>>& experts,
-                     const std::vector<int>& first, int Kin, int N) {
+                     const uint64_t* table, const std::vector<int>& first, int Kin, int N) {
     MoeBuffers<W>& m = *moe_;
     const int E = static_cast<int>(first.size()) - 1, slots = first.back();
     if (slots == 0) return;
+    // Not a fusion (no flag turns it off): every engine whose kernels take it runs it, so that prefills agree.
+    if (matmul_experts_rows(out, x, div, m.rows.get(), experts[0], table, m.groups.get(), m.n_groups, Kin, N, stream_))
+      return;
     gather_rows(m.xs.get(), x, m.rows.get(), div, slots, Kin, stream_);
     const auto count = [&](int e) { return first[size_t(e) + 1] - first[size_t(e)]; };
     for (int e = 0; e < E;) {

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/cuda_check.cuh"
+#include "engine/ops/moe.cuh"
 #include "engine/ops/qgemv.cuh"
 #include "engine/ops/rope_qk.cuh"
 #include "engine/ops/swiglu.cuh"
@@ -299,8 +300,10 @@ TEST(EngineQgemv, GroupedMatchesQgemvPerGroup) {
 }
 
 // The in-place expert launches (a one-token MoE step's selected experts read where they lie, by ids on the device)
-// against the same launches on the experts gathered in slot order: gate, up, act and the down rows bit-identical;
-// an id repeated, and one past E - 1 (clamped to E - 1, as gather_experts clamps).
+// against the same launches on the experts gathered in slot order: gate, up, act and the down rows bit-identical
+// (the in-place gate|up launch's warps each taking two warps' sums, against the gathered one's warps); the down rows with their weighted
+// sum in one launch against the grouped launch and moe_combine; an id repeated, and one past E - 1 (clamped to
+// E - 1, as gather_experts clamps).
 TEST(EngineQgemv, ExpertsInPlaceMatchGatheredExperts) {
   DIFFRUN_REQUIRE_CUDA();
   if (!engine::qgemv_mma_enabled()) GTEST_SKIP() << "the tensor-core GEMV is off on this device";
@@ -363,8 +366,84 @@ TEST(EngineQgemv, ExpertsInPlaceMatchGatheredExperts) {
     ASSERT_TRUE(engine::qgemv_experts_grouped(t, o2.get(), d_act.get(), d_tables.get() + 2 * E, d_ids.get(), E,
                                               n_slots, D, Fk, nullptr));
     EXPECT_EQ(o2.download(), o1.download());
+    // The down projections and their weighted sum in one launch: the same rows, and moe_combine's sum of them.
+    const std::vector<float> slot_weights = {0.375f, 0.1f, -0.25f, 0.6f};
+    DeviceArray<float> d_w(slot_weights), o3(nan_d), sum1(std::vector<float>(D, std::nanf(""))),
+        sum2(std::vector<float>(D, std::nanf("")));
+    engine::moe_combine(sum1.get(), o1.get(), d_w.get(), 1, n_slots, D, nullptr);
+    ASSERT_TRUE(engine::qgemv_experts_down_combine(t, o3.get(), sum2.get(), d_act.get(), d_tables.get() + 2 * E,
+                                                   d_ids.get(), d_w.get(), E, n_slots, D, Fk, nullptr));
+    EXPECT_EQ(o3.download(), o1.download());
+    EXPECT_EQ(sum2.download(), sum1.download());
     TEST_CUDA_CHECK(cudaGetLastError());
   }
+}
+
+// A step of several tokens' experts in one launch on the slots' rows in place (qgemm_experts) against the one-token
+// qgemv of each slot's expert on its row alone: bit-identical, every K-quant format, shapes whose warps take one
+// super-block each (decoded once for a whole group) and more (K 2304: 9 super-blocks on 8 warps), 8- and 16-warp
+// launches, groups of 1 to 17 slots in any expert order, slots read their own row (div 1) or their token's (div 2);
+// a slot in no group untouched.
+TEST(EngineQgemv, ExpertRowsMatchOneTokenGemv) {
+  DIFFRUN_REQUIRE_CUDA();
+  if (!engine::qgemv_mma_enabled()) GTEST_SKIP() << "the tensor-core GEMV is off on this device";
+  for (GgmlType t : {GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K})
+    for (auto [N, K] : {std::pair{48, 768}, std::pair{2048, 768}, std::pair{64, 4096}, std::pair{32, 2304}})
+      for (int div : {1, 2}) {
+        SCOPED_TRACE(std::string(ggml_type_name(t)) + " N " + std::to_string(N) + " K " + std::to_string(K) + " div " +
+                     std::to_string(div));
+        const int E = 5, slots = 26;  // slot 25 (the last position) is in no group
+        const uint32_t seed = 900 + static_cast<uint32_t>(t);
+        const int64_t bytes = int64_t(N) * (K / ggml_block_elements(t)) * ggml_block_bytes(t);
+        const std::vector<uint8_t> raw = random_rows(format_of(t), int64_t(E) * N, K, seed);
+        // The grouped order: a permutation of the slots; expert 3 twice over, so that its groups are 17 and 7.
+        std::vector<int32_t> rows(slots);
+        for (int i = 0; i < slots; ++i) rows[i] = (i * 7 + 3) % slots;
+        const std::vector<engine::ExpertRows> groups = {{3, 0, 17, 0}, {0, 17, 5, 0}, {4, 22, 2, 0}, {1, 24, 1, 0}};
+        const std::vector<float> x32 = random_floats(size_t(slots) * K, seed + 1, 1.0f);
+        std::vector<__half> x16(x32.size());
+        for (size_t i = 0; i < x32.size(); ++i) x16[i] = __float2half_rn(x32[i]);
+        DeviceArray<uint8_t> d_raw(raw);
+        DeviceArray<__half> dx(x16);
+        DeviceArray<int32_t> d_rows(rows);
+        std::vector<uint64_t> table(E);
+        for (int e = 0; e < E; ++e) table[e] = reinterpret_cast<uint64_t>(d_raw.get() + e * bytes);
+        DeviceArray<uint64_t> d_table(table);
+        DeviceArray<engine::ExpertRows> d_groups(groups);
+        const std::vector<float> nan(size_t(slots) * N, std::nanf(""));
+        DeviceArray<float> want(nan), got(nan);
+        for (const engine::ExpertRows& gr : groups)
+          for (int i = gr.first; i < gr.first + gr.count; ++i) {
+            const int s = rows[i];
+            const engine::GemvParts part{{want.get() + size_t(s) * N}, {nullptr}, {N}, 1};
+            engine::qgemv(t, part, 0, N, dx.get() + size_t(s / div) * K, d_raw.get() + gr.expert * bytes, K, nullptr);
+          }
+        ASSERT_TRUE(engine::qgemm_experts(t, got.get(), dx.get(), d_rows.get(), div, d_table.get(), d_groups.get(),
+                                          static_cast<int>(groups.size()), N, K, nullptr));
+        const std::vector<float> w = want.download(), g = got.download();
+        ASSERT_EQ(g.size(), w.size());
+        int mismatched = 0;
+        for (size_t i = 0; i < w.size(); ++i) {
+          const bool same = std::isnan(w[i]) ? std::isnan(g[i]) : std::memcmp(&w[i], &g[i], sizeof(float)) == 0;
+          if (!same && mismatched++ < 3)
+            ADD_FAILURE() << "slot " << i / N << " output " << i % N << ": " << g[i] << " against qgemv's " << w[i];
+        }
+        EXPECT_EQ(mismatched, 0);
+        for (int n = 0; n < N; ++n)
+          EXPECT_TRUE(std::isnan(g[size_t(rows[25]) * N + n])) << "slot " << rows[25] << " (in no group) was written";
+        TEST_CUDA_CHECK(cudaGetLastError());
+      }
+  // No kernel: a legacy format, N off the 16-row tiles.
+  DeviceArray<float> out(std::vector<float>(64, std::nanf("")));
+  DeviceArray<__half> dx(std::vector<__half>(256));
+  DeviceArray<int32_t> d_rows(std::vector<int32_t>{0});
+  DeviceArray<uint64_t> d_table(std::vector<uint64_t>{0});
+  DeviceArray<engine::ExpertRows> d_groups(std::vector<engine::ExpertRows>{{0, 0, 1, 0}});
+  EXPECT_FALSE(engine::qgemm_experts(GgmlType::Q8_0, out.get(), dx.get(), d_rows.get(), 1, d_table.get(),
+                                     d_groups.get(), 1, 64, 256, nullptr));
+  EXPECT_FALSE(engine::qgemm_experts(GgmlType::Q4_K, out.get(), dx.get(), d_rows.get(), 1, d_table.get(),
+                                     d_groups.get(), 1, 40, 256, nullptr));
+  for (float v : out.download()) EXPECT_TRUE(std::isnan(v)) << "a refused launch wrote " << v;
 }
 
 // The quantized qkv GEMV with the RoPE epilogue against qgemv over the same rows then rope_qk: q, k,

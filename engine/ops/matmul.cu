@@ -520,6 +520,37 @@ bool matmul_experts_grouped(float* out, const __half* x, const DeviceMatrix<__ha
   return qgemv_experts_grouped(like.segments[0].type, out, x, table, ids, E, n_slots, N, K, stream);
 }
 
+bool matmul_experts_down_combine(float*, float*, const float*, const DeviceMatrix<float>&, const uint64_t*,
+                                 const float*, const float*, int, int, int, int, cudaStream_t) {
+  return false;  // the f32 engine gathers
+}
+
+bool matmul_experts_down_combine(float* down, float* out, const __half* x, const DeviceMatrix<__half>& like,
+                                 const uint64_t* table, const float* ids, const float* weights, int E, int n_slots,
+                                 int K, int N, cudaStream_t stream) {
+  if (K != like.K)
+    throw Error("matmul_experts_down_combine: K = " + std::to_string(K) + " against experts of " +
+                std::to_string(like.K) + " columns");
+  if (!like.quantized() || like.n_segments != 1 || like.segments[0].rows != N) return false;
+  return qgemv_experts_down_combine(like.segments[0].type, down, out, x, table, ids, weights, E, n_slots, N, K,
+                                    stream);
+}
+
+bool matmul_experts_rows(float*, const float*, int, const int32_t*, const DeviceMatrix<float>&, const uint64_t*,
+                         const ExpertRows*, int, int, int, cudaStream_t) {
+  return false;  // the f32 engine's GEMVs take one x
+}
+
+bool matmul_experts_rows(float* out, const __half* x, int div, const int32_t* rows, const DeviceMatrix<__half>& like,
+                         const uint64_t* table, const ExpertRows* groups, int n_groups, int K, int N,
+                         cudaStream_t stream) {
+  if (K != like.K)
+    throw Error("matmul_experts_rows: K = " + std::to_string(K) + " against experts of " + std::to_string(like.K) +
+                " columns");
+  if (!like.quantized() || like.n_segments != 1 || like.segments[0].rows != N) return false;
+  return qgemm_experts(like.segments[0].type, out, x, rows, div, table, groups, n_groups, N, K, stream);
+}
+
 bool matmul_argmax(float* out, int32_t* token, const float* x, const DeviceMatrix<float>& w, int K, int N,
                    unsigned long long* scratch, cudaStream_t stream, ArgmaxTies ties) {
   return matmul_argmax_impl(out, token, x, w, K, N, scratch, stream, ties);

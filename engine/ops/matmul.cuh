@@ -86,6 +86,30 @@ bool matmul_experts_grouped(float* out, const float* x, const DeviceMatrix<float
 bool matmul_experts_grouped(float* out, const __half* x, const DeviceMatrix<__half>& like, const uint64_t* table,
                             const float* ids, int E, int n_slots, int K, int N, cudaStream_t stream);
 
+// matmul_experts_grouped over the n_slots experts' down projections followed by moe_combine of the one token with
+// the slots' weights, in one launch (qgemv_experts_down_combine): down [n_slots, N] and out [N] bit-identical to the
+// two ops'. False, launching nothing, where no kernel takes it (as matmul_experts_grouped, or more than 16 slots):
+// then run the two.
+bool matmul_experts_down_combine(float* down, float* out, const float* x, const DeviceMatrix<float>& like,
+                                 const uint64_t* table, const float* ids, const float* weights, int E, int n_slots,
+                                 int K, int N, cudaStream_t stream);
+bool matmul_experts_down_combine(float* down, float* out, const __half* x, const DeviceMatrix<__half>& like,
+                                 const uint64_t* table, const float* ids, const float* weights, int E, int n_slots,
+                                 int K, int N, cudaStream_t stream);
+
+// A step of several tokens' MoE slots grouped by expert (engine/ops/qgemv ExpertRows, rows: the slots in that
+// order): out [slots, N] row s = its expert's matrix (table: [E] device addresses, each in the format of `like`,
+// expert 0's) times x row s / div [K], all experts in one launch (qgemm_experts), nothing gathered or scattered. Each
+// value bit-identical to matmul (T = 1) of its expert on its row alone. False, launching nothing, where no kernel
+// takes it (the f32 engine; experts not in one K-quant segment; N not a multiple of 16; the tensor-core GEMV off):
+// then run a matmul per expert.
+bool matmul_experts_rows(float* out, const float* x, int div, const int32_t* rows, const DeviceMatrix<float>& like,
+                         const uint64_t* table, const ExpertRows* groups, int n_groups, int K, int N,
+                         cudaStream_t stream);
+bool matmul_experts_rows(float* out, const __half* x, int div, const int32_t* rows, const DeviceMatrix<__half>& like,
+                         const uint64_t* table, const ExpertRows* groups, int n_groups, int K, int N,
+                         cudaStream_t stream);
+
 // Fused twin of matmul_cat({gate, up}) on Wgate|Wup for one token followed by swiglu: gate [F] and
 // up [F] f32 bit-identical to matmul_cat's (the same GEMV per row, the same launch shape), and act [F]
 // = silu(gate)·up bit-identical to the swiglu kernel's (f32, or f16 in the f16 engine); one launch.

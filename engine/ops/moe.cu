@@ -15,23 +15,28 @@ namespace {
 
 constexpr float kMinWeightSum = 6.103515625e-5f;  // 2^-14, llama.cpp's clamp of the top-k sum (smallest normal f16)
 
-// One warp a token (kRouteWarps tokens a block), its E probabilities in shared memory; lane i owns experts i, i + 32,
-// ... The softmax: the max, then each lane's exps summed in id order and the lanes' sums by a butterfly (every lane
-// gets the same sum), each probability its exp / that sum. The top K by K rounds of a warp arg-max over the experts
-// not yet taken: the larger probability first, the lower id on ties (the order of a stable sort by descending
-// probability), a NaN after every number. (One thread a token scanned E·K·K entries serially: 0.3 ms a layer at
-// E = 128, K = 8.)
+// One warp a token (kRouteWarps tokens a block), its E probabilities and K selected weights in shared memory; lane i
+// owns experts i, i + 32, ... The softmax: the max, then each lane's exps summed in id order and the lanes' sums by a
+// butterfly (every lane gets the same sum), each probability its exp / that sum. The top K by K rounds of a warp
+// arg-max over the experts not yet taken: the larger probability first, the lower id on ties (the order of a stable
+// sort by descending probability), a NaN after every number. The order is a key of two words compared as numbers
+// (route_key), so a round is two warp-wide max reductions. (One thread a token scanned E·K·K entries serially: 0.3
+// ms a layer at E = 128, K = 8.)
 constexpr int kRouteWarps = 4;
 constexpr int kRouteMaxExperts = 32 * 32;  // a lane's taken experts are one 32-bit mask
 
-// Whether expert (pa, a) goes before (pb, b) in the top-k order; b < 0 is no expert.
-__device__ __forceinline__ bool route_before(float pa, int a, float pb, int b) {
-  if (b < 0) return a >= 0;
-  if (a < 0) return false;
-  const bool na = isnan(pa), nb = isnan(pb);
-  if (na != nb) return nb;
-  if (!na && pa != pb) return pa > pb;
-  return a < b;
+// Expert e's place in the top-k order as two words, the larger (hi, then lo) first: hi 0 for a NaN probability
+// (after every number), else its bits + 1 (a probability is >= +0, and non-negative floats order as their bits);
+// lo ~e (the lower id first on ties). No expert is (0, 0), after every expert.
+__device__ __forceinline__ uint32_t route_key_hi(float p) { return isnan(p) ? 0u : __float_as_uint(p) + 1u; }
+
+__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xffffffffu, v);
+#else
+  for (int o = 16; o > 0; o /= 2) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+#endif
 }
 
 static __global__ void moe_route_kernel(float* probs, int32_t* topk, float* weights, float* weights_norm,
@@ -52,28 +57,32 @@ static __global__ void moe_route_kernel(float* probs, int32_t* topk, float* weig
   for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   float* p = probs + size_t(t) * E;  // may alias l: each lane reads and writes its own experts only
   for (int e = lane; e < E; e += 32) p[e] = ps[e] = ps[e] / sum;
+  __syncwarp();  // every lane reads the winner's probability below
+  float* ws = route_probs + size_t(kRouteWarps) * E + size_t(warp) * K;  // the selected weights
   int32_t* ids = topk + size_t(t) * K;
-  float* w = weights + size_t(t) * K;
-  float* wn = weights_norm + size_t(t) * K;
   uint32_t taken = 0;  // bit i: expert lane + 32 i
   float w_sum = 0.0f;
   for (int j = 0; j < K; ++j) {
-    int best = -1;
-    float bp = 0.0f;
-    for (int e = lane, i = 0; e < E; e += 32, ++i)
-      if (!(taken >> i & 1u) && route_before(ps[e], e, bp, best)) best = e, bp = ps[e];
-    for (int o = 16; o > 0; o /= 2) {
-      const int ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const float op = __shfl_xor_sync(0xffffffffu, bp, o);
-      if (route_before(op, ob, bp, best)) best = ob, bp = op;
+    uint32_t bh = 0, bl = 0;  // this lane's first expert not yet taken, as route_key_hi and ~id
+    for (int e = lane, i = 0; e < E; e += 32, ++i) {
+      const uint32_t h = route_key_hi(ps[e]), lo = ~static_cast<uint32_t>(e);
+      if (!(taken >> i & 1u) && (h > bh || (h == bh && lo > bl))) bh = h, bl = lo;
     }
+    const uint32_t h = warp_max(bh);
+    const int best = static_cast<int>(~warp_max(bh == h ? bl : 0u));
+    const float bp = ps[best];
     if (best % 32 == lane) taken |= 1u << (best / 32);
-    if (lane == 0) ids[j] = best, w[j] = bp;
+    if (lane == 0) ids[j] = best, ws[j] = bp;
     w_sum += bp;
   }
+  __syncwarp();
   const float divisor = fmaxf(w_sum, kMinWeightSum);
-  if (lane == 0)
-    for (int j = 0; j < K; ++j) wn[j] = renormalise ? w[j] / divisor : w[j];
+  float* w = weights + size_t(t) * K;
+  float* wn = weights_norm + size_t(t) * K;
+  for (int j = lane; j < K; j += 32) {
+    w[j] = ws[j];
+    wn[j] = renormalise ? ws[j] / divisor : ws[j];
+  }
 }
 
 static __global__ void moe_combine_kernel(float* out, const float* down, const float* weights, int n_tokens, int K,
@@ -186,7 +195,7 @@ void moe_route(float* probs, int32_t* topk, float* weights, float* weights_norm,
     throw Error("moe_route: " + std::to_string(E) + " experts, " + std::to_string(K) + " used: the kernel takes at most " +
                 std::to_string(kRouteMaxExperts) + " experts and K <= E");
   launch_pdl(moe_route_kernel, dim3((n_tokens + kRouteWarps - 1) / kRouteWarps), kRouteWarps * 32,
-             kRouteWarps * E * sizeof(float), stream, probs, topk, weights, weights_norm, logits, n_tokens, E, K,
+             kRouteWarps * (E + K) * sizeof(float), stream, probs, topk, weights, weights_norm, logits, n_tokens, E, K,
              renormalise);
   check_launch("moe_route", stream);
 }

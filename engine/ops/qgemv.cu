@@ -431,6 +431,18 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
 #endif
 }
 
+// c += the mma products of one super-block's decoded rows A (g) and B (g + 8) with x at xs (lane t's positions:
+// the super-block's x + 8t).
+__device__ __forceinline__ void mma_super_block(float (&c)[4], const uint32_t (&A)[8][4], const uint32_t (&B)[8][4],
+                                                const __half* xs) {
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const uint4 xv = *reinterpret_cast<const uint4*>(xs + 32 * u);
+    mma_16816(c, A[u][0], B[u][0], A[u][1], B[u][1], xv.x, xv.y);  // positions 8t + 0..3
+    mma_16816(c, A[u][2], B[u][2], A[u][3], B[u][3], xv.z, xv.w);  // positions 8t + 4..7
+  }
+}
+
 // This warp's share of a tile's sums: c += the mma products of its super-blocks (warp, warp + kWarps,
 // ...) of the rows at wa (A rows g) and wb (rows g + 8).
 template <typename Q, int kWarps>
@@ -441,26 +453,24 @@ __device__ __forceinline__ void mma_tile_sums(const uint8_t* wa, const uint8_t* 
     uint32_t A[8][4], B[8][4];
     MmaLane<Q>::decode(wa + int64_t(sb) * Q::kBytes, t, A);
     MmaLane<Q>::decode(wb + int64_t(sb) * Q::kBytes, t, B);
-    const __half* xs = x + int64_t(sb) * Q::kElems + 8 * t;
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const uint4 xv = *reinterpret_cast<const uint4*>(xs + 32 * u);
-      mma_16816(c, A[u][0], B[u][0], A[u][1], B[u][1], xv.x, xv.y);  // positions 8t + 0..3
-      mma_16816(c, A[u][2], B[u][2], A[u][3], B[u][3], xv.z, xv.w);  // positions 8t + 4..7
-    }
+    mma_super_block(c, A, B, x + int64_t(sb) * Q::kElems + 8 * t);
   }
 }
 
 // The end of a tile: the warps' sums of each row added in warp order, each row's output (+ bias),
-// then the paired epilogue. Column 0 of C: lane (g, 0) holds rows g (c[0]) and g + 8 (c[2]).
-template <int kEpi, int kWarps>
+// then the paired epilogue. Column 0 of C: lane (g, 0) holds rows g (c[0]) and g + 8 (c[2]). A block of
+// kWarps / kFold warps holds kFold warps' sums in each (c[i]: warp `warp + i·kWarps / kFold`'s).
+template <int kEpi, int kWarps, int kFold = 1>
 __device__ __forceinline__ void mma_tile_finish(const GemvParts& parts, int row0, int rows, const GemvRope& rope,
-                                                __half* act, const float (&c)[4], int warp, int g, int t) {
+                                                __half* act, const float (&c)[kFold][4], int warp, int g, int t) {
   __shared__ float part[kWarps][16];
   __shared__ float value[16];
   if (t == 0) {
-    part[warp][g] = c[0];
-    part[warp][g + 8] = c[2];
+#pragma unroll
+    for (int i = 0; i < kFold; ++i) {
+      part[warp + i * (kWarps / kFold)][g] = c[i][0];
+      part[warp + i * (kWarps / kFold)][g + 8] = c[i][2];
+    }
   }
   __syncthreads();
   const int m = threadIdx.x;
@@ -497,8 +507,12 @@ __device__ __forceinline__ const uint8_t* gemv_row_blocks(const uint8_t* w, int 
   return reinterpret_cast<const uint8_t*>(ex.table[i][e]) + int64_t(rr - slot * ex.rows) * row_bytes;
 }
 
-template <typename Q, int kEpi, int kWarps>
-static __global__ void __launch_bounds__(kWarps * 32)
+// kFold > 1: a block of kWarps / kFold warps, each taking the super-blocks of kFold of the kWarps warps in turn
+// (warp w: those of w, w + kWarps / kFold, ...) with a sum of its own for each, so that every row's sums and their
+// order stay those of kWarps warps: fewer threads a tile, so that a launch of many tiles has them all resident at
+// once.
+template <typename Q, int kEpi, int kWarps, int kFold = 1>
+static __global__ void __launch_bounds__(kWarps / kFold * 32)
 qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__ x, const uint8_t* __restrict__ w,
                  int K, bool prefetch, __half* __restrict__ act, GemvRope rope, int x_group, GemvExpertRows ex) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -522,12 +536,107 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
   pdl_trigger();
   const GemvRopeAt at = gemv_rope_positions<kEpi>(rope);
   // A slot without a row (the last tile) computes row 0 again; its value is never written.
-  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float c[kFold][4] = {};
   // x_group > 0 (plain launches only): the tile's 16 rows read x row (first row / x_group), one group's input.
   const __half* xt = x_group > 0 ? x + int64_t(blockIdx.x * 16 / x_group) * K : x;
-  mma_tile_sums<Q, kWarps>(gemv_row_blocks(w, ra < rows ? ra : 0, row_bytes, ex),
-                           gemv_row_blocks(w, rb < rows ? rb : 0, row_bytes, ex), xt, K, warp, t, c);
-  mma_tile_finish<kEpi, kWarps>(parts, row0, rows, gemv_rope_with(rope, at), act, c, warp, g, t);
+  const uint8_t* wa = gemv_row_blocks(w, ra < rows ? ra : 0, row_bytes, ex);
+  const uint8_t* wb = gemv_row_blocks(w, rb < rows ? rb : 0, row_bytes, ex);
+#pragma unroll
+  for (int i = 0; i < kFold; ++i) mma_tile_sums<Q, kWarps>(wa, wb, xt, K, warp + i * (kWarps / kFold), t, c[i]);
+  mma_tile_finish<kEpi, kWarps, kFold>(parts, row0, rows, gemv_rope_with(rope, at), act, c, warp, g, t);
+}
+
+// A one-token MoE step's n_slots down projections, read where they lie, and their weighted sum
+// (qgemv_experts_down_combine): block b computes rows 16b..16b+15 of every slot, warp s slot s. Each row is summed
+// as the grouped launch's kWarps warps sum it (one sum per warp of super-blocks w, w + kWarps, ..., added in warp
+// order: here in turn by the slot's warp), and the slots' rows weighted and added as moe_combine adds them.
+constexpr int kDownCombineMaxSlots = 16;
+template <typename Q, int kWarps>
+static __global__ void __launch_bounds__(kDownCombineMaxSlots * 32)
+qgemv_experts_down_combine_kernel(float* __restrict__ down, float* __restrict__ out, const __half* __restrict__ x,
+                                  const uint64_t* __restrict__ table, const float* __restrict__ ids,
+                                  const float* __restrict__ weights, int E, int N, int K) {
+  __shared__ float value[kDownCombineMaxSlots][16];
+  const int slot = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int n_slots = blockDim.x / 32, row0 = blockIdx.x * 16;
+  pdl_wait();
+  pdl_trigger();
+  const float v = ids[slot];  // clamped as gemv_row_blocks clamps
+  const int e = v >= 0.0f ? min(static_cast<int>(v), E - 1) : 0;
+  const int64_t row_bytes = int64_t(K / Q::kElems) * Q::kBytes;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(table[e]) + int64_t(row0) * row_bytes;
+  const __half* xs = x + int64_t(slot) * K;
+  float ya = 0.0f, yb = 0.0f;  // rows g and g + 8
+#pragma unroll
+  for (int warp = 0; warp < kWarps; ++warp) {
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma_tile_sums<Q, kWarps>(w + int64_t(g) * row_bytes, w + int64_t(g + 8) * row_bytes, xs, K, warp, t, c);
+    ya += c[0];
+    yb += c[2];
+  }
+  if (t == 0) {
+    down[int64_t(slot) * N + row0 + g] = value[slot][g] = ya;
+    down[int64_t(slot) * N + row0 + g + 8] = value[slot][g + 8] = yb;
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    float o = 0.0f;
+    for (int j = 0; j < n_slots; ++j) {
+      const float p = __fmul_rn(value[j][threadIdx.x], weights[j]);
+      o = j == 0 ? p : __fadd_rn(o, p);
+    }
+    out[row0 + threadIdx.x] = o;
+  }
+}
+
+// The rows of one expert (qgemm_experts): block (group, 16-row tile) runs the GEMV's warps and sums on 8 of the
+// group's rows at a time, column g of B holding row g (the last row again past the group's end: computed, never
+// written), so column n of C is that row's GEMV, summed in the same order; the warps' sums are added in warp order,
+// as mma_tile_finish adds them. A warp with at most one super-block (K <= kWarps · 256) decodes it once for all the
+// group's rows.
+template <typename Q, int kWarps>
+static __global__ void __launch_bounds__(kWarps * 32)
+qgemm_experts_kernel(float* __restrict__ out, const __half* __restrict__ x, const int32_t* __restrict__ rows, int div,
+                     const uint64_t* __restrict__ table, const ExpertRows* __restrict__ groups, int N, int K) {
+  constexpr int kCols = 8;
+  __shared__ float part[kWarps][16][kCols];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  pdl_wait();
+  pdl_trigger();
+  const int4 gr = *reinterpret_cast<const int4*>(groups + blockIdx.x);  // expert, first, count
+  const int row0 = blockIdx.y * 16, nb = K / Q::kElems;
+  const int64_t row_bytes = int64_t(nb) * Q::kBytes;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(table[gr.x]) + int64_t(row0) * row_bytes;
+  const uint8_t* wa = w + int64_t(g) * row_bytes;
+  const uint8_t* wb = w + int64_t(g + 8) * row_bytes;
+  const bool once = nb <= kWarps;
+  uint32_t A[8][4], B[8][4];
+  if (once && warp < nb) {
+    MmaLane<Q>::decode(wa + int64_t(warp) * Q::kBytes, t, A);
+    MmaLane<Q>::decode(wb + int64_t(warp) * Q::kBytes, t, B);
+  }
+  for (int r0 = 0; r0 < gr.z; r0 += kCols) {
+    const int n = min(kCols, gr.z - r0);
+    const __half* xr = x + int64_t(rows[gr.y + r0 + min(g, n - 1)] / div) * K;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (!once)
+      mma_tile_sums<Q, kWarps>(wa, wb, xr, K, warp, t, c);
+    else if (warp < nb)
+      mma_super_block(c, A, B, xr + int64_t(warp) * Q::kElems + 8 * t);
+    part[warp][g][2 * t] = c[0];  // C rows g, g + 8; columns 2t, 2t + 1
+    part[warp][g][2 * t + 1] = c[1];
+    part[warp][g + 8][2 * t] = c[2];
+    part[warp][g + 8][2 * t + 1] = c[3];
+    __syncthreads();
+    const int m = threadIdx.x, r = m % 16, col = m / 16;  // kWarps * 32 >= 128 threads: one output each
+    if (col < n) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kWarps; ++i) acc += part[i][r][col];
+      out[int64_t(rows[gr.y + r0 + col]) * N + row0 + r] = acc;
+    }
+    __syncthreads();
+  }
 }
 
 // The RoPE launch over Wq|Wk|Wv in two formats: rows [0, rows_a) (Wq|Wk) are QA blocks at wa, the Wv
@@ -559,11 +668,11 @@ qgemv_mma_rope2_kernel(GemvParts parts, int rows, int rows_a, const __half* __re
   const GemvRopeAt at = gemv_rope_positions<kGemvRope>(rope);
   const uint8_t* pa = row_at(ra);
   const uint8_t* pb = row_at(rb);
-  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float c[1][4] = {};
   if (in_b)
-    mma_tile_sums<QB, kWarps>(pa, pb, x, K, warp, t, c);
+    mma_tile_sums<QB, kWarps>(pa, pb, x, K, warp, t, c[0]);
   else
-    mma_tile_sums<QA, kWarps>(pa, pb, x, K, warp, t, c);
+    mma_tile_sums<QA, kWarps>(pa, pb, x, K, warp, t, c[0]);
   mma_tile_finish<kGemvRope, kWarps>(parts, 0, rows, gemv_rope_with(rope, at), nullptr, c, warp, g, t);
 }
 
@@ -763,15 +872,21 @@ bool mma_launch(GgmlType t, const GemvParts& parts, int rows, int like_rows, con
   const auto* wb = static_cast<const uint8_t*>(w);
   const unsigned tiles = static_cast<unsigned>(gemv_grid(16, kEpi, rows));
   const bool wide = mma_warps(like_rows, K) == 16;
+  // The in-place experts' gate|up (many tiles, each behind two dependent loads): each warp takes two warps' sums, so
+  // that about every tile is resident at once (Qwen3-30B-A3B's shape: 3.02 ms a decode step with 8 warps a tile, 2.88
+  // with 4, 2.89 with 2; bench/NOTES.md).
+  const bool fold = kEpi == kGemvSwiglu && ex.table[0] != nullptr;
   dispatch(t, what, [&](auto q) {
     using Q = decltype(q);
     if constexpr (kHasMmaLane<Q>) {
-      if (wide)
-        launch_pdl(qgemv_mma_kernel<Q, kEpi, 16>, tiles, 16 * 32, 0, stream, parts, 0, rows, x, wb, K,
-                   gemv_prefetch_enabled(), act, GemvRope{}, x_group, ex);
-      else
-        launch_pdl(qgemv_mma_kernel<Q, kEpi, 8>, tiles, 8 * 32, 0, stream, parts, 0, rows, x, wb, K,
-                   gemv_prefetch_enabled(), act, GemvRope{}, x_group, ex);
+      const auto launch = [&](auto kernel, int warps) {
+        launch_pdl(kernel, tiles, warps * 32, 0, stream, parts, 0, rows, x, wb, K, gemv_prefetch_enabled(), act,
+                   GemvRope{}, x_group, ex);
+      };
+      if (wide && fold) launch(qgemv_mma_kernel<Q, kEpi, 16, 2>, 8);
+      else if (wide) launch(qgemv_mma_kernel<Q, kEpi, 16>, 16);
+      else if (fold) launch(qgemv_mma_kernel<Q, kEpi, 8, 2>, 4);
+      else launch(qgemv_mma_kernel<Q, kEpi, 8>, 8);
     }
   });
   check_launch(what, stream);
@@ -805,6 +920,58 @@ bool qgemv_experts_grouped(GgmlType t, float* out, const __half* x, const uint64
   const int rows = n_slots * N;
   return mma_launch<kGemvPlain>(t, GemvParts{{out}, {nullptr}, {rows}, 1}, rows, N, x, N, nullptr, ex, K, nullptr,
                                 stream, "qgemv_experts_grouped");
+}
+
+bool qgemm_experts(GgmlType t, float* out, const __half* x, const int32_t* rows, int div, const uint64_t* table,
+                   const ExpertRows* groups, int n_groups, int N, int K, cudaStream_t stream) {
+  if (!qgemv_mma_enabled() || (t != GgmlType::Q4_K && t != GgmlType::Q5_K && t != GgmlType::Q6_K) || N <= 0 ||
+      N % 16 != 0)
+    return false;
+  check_k(t, K, "qgemm_experts");
+  if (div < 1) throw Error("qgemm_experts: div = " + std::to_string(div) + " (at least 1)");
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("qgemm_experts: the activation rows are not 16-byte aligned");
+  if (n_groups <= 0) return true;
+  const dim3 grid(static_cast<unsigned>(n_groups), static_cast<unsigned>(N / 16));
+  // The warps of qgemv over one expert's N rows, so that each row is summed as that launch sums it.
+  const bool wide = mma_warps(N, K) == 16;
+  dispatch(t, "qgemm_experts", [&](auto q) {
+    using Q = decltype(q);
+    if constexpr (kHasMmaLane<Q>) {
+      if (wide)
+        launch_pdl(qgemm_experts_kernel<Q, 16>, grid, 16 * 32, 0, stream, out, x, rows, div, table, groups, N, K);
+      else
+        launch_pdl(qgemm_experts_kernel<Q, 8>, grid, 8 * 32, 0, stream, out, x, rows, div, table, groups, N, K);
+    }
+  });
+  check_launch("qgemm_experts", stream);
+  return true;
+}
+
+bool qgemv_experts_down_combine(GgmlType t, float* down, float* out, const __half* x, const uint64_t* table,
+                                const float* ids, const float* weights, int E, int n_slots, int N, int K,
+                                cudaStream_t stream) {
+  if (!qgemv_mma_enabled() || (t != GgmlType::Q4_K && t != GgmlType::Q5_K && t != GgmlType::Q6_K) || n_slots <= 0 ||
+      n_slots > kDownCombineMaxSlots || N <= 0 || N % 16 != 0)
+    return false;
+  check_k(t, K, "qgemv_experts_down_combine");
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || (K * sizeof(__half)) % 16 != 0)
+    throw Error("qgemv_experts_down_combine: the activation rows are not 16-byte aligned");
+  const unsigned tiles = static_cast<unsigned>(N / 16);
+  // The warps of the grouped launch over one slot's N rows (qgemv_experts_grouped), whose sums each row repeats.
+  const bool wide = mma_warps(N, K) == 16;
+  dispatch(t, "qgemv_experts_down_combine", [&](auto q) {
+    using Q = decltype(q);
+    if constexpr (kHasMmaLane<Q>) {
+      if (wide)
+        launch_pdl(qgemv_experts_down_combine_kernel<Q, 16>, tiles, n_slots * 32, 0, stream, down, out, x, table,
+                   ids, weights, E, N, K);
+      else
+        launch_pdl(qgemv_experts_down_combine_kernel<Q, 8>, tiles, n_slots * 32, 0, stream, down, out, x, table, ids,
+                   weights, E, N, K);
+    }
+  });
+  check_launch("qgemv_experts_down_combine", stream);
+  return true;
 }
 
 bool qgemv_supported(GgmlType t) {

@@ -102,6 +102,33 @@ bool qgemv_experts_swiglu(GgmlType t, float* gate, float* up, __half* act, const
 bool qgemv_experts_grouped(GgmlType t, float* out, const __half* x, const uint64_t* table, const float* ids, int E,
                            int n_slots, int N, int K, cudaStream_t stream);
 
+// qgemv_experts_grouped over the n_slots experts' down projections (N rows each, slot s on x row s) and the slots'
+// weighted sum (moe_combine for one token) in one launch: down [n_slots, N] bit-identical to qgemv_experts_grouped's,
+// out [N] = the sum over s = 0..n_slots-1, in that order, of weights[s] · down row s, bit-identical to moe_combine's.
+// False, launching nothing, where there is no such kernel (as qgemv_experts_grouped, or more than 16 slots).
+bool qgemv_experts_down_combine(GgmlType t, float* down, float* out, const __half* x, const uint64_t* table,
+                                const float* ids, const float* weights, int E, int n_slots, int N, int K,
+                                cudaStream_t stream);
+
+// A step of several tokens' MoE slots grouped by expert: the positions [first, first + count) of the grouped order
+// (rows[i]: the slot at position i) are expert `expert`'s, one entry per expert used, built on the host once a layer.
+struct alignas(16) ExpertRows {
+  int32_t expert;  // its matrix: table[expert]
+  int32_t first;   // its first position
+  int32_t count;   // its slots, at least 1
+  int32_t unused;
+};
+
+// out row s [N] = the N rows of its expert's matrix (table: [E] device addresses, format t; N a multiple of 16) · x
+// row s / div [K] (f16; div 1: the slot's own row, div K: its token's), for every slot s = rows[i] of every group.
+// One launch over (group, 16-row tile) on tensor cores, 8 slots at a time: the 8 columns of each mma are 8 slots
+// where the one-token GEMV repeats one x, and a warp decodes its weights once for all the group's slots where it has
+// one super-block (K <= the GEMV's warps · 256). Each value bit-identical to qgemv of its expert's N rows on its row
+// alone (the same warps, the same sums). False, launching nothing, where there is no such kernel (as qgemv_grouped):
+// the caller runs a matmul per expert.
+bool qgemm_experts(GgmlType t, float* out, const __half* x, const int32_t* rows, int div, const uint64_t* table,
+                   const ExpertRows* groups, int n_groups, int N, int K, cudaStream_t stream);
+
 // Fused twin of qgemv over Wq|Wk|Wv (one format; qkv: parts q [H·Dh], k and v [Hkv·Dh], with their
 // biases or null) for one token then rope_qk: q and k rotated at *rope.pos0, k and v written to cache
 // row *rope.write_pos, each value bit-identical to qgemv followed by rope_qk (same launch shape as
