@@ -38,6 +38,8 @@ struct DumpOptions {
   std::string checkpoints;
   std::string replay;  // isolation replay from this reference dump
   std::string follow_routing;  // an engine's dump whose drift routing flips the reference follows
+  std::string feed;            // teacher forcing: the prompt and the decode tokens of this dump
+  bool steps_given = false;    // --steps on the command line (else, with --feed, the dump's)
   bool remove_stale = false;  // remove the temporaries killed runs left beside --out
   DumpSizeOptions size;
   int threads = 0;  // OpenMP threads of the cpu backend; 0: OMP_NUM_THREADS or every core
@@ -156,8 +158,13 @@ int run_followed_dump(const DumpOptions& o, const GgufFile& file, const ModelCon
   return 0;
 }
 
-int run_dump(const DumpOptions& o) {
+int run_dump(DumpOptions o) {
   const auto t0 = std::chrono::steady_clock::now();
+  if (!o.feed.empty() && (!o.replay.empty() || !o.follow_routing.empty()))
+    throw InputError("--feed and --" + std::string(o.replay.empty() ? "follow-routing" : "replay") +
+                     " each feed a dump's tokens: give one");
+  if (!o.feed.empty() && o.backend.tp > 1)
+    throw InputError("--feed: the tensor-parallel engine's rank dumps run greedy decode (without --tp it is fed)");
   if (o.backend.tp > 1 && !o.replay.empty())
     throw InputError("--replay: the isolation replay runs on one GPU, not with --tp");
   if (o.backend.tp <= 1) check_dump_output_file("--out", o.out);
@@ -178,7 +185,34 @@ int run_dump(const DumpOptions& o) {
   if (!o.follow_routing.empty() && !cfg.moe)
     throw InputError("--follow-routing: " + o.model + " has no experts (routing is a mixture of experts')");
   const auto tok = load_tokenizer(*file);
-  const std::vector<int32_t> ids = prompt_tokens(*file, *tok, o.prompt);
+  // --feed: the prompt (unless given) and the tokens of the dump's decode steps, fed instead of this backend's own.
+  std::vector<int32_t> forced;
+  std::string fed_prompt;
+  std::vector<int32_t> ids;
+  if (!o.feed.empty()) {
+    const DumpReader fed(o.feed);
+    const std::vector<int32_t>& held = fed.meta().token_ids;
+    const bool given = !o.prompt.prompt.empty() || !o.prompt.tokens.empty();
+    ids = given ? prompt_tokens(*file, *tok, o.prompt) : held;
+    if (ids != held)
+      throw InputError(fmt::format("--feed {}: its prompt ({} tokens) is not this one ({} tokens); leave out --prompt "
+                                   "and --tokens to take its own",
+                                   o.feed, held.size(), ids.size()));
+    const std::vector<int32_t> all = fed.int_attribute(attr::all_token_ids);
+    if (all.size() < ids.size())
+      throw InputError(fmt::format("--feed {}: its all_token_ids hold {} tokens, fewer than its prompt's {}", o.feed,
+                                   all.size(), ids.size()));
+    const int held_steps = static_cast<int>(all.size() - ids.size());
+    if (!o.steps_given) o.steps = held_steps;
+    if (o.steps > held_steps)
+      throw InputError(fmt::format("--feed {}: it holds the tokens of {} decode steps, --steps asks {}", o.feed,
+                                   held_steps, o.steps));
+    forced.assign(all.begin() + static_cast<std::ptrdiff_t>(ids.size()),
+                  all.begin() + static_cast<std::ptrdiff_t>(ids.size()) + o.steps);
+    fed_prompt = fed.meta().prompt;
+  } else {
+    ids = prompt_tokens(*file, *tok, o.prompt);
+  }
   const int64_t needed = static_cast<int64_t>(ids.size()) + o.steps;
   if (needed > cfg.n_ctx) {
     throw InputError(fmt::format("the prompt ({} tokens) plus {} steps exceeds the model's context of {}",
@@ -202,11 +236,11 @@ int run_dump(const DumpOptions& o) {
 #endif
   report_stale_temporaries(std::filesystem::path(o.out).parent_path().string(), o.remove_stale);
   const TempGuard guard(o.out);
-  DumpWriter writer(o.out, dump_meta(*file, *backend, prompt_text(*file, o.prompt), ids), filter, wopt);
+  DumpWriter writer(o.out, dump_meta(*file, *backend, o.feed.empty() ? prompt_text(*file, o.prompt) : fed_prompt, ids),
+                    filter, wopt);
   // Isolation replay: fed the reference's tokens, continuing from its tensor at every checkpoint.
   std::unique_ptr<DumpReader> reference;
   std::unique_ptr<ReplaySink> replay;
-  std::vector<int32_t> forced;
   if (!o.replay.empty()) {
     reference = std::make_unique<DumpReader>(o.replay);
     const std::vector<int32_t> all = reference->int_attribute(attr::all_token_ids);
@@ -258,7 +292,8 @@ const CommandRegistrar reg("dump", "Run one backend and write its checkpoints to
   app.add_option("--model,-m", o->model, "GGUF model")->capture_default_str();
   o->prompt.add_options(app);
   o->backend.add_options(app);
-  app.add_option("--steps", o->steps, "Greedy decode steps after the prefill")->capture_default_str()
+  CLI::Option* steps = app.add_option("--steps", o->steps, "Greedy decode steps after the prefill (with --feed: the dump's)")
+      ->capture_default_str()
       ->check(count_in(0));
   app.add_option("--out,-o", o->out, "Dump file to write (HDF5); with --tp N a directory for rank0.h5 .. rankN-1.h5")
       ->required();
@@ -274,7 +309,14 @@ const CommandRegistrar reg("dump", "Run one backend and write its checkpoints to
                  "Mixtures of experts, cpu: the reference for this engine dump, fed its tokens and run again taking "
                  "its experts where a near tie of the router flipped (a routing flip by drift), so that compare "
                  "judges what comes after on the same experts");
-  return [o] { return run_dump(*o); };
+  app.add_option("--feed", o->feed,
+                 "Teacher forcing, as an outside engine is fed: this dump's prompt (unless --prompt or --tokens give "
+                 "the same) and, at each decode step, its token instead of this backend's argmax; --steps defaults to "
+                 "the steps it holds");
+  return [o, steps] {
+    o->steps_given = steps->count() > 0;
+    return run_dump(*o);
+  };
 });
 
 }  // namespace

@@ -127,14 +127,16 @@ struct EngineCommand {
 };
 
 // A reference run of `ids` recorded into a dump at `path` (the checkpoints `filter` keeps; logits_rows 1
-// keeps each step's last logits row): what an outside engine reads its tokens from.
+// keeps each step's last logits row): what an outside engine reads its tokens from. `fed`: the decode steps' tokens
+// (else its own greedy ones).
 void reference_dump(const GgufFile& file, Backend& ref, const std::vector<int32_t>& ids, int steps,
-                    const CheckpointFilter& filter, int64_t logits_rows, const std::string& path) {
+                    const CheckpointFilter& filter, int64_t logits_rows, const std::string& path,
+                    const std::vector<int32_t>& fed = {}) {
   ref.reset();
   DumpWriterOptions w;
   w.logits_rows = logits_rows;
   DumpWriter writer(path, dump_meta(file, ref, "", ids), filter, w);
-  const StepsResult r = run_steps(ref, ids, steps, {}, writer);
+  const StepsResult r = run_steps(ref, ids, steps, fed, writer);
   set_run_attributes(writer, r, ref);
   writer.finish();
 }
@@ -459,12 +461,34 @@ class LogitsRunner {
     if (chunk_ > 0) check_invariance(r, e, er, fed);
   }
 
-  // The drill-down of an outside engine: a reference dump of every checkpoint, the command, the comparison.
+  // The drill-down of an outside engine: a reference dump of every checkpoint, the command, the comparison. A
+  // mixture of experts: then the reference again, fed the same tokens, taking the engine's experts at its routing
+  // flips by drift at or before the first divergence (flips_to_follow, as the job and dump --follow-routing do),
+  // until none is left to follow; the engine runs once.
   DrillResult drill_outside(const std::vector<int32_t>& ids, int steps) {
     const std::string rpath = scratch_->file("drill-reference.h5"), epath = scratch_->file("drill-engine.h5");
     reference_dump(cx_.file, *refs_.front(), ids, steps, CheckpointFilter(), 0, rpath);
     command_.run(rpath, epath, "drill-down");
-    return drill_result(compare_files(epath, rpath, o_.report), steps);
+    diff::Comparison c = compare_files(epath, rpath, o_.report);
+    if (cx_.cfg.moe) {
+      const std::vector<int32_t> all = DumpReader(rpath).int_attribute(attr::all_token_ids);
+      const std::vector<int32_t> fed(all.begin() + static_cast<std::ptrdiff_t>(ids.size()), all.end());
+      const std::string followed_path = scratch_->file("drill-reference-followed.h5");
+      std::vector<diff::RoutingFlip> followed;
+      for (int round = 0; round < kMaxRoutingFollowUps; ++round) {
+        const std::vector<diff::RoutingFlip> more = flips_to_follow(c, followed);
+        if (more.empty()) break;
+        followed.insert(followed.end(), more.begin(), more.end());
+        BackendOptions bo = cx_.ref;
+        bo.forced_routing = forced_routing(followed);
+        auto ref = make_backend(cx_.file, cx_.cfg, bo, longest_);
+        reference_dump(cx_.file, *ref, ids, steps, CheckpointFilter(), 0, followed_path, fed);
+        c = compare_files(epath, followed_path, o_.report);
+      }
+    }
+    DrillResult d = drill_result(c, steps);
+    d.routing_followed = static_cast<int>(c.routing.followed.size());
+    return d;
   }
 
  private:
@@ -649,9 +673,9 @@ int run_sweep(const SweepOptions& o) {
 
   // Phase 2: the drill-downs, then the first problem minimized.
   // A mixture of experts' bad tokens may be routing flips by drift, which only a drill-down (following them) tells
-  // from a bug: every prompt with a bad token is drilled, not only the --drill worst (the main job's pipeline, so not
-  // with an outside engine, whose drill-down follows nothing).
-  drill_worst(o, drill, report, progress, write_reports, cx.cfg.moe && !outside);
+  // from a bug: every prompt with a bad token is drilled, not only the --drill worst (diffrun's engine: the main
+  // job's pipeline; an outside engine: drill_outside).
+  drill_worst(o, drill, report, progress, write_reports, cx.cfg.moe);
   const std::vector<SweepProblem> groups = group_problems(report.results);
   if (o.minimize && !groups.empty() && !groups.front().checkpoint.empty()) {
     const PromptResult& r = report.results[groups.front().prompts.front()];

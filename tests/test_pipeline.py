@@ -407,6 +407,36 @@ def test_a_reference_follows_an_outside_engines_routing_flips(tmp_path):
     assert (first["name"], first["step"], first["verdict"]["kind"]) == ("cache_k-0", 1, "local"), first
 
 
+def test_dump_feed_is_teacher_forcing_on_a_dump(tmp_path):
+    # dump --feed REF: REF's prompt, and at each decode step REF's token instead of the backend's own argmax, so that
+    # diffrun's backends run as an outside engine is run. Here a fault that changes the argmax: the fed dump still
+    # holds REF's tokens, its own argmax differs. What it cannot feed is refused, exit 2, naming it.
+    import h5py
+    model = FIXTURES / "tiny-llama-f32.gguf"
+    ref = tmp_path / "ref.h5"
+    assert run("dump", "-m", str(model), "--backend", "cpu", "--tokens", "1,5,9,13", "--steps", "3", "--out",
+               str(ref)).returncode == 0
+    fed = tmp_path / "fed.h5"
+    r = run("dump", "-m", str(model), "--backend", "cpu", "--precision", "f32", "--inject", "attn_scale_missing",
+            "--feed", str(ref), "--out", str(fed))
+    assert r.returncode == 0, r.stdout + r.stderr
+    with h5py.File(ref, "r") as a, h5py.File(fed, "r") as b:
+        assert list(b.attrs["all_token_ids"]) == list(a.attrs["all_token_ids"])
+        assert list(b.attrs["token_ids"]) == [1, 5, 9, 13]
+        assert list(b.attrs["argmax"]) != list(a.attrs["argmax"]), "the fault should change the engine's own argmax"
+    c = run("compare", str(fed), str(ref), "--no-color", "--summary")
+    assert c.returncode == 1 and "DIVERGED" in c.stdout, c.stdout + c.stderr
+    cases = [
+        (["--tokens", "1,5,9", "--feed", str(ref)], "is not this one"),
+        (["--feed", str(ref), "--steps", "5"], "holds the tokens of 3 decode steps"),
+        (["--feed", str(ref), "--replay", str(ref)], "give one"),
+        (["--feed", str(tmp_path / "missing.h5")], "missing.h5"),
+    ]
+    for args, says in cases:
+        r = run("dump", "-m", str(model), "--backend", "cpu", *args, "--out", str(tmp_path / "x.h5"))
+        assert r.returncode == 2 and says in r.stderr, (args, r.stdout + r.stderr)
+
+
 def test_follow_routing_refuses_what_it_cannot_follow(tmp_path):
     model = near_tied_router(tmp_path)
     common = ["-m", str(model), "--tokens", TIED_TOKENS, "--steps", "2"]

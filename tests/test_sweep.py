@@ -232,3 +232,26 @@ def test_a_mixture_of_experts_sweep_drills_every_bad_prompt_and_follows_drift_fl
                        timeout=300)
     assert r.returncode == 1 and "RESULT: DIVERGED" in r.stdout, r.stdout + r.stderr
     assert [p["checkpoint"] for p in json.loads(js.read_text())["problems"]] == ["cache_k-0"]
+
+
+def test_an_outside_mixture_of_experts_engines_drill_downs_follow_drift_flips(tmp_path):
+    # The near-tied router with an outside engine (`diffrun dump --feed`: the cpu backend at f32, fed the reference
+    # dump's tokens as an outside engine is): every bad prompt is drilled, each drill-down runs the reference again on
+    # the same tokens taking the engine's experts at its routing flips by drift, and finds nothing; the sweep passes.
+    # A bug in the outside engine is still found at its checkpoint.
+    from test_pipeline import near_tied_router
+    model = near_tied_router(tmp_path)
+    engine = f"{DIFFRUN} dump --model {model} --backend cpu --precision f32 --feed {{reference}} --out {{out}}"
+    js = tmp_path / "s.json"
+    r = subprocess.run([DIFFRUN, "sweep", "--model", str(model), "--limit", "4", "--steps", "3", "--engine-cmd", engine,
+                        "--report-json", str(js)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "RESULT: PASS" in r.stdout, r.stdout + r.stderr
+    s = json.loads(js.read_text())["summary"]
+    assert s["bad_tokens"] > 0 and s["explained_tokens"] == s["bad_tokens"], s
+    drilled = [p["drill_down"] for p in json.loads(js.read_text())["prompts"] if "drill_down" in p]
+    assert len(drilled) == s["bad_prompts"] and all(d["routing_followed"] > 0 and d["checkpoint"] == "" for d in drilled)
+    r = subprocess.run([DIFFRUN, "sweep", "--model", str(model), "--limit", "4", "--steps", "3", "--engine-cmd",
+                        engine.replace(" --feed", " --inject kv_cache_pos0 --feed"), "--report-json", str(js)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "RESULT: DIVERGED" in r.stdout, r.stdout + r.stderr
+    assert [p["checkpoint"] for p in json.loads(js.read_text())["problems"]] == ["cache_k-0"]
