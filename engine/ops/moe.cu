@@ -20,8 +20,9 @@ constexpr float kMinWeightSum = 6.103515625e-5f;  // 2^-14, llama.cpp's clamp of
 // butterfly (every lane gets the same sum), each probability its exp / that sum. The top K by K rounds of a warp
 // arg-max over the experts not yet taken: the larger probability first, the lower id on ties (the order of a stable
 // sort by descending probability), a NaN after every number. The order is a key of two words compared as numbers
-// (route_key), so a round is two warp-wide max reductions. (One thread a token scanned E·K·K entries serially: 0.3
-// ms a layer at E = 128, K = 8.)
+// (route_key_hi, then the complemented id), so a round is two warp-wide max reductions. (One thread a token
+// scanned E·K·K entries serially: 0.3 ms a layer at E = 128, K = 8; a butterfly of shuffles and comparisons a round
+// took 9.5 µs a call at E = 128, K = 8, the reductions 4.9.)
 constexpr int kRouteWarps = 4;
 constexpr int kRouteMaxExperts = 32 * 32;  // a lane's taken experts are one 32-bit mask
 
@@ -63,7 +64,7 @@ static __global__ void moe_route_kernel(float* probs, int32_t* topk, float* weig
   uint32_t taken = 0;  // bit i: expert lane + 32 i
   float w_sum = 0.0f;
   for (int j = 0; j < K; ++j) {
-    uint32_t bh = 0, bl = 0;  // this lane's first expert not yet taken, as route_key_hi and ~id
+    uint32_t bh = 0, bl = 0;  // this lane's best expert not yet taken, as route_key_hi and ~id
     for (int e = lane, i = 0; e < E; e += 32, ++i) {
       const uint32_t h = route_key_hi(ps[e]), lo = ~static_cast<uint32_t>(e);
       if (!(taken >> i & 1u) && (h > bh || (h == bh && lo > bl))) bh = h, bl = lo;
