@@ -199,6 +199,10 @@ int run_dump(DumpOptions o) {
                                    "and --tokens to take its own",
                                    o.feed, held.size(), ids.size()));
     const std::vector<int32_t> all = fed.int_attribute(attr::all_token_ids);
+    if (all.empty())
+      throw InputError(fmt::format("--feed {}: it has no root attribute all_token_ids (the tokens its run was fed; "
+                                   "docs/dump-format.md)",
+                                   o.feed));
     if (all.size() < ids.size())
       throw InputError(fmt::format("--feed {}: its all_token_ids hold {} tokens, fewer than its prompt's {}", o.feed,
                                    all.size(), ids.size()));

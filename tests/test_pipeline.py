@@ -426,11 +426,16 @@ def test_dump_feed_is_teacher_forcing_on_a_dump(tmp_path):
         assert list(b.attrs["argmax"]) != list(a.attrs["argmax"]), "the fault should change the engine's own argmax"
     c = run("compare", str(fed), str(ref), "--no-color", "--summary")
     assert c.returncode == 1 and "DIVERGED" in c.stdout, c.stdout + c.stderr
+    no_tokens = tmp_path / "no-tokens.h5"
+    no_tokens.write_bytes(ref.read_bytes())
+    with h5py.File(no_tokens, "a") as f:
+        del f.attrs["all_token_ids"]
     cases = [
         (["--tokens", "1,5,9", "--feed", str(ref)], "is not this one"),
         (["--feed", str(ref), "--steps", "5"], "holds the tokens of 3 decode steps"),
         (["--feed", str(ref), "--replay", str(ref)], "give one"),
         (["--feed", str(tmp_path / "missing.h5")], "missing.h5"),
+        (["--feed", str(no_tokens)], "no root attribute all_token_ids"),
     ]
     for args, says in cases:
         r = run("dump", "-m", str(model), "--backend", "cpu", *args, "--out", str(tmp_path / "x.h5"))
