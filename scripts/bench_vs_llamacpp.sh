@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Side-by-side decode and prefill benchmark of the CUDA engine and llama.cpp (CUDA) on the same GGUF files, on one GPU.
 #
-#   scripts/bench_vs_llamacpp.sh [--llamacpp-tar FILE] [--models DIR] [--reps N] [--jobs N] [MODEL.gguf ...]
+#   scripts/bench_vs_llamacpp.sh [--llamacpp-tar FILE] [--models DIR] [--reps N] [--jobs N] [--tp N] [MODEL.gguf ...]
 #   scripts/bench_vs_llamacpp.sh --pack FILE         (a host with network) write the llama.cpp source tarball
 #   scripts/bench_vs_llamacpp.sh --build-llamacpp    only build llama-bench (start it in the background early)
 #
@@ -19,13 +19,16 @@
 # (median decode step after a 32-token prefill, hooks off, CUDA graph; median prefill of 512).
 # Printed per model: decode and prefill-512 tok/s for each, the ratios, and each decode's fraction of
 # the bandwidth roofline (diffrun's weight bytes per token / step time / measured copy bandwidth).
+# --tp N (N > 1): both engines tensor-parallel over GPUs 0..N-1 of this host, diffrun's with bench_cuda_engine --tp N
+# (NCCL, Megatron layout), llama.cpp's with llama-bench -sm tensor; exit 2 where the host has fewer GPUs. llama-bench
+# sees GPUs 0..N-1 (CUDA_VISIBLE_DEVICES, unless set), so that without --tp it does not split over the host's others.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 say() { echo "bench_vs_llamacpp: $*" >&2; }
 die() { say "$*"; exit 2; }
 
-tarball="" models_dir=build/bench-models reps=5 jobs=${DIFFRUN_JOBS:-$(nproc)} mode=bench pack_out=""
+tarball="" models_dir=build/bench-models reps=5 jobs=${DIFFRUN_JOBS:-$(nproc)} mode=bench pack_out="" tp=1
 models=()
 while (($#)); do
   case $1 in
@@ -33,14 +36,21 @@ while (($#)); do
     --models) models_dir=${2:?}; shift ;;
     --reps) reps=${2:?}; shift ;;
     --jobs) jobs=${2:?}; shift ;;
+    --tp) (($# > 1)) || die "--tp takes a GPU count"; tp=$2; shift ;;
     --pack) mode=pack; pack_out=${2:?}; shift ;;
     --build-llamacpp) mode=build ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) models+=("$1") ;;
   esac
   shift
 done
+
+[[ $tp =~ ^[1-9][0-9]*$ ]] || die "--tp takes a GPU count of at least 1, got '$tp'"
+if ((tp > 1)) && [[ $mode == bench ]]; then
+  gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)
+  ((gpus >= tp)) || die "--tp $tp asks $tp GPUs; this machine has $gpus"
+fi
 
 src=build/llama.cpp-cuda-src
 bin=build/llama.cpp-cuda
@@ -111,7 +121,10 @@ trap 'rm -rf "$out"' EXIT
 for m in "${models[@]}"; do
   [[ -f $m ]] || die "$m: no such file"
   say "llama-bench on $m"
-  "$bin/bin/llama-bench" -m "$m" -p 512 -n 128 -r "$reps" -ngl 99 -o json >"$out/llama.json" 2>"$out/llama.err" \
+  split=()
+  if ((tp > 1)); then split=(-sm tensor); fi
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((tp - 1)))} "$bin/bin/llama-bench" -m "$m" -p 512 -n 128 -r "$reps" -ngl 99 \
+    "${split[@]}" -o json >"$out/llama.json" 2>"$out/llama.err" \
     || { cat "$out/llama.err" >&2; die "llama-bench failed on $m"; }
   python3 - "$m" "$out/llama.json" >>"$out/llama.lines" <<'EOF'
 import json, statistics, sys
@@ -128,11 +141,14 @@ for r in rows:
 print(json.dumps(res))
 EOF
   say "bench_cuda_engine on $m"
-  build/bench/bench_cuda_engine --precision f16 --steps 128 --json "$out/diffrun.lines" "$m" >&2
+  build/bench/bench_cuda_engine --precision f16 --steps 128 --tp "$tp" --json "$out/diffrun.lines" "$m" >&2
 done
 
-python3 - "$out/diffrun.lines" "$out/llama.lines" <<'EOF'
+python3 - "$out/diffrun.lines" "$out/llama.lines" "$tp" <<'EOF'
 import json, os, sys
+if int(sys.argv[3]) > 1:
+    print(f"\ntensor parallel over {sys.argv[3]} GPUs: diffrun bench_cuda_engine --tp {sys.argv[3]}, "
+          f"llama.cpp llama-bench -sm tensor")
 ours = {j["model"]: j for j in map(json.loads, open(sys.argv[1]))}
 theirs = {j["model"]: j for j in map(json.loads, open(sys.argv[2]))}
 print()

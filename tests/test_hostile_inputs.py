@@ -239,3 +239,15 @@ def test_a_closed_output_pipe_removes_the_temporaries(tmp_path: Path):
     rc = p.wait(timeout=120)
     assert rc == 128 + signal.SIGPIPE, rc
     assert temporaries(tmp_path) == [] and not out.exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--tp", "4096", "m.gguf"], "--tp 4096 asks 4096 GPUs; this machine has"),
+    (["--tp", "0", "m.gguf"], "--tp takes a GPU count of at least 1, got '0'"),
+    (["--tp", "two", "m.gguf"], "got 'two'"),
+    (["--tp"], "--tp takes a GPU count"),
+])
+def test_the_side_by_side_benchmark_refuses_a_gpu_count_it_cannot_have(args, says):
+    # scripts/bench_vs_llamacpp.sh --tp N checks the host's GPUs before it builds or runs anything.
+    r = subprocess.run(["scripts/bench_vs_llamacpp.sh", *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stderr, r.stdout + r.stderr
