@@ -610,6 +610,20 @@ void rows_q4_k_table(const uint8_t* b, float* y, int64_t n_blocks) {
 template void rows_q4_k_table<true>(const uint8_t*, float*, int64_t);
 template void rows_q4_k_table<false>(const uint8_t*, float*, int64_t);
 
+// The same values widened to doubles as they are looked up (an f64 prefill's rows): no float row to store and read
+// back. Widening a float is exact, so these are rows_q4_k_table's values.
+template <bool kRound>
+void rows_q4_k_table_wide(const uint8_t* b, double* y, int64_t n_blocks) {
+  q4_k_blocks<kRound>(b, n_blocks, [&]<int R>(const uint8_t* block, int64_t i) {
+    double* yb = y + i * QK_K;
+    q4_k_table_values<R>(block, [&](int k, __m512 v) {
+      _mm512_storeu_pd(yb + k, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+      _mm512_storeu_pd(yb + k + 8, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+    });
+  });
+}
+#define DIFFRUN_REF_WIDE_Q4_K 1
+
 // f64: the same tables widened to doubles (two __m512d each, exact) and each 8 values looked up with vpermi2pd, whose
 // index is the code in the low 4 bits of each 64-bit lane: 8 code bytes broadcast to every lane and shifted right by
 // 8 i (low nibbles) or 8 i + 4 (high nibbles) for lane i. Per 8 values a shift, a permute and an fma, where
@@ -792,18 +806,28 @@ template bool decode_dot<float>(GgmlType, const std::byte*, bool, const float*, 
 template bool decode_dot<double>(GgmlType, const std::byte*, bool, const double*, int64_t, double*);
 
 void dequantize_rows(GgmlType type, const std::byte* src, double* dst, int64_t n) {
-  if (type == GgmlType::F16) {  // halves straight to doubles, not through a float chunk
-    rows_f16(reinterpret_cast<const uint8_t*>(src), dst, n);
+  decode_rows_wide(type, src, dst, n, false);
+}
+
+void decode_rows_wide(GgmlType type, const std::byte* src, double* dst, int64_t n, bool round) {
+  const auto* s = reinterpret_cast<const uint8_t*>(src);
+  if (type == GgmlType::F16) {  // halves straight to doubles, not through a float chunk (rounding them: the identity)
+    rows_f16(s, dst, n);
     return;
   }
+#if defined(DIFFRUN_REF_WIDE_Q4_K)
+  if (type == GgmlType::Q4_K && !portable_kernels()) {
+    round ? rows_q4_k_table_wide<true>(s, dst, n / QK_K) : rows_q4_k_table_wide<false>(s, dst, n / QK_K);
+    return;
+  }
+#endif
   // Through a float chunk of whole blocks, widened (every dequantized value is a float).
   constexpr int64_t kChunk = 4 * QK_K;
   float tmp[kChunk];
-  const auto* s = reinterpret_cast<const uint8_t*>(src);
   const int64_t chunk_bytes = kChunk / ggml_block_elements(type) * ggml_block_bytes(type);
   for (int64_t i = 0; i < n; i += kChunk, s += chunk_bytes) {
     const int64_t m = n - i < kChunk ? n - i : kChunk;
-    decode(type, s, tmp, m);
+    decode(type, s, tmp, m, round);
     for (int64_t k = 0; k < m; ++k) dst[i + k] = tmp[k];
   }
 }

@@ -18,6 +18,11 @@ void dequantize_rows(GgmlType type, const std::byte* src, double* dst, int64_t n
 // pass where the format's decoder rounds as it goes.
 void dequantize_rows_f16(GgmlType type, const std::byte* src, float* dst, int64_t n);
 
+// dequantize_rows (round false) or dequantize_rows_f16 (true), each float widened to a double (exactly): Q4_K by table
+// straight to doubles with AVX-512 (unless the portable kernels are selected), the others through a float chunk. An
+// f64 prefill's pieces of rows.
+void decode_rows_wide(GgmlType type, const std::byte* src, double* dst, int64_t n, bool round);
+
 // Decoding and dot product in one pass, where a format has it (Q4_K with AVX2 and FMA, unless the portable kernels are
 // selected): acc [16] takes the lane sums (reference_cpu/kernels.hpp) of the n values at src (whole blocks, rounded
 // to f16 when `round`) against x [n], exactly as lane_accumulate takes dequantize_rows(_f16)'s values; returns false,

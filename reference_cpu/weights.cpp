@@ -104,6 +104,18 @@ void WeightMatrix<T>::decode_floats(float* out /* [n,nc] */, int64_t r0, int64_t
 }
 
 template <typename T>
+void WeightMatrix<T>::decode_wide(double* out /* [n,nc] */, int64_t r0, int64_t n, int64_t c0, int64_t nc) const {
+  const bool round = round_f16_ && type_ != GgmlType::F16;
+  const int64_t offset = c0 / ggml_block_elements(type_) * ggml_block_bytes(type_);
+  if (c0 == 0 && nc == cols_) {
+    decode_rows_wide(type_, bytes() + r0 * row_bytes_, out, n * cols_, round);
+  } else {
+    for (int64_t r = 0; r < n; ++r)
+      decode_rows_wide(type_, bytes() + (r0 + r) * row_bytes_ + offset, out + r * nc, nc, round);
+  }
+}
+
+template <typename T>
 bool WeightMatrix<T>::decode_dot(T* acc /* [16] */, int64_t r, int64_t c0, int64_t nc, const T* x /* [nc] */) const {
   const int64_t offset = c0 / ggml_block_elements(type_) * ggml_block_bytes(type_);
   return ref::decode_dot(type_, bytes() + r * row_bytes_ + offset, round_f16_ && type_ != GgmlType::F16, x, nc, acc);

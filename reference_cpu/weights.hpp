@@ -49,6 +49,9 @@ class WeightMatrix {
   // to f16 or not, is a float: these are decode_rows's values before their conversion to T). c0 and nc are whole
   // blocks, or nc reaches the row's end.
   void decode_floats(float* out /* [n,nc] */, int64_t r0, int64_t n, int64_t c0, int64_t nc) const;
+  // Streamed only: the same values widened to doubles, in one pass where the format's decoder does it
+  // (dequant_rows.hpp's decode_rows_wide): an f64 prefill's pieces.
+  void decode_wide(double* out /* [n,nc] */, int64_t r0, int64_t n, int64_t c0, int64_t nc) const;
   // Streamed only: acc [16] takes the lane sums of columns c0 .. c0+nc-1 of row r against x [nc] in one pass where
   // the format has a fused decoder (dequant_rows.hpp's decode_dot), the same values as decode_floats then
   // lane_accumulate; false, touching nothing, where it has none.

@@ -80,6 +80,16 @@ TEST(DequantRows, MatchDequantizeOnRandomBlocksOfEveryFormat) {
       ref::dequantize_rows_f16(type, bytes.data(), rounded.data(), n);
       if (type != GgmlType::F16) ref::round_f16(want32.data(), n);
       EXPECT_TRUE(same_bits(want32, rounded));
+      // Straight to doubles (decode_rows_wide, Q4_K by table with AVX-512): the floats widened, rounded or not.
+      for (bool round : {false, true}) {
+        std::vector<double> wide(n), widened(n);
+        ref::decode_rows_wide(type, bytes.data(), wide.data(), n, round);
+        std::vector<float> floats(n);
+        if (round) ref::dequantize_rows_f16(type, bytes.data(), floats.data(), n);
+        else ref::dequantize_rows(type, bytes.data(), floats.data(), n);
+        for (int64_t i = 0; i < n; ++i) widened[i] = floats[i];
+        EXPECT_TRUE(same_bits(widened, wide)) << (round ? "rounded" : "not rounded");
+      }
     }
   }
 }

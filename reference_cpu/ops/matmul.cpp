@@ -184,18 +184,19 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const WeightMatrix<T>& W
     return;
   }
   if (n_tokens >= kTokenLanesMin && token_lanes<T>()) {
-    // A tile's piece decoded into floats (and widened to doubles in f64) once, taken against every token.
+    // A tile's piece decoded once (f64: straight to doubles, WeightMatrix::decode_wide), taken against every token.
     matmul_token_lanes(out, x, bias, n_tokens, K, N,
                        [&](int n0, int n, int c0, int kc, std::vector<float>& buffer, int64_t& ldw) -> const T* {
                          const size_t size = static_cast<size_t>(n) * kc;
-                         buffer.resize(size * (sizeof(T) / sizeof(float) + 1) + 2);
-                         W.decode_floats(buffer.data(), n0, n, c0, kc);
                          ldw = kc;
                          if constexpr (sizeof(T) == sizeof(float)) {
+                           buffer.resize(size);
+                           W.decode_floats(buffer.data(), n0, n, c0, kc);
                            return buffer.data();
                          } else {
-                           T* wide = reinterpret_cast<T*>(buffer.data() + size + (size & 1));
-                           for (size_t i = 0; i < size; ++i) wide[i] = buffer[i];
+                           buffer.resize(2 * size + 1);
+                           T* wide = reinterpret_cast<T*>(buffer.data() + (reinterpret_cast<uintptr_t>(buffer.data()) % 8 ? 1 : 0));
+                           W.decode_wide(wide, n0, n, c0, kc);
                            return wide;
                          }
                        });
