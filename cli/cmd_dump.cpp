@@ -125,8 +125,8 @@ int run_followed_dump(const DumpOptions& o, const GgufFile& file, const ModelCon
   }
   const std::vector<int32_t> fed(all.begin() + static_cast<std::ptrdiff_t>(ids.size()), all.end());
   const int max_ctx = static_cast<int>(ids.size()) + o.steps;
-  std::vector<diff::RoutingFlip> followed;
-  for (int round = 0;; ++round) {
+  // The reference, following `followed` (none: the first run), written to --out and compared with the engine's dump.
+  const auto write_and_compare = [&](const std::vector<diff::RoutingFlip>& followed) {
     BackendOptions bo = o.backend;
     if (!followed.empty()) bo.forced_routing = forced_routing(followed);
     auto backend = make_backend(file, cfg, bo, max_ctx);
@@ -139,20 +139,22 @@ int run_followed_dump(const DumpOptions& o, const GgufFile& file, const ModelCon
       set_run_attributes(writer, r, *backend);
       writer.finish();
     }
-    if (round == kMaxRoutingFollowUps) break;
     const DumpReader reference(o.out);
     const ReportOptions defaults;  // the preset of the two dumps' precisions
-    const diff::Comparison c = diff::compare_dumps(engine, reference, tolerances_for(engine.meta(), reference.meta(), defaults),
-                                                   compare_options(defaults));
-    const std::vector<diff::RoutingFlip> more = flips_to_follow(c, followed);
-    if (more.empty()) break;
-    followed.insert(followed.end(), more.begin(), more.end());
+    return diff::compare_dumps(engine, reference, tolerances_for(engine.meta(), reference.meta(), defaults),
+                               compare_options(defaults));
+  };
+  std::vector<diff::RoutingFlip> followed;
+  diff::Comparison c = write_and_compare(followed);
+  follow_flips(c, followed, [&](const std::vector<diff::RoutingFlip>& so_far,
+                                const std::vector<diff::RoutingFlip>& added) {
     fmt::print(stderr,
                "diffrun dump: {} routing flip{} by drift against {} (step {} layer {} token {} the first); running "
                "again with the engine's experts there\n",
-               more.size(), more.size() == 1 ? "" : "s", o.follow_routing, more.front().step, more.front().layer,
-               more.front().token);
-  }
+               added.size(), added.size() == 1 ? "" : "s", o.follow_routing, added.front().step, added.front().layer,
+               added.front().token);
+    return write_and_compare(so_far);
+  });
   fmt::print("{}: {} steps fed the tokens of {}; followed {} routing flip{} by drift (fact routing_followed)\n", o.out,
              o.steps + 1, o.follow_routing, followed.size(), followed.size() == 1 ? "" : "s");
   return 0;

@@ -475,16 +475,14 @@ class LogitsRunner {
       const std::vector<int32_t> fed(all.begin() + static_cast<std::ptrdiff_t>(ids.size()), all.end());
       const std::string followed_path = scratch_->file("drill-reference-followed.h5");
       std::vector<diff::RoutingFlip> followed;
-      for (int round = 0; round < kMaxRoutingFollowUps; ++round) {
-        const std::vector<diff::RoutingFlip> more = flips_to_follow(c, followed);
-        if (more.empty()) break;
-        followed.insert(followed.end(), more.begin(), more.end());
+      follow_flips(c, followed, [&](const std::vector<diff::RoutingFlip>& so_far,
+                                    const std::vector<diff::RoutingFlip>&) {
         BackendOptions bo = cx_.ref;
-        bo.forced_routing = forced_routing(followed);
+        bo.forced_routing = forced_routing(so_far);
         auto ref = make_backend(cx_.file, cx_.cfg, bo, longest_);
         reference_dump(cx_.file, *ref, ids, steps, CheckpointFilter(), 0, followed_path, fed);
-        c = compare_files(epath, followed_path, o_.report);
-      }
+        return compare_files(epath, followed_path, o_.report);
+      });
     }
     DrillResult d = drill_result(c, steps);
     d.routing_followed = static_cast<int>(c.routing.followed.size());

@@ -289,4 +289,13 @@ std::shared_ptr<const ForcedRouting> forced_routing(const std::vector<diff::Rout
   return forced;
 }
 
+void follow_flips(diff::Comparison& c, std::vector<diff::RoutingFlip>& followed, const RunAgain& run_again) {
+  for (int round = 0; round < kMaxRoutingFollowUps; ++round) {
+    const std::vector<diff::RoutingFlip> added = flips_to_follow(c, followed);
+    if (added.empty()) return;
+    followed.insert(followed.end(), added.begin(), added.end());
+    c = run_again(followed, added);
+  }
+}
+
 }  // namespace diffrun::cli

@@ -87,6 +87,14 @@ std::vector<diff::RoutingFlip> flips_to_follow(const diff::Comparison& c, const 
 // The expert choices a reference takes to follow `followed`: each flip's (step, layer, token) and the engine's ids.
 std::shared_ptr<const ForcedRouting> forced_routing(const std::vector<diff::RoutingFlip>& followed);
 
+// The follow-up loop of the job, `dump --follow-routing` and the sweep's outside drill-downs: from `c` (an engine
+// against a reference), while flips_to_follow(c, followed) finds flips (at most kMaxRoutingFollowUps times), adds
+// them to `followed` and replaces `c` with run_again(followed, the flips just added): the reference run again taking
+// the engine's experts at every flip followed so far, compared with the engine again.
+using RunAgain = std::function<diff::Comparison(const std::vector<diff::RoutingFlip>& followed,
+                                                const std::vector<diff::RoutingFlip>& added)>;
+void follow_flips(diff::Comparison& c, std::vector<diff::RoutingFlip>& followed, const RunAgain& run_again);
+
 // The tolerance rules a comparison of these dumps uses: --tolerances, else the preset of their
 // precision pair (f32_vs_f64, f16_vs_f32-f16store, f32_vs_f32_cross, ...).
 diff::ToleranceSet tolerances_for(const DumpMeta& engine, const DumpMeta& reference, const ReportOptions& opt);

@@ -209,32 +209,30 @@ void follow_routing_drift(const GgufFile& file, const ModelConfig& cfg, const st
   for (size_t p = 0; p < pairs.size(); ++p) {
     if (pairs[p].reference.backend != "cpu") continue;
     std::vector<diff::RoutingFlip> followed;
-    for (int round = 0; round < kMaxRoutingFollowUps; ++round) {
-      const std::vector<diff::RoutingFlip> more = flips_to_follow(comparisons[p], followed);
-      if (more.empty()) break;
-      followed.insert(followed.end(), more.begin(), more.end());
+    const auto run_again = [&](const std::vector<diff::RoutingFlip>& so_far,
+                               const std::vector<diff::RoutingFlip>& added) {
       const diff::CheckpointResult& failure = comparisons[p].results[*comparisons[p].first_failure];
       progress.message(fmt::format("{}: diverged at {} (step {}) after {} routing flip{} by drift (step {} layer {} "
                                    "token {} the first); running the pair again with the reference following the "
                                    "engine's experts there",
-                                   pairs[p].title, failure.name, failure.step, more.size(), more.size() == 1 ? "" : "s",
-                                   more.front().step, more.front().layer, more.front().token));
+                                   pairs[p].title, failure.name, failure.step, added.size(), added.size() == 1 ? "" : "s",
+                                   added.front().step, added.front().layer, added.front().token));
       PipelinePair again = pairs[p];
-      again.reference.forced_routing = forced_routing(followed);
+      again.reference.forced_routing = forced_routing(so_far);
       PipelineOptions opt = popt;
       opt.feed = fed;
       std::vector<std::unique_ptr<Backend>> engines;
       std::vector<HeldReference> references;
       std::vector<diff::Comparison> out = run_pipeline(file, cfg, {again}, ids, opt, progress, &engines, &references);
-      comparisons[p] = std::move(out.front());
+      diff::Comparison& c = out.front();
       // The engine ran again on the same tokens: where it now chose otherwise at a followed row, it is not
       // deterministic, and that row's flip is judged against experts the reference took from the first run.
-      for (const diff::RoutingLayer& l : comparisons[p].routing.layers) {
+      for (const diff::RoutingLayer& l : c.routing.layers) {
         for (const diff::RoutingFlip& f : l.flips) {
-          const auto first =
-              std::find_if(followed.begin(), followed.end(), [&](const diff::RoutingFlip& g) { return same_routing_row(f, g); });
-          if (first == followed.end()) continue;
-          comparisons[p].warnings.push_back(fmt::format(
+          const auto first = std::find_if(so_far.begin(), so_far.end(),
+                                          [&](const diff::RoutingFlip& g) { return same_routing_row(f, g); });
+          if (first == so_far.end()) continue;
+          c.warnings.push_back(fmt::format(
               "routing: at step {} layer {} token {} the engine chose experts {{{}}} in the run again, {{{}}} in the "
               "first run: it does not choose alike on the same tokens",
               f.step, f.layer, f.token, fmt::join(f.engine, ","), fmt::join(first->engine, ",")));
@@ -242,7 +240,9 @@ void follow_routing_drift(const GgufFile& file, const ModelConfig& cfg, const st
       }
       if (kept && p < kept->size()) (*kept)[p] = std::move(engines.front());
       if (held && p < held->size()) (*held)[p] = std::move(references.front());
-    }
+      return std::move(c);
+    };
+    follow_flips(comparisons[p], followed, run_again);
     if (!followed.empty()) comparisons[p].routing.followed = std::move(followed);  // with the first runs' evidence
   }
 }
