@@ -91,28 +91,27 @@ void WeightMatrix<T>::decode_rows(T* out /* [n,cols] */, int64_t r0, int64_t n) 
 }
 
 template <typename T>
-void WeightMatrix<T>::decode_floats(float* out /* [n,nc] */, int64_t r0, int64_t n, int64_t c0, int64_t nc) const {
-  const auto decode = round_f16_ ? dequantize_rows_f16 : [](GgmlType t, const std::byte* s, float* d, int64_t m) {
-    dequantize_rows(t, s, d, m);
-  };
+template <typename Out, typename Decode>
+void WeightMatrix<T>::decode_pieces(Out* out, int64_t r0, int64_t n, int64_t c0, int64_t nc, Decode&& decode) const {
   const int64_t offset = c0 / ggml_block_elements(type_) * ggml_block_bytes(type_);
   if (c0 == 0 && nc == cols_) {
-    decode(type_, bytes() + r0 * row_bytes_, out, n * cols_);
+    decode(bytes() + r0 * row_bytes_, out, n * cols_);
   } else {
-    for (int64_t r = 0; r < n; ++r) decode(type_, bytes() + (r0 + r) * row_bytes_ + offset, out + r * nc, nc);
+    for (int64_t r = 0; r < n; ++r) decode(bytes() + (r0 + r) * row_bytes_ + offset, out + r * nc, nc);
   }
 }
 
 template <typename T>
+void WeightMatrix<T>::decode_floats(float* out /* [n,nc] */, int64_t r0, int64_t n, int64_t c0, int64_t nc) const {
+  decode_pieces(out, r0, n, c0, nc, [&](const std::byte* s, float* d, int64_t m) {
+    round_f16_ ? dequantize_rows_f16(type_, s, d, m) : dequantize_rows(type_, s, d, m);
+  });
+}
+
+template <typename T>
 void WeightMatrix<T>::decode_wide(double* out /* [n,nc] */, int64_t r0, int64_t n, int64_t c0, int64_t nc) const {
-  const bool round = round_f16_ && type_ != GgmlType::F16;
-  const int64_t offset = c0 / ggml_block_elements(type_) * ggml_block_bytes(type_);
-  if (c0 == 0 && nc == cols_) {
-    decode_rows_wide(type_, bytes() + r0 * row_bytes_, out, n * cols_, round);
-  } else {
-    for (int64_t r = 0; r < n; ++r)
-      decode_rows_wide(type_, bytes() + (r0 + r) * row_bytes_ + offset, out + r * nc, nc, round);
-  }
+  decode_pieces(out, r0, n, c0, nc,
+                [&](const std::byte* s, double* d, int64_t m) { decode_rows_wide(type_, s, d, m, round_f16_); });
 }
 
 template <typename T>

@@ -68,6 +68,10 @@ class WeightMatrix {
  private:
   GgmlType type_ = GgmlType::F32;
   const std::byte* bytes() const { return owned_.empty() ? bytes_ : owned_.data(); }
+  // decode(bytes, out, count) over columns c0 .. c0+nc-1 of rows r0 .. r0+n-1: one call for whole rows, else a row
+  // at a time (decode_floats, decode_wide).
+  template <typename Out, typename Decode>
+  void decode_pieces(Out* out, int64_t r0, int64_t n, int64_t c0, int64_t nc, Decode&& decode) const;
 
   const std::byte* bytes_ = nullptr;  // rows_ * row_bytes_ bytes in the mmap, when owned_ is empty
   int64_t rows_ = 0, cols_ = 0;
