@@ -392,14 +392,16 @@ TEST(EngineQgemv, ExpertRowsMatchOneTokenGemv) {
       for (int div : {1, 2}) {
         SCOPED_TRACE(std::string(ggml_type_name(t)) + " N " + std::to_string(N) + " K " + std::to_string(K) + " div " +
                      std::to_string(div));
-        const int E = 5, slots = 26;  // slot 25 (the last position) is in no group
+        const int E = 5, slots = 80;  // the slot at the last position is in no group
         const uint32_t seed = 900 + static_cast<uint32_t>(t);
         const int64_t bytes = int64_t(N) * (K / ggml_block_elements(t)) * ggml_block_bytes(t);
         const std::vector<uint8_t> raw = random_rows(format_of(t), int64_t(E) * N, K, seed);
-        // The grouped order: a permutation of the slots; expert 3 twice over, so that its groups are 17 and 7.
+        // The grouped order: a permutation of the slots. Expert 3 twice over (groups of 41 and 1); groups longer than a
+        // round of the kernel (32 slots), of exactly one, of a part of one, and of one slot.
         std::vector<int32_t> rows(slots);
         for (int i = 0; i < slots; ++i) rows[i] = (i * 7 + 3) % slots;
-        const std::vector<engine::ExpertRows> groups = {{3, 0, 17, 0}, {0, 17, 5, 0}, {4, 22, 2, 0}, {1, 24, 1, 0}};
+        const std::vector<engine::ExpertRows> groups = {
+            {3, 0, 41, 0}, {0, 41, 32, 0}, {4, 73, 5, 0}, {3, 78, 1, 0}};
         const std::vector<float> x32 = random_floats(size_t(slots) * K, seed + 1, 1.0f);
         std::vector<__half> x16(x32.size());
         for (size_t i = 0; i < x32.size(); ++i) x16[i] = __float2half_rn(x32[i]);
@@ -430,7 +432,8 @@ TEST(EngineQgemv, ExpertRowsMatchOneTokenGemv) {
         }
         EXPECT_EQ(mismatched, 0);
         for (int n = 0; n < N; ++n)
-          EXPECT_TRUE(std::isnan(g[size_t(rows[25]) * N + n])) << "slot " << rows[25] << " (in no group) was written";
+          EXPECT_TRUE(std::isnan(g[size_t(rows[slots - 1]) * N + n]))
+              << "slot " << rows[slots - 1] << " (in no group) was written";
         TEST_CUDA_CHECK(cudaGetLastError());
       }
   // No kernel: a legacy format, N off the 16-row tiles.

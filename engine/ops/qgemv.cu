@@ -336,6 +336,12 @@ __device__ __forceinline__ float byte_2p23(uint32_t v) {
   return __int_as_float(static_cast<int>(__byte_perm(v, 0x4B000000u, 0x7440u | i)));
 }
 
+// Asks L2 for the cache lines of the n bytes at p (a block of a few hundred bytes at most).
+__device__ __forceinline__ void prefetch_block_l2(const uint8_t* p, int n) {
+  for (int off = 0; off < n + int(reinterpret_cast<uintptr_t>(p) & 127); off += 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+}
+
 // 8 bytes at a 2-byte aligned address.
 __device__ __forceinline__ uint2 ld_u64_a2(const uint8_t* p) { return make_uint2(ld_u32_a2(p), ld_u32_a2(p + 4)); }
 
@@ -351,7 +357,9 @@ __device__ __forceinline__ void kquant_min8(uint32_t b0, uint32_t b1, float d1, 
 }
 
 // Lane t's 8 weights of each sub-block u of one super-block at p, as f16x2 words w[u][0..3]
-// (positions 8t..8t+7 of elements 32u..32u+31).
+// (positions 8t..8t+7 of elements 32u..32u+31): load(p, t) reads the lane's bytes (Raw), decode(raw, t, w) makes
+// the weights, decode(p, t, w) both. A warp with several super-blocks to take can load them all before it decodes
+// the first, so that their reads wait on memory once.
 template <typename Q>
 struct MmaLane;
 
@@ -360,12 +368,22 @@ struct MmaLane;
 // of qh[l].
 template <bool kFifthBit>
 struct MmaLaneK4 {
-  __device__ static __forceinline__ void decode(const uint8_t* p, int t, uint32_t (&w)[8][4]) {
-    const uint4 hd = *reinterpret_cast<const uint4*>(p);  // d, dmin, scales[12]
-    const uint2 qh = kFifthBit ? *reinterpret_cast<const uint2*>(p + 16 + 8 * t) : make_uint2(0, 0);
+  struct Raw {
+    uint4 hd;  // d, dmin, scales[12]
+    uint2 qh;  // Q5_K: the lane's 8 bytes of qh
     uint2 qs[4];
+  };
+  __device__ static __forceinline__ Raw load(const uint8_t* p, int t) {
+    Raw r;
+    r.hd = *reinterpret_cast<const uint4*>(p);
+    r.qh = kFifthBit ? *reinterpret_cast<const uint2*>(p + 16 + 8 * t) : make_uint2(0, 0);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) qs[j] = *reinterpret_cast<const uint2*>(p + (kFifthBit ? 48 : 16) + 32 * j + 8 * t);
+    for (int j = 0; j < 4; ++j) r.qs[j] = *reinterpret_cast<const uint2*>(p + (kFifthBit ? 48 : 16) + 32 * j + 8 * t);
+    return r;
+  }
+  __device__ static __forceinline__ void decode(const Raw& r, int t, uint32_t (&w)[8][4]) {
+    const uint4 hd = r.hd;
+    const uint2 qh = r.qh;
     const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x & 0xFFFF)));
     const float dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x >> 16)));
 #pragma unroll
@@ -373,10 +391,13 @@ struct MmaLaneK4 {
       float sc, m;
       scale_min_k4(u, hd.y, hd.z, hd.w, &sc, &m);
       const int sh = 4 * (u & 1);
-      const uint32_t b0 = ((qs[u / 2].x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> u) & 0x01010101u) << 4);
-      const uint32_t b1 = ((qs[u / 2].y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> u) & 0x01010101u) << 4);
+      const uint32_t b0 = ((r.qs[u / 2].x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> u) & 0x01010101u) << 4);
+      const uint32_t b1 = ((r.qs[u / 2].y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> u) & 0x01010101u) << 4);
       kquant_min8(b0, b1, __fmul_rn(d, sc), __fmul_rn(dmin, m), w[u]);
     }
+  }
+  __device__ static __forceinline__ void decode(const uint8_t* p, int t, uint32_t (&w)[8][4]) {
+    decode(load(p, t), t, w);
   }
 };
 
@@ -388,34 +409,49 @@ struct MmaLane<Q5_K> : MmaLaneK4<true> {};
 
 template <>
 struct MmaLane<Q6_K> {  // ql[128], qh[64], scales[16] (int8), d; sub-block u = 4n + k (see Q6_K above)
-  __device__ static __forceinline__ void decode(const uint8_t* p, int t, uint32_t (&w)[8][4]) {
+  struct Raw {
     uint2 ql[2][2], qh[2];
+    uint32_t scw[8];  // the two scale bytes 8n + 2k, 8n + 2k + 1; lane t uses byte t / 2 (positions 8t.. in one half)
+    float d;
+  };
+  __device__ static __forceinline__ Raw load(const uint8_t* p, int t) {
+    Raw r;
 #pragma unroll
     for (int n = 0; n < 2; ++n) {  // 210-byte blocks: 2-byte aligned only
-      ql[n][0] = ld_u64_a2(p + 64 * n + 8 * t);
-      ql[n][1] = ld_u64_a2(p + 64 * n + 32 + 8 * t);
-      qh[n] = ld_u64_a2(p + 128 + 32 * n + 8 * t);
+      r.ql[n][0] = ld_u64_a2(p + 64 * n + 8 * t);
+      r.ql[n][1] = ld_u64_a2(p + 64 * n + 32 + 8 * t);
+      r.qh[n] = ld_u64_a2(p + 128 + 32 * n + 8 * t);
     }
-    uint32_t scw[8];  // the two scale bytes 8n + 2k, 8n + 2k + 1; lane t uses byte t / 2 (positions 8t.. in one half)
 #pragma unroll
-    for (int u = 0; u < 8; ++u) scw[u] = ld_u16(p + 192 + 2 * u);
-    const float d = ld_half(p + 208);
+    for (int u = 0; u < 8; ++u) r.scw[u] = ld_u16(p + 192 + 2 * u);
+    r.d = ld_half(p + 208);
+    return r;
+  }
+  __device__ static __forceinline__ void decode(const Raw& r, int t, uint32_t (&w)[8][4]) {
     constexpr float k2p23_32 = 8388640.0f;  // 2^23 + 32: q − 32 from 2^23 + q
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const int n = u / 4, k = u % 4, shl = 4 * (k >> 1), shh = 2 * k;
-      const uint2 l = ql[n][k & 1];
-      const uint32_t b0 = ((l.x >> shl) & 0x0F0F0F0Fu) | (((qh[n].x >> shh) & 0x03030303u) << 4);
-      const uint32_t b1 = ((l.y >> shl) & 0x0F0F0F0Fu) | (((qh[n].y >> shh) & 0x03030303u) << 4);
+      const uint2 l = r.ql[n][k & 1];
+      const uint32_t b0 = ((l.x >> shl) & 0x0F0F0F0Fu) | (((r.qh[n].x >> shh) & 0x03030303u) << 4);
+      const uint32_t b1 = ((l.y >> shl) & 0x0F0F0F0Fu) | (((r.qh[n].y >> shh) & 0x03030303u) << 4);
       const float da =
-          __fmul_rn(d, static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(scw[u] >> (8 * (t >> 1))))));
+          __fmul_rn(r.d, static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(r.scw[u] >> (8 * (t >> 1))))));
       w[u][0] = pack_h2(__fmul_rn(da, byte_2p23<0>(b0) - k2p23_32), __fmul_rn(da, byte_2p23<1>(b0) - k2p23_32));
       w[u][1] = pack_h2(__fmul_rn(da, byte_2p23<2>(b0) - k2p23_32), __fmul_rn(da, byte_2p23<3>(b0) - k2p23_32));
       w[u][2] = pack_h2(__fmul_rn(da, byte_2p23<0>(b1) - k2p23_32), __fmul_rn(da, byte_2p23<1>(b1) - k2p23_32));
       w[u][3] = pack_h2(__fmul_rn(da, byte_2p23<2>(b1) - k2p23_32), __fmul_rn(da, byte_2p23<3>(b1) - k2p23_32));
     }
   }
+  __device__ static __forceinline__ void decode(const uint8_t* p, int t, uint32_t (&w)[8][4]) {
+    decode(load(p, t), t, w);
+  }
 };
+
+// Super-blocks a warp loads ahead (mma_chains_preloaded): as many as keep a format's raw bytes for two rows within
+// about 80 registers (three of Q4_K or Q5_K: the downs of Qwen3-30B-A3B's experts at K = 768).
+template <typename Q>
+constexpr int kMmaPreload = sizeof(typename MmaLane<Q>::Raw) <= 64 ? 3 : 2;
 
 // c += A·B for one m16n8k16 tile (A row-major f16, B column-major f16, f32 accumulators).
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -454,6 +490,31 @@ __device__ __forceinline__ void mma_tile_sums(const uint8_t* wa, const uint8_t* 
     MmaLane<Q>::decode(wa + int64_t(sb) * Q::kBytes, t, A);
     MmaLane<Q>::decode(wb + int64_t(sb) * Q::kBytes, t, B);
     mma_super_block(c, A, B, x + int64_t(sb) * Q::kElems + 8 * t);
+  }
+}
+
+// c[i] += the mma products of super-block sb[i] of the rows at wa (A rows g) and wb (rows g + 8) with x, for i < n
+// (n <= kN): the raw bytes of all n loaded before the first is decoded, so that the warp waits on memory once, not
+// n times. Each c[i] is what mma_tile_sums makes of a chain of that one super-block.
+template <typename Q, int kN>
+__device__ __forceinline__ void mma_chains_preloaded(const uint8_t* wa, const uint8_t* wb, const __half* x,
+                                                     const int (&sb)[kN], int n, int t, float (&c)[kN][4]) {
+  typename MmaLane<Q>::Raw ra[kN], rb[kN];
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    if (i < n) {
+      ra[i] = MmaLane<Q>::load(wa + int64_t(sb[i]) * Q::kBytes, t);
+      rb[i] = MmaLane<Q>::load(wb + int64_t(sb[i]) * Q::kBytes, t);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    if (i < n) {
+      uint32_t A[8][4], B[8][4];
+      MmaLane<Q>::decode(ra[i], t, A);
+      MmaLane<Q>::decode(rb[i], t, B);
+      mma_super_block(c[i], A, B, x + int64_t(sb[i]) * Q::kElems + 8 * t);
+    }
   }
 }
 
@@ -541,6 +602,18 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
   const __half* xt = x_group > 0 ? x + int64_t(blockIdx.x * 16 / x_group) * K : x;
   const uint8_t* wa = gemv_row_blocks(w, ra < rows ? ra : 0, row_bytes, ex);
   const uint8_t* wb = gemv_row_blocks(w, rb < rows ? rb : 0, row_bytes, ex);
+  if constexpr (kFold > 1) {  // the later chains' first blocks asked of L2 while the first chain's are read and decoded
+    if (t == 0) {
+#pragma unroll
+      for (int i = 1; i < kFold; ++i) {
+        const int sb = warp + i * (kWarps / kFold);
+        if (sb < K / Q::kElems) {
+          prefetch_block_l2(wa + int64_t(sb) * Q::kBytes, Q::kBytes);
+          prefetch_block_l2(wb + int64_t(sb) * Q::kBytes, Q::kBytes);
+        }
+      }
+    }
+  }
 #pragma unroll
   for (int i = 0; i < kFold; ++i) mma_tile_sums<Q, kWarps>(wa, wb, xt, K, warp + i * (kWarps / kFold), t, c[i]);
   mma_tile_finish<kEpi, kWarps, kFold>(parts, row0, rows, gemv_rope_with(rope, at), act, c, warp, g, t);
@@ -551,8 +624,10 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
 // as the grouped launch's kWarps warps sum it (one sum per warp of super-blocks w, w + kWarps, ..., added in warp
 // order: here in turn by the slot's warp), and the slots' rows weighted and added as moe_combine adds them.
 constexpr int kDownCombineMaxSlots = 16;
-template <typename Q, int kWarps>
-static __global__ void __launch_bounds__(kDownCombineMaxSlots * 32)
+// kMaxSlots (8 or kDownCombineMaxSlots): the launch's bound on slots, so that a launch of 8 warps may keep the
+// preloaded blocks in registers.
+template <typename Q, int kWarps, int kMaxSlots>
+static __global__ void __launch_bounds__(kMaxSlots * 32)
 qgemv_experts_down_combine_kernel(float* __restrict__ down, float* __restrict__ out, const __half* __restrict__ x,
                                   const uint64_t* __restrict__ table, const float* __restrict__ ids,
                                   const float* __restrict__ weights, int E, int N, int K) {
@@ -567,12 +642,29 @@ qgemv_experts_down_combine_kernel(float* __restrict__ down, float* __restrict__ 
   const uint8_t* w = reinterpret_cast<const uint8_t*>(table[e]) + int64_t(row0) * row_bytes;
   const __half* xs = x + int64_t(slot) * K;
   float ya = 0.0f, yb = 0.0f;  // rows g and g + 8
+  constexpr int kPre = kMmaPreload<Q>;
+  const int nb = K / Q::kElems;
+  if (nb <= kPre) {  // the grouped launch's warp w < nb holds super-block w alone (kPre <= kWarps): all loaded at once
+    int sb[kPre];
 #pragma unroll
-  for (int warp = 0; warp < kWarps; ++warp) {
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    mma_tile_sums<Q, kWarps>(w + int64_t(g) * row_bytes, w + int64_t(g + 8) * row_bytes, xs, K, warp, t, c);
-    ya += c[0];
-    yb += c[2];
+    for (int i = 0; i < kPre; ++i) sb[i] = i;
+    float c[kPre][4] = {};
+    mma_chains_preloaded<Q, kPre>(w + int64_t(g) * row_bytes, w + int64_t(g + 8) * row_bytes, xs, sb, nb, t, c);
+#pragma unroll
+    for (int i = 0; i < kPre; ++i) {
+      if (i < nb) {  // the warps past nb add the zeros that change nothing
+        ya += c[i][0];
+        yb += c[i][2];
+      }
+    }
+  } else {
+#pragma unroll
+    for (int warp = 0; warp < kWarps; ++warp) {
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_tile_sums<Q, kWarps>(w + int64_t(g) * row_bytes, w + int64_t(g + 8) * row_bytes, xs, K, warp, t, c);
+      ya += c[0];
+      yb += c[2];
+    }
   }
   if (t == 0) {
     down[int64_t(slot) * N + row0 + g] = value[slot][g] = ya;
@@ -589,17 +681,42 @@ qgemv_experts_down_combine_kernel(float* __restrict__ down, float* __restrict__ 
   }
 }
 
-// The rows of one expert (qgemm_experts): block (group, 16-row tile) runs the GEMV's warps and sums on 8 of the
-// group's rows at a time, column g of B holding row g (the last row again past the group's end: computed, never
-// written), so column n of C is that row's GEMV, summed in the same order; the warps' sums are added in warp order,
-// as mma_tile_finish adds them. A warp with at most one super-block (K <= kWarps · 256) decodes it once for all the
-// group's rows.
-template <typename Q, int kWarps>
+// The rows of one expert (qgemm_experts): block (group, 16-row tile) runs the GEMV's warps and sums on up to
+// kQgemmCols of the group's rows a round, in column tiles of 8: column g of tile j holds row 8j + g (the round's last
+// row again past its end: computed, never written), so column n of C is that row's GEMV, summed in the same order;
+// the warps' sums are added in warp order, as mma_tile_finish adds them. A warp with at most one super-block (K <=
+// kWarps · 256) decodes it once for all the group's rows; there, kGroups > 1 sets of nb warps (nb = K / 256) share
+// each round's column tiles (tile j to set j % kGroups), each set's warp w holding super-block w. The sums of a
+// missing warp (w >= nb) are the GEMV's zeros, which the warp-order sum would add and which change nothing (the sum
+// starts at +0, so it is never −0), so they are left out.
+constexpr int kQgemmTiles = 4, kQgemmCols = 8 * kQgemmTiles;
+// c[i] += the mma products of one super-block's decoded rows A (g) and B (g + 8) with column tile i's x (xr[i]: lane
+// t's positions of its column's row, at + 8t onwards), the tiles' x loaded before their mmas, sub-block by sub-block in
+// mma_super_block's order.
+template <int kMine>
+__device__ __forceinline__ void qgemm_tiles(float (&c)[kMine][4], const uint32_t (&A)[8][4], const uint32_t (&B)[8][4],
+                                            const __half* const (&xr)[kMine], int64_t at) {
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    uint4 xv[kMine];
+#pragma unroll
+    for (int i = 0; i < kMine; ++i) xv[i] = *reinterpret_cast<const uint4*>(xr[i] + at + 32 * u);
+#pragma unroll
+    for (int i = 0; i < kMine; ++i) {
+      mma_16816(c[i], A[u][0], B[u][0], A[u][1], B[u][1], xv[i].x, xv[i].y);  // positions 8t + 0..3
+      mma_16816(c[i], A[u][2], B[u][2], A[u][3], B[u][3], xv[i].z, xv[i].w);  // positions 8t + 4..7
+    }
+  }
+}
+
+template <typename Q, int kWarps, int kGroups>
 static __global__ void __launch_bounds__(kWarps * 32)
 qgemm_experts_kernel(float* __restrict__ out, const __half* __restrict__ x, const int32_t* __restrict__ rows, int div,
                      const uint64_t* __restrict__ table, const ExpertRows* __restrict__ groups, int N, int K) {
-  constexpr int kCols = 8;
-  __shared__ float part[kWarps][16][kCols];
+  constexpr int kStride = kQgemmCols + 4;  // a row of part, padded against bank conflicts
+  constexpr int kMine = kQgemmTiles / kGroups;  // column tiles a warp computes each round
+  static_assert(kQgemmTiles % kGroups == 0, "the column tiles split evenly among the warp sets");
+  __shared__ float part[kWarps][16][kStride];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   pdl_wait();
   pdl_trigger();
@@ -609,30 +726,48 @@ qgemm_experts_kernel(float* __restrict__ out, const __half* __restrict__ x, cons
   const uint8_t* w = reinterpret_cast<const uint8_t*>(table[gr.x]) + int64_t(row0) * row_bytes;
   const uint8_t* wa = w + int64_t(g) * row_bytes;
   const uint8_t* wb = w + int64_t(g + 8) * row_bytes;
-  const bool once = nb <= kWarps;
+  const bool once = kGroups > 1 || nb <= kWarps;  // the host picks kGroups > 1 only where nb · kGroups <= kWarps
+  // The GEMV warp whose sums this warp makes (its chain of super-blocks), and its set of column tiles.
+  const int chain = kGroups > 1 ? warp % nb : warp, set = kGroups > 1 ? warp / nb : 0;
+  const int chains = once ? nb : kWarps;
+  const bool active = chain < chains && set < kGroups;
   uint32_t A[8][4], B[8][4];
-  if (once && warp < nb) {
-    MmaLane<Q>::decode(wa + int64_t(warp) * Q::kBytes, t, A);
-    MmaLane<Q>::decode(wb + int64_t(warp) * Q::kBytes, t, B);
+  if (once && active) {
+    MmaLane<Q>::decode(wa + int64_t(chain) * Q::kBytes, t, A);
+    MmaLane<Q>::decode(wb + int64_t(chain) * Q::kBytes, t, B);
   }
-  for (int r0 = 0; r0 < gr.z; r0 += kCols) {
-    const int n = min(kCols, gr.z - r0);
-    const __half* xr = x + int64_t(rows[gr.y + r0 + min(g, n - 1)] / div) * K;
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (!once)
-      mma_tile_sums<Q, kWarps>(wa, wb, xr, K, warp, t, c);
-    else if (warp < nb)
-      mma_super_block(c, A, B, xr + int64_t(warp) * Q::kElems + 8 * t);
-    part[warp][g][2 * t] = c[0];  // C rows g, g + 8; columns 2t, 2t + 1
-    part[warp][g][2 * t + 1] = c[1];
-    part[warp][g + 8][2 * t] = c[2];
-    part[warp][g + 8][2 * t + 1] = c[3];
-    __syncthreads();
-    const int m = threadIdx.x, r = m % 16, col = m / 16;  // kWarps * 32 >= 128 threads: one output each
-    if (col < n) {
-      float acc = 0.0f;
+  for (int r0 = 0; r0 < gr.z; r0 += kQgemmCols) {
+    const int n = min(kQgemmCols, gr.z - r0);
+    if (active) {
+      // This warp's column tiles set + kGroups·i; lane (g, t) reads the x row of the tile's column g.
+      const __half* xr[kMine];
 #pragma unroll
-      for (int i = 0; i < kWarps; ++i) acc += part[i][r][col];
+      for (int i = 0; i < kMine; ++i) {
+        const int col = min(8 * (set + kGroups * i) + g, n - 1);
+        xr[i] = x + int64_t(rows[gr.y + r0 + col] / div) * K + 8 * t;
+      }
+      float c[kMine][4] = {};
+      if (once) {
+        qgemm_tiles(c, A, B, xr, int64_t(chain) * Q::kElems);
+      } else {
+        for (int sb = warp; sb < nb; sb += kWarps) {
+          MmaLane<Q>::decode(wa + int64_t(sb) * Q::kBytes, t, A);
+          MmaLane<Q>::decode(wb + int64_t(sb) * Q::kBytes, t, B);
+          qgemm_tiles(c, A, B, xr, int64_t(sb) * Q::kElems);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kMine; ++i) {  // C rows g, g + 8; columns 2t, 2t + 1 of the tile
+        const int col = 8 * (set + kGroups * i) + 2 * t;
+        *reinterpret_cast<float2*>(&part[chain][g][col]) = make_float2(c[i][0], c[i][1]);
+        *reinterpret_cast<float2*>(&part[chain][g + 8][col]) = make_float2(c[i][2], c[i][3]);
+      }
+    }
+    __syncthreads();
+    for (int m = threadIdx.x; m < 16 * n; m += kWarps * 32) {
+      const int r = m % 16, col = m / 16;
+      float acc = 0.0f;
+      for (int i = 0; i < chains; ++i) acc += part[i][r][col];
       out[int64_t(rows[gr.y + r0 + col]) * N + row0 + r] = acc;
     }
     __syncthreads();
@@ -933,14 +1068,20 @@ bool qgemm_experts(GgmlType t, float* out, const __half* x, const int32_t* rows,
   if (n_groups <= 0) return true;
   const dim3 grid(static_cast<unsigned>(n_groups), static_cast<unsigned>(N / 16));
   // The warps of qgemv over one expert's N rows, so that each row is summed as that launch sums it.
-  const bool wide = mma_warps(N, K) == 16;
+  const int warps = mma_warps(N, K);
+  // Two sets of warps share the column tiles where the GEMV's warps hold at most one super-block and half of them
+  // would hold none (Qwen3-30B-A3B's downs: 3 super-blocks, 8 warps).
+  const bool two_sets = K / 256 * 2 <= warps;
   dispatch(t, "qgemm_experts", [&](auto q) {
     using Q = decltype(q);
     if constexpr (kHasMmaLane<Q>) {
-      if (wide)
-        launch_pdl(qgemm_experts_kernel<Q, 16>, grid, 16 * 32, 0, stream, out, x, rows, div, table, groups, N, K);
-      else
-        launch_pdl(qgemm_experts_kernel<Q, 8>, grid, 8 * 32, 0, stream, out, x, rows, div, table, groups, N, K);
+      const auto launch = [&](auto kernel) {
+        launch_pdl(kernel, grid, warps * 32, 0, stream, out, x, rows, div, table, groups, N, K);
+      };
+      if (warps == 16 && two_sets) launch(qgemm_experts_kernel<Q, 16, 2>);
+      else if (warps == 16) launch(qgemm_experts_kernel<Q, 16, 1>);
+      else if (two_sets) launch(qgemm_experts_kernel<Q, 8, 2>);
+      else launch(qgemm_experts_kernel<Q, 8, 1>);
     }
   });
   check_launch("qgemm_experts", stream);
@@ -962,12 +1103,14 @@ bool qgemv_experts_down_combine(GgmlType t, float* down, float* out, const __hal
   dispatch(t, "qgemv_experts_down_combine", [&](auto q) {
     using Q = decltype(q);
     if constexpr (kHasMmaLane<Q>) {
-      if (wide)
-        launch_pdl(qgemv_experts_down_combine_kernel<Q, 16>, tiles, n_slots * 32, 0, stream, down, out, x, table,
-                   ids, weights, E, N, K);
-      else
-        launch_pdl(qgemv_experts_down_combine_kernel<Q, 8>, tiles, n_slots * 32, 0, stream, down, out, x, table, ids,
-                   weights, E, N, K);
+      const auto launch = [&](auto kernel) {
+        launch_pdl(kernel, tiles, n_slots * 32, 0, stream, down, out, x, table, ids, weights, E, N, K);
+      };
+      const bool few = n_slots <= 8;
+      if (wide && few) launch(qgemv_experts_down_combine_kernel<Q, 16, 8>);
+      else if (wide) launch(qgemv_experts_down_combine_kernel<Q, 16, kDownCombineMaxSlots>);
+      else if (few) launch(qgemv_experts_down_combine_kernel<Q, 8, 8>);
+      else launch(qgemv_experts_down_combine_kernel<Q, 8, kDownCombineMaxSlots>);
     }
   });
   check_launch("qgemv_experts_down_combine", stream);

@@ -121,9 +121,10 @@ struct alignas(16) ExpertRows {
 
 // out row s [N] = the N rows of its expert's matrix (table: [E] device addresses, format t; N a multiple of 16) · x
 // row s / div [K] (f16; div 1: the slot's own row, div K: its token's), for every slot s = rows[i] of every group.
-// One launch over (group, 16-row tile) on tensor cores, 8 slots at a time: the 8 columns of each mma are 8 slots
+// One launch over (group, 16-row tile) on tensor cores, 32 slots a round: the 8 columns of each mma are 8 slots
 // where the one-token GEMV repeats one x, and a warp decodes its weights once for all the group's slots where it has
-// one super-block (K <= the GEMV's warps · 256). Each value bit-identical to qgemv of its expert's N rows on its row
+// one super-block (K <= the GEMV's warps · 256; where at most half the warps would have one, two sets of warps share
+// the round's slots). Each value bit-identical to qgemv of its expert's N rows on its row
 // alone (the same warps, the same sums). False, launching nothing, where there is no such kernel (as qgemv_grouped):
 // the caller runs a matmul per expert.
 bool qgemm_experts(GgmlType t, float* out, const __half* x, const int32_t* rows, int div, const uint64_t* table,
