@@ -67,7 +67,12 @@
 //   step's last-token logits come from the dense lm head and argmax as one launch (matmul_argmax: the GEMV's rows, bit-identical, by
 //   a grid that stays resident while the 272 MB of the 0.5B shape's lm head stream, each warp keeping
 //   its best row for argmax's ending; no softcap, no lm_head_padded_vocab; DIFFRUN_LM_HEAD_ARGMAX=0,
-//   the "lm_head_argmax" fact).
+//   the "lm_head_argmax" fact). The q/k norms of qwen3 and gemma3 run with the RoPE and the cache write in
+//   one launch at every step length (qk_norm_rope: a warp a head, rms_norm's sums of squares in its order, then
+//   rope_qk's arithmetic; bit-identical to the two norms and rope_qk; isolation replay, which replaces Qnorm and
+//   Knorm in between, runs the norms unfused and then the kernel's rotation alone, qk_norm_rope_rotation, so Qrope's
+//   local error is measured on the fused kernel's code and Qnorm's on rms_norm's (fused bit 32 names Qnorm and Knorm);
+//   not under an RMSNorm flaw or rope_cache_unrotated; DIFFRUN_QK_NORM_IN_ROPE=0, the "qk_norm_in_rope" fact).
 //   Decode T = 1 projections run our GEMV
 //   kernel, prefill the cuBLAS GEMM (bench/NOTES.md has the figures). Quantized matrices stay GGUF
 //   blocks on the device (engine/weights.cuh): the quantized GEMV at T = 1 (Q4_K/Q5_K/Q6_K on tensor
@@ -143,6 +148,7 @@
 #include "engine/ops/geglu.cuh"
 #include "engine/ops/matmul.cuh"
 #include "engine/ops/rms_norm.cuh"
+#include "engine/ops/qk_norm_rope.cuh"
 #include "engine/ops/rope_qk.cuh"
 #include "engine/ops/scale.cuh"
 #include "engine/tp_comm.cuh"
@@ -170,14 +176,16 @@ constexpr uint32_t kFusedMatmulQkvRope = 2;
 constexpr uint32_t kFusedMatmulGateUpSwiglu = 4;
 constexpr uint32_t kFusedMatmulArgmax = 8;
 constexpr uint32_t kFusedExpertsDownCombine = 16;
+constexpr uint32_t kFusedQkNormRope = 32;
 constexpr const char* kFusedKernelBits =
-    "1 embedding_rms_norm, 2 matmul_qkv_rope, 4 matmul_gate_up_swiglu, 8 matmul_argmax, 16 matmul_experts_down_combine";
+    "1 embedding_rms_norm, 2 matmul_qkv_rope, 4 matmul_gate_up_swiglu, 8 matmul_argmax, 16 matmul_experts_down_combine, "
+    "32 qk_norm_rope";
 // What each fused kernel's epilogue writes, and what reads the position inside a graph replay (a value
 // baked in at capture would show there): isolation replay, unfused and outside the graph, gives these
 // no local error where the step ran the kernel or the graph (diff::add_isolation).
 constexpr const char* kFusedKernelCheckpoints =
     "1 embd,attn_norm-0; 2 Qrope,Krope,cache_k,cache_v; 4 ffn_swiglu; 8 result_output; 16 ffn_moe_out; "
-    "graph Qrope,Krope,cache_k,cache_v";
+    "32 Qnorm,Knorm; graph Qrope,Krope,cache_k,cache_v";
 
 bool env_is_zero(const char* name) {
   const char* v = std::getenv(name);
@@ -376,6 +384,7 @@ class CudaEngineImpl final : public CudaEngine {
         tiled_attention_(!env_is_zero("DIFFRUN_TILED_ATTENTION")),
         swiglu_in_gemv_(!env_is_zero("DIFFRUN_SWIGLU_IN_GEMV")),
         rope_in_gemv_(!env_is_zero("DIFFRUN_ROPE_IN_GEMV")),
+        qk_norm_in_rope_(!env_is_zero("DIFFRUN_QK_NORM_IN_ROPE")),
         embd_norm_fused_(!env_is_zero("DIFFRUN_EMBEDDING_NORM_FUSED")),
         lm_head_argmax_(!env_is_zero("DIFFRUN_LM_HEAD_ARGMAX")) {
     int device = 0;
@@ -411,6 +420,9 @@ class CudaEngineImpl final : public CudaEngine {
         {"kquant_gemv", kF16 && qgemv_mma_enabled() ? "tensor cores (f16 weights, f32 sums)" : "simt"},
         {"swiglu_in_gate_up_gemv", swiglu_in_gemv_ ? "one-token steps, recorded or not" : "off"},
         {"rope_in_qkv_gemv", rope_in_gemv_ ? "one-token steps, recorded or not" : "off"},
+        {"qk_norm_in_rope", qk_norm_in_rope_ ? "steps of any length, recorded or not (isolation replay: the norms "
+                                               "unfused, then its rotation alone); heads of 64, 128, 192 or 256"
+                                             : "off"},
         {"embedding_rms_norm", embd_norm_fused_ ? "one-token steps, recorded or not (dense token_embd)" : "off"},
         {"lm_head_argmax", lm_head_argmax_ ? "every step's last token, recorded or not (dense lm head)" : "off"},
         {"fused_kernel_bits", kFusedKernelBits},
@@ -450,6 +462,7 @@ class CudaEngineImpl final : public CudaEngine {
     const auto& fusable = fault_state_.fusable();
     embd_norm_fused_ = embd_norm_fused_ && fusable.embedding_rms_norm;
     rope_in_gemv_ = rope_in_gemv_ && fusable.matmul_qkv_rope;
+    qk_norm_in_rope_ = qk_norm_in_rope_ && fusable.qk_norm_rope;
     swiglu_in_gemv_ = swiglu_in_gemv_ && fusable.matmul_gate_up_swiglu;
     lm_head_argmax_ = lm_head_argmax_ && fusable.matmul_argmax;
     if (cfg_.moe) prepare_expert_gather();  // after swiglu_in_gemv_ is settled
@@ -682,17 +695,36 @@ class CudaEngineImpl final : public CudaEngine {
       cp(sink, step, "Kcur", l, a.k.get(), {n, Hkv, Dh});
     }
     cp(sink, step, "Vcur", l, a.v.get(), {n, Hkv, Dh});
-    if (cfg_.qk_norm) {  // qwen3, gemma3: q and k normalized in place
-      overwrites(a.q);
-      norm(a.q.get(), a.q.get(), w.q_norm, n * H, Dh, args.norm);   cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
-      overwrites(a.k);
-      norm(a.k.get(), a.k.get(), w.k_norm, n * Hkv, Dh, args.norm); cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
-    }
-    // Rotated q and k: rope_qk's, out of place (so Qcur/Qnorm stay for the recording copies), or
+    // Rotated q and k: rope_qk's (or qk_norm_rope's), out of place (so Qcur/Qnorm stay for the recording copies), or
     // matmul_qkv_rope's, in place.
     float* q_rot = fused_rope ? a.q.get() : a.q_rope.get();
     float* k_rot = fused_rope ? a.k.get() : a.k_rope.get();
-    if (!fused_rope)  // fused: matmul_qkv_rope rotated q and k and wrote the cache rows
+    bool norm_rope = false;  // qk_norm_rope ran: the norms, the rotation and the cache write in one launch
+    if (cfg_.qk_norm) {  // qwen3, gemma3: q and k normalized in place
+      overwrites(a.q);
+      overwrites(a.k);
+      // Not in an isolation replay, which replaces Qnorm and Knorm before the rotation: it runs the norms unfused,
+      // then the fused kernel's rotation alone (below).
+      norm_rope = qk_norm_in_rope_ && !step_replaying_ &&
+                  qk_norm_rope(q_rot, k_rot, cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), w.q_norm, w.k_norm,
+                               eps(), n, H, Hkv, Dh, pos.rope, pos.write, theta, d_rope_freqs_.get(), neox, stream_);
+      if (norm_rope) {
+        step_fused_ |= kFusedQkNormRope;
+      } else {
+        norm(a.q.get(), a.q.get(), w.q_norm, n * H, Dh, args.norm);
+        norm(a.k.get(), a.k.get(), w.k_norm, n * Hkv, Dh, args.norm);
+      }
+      cp(sink, step, "Qnorm", l, a.q.get(), {n, H, Dh});
+      cp(sink, step, "Knorm", l, a.k.get(), {n, Hkv, Dh});
+    }
+    // Fused: matmul_qkv_rope or qk_norm_rope rotated q and k and wrote the cache rows. An isolation replay of a step
+    // qk_norm_rope runs rotates the replaced norms with that kernel's own rotation (qk_norm_rope_rotation, rope_qk's
+    // twin), so that Qrope's local error is the rotation's and Qnorm's the norm's.
+    const bool rotation_only = !fused_rope && !norm_rope && cfg_.qk_norm && qk_norm_in_rope_ && step_replaying_ &&
+                               qk_norm_rope_rotation(q_rot, k_rot, cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n,
+                                                     H, Hkv, Dh, pos.rope, pos.write, theta, d_rope_freqs_.get(), neox,
+                                                     stream_);
+    if (!fused_rope && !norm_rope && !rotation_only)
       rope_qk(q_rot, k_rot, cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, pos.rope, pos.write,
               theta, d_rope_freqs_.get(), neox, args.rope_cache_unrotated, stream_);
     cp(sink, step, "Qrope", l, q_rot, {n, H, Dh});
@@ -836,10 +868,15 @@ class CudaEngineImpl final : public CudaEngine {
     MoeBuffers<W>& m = *moe_;
     matmul(m.logits.get(), a.ffn_xn.get(), w.ffn_gate_inp, nullptr, n, D, E, cublas_, stream_);
     cp(sink, step, "ffn_moe_logits", l, m.logits.get(), {n, E});
-    moe_route(m.probs.get(), m.topk.get(), m.weights.get(), m.weights_norm.get(), m.logits.get(), n, E, K,
-              cfg_.expert_weights_norm, plan_.ops.moe_routing, stream_);
+    if (plan_.ops.moe_routing.any()) {  // the flawed routing edits the ids after the clean op
+      moe_route(m.probs.get(), m.topk.get(), m.weights.get(), m.weights_norm.get(), m.logits.get(), n, E, K,
+                cfg_.expert_weights_norm, plan_.ops.moe_routing, stream_);
+      ids_as_values(m.ids.get(), m.topk.get(), slots, stream_);
+    } else {  // the ids as values (ffn_moe_topk) written by the routing launch itself
+      moe_route_ids(m.probs.get(), m.topk.get(), m.ids.get(), m.weights.get(), m.weights_norm.get(), m.logits.get(), n,
+                    E, K, cfg_.expert_weights_norm, stream_);
+    }
     cp(sink, step, "ffn_moe_probs", l, m.probs.get(), {n, E});
-    ids_as_values(m.ids.get(), m.topk.get(), slots, stream_);
     cp(sink, step, "ffn_moe_topk", l, m.ids.get(), {n, K});
     cp(sink, step, "ffn_moe_weights", l, m.weights.get(), {n, K});
     if (cfg_.expert_weights_norm) cp(sink, step, "ffn_moe_weights_norm", l, m.weights_norm.get(), {n, K});
@@ -1329,6 +1366,7 @@ class CudaEngineImpl final : public CudaEngine {
   bool tiled_attention_;  // steps over kAttentionSplitMaxT tokens take their output from attention_tiled
   bool swiglu_in_gemv_;   // one-token steps: matmul_gate_up_swiglu (DIFFRUN_SWIGLU_IN_GEMV=0: off)
   bool rope_in_gemv_;     // one-token steps: matmul_qkv_rope (DIFFRUN_ROPE_IN_GEMV=0: off)
+  bool qk_norm_in_rope_;  // q/k norms: qk_norm_rope (DIFFRUN_QK_NORM_IN_ROPE=0: off)
   bool embd_norm_fused_;  // one-token steps: embedding_rms_norm (DIFFRUN_EMBEDDING_NORM_FUSED=0: off)
   bool lm_head_argmax_;   // every step's last-token logits: matmul_argmax (DIFFRUN_LM_HEAD_ARGMAX=0: off)
   bool step_replaying_ = false;  // the step replaces a tensor checkpoint (isolation replay): unfused, no graph

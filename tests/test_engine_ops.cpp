@@ -28,6 +28,7 @@
 #include "engine/ops/geglu.cuh"
 #include "engine/ops/matmul.cuh"
 #include "engine/ops/moe.cuh"
+#include "engine/ops/qk_norm_rope.cuh"
 #include "engine/ops/rms_norm.cuh"
 #include "engine/ops/rope_qk.cuh"
 #include "engine/ops/scale.cuh"
@@ -522,6 +523,67 @@ TEST(EngineOps, RopeQkMatchesRopeTwinsAndKvStore) {
   EXPECT_EQ(ik.download(), sk.download());
 }
 
+// The q/k norms with the RoPE and the cache write in one launch: q and k normalised in place, the rotated q and k and
+// both caches bit-identical to rms_norm on each then rope_qk, heads of 64, 128, 192 and 256 elements, neox and norm
+// pairing, frequency factors, a write position apart from the position; its rotation alone (qk_norm_rope_rotation)
+// bit-identical to rope_qk; other head sizes refused.
+TEST(EngineOps, QkNormRopeMatchesRmsNormsThenRopeQk) {
+  DIFFRUN_REQUIRE_CUDA();
+  const int T = 3, H = 5, Hkv = 2, pos0 = 11, write_pos = 4, C = 17;
+  const float theta = 1e6f, eps = 1e-6f;
+  for (int Dh : {64, 128, 192, 256})
+    for (bool neox : {false, true}) {
+      SCOPED_TRACE("Dh " + std::to_string(Dh) + (neox ? " neox" : " norm"));
+      const int KV = Hkv * Dh;
+      std::vector<float> factors(Dh / 2);
+      for (int i = 0; i < Dh / 2; ++i) factors[i] = 1.0f + 0.25f * float(i % 7);
+      DeviceArray<float> dff(factors);
+      const auto q = random_vec(size_t(T) * H * Dh, 40, 3.0f), k = random_vec(size_t(T) * KV, 41, 3.0f);
+      const auto v = random_vec(size_t(T) * KV, 42), qw = random_vec(Dh, 43), kw = random_vec(Dh, 44);
+      DeviceArray<int32_t> dpos(std::vector<int32_t>{pos0}), dwrite(std::vector<int32_t>{write_pos});
+      DeviceArray<float> dv(v), dqw(qw), dkw(kw);
+      const std::vector<float> canary(size_t(C) * KV, -7.0f);
+      // The unfused ops, as the engine runs them: the norms in place, then rope_qk out of place.
+      DeviceArray<float> q1(q), k1(k), oq1(q.size()), ok1(k.size()), kc1(canary), vc1(canary);
+      engine::rms_norm(q1.get(), q1.get(), dqw.get(), T * H, Dh, eps, nullptr);
+      engine::rms_norm(k1.get(), k1.get(), dkw.get(), T * Hkv, Dh, eps, nullptr);
+      engine::rope_qk(oq1.get(), ok1.get(), kc1.get(), vc1.get(), q1.get(), k1.get(), dv.get(), T, H, Hkv, Dh,
+                      dpos.get(), dwrite.get(), theta, dff.get(), neox, nullptr);
+      DeviceArray<float> q2(q), k2(k), oq2(q.size()), ok2(k.size()), kc2(canary), vc2(canary);
+      ASSERT_TRUE(engine::qk_norm_rope(oq2.get(), ok2.get(), kc2.get(), vc2.get(), q2.get(), k2.get(), dv.get(),
+                                       dqw.get(), dkw.get(), eps, T, H, Hkv, Dh, dpos.get(), dwrite.get(), theta,
+                                       dff.get(), neox, nullptr));
+      EXPECT_EQ(q2.download(), q1.download());  // Qnorm, in place
+      EXPECT_EQ(k2.download(), k1.download());  // Knorm
+      EXPECT_EQ(oq2.download(), oq1.download());
+      EXPECT_EQ(ok2.download(), ok1.download());
+      const auto hk = kc2.download();
+      EXPECT_EQ(hk, kc1.download());
+      EXPECT_EQ(vc2.download(), vc1.download());
+      EXPECT_EQ(hk[size_t(pos0) * KV], -7.0f);  // pos0's row untouched when write_pos differs
+      EXPECT_NE(q2.download(), q);              // normalised (the weights are not all one)
+      // The rotation alone (isolation replay) on the normalised q and k: rope_qk's outputs, q and k left as they are.
+      const std::vector<float> qn = q1.download(), kn = k1.download();
+      DeviceArray<float> oq3(q.size()), ok3(k.size()), kc3(canary), vc3(canary);
+      ASSERT_TRUE(engine::qk_norm_rope_rotation(oq3.get(), ok3.get(), kc3.get(), vc3.get(), q1.get(), k1.get(),
+                                                dv.get(), T, H, Hkv, Dh, dpos.get(), dwrite.get(), theta, dff.get(),
+                                                neox, nullptr));
+      EXPECT_EQ(oq3.download(), oq1.download());
+      EXPECT_EQ(ok3.download(), ok1.download());
+      EXPECT_EQ(kc3.download(), kc1.download());
+      EXPECT_EQ(vc3.download(), vc1.download());
+      EXPECT_EQ(q1.download(), qn);
+      EXPECT_EQ(k1.download(), kn);
+      TEST_CUDA_CHECK(cudaGetLastError());
+    }
+  DeviceArray<float> buf(size_t(4) * 96);
+  for (int Dh : {96, 18, 320})
+    EXPECT_FALSE(engine::qk_norm_rope(buf.get(), buf.get(), buf.get(), buf.get(), buf.get(), buf.get(), buf.get(),
+                                      buf.get(), buf.get(), 1e-6f, 1, 1, 1, Dh, nullptr, nullptr, 1e6f, nullptr, true,
+                                      nullptr))
+        << "Dh " << Dh;
+}
+
 // Residual add then RMSNorm in one launch: both outputs bit-identical to add followed by rms_norm,
 // with rows held in registers (D ≤ 2048) and read back from memory (longer).
 TEST(EngineOps, AddRmsNormMatchesAddThenRmsNorm) {
@@ -982,6 +1044,24 @@ TEST(EngineOps, MoeRouteMatchesReference) {
                       1e-6);
           }
         }
+        // The fused twin with ids_as_values: every output bit-identical, the ids also as values.
+        DeviceArray<float> l2(logits), p2(std::vector<float>(logits.size(), std::nanf("")));
+        DeviceArray<int32_t> ids2(std::vector<int32_t>(size_t(T) * K, -7));
+        DeviceArray<float> v2(std::vector<float>(size_t(T) * K, -7.0f)), w2(std::vector<float>(size_t(T) * K)),
+            wn2(std::vector<float>(size_t(T) * K));
+        float* probs2 = alias ? l2.get() : p2.get();
+        engine::moe_route_ids(probs2, ids2.get(), v2.get(), w2.get(), wn2.get(), l2.get(), T, E, K, renormalise,
+                              nullptr);
+        const std::vector<int32_t> fused_ids = ids2.download();
+        EXPECT_EQ(fused_ids, ids);
+        const auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {  // NaN included
+          return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+        };
+        EXPECT_TRUE(same_bits(alias ? l2.download() : p2.download(), p));
+        EXPECT_TRUE(same_bits(w2.download(), w));
+        EXPECT_TRUE(same_bits(wn2.download(), wn));
+        const std::vector<float> values = v2.download();
+        for (size_t s = 0; s < values.size(); ++s) EXPECT_EQ(values[s], static_cast<float>(fused_ids[s])) << "slot " << s;
       }
     }
 }

@@ -80,6 +80,7 @@ FaultState<W>::FaultState(const FaultPlan& plan, DeviceWeights<W>& weights, cons
   fusable_.matmul_qkv_rope = !plan.ops.rope_cache_unrotated;
   fusable_.matmul_gate_up_swiglu = !plan.ops.act_swapped;
   fusable_.matmul_argmax = plan.ops.logit_columns == cfg.n_vocab;
+  fusable_.qk_norm_rope = !plan.ops.norm.any() && !plan.ops.rope_cache_unrotated;
   CUDA_CHECK(cudaStreamSynchronize(stream));  // before `ones` goes
 }
 

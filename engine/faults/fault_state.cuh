@@ -55,6 +55,7 @@ class FaultState {
     bool matmul_qkv_rope = true;        // not rope_cache_unrotated
     bool matmul_gate_up_swiglu = true;  // not swiglu_gate_up_swapped
     bool matmul_argmax = true;          // logits over V columns, not the padded vocabulary
+    bool qk_norm_rope = true;           // no RMSNorm flaw, not rope_cache_unrotated
   };
   const Fusable& fusable() const { return fusable_; }
 

@@ -40,8 +40,9 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t v) {
 #endif
 }
 
-static __global__ void moe_route_kernel(float* probs, int32_t* topk, float* weights, float* weights_norm,
-                                        const float* logits, int n_tokens, int E, int K, bool renormalise) {
+static __global__ void moe_route_kernel(float* probs, int32_t* topk, float* id_values, float* weights,
+                                        float* weights_norm, const float* logits, int n_tokens, int E, int K,
+                                        bool renormalise) {
   extern __shared__ float route_probs[];
   pdl_wait();
   pdl_trigger();
@@ -73,7 +74,10 @@ static __global__ void moe_route_kernel(float* probs, int32_t* topk, float* weig
     const int best = static_cast<int>(~warp_max(bh == h ? bl : 0u));
     const float bp = ps[best];
     if (best % 32 == lane) taken |= 1u << (best / 32);
-    if (lane == 0) ids[j] = best, ws[j] = bp;
+    if (lane == 0) {
+      ids[j] = best, ws[j] = bp;
+      if (id_values) id_values[size_t(t) * K + j] = static_cast<float>(best);  // ids_as_values' conversion
+    }
     w_sum += bp;
   }
   __syncwarp();
@@ -189,16 +193,30 @@ void launch_gather_rows(X* dst, const X* src, const int32_t* rows, int div, int 
 
 }  // namespace
 
-void moe_route(float* probs, int32_t* topk, float* weights, float* weights_norm, const float* logits, int n_tokens,
-               int E, int K, bool renormalise, cudaStream_t stream) {
+namespace {
+
+void launch_moe_route(float* probs, int32_t* topk, float* id_values, float* weights, float* weights_norm,
+                      const float* logits, int n_tokens, int E, int K, bool renormalise, cudaStream_t stream) {
   if (n_tokens == 0) return;
   if (E > kRouteMaxExperts || K > E)
     throw Error("moe_route: " + std::to_string(E) + " experts, " + std::to_string(K) + " used: the kernel takes at most " +
                 std::to_string(kRouteMaxExperts) + " experts and K <= E");
   launch_pdl(moe_route_kernel, dim3((n_tokens + kRouteWarps - 1) / kRouteWarps), kRouteWarps * 32,
-             kRouteWarps * (E + K) * sizeof(float), stream, probs, topk, weights, weights_norm, logits, n_tokens, E, K,
-             renormalise);
+             kRouteWarps * (E + K) * sizeof(float), stream, probs, topk, id_values, weights, weights_norm, logits,
+             n_tokens, E, K, renormalise);
   check_launch("moe_route", stream);
+}
+
+}  // namespace
+
+void moe_route(float* probs, int32_t* topk, float* weights, float* weights_norm, const float* logits, int n_tokens,
+               int E, int K, bool renormalise, cudaStream_t stream) {
+  launch_moe_route(probs, topk, nullptr, weights, weights_norm, logits, n_tokens, E, K, renormalise, stream);
+}
+
+void moe_route_ids(float* probs, int32_t* topk, float* id_values, float* weights, float* weights_norm,
+                   const float* logits, int n_tokens, int E, int K, bool renormalise, cudaStream_t stream) {
+  launch_moe_route(probs, topk, id_values, weights, weights_norm, logits, n_tokens, E, K, renormalise, stream);
 }
 
 void moe_combine(float* out, const float* down, const float* weights, int n_tokens, int K, int D,

@@ -20,6 +20,11 @@ void moe_route(float* probs /* [T,E] */, int32_t* topk /* [T,K] */, float* weigh
                float* weights_norm /* [T,K] */, const float* logits /* [T,E] */, int n_tokens, int E, int K,
                bool renormalise, cudaStream_t stream);
 
+// The fused twin of moe_route followed by ids_as_values (id_values [T,K] = topk as floats), one launch.
+void moe_route_ids(float* probs /* [T,E] */, int32_t* topk /* [T,K] */, float* id_values /* [T,K] */,
+                   float* weights /* [T,K] */, float* weights_norm /* [T,K] */, const float* logits /* [T,E] */,
+                   int n_tokens, int E, int K, bool renormalise, cudaStream_t stream);
+
 // out[t] = the sum over j = 0..K-1, in that order, of weights[t, j] · down[t, j].
 void moe_combine(float* out /* [T,D] */, const float* down /* [T,K,D] */, const float* weights /* [T,K] */,
                  int n_tokens, int K, int D, cudaStream_t stream);
