@@ -53,21 +53,39 @@ AXIS_METRICS = {"row_rel_l2": ("max_row_rel_l2", True), "head_rel_l2": ("max_hea
 LOGIT_METRICS = {"top1": ("min_top1", False), "kl_max": ("max_kl", True)}
 PRESETS = Path(__file__).resolve().parent.parent / "fixtures" / "tolerances"
 PER_HEAD = {"Qcur", "Kcur", "Vcur", "Qnorm", "Knorm", "Qrope", "Krope", "kqv_out", "cache_k", "cache_v"}
-# Kinds that normalize another kind's rows (Gemma 3's and Qwen3's per-head q/k RMSNorm): a normalization
-# carries its input's relative error through, so its bounds are never tighter than its input's. Without
-# this, a kind measured on fewer models than its input (q/k norms exist in qwen3 and gemma3 only) gets
-# a bound its own input's accepted error exceeds (Gemma 3 270M, H100, f16 pair: Qnorm-0 2.63e-5 against
-# 2e-5, carried in from Qcur-0's 1.87e-5 within Qcur-0's 2.5e-4).
-NORMALIZES = {"Qnorm": "Qcur", "Knorm": "Kcur"}
+# Kinds that normalize another kind's rows (Gemma 3's and Qwen3's per-head q/k RMSNorm, Gemma 3's norms of the
+# attention and FFN outputs): a normalization carries its input's relative error through, row by row, so its bounds
+# are never tighter than its input's. Without this, a kind measured on fewer models than its input (these norms exist
+# in qwen3 and gemma3 only) gets a bound its own input's accepted error exceeds (Gemma 3 270M, H100, f16 pair:
+# Qnorm-0 2.63e-5 against 2e-5, carried in from Qcur-0's 1.87e-5 within Qcur-0's 2.5e-4; the same model on the CPU
+# pair, a 503-token prompt: ffn_post_norm-1's token row 319 at 6.99e-5 against the default's 5.56e-5, carried in
+# from ffn_out-1 within ffn_out-*'s 2.5e-4).
+NORMALIZES = {"Qnorm": "Qcur", "Knorm": "Kcur", "attn_post_norm": "attn_out", "ffn_post_norm": "ffn_out"}
 # Rule keys this script does not measure; when a preset is regenerated they are carried over, rule by
 # rule (same "match"), from the file being replaced.
 CARRIED_KEYS = ("rel_l2_per_position",)
 BOUND_KEYS = ("max_rel_l2", "max_row_rel_l2", "max_head_rel_l2")
 
 
-def floor_normalized(rules):
-    """Raises each NORMALIZES kind's bounds to its input's rule of the same layer pattern (in place)."""
+def floor_normalized(rules, default=None):
+    """Raises each NORMALIZES kind's bounds to its input's rule of the same layer pattern (in place). Where the kind
+    has no rule of that pattern and would fall to the preset's `default`, a rule with the default's bounds is added
+    after its input's and raised the same way; none is added where the default is already no tighter."""
     by_match = {r["match"]: r for r in rules}
+    if default is not None:
+        normalizer = {src: kind for kind, src in NORMALIZES.items()}
+        i = 0
+        while i < len(rules):
+            kind, _, layer = rules[i]["match"].partition("-")
+            i += 1
+            match = f"{normalizer.get(kind)}-{layer}"
+            if kind not in normalizer or not layer or match in by_match:
+                continue
+            added = {"match": match, **{k: default[k] for k in BOUND_KEYS if k in default},
+                     "reason": "no rule of its own: the default's bounds"}
+            rules.insert(i, added)
+            by_match[match] = added
+            i += 1
     for r in rules:
         kind, _, layer = r["match"].partition("-")
         src = by_match.get(f"{NORMALIZES[kind]}-{layer}") if kind in NORMALIZES and layer else None
@@ -79,9 +97,11 @@ def floor_normalized(rules):
             continue
         for k in raised:
             r[k] = src[k]
-        note = f"; raised to {src['match']}'s bounds: a per-head RMSNorm carries its input's relative error through"
+        note = f"; raised to {src['match']}'s bounds: an RMSNorm carries its input's relative error through"
         if note not in r.get("reason", ""):
             r["reason"] = r.get("reason", "") + note
+    # An added rule that nothing raised is the default again: dropped.
+    rules[:] = [r for r in rules if r.get("reason") != "no rule of its own: the default's bounds"]
 
 
 def carry_over(rules, path: Path):
@@ -272,9 +292,9 @@ def emit_preset(args, worst, path: Path):
                 rule["min_cosine"] = float(f"{1 - max(up(up(1 - worst[(b, 'cosine')][0])), 1e-9):.10g}")
             rule["reason"] = f"{args.factor:g}x the worst measured {'at layer 0 ' if layer0 else ''}({where}): {v:.2e} ({w})"
             rules.append(rule)
-    floor_normalized(rules)
-    carry_over(rules, path)
     default = max(r["max_rel_l2"] for r in rules)
+    floor_normalized(rules, {"max_rel_l2": default})
+    carry_over(rules, path)
     preset = {"preset": path.stem, "description": args.description or f"calibrated by scripts/calibrate_tolerances.py ({where})",
               "rules": rules, "default": {"max_rel_l2": default, "reason": "a kind not measured: the loosest bound above"}}
     # The longest context the bounds hold for unscaled: --calibrated-positions, else the replaced file's.
