@@ -336,12 +336,6 @@ __device__ __forceinline__ float byte_2p23(uint32_t v) {
   return __int_as_float(static_cast<int>(__byte_perm(v, 0x4B000000u, 0x7440u | i)));
 }
 
-// Asks L2 for the cache lines of the n bytes at p (a block of a few hundred bytes at most).
-__device__ __forceinline__ void prefetch_block_l2(const uint8_t* p, int n) {
-  for (int off = 0; off < n + int(reinterpret_cast<uintptr_t>(p) & 127); off += 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
-}
-
 // 8 bytes at a 2-byte aligned address.
 __device__ __forceinline__ uint2 ld_u64_a2(const uint8_t* p) { return make_uint2(ld_u32_a2(p), ld_u32_a2(p + 4)); }
 
@@ -467,16 +461,18 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
 #endif
 }
 
+// c += the mma products of one sub-block's decoded rows a (g) and b (g + 8) with xv, lane t's 8 x of the sub-block.
+__device__ __forceinline__ void mma_sub_block(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[4], uint4 xv) {
+  mma_16816(c, a[0], b[0], a[1], b[1], xv.x, xv.y);  // positions 8t + 0..3
+  mma_16816(c, a[2], b[2], a[3], b[3], xv.z, xv.w);  // positions 8t + 4..7
+}
+
 // c += the mma products of one super-block's decoded rows A (g) and B (g + 8) with x at xs (lane t's positions:
 // the super-block's x + 8t).
 __device__ __forceinline__ void mma_super_block(float (&c)[4], const uint32_t (&A)[8][4], const uint32_t (&B)[8][4],
                                                 const __half* xs) {
 #pragma unroll
-  for (int u = 0; u < 8; ++u) {
-    const uint4 xv = *reinterpret_cast<const uint4*>(xs + 32 * u);
-    mma_16816(c, A[u][0], B[u][0], A[u][1], B[u][1], xv.x, xv.y);  // positions 8t + 0..3
-    mma_16816(c, A[u][2], B[u][2], A[u][3], B[u][3], xv.z, xv.w);  // positions 8t + 4..7
-  }
+  for (int u = 0; u < 8; ++u) mma_sub_block(c, A[u], B[u], *reinterpret_cast<const uint4*>(xs + 32 * u));
 }
 
 // This warp's share of a tile's sums: c += the mma products of its super-blocks (warp, warp + kWarps,
@@ -608,8 +604,8 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
       for (int i = 1; i < kFold; ++i) {
         const int sb = warp + i * (kWarps / kFold);
         if (sb < K / Q::kElems) {
-          prefetch_block_l2(wa + int64_t(sb) * Q::kBytes, Q::kBytes);
-          prefetch_block_l2(wb + int64_t(sb) * Q::kBytes, Q::kBytes);
+          prefetch_l2(wa + int64_t(sb) * Q::kBytes, Q::kBytes);
+          prefetch_l2(wb + int64_t(sb) * Q::kBytes, Q::kBytes);
         }
       }
     }
@@ -702,10 +698,7 @@ __device__ __forceinline__ void qgemm_tiles(float (&c)[kMine][4], const uint32_t
 #pragma unroll
     for (int i = 0; i < kMine; ++i) xv[i] = *reinterpret_cast<const uint4*>(xr[i] + at + 32 * u);
 #pragma unroll
-    for (int i = 0; i < kMine; ++i) {
-      mma_16816(c[i], A[u][0], B[u][0], A[u][1], B[u][1], xv[i].x, xv[i].y);  // positions 8t + 0..3
-      mma_16816(c[i], A[u][2], B[u][2], A[u][3], B[u][3], xv[i].z, xv[i].w);  // positions 8t + 4..7
-    }
+    for (int i = 0; i < kMine; ++i) mma_sub_block(c[i], A[u], B[u], xv[i]);
   }
 }
 
