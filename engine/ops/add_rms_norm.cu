@@ -38,7 +38,7 @@ add_rms_norm_kernel(float* sum, Out* out, const float* a, const float* b, const 
       ss += s * s;
     }
   }
-  const float scale = 1.0f / sqrtf(block_sum(ss) / static_cast<float>(D) + eps);
+  const float scale = rms_scale(block_sum(ss), D, eps);
   norm_store(out + row * D, sv, sr, wv, w, D, scale, in_regs);
 }
 

@@ -36,7 +36,7 @@ embedding_rms_norm_kernel(float* x, Out* out, const int32_t* tokens, const W* ta
   }
   float* xr = x + t * D;
   const float ss = norm_sum_squares<true>(xv, D, xr);
-  const float scale = 1.0f / sqrtf(block_sum(ss) / static_cast<float>(D) + eps);
+  const float scale = rms_scale(block_sum(ss), D, eps);
   norm_store(out + t * D, xv, xr, wv, w, D, scale, true);
   pdl_wait();
 }

@@ -42,6 +42,12 @@ __device__ __forceinline__ float block_sum(float v) {
   return total;
 }
 
+// An RMSNorm's scale from its row's sum of squares over D elements: 1 / sqrt(mean + eps), the expression rms_norm,
+// add_rms_norm, embedding_rms_norm and qk_norm_rope share (so that their norms have the same bits).
+__device__ __forceinline__ float rms_scale(float sum_squares, int D, float eps) {
+  return 1.0f / sqrtf(sum_squares / static_cast<float>(D) + eps);
+}
+
 // Row elements per thread that rms_norm and add_rms_norm keep in registers (D ≤ 2048 at 256 threads).
 constexpr int kNormRegs = 8;
 

@@ -23,8 +23,8 @@ static __global__ void __launch_bounds__(kOpThreads)
 qk_norm_rope_kernel(float* q_out, float* k_out, float* k_cache, float* v_cache, float* q, float* k, const float* v,
                     const float* q_w, const float* k_w, float eps, int T, int H, int Hkv, int Dh, const int32_t* pos0,
                     const int32_t* write_pos, float theta, const float* freq_factors) {
-  // Dh (32 · kPer) is also an argument, so that the float arithmetic on it is rms_norm's and rope_qk's, which take
-  // it at run time (a constant divisor could be folded otherwise).
+  // Dh (32 · kPer) is also an argument, so that the float arithmetic on it (rms_scale, rope_pair) is rms_norm's and
+  // rope_qk's, which take it at run time (a constant divisor could be folded otherwise).
   constexpr int kDh = 32 * kPer, half = kDh / 2;
   __shared__ float rows[kRowsPerBlock][kDh];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -47,7 +47,7 @@ qk_norm_rope_kernel(float* q_out, float* k_out, float* k_cache, float* v_cache, 
     float ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) ss += warp_sum(xv[j] * xv[j]);
-    const float scale = 1.0f / sqrtf(ss / static_cast<float>(Dh) + eps);
+    const float scale = rms_scale(ss, Dh, eps);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const float y = xv[j] * scale * wv[j];

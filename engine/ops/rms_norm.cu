@@ -34,7 +34,7 @@ rms_norm_kernel(Out* out, const float* x, const float* w, int D, float eps) {
   } else {
     for (int d = threadIdx.x; d < D; d += kOpThreads) ss += xr[d] * xr[d];
   }
-  const float scale = 1.0f / sqrtf(block_sum(ss) / static_cast<float>(D) + eps);
+  const float scale = rms_scale(block_sum(ss), D, eps);
   norm_store(out + row * D, xv, xr, wv, w, D, scale, in_regs);  // out may alias x: read before
 }
 
