@@ -868,14 +868,9 @@ class CudaEngineImpl final : public CudaEngine {
     MoeBuffers<W>& m = *moe_;
     matmul(m.logits.get(), a.ffn_xn.get(), w.ffn_gate_inp, nullptr, n, D, E, cublas_, stream_);
     cp(sink, step, "ffn_moe_logits", l, m.logits.get(), {n, E});
-    if (plan_.ops.moe_routing.any()) {  // the flawed routing edits the ids after the clean op
-      moe_route(m.probs.get(), m.topk.get(), m.weights.get(), m.weights_norm.get(), m.logits.get(), n, E, K,
-                cfg_.expert_weights_norm, plan_.ops.moe_routing, stream_);
-      ids_as_values(m.ids.get(), m.topk.get(), slots, stream_);
-    } else {  // the ids as values (ffn_moe_topk) written by the routing launch itself
-      moe_route_ids(m.probs.get(), m.topk.get(), m.ids.get(), m.weights.get(), m.weights_norm.get(), m.logits.get(), n,
-                    E, K, cfg_.expert_weights_norm, stream_);
-    }
+    // The ids also as values (ffn_moe_topk), written by the routing launch.
+    moe_route_ids(m.probs.get(), m.topk.get(), m.ids.get(), m.weights.get(), m.weights_norm.get(), m.logits.get(), n, E,
+                  K, cfg_.expert_weights_norm, plan_.ops.moe_routing, stream_);
     cp(sink, step, "ffn_moe_probs", l, m.probs.get(), {n, E});
     cp(sink, step, "ffn_moe_topk", l, m.ids.get(), {n, K});
     cp(sink, step, "ffn_moe_weights", l, m.weights.get(), {n, K});

@@ -1044,7 +1044,7 @@ TEST(EngineOps, MoeRouteMatchesReference) {
                       1e-6);
           }
         }
-        // The fused twin with ids_as_values: every output bit-identical, the ids also as values.
+        // moe_route_ids: every output bit-identical to moe_route's, and the ids also as values.
         DeviceArray<float> l2(logits), p2(std::vector<float>(logits.size(), std::nanf("")));
         DeviceArray<int32_t> ids2(std::vector<int32_t>(size_t(T) * K, -7));
         DeviceArray<float> v2(std::vector<float>(size_t(T) * K, -7.0f)), w2(std::vector<float>(size_t(T) * K)),

@@ -308,9 +308,9 @@ void wrong_leading_dimension(__half* out, const __half* w, int N, int K, cudaStr
 namespace {
 
 // After the clean moe_route: token t's choice edited by the flaws, as reference_cpu/faults/fault_ops.cpp does.
-static __global__ void moe_route_flaws_kernel(int32_t* topk, float* weights, float* weights_norm, const float* logits,
-                                              const float* probs, int n_tokens, int E, int K, bool renormalise,
-                                              MoeRoutingFlaws flaws) {
+static __global__ void moe_route_flaws_kernel(int32_t* topk, float* id_values, float* weights, float* weights_norm,
+                                              const float* logits, const float* probs, int n_tokens, int E, int K,
+                                              bool renormalise, MoeRoutingFlaws flaws) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= n_tokens) return;
   const float* l = logits + size_t(t) * E;
@@ -330,17 +330,19 @@ static __global__ void moe_route_flaws_kernel(int32_t* topk, float* weights, flo
   for (int j = 0; j < K; ++j) w_sum += w[j];
   const bool norm = renormalise && !flaws.not_renormalised;
   for (int j = 0; j < K; ++j) wn[j] = norm ? w[j] / fmaxf(w_sum, 6.103515625e-5f) : w[j];
+  for (int j = 0; j < K; ++j) id_values[size_t(t) * K + j] = static_cast<float>(ids[j]);  // as edited
 }
 
 }  // namespace
 
-void moe_route(float* probs, int32_t* topk, float* weights, float* weights_norm, const float* logits, int n_tokens,
-               int E, int K, bool renormalise, MoeRoutingFlaws flaws, cudaStream_t stream) {
-  moe_route(probs, topk, weights, weights_norm, logits, n_tokens, E, K, renormalise, stream);
+void moe_route_ids(float* probs, int32_t* topk, float* id_values, float* weights, float* weights_norm,
+                   const float* logits, int n_tokens, int E, int K, bool renormalise, MoeRoutingFlaws flaws,
+                   cudaStream_t stream) {
+  moe_route_ids(probs, topk, id_values, weights, weights_norm, logits, n_tokens, E, K, renormalise, stream);
   if (!flaws.any() || n_tokens == 0) return;
   constexpr int kThreads = 64;
   moe_route_flaws_kernel<<<(n_tokens + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      topk, weights, weights_norm, logits, probs, n_tokens, E, K, renormalise, flaws);
+      topk, id_values, weights, weights_norm, logits, probs, n_tokens, E, K, renormalise, flaws);
   check_launch("moe_route (flawed)", stream);
 }
 

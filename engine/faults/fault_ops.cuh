@@ -93,12 +93,14 @@ void square(float* out, const float* w, int64_t n, cudaStream_t stream);
 void wrong_leading_dimension(float* out, const float* w, int N, int K, cudaStream_t stream);
 void wrong_leading_dimension(__half* out, const __half* w, int N, int K, cudaStream_t stream);
 
-// moe_route with its flaws (model/op_variants.hpp): the clean op without any; with them, the clean op and then its
-// choice edited per token as the reference's entry point edits it (reference_cpu/faults/fault_ops.hpp):
-// id_off_by_one takes expert id + 1 (mod E) and its probability, softmax_over_topk reweighs the K selected by a
-// softmax of their logits, not_renormalised leaves weights_norm the weights.
-void moe_route(float* probs, int32_t* topk, float* weights, float* weights_norm, const float* logits, int n_tokens,
-               int E, int K, bool renormalise, MoeRoutingFlaws flaws, cudaStream_t stream);
+// moe_route_ids (moe_route and the ids as values) with moe_route's flaws (model/op_variants.hpp): the clean op
+// without any; with them, the clean op and then its choice edited per token as the reference's moe_route entry point
+// edits it (reference_cpu/faults/fault_ops.hpp), the values rewritten from the edited ids: id_off_by_one takes
+// expert id + 1 (mod E) and its probability, softmax_over_topk reweighs the K selected by a softmax of their logits,
+// not_renormalised leaves weights_norm the weights.
+void moe_route_ids(float* probs, int32_t* topk, float* id_values, float* weights, float* weights_norm,
+                   const float* logits, int n_tokens, int E, int K, bool renormalise, MoeRoutingFlaws flaws,
+                   cudaStream_t stream);
 
 // scale_rows with moe_shared_expert_gate_skipped: the clean op without it; out = shexp unscaled with it.
 void scale_rows(float* out, const float* shexp, const float* gate, int n_tokens, int D, bool gate_skipped,

@@ -76,7 +76,7 @@ static __global__ void moe_route_kernel(float* probs, int32_t* topk, float* id_v
     if (best % 32 == lane) taken |= 1u << (best / 32);
     if (lane == 0) {
       ids[j] = best, ws[j] = bp;
-      if (id_values) id_values[size_t(t) * K + j] = static_cast<float>(best);  // ids_as_values' conversion
+      if (id_values) id_values[size_t(t) * K + j] = static_cast<float>(best);  // ffn_moe_topk holds the ids as values
     }
     w_sum += bp;
   }
@@ -167,13 +167,6 @@ static __global__ void gather_experts_kernel(ExpertStacks s, const float* ids, i
   } else {
     for (uint64_t j = first; j < bytes; j += stride) dst[j] = src[j];
   }
-}
-
-static __global__ void ids_as_values_kernel(float* out, const int32_t* ids, int64_t n) {
-  pdl_wait();
-  pdl_trigger();
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = static_cast<float>(ids[i]);
 }
 
 template <typename X>
@@ -275,10 +268,5 @@ void gather_experts(const ExpertStacks& stacks, const float* ids, int K, int E, 
   check_launch("gather_experts", stream);
 }
 
-void ids_as_values(float* out, const int32_t* ids, int64_t n, cudaStream_t stream) {
-  if (n == 0) return;
-  launch_pdl(ids_as_values_kernel, op_grid(n), kOpThreads, 0, stream, out, ids, n);
-  check_launch("ids_as_values", stream);
-}
 
 }  // namespace diffrun::engine

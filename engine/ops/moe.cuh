@@ -20,7 +20,8 @@ void moe_route(float* probs /* [T,E] */, int32_t* topk /* [T,K] */, float* weigh
                float* weights_norm /* [T,K] */, const float* logits /* [T,E] */, int n_tokens, int E, int K,
                bool renormalise, cudaStream_t stream);
 
-// The fused twin of moe_route followed by ids_as_values (id_values [T,K] = topk as floats), one launch.
+// moe_route that also writes the ids as values, as the ffn_moe_topk checkpoint holds them (id_values [T,K] = topk as
+// floats), in the same launch.
 void moe_route_ids(float* probs /* [T,E] */, int32_t* topk /* [T,K] */, float* id_values /* [T,K] */,
                    float* weights /* [T,K] */, float* weights_norm /* [T,K] */, const float* logits /* [T,E] */,
                    int n_tokens, int E, int K, bool renormalise, cudaStream_t stream);
@@ -63,8 +64,5 @@ void gather_rows(__half* dst, const __half* src, const int32_t* rows, int div, i
 
 // dst row rows[i] = src row i, for i < n; width cols.
 void scatter_rows(float* dst, const float* src, const int32_t* rows, int n, int cols, cudaStream_t stream);
-
-// out[i] = ids[i] as a float: the expert ids as the ffn_moe_topk checkpoint holds them.
-void ids_as_values(float* out, const int32_t* ids, int64_t n, cudaStream_t stream);
 
 }  // namespace diffrun::engine
