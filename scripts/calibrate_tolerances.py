@@ -72,20 +72,17 @@ def floor_normalized(rules, default=None):
     has no rule of that pattern and would fall to the preset's `default`, a rule with the default's bounds is added
     after its input's and raised the same way; none is added where the default is already no tighter."""
     by_match = {r["match"]: r for r in rules}
+    added = set()  # matches of the rules added here
     if default is not None:
         normalizer = {src: kind for kind, src in NORMALIZES.items()}
-        i = 0
-        while i < len(rules):
+        for i in range(len(rules) - 1, -1, -1):  # backwards, so that an insertion moves no rule still to visit
             kind, _, layer = rules[i]["match"].partition("-")
-            i += 1
             match = f"{normalizer.get(kind)}-{layer}"
-            if kind not in normalizer or not layer or match in by_match:
-                continue
-            added = {"match": match, **{k: default[k] for k in BOUND_KEYS if k in default},
-                     "reason": "no rule of its own: the default's bounds"}
-            rules.insert(i, added)
-            by_match[match] = added
-            i += 1
+            if kind in normalizer and layer and match not in by_match:
+                by_match[match] = {"match": match, **{k: default[k] for k in BOUND_KEYS if k in default}, "reason": ""}
+                rules.insert(i + 1, by_match[match])
+                added.add(match)
+    raised_any = set()
     for r in rules:
         kind, _, layer = r["match"].partition("-")
         src = by_match.get(f"{NORMALIZES[kind]}-{layer}") if kind in NORMALIZES and layer else None
@@ -95,13 +92,16 @@ def floor_normalized(rules, default=None):
         raised = [k for k in BOUND_KEYS if k in src and (k == "max_rel_l2" or k in r) and src[k] > r.get(k, 0)]
         if not raised:
             continue
+        raised_any.add(r["match"])
         for k in raised:
             r[k] = src[k]
-        note = f"; raised to {src['match']}'s bounds: an RMSNorm carries its input's relative error through"
-        if note not in r.get("reason", ""):
-            r["reason"] = r.get("reason", "") + note
-    # An added rule that nothing raised is the default again: dropped.
-    rules[:] = [r for r in rules if r.get("reason") != "no rule of its own: the default's bounds"]
+        note = f"raised to {src['match']}'s bounds: an RMSNorm carries its input's relative error through"
+        if r["match"] in added:
+            r["reason"] = f"no rule of its own: the default's bounds, {note}"
+        elif note not in r.get("reason", ""):
+            r["reason"] = r.get("reason", "") + "; " + note
+    # An added rule that nothing raised is the default again.
+    rules[:] = [r for r in rules if r["match"] not in added or r["match"] in raised_any]
 
 
 def carry_over(rules, path: Path):
