@@ -310,6 +310,16 @@ TEST(EngineModel, HooksDoNotChangeResultsAndGraphDecodeMatches) {
   }
 }
 
+// The engine with every fused kernel off (the knobs the fused-vs-unfused tests turn off together).
+std::unique_ptr<CudaEngine> make_unfused_engine(const Models& m, const char* precision, int ctx) {
+  const char* knobs[] = {"DIFFRUN_SWIGLU_IN_GEMV", "DIFFRUN_ROPE_IN_GEMV", "DIFFRUN_EMBEDDING_NORM_FUSED",
+                         "DIFFRUN_LM_HEAD_ARGMAX", "DIFFRUN_QK_NORM_IN_ROPE"};
+  for (const char* v : knobs) setenv(v, "0", 1);
+  auto e = make_cuda_engine(*m.file, m.cfg, precision, ctx);
+  for (const char* v : knobs) unsetenv(v);
+  return e;
+}
+
 // Recording never changes which kernels run (DESIGN.md, "Observing the production path"): one engine
 // records every checkpoint of every step, a second records nothing (forward, the graph with the logits
 // copy), a third runs forward_argmax (generate's and the benchmark's graph). The logits and argmax of
@@ -326,11 +336,9 @@ void expect_recording_is_production(const std::string& path, int decode_steps) {
     auto recorded = make_cuda_engine(*m.file, m.cfg, precision, ctx);
     auto plain = make_cuda_engine(*m.file, m.cfg, precision, ctx);
     auto argmaxer = make_cuda_engine(*m.file, m.cfg, precision, ctx);
-    const char* off[] = {"DIFFRUN_CUDA_GRAPHS", "DIFFRUN_SWIGLU_IN_GEMV", "DIFFRUN_ROPE_IN_GEMV",
-                         "DIFFRUN_EMBEDDING_NORM_FUSED", "DIFFRUN_LM_HEAD_ARGMAX", "DIFFRUN_QK_NORM_IN_ROPE"};
-    for (const char* v : off) setenv(v, "0", 1);
-    auto unfused = make_cuda_engine(*m.file, m.cfg, precision, ctx);
-    for (const char* v : off) unsetenv(v);
+    setenv("DIFFRUN_CUDA_GRAPHS", "0", 1);
+    auto unfused = make_unfused_engine(m, precision, ctx);
+    unsetenv("DIFFRUN_CUDA_GRAPHS");
     MemorySink all, all_unfused;
     NullSink none;
     std::vector<int32_t> tokens = prompt_ids(m.cfg.n_vocab, 7);
@@ -498,17 +506,7 @@ TEST(EngineModel, FusedDecodeMatchesUnfusedDecode) {
     SCOPED_TRACE(std::string(fixture) + " " + precision);
     Models m = open_model(test::fixture_path(fixture));
     auto fused = make_cuda_engine(*m.file, m.cfg, precision, 32);
-    setenv("DIFFRUN_SWIGLU_IN_GEMV", "0", 1);
-    setenv("DIFFRUN_ROPE_IN_GEMV", "0", 1);
-    setenv("DIFFRUN_EMBEDDING_NORM_FUSED", "0", 1);
-    setenv("DIFFRUN_LM_HEAD_ARGMAX", "0", 1);
-    setenv("DIFFRUN_QK_NORM_IN_ROPE", "0", 1);
-    auto unfused = make_cuda_engine(*m.file, m.cfg, precision, 32);
-    unsetenv("DIFFRUN_SWIGLU_IN_GEMV");
-    unsetenv("DIFFRUN_ROPE_IN_GEMV");
-    unsetenv("DIFFRUN_EMBEDDING_NORM_FUSED");
-    unsetenv("DIFFRUN_LM_HEAD_ARGMAX");
-    unsetenv("DIFFRUN_QK_NORM_IN_ROPE");
+    auto unfused = make_unfused_engine(m, precision, 32);
     EXPECT_EQ(unfused->facts().at("qk_norm_in_rope"), "off");
     EXPECT_EQ(fused->facts().at("swiglu_in_gate_up_gemv"), "one-token steps, recorded or not");
     EXPECT_EQ(fused->facts().at("rope_in_qkv_gemv"), "one-token steps, recorded or not");
