@@ -442,11 +442,6 @@ struct MmaLane<Q6_K> {  // ql[128], qh[64], scales[16] (int8), d; sub-block u = 
   }
 };
 
-// Super-blocks a warp loads ahead (mma_chains_preloaded): as many as keep a format's raw bytes for two rows within
-// about 80 registers (three of Q4_K or Q5_K: the downs of Qwen3-30B-A3B's experts at K = 768).
-template <typename Q>
-constexpr int kMmaPreload = sizeof(typename MmaLane<Q>::Raw) <= 64 ? 3 : 2;
-
 // c += A·B for one m16n8k16 tile (A row-major f16, B column-major f16, f32 accumulators).
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                           uint32_t b0, uint32_t b1) {
@@ -486,31 +481,6 @@ __device__ __forceinline__ void mma_tile_sums(const uint8_t* wa, const uint8_t* 
     MmaLane<Q>::decode(wa + int64_t(sb) * Q::kBytes, t, A);
     MmaLane<Q>::decode(wb + int64_t(sb) * Q::kBytes, t, B);
     mma_super_block(c, A, B, x + int64_t(sb) * Q::kElems + 8 * t);
-  }
-}
-
-// c[i] += the mma products of super-block sb[i] of the rows at wa (A rows g) and wb (rows g + 8) with x, for i < n
-// (n <= kN): the raw bytes of all n loaded before the first is decoded, so that the warp waits on memory once, not
-// n times. Each c[i] is what mma_tile_sums makes of a chain of that one super-block.
-template <typename Q, int kN>
-__device__ __forceinline__ void mma_chains_preloaded(const uint8_t* wa, const uint8_t* wb, const __half* x,
-                                                     const int (&sb)[kN], int n, int t, float (&c)[kN][4]) {
-  typename MmaLane<Q>::Raw ra[kN], rb[kN];
-#pragma unroll
-  for (int i = 0; i < kN; ++i) {
-    if (i < n) {
-      ra[i] = MmaLane<Q>::load(wa + int64_t(sb[i]) * Q::kBytes, t);
-      rb[i] = MmaLane<Q>::load(wb + int64_t(sb[i]) * Q::kBytes, t);
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < kN; ++i) {
-    if (i < n) {
-      uint32_t A[8][4], B[8][4];
-      MmaLane<Q>::decode(ra[i], t, A);
-      MmaLane<Q>::decode(rb[i], t, B);
-      mma_super_block(c[i], A, B, x + int64_t(sb[i]) * Q::kElems + 8 * t);
-    }
   }
 }
 
@@ -598,18 +568,6 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
   const __half* xt = x_group > 0 ? x + int64_t(blockIdx.x * 16 / x_group) * K : x;
   const uint8_t* wa = gemv_row_blocks(w, ra < rows ? ra : 0, row_bytes, ex);
   const uint8_t* wb = gemv_row_blocks(w, rb < rows ? rb : 0, row_bytes, ex);
-  if constexpr (kFold > 1) {  // the later chains' first blocks asked of L2 while the first chain's are read and decoded
-    if (t == 0) {
-#pragma unroll
-      for (int i = 1; i < kFold; ++i) {
-        const int sb = warp + i * (kWarps / kFold);
-        if (sb < K / Q::kElems) {
-          prefetch_l2(wa + int64_t(sb) * Q::kBytes, Q::kBytes);
-          prefetch_l2(wb + int64_t(sb) * Q::kBytes, Q::kBytes);
-        }
-      }
-    }
-  }
 #pragma unroll
   for (int i = 0; i < kFold; ++i) mma_tile_sums<Q, kWarps>(wa, wb, xt, K, warp + i * (kWarps / kFold), t, c[i]);
   mma_tile_finish<kEpi, kWarps, kFold>(parts, row0, rows, gemv_rope_with(rope, at), act, c, warp, g, t);
@@ -620,10 +578,8 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
 // as the grouped launch's kWarps warps sum it (one sum per warp of super-blocks w, w + kWarps, ..., added in warp
 // order: here in turn by the slot's warp), and the slots' rows weighted and added as moe_combine adds them.
 constexpr int kDownCombineMaxSlots = 16;
-// kMaxSlots (8 or kDownCombineMaxSlots): the launch's bound on slots, so that a launch of 8 warps may keep the
-// preloaded blocks in registers.
-template <typename Q, int kWarps, int kMaxSlots>
-static __global__ void __launch_bounds__(kMaxSlots * 32)
+template <typename Q, int kWarps>
+static __global__ void __launch_bounds__(kDownCombineMaxSlots * 32)
 qgemv_experts_down_combine_kernel(float* __restrict__ down, float* __restrict__ out, const __half* __restrict__ x,
                                   const uint64_t* __restrict__ table, const float* __restrict__ ids,
                                   const float* __restrict__ weights, int E, int N, int K) {
@@ -638,29 +594,12 @@ qgemv_experts_down_combine_kernel(float* __restrict__ down, float* __restrict__ 
   const uint8_t* w = reinterpret_cast<const uint8_t*>(table[e]) + int64_t(row0) * row_bytes;
   const __half* xs = x + int64_t(slot) * K;
   float ya = 0.0f, yb = 0.0f;  // rows g and g + 8
-  constexpr int kPre = kMmaPreload<Q>;
-  const int nb = K / Q::kElems;
-  if (nb <= kPre) {  // the grouped launch's warp w < nb holds super-block w alone (kPre <= kWarps): all loaded at once
-    int sb[kPre];
 #pragma unroll
-    for (int i = 0; i < kPre; ++i) sb[i] = i;
-    float c[kPre][4] = {};
-    mma_chains_preloaded<Q, kPre>(w + int64_t(g) * row_bytes, w + int64_t(g + 8) * row_bytes, xs, sb, nb, t, c);
-#pragma unroll
-    for (int i = 0; i < kPre; ++i) {
-      if (i < nb) {  // the warps past nb add the zeros that change nothing
-        ya += c[i][0];
-        yb += c[i][2];
-      }
-    }
-  } else {
-#pragma unroll
-    for (int warp = 0; warp < kWarps; ++warp) {
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      mma_tile_sums<Q, kWarps>(w + int64_t(g) * row_bytes, w + int64_t(g + 8) * row_bytes, xs, K, warp, t, c);
-      ya += c[0];
-      yb += c[2];
-    }
+  for (int warp = 0; warp < kWarps; ++warp) {
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma_tile_sums<Q, kWarps>(w + int64_t(g) * row_bytes, w + int64_t(g + 8) * row_bytes, xs, K, warp, t, c);
+    ya += c[0];
+    yb += c[2];
   }
   if (t == 0) {
     down[int64_t(slot) * N + row0 + g] = value[slot][g] = ya;
@@ -1096,14 +1035,12 @@ bool qgemv_experts_down_combine(GgmlType t, float* down, float* out, const __hal
   dispatch(t, "qgemv_experts_down_combine", [&](auto q) {
     using Q = decltype(q);
     if constexpr (kHasMmaLane<Q>) {
-      const auto launch = [&](auto kernel) {
-        launch_pdl(kernel, tiles, n_slots * 32, 0, stream, down, out, x, table, ids, weights, E, N, K);
-      };
-      const bool few = n_slots <= 8;
-      if (wide && few) launch(qgemv_experts_down_combine_kernel<Q, 16, 8>);
-      else if (wide) launch(qgemv_experts_down_combine_kernel<Q, 16, kDownCombineMaxSlots>);
-      else if (few) launch(qgemv_experts_down_combine_kernel<Q, 8, 8>);
-      else launch(qgemv_experts_down_combine_kernel<Q, 8, kDownCombineMaxSlots>);
+      if (wide)
+        launch_pdl(qgemv_experts_down_combine_kernel<Q, 16>, tiles, n_slots * 32, 0, stream, down, out, x, table,
+                   ids, weights, E, N, K);
+      else
+        launch_pdl(qgemv_experts_down_combine_kernel<Q, 8>, tiles, n_slots * 32, 0, stream, down, out, x, table, ids,
+                   weights, E, N, K);
     }
   });
   check_launch("qgemv_experts_down_combine", stream);
