@@ -95,6 +95,11 @@ bool qgemv_mma_enabled() {
   return enabled;
 }
 
+bool down_combine_split_enabled() {
+  static const bool enabled = !switched_off("DIFFRUN_DOWN_COMBINE_SPLIT");
+  return enabled;
+}
+
 void set_op_context(int step, int layer) {
   g_step = step;
   g_layer = layer;

@@ -46,6 +46,11 @@ std::string gemv_rows_per_warp_name();
 // capability 8.0 and later unless DIFFRUN_QGEMV_MMA=0 (the SIMT kernel of the other formats then).
 bool qgemv_mma_enabled();
 
+// The one-token MoE downs+sum (qgemv_experts_down_combine, read once): a warp for each of the grouped GEMV's warps
+// that holds super-blocks, where they fit a block, unless DIFFRUN_DOWN_COMBINE_SPLIT=0 (one warp a slot). The same
+// values either way.
+bool down_combine_split_enabled();
+
 // Where the forward pass is (step, layer; layer -1 outside layers), named in op errors. Cheap.
 void set_op_context(int step, int layer);
 

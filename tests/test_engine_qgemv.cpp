@@ -379,6 +379,56 @@ TEST(EngineQgemv, ExpertsInPlaceMatchGatheredExperts) {
   }
 }
 
+// The one-token downs+sum at the K of real experts (qgemv_experts_down_combine: a warp for each of the grouped launch's
+// warps that holds super-blocks where they fit a block, else a warp a slot) against the grouped launch on the
+// gathered experts and moe_combine: rows and sum bit-identical. Qwen3-30B-A3B's 8 slots at K 768 (3 warps a slot),
+// 4 slots, 3 slots at K 2304 (8 warps a slot, one of them with two super-blocks), 8 slots of K 2304 or 4096 (a warp
+// a slot), and one slot at N and K 4096 (a 16-warp grouped launch: 16 warps).
+TEST(EngineQgemv, DownCombineMatchesGroupedThenCombine) {
+  DIFFRUN_REQUIRE_CUDA();
+  if (!engine::qgemv_mma_enabled()) GTEST_SKIP() << "the tensor-core GEMV is off on this device";
+  struct Case {
+    int n_slots, D, Fk;
+  };
+  for (GgmlType t : {GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K})
+    for (const Case& c : {Case{8, 2048, 768}, Case{4, 512, 768}, Case{3, 256, 2304}, Case{8, 256, 2304},
+                          Case{8, 512, 4096}, Case{1, 4096, 4096}}) {
+      SCOPED_TRACE(std::string(ggml_type_name(t)) + " slots " + std::to_string(c.n_slots) + " D " +
+                   std::to_string(c.D) + " K " + std::to_string(c.Fk));
+      const int E = 5, D = c.D, Fk = c.Fk, n_slots = c.n_slots;
+      const int64_t dn_bytes = int64_t(D) * (Fk / 256) * ggml_block_bytes(t);
+      const std::vector<uint8_t> down = random_rows(format_of(t), int64_t(E) * D, Fk, 860 + static_cast<uint32_t>(t));
+      std::vector<float> ids(n_slots);
+      std::vector<uint8_t> gathered;
+      for (int s = 0; s < n_slots; ++s) {
+        const int e = (s * 3 + 1) % E;
+        ids[s] = static_cast<float>(e);
+        gathered.insert(gathered.end(), down.begin() + e * dn_bytes, down.begin() + (e + 1) * dn_bytes);
+      }
+      DeviceArray<uint8_t> d_down(down), d_gathered(gathered);
+      std::vector<uint64_t> table(E);
+      for (int e = 0; e < E; ++e) table[e] = reinterpret_cast<uint64_t>(d_down.get() + e * dn_bytes);
+      DeviceArray<uint64_t> d_table(table);
+      DeviceArray<float> d_ids(ids);
+      const std::vector<float> a32 = random_floats(size_t(n_slots) * Fk, 870, 1.0f);
+      std::vector<__half> act(a32.size());
+      for (size_t i = 0; i < a32.size(); ++i) act[i] = __float2half_rn(a32[i]);
+      DeviceArray<__half> d_act(act);
+      std::vector<float> w(n_slots);
+      for (int s = 0; s < n_slots; ++s) w[s] = 0.125f * float(s + 1) - 0.3f;
+      DeviceArray<float> d_w(w);
+      const std::vector<float> nan_d(size_t(n_slots) * D, std::nanf("")), nan_1(D, std::nanf(""));
+      DeviceArray<float> o1(nan_d), o2(nan_d), sum1(nan_1), sum2(nan_1);
+      ASSERT_TRUE(engine::qgemv_grouped(t, o1.get(), d_act.get(), d_gathered.get(), n_slots * D, D, Fk, nullptr));
+      engine::moe_combine(sum1.get(), o1.get(), d_w.get(), 1, n_slots, D, nullptr);
+      ASSERT_TRUE(engine::qgemv_experts_down_combine(t, o2.get(), sum2.get(), d_act.get(), d_table.get(), d_ids.get(),
+                                                     d_w.get(), E, n_slots, D, Fk, nullptr));
+      EXPECT_EQ(o2.download(), o1.download());
+      EXPECT_EQ(sum2.download(), sum1.download());
+      TEST_CUDA_CHECK(cudaGetLastError());
+    }
+}
+
 // A step of several tokens' experts in one launch on the slots' rows in place (qgemm_experts) against the one-token
 // qgemv of each slot's expert on its row alone: bit-identical, every K-quant format, shapes whose warps take one
 // super-block each (decoded once for a whole group) and more (K 2304: 9 super-blocks on 8 warps), 8- and 16-warp

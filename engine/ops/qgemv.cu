@@ -574,18 +574,24 @@ qgemv_mma_kernel(GemvParts parts, int row0, int rows, const __half* __restrict__
 }
 
 // A one-token MoE step's n_slots down projections, read where they lie, and their weighted sum
-// (qgemv_experts_down_combine): block b computes rows 16b..16b+15 of every slot, warp s slot s. Each row is summed
-// as the grouped launch's kWarps warps sum it (one sum per warp of super-blocks w, w + kWarps, ..., added in warp
-// order: here in turn by the slot's warp), and the slots' rows weighted and added as moe_combine adds them.
+// (qgemv_experts_down_combine): block b computes rows 16b..16b+15 of every slot. Each row is summed as the grouped
+// launch's kWarps warps sum it: one sum per warp of super-blocks w, w + kWarps, ..., added in warp order. A slot has
+// P warps of the block (slot s: warps sP..sP+P-1): with P = 1 its warp computes the grouped launch's warps in turn;
+// with P = min(K / 256, kWarps) (where n_slots · P warps fit a block) warp w computes the grouped launch's warp w
+// alone, so that each waits on memory once and not once a super-block (the downs of Qwen3-30B-A3B's experts at K =
+// 768: three warps a slot). The grouped launch's warps past the super-blocks add zeros, which change nothing, and are
+// left out. The slots' rows are then weighted and added as moe_combine adds them.
 constexpr int kDownCombineMaxSlots = 16;
+constexpr int kDownCombineMaxWarps = 24;  // 768 threads: 80 registers a thread for the K-quant decode
 template <typename Q, int kWarps>
-static __global__ void __launch_bounds__(kDownCombineMaxSlots * 32)
+static __global__ void __launch_bounds__(kDownCombineMaxWarps * 32)
 qgemv_experts_down_combine_kernel(float* __restrict__ down, float* __restrict__ out, const __half* __restrict__ x,
                                   const uint64_t* __restrict__ table, const float* __restrict__ ids,
-                                  const float* __restrict__ weights, int E, int N, int K) {
+                                  const float* __restrict__ weights, int E, int N, int K, int P) {
+  __shared__ float part[kDownCombineMaxWarps][16];
   __shared__ float value[kDownCombineMaxSlots][16];
-  const int slot = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int n_slots = blockDim.x / 32, row0 = blockIdx.x * 16;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int slot = warp / P, n_slots = blockDim.x / 32 / P, row0 = blockIdx.x * 16;
   pdl_wait();
   pdl_trigger();
   const float v = ids[slot];  // clamped as gemv_row_blocks clamps
@@ -593,17 +599,34 @@ qgemv_experts_down_combine_kernel(float* __restrict__ down, float* __restrict__ 
   const int64_t row_bytes = int64_t(K / Q::kElems) * Q::kBytes;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(table[e]) + int64_t(row0) * row_bytes;
   const __half* xs = x + int64_t(slot) * K;
-  float ya = 0.0f, yb = 0.0f;  // rows g and g + 8
+  float ya = 0.0f, yb = 0.0f;  // rows g and g + 8: the slot's sums (P = 1), or grouped warp (warp % P)'s
+  if (P == 1) {
 #pragma unroll
-  for (int warp = 0; warp < kWarps; ++warp) {
+    for (int gw = 0; gw < kWarps; ++gw) {
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_tile_sums<Q, kWarps>(w + int64_t(g) * row_bytes, w + int64_t(g + 8) * row_bytes, xs, K, gw, t, c);
+      ya += c[0];
+      yb += c[2];
+    }
+  } else {
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    mma_tile_sums<Q, kWarps>(w + int64_t(g) * row_bytes, w + int64_t(g + 8) * row_bytes, xs, K, warp, t, c);
-    ya += c[0];
-    yb += c[2];
+    mma_tile_sums<Q, kWarps>(w + int64_t(g) * row_bytes, w + int64_t(g + 8) * row_bytes, xs, K, warp % P, t, c);
+    ya = c[0];
+    yb = c[2];
   }
   if (t == 0) {
-    down[int64_t(slot) * N + row0 + g] = value[slot][g] = ya;
-    down[int64_t(slot) * N + row0 + g + 8] = value[slot][g + 8] = yb;
+    part[warp][g] = ya;
+    part[warp][g + 8] = yb;
+  }
+  __syncthreads();
+  if (threadIdx.x < n_slots * 16) {  // thread 16s + r: slot s's row r, its warps' sums in warp order
+    const int s = threadIdx.x / 16, r = threadIdx.x % 16;
+    float y = part[s * P][r];
+    if (P > 1) {
+      y = 0.0f;
+      for (int i = 0; i < P; ++i) y += part[s * P + i][r];
+    }
+    down[int64_t(s) * N + row0 + r] = value[s][r] = y;
   }
   __syncthreads();
   if (threadIdx.x < 16) {
@@ -1035,12 +1058,15 @@ bool qgemv_experts_down_combine(GgmlType t, float* down, float* out, const __hal
   dispatch(t, "qgemv_experts_down_combine", [&](auto q) {
     using Q = decltype(q);
     if constexpr (kHasMmaLane<Q>) {
+      const int warps = wide ? 16 : 8, chains = std::min(K / Q::kElems, warps);
+      const int P = n_slots * chains <= kDownCombineMaxWarps && down_combine_split_enabled() ? chains : 1;
+      const unsigned threads = static_cast<unsigned>(n_slots * P * 32);
       if (wide)
-        launch_pdl(qgemv_experts_down_combine_kernel<Q, 16>, tiles, n_slots * 32, 0, stream, down, out, x, table,
-                   ids, weights, E, N, K);
+        launch_pdl(qgemv_experts_down_combine_kernel<Q, 16>, tiles, threads, 0, stream, down, out, x, table, ids,
+                   weights, E, N, K, P);
       else
-        launch_pdl(qgemv_experts_down_combine_kernel<Q, 8>, tiles, n_slots * 32, 0, stream, down, out, x, table, ids,
-                   weights, E, N, K);
+        launch_pdl(qgemv_experts_down_combine_kernel<Q, 8>, tiles, threads, 0, stream, down, out, x, table, ids,
+                   weights, E, N, K, P);
     }
   });
   check_launch("qgemv_experts_down_combine", stream);
