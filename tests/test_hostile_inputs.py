@@ -251,3 +251,15 @@ def test_the_side_by_side_benchmark_refuses_a_gpu_count_it_cannot_have(args, say
     # scripts/bench_vs_llamacpp.sh --tp N checks the host's GPUs before it builds or runs anything.
     r = subprocess.run(["scripts/bench_vs_llamacpp.sh", *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and says in r.stderr, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--llama-bench", "no/such/llama-bench", "m.gguf"], "--llama-bench no/such/llama-bench: no such executable file"),
+    (["--llama-bench", "README.md", "m.gguf"], "--llama-bench README.md: no such executable file"),
+    (["--llama-bench", "scripts/setup", "--llamacpp-tar", "x.tgz", "m.gguf"],
+     "--llama-bench and --llamacpp-tar: give one"),
+])
+def test_the_side_by_side_benchmark_refuses_a_llama_bench_it_cannot_run(args, says):
+    # --llama-bench FILE is checked before anything is built or run.
+    r = subprocess.run(["scripts/bench_vs_llamacpp.sh", *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stderr, r.stdout + r.stderr
