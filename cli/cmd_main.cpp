@@ -453,7 +453,8 @@ int run_main(const MainOptions& o) {
   drop_tp_pair_if_too_large(*file, cfg, o, static_cast<int>(needed), static_cast<int>(ids.size()), pairs, progress);
   uint64_t held_bytes = 0;  // a reference's checkpoints in memory, the cache whole
   const DumpWriterOptions wopt = plan_dump_size(cfg, static_cast<int64_t>(ids.size()), o.steps, filter, o.size,
-                                                [&](const std::string& s) { progress.message(s); }, &held_bytes);
+                                                [&](const std::string& s) { progress.message(s); }, &held_bytes,
+                                                parse_dump_mode(o.dump) != DumpMode::none);
   const uint64_t hold_limit = isolation_hold_limit();
   const std::string prompt = prompt_text(*file, o.prompt);
   const PipelineOptions popt = pipeline_options(o, parse_dump_mode(o.dump), filter, wopt, prompt);

@@ -326,7 +326,7 @@ void DumpSizeOptions::add_options(CLI::App& app) {
 
 DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, int steps, const CheckpointFilter& filter,
                                  const DumpSizeOptions& opt, const std::function<void(const std::string&)>& say,
-                                 uint64_t* whole_cache_bytes) {
+                                 uint64_t* whole_cache_bytes, bool writes) {
   const uint64_t limit = parse_bytes(opt.max_dump_size);
   DumpPlan plan;
   plan.prompt_tokens = prompt_tokens;
@@ -382,10 +382,16 @@ DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, 
     whole.cache_all_rows = true;
     *whole_cache_bytes = estimate_dump_size(cfg, whole);
   }
-  say(fmt::format("each dump will take about {}{}{}{}", format_bytes(size),
-                  plan.softmax_rows > 0 ? fmt::format(" (kq_soft_max: last {} rows)", plan.softmax_rows) : "",
-                  plan.token_rows > 0 ? fmt::format(" (per-token checkpoints: last {} rows)", plan.token_rows) : "",
-                  opt.compress > 0 ? " before compression" : ""));
+  const std::string rows =
+      fmt::format("{}{}", plan.softmax_rows > 0 ? fmt::format(" (kq_soft_max: last {} rows)", plan.softmax_rows) : "",
+                  plan.token_rows > 0 ? fmt::format(" (per-token checkpoints: last {} rows)", plan.token_rows) : "");
+  if (writes)
+    say(fmt::format("each dump will take about {}{}{}", format_bytes(size), rows,
+                    opt.compress > 0 ? " before compression" : ""));
+  else
+    say(fmt::format("no dump is written (--dump none); each side's checkpoints take about {}{}, as a dump would "
+                    "(the cuts above apply to what is compared)",
+                    format_bytes(size), rows));
   DumpWriterOptions w;
   w.softmax_rows = plan.softmax_rows;
   w.token_rows = plan.token_rows;

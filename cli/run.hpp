@@ -148,10 +148,12 @@ struct DumpSizeOptions {
 // fit. Throws InputError (exit 2) with the estimate and what to do when a dump would still pass the
 // limit.
 // With `whole_cache_bytes`, also the size of the same plan with every cache row in every step (what a
-// run's checkpoints take in memory as recorded, the cache whole).
+// run's checkpoints take in memory as recorded, the cache whole). writes = false (the main job's --dump none):
+// the same cuts (they bound what the run holds, and keep its report the one a written run gives), said as what the
+// comparison holds rather than what a file will take.
 DumpWriterOptions plan_dump_size(const ModelConfig& cfg, int64_t prompt_tokens, int steps, const CheckpointFilter& filter,
                                  const DumpSizeOptions& opt, const std::function<void(const std::string&)>& say,
-                                 uint64_t* whole_cache_bytes = nullptr);
+                                 uint64_t* whole_cache_bytes = nullptr, bool writes = true);
 
 // Index of the largest value (the first one on ties).
 int32_t argmax(std::span<const float> logits);

@@ -226,3 +226,23 @@ def test_compress(dumps, tmp_path: Path):
     assert r.returncode == 0 and "RESULT: PASS" in r.stdout, r.stdout + r.stderr
     r = run("dump", "--model", str(MODEL), "--tokens", TOKENS, "--out", str(tmp_path / "bad.h5"), "--compress", "10")
     assert r.returncode == 2 and "--compress" in r.stderr, r.stderr
+
+
+def test_the_main_job_without_a_dump_says_what_it_compares(tmp_path: Path):
+    # --dump none keeps the same cuts (the report is the one a written run gives) and says they bound what is
+    # compared, not a file's size.
+    r = run("dump", "--model", str(MODEL), "--tokens", TOKENS, "--steps", str(STEPS), "--out", str(tmp_path / "x.h5"),
+            "--max-dump-size", "0")
+    limit = int(float(re.search(r"each dump will take about ([0-9.]+) kB", r.stderr).group(1)) * 1e3 * 0.4)
+    for mode in ("none", "full"):
+        out = tmp_path / mode
+        r = run("--model", str(MODEL), "--tokens", TOKENS, "--steps", str(STEPS), "--engine", "cpu", "--dump", mode,
+                "--max-dump-size", str(limit), "--out", str(out))
+        assert r.returncode == 0 and "RESULT: PASS" in r.stdout, r.stdout + r.stderr
+        assert re.search(r"every per-token checkpoint keeps its last \d+ rows", r.stderr), r.stderr
+        if mode == "none":
+            assert "no dump is written (--dump none); each side's checkpoints take about" in r.stderr, r.stderr
+            assert "each dump will take" not in r.stderr, r.stderr
+            assert not list(out.glob("*.h5")), list(out.iterdir())
+        else:
+            assert "each dump will take about" in r.stderr, r.stderr
