@@ -352,8 +352,7 @@ __device__ __forceinline__ void kquant_min8(uint32_t b0, uint32_t b1, float d1, 
 
 // Lane t's 8 weights of each sub-block u of one super-block at p, as f16x2 words w[u][0..3]
 // (positions 8t..8t+7 of elements 32u..32u+31): load(p, t) reads the lane's bytes (Raw), decode(raw, t, w) makes
-// the weights, decode(p, t, w) both. A warp with several super-blocks to take can load them all before it decodes
-// the first, so that their reads wait on memory once.
+// the weights, decode(p, t, w) both.
 template <typename Q>
 struct MmaLane;
 
