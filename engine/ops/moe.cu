@@ -184,10 +184,6 @@ void launch_gather_rows(X* dst, const X* src, const int32_t* rows, int div, int 
   check_launch("gather_rows", stream);
 }
 
-}  // namespace
-
-namespace {
-
 void launch_moe_route(float* probs, int32_t* topk, float* id_values, float* weights, float* weights_norm,
                       const float* logits, int n_tokens, int E, int K, bool renormalise, cudaStream_t stream) {
   if (n_tokens == 0) return;
@@ -267,6 +263,5 @@ void gather_experts(const ExpertStacks& stacks, const float* ids, int K, int E, 
              stream, stacks, ids, E);
   check_launch("gather_experts", stream);
 }
-
 
 }  // namespace diffrun::engine

@@ -351,8 +351,7 @@ __device__ __forceinline__ void kquant_min8(uint32_t b0, uint32_t b1, float d1, 
 }
 
 // Lane t's 8 weights of each sub-block u of one super-block at p, as f16x2 words w[u][0..3]
-// (positions 8t..8t+7 of elements 32u..32u+31): load(p, t) reads the lane's bytes (Raw), decode(raw, t, w) makes
-// the weights, decode(p, t, w) both.
+// (positions 8t..8t+7 of elements 32u..32u+31).
 template <typename Q>
 struct MmaLane;
 
@@ -361,22 +360,12 @@ struct MmaLane;
 // of qh[l].
 template <bool kFifthBit>
 struct MmaLaneK4 {
-  struct Raw {
-    uint4 hd;  // d, dmin, scales[12]
-    uint2 qh;  // Q5_K: the lane's 8 bytes of qh
+  __device__ static __forceinline__ void decode(const uint8_t* p, int t, uint32_t (&w)[8][4]) {
+    const uint4 hd = *reinterpret_cast<const uint4*>(p);  // d, dmin, scales[12]
+    const uint2 qh = kFifthBit ? *reinterpret_cast<const uint2*>(p + 16 + 8 * t) : make_uint2(0, 0);
     uint2 qs[4];
-  };
-  __device__ static __forceinline__ Raw load(const uint8_t* p, int t) {
-    Raw r;
-    r.hd = *reinterpret_cast<const uint4*>(p);
-    r.qh = kFifthBit ? *reinterpret_cast<const uint2*>(p + 16 + 8 * t) : make_uint2(0, 0);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) r.qs[j] = *reinterpret_cast<const uint2*>(p + (kFifthBit ? 48 : 16) + 32 * j + 8 * t);
-    return r;
-  }
-  __device__ static __forceinline__ void decode(const Raw& r, int t, uint32_t (&w)[8][4]) {
-    const uint4 hd = r.hd;
-    const uint2 qh = r.qh;
+    for (int j = 0; j < 4; ++j) qs[j] = *reinterpret_cast<const uint2*>(p + (kFifthBit ? 48 : 16) + 32 * j + 8 * t);
     const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x & 0xFFFF)));
     const float dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x >> 16)));
 #pragma unroll
@@ -384,13 +373,10 @@ struct MmaLaneK4 {
       float sc, m;
       scale_min_k4(u, hd.y, hd.z, hd.w, &sc, &m);
       const int sh = 4 * (u & 1);
-      const uint32_t b0 = ((r.qs[u / 2].x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> u) & 0x01010101u) << 4);
-      const uint32_t b1 = ((r.qs[u / 2].y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> u) & 0x01010101u) << 4);
+      const uint32_t b0 = ((qs[u / 2].x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> u) & 0x01010101u) << 4);
+      const uint32_t b1 = ((qs[u / 2].y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> u) & 0x01010101u) << 4);
       kquant_min8(b0, b1, __fmul_rn(d, sc), __fmul_rn(dmin, m), w[u]);
     }
-  }
-  __device__ static __forceinline__ void decode(const uint8_t* p, int t, uint32_t (&w)[8][4]) {
-    decode(load(p, t), t, w);
   }
 };
 
@@ -402,42 +388,32 @@ struct MmaLane<Q5_K> : MmaLaneK4<true> {};
 
 template <>
 struct MmaLane<Q6_K> {  // ql[128], qh[64], scales[16] (int8), d; sub-block u = 4n + k (see Q6_K above)
-  struct Raw {
+  __device__ static __forceinline__ void decode(const uint8_t* p, int t, uint32_t (&w)[8][4]) {
     uint2 ql[2][2], qh[2];
-    uint32_t scw[8];  // the two scale bytes 8n + 2k, 8n + 2k + 1; lane t uses byte t / 2 (positions 8t.. in one half)
-    float d;
-  };
-  __device__ static __forceinline__ Raw load(const uint8_t* p, int t) {
-    Raw r;
 #pragma unroll
     for (int n = 0; n < 2; ++n) {  // 210-byte blocks: 2-byte aligned only
-      r.ql[n][0] = ld_u64_a2(p + 64 * n + 8 * t);
-      r.ql[n][1] = ld_u64_a2(p + 64 * n + 32 + 8 * t);
-      r.qh[n] = ld_u64_a2(p + 128 + 32 * n + 8 * t);
+      ql[n][0] = ld_u64_a2(p + 64 * n + 8 * t);
+      ql[n][1] = ld_u64_a2(p + 64 * n + 32 + 8 * t);
+      qh[n] = ld_u64_a2(p + 128 + 32 * n + 8 * t);
     }
+    uint32_t scw[8];  // the two scale bytes 8n + 2k, 8n + 2k + 1; lane t uses byte t / 2 (positions 8t.. in one half)
 #pragma unroll
-    for (int u = 0; u < 8; ++u) r.scw[u] = ld_u16(p + 192 + 2 * u);
-    r.d = ld_half(p + 208);
-    return r;
-  }
-  __device__ static __forceinline__ void decode(const Raw& r, int t, uint32_t (&w)[8][4]) {
+    for (int u = 0; u < 8; ++u) scw[u] = ld_u16(p + 192 + 2 * u);
+    const float d = ld_half(p + 208);
     constexpr float k2p23_32 = 8388640.0f;  // 2^23 + 32: q − 32 from 2^23 + q
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const int n = u / 4, k = u % 4, shl = 4 * (k >> 1), shh = 2 * k;
-      const uint2 l = r.ql[n][k & 1];
-      const uint32_t b0 = ((l.x >> shl) & 0x0F0F0F0Fu) | (((r.qh[n].x >> shh) & 0x03030303u) << 4);
-      const uint32_t b1 = ((l.y >> shl) & 0x0F0F0F0Fu) | (((r.qh[n].y >> shh) & 0x03030303u) << 4);
+      const uint2 l = ql[n][k & 1];
+      const uint32_t b0 = ((l.x >> shl) & 0x0F0F0F0Fu) | (((qh[n].x >> shh) & 0x03030303u) << 4);
+      const uint32_t b1 = ((l.y >> shl) & 0x0F0F0F0Fu) | (((qh[n].y >> shh) & 0x03030303u) << 4);
       const float da =
-          __fmul_rn(r.d, static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(r.scw[u] >> (8 * (t >> 1))))));
+          __fmul_rn(d, static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(scw[u] >> (8 * (t >> 1))))));
       w[u][0] = pack_h2(__fmul_rn(da, byte_2p23<0>(b0) - k2p23_32), __fmul_rn(da, byte_2p23<1>(b0) - k2p23_32));
       w[u][1] = pack_h2(__fmul_rn(da, byte_2p23<2>(b0) - k2p23_32), __fmul_rn(da, byte_2p23<3>(b0) - k2p23_32));
       w[u][2] = pack_h2(__fmul_rn(da, byte_2p23<0>(b1) - k2p23_32), __fmul_rn(da, byte_2p23<1>(b1) - k2p23_32));
       w[u][3] = pack_h2(__fmul_rn(da, byte_2p23<2>(b1) - k2p23_32), __fmul_rn(da, byte_2p23<3>(b1) - k2p23_32));
     }
-  }
-  __device__ static __forceinline__ void decode(const uint8_t* p, int t, uint32_t (&w)[8][4]) {
-    decode(load(p, t), t, w);
   }
 };
 
