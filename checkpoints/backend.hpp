@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -19,6 +21,24 @@ namespace diffrun {
 struct StepPath {
   bool graph = false;
   uint32_t fused = 0;
+};
+
+// Tokens the later one-token steps are expected to be fed (step s's token at [s - 1]): the greedy choices of a fast
+// engine, published once by the thread that computes them and read by the backends given it (Backend::set_draft).
+class Draft {
+ public:
+  void publish(std::vector<int32_t> tokens) {
+    std::lock_guard lock(m_);
+    tokens_ = std::move(tokens);
+  }
+  std::vector<int32_t> tokens() const {  // empty until published
+    std::lock_guard lock(m_);
+    return tokens_;
+  }
+
+ private:
+  mutable std::mutex m_;
+  std::vector<int32_t> tokens_;
 };
 
 class Backend {
@@ -45,6 +65,14 @@ class Backend {
   // so that a wrong argmax (not only wrong logits) is caught; the caller's argmax of the logits stands in
   // for a backend that computes none.
   virtual int32_t last_argmax() const { return -1; }
+
+  // A draft of the tokens later steps will be fed. A backend that can compute several one-token steps in one pass,
+  // recording for each exactly what that step records alone, may do so where the draft agrees with the fed token;
+  // forward() still takes and records one step at a time, and from the first step whose fed token is not the
+  // draft's it computes one step at a time again (until reset()). Default: ignored.
+  virtual void set_draft(std::shared_ptr<const Draft> draft) {}
+  // The steps since construction that came out of such passes (for the job's timeline and the tests).
+  virtual int steps_from_draft() const { return 0; }
 
   // Number of positions in the KV cache so far.
   virtual int n_past() const = 0;

@@ -60,6 +60,42 @@ diff::RecordingCheck check_recording_on_engine(Backend& engine, std::span<const 
 
 namespace pipeline_detail {
 
+std::shared_ptr<Draft> draft_source(const std::vector<PipelinePair>& pairs, const PipelineOptions& opt, bool& engine) {
+  engine = false;
+  const char* env = std::getenv("DIFFRUN_DRAFT");
+  const std::string mode = env ? env : "";
+  if (mode == "0" || pairs.empty() || opt.steps < 2) return nullptr;
+  if (static_cast<int>(opt.feed.size()) >= opt.steps) {
+    auto draft = std::make_shared<Draft>();
+    draft->publish(opt.feed);
+    return draft;
+  }
+  for (const PipelinePair& pair : pairs)
+    if (!pair.engine.inject.empty() || !pair.reference.inject.empty()) return nullptr;
+  if (!opt.feed.empty() || (pairs.front().engine.backend != "cuda" && mode != "1")) return nullptr;
+  engine = true;
+  return std::make_shared<Draft>();
+}
+
+void draft_from_engine(const Context& cx, Backend& engine, int32_t first) {
+  const auto t0 = std::chrono::steady_clock::now();
+  NullSink none;
+  std::vector<int32_t> tokens{first};
+  for (int step = 1; step < cx.opt.steps; ++step) {
+    {
+      std::lock_guard lock(cx.sh.m);
+      if (cx.sh.aborted || step > cx.sh.stop_step) return;  // no draft: the references go one step at a time
+    }
+    const std::vector<float> logits = engine.forward(step, std::span<const int32_t>(&tokens.back(), 1), none);
+    tokens.push_back(greedy_token(engine, logits));
+  }
+  cx.sh.draft->publish(tokens);
+  engine.reset();
+  engine.forward(0, cx.ids, none);
+  cx.sh.timing("pair 1 engine: a draft of {} tokens for the references in {:.3f} s", tokens.size(),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
 // One backend: steps 0..opt.steps unless the run stops earlier; the first pair's reference feeds the tokens.
 void backend_thread(const Context& cx, size_t p, int side) {
   const PipelinePair& pair = cx.pairs[p];
@@ -73,6 +109,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
   const std::string who = fmt::format("pair {} {} {}/{}", p + 1, side == kEngine ? "engine" : "reference", bo.backend,
                                       bo.precision);
   auto backend = make_backend(cx.file, cx.cfg, bo, needed);
+  if (side == kReference && cx.sh.draft) backend->set_draft(cx.sh.draft);
   cx.sh.timing("{}: loaded", who);
   Message meta(Message::meta);
   meta.dump_meta = dump_meta(cx.file, *backend, cx.opt.prompt, cx.ids);
@@ -113,6 +150,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
     Message end(Message::step_end);
     end.step = step;
     end.argmax = greedy_token(*backend, logits);
+    const int32_t chosen = end.argmax;
     end.path = backend->last_step_path();
     if (check_recording) recorded_logits.push_back(logits);
     if (source) {
@@ -121,6 +159,7 @@ void backend_thread(const Context& cx, size_t p, int side) {
       cx.sh.cv.notify_all();  // the other backends wait for the token
     }
     cx.sh.push(side, p, std::move(end));
+    if (side == kEngine && p == 0 && step == 0 && cx.sh.engine_drafts) draft_from_engine(cx, *backend, chosen);
   }
   if (check_recording && !recorded_logits.empty()) {
     std::vector<int32_t> fed;
@@ -137,6 +176,9 @@ void backend_thread(const Context& cx, size_t p, int side) {
       cx.sh.recording[p] = std::move(check);
     }
   }
+  if (side == kReference && cx.sh.draft)
+    cx.sh.timing("{}: {} of {} decode steps out of passes over the draft", who, backend->steps_from_draft(),
+                 cx.opt.steps);
   cx.sh.push(side, p, Message(Message::done));
   cx.sh.side_done(side, p);
   if (side == kEngine && pair.keep_engine && cx.kept) (*cx.kept)[p] = std::move(backend);
@@ -160,6 +202,7 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
   sh.position[kEngine].resize(pairs.size());
   sh.position[kReference].resize(pairs.size());
   sh.progress = &progress;
+  sh.draft = draft_source(pairs, opt, sh.engine_drafts);
   sh.lead_bytes = spare_cores() ? kLeadBytes : 0;
   sh.queue_cv = std::make_unique<std::condition_variable[]>(pairs.size());
   sh.lock_cv = std::make_unique<std::condition_variable[]>(pairs.size());

@@ -193,6 +193,10 @@ struct Shared {
   std::exception_ptr error;
   bool aborted = false;
   Progress* progress = nullptr;
+  // The draft the cpu references compute ahead with (draft_source), null for none; engine_drafts: the first pair's
+  // engine publishes its own greedy tokens into it after its prefill (draft_from_engine).
+  std::shared_ptr<Draft> draft;
+  bool engine_drafts = false;
   int64_t lead_bytes = 0;  // kLeadBytes with spare_cores(), else 0
 
   // A timing() line of the progress (DIFFRUN_PROGRESS_TIMES), under the lock; formatted only then.
@@ -432,6 +436,16 @@ class WriteQueue {
 // One backend: steps 0..opt.steps unless the run stops earlier; the first pair's reference feeds the tokens
 // (cli/pipeline.cpp).
 void backend_thread(const Context& cx, size_t p, int side);
+
+// Where the references' draft comes from (Backend::set_draft): the fed tokens where they cover every step; else,
+// when no backend has faults injected, the first pair's engine's own greedy tokens, from a CUDA engine only
+// (a CPU engine's steps cost what the reference's do). DIFFRUN_DRAFT=0: no draft; =1: from an engine of either
+// backend. `engine` is set when the first pair's engine is to publish it.
+std::shared_ptr<Draft> draft_source(const std::vector<PipelinePair>& pairs, const PipelineOptions& opt, bool& engine);
+// The first pair's engine after its recorded prefill: runs the later steps unrecorded on its own greedy tokens
+// (from `first`, its choice after the prefill), publishes them as the draft, then empties its cache and runs the
+// prefill again unrecorded, so that its recorded steps go on from the same state.
+void draft_from_engine(const Context& cx, Backend& engine, int32_t first);
 
 // OpenMP threads of a comparator's or a replay's batch of comparisons (cli/pipeline_compare.cpp).
 int comparison_threads(const Context& cx);

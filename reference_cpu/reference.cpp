@@ -12,6 +12,7 @@
 
 #include <omp.h>
 
+#include "checkpoints/step_batch.hpp"
 #include "faults/fault_plan.hpp"
 #include "faults/faults.hpp"
 #include "model/error.hpp"
@@ -84,11 +85,74 @@ class CpuBackend final : public Backend {
   // Empties the cache: n_past 0 and every row zero, as at construction (the engine's twin).
   void reset() override {
     n_past_ = 0;
+    ahead_.reset();
+    off_draft_ = false;
     for (auto& m : cache_.k) m.setZero();
     for (auto& m : cache_.v) m.setZero();
   }
 
+  void set_draft(std::shared_ptr<const Draft> draft) override { draft_ = std::move(draft); }
+  int steps_from_draft() const override { return from_draft_; }
+
   std::vector<float> forward(int step, std::span<const int32_t> tokens, Sink& sink) override {
+    if (tokens.size() == 1 && step >= 1 && draft_ && !off_draft_ && faults_.empty() && !(forced_ && !forced_->rows.empty())) {
+      if (!ahead_) compute_ahead(step, tokens[0], sink);
+      if (ahead_) {
+        const int j = step - ahead_->first_step();
+        if (j >= 0 && j < ahead_->size() && n_past_ == ahead_base_ + j && ahead_tokens_[j] == tokens[0])
+          return replay_ahead(j, step, sink);
+        ahead_.reset();  // fed another token than the draft's: one step at a time from here
+        off_draft_ = true;
+      }
+    }
+    return run(step, tokens, sink);
+  }
+
+  int32_t last_argmax() const override { return last_argmax_; }
+
+ private:
+  // The draft's steps from `step` on, as one pass, when the draft agrees with the fed token and has more (ahead_: each
+  // step's records, replayed as it is fed). Without faults or forced routing, a one-token step runs the ops of a
+  // step of several (FaultPlan: one_token is ops), every matmul output is summed in one order whatever the token
+  // rows, and attention, RMSNorm and RoPE take each row alone: a step of the pass records what it records alone.
+  // At most this many steps a pass: its checkpoints are held until replayed (as a step of that many tokens records
+  // them), and an interrupt is seen between steps.
+  static constexpr int kMaxDraftPass = 16;
+  void compute_ahead(int step, int32_t token, const Sink& sink) {
+    const std::vector<int32_t> draft = draft_->tokens();  // step s's token at [s - 1]; empty until published
+    if (static_cast<int>(draft.size()) >= step && draft[step - 1] != token) {
+      off_draft_ = true;  // the draft's later tokens followed another token: one step at a time from here
+      return;
+    }
+    if (static_cast<int>(draft.size()) < step + 1) return;
+    const int k = std::min({static_cast<int>(draft.size()) - step + 1, max_ctx_ - n_past_, kMaxDraftPass});
+    if (k < 2) return;
+    ahead_tokens_.assign(draft.begin() + (step - 1), draft.begin() + (step - 1) + k);
+    ahead_base_ = n_past_;
+    ahead_ = std::make_unique<StepBatch>(sink, step, n_past_, k, std::vector<std::string>{"result_output"});
+    try {
+      run(step, ahead_tokens_, *ahead_);
+    } catch (...) {
+      ahead_.reset();
+      n_past_ = ahead_base_;
+      throw;
+    }
+    n_past_ = ahead_base_;
+  }
+
+  // Step j of the pass ahead, as forward() of that step alone records and returns it.
+  std::vector<float> replay_ahead(int j, int step, Sink& sink) {
+    step_ = step;
+    ahead_->replay(j, step, sink);
+    std::vector<float> last = ahead_->values(j, "result_output");
+    n_past_ = ahead_base_ + j + 1;
+    ++from_draft_;
+    last_argmax_ = argmax(last.data(), static_cast<int>(last.size()), plan_.one_token.argmax_ties);
+    if (j + 1 == ahead_->size()) ahead_.reset();
+    return last;
+  }
+
+  std::vector<float> run(int step, std::span<const int32_t> tokens, Sink& sink) {
     const int n = static_cast<int>(tokens.size());
     const int D = cfg_.n_embd, V = cfg_.n_vocab;
     if (n == 0) throw InputError("step " + std::to_string(step) + " has no tokens");
@@ -129,9 +193,6 @@ class CpuBackend final : public Backend {
     return last;
   }
 
-  int32_t last_argmax() const override { return last_argmax_; }
-
- private:
   // One transformer block on x [T,D] in place. xn [T,D] holds its attn_norm on entry, and on return the norm that
   // opens the next layer (result_norm after the last).
   void layer(int l, std::vector<T>& x /* [T,D] */, std::vector<T>& xn /* [T,D] */, int n, const OpArgs& args,
@@ -390,6 +451,12 @@ class CpuBackend final : public Backend {
   // graph_position_frozen: n_past at the first one-token step since construction (where the engine
   // captures its decode graph; a reset keeps the graph, so it keeps this too); -1 before it.
   int frozen_pos_ = -1;
+  std::shared_ptr<const Draft> draft_;  // set_draft (null: none)
+  std::unique_ptr<StepBatch> ahead_;    // the draft's steps computed in one pass, not yet all fed (compute_ahead)
+  std::vector<int32_t> ahead_tokens_;   // their tokens
+  int ahead_base_ = 0;                  // n_past before the pass
+  bool off_draft_ = false;              // a fed token left the draft: one step at a time until reset()
+  int from_draft_ = 0;                  // steps replayed from passes since construction
 };
 
 }  // namespace

@@ -5,3 +5,5 @@ diffrun_test(test_dump_schema SOURCES test_dump_schema.cpp LIBS diffrun_dump)
 diffrun_test(test_name_map SOURCES test_name_map.cpp LIBS diffrun_checkpoints)
 # The Megatron tensor-parallel layout (checkpoints/tensor_parallel).
 diffrun_test(test_tensor_parallel SOURCES test_tensor_parallel.cpp LIBS diffrun_checkpoints)
+# A pass over several one-token steps split back into the steps (checkpoints/step_batch, the references' draft).
+diffrun_test(test_step_batch SOURCES test_step_batch.cpp LIBS diffrun_checkpoints)

@@ -293,6 +293,43 @@ def test_dump_processes_write_the_same_files(tmp_path, monkeypatch):
             assert va[key].dtype == vb[key].dtype and np.array_equal(va[key], vb[key], equal_nan=va[key].dtype.kind == "f"), (name, key)
 
 
+@pytest.mark.parametrize("model", ["tiny-llama-kmix.gguf", "tiny-gemma3-q8_0.gguf", "tiny-qwen3moe-q8_0.gguf"])
+def test_a_draft_gives_the_same_reports_and_dumps(tmp_path, model, monkeypatch):
+    # With a draft of the decode steps' tokens (the first engine's own greedy choices; DIFFRUN_DRAFT=1 takes a CPU
+    # engine's too) the reference computes those steps in one pass and replays them: the same reports and dumps as
+    # one step at a time, and the timeline says how many steps came out of passes.
+    base = ["-m", str(FIXTURES / model), *JOB[2:JOB.index("--steps")], "--steps", "7", *JOB[JOB.index("--steps") + 2:]]
+    runs = {}
+    for draft in ("0", "1"):
+        monkeypatch.setenv("DIFFRUN_DRAFT", draft)
+        out = tmp_path / f"draft{draft}"
+        r = run(*base, "--out", str(out), "--report-json", str(tmp_path / f"draft{draft}.json"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        runs[draft] = (r.returncode, r.stdout, (tmp_path / f"draft{draft}.json").read_text(), None, out)
+    a, b = runs["0"], runs["1"]
+    assert normalized(a[1], a[4]).split() == normalized(b[1], b[4]).split()
+    assert normalized(a[2], a[4]) == normalized(b[2], b[4])
+    names = sorted(p.relative_to(a[4]).as_posix() for p in a[4].rglob("*.h5"))
+    assert names == ["engine.h5", "reference.h5"], names
+    for name in names:
+        (ra, ta, va), (rb, tb, vb) = dump_contents(a[4] / name), dump_contents(b[4] / name)
+        assert ra.keys() == rb.keys() and all(np.array_equal(ra[k], rb[k]) for k in ra), name
+        assert ta == tb and va.keys() == vb.keys() and len(va) > 0, name
+        for key in va:
+            assert va[key].tobytes() == vb[key].tobytes(), (name, key)
+    timeline = subprocess.run([DIFFRUN, *base, "--dump", "none"], capture_output=True, text=True,
+                              env={**os.environ, "DIFFRUN_DRAFT": "1", "DIFFRUN_PROGRESS_TIMES": "1",
+                                   "DIFFRUN_SPARE_CORES": "0"}).stderr
+    # Without spare cores the reference records at most 32 checkpoints ahead of its engine, which publishes the draft
+    # before it records step 1: from step 2 on at the latest, every step comes out of a pass.
+    passes = re.search(r"reference cpu/f64: (\d+) of 7 decode steps out of passes over the draft", timeline)
+    assert passes and int(passes.group(1)) >= 5, timeline
+    # Injected faults: no draft, the steps one at a time as before.
+    faulty = subprocess.run([DIFFRUN, *JOB, "--inject", "kv_cache_pos0", "--dump", "none"], capture_output=True,
+                            text=True, env={**os.environ, "DIFFRUN_DRAFT": "1", "DIFFRUN_PROGRESS_TIMES": "1"})
+    assert faulty.returncode == 1 and "passes over the draft" not in faulty.stderr, faulty.stderr
+
+
 def test_a_dump_process_that_fails_stops_the_job_cleanly(tmp_path, monkeypatch):
     # A writer process that ends without a word (here: one that exits at once) is an error naming the
     # dump and the process: exit 2, and no temporary or half-written dump is left.

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -18,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include "checkpoints/sink.hpp"
@@ -244,6 +247,76 @@ TEST(TinyFixtures, ResetBackendEqualsAFreshOne) {
     const cli::StepsResult a = cli::run_steps(*used, prompt, 3, {}, none, /*keep_logits=*/true);
     const cli::StepsResult b = cli::run_steps(*fresh, prompt, 3, {}, none, /*keep_logits=*/true);
     EXPECT_EQ(a.last_logits, b.last_logits);
+  }
+}
+
+// Keeps every call in order: (step, name, shape, values or ids).
+class OrderSink final : public Sink {
+ public:
+  bool wants(std::string_view) const override { return true; }
+  void record(int step, std::string_view name, int, std::string_view layout, std::span<const int64_t> shape,
+              NativeDType native, std::span<const float> data) override {
+    calls.push_back(fmt::format("{} {} {} {} {}", step, name, layout, fmt::join(shape, "x"), int(native)));
+    values.emplace_back(data.begin(), data.end());
+  }
+  void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override {
+    calls.push_back(fmt::format("{} {} ids {}", step, name, fmt::join(ids, ",")));
+    values.emplace_back();
+  }
+  std::vector<std::string> calls;
+  std::vector<std::vector<float>> values;
+};
+
+// With a draft (Backend::set_draft) the reference computes the drafted steps in one pass and replays them: every
+// step records and returns what it does one step at a time, bit for bit, in the same order: with a draft that
+// holds, one that leaves the fed tokens at step 4, one shorter than the run, and one that starts wrong; each arch
+// (sliding windows, post norms, qk norms, experts with and without a shared one), both reference precisions.
+TEST(TinyFixtures, DraftStepsRecordWhatOneStepAtATimeRecords) {
+  if (!std::filesystem::exists(test::fixture_path("tiny-llama-kmix.gguf")))
+    GTEST_SKIP() << "tiny fixtures not generated in " << test::fixture_path("") << " (ctest fixture tiny_models)";
+  const std::vector<int32_t> prompt = {3, 1, 4, 1, 5};
+  const int steps = 9;
+  for (const char* model : {"tiny-llama-kmix.gguf", "tiny-gemma3-kmix.gguf", "tiny-qwen3-q4_k.gguf",
+                            "tiny-qwen3moe-q8_0.gguf", "tiny-qwen2moe-q8_0.gguf"}) {
+    auto file = GgufFile::open(test::fixture_path(model));
+    const ModelConfig cfg = config_from_gguf(*file);
+    for (const char* precision : {"f64", "f32-f16store"}) {
+      SCOPED_TRACE(std::string(model) + " " + precision);
+      auto alone = make_cpu_backend(*file, cfg, precision, 16);
+      OrderSink want;
+      const cli::StepsResult a = cli::run_steps(*alone, prompt, steps, {}, want, /*keep_logits=*/true);
+      const std::vector<int32_t> fed(a.tokens.begin() + prompt.size(), a.tokens.end());
+      ASSERT_EQ(fed.size(), size_t(steps));
+      std::vector<int32_t> leaves = fed, starts_wrong = fed;
+      leaves[3] = (leaves[3] + 1) % cfg.n_vocab;
+      starts_wrong[0] = (starts_wrong[0] + 1) % cfg.n_vocab;
+      const std::vector<int32_t> shorter(fed.begin(), fed.begin() + 4);
+      struct Case {
+        const char* what;
+        std::vector<int32_t> draft;
+        int from_draft;  // steps replayed from passes
+      };
+      for (const Case& c : {Case{"holds", fed, steps}, Case{"leaves at step 4", leaves, 3},
+                            Case{"shorter", shorter, 4}, Case{"starts wrong", starts_wrong, 0}}) {
+        SCOPED_TRACE(c.what);
+        auto drafted = make_cpu_backend(*file, cfg, precision, 16);
+        auto draft = std::make_shared<Draft>();
+        draft->publish(c.draft);
+        drafted->set_draft(draft);
+        OrderSink got;
+        const cli::StepsResult b = cli::run_steps(*drafted, prompt, steps, {}, got, /*keep_logits=*/true);
+        EXPECT_EQ(drafted->steps_from_draft(), c.from_draft);
+        EXPECT_EQ(b.tokens, a.tokens);
+        EXPECT_EQ(b.argmax, a.argmax);
+        EXPECT_EQ(b.last_logits, a.last_logits);
+        ASSERT_EQ(got.calls, want.calls);
+        for (size_t i = 0; i < got.values.size(); ++i) {
+          ASSERT_EQ(got.values[i].size(), want.values[i].size()) << got.calls[i];
+          EXPECT_EQ(std::memcmp(got.values[i].data(), want.values[i].data(), got.values[i].size() * sizeof(float)), 0)
+              << got.calls[i];
+        }
+      }
+    }
   }
 }
 
