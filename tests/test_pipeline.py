@@ -330,6 +330,40 @@ def test_a_draft_gives_the_same_reports_and_dumps(tmp_path, model, monkeypatch):
     assert faulty.returncode == 1 and "passes over the draft" not in faulty.stderr, faulty.stderr
 
 
+@pytest.mark.parametrize("model", ["tiny-gemma3-kmix.gguf", "tiny-qwen3moe-q8_0.gguf"])
+def test_cuda_engine_draft_gives_the_same_reports_and_dumps(tmp_path, model, monkeypatch):
+    # The first CUDA engine drafts by default (its own greedy tokens, after its recorded prefill, then its prefill
+    # again): both pairs' reports and every dump as with DIFFRUN_DRAFT=0, and the references' steps out of passes.
+    base = ["-m", str(FIXTURES / model), "--tokens", "1,2,3,4,5,6", "--steps", "6", "--engine", "cuda", "--no-color"]
+    first = run(*base, "--dump", "none")
+    if first.returncode == 2 and ("without the CUDA engine" in first.stderr or "CUDA device" in first.stderr):
+        pytest.skip(first.stderr.strip().splitlines()[-1])
+    monkeypatch.setenv("DIFFRUN_SPARE_CORES", "0")
+    monkeypatch.setenv("DIFFRUN_PROGRESS_TIMES", "1")
+    runs = {}
+    for draft in ("0", ""):
+        monkeypatch.setenv("DIFFRUN_DRAFT", draft)
+        out = tmp_path / f"draft{draft or 'default'}"
+        r = run(*base, "--out", str(out), "--report-json", str(tmp_path / f"{out.name}.json"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        runs[draft] = (r.stdout, (tmp_path / f"{out.name}.json").read_text(), out, r.stderr)
+    a, b = runs["0"], runs[""]
+    assert "passes over the draft" not in a[3]
+    for ref in ("f64", "f32-f16store"):
+        passes = re.search(rf"reference cpu/{ref}: (\d+) of 6 decode steps out of passes over the draft", b[3])
+        assert passes and int(passes.group(1)) >= 5, b[3]
+    assert normalized(a[0], a[2]).split() == normalized(b[0], b[2]).split()
+    assert normalized(a[1], a[2]) == normalized(b[1], b[2])
+    names = sorted(p.relative_to(a[2]).as_posix() for p in a[2].rglob("*.h5"))
+    assert names == sorted(p.relative_to(b[2]).as_posix() for p in b[2].rglob("*.h5")) and len(names) >= 4, names
+    for name in names:
+        (ra, ta, va), (rb, tb, vb) = dump_contents(a[2] / name), dump_contents(b[2] / name)
+        assert ra.keys() == rb.keys() and all(np.array_equal(ra[k], rb[k]) for k in ra), name
+        assert ta == tb and va.keys() == vb.keys() and len(va) > 0, name
+        for key in va:
+            assert va[key].tobytes() == vb[key].tobytes(), (name, key)
+
+
 def test_a_dump_process_that_fails_stops_the_job_cleanly(tmp_path, monkeypatch):
     # A writer process that ends without a word (here: one that exits at once) is an error naming the
     # dump and the process: exit 2, and no temporary or half-written dump is left.
