@@ -95,7 +95,7 @@ class CpuBackend final : public Backend {
   int steps_from_draft() const override { return from_draft_; }
 
   std::vector<float> forward(int step, std::span<const int32_t> tokens, Sink& sink) override {
-    if (tokens.size() == 1 && step >= 1 && draft_ && !off_draft_ && faults_.empty() && !(forced_ && !forced_->rows.empty())) {
+    if (tokens.size() == 1 && step >= 1 && draft_ && !off_draft_ && faults_.empty()) {
       if (!ahead_) compute_ahead(step, tokens[0], sink);
       if (ahead_) {
         const int j = step - ahead_->first_step();
@@ -111,13 +111,15 @@ class CpuBackend final : public Backend {
   int32_t last_argmax() const override { return last_argmax_; }
 
  private:
-  // The draft's steps from `step` on, as one pass, when the draft agrees with the fed token and has more (ahead_: each
-  // step's records, replayed as it is fed). Without faults or forced routing, a one-token step runs the ops of a
-  // step of several (FaultPlan: one_token is ops), every matmul output is summed in one order whatever the token
-  // rows, and attention, RMSNorm and RoPE take each row alone: a step of the pass records what it records alone.
   // At most this many steps a pass: its checkpoints are held until replayed (as a step of that many tokens records
   // them), and an interrupt is seen between steps.
   static constexpr int kMaxDraftPass = 16;
+
+  // The draft's steps from `step` on, as one pass, when the draft agrees with the fed token and has more (ahead_: each
+  // step's records, replayed as it is fed). Without faults a one-token step runs the ops of a step of several
+  // (FaultPlan: one_token is ops; forced routing finds each step's rows in the pass, follow_routing), every matmul
+  // output is summed in one order whatever the token rows, and attention, RMSNorm, RoPE and routing take each row
+  // alone: a step of the pass records what it records alone.
   void compute_ahead(int step, int32_t token, const Sink& sink) {
     const std::vector<int32_t> draft = draft_->tokens();  // step s's token at [s - 1]; empty until published
     if (static_cast<int>(draft.size()) >= step && draft[step - 1] != token) {
@@ -130,13 +132,16 @@ class CpuBackend final : public Backend {
     ahead_tokens_.assign(draft.begin() + (step - 1), draft.begin() + (step - 1) + k);
     ahead_base_ = n_past_;
     ahead_ = std::make_unique<StepBatch>(sink, step, n_past_, k, std::vector<std::string>{"result_output"});
+    pass_first_ = step;
     try {
       run(step, ahead_tokens_, *ahead_);
     } catch (...) {
       ahead_.reset();
       n_past_ = ahead_base_;
+      pass_first_ = -1;
       throw;
     }
+    pass_first_ = -1;
     n_past_ = ahead_base_;
   }
 
@@ -366,17 +371,21 @@ class CpuBackend final : public Backend {
   }
 
   // The rows of forced_ at this step and layer: their experts in place of the top K, weighed by this reference's
-  // probabilities of them.
+  // probabilities of them. In a pass over the draft's steps (pass_first_ >= 0), token row t is step pass_first_ + t's
+  // only token.
   void follow_routing(std::vector<int32_t>& topk /* [T,K] */, std::vector<T>& weights /* [T,K] */,
                       std::vector<T>& weights_norm /* [T,K] */, const std::vector<T>& probs /* [T,E] */, int l,
                       int n) const {
     const int E = cfg_.n_expert, K = cfg_.n_expert_used;
     for (const ForcedRouting::Row& r : forced_->rows) {
-      if (r.step != step_ || r.layer != l) continue;
+      const bool pass = pass_first_ >= 0;
+      if (r.layer != l || (pass ? r.step < pass_first_ || r.step >= pass_first_ + n : r.step != step_)) continue;
       const std::string where = "forced routing at step " + std::to_string(r.step) + ", layer " + std::to_string(l) +
                                 ", token " + std::to_string(r.token);
-      if (r.token < 0 || r.token >= n)
-        throw InputError(where + ": the step has " + std::to_string(n) + " token(s)");
+      const int tokens_of_step = pass ? 1 : n;
+      if (r.token < 0 || r.token >= tokens_of_step)
+        throw InputError(where + ": the step has " + std::to_string(tokens_of_step) + " token(s)");
+      const int64_t t = pass ? r.step - pass_first_ : r.token;  // its row in this forward's tokens
       if (static_cast<int>(r.ids.size()) != K)
         throw InputError(where + ": " + std::to_string(r.ids.size()) + " expert ids, the model uses " +
                          std::to_string(K) + " per token");
@@ -386,9 +395,9 @@ class CpuBackend final : public Backend {
         if (std::find(r.ids.begin(), r.ids.begin() + j, r.ids[j]) != r.ids.begin() + j)
           throw InputError(where + ": expert " + std::to_string(r.ids[j]) + " chosen twice");
       }
-      const size_t row = static_cast<size_t>(r.token) * K;
+      const size_t row = static_cast<size_t>(t) * K;
       std::copy(r.ids.begin(), r.ids.end(), topk.begin() + row);
-      moe_weigh(weights.data() + row, weights_norm.data() + row, probs.data() + static_cast<size_t>(r.token) * E,
+      moe_weigh(weights.data() + row, weights_norm.data() + row, probs.data() + static_cast<size_t>(t) * E,
                 r.ids.data(), K, cfg_.expert_weights_norm);
     }
   }
@@ -457,6 +466,7 @@ class CpuBackend final : public Backend {
   int ahead_base_ = 0;                  // n_past before the pass
   bool off_draft_ = false;              // a fed token left the draft: one step at a time until reset()
   int from_draft_ = 0;                  // steps replayed from passes since construction
+  int pass_first_ = -1;                 // while a pass runs: its first step (follow_routing), else -1
 };
 
 }  // namespace

@@ -320,6 +320,59 @@ TEST(TinyFixtures, DraftStepsRecordWhatOneStepAtATimeRecords) {
   }
 }
 
+// Forced routing inside a pass over the draft: each decode step's forced rows are that step's token row of the pass,
+// so the steps record what they record one at a time; a forced row past a decode step's one token is the same
+// InputError either way.
+TEST(TinyFixtures, DraftStepsFollowForcedRouting) {
+  if (!std::filesystem::exists(test::fixture_path("tiny-qwen3moe-q8_0.gguf")))
+    GTEST_SKIP() << "tiny fixtures not generated in " << test::fixture_path("") << " (ctest fixture tiny_models)";
+  const std::vector<int32_t> prompt = {3, 1, 4, 1, 5};
+  const int steps = 7;
+  for (const char* model : {"tiny-qwen3moe-q8_0.gguf", "tiny-mixtral-f32.gguf"}) {
+    SCOPED_TRACE(model);
+    auto file = GgufFile::open(test::fixture_path(model));
+    const ModelConfig cfg = config_from_gguf(*file);
+    const int K = cfg.n_expert_used;
+    std::vector<int32_t> last_k(K);  // the last K experts, highest first: not what routing picks everywhere
+    for (int j = 0; j < K; ++j) last_k[j] = cfg.n_expert - 1 - j;
+    auto forced = std::make_shared<ForcedRouting>();
+    forced->rows = {{0, 0, 2, last_k}, {2, 0, 0, last_k}, {5, cfg.n_layer - 1, 0, last_k}};
+    auto alone = make_cpu_backend(*file, cfg, "f64", 16, {}, WeightHolding::streamed, forced);
+    OrderSink want;
+    const cli::StepsResult a = cli::run_steps(*alone, prompt, steps, {}, want, /*keep_logits=*/true);
+    auto drafted = make_cpu_backend(*file, cfg, "f64", 16, {}, WeightHolding::streamed, forced);
+    auto draft = std::make_shared<Draft>();
+    draft->publish({a.tokens.begin() + prompt.size(), a.tokens.end()});
+    drafted->set_draft(draft);
+    OrderSink got;
+    const cli::StepsResult b = cli::run_steps(*drafted, prompt, steps, {}, got, /*keep_logits=*/true);
+    EXPECT_EQ(drafted->steps_from_draft(), steps);
+    EXPECT_EQ(b.tokens, a.tokens);
+    EXPECT_EQ(b.last_logits, a.last_logits);
+    ASSERT_EQ(got.calls, want.calls);
+    EXPECT_EQ(got.values, want.values);
+    // Step 2's forced experts are there.
+    const auto topk = std::find_if(got.calls.begin(), got.calls.end(),
+                                   [](const std::string& c) { return c.rfind("2 ffn_moe_topk-0 ", 0) == 0; });
+    ASSERT_NE(topk, got.calls.end());
+    const std::vector<float>& ids = got.values[size_t(topk - got.calls.begin())];
+    EXPECT_EQ(std::vector<int32_t>(ids.begin(), ids.end()), last_k);
+    auto bad = std::make_shared<ForcedRouting>();
+    bad->rows = {{3, 0, 1, last_k}};
+    auto wrong = make_cpu_backend(*file, cfg, "f64", 16, {}, WeightHolding::streamed, bad);
+    wrong->set_draft(draft);
+    NullSink none;
+    try {
+      (void)cli::run_steps(*wrong, prompt, steps, {}, none);
+      ADD_FAILURE() << "a forced row past a decode step's token was taken";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("forced routing at step 3, layer 0, token 1: the step has 1 token(s)"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 // Forced routing (the job's routing follow-up): the reference runs the given experts at the given (step, layer,
 // token), weighted by its own probabilities of them, records them as chosen and names the rows in its facts; every
 // other token's values are the unforced run's, bit for bit. Rows that do not fit the model or the step are
