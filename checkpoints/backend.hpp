@@ -71,6 +71,10 @@ class Backend {
   // forward() still takes and records one step at a time, and from the first step whose fed token is not the
   // draft's it computes one step at a time again (until reset()). Default: ignored.
   virtual void set_draft(std::shared_ptr<const Draft> draft) {}
+  // Before step `step`'s token is fed: such a backend may compute the draft's steps from there now, guessing the
+  // draft's token for it (a reference fed by another waits for that token), so that forward() of those steps, fed
+  // the draft's tokens, only replays them. `sink` answers what they record. Default: nothing.
+  virtual void prepare(int step, const Sink& sink) {}
   // The steps since construction that came out of such passes (for the job's timeline and the tests).
   virtual int steps_from_draft() const { return 0; }
 

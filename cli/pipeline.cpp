@@ -160,6 +160,8 @@ void backend_thread(const Context& cx, size_t p, int side) {
     }
     cx.sh.push(side, p, std::move(end));
     if (side == kEngine && p == 0 && step == 0 && cx.sh.engine_drafts) draft_from_engine(cx, *backend, chosen);
+    // A reference fed by the first pair's computes the draft's next steps while that one computes its token.
+    if (side == kReference && !source && cx.sh.draft && step < cx.opt.steps) backend->prepare(step + 1, sink);
   }
   if (check_recording && !recorded_logits.empty()) {
     std::vector<int32_t> fed;

@@ -93,6 +93,11 @@ class CpuBackend final : public Backend {
 
   void set_draft(std::shared_ptr<const Draft> draft) override { draft_ = std::move(draft); }
   int steps_from_draft() const override { return from_draft_; }
+  void prepare(int step, const Sink& sink) override {
+    if (step < 1 || !draft_ || off_draft_ || ahead_ || !faults_.empty()) return;
+    const std::vector<int32_t> draft = draft_->tokens();
+    if (static_cast<int>(draft.size()) >= step) compute_ahead(step, draft[step - 1], sink);
+  }
 
   std::vector<float> forward(int step, std::span<const int32_t> tokens, Sink& sink) override {
     if (tokens.size() == 1 && step >= 1 && draft_ && !off_draft_ && faults_.empty()) {

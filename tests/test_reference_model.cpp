@@ -316,6 +316,26 @@ TEST(TinyFixtures, DraftStepsRecordWhatOneStepAtATimeRecords) {
               << got.calls[i];
         }
       }
+      // prepare() before the first decode step's token is fed (a reference fed by another): the pass guesses the
+      // draft's token; fed it, the steps replay; fed another, that step and the later ones run one at a time.
+      for (const bool same : {true, false}) {
+        SCOPED_TRACE(same ? "prepared, fed the draft's" : "prepared, fed another");
+        std::vector<int32_t> guess = fed;
+        if (!same) guess[0] = (guess[0] + 1) % cfg.n_vocab;
+        auto drafted = make_cpu_backend(*file, cfg, precision, 16);
+        auto draft = std::make_shared<Draft>();
+        draft->publish(guess);
+        drafted->set_draft(draft);
+        OrderSink got;
+        std::vector<std::vector<float>> logits{drafted->forward(0, prompt, got)};
+        drafted->prepare(1, got);
+        for (int step = 1; step <= steps; ++step)
+          logits.push_back(drafted->forward(step, std::span<const int32_t>(&fed[step - 1], 1), got));
+        EXPECT_EQ(drafted->steps_from_draft(), same ? steps : 0);
+        EXPECT_EQ(logits, a.last_logits);
+        ASSERT_EQ(got.calls, want.calls);
+        EXPECT_EQ(got.values, want.values);
+      }
     }
   }
 }
