@@ -293,30 +293,39 @@ def test_dump_processes_write_the_same_files(tmp_path, monkeypatch):
             assert va[key].dtype == vb[key].dtype and np.array_equal(va[key], vb[key], equal_nan=va[key].dtype.kind == "f"), (name, key)
 
 
+def job_with_draft(tmp, base, draft, monkeypatch):
+    """The job under DIFFRUN_DRAFT=draft ("" the default): (terminal, JSON report, out dir, stderr)."""
+    monkeypatch.setenv("DIFFRUN_DRAFT", draft)
+    out = tmp / f"draft{draft or 'default'}"
+    r = run(*base, "--out", str(out), "--report-json", str(tmp / f"{out.name}.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout, (tmp / f"{out.name}.json").read_text(), out, r.stderr
+
+
+def assert_same_runs(a, b, at_least):
+    """Two job_with_draft runs: the same reports, and every dump equal byte for byte (the same files, root attributes,
+    attribute tables and datasets)."""
+    assert normalized(a[0], a[2]).split() == normalized(b[0], b[2]).split()
+    assert normalized(a[1], a[2]) == normalized(b[1], b[2])
+    a, b = a[2], b[2]
+    names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*.h5"))
+    assert names == sorted(p.relative_to(b).as_posix() for p in b.rglob("*.h5")) and len(names) >= at_least, names
+    for name in names:
+        (ra, ta, va), (rb, tb, vb) = dump_contents(a / name), dump_contents(b / name)
+        assert ra.keys() == rb.keys() and all(np.array_equal(ra[k], rb[k]) for k in ra), name
+        assert ta == tb and va.keys() == vb.keys() and len(va) > 0, name
+        for key in va:
+            assert va[key].dtype == vb[key].dtype and va[key].tobytes() == vb[key].tobytes(), (name, key)
+
+
 @pytest.mark.parametrize("model", ["tiny-llama-kmix.gguf", "tiny-gemma3-q8_0.gguf", "tiny-qwen3moe-q8_0.gguf"])
 def test_a_draft_gives_the_same_reports_and_dumps(tmp_path, model, monkeypatch):
     # With a draft of the decode steps' tokens (the first engine's own greedy choices; DIFFRUN_DRAFT=1 takes a CPU
     # engine's too) the reference computes those steps in one pass and replays them: the same reports and dumps as
     # one step at a time, and the timeline says how many steps came out of passes.
     base = ["-m", str(FIXTURES / model), *JOB[2:JOB.index("--steps")], "--steps", "7", *JOB[JOB.index("--steps") + 2:]]
-    runs = {}
-    for draft in ("0", "1"):
-        monkeypatch.setenv("DIFFRUN_DRAFT", draft)
-        out = tmp_path / f"draft{draft}"
-        r = run(*base, "--out", str(out), "--report-json", str(tmp_path / f"draft{draft}.json"))
-        assert r.returncode == 0, r.stdout + r.stderr
-        runs[draft] = (r.returncode, r.stdout, (tmp_path / f"draft{draft}.json").read_text(), None, out)
-    a, b = runs["0"], runs["1"]
-    assert normalized(a[1], a[4]).split() == normalized(b[1], b[4]).split()
-    assert normalized(a[2], a[4]) == normalized(b[2], b[4])
-    names = sorted(p.relative_to(a[4]).as_posix() for p in a[4].rglob("*.h5"))
-    assert names == ["engine.h5", "reference.h5"], names
-    for name in names:
-        (ra, ta, va), (rb, tb, vb) = dump_contents(a[4] / name), dump_contents(b[4] / name)
-        assert ra.keys() == rb.keys() and all(np.array_equal(ra[k], rb[k]) for k in ra), name
-        assert ta == tb and va.keys() == vb.keys() and len(va) > 0, name
-        for key in va:
-            assert va[key].tobytes() == vb[key].tobytes(), (name, key)
+    a, b = (job_with_draft(tmp_path, base, draft, monkeypatch) for draft in ("0", "1"))
+    assert_same_runs(a, b, 2)
     timeline = subprocess.run([DIFFRUN, *base, "--dump", "none"], capture_output=True, text=True,
                               env={**os.environ, "DIFFRUN_DRAFT": "1", "DIFFRUN_PROGRESS_TIMES": "1",
                                    "DIFFRUN_SPARE_CORES": "0"}).stderr
@@ -340,28 +349,12 @@ def test_cuda_engine_draft_gives_the_same_reports_and_dumps(tmp_path, model, mon
         pytest.skip(first.stderr.strip().splitlines()[-1])
     monkeypatch.setenv("DIFFRUN_SPARE_CORES", "0")
     monkeypatch.setenv("DIFFRUN_PROGRESS_TIMES", "1")
-    runs = {}
-    for draft in ("0", ""):
-        monkeypatch.setenv("DIFFRUN_DRAFT", draft)
-        out = tmp_path / f"draft{draft or 'default'}"
-        r = run(*base, "--out", str(out), "--report-json", str(tmp_path / f"{out.name}.json"))
-        assert r.returncode == 0, r.stdout + r.stderr
-        runs[draft] = (r.stdout, (tmp_path / f"{out.name}.json").read_text(), out, r.stderr)
-    a, b = runs["0"], runs[""]
+    a, b = (job_with_draft(tmp_path, base, draft, monkeypatch) for draft in ("0", ""))
     assert "passes over the draft" not in a[3]
     for ref in ("f64", "f32-f16store"):
         passes = re.search(rf"reference cpu/{ref}: (\d+) of 6 decode steps out of passes over the draft", b[3])
         assert passes and int(passes.group(1)) >= 5, b[3]
-    assert normalized(a[0], a[2]).split() == normalized(b[0], b[2]).split()
-    assert normalized(a[1], a[2]) == normalized(b[1], b[2])
-    names = sorted(p.relative_to(a[2]).as_posix() for p in a[2].rglob("*.h5"))
-    assert names == sorted(p.relative_to(b[2]).as_posix() for p in b[2].rglob("*.h5")) and len(names) >= 4, names
-    for name in names:
-        (ra, ta, va), (rb, tb, vb) = dump_contents(a[2] / name), dump_contents(b[2] / name)
-        assert ra.keys() == rb.keys() and all(np.array_equal(ra[k], rb[k]) for k in ra), name
-        assert ta == tb and va.keys() == vb.keys() and len(va) > 0, name
-        for key in va:
-            assert va[key].tobytes() == vb[key].tobytes(), (name, key)
+    assert_same_runs(a, b, 4)
 
 
 def test_a_dump_process_that_fails_stops_the_job_cleanly(tmp_path, monkeypatch):
