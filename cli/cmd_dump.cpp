@@ -130,6 +130,7 @@ int run_followed_dump(const DumpOptions& o, const GgufFile& file, const ModelCon
     BackendOptions bo = o.backend;
     if (!followed.empty()) bo.forced_routing = forced_routing(followed);
     auto backend = make_backend(file, cfg, bo, max_ctx);
+    draft_fed_tokens(*backend, fed);
     {
       const TempGuard guard(o.out);
       DumpWriter writer(o.out, dump_meta(file, *backend, prompt_text(file, o.prompt), ids), filter, wopt);
@@ -271,12 +272,17 @@ int run_dump(DumpOptions o) {
     replay = std::make_unique<ReplaySink>(writer, *reference);
   }
   Sink& sink = replay ? static_cast<Sink&>(*replay) : writer;
+  // --feed: the fed steps in passes (not under --replay, whose sink replaces what the steps compute).
+  if (!replay) draft_fed_tokens(*backend, forced);
   const auto t1 = std::chrono::steady_clock::now();
   const StepsResult r = run_steps(*backend, ids, o.steps, forced, sink, false, [&](int step, int total) {
     fmt::print(stderr, "diffrun dump: step {}/{} done ({:.1f} s)\n", step + 1, total + 1, seconds_since(t1));
   });
   set_run_attributes(writer, r, *backend);
   writer.finish();
+  if (backend->steps_from_draft() > 0)
+    fmt::print(stderr, "diffrun dump: {} of {} decode steps computed in passes over the fed tokens\n",
+               backend->steps_from_draft(), o.steps);
   // The ids in short (a long prompt has thousands): their count, the first and the last few.
   constexpr size_t kHead = 8, kTail = 4;
   std::string shown;

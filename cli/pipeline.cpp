@@ -62,8 +62,7 @@ namespace pipeline_detail {
 
 std::shared_ptr<Draft> draft_source(const std::vector<PipelinePair>& pairs, const PipelineOptions& opt, bool& engine) {
   engine = false;
-  const char* env = std::getenv("DIFFRUN_DRAFT");
-  const std::string mode = env ? env : "";
+  const std::string mode = draft_mode();
   if (mode == "0" || pairs.empty() || opt.steps < 2) return nullptr;
   if (static_cast<int>(opt.feed.size()) >= opt.steps) {
     auto draft = std::make_shared<Draft>();

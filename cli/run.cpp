@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdlib>
+#include <memory>
 #include <string>
 
 #include <fmt/core.h>
@@ -227,6 +229,19 @@ void check_run_options(const GgufFile& file, const ModelConfig& cfg, const Backe
 
 int32_t argmax(std::span<const float> logits) {
   return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+std::string draft_mode() {
+  const char* v = std::getenv("DIFFRUN_DRAFT");
+  const std::string mode = v ? v : "";
+  return mode == "0" || mode == "1" ? mode : "";
+}
+
+void draft_fed_tokens(Backend& backend, const std::vector<int32_t>& fed) {
+  if (fed.size() < 2 || draft_mode() == "0") return;
+  auto draft = std::make_shared<Draft>();
+  draft->publish(fed);
+  backend.set_draft(std::move(draft));
 }
 
 int32_t greedy_token(const Backend& backend, std::span<const float> logits) {

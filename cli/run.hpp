@@ -162,4 +162,11 @@ int32_t argmax(std::span<const float> logits);
 // argmax(logits) of the logits it returned.
 int32_t greedy_token(const Backend& backend, std::span<const float> logits);
 
+// The references' drafts (Backend::set_draft): DIFFRUN_DRAFT=0 turns them off ("0"), =1 lets a CPU engine draft for
+// the top-level job too ("1"); unset or anything else: "".
+std::string draft_mode();
+// Tokens known before the run (teacher forcing: `fed[s - 1]` is step s's) given to `backend` as its draft, unless
+// DIFFRUN_DRAFT=0: a reference then computes the fed steps in passes, the same values (DESIGN.md, the run).
+void draft_fed_tokens(Backend& backend, const std::vector<int32_t>& fed);
+
 }  // namespace diffrun::cli

@@ -311,11 +311,16 @@ def assert_same_runs(a, b, at_least):
     names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*.h5"))
     assert names == sorted(p.relative_to(b).as_posix() for p in b.rglob("*.h5")) and len(names) >= at_least, names
     for name in names:
-        (ra, ta, va), (rb, tb, vb) = dump_contents(a / name), dump_contents(b / name)
-        assert ra.keys() == rb.keys() and all(np.array_equal(ra[k], rb[k]) for k in ra), name
-        assert ta == tb and va.keys() == vb.keys() and len(va) > 0, name
-        for key in va:
-            assert va[key].dtype == vb[key].dtype and va[key].tobytes() == vb[key].tobytes(), (name, key)
+        assert_same_dump(a / name, b / name)
+
+
+def assert_same_dump(a, b):
+    """Two dumps equal byte for byte: root attributes (but the run's own), attribute tables, datasets."""
+    (ra, ta, va), (rb, tb, vb) = dump_contents(a), dump_contents(b)
+    assert ra.keys() == rb.keys() and all(np.array_equal(ra[k], rb[k]) for k in ra), a
+    assert ta == tb and va.keys() == vb.keys() and len(va) > 0, a
+    for key in va:
+        assert va[key].dtype == vb[key].dtype and va[key].tobytes() == vb[key].tobytes(), (a, key)
 
 
 @pytest.mark.parametrize("model", ["tiny-llama-kmix.gguf", "tiny-gemma3-q8_0.gguf", "tiny-qwen3moe-q8_0.gguf"])
@@ -504,6 +509,24 @@ def test_dump_feed_is_teacher_forcing_on_a_dump(tmp_path):
     for args, says in cases:
         r = run("dump", "-m", str(model), "--backend", "cpu", *args, "--out", str(tmp_path / "x.h5"))
         assert r.returncode == 2 and says in r.stderr, (args, r.stdout + r.stderr)
+
+
+@pytest.mark.parametrize("model", ["tiny-gemma3-kmix.gguf", "tiny-qwen3moe-q8_0.gguf"])
+def test_dump_feed_computes_the_fed_steps_in_passes(tmp_path, model, monkeypatch):
+    # dump --feed knows every decode step's token before the run: the reference computes them in passes (the tokens
+    # fed are its draft), and writes the same dump as one step at a time (DIFFRUN_DRAFT=0).
+    ref = tmp_path / "engine.h5"
+    assert run("dump", "-m", str(FIXTURES / model), "--backend", "cpu", "--precision", "f32", "--tokens", "1,5,9,13",
+               "--steps", "6", "--out", str(ref)).returncode == 0
+    dumps = {}
+    for draft in ("0", ""):
+        monkeypatch.setenv("DIFFRUN_DRAFT", draft)
+        dumps[draft] = tmp_path / f"reference{draft or 'default'}.h5"
+        r = run("dump", "-m", str(FIXTURES / model), "--backend", "cpu", "--precision", "f64", "--feed", str(ref),
+                "--out", str(dumps[draft]))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert ("6 of 6 decode steps computed in passes over the fed tokens" in r.stderr) == (draft == ""), r.stderr
+    assert_same_dump(dumps["0"], dumps[""])
 
 
 def test_follow_routing_refuses_what_it_cannot_follow(tmp_path):
