@@ -87,6 +87,8 @@ void draft_from_engine(const Context& cx, Backend& engine, int32_t first) {
     }
     const std::vector<float> logits = engine.forward(step, std::span<const int32_t>(&tokens.back(), 1), none);
     tokens.push_back(greedy_token(engine, logits));
+    // Published as it grows: on a long run the references' first passes need not wait for the whole draft.
+    if (tokens.size() % 16 == 0) cx.sh.draft->publish(tokens);
   }
   cx.sh.draft->publish(tokens);
   engine.reset();

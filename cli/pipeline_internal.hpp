@@ -443,8 +443,9 @@ void backend_thread(const Context& cx, size_t p, int side);
 // backend. `engine` is set when the first pair's engine is to publish it.
 std::shared_ptr<Draft> draft_source(const std::vector<PipelinePair>& pairs, const PipelineOptions& opt, bool& engine);
 // The first pair's engine after its recorded prefill: runs the later steps unrecorded on its own greedy tokens
-// (from `first`, its choice after the prefill), publishes them as the draft, then empties its cache and runs the
-// prefill again unrecorded, so that its recorded steps go on from the same state.
+// (from `first`, its choice after the prefill), publishes them as the draft (every 16 tokens as it grows, then
+// whole), then empties its cache and runs the prefill again unrecorded, so that its recorded steps go on from the
+// same state.
 void draft_from_engine(const Context& cx, Backend& engine, int32_t first);
 
 // OpenMP threads of a comparator's or a replay's batch of comparisons (cli/pipeline_compare.cpp).
