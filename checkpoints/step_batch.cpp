@@ -43,7 +43,7 @@ void StepBatch::record(int step, std::string_view name, int layer, std::string_v
 
 void StepBatch::record_ids(int step, std::string_view name, std::span<const int32_t> ids) {
   if (step != first_ || static_cast<int>(ids.size()) != k_)
-    throw std::logic_error("StepBatch: ids " + std::string(name) + " are not one a token of the pass");
+    throw std::logic_error("StepBatch: ids " + std::string(name) + " are not one per token of the pass");
   Record r;
   r.name = std::string(name);
   r.ids.assign(ids.begin(), ids.end());
