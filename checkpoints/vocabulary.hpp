@@ -105,6 +105,8 @@ std::vector<std::string> checkpoint_names(const ModelConfig& cfg);
 
 // The checkpoint holding a step's input token ids (int32 [T]); every dump records it.
 inline constexpr std::string_view kTokensCheckpoint = "tokens";
+// The checkpoint holding a step's logits ([T, V]; the last row is what a step returns).
+inline constexpr std::string_view kLogitsCheckpoint = "result_output";
 
 // A mixture of experts' routing, as the kinds of the table name it: the router's logits ([T, E]), the K experts chosen
 // per token (ids stored as values, [T, K]) and their weights as selected and renormalised. The routing verdict

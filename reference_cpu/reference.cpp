@@ -94,13 +94,13 @@ class CpuBackend final : public Backend {
   void set_draft(std::shared_ptr<const Draft> draft) override { draft_ = std::move(draft); }
   int steps_from_draft() const override { return from_draft_; }
   void prepare(int step, const Sink& sink) override {
-    if (step < 1 || !draft_ || off_draft_ || ahead_ || !faults_.empty()) return;
+    if (step < 1 || !on_draft() || ahead_) return;
     const std::vector<int32_t> draft = draft_->tokens();
     if (static_cast<int>(draft.size()) >= step) compute_ahead(step, draft[step - 1], sink);
   }
 
   std::vector<float> forward(int step, std::span<const int32_t> tokens, Sink& sink) override {
-    if (tokens.size() == 1 && step >= 1 && draft_ && !off_draft_ && faults_.empty()) {
+    if (tokens.size() == 1 && step >= 1 && on_draft()) {
       if (!ahead_) compute_ahead(step, tokens[0], sink);
       if (ahead_) {
         const int j = step - ahead_->first_step();
@@ -116,6 +116,10 @@ class CpuBackend final : public Backend {
   int32_t last_argmax() const override { return last_argmax_; }
 
  private:
+  // Whether steps may come out of passes over the draft: one is given, no fed token has left it, and no fault is
+  // injected (a fault may act on one-token steps only, FaultPlan::one_token).
+  bool on_draft() const { return draft_ && !off_draft_ && faults_.empty(); }
+
   // At most this many steps a pass: its checkpoints are held until replayed (as a step of that many tokens records
   // them), and an interrupt is seen between steps.
   static constexpr int kMaxDraftPass = 16;
@@ -136,7 +140,7 @@ class CpuBackend final : public Backend {
     if (k < 2) return;
     ahead_tokens_.assign(draft.begin() + (step - 1), draft.begin() + (step - 1) + k);
     ahead_base_ = n_past_;
-    ahead_ = std::make_unique<StepBatch>(sink, step, n_past_, k, std::vector<std::string>{"result_output"});
+    ahead_ = std::make_unique<StepBatch>(sink, step, n_past_, k, std::vector<std::string>{std::string(kLogitsCheckpoint)});
     pass_first_ = step;
     try {
       run(step, ahead_tokens_, *ahead_);
@@ -154,7 +158,7 @@ class CpuBackend final : public Backend {
   std::vector<float> replay_ahead(int j, int step, Sink& sink) {
     step_ = step;
     ahead_->replay(j, step, sink);
-    std::vector<float> last = ahead_->values(j, "result_output");
+    std::vector<float> last = ahead_->values(j, kLogitsCheckpoint);
     n_past_ = ahead_base_ + j + 1;
     ++from_draft_;
     last_argmax_ = argmax(last.data(), static_cast<int>(last.size()), plan_.one_token.argmax_ties);
