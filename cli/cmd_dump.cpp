@@ -75,14 +75,15 @@ std::vector<std::string> rank_dump_paths(const std::string& dir, int world) {
 #ifdef DIFFRUN_HAVE_CUDA
 // `dump --tp N`: every rank records its own shard into its rank dump (docs/dump-format.md, "Shards").
 int run_rank_dumps(const DumpOptions& o, const GgufFile& file, TpCudaEngine& tp, const std::vector<int32_t>& ids,
-                   const CheckpointFilter& filter, DumpWriterOptions wopt) {
+                   std::span<const int32_t> forced, const std::string& prompt, const CheckpointFilter& filter,
+                   DumpWriterOptions wopt) {
   const int world = tp.world_size();
   const std::vector<std::string> paths = rank_dump_paths(o.out, world);
   std::vector<std::unique_ptr<TempGuard>> guards;
   std::vector<std::unique_ptr<DumpWriter>> writers;
   std::vector<Sink*> sinks;
   for (int r = 0; r < world; ++r) {
-    DumpMeta meta = dump_meta(file, tp, prompt_text(file, o.prompt), ids);
+    DumpMeta meta = dump_meta(file, tp, prompt, ids);
     meta.facts = tp.rank(r).facts();
     meta.rank = r;
     meta.world_size = world;
@@ -94,7 +95,7 @@ int run_rank_dumps(const DumpOptions& o, const GgufFile& file, TpCudaEngine& tp,
   }
   RankSinks ranks(sinks);
   const auto t1 = std::chrono::steady_clock::now();
-  const StepsResult res = run_steps(tp, ids, o.steps, {}, ranks, false, [&](int step, int total) {
+  const StepsResult res = run_steps(tp, ids, o.steps, forced, ranks, false, [&](int step, int total) {
     fmt::print(stderr, "diffrun dump: step {}/{} done ({:.1f} s)\n", step + 1, total + 1, seconds_since(t1));
   });
   uint64_t bytes = 0;
@@ -166,8 +167,6 @@ int run_dump(DumpOptions o) {
   if (!o.feed.empty() && (!o.replay.empty() || !o.follow_routing.empty()))
     throw InputError("--feed and --" + std::string(o.replay.empty() ? "follow-routing" : "replay") +
                      " each feed a dump's tokens: give one");
-  if (!o.feed.empty() && o.backend.tp > 1)
-    throw InputError("--feed: the tensor-parallel engine's rank dumps run greedy decode (without --tp it is fed)");
   if (o.backend.tp > 1 && !o.replay.empty())
     throw InputError("--replay: the isolation replay runs on one GPU, not with --tp");
   if (o.backend.tp <= 1) check_dump_output_file("--out", o.out);
@@ -238,7 +237,8 @@ int run_dump(DumpOptions o) {
 #ifdef DIFFRUN_HAVE_CUDA
   if (o.backend.tp > 1) {
     report_stale_temporaries(o.out, o.remove_stale);
-    return run_rank_dumps(o, *file, dynamic_cast<TpCudaEngine&>(*backend), ids, filter, wopt);
+    return run_rank_dumps(o, *file, dynamic_cast<TpCudaEngine&>(*backend), ids, forced,
+                          o.feed.empty() ? prompt_text(*file, o.prompt) : fed_prompt, filter, wopt);
   }
 #endif
   report_stale_temporaries(std::filesystem::path(o.out).parent_path().string(), o.remove_stale);

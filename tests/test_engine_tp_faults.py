@@ -2,6 +2,8 @@
 --inject tp_...` writes rank dumps, `diffrun compare` of them against the f64 reference finds each fault first at
 its checkpoint and step, names its ranks, and a clean run passes. N = 2, and 4 where the host has 4 GPUs.
 
+The engine is fed the reference's tokens (dump --feed), so every run compares the same inputs.
+
 Run through ctest (DIFFRUN_BIN, DIFFRUN_FIXTURE_DIR); exits 77 (skipped) on a host with fewer than 2 GPUs.
 """
 
@@ -48,8 +50,10 @@ def run(tmp, model, world, inject=None):
         subprocess.run([BIN, "dump", "--backend", "cpu", "--precision", "f64", "--model", str(model), "--tokens",
                         TOKENS, "--steps", str(STEPS), "--out", str(ref)], check=True, capture_output=True)
     out = tmp / f"tp{world}-{inject or 'clean'}"
+    # Fed the reference's tokens (--feed), as an outside engine is: a fault that changes the argmax would otherwise
+    # decode other tokens, and compare refuses dumps of different inputs.
     cmd = [BIN, "dump", "--backend", "cuda", "--precision", "f32", "--tp", str(world), "--model", str(model),
-           "--tokens", TOKENS, "--steps", str(STEPS), "--out", str(out)]
+           "--tokens", TOKENS, "--steps", str(STEPS), "--feed", str(ref), "--out", str(out)]
     if inject:
         cmd += ["--inject", inject]
     d = subprocess.run(cmd, capture_output=True, text=True)
@@ -57,7 +61,7 @@ def run(tmp, model, world, inject=None):
     report = tmp / f"{out.name}.json"
     c = subprocess.run([BIN, "compare", str(out), str(ref), "--no-color", "--report-json", str(report)],
                        capture_output=True, text=True)
-    return c.returncode, json.loads(report.read_text()), c.stdout
+    return c.returncode, json.loads(report.read_text()) if report.exists() else {}, c.stdout + c.stderr
 
 
 def main():
