@@ -444,10 +444,9 @@ class CudaEngineImpl final : public CudaEngine {
           std::to_string(t.kv0) + ".." + std::to_string(t.kv1 - 1) + ", FFN channels " + std::to_string(t.f0) + ".." +
           std::to_string(t.f1 - 1) + "; attn_out and ffn_out all-reduced (sum) after their checkpoint; embedding and "
           "lm head replicated";
-      facts_["tp_all_reduce"] =
-          tp_.peer ? "one-shot through peer memory up to " + std::to_string(tp_.peer->max_floats) +
-                         " floats (f32 sums in rank order), NCCL above"
-                   : "NCCL";
+      facts_["tp_all_reduce"] = tp_.no_all_reduce ? "none (DIFFRUN_TP_ALLREDUCE=none: the partial sums are never added; "
+                                                    "wrong values, for timing the step without its communication)"
+                                                  : "NCCL";
     }
     clear_kv_cache();
     CUDA_CHECK(cudaMemsetAsync(attn_counters_.get(), 0, attn_counters_.size() * sizeof(uint32_t), stream_));
@@ -521,7 +520,7 @@ class CudaEngineImpl final : public CudaEngine {
                          " is outside the vocabulary [0, " + std::to_string(cfg_.n_vocab) + ")");
     if (sink.wants("tokens")) sink.record_ids(step, "tokens", tokens);
 
-    prepare(step, n, sink);
+    prepare_buffers(step, n, sink);
     std::copy(tokens.begin(), tokens.end(), h_tokens_.get());
     *h_n_past_.get() = n_past_;
     fault_state_.at_step(n_past_);
@@ -849,12 +848,9 @@ class CudaEngineImpl final : public CudaEngine {
   // A tensor-parallel rank: the row-parallel projection's partial sums in `buf` become the ranks' sum, in place
   // (after the staged copy of the partial checkpoint). One GPU: nothing.
   void all_reduce(DeviceBuffer<float>& buf, int count) {
-    if (tp_.cut.slice.world <= 1) return;
+    if (tp_.cut.slice.world <= 1 || tp_.no_all_reduce) return;
     overwrites(buf);
-    if (tp_.peer && count <= tp_.peer->max_floats)
-      peer_all_reduce_sum(buf.get(), count, *tp_.peer, stream_);
-    else
-      all_reduce_sum(buf.get(), size_t(count), tp_.comm, stream_);
+    all_reduce_sum(buf.get(), size_t(count), tp_.comm, stream_);
   }
 
   // The routed FFN on a.ffn_xn into a.ffn_out, as the reference's moe_ffn (llama.cpp's build_moe_ffn): the router's
@@ -1240,7 +1236,7 @@ class CudaEngineImpl final : public CudaEngine {
 
   // Buffers for a step of n tokens, allocated before anything is enqueued (a reallocation waits
   // for the device and drops the captured graphs, whose pointers it invalidates).
-  void prepare(int step, int n, const Sink& sink) {
+  void prepare_buffers(int step, int n, const Sink& sink) {
     const int S = n_past_ + n;
     const size_t probs_needed =
         !split_attention(n) && wants_any_layer(sink, "kq_soft_max") ? size_t(cfg_.n_head) * n * S : 0;

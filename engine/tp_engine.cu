@@ -4,11 +4,14 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -166,20 +169,25 @@ class TpEngineImpl final : public TpCudaEngine {
     const int64_t unit = f_unit(file, cfg);
     for (int r = 0; r < world; ++r) slices_.push_back(tp_slice(cfg, r, world, unit));
     comms_ = world > 1 ? engine::nccl_comms(world) : std::vector<void*>{nullptr};
-    try {
-      // DIFFRUN_TP_ALLREDUCE=peer: decode steps' sums (up to kPeerTokens tokens) through peer memory, the rest NCCL.
-      peers_ = engine::PeerAllReduceSet::make(world, kPeerTokens * cfg.n_embd);
-    } catch (...) {
-      release();
-      throw;
-    }
     ranks_.resize(static_cast<size_t>(world));
+    // DIFFRUN_TP_ALLREDUCE=none: the step without its communication, for a benchmark's split of the time only.
+    const char* mode = std::getenv("DIFFRUN_TP_ALLREDUCE");
+    const std::string_view all_reduce = mode != nullptr && *mode != '\0' ? mode : "nccl";
+    if (all_reduce != "nccl" && all_reduce != "none") {
+      release();
+      throw InputError("DIFFRUN_TP_ALLREDUCE=" + std::string(all_reduce) +
+                       ": the tensor-parallel all-reduce is nccl (the default) or none (timing only)");
+    }
+    const bool no_all_reduce = world > 1 && all_reduce == "none";
+    if (no_all_reduce)
+      std::fprintf(stderr, "diffrun: DIFFRUN_TP_ALLREDUCE=none: the ranks never add their partial sums; every value "
+                           "after the first layer's attention is wrong (timing only)\n");
     std::vector<TpRank> ranks;
     std::vector<FaultSet> rank_faults(size_t(world), faults);
     for (int r = 0; r < world; ++r) {
       const TpSlice& s = slices_[size_t(r)];
       ranks.push_back(TpRank{{s, s, s}, comms_[size_t(r)]});
-      if (peers_) ranks.back().peer = peers_->rank(r);
+      ranks.back().no_all_reduce = no_all_reduce;
     }
     // The tensor-parallel faults (faults/tp_faults.hpp): what each changes on which rank.
     TpRank& last = ranks.back();
@@ -351,17 +359,14 @@ class TpEngineImpl final : public TpCudaEngine {
     ranks_.clear();
     for (void* c : comms_) engine::nccl_destroy(c);
     comms_.clear();
-    peers_.reset();
   }
 
-  static constexpr int kPeerTokens = 4;
 
   ModelConfig cfg_;
   int world_;
   RankThreads threads_;
   std::vector<TpSlice> slices_;
   std::vector<void*> comms_;
-  std::unique_ptr<engine::PeerAllReduceSet> peers_;
   std::vector<std::unique_ptr<CudaEngine>> ranks_;
   std::map<std::string, std::string> facts_;
   std::string spent_;  // the error that ended the engine ("": none)
