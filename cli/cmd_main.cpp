@@ -48,7 +48,7 @@ struct MainOptions {
   std::string checkpoints;
   std::string inject;    // faults injected into the engine side
   int tp = 1;            // the engine tensor-parallel over this many GPUs (engine/tp_engine.hpp)
-  bool tp_invariance = false;  // with tp > 1 and both default pairs: a third, the f32 engine at tp against one GPU
+  bool tp_invariance = true;  // with tp > 1 and both default pairs: a third, the f32 engine at tp against one GPU
   bool isolate = false;  // also run the engine in isolation replay (local error per checkpoint)
   std::string dump = "full";  // full, divergence or none
   int stop_at_first = -1;     // >= 0: end the run this many steps after the first divergence
@@ -519,9 +519,10 @@ const CommandRegistrar registrar{
       app.add_option("--inject", o->inject,
                      "Inject faults into the engine side (diffrun faults lists them), e.g. rope_theta_10000,kv_cache_pos0");
       add_tp_option(app, o->tp);
-      app.add_flag("--tp-invariance", o->tp_invariance,
-                   "With --tp N: a third pair, the f32 engine at --tp N against itself on one GPU (left out where "
-                   "the model does not fit on one GPU)");
+      app.add_flag("--tp-invariance,!--no-tp-invariance", o->tp_invariance,
+                   "With --tp N (on by default): a third pair, the f32 engine at --tp N against itself on one GPU "
+                   "(left out, with a message, where the model does not fit on one GPU); --no-tp-invariance leaves "
+                   "it out");
       app.add_flag("--isolate", o->isolate,
                    "Also run the engine in isolation replay (each op on the reference's inputs): local error per "
                    "checkpoint. Needs every checkpoint (not with --checkpoints)");
