@@ -8,6 +8,7 @@
     scripts/gen_fixtures.py --out DIR --shape llama-7b-q4k        # llama 7B shape, Q4_K blocks (3.6 GiB, never commit)
     scripts/gen_fixtures.py --out DIR --shape llama-13b-q4k       # llama 13B shape, Q4_K blocks (6.8 GiB, never commit)
     scripts/gen_fixtures.py --out DIR --shape tinyllama-1.1b --format f16   # a shape in another format
+    scripts/gen_fixtures.py --out DIR --shape llama-7b --layers 4  # its widths, 4 layers (kernel work; 2.4 GiB)
 
 Needs only numpy and the gguf package. The tiny set is skipped when a stamp in DIR says it was
 written by the same generator sources, vocabularies and seed (--force rewrites it).
@@ -150,7 +151,7 @@ Q4K_SHAPES = {
 }
 
 
-def write_q4k(name: str, path: Path, seed: int) -> None:
+def write_q4k(name: str, path: Path, seed: int, layers: int | None = None) -> None:
     """A full-size model whose every matrix is Q4_K, for the reference's memory bound and the tolerances at size:
     llama 7B (32 layers, D 4096, F 11008, 32 heads) or 13B (40 layers, D 5120, F 13824, 40 heads), V 32000; or
     Qwen3-30B-A3B (a mixture of experts, 17 GB: each expert stack [E, N, K] Q4_K, the router ffn_gate_inp F32 as
@@ -160,6 +161,8 @@ def write_q4k(name: str, path: Path, seed: int) -> None:
     m = round(7.5·sc): about zero mean, and a standard deviation near the tiny fixtures' (0.02; 0.2 for the token
     table). Norm weights are 1 + 0.1·N(0, 1) in F32, as in every fixture."""
     shape, stream, _ = Q4K_SHAPES[name]
+    if layers is not None:
+        shape = dataclasses.replace(shape, n_layer=layers)
     v = models.load_vocab(shape)
     rng = np.random.default_rng([seed, stream])
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -223,14 +226,20 @@ def main() -> int:
                     help="write one full-size shape instead of the tiny set")
     ap.add_argument("--format", choices=sorted(models.FILE_TYPES),
                     help="with --shape: the tensor format instead of the shape's usual one (e.g. f16)")
+    ap.add_argument("--layers", type=int,
+                    help="with --shape: this many layers instead of the shape's (its widths kept; the file name gets "
+                         "-<N>L), for kernel work at full width without the whole file")
     ap.add_argument("--force", action="store_true", help="rewrite even when the stamp says up to date")
     args = ap.parse_args()
+    if args.layers is not None and (args.shape is None or args.layers < 1):
+        ap.error("--layers goes with --shape and takes a layer count of at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
 
+    layers = "" if args.layers is None else f"-{args.layers}L"
     if args.shape in Q4K_SHAPES:
-        path = args.out / Q4K_SHAPES[args.shape][2]
-        write_q4k(args.shape, path, args.seed)
+        path = args.out / Q4K_SHAPES[args.shape][2].replace(".gguf", f"{layers}.gguf")
+        write_q4k(args.shape, path, args.seed, args.layers)
         print(f"gen_fixtures: wrote {path} ({path.stat().st_size / 2**20:.1f} MiB) in {time.monotonic() - t0:.1f} s")
         return 0
     if args.format and (args.shape is None or args.shape in Q4K_SHAPES):
@@ -238,7 +247,9 @@ def main() -> int:
     if args.shape:
         shape = models.FULL[args.shape]
         fmt = args.format or models.FULL_FORMAT[shape.name]
-        path = args.out / f"{shape.name}-{fmt}.gguf"
+        path = args.out / f"{shape.name}-{fmt}{layers}.gguf"
+        if args.layers is not None:
+            shape = dataclasses.replace(shape, n_layer=args.layers)
         models.write_model(shape, fmt, path, args.seed)
         print(f"gen_fixtures: wrote {path} ({path.stat().st_size / 2**20:.1f} MiB) in {time.monotonic() - t0:.1f} s")
         return 0
