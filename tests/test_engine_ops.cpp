@@ -410,9 +410,10 @@ TEST(EngineOps, EmbeddingMatchesReference) {
 
 TEST(EngineOps, RmsNormMatchesReference) {
   DIFFRUN_REQUIRE_CUDA();
-  // D ≤ 2048 rows are held in registers, longer ones read back from memory (both paths).
+  // D ≤ 8192 rows are held in registers (8, 16 or 32 elements a thread), longer ones read back from memory.
   for (auto [rows, D] : {std::pair{7, 97}, std::pair{15, 18}, std::pair{2, 896}, std::pair{3, 2048},
-                         std::pair{2, 2049}, std::pair{2, 5000}}) {
+                         std::pair{2, 2049}, std::pair{2, 4096}, std::pair{2, 5000}, std::pair{1, 8192},
+                         std::pair{2, 8193}}) {
     SCOPED_TRACE("rows " + std::to_string(rows) + " D " + std::to_string(D));
     const auto x = random_vec(rows * D, 5, 3.0f), w = random_vec(D, 6);
     std::vector<double> ref(rows * D);
@@ -585,11 +586,11 @@ TEST(EngineOps, QkNormRopeMatchesRmsNormsThenRopeQk) {
 }
 
 // Residual add then RMSNorm in one launch: both outputs bit-identical to add followed by rms_norm,
-// with rows held in registers (D ≤ 2048) and read back from memory (longer).
+// with rows held in registers (D ≤ 8192: 8, 16 or 32 elements a thread) and read back from memory (longer).
 TEST(EngineOps, AddRmsNormMatchesAddThenRmsNorm) {
   DIFFRUN_REQUIRE_CUDA();
   for (auto [rows, D] : {std::pair{1, 896}, std::pair{7, 97}, std::pair{1, 2048}, std::pair{2, 2049},
-                         std::pair{1, 5000}}) {
+                         std::pair{1, 4096}, std::pair{1, 5000}, std::pair{1, 8192}, std::pair{2, 8193}}) {
     SCOPED_TRACE("rows " + std::to_string(rows) + " D " + std::to_string(D));
     const auto a = random_vec(rows * D, 32, 2.0f), b = random_vec(rows * D, 33), w = random_vec(D, 34);
     std::vector<double> sum_ref(rows * D), norm_ref(rows * D);
@@ -618,7 +619,8 @@ TEST(EngineOps, AddRmsNormMatchesAddThenRmsNorm) {
 // gives a NaN row as embedding does), and step_inputs copies the ids and n_past from that memory.
 TEST(EngineOps, EmbeddingRmsNormMatchesEmbeddingThenRmsNorm) {
   DIFFRUN_REQUIRE_CUDA();
-  for (auto [V, D] : {std::pair{37, 29}, std::pair{50, 896}, std::pair{11, 2048}}) {
+  for (auto [V, D] : {std::pair{37, 29}, std::pair{50, 896}, std::pair{11, 2048}, std::pair{9, 4096},
+                      std::pair{7, 8192}}) {
     SCOPED_TRACE("V " + std::to_string(V) + " D " + std::to_string(D));
     const std::vector<int32_t> tokens = {0, V - 1, 5, 5, V, 1};
     const int T = static_cast<int>(tokens.size());
@@ -650,9 +652,9 @@ TEST(EngineOps, EmbeddingRmsNormMatchesEmbeddingThenRmsNorm) {
     const auto got_h = h16.download(), want_h = h16b.download();
     EXPECT_EQ(0, std::memcmp(got_h.data(), want_h.data(), got_h.size() * sizeof(__half)));
   }
-  DeviceArray<float> x(2049), xn(2049), tab(2049), w(2049);
+  DeviceArray<float> x(8193), xn(8193), tab(8193), w(8193);
   DeviceArray<int32_t> ids(std::vector<int32_t>{0});
-  EXPECT_THROW(engine::embedding_rms_norm(x.get(), xn.get(), ids.get(), tab.get(), w.get(), 1, 2049, 1, 1e-6f, nullptr),
+  EXPECT_THROW(engine::embedding_rms_norm(x.get(), xn.get(), ids.get(), tab.get(), w.get(), 1, 8193, 1, 1e-6f, nullptr),
                Error);
 }
 

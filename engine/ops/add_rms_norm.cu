@@ -10,23 +10,23 @@ namespace diffrun::engine {
 
 namespace {
 
-template <typename Out>
+template <typename Out, int kRegs>
 static __global__ void __launch_bounds__(kOpThreads)
 add_rms_norm_kernel(float* sum, Out* out, const float* a, const float* b, const float* w, int D, float eps) {
-  // Rows of up to kNormRegs·kOpThreads elements stay in registers; the weights are constant, so they
+  // Rows of up to kRegs·kOpThreads elements stay in registers; the weights are constant, so they
   // are loaded before the wait for the preceding kernel (its tail hides their latency).
-  const bool in_regs = D <= kNormRegs * kOpThreads;
-  float wv[kNormRegs];
+  const bool in_regs = D <= kRegs * kOpThreads;
+  float wv[kRegs];
   norm_load_weights(wv, w, D, in_regs);
   pdl_wait();
   pdl_trigger();
   const int64_t row = blockIdx.x;
   float* sr = sum + row * D;
   float ss = 0.0f;
-  float sv[kNormRegs];
+  float sv[kRegs];
   if (in_regs) {
 #pragma unroll
-    for (int i = 0; i < kNormRegs; ++i) {  // every load in flight before the first store (sum may alias a or b)
+    for (int i = 0; i < kRegs; ++i) {  // every load in flight before the first store (sum may alias a or b)
       const int d = threadIdx.x + i * kOpThreads;
       sv[i] = d < D ? a[row * D + d] + b[row * D + d] : 0.0f;
     }
@@ -45,7 +45,10 @@ add_rms_norm_kernel(float* sum, Out* out, const float* a, const float* b, const 
 template <typename Out>
 void launch(float* sum, Out* out, const float* a, const float* b, const float* w, int rows, int D, float eps,
             cudaStream_t stream) {
-  launch_pdl(add_rms_norm_kernel<Out>, rows, kOpThreads, 0, stream, sum, out, a, b, w, D, eps);
+  norm_dispatch(D, [&](auto regs) {
+    launch_pdl(add_rms_norm_kernel<Out, decltype(regs)::value>, rows, kOpThreads, 0, stream, sum, out, a, b, w, D,
+               eps);
+  });
   check_launch("add_rms_norm", stream);
 }
 

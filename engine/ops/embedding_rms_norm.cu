@@ -13,7 +13,7 @@ namespace diffrun::engine {
 
 namespace {
 
-template <typename W, typename Out>
+template <typename W, typename Out, int kRegs>
 static __global__ void __launch_bounds__(kOpThreads)
 embedding_rms_norm_kernel(float* x, Out* out, const int32_t* tokens, const W* table, const float* w, int D, int V,
                           float eps) {
@@ -22,15 +22,15 @@ embedding_rms_norm_kernel(float* x, Out* out, const int32_t* tokens, const W* ta
   // out are first written here. The wait before the exit keeps the chain: the next kernel's wait then
   // covers the kernel before this one too.
   pdl_trigger();
-  float wv[kNormRegs];
+  float wv[kRegs];
   norm_load_weights(wv, w, D, true);
   const int64_t t = blockIdx.x;
   const int32_t id = tokens[t];
   const bool valid = id >= 0 && id < V;
   const W* row = table + static_cast<int64_t>(valid ? id : 0) * D;
-  float xv[kNormRegs];
+  float xv[kRegs];
 #pragma unroll
-  for (int i = 0; i < kNormRegs; ++i) {
+  for (int i = 0; i < kRegs; ++i) {
     const int d = threadIdx.x + i * kOpThreads;
     xv[i] = d < D ? (valid ? load_act(row, d) : NAN) : 0.0f;
   }
@@ -47,13 +47,16 @@ void launch(float* x, Out* out, const int32_t* tokens, const W* table, const flo
   if (D > embedding_rms_norm_max_width())
     throw Error("embedding_rms_norm: rows of " + std::to_string(D) + ", at most " +
                 std::to_string(embedding_rms_norm_max_width()));
-  launch_pdl(embedding_rms_norm_kernel<W, Out>, T, kOpThreads, 0, stream, x, out, tokens, table, w, D, V, eps);
+  norm_dispatch(D, [&](auto regs) {
+    launch_pdl(embedding_rms_norm_kernel<W, Out, decltype(regs)::value>, T, kOpThreads, 0, stream, x, out, tokens,
+               table, w, D, V, eps);
+  });
   check_launch("embedding_rms_norm", stream);
 }
 
 }  // namespace
 
-int embedding_rms_norm_max_width() { return kNormRegs * kOpThreads; }
+int embedding_rms_norm_max_width() { return kNormRegsMax * kOpThreads; }
 
 void embedding_rms_norm(float* x, float* out, const int32_t* tokens, const float* table, const float* w, int T, int D,
                         int V, float eps, cudaStream_t stream) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include <cuda_fp16.h>
@@ -48,19 +49,38 @@ __device__ __forceinline__ float rms_scale(float sum_squares, int D, float eps) 
   return 1.0f / sqrtf(sum_squares / static_cast<float>(D) + eps);
 }
 
-// Row elements per thread that rms_norm and add_rms_norm keep in registers (D ≤ 2048 at 256 threads).
+// Row elements per thread that rms_norm, add_rms_norm and embedding_rms_norm keep in registers: the fewest of 8,
+// 16 and 32 that hold the row at 256 threads (D up to 2048, 4096 and 8192); 0 for a wider row, which they read from
+// memory. A thread's elements are d = threadIdx.x + i·kOpThreads in every case, summed in that order, so the count
+// never changes a value: it only keeps a 4096-wide row (7B) out of the memory loop, whose stores (the sum may
+// alias its inputs) serialize its loads (an add_rms_norm of one 4096-wide row took 14.7 us there on the H200).
 constexpr int kNormRegs = 8;
+constexpr int kNormRegsMax = 32;
+constexpr int norm_regs(int D) {
+  return D <= 8 * kOpThreads ? 8 : D <= 16 * kOpThreads ? 16 : D <= kNormRegsMax * kOpThreads ? kNormRegsMax : 0;
+}
+
+// Calls launch_with(std::integral_constant<int, kRegs>) with kRegs = norm_regs(D), or kNormRegs for a row wider than
+// registers hold (the kernels' memory path): the launchers instantiate their kernel for it.
+template <typename Launch>
+void norm_dispatch(int D, Launch&& launch_with) {
+  switch (norm_regs(D)) {
+    case 16: launch_with(std::integral_constant<int, 16>{}); break;
+    case kNormRegsMax: launch_with(std::integral_constant<int, kNormRegsMax>{}); break;
+    default: launch_with(std::integral_constant<int, kNormRegs>{}); break;
+  }
+}
 
 // This thread's part of a row's sum of squares from its elements in registers (v[i] is element
 // threadIdx.x + i·kOpThreads), in the order rms_norm, add_rms_norm and embedding_rms_norm share (so
 // their norms have the same bits); kStore: each element is also stored to row_out (the residual sum,
 // the gathered embedding row) in the same branch, as the kernels did before this was shared (with a
 // run-time choice the compiler split the loop, and the 0.5B decode step took 0.01 ms longer on the H100).
-template <bool kStore = false>
-__device__ __forceinline__ float norm_sum_squares(const float (&v)[kNormRegs], int D, float* row_out = nullptr) {
+template <bool kStore = false, int kRegs>
+__device__ __forceinline__ float norm_sum_squares(const float (&v)[kRegs], int D, float* row_out = nullptr) {
   float ss = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kNormRegs; ++i) {
+  for (int i = 0; i < kRegs; ++i) {
     const int d = threadIdx.x + i * kOpThreads;
     if (d < D) {
       if constexpr (kStore) row_out[d] = v[i];
@@ -144,22 +164,23 @@ __device__ __forceinline__ float load_act(const __half* p, int64_t i) { return _
 
 // A norm's weights for this thread's elements d = threadIdx.x + i·kOpThreads, held in registers when
 // the row fits (in_regs); constant, so loaded before pdl_wait (the preceding kernel hides them).
-__device__ __forceinline__ void norm_load_weights(float (&wv)[kNormRegs], const float* w, int D, bool in_regs) {
+template <int kRegs>
+__device__ __forceinline__ void norm_load_weights(float (&wv)[kRegs], const float* w, int D, bool in_regs) {
 #pragma unroll
-  for (int i = 0; i < kNormRegs; ++i) {
+  for (int i = 0; i < kRegs; ++i) {
     const int d = threadIdx.x + i * kOpThreads;
     wv[i] = in_regs && d < D ? w[d] : 0.0f;
   }
 }
 
 // A norm's output row: x·scale·w, from the registers (v, wv) when the row fits, else from memory.
-template <typename Out>
-__device__ __forceinline__ void norm_store(Out* out_row, const float (&v)[kNormRegs], const float* x_row,
-                                           const float (&wv)[kNormRegs], const float* w, int D, float scale,
+template <typename Out, int kRegs>
+__device__ __forceinline__ void norm_store(Out* out_row, const float (&v)[kRegs], const float* x_row,
+                                           const float (&wv)[kRegs], const float* w, int D, float scale,
                                            bool in_regs) {
   if (in_regs) {
 #pragma unroll
-    for (int i = 0; i < kNormRegs; ++i) {
+    for (int i = 0; i < kRegs; ++i) {
       const int d = threadIdx.x + i * kOpThreads;
       if (d < D) store_act(out_row, d, v[i] * scale * wv[i]);
     }

@@ -1,6 +1,6 @@
 // RMSNorm kernel (rows, D): one block per row of kOpThreads threads, f32 sum of squares (thread i
 // over elements i, i + kOpThreads, ...), block reduction (block_sum in launch.cuh); rows of up to
-// kNormRegs·kOpThreads elements and their weights are held in registers.
+// 8192 elements and their weights are held in registers (norm_regs in launch.cuh).
 #include "engine/ops/rms_norm.cuh"
 
 #include "engine/cuda_check.cuh"
@@ -10,23 +10,23 @@ namespace diffrun::engine {
 
 namespace {
 
-template <typename Out>
+template <typename Out, int kRegs>
 static __global__ void __launch_bounds__(kOpThreads)
 rms_norm_kernel(Out* out, const float* x, const float* w, int D, float eps) {
-  // Rows of up to kNormRegs·kOpThreads elements stay in registers; the weights are constant, so they
+  // Rows of up to kRegs·kOpThreads elements stay in registers; the weights are constant, so they
   // are loaded before the wait for the preceding kernel (its tail hides their latency).
-  const bool in_regs = D <= kNormRegs * kOpThreads;
-  float wv[kNormRegs];
+  const bool in_regs = D <= kRegs * kOpThreads;
+  float wv[kRegs];
   norm_load_weights(wv, w, D, in_regs);
   pdl_wait();
   pdl_trigger();
   const int64_t row = blockIdx.x;
   const float* xr = x + row * D;
   float ss = 0.0f;
-  float xv[kNormRegs];
+  float xv[kRegs];
   if (in_regs) {
 #pragma unroll
-    for (int i = 0; i < kNormRegs; ++i) {
+    for (int i = 0; i < kRegs; ++i) {
       const int d = threadIdx.x + i * kOpThreads;
       xv[i] = d < D ? xr[d] : 0.0f;
     }
@@ -40,7 +40,9 @@ rms_norm_kernel(Out* out, const float* x, const float* w, int D, float eps) {
 
 template <typename Out>
 void launch(Out* out, const float* x, const float* w, int rows, int D, float eps, cudaStream_t stream) {
-  launch_pdl(rms_norm_kernel<Out>, rows, kOpThreads, 0, stream, out, x, w, D, eps);
+  norm_dispatch(D, [&](auto regs) {
+    launch_pdl(rms_norm_kernel<Out, decltype(regs)::value>, rows, kOpThreads, 0, stream, out, x, w, D, eps);
+  });
   check_launch("rms_norm", stream);
 }
 
