@@ -168,20 +168,18 @@ class TpEngineImpl final : public TpCudaEngine {
       : cfg_(cfg), world_(world), threads_(world) {
     const int64_t unit = f_unit(file, cfg);
     for (int r = 0; r < world; ++r) slices_.push_back(tp_slice(cfg, r, world, unit));
-    comms_ = world > 1 ? engine::nccl_comms(world) : std::vector<void*>{nullptr};
-    ranks_.resize(static_cast<size_t>(world));
     // DIFFRUN_TP_ALLREDUCE=none: the step without its communication, for a benchmark's split of the time only.
     const char* mode = std::getenv("DIFFRUN_TP_ALLREDUCE");
     const std::string_view all_reduce = mode != nullptr && *mode != '\0' ? mode : "nccl";
-    if (all_reduce != "nccl" && all_reduce != "none") {
-      release();
+    if (all_reduce != "nccl" && all_reduce != "none")
       throw InputError("DIFFRUN_TP_ALLREDUCE=" + std::string(all_reduce) +
                        ": the tensor-parallel all-reduce is nccl (the default) or none (timing only)");
-    }
     const bool no_all_reduce = world > 1 && all_reduce == "none";
     if (no_all_reduce)
       std::fprintf(stderr, "diffrun: DIFFRUN_TP_ALLREDUCE=none: the ranks never add their partial sums; every value "
                            "after the first layer's attention is wrong (timing only)\n");
+    comms_ = world > 1 ? engine::nccl_comms(world) : std::vector<void*>{nullptr};
+    ranks_.resize(static_cast<size_t>(world));
     std::vector<TpRank> ranks;
     std::vector<FaultSet> rank_faults(size_t(world), faults);
     for (int r = 0; r < world; ++r) {
