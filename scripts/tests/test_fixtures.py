@@ -321,3 +321,23 @@ def test_slice_rejects_bad_layer_count(fixture_dir, tmp_path):
                               str(tmp_path / "x.gguf"), "--layers", n], capture_output=True, text=True)
         assert res.returncode == 1 and "--layers must be in 1..2" in res.stderr
         assert not (tmp_path / "x.gguf").exists()
+
+
+def test_shape_with_fewer_layers(tmp_path):
+    """--layers N keeps a shape's widths and writes N layers, read back by the gguf package."""
+    res = subprocess.run([sys.executable, str(REPO / "scripts/gen_fixtures.py"), "--out", str(tmp_path), "--shape",
+                          "smollm2-135m", "--layers", "1"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    shape = models.FULL["smollm2-135m"]
+    r = read(tmp_path / f"{shape.name}-{models.FULL_FORMAT[shape.name]}-1L.gguf")
+    a = shape.arch
+    assert field(r, f"{a}.block_count") == 1
+    assert field(r, f"{a}.embedding_length") == shape.n_embd
+    assert field(r, f"{a}.feed_forward_length") == shape.n_ff
+    blocks = {t.name.split(".")[1] for t in r.tensors if t.name.startswith("blk.")}
+    assert blocks == {"0"}
+    for bad in (["--layers", "2"], ["--shape", "smollm2-135m", "--layers", "0"]):
+        res = subprocess.run([sys.executable, str(REPO / "scripts/gen_fixtures.py"), "--out", str(tmp_path / "x"), *bad],
+                             capture_output=True, text=True)
+        assert res.returncode == 2 and "--layers goes with --shape" in res.stderr
+        assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
