@@ -48,7 +48,8 @@ struct MainOptions {
   std::string checkpoints;
   std::string inject;    // faults injected into the engine side
   int tp = 1;            // the engine tensor-parallel over this many GPUs (engine/tp_engine.hpp)
-  bool tp_invariance = true;  // with tp > 1 and both default pairs: a third, the f32 engine at tp against one GPU
+  bool no_tp_invariance = false;  // with tp > 1 and both default pairs: no third pair (the f32 engine at tp
+                                  // against one GPU)
   bool isolate = false;  // also run the engine in isolation replay (local error per checkpoint)
   std::string dump = "full";  // full, divergence or none
   int stop_at_first = -1;     // >= 0: end the run this many steps after the first divergence
@@ -163,7 +164,7 @@ std::vector<RunPair> run_pairs(const MainOptions& o, DeviceProbe& probe, Progres
     std::vector<RunPair> pairs = {pair("logic", "f32", "f64", (std::filesystem::path(o.out) / "logic").string()),
                                   pair("precision", "f16", default_reference_precision("f16"),
                                        (std::filesystem::path(o.out) / "precision").string())};
-    if (o.tp > 1 && o.tp_invariance) {
+    if (o.tp > 1 && !o.no_tp_invariance) {
       // TP invariance: the f32 engine at --tp N against itself on one GPU (DESIGN.md, "Tensor parallelism").
       RunPair p = pair("tp", "f32", "f32", (std::filesystem::path(o.out) / "tp").string());
       p.ref.backend = "cuda";
@@ -519,10 +520,9 @@ const CommandRegistrar registrar{
       app.add_option("--inject", o->inject,
                      "Inject faults into the engine side (diffrun faults lists them), e.g. rope_theta_10000,kv_cache_pos0");
       add_tp_option(app, o->tp);
-      app.add_flag("--tp-invariance,!--no-tp-invariance", o->tp_invariance,
-                   "With --tp N (on by default): a third pair, the f32 engine at --tp N against itself on one GPU "
-                   "(left out, with a message, where the model does not fit on one GPU); --no-tp-invariance leaves "
-                   "it out");
+      app.add_flag("--no-tp-invariance", o->no_tp_invariance,
+                   "With --tp N: leave out the third pair, the f32 engine at --tp N against itself on one GPU (TP "
+                   "invariance; it is left out anyway, with a message, where the model does not fit on one GPU)");
       app.add_flag("--isolate", o->isolate,
                    "Also run the engine in isolation replay (each op on the reference's inputs): local error per "
                    "checkpoint. Needs every checkpoint (not with --checkpoints)");
