@@ -338,6 +338,10 @@ std::string fault_not_applicable(Fault f, const ModelConfig& cfg, const GgufFile
       return cfg.qk_norm ? "the model normalises q and k before RoPE, which keeps the RoPE out of the qkv GEMV" : "";
     case Fault::embd_norm_fused_no_weight: {
       if (cfg.embd_scale) return "the model scales its embeddings, which keeps the gather out of the norm";
+      if (cfg.n_embd > kFusedEmbeddingNormMaxWidth)
+        return fmt::format("rows of {} are wider than the {} the fused embedding norm takes: the gather and the norm "
+                           "run as two kernels",
+                           cfg.n_embd, kFusedEmbeddingNormMaxWidth);
       if (!file) return "which tensor formats the model has is not known here";
       const TensorInfo* t = file->find_tensor("token_embd.weight");
       if (!t || (t->type != GgmlType::F32 && t->type != GgmlType::F16 && t->type != GgmlType::BF16))

@@ -138,6 +138,10 @@ std::string fault_table();
 // --- Parameters of the faults that both backends must reproduce identically ---
 
 // rms_eps_1e5 and rope_theta_10000: the wrong constants.
+// The widest row the CUDA engine's fused embedding gather + RMSNorm (embedding_rms_norm) takes: 32 elements a thread
+// in registers at 256 threads (engine/ops/launch.cuh, which asserts the same). A wider model gathers and normalises
+// in two kernels, where embd_norm_fused_no_weight has nothing to act on.
+inline constexpr int kFusedEmbeddingNormMaxWidth = 8192;
 inline constexpr double kFaultRmsEps = 1e-5;
 inline constexpr double kFaultRopeTheta = 10000.0;
 

@@ -353,6 +353,18 @@ TEST(FaultDequant, NotApplicableWithoutLegacyFormats) {
             "embd");
 }
 
+// The fused embedding norm takes rows up to kFusedEmbeddingNormMaxWidth: a wider model runs the gather and the norm
+// apart, where embd_norm_fused_no_weight cannot act, so the catalog calls it not applicable there.
+TEST(FaultFusedEmbeddingNorm, NotApplicableToRowsWiderThanTheFusedKernelTakes) {
+  Model m = open_model("tiny-llama-f32.gguf");
+  EXPECT_EQ(fault_not_applicable(Fault::embd_norm_fused_no_weight, m.cfg, m.file.get()), "");
+  m.cfg.n_embd = kFusedEmbeddingNormMaxWidth;
+  EXPECT_EQ(fault_not_applicable(Fault::embd_norm_fused_no_weight, m.cfg, m.file.get()), "");
+  m.cfg.n_embd = kFusedEmbeddingNormMaxWidth + 1;
+  EXPECT_NE(fault_not_applicable(Fault::embd_norm_fused_no_weight, m.cfg, m.file.get()).find("two kernels"),
+            std::string::npos);
+}
+
 // What a CUDA engine never runs on a model (fault_dormant): the f32 engine keeps K-quant gate|up out of the fused
 // SwiGLU GEMV (the f16 engine fuses them; dense ones fuse in both). A mixture of experts' decode steps are graphs too
 // (their experts gathered on the device), so graph_position_frozen runs there.

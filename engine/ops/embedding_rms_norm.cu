@@ -7,6 +7,7 @@
 
 #include "engine/cuda_check.cuh"
 #include "engine/ops/launch.cuh"
+#include "faults/faults.hpp"
 #include "model/error.hpp"
 
 namespace diffrun::engine {
@@ -56,7 +57,9 @@ void launch(float* x, Out* out, const int32_t* tokens, const W* table, const flo
 
 }  // namespace
 
-int embedding_rms_norm_max_width() { return kNormRegsMax * kOpThreads; }
+static_assert(kNormRegsMax * kOpThreads == kFusedEmbeddingNormMaxWidth,
+              "the fault catalog's rule for embd_norm_fused_no_weight (faults/faults.hpp) is this kernel's width");
+int embedding_rms_norm_max_width() { return kFusedEmbeddingNormMaxWidth; }
 
 void embedding_rms_norm(float* x, float* out, const int32_t* tokens, const float* table, const float* w, int T, int D,
                         int V, float eps, cudaStream_t stream) {
