@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <omp.h>
 
 #include "checkpoints/step_batch.hpp"
@@ -416,9 +417,8 @@ class CpuBackend final : public Backend {
     std::string s;
     for (const ForcedRouting::Row& r : forced.rows) {
       if (!s.empty()) s += "; ";
-      s += "step " + std::to_string(r.step) + " layer " + std::to_string(r.layer) + " token " + std::to_string(r.token) +
-           ":";
-      for (size_t j = 0; j < r.ids.size(); ++j) s += (j ? "," : " ") + std::to_string(r.ids[j]);
+      s += fmt::format("step {} layer {} token {}:", r.step, r.layer, r.token);
+      for (size_t j = 0; j < r.ids.size(); ++j) s += fmt::format("{}{}", j ? "," : " ", r.ids[j]);
     }
     return s;
   }
