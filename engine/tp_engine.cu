@@ -359,7 +359,6 @@ class TpEngineImpl final : public TpCudaEngine {
     comms_.clear();
   }
 
-
   ModelConfig cfg_;
   int world_;
   RankThreads threads_;
