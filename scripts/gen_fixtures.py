@@ -8,7 +8,7 @@
     scripts/gen_fixtures.py --out DIR --shape llama-7b-q4k        # llama 7B shape, Q4_K blocks (3.6 GiB, never commit)
     scripts/gen_fixtures.py --out DIR --shape llama-13b-q4k       # llama 13B shape, Q4_K blocks (6.8 GiB, never commit)
     scripts/gen_fixtures.py --out DIR --shape tinyllama-1.1b --format f16   # a shape in another format
-    scripts/gen_fixtures.py --out DIR --shape llama-7b --layers 4  # its widths, 4 layers (kernel work; 2.4 GiB)
+    scripts/gen_fixtures.py --out DIR --shape llama-7b --layers 4  # its widths, 4 layers (kernel work; 2.0 GiB)
 
 Needs only numpy and the gguf package. The tiny set is skipped when a stamp in DIR says it was
 written by the same generator sources, vocabularies and seed (--force rewrites it).
