@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "checkpoints/dump_schema.hpp"
+#include "checkpoints/tensor_parallel.hpp"
 #include "checkpoints/vocabulary.hpp"
 
 namespace diffrun {
@@ -52,26 +53,18 @@ void StepBatch::record_ids(int step, std::string_view name, std::span<const int3
 }
 
 std::vector<float> StepBatch::cut(const Record& r, int j, std::vector<int64_t>& shape) const {
+  // Token row j along T, then the first base + j + 1 positions along S (record() took only checkpoints with one).
   shape = r.shape;
-  if (r.iT >= 0) shape[r.iT] = 1;
-  if (r.iS >= 0) shape[r.iS] = base_ + j + 1;
-  const int nd = static_cast<int>(shape.size());
-  std::vector<int64_t> stride(shape.size(), 1);
-  for (int d = nd - 2; d >= 0; --d) stride[d] = stride[d + 1] * r.shape[d + 1];
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::vector<float> out(static_cast<size_t>(n));
-  // The last dimension's run is contiguous in both; an odometer over the others.
-  const int64_t run = shape.back();
-  std::vector<int64_t> idx(shape.size(), 0);
-  for (int64_t o = 0; o < n; o += run) {
-    int64_t from = r.iT == nd - 1 ? j : 0;
-    for (int d = 0; d < nd - 1; ++d) from += (d == r.iT ? j : idx[d]) * stride[d];
-    std::copy_n(r.data.data() + from, run, out.data() + o);
-    for (int d = nd - 2; d >= 0; --d) {
-      if (++idx[d] < shape[d]) break;
-      idx[d] = 0;
-    }
+  std::span<const float> from = r.data;
+  std::vector<float> out;
+  if (r.iT >= 0) {
+    out = take_slice(from, shape, r.iT, j, j + 1);
+    shape[r.iT] = 1;
+    from = out;
+  }
+  if (r.iS >= 0) {
+    out = take_slice(from, shape, r.iS, 0, base_ + j + 1);
+    shape[r.iS] = base_ + j + 1;
   }
   return out;
 }

@@ -99,6 +99,22 @@ void place_shard(std::span<float> whole, std::span<const int64_t> whole_shape, i
     std::copy_n(piece.begin() + o * extent * inner, extent * inner, whole.begin() + (o * full + offset) * inner);
 }
 
+std::vector<float> take_slice(std::span<const float> v, std::span<const int64_t> shape, int dim, int64_t from,
+                              int64_t to) {
+  if (dim < 0 || static_cast<size_t>(dim) >= shape.size()) throw Error("take_slice: no dimension " + std::to_string(dim));
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < dim; ++i) outer *= shape[static_cast<size_t>(i)];
+  for (size_t i = static_cast<size_t>(dim) + 1; i < shape.size(); ++i) inner *= shape[i];
+  const int64_t full = shape[static_cast<size_t>(dim)], n = to - from;
+  if (from < 0 || n < 0 || to > full || static_cast<int64_t>(v.size()) != outer * full * inner)
+    throw Error("take_slice: elements " + std::to_string(from) + ".." + std::to_string(to) + " of dimension " +
+                std::to_string(dim) + " of " + std::to_string(full) + " (" + std::to_string(v.size()) + " values)");
+  std::vector<float> out(static_cast<size_t>(outer * n * inner));
+  for (int64_t o = 0; o < outer; ++o)
+    std::copy_n(v.begin() + (o * full + from) * inner, n * inner, out.begin() + o * n * inner);
+  return out;
+}
+
 std::vector<float> add_partials(const std::vector<std::span<const float>>& ranks) {
   if (ranks.empty()) return {};
   const size_t n = ranks.front().size();

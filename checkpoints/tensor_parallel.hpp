@@ -59,6 +59,11 @@ ShardSpec megatron_shard(std::string_view name, const TpSlice& s);
 // - add_partials: the ranks' partial sums added in float64 in rank order, rounded to float32 once.
 void place_shard(std::span<float> whole, std::span<const int64_t> whole_shape, int dim, int64_t offset,
                  std::span<const float> piece);
+// place_shard's inverse: elements [from, to) of dimension `dim` of a row-major tensor of `shape` (every other
+// dimension whole). Also how a rank's slice of a merged checkpoint is cut out (diff/shards.cpp) and a step's token
+// row and cache positions out of a pass of several (StepBatch).
+std::vector<float> take_slice(std::span<const float> v, std::span<const int64_t> shape, int dim, int64_t from,
+                              int64_t to);
 std::vector<float> add_partials(const std::vector<std::span<const float>>& ranks);
 
 }  // namespace diffrun

@@ -10,23 +10,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "checkpoints/tensor_parallel.hpp"
 #include "checkpoints/vocabulary.hpp"
 #include "dump/rows.hpp"
 
 namespace diffrun::diff {
 namespace {
-
-// Elements [from, to) of dimension `dim` of a row-major tensor of `shape`.
-std::vector<float> slice(std::span<const float> v, const std::vector<int64_t>& shape, int dim, int64_t from, int64_t to) {
-  int64_t outer = 1, inner = 1;
-  for (int i = 0; i < dim; ++i) outer *= shape[i];
-  for (size_t i = dim + 1; i < shape.size(); ++i) inner *= shape[i];
-  const int64_t full = shape[dim], n = to - from;
-  std::vector<float> out(static_cast<size_t>(outer * n * inner));
-  for (int64_t o = 0; o < outer; ++o)
-    std::copy_n(v.begin() + (o * full + from) * inner, n * inner, out.begin() + o * n * inner);
-  return out;
-}
 
 // Whether `a` against `b` (shape, layout) fails the rule; its rel_l2 into `rel_l2`.
 bool fails(std::span<const float> a, std::span<const float> b, const std::vector<int64_t>& shape,
@@ -65,7 +54,7 @@ std::vector<float> own_piece(const DumpReader& reader, const DatasetInfo& engine
   const int64_t drop = r.row_offset - engine.row_offset;
   if (drop <= 0 || rd < 0 || static_cast<size_t>(rd) >= shape.size()) return v;
   shape[rd] += drop;
-  return slice(v, shape, rd, drop, shape[rd]);
+  return take_slice(v, shape, rd, drop, shape[rd]);
 }
 
 }  // namespace
@@ -105,7 +94,7 @@ void judge_ranks(CheckpointResult& r, const DatasetInfo& engine, const DumpReade
       if (dim >= 0) {
         shape[dim] = s.to - s.from;
         slice_dims[engine.split] = shape[dim];
-        cut = slice(b, r.shape_reference, dim, s.from, s.to);
+        cut = take_slice(b, r.shape_reference, dim, s.from, s.to);
         theirs = cut;
       }
       const std::vector<float> mine = own_piece(reader, engine, r, s.rank, shape);

@@ -105,7 +105,7 @@ TEST(TensorParallel, MegatronShardOfEachCheckpoint) {
   EXPECT_EQ(megatron_shard("Qcur-0", tp_slice(c, 0, 1, 64)).split, "") << "one rank holds everything";
 }
 
-// The merge primitives: pieces placed along a middle dimension reproduce the whole; Hkv copies placed lowest rank
+// The merge primitives: pieces placed along (and taken back out of, take_slice) a middle dimension reproduce the whole; Hkv copies placed lowest rank
 // last present rank 0's; partial sums in float64, rounded once; pieces that do not fit are refused.
 TEST(TensorParallel, MergePrimitives) {
   const std::vector<int64_t> shape = {2, 4, 3};  // [T, H, Dh], split along H
@@ -118,8 +118,13 @@ TEST(TensorParallel, MergePrimitives) {
       for (int64_t h = h0; h < h1; ++h)
         for (int64_t d = 0; d < 3; ++d) piece.push_back(whole[size_t((t * 4 + h) * 3 + d)]);
     place_shard(merged, shape, 1, h0, piece);
+    EXPECT_EQ(take_slice(whole, shape, 1, h0, h1), piece);  // its inverse
   }
   EXPECT_EQ(merged, whole);
+  EXPECT_EQ(take_slice(whole, shape, 0, 1, 2), std::vector<float>(whole.begin() + 12, whole.end()));
+  EXPECT_TRUE(take_slice(whole, shape, 2, 1, 1).empty());
+  EXPECT_THROW(take_slice(whole, shape, 1, 2, 5), Error);  // past H
+  EXPECT_THROW(take_slice(whole, shape, 3, 0, 1), Error);
   std::vector<float> copy(6, 7.0f), mine(6, 1.0f), out(6);
   const std::vector<int64_t> one_head = {2, 1, 3};
   place_shard(out, one_head, 1, 0, copy);
