@@ -7,6 +7,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "checkpoints/sink.hpp"
@@ -27,6 +28,8 @@ struct StepPath {
 // engine, published once by the thread that computes them and read by the backends given it (Backend::set_draft).
 class Draft {
  public:
+  // Tokens known from the start (teacher forcing) published at once; none: the engine publishes them later.
+  explicit Draft(std::vector<int32_t> tokens = {}) : tokens_(std::move(tokens)) {}
   void publish(std::vector<int32_t> tokens) {
     std::lock_guard lock(m_);
     tokens_ = std::move(tokens);

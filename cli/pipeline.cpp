@@ -64,11 +64,7 @@ std::shared_ptr<Draft> draft_source(const std::vector<PipelinePair>& pairs, cons
   engine = false;
   const std::string mode = draft_mode();
   if (mode == "0" || pairs.empty() || opt.steps < 2) return nullptr;
-  if (static_cast<int>(opt.feed.size()) >= opt.steps) {
-    auto draft = std::make_shared<Draft>();
-    draft->publish(opt.feed);
-    return draft;
-  }
+  if (static_cast<int>(opt.feed.size()) >= opt.steps) return std::make_shared<Draft>(opt.feed);
   for (const PipelinePair& pair : pairs)
     if (!pair.engine.inject.empty() || !pair.reference.inject.empty()) return nullptr;
   if (!opt.feed.empty() || (pairs.front().engine.backend != "cuda" && mode != "1")) return nullptr;

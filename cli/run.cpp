@@ -239,9 +239,7 @@ std::string draft_mode() {
 
 void draft_fed_tokens(Backend& backend, const std::vector<int32_t>& fed) {
   if (fed.size() < 2 || draft_mode() == "0") return;
-  auto draft = std::make_shared<Draft>();
-  draft->publish(fed);
-  backend.set_draft(std::move(draft));
+  backend.set_draft(std::make_shared<Draft>(fed));
 }
 
 int32_t greedy_token(const Backend& backend, std::span<const float> logits) {
