@@ -90,6 +90,17 @@ std::string gemv_rows_per_warp_name() {
   return std::to_string(gemv_rows_per_warp(0));
 }
 
+GemvWarps gemv_warps_per_row() {
+  const char* v = std::getenv("DIFFRUN_GEMV_WARPS_PER_ROW");
+  if (!v || !*v || std::strcmp(v, "auto") == 0) return {};
+  const std::string s(v);
+  const size_t x = s.find('x');
+  const std::string w = s.substr(0, x), b = x == std::string::npos ? "4" : s.substr(x + 1);
+  if ((w == "1" || w == "2" || w == "4" || w == "8") && (b == "4" || b == "8"))
+    return {std::stoi(w), std::stoi(b)};
+  throw InputError("DIFFRUN_GEMV_WARPS_PER_ROW=" + s + ": expected auto, or W or WxB with W 1, 2, 4 or 8 and B 4 or 8");
+}
+
 bool qgemv_mma_enabled() {
   static const bool enabled = !switched_off("DIFFRUN_QGEMV_MMA") && device_major() >= 8;
   return enabled;

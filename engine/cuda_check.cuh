@@ -42,6 +42,15 @@ constexpr int kGemvFourRowsFrom = 32768;
 int gemv_rows_per_warp(int N);
 std::string gemv_rows_per_warp_name();
 
+// DIFFRUN_GEMV_WARPS_PER_ROW (read at each launch, like the above), for measuring the dense one-token GEMV's shapes
+// in the engine (bench_cuda_engine) and alone (bench_cuda_gemv): "auto" or unset (warps 0: the shape decides, as
+// engine/ops/matmul.cu's gemv_epi says), or W[xB] with W 1, 2, 4 or 8 and B 4 or 8: every 16-byte-aligned GEMV
+// takes W warps a row (1: the rows kernel) and B loads a lane issues at once (4 if not given).
+struct GemvWarps {
+  int warps = 0, batch = 4;
+};
+GemvWarps gemv_warps_per_row();
+
 // The f16 engine's Q4_K/Q5_K/Q6_K GEMV on tensor cores (read once): on for devices of compute
 // capability 8.0 and later unless DIFFRUN_QGEMV_MMA=0 (the SIMT kernel of the other formats then).
 bool qgemv_mma_enabled();

@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/checkpoint_stager.cuh"
+#include "engine/cuda_check.cuh"
 #include "engine/device_buffer.cuh"
 #include "engine/gemm.cuh"
 #include "engine/ops/add_rms_norm.cuh"
@@ -385,6 +386,71 @@ TEST(EngineOps, GemvRowsPerWarpGiveTheSameBits) {
       unsetenv("DIFFRUN_GEMV_ROWS_PER_WARP");
     }
   }
+}
+
+// DIFFRUN_GEMV_WARPS_PER_ROW=W[xB] (2, 4 or 8 warps a row; 4 or 8 loads a round): each setting's plain launch
+// within f32 rounding of the rows kernel's (another summation order), and its paired launches computing its plain
+// rows bit for bit (the SwiGLU epilogue against matmul_cat then swiglu, the RoPE epilogue against matmul_cat then
+// rope_qk, both caches included); f32 and f16, K of 2056 (several rounds, a partial last one), N not a multiple of
+// the block's rows. A value that is not one is refused (exit 2 at the command line).
+TEST(EngineOps, GemvWarpsPerRowSettings) {
+  DIFFRUN_REQUIRE_CUDA();
+  engine::CublasHandle h32(engine::EnginePrecision::f32), h16(engine::EnginePrecision::f16);
+  const int N = 4102, K = 2056, F = N / 2, H = 32, Hkv = 16, Dh = 64, Q = H * Dh, KV = Hkv * Dh, ctx = 4;
+  const auto x = random_vec(K, 93), w = random_vec(size_t(N) * K, 94, 0.2f), b = random_vec(N, 95);
+  DeviceArray<float> dx(x), dw(w), db(b);
+  DeviceArray<__half> hx(to_half(x)), hw(to_half(w));
+  DeviceArray<int32_t> dpos(std::vector<int32_t>{3});
+  for (bool f16 : {false, true}) {
+    SCOPED_TRACE(f16 ? "f16" : "f32");
+    std::vector<float> rows_kernel;
+    for (const char* setting : {"1", "2", "2x8", "4", "4x8", "8", "8x8"}) {
+      SCOPED_TRACE(std::string("DIFFRUN_GEMV_WARPS_PER_ROW=") + setting);
+      setenv("DIFFRUN_GEMV_WARPS_PER_ROW", setting, 1);
+      const std::vector<float> nan_n(N, std::nanf("")), nan_f(F, std::nanf(""));
+      const std::vector<float> zq(Q, 0.0f), zkv(KV, 0.0f), zc(size_t(ctx) * KV, 0.0f);
+      DeviceArray<float> y(nan_n), g1(nan_f), u1(nan_f), a1(nan_f), g2(nan_f), u2(nan_f), a2(nan_f);
+      DeviceArray<float> q1(zq), k1(zkv), v1(zkv), kc1(zc), vc1(zc), q2(zq), k2(zkv), v2(zkv), kc2(zc), vc2(zc);
+      DeviceArray<__half> a1h(to_half(nan_f)), a2h(to_half(nan_f));
+      const engine::GemvRope rope{kc2.get(), vc2.get(), dpos.get(), dpos.get(), nullptr, 10000.0f, H, Hkv, Dh, true};
+      const auto run = [&](const auto* xw, const auto* ww, auto* act1, auto* act2, const engine::CublasHandle& h) {
+        using W = std::remove_cv_t<std::remove_pointer_t<decltype(ww)>>;
+        engine::DeviceMatrix<W> m;
+        m.dense = ww;
+        m.K = K;
+        m.rows = N;
+        engine::matmul(y.get(), xw, ww, db.get(), 1, K, N, h, nullptr);
+        engine::matmul_cat({{g1.get(), nullptr, F}, {u1.get(), nullptr, F}}, xw, m, 1, K, h, nullptr);
+        engine::swiglu(act1, g1.get(), u1.get(), F, nullptr);
+        EXPECT_TRUE(engine::matmul_gate_up_swiglu(g2.get(), u2.get(), act2, xw, m, K, F, nullptr));
+        engine::matmul_cat({{q1.get(), db.get(), Q}, {k1.get(), db.get() + Q, KV}, {v1.get(), db.get() + Q + KV, KV}},
+                           xw, m, 1, K, h, nullptr);
+        engine::rope_qk(q1.get(), k1.get(), kc1.get(), vc1.get(), q1.get(), k1.get(), v1.get(), 1, H, Hkv, Dh,
+                        dpos.get(), dpos.get(), 10000.0f, nullptr, true, nullptr);
+        EXPECT_TRUE(engine::matmul_qkv_rope(q2.get(), k2.get(), v2.get(), db.get(), db.get() + Q, db.get() + Q + KV, xw,
+                                            m, K, rope, nullptr));
+      };
+      if (f16) run(hx.get(), hw.get(), a1h.get(), a2h.get(), h16);
+      else run(dx.get(), dw.get(), a1.get(), a2.get(), h32);
+      TEST_CUDA_CHECK(cudaGetLastError());
+      const auto y_host = y.download();
+      ASSERT_TRUE(std::none_of(y_host.begin(), y_host.end(), [](float f) { return std::isnan(f); }));
+      if (rows_kernel.empty()) rows_kernel = y_host;
+      else EXPECT_LT(rel_l2(y_host, rows_kernel), 1e-6);
+      EXPECT_EQ(bits(g2.download()), bits(g1.download()));
+      EXPECT_EQ(bits(u2.download()), bits(u1.download()));
+      if (f16) EXPECT_EQ(bits(from_half(a2h.download())), bits(from_half(a1h.download())));
+      else EXPECT_EQ(bits(a2.download()), bits(a1.download()));
+      for (auto [a, b2] : {std::pair{&q2, &q1}, std::pair{&k2, &k1}, std::pair{&v2, &v1}, std::pair{&kc2, &kc1},
+                           std::pair{&vc2, &vc1}})
+        EXPECT_EQ(bits(a->download()), bits(b2->download()));
+    }
+  }
+  setenv("DIFFRUN_GEMV_WARPS_PER_ROW", "3", 1);
+  EXPECT_THROW(engine::gemv_warps_per_row(), InputError);
+  setenv("DIFFRUN_GEMV_WARPS_PER_ROW", "2x2", 1);
+  EXPECT_THROW(engine::gemv_warps_per_row(), InputError);
+  unsetenv("DIFFRUN_GEMV_WARPS_PER_ROW");
 }
 
 TEST(EngineOps, EmbeddingMatchesReference) {

@@ -20,9 +20,11 @@ enum GemvEpilogue : int {
   kGemvRope = 2,    // Wq|Wk|Wv (parts q, k, v): q and k rotated, k and v rows to the cache (rope_qk)
 };
 
-// Threads of a block: 4 warps; 8 for a paired launch whose rows take 4 warps each (a pair per block).
+// Threads of a block: 4 warps, or one row's warps where a row takes more; a paired launch whose rows take several
+// warps each holds at least a pair (8 warps for 4 a row, 16 for 8).
 __host__ __device__ constexpr int gemv_block_threads(int warps_per_row, int epi) {
-  return epi != kGemvPlain && warps_per_row > 1 ? 256 : 128;
+  return epi != kGemvPlain && warps_per_row > 1 ? (warps_per_row > 4 ? 64 * warps_per_row : 256)
+                                                : (warps_per_row > 4 ? 32 * warps_per_row : 128);
 }
 
 // Rows per block of a launch: the block's warps over warps_per_row.

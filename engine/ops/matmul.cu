@@ -20,7 +20,7 @@ namespace diffrun::engine {
 namespace {
 
 constexpr int kMaxParts = kGemvMaxParts;
-constexpr int kGemvBatch = 8;      // 16-byte loads issued together per lane before any is used
+constexpr int kGemvBatch = 8;      // gemv_kernel's default: 16-byte loads issued together per lane before any is used
 constexpr int kSplitRowsBelow = 4096;  // fewer rows of long K: the block's 4 warps share each row's K
 constexpr int kMultiBatch = 4;         // gemv_rows_kernel: 16-byte loads of each row issued together per lane
 
@@ -44,7 +44,8 @@ bool gemv_split(bool vec, int K, int N) {
 template <typename W>
 bool gemv_runs_rows_kernel(const W* x, const W* w, int K, int N) {
   const bool vec = gemv_vec<W>(x, w, K);
-  return vec && !gemv_split<W>(vec, K, N);
+  const GemvWarps forced = gemv_warps_per_row();
+  return vec && (forced.warps == 1 || (forced.warps == 0 && !gemv_split<W>(vec, K, N)));
 }
 
 __device__ __forceinline__ float dot16(uint4 w, uint4 x, const __half*) {
@@ -65,14 +66,14 @@ __device__ __forceinline__ float dot16(uint4 w, uint4 x, const float*) {
   return fmaf(wf.x, xf.x, fmaf(wf.y, xf.y, fmaf(wf.z, xf.z, wf.w * xf.w)));
 }
 
-// y[row] = Σ_k w[row, k] · x[k] in f32, then + bias. kWarpsPerRow warps (1 or 4) share a row: each
-// lane takes every (32·kWarpsPerRow)-th 16-byte chunk, a batch of kGemvBatch loads in flight at
-// once (predicated, no tail loop), then a warp reduction and, for 4 warps, one through shared
+// y[row] = Σ_k w[row, k] · x[k] in f32, then + bias. kWarpsPerRow warps (1, 2, 4 or 8) share a row:
+// each lane takes every (32·kWarpsPerRow)-th 16-byte chunk, a batch of kBatch loads in flight at
+// once (predicated, no tail loop), then a warp reduction and, for several warps, one through shared
 // memory in warp order. kVec: rows and x 16-byte aligned (K · sizeof(W) a multiple of 16). With
 // prefetch, the block first asks L2 for its weight rows (before the PDL wait: the weights are not
 // written by the preceding kernel), so their fetch overlaps it; the values and order are the same.
 // kEpi: kGemvPlain, or a paired epilogue of engine/ops/gemv_epilogue.cuh (SwiGLU into act, RoPE).
-template <typename W, bool kVec, int kWarpsPerRow, int kEpi>
+template <typename W, bool kVec, int kWarpsPerRow, int kBatch, int kEpi>
 static __global__ void __launch_bounds__(gemv_block_threads(kWarpsPerRow, kEpi))
 gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, int K, int N, bool prefetch,
             W* __restrict__ act, GemvRope rope) {
@@ -103,16 +104,16 @@ gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, i
       const int chunks = K / (16 / sizeof(W));
       const uint4* w4 = reinterpret_cast<const uint4*>(wr);
       const uint4* x4 = reinterpret_cast<const uint4*>(x);
-      for (int c = sub; c < chunks; c += kGemvBatch * kLanes) {
-        uint4 wv[kGemvBatch], xv[kGemvBatch];
+      for (int c = sub; c < chunks; c += kBatch * kLanes) {
+        uint4 wv[kBatch], xv[kBatch];
 #pragma unroll
-        for (int u = 0; u < kGemvBatch; ++u) {
+        for (int u = 0; u < kBatch; ++u) {
           const int i = c + u * kLanes;
           wv[u] = i < chunks ? __ldcs(w4 + i) : make_uint4(0, 0, 0, 0);
           xv[u] = i < chunks ? __ldg(x4 + i) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (int u = 0; u < kGemvBatch; ++u) acc += dot16(wv[u], xv[u], x);
+        for (int u = 0; u < kBatch; ++u) acc += dot16(wv[u], xv[u], x);
       }
     } else {
       for (int k = sub; k < K; k += kLanes) acc = fmaf(load_act(wr, k), load_act(x, k), acc);
@@ -121,11 +122,11 @@ gemv_kernel(GemvParts parts, const W* __restrict__ x, const W* __restrict__ w, i
   gemv_finish<kWarpsPerRow, kEpi>(parts, act, gemv_rope_with(rope, at), acc, pair, row, row < N);
 }
 
-template <typename W, bool kVec, int kWarpsPerRow, int kEpi>
+template <typename W, bool kVec, int kWarpsPerRow, int kEpi, int kBatch = kGemvBatch>
 void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream, W* act,
                  const GemvRope& rope) {
   const unsigned blocks = static_cast<unsigned>(gemv_blocks(kWarpsPerRow, kEpi, N));
-  launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow, kEpi>, blocks, gemv_block_threads(kWarpsPerRow, kEpi), 0, stream,
+  launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow, kBatch, kEpi>, blocks, gemv_block_threads(kWarpsPerRow, kEpi), 0, stream,
              parts, x, w, K, N, gemv_prefetch_enabled(), act, rope);
 }
 
@@ -287,12 +288,32 @@ bool matmul_argmax_impl(float* out, int32_t* token, const W* x, const DeviceMatr
   return true;
 }
 
+// DIFFRUN_GEMV_WARPS_PER_ROW=W[xB] (W > 1): every 16-byte-aligned GEMV on gemv_kernel with W warps a row and B
+// loads a round.
+template <typename W, int kEpi>
+void launch_gemv_forced(GemvWarps f, const GemvParts& parts, const W* x, const W* w, int K, int N,
+                        cudaStream_t stream, W* act, const GemvRope& rope) {
+  auto go = [&]<int kW>() {
+    if (f.batch == 8) launch_gemv<W, true, kW, kEpi, 8>(parts, x, w, K, N, stream, act, rope);
+    else launch_gemv<W, true, kW, kEpi, 4>(parts, x, w, K, N, stream, act, rope);
+  };
+  if (f.warps == 2) go.template operator()<2>();
+  else if (f.warps == 4) go.template operator()<4>();
+  else go.template operator()<8>();
+}
+
 template <typename W, int kEpi>
 void gemv_epi(const GemvParts& parts, const W* x, const W* w, int K, const char* what, cudaStream_t stream, W* act,
               const GemvRope& rope) {
   const int N = parts.end[parts.n_parts - 1];
   const bool vec = gemv_vec<W>(x, w, K);
-  const bool split = gemv_split<W>(vec, K, N);
+  const GemvWarps forced = gemv_warps_per_row();
+  if (vec && forced.warps > 1) {
+    launch_gemv_forced<W, kEpi>(forced, parts, x, w, K, N, stream, act, rope);
+    check_launch(what, stream);
+    return;
+  }
+  const bool split = forced.warps == 0 && gemv_split<W>(vec, K, N);
   const int rows_per_warp = vec && !split ? gemv_rows_per_warp(N) : 1;
   if (vec && split) launch_gemv<W, true, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
   else if (rows_per_warp == 4) launch_gemv_rows<W, 4, kEpi>(parts, x, w, K, N, stream, act, rope);
