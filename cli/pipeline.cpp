@@ -180,7 +180,12 @@ void backend_thread(const Context& cx, size_t p, int side) {
                  cx.opt.steps);
   cx.sh.push(side, p, Message(Message::done));
   cx.sh.side_done(side, p);
-  if (side == kEngine && pair.keep_engine && cx.kept) (*cx.kept)[p] = std::move(backend);
+  if (side == kEngine && pair.keep_engine && cx.kept) {
+    (*cx.kept)[p] = std::move(backend);
+    return;
+  }
+  backend.reset();
+  cx.sh.timing("{}: released", who);
 }
 
 }  // namespace pipeline_detail

@@ -89,6 +89,7 @@ class Comparator {
       }
     }
     writes_.drain();
+    cx_.sh.timing("pair {} comparator: dumps finished", p_ + 1);
     {
       std::lock_guard lock(cx_.sh.m);
       cx_.sh.compared_all[p_] = 1;

@@ -106,6 +106,30 @@ TEST_F(Cli, PerturbedDumpExitsOneWithValidReports) {
             0);
 }
 
+// A command that returned ends its process without the exit-time teardown (cli/main.cpp end_process): its exit
+// code, its whole output to a file and its reports are those of the ordinary exit (DIFFRUN_FAST_EXIT=0). `faults`
+// prints its table without flushing it: the last of it is still in stdio's buffer when the command returns.
+TEST_F(Cli, FastExitKeepsTheOutputAndTheExitCode) {
+  SyntheticDump e = engine_dump();
+  e.perturb = [](int step, const std::string& name, std::vector<float>& v) {
+    if (step == 1 && name == "attn_out-2") v[3] += 0.25f;
+  };
+  e.write(path("engine.h5"));
+  std::vector<Result> compared, listed;
+  for (const char* fast : {"1", "0"}) {
+    ::setenv("DIFFRUN_FAST_EXIT", fast, 1);
+    compared.push_back(compare(path("engine.h5"), std::string("--report-json ") + shell_quote(path(std::string("r") + fast + ".json"))));
+    listed.push_back(run("faults"));
+  }
+  ::unsetenv("DIFFRUN_FAST_EXIT");
+  for (const Result& r : compared) EXPECT_EQ(r.rc, 1) << r.out << r.err;
+  EXPECT_EQ(compared[0].out, compared[1].out);
+  EXPECT_EQ(nlohmann::json::parse(slurp(path("r1.json"))), nlohmann::json::parse(slurp(path("r0.json"))));
+  for (const Result& r : listed) EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_GT(listed[0].out.size(), 8192u);  // more than a buffer: the end is written at the exit
+  EXPECT_EQ(listed[0].out, listed[1].out);
+}
+
 // Two dumps holding the same NaN (a NaN in a weight row reaches both sides): exit 1, located in every
 // report; the JSON has null, not 0 or 1, for the metrics over it (checked with Python's json).
 TEST_F(Cli, SameNaNInBothDumpsExitsOne) {
