@@ -70,9 +70,27 @@ bool pdl_enabled() {
   return enabled;
 }
 
-bool gemv_prefetch_enabled() {
-  static const bool enabled = !switched_off("DIFFRUN_GEMV_PREFETCH");
-  return enabled;
+uint64_t gemv_prefetch_limit() {
+  static const uint64_t limit = []() -> uint64_t {
+    const char* v = std::getenv("DIFFRUN_GEMV_PREFETCH");
+    if (!v || !*v) return kGemvPrefetchDefaultBytes;
+    const std::string s(v);
+    if (s == "all") return ~uint64_t(0);
+    std::string digits = s;
+    if (!digits.empty() && digits.back() == 'M') digits.pop_back();
+    if (digits.empty() || digits.size() > 7 || digits.find_first_not_of("0123456789") != std::string::npos)
+      throw InputError("DIFFRUN_GEMV_PREFETCH=" + s + ": expected 0 (no GEMV prefetches), all (every one) or N[M] "
+                       "(matrices up to N MiB; " + std::to_string(kGemvPrefetchDefaultBytes >> 20) + " by default)");
+    return uint64_t(std::stoull(digits)) << 20;
+  }();
+  return limit;
+}
+
+std::string gemv_prefetch_name() {
+  const uint64_t limit = gemv_prefetch_limit();
+  if (limit == 0) return "off";
+  if (limit == ~uint64_t(0)) return "every matrix";
+  return "matrices up to " + std::to_string(limit >> 20) + " MiB";
 }
 
 int gemv_rows_per_warp(int N) {

@@ -1,6 +1,7 @@
 // CUDA and cuBLAS error checking: CUDA_CHECK, CUBLAS_CHECK, the check after every kernel launch, DIFFRUN_SYNC_CHECK.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include <cublas_v2.h>
@@ -28,9 +29,19 @@ int sm_count();
 // capability 9.0 and later unless DIFFRUN_PDL=0.
 bool pdl_enabled();
 
-// GEMV weight prefetch (read once): the GEMV kernels start bringing their block's weight rows into L2
-// before the PDL wait (so under PDL while the preceding kernel runs), unless DIFFRUN_GEMV_PREFETCH=0.
-bool gemv_prefetch_enabled();
+// GEMV weight prefetch: the one-token GEMV kernels of a matrix of at most gemv_prefetch_limit() bytes start bringing
+// their block's weight rows into L2 before the PDL wait (so under PDL while the preceding kernel runs). A larger
+// matrix's blocks would ask for more than L2 holds before their rows are read, evicting what the kernel ahead and they
+// themselves are about to read: with every matrix prefetched, Llama-7B's F16 shape decoded 5.42 ms/token against 4.35
+// with the limit (two H200s: TP = 2 3.71 against 3.23), and the smaller shapes lost nothing (bench/NOTES.md). The
+// limit (read once): kGemvPrefetchDefaultBytes; DIFFRUN_GEMV_PREFETCH=0 (never), all (every matrix), or N[M] (up to N
+// MiB).
+constexpr uint64_t kGemvPrefetchDefaultBytes = uint64_t(32) << 20;
+uint64_t gemv_prefetch_limit();
+// Whether a GEMV over `matrix_bytes` bytes of weights prefetches them.
+inline bool gemv_prefetch(uint64_t matrix_bytes) { return matrix_bytes <= gemv_prefetch_limit(); }
+// The "gemv_prefetch" fact: "off", "every matrix" or "matrices up to N MiB".
+std::string gemv_prefetch_name();
 
 // Rows each warp of the one-token dense GEMV computes where one warp takes a row (N >= 4096 rows, or
 // rows of at most 128 16-byte chunks: on the 0.5B shape every GEMV but the down projection), the loads

@@ -25,9 +25,10 @@
 //   unfused twins. Each step's path goes to the dump (StepPath: graph or not, fused kernels).
 // - Every op kernel (not cuBLAS) is launched with Programmatic Dependent Launch on sm_90+: it waits
 //   for the preceding grid first thing, so its launch overlaps the previous kernel's tail, in the
-//   graph and out of it. DIFFRUN_PDL=0 turns it off (the "pdl" fact says which ran). The GEMVs
-//   also ask L2 for their weight rows before that wait (DIFFRUN_GEMV_PREFETCH=0 turns it off; the
-//   "gemv_prefetch" fact), so the weights stream in while the preceding small kernel runs. Where one
+//   graph and out of it. DIFFRUN_PDL=0 turns it off (the "pdl" fact says which ran). The GEMVs of
+//   matrices up to 32 MiB also ask L2 for their weight rows before that wait (gemv_prefetch_limit:
+//   DIFFRUN_GEMV_PREFETCH=0|all|N MiB; the "gemv_prefetch" fact), so the weights stream in while the
+//   preceding small kernel runs; a larger matrix's would overflow L2 before they are read. Where one
 //   warp takes a row (N >= 4096, or rows of at most 128 16-byte chunks), each warp computes 2 rows (4 for
 //   the lm head) with all their loads in flight together (gemv_rows_per_warp:
 //   DIFFRUN_GEMV_ROWS_PER_WARP=1|2|4 sets it, matmul_argmax below keeps 4; the same values for each; the
@@ -415,7 +416,7 @@ class CudaEngineImpl final : public CudaEngine {
         {"attention_split_min_keys", std::to_string(attn_min_keys_)},
         {"prefill_attention", tiled_attention_ ? "tiled" : "one block per (token, head)"},
         {"pdl", pdl_enabled() ? "on" : "off"},
-        {"gemv_prefetch", gemv_prefetch_enabled() ? "on" : "off"},
+        {"gemv_prefetch", gemv_prefetch_name()},
         {"gemv_rows_per_warp", gemv_rows_per_warp_name()},
         {"kquant_gemv", kF16 && qgemv_mma_enabled() ? "tensor cores (f16 weights, f32 sums)" : "simt"},
         {"swiglu_in_gate_up_gemv", swiglu_in_gemv_ ? "one-token steps, recorded or not" : "off"},

@@ -127,7 +127,7 @@ void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, c
                  const GemvRope& rope) {
   const unsigned blocks = static_cast<unsigned>(gemv_blocks(kWarpsPerRow, kEpi, N));
   launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow, kBatch, kEpi>, blocks, gemv_block_threads(kWarpsPerRow, kEpi), 0, stream,
-             parts, x, w, K, N, gemv_prefetch_enabled(), act, rope);
+             parts, x, w, K, N, gemv_prefetch(uint64_t(N) * K * sizeof(W)), act, rope);
 }
 
 // A warp's sums of its kRW rows (N for none: 0) in the rows kernel's order: lane takes chunks lane,
@@ -215,7 +215,7 @@ template <typename W, int kRW, int kEpi>
 void launch_gemv_rows(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream, W* act,
                       const GemvRope& rope) {
   launch_pdl(gemv_rows_kernel<W, kRW, kEpi>, static_cast<unsigned>(gemv_grid(4 * kRW, kEpi, N)), 128, 0, stream, parts,
-             x, w, K, N, gemv_prefetch_enabled(), act, rope);
+             x, w, K, N, gemv_prefetch(uint64_t(N) * K * sizeof(W)), act, rope);
 }
 
 // The lm head and argmax in one launch (matmul_argmax): the rows kernel's blocks of kArgmaxRW·4 rows,
@@ -282,7 +282,8 @@ bool matmul_argmax_impl(float* out, int32_t* token, const W* x, const DeviceMatr
   static const int sms = sm_count();
   const int row_blocks = (N + 4 * kArgmaxRW - 1) / (4 * kArgmaxRW);
   const unsigned blocks = static_cast<unsigned>(std::min(row_blocks, per_sm * sms));
-  launch_pdl(gemv_argmax_kernel<W>, blocks, 128, 0, stream, out, token, x, w.dense, K, N, gemv_prefetch_enabled(),
+  launch_pdl(gemv_argmax_kernel<W>, blocks, 128, 0, stream, out, token, x, w.dense, K, N,
+             gemv_prefetch(uint64_t(N) * K * sizeof(W)),
              scratch, ties);
   check_launch("matmul_argmax", stream);
   return true;

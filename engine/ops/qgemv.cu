@@ -850,22 +850,24 @@ void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X*
         // same matrix agree.
         if (mma_warps(rows, K) == 16)
           launch_pdl(qgemv_mma_kernel<Q, kEpi, 16>, static_cast<unsigned>(tiles), 16 * 32, 0, stream, parts, row0,
-                     rows, x, wb, K, gemv_prefetch_enabled(), act, rope, 0, GemvExpertRows{});
+                     rows, x, wb, K, gemv_prefetch(uint64_t(rows) * (K / Q::kElems) * Q::kBytes), act, rope, 0,
+                     GemvExpertRows{});
         else
           launch_pdl(qgemv_mma_kernel<Q, kEpi, 8>, static_cast<unsigned>(tiles), 8 * 32, 0, stream, parts, row0,
-                     rows, x, wb, K, gemv_prefetch_enabled(), act, rope, 0, GemvExpertRows{});
+                     rows, x, wb, K, gemv_prefetch(uint64_t(rows) * (K / Q::kElems) * Q::kBytes), act, rope, 0,
+                     GemvExpertRows{});
         return;
       }
     }
     const int chunks = K / Q::kElems * Q::kChunks;
     if (rows < 4096 && chunks >= 256) {  // few rows with long K: 4 warps share each row
       launch_pdl(qgemv_kernel<Q, X, 4, kEpi>, static_cast<unsigned>(gemv_blocks(4, kEpi, rows)),
-                 gemv_block_threads(4, kEpi), 0, stream, parts, row0, rows, x, wb, K, gemv_prefetch_enabled(), act,
-                 rope);
+                 gemv_block_threads(4, kEpi), 0, stream, parts, row0, rows, x, wb, K,
+                 gemv_prefetch(uint64_t(rows) * (K / Q::kElems) * Q::kBytes), act, rope);
     } else {
       launch_pdl(qgemv_kernel<Q, X, 1, kEpi>, static_cast<unsigned>(gemv_blocks(1, kEpi, rows)),
-                 gemv_block_threads(1, kEpi), 0, stream, parts, row0, rows, x, wb, K, gemv_prefetch_enabled(), act,
-                 rope);
+                 gemv_block_threads(1, kEpi), 0, stream, parts, row0, rows, x, wb, K,
+                 gemv_prefetch(uint64_t(rows) * (K / Q::kElems) * Q::kBytes), act, rope);
     }
   });
   check_launch(kEpi == kGemvPlain ? "qgemv" : kEpi == kGemvSwiglu ? "qgemv swiglu" : "qgemv rope", stream);
@@ -909,10 +911,14 @@ bool qgemv_rope2(GgmlType ta, const void* wa, int rows_a, GgmlType tb, const voi
     using QB = decltype(qb);
     if (warps == 16)
       launch_pdl(qgemv_mma_rope2_kernel<QA, QB, 16>, tiles, 16 * 32, 0, stream, qkv, N, rows_a, x, a, b, K,
-                 gemv_prefetch_enabled(), rope);
+                 gemv_prefetch(uint64_t(rows_a) * (K / QA::kElems) * QA::kBytes +
+                               uint64_t(N - rows_a) * (K / QB::kElems) * QB::kBytes),
+                 rope);
     else
       launch_pdl(qgemv_mma_rope2_kernel<QA, QB, 8>, tiles, 8 * 32, 0, stream, qkv, N, rows_a, x, a, b, K,
-                 gemv_prefetch_enabled(), rope);
+                 gemv_prefetch(uint64_t(rows_a) * (K / QA::kElems) * QA::kBytes +
+                               uint64_t(N - rows_a) * (K / QB::kElems) * QB::kBytes),
+                 rope);
   };
   if (ta == GgmlType::Q4_K && tb == GgmlType::Q5_K) launch(Q4_K{}, Q5_K{});
   else if (ta == GgmlType::Q4_K) launch(Q4_K{}, Q6_K{});
@@ -945,8 +951,8 @@ bool mma_launch(GgmlType t, const GemvParts& parts, int rows, int like_rows, con
     using Q = decltype(q);
     if constexpr (kHasMmaLane<Q>) {
       const auto launch = [&](auto kernel, int warps) {
-        launch_pdl(kernel, tiles, warps * 32, 0, stream, parts, 0, rows, x, wb, K, gemv_prefetch_enabled(), act,
-                   GemvRope{}, x_group, ex);
+        launch_pdl(kernel, tiles, warps * 32, 0, stream, parts, 0, rows, x, wb, K,
+                   gemv_prefetch(uint64_t(rows) * (K / Q::kElems) * Q::kBytes), act, GemvRope{}, x_group, ex);
       };
       if (wide && fold) launch(qgemv_mma_kernel<Q, kEpi, 16, 2>, 8);
       else if (wide) launch(qgemv_mma_kernel<Q, kEpi, 16>, 16);
