@@ -30,6 +30,7 @@
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
+#include "bench/bench_cuda_util.cuh"
 #include "checkpoints/sink.hpp"
 #include "engine/engine.hpp"
 #include "engine/tp_engine.hpp"
@@ -41,11 +42,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-#define BENCH_CUDA(call)                                                                        \
-  do {                                                                                          \
-    const cudaError_t e_ = (call);                                                              \
-    if (e_ != cudaSuccess) throw diffrun::Error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
-  } while (0)
 
 // Records every checkpoint (or every one but those whose name starts with one of `skip`) and throws
 // the values away: the engine's hook cost without a writer's.
@@ -75,32 +71,7 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-// Device-to-device copy bandwidth in bytes/s (read + write), best of several 1 GiB copies.
-double copy_bandwidth() {
-  const size_t bytes = size_t(1) << 30;
-  void *a = nullptr, *b = nullptr;
-  BENCH_CUDA(cudaMalloc(&a, bytes));
-  BENCH_CUDA(cudaMalloc(&b, bytes));
-  BENCH_CUDA(cudaMemset(a, 1, bytes));
-  cudaEvent_t e0, e1;
-  BENCH_CUDA(cudaEventCreate(&e0));
-  BENCH_CUDA(cudaEventCreate(&e1));
-  float best_ms = 1e30f;
-  for (int i = 0; i < 6; ++i) {
-    BENCH_CUDA(cudaEventRecord(e0));
-    BENCH_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
-    BENCH_CUDA(cudaEventRecord(e1));
-    BENCH_CUDA(cudaEventSynchronize(e1));
-    float ms = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-    if (i > 0) best_ms = std::min(best_ms, ms);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaFree(a);
-  cudaFree(b);
-  return 2.0 * double(bytes) / (best_ms * 1e-3);
-}
+using diffrun::bench_util::copy_bandwidth;
 
 std::vector<int32_t> prompt(int n, int n_vocab) {
   std::vector<int32_t> ids(n);

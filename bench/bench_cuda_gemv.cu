@@ -13,7 +13,7 @@
 // Each launch of a graph reads its own copy of the weights, with copies enough for 256 MB, so that no launch finds
 // its matrix in L2 (as in a decode step, where each layer's matrices are read once). The figure is the median over
 // 15 replays of the graph, divided by its launches: microseconds a GEMV, and the weight bytes over that time as a
-// fraction of the copy bandwidth (a device-to-device cudaMemcpy of 1 GiB, read and write counted).
+// fraction of the copy bandwidth (the best of five device-to-device copies of 1 GiB, read and write counted).
 //
 // These are the kernels alone, one launch after another of the same kernel. They do not predict a decode step,
 // where each GEMV follows a norm, attention or another GEMV and starts its weights' fetch under it: two warps a row
@@ -31,6 +31,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "bench/bench_cuda_util.cuh"
 #include "engine/cuda_check.cuh"
 #include "engine/device_matrix.cuh"
 #include "engine/gemm.cuh"
@@ -39,11 +40,6 @@
 
 namespace {
 
-#define BENCH_CUDA(call)                                                                             \
-  do {                                                                                               \
-    const cudaError_t e_ = (call);                                                                   \
-    if (e_ != cudaSuccess) throw diffrun::Error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
-  } while (0)
 
 struct Shape {
   std::string name;
@@ -87,29 +83,7 @@ std::vector<Shape> default_shapes() {
           {"tp2 Wo", 4096, 2048},              {"tp2 gate|up", 11008, 4096, true}, {"tp2 Wdown", 4096, 5504}};
 }
 
-double copy_bandwidth() {
-  const size_t bytes = size_t(1) << 30;
-  void *a = nullptr, *b = nullptr;
-  BENCH_CUDA(cudaMalloc(&a, bytes));
-  BENCH_CUDA(cudaMalloc(&b, bytes));
-  cudaEvent_t e0, e1;
-  BENCH_CUDA(cudaEventCreate(&e0));
-  BENCH_CUDA(cudaEventCreate(&e1));
-  std::vector<float> ms;
-  for (int i = 0; i < 6; ++i) {
-    BENCH_CUDA(cudaEventRecord(e0));
-    BENCH_CUDA(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
-    BENCH_CUDA(cudaEventRecord(e1));
-    BENCH_CUDA(cudaEventSynchronize(e1));
-    float t = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&t, e0, e1));
-    if (i) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  BENCH_CUDA(cudaFree(a));
-  BENCH_CUDA(cudaFree(b));
-  return 2.0 * double(bytes) / (ms[ms.size() / 2] * 1e-3);
-}
+using diffrun::bench_util::copy_bandwidth;
 
 template <typename W>
 struct Run {

@@ -332,6 +332,28 @@ TEST(EngineOps, MatmulQkvRopeMatchesMatmulCatThenRopeQk) {
   }
 }
 
+// A dense DeviceMatrix over the device rows w [rows, K].
+template <typename W>
+engine::DeviceMatrix<W> dense_matrix(const W* w, int K, int rows) {
+  engine::DeviceMatrix<W> m;
+  m.dense = w;
+  m.K = K;
+  m.rows = rows;
+  return m;
+}
+
+// A one-token GEMV's operands on the device, in f32 and f16: x [K] (random_vec seed), w [N, K] (seed + 1, scale
+// 0.2), a bias [N] (seed + 2), and the position 3 for the RoPE epilogue.
+struct GemvOperands {
+  GemvOperands(int N, int K, uint32_t seed)
+      : x(random_vec(K, seed)), w(random_vec(size_t(N) * K, seed + 1, 0.2f)), b(random_vec(N, seed + 2)), dx(x),
+        dw(w), db(b), hx(to_half(x)), hw(to_half(w)), dpos(std::vector<int32_t>{3}) {}
+  std::vector<float> x, w, b;
+  DeviceArray<float> dx, dw, db;
+  DeviceArray<__half> hx, hw;
+  DeviceArray<int32_t> dpos;
+};
+
 // The one-warp-per-row GEMV (N >= 4096) with 1, 2 or 4 rows per warp (DIFFRUN_GEMV_ROWS_PER_WARP):
 // every output bit-identical across the three, for the plain launch with a bias, the SwiGLU epilogue
 // and the RoPE epilogue (with its cache rows); f32 and f16; K of 896 (the 0.5B shape, one round of
@@ -342,10 +364,7 @@ TEST(EngineOps, GemvRowsPerWarpGiveTheSameBits) {
   for (auto [N, K] : {std::pair{4102, 896}, std::pair{9728, 72}, std::pair{4096, 2048}}) {
     SCOPED_TRACE("N " + std::to_string(N) + " K " + std::to_string(K));
     const int F = N / 2, H = 32, Hkv = 16, Dh = 64, Q = H * Dh, KV = Hkv * Dh, ctx = 4;  // qkv: 4096 rows
-    const auto x = random_vec(K, 90), w = random_vec(size_t(N) * K, 91, 0.2f), b = random_vec(N, 92);
-    DeviceArray<float> dx(x), dw(w), db(b);
-    DeviceArray<__half> hx(to_half(x)), hw(to_half(w));
-    DeviceArray<int32_t> dpos(std::vector<int32_t>{3});
+    const GemvOperands op(N, K, 90);
     for (bool f16 : {false, true}) {
       SCOPED_TRACE(f16 ? "f16" : "f32");
       std::vector<std::vector<uint32_t>> first;
@@ -356,21 +375,18 @@ TEST(EngineOps, GemvRowsPerWarpGiveTheSameBits) {
         const std::vector<float> zq(Q, 0.0f), zkv(KV, 0.0f), zc(size_t(ctx) * KV, 0.0f);
         DeviceArray<float> y(nan_n), g(nan_f), u(nan_f), act(nan_f), q(zq), k(zkv), v(zkv), kc(zc), vc(zc);
         DeviceArray<__half> act16(to_half(nan_f));
-        const engine::GemvRope rope{kc.get(), vc.get(), dpos.get(), dpos.get(), nullptr, 10000.0f, H, Hkv, Dh, true};
+        const engine::GemvRope rope{kc.get(), vc.get(), op.dpos.get(), op.dpos.get(), nullptr, 10000.0f,
+                                    H,        Hkv,      Dh,            true};
         // The three launches for weights and activations of one type (W), the act of that type.
         const auto run = [&](const auto* xw, const auto* ww, auto* act_w, const engine::CublasHandle& h) {
-          using W = std::remove_cv_t<std::remove_pointer_t<decltype(ww)>>;
-          engine::DeviceMatrix<W> m;
-          m.dense = ww;
-          m.K = K;
-          m.rows = N;
-          engine::matmul(y.get(), xw, ww, db.get(), 1, K, N, h, nullptr);
+          const auto m = dense_matrix(ww, K, N);
+          engine::matmul(y.get(), xw, ww, op.db.get(), 1, K, N, h, nullptr);
           EXPECT_TRUE(engine::matmul_gate_up_swiglu(g.get(), u.get(), act_w, xw, m, K, F, nullptr));
-          EXPECT_TRUE(engine::matmul_qkv_rope(q.get(), k.get(), v.get(), db.get(), db.get() + Q, db.get() + Q + KV, xw,
-                                              m, K, rope, nullptr));
+          EXPECT_TRUE(engine::matmul_qkv_rope(q.get(), k.get(), v.get(), op.db.get(), op.db.get() + Q,
+                                              op.db.get() + Q + KV, xw, m, K, rope, nullptr));
         };
-        if (f16) run(hx.get(), hw.get(), act16.get(), h16);
-        else run(dx.get(), dw.get(), act.get(), h32);
+        if (f16) run(op.hx.get(), op.hw.get(), act16.get(), h16);
+        else run(op.dx.get(), op.dw.get(), act.get(), h32);
         std::vector<std::vector<uint32_t>> got;
         for (auto* d : {&y, &g, &u, &act, &q, &k, &v, &kc, &vc}) got.push_back(bits(d->download()));
         got.push_back(bits(from_half(act16.download())));
@@ -397,10 +413,7 @@ TEST(EngineOps, GemvWarpsPerRowSettings) {
   DIFFRUN_REQUIRE_CUDA();
   engine::CublasHandle h32(engine::EnginePrecision::f32), h16(engine::EnginePrecision::f16);
   const int N = 4102, K = 2056, F = N / 2, H = 32, Hkv = 16, Dh = 64, Q = H * Dh, KV = Hkv * Dh, ctx = 4;
-  const auto x = random_vec(K, 93), w = random_vec(size_t(N) * K, 94, 0.2f), b = random_vec(N, 95);
-  DeviceArray<float> dx(x), dw(w), db(b);
-  DeviceArray<__half> hx(to_half(x)), hw(to_half(w));
-  DeviceArray<int32_t> dpos(std::vector<int32_t>{3});
+  const GemvOperands op(N, K, 93);
   for (bool f16 : {false, true}) {
     SCOPED_TRACE(f16 ? "f16" : "f32");
     std::vector<float> rows_kernel;
@@ -412,26 +425,24 @@ TEST(EngineOps, GemvWarpsPerRowSettings) {
       DeviceArray<float> y(nan_n), g1(nan_f), u1(nan_f), a1(nan_f), g2(nan_f), u2(nan_f), a2(nan_f);
       DeviceArray<float> q1(zq), k1(zkv), v1(zkv), kc1(zc), vc1(zc), q2(zq), k2(zkv), v2(zkv), kc2(zc), vc2(zc);
       DeviceArray<__half> a1h(to_half(nan_f)), a2h(to_half(nan_f));
-      const engine::GemvRope rope{kc2.get(), vc2.get(), dpos.get(), dpos.get(), nullptr, 10000.0f, H, Hkv, Dh, true};
+      const engine::GemvRope rope{kc2.get(), vc2.get(), op.dpos.get(), op.dpos.get(), nullptr, 10000.0f,
+                                  H,         Hkv,       Dh,            true};
       const auto run = [&](const auto* xw, const auto* ww, auto* act1, auto* act2, const engine::CublasHandle& h) {
-        using W = std::remove_cv_t<std::remove_pointer_t<decltype(ww)>>;
-        engine::DeviceMatrix<W> m;
-        m.dense = ww;
-        m.K = K;
-        m.rows = N;
-        engine::matmul(y.get(), xw, ww, db.get(), 1, K, N, h, nullptr);
+        const auto m = dense_matrix(ww, K, N);
+        engine::matmul(y.get(), xw, ww, op.db.get(), 1, K, N, h, nullptr);
         engine::matmul_cat({{g1.get(), nullptr, F}, {u1.get(), nullptr, F}}, xw, m, 1, K, h, nullptr);
         engine::swiglu(act1, g1.get(), u1.get(), F, nullptr);
         EXPECT_TRUE(engine::matmul_gate_up_swiglu(g2.get(), u2.get(), act2, xw, m, K, F, nullptr));
-        engine::matmul_cat({{q1.get(), db.get(), Q}, {k1.get(), db.get() + Q, KV}, {v1.get(), db.get() + Q + KV, KV}},
-                           xw, m, 1, K, h, nullptr);
+        engine::matmul_cat(
+            {{q1.get(), op.db.get(), Q}, {k1.get(), op.db.get() + Q, KV}, {v1.get(), op.db.get() + Q + KV, KV}}, xw, m,
+            1, K, h, nullptr);
         engine::rope_qk(q1.get(), k1.get(), kc1.get(), vc1.get(), q1.get(), k1.get(), v1.get(), 1, H, Hkv, Dh,
-                        dpos.get(), dpos.get(), 10000.0f, nullptr, true, nullptr);
-        EXPECT_TRUE(engine::matmul_qkv_rope(q2.get(), k2.get(), v2.get(), db.get(), db.get() + Q, db.get() + Q + KV, xw,
-                                            m, K, rope, nullptr));
+                        op.dpos.get(), op.dpos.get(), 10000.0f, nullptr, true, nullptr);
+        EXPECT_TRUE(engine::matmul_qkv_rope(q2.get(), k2.get(), v2.get(), op.db.get(), op.db.get() + Q,
+                                            op.db.get() + Q + KV, xw, m, K, rope, nullptr));
       };
-      if (f16) run(hx.get(), hw.get(), a1h.get(), a2h.get(), h16);
-      else run(dx.get(), dw.get(), a1.get(), a2.get(), h32);
+      if (f16) run(op.hx.get(), op.hw.get(), a1h.get(), a2h.get(), h16);
+      else run(op.dx.get(), op.dw.get(), a1.get(), a2.get(), h32);
       TEST_CUDA_CHECK(cudaGetLastError());
       const auto y_host = y.download();
       ASSERT_TRUE(std::none_of(y_host.begin(), y_host.end(), [](float f) { return std::isnan(f); }));
