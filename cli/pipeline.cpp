@@ -9,6 +9,7 @@
 #include <chrono>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #include <fmt/core.h>
@@ -16,6 +17,7 @@
 
 #include "checkpoints/dump_schema_names.hpp"
 #include "cli/pipeline_internal.hpp"
+#include "dump/dump_target.hpp"
 #include "model/error.hpp"
 
 namespace diffrun::cli {
@@ -197,6 +199,16 @@ std::vector<diff::Comparison> run_pipeline(const GgufFile& file, const ModelConf
                                            const PipelineOptions& opt, Progress& progress,
                                            std::vector<std::unique_ptr<Backend>>* kept,
                                            std::vector<HeldReference>* held) {
+  // Each dump in a process of its own needs diffrun-dump-child beside diffrun (the build makes both). Without it
+  // the run's dumps (up to five) take turns at HDF5's one lock in this process: on the GPU host's SmolLM2 job the
+  // dumps then finished 1.0 s after the last comparison instead of 0.3 s (bench/NOTES.md).
+  static std::once_flag said;
+  if (opt.dump != DumpMode::none && writer_options(opt.writer).child_process && dump_child_executable().empty())
+    std::call_once(said, [&] {
+      progress.message("diffrun-dump-child is not beside this diffrun: every dump is written from this process, one "
+                       "HDF5 call at a time, which is slower (put it there, or name it with DIFFRUN_DUMP_CHILD; "
+                       "DIFFRUN_DUMP_PROCESSES=0 writes in this process without this note)");
+    });
   Shared sh;
   sh.feed = opt.feed;
   sh.ended.assign(pairs.size(), -1);

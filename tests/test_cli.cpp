@@ -293,6 +293,34 @@ TEST_F(Cli, UnwritableReport) {
   expect_error(compare(path("engine.h5"), "--report-json " + shell_quote(path("no/such/dir/r.json"))), "cannot write");
 }
 
+// With dumps in processes of their own (spare cores), a diffrun without diffrun-dump-child beside it still writes
+// them, from its own process, and says why that is slower; beside it, or with DIFFRUN_DUMP_PROCESSES=0, no note.
+TEST_F(Cli, MissingDumpChildIsNamed) {
+  const std::string model = diffrun::test::fixture_path("tiny-llama-q4_0.gguf");
+  if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model << " (run the fixtures_generate test)";
+  fs::create_directories(dir_ / "alone");
+  const fs::path alone = dir_ / "alone" / "diffrun";
+  fs::copy_file(fs::canonical(bin_), alone);
+  fs::permissions(alone, fs::perms::owner_all);
+  const std::string args = "--model " + shell_quote(model) + " --tokens 1,2,3 --steps 2 --engine cpu --no-color --out ";
+  const std::string note = "diffrun-dump-child is not beside this diffrun";
+  ::setenv("DIFFRUN_SPARE_CORES", "1", 1);
+  ::unsetenv("DIFFRUN_DUMP_CHILD");
+  const Result without = diffrun::test::run_command(alone.string(), args + shell_quote(path("a")), dir_);
+  const Result beside = run(args + shell_quote(path("b")));
+  ::setenv("DIFFRUN_DUMP_PROCESSES", "0", 1);
+  const Result in_process = diffrun::test::run_command(alone.string(), args + shell_quote(path("c")), dir_);
+  ::unsetenv("DIFFRUN_DUMP_PROCESSES");
+  ::unsetenv("DIFFRUN_SPARE_CORES");
+  EXPECT_EQ(without.rc, 0) << without.err;
+  EXPECT_NE(without.err.find(note), std::string::npos) << without.err;
+  EXPECT_TRUE(fs::exists(path("a") + "/engine.h5") && fs::exists(path("a") + "/reference.h5"));
+  EXPECT_EQ(beside.rc, 0) << beside.err;
+  EXPECT_EQ(beside.err.find(note), std::string::npos) << beside.err;
+  EXPECT_EQ(in_process.rc, 0) << in_process.err;
+  EXPECT_EQ(in_process.err.find(note), std::string::npos) << in_process.err;
+}
+
 TEST_F(Cli, PromptEndToEndOnATinyFixture) {
   const std::string model = diffrun::test::fixture_path("tiny-llama-q4_0.gguf");
   if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model << " (run the fixtures_generate test)";
