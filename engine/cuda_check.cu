@@ -73,14 +73,16 @@ bool pdl_enabled() {
 uint64_t gemv_prefetch_limit() {
   static const uint64_t limit = []() -> uint64_t {
     const char* v = std::getenv("DIFFRUN_GEMV_PREFETCH");
-    if (!v || !*v) return kGemvPrefetchDefaultBytes;
-    const std::string s(v);
+    const std::string s = v ? v : "";
+    if (s.empty() || s == "1") return kGemvPrefetchDefaultBytes;  // "1": on, as before the limit
+    if (s == "0") return uint64_t(0);
     if (s == "all") return ~uint64_t(0);
-    std::string digits = s;
-    if (!digits.empty() && digits.back() == 'M') digits.pop_back();
-    if (digits.empty() || digits.size() > 7 || digits.find_first_not_of("0123456789") != std::string::npos)
-      throw InputError("DIFFRUN_GEMV_PREFETCH=" + s + ": expected 0 (no GEMV prefetches), all (every one) or N[M] "
-                       "(matrices up to N MiB; " + std::to_string(kGemvPrefetchDefaultBytes >> 20) + " by default)");
+    const std::string digits = s.substr(0, s.size() - 1);
+    if (s.back() != 'M' || digits.empty() || digits.size() > 7 ||
+        digits.find_first_not_of("0123456789") != std::string::npos)
+      throw InputError("DIFFRUN_GEMV_PREFETCH=" + s + ": expected 0 (no GEMV prefetches), all (every matrix's), NM "
+                       "(matrices up to N MiB) or 1 (the default, " +
+                       std::to_string(kGemvPrefetchDefaultBytes >> 20) + "M)");
     return uint64_t(std::stoull(digits)) << 20;
   }();
   return limit;

@@ -34,8 +34,8 @@ bool pdl_enabled();
 // matrix's blocks would ask for more than L2 holds before their rows are read, evicting what the kernel ahead and they
 // themselves are about to read: with every matrix prefetched, Llama-7B's F16 shape decoded 5.42 ms/token against 4.35
 // with the limit (two H200s: TP = 2 3.71 against 3.23), and the smaller shapes lost nothing (bench/NOTES.md). The
-// limit (read once): kGemvPrefetchDefaultBytes; DIFFRUN_GEMV_PREFETCH=0 (never), all (every matrix), or N[M] (up to N
-// MiB).
+// limit (read once): kGemvPrefetchDefaultBytes (DIFFRUN_GEMV_PREFETCH unset or 1); DIFFRUN_GEMV_PREFETCH=0 (never),
+// all (every matrix), or NM (up to N MiB, e.g. 16M).
 constexpr uint64_t kGemvPrefetchDefaultBytes = uint64_t(32) << 20;
 uint64_t gemv_prefetch_limit();
 // Whether a GEMV over `matrix_bytes` bytes of weights prefetches them.

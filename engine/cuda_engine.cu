@@ -27,7 +27,7 @@
 //   for the preceding grid first thing, so its launch overlaps the previous kernel's tail, in the
 //   graph and out of it. DIFFRUN_PDL=0 turns it off (the "pdl" fact says which ran). The GEMVs of
 //   matrices up to 32 MiB also ask L2 for their weight rows before that wait (gemv_prefetch_limit:
-//   DIFFRUN_GEMV_PREFETCH=0|all|N MiB; the "gemv_prefetch" fact), so the weights stream in while the
+//   DIFFRUN_GEMV_PREFETCH=0|all|NM; the "gemv_prefetch" fact), so the weights stream in while the
 //   preceding small kernel runs; a larger matrix's would overflow L2 before they are read. Where one
 //   warp takes a row (N >= 4096, or rows of at most 128 16-byte chunks), each warp computes 2 rows (4 for
 //   the lm head) with all their loads in flight together (gemv_rows_per_warp:
