@@ -224,7 +224,8 @@ int main(int argc, char** argv) {
         p = c + 1;
       }
     } else if (a == "-h" || a == "--help") {
-      std::printf("usage: bench_cuda_gemv [--precision f16|f32] [--launches N] [--variants V,...] [NAME=NxK[:swiglu] ...]\n");
+      std::printf("usage: bench_cuda_gemv [--precision f16|f32] [--launches N] [--variants V,...] "
+                  "[NAME=NxK[:swiglu] ...]\n");
       return 0;
     } else {
       shapes.push_back(parse_shape(a));

@@ -118,7 +118,8 @@ TEST_F(Cli, FastExitKeepsTheOutputAndTheExitCode) {
   std::vector<Result> compared, listed;
   for (const char* fast : {"1", "0"}) {
     ::setenv("DIFFRUN_FAST_EXIT", fast, 1);
-    compared.push_back(compare(path("engine.h5"), std::string("--report-json ") + shell_quote(path(std::string("r") + fast + ".json"))));
+    const std::string report = path(std::string("r") + fast + ".json");
+    compared.push_back(compare(path("engine.h5"), "--report-json " + shell_quote(report)));
     listed.push_back(run("faults"));
   }
   ::unsetenv("DIFFRUN_FAST_EXIT");

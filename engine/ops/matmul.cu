@@ -126,8 +126,8 @@ template <typename W, bool kVec, int kWarpsPerRow, int kEpi, int kBatch = kGemvB
 void launch_gemv(const GemvParts& parts, const W* x, const W* w, int K, int N, cudaStream_t stream, W* act,
                  const GemvRope& rope) {
   const unsigned blocks = static_cast<unsigned>(gemv_blocks(kWarpsPerRow, kEpi, N));
-  launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow, kBatch, kEpi>, blocks, gemv_block_threads(kWarpsPerRow, kEpi), 0, stream,
-             parts, x, w, K, N, gemv_prefetch(uint64_t(N) * K * sizeof(W)), act, rope);
+  launch_pdl(gemv_kernel<W, kVec, kWarpsPerRow, kBatch, kEpi>, blocks, gemv_block_threads(kWarpsPerRow, kEpi), 0,
+             stream, parts, x, w, K, N, gemv_prefetch(uint64_t(N) * K * sizeof(W)), act, rope);
 }
 
 // A warp's sums of its kRW rows (N for none: 0) in the rows kernel's order: lane takes chunks lane,
