@@ -831,6 +831,12 @@ void check_k(GgmlType t, int K, const char* what) {
                 " block size " + std::to_string(be));
 }
 
+// Whether a launch over `rows` rows of Q blocks of K columns prefetches them (gemv_prefetch: by the matrix's bytes).
+template <typename Q>
+bool prefetch_rows(int64_t rows, int K) {
+  return gemv_prefetch(uint64_t(rows) * uint64_t(K / Q::kElems) * Q::kBytes);
+}
+
 template <typename X, int kEpi>
 void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X* x, const void* w, int K,
                 cudaStream_t stream, X* act, const GemvRope& rope) {
@@ -850,11 +856,11 @@ void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X*
         // same matrix agree.
         if (mma_warps(rows, K) == 16)
           launch_pdl(qgemv_mma_kernel<Q, kEpi, 16>, static_cast<unsigned>(tiles), 16 * 32, 0, stream, parts, row0,
-                     rows, x, wb, K, gemv_prefetch(uint64_t(rows) * (K / Q::kElems) * Q::kBytes), act, rope, 0,
+                     rows, x, wb, K, prefetch_rows<Q>(rows, K), act, rope, 0,
                      GemvExpertRows{});
         else
           launch_pdl(qgemv_mma_kernel<Q, kEpi, 8>, static_cast<unsigned>(tiles), 8 * 32, 0, stream, parts, row0,
-                     rows, x, wb, K, gemv_prefetch(uint64_t(rows) * (K / Q::kElems) * Q::kBytes), act, rope, 0,
+                     rows, x, wb, K, prefetch_rows<Q>(rows, K), act, rope, 0,
                      GemvExpertRows{});
         return;
       }
@@ -863,11 +869,11 @@ void qgemv_impl(GgmlType t, const GemvParts& parts, int row0, int rows, const X*
     if (rows < 4096 && chunks >= 256) {  // few rows with long K: 4 warps share each row
       launch_pdl(qgemv_kernel<Q, X, 4, kEpi>, static_cast<unsigned>(gemv_blocks(4, kEpi, rows)),
                  gemv_block_threads(4, kEpi), 0, stream, parts, row0, rows, x, wb, K,
-                 gemv_prefetch(uint64_t(rows) * (K / Q::kElems) * Q::kBytes), act, rope);
+                 prefetch_rows<Q>(rows, K), act, rope);
     } else {
       launch_pdl(qgemv_kernel<Q, X, 1, kEpi>, static_cast<unsigned>(gemv_blocks(1, kEpi, rows)),
                  gemv_block_threads(1, kEpi), 0, stream, parts, row0, rows, x, wb, K,
-                 gemv_prefetch(uint64_t(rows) * (K / Q::kElems) * Q::kBytes), act, rope);
+                 prefetch_rows<Q>(rows, K), act, rope);
     }
   });
   check_launch(kEpi == kGemvPlain ? "qgemv" : kEpi == kGemvSwiglu ? "qgemv swiglu" : "qgemv rope", stream);
@@ -909,15 +915,14 @@ bool qgemv_rope2(GgmlType ta, const void* wa, int rows_a, GgmlType tb, const voi
   const auto launch = [&](auto qa, auto qb) {
     using QA = decltype(qa);
     using QB = decltype(qb);
+    // One matrix of two formats: by its whole bytes, as a one-format launch.
+    const bool prefetch = gemv_prefetch(uint64_t(rows_a) * (K / QA::kElems) * QA::kBytes +
+                                        uint64_t(N - rows_a) * (K / QB::kElems) * QB::kBytes);
     if (warps == 16)
-      launch_pdl(qgemv_mma_rope2_kernel<QA, QB, 16>, tiles, 16 * 32, 0, stream, qkv, N, rows_a, x, a, b, K,
-                 gemv_prefetch(uint64_t(rows_a) * (K / QA::kElems) * QA::kBytes +
-                               uint64_t(N - rows_a) * (K / QB::kElems) * QB::kBytes),
+      launch_pdl(qgemv_mma_rope2_kernel<QA, QB, 16>, tiles, 16 * 32, 0, stream, qkv, N, rows_a, x, a, b, K, prefetch,
                  rope);
     else
-      launch_pdl(qgemv_mma_rope2_kernel<QA, QB, 8>, tiles, 8 * 32, 0, stream, qkv, N, rows_a, x, a, b, K,
-                 gemv_prefetch(uint64_t(rows_a) * (K / QA::kElems) * QA::kBytes +
-                               uint64_t(N - rows_a) * (K / QB::kElems) * QB::kBytes),
+      launch_pdl(qgemv_mma_rope2_kernel<QA, QB, 8>, tiles, 8 * 32, 0, stream, qkv, N, rows_a, x, a, b, K, prefetch,
                  rope);
   };
   if (ta == GgmlType::Q4_K && tb == GgmlType::Q5_K) launch(Q4_K{}, Q5_K{});
@@ -952,7 +957,7 @@ bool mma_launch(GgmlType t, const GemvParts& parts, int rows, int like_rows, con
     if constexpr (kHasMmaLane<Q>) {
       const auto launch = [&](auto kernel, int warps) {
         launch_pdl(kernel, tiles, warps * 32, 0, stream, parts, 0, rows, x, wb, K,
-                   gemv_prefetch(uint64_t(rows) * (K / Q::kElems) * Q::kBytes), act, GemvRope{}, x_group, ex);
+                   prefetch_rows<Q>(rows, K), act, GemvRope{}, x_group, ex);
       };
       if (wide && fold) launch(qgemv_mma_kernel<Q, kEpi, 16, 2>, 8);
       else if (wide) launch(qgemv_mma_kernel<Q, kEpi, 16>, 16);
