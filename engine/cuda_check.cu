@@ -5,6 +5,8 @@
 #include <cstring>
 #include <string>
 
+#include "engine/cublas_api.cuh"
+
 namespace diffrun::engine {
 
 namespace {
@@ -27,8 +29,8 @@ void throw_cuda_error(cudaError_t err, const char* call, const char* file, int l
 }
 
 void throw_cublas_error(cublasStatus_t status, const char* call, const char* file, int line) {
-  throw CudaError(std::string("cuBLAS error ") + cublasGetStatusName(status) + " (" +
-                  cublasGetStatusString(status) + ") in " + call + " at " + file + ":" +
+  throw CudaError(std::string("cuBLAS error ") + cublas().status_name(status) + " (" +
+                  cublas().status_string(status) + ") in " + call + " at " + file + ":" +
                   std::to_string(line) + where());
 }
 

@@ -134,6 +134,7 @@
 #include <cuda_runtime.h>
 
 #include "engine/checkpoint_stager.cuh"
+#include "engine/cublas_api.cuh"
 #include "engine/cuda_check.cuh"
 #include "engine/device_buffer.cuh"
 #include "engine/engine.hpp"
@@ -395,7 +396,7 @@ class CudaEngineImpl final : public CudaEngine {
     int runtime = 0, driver = 0, cublas_version = 0;
     CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
     CUDA_CHECK(cudaDriverGetVersion(&driver));
-    CUBLAS_CHECK(cublasGetVersion(cublas_.get(), &cublas_version));
+    CUBLAS_CHECK(cublas().get_version(cublas_.get(), &cublas_version));
     auto version = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
     facts_ = {
         {"device", prop.name},
@@ -1483,6 +1484,8 @@ uint64_t cuda_engine_device_bytes(const GgufFile& file, const ModelConfig& cfg, 
 void cuda_warm_up() {
   if (cudaFree(nullptr) != cudaSuccess) (void)cudaGetLastError();
 }
+
+void cuda_preload_libraries() { engine::preload_cublas(); }
 
 uint64_t cuda_free_device_bytes() {
   size_t free_b = 0, total_b = 0;

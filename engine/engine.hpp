@@ -48,6 +48,10 @@ uint64_t cuda_free_device_bytes();
 // Makes the device's primary context (cudaFree(0); errors are left to the engines to report), so
 // that a caller can have it made on a thread of its own while it does other work (~0.3 s on an H100).
 void cuda_warm_up();
+// Opens the libraries the engines call at run time (cuBLAS: engine/cublas_api.cuh) so that a caller can have it
+// done on a thread of its own while it does other work (60-100 ms of their static initialisers). Never throws: a
+// library that cannot be opened is reported by the first engine made.
+void cuda_preload_libraries();
 
 std::unique_ptr<Backend> make_cuda_backend(const GgufFile& file, const ModelConfig& cfg,
                                            const std::string& precision, int max_ctx, const FaultSet& faults = {});
