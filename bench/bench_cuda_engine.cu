@@ -4,6 +4,7 @@
 //   bench_cuda_engine [--precision f16|f32] [--steps N] [--tp N] [--json FILE] MODEL.gguf [MODEL.gguf ...]
 //   bench_cuda_engine [--precision f16|f32] --profile-prefill T MODEL.gguf
 //   bench_cuda_engine [--precision f16|f32] --profile-decode N [--profile-hooks] MODEL.gguf
+//   bench_cuda_engine --cold-start T [--keep-context] MODEL.gguf
 //
 // --profile-prefill T runs one warm-up prefill of T tokens, then one between cudaProfilerStart and
 // cudaProfilerStop (for `ncu --profile-from-start off`), and prints nothing else.
@@ -11,6 +12,11 @@
 // N decode steps (hooks off, argmax only) inside the profiler's range: with `ncu --graph-profiling node`
 // every node of the decode graph is one profiled kernel. With --profile-hooks those steps record every
 // checkpoint (to a sink that discards them) and copy the logits: the recorded graph's nodes.
+// --cold-start T times what a process pays once, as the main job's engines pay it: the device's context,
+// then for an f32 and an f16 engine in turn its load, its first T-token prefill with hooks off (the
+// kernels' and cuBLAS's first use), its first with every checkpoint recorded (the stager's first buffers)
+// and a warm one, then the engines' release and cudaDeviceReset (the context's teardown; not with
+// --keep-context, which leaves it to the process's exit). Seconds, and the wall clock at the return.
 // --json FILE appends one JSON object per model and line (scripts/bench_vs_llamacpp.sh reads it).
 // --tp N runs the tensor-parallel engine over N GPUs (engine/tp_engine.hpp); its roofline is one GPU's: the
 // weights one rank reads per token over one GPU's copy bandwidth.
@@ -253,6 +259,53 @@ void profile_decode(const std::string& path, const std::string& precision, int s
   BENCH_CUDA(cudaProfilerStop());
 }
 
+// --cold-start T: seconds since the process started, and each part's own, one line each.
+void cold_start(const std::string& path, int T, bool keep_context) {
+  const auto t_start = Clock::now();
+  auto mark = [&, last = t_start](const char* what) mutable {
+    const auto now = Clock::now();
+    std::printf("  %7.3f s  %7.3f s  %s\n", std::chrono::duration<double>(now - t_start).count(),
+                std::chrono::duration<double>(now - last).count(), what);
+    std::fflush(stdout);
+    last = now;
+  };
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  std::printf("cold start, %d-token prefills, CUDA_MODULE_LOADING=%s\n       at      took\n", T,
+              loading ? loading : "(unset)");
+  auto file = diffrun::GgufFile::open(path);
+  const diffrun::ModelConfig cfg = diffrun::config_from_gguf(*file);
+  mark("model opened");
+  diffrun::cuda_warm_up();
+  mark("context (cudaFree(0))");
+  const std::vector<int32_t> ids = prompt(T, cfg.n_vocab);
+  std::vector<std::unique_ptr<diffrun::CudaEngine>> engines;
+  for (const char* precision : {"f32", "f16"}) {
+    const std::string p = precision;
+    engines.push_back(diffrun::make_cuda_engine(*file, cfg, p, T + 64));
+    diffrun::CudaEngine& eng = *engines.back();
+    mark((p + " engine loaded").c_str());
+    diffrun::NullSink none;
+    eng.forward_argmax(0, ids, none);
+    mark((p + " first prefill, hooks off").c_str());
+    for (const char* which : {" first prefill recorded", " warm prefill recorded"}) {
+      DiscardingSink all;
+      eng.reset();
+      eng.forward_argmax(0, ids, all);
+      mark((p + which).c_str());
+    }
+  }
+  engines.clear();
+  mark("engines released");
+  if (!keep_context) {
+    BENCH_CUDA(cudaDeviceReset());
+    mark("cudaDeviceReset");
+  }
+  // The wall clock now, for the shell to subtract from its own after the process ended (the exit's cost).
+  std::printf("  returning at unix time %.3f\n",
+              std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -263,6 +316,8 @@ int main(int argc, char** argv) {
   int tp = 1;
   int profile_decode_steps = 0;
   bool profile_hooks = false;
+  int cold_T = 0;
+  bool keep_context = false;
   std::vector<std::string> models;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -290,6 +345,14 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "bench_cuda_engine: --profile-decode takes a step count >= 1, got '%s'\n", argv[i]);
         return 2;
       }
+    } else if (a == "--cold-start" && i + 1 < argc) {
+      cold_T = std::atoi(argv[++i]);
+      if (cold_T < 1) {
+        std::fprintf(stderr, "bench_cuda_engine: --cold-start takes a token count >= 1, got '%s'\n", argv[i]);
+        return 2;
+      }
+    } else if (a == "--keep-context") {
+      keep_context = true;
     } else if (a == "--profile-hooks") {
       profile_hooks = true;
     } else if (a == "-h" || a == "--help") {
@@ -307,6 +370,10 @@ int main(int argc, char** argv) {
   try {
     std::string why;
     if (!diffrun::cuda_device_available(&why)) throw diffrun::Error("no CUDA device: " + why);
+    if (cold_T > 0) {
+      for (const std::string& m : models) cold_start(m, cold_T, keep_context);
+      return 0;
+    }
     if (profile_T > 0) {
       for (const std::string& m : models) profile_prefill(m, precision, profile_T);
       return 0;
