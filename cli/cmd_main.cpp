@@ -6,6 +6,7 @@
 #include <future>
 #include <memory>
 #include <numeric>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -460,6 +461,17 @@ int run_main(const MainOptions& o) {
     check_run_options(*file, cfg, p.ref, filter, true);
   }
   const std::vector<int32_t> ids = prompt_tokens(*file, *tok, o.prompt);
+  // cuBLAS's first use at the prefill's shapes, per CUDA engine precision, while the engines load (the threads
+  // end long before the job's; joined at its return).
+  std::vector<std::jthread> gemm_warm_ups;
+#ifdef DIFFRUN_HAVE_CUDA
+  std::set<std::string> warmed;
+  for (const RunPair& p : pairs)
+    if (p.eng.backend == "cuda" && p.eng.tp == 1 && warmed.insert(p.eng.precision).second)
+      gemm_warm_ups.emplace_back([&cfg, precision = p.eng.precision, n = static_cast<int>(ids.size())] {
+        cuda_warm_up_gemms(cfg, precision, n);
+      });
+#endif
   const int64_t needed = static_cast<int64_t>(ids.size()) + o.steps;
   if (needed > cfg.n_ctx) {
     throw InputError(fmt::format("the prompt ({} tokens) plus {} steps exceeds the model's context of {}", ids.size(),

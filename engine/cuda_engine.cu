@@ -121,6 +121,7 @@
 //   control flow here, one line each (plan_.hooks: kv_cache_not_read, residual_skipped). The clean
 //   kernels carry no fault branch, and without faults the step enqueues exactly what it did before.
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -1486,6 +1487,64 @@ void cuda_warm_up() {
 }
 
 void cuda_preload_libraries() { engine::preload_cublas(); }
+
+namespace engine {
+namespace {
+
+// The cuBLAS GEMMs of a T-token step of one GPU's engine, as its forward issues them: {N, K, rows} each, matmul_cat's
+// parts one by one (linear_cat), the lm head over the rows before the last where result_output is recorded. Routed
+// experts (their row counts follow the routing) are left out. Keep it in step with the forward: a GEMM missing here
+// only goes without its warm-up.
+std::vector<std::array<int, 3>> step_gemms(const ModelConfig& cfg, int T) {
+  const int D = cfg.n_embd, Q = cfg.n_head * cfg.head_dim, KV = cfg.n_head_kv * cfg.head_dim;
+  std::vector<std::array<int, 3>> g = {{Q, D, T}, {KV, D, T}, {D, Q, T}};  // Wq|Wk|Wv's parts, Wo
+  if (cfg.moe) {
+    g.push_back({cfg.n_expert, D, T});  // the router
+    if (cfg.moe_shexp) g.insert(g.end(), {{cfg.n_ff_shexp, D, T}, {D, cfg.n_ff_shexp, T}});
+  } else {
+    g.insert(g.end(), {{cfg.n_ff, D, T}, {D, cfg.n_ff, T}});  // Wgate|Wup's parts, Wdown
+  }
+  if (T > 1) g.push_back({cfg.n_vocab, D, T - 1});
+  std::sort(g.begin(), g.end());
+  g.erase(std::unique(g.begin(), g.end()), g.end());
+  return g;
+}
+
+template <typename W>
+void warm_up_gemms(const ModelConfig& cfg, int T) {
+  constexpr size_t kMaxOperand = size_t(128) << 20;  // bytes of one operand; a GEMM needing more is left out
+  std::vector<std::array<int, 3>> gemms;
+  size_t w_elems = 0, x_elems = 0, y_elems = 0;
+  for (const auto& [N, K, rows] : step_gemms(cfg, T)) {
+    const size_t w = size_t(N) * K, x = size_t(rows) * K, y = size_t(rows) * N;
+    if (std::max(w, x) * sizeof(W) > kMaxOperand || y * sizeof(float) > kMaxOperand) continue;
+    gemms.push_back({N, K, rows});
+    w_elems = std::max(w_elems, w);
+    x_elems = std::max(x_elems, x);
+    y_elems = std::max(y_elems, y);
+  }
+  if (gemms.empty()) return;
+  const CublasHandle handle(std::is_same_v<W, __half> ? EnginePrecision::f16 : EnginePrecision::f32);
+  const Stream stream;
+  const DeviceBuffer<W> w(w_elems, "the GEMM warm-up"), x(x_elems, "the GEMM warm-up");
+  const DeviceBuffer<float> y(y_elems, "the GEMM warm-up");
+  CUDA_CHECK(cudaMemsetAsync(w.get(), 0, w.bytes(), stream));
+  CUDA_CHECK(cudaMemsetAsync(x.get(), 0, x.bytes(), stream));
+  for (const auto& [N, K, rows] : gemms) gemm(y.get(), x.get(), w.get(), rows, K, N, handle, stream);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+}  // namespace
+}  // namespace engine
+
+void cuda_warm_up_gemms(const ModelConfig& cfg, const std::string& precision, int tokens) {
+  try {
+    if (precision == "f16") engine::warm_up_gemms<__half>(cfg, tokens);
+    if (precision == "f32") engine::warm_up_gemms<float>(cfg, tokens);
+  } catch (const std::exception&) {
+    // Best effort: the engines report what fails.
+  }
+}
 
 uint64_t cuda_free_device_bytes() {
   size_t free_b = 0, total_b = 0;
