@@ -462,12 +462,14 @@ int run_main(const MainOptions& o) {
   }
   const std::vector<int32_t> ids = prompt_tokens(*file, *tok, o.prompt);
   // cuBLAS's first use at the prefill's shapes, per CUDA engine precision, while the engines load (the threads
-  // end long before the job's; joined at its return).
+  // end long before the job's; joined at its return). DIFFRUN_GEMM_WARM_UP=0 leaves it to the engines' first steps.
   std::vector<std::jthread> gemm_warm_ups;
 #ifdef DIFFRUN_HAVE_CUDA
   std::set<std::string> warmed;
+  const char* warm_up = std::getenv("DIFFRUN_GEMM_WARM_UP");
   for (const RunPair& p : pairs)
-    if (p.eng.backend == "cuda" && p.eng.tp == 1 && warmed.insert(p.eng.precision).second)
+    if (!(warm_up && std::string(warm_up) == "0") && p.eng.backend == "cuda" && p.eng.tp == 1 &&
+        warmed.insert(p.eng.precision).second)
       gemm_warm_ups.emplace_back([&cfg, precision = p.eng.precision, n = static_cast<int>(ids.size())] {
         cuda_warm_up_gemms(cfg, precision, n);
       });
