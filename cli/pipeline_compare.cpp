@@ -80,7 +80,7 @@ class Comparator {
       paths_[side].resize(argmax_[side].size());
       for (DumpWriter* w : {writers_[side].get(), side == kReference ? replay_.get() : nullptr}) {
         if (!w) continue;
-        writes_.post(
+        queue_of(*w).post(
             [w, fed, facts = metas[side].facts, argmax = argmax_[side], paths = paths_[side]] {
               set_run_attributes(*w, facts, fed, argmax, paths);
               w->finish();
@@ -88,7 +88,7 @@ class Comparator {
             0);
       }
     }
-    writes_.drain();
+    for (WriteQueue& q : writes_) q.drain();
     cx_.sh.timing("pair {} comparator: dumps finished", p_ + 1);
     {
       std::lock_guard lock(cx_.sh.m);
@@ -130,18 +130,28 @@ class Comparator {
   void write(int side, Message&& m, bool checkpoints) { write_to(*writers_[side], std::move(m), checkpoints); }
 
   void write_to(DumpWriter& w, const Message& m, bool checkpoints) {
-    if (writes_.threaded()) write_to(w, Message(m), checkpoints);
+    if (queue_of(w).threaded()) write_to(w, Message(m), checkpoints);
     else record_to(w, m, checkpoints);
   }
 
   void write_to(DumpWriter& w, Message&& m, bool checkpoints) {
     if (m.kind != Message::ids && !checkpoints) return;
-    if (!writes_.threaded()) {
+    WriteQueue& q = queue_of(w);
+    if (!q.threaded()) {
       record_to(w, m, checkpoints);
       return;
     }
     const auto bytes = message_bytes(m);
-    writes_.post([&w, m = std::move(m), checkpoints] { record_to(w, m, checkpoints); }, bytes);
+    q.post([&w, m = std::move(m), checkpoints] { record_to(w, m, checkpoints); }, bytes);
+  }
+
+  // Each dump's writes on a thread of their own: one thread for a pair's dumps sent them to their writer processes
+  // in turn, so that a dump whose process was busy held back the other's (the 7B shape's job: 2.6 s of dump
+  // writes after its last comparison).
+  WriteQueue& queue_of(const DumpWriter& w) {
+    if (&w == writers_[kEngine].get()) return writes_[0];
+    if (&w == replay_.get()) return writes_[2];
+    return writes_[1];
   }
 
   static void record_to(DumpWriter& w, const Message& m, bool checkpoints) {
@@ -290,7 +300,8 @@ class Comparator {
   std::optional<diff::StreamComparison> stream_;
   std::unique_ptr<DumpWriter> writers_[2];
   std::unique_ptr<DumpWriter> replay_;  // the reference's full dump for the isolation replay (replay_path)
-  WriteQueue writes_;                    // after the writers: its thread stops before they are destroyed
+  WriteQueue writes_[3];  // the engine's dump, the reference's, replay_ (queue_of); after the writers: their
+                          // threads stop before the writers are destroyed
   const size_t batch_bytes_ = spare_cores() ? kBatchBytes : 0;  // one checkpoint at a time without
   HeldReference* held_ref_ = nullptr;    // the reference's checkpoints kept for the isolation replay
   std::vector<int32_t> argmax_[2];
