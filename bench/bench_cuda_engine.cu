@@ -4,7 +4,7 @@
 //   bench_cuda_engine [--precision f16|f32] [--steps N] [--tp N] [--json FILE] MODEL.gguf [MODEL.gguf ...]
 //   bench_cuda_engine [--precision f16|f32] --profile-prefill T MODEL.gguf
 //   bench_cuda_engine [--precision f16|f32] --profile-decode N [--profile-hooks] MODEL.gguf
-//   bench_cuda_engine --cold-start T [--keep-context] MODEL.gguf
+//   bench_cuda_engine --cold-start T [--keep-context] [--warm-cublas] MODEL.gguf
 //
 // --profile-prefill T runs one warm-up prefill of T tokens, then one between cudaProfilerStart and
 // cudaProfilerStop (for `ncu --profile-from-start off`), and prints nothing else.
@@ -17,6 +17,7 @@
 // kernels' and cuBLAS's first use), its first with every checkpoint recorded (the stager's first buffers)
 // and a warm one, then the engines' release and cudaDeviceReset (the context's teardown; not with
 // --keep-context, which leaves it to the process's exit). Seconds, and the wall clock at the return.
+// --warm-cublas first runs cuBLAS alone at the prefill's GEMM shapes (both input types), before any engine.
 // --json FILE appends one JSON object per model and line (scripts/bench_vs_llamacpp.sh reads it).
 // --tp N runs the tensor-parallel engine over N GPUs (engine/tp_engine.hpp); its roofline is one GPU's: the
 // weights one rank reads per token over one GPU's copy bandwidth.
@@ -39,6 +40,7 @@
 #include "bench/bench_cuda_util.cuh"
 #include "checkpoints/sink.hpp"
 #include "engine/engine.hpp"
+#include "engine/gemm.cuh"
 #include "engine/tp_engine.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
@@ -260,7 +262,7 @@ void profile_decode(const std::string& path, const std::string& precision, int s
 }
 
 // --cold-start T: seconds since the process started, and each part's own, one line each.
-void cold_start(const std::string& path, int T, bool keep_context) {
+void cold_start(const std::string& path, int T, bool keep_context, bool warm_cublas) {
   const auto t_start = Clock::now();
   auto mark = [&, last = t_start](const char* what) mutable {
     const auto now = Clock::now();
@@ -277,6 +279,31 @@ void cold_start(const std::string& path, int T, bool keep_context) {
   mark("model opened");
   diffrun::cuda_warm_up();
   mark("context (cudaFree(0))");
+  if (warm_cublas) {
+    // cuBLAS alone at the prefill's GEMM shapes, both input types: what of the first prefill is cuBLAS's first use.
+    const int D = cfg.n_embd, Q = cfg.n_head * cfg.head_dim, KV = cfg.n_head_kv * cfg.head_dim, F = cfg.n_ff;
+    const std::vector<std::pair<int, int>> shapes = {{Q + 2 * KV, D}, {D, Q}, {2 * F, D}, {D, F}, {Q, D}, {KV, D},
+                                                     {F, D}};
+    size_t most = 0;
+    for (auto [N, K] : shapes) most = std::max(most, size_t(N) * K);
+    void *x = nullptr, *w = nullptr, *y = nullptr;
+    BENCH_CUDA(cudaMalloc(&x, size_t(T) * 4 * F * 2));
+    BENCH_CUDA(cudaMalloc(&w, most * 4));
+    BENCH_CUDA(cudaMalloc(&y, size_t(T) * 4 * F * 2));
+    for (auto precision : {diffrun::engine::EnginePrecision::f32, diffrun::engine::EnginePrecision::f16}) {
+      diffrun::engine::CublasHandle h(precision);
+      for (auto [N, K] : shapes) {
+        if (precision == diffrun::engine::EnginePrecision::f32)
+          diffrun::engine::gemm(static_cast<float*>(y), static_cast<const float*>(x), static_cast<const float*>(w), T,
+                                K, N, h, nullptr);
+        else
+          diffrun::engine::gemm(static_cast<float*>(y), static_cast<const __half*>(x), static_cast<const __half*>(w),
+                                T, K, N, h, nullptr);
+      }
+      BENCH_CUDA(cudaDeviceSynchronize());
+    }
+    mark("cuBLAS at the prefill's shapes, f32 and f16");
+  }
   const std::vector<int32_t> ids = prompt(T, cfg.n_vocab);
   std::vector<std::unique_ptr<diffrun::CudaEngine>> engines;
   for (const char* precision : {"f32", "f16"}) {
@@ -318,6 +345,7 @@ int main(int argc, char** argv) {
   bool profile_hooks = false;
   int cold_T = 0;
   bool keep_context = false;
+  bool warm_cublas = false;
   std::vector<std::string> models;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -353,6 +381,8 @@ int main(int argc, char** argv) {
       }
     } else if (a == "--keep-context") {
       keep_context = true;
+    } else if (a == "--warm-cublas") {
+      warm_cublas = true;
     } else if (a == "--profile-hooks") {
       profile_hooks = true;
     } else if (a == "-h" || a == "--help") {
@@ -371,7 +401,7 @@ int main(int argc, char** argv) {
     std::string why;
     if (!diffrun::cuda_device_available(&why)) throw diffrun::Error("no CUDA device: " + why);
     if (cold_T > 0) {
-      for (const std::string& m : models) cold_start(m, cold_T, keep_context);
+      for (const std::string& m : models) cold_start(m, cold_T, keep_context, warm_cublas);
       return 0;
     }
     if (profile_T > 0) {
