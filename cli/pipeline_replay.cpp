@@ -48,10 +48,12 @@ class HeldReplaySink final : public Sink {
           static_cast<int64_t>(data.size_bytes()));
     }
     rule_.recorded(name, static_cast<int64_t>(data.size()));
-    sc_.add(diff::StreamSide::engine,
-            dataset_info(cfg_, "engine", step, std::string(name), layer, std::string(layout),
-                         std::vector<int64_t>(shape.begin(), shape.end()), native, rd, offset),
-            offset > 0 ? std::make_shared<std::vector<float>>(rows_from(data, shape, rd, offset)) : std::move(all));
+    const int64_t bytes = static_cast<int64_t>(data.size_bytes());
+    recorded_.tensors.emplace_back(
+        dataset_info(cfg_, "engine", step, std::string(name), layer, std::string(layout),
+                     std::vector<int64_t>(shape.begin(), shape.end()), native, rd, offset),
+        offset > 0 ? std::make_shared<std::vector<float>>(rows_from(data, shape, rd, offset)) : std::move(all));
+    recorded_.bytes += bytes;
   }
 
   void record_ids(int step, std::string_view name, std::span<const int32_t> ids) override {
@@ -61,8 +63,16 @@ class HeldReplaySink final : public Sink {
         w->record_ids(step, kTokensCheckpoint, tokens);
       }, 0);
     }
-    sc_.add_tokens(diff::StreamSide::engine, step, std::vector<int32_t>(ids.begin(), ids.end()));
+    recorded_.tokens.assign(ids.begin(), ids.end());
   }
+
+  // What the engine recorded of the current step, for the comparison (HeldReplay::step), taken once per step.
+  struct Recorded {
+    std::vector<int32_t> tokens;
+    std::vector<std::pair<DatasetInfo, diff::StreamComparison::Values>> tensors;
+    int64_t bytes = 0;
+  };
+  Recorded take_recorded() { return std::exchange(recorded_, {}); }
 
   // The reference's tensor of this step and name where ReplaySink's rule allows it; else null, and the
   // engine continues from its own values.
@@ -93,6 +103,7 @@ class HeldReplaySink final : public Sink {
   const HeldReference::Step* held_ = nullptr;
   std::map<std::string, size_t, std::less<>> index_;
   ReplacementRule rule_;
+  Recorded recorded_;
 };
 
 // The isolation replay of an engine on a held reference, one step at a time: the engine fed the
@@ -129,15 +140,30 @@ class HeldReplay {
     argmax_.push_back(greedy_token(engine_, engine_.forward(step, tokens, *sink_)));
     const double forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     paths_.add(engine_.last_step_path());
-    // The reference's side of the step, once the engine no longer needs its values.
-    sc_.add_tokens(diff::StreamSide::reference, step, std::move(held.tokens));
+    // The step's comparison, on compares_' thread while the engine runs the next step (each step's took 12 ms
+    // of the SmolLM2 GPU job's replay of 25 ms a step): both sides given to sc_ there, the engine's first as
+    // before, the reference's once the engine no longer needs its values.
+    HeldReplaySink::Recorded engine_side = sink_->take_recorded();
     std::vector<std::pair<DatasetInfo, diff::StreamComparison::Values>> batch;
     batch.reserve(held.tensors.size());
-    for (HeldReference::Tensor& t : held.tensors) batch.emplace_back(std::move(t.info), std::move(t.values));
+    int64_t bytes = engine_side.bytes;
+    for (HeldReference::Tensor& t : held.tensors) {
+      bytes += static_cast<int64_t>(t.values->size() * sizeof(float));
+      batch.emplace_back(std::move(t.info), std::move(t.values));
+    }
     held.tensors.clear();
     held.tensors.shrink_to_fit();
-    sc_.add_all(diff::StreamSide::reference, std::move(batch));  // the step's comparisons, in parallel
-    sc_.end_step(step);
+    compares_.post(
+        [this, step, engine_side = std::move(engine_side), tokens = std::move(held.tokens),
+         batch = std::move(batch)]() mutable {
+          if (compares_.threaded()) omp_set_num_threads(omp_threads_);
+          sc_.add_tokens(diff::StreamSide::engine, step, std::move(engine_side.tokens));
+          sc_.add_all(diff::StreamSide::engine, std::move(engine_side.tensors));
+          sc_.add_tokens(diff::StreamSide::reference, step, std::move(tokens));
+          sc_.add_all(diff::StreamSide::reference, std::move(batch));  // the step's comparisons, in parallel
+          sc_.end_step(step);
+        },
+        bytes);
     return forward_s;
   }
 
@@ -158,6 +184,7 @@ class HeldReplay {
   void attach(diff::Comparison& c, const std::string& engine_name, const std::string& reference_name,
               const std::vector<int32_t>& reference_argmax) {
     finish_dump();
+    compares_.drain();
     diff::Comparison isolated = sc_.finish(engine_name, reference_name, argmax_, reference_argmax);
     isolated.step_fused = paths_.fused;
     isolated.step_graph = paths_.graph;
@@ -182,6 +209,8 @@ class HeldReplay {
   std::optional<TempGuard> guard_;
   std::optional<DumpWriter> writer_;
   WriteQueue writes_;  // after the writer: its thread stops before the writer is destroyed
+  const int omp_threads_ = omp_get_max_threads();  // the caller's, for the comparisons on compares_' thread
+  WriteQueue compares_;  // after sc_: its thread stops before sc_ is destroyed
   std::optional<HeldReplaySink> sink_;
   std::vector<int32_t> fed_, argmax_;
   StepPaths paths_;  // the engine's StepPath per replayed step
