@@ -3,12 +3,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -320,6 +323,45 @@ TEST_F(Cli, MissingDumpChildIsNamed) {
   EXPECT_EQ(beside.err.find(note), std::string::npos) << beside.err;
   EXPECT_EQ(in_process.rc, 0) << in_process.err;
   EXPECT_EQ(in_process.err.find(note), std::string::npos) << in_process.err;
+}
+
+// A dump written over the last run's replaces it whole, and the old file, given a second name over the rename so
+// that freeing it is not in the run's time, is removed: by a process of its own from a dump child, at once in the
+// job's process. Each run's dumps carry their own run id.
+TEST_F(Cli, DumpsWrittenOverTheLastRunsLeaveNothingBehind) {
+  const std::string model = diffrun::test::fixture_path("tiny-llama-q4_0.gguf");
+  if (!fs::exists(model)) GTEST_SKIP() << "fixture missing: " << model << " (run the fixtures_generate test)";
+  const std::string out = path("again");
+  const std::string args = "--model " + shell_quote(model) + " --tokens 1,2,3 --steps 2 --engine cpu --no-color --out " +
+                           shell_quote(out);
+  const auto run_id = [&](const std::string& file) {
+    const Result r = run("ls " + shell_quote(out + "/" + file));
+    const size_t at = r.out.find("run_id");
+    return at == std::string::npos ? std::string() : r.out.substr(at, r.out.find('\n', at) - at);
+  };
+  const auto leftovers = [&] {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(out))
+      if (e.path().filename().string().find(".diffrun-tmp-") != std::string::npos) names.push_back(e.path().string());
+    return names;
+  };
+  ::setenv("DIFFRUN_SPARE_CORES", "1", 1);
+  for (const char* processes : {"1", "0"}) {
+    ::setenv("DIFFRUN_DUMP_PROCESSES", processes, 1);
+    const Result first = run(args);
+    ASSERT_EQ(first.rc, 0) << first.err;
+    const std::string before = run_id("engine.h5");
+    const Result second = run(args);
+    ASSERT_EQ(second.rc, 0) << second.err;
+    EXPECT_FALSE(before.empty());
+    EXPECT_NE(run_id("engine.h5"), before) << "DIFFRUN_DUMP_PROCESSES=" << processes;
+    EXPECT_EQ(run_id("reference.h5"), run_id("engine.h5"));
+    // The background removal ends soon after the run (it is one unlink).
+    for (int i = 0; i < 100 && !leftovers().empty(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_TRUE(leftovers().empty()) << "DIFFRUN_DUMP_PROCESSES=" << processes << ": " << leftovers().front();
+  }
+  ::unsetenv("DIFFRUN_DUMP_PROCESSES");
+  ::unsetenv("DIFFRUN_SPARE_CORES");
 }
 
 TEST_F(Cli, PromptEndToEndOnATinyFixture) {
