@@ -1511,7 +1511,7 @@ std::vector<std::array<int, 3>> step_gemms(const ModelConfig& cfg, int T) {
 }
 
 template <typename W>
-void warm_up_gemms(const ModelConfig& cfg, int T) {
+void warm_up_gemms(const ModelConfig& cfg, int T, uint64_t reserve_bytes) {
   constexpr size_t kMaxOperand = size_t(128) << 20;  // bytes of one operand; a GEMM needing more is left out
   std::vector<std::array<int, 3>> gemms;
   size_t w_elems = 0, x_elems = 0, y_elems = 0;
@@ -1524,6 +1524,9 @@ void warm_up_gemms(const ModelConfig& cfg, int T) {
     y_elems = std::max(y_elems, y);
   }
   if (gemms.empty()) return;
+  // Never what an engine of the run needs: the engines load meanwhile.
+  const uint64_t own = (w_elems + x_elems) * sizeof(W) + y_elems * sizeof(float) + (uint64_t(64) << 20);
+  if (diffrun::cuda_free_device_bytes() < reserve_bytes + own) return;
   const CublasHandle handle(std::is_same_v<W, __half> ? EnginePrecision::f16 : EnginePrecision::f32);
   const Stream stream;
   const DeviceBuffer<W> w(w_elems, "the GEMM warm-up"), x(x_elems, "the GEMM warm-up");
@@ -1537,10 +1540,10 @@ void warm_up_gemms(const ModelConfig& cfg, int T) {
 }  // namespace
 }  // namespace engine
 
-void cuda_warm_up_gemms(const ModelConfig& cfg, const std::string& precision, int tokens) {
+void cuda_warm_up_gemms(const ModelConfig& cfg, const std::string& precision, int tokens, uint64_t reserve_bytes) {
   try {
-    if (precision == "f16") engine::warm_up_gemms<__half>(cfg, tokens);
-    if (precision == "f32") engine::warm_up_gemms<float>(cfg, tokens);
+    if (precision == "f16") engine::warm_up_gemms<__half>(cfg, tokens, reserve_bytes);
+    if (precision == "f32") engine::warm_up_gemms<float>(cfg, tokens, reserve_bytes);
   } catch (const std::exception&) {
     // Best effort: the engines report what fails.
   }

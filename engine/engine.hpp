@@ -56,8 +56,9 @@ void cuda_preload_libraries();
 // Runs, once, the cuBLAS GEMMs a `tokens`-token step of a one-GPU engine of `precision` makes (on zeros, a handle and
 // stream of its own), so that a caller can have cuBLAS's first use at those shapes (its kernels loaded, its choices
 // made: 0.1-0.2 s at SmolLM2's shapes on an H200, most of an engine's first step) done on a thread of its own while
-// the engines load. Operands over 128 MiB are left out. Never throws: the engines report what fails.
-void cuda_warm_up_gemms(const ModelConfig& cfg, const std::string& precision, int tokens);
+// the engines load. Operands over 128 MiB are left out, and so is all of it where the device's free memory is less
+// than reserve_bytes (what the run's engines need) plus its own. Never throws: the engines report what fails.
+void cuda_warm_up_gemms(const ModelConfig& cfg, const std::string& precision, int tokens, uint64_t reserve_bytes);
 
 std::unique_ptr<Backend> make_cuda_backend(const GgufFile& file, const ModelConfig& cfg,
                                            const std::string& precision, int max_ctx, const FaultSet& faults = {});
