@@ -1,8 +1,10 @@
 // Per-checkpoint error metrics, in double; mirrored by python/diffrun/metrics.py.
 #include "diff/metrics.hpp"
 
+#if defined(__SSE2__)
 #include <emmintrin.h>
 #include <xmmintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -64,105 +66,187 @@ bool may_pass(double num, double w, double den) {
   return !(p >= std::numeric_limits<double>::min() && num <= p * kBelow);
 }
 
-// compute_metrics' groups of kLanes elements of a run (len of them from ra and rb), two lanes to an SSE2 register:
-// the groups finite on both sides summed into the lanes (each lane's arithmetic the same as one element's in
-// compute_metrics, so that the path an element takes does not change a bit); a group holding a non-finite value
-// handed to one_by_one(j, kLanes), and a group one of whose elements may set a new worst score or smallest passing
-// rtol to largest(j) after its sums. Returns the elements taken (whole groups).
-template <typename OneByOne, typename Largest>
-int64_t group_lanes(const float* ra, const float* rb, int64_t len, ElementTolerance tol, const double& worst,
-                    const double& min_rtol, const bool in_run[2], double* const by_pos_d2[3],
-                    double* const by_pos_b2[3], Lanes& l_d2, Lanes& l_a2, Lanes& l_b2, Lanes& l_ab, Lanes& l_absd,
-                    Lanes run_d2[2], Lanes run_b2[2], double& max_abs, int64_t& n_fail, int64_t& n_finite,
-                    OneByOne&& one_by_one, Largest&& largest) {
-  const __m128d zero = _mm_setzero_pd(), sign = _mm_set1_pd(-0.0), atol = _mm_set1_pd(tol.atol),
-                rtol = _mm_set1_pd(tol.rtol), smallest = _mm_set1_pd(std::numeric_limits<double>::min()),
-                below = _mm_set1_pd(kBelow), all_ones = _mm_cmpeq_pd(zero, zero);
-  const int64_t end = len - len % kLanes;
-  // The whole-tensor sums in registers over the run (in the Lanes while one_by_one adds to them).
-  Lanes* const sums[5] = {&l_d2, &l_a2, &l_b2, &l_ab, &l_absd};
-  __m128d acc[5][2];
-  const auto load = [&] {
-    for (int q = 0; q < 5; ++q)
-      for (int h = 0; h < 2; ++h) acc[q][h] = _mm_loadu_pd(sums[q]->v + 2 * h);
-  };
-  const auto store = [&] {
-    for (int q = 0; q < 5; ++q)
-      for (int h = 0; h < 2; ++h) _mm_storeu_pd(sums[q]->v + 2 * h, acc[q][h]);
-  };
-  load();
-  __m128d vmax = _mm_set1_pd(max_abs);
-  for (int64_t j = 0; j < end; j += kLanes) {
-    const __m128 xf = _mm_loadu_ps(ra + j), yf = _mm_loadu_ps(rb + j);
-    const __m128d x[2] = {_mm_cvtps_pd(xf), _mm_cvtps_pd(_mm_movehl_ps(xf, xf))};
-    const __m128d y[2] = {_mm_cvtps_pd(yf), _mm_cvtps_pd(_mm_movehl_ps(yf, yf))};
-    int finite = 3;  // v - v is 0 for a finite v, NaN for an infinite or NaN one
-    for (int h = 0; h < 2; ++h)
-      finite &= _mm_movemask_pd(_mm_and_pd(_mm_cmpeq_pd(_mm_sub_pd(x[h], x[h]), zero),
-                                           _mm_cmpeq_pd(_mm_sub_pd(y[h], y[h]), zero)));
-    if (finite != 3) [[unlikely]] {
-      store();
-      max_abs = std::max(_mm_cvtsd_f64(vmax), _mm_cvtsd_f64(_mm_unpackhi_pd(vmax, vmax)));
-      one_by_one(j, kLanes);
-      load();
-      vmax = _mm_set1_pd(max_abs);
-      continue;
-    }
-    const __m128d w = _mm_set1_pd(worst), r = _mm_set1_pd(min_rtol);
-    int may_set = 0;
-    for (int h = 0; h < 2; ++h) {
-      const __m128d d = _mm_sub_pd(x[h], y[h]);
-      const __m128d d2 = _mm_mul_pd(d, d), y2 = _mm_mul_pd(y[h], y[h]);
-      const __m128d abs_err = _mm_andnot_pd(sign, d), abs_y = _mm_andnot_pd(sign, y[h]);
-      const __m128d bound = _mm_add_pd(atol, _mm_mul_pd(rtol, abs_y));
-      acc[0][h] = _mm_add_pd(acc[0][h], d2);
-      acc[1][h] = _mm_add_pd(acc[1][h], _mm_mul_pd(x[h], x[h]));
-      acc[2][h] = _mm_add_pd(acc[2][h], y2);
-      acc[3][h] = _mm_add_pd(acc[3][h], _mm_mul_pd(x[h], y[h]));
-      acc[4][h] = _mm_add_pd(acc[4][h], abs_err);
-      for (int k = 0; k < 2; ++k) {
-        if (!in_run[k]) continue;
-        _mm_storeu_pd(run_d2[k].v + 2 * h, _mm_add_pd(_mm_loadu_pd(run_d2[k].v + 2 * h), d2));
-        _mm_storeu_pd(run_b2[k].v + 2 * h, _mm_add_pd(_mm_loadu_pd(run_b2[k].v + 2 * h), y2));
-      }
-      for (int k = 0; k < 3; ++k) {
-        if (!by_pos_d2[k]) continue;
-        double* pd = by_pos_d2[k] + j + 2 * h;
-        double* pb = by_pos_b2[k] + j + 2 * h;
-        _mm_storeu_pd(pd, _mm_add_pd(_mm_loadu_pd(pd), d2));
-        _mm_storeu_pd(pb, _mm_add_pd(_mm_loadu_pd(pb), y2));
-      }
-      vmax = _mm_max_pd(vmax, abs_err);
-      const int over = _mm_movemask_pd(_mm_cmpgt_pd(abs_err, bound));
-      n_fail += (over & 1) + (over >> 1);
-      // may_pass for the score and for the rtol, as masks (computed where bound or abs_y is not positive)
-      const __m128d p1 = _mm_mul_pd(w, bound), p2 = _mm_mul_pd(r, abs_y);
-      const __m128d skip1 = _mm_and_pd(_mm_cmpge_pd(p1, smallest), _mm_cmple_pd(abs_err, _mm_mul_pd(p1, below)));
-      const __m128d skip2 = _mm_and_pd(_mm_cmpge_pd(p2, smallest),
-                                       _mm_cmple_pd(_mm_sub_pd(abs_err, atol), _mm_mul_pd(p2, below)));
-      const __m128d positive = _mm_cmpgt_pd(bound, zero);
-      const __m128d score = _mm_or_pd(_mm_andnot_pd(skip1, positive),
-                                      _mm_andnot_pd(positive, _mm_cmpgt_pd(abs_err, w)));
-      const __m128d rt = _mm_and_pd(_mm_cmpgt_pd(abs_err, atol),
-                                    _mm_or_pd(_mm_cmpngt_pd(abs_y, zero), _mm_andnot_pd(skip2, all_ones)));
-      may_set |= _mm_movemask_pd(_mm_or_pd(score, rt));
-    }
-    n_finite += kLanes;
-    if (may_set) [[unlikely]] {
-      max_abs = std::max(_mm_cvtsd_f64(vmax), _mm_cvtsd_f64(_mm_unpackhi_pd(vmax, vmax)));
-      largest(j);
-    }
-  }
-  store();
-  max_abs = std::max(_mm_cvtsd_f64(vmax), _mm_cvtsd_f64(_mm_unpackhi_pd(vmax, vmax)));
-  return end;
-}
-
 // Classes of non-finite values that count as equal on both sides.
 bool same_nonfinite(double a, double b) {
   if (std::isnan(a) && std::isnan(b)) return true;
   return std::isinf(a) && std::isinf(b) && (a > 0) == (b > 0);
 }
+
+// compute_metrics' one pass over a tensor's elements, in the summation order of DESIGN.md ("The comparison's sums"),
+// and what it has found so far. An innermost run goes through run(): its whole groups of kLanes elements finite on
+// both sides by groups() (two lanes to an SSE2 register), the others (a group holding a NaN or an Inf, the run's last
+// elements) by element(), whose arithmetic for a finite element is a group's for one lane, so that the path an
+// element takes changes no bit.
+struct ElementPass {
+  ElementPass(TensorMetrics& metrics, ElementTolerance tolerance) : m(metrics), tol(tolerance) {}
+
+  TensorMetrics& m;
+  ElementTolerance tol;
+  bool in_run[2] = {false, false};  // the row's and the head's sums stay in run_d2, run_b2 over a run
+  double* pos_d2[3] = {};  // the slice sums indexed by the position in the run (a last-axis row or head; channel)
+  double* pos_b2[3] = {};
+  Lanes d2, a2, b2, ab, absd;     // the whole-tensor sums
+  Lanes run_d2[2], run_b2[2];     // the current run's row and head sums
+  double max_abs = 0.0, min_rtol = 0.0, worst_score = -1.0;
+  int64_t n_fail = 0, n_finite = 0;
+
+  void run(const float* ra, const float* rb, int64_t start, int64_t len) {
+    for (int k = 0; k < 2; ++k) run_d2[k] = run_b2[k] = {};
+    int64_t j = groups(ra, rb, start, len);
+    for (; j < len; ++j) element(start + j, j, ra[j], rb[j]);
+  }
+
+  // The worst element and the smallest passing rtol, for element i (finite on both sides): each quotient divided out
+  // only where it may pass the largest so far (may_pass).
+  void largest(int64_t i, double x, double y, double abs_err, double abs_y, double bound) {
+    if (bound > 0 ? may_pass(abs_err, worst_score, bound) : abs_err > worst_score) {
+      const double score = bound > 0 ? abs_err / bound : abs_err;
+      if (score > worst_score) {
+        worst_score = score;
+        m.worst = {i, {}, x, y, abs_err};
+      }
+    }
+    if (abs_err > tol.atol && (!(abs_y > 0) || may_pass(abs_err - tol.atol, min_rtol, abs_y)))
+      min_rtol = std::max(min_rtol, abs_y > 0 ? (abs_err - tol.atol) / abs_y : kInf);
+  }
+
+  // Element i, at position j of its run, alone.
+  void element(int64_t i, int64_t j, double x, double y) {
+    const bool fx = std::isfinite(x), fy = std::isfinite(y);
+    if (fx && fy) {
+      const int lane = static_cast<int>(j % kLanes);
+      const double d = x - y;
+      const double dd = d * d, yy = y * y, abs_err = std::abs(d), abs_y = std::abs(y);
+      const double bound = tol.atol + tol.rtol * abs_y;
+      d2.v[lane] += dd;
+      a2.v[lane] += x * x;
+      b2.v[lane] += yy;
+      ab.v[lane] += x * y;
+      absd.v[lane] += abs_err;
+      for (int k = 0; k < 2; ++k) {
+        if (!in_run[k]) continue;
+        run_d2[k].v[lane] += dd;
+        run_b2[k].v[lane] += yy;
+      }
+      for (int k = 0; k < 3; ++k) {
+        if (!pos_d2[k]) continue;
+        pos_d2[k][j] += dd;
+        pos_b2[k][j] += yy;
+      }
+      max_abs = std::max(max_abs, abs_err);
+      n_fail += abs_err > bound;
+      ++n_finite;
+      largest(i, x, y, abs_err, abs_y, bound);
+      return;
+    }
+    if (!fx) {
+      ++(std::isnan(x) ? m.nan_a : m.inf_a);
+      if (m.first_nonfinite_a.flat < 0) m.first_nonfinite_a = {i, {}, x};
+    }
+    if (!fy) {
+      ++(std::isnan(y) ? m.nan_b : m.inf_b);
+      if (m.first_nonfinite_b.flat < 0) m.first_nonfinite_b = {i, {}, y};
+    }
+    if (same_nonfinite(x, y)) return;
+    ++m.nonfinite_mismatch;
+    ++n_fail;
+    min_rtol = kInf;
+    if (kInf > worst_score) {
+      worst_score = kInf;
+      m.worst = {i, {}, x, y, kInf};
+    }
+  }
+
+  // The run's whole groups of kLanes elements; returns how many elements it took (none without SSE2). The lanes'
+  // sums stay in registers but while element() takes a group; largest() is asked only for a group one of whose
+  // elements may set a new worst score or smallest passing rtol (checked as masks, the same test as may_pass).
+  int64_t groups(const float* ra, const float* rb, int64_t start, int64_t len) {
+#if defined(__SSE2__)
+    const __m128d zero = _mm_setzero_pd(), sign = _mm_set1_pd(-0.0), atol = _mm_set1_pd(tol.atol),
+                  rtol = _mm_set1_pd(tol.rtol), smallest = _mm_set1_pd(std::numeric_limits<double>::min()),
+                  below = _mm_set1_pd(kBelow), all_ones = _mm_cmpeq_pd(zero, zero);
+    const int64_t end = len - len % kLanes;
+    Lanes* const sums[5] = {&d2, &a2, &b2, &ab, &absd};
+    __m128d acc[5][2];
+    __m128d vmax;
+    const auto load = [&] {
+      for (int q = 0; q < 5; ++q)
+        for (int h = 0; h < 2; ++h) acc[q][h] = _mm_loadu_pd(sums[q]->v + 2 * h);
+      vmax = _mm_set1_pd(max_abs);
+    };
+    const auto store = [&] {
+      for (int q = 0; q < 5; ++q)
+        for (int h = 0; h < 2; ++h) _mm_storeu_pd(sums[q]->v + 2 * h, acc[q][h]);
+      max_abs = std::max(_mm_cvtsd_f64(vmax), _mm_cvtsd_f64(_mm_unpackhi_pd(vmax, vmax)));
+    };
+    load();
+    for (int64_t j = 0; j < end; j += kLanes) {
+      const __m128 xf = _mm_loadu_ps(ra + j), yf = _mm_loadu_ps(rb + j);
+      const __m128d x[2] = {_mm_cvtps_pd(xf), _mm_cvtps_pd(_mm_movehl_ps(xf, xf))};
+      const __m128d y[2] = {_mm_cvtps_pd(yf), _mm_cvtps_pd(_mm_movehl_ps(yf, yf))};
+      int finite = 3;  // v - v is 0 for a finite v, NaN for an infinite or NaN one
+      for (int h = 0; h < 2; ++h)
+        finite &= _mm_movemask_pd(_mm_and_pd(_mm_cmpeq_pd(_mm_sub_pd(x[h], x[h]), zero),
+                                             _mm_cmpeq_pd(_mm_sub_pd(y[h], y[h]), zero)));
+      if (finite != 3) [[unlikely]] {
+        store();
+        for (int64_t q = j; q < j + kLanes; ++q) element(start + q, q, ra[q], rb[q]);
+        load();
+        continue;
+      }
+      const __m128d w = _mm_set1_pd(worst_score), r = _mm_set1_pd(min_rtol);
+      int may_set = 0;
+      for (int h = 0; h < 2; ++h) {
+        const __m128d d = _mm_sub_pd(x[h], y[h]);
+        const __m128d dd = _mm_mul_pd(d, d), yy = _mm_mul_pd(y[h], y[h]);
+        const __m128d abs_err = _mm_andnot_pd(sign, d), abs_y = _mm_andnot_pd(sign, y[h]);
+        const __m128d bound = _mm_add_pd(atol, _mm_mul_pd(rtol, abs_y));
+        acc[0][h] = _mm_add_pd(acc[0][h], dd);
+        acc[1][h] = _mm_add_pd(acc[1][h], _mm_mul_pd(x[h], x[h]));
+        acc[2][h] = _mm_add_pd(acc[2][h], yy);
+        acc[3][h] = _mm_add_pd(acc[3][h], _mm_mul_pd(x[h], y[h]));
+        acc[4][h] = _mm_add_pd(acc[4][h], abs_err);
+        const auto add = [](double* p, __m128d v) { _mm_storeu_pd(p, _mm_add_pd(_mm_loadu_pd(p), v)); };
+        for (int k = 0; k < 2; ++k) {
+          if (!in_run[k]) continue;
+          add(run_d2[k].v + 2 * h, dd);
+          add(run_b2[k].v + 2 * h, yy);
+        }
+        for (int k = 0; k < 3; ++k) {
+          if (!pos_d2[k]) continue;
+          add(pos_d2[k] + j + 2 * h, dd);
+          add(pos_b2[k] + j + 2 * h, yy);
+        }
+        vmax = _mm_max_pd(vmax, abs_err);
+        const int over = _mm_movemask_pd(_mm_cmpgt_pd(abs_err, bound));
+        n_fail += (over & 1) + (over >> 1);
+        const __m128d p1 = _mm_mul_pd(w, bound), p2 = _mm_mul_pd(r, abs_y);
+        const __m128d skip1 = _mm_and_pd(_mm_cmpge_pd(p1, smallest), _mm_cmple_pd(abs_err, _mm_mul_pd(p1, below)));
+        const __m128d skip2 = _mm_and_pd(_mm_cmpge_pd(p2, smallest),
+                                         _mm_cmple_pd(_mm_sub_pd(abs_err, atol), _mm_mul_pd(p2, below)));
+        const __m128d positive = _mm_cmpgt_pd(bound, zero);
+        const __m128d score = _mm_or_pd(_mm_andnot_pd(skip1, positive),
+                                        _mm_andnot_pd(positive, _mm_cmpgt_pd(abs_err, w)));
+        const __m128d rt = _mm_and_pd(_mm_cmpgt_pd(abs_err, atol),
+                                      _mm_or_pd(_mm_cmpngt_pd(abs_y, zero), _mm_andnot_pd(skip2, all_ones)));
+        may_set |= _mm_movemask_pd(_mm_or_pd(score, rt));
+      }
+      n_finite += kLanes;
+      if (may_set) [[unlikely]] {
+        for (int64_t q = j; q < j + kLanes; ++q) {
+          const double x1 = ra[q], y1 = rb[q], abs_y = std::abs(y1);
+          largest(start + q, x1, y1, std::abs(x1 - y1), abs_y, tol.atol + tol.rtol * abs_y);
+        }
+      }
+    }
+    store();
+    return end;
+#else
+    (void)ra, (void)rb, (void)start, (void)len;
+    return 0;
+#endif
+  }
+};
 
 }  // namespace
 
@@ -248,7 +332,6 @@ TensorMetrics compute_metrics(std::span<const float> a, std::span<const float> b
   TensorMetrics m;
   m.tolerance = tol;
   m.n = static_cast<int64_t>(std::min(a.size(), b.size()));
-  double worst_score = -1.0;
 
   // Per-slice sums (d², b²) of the row, head and channel axes, filled in the same pass: the index of
   // an element along axis k is (i / stride_k) % extent_k, computed once per innermost run.
@@ -279,115 +362,29 @@ TensorMetrics compute_metrics(std::span<const float> a, std::span<const float> b
   // lane in index order, the lanes added as (0 + 1) + (2 + 3): at the end for the whole-tensor sums, at the end of
   // each run into its row and head. A channel's sums (the position in the run) are in index order. Maxima, counts
   // and the worst element (its first occurrence) do not depend on the order.
-  Lanes l_d2, l_a2, l_b2, l_ab, l_absd;
-  Lanes run_d2[2], run_b2[2];  // the current run's row and head sums
-  bool in_run[2] = {false, false};
-  for (int k = 0; k < 2; ++k) in_run[k] = sl[k].extent > 0 && sl[k].stride != 1;
-  double* by_pos_d2[3] = {nullptr, nullptr, nullptr};
-  double* by_pos_b2[3] = {nullptr, nullptr, nullptr};
+  ElementPass pass(m, tol);
+  for (int k = 0; k < 2; ++k) pass.in_run[k] = sl[k].extent > 0 && sl[k].stride != 1;
   for (int k = 0; k < 3; ++k) {
-    if (sl[k].extent > 0 && (k == 2 || !in_run[k])) {
-      by_pos_d2[k] = sl[k].d2.data();
-      by_pos_b2[k] = sl[k].b2.data();
+    if (sl[k].extent > 0 && (k == 2 || !pass.in_run[k])) {
+      pass.pos_d2[k] = sl[k].d2.data();
+      pass.pos_b2[k] = sl[k].b2.data();
     }
   }
-  double max_abs = 0.0, min_rtol = 0.0;
-  int64_t n_fail = 0, n_finite = 0;
-  // The worst element and the smallest passing rtol, for element i (finite on both sides): each quotient divided
-  // out only where it may pass the largest so far (may_pass).
-  const auto largest = [&](int64_t i, double x, double y, double abs_err, double abs_y, double bound) {
-    if (bound > 0 ? may_pass(abs_err, worst_score, bound) : abs_err > worst_score) {
-      const double score = bound > 0 ? abs_err / bound : abs_err;
-      if (score > worst_score) {
-        worst_score = score;
-        m.worst = {i, {}, x, y, abs_err};
-      }
-    }
-    if (abs_err > tol.atol && (!(abs_y > 0) || may_pass(abs_err - tol.atol, min_rtol, abs_y)))
-      min_rtol = std::max(min_rtol, abs_y > 0 ? (abs_err - tol.atol) / abs_y : kInf);
-  };
-  // Element i, at position j of its run, one at a time (a group holding a non-finite value, a run's last
-  // elements): the same arithmetic into the same lane as the groups'.
-  const auto element = [&](int64_t i, int64_t j, double x, double y) {
-    const bool fx = std::isfinite(x), fy = std::isfinite(y);
-    if (fx && fy) {
-      const int lane = static_cast<int>(j % kLanes);
-      const double d = x - y;
-      const double d2 = d * d, y2 = y * y, abs_err = std::abs(d), abs_y = std::abs(y);
-      const double bound = tol.atol + tol.rtol * abs_y;
-      l_d2.v[lane] += d2;
-      l_a2.v[lane] += x * x;
-      l_b2.v[lane] += y2;
-      l_ab.v[lane] += x * y;
-      l_absd.v[lane] += abs_err;
-      for (int k = 0; k < 2; ++k) {
-        if (!in_run[k]) continue;
-        run_d2[k].v[lane] += d2;
-        run_b2[k].v[lane] += y2;
-      }
-      for (int k = 0; k < 3; ++k) {
-        if (!by_pos_d2[k]) continue;
-        by_pos_d2[k][j] += d2;
-        by_pos_b2[k][j] += y2;
-      }
-      max_abs = std::max(max_abs, abs_err);
-      n_fail += abs_err > bound;
-      ++n_finite;
-      largest(i, x, y, abs_err, abs_y, bound);
-      return;
-    }
-    if (!fx) {
-      ++(std::isnan(x) ? m.nan_a : m.inf_a);
-      if (m.first_nonfinite_a.flat < 0) m.first_nonfinite_a = {i, {}, x};
-    }
-    if (!fy) {
-      ++(std::isnan(y) ? m.nan_b : m.inf_b);
-      if (m.first_nonfinite_b.flat < 0) m.first_nonfinite_b = {i, {}, y};
-    }
-    if (same_nonfinite(x, y)) return;
-    ++m.nonfinite_mismatch;
-    ++n_fail;
-    min_rtol = kInf;
-    if (kInf > worst_score) {
-      worst_score = kInf;
-      m.worst = {i, {}, x, y, kInf};
-    }
-  };
   for (int64_t start = 0; start < m.n; start += inner) {
-    const int64_t len = std::min(inner, m.n - start);
-    const float* const ra = a.data() + start;
-    const float* const rb = b.data() + start;
-    int64_t run_idx[2] = {0, 0};
+    pass.run(a.data() + start, b.data() + start, start, std::min(inner, m.n - start));
     for (int k = 0; k < 2; ++k) {
-      if (!in_run[k]) continue;
-      run_idx[k] = (start / sl[k].stride) % sl[k].extent;
-      run_d2[k] = {};
-      run_b2[k] = {};
-    }
-    const int64_t groups = group_lanes(ra, rb, len, tol, worst_score, min_rtol, in_run, by_pos_d2, by_pos_b2, l_d2,
-                                       l_a2, l_b2, l_ab, l_absd, run_d2, run_b2, max_abs, n_fail, n_finite,
-                                       [&](int64_t j, int64_t count) {
-                                         for (int64_t q = j; q < j + count; ++q) element(start + q, q, ra[q], rb[q]);
-                                       },
-                                       [&](int64_t j) {
-                                         for (int64_t q = j; q < j + kLanes; ++q) {
-                                           const double x = ra[q], y = rb[q], abs_y = std::abs(y);
-                                           largest(start + q, x, y, std::abs(x - y), abs_y,
-                                                   tol.atol + tol.rtol * abs_y);
-                                         }
-                                       });
-    for (int64_t j = groups; j < len; ++j) element(start + j, j, ra[j], rb[j]);
-    for (int k = 0; k < 2; ++k) {
-      if (!in_run[k]) continue;
-      sl[k].d2[run_idx[k]] += run_d2[k].total();
-      sl[k].b2[run_idx[k]] += run_b2[k].total();
+      if (!pass.in_run[k]) continue;
+      const int64_t idx = (start / sl[k].stride) % sl[k].extent;
+      sl[k].d2[idx] += pass.run_d2[k].total();
+      sl[k].b2[idx] += pass.run_b2[k].total();
     }
   }
-  const double sum_d2 = l_d2.total(), sum_a2 = l_a2.total(), sum_b2 = l_b2.total(), sum_ab = l_ab.total(),
-               sum_absd = l_absd.total();
-  m.max_abs = max_abs;
-  m.min_rtol = min_rtol;
-  m.n_fail = n_fail;
+  const double sum_d2 = pass.d2.total(), sum_a2 = pass.a2.total(), sum_b2 = pass.b2.total(),
+               sum_ab = pass.ab.total(), sum_absd = pass.absd.total();
+  const int64_t n_finite = pass.n_finite;
+  m.max_abs = pass.max_abs;
+  m.min_rtol = pass.min_rtol;
+  m.n_fail = pass.n_fail;
   if (m.worst.flat >= 0) m.worst.coords = layout_coordinates(m.worst.flat, shape, layout, dims);
   for (NonFiniteSite* site : {&m.first_nonfinite_a, &m.first_nonfinite_b}) {
     if (site->flat >= 0) site->coords = layout_coordinates(site->flat, shape, layout, dims);
