@@ -17,7 +17,7 @@
 // kernels' and cuBLAS's first use), its first with every checkpoint recorded (the stager's first buffers)
 // and a warm one, then the engines' release and cudaDeviceReset (the context's teardown; not with
 // --keep-context, which leaves it to the process's exit). Seconds, and the wall clock at the return.
-// --warm-cublas first runs cuBLAS alone at the prefill's GEMM shapes (both input types), before any engine.
+// --warm-cublas first runs the main job's GEMM warm-up (cuda_warm_up_gemms) for both precisions, before any engine.
 // --json FILE appends one JSON object per model and line (scripts/bench_vs_llamacpp.sh reads it).
 // --tp N runs the tensor-parallel engine over N GPUs (engine/tp_engine.hpp); its roofline is one GPU's: the
 // weights one rank reads per token over one GPU's copy bandwidth.
@@ -40,7 +40,6 @@
 #include "bench/bench_cuda_util.cuh"
 #include "checkpoints/sink.hpp"
 #include "engine/engine.hpp"
-#include "engine/gemm.cuh"
 #include "engine/tp_engine.hpp"
 #include "model/config.hpp"
 #include "model/error.hpp"
@@ -280,29 +279,9 @@ void cold_start(const std::string& path, int T, bool keep_context, bool warm_cub
   diffrun::cuda_warm_up();
   mark("context (cudaFree(0))");
   if (warm_cublas) {
-    // cuBLAS alone at the prefill's GEMM shapes, both input types: what of the first prefill is cuBLAS's first use.
-    const int D = cfg.n_embd, Q = cfg.n_head * cfg.head_dim, KV = cfg.n_head_kv * cfg.head_dim, F = cfg.n_ff;
-    const std::vector<std::pair<int, int>> shapes = {{Q + 2 * KV, D}, {D, Q}, {2 * F, D}, {D, F}, {Q, D}, {KV, D},
-                                                     {F, D}};
-    size_t most = 0;
-    for (auto [N, K] : shapes) most = std::max(most, size_t(N) * K);
-    void *x = nullptr, *w = nullptr, *y = nullptr;
-    BENCH_CUDA(cudaMalloc(&x, size_t(T) * 4 * F * 2));
-    BENCH_CUDA(cudaMalloc(&w, most * 4));
-    BENCH_CUDA(cudaMalloc(&y, size_t(T) * 4 * F * 2));
-    for (auto precision : {diffrun::engine::EnginePrecision::f32, diffrun::engine::EnginePrecision::f16}) {
-      diffrun::engine::CublasHandle h(precision);
-      for (auto [N, K] : shapes) {
-        if (precision == diffrun::engine::EnginePrecision::f32)
-          diffrun::engine::gemm(static_cast<float*>(y), static_cast<const float*>(x), static_cast<const float*>(w), T,
-                                K, N, h, nullptr);
-        else
-          diffrun::engine::gemm(static_cast<float*>(y), static_cast<const __half*>(x), static_cast<const __half*>(w),
-                                T, K, N, h, nullptr);
-      }
-      BENCH_CUDA(cudaDeviceSynchronize());
-    }
-    mark("cuBLAS at the prefill's shapes, f32 and f16");
+    // The main job's warm-up (cuda_warm_up_gemms), both precisions in turn: what of the first prefill is cuBLAS's.
+    for (const char* precision : {"f32", "f16"}) diffrun::cuda_warm_up_gemms(cfg, precision, T, 0);
+    mark("the GEMM warm-up, f32 and f16");
   }
   const std::vector<int32_t> ids = prompt(T, cfg.n_vocab);
   std::vector<std::unique_ptr<diffrun::CudaEngine>> engines;
