@@ -440,6 +440,32 @@ void drop_tp_pair_if_too_large(const GgufFile& file, const ModelConfig& cfg, con
 #endif
 }
 
+// cuBLAS's first use at the prefill's shapes, a thread per CUDA engine precision, while the engines load (the threads
+// end long before the job's; joined at its return). Left out where the device's free memory is less than twice what
+// the pairs' engines need (an isolation replay's engine is a second one) plus the warm-up's own, and under
+// DIFFRUN_GEMM_WARM_UP=0 (the engines' first steps then pay it).
+std::vector<std::jthread> start_gemm_warm_ups(const GgufFile& file, const ModelConfig& cfg,
+                                              const std::vector<RunPair>& pairs, int prompt, int steps) {
+  std::vector<std::jthread> threads;
+#ifdef DIFFRUN_HAVE_CUDA
+  const char* v = std::getenv("DIFFRUN_GEMM_WARM_UP");
+  if (v && std::string(v) == "0") return threads;
+  uint64_t reserve = 0;
+  for (const RunPair& p : pairs)
+    if (p.eng.backend == "cuda")
+      reserve += 2 * cuda_engine_device_bytes(file, cfg, p.eng.precision, prompt + steps, prompt);
+  std::set<std::string> warmed;
+  for (const RunPair& p : pairs)
+    if (p.eng.backend == "cuda" && p.eng.tp == 1 && warmed.insert(p.eng.precision).second)
+      threads.emplace_back([&cfg, precision = p.eng.precision, prompt, reserve] {
+        cuda_warm_up_gemms(cfg, precision, prompt, reserve);
+      });
+#else
+  (void)file, (void)cfg, (void)pairs, (void)prompt, (void)steps;
+#endif
+  return threads;
+}
+
 int run_main(const MainOptions& o) {
   Progress progress("diffrun");
   check_outputs(o);
@@ -461,25 +487,8 @@ int run_main(const MainOptions& o) {
     check_run_options(*file, cfg, p.ref, filter, true);
   }
   const std::vector<int32_t> ids = prompt_tokens(*file, *tok, o.prompt);
-  // cuBLAS's first use at the prefill's shapes, per CUDA engine precision, while the engines load (the threads
-  // end long before the job's; joined at its return). DIFFRUN_GEMM_WARM_UP=0 leaves it to the engines' first steps.
-  // Left out where the device's free memory is less than twice what the pairs' engines need (an isolation replay's
-  // engine is a second one) plus the warm-up's own.
-  std::vector<std::jthread> gemm_warm_ups;
-#ifdef DIFFRUN_HAVE_CUDA
-  std::set<std::string> warmed;
-  const char* warm_up = std::getenv("DIFFRUN_GEMM_WARM_UP");
-  const int max_ctx = static_cast<int>(ids.size()) + o.steps, n_ids = static_cast<int>(ids.size());
-  uint64_t reserve = 0;
-  for (const RunPair& p : pairs)
-    if (p.eng.backend == "cuda") reserve += 2 * cuda_engine_device_bytes(*file, cfg, p.eng.precision, max_ctx, n_ids);
-  for (const RunPair& p : pairs)
-    if (!(warm_up && std::string(warm_up) == "0") && p.eng.backend == "cuda" && p.eng.tp == 1 &&
-        warmed.insert(p.eng.precision).second)
-      gemm_warm_ups.emplace_back([&cfg, precision = p.eng.precision, n_ids, reserve] {
-        cuda_warm_up_gemms(cfg, precision, n_ids, reserve);
-      });
-#endif
+  const std::vector<std::jthread> gemm_warm_ups =
+      start_gemm_warm_ups(*file, cfg, pairs, static_cast<int>(ids.size()), o.steps);
   const int64_t needed = static_cast<int64_t>(ids.size()) + o.steps;
   if (needed > cfg.n_ctx) {
     throw InputError(fmt::format("the prompt ({} tokens) plus {} steps exceeds the model's context of {}", ids.size(),

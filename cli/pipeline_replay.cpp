@@ -284,27 +284,26 @@ void replay_thread(const Context& cx, size_t p, BesideReplay& out) {
       if (!complete()) break;  // the comparator is done: no such step
       st = &held.steps[step];
     }
-    if (step > 0) {
+    if (step == 0) {
+      // A second engine that does not fit (device memory) leaves the replay to after the pipeline.
+      try {
+        if (!out.engine) {
+          out.engine = make_backend(cx.file, cx.cfg, pair.engine, max_ctx);
+          cx.sh.timing("pair {} isolation replay: engine loaded", p + 1);
+        }
+        cx.sh.timing("pair {} isolation replay: the reference's step 0 is held", p + 1);
+        out.replay.emplace(cx.file, cx.cfg, *out.engine, held.meta, cx.ids, cx.opt, pair.isolated_path);
+        const double forward_s = out.replay->step(0, *st);
+        cx.sh.timing("pair {} isolation replay: step 0 done (forward {:.3f} s)", p + 1, forward_s);
+      } catch (const Error& e) {
+        after(e);
+        return;
+      }
+    } else {
       const double forward_s = out.replay->step(step, *st);
       cx.sh.timing("pair {} isolation replay: step {} done (forward {:.3f} s)", p + 1, step, forward_s);
-      if (step >= cx.opt.steps) break;  // the last step a run can have
-      continue;
     }
-    // A second engine that does not fit (device memory) leaves the replay to after the pipeline.
-    try {
-      if (!out.engine) {
-        out.engine = make_backend(cx.file, cx.cfg, pair.engine, max_ctx);
-        cx.sh.timing("pair {} isolation replay: engine loaded", p + 1);
-      }
-      cx.sh.timing("pair {} isolation replay: the reference's step 0 is held", p + 1);
-      out.replay.emplace(cx.file, cx.cfg, *out.engine, held.meta, cx.ids, cx.opt, pair.isolated_path);
-      const double forward_s = out.replay->step(0, *st);
-      cx.sh.timing("pair {} isolation replay: step 0 done (forward {:.3f} s)", p + 1, forward_s);
-    } catch (const Error& e) {
-      after(e);
-      return;
-    }
-    if (cx.opt.steps == 0) break;
+    if (step >= cx.opt.steps) break;  // the last step a run can have
   }
   // The isolated dump closed and the engine released here, beside the comparators' last dump writes, rather than
   // after the pipeline's threads are joined (0.13-0.15 s of the SmolLM2 GPU job's end).
