@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <deque>
 #include <exception>
 #include <map>
@@ -249,7 +250,7 @@ class Comparator {
             DatasetInfo info = info_of(side, m);
             if (replay_ && side == kReference) write_to(*replay_, m, true);
             // One buffer for every reader: the held step, the dump writes and the comparison (which
-            // copies it in its parallel loop only while another still holds it).
+            // reads it in place).
             if (held && side == kReference) held->tensors.push_back({info, m.values});
             if (cx_.opt.dump == DumpMode::full) write(side, m, true);
             diff::StreamComparison::Values values = m.values;
@@ -314,8 +315,9 @@ class Comparator {
 
 // OpenMP threads of a comparator's or a replay's batch of comparisons (StreamComparison::add_all):
 // a share of the cores where there are many (the backends mostly wait on the comparators once the
-// prefill is done), else one.
+// prefill is done), else one; DIFFRUN_COMPARISON_THREADS=N sets it.
 int comparison_threads(const Context& cx) {
+  if (const char* v = std::getenv("DIFFRUN_COMPARISON_THREADS"); v && std::atoi(v) > 0) return std::atoi(v);
   return spare_cores() ? std::max(2, available_cores() / (2 * static_cast<int>(cx.pairs.size()))) : 1;
 }
 

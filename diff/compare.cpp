@@ -206,11 +206,12 @@ std::vector<std::string> incompatibilities(const DumpMeta& a, const DumpMeta& b)
   return out;
 }
 
-CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const DatasetInfo* reference,
-                                    const ToleranceSet& tolerances, const DimSizes& dims, int64_t positions,
-                                    const ReadValues& read,
-                                    std::vector<float>* a_out, std::vector<float>* b_out) {
-  CheckpointResult r;
+namespace {
+
+// compare_checkpoint's bookkeeping before any value is read: r's identity, shapes and rule. The rule, or null
+// when the checkpoint is one-sided or the shapes differ (r.status says which), and rd the row dimension.
+const ToleranceRule* start_result(CheckpointResult& r, int step, const DatasetInfo* engine, const DatasetInfo* reference,
+                                  const ToleranceSet& tolerances, int64_t positions, int& rd) {
   const DatasetInfo& any = reference ? *reference : *engine;
   r.step = step;
   r.name = any.name;
@@ -226,28 +227,29 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
   r.rule_reason = rule.reason;
   if (!engine || !reference) {
     r.status = engine ? CheckpointStatus::only_engine : CheckpointStatus::only_reference;
-    return r;
+    return nullptr;
   }
-  const int rd = row_dim(r.layout);
+  rd = row_dim(r.layout);
   const int64_t row_lo = std::max(engine->row_offset, reference->row_offset);
   keep_rows(r.shape_engine, engine->row_offset, row_lo, rd, nullptr);
   keep_rows(r.shape_reference, reference->row_offset, row_lo, rd, nullptr);
   r.row_offset = row_lo;
   if (r.shape_engine != r.shape_reference) {
     r.status = CheckpointStatus::shape_mismatch;
-    return r;
+    return nullptr;
   }
-  std::vector<float> a, b;
-  read(a, b);
-  std::vector<int64_t> shape_a = engine->shape, shape_b = reference->shape;
-  keep_rows(shape_a, engine->row_offset, row_lo, rd, &a);
-  keep_rows(shape_b, reference->row_offset, row_lo, rd, &b);
+  return &rule;
+}
+
+// compare_checkpoint's judgement of the values both sides hold (the rows from r.row_offset, r.shape_reference).
+void judge_values(CheckpointResult& r, const ToleranceRule& rule, const ToleranceSet& tolerances, const DimSizes& dims,
+                  std::span<const float> a, std::span<const float> b) {
   TensorMetrics m = compute_metrics(a, b, r.shape_reference, r.layout, dims, rule.element);
   if (r.base == "result_output" && r.shape_reference.size() == 2) {
     m.logits = compute_logit_metrics(a, b, r.shape_reference[0], r.shape_reference[1]);
   }
-  r.bound_scale = tolerances.length_scale(positions) * tolerances.reduction_scale(r.base, dims);
-  r.checks = check_bounds(m, rule, positions, r.bound_scale);
+  r.bound_scale = tolerances.length_scale(r.positions) * tolerances.reduction_scale(r.base, dims);
+  r.checks = check_bounds(m, rule, r.positions, r.bound_scale);
   if (m.finite()) r.routing = routing_rows(r.base, r.layout, a, b, r.shape_reference, r.checks);
   r.metrics = std::move(m);
   const bool ok = std::all_of(r.checks.begin(), r.checks.end(), [](const BoundCheck& k) { return k.pass; });
@@ -257,8 +259,55 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
     r.f16_fit = f16_fit(a, b);
     find_layout_suspect(r, a, b);
   }
+}
+
+// The rows from row_lo of a side's stored values (rows from `offset` along dimension rd of `shape`): a view
+// into them where the rows dropped lead the data, else a copy into `cut`.
+std::span<const float> rows_from(std::span<const float> values, std::vector<int64_t> shape, int64_t offset,
+                                 int64_t row_lo, int rd, std::vector<float>& cut) {
+  if (offset >= row_lo || rd < 0 || static_cast<size_t>(rd) >= shape.size() || shape[rd] < row_lo - offset) return values;
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < rd; ++i) outer *= shape[i];
+  for (size_t i = rd + 1; i < shape.size(); ++i) inner *= shape[i];
+  if (outer == 1) return values.subspan(static_cast<size_t>((row_lo - offset) * inner));
+  cut.assign(values.begin(), values.end());
+  keep_rows(shape, offset, row_lo, rd, &cut);
+  return cut;
+}
+
+}  // namespace
+
+CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const DatasetInfo* reference,
+                                    const ToleranceSet& tolerances, const DimSizes& dims, int64_t positions,
+                                    const ReadValues& read,
+                                    std::vector<float>* a_out, std::vector<float>* b_out) {
+  CheckpointResult r;
+  int rd = -1;
+  const ToleranceRule* rule = start_result(r, step, engine, reference, tolerances, positions, rd);
+  if (!rule) return r;
+  std::vector<float> a, b;
+  read(a, b);
+  std::vector<int64_t> shape_a = engine->shape, shape_b = reference->shape;
+  keep_rows(shape_a, engine->row_offset, r.row_offset, rd, &a);
+  keep_rows(shape_b, reference->row_offset, r.row_offset, rd, &b);
+  judge_values(r, *rule, tolerances, dims, a, b);
   if (a_out) *a_out = std::move(a);
   if (b_out) *b_out = std::move(b);
+  return r;
+}
+
+CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const DatasetInfo* reference,
+                                    const ToleranceSet& tolerances, const DimSizes& dims, int64_t positions,
+                                    std::span<const float> a, std::span<const float> b, ComparedValues* compared) {
+  CheckpointResult r;
+  int rd = -1;
+  const ToleranceRule* rule = start_result(r, step, engine, reference, tolerances, positions, rd);
+  if (!rule) return r;
+  ComparedValues own;
+  ComparedValues& c = compared ? *compared : own;
+  c.a = rows_from(a, engine->shape, engine->row_offset, r.row_offset, rd, c.a_cut);
+  c.b = rows_from(b, reference->shape, reference->row_offset, r.row_offset, rd, c.b_cut);
+  judge_values(r, *rule, tolerances, dims, c.a, c.b);
   return r;
 }
 

@@ -160,6 +160,21 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
                                     const ReadValues& read,
                                     std::vector<float>* a_out = nullptr, std::vector<float>* b_out = nullptr);
 
+// The values a comparison of values in memory compared: the rows both sides hold, each a view into the
+// values given, or where the rows left out are not the leading ones (a row dimension after the first), into
+// a copy held here.
+struct ComparedValues {
+  std::span<const float> a, b;
+  std::vector<float> a_cut, b_cut;
+};
+
+// The same on values already in memory (a and b as stored), read where they are: nothing is copied unless
+// rows must be left out behind the first dimension. `compared` (optional) receives the values compared.
+CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const DatasetInfo* reference,
+                                    const ToleranceSet& tolerances, const DimSizes& dims, int64_t positions,
+                                    std::span<const float> a, std::span<const float> b,
+                                    ComparedValues* compared = nullptr);
+
 // Appends one step's results to c in the comparator's order (the reference's datasets by order,
 // engine-only ones placed by their own order), counting coverage, passes, failures and one-sided
 // checkpoints; `result` gives each checkpoint's result. A checkpoint failing only in the slots of a

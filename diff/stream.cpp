@@ -21,10 +21,10 @@ StreamComparison::StreamComparison(DumpMeta engine, DumpMeta reference, Toleranc
   }
 }
 
-void StreamComparison::keep_candidate(std::optional<Kept>& slot, const CheckpointResult& r, std::vector<float>& a,
-                                      std::vector<float>& b) {
+void StreamComparison::keep_candidate(std::optional<Kept>& slot, const CheckpointResult& r, std::span<const float> a,
+                                      std::span<const float> b) {
   if (slot && std::make_pair(slot->step, slot->order) < std::make_pair(r.step, r.order)) return;
-  slot = Kept{r.step, r.order, r.name, a, b};
+  slot = Kept{r.step, r.order, r.name, {a.begin(), a.end()}, {b.begin(), b.end()}};
 }
 
 std::optional<std::map<std::pair<int, std::string>, StreamComparison::Pending>::iterator> StreamComparison::arrive(
@@ -34,7 +34,7 @@ std::optional<std::map<std::pair<int, std::string>, StreamComparison::Pending>::
                             info.name, info.step));
   }
   Step& step = steps_[info.step];
-  if (std::any_of(step.infos[s].begin(), step.infos[s].end(), [&](const DatasetInfo& d) { return d.name == info.name; })) {
+  if (!step.names[s].insert(info.name).second) {
     throw Error(fmt::format("{} recorded {} twice in step {}", s ? "the reference" : "the engine", info.name, info.step));
   }
   step.infos[s].push_back(info);
@@ -43,29 +43,12 @@ std::optional<std::map<std::pair<int, std::string>, StreamComparison::Pending>::
   return other;
 }
 
-namespace {
-
-// The values of `v`, moved out when no one else holds them (they were made non-const: see add and
-// the pipeline), else copied.
-std::vector<float> take(StreamComparison::Values v) {
-  if (v.use_count() == 1) return std::move(const_cast<std::vector<float>&>(*v));
-  return *v;
+CheckpointResult StreamComparison::compare_pair(const Pending& eng, const Pending& ref, ComparedValues& compared) const {
+  return compare_checkpoint(eng.info.step, &eng.info, &ref.info, tolerances_, dims_, positions_through(eng.info.step),
+                            *eng.values, *ref.values, &compared);
 }
 
-}  // namespace
-
-CheckpointResult StreamComparison::compare_pair(Pending& eng, Pending& ref, std::vector<float>& a,
-                                                std::vector<float>& b) const {
-  return compare_checkpoint(
-      eng.info.step, &eng.info, &ref.info, tolerances_, dims_, positions_through(eng.info.step),
-      [&](std::vector<float>& x, std::vector<float>& y) {
-        x = take(std::move(eng.values));
-        y = take(std::move(ref.values));
-      },
-      &a, &b);
-}
-
-void StreamComparison::settle(CheckpointResult r, std::vector<float>& a, std::vector<float>& b) {
+void StreamComparison::settle(CheckpointResult r, std::span<const float> a, std::span<const float> b) {
   // A routing flip by drift, judged as end_step will judge it (add_step_results) from the step's routing
   // checkpoints settled so far (they come first in execution order), so that its slots hold no candidate.
   if (r.failed() && r.routing) {
@@ -78,7 +61,7 @@ void StreamComparison::settle(CheckpointResult r, std::vector<float>& a, std::ve
   const bool excusable = r.routing && !r.routing->slot_err2.empty();
   if (r.failed() && r.metrics && (first_failed_step_ < 0 || r.step <= first_failed_step_)) {
     // A slot kind may still pass at end_step (a flip judged with the whole step): kept beside the candidate.
-    if (excusable) routing_kept_.push_back(Kept{r.step, r.order, r.name, a, b});
+    if (excusable) routing_kept_.push_back(Kept{r.step, r.order, r.name, {a.begin(), a.end()}, {b.begin(), b.end()}});
     else keep_candidate(first_failure_, r, a, b);
   }
   if (r.metrics && !r.metrics->finite() && (first_nonfinite_step_ < 0 || r.step <= first_nonfinite_step_))
@@ -102,7 +85,7 @@ void StreamComparison::add_all(StreamSide side, std::vector<std::pair<DatasetInf
     Pending mine;
     std::map<std::pair<int, std::string>, Pending>::iterator other;
     CheckpointResult result;
-    std::vector<float> a, b;
+    ComparedValues compared;  // views into mine's and other's values (or rows cut from them)
   };
   std::vector<Job> jobs;
   for (auto& [info, values] : batch) {
@@ -111,11 +94,12 @@ void StreamComparison::add_all(StreamSide side, std::vector<std::pair<DatasetInf
       const std::pair<int, std::string> key(info.step, info.name);
       pending_[s].emplace(key, Pending{std::move(info), std::move(values)});
     } else {
-      jobs.push_back(Job{Pending{std::move(info), std::move(values)}, *other, {}, {}, {}});
+      jobs.push_back(Job{Pending{std::move(info), std::move(values)}, *other, {}, {}});
     }
   }
   const auto compare = [&](Job& j) {
-    j.result = s == 0 ? compare_pair(j.mine, j.other->second, j.a, j.b) : compare_pair(j.other->second, j.mine, j.a, j.b);
+    j.result = s == 0 ? compare_pair(j.mine, j.other->second, j.compared)
+                      : compare_pair(j.other->second, j.mine, j.compared);
   };
   // The largest checkpoints one at a time, each with every thread for its own parallel loops (a
   // prefill's logits: ~15M exps over its rows, which inside the loop below would run on one thread
@@ -131,7 +115,7 @@ void StreamComparison::add_all(StreamSide side, std::vector<std::pair<DatasetInf
 #pragma omp parallel for schedule(dynamic, 1) if (n > 1)
   for (int64_t i = 0; i < n; ++i) compare(*small[i]);
   for (Job& j : jobs) {  // in arrival order, as add() would
-    settle(std::move(j.result), j.a, j.b);
+    settle(std::move(j.result), j.compared.a, j.compared.b);
     pending_[1 - s].erase(j.other);
   }
 }

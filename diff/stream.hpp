@@ -6,8 +6,8 @@
 //   verdicts and the patterns, exactly as compare_dumps does for two files. Given what the dumps would
 //   hold (each DatasetInfo as DumpReader presents it, the values as stored), finish() returns the
 //   Comparison that compare_dumps returns for those dumps.
-// - Bounded memory: a checkpoint's values are held until the other side's arrive, then compared and
-//   released. Only the values of the first failing checkpoint and of the first one holding a NaN/Inf
+// - Bounded memory: a checkpoint's values are held until the other side's arrive, then compared in
+//   place and released. Only the values of the first failing checkpoint and of the first one holding a NaN/Inf
 //   are kept (their error patterns), one candidate of each at a time; and, until their step ends, those
 //   of the failing MoE slot kinds of that step, which a routing flip by drift may excuse.
 // - Steps end in order (end_step), and finish(last_step) keeps the steps up to last_step only: a run
@@ -21,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -41,8 +42,8 @@ class StreamComparison {
   void add(StreamSide side, DatasetInfo info, std::vector<float> values);
 
   // Values shared with whoever else still reads them (a dump write, a held step): the comparison
-  // copies them, in its parallel loop, unless it holds the last reference. Made as a (non-const)
-  // std::vector<float>, which the comparison may then move from.
+  // reads them where they are and copies only those a report may need (the first failure's, the first
+  // NaN/Inf's), so a passing checkpoint costs no copy.
   using Values = std::shared_ptr<const std::vector<float>>;
   void add(StreamSide side, DatasetInfo info, Values values);
 
@@ -83,6 +84,7 @@ class StreamComparison {
   };
   struct Step {
     std::vector<DatasetInfo> infos[2];                 // per side, in arrival order
+    std::unordered_set<std::string> names[2];          // the names of infos[side]
     std::vector<int32_t> tokens[2];
     bool has_tokens[2] = {false, false};
     std::map<std::string, CheckpointResult> results;  // two-sided checkpoints, compared on arrival
@@ -93,11 +95,11 @@ class StreamComparison {
   // add()'s bookkeeping of `info` for `side`: the pending counterpart when the other side holds one.
   std::optional<std::map<std::pair<int, std::string>, Pending>::iterator> arrive(int s, const DatasetInfo& info);
   // The comparison of a checkpoint held on both sides (values moved into the result's check).
-  CheckpointResult compare_pair(Pending& eng, Pending& ref, std::vector<float>& a, std::vector<float>& b) const;
+  CheckpointResult compare_pair(const Pending& eng, const Pending& ref, ComparedValues& compared) const;
   // Records a comparison's result (and its values, when a report may need its pattern).
-  void settle(CheckpointResult r, std::vector<float>& a, std::vector<float>& b);
-  void keep_candidate(std::optional<Kept>& slot, const CheckpointResult& r, std::vector<float>& a,
-                      std::vector<float>& b);
+  void settle(CheckpointResult r, std::span<const float> a, std::span<const float> b);
+  void keep_candidate(std::optional<Kept>& slot, const CheckpointResult& r, std::span<const float> a,
+                      std::span<const float> b);
 
   DumpMeta meta_[2];
   ToleranceSet tolerances_;

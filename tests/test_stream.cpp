@@ -3,6 +3,8 @@
 #include <filesystem>
 #include <memory>
 #include <limits>
+#include <random>
+#include <span>
 #include <string>
 
 #include <fmt/core.h>
@@ -50,8 +52,8 @@ class Stream : public ::testing::Test {
       };
       if (engine_first && batched) {
         for (const auto& i : de) feed(StreamSide::engine, e, i);
-        // Every second checkpoint's values also held elsewhere (as a dump write holds them): those
-        // the comparison copies, the others it takes.
+        // Every second checkpoint's values also held elsewhere (as a dump write holds them): the
+        // comparison reads them in place either way.
         std::vector<std::pair<DatasetInfo, StreamComparison::Values>> batch;
         std::vector<StreamComparison::Values> also_held;
         for (const auto& i : dr) {
@@ -168,4 +170,71 @@ TEST_F(Stream, DifferentTokensOrRecordingTwiceIsRefused) {
   ASSERT_NE(info, nullptr);
   twice.add(StreamSide::engine, *info, e.read(0, "embd"));
   EXPECT_THROW(twice.add(StreamSide::engine, *info, e.read(0, "embd")), Error);
+}
+
+// The comparison of values in memory (the pipeline's) leaves out the rows one side lacks as the comparison of
+// values read from files does, the same result and the same values compared: a view into the values where the
+// rows left out lead them, a copy where they do not (a row dimension after the first).
+TEST(StreamRows, ValuesInMemoryLeaveOutRowsAsValuesReadDo) {
+  const DimSizes dims = dim_sizes(test::synthetic_config());
+  const ToleranceSet tol = parse_tolerances(R"({"rules": [], "default": {"max_rel_l2": 1e-3, "reason": "test"}})", "t.json");
+  struct Case {
+    std::string name, layout;
+    std::vector<int64_t> shape_a, shape_b;
+    int64_t offset_a, offset_b;
+    bool view;
+  };
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const Case& k : {Case{"l_out-0", "T,D", {4, 8}, {6, 8}, 2, 0, true},
+                        Case{"kq_soft_max-0", "H,T,S", {2, 3, 6}, {2, 6, 6}, 3, 0, false}}) {
+    SCOPED_TRACE(k.name);
+    const auto info = [&](const std::vector<int64_t>& shape, int64_t offset) {
+      DatasetInfo d{};
+      d.step = 0;
+      d.name = k.name;
+      d.layout = k.layout;
+      d.native_dtype = "float32";
+      d.shape = shape;
+      d.row_offset = offset;
+      return d;
+    };
+    const DatasetInfo a = info(k.shape_a, k.offset_a), b = info(k.shape_b, k.offset_b);
+    const auto size = [](const std::vector<int64_t>& shape) {
+      int64_t n = 1;
+      for (int64_t e : shape) n *= e;
+      return static_cast<size_t>(n);
+    };
+    std::vector<float> va(size(k.shape_a)), vb(size(k.shape_b));
+    for (float& v : va) v = normal(rng);
+    for (float& v : vb) v = normal(rng);  // unrelated to va: the checkpoint fails, its pattern read from the values
+    std::vector<float> read_a, read_b;
+    const CheckpointResult read = compare_checkpoint(
+        0, &a, &b, tol, dims, 6,
+        [&](std::vector<float>& x, std::vector<float>& y) {
+          x = va;
+          y = vb;
+        },
+        &read_a, &read_b);
+    ComparedValues compared;
+    const CheckpointResult in_memory =
+        compare_checkpoint(0, &a, &b, tol, dims, 6, std::span<const float>(va), std::span<const float>(vb), &compared);
+    ASSERT_TRUE(read.metrics && in_memory.metrics);
+    EXPECT_TRUE(in_memory.failed());
+    EXPECT_EQ(in_memory.status, read.status);
+    EXPECT_EQ(in_memory.row_offset, read.row_offset);
+    EXPECT_EQ(in_memory.shape_reference, read.shape_reference);
+    EXPECT_EQ(in_memory.metrics->rel_l2, read.metrics->rel_l2);
+    EXPECT_EQ(in_memory.metrics->max_abs, read.metrics->max_abs);
+    EXPECT_EQ(in_memory.metrics->worst.flat, read.metrics->worst.flat);
+    EXPECT_EQ(std::vector<float>(compared.a.begin(), compared.a.end()), read_a);
+    EXPECT_EQ(std::vector<float>(compared.b.begin(), compared.b.end()), read_b);
+    EXPECT_EQ(compared.a.data(), va.data());  // nothing of the engine's left out
+    if (k.view) {
+      EXPECT_EQ(compared.b.data(), vb.data() + 2 * 8);
+      EXPECT_TRUE(compared.b_cut.empty());
+    } else {
+      EXPECT_EQ(compared.b.data(), compared.b_cut.data());
+    }
+  }
 }
