@@ -2,7 +2,9 @@
 // the SmolLM2 job (every pair of values finite, the two sides a few ulps apart), and a hash of every metric so that
 // two builds can be checked to give the same bits. Prints figures; not a test.
 //
-//   bench_metrics [--reps N] [--tokens T]
+//   bench_metrics [--reps N] [--tokens T] [--sse2]
+//
+// --sse2 keeps the pass to its SSE2 groups where the CPU has AVX2 (the hash must not change).
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -48,8 +50,10 @@ int main(int argc, char** argv) {
       reps = std::atoi(argv[++i]);
     } else if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) {
       T = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--sse2")) {
+      diffrun::diff::allow_metrics_avx2(false);
     } else {
-      std::fprintf(stderr, "usage: bench_metrics [--reps N] [--tokens T]\n");
+      std::fprintf(stderr, "usage: bench_metrics [--reps N] [--tokens T] [--sse2]\n");
       return 2;
     }
   }
@@ -82,6 +86,7 @@ int main(int argc, char** argv) {
     std::printf("%-24s %9lld elements  %6.2f ns/element (median of %d)  metrics hash %016llx\n", c.name,
                 static_cast<long long>(n), diffrun::bench_util::median(ns), reps, static_cast<unsigned long long>(h));
   }
-  std::printf("all metrics hash %016llx\n", static_cast<unsigned long long>(all));
+  std::printf("all metrics hash %016llx (%s groups)\n", static_cast<unsigned long long>(all),
+              diffrun::diff::metrics_avx2() ? "AVX2" : "SSE2");
   return 0;
 }

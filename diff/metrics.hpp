@@ -117,6 +117,12 @@ std::vector<Coordinate> layout_coordinates(int64_t flat, std::span<const int64_t
 std::string format_coordinates(const std::vector<Coordinate>& coords);  // "T=3, H=2, Dh=17"
 
 // a and b have the same number of elements (callers check shapes first).
+// compute_metrics' pass takes a group of 4 finite elements in one AVX2 register where the CPU has AVX2 (chosen at
+// run time), else in two SSE2 registers; every path gives the same bits. allow_metrics_avx2(false) keeps it to SSE2
+// (tests and benchmarks compare the two); metrics_avx2() says whether the next pass uses AVX2.
+void allow_metrics_avx2(bool allowed);
+bool metrics_avx2();
+
 TensorMetrics compute_metrics(std::span<const float> a, std::span<const float> b,
                               std::span<const int64_t> shape, std::string_view layout,
                               const DimSizes& dims, ElementTolerance tol);

@@ -1,4 +1,5 @@
 // Unit tests of diff/metrics: each metric against values worked out by hand, non-finite handling, coordinates, logits.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -342,7 +343,11 @@ double worst_rel(const std::vector<double>& d2, const std::vector<double>& b2, i
 // last elements) one at a time, and skips the divisions that cannot set a new worst score or rtol. Whatever path an
 // element takes, every figure must equal the documented order's bit for bit: random tensors of odd and even
 // widths, errors from 1e-9 to 1e3 relative, zeros, subnormals, and NaN/Inf on either side or both.
+// Both vector paths (AVX2 where the CPU has it, and SSE2) against the documented order.
 TEST(Metrics, VectorisedPassEqualsTheDocumentedOrder) {
+  for (const bool avx2 : {true, false}) {
+  SCOPED_TRACE(avx2 ? "AVX2 allowed" : "SSE2 only");
+  allow_metrics_avx2(avx2);
   std::mt19937 rng(2026);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int> pick(0, 99);
@@ -378,6 +383,34 @@ TEST(Metrics, VectorisedPassEqualsTheDocumentedOrder) {
       EXPECT_EQ(m.row.index, row);
       EXPECT_EQ(m.channel.rel_l2, worst_rel(r.ch_d2, r.ch_b2, &channel));
       EXPECT_EQ(m.channel.index, channel);
+    }
+  }
+  }
+  allow_metrics_avx2(true);
+}
+
+// The engine's last logits row's largest values (what compare's argmax check reads) are those a sort of the finite
+// values by value descending, then index ascending, puts first: ties, non-finite values and a row shorter than the
+// count included.
+TEST(Metrics, LastRowTopValuesAreTheSortsFirst) {
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> level(0, 9);
+  for (const int vocab : {3, 8, 40, 1000}) {
+    std::vector<float> row(static_cast<size_t>(vocab));
+    for (float& v : row) v = static_cast<float>(level(rng));  // many ties
+    if (vocab > 3) row[1] = kNaN, row[2] = std::numeric_limits<float>::infinity();
+    const LogitMetrics lm = compute_logit_metrics(row, row, 1, vocab);
+    std::vector<int32_t> idx;
+    for (int32_t i = 0; i < vocab; ++i)
+      if (std::isfinite(row[static_cast<size_t>(i)])) idx.push_back(i);
+    std::sort(idx.begin(), idx.end(), [&](int32_t x, int32_t y) {
+      return row[static_cast<size_t>(x)] > row[static_cast<size_t>(y)] || (row[static_cast<size_t>(x)] == row[static_cast<size_t>(y)] && x < y);
+    });
+    idx.resize(std::min(idx.size(), LogitMetrics::kLastTop));
+    ASSERT_EQ(lm.top_a_last.size(), idx.size()) << vocab;
+    for (size_t k = 0; k < idx.size(); ++k) {
+      EXPECT_EQ(lm.top_a_last[k].second, idx[k]) << vocab << " " << k;
+      EXPECT_EQ(lm.top_a_last[k].first, row[static_cast<size_t>(idx[k])]);
     }
   }
 }
