@@ -16,6 +16,7 @@
 #include <initializer_list>
 #include <limits>
 #include <numeric>
+#include <tuple>
 #include <optional>
 
 #include <fmt/core.h>
@@ -569,34 +570,30 @@ int32_t argmax(std::span<const float> row) {
 
 namespace {
 
-// Indices of the k largest finite values, by value descending then index ascending: one pass keeping the best k so
-// far in that order (the order is total, so these are the k a sort would put first, in its order).
-std::vector<int32_t> top_k(std::span<const float> row, size_t k) {
+// Indices of the k largest finite values among row[i] for i in `ids` (every index of the row when null), by value
+// descending then index ascending: one pass keeping the best k so far in that order (the order is total, so these
+// are the k a sort would put first, in its order).
+std::vector<int32_t> top_k(std::span<const float> row, size_t k, int64_t begin, int64_t end,
+                           const std::vector<int32_t>* ids = nullptr) {
   std::vector<int32_t> best;
   best.reserve(k);
   const auto before = [&](int32_t x, int32_t y) { return row[x] > row[y] || (row[x] == row[y] && x < y); };
-  for (size_t i = 0; i < row.size(); ++i) {
-    if (!std::isfinite(row[i])) continue;
-    const auto id = static_cast<int32_t>(i);
-    if (best.size() == k && (k == 0 || !before(id, best.back()))) continue;
+  const auto take = [&](int32_t id) {
+    if (!std::isfinite(row[static_cast<size_t>(id)])) return;
+    if (best.size() == k && (k == 0 || !before(id, best.back()))) return;
     if (best.size() == k) best.pop_back();
     best.insert(std::upper_bound(best.begin(), best.end(), id, before), id);
+  };
+  if (ids) {
+    for (int32_t id : *ids) take(id);
+  } else {
+    for (int64_t i = begin; i < end; ++i) take(static_cast<int32_t>(i));
   }
   return best;
 }
 
-// The log of the sum of exp over a row, in double (the log-softmax of value v is double(v) - lse); none when the
-// row holds a non-finite value.
-std::optional<double> log_sum_exp(std::span<const float> row) {
-  double mx = -kInf;
-  for (float v : row) {
-    if (!std::isfinite(v)) return std::nullopt;
-    mx = std::max(mx, static_cast<double>(v));
-  }
-  double sum = 0;
-  for (float v : row) sum += std::exp(static_cast<double>(v) - mx);
-  return mx + std::log(sum);
-}
+// Logits a piece of work of compute_logit_metrics takes (a row's chunk).
+constexpr int64_t kLogitChunk = 8192;
 
 }  // namespace
 
@@ -605,49 +602,128 @@ LogitMetrics compute_logit_metrics(std::span<const float> a, std::span<const flo
   LogitMetrics lm;
   lm.tokens = rows;
   if (rows <= 0 || vocab <= 0) return lm;
-  // Each row on its own (in parallel where the caller's OpenMP threads allow: a prefill's logits are
-  // ~15M exps), then the sums in row order, as one loop would take them.
-  struct Row {
-    int32_t argmax_a = -1, argmax_b = -1;
-    double overlap = 0, kl = kNaN;
+  // Each row in chunks of kLogitChunk logits, the chunks of every row shared among the caller's OpenMP threads (a
+  // decode step's one row of 152k logits is 450k exps), in three passes: each chunk's maxima and top k, then its sums
+  // of exp(v - max), then its part of the KL. A row's sums are its chunks' sums (each in index order) added in chunk
+  // order, so the figures do not depend on the thread count; maxima, argmax and top k are the whole row's.
+  const int64_t per_row = (vocab + kLogitChunk - 1) / kLogitChunk, tasks = rows * per_row;
+  const int64_t last = rows - 1;
+  struct Chunk {
+    bool finite_a = true, finite_b = true;
+    double max_a = -kInf, max_b = -kInf, sum_a = 0, sum_b = 0, kl = 0;
+    std::vector<int32_t> top_a, top_b, top_last;
   };
+  struct Row {
+    bool finite = false;
+    double max_a = 0, max_b = 0, lse_a = 0, lse_b = 0;
+  };
+  std::vector<Chunk> chunk(static_cast<size_t>(tasks));
   std::vector<Row> row(static_cast<size_t>(rows));
-#pragma omp parallel for schedule(dynamic, 1) if (rows > 1)
-  for (int64_t t = 0; t < rows; ++t) {
-    auto ra = a.subspan(static_cast<size_t>(t * vocab), static_cast<size_t>(vocab));
-    auto rb = b.subspan(static_cast<size_t>(t * vocab), static_cast<size_t>(vocab));
-    Row& r = row[static_cast<size_t>(t)];
-    r.argmax_a = argmax(ra);
-    r.argmax_b = argmax(rb);
-    std::vector<int32_t> ka = top_k(ra, 5), kb = top_k(rb, 5);
-    int64_t common = 0;
-    for (int32_t i : ka) common += std::count(kb.begin(), kb.end(), i);
-    r.overlap = static_cast<double>(common) / static_cast<double>(std::min<int64_t>(5, vocab));
-    const std::optional<double> lse_a = log_sum_exp(ra), lse_b = log_sum_exp(rb);
-    if (lse_a && lse_b) {
-      double kl = 0;
-      for (int64_t v = 0; v < vocab; ++v) {
-        const double la = static_cast<double>(ra[v]) - *lse_a, lb = static_cast<double>(rb[v]) - *lse_b;
-        kl += std::exp(lb) * (lb - la);
-      }
-      r.kl = std::max(kl, 0.0);
+  const auto range = [&](int64_t task) {
+    const int64_t t = task / per_row, begin = (task % per_row) * kLogitChunk;
+    return std::make_tuple(t, begin, std::min(vocab, begin + kLogitChunk));
+  };
+  const auto row_of = [&](std::span<const float> x, int64_t t) {
+    return x.subspan(static_cast<size_t>(t * vocab), static_cast<size_t>(vocab));
+  };
+#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const auto [t, begin, end] = range(task);
+    const auto ra = row_of(a, t), rb = row_of(b, t);
+    Chunk& c = chunk[static_cast<size_t>(task)];
+    for (int64_t v = begin; v < end; ++v) {
+      const float x = ra[static_cast<size_t>(v)], y = rb[static_cast<size_t>(v)];
+      c.finite_a = c.finite_a && std::isfinite(x);
+      c.finite_b = c.finite_b && std::isfinite(y);
+      c.max_a = std::max(c.max_a, static_cast<double>(x));
+      c.max_b = std::max(c.max_b, static_cast<double>(y));
     }
+    c.top_a = top_k(ra, 5, begin, end);
+    c.top_b = top_k(rb, 5, begin, end);
+    if (t == last) c.top_last = top_k(ra, LogitMetrics::kLastTop, begin, end);
   }
   int64_t agree = 0;
-  double overlap_sum = 0, kl_sum = 0;
-  bool finite = true;
-  for (const Row& r : row) {
-    lm.argmax_a.push_back(r.argmax_a);
-    lm.argmax_b.push_back(r.argmax_b);
-    if (r.argmax_a == r.argmax_b) ++agree;
-    overlap_sum += r.overlap;
-    lm.kl.push_back(r.kl);
-    kl_sum += r.kl;
-    lm.kl_max = std::max(lm.kl_max, r.kl);
-    finite = finite && !std::isnan(r.kl);
+  double overlap_sum = 0;
+  for (int64_t t = 0; t < rows; ++t) {
+    Row& r = row[static_cast<size_t>(t)];
+    std::vector<int32_t> cand_a, cand_b, cand_last;
+    r.finite = true;
+    r.max_a = r.max_b = -kInf;
+    for (int64_t i = t * per_row; i < (t + 1) * per_row; ++i) {
+      const Chunk& c = chunk[static_cast<size_t>(i)];
+      r.finite = r.finite && c.finite_a && c.finite_b;
+      r.max_a = std::max(r.max_a, c.max_a);
+      r.max_b = std::max(r.max_b, c.max_b);
+      cand_a.insert(cand_a.end(), c.top_a.begin(), c.top_a.end());
+      cand_b.insert(cand_b.end(), c.top_b.begin(), c.top_b.end());
+      cand_last.insert(cand_last.end(), c.top_last.begin(), c.top_last.end());
+    }
+    const auto ra = row_of(a, t), rb = row_of(b, t);
+    const std::vector<int32_t> ka = top_k(ra, 5, 0, 0, &cand_a), kb = top_k(rb, 5, 0, 0, &cand_b);
+    lm.argmax_a.push_back(ka.empty() ? -1 : ka[0]);
+    lm.argmax_b.push_back(kb.empty() ? -1 : kb[0]);
+    if (lm.argmax_a.back() == lm.argmax_b.back()) ++agree;
+    int64_t common = 0;
+    for (int32_t i : ka) common += std::count(kb.begin(), kb.end(), i);
+    overlap_sum += static_cast<double>(common) / static_cast<double>(std::min<int64_t>(5, vocab));
+    if (t == last) {
+      for (int32_t i : top_k(ra, LogitMetrics::kLastTop, 0, 0, &cand_last))
+        lm.top_a_last.emplace_back(ra[static_cast<size_t>(i)], i);
+    }
   }
-  const auto last = a.subspan(static_cast<size_t>((rows - 1) * vocab), static_cast<size_t>(vocab));
-  for (int32_t i : top_k(last, LogitMetrics::kLastTop)) lm.top_a_last.emplace_back(last[static_cast<size_t>(i)], i);
+  // The sums of exp(v - max) of the rows finite on both sides (log-softmax in double: v - lse, lse = max + log sum).
+#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const auto [t, begin, end] = range(task);
+    const Row& r = row[static_cast<size_t>(t)];
+    if (!r.finite) continue;
+    const auto ra = row_of(a, t), rb = row_of(b, t);
+    Chunk& c = chunk[static_cast<size_t>(task)];
+    for (int64_t v = begin; v < end; ++v) {
+      c.sum_a += std::exp(static_cast<double>(ra[static_cast<size_t>(v)]) - r.max_a);
+      c.sum_b += std::exp(static_cast<double>(rb[static_cast<size_t>(v)]) - r.max_b);
+    }
+  }
+  for (int64_t t = 0; t < rows; ++t) {
+    Row& r = row[static_cast<size_t>(t)];
+    if (!r.finite) continue;
+    double sum_a = 0, sum_b = 0;
+    for (int64_t i = t * per_row; i < (t + 1) * per_row; ++i) {
+      sum_a += chunk[static_cast<size_t>(i)].sum_a;
+      sum_b += chunk[static_cast<size_t>(i)].sum_b;
+    }
+    r.lse_a = r.max_a + std::log(sum_a);
+    r.lse_b = r.max_b + std::log(sum_b);
+  }
+  // KL(softmax(b) || softmax(a)) = sum exp(lb) (lb - la).
+#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const auto [t, begin, end] = range(task);
+    const Row& r = row[static_cast<size_t>(t)];
+    if (!r.finite) continue;
+    const auto ra = row_of(a, t), rb = row_of(b, t);
+    Chunk& c = chunk[static_cast<size_t>(task)];
+    for (int64_t v = begin; v < end; ++v) {
+      const double la = static_cast<double>(ra[static_cast<size_t>(v)]) - r.lse_a;
+      const double lb = static_cast<double>(rb[static_cast<size_t>(v)]) - r.lse_b;
+      c.kl += std::exp(lb) * (lb - la);
+    }
+  }
+  double kl_sum = 0;
+  bool finite = true;
+  for (int64_t t = 0; t < rows; ++t) {
+    const Row& r = row[static_cast<size_t>(t)];
+    double kl = kNaN;
+    if (r.finite) {
+      kl = 0;
+      for (int64_t i = t * per_row; i < (t + 1) * per_row; ++i) kl += chunk[static_cast<size_t>(i)].kl;
+      kl = std::max(kl, 0.0);
+    }
+    lm.kl.push_back(kl);
+    kl_sum += kl;
+    lm.kl_max = std::max(lm.kl_max, kl);
+    finite = finite && !std::isnan(kl);
+  }
   lm.top1 = static_cast<double>(agree) / static_cast<double>(rows);
   lm.top5_overlap = overlap_sum / static_cast<double>(rows);
   lm.kl_mean = kl_sum / static_cast<double>(rows);

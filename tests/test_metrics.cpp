@@ -6,6 +6,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include "diff/metrics.hpp"
 #include "diff/report.hpp"
@@ -413,4 +414,61 @@ TEST(Metrics, LastRowTopValuesAreTheSortsFirst) {
       EXPECT_EQ(lm.top_a_last[k].first, row[static_cast<size_t>(idx[k])]);
     }
   }
+}
+
+// Logits in chunks (rows longer than one chunk, the chunks shared among threads): argmax, top-5 overlap and the
+// last row's top values are the whole row's (ties across chunks included), KL is the row's within rounding, a row
+// holding a NaN makes the aggregates NaN, and no figure depends on the thread count.
+TEST(Metrics, ChunkedLogitsAreTheRowsAndDoNotDependOnThreads) {
+  const int64_t rows = 3, vocab = 20000;  // three chunks a row
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> a(rows * vocab), b(rows * vocab);
+  for (size_t i = 0; i < a.size(); ++i) {
+    b[i] = normal(rng);
+    a[i] = b[i] + 0.01f * normal(rng);
+  }
+  // Row 0: the largest value twice, in two chunks (the first index wins); row 2 of a: its argmax in the last chunk.
+  a[100] = a[15000] = b[100] = b[15000] = 40.0f;
+  a[2 * vocab + 19999] = 50.0f;
+  const auto reference_top = [&](const std::vector<float>& x, int64_t t, size_t k) {
+    std::vector<int32_t> idx(static_cast<size_t>(vocab));
+    for (int32_t i = 0; i < vocab; ++i) idx[static_cast<size_t>(i)] = i;
+    const float* r = x.data() + t * vocab;
+    std::stable_sort(idx.begin(), idx.end(), [&](int32_t p, int32_t q) { return r[p] > r[q]; });
+    idx.resize(k);
+    return idx;
+  };
+  omp_set_num_threads(1);
+  const LogitMetrics one = compute_logit_metrics(a, b, rows, vocab);
+  omp_set_num_threads(4);
+  const LogitMetrics four = compute_logit_metrics(a, b, rows, vocab);
+  for (int64_t t = 0; t < rows; ++t) {
+    EXPECT_EQ(one.argmax_a[static_cast<size_t>(t)], reference_top(a, t, 1)[0]);
+    EXPECT_EQ(one.argmax_b[static_cast<size_t>(t)], reference_top(b, t, 1)[0]);
+    double lse_a = 0, lse_b = 0, kl = 0;
+    for (int64_t v = 0; v < vocab; ++v) {
+      lse_a += std::exp(static_cast<double>(a[t * vocab + v]));
+      lse_b += std::exp(static_cast<double>(b[t * vocab + v]));
+    }
+    lse_a = std::log(lse_a), lse_b = std::log(lse_b);
+    for (int64_t v = 0; v < vocab; ++v) {
+      const double la = a[t * vocab + v] - lse_a, lb = b[t * vocab + v] - lse_b;
+      kl += std::exp(lb) * (lb - la);
+    }
+    EXPECT_NEAR(one.kl[static_cast<size_t>(t)], kl, 1e-9 * std::abs(kl) + 1e-12);  // row 0: KL ~ 0, its rounding
+    EXPECT_EQ(one.kl[static_cast<size_t>(t)], four.kl[static_cast<size_t>(t)]);
+  }
+  EXPECT_EQ(one.argmax_a[0], 100);
+  EXPECT_EQ(one.argmax_a[2], 19999);
+  const std::vector<int32_t> last = reference_top(a, rows - 1, LogitMetrics::kLastTop);
+  ASSERT_EQ(one.top_a_last.size(), last.size());
+  for (size_t k = 0; k < last.size(); ++k) EXPECT_EQ(one.top_a_last[k].second, last[k]);
+  EXPECT_EQ(one.top5_overlap, four.top5_overlap);
+  EXPECT_EQ(one.kl_mean, four.kl_mean);
+  b[vocab + 12345] = kNaN;
+  const LogitMetrics nan = compute_logit_metrics(a, b, rows, vocab);
+  EXPECT_TRUE(std::isnan(nan.kl[1]));
+  EXPECT_FALSE(std::isnan(nan.kl[0]));
+  EXPECT_TRUE(std::isnan(nan.kl_mean));
 }
