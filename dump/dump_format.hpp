@@ -53,12 +53,13 @@ std::string utc_now_iso8601();  // "2026-11-23T05:05:01Z"
 // name no other program's temporaries take, so that only diffrun's are ever removed as stale).
 inline constexpr const char* kDumpTempInfix = ".diffrun-tmp-";
 std::string dump_temporary_path(const std::string& path, long pid);
-// A dump written over an existing one gives the old file a second name, "<path>.replaced.diffrun-tmp-<pid>", before
-// its rename, and removes that name after it (DumpFile::finish): in a process of its own once
-// remove_replaced_dumps_in_background() was called (diffrun-dump-child calls it), so that freeing a large old dump
-// is not in the run's time; else at once.
-void remove_replaced_dumps_in_background();
-void remove_replaced_dump(const std::string& path);
+// A dump written over an existing one holds the old file open over its rename (which then frees nothing) and
+// releases it after (DumpFile::finish), which frees it: release_replaced_dump closes the descriptor, at once, or
+// once release_replaced_dumps_in_background() was called (diffrun-dump-child calls it) in a process of its own
+// after the job it writes for has ended (at most a minute later), so that freeing a large old dump is not in the
+// run's time.
+void release_replaced_dumps_in_background();
+void release_replaced_dump(int fd);
 // The pid of a file name "<name>.diffrun-tmp-<digits>", or -1 for any other name.
 long dump_temporary_pid(std::string_view file_name);
 

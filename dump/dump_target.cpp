@@ -379,7 +379,7 @@ int dump_child_main(int fd) {
   ::signal(SIGINT, SIG_IGN);
   ::signal(SIGTERM, SIG_IGN);
   ::signal(SIGPIPE, SIG_IGN);
-  remove_replaced_dumps_in_background();
+  release_replaced_dumps_in_background();
   std::unique_ptr<DumpFile> file;
   std::vector<char> payload;
   std::string where = "diffrun-dump-child";

@@ -1,7 +1,9 @@
 // Tests of the HDF5 dump writer and reader: round trip, atomic finish, dataset attributes, bad files.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <hdf5.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -282,6 +284,49 @@ TEST_F(DumpTest, FinishReplacesAnOlderFile) {
   w.finish();  // a second finish is a no-op
   EXPECT_NO_THROW(DumpReader{p});
   EXPECT_THROW(w.record_ids(0, "tokens", std::vector<int32_t>{1}), DumpError);
+}
+
+// Whether some process holds `path` open after its name was removed (a /proc/*/fd link to "<path> (deleted)").
+bool held_after_removal(const std::string& path) {
+  std::error_code ec;
+  for (const auto& proc : fs::directory_iterator("/proc", ec)) {
+    std::error_code e2;
+    for (const auto& fd : fs::directory_iterator(proc.path() / "fd", e2)) {
+      std::error_code e3;
+      if (fs::read_symlink(fd.path(), e3).string() == path + " (deleted)") return true;
+    }
+  }
+  return false;
+}
+
+// A replaced dump (held open over the rename) is released in the background only once the job the dump child
+// writes for (its parent) has ended: held while the job runs, freed soon after it ends. Here a forked "job" forks
+// the "dump child".
+TEST_F(DumpTest, AReplacedDumpIsFreedAfterTheJobEnds) {
+  const std::string old = path("engine.h5");
+  { std::ofstream(old) << "old dump"; }
+  const pid_t job = ::fork();
+  ASSERT_GE(job, 0);
+  if (job == 0) {
+    const pid_t child = ::fork();
+    if (child == 0) {
+      const int fd = ::open(old.c_str(), O_RDONLY);
+      ::unlink(old.c_str());  // as the rename over it does
+      release_replaced_dumps_in_background();
+      release_replaced_dump(fd);
+      ::_exit(0);
+    }
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    ::usleep(300'000);
+    ::_exit(held_after_removal(old) ? 0 : 1);  // still held while the job runs
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(job, &status, 0), job);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "freed while the job was running";
+  for (int i = 0; i < 100 && held_after_removal(old); ++i) ::usleep(50'000);
+  EXPECT_FALSE(held_after_removal(old)) << "still held after the job ended";
 }
 
 TEST_F(DumpTest, FilterSelectsButTokensAreAlwaysRecorded) {
