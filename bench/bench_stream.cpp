@@ -1,7 +1,7 @@
 // Benchmark of the main job's comparator (diff::StreamComparison) on two dumps of a run: every step's
 // checkpoints read into memory first, then fed as the pipeline feeds them (the engine's step in one batch,
-// then the reference's, add_all, end_step) and timed per step, so that the comparison's own cost is seen
-// without the backends beside it. Prints per step the median seconds and microseconds a checkpoint, and a
+// then the reference's, add_all, end_step) and timed per step, and its finish() after the last, so that the
+// comparison's own cost is seen without the backends beside it. Prints per step the median seconds and microseconds a checkpoint, and a
 // hash of the results (failures, worst errors) so that two builds can be checked to compare alike.
 // Prints figures; not a test.
 //
@@ -91,6 +91,7 @@ int main(int argc, char** argv) {
     omp_set_num_threads(threads);
     const diffrun::diff::ToleranceSet tolerances = diffrun::diff::preset_tolerances(preset);
     std::vector<std::vector<double>> seconds(steps.size());
+    std::vector<double> finish_s;  // StreamComparison::finish, after the last step
     uint64_t hash = 0;
     for (int r = 0; r < reps; ++r) {
       StreamComparison sc(dumps[0].meta(), dumps[1].meta(), tolerances);
@@ -110,7 +111,9 @@ int main(int argc, char** argv) {
         sc.end_step(steps[i]);
         seconds[i].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
+      const auto f0 = std::chrono::steady_clock::now();
       const diffrun::diff::Comparison c = sc.finish(paths[0], paths[1], {}, {});
+      finish_s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - f0).count());
       uint64_t h = mix(0xcbf29ce484222325ull, static_cast<double>(c.results.size()));
       for (const auto& cr : c.results) {
         h = mix(h, cr.failed() ? 1.0 : 0.0);
@@ -126,6 +129,7 @@ int main(int argc, char** argv) {
       std::printf("step %3d  %4zu checkpoints  %8.4f s  %7.2f us/checkpoint (median of %d)\n", steps[i], n, s,
                   1e6 * s / static_cast<double>(n), reps);
     }
+    std::printf("finish   %.4f s (median of %d)\n", diffrun::bench_util::median(finish_s), reps);
     std::printf("all steps %.4f s on %d threads; results hash %016llx\n", total, threads,
                 static_cast<unsigned long long>(hash));
   } catch (const std::exception& e) {

@@ -201,6 +201,8 @@ StreamComparison::StepEnd StreamComparison::end_step(int step) {
 Comparison StreamComparison::finish(const std::string& engine_path, const std::string& reference_path,
                                     std::vector<int32_t> engine_argmax, std::vector<int32_t> reference_argmax,
                                     int last_step) {
+  if (finished_) throw Error("a streamed comparison was finished twice");
+  finished_ = true;
   Comparison c;
   c.engine_path = engine_path;
   c.reference_path = reference_path;
@@ -218,9 +220,9 @@ Comparison StreamComparison::finish(const std::string& engine_path, const std::s
       c.warnings.push_back(fmt::format(
           "forced: different input tokens at step {} (the engine must be fed the reference's tokens)", n));
     size_t next = 0;
-    const auto& ordered = st.ordered;  // a lambda may not capture a structured binding (clang 14)
+    auto& ordered = st.ordered;  // a lambda may not capture a structured binding (clang 14)
     add_step_results(c, st.infos[0], st.infos[1],
-                     [&](const DatasetInfo*, const DatasetInfo*) { return ordered.at(next++); }, tolerances_);
+                     [&](const DatasetInfo*, const DatasetInfo*) { return std::move(ordered.at(next++)); }, tolerances_);
   }
   if (c.coverage.compared == 0) throw DumpError("the engine and the reference recorded no checkpoint in common");
   engine_argmax.resize(std::min(engine_argmax.size(), static_cast<size_t>(last_step + 1)));

@@ -67,7 +67,8 @@ class StreamComparison {
 
   // The comparison over the ended steps up to last_step (all of them when negative). The argmax
   // arrays hold each side's greedy choice per step (index = step). Throws DumpError when no
-  // checkpoint was in common.
+  // checkpoint was in common. Called once: the steps' results move into the Comparison (a second
+  // call throws Error).
   Comparison finish(const std::string& engine_path, const std::string& reference_path,
                     std::vector<int32_t> engine_argmax, std::vector<int32_t> reference_argmax, int last_step = -1);
 
@@ -108,6 +109,7 @@ class StreamComparison {
   std::map<int, Step> steps_;
   std::map<std::pair<int, std::string>, Pending> pending_[2];
   int last_ended_ = -1;
+  bool finished_ = false;
   int first_failed_step_ = -1;
   int first_nonfinite_step_ = -1;
   std::optional<Kept> first_failure_, first_nonfinite_;
