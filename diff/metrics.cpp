@@ -267,34 +267,32 @@ struct ElementPass {
                   rtol = _mm256_set1_pd(tol.rtol), smallest = _mm256_set1_pd(std::numeric_limits<double>::min()),
                   below = _mm256_set1_pd(kBelow);
     const int64_t end = len - len % kLanes;
-    __m256d acc_d2 = _mm256_loadu_pd(d2.v), acc_a2 = _mm256_loadu_pd(a2.v), acc_b2 = _mm256_loadu_pd(b2.v),
-            acc_ab = _mm256_loadu_pd(ab.v), acc_absd = _mm256_loadu_pd(absd.v), vmax = _mm256_set1_pd(max_abs);
+    Lanes* const sums[5] = {&d2, &a2, &b2, &ab, &absd};
+    __m256d acc[5];
+    for (int q = 0; q < 5; ++q) acc[q] = _mm256_loadu_pd(sums[q]->v);
+    __m256d vmax = _mm256_set1_pd(max_abs);
     for (int64_t j = 0; j < end; j += kLanes) {
       const __m256d x = _mm256_cvtps_pd(_mm_loadu_ps(ra + j)), y = _mm256_cvtps_pd(_mm_loadu_ps(rb + j));
       // v - v is 0 for a finite v, NaN for an infinite or NaN one
       const __m256d finite = _mm256_and_pd(_mm256_cmp_pd(_mm256_sub_pd(x, x), zero, _CMP_EQ_OQ),
                                            _mm256_cmp_pd(_mm256_sub_pd(y, y), zero, _CMP_EQ_OQ));
       if (_mm256_movemask_pd(finite) != 0xf) [[unlikely]] {
-        _mm256_storeu_pd(d2.v, acc_d2);
-        _mm256_storeu_pd(a2.v, acc_a2);
-        _mm256_storeu_pd(b2.v, acc_b2);
-        _mm256_storeu_pd(ab.v, acc_ab);
-        _mm256_storeu_pd(absd.v, acc_absd);
+        for (int q = 0; q < 5; ++q) _mm256_storeu_pd(sums[q]->v, acc[q]);
         max_abs = max_lane(vmax);
         for (int64_t q = j; q < j + kLanes; ++q) element(start + q, q, ra[q], rb[q]);
-        acc_d2 = _mm256_loadu_pd(d2.v), acc_a2 = _mm256_loadu_pd(a2.v), acc_b2 = _mm256_loadu_pd(b2.v);
-        acc_ab = _mm256_loadu_pd(ab.v), acc_absd = _mm256_loadu_pd(absd.v), vmax = _mm256_set1_pd(max_abs);
+        for (int q = 0; q < 5; ++q) acc[q] = _mm256_loadu_pd(sums[q]->v);
+        vmax = _mm256_set1_pd(max_abs);
         continue;
       }
       const __m256d d = _mm256_sub_pd(x, y);
       const __m256d dd = _mm256_mul_pd(d, d), yy = _mm256_mul_pd(y, y);
       const __m256d abs_err = _mm256_andnot_pd(sign, d), abs_y = _mm256_andnot_pd(sign, y);
       const __m256d bound = _mm256_add_pd(atol, _mm256_mul_pd(rtol, abs_y));
-      acc_d2 = _mm256_add_pd(acc_d2, dd);
-      acc_a2 = _mm256_add_pd(acc_a2, _mm256_mul_pd(x, x));
-      acc_b2 = _mm256_add_pd(acc_b2, yy);
-      acc_ab = _mm256_add_pd(acc_ab, _mm256_mul_pd(x, y));
-      acc_absd = _mm256_add_pd(acc_absd, abs_err);
+      acc[0] = _mm256_add_pd(acc[0], dd);
+      acc[1] = _mm256_add_pd(acc[1], _mm256_mul_pd(x, x));
+      acc[2] = _mm256_add_pd(acc[2], yy);
+      acc[3] = _mm256_add_pd(acc[3], _mm256_mul_pd(x, y));
+      acc[4] = _mm256_add_pd(acc[4], abs_err);
       for (int k = 0; k < 2; ++k) {
         if (!in_run[k]) continue;
         _mm256_storeu_pd(run_d2[k].v, _mm256_add_pd(_mm256_loadu_pd(run_d2[k].v), dd));
@@ -328,11 +326,7 @@ struct ElementPass {
         }
       }
     }
-    _mm256_storeu_pd(d2.v, acc_d2);
-    _mm256_storeu_pd(a2.v, acc_a2);
-    _mm256_storeu_pd(b2.v, acc_b2);
-    _mm256_storeu_pd(ab.v, acc_ab);
-    _mm256_storeu_pd(absd.v, acc_absd);
+    for (int q = 0; q < 5; ++q) _mm256_storeu_pd(sums[q]->v, acc[q]);
     max_abs = max_lane(vmax);
     return end;
   }
@@ -671,19 +665,24 @@ LogitMetrics compute_logit_metrics(std::span<const float> a, std::span<const flo
         lm.top_a_last.emplace_back(ra[static_cast<size_t>(i)], i);
     }
   }
-  // The sums of exp(v - max) of the rows finite on both sides (log-softmax in double: v - lse, lse = max + log sum).
+  // fn(chunk, row of a, row of b, its Row, first, end) for each chunk of a row finite on both sides, the chunks shared
+  // among the threads.
+  const auto each_finite_chunk = [&](auto&& fn) {
 #pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const auto [t, begin, end] = range(task);
-    const Row& r = row[static_cast<size_t>(t)];
-    if (!r.finite) continue;
-    const auto ra = row_of(a, t), rb = row_of(b, t);
-    Chunk& c = chunk[static_cast<size_t>(task)];
+    for (int64_t task = 0; task < tasks; ++task) {
+      const auto [t, begin, end] = range(task);
+      const Row& r = row[static_cast<size_t>(t)];
+      if (r.finite) fn(chunk[static_cast<size_t>(task)], row_of(a, t), row_of(b, t), r, begin, end);
+    }
+  };
+  // The sums of exp(v - max) (log-softmax in double: v - lse, lse = max + log sum).
+  each_finite_chunk([](Chunk& c, std::span<const float> ra, std::span<const float> rb, const Row& r, int64_t begin,
+                       int64_t end) {
     for (int64_t v = begin; v < end; ++v) {
       c.sum_a += std::exp(static_cast<double>(ra[static_cast<size_t>(v)]) - r.max_a);
       c.sum_b += std::exp(static_cast<double>(rb[static_cast<size_t>(v)]) - r.max_b);
     }
-  }
+  });
   for (int64_t t = 0; t < rows; ++t) {
     Row& r = row[static_cast<size_t>(t)];
     if (!r.finite) continue;
@@ -696,19 +695,14 @@ LogitMetrics compute_logit_metrics(std::span<const float> a, std::span<const flo
     r.lse_b = r.max_b + std::log(sum_b);
   }
   // KL(softmax(b) || softmax(a)) = sum exp(lb) (lb - la).
-#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const auto [t, begin, end] = range(task);
-    const Row& r = row[static_cast<size_t>(t)];
-    if (!r.finite) continue;
-    const auto ra = row_of(a, t), rb = row_of(b, t);
-    Chunk& c = chunk[static_cast<size_t>(task)];
+  each_finite_chunk([](Chunk& c, std::span<const float> ra, std::span<const float> rb, const Row& r, int64_t begin,
+                       int64_t end) {
     for (int64_t v = begin; v < end; ++v) {
       const double la = static_cast<double>(ra[static_cast<size_t>(v)]) - r.lse_a;
       const double lb = static_cast<double>(rb[static_cast<size_t>(v)]) - r.lse_b;
       c.kl += std::exp(lb) * (lb - la);
     }
-  }
+  });
   double kl_sum = 0;
   bool finite = true;
   for (int64_t t = 0; t < rows; ++t) {
