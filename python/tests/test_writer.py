@@ -229,6 +229,21 @@ def test_the_temporary_is_created_exclusively_never_through_a_symlink(tmp_path):
     assert diffrun.open(path).steps() == [0] and not tmp.exists()
 
 
+def test_a_dump_written_over_an_older_one_replaces_it(tmp_path):
+    path = tmp_path / "x.h5"
+    for tokens in ([1, 2], [3, 4, 5]):
+        with writer.open(path, backend="numpy", precision="f32", meta={**meta_numbers(), "token_ids": tokens}) as w:
+            w.put("tokens", np.array(tokens, np.int32))
+        if tokens == [1, 2]:
+            old = open(path, "rb")  # the old file, held: it stays readable, never written over in place
+            old_bytes = old.read()
+    assert diffrun.open(path).get("tokens").tolist() == [3, 4, 5]
+    old.seek(0)
+    assert old.read() == old_bytes
+    old.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["x.h5"]
+
+
 def test_an_existing_non_regular_path_is_refused_not_replaced(tmp_path):
     os.mkfifo(tmp_path / "fifo.h5")
     (tmp_path / "null.h5").symlink_to("/dev/null")
