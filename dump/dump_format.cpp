@@ -1152,16 +1152,19 @@ void DumpFile::finish() {
   if (::lstat(m.tmp_path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_dev != m.tmp_dev || st.st_ino != m.tmp_ino)
     m.fail("the temporary '" + m.tmp_path + "' was replaced or removed while the dump was written; not renamed");
   m.check_target();
-  // The dump this one replaces is held open and its name removed before the rename, so that neither frees it:
-  // freeing a large file's blocks and cached pages is slow (the 7B shape's job: 0.2-1.3 s for its five 774 MB dumps,
-  // in its last second), and a rename over an existing file makes ext4 write the new file's data out first
-  // (auto_da_alloc: the Qwen2.5-0.5B shape's job took 0.16-0.25 s longer over its last run's dumps than into a new
-  // directory; bench/NOTES.md). The path is absent only between the two calls. Closing the descriptor then frees the
-  // old dump (release_replaced_dump: in a dump child, after the job's end).
+  // The dump this one replaces is held open and moved aside before the rename, so that neither frees it: freeing a
+  // large file's blocks and cached pages is slow (the 7B shape's job: 0.2-1.3 s for its five 774 MB dumps, in its
+  // last second), and a rename over an existing file makes ext4 write the new file's data out first (auto_da_alloc:
+  // the Qwen2.5-0.5B shape's job took 0.16-0.25 s longer over its last run's dumps than into a new directory;
+  // bench/NOTES.md). The path is absent only between the two renames; a failed second one puts the old dump back.
+  // Then the aside name is removed and closing the descriptor frees the old dump (release_replaced_dump: in a dump
+  // child, after the job's end).
   int replaced = -1;
+  std::string aside;
   if (struct stat old{}; ::lstat(m.path.c_str(), &old) == 0 && S_ISREG(old.st_mode) && old.st_nlink == 1) {
     replaced = ::open(m.path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    if (replaced >= 0 && ::unlink(m.path.c_str()) != 0) {  // then the rename replaces it, as before
+    aside = dump_temporary_path(m.path + ".replaced", static_cast<long>(::getpid()));
+    if (replaced >= 0 && ::rename(m.path.c_str(), aside.c_str()) != 0) {  // then the rename replaces it, as before
       ::close(replaced);
       replaced = -1;
     }
@@ -1169,8 +1172,13 @@ void DumpFile::finish() {
   std::error_code ec;
   std::filesystem::rename(m.tmp_path, m.path, ec);
   if (replaced >= 0) {
-    if (ec) ::close(replaced);
-    else release_replaced_dump(replaced);
+    if (ec) {
+      ::rename(aside.c_str(), m.path.c_str());
+      ::close(replaced);
+    } else {
+      ::unlink(aside.c_str());
+      release_replaced_dump(replaced);
+    }
   }
   if (ec) m.fail("cannot rename '" + m.tmp_path + "' to it: " + ec.message());
   m.finished = true;

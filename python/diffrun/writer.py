@@ -669,16 +669,27 @@ class Writer:
             _unguard(id(self))
             raise DumpWriteError(self.path, f"the temporary '{self._tmp}' was replaced or removed while the dump "
                                  "was written; not renamed")
+        aside = None
         try:
             self._check_target()
-            # An old dump's name removed first: a rename over an existing file makes ext4 write the new one out
-            # before it returns (57-91 ms per 124 MB measured); the path is absent only between the two calls.
+            # An old dump moved aside first: a rename over an existing file makes ext4 write the new one out before
+            # it returns (57-91 ms per 124 MB measured); the path is absent only between the two renames, and a
+            # failed second one puts the old dump back.
             try:
                 if stat.S_ISREG(os.lstat(self.path).st_mode):
-                    os.unlink(self.path)
+                    aside = f"{self.path}.replaced{TEMP_INFIX}{os.getpid()}"
+                    os.rename(self.path, aside)
             except FileNotFoundError:
-                pass
-            os.replace(self._tmp, self.path)
+                aside = None
+            try:
+                os.rename(self._tmp, self.path) if aside else os.replace(self._tmp, self.path)
+            except OSError:
+                if aside:
+                    os.rename(aside, self.path)
+                    aside = None
+                raise
+            if aside:
+                os.unlink(aside)
         except (DumpWriteError, OSError) as e:
             try:
                 os.unlink(self._tmp)
