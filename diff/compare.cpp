@@ -303,6 +303,12 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
   int rd = -1;
   const ToleranceRule* rule = start_result(r, step, engine, reference, tolerances, positions, rd);
   if (!rule) return r;
+  for (const auto& [info, values] : {std::pair{engine, a}, std::pair{reference, b}}) {
+    int64_t n = 1;
+    for (int64_t e : info->shape) n *= e;
+    if (static_cast<int64_t>(values.size()) != n)
+      throw Error(fmt::format("{} of step {}: {} values for a shape of {} elements", info->name, step, values.size(), n));
+  }
   ComparedValues own;
   ComparedValues& c = compared ? *compared : own;
   c.a = rows_from(a, engine->shape, engine->row_offset, r.row_offset, rd, c.a_cut);

@@ -230,6 +230,10 @@ TEST(StreamRows, ValuesInMemoryLeaveOutRowsAsValuesReadDo) {
     EXPECT_EQ(std::vector<float>(compared.a.begin(), compared.a.end()), read_a);
     EXPECT_EQ(std::vector<float>(compared.b.begin(), compared.b.end()), read_b);
     EXPECT_EQ(compared.a.data(), va.data());  // nothing of the engine's left out
+    // Values that do not fill the shape are an error, not a read past them.
+    EXPECT_THROW(compare_checkpoint(0, &a, &b, tol, dims, 6, std::span<const float>(va).first(va.size() - 1),
+                                    std::span<const float>(vb)),
+                 Error);
     if (k.view) {
       EXPECT_EQ(compared.b.data(), vb.data() + 2 * 8);
       EXPECT_TRUE(compared.b_cut.empty());
