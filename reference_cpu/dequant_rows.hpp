@@ -29,5 +29,9 @@ void decode_rows_wide(GgmlType type, const std::byte* src, double* dst, int64_t 
 // touching nothing, where it does not (the caller decodes into a buffer instead).
 template <typename T>
 bool decode_dot(GgmlType type, const std::byte* src, bool round, const T* x, int64_t n, T* acc);
+// decode_dot of two rows of the same type (s0, s1) against the same x, in f64 without rounding: acc0 and acc1 take
+// what decode_dot would give each; false, touching nothing, where there is no two-row kernel (Q4_K with AVX-512 only).
+bool decode_dot_x2(GgmlType type, const std::byte* s0, const std::byte* s1, bool round, const double* x, int64_t n,
+                   double* acc0, double* acc1);
 
 }  // namespace diffrun::ref

@@ -56,6 +56,9 @@ class WeightMatrix {
   // the format has a fused decoder (dequant_rows.hpp's decode_dot), the same values as decode_floats then
   // lane_accumulate; false, touching nothing, where it has none.
   bool decode_dot(T* acc /* [16] */, int64_t r, int64_t c0, int64_t nc, const T* x /* [nc] */) const;
+  // The same for rows r and r + 1 at once (acc0, acc1), where the format has a two-row decoder (f64: Q4_K); false,
+  // touching nothing, where it has none.
+  bool decode_dot_x2(T* acc0, T* acc1, int64_t r, int64_t c0, int64_t nc, const T* x) const;
 
   // Rows r0 .. r0+n-1 as a matrix of their own: a view of the same bytes (streamed), or a copy of them (owned bytes,
   // dense values). One expert's matrix out of a GGUF stack [E·rows, cols].

@@ -316,6 +316,49 @@ TEST(Kernels, VectorisedAndPortableFollowTheDocumentedOrder) {
   expect_documented_order<double>();
 }
 
+// Two rows at once (a decode step's Q4_K rows in f64) give each row's decode_dot bit for bit, with finite scales and
+// with any (a NaN lane is NaN in both); with the portable kernels, and for other formats, they decline.
+TEST(DequantRows, TwoRowDecodeDotEqualsOneRowEach) {
+  std::mt19937 rng(9);
+  std::normal_distribution<double> normal;
+  const int64_t n = 16 * 256;
+  const int64_t row_bytes = n / 256 * ggml_block_bytes(GgmlType::Q4_K);
+  for (bool finite : {true, false}) {
+    SCOPED_TRACE(finite ? "finite scales" : "any scales");
+    std::vector<std::byte> bytes(static_cast<size_t>(2 * row_bytes));
+    for (std::byte& b : bytes) b = static_cast<std::byte>(rng() & 0xff);
+    if (finite) {
+      for (size_t i = 0; i < bytes.size(); i += static_cast<size_t>(ggml_block_bytes(GgmlType::Q4_K)))
+        for (int o : {0, 2}) bytes[i + o + 1] &= std::byte{0xbf};
+    }
+    std::vector<double> x(n);
+    for (double& v : x) v = normal(rng);
+    double want[2][ref::kLanes] = {}, got[2][ref::kLanes] = {};
+    for (int r = 0; r < 2; ++r) {
+      if (!ref::decode_dot(GgmlType::Q4_K, bytes.data() + r * row_bytes, false, x.data(), n, want[r]))
+        GTEST_SKIP() << "no fused decoders in this build (" << ref::kernels_name() << ")";
+    }
+    if (!ref::decode_dot_x2(GgmlType::Q4_K, bytes.data(), bytes.data() + row_bytes, false, x.data(), n, got[0], got[1]))
+      GTEST_SKIP() << "no two-row decoder in this build (" << ref::kernels_name() << ")";
+    for (int r = 0; r < 2; ++r) {
+      for (int j = 0; j < ref::kLanes; ++j) {
+        if (!finite && std::isnan(want[r][j]) && std::isnan(got[r][j])) continue;
+        EXPECT_EQ(std::memcmp(&want[r][j], &got[r][j], sizeof(double)), 0) << "row " << r << " lane " << j;
+      }
+    }
+    double declined[2][ref::kLanes] = {};
+    EXPECT_FALSE(ref::decode_dot_x2(GgmlType::Q4_K, bytes.data(), bytes.data() + row_bytes, true, x.data(), n,
+                                    declined[0], declined[1]));  // rounded to f16: one row at a time
+    EXPECT_FALSE(ref::decode_dot_x2(GgmlType::Q6_K, bytes.data(), bytes.data() + row_bytes, false, x.data(), n,
+                                    declined[0], declined[1]));
+    const KernelChoice portable(true);
+    EXPECT_FALSE(ref::decode_dot_x2(GgmlType::Q4_K, bytes.data(), bytes.data() + row_bytes, false, x.data(), n,
+                                    declined[0], declined[1]));
+    for (int r = 0; r < 2; ++r)
+      for (double v : declined[r]) EXPECT_EQ(v, 0.0);
+  }
+}
+
 TEST(StreamedMatmul, EqualsDenseMatmulBitForBit) {
   const std::vector<std::string> formats = {"f32",  "f16",  "bf16", "q8_0", "q4_0", "q4_1", "q5_0",
                                             "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "kmix"};

@@ -161,7 +161,7 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const WeightMatrix<T>& W
   if (n_tokens == 1) {
     // Decode: the weights' bytes are read once, in order. A thread takes kDecodeRows rows at a time and, a piece of
     // a row at a time, decodes it into a buffer of floats (in L1) and takes it into the row's lane sums, or does both
-    // in registers where the format has a fused decoder (Q4_K).
+    // in registers where the format has a fused decoder (Q4_K), two rows at once where it has a two-row one (f64).
     const int n_groups = (N + kDecodeRows - 1) / kDecodeRows;
 #pragma omp parallel
     {
@@ -169,7 +169,16 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const WeightMatrix<T>& W
 #pragma omp for schedule(dynamic) nowait
       for (int i = 0; i < n_groups; ++i) {
         const int n0 = i * kDecodeRows, n1 = std::min(N, n0 + kDecodeRows);
-        for (int n = n0; n < n1; ++n) {
+        int n = n0;
+        // Two rows at once where the format has a two-row decoder (each row's sums as one row's alone).
+        for (; n + 1 < n1; n += 2) {
+          T acc0[kLanes] = {}, acc1[kLanes] = {};
+          if (!W.decode_dot_x2(acc0, acc1, n, 0, std::min(kPiece, K), x)) break;  // none: one row at a time
+          for (int k0 = kPiece; k0 < K; k0 += kPiece) W.decode_dot_x2(acc0, acc1, n, k0, std::min(kPiece, K - k0), x + k0);
+          out[n] = finish(acc0, bias, n);
+          out[n + 1] = finish(acc1, bias, n + 1);
+        }
+        for (; n < n1; ++n) {
           T acc[kLanes] = {};
           for (int k0 = 0; k0 < K; k0 += kPiece) {
             const int m = std::min(kPiece, K - k0);
