@@ -101,26 +101,6 @@ inline std::pair<int, int64_t> writer_rows(std::string_view name, std::string_vi
   return {rd, shape[rd] - keep};
 }
 
-// Row-major `shape` along dimension rd: rows from..end of every outer index (from > 0), or all rows
-// of `values` with zero rows 0..from-1 put back in front (from < 0: -from rows added).
-inline std::vector<float> rows_from(std::span<const float> values, std::span<const int64_t> shape, int rd,
-                                    int64_t from) {
-  int64_t outer = 1, inner = 1;
-  for (int i = 0; i < rd; ++i) outer *= shape[i];
-  for (size_t i = rd + 1; i < shape.size(); ++i) inner *= shape[i];
-  const int64_t rows = shape[rd];  // rows of `values`
-  const int64_t out_rows = rows - from;
-  std::vector<float> out(static_cast<size_t>(outer * out_rows * inner), 0.0f);
-  for (int64_t i = 0; i < outer; ++i) {
-    if (from >= 0) {
-      std::copy_n(values.data() + (i * rows + from) * inner, out_rows * inner, out.data() + i * out_rows * inner);
-    } else {
-      std::copy_n(values.data() + i * rows * inner, rows * inner, out.data() + (i * out_rows - from) * inner);
-    }
-  }
-  return out;
-}
-
 // A recorded checkpoint as DumpReader presents it from the dump (its rows as the writer keeps them:
 // rows 0..row_offset-1 of dimension row_dim cut away). `who` names the side in an error.
 inline DatasetInfo dataset_info(const ModelConfig& cfg, const char* who, int step, const std::string& name,

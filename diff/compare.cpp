@@ -95,17 +95,9 @@ bool has_tokens(const DumpReader& d, int step) {
 // shape alone when data is null).
 void keep_rows(std::vector<int64_t>& shape, int64_t offset, int64_t row_lo, int rd, std::vector<float>* data) {
   if (offset >= row_lo || rd < 0 || static_cast<size_t>(rd) >= shape.size() || shape[rd] < row_lo - offset) return;
-  const int64_t rows = shape[rd], drop = row_lo - offset;
-  int64_t outer = 1, inner = 1;
-  for (int i = 0; i < rd; ++i) outer *= shape[i];
-  for (size_t i = rd + 1; i < shape.size(); ++i) inner *= shape[i];
-  if (data) {
-    std::vector<float> kept(static_cast<size_t>(outer * (rows - drop) * inner));
-    for (int64_t i = 0; i < outer; ++i)
-      std::copy_n(data->begin() + (i * rows + drop) * inner, (rows - drop) * inner, kept.begin() + i * (rows - drop) * inner);
-    *data = std::move(kept);
-  }
-  shape[rd] = rows - drop;
+  const int64_t drop = row_lo - offset;
+  if (data) *data = rows_from(*data, shape, rd, drop);
+  shape[rd] -= drop;
 }
 
 // The fit of the engine's values to f16 storage (F16Fit) over finite data.
@@ -263,15 +255,14 @@ void judge_values(CheckpointResult& r, const ToleranceRule& rule, const Toleranc
 
 // The rows from row_lo of a side's stored values (rows from `offset` along dimension rd of `shape`): a view
 // into them where the rows dropped lead the data, else a copy into `cut`.
-std::span<const float> rows_from(std::span<const float> values, std::vector<int64_t> shape, int64_t offset,
-                                 int64_t row_lo, int rd, std::vector<float>& cut) {
+std::span<const float> compared_rows(std::span<const float> values, const std::vector<int64_t>& shape, int64_t offset,
+                                     int64_t row_lo, int rd, std::vector<float>& cut) {
   if (offset >= row_lo || rd < 0 || static_cast<size_t>(rd) >= shape.size() || shape[rd] < row_lo - offset) return values;
   int64_t outer = 1, inner = 1;
   for (int i = 0; i < rd; ++i) outer *= shape[i];
   for (size_t i = rd + 1; i < shape.size(); ++i) inner *= shape[i];
   if (outer == 1) return values.subspan(static_cast<size_t>((row_lo - offset) * inner));
-  cut.assign(values.begin(), values.end());
-  keep_rows(shape, offset, row_lo, rd, &cut);
+  cut = rows_from(values, shape, rd, row_lo - offset);
   return cut;
 }
 
@@ -311,8 +302,8 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
   }
   ComparedValues own;
   ComparedValues& c = compared ? *compared : own;
-  c.a = rows_from(a, engine->shape, engine->row_offset, r.row_offset, rd, c.a_cut);
-  c.b = rows_from(b, reference->shape, reference->row_offset, r.row_offset, rd, c.b_cut);
+  c.a = compared_rows(a, engine->shape, engine->row_offset, r.row_offset, rd, c.a_cut);
+  c.b = compared_rows(b, reference->shape, reference->row_offset, r.row_offset, rd, c.b_cut);
   judge_values(r, *rule, tolerances, dims, c.a, c.b);
   return r;
 }

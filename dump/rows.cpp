@@ -35,4 +35,21 @@ int64_t kept_rows(std::string_view base, int64_t t, const RowLimits& limits) {
   return keep;
 }
 
+std::vector<float> rows_from(std::span<const float> values, std::span<const int64_t> shape, int rd, int64_t from) {
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < rd; ++i) outer *= shape[i];
+  for (size_t i = rd + 1; i < shape.size(); ++i) inner *= shape[i];
+  const int64_t rows = shape[rd];  // rows of `values`
+  const int64_t out_rows = rows - from;
+  std::vector<float> out(static_cast<size_t>(outer * out_rows * inner), 0.0f);
+  for (int64_t i = 0; i < outer; ++i) {
+    if (from >= 0) {
+      std::copy_n(values.data() + (i * rows + from) * inner, out_rows * inner, out.data() + i * out_rows * inner);
+    } else {
+      std::copy_n(values.data() + i * rows * inner, rows * inner, out.data() + (i * out_rows - from) * inner);
+    }
+  }
+  return out;
+}
+
 }  // namespace diffrun

@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string_view>
+#include <vector>
 
 namespace diffrun {
 
@@ -24,5 +26,9 @@ bool is_cache_kind(std::string_view base);
 
 // Rows a writer keeps of a per-token checkpoint `base` in a step of t tokens under `limits`.
 int64_t kept_rows(std::string_view base, int64_t t, const RowLimits& limits);
+
+// Row-major `shape` along dimension rd: rows from..end of every outer index (from > 0), or all rows
+// of `values` with zero rows 0..from-1 put back in front (from < 0: -from rows added).
+std::vector<float> rows_from(std::span<const float> values, std::span<const int64_t> shape, int rd, int64_t from);
 
 }  // namespace diffrun
