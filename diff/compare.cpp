@@ -51,7 +51,7 @@ struct Entry {
 };
 
 // The input ids of a step, checked for equality before the comparison, never compared as data.
-bool is_token_ids(const DatasetInfo& d) { return d.is_int && d.name == "tokens"; }
+bool is_token_ids(const DatasetInfo& d) { return d.is_int && d.name == kTokensCheckpoint; }
 
 // Both sides' datasets of one step but the token ids, reference order first, engine-only ones by their
 // order. An integer dataset outside the vocabulary (positions, ids of a foreign writer) is compared
@@ -86,7 +86,7 @@ double exact_threshold(const ToleranceRule& rule) {
 }
 
 bool has_tokens(const DumpReader& d, int step) {
-  const DatasetInfo* info = d.find(step, "tokens");
+  const DatasetInfo* info = d.find(step, std::string(kTokensCheckpoint));
   return info && info->is_int;
 }
 
@@ -237,7 +237,7 @@ const ToleranceRule* start_result(CheckpointResult& r, int step, const DatasetIn
 void judge_values(CheckpointResult& r, const ToleranceRule& rule, const ToleranceSet& tolerances, const DimSizes& dims,
                   std::span<const float> a, std::span<const float> b) {
   TensorMetrics m = compute_metrics(a, b, r.shape_reference, r.layout, dims, rule.element);
-  if (r.base == "result_output" && r.shape_reference.size() == 2) {
+  if (r.base == kLogitsCheckpoint && r.shape_reference.size() == 2) {
     m.logits = compute_logit_metrics(a, b, r.shape_reference[0], r.shape_reference[1]);
   }
   r.bound_scale = tolerances.length_scale(r.positions) * tolerances.reduction_scale(r.base, dims);
@@ -358,7 +358,7 @@ std::optional<size_t> first_nonfinite_of(const std::vector<CheckpointResult>& re
 // values (LogitMetrics::top_a_last): a token not among them is below the best, or tied with a lower id.
 static void check_engine_argmax(Comparison& c, std::span<const int32_t> engine_argmax) {
   for (CheckpointResult& r : c.results) {
-    if (r.base != "result_output" || !r.metrics || !r.metrics->logits) continue;
+    if (r.base != kLogitsCheckpoint || !r.metrics || !r.metrics->logits) continue;
     const LogitMetrics& lm = *r.metrics->logits;
     if (lm.top_a_last.empty() || r.step < 0 || r.step >= static_cast<int>(engine_argmax.size())) continue;
     const int32_t token = engine_argmax[r.step], own = lm.top_a_last.front().second;
@@ -457,7 +457,7 @@ void finish_comparison(Comparison& c, const ToleranceSet& tolerances, const Comp
     if (step < static_cast<int>(reference_argmax.size())) t.reference = reference_argmax[step];
     if (step < static_cast<int>(engine_argmax.size())) t.engine = engine_argmax[step];
     for (const auto& r : c.results) {
-      if (r.step != step || r.base != "result_output" || !r.metrics || !r.metrics->logits) continue;
+      if (r.step != step || r.base != kLogitsCheckpoint || !r.metrics || !r.metrics->logits) continue;
       const LogitMetrics& lm = *r.metrics->logits;
       if (t.reference < 0 && !lm.argmax_b.empty()) t.reference = lm.argmax_b.back();
       if (t.engine < 0 && !lm.argmax_a.empty()) t.engine = lm.argmax_a.back();
@@ -505,7 +505,8 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
       throw DumpError(fmt::format("{}: step {} has no \"tokens\" dataset: cannot check that both sides ran on the same tokens",
                                   reference.path(), step));
     }
-    if (in_e && in_r && engine.read_ids(step, "tokens") != reference.read_ids(step, "tokens")) {
+    const std::string tokens(kTokensCheckpoint);
+    if (in_e && in_r && engine.read_ids(step, tokens) != reference.read_ids(step, tokens)) {
       refused.push_back(fmt::format("different input tokens at step {} (the engine must be fed the reference's tokens)", step));
     }
   }
@@ -526,7 +527,7 @@ Comparison compare_dumps(const DumpReader& engine, const DumpReader& reference, 
     const bool in_r = std::count(ref_steps.begin(), ref_steps.end(), step) > 0;
     if (in_r && !in_e) c.coverage.missing_steps.push_back(step);
     const DumpReader& tokens_from = in_r ? reference : engine;
-    if (const DatasetInfo* t = tokens_from.find(step, "tokens"); t && !t->shape.empty()) n_kv += t->shape[0];
+    if (const DatasetInfo* t = tokens_from.find(step, std::string(kTokensCheckpoint)); t && !t->shape.empty()) n_kv += t->shape[0];
     positions[step] = n_kv;
     std::vector<DatasetInfo> eng_ds = in_e ? engine.datasets(step) : none;
     std::vector<DatasetInfo> ref_ds = in_r ? reference.datasets(step) : none;
@@ -613,12 +614,12 @@ RecordingCheck check_recording_dumps(const DumpReader& recorded, const DumpReade
   RecordingCheck check;
   check.unrecorded_source = unrecorded.path();
   const auto last_row = [](const DumpReader& d, int step) {
-    const DatasetInfo* info = d.find(step, "result_output");
+    const DatasetInfo* info = d.find(step, std::string(kLogitsCheckpoint));
     if (!info || info->is_int || info->shape.empty())
       throw InputError(fmt::format("{}: step {} has no result_output: the recording check compares each step's "
                                    "logits (record result_output in both runs)",
                                    d.path(), step));
-    std::vector<float> v = d.read(step, "result_output");
+    std::vector<float> v = d.read(step, std::string(kLogitsCheckpoint));
     const size_t V = static_cast<size_t>(info->shape.back());
     if (v.size() < V) throw InputError(fmt::format("{}: step {}: result_output holds no whole row", d.path(), step));
     return std::vector<float>(v.end() - static_cast<std::ptrdiff_t>(V), v.end());

@@ -108,7 +108,7 @@ void StreamComparison::add_all(StreamSide side, std::vector<std::pair<DatasetInf
   constexpr size_t kLarge = size_t{1} << 20;
   std::vector<Job*> small;
   for (Job& j : jobs) {
-    if (j.mine.values->size() >= kLarge || j.mine.info.name == "result_output") compare(j);
+    if (j.mine.values->size() >= kLarge || j.mine.info.name == kLogitsCheckpoint) compare(j);
     else small.push_back(&j);
   }
   const int64_t n = static_cast<int64_t>(small.size());
