@@ -1,4 +1,13 @@
 // diffrun's entry point: builds the CLI from the registered subcommands and maps errors to exit codes.
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -37,11 +46,69 @@ std::string default_model_path() { return models_dir() + "/SmolLM2-135M-Instruct
 
 namespace {
 
+// The kernel's share of the exit, left to a child process: freeing the process's memory and, when its last file
+// descriptors on the GPU driver close, the driver's release of the CUDA context and its device memory (0.2 s and
+// more after a GPU job, bench/NOTES.md). The child shares this process's memory (CLONE_VM) and holds copies of its
+// descriptors, so this process's exit drops references and returns to its caller at once; the child closes every
+// copy but the character devices past stderr (a caller reading the output through a pipe sees its end when this
+// process exits), waits on a pipe whose write end only this process holds (it reads EOF once this process has
+// exited: its memory and files are the child's alone then), and exits, doing the release. It runs on its own stack
+// and makes system calls only (no library state: the memory it shares is a dying process's), with every signal
+// blocked (the job's interrupt handlers must not run there).
+alignas(64) char teardown_stack[64 * 1024];
+int teardown_pipe[2] = {-1, -1};
+constexpr int kTeardownMaxFds = 4096;
+int teardown_fds[kTeardownMaxFds];
+
+struct LinuxDirent64 {
+  uint64_t d_ino;
+  int64_t d_off;
+  unsigned short d_reclen;
+  unsigned char d_type;
+  char d_name[1];
+};
+
+int teardown_child(void*) {
+  ::syscall(SYS_close, teardown_pipe[1]);
+  // The descriptors first (/proc/self/fd lists this child's copies), then the closes.
+  int n_fds = 0;
+  const long dir = ::syscall(SYS_openat, AT_FDCWD, "/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    alignas(8) char buf[4096];
+    for (long n; (n = ::syscall(SYS_getdents64, dir, buf, sizeof buf)) > 0;) {
+      for (long off = 0; off < n;) {
+        const auto* d = reinterpret_cast<const LinuxDirent64*>(buf + off);
+        off += d->d_reclen;
+        int fd = 0;
+        const char* c = d->d_name;
+        if (*c < '0' || *c > '9') continue;
+        for (; *c >= '0' && *c <= '9'; ++c) fd = fd * 10 + (*c - '0');
+        if (fd != dir && fd != teardown_pipe[0] && n_fds < kTeardownMaxFds) teardown_fds[n_fds++] = fd;
+      }
+    }
+    ::syscall(SYS_close, dir);
+  } else {
+    for (int fd = 0; fd <= 2; ++fd) teardown_fds[n_fds++] = fd;
+  }
+  for (int i = 0; i < n_fds; ++i) {
+    struct stat st;
+    const int fd = teardown_fds[i];
+    if (fd > 2 && ::syscall(SYS_fstat, fd, &st) == 0 && S_ISCHR(st.st_mode)) continue;  // the driver's: kept
+    ::syscall(SYS_close, fd);
+  }
+  char c;
+  while (::syscall(SYS_read, teardown_pipe[0], &c, 1) > 0) {  // 0 at EOF (-1 only on an error: no signal reaches it)
+  }
+  ::syscall(SYS_exit, 0);
+  return 0;
+}
+
 // A command that returned has closed every file it wrote (the dumps' HDF5 library keeps no exit-time cleanup:
 // dump/dump_format.cpp's h5::silence) and printed its report. What an ordinary exit adds is teardown: the static
 // destructors and the CUDA runtime's release of its context, device memory and pinned host buffers, which the
-// kernel reclaims at the process's end anyway. The process ends here without it, its output flushed;
-// DIFFRUN_FAST_EXIT=0 keeps the ordinary exit, as does a sanitizer build (LeakSanitizer checks at the exit).
+// kernel reclaims at the process's end anyway. The process ends here without it, its output flushed, and the
+// kernel's part of the teardown is left to a child (teardown_child); DIFFRUN_FAST_EXIT=0 keeps the ordinary exit,
+// as does a sanitizer build (LeakSanitizer checks at the exit), and DIFFRUN_DEFERRED_TEARDOWN=0 the child's part.
 int end_process(int rc) {
 #if defined(__SANITIZE_ADDRESS__)
   return rc;
@@ -49,6 +116,13 @@ int end_process(int rc) {
   const char* v = std::getenv("DIFFRUN_FAST_EXIT");
   if (v && std::strcmp(v, "0") == 0) return rc;
   std::fflush(nullptr);
+  const char* d = std::getenv("DIFFRUN_DEFERRED_TEARDOWN");
+  if (!(d && std::strcmp(d, "0") == 0) && ::pipe2(teardown_pipe, O_CLOEXEC) == 0) {
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, nullptr);  // the child inherits the mask; this process only exits now
+    ::clone(teardown_child, teardown_stack + sizeof teardown_stack, CLONE_VM, nullptr);  // failed: the plain exit
+  }
   std::_Exit(rc);
 }
 

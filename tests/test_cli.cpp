@@ -1,4 +1,5 @@
 // Integration tests of `diffrun compare` and `diffrun --prompt` through the built binary ($DIFFRUN_BIN): exit codes 0/1/2, bad inputs, report files.
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -131,6 +132,46 @@ TEST_F(Cli, FastExitKeepsTheOutputAndTheExitCode) {
   EXPECT_EQ(nlohmann::json::parse(slurp(path("r1.json"))), nlohmann::json::parse(slurp(path("r0.json"))));
   for (const Result& r : listed) EXPECT_EQ(r.rc, 0) << r.err;
   EXPECT_GT(listed[0].out.size(), 8192u);  // more than a buffer: the end is written at the exit
+  EXPECT_EQ(listed[0].out, listed[1].out);
+}
+
+// The kernel's part of the exit is left to a child (cli/main.cpp teardown_child): it ends by itself once the job has
+// exited, with status 0, and leaves no process behind, the job's output through a pipe whole; with
+// DIFFRUN_DEFERRED_TEARDOWN=0 there is none. This test process is made the runs' subreaper (PR_SET_CHILD_SUBREAPER),
+// so that the child, orphaned when the job exits, is reparented here and can be waited for.
+TEST_F(Cli, DeferredTeardownChildEndsByItself) {
+  ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+  // The orphans reparented here, waited for until none is left (at most 10 s): their exit statuses.
+  const auto reap_orphans = [] {
+    std::vector<int> statuses;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < until) {
+      int st = 0;
+      const pid_t pid = ::waitpid(-1, &st, __WALL | WNOHANG);
+      if (pid < 0) break;  // ECHILD: none left
+      if (pid > 0) statuses.push_back(st);
+      else std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return statuses;
+  };
+  reap_orphans();  // none of the earlier tests' left over
+  std::vector<Result> listed;
+  for (const char* deferred : {"1", "0"}) {
+    ::setenv("DIFFRUN_DEFERRED_TEARDOWN", deferred, 1);
+    // Through a pipe: the command's status comes back only once its reader has seen the end of the output.
+    listed.push_back(run("faults | cat"));
+    const std::vector<int> orphans = reap_orphans();
+    if (std::string(deferred) == "1") {
+      ASSERT_EQ(orphans.size(), 1u);
+      EXPECT_TRUE(WIFEXITED(orphans[0]) && WEXITSTATUS(orphans[0]) == 0) << orphans[0];
+    } else {
+      EXPECT_TRUE(orphans.empty()) << orphans.size();
+    }
+  }
+  ::unsetenv("DIFFRUN_DEFERRED_TEARDOWN");
+  ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 0), 0);
+  for (const Result& r : listed) EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_GT(listed[0].out.size(), 8192u);
   EXPECT_EQ(listed[0].out, listed[1].out);
 }
 
