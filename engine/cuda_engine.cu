@@ -73,7 +73,13 @@
 //   rope_qk's arithmetic; bit-identical to the two norms and rope_qk; isolation replay, which replaces Qnorm and
 //   Knorm in between, runs the norms unfused and then the kernel's rotation alone, qk_norm_rope_rotation, so Qrope's
 //   local error is measured on the fused kernel's code and Qnorm's on rms_norm's (fused bit 32 names Qnorm and Knorm);
-//   not under an RMSNorm flaw or rope_cache_unrotated; DIFFRUN_QK_NORM_IN_ROPE=0, the "qk_norm_in_rope" fact).
+//   not under an RMSNorm flaw or rope_cache_unrotated; DIFFRUN_QK_NORM_IN_ROPE=0, the "qk_norm_in_rope" fact). A
+//   one-token step does that work in its attention launch instead (attention_split_qk_norm_rope: every block norms
+//   and rotates its head's q as qk_norm_rope does, the blocks over the current key its KV head's k, which they use
+//   for that cache row; one block a head writes Qnorm and Qrope, one a KV head Knorm, Krope and the cache rows, into
+//   q_norm and k_norm, so q and k keep Qcur and Kcur; bit-identical; neox, heads of 64, 128 or 256; not under
+//   gqa_head_modulo or kv_cache_not_read, nor where qk_norm_rope is off; fused bit 64 names Qnorm and Knorm as bit
+//   32 does; DIFFRUN_QK_NORM_IN_ATTENTION=0, the "qk_norm_in_attention" fact).
 //   Decode T = 1 projections run our GEMV
 //   kernel, prefill the cuBLAS GEMM (bench/NOTES.md has the figures). Quantized matrices stay GGUF
 //   blocks on the device (engine/weights.cuh): the quantized GEMV at T = 1 (Q4_K/Q5_K/Q6_K on tensor
@@ -125,6 +131,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -180,15 +187,16 @@ constexpr uint32_t kFusedMatmulGateUpSwiglu = 4;
 constexpr uint32_t kFusedMatmulArgmax = 8;
 constexpr uint32_t kFusedExpertsDownCombine = 16;
 constexpr uint32_t kFusedQkNormRope = 32;
+constexpr uint32_t kFusedQkNormRopeInAttention = 64;
 constexpr const char* kFusedKernelBits =
     "1 embedding_rms_norm, 2 matmul_qkv_rope, 4 matmul_gate_up_swiglu, 8 matmul_argmax, 16 matmul_experts_down_combine, "
-    "32 qk_norm_rope";
+    "32 qk_norm_rope, 64 attention_split_qk_norm_rope";
 // What each fused kernel's epilogue writes, and what reads the position inside a graph replay (a value
 // baked in at capture would show there): isolation replay, unfused and outside the graph, gives these
 // no local error where the step ran the kernel or the graph (diff::add_isolation).
 constexpr const char* kFusedKernelCheckpoints =
     "1 embd,attn_norm-0; 2 Qrope,Krope,cache_k,cache_v; 4 ffn_swiglu; 8 result_output; 16 ffn_moe_out; "
-    "32 Qnorm,Knorm; graph Qrope,Krope,cache_k,cache_v";
+    "32 Qnorm,Knorm; 64 Qnorm,Knorm; graph Qrope,Krope,cache_k,cache_v";
 
 bool env_is_zero(const char* name) {
   const char* v = std::getenv(name);
@@ -219,6 +227,8 @@ struct Activations {
         q_rope(size_t(cap) * c.n_head * c.head_dim, "activations"),
         k_rope(size_t(cap) * c.n_head_kv * c.head_dim, "activations"),
         v(size_t(cap) * c.n_head_kv * c.head_dim, "activations"),
+        q_norm(c.qk_norm ? size_t(cap) * c.n_head * c.head_dim : 0, "activations"),
+        k_norm(c.qk_norm ? size_t(cap) * c.n_head_kv * c.head_dim : 0, "activations"),
         kqv(size_t(cap) * c.n_head * c.head_dim, "activations"),
         attn_out(size_t(cap) * c.n_embd, "activations"),
         ffn_inp(size_t(cap) * c.n_embd, "activations"),
@@ -231,7 +241,9 @@ struct Activations {
   static uint64_t bytes(const ModelConfig& c, int cap) {
     const uint64_t D = c.n_embd, Q = uint64_t(c.n_head) * c.head_dim, KV = uint64_t(c.n_head_kv) * c.head_dim,
                    F = c.n_ff;
-    return uint64_t(cap) * (4 * (D + 2 * Q + 3 * KV + 3 * D + 2 * F) + sizeof(W) * (2 * D + Q + F) + sizeof(int32_t));
+    const uint64_t norms = c.qk_norm ? Q + KV : 0;  // q_norm, k_norm
+    return uint64_t(cap) * (4 * (D + 2 * Q + 3 * KV + norms + 3 * D + 2 * F) + sizeof(W) * (2 * D + Q + F) +
+                            sizeof(int32_t));
   }
 
   int capacity;
@@ -243,6 +255,8 @@ struct Activations {
   DeviceBuffer<float> q_rope;    // [T, H*Dh] rope_qk's output (the fused qkv GEMV rotates q and k in place)
   DeviceBuffer<float> k_rope;    // [T, Hkv*Dh]
   DeviceBuffer<float> v;         // [T, Hkv*Dh]
+  DeviceBuffer<float> q_norm;    // [T, H*Dh] Qnorm where the attention launch norms q (qk_norm models; else empty)
+  DeviceBuffer<float> k_norm;    // [T, Hkv*Dh] Knorm likewise
   DeviceBuffer<W> kqv;           // [T, H*Dh] attention context (GEMM input)
   DeviceBuffer<float> attn_out;  // [T, D]
   DeviceBuffer<float> ffn_inp;   // [T, D]
@@ -388,6 +402,7 @@ class CudaEngineImpl final : public CudaEngine {
         swiglu_in_gemv_(!env_is_zero("DIFFRUN_SWIGLU_IN_GEMV")),
         rope_in_gemv_(!env_is_zero("DIFFRUN_ROPE_IN_GEMV")),
         qk_norm_in_rope_(!env_is_zero("DIFFRUN_QK_NORM_IN_ROPE")),
+        qk_norm_in_attention_(!env_is_zero("DIFFRUN_QK_NORM_IN_ATTENTION")),
         embd_norm_fused_(!env_is_zero("DIFFRUN_EMBEDDING_NORM_FUSED")),
         lm_head_argmax_(!env_is_zero("DIFFRUN_LM_HEAD_ARGMAX")) {
     int device = 0;
@@ -426,6 +441,9 @@ class CudaEngineImpl final : public CudaEngine {
         {"qk_norm_in_rope", qk_norm_in_rope_ ? "steps of any length, recorded or not (isolation replay: the norms "
                                                "unfused, then its rotation alone); heads of 64, 128, 192 or 256"
                                              : "off"},
+        {"qk_norm_in_attention", qk_norm_in_attention_ ? "one-token steps, recorded or not: the q/k norms and RoPE in "
+                                                         "attention_split's launch (neox; heads of 64, 128 or 256)"
+                                                       : "off"},
         {"embedding_rms_norm", embd_norm_fused_ ? "one-token steps, recorded or not (dense token_embd)" : "off"},
         {"lm_head_argmax", lm_head_argmax_ ? "every step's last token, recorded or not (dense lm head)" : "off"},
         {"fused_kernel_bits", kFusedKernelBits},
@@ -465,6 +483,8 @@ class CudaEngineImpl final : public CudaEngine {
     embd_norm_fused_ = embd_norm_fused_ && fusable.embedding_rms_norm;
     rope_in_gemv_ = rope_in_gemv_ && fusable.matmul_qkv_rope;
     qk_norm_in_rope_ = qk_norm_in_rope_ && fusable.qk_norm_rope;
+    qk_norm_in_attention_ = qk_norm_in_attention_ && qk_norm_in_rope_ && !plan_.ops.gqa_head_modulo &&
+                            !plan_.hooks.kv_cache_not_read;
     swiglu_in_gemv_ = swiglu_in_gemv_ && fusable.matmul_gate_up_swiglu;
     lm_head_argmax_ = lm_head_argmax_ && fusable.matmul_argmax;
     if (cfg_.moe) prepare_expert_gather();  // after swiglu_in_gemv_ is settled
@@ -702,7 +722,16 @@ class CudaEngineImpl final : public CudaEngine {
     float* q_rot = fused_rope ? a.q.get() : a.q_rope.get();
     float* k_rot = fused_rope ? a.k.get() : a.k_rope.get();
     bool norm_rope = false;  // qk_norm_rope ran: the norms, the rotation and the cache write in one launch
-    if (cfg_.qk_norm) {  // qwen3, gemma3: q and k normalized in place
+    // One token (not replaying): the norms, the rotation and the cache write in the attention launch (attend), into
+    // q_norm and k_norm; q and k stay Qcur and Kcur.
+    const bool prep = cfg_.qk_norm && qk_norm_in_attention_ && n == 1 && !step_replaying_ && split_attention(n) &&
+                      attention_split_qk_norm_rope_supported(n, Dh, neox);
+    AttentionQkPrep qk;
+    if (prep) {
+      qk = {a.q.get(), a.k.get(), a.v.get(), w.q_norm, w.k_norm, eps(), a.q_norm.get(), a.k_norm.get(),
+            a.q_rope.get(), a.k_rope.get(), cache_k, cache_v, pos.rope, pos.write, theta, d_rope_freqs_.get(), neox};
+    }
+    if (cfg_.qk_norm && !prep) {  // qwen3, gemma3: q and k normalized in place
       overwrites(a.q);
       overwrites(a.k);
       // Not in an isolation replay, which replaces Qnorm and Knorm before the rotation: it runs the norms unfused,
@@ -722,22 +751,35 @@ class CudaEngineImpl final : public CudaEngine {
     // Fused: matmul_qkv_rope or qk_norm_rope rotated q and k and wrote the cache rows. An isolation replay of a step
     // qk_norm_rope runs rotates the replaced norms with that kernel's own rotation (qk_norm_rope_rotation, rope_qk's
     // twin), so that Qrope's local error is the rotation's and Qnorm's the norm's.
-    const bool rotation_only = !fused_rope && !norm_rope && cfg_.qk_norm && qk_norm_in_rope_ && step_replaying_ &&
+    const bool rotation_only = !prep && !fused_rope && !norm_rope && cfg_.qk_norm && qk_norm_in_rope_ &&
+                               step_replaying_ &&
                                qk_norm_rope_rotation(q_rot, k_rot, cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n,
                                                      H, Hkv, Dh, pos.rope, pos.write, theta, d_rope_freqs_.get(), neox,
                                                      stream_);
-    if (!fused_rope && !norm_rope && !rotation_only)
+    if (!prep && !fused_rope && !norm_rope && !rotation_only)
       rope_qk(q_rot, k_rot, cache_k, cache_v, a.q.get(), a.k.get(), a.v.get(), n, H, Hkv, Dh, pos.rope, pos.write,
               theta, d_rope_freqs_.get(), neox, args.rope_cache_unrotated, stream_);
-    cp(sink, step, "Qrope", l, q_rot, {n, H, Dh});
-    cp(sink, step, "Krope", l, k_rot, {n, Hkv, Dh});  // replaced: the cache keeps rope_qk's rows (see the top)
     // Under capture S is read on the device, so that the graph records every position (DeviceRows).
     // The cache rows stay as they are until the step ends: gathered beside the compute.
     const DeviceRows cache_rows = capturing_ ? DeviceRows{d_n_past_.get(), n, 0, max_ctx_, true} : DeviceRows{};
-    cp(sink, step, "cache_k", l, cache_k, {S, Hkv, Dh}, cache_rows);
-    cp(sink, step, "cache_v", l, cache_v, {S, Hkv, Dh}, cache_rows);
-
-    attend(step, l, n, sink, a, q_rot, k_rot, cache_k, cache_v);  // kq_soft_max (recorded only), kqv_out
+    const auto rotated = [&] {  // Qrope .. cache_v: after the op that wrote them
+      cp(sink, step, "Qrope", l, q_rot, {n, H, Dh});
+      cp(sink, step, "Krope", l, k_rot, {n, Hkv, Dh});  // replaced: the cache keeps rope_qk's rows (see the top)
+      cp(sink, step, "cache_k", l, cache_k, {S, Hkv, Dh}, cache_rows);
+      cp(sink, step, "cache_v", l, cache_v, {S, Hkv, Dh}, cache_rows);
+    };
+    if (prep) {
+      step_fused_ |= kFusedQkNormRopeInAttention;
+      // The attention launch writes them all (not replaying: the copies record only).
+      attend(step, l, n, sink, a, q_rot, k_rot, cache_k, cache_v, &qk, [&] {
+        cp(sink, step, "Qnorm", l, a.q_norm.get(), {n, H, Dh});
+        cp(sink, step, "Knorm", l, a.k_norm.get(), {n, Hkv, Dh});
+        rotated();
+      });
+    } else {
+      rotated();
+      attend(step, l, n, sink, a, q_rot, k_rot, cache_k, cache_v);  // kq_soft_max (recorded only), kqv_out
+    }
     cp(sink, step, "kqv_out", l, a.kqv.get(), {n, H, Dh});
 
     matmul(a.attn_out.get(), a.kqv.get(), w.wo, nullptr, n, Q, D, cublas_, stream_);
@@ -753,8 +795,11 @@ class CudaEngineImpl final : public CudaEngine {
   // The attention kernels of a step of n tokens into a.kqv, and its kq_soft_max checkpoint: attention_split
   // (decode; its probabilities are its scores), or attention_tiled (prefill) with attention beside it for
   // the probabilities when they are recorded (the "recomputed_checkpoints" fact).
+  // prep (a one-token step of a qk_norm model): the q/k norms and RoPE in the launch (attention_split_qk_norm_rope),
+  // and `launched` records what it wrote before kq_soft_max is recorded.
   void attend(int step, int l, int n, Sink& sink, Activations<W>& a, const float* q_rot, const float* k_rot,
-              const float* cache_k, const float* cache_v) {
+              const float* cache_k, const float* cache_v, const AttentionQkPrep* prep = nullptr,
+              const std::function<void()>& launched = {}) {
     const OpArgs& args = plan_.ops;
     const int H = cfg_.n_head, Hkv = cfg_.n_head_kv, Dh = cfg_.head_dim, window = cfg_.layer_window(l);
     const float att_scale = static_cast<float>(cfg_.attention_scale());
@@ -769,9 +814,16 @@ class CudaEngineImpl final : public CudaEngine {
     float* probs = nullptr;  // [H, T, S_att]
     if (split_attention(n)) {
       probs = alternate_ && (l & 1) ? attn_probs_alt_.get() : attn_probs_.get();
-      attention_split(a.kqv.get(), probs, q_rot, kv.k, kv.v, n, past, H, kv.heads, Dh, att_scale, window,
-                      {attn_partial_.get(), attn_counters_.get(), attn_splits_, attn_min_keys_}, stream_,
-                      args.attention);
+      const AttentionSplitScratch scratch{attn_partial_.get(), attn_counters_.get(), attn_splits_, attn_min_keys_};
+      if (prep) {
+        if (kv.k != cache_k || kv.v != cache_v ||
+            !attention_split_qk_norm_rope(a.kqv.get(), probs, *prep, n, past, H, kv.heads, Dh, att_scale, window,
+                                          scratch, stream_, args.attention))
+          throw Error("cuda engine: layer " + std::to_string(l) + ": attention_split_qk_norm_rope refused the step");
+      } else {
+        attention_split(a.kqv.get(), probs, q_rot, kv.k, kv.v, n, past, H, kv.heads, Dh, att_scale, window, scratch,
+                        stream_, args.attention);
+      }
     } else {
       probs = want_probs ? probs_.get() : nullptr;
       if (!tiled_attention_) {
@@ -785,6 +837,7 @@ class CudaEngineImpl final : public CudaEngine {
                         args.attention);
       }
     }
+    if (launched) launched();
     if (want_probs)
       record_only(step, "kq_soft_max", l, probs, {H, n, S_att},
                   capturing_ && read_cache ? DeviceRows{d_n_past_.get(), n, 2, max_ctx_} : DeviceRows{});
@@ -1361,6 +1414,9 @@ class CudaEngineImpl final : public CudaEngine {
   bool swiglu_in_gemv_;   // one-token steps: matmul_gate_up_swiglu (DIFFRUN_SWIGLU_IN_GEMV=0: off)
   bool rope_in_gemv_;     // one-token steps: matmul_qkv_rope (DIFFRUN_ROPE_IN_GEMV=0: off)
   bool qk_norm_in_rope_;  // q/k norms: qk_norm_rope (DIFFRUN_QK_NORM_IN_ROPE=0: off)
+  // One-token steps: the q/k norms and RoPE in the attention launch, attention_split_qk_norm_rope
+  // (DIFFRUN_QK_NORM_IN_ATTENTION=0: off; off with qk_norm_in_rope_, whose variants it shares)
+  bool qk_norm_in_attention_;
   bool embd_norm_fused_;  // one-token steps: embedding_rms_norm (DIFFRUN_EMBEDDING_NORM_FUSED=0: off)
   bool lm_head_argmax_;   // every step's last-token logits: matmul_argmax (DIFFRUN_LM_HEAD_ARGMAX=0: off)
   bool step_replaying_ = false;  // the step replaces a tensor checkpoint (isolation replay): unfused, no graph

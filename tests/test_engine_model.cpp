@@ -313,7 +313,7 @@ TEST(EngineModel, HooksDoNotChangeResultsAndGraphDecodeMatches) {
 // The engine with every fused kernel off (the knobs the fused-vs-unfused tests turn off together).
 std::unique_ptr<CudaEngine> make_unfused_engine(const Models& m, const char* precision, int ctx) {
   const char* knobs[] = {"DIFFRUN_SWIGLU_IN_GEMV", "DIFFRUN_ROPE_IN_GEMV", "DIFFRUN_EMBEDDING_NORM_FUSED",
-                         "DIFFRUN_LM_HEAD_ARGMAX", "DIFFRUN_QK_NORM_IN_ROPE"};
+                         "DIFFRUN_LM_HEAD_ARGMAX", "DIFFRUN_QK_NORM_IN_ROPE", "DIFFRUN_QK_NORM_IN_ATTENTION"};
   for (const char* v : knobs) setenv(v, "0", 1);
   auto e = make_cuda_engine(*m.file, m.cfg, precision, ctx);
   for (const char* v : knobs) unsetenv(v);
@@ -373,15 +373,16 @@ void expect_recording_is_production(const std::string& path, int decode_steps) {
       }
       tokens = {host_argmax(a)};
     }
-    // A dense llama fuses all four (gemma3 only its q/k norms with the RoPE, bit 32: GeGLU, the embedding scale and
-    // the softcap keep the others apart; qwen3's K-quants none in the f32 engine, whose SIMT GEMV keeps them
-    // unfused, and the tiny qwen3's heads of 32 are too narrow for qk_norm_rope).
+    // A dense llama fuses all four (gemma3 only its q/k norms with the RoPE, in the attention launch at a decode
+    // step, bit 64: GeGLU, the embedding scale and the softcap keep the others apart; qwen3's K-quants none in the
+    // f32 engine, whose SIMT GEMV keeps them unfused, and the tiny qwen3's heads of 32 are too narrow for
+    // qk_norm_rope and the attention launch's norms).
     std::printf("fused kernels of the recorded decode steps: %s %s bits %u\n", path.c_str(), precision, fused_seen);
     if (path.find("tiny-llama-f32") != std::string::npos) {
       EXPECT_EQ(fused_seen, 15u);
     }
     if (path.find("tiny-gemma3") != std::string::npos) {
-      EXPECT_EQ(fused_seen & 32u, 32u) << "gemma3's heads of 128 take qk_norm_rope";
+      EXPECT_EQ(fused_seen & 64u, 64u) << "gemma3's heads of 128 take attention_split_qk_norm_rope";
     }
   }
 }

@@ -846,6 +846,91 @@ TEST(EngineOps, AttentionSplitMatchesReference) {
   }
 }
 
+// The q/k norms and RoPE of a one-token step in the attention launch (attention_split_qk_norm_rope) against the two
+// launches the engine runs without it, qk_norm_rope then attention_split: Qnorm, Knorm, Qrope, Krope, the cache
+// (its row write_pos written, no other), the output (f32 and f16) and the probabilities all bit-identical. Heads of
+// 64, 128 and 256, GQA and not, one split and many (the current key in the last one; min_keys 1 puts it alone in a
+// split of its own at short lengths), a sliding window, a write row other than the position, Llama 3's frequency
+// factors. Not taken: several tokens, another head width, the norm (non-neox) rotation.
+TEST(EngineOps, AttentionSplitQkNormRopeMatchesTheTwoLaunches) {
+  DIFFRUN_REQUIRE_CUDA();
+  struct Case {
+    int n_past, H, Hkv, Dh, splits, min_keys, window, write_pos;
+    bool factors;
+  };
+  const float theta = 1e6f, eps = 1e-6f;
+  for (const Case c : {Case{37, 32, 4, 128, 9, 16, 0, 37, false}, Case{0, 32, 4, 128, 9, 16, 0, 0, false},
+                       Case{300, 16, 2, 64, 19, 16, 0, 300, true}, Case{5, 8, 8, 128, 5, 1, 0, 5, false},
+                       Case{700, 8, 1, 256, 64, 16, 512, 700, false}, Case{40, 4, 1, 256, 7, 1, 8, 40, true},
+                       Case{90, 12, 4, 128, 9, 16, 0, 17, false}}) {
+    const int n_past = c.n_past, H = c.H, Hkv = c.Hkv, Dh = c.Dh, window = c.window, S = n_past + 1;
+    const int Q = H * Dh, KV = Hkv * Dh, C = S + 8;
+    const float scale = 1.0f / std::sqrt(float(Dh));
+    SCOPED_TRACE("n_past " + std::to_string(n_past) + " H " + std::to_string(H) + " Hkv " + std::to_string(Hkv) +
+                 " Dh " + std::to_string(Dh) + " splits " + std::to_string(c.splits) + " min_keys " +
+                 std::to_string(c.min_keys) + " window " + std::to_string(window) + " write_pos " +
+                 std::to_string(c.write_pos));
+    const auto q = random_vec(Q, 50, 3.0f), k = random_vec(KV, 51, 3.0f), v = random_vec(KV, 52);
+    const auto qw = random_vec(Dh, 53), kw = random_vec(Dh, 54);
+    std::vector<float> cache_k = random_vec(size_t(C) * KV, 55), cache_v = random_vec(size_t(C) * KV, 56);
+    std::vector<float> factors(Dh / 2);
+    for (int i = 0; i < Dh / 2; ++i) factors[i] = 1.0f + 0.25f * float(i % 7);
+    DeviceArray<float> dv(v), dqw(qw), dkw(kw), dff(factors);
+    DeviceArray<int32_t> dpos(std::vector<int32_t>{n_past}), dwrite(std::vector<int32_t>{c.write_pos}),
+        dnp(std::vector<int32_t>{n_past});
+    const float* ff = c.factors ? dff.get() : nullptr;
+    const std::vector<float> nan_probs(size_t(H) * S, NAN);
+    DeviceArray<float> partial(size_t(H) * c.splits * (Dh + 2));
+    DeviceArray<uint32_t> counters(std::vector<uint32_t>(size_t(H), 0u));
+    const engine::AttentionSplitScratch scratch{partial.get(), counters.get(), c.splits, c.min_keys};
+    // The two launches: qk_norm_rope (norms in place), then attention_split over the cache.
+    DeviceArray<float> q1(q), k1(k), oq1(Q), ok1(KV), kc1(cache_k), vc1(cache_v), out1(Q), probs1(nan_probs);
+    DeviceArray<__half> out1h(Q);
+    ASSERT_TRUE(engine::qk_norm_rope(oq1.get(), ok1.get(), kc1.get(), vc1.get(), q1.get(), k1.get(), dv.get(),
+                                     dqw.get(), dkw.get(), eps, 1, H, Hkv, Dh, dpos.get(), dwrite.get(), theta, ff,
+                                     true, nullptr));
+    engine::attention_split(out1.get(), probs1.get(), oq1.get(), kc1.get(), vc1.get(), 1, dnp.get(), H, Hkv, Dh,
+                            scale, window, scratch, nullptr);
+    engine::attention_split(out1h.get(), probs1.get(), oq1.get(), kc1.get(), vc1.get(), 1, dnp.get(), H, Hkv, Dh,
+                            scale, window, scratch, nullptr);
+    // One launch, q and k left as they are.
+    DeviceArray<float> q2(q), k2(k), qn2(Q), kn2(KV), oq2(Q), ok2(KV), kc2(cache_k), vc2(cache_v), out2(Q),
+        probs2(nan_probs);
+    DeviceArray<__half> out2h(Q);
+    const engine::AttentionQkPrep prep{q2.get(), k2.get(), dv.get(), dqw.get(), dkw.get(), eps, qn2.get(), kn2.get(),
+                                       oq2.get(), ok2.get(), kc2.get(), vc2.get(), dpos.get(), dwrite.get(), theta,
+                                       ff, true};
+    ASSERT_TRUE(engine::attention_split_qk_norm_rope(out2.get(), probs2.get(), prep, 1, dnp.get(), H, Hkv, Dh, scale,
+                                                     window, scratch, nullptr));
+    DeviceArray<float> kc3(cache_k), vc3(cache_v), probs3(nan_probs);  // the f16 output, on a fresh cache
+    engine::AttentionQkPrep prep16 = prep;
+    prep16.k_cache = kc3.get();
+    prep16.v_cache = vc3.get();
+    ASSERT_TRUE(engine::attention_split_qk_norm_rope(out2h.get(), probs3.get(), prep16, 1, dnp.get(), H, Hkv, Dh,
+                                                     scale, window, scratch, nullptr));
+    EXPECT_EQ(qn2.download(), q1.download());  // Qnorm
+    EXPECT_EQ(kn2.download(), k1.download());  // Knorm
+    EXPECT_EQ(oq2.download(), oq1.download());  // Qrope
+    EXPECT_EQ(ok2.download(), ok1.download());  // Krope
+    EXPECT_EQ(kc2.download(), kc1.download());
+    EXPECT_EQ(vc2.download(), vc1.download());
+    EXPECT_EQ(kc3.download(), kc1.download());
+    EXPECT_EQ(out2.download(), out1.download());
+    EXPECT_EQ(probs2.download(), probs1.download());
+    EXPECT_EQ(probs3.download(), probs1.download());
+    const auto h1 = out1h.download(), h2 = out2h.download();
+    EXPECT_EQ(0, std::memcmp(h1.data(), h2.data(), h1.size() * sizeof(__half)));
+    EXPECT_EQ(q2.download(), q);  // Qcur and Kcur kept
+    EXPECT_EQ(k2.download(), k);
+    EXPECT_EQ(counters.download(), std::vector<uint32_t>(size_t(H), 0u));
+    TEST_CUDA_CHECK(cudaGetLastError());
+  }
+  EXPECT_FALSE(engine::attention_split_qk_norm_rope_supported(2, 128, true));
+  EXPECT_FALSE(engine::attention_split_qk_norm_rope_supported(1, 192, true));
+  EXPECT_FALSE(engine::attention_split_qk_norm_rope_supported(1, 128, false));
+  EXPECT_TRUE(engine::attention_split_qk_norm_rope_supported(1, 64, true));
+}
+
 // The tiled prefill kernel against the one-block-per-(token, head) kernel and the CPU twin: GQA, sliding
 // windows, T up to 600 with and without cached rows, head widths of every template (18 .. 256), f32 and
 // f16 outputs, every element written (the output starts as NaN). attention with out null writes the

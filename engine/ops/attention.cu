@@ -125,13 +125,45 @@ attention_kernel(Out* out, float* probs, const float* q, const float* k_cache, c
 constexpr int kSplitWarps = 8;
 constexpr int kKeyBatch = 4;  // keys per warp whose loads are in flight together
 
+// A head's row x of Dh = 32·kDpl (lane l holding elements l + 32j) normed with the weights w as qk_norm_rope norms it
+// (the squares' warp sums added in j order, rms_scale, x·scale·w) into n, then rotated at pos as it rotates it
+// (neox pairs: elements j and j + kDpl/2 of a lane, rope_pair) into y. The same bits as qk_norm_rope's row.
+template <int kDpl>
+__device__ __forceinline__ void norm_rope_row(const float* x, const float (&w)[kDpl], float eps, int Dh, int pos,
+                                              float theta, const float* freq_factors, float (&n)[kDpl],
+                                              float (&y)[kDpl]) {
+  const int lane = threadIdx.x % 32;
+  float xv[kDpl];
+#pragma unroll
+  for (int j = 0; j < kDpl; ++j) xv[j] = x[lane + 32 * j];
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kDpl; ++j) ss += warp_sum(xv[j] * xv[j]);
+  const float scale = rms_scale(ss, Dh, eps);
+#pragma unroll
+  for (int j = 0; j < kDpl; ++j) n[j] = xv[j] * scale * w[j];
+#pragma unroll
+  for (int j = 0; j < kDpl / 2; ++j)
+    rope_pair(n[j], n[j + kDpl / 2], pos, lane + 32 * j, Dh, theta, freq_factors, y[j], y[j + kDpl / 2]);
+}
+
 // kDpl: head dims per lane (Dh ≤ 32·kDpl). The loops skip the dims past Dh, so every kDpl gives the
-// same bits; a kDpl fitted to the head keeps the registers down (Dh = 64: 64 instead of 126).
-template <typename Out, int kDpl>
+// same bits; a kDpl fitted to the head keeps the registers down (Dh = 64: 64 instead of 126). kPrep (T = 1,
+// Dh = 32·kDpl, neox): q and the current key's k normed and rotated here (attention_split_qk_norm_rope); q is then
+// unused.
+template <typename Out, int kDpl, bool kPrep = false>
 static __global__ void __launch_bounds__(kSplitWarps * 32)
 attention_split_kernel(Out* out, float* probs, const float* q, const float* k_cache, const float* v_cache, int T,
                        const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, float* partial,
-                       uint32_t* counters, int min_keys, AttentionVariant v) {
+                       uint32_t* counters, int min_keys, AttentionVariant v, AttentionQkPrep prep) {
+  float qw[kPrep ? kDpl : 1], kw[kPrep ? kDpl : 1];  // the norms' weights are constant: loaded before the wait
+  if constexpr (kPrep) {
+#pragma unroll
+    for (int j = 0; j < kDpl; ++j) {
+      qw[j] = prep.q_w[threadIdx.x % 32 + 32 * j];
+      kw[j] = prep.k_w[threadIdx.x % 32 + 32 * j];
+    }
+  }
   pdl_wait();
   pdl_trigger();
   const int split = blockIdx.x;
@@ -156,11 +188,48 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
   const float* v_head = v_cache + static_cast<int64_t>(kvh) * Dh;
 
   float qr[kDpl];
-  const float* qh = q + (static_cast<int64_t>(t) * H + h) * Dh;
+  // kPrep: the current key's cache row (cur), its rotated k and its v in registers (kc, vc), used for that row.
+  int cur = -1;
+  float kc[kPrep ? kDpl : 1], vc[kPrep ? kDpl : 1];
+  if constexpr (kPrep) {
+    const int pos = *prep.pos0;
+    const int64_t qrow = static_cast<int64_t>(h) * Dh, krow = static_cast<int64_t>(kvh) * Dh;
+    float qn[kDpl];
+    norm_rope_row<kDpl>(prep.q + qrow, qw, prep.eps, Dh, pos, prep.theta, prep.freq_factors, qn, qr);
+    if (split == 0 && warp == 0) {
 #pragma unroll
-  for (int j = 0; j < kDpl; ++j) {
-    const int d = lane + 32 * j;
-    qr[j] = d < Dh ? qh[d] : 0.0f;
+      for (int j = 0; j < kDpl; ++j) {
+        prep.q_norm[qrow + lane + 32 * j] = qn[j];
+        prep.q_out[qrow + lane + 32 * j] = qr[j];
+      }
+    }
+    const int wrow = *prep.write_pos;
+    const bool writer = split == 0 && h % (H / Hkv) == 0;
+    if (writer || (wrow >= s_begin && wrow < s_end)) {
+      float kn[kDpl];
+      norm_rope_row<kDpl>(prep.k + krow, kw, prep.eps, Dh, pos, prep.theta, prep.freq_factors, kn, kc);
+#pragma unroll
+      for (int j = 0; j < kDpl; ++j) vc[j] = prep.v[krow + lane + 32 * j];
+      cur = wrow;
+      if (writer && warp == 0) {
+        const int64_t cache_row = static_cast<int64_t>(wrow) * kv_stride + krow;
+#pragma unroll
+        for (int j = 0; j < kDpl; ++j) {
+          const int d = lane + 32 * j;
+          prep.k_norm[krow + d] = kn[j];
+          prep.k_out[krow + d] = kc[j];
+          prep.k_cache[cache_row + d] = kc[j];
+          prep.v_cache[cache_row + d] = vc[j];
+        }
+      }
+    }
+  } else {
+    const float* qh = q + (static_cast<int64_t>(t) * H + h) * Dh;
+#pragma unroll
+    for (int j = 0; j < kDpl; ++j) {
+      const int d = lane + 32 * j;
+      qr[j] = d < Dh ? qh[d] : 0.0f;
+    }
   }
 
   // Warp w takes keys s_begin + w, + kSplitWarps, ...; kKeyBatch of them at a time, every load issued
@@ -177,7 +246,16 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
     float kv[kKeyBatch][kDpl];
 #pragma unroll
     for (int u = 0; u < kKeyBatch; ++u) {
-      const int64_t r = min(s0 + u * kSplitWarps, s_end - 1) * kv_stride;
+      const int s = min(s0 + u * kSplitWarps, s_end - 1);
+      const int64_t r = s * kv_stride;
+      if (kPrep && s == cur) {  // the current key: normed and rotated here, not yet in the cache
+#pragma unroll
+        for (int j = 0; j < kDpl; ++j) {
+          kv[u][j] = kc[kPrep ? j : 0];
+          if (one_round) vv1[u][j] = vc[kPrep ? j : 0];
+        }
+        continue;
+      }
 #pragma unroll
       for (int j = 0; j < kDpl; ++j) {
         const int d = lane + 32 * j;
@@ -234,6 +312,11 @@ attention_split_kernel(Out* out, float* probs, const float* q, const float* k_ca
       const int s = min(s0 + u * kSplitWarps, s_end - 1);
       sc[u] = prow[s];
       const float* vr = v_head + s * kv_stride;
+      if (kPrep && s == cur) {  // the current key's v: not read from the cache, which this launch writes
+#pragma unroll
+        for (int j = 0; j < kDpl; ++j) vv[u][j] = vc[kPrep ? j : 0];
+        continue;
+      }
 #pragma unroll
       for (int j = 0; j < kDpl; ++j) {
         const int d = lane + 32 * j;
@@ -356,8 +439,28 @@ void launch_split(Out* out, float* probs, const float* q, const float* k_cache, 
                  : Dh <= 128 ? attention_split_kernel<Out, 4>
                              : attention_split_kernel<Out, kMaxDhPerLane>;
   launch_pdl(kernel, grid, kSplitWarps * 32, 0, stream, out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale,
-             window, scratch.partial, scratch.counters, scratch.min_keys, v);
+             window, scratch.partial, scratch.counters, scratch.min_keys, v, AttentionQkPrep{});
   check_launch("attention_split", stream);
+}
+
+template <typename Out>
+bool launch_split_prep(Out* out, float* probs, const AttentionQkPrep& prep, int T, const int32_t* n_past, int H,
+                       int Hkv, int Dh, float scale, int window, const AttentionSplitScratch& scratch,
+                       cudaStream_t stream, AttentionVariant v) {
+  if (!attention_split_qk_norm_rope_supported(T, Dh, prep.neox)) return false;
+  check_shape(H, Hkv, Dh);
+  if (scratch.splits < 1 || scratch.splits > kMaxSplits || probs == nullptr || scratch.partial == nullptr ||
+      scratch.counters == nullptr || scratch.min_keys < 1)
+    throw Error("attention_split_qk_norm_rope: probs and the scratch buffers are required");
+  const dim3 grid(static_cast<unsigned>(scratch.splits), static_cast<unsigned>(H), 1u);
+  auto* kernel = Dh == 64    ? attention_split_kernel<Out, 2, true>
+                 : Dh == 128 ? attention_split_kernel<Out, 4, true>
+                             : attention_split_kernel<Out, kMaxDhPerLane, true>;
+  launch_pdl(kernel, grid, kSplitWarps * 32, 0, stream, out, probs, static_cast<const float*>(nullptr), prep.k_cache,
+             prep.v_cache, T, n_past, H, Hkv, Dh, scale, window, scratch.partial, scratch.counters, scratch.min_keys, v,
+             prep);
+  check_launch("attention_split_qk_norm_rope", stream);
+  return true;
 }
 
 template <typename Out>
@@ -383,6 +486,22 @@ void attention(__half* out, float* probs, const float* q, const float* k_cache, 
                const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window, cudaStream_t stream,
                AttentionVariant variant) {
   launch(out, probs, q, k_cache, v_cache, T, n_past, H, Hkv, Dh, scale, window, stream, variant);
+}
+
+bool attention_split_qk_norm_rope_supported(int T, int Dh, bool neox) {
+  return T == 1 && neox && (Dh == 64 || Dh == 128 || Dh == 32 * kMaxDhPerLane);
+}
+
+bool attention_split_qk_norm_rope(float* out, float* probs, const AttentionQkPrep& prep, int T, const int32_t* n_past,
+                                  int H, int Hkv, int Dh, float scale, int window, const AttentionSplitScratch& scratch,
+                                  cudaStream_t stream, AttentionVariant variant) {
+  return launch_split_prep(out, probs, prep, T, n_past, H, Hkv, Dh, scale, window, scratch, stream, variant);
+}
+
+bool attention_split_qk_norm_rope(__half* out, float* probs, const AttentionQkPrep& prep, int T,
+                                  const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
+                                  const AttentionSplitScratch& scratch, cudaStream_t stream, AttentionVariant variant) {
+  return launch_split_prep(out, probs, prep, T, n_past, H, Hkv, Dh, scale, window, scratch, stream, variant);
 }
 
 int attention_split_count(int H, int sm_count) {

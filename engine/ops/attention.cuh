@@ -77,4 +77,43 @@ void attention_split(__half* out, float* probs, const float* q, const float* k_c
                      const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
                      const AttentionSplitScratch& scratch, cudaStream_t stream, AttentionVariant variant = {});
 
+// A one-token step's q/k norms and RoPE (qwen3, gemma3: qk_norm_rope's work) done in attention_split's launch, so that
+// the step has no launch for them. Every block norms and rotates its head's q from the projection's (qk_norm_rope's
+// arithmetic, lane l holding elements l + 32j as there: the same bits), and a block whose keys include the cache row
+// *write_pos its KV head's k, whose rotated row and v it uses for that row instead of reading the cache. Split 0 of
+// each head writes its Qnorm and Qrope rows; split 0 of the first head of each KV group writes Knorm, Krope and the
+// cache rows *write_pos of k_cache and v_cache (which no block of the launch reads).
+struct AttentionQkPrep {
+  const float* q = nullptr;  // [H·Dh] Qcur
+  const float* k = nullptr;  // [Hkv·Dh] Kcur
+  const float* v = nullptr;  // [Hkv·Dh] Vcur
+  const float* q_w = nullptr;
+  const float* k_w = nullptr;  // [Dh] the norms' weights
+  float eps = 0.0f;
+  float* q_norm = nullptr;  // [H·Dh] Qnorm (out)
+  float* k_norm = nullptr;  // [Hkv·Dh] Knorm (out)
+  float* q_out = nullptr;   // [H·Dh] Qrope (out)
+  float* k_out = nullptr;   // [Hkv·Dh] Krope (out)
+  float* k_cache = nullptr;
+  float* v_cache = nullptr;  // the layer's cache, [max_ctx, Hkv·Dh]: row *write_pos written
+  const int32_t* pos0 = nullptr;       // [1] device: the token's position
+  const int32_t* write_pos = nullptr;  // [1] device: its cache row
+  float theta = 0.0f;
+  const float* freq_factors = nullptr;  // [Dh/2] or null
+  bool neox = true;
+};
+
+// Whether attention_split_qk_norm_rope takes a step: one token, heads of 64, 128 or 256, the neox rotation.
+bool attention_split_qk_norm_rope_supported(int T, int Dh, bool neox);
+
+// attention_split over the cache as the two launches qk_norm_rope (at prep.pos0, prep.write_pos), then
+// attention_split, leave it, and their outputs: bit-identical. False, launching nothing, where it is not supported.
+bool attention_split_qk_norm_rope(float* out, float* probs, const AttentionQkPrep& prep, int T, const int32_t* n_past,
+                                  int H, int Hkv, int Dh, float scale, int window, const AttentionSplitScratch& scratch,
+                                  cudaStream_t stream, AttentionVariant variant = {});
+bool attention_split_qk_norm_rope(__half* out, float* probs, const AttentionQkPrep& prep, int T,
+                                  const int32_t* n_past, int H, int Hkv, int Dh, float scale, int window,
+                                  const AttentionSplitScratch& scratch, cudaStream_t stream,
+                                  AttentionVariant variant = {});
+
 }  // namespace diffrun::engine
