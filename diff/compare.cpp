@@ -90,14 +90,12 @@ bool has_tokens(const DumpReader& d, int step) {
   return info && info->is_int;
 }
 
-// A checkpoint holding its last rows only (row_offset, docs/dump-format.md "Rows"): keeps the rows
-// from row_lo of dimension rd (row_dim of its layout) of a tensor whose first row is `offset` (the
-// shape alone when data is null).
-void keep_rows(std::vector<int64_t>& shape, int64_t offset, int64_t row_lo, int rd, std::vector<float>* data) {
-  if (offset >= row_lo || rd < 0 || static_cast<size_t>(rd) >= shape.size() || shape[rd] < row_lo - offset) return;
-  const int64_t drop = row_lo - offset;
-  if (data) *data = rows_from(*data, shape, rd, drop);
-  shape[rd] -= drop;
+// A checkpoint holding its last rows only (row_offset, docs/dump-format.md "Rows"): how many leading rows of
+// dimension rd (row_dim of its layout) of a tensor whose first row is `offset` fall before row_lo (0: none, or
+// no such dimension).
+int64_t rows_before(const std::vector<int64_t>& shape, int64_t offset, int64_t row_lo, int rd) {
+  if (offset >= row_lo || rd < 0 || static_cast<size_t>(rd) >= shape.size() || shape[rd] < row_lo - offset) return 0;
+  return row_lo - offset;
 }
 
 // The fit of the engine's values to f16 storage (F16Fit) over finite data.
@@ -223,8 +221,10 @@ const ToleranceRule* start_result(CheckpointResult& r, int step, const DatasetIn
   }
   rd = row_dim(r.layout);
   const int64_t row_lo = std::max(engine->row_offset, reference->row_offset);
-  keep_rows(r.shape_engine, engine->row_offset, row_lo, rd, nullptr);
-  keep_rows(r.shape_reference, reference->row_offset, row_lo, rd, nullptr);
+  if (rd >= 0) {
+    r.shape_engine[rd] -= rows_before(r.shape_engine, engine->row_offset, row_lo, rd);
+    r.shape_reference[rd] -= rows_before(r.shape_reference, reference->row_offset, row_lo, rd);
+  }
   r.row_offset = row_lo;
   if (r.shape_engine != r.shape_reference) {
     r.status = CheckpointStatus::shape_mismatch;
@@ -257,13 +257,36 @@ void judge_values(CheckpointResult& r, const ToleranceRule& rule, const Toleranc
 // into them where the rows dropped lead the data, else a copy into `cut`.
 std::span<const float> compared_rows(std::span<const float> values, const std::vector<int64_t>& shape, int64_t offset,
                                      int64_t row_lo, int rd, std::vector<float>& cut) {
-  if (offset >= row_lo || rd < 0 || static_cast<size_t>(rd) >= shape.size() || shape[rd] < row_lo - offset) return values;
+  const int64_t drop = rows_before(shape, offset, row_lo, rd);
+  if (drop == 0) return values;
   int64_t outer = 1, inner = 1;
   for (int i = 0; i < rd; ++i) outer *= shape[i];
   for (size_t i = rd + 1; i < shape.size(); ++i) inner *= shape[i];
-  if (outer == 1) return values.subspan(static_cast<size_t>((row_lo - offset) * inner));
-  cut = rows_from(values, shape, rd, row_lo - offset);
+  if (outer == 1) return values.subspan(static_cast<size_t>(drop * inner));
+  cut = rows_from(values, shape, rd, drop);
   return cut;
+}
+
+// The values both sides hold (a and b as stored, each the whole of its shape) judged into r: views of them, or the
+// rows kept copied into c.
+void judge_stored(CheckpointResult& r, const ToleranceRule& rule, const ToleranceSet& tolerances, const DimSizes& dims,
+                  const DatasetInfo& engine, const DatasetInfo& reference, int rd, std::span<const float> a,
+                  std::span<const float> b, ComparedValues& c) {
+  for (const auto& [info, values] : {std::pair{&engine, a}, std::pair{&reference, b}}) {
+    int64_t n = 1;
+    for (int64_t e : info->shape) n *= e;
+    if (static_cast<int64_t>(values.size()) != n)
+      throw Error(fmt::format("{} of step {}: {} values for a shape of {} elements", info->name, r.step, values.size(), n));
+  }
+  c.a = compared_rows(a, engine.shape, engine.row_offset, r.row_offset, rd, c.a_cut);
+  c.b = compared_rows(b, reference.shape, reference.row_offset, r.row_offset, rd, c.b_cut);
+  judge_values(r, rule, tolerances, dims, c.a, c.b);
+}
+
+// `values` narrowed to `kept` (a view into it, or a copy held elsewhere) as a vector of its own.
+std::vector<float> kept_values(std::vector<float>&& values, std::span<const float> kept) {
+  if (kept.data() == values.data() && kept.size() == values.size()) return std::move(values);
+  return {kept.begin(), kept.end()};
 }
 
 }  // namespace
@@ -278,12 +301,10 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
   if (!rule) return r;
   std::vector<float> a, b;
   read(a, b);
-  std::vector<int64_t> shape_a = engine->shape, shape_b = reference->shape;
-  keep_rows(shape_a, engine->row_offset, r.row_offset, rd, &a);
-  keep_rows(shape_b, reference->row_offset, r.row_offset, rd, &b);
-  judge_values(r, *rule, tolerances, dims, a, b);
-  if (a_out) *a_out = std::move(a);
-  if (b_out) *b_out = std::move(b);
+  ComparedValues c;
+  judge_stored(r, *rule, tolerances, dims, *engine, *reference, rd, a, b, c);
+  if (a_out) *a_out = kept_values(std::move(a), c.a);
+  if (b_out) *b_out = kept_values(std::move(b), c.b);
   return r;
 }
 
@@ -294,17 +315,8 @@ CheckpointResult compare_checkpoint(int step, const DatasetInfo* engine, const D
   int rd = -1;
   const ToleranceRule* rule = start_result(r, step, engine, reference, tolerances, positions, rd);
   if (!rule) return r;
-  for (const auto& [info, values] : {std::pair{engine, a}, std::pair{reference, b}}) {
-    int64_t n = 1;
-    for (int64_t e : info->shape) n *= e;
-    if (static_cast<int64_t>(values.size()) != n)
-      throw Error(fmt::format("{} of step {}: {} values for a shape of {} elements", info->name, step, values.size(), n));
-  }
   ComparedValues own;
-  ComparedValues& c = compared ? *compared : own;
-  c.a = compared_rows(a, engine->shape, engine->row_offset, r.row_offset, rd, c.a_cut);
-  c.b = compared_rows(b, reference->shape, reference->row_offset, r.row_offset, rd, c.b_cut);
-  judge_values(r, *rule, tolerances, dims, c.a, c.b);
+  judge_stored(r, *rule, tolerances, dims, *engine, *reference, rd, a, b, compared ? *compared : own);
   return r;
 }
 

@@ -17,7 +17,6 @@
 #include <limits>
 #include <numeric>
 #include <tuple>
-#include <optional>
 
 #include <fmt/core.h>
 
