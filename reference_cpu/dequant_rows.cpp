@@ -718,6 +718,67 @@ template <int kRound>
   }
 }
 
+// One Q4_K row against NT tokens (a prefill's or a draft's): each 16 values looked up once, as q4_k_table_values
+// makes them (widened to doubles for f64: exact, rows_q4_k_table_wide's values), and taken into every token's lane
+// sums, whose inputs are read where they are (x [NT, ldx], no packing). Token t's lanes take the same values in the
+// same order as dot_q4_k_table's (f32) or dot_q4_k_table_f64's (f64) at that token alone, so the same bits; acc
+// [NT, 16]. The NT tokens' sums are NT (f32) or 2 NT (f64) independent chains in registers.
+template <bool kRound, int NT>
+void dot_q4_k_table_tokens(const uint8_t* b, const float* x, int64_t ldx, int64_t n_blocks, float* acc) {
+  __m512 s[NT];
+  for (int t = 0; t < NT; ++t) s[t] = _mm512_loadu_ps(acc + 16 * t);
+  q4_k_blocks<kRound>(b, n_blocks, [&]<int R>(const uint8_t* block, int64_t i) {
+    const float* xb = x + i * QK_K;
+    q4_k_table_values<R>(block, [&](int k, __m512 v) {
+      for (int t = 0; t < NT; ++t) s[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + t * ldx + k), v, s[t]);
+    });
+  });
+  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(acc + 16 * t, s[t]);
+}
+
+template <bool kRound, int NT>
+void dot_q4_k_table_tokens(const uint8_t* b, const double* x, int64_t ldx, int64_t n_blocks, double* acc) {
+  __m512d s[NT][2];
+  for (int t = 0; t < NT; ++t) {
+    s[t][0] = _mm512_loadu_pd(acc + 16 * t);
+    s[t][1] = _mm512_loadu_pd(acc + 16 * t + 8);
+  }
+  q4_k_blocks<kRound>(b, n_blocks, [&]<int R>(const uint8_t* block, int64_t i) {
+    const double* xb = x + i * QK_K;
+    q4_k_table_values<R>(block, [&](int k, __m512 v) {
+      const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+      const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+      for (int t = 0; t < NT; ++t) {
+        s[t][0] = _mm512_fmadd_pd(_mm512_loadu_pd(xb + t * ldx + k), lo, s[t][0]);
+        s[t][1] = _mm512_fmadd_pd(_mm512_loadu_pd(xb + t * ldx + k + 8), hi, s[t][1]);
+      }
+    });
+  });
+  for (int t = 0; t < NT; ++t) {
+    _mm512_storeu_pd(acc + 16 * t, s[t][0]);
+    _mm512_storeu_pd(acc + 16 * t + 8, s[t][1]);
+  }
+}
+
+template <typename T>
+void dot_q4_k_tokens(const uint8_t* b, bool round, const T* x, int64_t ldx, int nt, int64_t n_blocks, T* acc) {
+  auto run = [&]<int NT>() {
+    round ? dot_q4_k_table_tokens<true, NT>(b, x, ldx, n_blocks, acc)
+          : dot_q4_k_table_tokens<false, NT>(b, x, ldx, n_blocks, acc);
+  };
+  switch (nt) {
+    case 1: run.template operator()<1>(); break;
+    case 2: run.template operator()<2>(); break;
+    case 3: run.template operator()<3>(); break;
+    case 4: run.template operator()<4>(); break;
+    case 5: run.template operator()<5>(); break;
+    case 6: run.template operator()<6>(); break;
+    case 7: run.template operator()<7>(); break;
+    default: run.template operator()<8>(); break;
+  }
+}
+#define DIFFRUN_REF_DOT_TOKENS 1
+
 // dot_q4_k_table_f64 of two rows (b0, b1) against the same x: acc0 and acc1 [16] each.
 void dot_q4_k_table_f64_x2(const uint8_t* b0, const uint8_t* b1, const double* x, int64_t n_blocks, double* acc0,
                            double* acc1) {
@@ -873,6 +934,31 @@ bool decode_dot_x2(GgmlType type, const std::byte* s0, const std::byte* s1, bool
 #endif
 }
 
+template <typename T>
+bool decode_dot_tokens(GgmlType type, const std::byte* src, bool round, const T* x, int64_t ldx, int nt, int64_t n,
+                       T* acc) {
+#if DIFFRUN_REF_DOT_TOKENS
+  if (type != GgmlType::Q4_K || nt < 1 || nt > kDotTokens || portable_kernels()) return false;
+  dot_q4_k_tokens(reinterpret_cast<const uint8_t*>(src), round, x, ldx, nt, n / QK_K, acc);
+  return true;
+#else
+  (void)type, (void)src, (void)round, (void)x, (void)ldx, (void)nt, (void)n, (void)acc;
+  return false;
+#endif
+}
+
+bool has_dot_tokens(GgmlType type) {
+#if DIFFRUN_REF_DOT_TOKENS
+  return type == GgmlType::Q4_K && !portable_kernels();
+#else
+  (void)type;
+  return false;
+#endif
+}
+
+template bool decode_dot_tokens<float>(GgmlType, const std::byte*, bool, const float*, int64_t, int, int64_t, float*);
+template bool decode_dot_tokens<double>(GgmlType, const std::byte*, bool, const double*, int64_t, int, int64_t,
+                                        double*);
 template bool decode_dot<float>(GgmlType, const std::byte*, bool, const float*, int64_t, float*);
 template bool decode_dot<double>(GgmlType, const std::byte*, bool, const double*, int64_t, double*);
 

@@ -34,4 +34,14 @@ bool decode_dot(GgmlType type, const std::byte* src, bool round, const T* x, int
 bool decode_dot_x2(GgmlType type, const std::byte* s0, const std::byte* s1, bool round, const double* x, int64_t n,
                    double* acc0, double* acc1);
 
+// Tokens a decode_dot_tokens call takes at once, at most.
+constexpr int kDotTokens = 8;
+// decode_dot of one row against nt (1 .. kDotTokens) tokens' inputs x [nt, ldx]: acc [nt, 16] takes, per token, what
+// decode_dot would give it (the row's values looked up once for all of them); false, touching nothing, where there is
+// no such kernel (has_dot_tokens: Q4_K with AVX-512, unless the portable kernels are selected).
+template <typename T>
+bool decode_dot_tokens(GgmlType type, const std::byte* src, bool round, const T* x, int64_t ldx, int nt, int64_t n,
+                       T* acc);
+bool has_dot_tokens(GgmlType type);
+
 }  // namespace diffrun::ref

@@ -132,6 +132,19 @@ bool WeightMatrix<T>::decode_dot_x2(T* acc0, T* acc1, int64_t r, int64_t c0, int
 }
 
 template <typename T>
+bool WeightMatrix<T>::decode_dot_tokens(T* acc, int64_t r, int64_t c0, int64_t nc, const T* x, int64_t ldx,
+                                        int nt) const {
+  const int64_t offset = c0 / ggml_block_elements(type_) * ggml_block_bytes(type_);
+  return ref::decode_dot_tokens(type_, bytes() + r * row_bytes_ + offset, round_f16_ && type_ != GgmlType::F16, x, ldx,
+                                nt, nc, acc);
+}
+
+template <typename T>
+bool WeightMatrix<T>::dots_for_tokens() const {
+  return !dense() && has_dot_tokens(type_);
+}
+
+template <typename T>
 WeightMatrix<T> WeightMatrix<T>::row_block(int64_t r0, int64_t n) const {
   if (dense()) return WeightMatrix<T>(Matrix<T>(dense_.middleRows(r0, n)));
   if (owned_.empty()) return WeightMatrix<T>(type_, bytes_ + r0 * row_bytes_, n, cols_, round_f16_);

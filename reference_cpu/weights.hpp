@@ -59,6 +59,11 @@ class WeightMatrix {
   // The same for rows r and r + 1 at once (acc0, acc1), where the format has a two-row decoder (f64: Q4_K); false,
   // touching nothing, where it has none.
   bool decode_dot_x2(T* acc0, T* acc1, int64_t r, int64_t c0, int64_t nc, const T* x) const;
+  // Streamed only: the same for nt (1 .. kDotTokens) tokens' inputs x [nt, ldx] at once against row r, acc [nt, 16]
+  // (dequant_rows.hpp's decode_dot_tokens); false, touching nothing, where the format has no such kernel
+  // (dots_for_tokens()).
+  bool decode_dot_tokens(T* acc, int64_t r, int64_t c0, int64_t nc, const T* x, int64_t ldx, int nt) const;
+  bool dots_for_tokens() const;
 
   // Rows r0 .. r0+n-1 as a matrix of their own: a view of the same bytes (streamed), or a copy of them (owned bytes,
   // dense values). One expert's matrix out of a GGUF stack [E·rows, cols].

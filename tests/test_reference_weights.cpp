@@ -225,7 +225,7 @@ void expect_streamed_matmul_equals_dense(const GgufFile& file, const TensorInfo&
   std::vector<T> bias(N);
   for (T& b : bias) b = static_cast<T>(normal(rng));
   const int threads_before = omp_get_max_threads();
-  for (int n_tokens : {1, 7, 40}) {
+  for (int n_tokens : {1, 7, 8, 40}) {  // 2 .. 8 tokens: decode_dot_tokens where the format has it
     std::vector<T> x(static_cast<size_t>(n_tokens) * K);
     for (T& v : x) v = static_cast<T>(normal(rng));
     std::vector<T> first;  // the values at 1 thread, vectorised: every thread count and both kernels give them
@@ -357,6 +357,61 @@ TEST(DequantRows, TwoRowDecodeDotEqualsOneRowEach) {
     for (int r = 0; r < 2; ++r)
       for (double v : declined[r]) EXPECT_EQ(v, 0.0);
   }
+}
+
+// One row against 1 .. kDotTokens tokens at once (a draft's or a short prompt's Q4_K rows) gives each token's
+// decode_dot bit for bit, added to what each token's sums held: f32 and f64, rounded to f16 or not, finite scales or
+// any, the inputs at a stride; with the portable kernels, another format or too many tokens, it declines.
+template <typename T>
+void expect_tokens_decode_dot_equals_one_token_each() {
+  std::mt19937 rng(13);
+  std::normal_distribution<double> normal;
+  const int64_t n = 4 * 256, ldx = n + 40;
+  const int nmax = ref::kDotTokens;
+  for (bool finite : {true, false}) {
+    std::vector<std::byte> bytes(static_cast<size_t>(n / 256 * ggml_block_bytes(GgmlType::Q4_K)));
+    for (std::byte& b : bytes) b = static_cast<std::byte>(rng() & 0xff);
+    if (finite) {
+      for (size_t i = 0; i < bytes.size(); i += static_cast<size_t>(ggml_block_bytes(GgmlType::Q4_K)))
+        for (int o : {0, 2}) bytes[i + o + 1] &= std::byte{0xbf};
+    }
+    std::vector<T> x(static_cast<size_t>(nmax * ldx)), start(static_cast<size_t>(nmax * ref::kLanes));
+    for (T& v : x) v = static_cast<T>(normal(rng));
+    for (T& v : start) v = static_cast<T>(normal(rng));
+    for (bool round : {false, true}) {
+      for (int nt = 1; nt <= nmax; ++nt) {
+        SCOPED_TRACE(std::string(sizeof(T) == 8 ? "f64" : "f32") + (finite ? " finite" : " any") +
+                     (round ? " f16" : "") + " tokens " + std::to_string(nt));
+        std::vector<T> want(start.begin(), start.begin() + nt * ref::kLanes), got = want;
+        for (int t = 0; t < nt; ++t) {
+          if (!ref::decode_dot(GgmlType::Q4_K, bytes.data(), round, x.data() + t * ldx, n, want.data() + t * ref::kLanes))
+            GTEST_SKIP() << "no fused decoders in this build (" << ref::kernels_name() << ")";
+        }
+        if (!ref::decode_dot_tokens(GgmlType::Q4_K, bytes.data(), round, x.data(), ldx, nt, n, got.data()))
+          GTEST_SKIP() << "no decoder for several tokens in this build (" << ref::kernels_name() << ")";
+        for (size_t j = 0; j < want.size(); ++j) {
+          if (!finite && std::isnan(want[j]) && std::isnan(got[j])) continue;
+          ASSERT_EQ(std::memcmp(&want[j], &got[j], sizeof(T)), 0) << "token " << j / ref::kLanes << " lane "
+                                                                  << j % ref::kLanes;
+        }
+      }
+    }
+    std::vector<T> declined(static_cast<size_t>((nmax + 1) * ref::kLanes));
+    EXPECT_FALSE(ref::decode_dot_tokens(GgmlType::Q6_K, bytes.data(), false, x.data(), ldx, 2, n, declined.data()));
+    EXPECT_FALSE(ref::decode_dot_tokens(GgmlType::Q4_K, bytes.data(), false, x.data(), ldx, 0, n, declined.data()));
+    EXPECT_FALSE(ref::decode_dot_tokens(GgmlType::Q4_K, bytes.data(), false, x.data(), ldx, nmax + 1, n,
+                                        declined.data()));
+    {
+      const KernelChoice portable(true);
+      EXPECT_FALSE(ref::decode_dot_tokens(GgmlType::Q4_K, bytes.data(), false, x.data(), ldx, 2, n, declined.data()));
+    }
+    for (T v : declined) EXPECT_EQ(v, T(0));
+  }
+}
+
+TEST(DequantRows, TokensDecodeDotEqualsOneTokenEach) {
+  expect_tokens_decode_dot_equals_one_token_each<float>();
+  expect_tokens_decode_dot_equals_one_token_each<double>();
 }
 
 TEST(StreamedMatmul, EqualsDenseMatmulBitForBit) {

@@ -2,12 +2,14 @@
 #include "reference_cpu/ops/matmul.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "model/error.hpp"
+#include "reference_cpu/dequant_rows.hpp"
 #include "reference_cpu/kernels.hpp"
 #include "reference_cpu/weights.hpp"
 
@@ -25,6 +27,22 @@ constexpr int kPiece = 1024;
 // Rows a one-token step hands a thread at a time (consecutive rows: the weights' bytes are read in order, which the
 // hardware prefetchers follow; taking a piece of x against several rows at a time was 10% slower on the 7B shape).
 constexpr int kDecodeRows = 16;
+
+// Inputs a few-token matmul (decode_dot_tokens) takes against a group's rows before the next ones: one Q4_K block
+// (kDotTokens f64 tokens' inputs: 16 KB, in L1).
+constexpr int kTokensPiece = 256;
+
+// Up to kDotTokens tokens take decode_dot_tokens where the format has it (on the 16-core GPU host, 8 tokens of a 7B
+// Q4_K matrix on one thread: f64 0.047 -> 0.036 s, f32-f16store 0.039 -> 0.021 s against the token-lane kernels; at
+// 16 tokens and more the token lanes are faster: bench/NOTES.md). DIFFRUN_REF_DOT_TOKENS=0 turns it off (the same
+// values either way).
+bool dot_tokens_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("DIFFRUN_REF_DOT_TOKENS");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
 
 // Inputs a prefill takes against the rows of a tile before the next ones: a group of tokens' inputs (16 KB for 4 f64
 // tokens) stays in L1 across the tile's rows. Rows of up to kChunkWhole inputs are taken whole.
@@ -187,6 +205,33 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const WeightMatrix<T>& W
             lane_accumulate(acc, piece.data(), x + k0, K, 1, m);
           }
           out[n] = finish(acc, bias, n);
+        }
+      }
+    }
+    return;
+  }
+  if (n_tokens <= kDotTokens && dot_tokens_enabled() && W.dots_for_tokens()) {
+    // A few tokens (a draft's 8 steps, a short prompt): a group of kDecodeRows rows a thread, a block of inputs at a
+    // time; each row's values looked up once, in registers, and taken into every token's lane sums (acc, kept across
+    // the pieces); the inputs read in place (a piece of the tokens' inputs stays in L1 across the group's rows).
+    const int n_groups = (N + kDecodeRows - 1) / kDecodeRows;
+#pragma omp parallel
+    {
+      std::vector<T> acc(static_cast<size_t>(kDecodeRows) * n_tokens * kLanes);  // [rows, T, 16]
+#pragma omp for schedule(dynamic) nowait
+      for (int i = 0; i < n_groups; ++i) {
+        const int n0 = i * kDecodeRows, n1 = std::min(N, n0 + kDecodeRows);
+        std::fill(acc.begin(), acc.end(), T(0));
+        for (int k0 = 0; k0 < K; k0 += kTokensPiece) {
+          const int m = std::min(kTokensPiece, K - k0);
+          for (int n = n0; n < n1; ++n) {
+            W.decode_dot_tokens(&acc[static_cast<size_t>(n - n0) * n_tokens * kLanes], n, k0, m, x + k0, K, n_tokens);
+          }
+        }
+        for (int n = n0; n < n1; ++n) {
+          for (int t = 0; t < n_tokens; ++t) {
+            out[static_cast<int64_t>(t) * N + n] = finish(&acc[(static_cast<size_t>(n - n0) * n_tokens + t) * kLanes], bias, n);
+          }
         }
       }
     }
