@@ -630,82 +630,41 @@ void rows_q4_k_table_wide(const uint8_t* b, double* y, int64_t n_blocks) {
 // BlockQ4_K's path takes a widening, a conversion, a product and a difference: 5-6% less CPU time a 7B decode step on
 // the workstation (bench/NOTES.md); the same doubles, so the same lane sums bit for bit. (Tried there and no faster:
 // the index by vpmovzxbq or vpmultishiftqb, the table in floats looked up 16 at a time with vpermps and widened, and
-// the index bytes transposed once per block with vpermb and read back at byte offsets.) A decode step takes two rows
-// at once (block_q4_k_table_f64_x2, below).
-template <int kRound>
-[[gnu::always_inline]] inline void block_q4_k_table_f64(const uint8_t* b, const double* x, __m512d& s0, __m512d& s1) {
-  alignas(32) float dsc[8], dm[8];
-  scales_k4_avx2(b + 4, half_at(b), half_at(b + 2), dsc, dm);
-  const __m512i shift_lo = _mm512_setr_epi64(0, 8, 16, 24, 32, 40, 48, 56);
-  const __m512i shift_hi = _mm512_setr_epi64(4, 12, 20, 28, 36, 44, 52, 60);
-  const uint8_t* q = b + 16;
-  for (int is = 0; is < 8; is += 2, q += 32, x += 64) {
-    const __m512 t1 = q4_k_table<kRound>(dsc + is, dm + is), t2 = q4_k_table<kRound>(dsc + is + 1, dm + is + 1);
-    auto wide = [](__m512 t, int h) {
-      return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), h)));
-    };
-    const __m512d t1a = wide(t1, 0), t1b = wide(t1, 1), t2a = wide(t2, 0), t2b = wide(t2, 1);
-    __m512i w[4];
-    for (int g = 0; g < 4; ++g) {
-      uint64_t v;
-      std::memcpy(&v, q + 8 * g, 8);
-      w[g] = _mm512_set1_epi64(static_cast<long long>(v));
-    }
-    // values 0..31 (low nibbles), then 32..63 (high nibbles): values 16 i .. 16 i + 7 to s0, the next 8 to s1
-    auto take = [&](__m512d& s, int k, __m512d ta, __m512d tb, __m512i codes, __m512i shift) {
-      s = _mm512_fmadd_pd(_mm512_loadu_pd(x + k), _mm512_permutex2var_pd(ta, _mm512_srlv_epi64(codes, shift), tb), s);
-    };
-    for (int g = 0; g < 4; g += 2) {
-      take(s0, 8 * g, t1a, t1b, w[g], shift_lo);
-      take(s1, 8 * g + 8, t1a, t1b, w[g + 1], shift_lo);
-    }
-    for (int g = 0; g < 4; g += 2) {
-      take(s0, 32 + 8 * g, t2a, t2b, w[g], shift_hi);
-      take(s1, 40 + 8 * g, t2a, t2b, w[g + 1], shift_hi);
-    }
+// the index bytes transposed once per block with vpermb and read back at byte offsets.)
+//
+// NR rows (1 or 2) in lockstep, one block each (b[r]) against the same x: their sub-blocks' tables side by side, each
+// 8 inputs loaded once for every row's fmas. A decode step takes two rows at once (dot_q4_k_table_f64_x2): four
+// chains of fmas instead of two (one row's two chains wait on the fma before: 4 cycles each), 15-20% less CPU time
+// per matrix on the workstation (bench/NOTES.md). Each row's lane sums take the same values in the same order
+// whatever NR: values 16 i .. 16 i + 7 to s[r][0], the next 8 to s[r][1].
+template <int kRound, int NR>
+[[gnu::always_inline]] inline void block_q4_k_table_f64(const uint8_t* const (&b)[NR], const double* x,
+                                                        __m512d (&s)[NR][2]) {
+  alignas(32) float dsc[NR][8], dm[NR][8];
+  const uint8_t* q[NR];
+  for (int r = 0; r < NR; ++r) {
+    scales_k4_avx2(b[r] + 4, half_at(b[r]), half_at(b[r] + 2), dsc[r], dm[r]);
+    q[r] = b[r] + 16;
   }
-}
-
-template <bool kRound>
-void dot_q4_k_table_f64(const uint8_t* b, const double* x, int64_t n_blocks, double* acc) {
-  __m512d s0 = _mm512_loadu_pd(acc), s1 = _mm512_loadu_pd(acc + 8);
-  q4_k_blocks<kRound>(b, n_blocks, [&]<int R>(const uint8_t* block, int64_t i) {
-    block_q4_k_table_f64<R>(block, x + i * QK_K, s0, s1);
-  });
-  _mm512_storeu_pd(acc, s0);
-  _mm512_storeu_pd(acc + 8, s1);
-}
-
-// Two rows in lockstep: their sub-blocks' tables side by side, each 8 inputs loaded once for both rows' fmas, four
-// chains of fmas instead of two (one row's two chains wait on the fma before: 4 cycles each). Each row's lane sums
-// take the same values in the same order as block_q4_k_table_f64's, so the same bits; 15-20% less CPU time per
-// matrix on the workstation (bench/NOTES.md).
-template <int kRound>
-[[gnu::always_inline]] inline void block_q4_k_table_f64_x2(const uint8_t* b0, const uint8_t* b1, const double* x,
-                                                           __m512d (&s)[2][2]) {
-  alignas(32) float dsc[2][8], dm[2][8];
-  scales_k4_avx2(b0 + 4, half_at(b0), half_at(b0 + 2), dsc[0], dm[0]);
-  scales_k4_avx2(b1 + 4, half_at(b1), half_at(b1 + 2), dsc[1], dm[1]);
   const __m512i shift[2] = {_mm512_setr_epi64(0, 8, 16, 24, 32, 40, 48, 56),
                             _mm512_setr_epi64(4, 12, 20, 28, 36, 44, 52, 60)};
-  const uint8_t* q[2] = {b0 + 16, b1 + 16};
   const auto wide = [](__m512 t, int h) {
     return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), h)));
   };
   for (int is = 0; is < 8; is += 2, x += 64) {
-    __m512d ta[2][2], tb[2][2];  // [row][low or high nibbles]: the table's entries 0..7 and 8..15
-    for (int r = 0; r < 2; ++r) {
+    __m512d ta[NR][2], tb[NR][2];  // [row][low or high nibbles]: the table's entries 0..7 and 8..15
+    for (int r = 0; r < NR; ++r) {
       for (int h = 0; h < 2; ++h) {
         const __m512 t = q4_k_table<kRound>(dsc[r] + is + h, dm[r] + is + h);
         ta[r][h] = wide(t, 0);
         tb[r][h] = wide(t, 1);
       }
     }
-    // values 0..31 (low nibbles), then 32..63 (high nibbles): values 16 i .. 16 i + 7 to s[r][0], the next 8 to s[r][1]
+    // values 0..31 (low nibbles), then 32..63 (high nibbles)
     for (int h = 0; h < 2; ++h) {
       for (int g = 0; g < 4; ++g) {
         const __m512d xv = _mm512_loadu_pd(x + 32 * h + 8 * g);
-        for (int r = 0; r < 2; ++r) {
+        for (int r = 0; r < NR; ++r) {
           uint64_t v;
           std::memcpy(&v, q[r] + 8 * g, 8);
           const __m512i idx = _mm512_srlv_epi64(_mm512_set1_epi64(static_cast<long long>(v)), shift[h]);
@@ -713,9 +672,19 @@ template <int kRound>
         }
       }
     }
-    q[0] += 32;
-    q[1] += 32;
+    for (int r = 0; r < NR; ++r) q[r] += 32;
   }
+}
+
+template <bool kRound>
+void dot_q4_k_table_f64(const uint8_t* b, const double* x, int64_t n_blocks, double* acc) {
+  __m512d s[1][2] = {{_mm512_loadu_pd(acc), _mm512_loadu_pd(acc + 8)}};
+  q4_k_blocks<kRound>(b, n_blocks, [&]<int R>(const uint8_t* block, int64_t i) {
+    const uint8_t* const rows[1] = {block};
+    block_q4_k_table_f64<R, 1>(rows, x + i * QK_K, s);
+  });
+  _mm512_storeu_pd(acc, s[0][0]);
+  _mm512_storeu_pd(acc + 8, s[0][1]);
 }
 
 // One Q4_K row against NT tokens (a prefill's or a draft's): each 16 values looked up once, as q4_k_table_values
@@ -786,7 +755,8 @@ void dot_q4_k_table_f64_x2(const uint8_t* b0, const uint8_t* b1, const double* x
   for (int64_t i = 0; i < n_blocks; ++i, b0 += BlockQ4_K::kBytes, b1 += BlockQ4_K::kBytes) {
     prefetch_ahead(b0, BlockQ4_K::kBytes);
     prefetch_ahead(b1, BlockQ4_K::kBytes);
-    block_q4_k_table_f64_x2<0>(b0, b1, x + i * QK_K, s);
+    const uint8_t* const rows[2] = {b0, b1};
+    block_q4_k_table_f64<0, 2>(rows, x + i * QK_K, s);
   }
   for (int h = 0; h < 2; ++h) {
     _mm512_storeu_pd(acc0 + 8 * h, s[0][h]);
