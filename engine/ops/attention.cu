@@ -126,7 +126,7 @@ constexpr int kSplitWarps = 8;
 constexpr int kKeyBatch = 4;  // keys per warp whose loads are in flight together
 
 // A head's row x of Dh = 32·kDpl (lane l holding elements l + 32j) normed with the weights w as qk_norm_rope norms it
-// (the squares' warp sums added in j order, rms_scale, x·scale·w) into n, then rotated at pos as it rotates it
+// (warp_rms_norm_row) into n, then rotated at pos as it rotates it
 // (neox pairs: elements j and j + kDpl/2 of a lane, rope_pair) into y. The same bits as qk_norm_rope's row.
 template <int kDpl>
 __device__ __forceinline__ void norm_rope_row(const float* x, const float (&w)[kDpl], float eps, int Dh, int pos,
@@ -136,12 +136,7 @@ __device__ __forceinline__ void norm_rope_row(const float* x, const float (&w)[k
   float xv[kDpl];
 #pragma unroll
   for (int j = 0; j < kDpl; ++j) xv[j] = x[lane + 32 * j];
-  float ss = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kDpl; ++j) ss += warp_sum(xv[j] * xv[j]);
-  const float scale = rms_scale(ss, Dh, eps);
-#pragma unroll
-  for (int j = 0; j < kDpl; ++j) n[j] = xv[j] * scale * w[j];
+  warp_rms_norm_row<kDpl>(xv, w, Dh, eps, n);
 #pragma unroll
   for (int j = 0; j < kDpl / 2; ++j)
     rope_pair(n[j], n[j + kDpl / 2], pos, lane + 32 * j, Dh, theta, freq_factors, y[j], y[j + kDpl / 2]);

@@ -49,6 +49,20 @@ __device__ __forceinline__ float rms_scale(float sum_squares, int D, float eps) 
   return 1.0f / sqrtf(sum_squares / static_cast<float>(D) + eps);
 }
 
+// One warp's RMSNorm of a row held kPer values a lane (element lane + 32 j in x[j]): the squares' warp sums in j order,
+// rms_scale, then x · scale · w. qk_norm_rope and attention_split_qk_norm_rope both norm a head's q and k by it, so
+// their Qnorm and Knorm have the same bits.
+template <int kPer>
+__device__ __forceinline__ void warp_rms_norm_row(const float (&x)[kPer], const float (&w)[kPer], int D, float eps,
+                                                  float (&y)[kPer]) {
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) ss += warp_sum(x[j] * x[j]);
+  const float scale = rms_scale(ss, D, eps);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) y[j] = x[j] * scale * w[j];
+}
+
 // Row elements per thread that rms_norm, add_rms_norm and embedding_rms_norm keep in registers: the fewest of 8,
 // 16 and 32 that hold the row at 256 threads (D up to 2048, 4096 and 8192); 0 for a wider row, which they read from
 // memory. A thread's elements are d = threadIdx.x + i·kOpThreads in every case, summed in that order, so the count

@@ -44,15 +44,12 @@ qk_norm_rope_kernel(float* q_out, float* k_out, float* k_cache, float* v_cache, 
   for (int j = 0; j < kPer; ++j) xv[j] = x[lane + 32 * j];
   float* r = rows[warp];
   if constexpr (kNorm) {
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) ss += warp_sum(xv[j] * xv[j]);
-    const float scale = rms_scale(ss, Dh, eps);
+    float y[kPer];
+    warp_rms_norm_row<kPer>(xv, wv, Dh, eps, y);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      const float y = xv[j] * scale * wv[j];
-      x[lane + 32 * j] = y;  // Qnorm / Knorm, in place
-      r[lane + 32 * j] = y;
+      x[lane + 32 * j] = y[j];  // Qnorm / Knorm, in place
+      r[lane + 32 * j] = y[j];
     }
   } else {
 #pragma unroll
