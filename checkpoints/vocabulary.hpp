@@ -108,6 +108,12 @@ inline constexpr std::string_view kTokensCheckpoint = "tokens";
 // The checkpoint holding a step's logits ([T, V]; the last row is what a step returns).
 inline constexpr std::string_view kLogitsCheckpoint = "result_output";
 
+// Attention's probabilities ([H, T, S]: causal, rows cut by --softmax-rows) and its output before the output
+// projection ([T, H, Dh]), the kinds whose patterns the diff reads by head (diff/pattern.cpp) and whose rows a dump may
+// cut (dump/rows.hpp).
+inline constexpr std::string_view kAttentionProbsKind = "kq_soft_max";
+inline constexpr std::string_view kAttentionOutKind = "kqv_out";
+
 // A mixture of experts' routing, as the kinds of the table name it: the router's logits ([T, E]), the K experts chosen
 // per token (ids stored as values, [T, K]) and their weights as selected and renormalised. The routing verdict
 // (diff/routing.hpp) and the routing follow-up read them by these names.

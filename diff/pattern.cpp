@@ -10,6 +10,7 @@
 #include <fmt/ranges.h>
 
 #include "checkpoints/dump_schema_names.hpp"
+#include "checkpoints/vocabulary.hpp"
 
 namespace diffrun::diff {
 namespace {
@@ -233,7 +234,7 @@ Totals sum_slices(std::span<const float> a, std::span<const float> b, int64_t n,
                  std::vector<char>(e)};
   }
   // Causal mask: in [H, T, S], token t of a step with S - T cached positions sees positions <= S - T + t.
-  const bool causal = base == "kq_soft_max" && named.size() == 3 && named[1].dim == dim_letter::T &&
+  const bool causal = base == kAttentionProbsKind && named.size() == 3 && named[1].dim == dim_letter::T &&
                       named[2].dim == dim_letter::S;
   const int64_t n_past = causal ? named[2].extent - named[1].extent : 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -367,7 +368,7 @@ std::string bug_hint(const ErrorPattern& p, const Evidence& e, std::string_view 
   if (rows && rows->dim == dim_letter::S && !rows->zero_engine.empty() && rows->partial())
     return fmt::format("cache row {} never written in the engine: the K/V write position", format_ranges(rows->zero_engine));
   if (!e.structural.empty()) return e.structural;
-  if (heads && heads->partial() && (base == "kq_soft_max" || base == "kqv_out"))
+  if (heads && heads->partial() && (base == kAttentionProbsKind || base == kAttentionOutKind))
     return "some query heads exact, others not: the query-to-KV head mapping (GQA)";
   if (rows && rows->dim == dim_letter::T && rows->partial() && rows->wrong.size() == 1)
     return fmt::format("one token wrong: that token (T={})", rows->wrong.front());

@@ -7,6 +7,7 @@
 #include <cctype>
 #include <cmath>
 
+#include "checkpoints/vocabulary.hpp"
 #include "dump/rows.hpp"
 #include "model/error.hpp"
 
@@ -39,7 +40,7 @@ Counted count(const ModelConfig& cfg, const DumpPlan& plan) {
       if (name != "tokens" && !plan.filter.matches(name)) continue;
       const ParsedCheckpointName parsed = parse_checkpoint_name(name);
       const CheckpointKind* kind = find_checkpoint_kind(parsed.base);
-      const bool softmax = parsed.base == "kq_soft_max";
+      const bool softmax = parsed.base == kAttentionProbsKind;
       uint64_t n = 1;
       if (is_cache_kind(parsed.base)) {
         // The rows written in the step (all of them at the prefill), or every valid row.

@@ -179,7 +179,7 @@ void layout_ambiguity(hid_t ds, std::string_view base, const std::vector<std::st
     for (size_t j = i + 1; j < shape.size(); ++j)
       if (shape[i] == shape[j] && shape[i] > 1) swaps.push_back({i, j});
   if (swaps.empty() || vocab_dims.size() != shape.size()) return;
-  if (base == "kq_soft_max" && shape.size() == 3 && element_count(shape) <= (int64_t(16) << 20)) {
+  if (base == kAttentionProbsKind && shape.size() == 3 && element_count(shape) <= (int64_t(16) << 20)) {
     Hid t(H5Dget_type(ds), H5Tclose);
     std::vector<float> x(static_cast<size_t>(element_count(shape)));
     if (H5Tget_class(t.get()) == H5T_FLOAT &&

@@ -29,9 +29,9 @@ int64_t kept_rows(std::string_view base, int64_t t, const RowLimits& limits) {
   const auto cut = [&](int64_t n) {
     if (n > 0) keep = std::min(keep, n);
   };
-  if (base == "kq_soft_max") cut(limits.softmax_rows);
-  if (base == "result_output") cut(limits.logits_rows);
-  if (base != "tokens") cut(limits.token_rows);
+  if (base == kAttentionProbsKind) cut(limits.softmax_rows);
+  if (base == kLogitsCheckpoint) cut(limits.logits_rows);
+  if (base != kTokensCheckpoint) cut(limits.token_rows);
   return keep;
 }
 
