@@ -230,7 +230,8 @@ void matmul(T* out /* [T,N] */, const T* x /* [T,K] */, const WeightMatrix<T>& W
         }
         for (int n = n0; n < n1; ++n) {
           for (int t = 0; t < n_tokens; ++t) {
-            out[static_cast<int64_t>(t) * N + n] = finish(&acc[(static_cast<size_t>(n - n0) * n_tokens + t) * kLanes], bias, n);
+            const T* lanes = &acc[(static_cast<size_t>(n - n0) * n_tokens + t) * kLanes];
+            out[static_cast<int64_t>(t) * N + n] = finish(lanes, bias, n);
           }
         }
       }
