@@ -729,21 +729,118 @@ void dot_q4_k_table_tokens(const uint8_t* b, const double* x, int64_t ldx, int64
   }
 }
 
+// The other formats' decoders (BlockQ4_0 .. BlockQ6_K, blocks_avx2) against NT tokens: each 16 decoded values taken
+// into every token's lane sums by one fma per lane, as LanesF32 / LanesF64 take them at one token, so each token's
+// sums are decode_dot's bits. Lanes 0..15 in one __m512 (f32) or two __m512d (f64) per token.
+template <typename T, int NT>
+struct TokenLanes;
+template <int NT>
+struct TokenLanes<float, NT> {
+  __m512 s[NT];
+  const float* x;  // the block's inputs of token 0; token t's are ldx further on
+  int64_t ldx;
+  void take16(__m256 a, __m256 b, int k) {
+    const __m512 v = _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_zextpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+    for (int t = 0; t < NT; ++t) s[t] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * ldx + k), v, s[t]);
+  }
+  void load(const float* acc) {
+    for (int t = 0; t < NT; ++t) s[t] = _mm512_loadu_ps(acc + 16 * t);
+  }
+  void store(float* acc) const {
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(acc + 16 * t, s[t]);
+  }
+};
+template <int NT>
+struct TokenLanes<double, NT> {
+  __m512d s[NT][2];
+  const double* x;
+  int64_t ldx;
+  void take16(__m256 a, __m256 b, int k) {
+    const __m512d lo = _mm512_cvtps_pd(a), hi = _mm512_cvtps_pd(b);
+    for (int t = 0; t < NT; ++t) {
+      s[t][0] = _mm512_fmadd_pd(_mm512_loadu_pd(x + t * ldx + k), lo, s[t][0]);
+      s[t][1] = _mm512_fmadd_pd(_mm512_loadu_pd(x + t * ldx + k + 8), hi, s[t][1]);
+    }
+  }
+  void load(const double* acc) {
+    for (int t = 0; t < NT; ++t)
+      for (int h = 0; h < 2; ++h) s[t][h] = _mm512_loadu_pd(acc + 16 * t + 8 * h);
+  }
+  void store(double* acc) const {
+    for (int t = 0; t < NT; ++t)
+      for (int h = 0; h < 2; ++h) _mm512_storeu_pd(acc + 16 * t + 8 * h, s[t][h]);
+  }
+};
+
+template <typename F, bool kRound, int NT, typename T>
+void dot_tokens_avx2(const uint8_t* b, const T* x, int64_t ldx, int64_t n_blocks, T* acc) {
+  TokenLanes<T, NT> lanes;
+  lanes.ldx = ldx;
+  lanes.load(acc);
+  LaneBlocks<TokenLanes<T, NT>, T, F::kElems> outs{lanes, x};
+  blocks_avx2<F, kRound>(b, n_blocks, outs);
+  lanes.store(acc);
+}
+
+// NT tokens of a row of `type` by its block decoder; false for a format with none here (Q4_K: its table, above).
+template <int NT, typename T>
+bool dot_tokens_of(GgmlType type, const uint8_t* b, bool round, const T* x, int64_t ldx, int64_t n, T* acc) {
+#define DIFFRUN_REF_DOT_TOKENS_OF(F)                                                                      \
+  round ? dot_tokens_avx2<F, true, NT>(b, x, ldx, n / F::kElems, acc)                                    \
+        : dot_tokens_avx2<F, false, NT>(b, x, ldx, n / F::kElems, acc);                                  \
+  return true
+  switch (type) {
+    case GgmlType::Q4_0: DIFFRUN_REF_DOT_TOKENS_OF(BlockQ4_0);
+    case GgmlType::Q4_1: DIFFRUN_REF_DOT_TOKENS_OF(BlockQ4_1);
+    case GgmlType::Q8_0: DIFFRUN_REF_DOT_TOKENS_OF(BlockQ8_0);
+    case GgmlType::Q5_K: DIFFRUN_REF_DOT_TOKENS_OF(BlockQ5_K);
+    case GgmlType::Q6_K: DIFFRUN_REF_DOT_TOKENS_OF(BlockQ6_K);
+    default: return false;
+  }
+#undef DIFFRUN_REF_DOT_TOKENS_OF
+}
+
+bool dot_tokens_format(GgmlType type) {
+  switch (type) {
+    case GgmlType::Q4_K:
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q8_0:
+    case GgmlType::Q5_K:
+    case GgmlType::Q6_K: return true;
+    default: return false;
+  }
+}
+
 template <typename T>
-void dot_q4_k_tokens(const uint8_t* b, bool round, const T* x, int64_t ldx, int nt, int64_t n_blocks, T* acc) {
-  auto run = [&]<int NT>() {
-    round ? dot_q4_k_table_tokens<true, NT>(b, x, ldx, n_blocks, acc)
-          : dot_q4_k_table_tokens<false, NT>(b, x, ldx, n_blocks, acc);
-  };
-  switch (nt) {
-    case 1: run.template operator()<1>(); break;
-    case 2: run.template operator()<2>(); break;
-    case 3: run.template operator()<3>(); break;
-    case 4: run.template operator()<4>(); break;
-    case 5: run.template operator()<5>(); break;
-    case 6: run.template operator()<6>(); break;
-    case 7: run.template operator()<7>(); break;
-    default: run.template operator()<8>(); break;
+void dot_tokens(GgmlType type, const uint8_t* b, bool round, const T* x, int64_t ldx, int nt, int64_t n, T* acc) {
+  if (type == GgmlType::Q4_K) {  // the table kernel, every count of tokens in one pass
+    auto run = [&]<int NT>() {
+      round ? dot_q4_k_table_tokens<true, NT>(b, x, ldx, n / QK_K, acc)
+            : dot_q4_k_table_tokens<false, NT>(b, x, ldx, n / QK_K, acc);
+    };
+    switch (nt) {
+      case 1: run.template operator()<1>(); return;
+      case 2: run.template operator()<2>(); return;
+      case 3: run.template operator()<3>(); return;
+      case 4: run.template operator()<4>(); return;
+      case 5: run.template operator()<5>(); return;
+      case 6: run.template operator()<6>(); return;
+      case 7: run.template operator()<7>(); return;
+      default: run.template operator()<8>(); return;
+    }
+  }
+  // The other formats in groups of 8, 4, 2 and 1 tokens (each group decodes the row again; a draft's 8 tokens are one).
+  for (int t = 0; t < nt;) {
+    const int g = nt - t >= 8 ? 8 : nt - t >= 4 ? 4 : nt - t >= 2 ? 2 : 1;
+    const T* xt = x + t * ldx;
+    T* at = acc + 16 * t;
+    g == 8   ? dot_tokens_of<8>(type, b, round, xt, ldx, n, at)
+    : g == 4 ? dot_tokens_of<4>(type, b, round, xt, ldx, n, at)
+    : g == 2 ? dot_tokens_of<2>(type, b, round, xt, ldx, n, at)
+             : dot_tokens_of<1>(type, b, round, xt, ldx, n, at);
+    t += g;
   }
 }
 #define DIFFRUN_REF_DOT_TOKENS 1
@@ -908,8 +1005,8 @@ template <typename T>
 bool decode_dot_tokens(GgmlType type, const std::byte* src, bool round, const T* x, int64_t ldx, int nt, int64_t n,
                        T* acc) {
 #if DIFFRUN_REF_DOT_TOKENS
-  if (type != GgmlType::Q4_K || nt < 1 || nt > kDotTokens || portable_kernels()) return false;
-  dot_q4_k_tokens(reinterpret_cast<const uint8_t*>(src), round, x, ldx, nt, n / QK_K, acc);
+  if (!dot_tokens_format(type) || nt < 1 || nt > kDotTokens || portable_kernels()) return false;
+  dot_tokens(type, reinterpret_cast<const uint8_t*>(src), round, x, ldx, nt, n, acc);
   return true;
 #else
   (void)type, (void)src, (void)round, (void)x, (void)ldx, (void)nt, (void)n, (void)acc;
@@ -919,7 +1016,7 @@ bool decode_dot_tokens(GgmlType type, const std::byte* src, bool round, const T*
 
 bool has_dot_tokens(GgmlType type) {
 #if DIFFRUN_REF_DOT_TOKENS
-  return type == GgmlType::Q4_K && !portable_kernels();
+  return dot_tokens_format(type) && !portable_kernels();
 #else
   (void)type;
   return false;

@@ -38,7 +38,8 @@ bool decode_dot_x2(GgmlType type, const std::byte* s0, const std::byte* s1, bool
 constexpr int kDotTokens = 8;
 // decode_dot of one row against nt (1 .. kDotTokens) tokens' inputs x [nt, ldx]: acc [nt, 16] takes, per token, what
 // decode_dot would give it (the row's values looked up once for all of them); false, touching nothing, where there is
-// no such kernel (has_dot_tokens: Q4_K with AVX-512, unless the portable kernels are selected).
+// no such kernel (has_dot_tokens: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K with AVX-512, unless the portable
+// kernels are selected).
 template <typename T>
 bool decode_dot_tokens(GgmlType type, const std::byte* src, bool round, const T* x, int64_t ldx, int nt, int64_t n,
                        T* acc);

@@ -359,35 +359,37 @@ TEST(DequantRows, TwoRowDecodeDotEqualsOneRowEach) {
   }
 }
 
-// One row against 1 .. kDotTokens tokens at once (a draft's or a short prompt's Q4_K rows) gives each token's
-// decode_dot bit for bit, added to what each token's sums held: f32 and f64, rounded to f16 or not, finite scales or
-// any, the inputs at a stride; with the portable kernels, another format or too many tokens, it declines.
+// One row against 1 .. kDotTokens tokens at once (a draft's or a short prompt's rows) gives each token's decode_dot
+// bit for bit, added to what each token's sums held: every format that has it, f32 and f64, rounded to f16 or not,
+// finite scales or any, the inputs at a stride; with the portable kernels, another format or too many tokens, it
+// declines.
 template <typename T>
-void expect_tokens_decode_dot_equals_one_token_each() {
+void expect_tokens_decode_dot_equals_one_token_each(GgmlType type, const std::vector<int>& half_offsets) {
   std::mt19937 rng(13);
   std::normal_distribution<double> normal;
   const int64_t n = 4 * 256, ldx = n + 40;
+  const int64_t block_bytes = ggml_block_bytes(type), block_elements = ggml_block_elements(type);
   const int nmax = ref::kDotTokens;
   for (bool finite : {true, false}) {
-    std::vector<std::byte> bytes(static_cast<size_t>(n / 256 * ggml_block_bytes(GgmlType::Q4_K)));
+    std::vector<std::byte> bytes(static_cast<size_t>(n / block_elements * block_bytes));
     for (std::byte& b : bytes) b = static_cast<std::byte>(rng() & 0xff);
-    if (finite) {
-      for (size_t i = 0; i < bytes.size(); i += static_cast<size_t>(ggml_block_bytes(GgmlType::Q4_K)))
-        for (int o : {0, 2}) bytes[i + o + 1] &= std::byte{0xbf};
+    if (finite) {  // every scale's exponent below 31
+      for (size_t i = 0; i < bytes.size(); i += static_cast<size_t>(block_bytes))
+        for (int o : half_offsets) bytes[i + o + 1] &= std::byte{0xbf};
     }
     std::vector<T> x(static_cast<size_t>(nmax * ldx)), start(static_cast<size_t>(nmax * ref::kLanes));
     for (T& v : x) v = static_cast<T>(normal(rng));
     for (T& v : start) v = static_cast<T>(normal(rng));
     for (bool round : {false, true}) {
       for (int nt = 1; nt <= nmax; ++nt) {
-        SCOPED_TRACE(std::string(sizeof(T) == 8 ? "f64" : "f32") + (finite ? " finite" : " any") +
-                     (round ? " f16" : "") + " tokens " + std::to_string(nt));
+        SCOPED_TRACE(std::string(ggml_type_name(type)) + (sizeof(T) == 8 ? " f64" : " f32") +
+                     (finite ? " finite" : " any") + (round ? " f16" : "") + " tokens " + std::to_string(nt));
         std::vector<T> want(start.begin(), start.begin() + nt * ref::kLanes), got = want;
         for (int t = 0; t < nt; ++t) {
-          if (!ref::decode_dot(GgmlType::Q4_K, bytes.data(), round, x.data() + t * ldx, n, want.data() + t * ref::kLanes))
+          if (!ref::decode_dot(type, bytes.data(), round, x.data() + t * ldx, n, want.data() + t * ref::kLanes))
             GTEST_SKIP() << "no fused decoders in this build (" << ref::kernels_name() << ")";
         }
-        if (!ref::decode_dot_tokens(GgmlType::Q4_K, bytes.data(), round, x.data(), ldx, nt, n, got.data()))
+        if (!ref::decode_dot_tokens(type, bytes.data(), round, x.data(), ldx, nt, n, got.data()))
           GTEST_SKIP() << "no decoder for several tokens in this build (" << ref::kernels_name() << ")";
         for (size_t j = 0; j < want.size(); ++j) {
           if (!finite && std::isnan(want[j]) && std::isnan(got[j])) continue;
@@ -397,21 +399,31 @@ void expect_tokens_decode_dot_equals_one_token_each() {
       }
     }
     std::vector<T> declined(static_cast<size_t>((nmax + 1) * ref::kLanes));
-    EXPECT_FALSE(ref::decode_dot_tokens(GgmlType::Q6_K, bytes.data(), false, x.data(), ldx, 2, n, declined.data()));
-    EXPECT_FALSE(ref::decode_dot_tokens(GgmlType::Q4_K, bytes.data(), false, x.data(), ldx, 0, n, declined.data()));
-    EXPECT_FALSE(ref::decode_dot_tokens(GgmlType::Q4_K, bytes.data(), false, x.data(), ldx, nmax + 1, n,
-                                        declined.data()));
+    EXPECT_FALSE(ref::decode_dot_tokens(type, bytes.data(), false, x.data(), ldx, 0, n, declined.data()));
+    EXPECT_FALSE(ref::decode_dot_tokens(type, bytes.data(), false, x.data(), ldx, nmax + 1, n, declined.data()));
     {
       const KernelChoice portable(true);
-      EXPECT_FALSE(ref::decode_dot_tokens(GgmlType::Q4_K, bytes.data(), false, x.data(), ldx, 2, n, declined.data()));
+      EXPECT_FALSE(ref::decode_dot_tokens(type, bytes.data(), false, x.data(), ldx, 2, n, declined.data()));
+      EXPECT_FALSE(ref::has_dot_tokens(type));
     }
     for (T v : declined) EXPECT_EQ(v, T(0));
   }
 }
 
 TEST(DequantRows, TokensDecodeDotEqualsOneTokenEach) {
-  expect_tokens_decode_dot_equals_one_token_each<float>();
-  expect_tokens_decode_dot_equals_one_token_each<double>();
+  const std::vector<std::pair<GgmlType, std::vector<int>>> formats = {
+      {GgmlType::Q4_0, {0}},    {GgmlType::Q4_1, {0, 2}}, {GgmlType::Q8_0, {0}},
+      {GgmlType::Q4_K, {0, 2}}, {GgmlType::Q5_K, {0, 2}}, {GgmlType::Q6_K, {208}}};
+  for (const auto& [type, halves] : formats) {
+    expect_tokens_decode_dot_equals_one_token_each<float>(type, halves);
+    expect_tokens_decode_dot_equals_one_token_each<double>(type, halves);
+  }
+  // Formats without a several-token decoder decline (the matmul takes its other paths).
+  std::vector<std::byte> bytes(static_cast<size_t>(ggml_block_bytes(GgmlType::Q5_0) * 8));
+  std::vector<float> x(256 * 2), acc(2 * ref::kLanes);
+  EXPECT_FALSE(ref::decode_dot_tokens(GgmlType::Q5_0, bytes.data(), false, x.data(), 256, 2, 256, acc.data()));
+  EXPECT_FALSE(ref::has_dot_tokens(GgmlType::Q5_0));
+  EXPECT_FALSE(ref::has_dot_tokens(GgmlType::F16));
 }
 
 TEST(StreamedMatmul, EqualsDenseMatmulBitForBit) {

@@ -28,8 +28,8 @@ constexpr int kPiece = 1024;
 // hardware prefetchers follow; taking a piece of x against several rows at a time was 10% slower on the 7B shape).
 constexpr int kDecodeRows = 16;
 
-// Inputs a few-token matmul (decode_dot_tokens) takes against a group's rows before the next ones: one Q4_K block
-// (kDotTokens f64 tokens' inputs: 16 KB, in L1).
+// Inputs a few-token matmul (decode_dot_tokens) takes against a group's rows before the next ones: whole blocks of
+// every format (32 or 256 values), kDotTokens f64 tokens' inputs 16 KB, in L1.
 constexpr int kTokensPiece = 256;
 
 // Up to kDotTokens tokens take decode_dot_tokens where the format has it (on the 16-core GPU host, 8 tokens of a 7B
