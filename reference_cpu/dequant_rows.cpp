@@ -733,9 +733,9 @@ void dot_q4_k_table_tokens(const uint8_t* b, const double* x, int64_t ldx, int64
 // into every token's lane sums by one fma per lane, as LanesF32 / LanesF64 take them at one token, so each token's
 // sums are decode_dot's bits. Lanes 0..15 in one __m512 (f32) or two __m512d (f64) per token.
 template <typename T, int NT>
-struct TokenLanes;
+struct LanesTokens;
 template <int NT>
-struct TokenLanes<float, NT> {
+struct LanesTokens<float, NT> {
   __m512 s[NT];
   const float* x;  // the block's inputs of token 0; token t's are ldx further on
   int64_t ldx;
@@ -752,7 +752,7 @@ struct TokenLanes<float, NT> {
   }
 };
 template <int NT>
-struct TokenLanes<double, NT> {
+struct LanesTokens<double, NT> {
   __m512d s[NT][2];
   const double* x;
   int64_t ldx;
@@ -775,10 +775,10 @@ struct TokenLanes<double, NT> {
 
 template <typename F, bool kRound, int NT, typename T>
 void dot_tokens_avx2(const uint8_t* b, const T* x, int64_t ldx, int64_t n_blocks, T* acc) {
-  TokenLanes<T, NT> lanes;
+  LanesTokens<T, NT> lanes;
   lanes.ldx = ldx;
   lanes.load(acc);
-  LaneBlocks<TokenLanes<T, NT>, T, F::kElems> outs{lanes, x};
+  LaneBlocks<LanesTokens<T, NT>, T, F::kElems> outs{lanes, x};
   blocks_avx2<F, kRound>(b, n_blocks, outs);
   lanes.store(acc);
 }
