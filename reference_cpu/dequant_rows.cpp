@@ -416,6 +416,22 @@ template <bool kRound>
 void rows_q4_k_table(const uint8_t* b, float* y, int64_t n_blocks);  // below, with the decode-dot's tables
 #endif
 
+// The block formats with decoders written by hand (BlockQ4_0 .. BlockQ6_K): f.template operator()<F>() with type's
+// block struct, and true; false, calling nothing, for any other type. The decoders of rows, of one token's dot
+// product and of several tokens' all dispatch through it.
+template <typename Fn>
+bool with_block_format(GgmlType type, Fn&& f) {
+  switch (type) {
+    case GgmlType::Q4_0: f.template operator()<BlockQ4_0>(); return true;
+    case GgmlType::Q4_1: f.template operator()<BlockQ4_1>(); return true;
+    case GgmlType::Q8_0: f.template operator()<BlockQ8_0>(); return true;
+    case GgmlType::Q4_K: f.template operator()<BlockQ4_K>(); return true;
+    case GgmlType::Q5_K: f.template operator()<BlockQ5_K>(); return true;
+    case GgmlType::Q6_K: f.template operator()<BlockQ6_K>(); return true;
+    default: return false;
+  }
+}
+
 // The decoders written by hand: n values of `type` at s into y (rounded to f16 when `round`); false for the others.
 bool decode_avx2(GgmlType type, const uint8_t* s, float* y, int64_t n, bool round) {
 #if defined(__AVX512F__) && defined(__FMA__)
@@ -425,19 +441,9 @@ bool decode_avx2(GgmlType type, const uint8_t* s, float* y, int64_t n, bool roun
     return true;
   }
 #endif
-#define DIFFRUN_REF_ROWS(F)                                                                      \
-  (round ? rows_avx2<F, true>(s, y, n / F::kElems) : rows_avx2<F, false>(s, y, n / F::kElems)); \
-  return true
-  switch (type) {
-    case GgmlType::Q4_0: DIFFRUN_REF_ROWS(BlockQ4_0);
-    case GgmlType::Q4_1: DIFFRUN_REF_ROWS(BlockQ4_1);
-    case GgmlType::Q8_0: DIFFRUN_REF_ROWS(BlockQ8_0);
-    case GgmlType::Q4_K: DIFFRUN_REF_ROWS(BlockQ4_K);
-    case GgmlType::Q5_K: DIFFRUN_REF_ROWS(BlockQ5_K);
-    case GgmlType::Q6_K: DIFFRUN_REF_ROWS(BlockQ6_K);
-    default: return false;
-  }
-#undef DIFFRUN_REF_ROWS
+  return with_block_format(type, [&]<typename F>() {
+    round ? rows_avx2<F, true>(s, y, n / F::kElems) : rows_avx2<F, false>(s, y, n / F::kElems);
+  });
 }
 
 #if defined(__FMA__)
@@ -783,34 +789,18 @@ void dot_tokens_avx2(const uint8_t* b, const T* x, int64_t ldx, int64_t n_blocks
   lanes.store(acc);
 }
 
-// NT tokens of a row of `type` by its block decoder; false for a format with none here (Q4_K: its table, above).
+// NT tokens of a row of `type` by its block decoder (with_block_format's formats; Q4_K takes its table, above).
 template <int NT, typename T>
-bool dot_tokens_of(GgmlType type, const uint8_t* b, bool round, const T* x, int64_t ldx, int64_t n, T* acc) {
-#define DIFFRUN_REF_DOT_TOKENS_OF(F)                                                                      \
-  round ? dot_tokens_avx2<F, true, NT>(b, x, ldx, n / F::kElems, acc)                                    \
-        : dot_tokens_avx2<F, false, NT>(b, x, ldx, n / F::kElems, acc);                                  \
-  return true
-  switch (type) {
-    case GgmlType::Q4_0: DIFFRUN_REF_DOT_TOKENS_OF(BlockQ4_0);
-    case GgmlType::Q4_1: DIFFRUN_REF_DOT_TOKENS_OF(BlockQ4_1);
-    case GgmlType::Q8_0: DIFFRUN_REF_DOT_TOKENS_OF(BlockQ8_0);
-    case GgmlType::Q5_K: DIFFRUN_REF_DOT_TOKENS_OF(BlockQ5_K);
-    case GgmlType::Q6_K: DIFFRUN_REF_DOT_TOKENS_OF(BlockQ6_K);
-    default: return false;
-  }
-#undef DIFFRUN_REF_DOT_TOKENS_OF
+void dot_tokens_of(GgmlType type, const uint8_t* b, bool round, const T* x, int64_t ldx, int64_t n, T* acc) {
+  with_block_format(type, [&]<typename F>() {
+    round ? dot_tokens_avx2<F, true, NT>(b, x, ldx, n / F::kElems, acc)
+          : dot_tokens_avx2<F, false, NT>(b, x, ldx, n / F::kElems, acc);
+  });
 }
 
+// The formats decode_dot_tokens takes: those with a block decoder here.
 bool dot_tokens_format(GgmlType type) {
-  switch (type) {
-    case GgmlType::Q4_K:
-    case GgmlType::Q4_0:
-    case GgmlType::Q4_1:
-    case GgmlType::Q8_0:
-    case GgmlType::Q5_K:
-    case GgmlType::Q6_K: return true;
-    default: return false;
-  }
+  return with_block_format(type, []<typename>() {});
 }
 
 template <typename T>
@@ -865,33 +855,24 @@ void dot_q4_k_table_f64_x2(const uint8_t* b0, const uint8_t* b1, const double* x
 
 template <typename Lanes, typename T>
 bool decode_dot_avx2(GgmlType type, const uint8_t* s, bool round, const T* x, int64_t n, T* acc) {
-#define DIFFRUN_REF_DOT(F)                                                                                    \
-  (round ? dot_avx2<F, true, Lanes>(s, x, n / F::kElems, acc) : dot_avx2<F, false, Lanes>(s, x, n / F::kElems, acc)); \
-  return true
-  switch (type) {
-    case GgmlType::Q4_0: DIFFRUN_REF_DOT(BlockQ4_0);
-    case GgmlType::Q4_1: DIFFRUN_REF_DOT(BlockQ4_1);
-    case GgmlType::Q8_0: DIFFRUN_REF_DOT(BlockQ8_0);
-    case GgmlType::Q4_K:
 #if defined(__AVX512F__)
-      if constexpr (sizeof(T) == 4) {
-        round ? dot_q4_k_table<true>(s, x, n / QK_K, acc) : dot_q4_k_table<false>(s, x, n / QK_K, acc);
-        return true;
-      } else {
-        round ? dot_q4_k_table_f64<true>(s, x, n / QK_K, acc) : dot_q4_k_table_f64<false>(s, x, n / QK_K, acc);
-        return true;
-      }
-#endif
-      DIFFRUN_REF_DOT(BlockQ4_K);
-    case GgmlType::Q5_K: DIFFRUN_REF_DOT(BlockQ5_K);
-    case GgmlType::Q6_K: DIFFRUN_REF_DOT(BlockQ6_K);
-    case GgmlType::F16:
-      if (n % 16 != 0) return false;  // rows of whole groups of 16 only (a piece's k0 stays a multiple of 16)
-      dot_f16_avx2<Lanes>(s, x, n, acc);
-      return true;
-    default: return false;
+  if (type == GgmlType::Q4_K) {
+    if constexpr (sizeof(T) == 4) {
+      round ? dot_q4_k_table<true>(s, x, n / QK_K, acc) : dot_q4_k_table<false>(s, x, n / QK_K, acc);
+    } else {
+      round ? dot_q4_k_table_f64<true>(s, x, n / QK_K, acc) : dot_q4_k_table_f64<false>(s, x, n / QK_K, acc);
+    }
+    return true;
   }
-#undef DIFFRUN_REF_DOT
+#endif
+  if (type == GgmlType::F16) {
+    if (n % 16 != 0) return false;  // rows of whole groups of 16 only (a piece's k0 stays a multiple of 16)
+    dot_f16_avx2<Lanes>(s, x, n, acc);
+    return true;
+  }
+  return with_block_format(type, [&]<typename F>() {
+    round ? dot_avx2<F, true, Lanes>(s, x, n / F::kElems, acc) : dot_avx2<F, false, Lanes>(s, x, n / F::kElems, acc);
+  });
 }
 #define DIFFRUN_REF_FUSED_DOT 1
 #endif  // __FMA__
